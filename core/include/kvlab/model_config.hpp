@@ -1,0 +1,67 @@
+#pragma once
+// The LLaMA-family model description, read from a Hugging Face config.json
+// (LlamaForCausalLM / MistralForCausalLM) or taken from a built-in preset.
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+namespace kvlab {
+
+struct ModelConfig {
+  std::string name;  // preset name or the folder it was read from (for messages)
+  std::string architecture = "LlamaForCausalLM";
+  std::int64_t vocab_size = 0;
+  std::int64_t hidden_size = 0;        // dim
+  std::int64_t intermediate_size = 0;  // SwiGLU hidden width
+  std::int64_t num_hidden_layers = 0;
+  std::int64_t num_attention_heads = 0;
+  std::int64_t num_key_value_heads = 0;
+  std::int64_t head_dim = 0;  // hidden_size / num_attention_heads unless config.json sets it
+  std::int64_t max_position_embeddings = 0;
+  double rms_norm_eps = 1e-5;
+  double rope_theta = 10000.0;
+  bool tie_word_embeddings = false;
+  std::int32_t bos_token_id = 1;
+  std::vector<std::int32_t> eos_token_ids{2};
+  std::optional<std::int64_t> sliding_window;  // Mistral: attend to the last W positions only
+  // Size-only presets describe real models for memory arithmetic; kvlab does not run them.
+  bool size_only = false;
+
+  std::int64_t group_size() const { return num_attention_heads / num_key_value_heads; }
+  std::int64_t q_dim() const { return num_attention_heads * head_dim; }
+  std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  bool is_eos(std::int32_t token) const;
+
+  // Parameters of the model (embedding, every layer, final norm, lm_head unless tied).
+  std::int64_t parameter_count() const;
+  // Parameters touched by matmuls for one token (excludes the embedding lookup and norms;
+  // includes the output projection) — FLOPs per token of the dense part = 2 x this.
+  std::int64_t matmul_parameter_count() const;
+};
+
+// FLOPs of a full-recompute forward over `tokens` positions, causal attention counted for the
+// (t+1) keys each position sees (capped by the sliding window), output logits for
+// `logit_positions` positions. Multiply-add = 2 FLOPs.
+double forward_flops(const ModelConfig& config, std::int64_t tokens, std::int64_t logit_positions);
+
+// Reads and validates <dir>/config.json (or a path to a .json file). Throws kvlab::Error.
+ModelConfig load_model_config(const std::filesystem::path& path);
+// Parses config.json text; `source` names it in error messages. Throws kvlab::Error.
+ModelConfig parse_model_config(std::string_view json_text, std::string_view source);
+// Hugging Face config.json text for `config` (what `kvlab model init` writes); torch_dtype
+// records the dtype of the weights next to it ("float32", "float16", "bfloat16").
+std::string model_config_to_json(const ModelConfig& config, std::string_view torch_dtype = "float32");
+
+// Throws kvlab::Error listing every problem with `config` (heads not divisible by KV heads, ...).
+void validate_model_config(const ModelConfig& config, std::string_view source);
+
+// Built-in presets: tiny, stories15m, stories110m (runnable) and llama-7b, llama-13b,
+// llama-65b, llama2-70b, mistral-7b (size-only). Throws kvlab::Error with the list and the
+// nearest name for an unknown one.
+ModelConfig model_preset(std::string_view name);
+std::vector<std::string> model_preset_names();
+
+}  // namespace kvlab

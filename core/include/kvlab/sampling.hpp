@@ -1,0 +1,52 @@
+#pragma once
+// Token sampling: greedy, temperature, top-k, top-p, each request with its own seeded RNG,
+// so a request's tokens never depend on what else shares its batch.
+#include <cstdint>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvlab {
+
+struct SamplingParams {
+  double temperature = 0.0;  // 0 = greedy (argmax, lowest id on ties)
+  std::int32_t top_k = 0;    // keep the k most likely tokens; 0 = off
+  double top_p = 1.0;        // keep the smallest set whose mass reaches p; 1 = off
+  std::uint64_t seed = 0;    // this request's RNG seed
+  std::int32_t max_tokens = 16;
+  bool ignore_eos = false;  // keep generating past EOS (benchmarks with fixed output lengths)
+};
+
+// Throws kvlab::Error naming the bad field (negative temperature, top_p outside (0, 1], ...).
+void validate_sampling_params(const SamplingParams& params);
+
+struct TokenLogprob {
+  std::int32_t token = 0;
+  float logprob = 0;  // natural log of the model's probability (softmax of the raw logits)
+};
+
+// The k most likely tokens under log_softmax(logits) (temperature 1, before any filtering),
+// most likely first, lower id first on ties.
+std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, std::int32_t k);
+// log_softmax(logits)[token].
+float token_logprob(std::span<const float> logits, std::int32_t token);
+
+// The distribution `Sampler::sample` draws from: softmax(logits / temperature), cut to the top
+// k, then to the top-p nucleus, renormalised. Zero outside the kept set. Greedy: one-hot.
+std::vector<double> sampling_distribution(std::span<const float> logits, const SamplingParams& params);
+
+class Sampler {
+ public:
+  explicit Sampler(const SamplingParams& params);
+  // Picks the next token from one position's logits (vocab). Greedy draws no random number;
+  // otherwise exactly one draw from this sampler's RNG per call.
+  std::int32_t sample(std::span<const float> logits);
+  const SamplingParams& params() const { return params_; }
+
+ private:
+  SamplingParams params_;
+  std::mt19937_64 rng_;  // fully specified by the standard: same seed, same stream everywhere
+};
+
+}  // namespace kvlab

@@ -1,0 +1,305 @@
+#include "kvlab/model_config.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kvlab/error.hpp"
+#include "kvlab/suggest.hpp"
+
+namespace kvlab {
+
+using nlohmann::json;
+
+bool ModelConfig::is_eos(std::int32_t token) const {
+  return std::find(eos_token_ids.begin(), eos_token_ids.end(), token) != eos_token_ids.end();
+}
+
+std::int64_t ModelConfig::matmul_parameter_count() const {
+  const std::int64_t attention = hidden_size * q_dim() * 2 + hidden_size * kv_dim() * 2;
+  const std::int64_t mlp = 3 * hidden_size * intermediate_size;
+  return num_hidden_layers * (attention + mlp) + vocab_size * hidden_size;
+}
+
+std::int64_t ModelConfig::parameter_count() const {
+  const std::int64_t norms = num_hidden_layers * 2 * hidden_size + hidden_size;
+  const std::int64_t embedding = vocab_size * hidden_size;
+  // matmul_parameter_count already holds one vocab x hidden matrix (the output projection).
+  return matmul_parameter_count() + norms + (tie_word_embeddings ? 0 : embedding);
+}
+
+double forward_flops(const ModelConfig& c, std::int64_t tokens, std::int64_t logit_positions) {
+  const double layer_matmul = 2.0 * static_cast<double>(c.hidden_size * c.q_dim() * 2 +
+                                                        c.hidden_size * c.kv_dim() * 2 +
+                                                        3 * c.hidden_size * c.intermediate_size);
+  double attended_keys = 0;  // sum over positions of the keys each query sees
+  for (std::int64_t t = 0; t < tokens; ++t)
+    attended_keys += static_cast<double>(c.sliding_window ? std::min(t + 1, *c.sliding_window) : t + 1);
+  // QK^T and PV: 2 FLOPs x head_dim per (query head, key) for each.
+  const double attention = 4.0 * static_cast<double>(c.num_attention_heads * c.head_dim) * attended_keys;
+  const double lm_head = 2.0 * static_cast<double>(c.vocab_size * c.hidden_size) *
+                         static_cast<double>(logit_positions);
+  return static_cast<double>(c.num_hidden_layers) *
+             (layer_matmul * static_cast<double>(tokens)) +
+         static_cast<double>(c.num_hidden_layers) * attention + lm_head;
+}
+
+namespace {
+
+const std::vector<std::string>& supported_architectures() {
+  static const std::vector<std::string> names{"LlamaForCausalLM", "MistralForCausalLM"};
+  return names;
+}
+
+// Reads config.json fields with their type checked; collects problems instead of stopping at
+// the first so one run shows everything that is wrong.
+class FieldReader {
+ public:
+  FieldReader(const json& root, std::vector<std::string>& problems)
+      : root_(root), problems_(problems) {}
+
+  template <typename T>
+  std::optional<T> get(const char* key, bool required) {
+    auto it = root_.find(key);
+    if (it == root_.end() || it->is_null()) {
+      if (required) problems_.push_back(fmt::format("missing required field \"{}\"", key));
+      return std::nullopt;
+    }
+    if constexpr (std::is_same_v<T, bool>) {
+      if (!it->is_boolean()) return wrong_type<T>(key, "a boolean", *it);
+    } else if constexpr (std::is_integral_v<T>) {
+      if (!it->is_number_integer()) return wrong_type<T>(key, "an integer", *it);
+    } else if constexpr (std::is_floating_point_v<T>) {
+      if (!it->is_number()) return wrong_type<T>(key, "a number", *it);
+    } else {
+      if (!it->is_string()) return wrong_type<T>(key, "a string", *it);
+    }
+    return it->get<T>();
+  }
+
+ private:
+  template <typename T>
+  std::optional<T> wrong_type(const char* key, const char* expected, const json& value) {
+    problems_.push_back(fmt::format("field \"{}\" must be {}, got {}", key, expected, value.dump()));
+    return std::nullopt;
+  }
+  const json& root_;
+  std::vector<std::string>& problems_;
+};
+
+void throw_problems(std::string_view source, const std::vector<std::string>& problems) {
+  if (problems.empty()) return;
+  std::string message = fmt::format("invalid model config {}:", source);
+  for (const auto& problem : problems) message += "\n  - " + problem;
+  throw Error(message);
+}
+
+}  // namespace
+
+void validate_model_config(const ModelConfig& c, std::string_view source) {
+  std::vector<std::string> problems;
+  auto positive = [&](const char* key, std::int64_t value) {
+    if (value <= 0) problems.push_back(fmt::format("\"{}\" must be positive, got {}", key, value));
+  };
+  positive("vocab_size", c.vocab_size);
+  positive("hidden_size", c.hidden_size);
+  positive("intermediate_size", c.intermediate_size);
+  positive("num_hidden_layers", c.num_hidden_layers);
+  positive("num_attention_heads", c.num_attention_heads);
+  positive("num_key_value_heads", c.num_key_value_heads);
+  positive("head_dim", c.head_dim);
+  positive("max_position_embeddings", c.max_position_embeddings);
+  if (c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&
+      c.num_attention_heads % c.num_key_value_heads != 0)
+    problems.push_back(fmt::format(
+        "num_attention_heads ({}) must be divisible by num_key_value_heads ({}): each KV head "
+        "serves a whole group of query heads",
+        c.num_attention_heads, c.num_key_value_heads));
+  if (c.head_dim > 0 && c.head_dim % 2 != 0)
+    problems.push_back(
+        fmt::format("head_dim ({}) must be even: RoPE rotates pairs of dimensions", c.head_dim));
+  if (!(c.rms_norm_eps > 0)) problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
+  if (!(c.rope_theta > 0)) problems.push_back(fmt::format("\"rope_theta\" must be positive, got {}", c.rope_theta));
+  if (c.vocab_size > 0) {
+    if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
+      problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})", c.bos_token_id, c.vocab_size));
+    for (auto eos : c.eos_token_ids)
+      if (eos < 0 || eos >= c.vocab_size)
+        problems.push_back(fmt::format("eos_token_id {} is outside the vocabulary [0, {})", eos, c.vocab_size));
+  }
+  if (c.sliding_window && *c.sliding_window <= 0)
+    problems.push_back(fmt::format("\"sliding_window\" must be positive, got {}", *c.sliding_window));
+  const auto& architectures = supported_architectures();
+  if (std::find(architectures.begin(), architectures.end(), c.architecture) == architectures.end())
+    problems.push_back(fmt::format("architecture \"{}\" is not supported (kvlab runs {})",
+                                   c.architecture, join_names(architectures)));
+  throw_problems(source, problems);
+}
+
+ModelConfig parse_model_config(std::string_view json_text, std::string_view source) {
+  json root;
+  try {
+    root = json::parse(json_text);
+  } catch (const json::parse_error& e) {
+    throw Error(fmt::format("invalid model config {}: not valid JSON: {}", source, e.what()));
+  }
+  if (!root.is_object()) throw Error(fmt::format("invalid model config {}: expected a JSON object", source));
+
+  std::vector<std::string> problems;
+  FieldReader read(root, problems);
+  ModelConfig c;
+  c.name = std::string(source);
+  if (auto it = root.find("architectures"); it != root.end()) {
+    if (!it->is_array() || it->size() != 1 || !(*it)[0].is_string())
+      problems.push_back("\"architectures\" must be a list with one name, e.g. [\"LlamaForCausalLM\"]");
+    else
+      c.architecture = (*it)[0].get<std::string>();
+  } else if (auto model_type = read.get<std::string>("model_type", false)) {
+    c.architecture = *model_type == "mistral" ? "MistralForCausalLM" : *model_type == "llama" ? "LlamaForCausalLM" : *model_type;
+  }
+  c.vocab_size = read.get<std::int64_t>("vocab_size", true).value_or(0);
+  c.hidden_size = read.get<std::int64_t>("hidden_size", true).value_or(0);
+  c.intermediate_size = read.get<std::int64_t>("intermediate_size", true).value_or(0);
+  c.num_hidden_layers = read.get<std::int64_t>("num_hidden_layers", true).value_or(0);
+  c.num_attention_heads = read.get<std::int64_t>("num_attention_heads", true).value_or(0);
+  c.num_key_value_heads =
+      read.get<std::int64_t>("num_key_value_heads", false).value_or(c.num_attention_heads);
+  c.max_position_embeddings = read.get<std::int64_t>("max_position_embeddings", true).value_or(0);
+  c.rms_norm_eps = read.get<double>("rms_norm_eps", false).value_or(1e-6);
+  c.rope_theta = read.get<double>("rope_theta", false).value_or(10000.0);
+  c.tie_word_embeddings = read.get<bool>("tie_word_embeddings", false).value_or(false);
+  c.bos_token_id = read.get<std::int32_t>("bos_token_id", false).value_or(1);
+  if (auto head_dim = read.get<std::int64_t>("head_dim", false)) {
+    c.head_dim = *head_dim;
+  } else if (c.num_attention_heads > 0) {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      problems.push_back(fmt::format(
+          "hidden_size ({}) must be divisible by num_attention_heads ({}) when head_dim is not set",
+          c.hidden_size, c.num_attention_heads));
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+  if (auto it = root.find("eos_token_id"); it != root.end() && !it->is_null()) {
+    c.eos_token_ids.clear();
+    if (it->is_number_integer()) {
+      c.eos_token_ids.push_back(it->get<std::int32_t>());
+    } else if (it->is_array() && std::all_of(it->begin(), it->end(), [](const json& v) { return v.is_number_integer(); }) && !it->empty()) {
+      for (const auto& v : *it) c.eos_token_ids.push_back(v.get<std::int32_t>());
+    } else {
+      problems.push_back(fmt::format("\"eos_token_id\" must be an integer or a list of integers, got {}", it->dump()));
+    }
+  }
+  c.sliding_window = read.get<std::int64_t>("sliding_window", false);
+  // Features that would change the math: refuse them rather than compute something else.
+  if (auto act = read.get<std::string>("hidden_act", false); act && *act != "silu")
+    problems.push_back(fmt::format("hidden_act \"{}\" is not supported (kvlab implements SwiGLU with silu)", *act));
+  if (auto it = root.find("rope_scaling"); it != root.end() && !it->is_null())
+    problems.push_back(fmt::format("rope_scaling {} is not supported (kvlab implements plain RoPE)", it->dump()));
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (read.get<bool>(key, false).value_or(false))
+      problems.push_back(fmt::format("\"{}\": true is not supported (LLaMA projections have no bias)", key));
+  throw_problems(source, problems);
+  validate_model_config(c, source);
+  return c;
+}
+
+ModelConfig load_model_config(const std::filesystem::path& path) {
+  const auto file = std::filesystem::is_directory(path) ? path / "config.json" : path;
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error(fmt::format("cannot read model config {}: file not found or not readable", file.string()));
+  std::stringstream text;
+  text << in.rdbuf();
+  return parse_model_config(text.str(), file.string());
+}
+
+std::string model_config_to_json(const ModelConfig& c, std::string_view torch_dtype) {
+  json root = {
+      {"architectures", {c.architecture}},
+      {"model_type", c.architecture == "MistralForCausalLM" ? "mistral" : "llama"},
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim},
+      {"max_position_embeddings", c.max_position_embeddings},
+      {"rms_norm_eps", c.rms_norm_eps},
+      {"rope_theta", c.rope_theta},
+      {"tie_word_embeddings", c.tie_word_embeddings},
+      {"bos_token_id", c.bos_token_id},
+      {"hidden_act", "silu"},
+      {"attention_bias", false},
+      {"torch_dtype", torch_dtype},
+  };
+  if (c.eos_token_ids.size() == 1)
+    root["eos_token_id"] = c.eos_token_ids[0];
+  else
+    root["eos_token_id"] = c.eos_token_ids;
+  if (c.sliding_window) root["sliding_window"] = *c.sliding_window;
+  return root.dump(2) + "\n";
+}
+
+namespace {
+
+struct PresetSpec {
+  const char* name;
+  std::int64_t vocab, dim, ffn, layers, heads, kv_heads, context;
+  double eps, theta;
+  bool tied, size_only;
+  std::optional<std::int64_t> sliding_window;
+};
+
+// Published shapes: LLaMA (Touvron et al. 2023, Table 2), Llama 2 70B and Mistral 7B v0.1
+// config.json, llama2.c's TinyStories models (stories15M/110M).
+const PresetSpec kPresets[] = {
+    {"tiny", 512, 64, 176, 2, 4, 2, 512, 1e-5, 10000.0, false, false, std::nullopt},
+    {"stories15m", 32000, 288, 768, 6, 6, 6, 256, 1e-5, 10000.0, true, false, std::nullopt},
+    {"stories110m", 32000, 768, 2048, 12, 12, 12, 1024, 1e-5, 10000.0, true, false, std::nullopt},
+    {"llama-7b", 32000, 4096, 11008, 32, 32, 32, 2048, 1e-6, 10000.0, false, true, std::nullopt},
+    {"llama-13b", 32000, 5120, 13824, 40, 40, 40, 2048, 1e-6, 10000.0, false, true, std::nullopt},
+    {"llama-65b", 32000, 8192, 22016, 80, 64, 64, 2048, 1e-5, 10000.0, false, true, std::nullopt},
+    {"llama2-70b", 32000, 8192, 28672, 80, 64, 8, 4096, 1e-5, 10000.0, false, true, std::nullopt},
+    {"mistral-7b", 32000, 4096, 14336, 32, 32, 8, 32768, 1e-5, 10000.0, false, true, 4096},
+};
+
+}  // namespace
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& p : kPresets) names.emplace_back(p.name);
+  return names;
+}
+
+ModelConfig model_preset(std::string_view name) {
+  for (const auto& p : kPresets) {
+    if (name != p.name) continue;
+    ModelConfig c;
+    c.name = p.name;
+    c.architecture = p.sliding_window ? "MistralForCausalLM" : "LlamaForCausalLM";
+    c.vocab_size = p.vocab;
+    c.hidden_size = p.dim;
+    c.intermediate_size = p.ffn;
+    c.num_hidden_layers = p.layers;
+    c.num_attention_heads = p.heads;
+    c.num_key_value_heads = p.kv_heads;
+    c.head_dim = p.dim / p.heads;
+    c.max_position_embeddings = p.context;
+    c.rms_norm_eps = p.eps;
+    c.rope_theta = p.theta;
+    c.tie_word_embeddings = p.tied;
+    c.size_only = p.size_only;
+    c.sliding_window = p.sliding_window;
+    return c;
+  }
+  const auto names = model_preset_names();
+  std::string message = fmt::format("unknown model preset \"{}\"", name);
+  if (auto near = nearest_name(name, names)) message += fmt::format(" (did you mean \"{}\"?)", *near);
+  message += "; presets: " + join_names(names);
+  throw Error(message);
+}
+
+}  // namespace kvlab

@@ -1,0 +1,48 @@
+#pragma once
+// The building blocks of the LLaMA forward, one formula each, shared by the full-recompute
+// reference and (later) the batched CPU backend.
+#include <Eigen/Core>
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "kvlab/cpu_reference/llama_weights.hpp"
+
+namespace kvlab::cpu {
+
+// Threads used by Eigen's GEMMs and kvlab's OpenMP loops (default: all cores).
+void set_num_threads(int threads);
+int num_threads();
+
+// out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, for every row t.
+// x: (T, dim), weight: (dim), out: (T, dim); out may alias x.
+void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowMatrix& out);
+
+// Rotary position embedding in the Hugging Face convention ("rotate half"): within a head of
+// size d, dimension i (< d/2) pairs with i + d/2, rotated by angle pos * theta^(-2i/d):
+//   x'[i]       = x[i] cos - x[i + d/2] sin
+//   x'[i + d/2] = x[i + d/2] cos + x[i] sin
+class RopeTable {
+ public:
+  RopeTable(std::int64_t head_dim, double theta, std::int64_t max_positions);
+  // rows: (T, n_heads * head_dim), positions: (T). Rotates every head of every row in place.
+  void apply(RowMatrix& rows, std::span<const std::int32_t> positions, std::int64_t n_heads) const;
+  std::int64_t head_dim() const { return head_dim_; }
+  std::int64_t max_positions() const { return cos_.rows(); }
+  float cos(std::int64_t position, std::int64_t i) const { return cos_(position, i); }
+  float sin(std::int64_t position, std::int64_t i) const { return sin_(position, i); }
+
+ private:
+  std::int64_t head_dim_;
+  RowMatrix cos_;  // (max_positions, head_dim / 2), angles computed in double
+  RowMatrix sin_;  // (max_positions, head_dim / 2)
+};
+
+// Causal self-attention over one whole sequence, with grouped KV heads: query head h reads KV
+// head h / (n_heads / n_kv_heads). Position i attends to keys j with j <= i and, with a
+// window W, i - j < W. Softmax in fp32 with the row max subtracted.
+// q: (T, n_heads * head_dim)  k, v: (T, n_kv_heads * head_dim)  out: (T, n_heads * head_dim)
+void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v, std::int64_t n_heads,
+                      std::int64_t n_kv_heads, std::optional<std::int64_t> window, RowMatrix& out);
+
+}  // namespace kvlab::cpu

@@ -1,0 +1,59 @@
+#pragma once
+// The golden reference (rung 1 of the correctness ladder): a full-recompute forward of a whole
+// token sequence, causal, fp32, no cache. Everything else in kvlab is checked against it.
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/sampling.hpp"
+
+namespace kvlab::cpu {
+
+struct ForwardOptions {
+  bool last_position_only = false;  // logits for the last position only (generation)
+  // Attend to the last W positions only; defaults to the config's sliding_window (Mistral).
+  std::optional<std::int64_t> sliding_window;
+};
+
+class ReferenceModel {
+ public:
+  explicit ReferenceModel(LlamaWeights weights);
+
+  const ModelConfig& config() const { return weights_.config; }
+  const LlamaWeights& weights() const { return weights_; }
+  const RopeTable& rope() const { return rope_; }
+
+  // tokens: (T) ids, T <= max_position_embeddings. Returns logits (T, vocab), or (1, vocab)
+  // with last_position_only. Throws kvlab::Error for an empty sequence, an id outside the
+  // vocabulary or a sequence longer than the context.
+  RowMatrix forward(std::span<const std::int32_t> tokens, const ForwardOptions& options = {}) const;
+
+ private:
+  LlamaWeights weights_;
+  RopeTable rope_;
+};
+
+enum class FinishReason { eos, max_tokens, context_full };
+const char* finish_reason_name(FinishReason reason);
+
+struct GeneratedToken {
+  std::int32_t token = 0;
+  float logprob = 0;                // log p(token) under the model (temperature 1)
+  std::vector<TokenLogprob> top;    // the top-k alternatives, when asked for
+};
+
+struct GenerationResult {
+  std::vector<GeneratedToken> tokens;
+  FinishReason finish_reason = FinishReason::max_tokens;
+};
+
+// Autoregressive generation by full recompute: every step runs forward() over prompt +
+// generated tokens (O(S^2) — the seed's no-cache baseline, and the truth for every strategy).
+// Stops on EOS (unless ignore_eos), max_tokens, or a full context.
+GenerationResult generate(const ReferenceModel& model, std::span<const std::int32_t> prompt,
+                          const SamplingParams& sampling, std::int32_t top_logprobs_k = 0);
+
+}  // namespace kvlab::cpu

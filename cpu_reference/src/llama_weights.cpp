@@ -1,0 +1,87 @@
+#include "kvlab/cpu_reference/llama_weights.hpp"
+
+#include <fmt/format.h>
+
+#include <functional>
+
+#include "kvlab/error.hpp"
+#include "kvlab/safetensors.hpp"
+#include "kvlab/weight_init.hpp"
+
+namespace kvlab::cpu {
+namespace {
+
+// Calls fill(spec, destination floats) for every tensor of the model, in llama_weight_specs order.
+LlamaWeights build_weights(const ModelConfig& config,
+                           const std::function<void(const WeightSpec&, std::span<float>)>& fill) {
+  LlamaWeights w;
+  w.config = config;
+  const std::int64_t dim = config.hidden_size;
+  w.embedding.resize(config.vocab_size, dim);
+  w.final_norm.resize(dim);
+  if (!config.tie_word_embeddings) w.lm_head.resize(config.vocab_size, dim);
+  w.layers.resize(static_cast<std::size_t>(config.num_hidden_layers));
+  for (auto& layer : w.layers) {
+    layer.attention_norm.resize(dim);
+    layer.wq.resize(config.q_dim(), dim);
+    layer.wk.resize(config.kv_dim(), dim);
+    layer.wv.resize(config.kv_dim(), dim);
+    layer.wo.resize(dim, config.q_dim());
+    layer.mlp_norm.resize(dim);
+    layer.w_gate.resize(config.intermediate_size, dim);
+    layer.w_up.resize(config.intermediate_size, dim);
+    layer.w_down.resize(dim, config.intermediate_size);
+  }
+  auto span_of = [](auto& m) { return std::span<float>(m.data(), static_cast<std::size_t>(m.size())); };
+  for (const auto& spec : llama_weight_specs(config)) {
+    const std::string& n = spec.name;
+    if (n == "model.embed_tokens.weight") { fill(spec, span_of(w.embedding)); continue; }
+    if (n == "model.norm.weight") { fill(spec, span_of(w.final_norm)); continue; }
+    if (n == "lm_head.weight") { fill(spec, span_of(w.lm_head)); continue; }
+    std::size_t layer_index = 0;
+    char field[64] = {};
+    if (std::sscanf(n.c_str(), "model.layers.%zu.%63s", &layer_index, field) != 2)
+      throw Error(fmt::format("internal: unexpected weight name {}", n));
+    LayerWeights& layer = w.layers.at(layer_index);
+    const std::string f = field;
+    if (f == "input_layernorm.weight") fill(spec, span_of(layer.attention_norm));
+    else if (f == "self_attn.q_proj.weight") fill(spec, span_of(layer.wq));
+    else if (f == "self_attn.k_proj.weight") fill(spec, span_of(layer.wk));
+    else if (f == "self_attn.v_proj.weight") fill(spec, span_of(layer.wv));
+    else if (f == "self_attn.o_proj.weight") fill(spec, span_of(layer.wo));
+    else if (f == "post_attention_layernorm.weight") fill(spec, span_of(layer.mlp_norm));
+    else if (f == "mlp.gate_proj.weight") fill(spec, span_of(layer.w_gate));
+    else if (f == "mlp.up_proj.weight") fill(spec, span_of(layer.w_up));
+    else if (f == "mlp.down_proj.weight") fill(spec, span_of(layer.w_down));
+    else throw Error(fmt::format("internal: unexpected weight name {}", n));
+  }
+  return w;
+}
+
+}  // namespace
+
+LlamaWeights load_llama_weights(const std::filesystem::path& directory) {
+  if (!std::filesystem::is_directory(directory))
+    throw Error(fmt::format("model folder {} does not exist (expected config.json and model.safetensors)",
+                            directory.string()));
+  ModelConfig config = load_model_config(directory / "config.json");
+  config.name = directory.string();
+  const Checkpoint checkpoint = Checkpoint::open(directory);
+  return build_weights(config, [&](const WeightSpec& spec, std::span<float> destination) {
+    checkpoint.read_f32_into(spec.name, spec.shape, destination);
+  });
+}
+
+LlamaWeights random_llama_weights(const ModelConfig& config, std::uint64_t seed) {
+  if (config.size_only)
+    throw Error(fmt::format("preset \"{}\" is size-only ({:.1f}B parameters): use it with `kvlab memory`; "
+                            "runnable presets are tiny, stories15m and stories110m",
+                            config.name, static_cast<double>(config.parameter_count()) / 1e9));
+  validate_model_config(config, config.name);
+  return build_weights(config, [&](const WeightSpec& spec, std::span<float> destination) {
+    const auto values = random_tensor_values(spec, seed);
+    std::copy(values.begin(), values.end(), destination.begin());
+  });
+}
+
+}  // namespace kvlab::cpu

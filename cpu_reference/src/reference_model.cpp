@@ -1,0 +1,103 @@
+#include "kvlab/cpu_reference/reference_model.hpp"
+
+#include <fmt/format.h>
+
+#include <numeric>
+
+#include "kvlab/error.hpp"
+
+namespace kvlab::cpu {
+
+ReferenceModel::ReferenceModel(LlamaWeights weights)
+    : weights_(std::move(weights)),
+      rope_(weights_.config.head_dim, weights_.config.rope_theta, weights_.config.max_position_embeddings) {}
+
+RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens, const ForwardOptions& options) const {
+  const ModelConfig& c = weights_.config;
+  const auto T = static_cast<std::int64_t>(tokens.size());
+  if (T == 0) throw Error("forward: empty token sequence");
+  if (T > c.max_position_embeddings)
+    throw Error(fmt::format("forward: {} tokens exceed the context of {} ({} positions)", T, c.name,
+                            c.max_position_embeddings));
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    if (tokens[i] < 0 || tokens[i] >= c.vocab_size)
+      throw Error(fmt::format("forward: token id {} at position {} is outside the vocabulary [0, {})", tokens[i], i,
+                              c.vocab_size));
+  const auto window = options.sliding_window ? options.sliding_window : c.sliding_window;
+  const auto eps = static_cast<float>(c.rms_norm_eps);
+  std::vector<std::int32_t> positions(tokens.size());
+  std::iota(positions.begin(), positions.end(), 0);
+
+  RowMatrix x(T, c.hidden_size);  // (T, dim) residual stream
+  for (std::int64_t t = 0; t < T; ++t) x.row(t) = weights_.embedding.row(tokens[static_cast<std::size_t>(t)]);
+
+  RowMatrix normed;     // (T, dim)
+  RowMatrix q, k, v;    // (T, n_heads*hd), (T, n_kv*hd), (T, n_kv*hd)
+  RowMatrix attention;  // (T, n_heads*hd)
+  RowMatrix gate, up;   // (T, ffn)
+  for (const LayerWeights& layer : weights_.layers) {
+    rms_norm(x, layer.attention_norm, eps, normed);
+    q.noalias() = normed * layer.wq.transpose();
+    k.noalias() = normed * layer.wk.transpose();
+    v.noalias() = normed * layer.wv.transpose();
+    rope_.apply(q, positions, c.num_attention_heads);
+    rope_.apply(k, positions, c.num_key_value_heads);
+    causal_attention(q, k, v, c.num_attention_heads, c.num_key_value_heads, window, attention);
+    x.noalias() += attention * layer.wo.transpose();
+
+    rms_norm(x, layer.mlp_norm, eps, normed);
+    gate.noalias() = normed * layer.w_gate.transpose();
+    up.noalias() = normed * layer.w_up.transpose();
+    gate.array() = gate.array() / (1.0f + (-gate.array()).exp()) * up.array();  // silu(gate) * up
+    x.noalias() += gate * layer.w_down.transpose();
+  }
+  const std::int64_t first = options.last_position_only ? T - 1 : 0;
+  const RowMatrix last_rows = x.bottomRows(T - first);  // (T or 1, dim)
+  rms_norm(last_rows, weights_.final_norm, eps, normed);
+  RowMatrix logits = normed * weights_.output_projection().transpose();  // (T or 1, vocab)
+  return logits;
+}
+
+const char* finish_reason_name(FinishReason reason) {
+  switch (reason) {
+    case FinishReason::eos: return "eos";
+    case FinishReason::max_tokens: return "max_tokens";
+    case FinishReason::context_full: return "context_full";
+  }
+  return "?";
+}
+
+GenerationResult generate(const ReferenceModel& model, std::span<const std::int32_t> prompt,
+                          const SamplingParams& sampling, std::int32_t top_logprobs_k) {
+  Sampler sampler(sampling);
+  const ModelConfig& c = model.config();
+  std::vector<std::int32_t> sequence(prompt.begin(), prompt.end());
+  GenerationResult result;
+  ForwardOptions options;
+  options.last_position_only = true;
+  while (true) {
+    if (static_cast<std::int64_t>(sequence.size()) >= c.max_position_embeddings) {
+      result.finish_reason = FinishReason::context_full;
+      break;
+    }
+    const RowMatrix logits = model.forward(sequence, options);  // (1, vocab)
+    const std::span<const float> row(logits.data(), static_cast<std::size_t>(logits.cols()));
+    GeneratedToken generated;
+    generated.token = sampler.sample(row);
+    generated.logprob = token_logprob(row, generated.token);
+    if (top_logprobs_k > 0) generated.top = top_logprobs(row, top_logprobs_k);
+    result.tokens.push_back(std::move(generated));
+    sequence.push_back(result.tokens.back().token);
+    if (!sampling.ignore_eos && c.is_eos(result.tokens.back().token)) {
+      result.finish_reason = FinishReason::eos;
+      break;
+    }
+    if (static_cast<std::int32_t>(result.tokens.size()) >= sampling.max_tokens) {
+      result.finish_reason = FinishReason::max_tokens;
+      break;
+    }
+  }
+  return result;
+}
+
+}  // namespace kvlab::cpu
