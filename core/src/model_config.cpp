@@ -100,10 +100,18 @@ void throw_problems(std::string_view source, const std::vector<std::string>& pro
 
 }  // namespace
 
-void validate_model_config(const ModelConfig& c, std::string_view source) {
+namespace {
+
+// Every problem with `c`, skipping fields whose reading already failed (`already_reported`).
+std::vector<std::string> config_problems(const ModelConfig& c, const std::vector<std::string>& already_reported) {
   std::vector<std::string> problems;
+  auto reported = [&](const char* key) {
+    const std::string quoted = fmt::format("\"{}\"", key);
+    return std::any_of(already_reported.begin(), already_reported.end(),
+                       [&](const std::string& p) { return p.find(quoted) != std::string::npos; });
+  };
   auto positive = [&](const char* key, std::int64_t value) {
-    if (value <= 0) problems.push_back(fmt::format("\"{}\" must be positive, got {}", key, value));
+    if (value <= 0 && !reported(key)) problems.push_back(fmt::format("\"{}\" must be positive, got {}", key, value));
   };
   positive("vocab_size", c.vocab_size);
   positive("hidden_size", c.hidden_size);
@@ -122,8 +130,8 @@ void validate_model_config(const ModelConfig& c, std::string_view source) {
   if (c.head_dim > 0 && c.head_dim % 2 != 0)
     problems.push_back(
         fmt::format("head_dim ({}) must be even: RoPE rotates pairs of dimensions", c.head_dim));
-  if (!(c.rms_norm_eps > 0)) problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
-  if (!(c.rope_theta > 0)) problems.push_back(fmt::format("\"rope_theta\" must be positive, got {}", c.rope_theta));
+  if (!(c.rms_norm_eps > 0) && !reported("rms_norm_eps")) problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
+  if (!(c.rope_theta > 0) && !reported("rope_theta")) problems.push_back(fmt::format("\"rope_theta\" must be positive, got {}", c.rope_theta));
   if (c.vocab_size > 0) {
     if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
       problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})", c.bos_token_id, c.vocab_size));
@@ -137,7 +145,13 @@ void validate_model_config(const ModelConfig& c, std::string_view source) {
   if (std::find(architectures.begin(), architectures.end(), c.architecture) == architectures.end())
     problems.push_back(fmt::format("architecture \"{}\" is not supported (kvlab runs {})",
                                    c.architecture, join_names(architectures)));
-  throw_problems(source, problems);
+  return problems;
+}
+
+}  // namespace
+
+void validate_model_config(const ModelConfig& c, std::string_view source) {
+  throw_problems(source, config_problems(c, {}));
 }
 
 ModelConfig parse_model_config(std::string_view json_text, std::string_view source) {
@@ -201,8 +215,8 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   for (const char* key : {"attention_bias", "mlp_bias"})
     if (read.get<bool>(key, false).value_or(false))
       problems.push_back(fmt::format("\"{}\": true is not supported (LLaMA projections have no bias)", key));
+  for (auto& problem : config_problems(c, problems)) problems.push_back(std::move(problem));
   throw_problems(source, problems);
-  validate_model_config(c, source);
   return c;
 }
 

@@ -38,10 +38,28 @@ std::vector<std::int32_t> Tokenizer::encode(std::string_view text) const {
 }
 
 std::string Tokenizer::decode(std::span<const std::int32_t> ids) const {
+  // A model's vocabulary may be larger than its tokenizer's (padded embeddings; random-weight
+  // models): ids the tokenizer does not know are shown as <id:N> instead of failing.
+  const int pieces = impl_->processor.GetPieceSize();
   std::string text;
-  const std::vector<int> values(ids.begin(), ids.end());
-  const auto status = impl_->processor.Decode(values, &text);
-  if (!status.ok()) throw Error(fmt::format("tokenizer cannot decode ids: {}", status.ToString()));
+  std::vector<int> run;
+  auto flush = [&] {
+    if (run.empty()) return;
+    std::string decoded;
+    const auto status = impl_->processor.Decode(run, &decoded);
+    if (!status.ok()) throw Error(fmt::format("tokenizer cannot decode ids: {}", status.ToString()));
+    text += decoded;
+    run.clear();
+  };
+  for (std::int32_t id : ids) {
+    if (id >= 0 && id < pieces) {
+      run.push_back(id);
+    } else {
+      flush();
+      text += fmt::format("<id:{}>", id);
+    }
+  }
+  flush();
   return text;
 }
 

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# kvlab setup: install missing Debian packages (idempotent, non-interactive), configure and build.
+# Usage: scripts/setup.sh            (build dir: ./build, or $KVLAB_BUILD_DIR)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+packages=(
+  build-essential cmake pkg-config git
+  libeigen3-dev libcli11-dev libfmt-dev nlohmann-json3-dev libsentencepiece-dev
+  libgtest-dev libgmock-dev libbenchmark-dev
+)
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "kvlab setup: installing ${missing[*]}"
+  sudo_cmd=()
+  [ "$(id -u)" -eq 0 ] || sudo_cmd=(sudo)
+  export DEBIAN_FRONTEND=noninteractive
+  "${sudo_cmd[@]}" apt-get update -qq
+  "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# CUDA parts build whenever nvcc is found (the toolkit's default place included).
+if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+
+build_dir="${KVLAB_BUILD_DIR:-build}"
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release ${KVLAB_CMAKE_ARGS:-}
+cmake --build "$build_dir" -j "$(nproc)"

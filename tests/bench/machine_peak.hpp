@@ -1,0 +1,10 @@
+#pragma once
+// This machine's limits, measured by the benchmark binary itself in the same run, so figures
+// are reported as ratios (the machine's speed drifts from run to run).
+
+namespace kvlab::bench {
+
+// FP32 FMA throughput with `threads` threads, GFLOP/s (an FMA = 2 FLOPs). Measured once.
+double measured_fp32_peak_gflops(int threads);
+
+}  // namespace kvlab::bench

@@ -1,0 +1,156 @@
+// The kvlab binary as a user runs it: exit codes, messages, outputs.
+#include <gtest/gtest.h>
+#include <sentencepiece_trainer.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+struct RunResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+  std::string stdout_only;
+};
+
+RunResult run(const std::string& arguments) {
+  test::TempDir dir;
+  const std::string command =
+      std::string(KVLAB_BINARY) + " " + arguments + " > " + (dir / "out").string() + " 2> " + (dir / "err").string();
+  const int status = std::system(command.c_str());
+  RunResult r;
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  r.stdout_only = test::read_file(dir / "out");
+  r.output = r.stdout_only + test::read_file(dir / "err");
+  return r;
+}
+
+void expect_failure(const std::string& arguments, const std::string& message_part) {
+  const RunResult r = run(arguments);
+  EXPECT_NE(r.exit_code, 0) << arguments;
+  EXPECT_NE(r.output.find(message_part), std::string::npos) << arguments << "\n" << r.output;
+}
+
+TEST(Cli, MissingModelFolder) {
+  expect_failure("generate --model /nonexistent/model --prompt-ids 1,2", "neither a preset nor a model folder");
+}
+
+TEST(Cli, MisspelledPresetGetsASuggestion) {
+  expect_failure("generate --preset stories15 --prompt-ids 1,2", "did you mean \"stories15m\"");
+}
+
+TEST(Cli, BadPromptIds) {
+  expect_failure("generate --preset tiny --prompt-ids 1,x,3", "item 1 (\"x\") is not an integer");
+  expect_failure("generate --preset tiny --prompt-ids 1,,3", "item 1 (\"\") is not an integer");
+  expect_failure("generate --preset tiny --prompt-ids 1,-4", "item 1 (-4) is negative");
+  expect_failure("generate --preset tiny --prompt-ids 1,512", "prompt token id 512 (item 1) is outside the vocabulary");
+  expect_failure("generate --preset tiny --prompt-ids 99999999999", "is not an integer");
+}
+
+TEST(Cli, MissingOrConflictingArguments) {
+  expect_failure("generate --preset tiny", "--prompt-ids or --prompt");
+  expect_failure("generate --prompt-ids 1", "--model or --preset");
+  expect_failure("generate --preset tiny --model tiny --prompt-ids 1", "excludes");
+  expect_failure("generate --preset tiny --prompt-ids 1 --top-p 0", "top_p must be in (0, 1]");
+  expect_failure("generate --preset tiny --prompt-ids 1 --max-tokens nope", "--max-tokens");
+  expect_failure("frobnicate", "frobnicate");
+  expect_failure("generate --preset tiny --prompt text", "needs a tokenizer.model");
+}
+
+TEST(Cli, SizeOnlyPresetCannotGenerate) {
+  expect_failure("generate --preset llama-7b --prompt-ids 1", "size-only");
+}
+
+TEST(Cli, BrokenModelFolder) {
+  test::TempDir dir;
+  test::write_file(dir / "config.json", "{\"vocab_size\": ");
+  expect_failure("generate --model " + dir.path().string() + " --prompt-ids 1", "not valid JSON");
+  const RunResult init = run("model init --preset tiny --seed 1 --out " + dir.path().string());
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  test::write_file(dir / "model.safetensors", "garbage!garbage!");
+  expect_failure("generate --model " + dir.path().string() + " --prompt-ids 1", "model.safetensors");
+}
+
+TEST(Cli, ModelInitThenGenerateEqualsThePreset) {
+  test::TempDir dir;
+  const RunResult init = run("model init --preset tiny --seed 9 --out " + (dir / "m").string());
+  ASSERT_EQ(init.exit_code, 0) << init.output;
+  const RunResult from_folder = run("generate --model " + (dir / "m").string() + " --prompt-ids 1,2,3 --max-tokens 6");
+  const RunResult from_preset = run("generate --preset tiny --weights-seed 9 --prompt-ids 1,2,3 --max-tokens 6");
+  ASSERT_EQ(from_folder.exit_code, 0) << from_folder.output;
+  ASSERT_EQ(from_preset.exit_code, 0) << from_preset.output;
+  EXPECT_EQ(from_folder.stdout_only, from_preset.stdout_only);
+  EXPECT_NE(from_folder.stdout_only.find("generated: ["), std::string::npos);
+}
+
+TEST(Cli, JsonOutputHasOneObjectPerPosition) {
+  const RunResult r = run("generate --preset tiny --prompt-ids 1,2,3 --max-tokens 5 --ignore-eos --logprobs 4 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::istringstream lines(r.stdout_only);
+  std::string line;
+  int count = 0;
+  while (std::getline(lines, line)) {
+    const auto object = nlohmann::json::parse(line);
+    EXPECT_EQ(object["index"], count);
+    EXPECT_EQ(object["position"], 3 + count);
+    ASSERT_EQ(object["top_logprobs"].size(), 4u);
+    EXPECT_EQ(object["top_logprobs"][0]["token"], object["token"]);  // greedy: the top token
+    EXPECT_LE(object["logprob"].get<double>(), 0.0);
+    ++count;
+  }
+  EXPECT_EQ(count, 5);
+}
+
+TEST(Cli, TextPromptWithTokenizer) {
+  test::TempDir dir;
+  ASSERT_EQ(run("model init --preset tiny --out " + dir.path().string()).exit_code, 0);
+  // A SentencePiece model trained here with the real trainer (vocab 60 < the tiny model's 512).
+  std::string corpus;
+  for (int i = 0; i < 2000; ++i) corpus += (i % 3 ? "once upon a time " : "there was a cat.\n");
+  test::write_file(dir / "corpus.txt", corpus);
+  const auto status = sentencepiece::SentencePieceTrainer::Train(
+      "--input=" + (dir / "corpus.txt").string() + " --model_prefix=" + (dir / "tokenizer").string() +
+      " --vocab_size=60 --model_type=bpe --minloglevel=2 --bos_id=1 --eos_id=2 --unk_id=0");
+  ASSERT_TRUE(status.ok()) << status.ToString();
+  const RunResult r = run("generate --model " + dir.path().string() + " --prompt \"once upon\" --max-tokens 3 --ignore-eos");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.stdout_only.find("prompt:    [1, "), std::string::npos) << r.stdout_only;  // BOS first
+  EXPECT_NE(r.stdout_only.find("text:"), std::string::npos) << r.stdout_only;
+  const RunResult j = run("generate --model " + dir.path().string() + " --prompt-ids 1,5 --max-tokens 2 --json");
+  ASSERT_EQ(j.exit_code, 0) << j.output;
+  EXPECT_TRUE(nlohmann::json::parse(j.stdout_only.substr(0, j.stdout_only.find('\n'))).contains("text"));
+}
+
+TEST(Cli, MemoryReproducesTheSeedTableCorrectly) {
+  const RunResult r = run("memory --model llama-7b --seq-len 2048 --batch 1 --dtype f16 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.stdout_only);
+  EXPECT_EQ(j["bytes_per_request"], 1LL << 30);
+  EXPECT_EQ(j["variants"][0]["variant"], "MHA");
+  bool saw_gqa = false, saw_mqa = false;
+  for (const auto& v : j["variants"]) {
+    if (v["variant"] == "GQA-8") saw_gqa = (v["ratio_to_mha"] == 0.25);
+    if (v["variant"] == "MQA") saw_mqa = (v["ratio_to_mha"] == 1.0 / 32);
+  }
+  EXPECT_TRUE(saw_gqa && saw_mqa) << r.stdout_only;
+  const RunResult text = run("memory --model llama-7b --seq-len 2048 --gpu-mem 80");
+  EXPECT_NE(text.stdout_only.find("1.00 GiB"), std::string::npos) << text.stdout_only;
+  EXPECT_NE(text.stdout_only.find("67"), std::string::npos) << text.stdout_only;
+  expect_failure("memory --model llama-7b --seq-len 2048 --kv-heads 3", "kv-heads 3");
+  expect_failure("memory --model llama-7b --seq-len 2048 --dtype f64", "--dtype \"f64\"");
+  expect_failure("memory --model llama-7b", "--seq-len");
+}
+
+TEST(Cli, ModelInfo) {
+  const RunResult r = run("model info stories15m");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.stdout_only.find("15191712"), std::string::npos) << r.stdout_only;
+}
+
+}  // namespace
+}  // namespace kvlab

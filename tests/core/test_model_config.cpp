@@ -1,0 +1,254 @@
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "kvlab/error.hpp"
+#include "kvlab/model_config.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+using nlohmann::json;
+using test::error_of;
+
+json valid_config() {
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"vocab_size", 1000},
+          {"hidden_size", 128},
+          {"intermediate_size", 344},
+          {"num_hidden_layers", 3},
+          {"num_attention_heads", 8},
+          {"num_key_value_heads", 2},
+          {"max_position_embeddings", 256},
+          {"rms_norm_eps", 1e-6},
+          {"rope_theta", 500000.0},
+          {"tie_word_embeddings", true},
+          {"bos_token_id", 1},
+          {"eos_token_id", 2}};
+}
+
+std::string parse_error(const json& config) {
+  return error_of<Error>([&] { parse_model_config(config.dump(), "cfg.json"); });
+}
+
+TEST(ModelConfig, ParsesHuggingFaceFields) {
+  const ModelConfig c = parse_model_config(valid_config().dump(), "cfg.json");
+  EXPECT_EQ(c.vocab_size, 1000);
+  EXPECT_EQ(c.hidden_size, 128);
+  EXPECT_EQ(c.intermediate_size, 344);
+  EXPECT_EQ(c.num_hidden_layers, 3);
+  EXPECT_EQ(c.num_attention_heads, 8);
+  EXPECT_EQ(c.num_key_value_heads, 2);
+  EXPECT_EQ(c.head_dim, 16);  // hidden / heads when head_dim is absent
+  EXPECT_EQ(c.group_size(), 4);
+  EXPECT_EQ(c.max_position_embeddings, 256);
+  EXPECT_DOUBLE_EQ(c.rms_norm_eps, 1e-6);
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_TRUE(c.tie_word_embeddings);
+  EXPECT_EQ(c.bos_token_id, 1);
+  EXPECT_EQ(c.eos_token_ids, std::vector<std::int32_t>{2});
+}
+
+TEST(ModelConfig, ExplicitHeadDimAndEosList) {
+  json config = valid_config();
+  config["head_dim"] = 32;  // q_dim (8 x 32) differs from hidden_size: allowed, as in Gemma/Llama-3.2
+  config["eos_token_id"] = {2, 7};
+  const ModelConfig c = parse_model_config(config.dump(), "cfg.json");
+  EXPECT_EQ(c.head_dim, 32);
+  EXPECT_EQ(c.q_dim(), 256);
+  EXPECT_TRUE(c.is_eos(7));
+  EXPECT_TRUE(c.is_eos(2));
+  EXPECT_FALSE(c.is_eos(1));
+}
+
+TEST(ModelConfig, KvHeadsDefaultToAttentionHeads) {
+  json config = valid_config();
+  config.erase("num_key_value_heads");
+  EXPECT_EQ(parse_model_config(config.dump(), "cfg.json").num_key_value_heads, 8);
+}
+
+TEST(ModelConfig, HeadsNotDivisibleByKvHeads) {
+  json config = valid_config();
+  config["num_key_value_heads"] = 3;
+  const std::string message = parse_error(config);
+  EXPECT_NE(message.find("cfg.json"), std::string::npos) << message;
+  EXPECT_NE(message.find("num_attention_heads (8) must be divisible by num_key_value_heads (3)"), std::string::npos)
+      << message;
+}
+
+TEST(ModelConfig, MissingRequiredField) {
+  json config = valid_config();
+  config.erase("hidden_size");
+  EXPECT_NE(parse_error(config).find("missing required field \"hidden_size\""), std::string::npos);
+}
+
+TEST(ModelConfig, WrongType) {
+  json config = valid_config();
+  config["num_hidden_layers"] = "three";
+  EXPECT_NE(parse_error(config).find("field \"num_hidden_layers\" must be an integer, got \"three\""), std::string::npos);
+}
+
+TEST(ModelConfig, NonPositiveSizes) {
+  json config = valid_config();
+  config["vocab_size"] = 0;
+  config["num_hidden_layers"] = -1;
+  const std::string message = parse_error(config);
+  EXPECT_NE(message.find("\"vocab_size\" must be positive, got 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("\"num_hidden_layers\" must be positive, got -1"), std::string::npos) << message;
+}
+
+TEST(ModelConfig, HiddenNotDivisibleByHeads) {
+  json config = valid_config();
+  config["hidden_size"] = 130;
+  EXPECT_NE(parse_error(config).find("hidden_size (130) must be divisible by num_attention_heads (8)"), std::string::npos);
+}
+
+TEST(ModelConfig, OddHeadDimForRope) {
+  json config = valid_config();
+  config["head_dim"] = 15;
+  EXPECT_NE(parse_error(config).find("head_dim (15) must be even"), std::string::npos);
+}
+
+TEST(ModelConfig, TokenIdsOutsideVocabulary) {
+  json config = valid_config();
+  config["bos_token_id"] = 1000;
+  config["eos_token_id"] = {2, -1};
+  const std::string message = parse_error(config);
+  EXPECT_NE(message.find("bos_token_id 1000 is outside the vocabulary [0, 1000)"), std::string::npos) << message;
+  EXPECT_NE(message.find("eos_token_id -1 is outside"), std::string::npos) << message;
+}
+
+TEST(ModelConfig, BadEosType) {
+  json config = valid_config();
+  config["eos_token_id"] = "</s>";
+  EXPECT_NE(parse_error(config).find("\"eos_token_id\" must be an integer or a list of integers"), std::string::npos);
+}
+
+TEST(ModelConfig, UnsupportedArchitecture) {
+  json config = valid_config();
+  config["architectures"] = {"GPT2LMHeadModel"};
+  EXPECT_NE(parse_error(config).find("architecture \"GPT2LMHeadModel\" is not supported"), std::string::npos);
+}
+
+TEST(ModelConfig, FeaturesThatWouldChangeTheMathAreRefused) {
+  json config = valid_config();
+  config["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  config["hidden_act"] = "gelu";
+  config["attention_bias"] = true;
+  const std::string message = parse_error(config);
+  EXPECT_NE(message.find("rope_scaling"), std::string::npos) << message;
+  EXPECT_NE(message.find("hidden_act \"gelu\""), std::string::npos) << message;
+  EXPECT_NE(message.find("\"attention_bias\": true"), std::string::npos) << message;
+}
+
+TEST(ModelConfig, NullRopeScalingIsPlainRope) {
+  json config = valid_config();
+  config["rope_scaling"] = nullptr;
+  EXPECT_NO_THROW(parse_model_config(config.dump(), "cfg.json"));
+}
+
+TEST(ModelConfig, AllProblemsReportedAtOnce) {
+  json config = valid_config();
+  config.erase("vocab_size");
+  config["rms_norm_eps"] = -1.0;
+  const std::string message = parse_error(config);
+  EXPECT_NE(message.find("vocab_size"), std::string::npos) << message;
+  EXPECT_NE(message.find("rms_norm_eps"), std::string::npos) << message;
+}
+
+TEST(ModelConfig, BadJson) {
+  const std::string message = error_of<Error>([] { parse_model_config("{\"vocab_size\": 12,", "broken.json"); });
+  EXPECT_NE(message.find("broken.json"), std::string::npos);
+  EXPECT_NE(message.find("not valid JSON"), std::string::npos);
+  EXPECT_NE(error_of<Error>([] { parse_model_config("[1, 2]", "list.json"); }).find("expected a JSON object"),
+            std::string::npos);
+}
+
+TEST(ModelConfig, MissingFileNamesThePath) {
+  const std::string message = error_of<Error>([] { load_model_config("/nonexistent/kvlab/config.json"); });
+  EXPECT_NE(message.find("/nonexistent/kvlab/config.json"), std::string::npos) << message;
+}
+
+TEST(ModelConfig, JsonRoundTrip) {
+  for (const auto& name : model_preset_names()) {
+    const ModelConfig preset = model_preset(name);
+    const ModelConfig parsed = parse_model_config(model_config_to_json(preset), name);
+    EXPECT_EQ(parsed.vocab_size, preset.vocab_size) << name;
+    EXPECT_EQ(parsed.hidden_size, preset.hidden_size) << name;
+    EXPECT_EQ(parsed.intermediate_size, preset.intermediate_size) << name;
+    EXPECT_EQ(parsed.num_hidden_layers, preset.num_hidden_layers) << name;
+    EXPECT_EQ(parsed.num_attention_heads, preset.num_attention_heads) << name;
+    EXPECT_EQ(parsed.num_key_value_heads, preset.num_key_value_heads) << name;
+    EXPECT_EQ(parsed.head_dim, preset.head_dim) << name;
+    EXPECT_EQ(parsed.max_position_embeddings, preset.max_position_embeddings) << name;
+    EXPECT_EQ(parsed.tie_word_embeddings, preset.tie_word_embeddings) << name;
+    EXPECT_EQ(parsed.sliding_window, preset.sliding_window) << name;
+    EXPECT_EQ(parsed.architecture, preset.architecture) << name;
+    EXPECT_DOUBLE_EQ(parsed.rms_norm_eps, preset.rms_norm_eps) << name;
+    EXPECT_DOUBLE_EQ(parsed.rope_theta, preset.rope_theta) << name;
+  }
+}
+
+TEST(ModelPresets, ShapesAsPublished) {
+  const ModelConfig tiny = model_preset("tiny");
+  EXPECT_EQ(tiny.vocab_size, 512);
+  EXPECT_EQ(tiny.hidden_size, 64);
+  EXPECT_EQ(tiny.num_hidden_layers, 2);
+  EXPECT_EQ(tiny.num_attention_heads, 4);
+  EXPECT_EQ(tiny.num_key_value_heads, 2);
+
+  const ModelConfig s15 = model_preset("stories15m");
+  EXPECT_EQ(s15.hidden_size, 288);
+  EXPECT_EQ(s15.num_hidden_layers, 6);
+  EXPECT_EQ(s15.num_attention_heads, 6);
+  EXPECT_EQ(s15.intermediate_size, 768);
+  EXPECT_EQ(s15.vocab_size, 32000);
+  EXPECT_EQ(s15.max_position_embeddings, 256);
+
+  const ModelConfig s110 = model_preset("stories110m");
+  EXPECT_EQ(s110.hidden_size, 768);
+  EXPECT_EQ(s110.num_hidden_layers, 12);
+  EXPECT_EQ(s110.num_attention_heads, 12);
+  EXPECT_EQ(s110.intermediate_size, 2048);
+  EXPECT_EQ(s110.max_position_embeddings, 1024);
+
+  EXPECT_EQ(model_preset("llama-7b").num_attention_heads, 32);
+  EXPECT_EQ(model_preset("llama-13b").num_attention_heads, 40);
+  EXPECT_EQ(model_preset("llama-65b").num_attention_heads, 64);
+  EXPECT_EQ(model_preset("llama-65b").num_hidden_layers, 80);
+  EXPECT_EQ(model_preset("llama2-70b").num_key_value_heads, 8);
+  EXPECT_EQ(model_preset("mistral-7b").num_key_value_heads, 8);
+  EXPECT_TRUE(model_preset("llama-7b").size_only);
+  EXPECT_FALSE(model_preset("stories15m").size_only);
+}
+
+TEST(ModelPresets, ParameterCountsMatchThePublishedModels) {
+  // Exact parameter counts of the Hugging Face checkpoints.
+  EXPECT_EQ(model_preset("llama-7b").parameter_count(), 6'738'415'616);
+  EXPECT_EQ(model_preset("llama-13b").parameter_count(), 13'015'864'320);
+  EXPECT_EQ(model_preset("llama2-70b").parameter_count(), 68'976'648'192);
+  EXPECT_EQ(model_preset("mistral-7b").parameter_count(), 7'241'732'096);
+  // llama2.c's stories15M: 15.19M with the classifier shared with the embedding.
+  EXPECT_EQ(model_preset("stories15m").parameter_count(), 15'191'712);
+}
+
+TEST(ModelPresets, UnknownPresetSuggestsTheNearest) {
+  const std::string message = error_of<Error>([] { model_preset("llama-7"); });
+  EXPECT_NE(message.find("did you mean \"llama-7b\""), std::string::npos) << message;
+  EXPECT_NE(message.find("stories110m"), std::string::npos) << message;
+}
+
+TEST(ForwardFlops, CountsMatmulsAttentionAndHead) {
+  const ModelConfig c = model_preset("tiny");
+  // One token: every matmul weight once (x2), attention over 1 key, logits once.
+  const double dense = 2.0 * static_cast<double>(c.matmul_parameter_count());
+  const double attention_one_key = 4.0 * static_cast<double>(c.num_attention_heads * c.head_dim * c.num_hidden_layers);
+  EXPECT_DOUBLE_EQ(forward_flops(c, 1, 1), dense + attention_one_key);
+  // T tokens see 1 + 2 + ... + T keys.
+  const double layer_dense = dense - 2.0 * static_cast<double>(c.vocab_size * c.hidden_size);
+  EXPECT_DOUBLE_EQ(forward_flops(c, 4, 1), 4 * layer_dense + 10 * attention_one_key + 2.0 * c.vocab_size * c.hidden_size);
+}
+
+}  // namespace
+}  // namespace kvlab

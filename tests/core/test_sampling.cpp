@@ -1,0 +1,148 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <numeric>
+
+#include "kvlab/error.hpp"
+#include "kvlab/sampling.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+const std::vector<float> kLogits{1.0f, 3.0f, 0.5f, 3.0f, -2.0f, 2.0f};
+
+std::vector<double> softmax(const std::vector<float>& logits, double temperature) {
+  std::vector<double> p(logits.size());
+  double max_value = *std::max_element(logits.begin(), logits.end());
+  double sum = 0;
+  for (std::size_t i = 0; i < logits.size(); ++i) sum += p[i] = std::exp((logits[i] - max_value) / temperature);
+  for (auto& v : p) v /= sum;
+  return p;
+}
+
+TEST(Sampling, GreedyIsArgmaxWithLowestIdOnTies) {
+  Sampler sampler({});
+  EXPECT_EQ(sampler.sample(kLogits), 1);  // ids 1 and 3 tie at 3.0
+  const std::vector<float> other{-1.0f, -0.5f, -3.0f};
+  EXPECT_EQ(sampler.sample(other), 1);
+  const auto distribution = sampling_distribution(kLogits, {});
+  EXPECT_EQ(distribution[1], 1.0);
+  EXPECT_EQ(std::accumulate(distribution.begin(), distribution.end(), 0.0), 1.0);
+}
+
+TEST(Sampling, TemperatureScalesTheSoftmax) {
+  SamplingParams p;
+  p.temperature = 0.7;
+  const auto distribution = sampling_distribution(kLogits, p);
+  const auto expected = softmax(kLogits, 0.7);
+  for (std::size_t i = 0; i < kLogits.size(); ++i) EXPECT_NEAR(distribution[i], expected[i], 1e-12) << i;
+}
+
+TEST(Sampling, TopKKeepsTheKMostLikely) {
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.top_k = 3;  // ids 1, 3 (3.0) and 5 (2.0)
+  const auto distribution = sampling_distribution(kLogits, p);
+  const auto full = softmax(kLogits, 1.0);
+  const double kept = full[1] + full[3] + full[5];
+  for (int i : {0, 2, 4}) EXPECT_EQ(distribution[static_cast<std::size_t>(i)], 0.0) << i;
+  for (int i : {1, 3, 5}) EXPECT_NEAR(distribution[static_cast<std::size_t>(i)], full[static_cast<std::size_t>(i)] / kept, 1e-12) << i;
+}
+
+TEST(Sampling, TopPKeepsTheSmallestSetReachingP) {
+  const auto full = softmax(kLogits, 1.0);
+  // Sorted: 1, 3 (each ~0.38), 5 (~0.14), 0 (~0.05), 2, 4.
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.top_p = full[1] + full[3] - 1e-9;  // the two 3.0 logits are enough
+  auto distribution = sampling_distribution(kLogits, p);
+  EXPECT_NEAR(distribution[1], 0.5, 1e-12);
+  EXPECT_NEAR(distribution[3], 0.5, 1e-12);
+  EXPECT_EQ(distribution[5], 0.0);
+  p.top_p = full[1] + full[3] + 1e-6;  // just past them: the third token joins
+  distribution = sampling_distribution(kLogits, p);
+  EXPECT_GT(distribution[5], 0.0);
+  EXPECT_EQ(distribution[0], 0.0);
+  const double kept_mass = std::accumulate(distribution.begin(), distribution.end(), 0.0);
+  EXPECT_NEAR(kept_mass, 1.0, 1e-12);
+  p.top_p = 1e-9;  // always at least one token
+  distribution = sampling_distribution(kLogits, p);
+  EXPECT_EQ(distribution[1], 1.0);
+}
+
+TEST(Sampling, TopKThenTopPComposeAsInHuggingFace) {
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.top_k = 3;
+  p.top_p = 0.9;  // of the renormalised top-3 (0.42, 0.42, 0.16): needs all three
+  const auto distribution = sampling_distribution(kLogits, p);
+  EXPECT_GT(distribution[5], 0.0);
+  EXPECT_EQ(distribution[0], 0.0);
+}
+
+TEST(Sampling, SameSeedSameTokensDifferentSeedDifferentTokens) {
+  SamplingParams p;
+  p.temperature = 1.0;
+  p.seed = 1234;
+  Sampler a(p), b(p);
+  p.seed = 1235;
+  Sampler c(p);
+  std::vector<std::int32_t> ta, tb, tc;
+  for (int i = 0; i < 200; ++i) {
+    ta.push_back(a.sample(kLogits));
+    tb.push_back(b.sample(kLogits));
+    tc.push_back(c.sample(kLogits));
+  }
+  EXPECT_EQ(ta, tb);
+  EXPECT_NE(ta, tc);
+}
+
+TEST(Sampling, FrequenciesFollowTheDistribution) {
+  SamplingParams p;
+  p.temperature = 0.8;
+  p.top_k = 4;
+  p.seed = 99;
+  Sampler sampler(p);
+  const auto expected = sampling_distribution(kLogits, p);
+  constexpr int kDraws = 200000;
+  std::map<std::int32_t, int> counts;
+  for (int i = 0; i < kDraws; ++i) ++counts[sampler.sample(kLogits)];
+  for (std::size_t token = 0; token < expected.size(); ++token) {
+    const double observed = counts[static_cast<std::int32_t>(token)] / static_cast<double>(kDraws);
+    const double sigma = std::sqrt(expected[token] * (1 - expected[token]) / kDraws);
+    EXPECT_NEAR(observed, expected[token], 5 * sigma + 1e-12) << "token " << token;  // 5 sigma
+  }
+}
+
+TEST(Sampling, LogprobsAreLogSoftmax) {
+  const auto top = top_logprobs(kLogits, 3);
+  ASSERT_EQ(top.size(), 3u);
+  const auto p = softmax(kLogits, 1.0);
+  EXPECT_EQ(top[0].token, 1);
+  EXPECT_EQ(top[1].token, 3);
+  EXPECT_EQ(top[2].token, 5);
+  for (const auto& t : top) EXPECT_NEAR(t.logprob, std::log(p[static_cast<std::size_t>(t.token)]), 1e-6);
+  EXPECT_NEAR(token_logprob(kLogits, 4), std::log(p[4]), 1e-6);
+  EXPECT_EQ(top_logprobs(kLogits, 100).size(), kLogits.size());
+}
+
+TEST(Sampling, InvalidParametersAreNamed) {
+  auto message = [](SamplingParams p) { return test::error_of<Error>([&] { validate_sampling_params(p); }); };
+  SamplingParams p;
+  p.temperature = -0.1;
+  EXPECT_NE(message(p).find("temperature"), std::string::npos);
+  p = {};
+  p.top_p = 0.0;
+  EXPECT_NE(message(p).find("top_p"), std::string::npos);
+  p = {};
+  p.top_k = -1;
+  EXPECT_NE(message(p).find("top_k"), std::string::npos);
+  p = {};
+  p.max_tokens = 0;
+  EXPECT_NE(message(p).find("max_tokens"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvlab
