@@ -18,7 +18,8 @@ class TempDir {
  public:
   TempDir() {
     std::random_device rd;
-    path_ = std::filesystem::temp_directory_path() / ("kvlab_test_" + std::to_string(rd()) + std::to_string(rd()));
+    path_ = std::filesystem::temp_directory_path() /
+            ("kvlab_test_" + std::to_string(rd()) + std::to_string(rd()));
     std::filesystem::create_directories(path_);
   }
   ~TempDir() {
@@ -72,7 +73,8 @@ inline Closeness compare(std::span<const float> actual, std::span<const float> e
     if (std::isnan(actual[i]) || std::isnan(expected[i])) c.has_nan = true;
     const double diff = std::abs(static_cast<double>(actual[i]) - expected[i]);
     c.max_abs = std::max(c.max_abs, diff);
-    c.max_rel = std::max(c.max_rel, diff / std::max(1e-6, std::abs(static_cast<double>(expected[i]))));
+    c.max_rel =
+        std::max(c.max_rel, diff / std::max(1e-6, std::abs(static_cast<double>(expected[i]))));
   }
   return c;
 }

@@ -11,7 +11,8 @@ namespace kvlab::cli {
 
 ModelSource resolve_model(const std::string& name) {
   const auto presets = model_preset_names();
-  if (std::find(presets.begin(), presets.end(), name) != presets.end()) return {model_preset(name), {}};
+  if (std::find(presets.begin(), presets.end(), name) != presets.end())
+    return {model_preset(name), {}};
   const std::filesystem::path path(name);
   if (std::filesystem::is_directory(path)) {
     ModelConfig config = load_model_config(path / "config.json");
@@ -19,7 +20,8 @@ ModelSource resolve_model(const std::string& name) {
     return {config, path};
   }
   std::string message = fmt::format("model \"{}\" is neither a preset nor a model folder", name);
-  if (auto near = nearest_name(name, presets)) message += fmt::format(" (did you mean \"{}\"?)", *near);
+  if (auto near = nearest_name(name, presets))
+    message += fmt::format(" (did you mean \"{}\"?)", *near);
   message += "; presets: " + join_names(presets);
   throw Error(message);
 }
@@ -36,8 +38,11 @@ std::vector<std::int32_t> parse_token_ids(const std::string& text) {
     std::int32_t value = 0;
     const auto [ptr, ec] = std::from_chars(item.data(), item.data() + item.size(), value);
     if (item.empty() || ec != std::errc() || ptr != item.data() + item.size())
-      throw Error(fmt::format("bad token id list \"{}\": item {} (\"{}\") is not an integer", text, index, item));
-    if (value < 0) throw Error(fmt::format("bad token id list \"{}\": item {} ({}) is negative", text, index, value));
+      throw Error(fmt::format("bad token id list \"{}\": item {} (\"{}\") is not an integer", text,
+                              index, item));
+    if (value < 0)
+      throw Error(
+          fmt::format("bad token id list \"{}\": item {} ({}) is negative", text, index, value));
     ids.push_back(value);
     start = end + 1;
     ++index;

@@ -26,9 +26,10 @@ struct MemoryOptions {
 
 DType parse_dtype(const std::string& name, const char* flag) {
   const auto dtype = dtype_from_short_name(name);
-  if (!dtype || !(*dtype == DType::dtype_f32 || *dtype == DType::dtype_f16 || *dtype == DType::dtype_bf16 ||
-                  *dtype == DType::dtype_f8_e4m3))
-    throw Error(fmt::format("{} \"{}\" is not supported: choose f32, f16, bf16 or fp8", flag, name));
+  if (!dtype || !(*dtype == DType::dtype_f32 || *dtype == DType::dtype_f16 ||
+                  *dtype == DType::dtype_bf16 || *dtype == DType::dtype_f8_e4m3))
+    throw Error(
+        fmt::format("{} \"{}\" is not supported: choose f32, f16, bf16 or fp8", flag, name));
   return *dtype;
 }
 
@@ -39,7 +40,8 @@ void run_memory(const MemoryOptions& o) {
   query.seq_len = o.seq_len;
   query.batch = o.batch;
   query.kv_dtype = parse_dtype(o.dtype, "--dtype");
-  query.weight_dtype = o.weight_dtype.empty() ? query.kv_dtype : parse_dtype(o.weight_dtype, "--weight-dtype");
+  query.weight_dtype =
+      o.weight_dtype.empty() ? query.kv_dtype : parse_dtype(o.weight_dtype, "--weight-dtype");
   query.kv_heads = o.kv_heads;
   query.gpu_memory_gib = o.gpu_mem;
   const KvMemoryReport r = kv_memory(c, query);
@@ -51,8 +53,9 @@ void run_memory(const MemoryOptions& o) {
   if (c.num_key_value_heads != 8 && c.num_attention_heads % 8 == 0 && c.num_attention_heads > 8)
     variants.emplace_back("GQA-8", 8);
   variants.emplace_back("MQA", 1);
-  const KvMemoryReport mha = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
-                                           c.num_attention_heads, query.gpu_memory_gib});
+  const KvMemoryReport mha =
+      kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
+                    c.num_attention_heads, query.gpu_memory_gib});
 
   if (o.json) {
     nlohmann::json out = {{"model", c.name},
@@ -66,9 +69,13 @@ void run_memory(const MemoryOptions& o) {
                           {"weight_bytes", r.weight_bytes}};
     if (r.max_batch) out["max_batch"] = *r.max_batch;
     for (const auto& [name, heads] : variants) {
-      const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype, heads, query.gpu_memory_gib});
-      nlohmann::json row = {{"variant", name}, {"kv_heads", heads}, {"bytes_per_request", v.bytes_per_request},
-                            {"ratio_to_mha", static_cast<double>(v.bytes_per_token) / static_cast<double>(mha.bytes_per_token)}};
+      const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
+                                   heads, query.gpu_memory_gib});
+      nlohmann::json row = {{"variant", name},
+                            {"kv_heads", heads},
+                            {"bytes_per_request", v.bytes_per_request},
+                            {"ratio_to_mha", static_cast<double>(v.bytes_per_token) /
+                                                 static_cast<double>(mha.bytes_per_token)}};
       if (v.max_batch) row["max_batch"] = *v.max_batch;
       out["variants"].push_back(row);
     }
@@ -76,29 +83,32 @@ void run_memory(const MemoryOptions& o) {
     return;
   }
   const auto element = dtype_size(query.kv_dtype);
-  fmt::print("model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters\n", c.name,
-             c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+  fmt::print("model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters\n",
+             c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
              static_cast<double>(c.parameter_count()) / 1e9);
   fmt::print("KV cache, {} x {} KV heads:\n", o.dtype, r.kv_heads);
   fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
-             human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads, c.head_dim, element,
-             r.bytes_per_token);
-  fmt::print("  per request  {:>12}  ({} tokens, {} B)\n", human_bytes(static_cast<double>(r.bytes_per_request)),
-             o.seq_len, r.bytes_per_request);
-  fmt::print("  total        {:>12}  (batch {}, {} B)\n", human_bytes(static_cast<double>(r.bytes_total)), o.batch,
-             r.bytes_total);
-  fmt::print("weights        {:>12}  ({} x {} parameters)\n", human_bytes(static_cast<double>(r.weight_bytes)),
-             dtype_short_name(query.weight_dtype), c.parameter_count());
+             human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
+             c.head_dim, element, r.bytes_per_token);
+  fmt::print("  per request  {:>12}  ({} tokens, {} B)\n",
+             human_bytes(static_cast<double>(r.bytes_per_request)), o.seq_len, r.bytes_per_request);
+  fmt::print("  total        {:>12}  (batch {}, {} B)\n",
+             human_bytes(static_cast<double>(r.bytes_total)), o.batch, r.bytes_total);
+  fmt::print("weights        {:>12}  ({} x {} parameters)\n",
+             human_bytes(static_cast<double>(r.weight_bytes)), dtype_short_name(query.weight_dtype),
+             c.parameter_count());
   if (r.max_batch)
-    fmt::print("max batch      {:>12}  requests of {} tokens in {} GiB next to the weights\n", *r.max_batch, o.seq_len,
-               *o.gpu_mem);
-  fmt::print("\n{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", "variant", "kv_heads", "per token", "per request", "vs MHA",
-             r.max_batch ? "  max batch" : "");
+    fmt::print("max batch      {:>12}  requests of {} tokens in {} GiB next to the weights\n",
+               *r.max_batch, o.seq_len, *o.gpu_mem);
+  fmt::print("\n{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", "variant", "kv_heads", "per token",
+             "per request", "vs MHA", r.max_batch ? "  max batch" : "");
   for (const auto& [name, heads] : variants) {
-    const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype, heads, query.gpu_memory_gib});
-    const std::string ratio = heads == c.num_attention_heads ? "1x" :
-                              fmt::format("1/{}x", c.num_attention_heads / heads);
-    fmt::print("{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", name, heads, human_bytes(static_cast<double>(v.bytes_per_token)),
+    const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
+                                 heads, query.gpu_memory_gib});
+    const std::string ratio =
+        heads == c.num_attention_heads ? "1x" : fmt::format("1/{}x", c.num_attention_heads / heads);
+    fmt::print("{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", name, heads,
+               human_bytes(static_cast<double>(v.bytes_per_token)),
                human_bytes(static_cast<double>(v.bytes_per_request)), ratio,
                v.max_batch ? fmt::format("  {:>9}", *v.max_batch) : "");
   }
@@ -112,7 +122,8 @@ void register_memory(CLI::App& app) {
   sub->add_option("--model", o->model, "Preset name (e.g. llama-7b) or model folder")->required();
   sub->add_option("--seq-len", o->seq_len, "Tokens per request (prompt + output)")->required();
   sub->add_option("--batch", o->batch, "Concurrent requests")->capture_default_str();
-  sub->add_option("--dtype", o->dtype, "KV element type: f32, f16, bf16, fp8")->capture_default_str();
+  sub->add_option("--dtype", o->dtype, "KV element type: f32, f16, bf16, fp8")
+      ->capture_default_str();
   sub->add_option("--weight-dtype", o->weight_dtype, "Weight element type (default: --dtype)");
   sub->add_option("--kv-heads", o->kv_heads, "KV heads (MHA = query heads, GQA = groups, MQA = 1)");
   sub->add_option("--gpu-mem", o->gpu_mem, "Device memory in GiB: report the max batch that fits");

@@ -21,11 +21,13 @@ struct InitOptions {
 void run_init(const InitOptions& o) {
   const ModelConfig config = model_preset(o.preset);
   const auto dtype = dtype_from_short_name(o.dtype);
-  if (!dtype || (*dtype != DType::dtype_f32 && *dtype != DType::dtype_f16 && *dtype != DType::dtype_bf16))
-    throw Error(fmt::format("--dtype \"{}\" is not a weight dtype kvlab writes: choose f32, f16 or bf16", o.dtype));
+  if (!dtype ||
+      (*dtype != DType::dtype_f32 && *dtype != DType::dtype_f16 && *dtype != DType::dtype_bf16))
+    throw Error(fmt::format(
+        "--dtype \"{}\" is not a weight dtype kvlab writes: choose f32, f16 or bf16", o.dtype));
   write_random_model(config, o.seed, *dtype, o.out);
-  fmt::print("wrote {} ({} weights, seed {}, {:.1f}M parameters) to {}\n", o.preset, o.dtype, o.seed,
-             static_cast<double>(config.parameter_count()) / 1e6, o.out);
+  fmt::print("wrote {} ({} weights, seed {}, {:.1f}M parameters) to {}\n", o.preset, o.dtype,
+             o.seed, static_cast<double>(config.parameter_count()) / 1e6, o.out);
 }
 
 void run_info(const std::string& name) {
@@ -33,11 +35,12 @@ void run_info(const std::string& name) {
   const ModelConfig& c = source.config;
   fmt::print("model:               {}{}\n", c.name, c.size_only ? " (size-only preset)" : "");
   fmt::print("architecture:        {}\n", c.architecture);
-  fmt::print("parameters:          {} ({:.2f}M)\n", c.parameter_count(), static_cast<double>(c.parameter_count()) / 1e6);
+  fmt::print("parameters:          {} ({:.2f}M)\n", c.parameter_count(),
+             static_cast<double>(c.parameter_count()) / 1e6);
   fmt::print("layers:              {}\n", c.num_hidden_layers);
   fmt::print("hidden / ffn:        {} / {}\n", c.hidden_size, c.intermediate_size);
-  fmt::print("heads / kv heads:    {} / {} (group {}, head_dim {})\n", c.num_attention_heads, c.num_key_value_heads,
-             c.group_size(), c.head_dim);
+  fmt::print("heads / kv heads:    {} / {} (group {}, head_dim {})\n", c.num_attention_heads,
+             c.num_key_value_heads, c.group_size(), c.head_dim);
   fmt::print("vocab / context:     {} / {}\n", c.vocab_size, c.max_position_embeddings);
   fmt::print("rope_theta / eps:    {} / {}\n", c.rope_theta, c.rms_norm_eps);
   fmt::print("tied embeddings:     {}\n", c.tie_word_embeddings ? "yes" : "no");
@@ -55,10 +58,13 @@ void register_model(CLI::App& app) {
   model->require_subcommand(1);
 
   auto init = std::make_shared<InitOptions>();
-  auto* init_cmd = model->add_subcommand("init", "Write a preset with deterministic random weights (HF layout)");
+  auto* init_cmd =
+      model->add_subcommand("init", "Write a preset with deterministic random weights (HF layout)");
   init_cmd->add_option("--preset", init->preset, "tiny, stories15m or stories110m")->required();
-  init_cmd->add_option("--seed", init->seed, "Weight seed (same seed, same bytes)")->capture_default_str();
-  init_cmd->add_option("--out", init->out, "Output folder (config.json + model.safetensors)")->required();
+  init_cmd->add_option("--seed", init->seed, "Weight seed (same seed, same bytes)")
+      ->capture_default_str();
+  init_cmd->add_option("--out", init->out, "Output folder (config.json + model.safetensors)")
+      ->required();
   init_cmd->add_option("--dtype", init->dtype, "f32, f16 or bf16")->capture_default_str();
   init_cmd->callback([init]() { run_init(*init); });
 

@@ -19,10 +19,12 @@ int main(int argc, char** argv) {
   kvlab::cli::register_memory(app);
   if (argc > 1 && argv[1][0] != '-') {  // name an unknown command (CLI11 only says one is required)
     std::vector<std::string> commands;
-    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) commands.push_back(sub->get_name());
+    for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
+      commands.push_back(sub->get_name());
     if (std::find(commands.begin(), commands.end(), argv[1]) == commands.end()) {
       std::string message = fmt::format("kvlab: error: unknown command \"{}\"", argv[1]);
-      if (auto near = kvlab::nearest_name(argv[1], commands)) message += fmt::format(" (did you mean \"{}\"?)", *near);
+      if (auto near = kvlab::nearest_name(argv[1], commands))
+        message += fmt::format(" (did you mean \"{}\"?)", *near);
       fmt::print(stderr, "{}; commands: {}\n", message, kvlab::join_names(commands));
       return 2;
     }

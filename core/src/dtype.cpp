@@ -30,7 +30,9 @@ constexpr std::array<DTypeInfo, 12> kDTypes{{
     {DType::dtype_bool, "BOOL", "bool", 1},
 }};
 
-const DTypeInfo& info(DType dtype) { return kDTypes[static_cast<std::size_t>(dtype)]; }
+const DTypeInfo& info(DType dtype) {
+  return kDTypes[static_cast<std::size_t>(dtype)];
+}
 
 template <typename T>
 T load_unaligned(const std::byte* p) {
@@ -41,9 +43,15 @@ T load_unaligned(const std::byte* p) {
 
 }  // namespace
 
-std::size_t dtype_size(DType dtype) { return info(dtype).size; }
-std::string_view dtype_safetensors_name(DType dtype) { return info(dtype).safetensors_name; }
-std::string_view dtype_short_name(DType dtype) { return info(dtype).short_name; }
+std::size_t dtype_size(DType dtype) {
+  return info(dtype).size;
+}
+std::string_view dtype_safetensors_name(DType dtype) {
+  return info(dtype).safetensors_name;
+}
+std::string_view dtype_short_name(DType dtype) {
+  return info(dtype).short_name;
+}
 
 std::optional<DType> dtype_from_safetensors_name(std::string_view name) {
   for (const auto& entry : kDTypes)
@@ -89,7 +97,8 @@ void convert_to_f32(DType dtype, std::span<const std::byte> source, std::span<fl
   }
 }
 
-void convert_from_f32(DType dtype, std::span<const float> source, std::span<std::byte> destination) {
+void convert_from_f32(DType dtype, std::span<const float> source,
+                      std::span<std::byte> destination) {
   const std::size_t n = source.size();
   assert(destination.size() == n * dtype_size(dtype));
   std::byte* p = destination.data();

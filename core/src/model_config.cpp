@@ -33,18 +33,19 @@ std::int64_t ModelConfig::parameter_count() const {
 }
 
 double forward_flops(const ModelConfig& c, std::int64_t tokens, std::int64_t logit_positions) {
-  const double layer_matmul = 2.0 * static_cast<double>(c.hidden_size * c.q_dim() * 2 +
-                                                        c.hidden_size * c.kv_dim() * 2 +
-                                                        3 * c.hidden_size * c.intermediate_size);
+  const double layer_matmul =
+      2.0 * static_cast<double>(c.hidden_size * c.q_dim() * 2 + c.hidden_size * c.kv_dim() * 2 +
+                                3 * c.hidden_size * c.intermediate_size);
   double attended_keys = 0;  // sum over positions of the keys each query sees
   for (std::int64_t t = 0; t < tokens; ++t)
-    attended_keys += static_cast<double>(c.sliding_window ? std::min(t + 1, *c.sliding_window) : t + 1);
+    attended_keys +=
+        static_cast<double>(c.sliding_window ? std::min(t + 1, *c.sliding_window) : t + 1);
   // QK^T and PV: 2 FLOPs x head_dim per (query head, key) for each.
-  const double attention = 4.0 * static_cast<double>(c.num_attention_heads * c.head_dim) * attended_keys;
+  const double attention =
+      4.0 * static_cast<double>(c.num_attention_heads * c.head_dim) * attended_keys;
   const double lm_head = 2.0 * static_cast<double>(c.vocab_size * c.hidden_size) *
                          static_cast<double>(logit_positions);
-  return static_cast<double>(c.num_hidden_layers) *
-             (layer_matmul * static_cast<double>(tokens)) +
+  return static_cast<double>(c.num_hidden_layers) * (layer_matmul * static_cast<double>(tokens)) +
          static_cast<double>(c.num_hidden_layers) * attention + lm_head;
 }
 
@@ -84,7 +85,8 @@ class FieldReader {
  private:
   template <typename T>
   std::optional<T> wrong_type(const char* key, const char* expected, const json& value) {
-    problems_.push_back(fmt::format("field \"{}\" must be {}, got {}", key, expected, value.dump()));
+    problems_.push_back(
+        fmt::format("field \"{}\" must be {}, got {}", key, expected, value.dump()));
     return std::nullopt;
   }
   const json& root_;
@@ -103,7 +105,8 @@ void throw_problems(std::string_view source, const std::vector<std::string>& pro
 namespace {
 
 // Every problem with `c`, skipping fields whose reading already failed (`already_reported`).
-std::vector<std::string> config_problems(const ModelConfig& c, const std::vector<std::string>& already_reported) {
+std::vector<std::string> config_problems(const ModelConfig& c,
+                                         const std::vector<std::string>& already_reported) {
   std::vector<std::string> problems;
   auto reported = [&](const char* key) {
     const std::string quoted = fmt::format("\"{}\"", key);
@@ -111,7 +114,8 @@ std::vector<std::string> config_problems(const ModelConfig& c, const std::vector
                        [&](const std::string& p) { return p.find(quoted) != std::string::npos; });
   };
   auto positive = [&](const char* key, std::int64_t value) {
-    if (value <= 0 && !reported(key)) problems.push_back(fmt::format("\"{}\" must be positive, got {}", key, value));
+    if (value <= 0 && !reported(key))
+      problems.push_back(fmt::format("\"{}\" must be positive, got {}", key, value));
   };
   positive("vocab_size", c.vocab_size);
   positive("hidden_size", c.hidden_size);
@@ -130,17 +134,22 @@ std::vector<std::string> config_problems(const ModelConfig& c, const std::vector
   if (c.head_dim > 0 && c.head_dim % 2 != 0)
     problems.push_back(
         fmt::format("head_dim ({}) must be even: RoPE rotates pairs of dimensions", c.head_dim));
-  if (!(c.rms_norm_eps > 0) && !reported("rms_norm_eps")) problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
-  if (!(c.rope_theta > 0) && !reported("rope_theta")) problems.push_back(fmt::format("\"rope_theta\" must be positive, got {}", c.rope_theta));
+  if (!(c.rms_norm_eps > 0) && !reported("rms_norm_eps"))
+    problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
+  if (!(c.rope_theta > 0) && !reported("rope_theta"))
+    problems.push_back(fmt::format("\"rope_theta\" must be positive, got {}", c.rope_theta));
   if (c.vocab_size > 0) {
     if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
-      problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})", c.bos_token_id, c.vocab_size));
+      problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})",
+                                     c.bos_token_id, c.vocab_size));
     for (auto eos : c.eos_token_ids)
       if (eos < 0 || eos >= c.vocab_size)
-        problems.push_back(fmt::format("eos_token_id {} is outside the vocabulary [0, {})", eos, c.vocab_size));
+        problems.push_back(
+            fmt::format("eos_token_id {} is outside the vocabulary [0, {})", eos, c.vocab_size));
   }
   if (c.sliding_window && *c.sliding_window <= 0)
-    problems.push_back(fmt::format("\"sliding_window\" must be positive, got {}", *c.sliding_window));
+    problems.push_back(
+        fmt::format("\"sliding_window\" must be positive, got {}", *c.sliding_window));
   const auto& architectures = supported_architectures();
   if (std::find(architectures.begin(), architectures.end(), c.architecture) == architectures.end())
     problems.push_back(fmt::format("architecture \"{}\" is not supported (kvlab runs {})",
@@ -161,7 +170,8 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   } catch (const json::parse_error& e) {
     throw Error(fmt::format("invalid model config {}: not valid JSON: {}", source, e.what()));
   }
-  if (!root.is_object()) throw Error(fmt::format("invalid model config {}: expected a JSON object", source));
+  if (!root.is_object())
+    throw Error(fmt::format("invalid model config {}: expected a JSON object", source));
 
   std::vector<std::string> problems;
   FieldReader read(root, problems);
@@ -169,11 +179,14 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   c.name = std::string(source);
   if (auto it = root.find("architectures"); it != root.end()) {
     if (!it->is_array() || it->size() != 1 || !(*it)[0].is_string())
-      problems.push_back("\"architectures\" must be a list with one name, e.g. [\"LlamaForCausalLM\"]");
+      problems.push_back(
+          "\"architectures\" must be a list with one name, e.g. [\"LlamaForCausalLM\"]");
     else
       c.architecture = (*it)[0].get<std::string>();
   } else if (auto model_type = read.get<std::string>("model_type", false)) {
-    c.architecture = *model_type == "mistral" ? "MistralForCausalLM" : *model_type == "llama" ? "LlamaForCausalLM" : *model_type;
+    c.architecture = *model_type == "mistral" ? "MistralForCausalLM"
+                     : *model_type == "llama" ? "LlamaForCausalLM"
+                                              : *model_type;
   }
   c.vocab_size = read.get<std::int64_t>("vocab_size", true).value_or(0);
   c.hidden_size = read.get<std::int64_t>("hidden_size", true).value_or(0);
@@ -200,21 +213,28 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
     c.eos_token_ids.clear();
     if (it->is_number_integer()) {
       c.eos_token_ids.push_back(it->get<std::int32_t>());
-    } else if (it->is_array() && std::all_of(it->begin(), it->end(), [](const json& v) { return v.is_number_integer(); }) && !it->empty()) {
+    } else if (it->is_array() &&
+               std::all_of(it->begin(), it->end(),
+                           [](const json& v) { return v.is_number_integer(); }) &&
+               !it->empty()) {
       for (const auto& v : *it) c.eos_token_ids.push_back(v.get<std::int32_t>());
     } else {
-      problems.push_back(fmt::format("\"eos_token_id\" must be an integer or a list of integers, got {}", it->dump()));
+      problems.push_back(fmt::format(
+          "\"eos_token_id\" must be an integer or a list of integers, got {}", it->dump()));
     }
   }
   c.sliding_window = read.get<std::int64_t>("sliding_window", false);
   // Features that would change the math: refuse them rather than compute something else.
   if (auto act = read.get<std::string>("hidden_act", false); act && *act != "silu")
-    problems.push_back(fmt::format("hidden_act \"{}\" is not supported (kvlab implements SwiGLU with silu)", *act));
+    problems.push_back(fmt::format(
+        "hidden_act \"{}\" is not supported (kvlab implements SwiGLU with silu)", *act));
   if (auto it = root.find("rope_scaling"); it != root.end() && !it->is_null())
-    problems.push_back(fmt::format("rope_scaling {} is not supported (kvlab implements plain RoPE)", it->dump()));
+    problems.push_back(
+        fmt::format("rope_scaling {} is not supported (kvlab implements plain RoPE)", it->dump()));
   for (const char* key : {"attention_bias", "mlp_bias"})
     if (read.get<bool>(key, false).value_or(false))
-      problems.push_back(fmt::format("\"{}\": true is not supported (LLaMA projections have no bias)", key));
+      problems.push_back(
+          fmt::format("\"{}\": true is not supported (LLaMA projections have no bias)", key));
   for (auto& problem : config_problems(c, problems)) problems.push_back(std::move(problem));
   throw_problems(source, problems);
   return c;
@@ -223,7 +243,9 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
 ModelConfig load_model_config(const std::filesystem::path& path) {
   const auto file = std::filesystem::is_directory(path) ? path / "config.json" : path;
   std::ifstream in(file, std::ios::binary);
-  if (!in) throw Error(fmt::format("cannot read model config {}: file not found or not readable", file.string()));
+  if (!in)
+    throw Error(
+        fmt::format("cannot read model config {}: file not found or not readable", file.string()));
   std::stringstream text;
   text << in.rdbuf();
   return parse_model_config(text.str(), file.string());
@@ -311,7 +333,8 @@ ModelConfig model_preset(std::string_view name) {
   }
   const auto names = model_preset_names();
   std::string message = fmt::format("unknown model preset \"{}\"", name);
-  if (auto near = nearest_name(name, names)) message += fmt::format(" (did you mean \"{}\"?)", *near);
+  if (auto near = nearest_name(name, names))
+    message += fmt::format(" (did you mean \"{}\"?)", *near);
   message += "; presets: " + join_names(names);
   throw Error(message);
 }

@@ -56,7 +56,8 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   };
 
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) throw Error(fmt::format("cannot open safetensors file {}: {}", where, std::strerror(errno)));
+  if (fd < 0)
+    throw Error(fmt::format("cannot open safetensors file {}: {}", where, std::strerror(errno)));
   struct stat st {};
   if (fstat(fd, &st) != 0) {
     ::close(fd);
@@ -79,18 +80,24 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   const auto* base = static_cast<const std::byte*>(file.mapping_->address);
 
   if (file_size < 8)
-    throw fail(fmt::format("truncated: {} bytes, but the file must start with an 8-byte header length", file_size));
+    throw fail(fmt::format(
+        "truncated: {} bytes, but the file must start with an 8-byte header length", file_size));
   std::uint64_t header_length = 0;
-  for (int i = 7; i >= 0; --i) header_length = (header_length << 8) | std::to_integer<std::uint64_t>(base[i]);
+  for (int i = 7; i >= 0; --i)
+    header_length = (header_length << 8) | std::to_integer<std::uint64_t>(base[i]);
   if (header_length > file_size - 8)
-    throw fail(fmt::format("header length {} runs past the end of the file ({} bytes): truncated or not a safetensors file",
-                           header_length, file_size));
+    throw fail(
+        fmt::format("header length {} runs past the end of the file ({} bytes): truncated or not a "
+                    "safetensors file",
+                    header_length, file_size));
   if (header_length > kMaxHeaderBytes)
-    throw fail(fmt::format("header length {} exceeds the {}-byte limit", header_length, kMaxHeaderBytes));
+    throw fail(
+        fmt::format("header length {} exceeds the {}-byte limit", header_length, kMaxHeaderBytes));
 
   json header;
   try {
-    header = json::parse(reinterpret_cast<const char*>(base + 8), reinterpret_cast<const char*>(base + 8 + header_length));
+    header = json::parse(reinterpret_cast<const char*>(base + 8),
+                         reinterpret_cast<const char*>(base + 8 + header_length));
   } catch (const json::parse_error& e) {
     throw fail(fmt::format("header is not valid JSON: {}", e.what()));
   }
@@ -101,7 +108,8 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     if (name == "__metadata__") {
       if (!entry.is_object()) throw fail("\"__metadata__\" must be an object of strings");
       for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string()) throw fail(fmt::format("\"__metadata__\" value for \"{}\" must be a string", key));
+        if (!value.is_string())
+          throw fail(fmt::format("\"__metadata__\" value for \"{}\" must be a string", key));
         file.metadata_[key] = value.get<std::string>();
       }
       continue;
@@ -109,18 +117,24 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     auto tensor_fail = [&](const std::string& why) -> Error {
       return Error(fmt::format("bad safetensors file {}: tensor \"{}\": {}", where, name, why));
     };
-    if (!entry.is_object()) throw tensor_fail("entry must be an object with dtype, shape, data_offsets");
+    if (!entry.is_object())
+      throw tensor_fail("entry must be an object with dtype, shape, data_offsets");
     TensorInfo info;
     info.name = name;
     const auto dtype_it = entry.find("dtype");
-    if (dtype_it == entry.end() || !dtype_it->is_string()) throw tensor_fail("missing string field \"dtype\"");
+    if (dtype_it == entry.end() || !dtype_it->is_string())
+      throw tensor_fail("missing string field \"dtype\"");
     const auto dtype = dtype_from_safetensors_name(dtype_it->get<std::string>());
-    if (!dtype) throw tensor_fail(fmt::format("unknown dtype \"{}\"", dtype_it->get<std::string>()));
+    if (!dtype)
+      throw tensor_fail(fmt::format("unknown dtype \"{}\"", dtype_it->get<std::string>()));
     info.dtype = *dtype;
     const auto shape_it = entry.find("shape");
-    if (shape_it == entry.end() || !shape_it->is_array()) throw tensor_fail("missing array field \"shape\"");
+    if (shape_it == entry.end() || !shape_it->is_array())
+      throw tensor_fail("missing array field \"shape\"");
     for (const auto& d : *shape_it) {
-      if (!d.is_number_unsigned()) throw tensor_fail(fmt::format("shape {} must hold non-negative integers", shape_it->dump()));
+      if (!d.is_number_unsigned())
+        throw tensor_fail(
+            fmt::format("shape {} must hold non-negative integers", shape_it->dump()));
       info.shape.push_back(d.get<std::int64_t>());
     }
     const auto offsets_it = entry.find("data_offsets");
@@ -130,15 +144,19 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     info.data_begin = (*offsets_it)[0].get<std::uint64_t>();
     info.data_end = (*offsets_it)[1].get<std::uint64_t>();
     if (info.data_end < info.data_begin)
-      throw tensor_fail(fmt::format("data_offsets [{}, {}] end before they begin", info.data_begin, info.data_end));
+      throw tensor_fail(fmt::format("data_offsets [{}, {}] end before they begin", info.data_begin,
+                                    info.data_end));
     const auto needed = static_cast<std::uint64_t>(info.element_count()) * dtype_size(info.dtype);
     if (info.data_end - info.data_begin != needed)
-      throw tensor_fail(fmt::format("data_offsets [{}, {}] hold {} bytes but {} x {} needs {}", info.data_begin,
-                                    info.data_end, info.data_end - info.data_begin, dtype_it->get<std::string>(),
-                                    shape_to_string(info.shape), needed));
+      throw tensor_fail(fmt::format("data_offsets [{}, {}] hold {} bytes but {} x {} needs {}",
+                                    info.data_begin, info.data_end, info.data_end - info.data_begin,
+                                    dtype_it->get<std::string>(), shape_to_string(info.shape),
+                                    needed));
     if (info.data_end > file.data_.size())
-      throw tensor_fail(fmt::format("data_offsets [{}, {}] are out of bounds: the data section has {} bytes (truncated file?)",
-                                    info.data_begin, info.data_end, file.data_.size()));
+      throw tensor_fail(
+          fmt::format("data_offsets [{}, {}] are out of bounds: the data section has {} bytes "
+                      "(truncated file?)",
+                      info.data_begin, info.data_end, file.data_.size()));
     file.tensors_.push_back(std::move(info));
   }
 
@@ -152,8 +170,8 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     if (current->data_end == current->data_begin) continue;  // empty tensors own no bytes
     if (furthest != nullptr && current->data_begin < furthest->data_end)
       throw fail(fmt::format("tensors \"{}\" [{}, {}] and \"{}\" [{}, {}] overlap", furthest->name,
-                             furthest->data_begin, furthest->data_end, current->name, current->data_begin,
-                             current->data_end));
+                             furthest->data_begin, furthest->data_end, current->name,
+                             current->data_begin, current->data_end));
     if (furthest == nullptr || current->data_end > furthest->data_end) furthest = current;
   }
   std::sort(file.tensors_.begin(), file.tensors_.end(),
@@ -184,37 +202,49 @@ Checkpoint Checkpoint::open(const std::filesystem::path& directory) {
     try {
       root = json::parse(text.str());
     } catch (const json::parse_error& e) {
-      throw Error(fmt::format("bad checkpoint index {}: not valid JSON: {}", index.string(), e.what()));
+      throw Error(
+          fmt::format("bad checkpoint index {}: not valid JSON: {}", index.string(), e.what()));
     }
     const auto map_it = root.find("weight_map");
     if (!root.is_object() || map_it == root.end() || !map_it->is_object())
-      throw Error(fmt::format("bad checkpoint index {}: missing object \"weight_map\"", index.string()));
+      throw Error(
+          fmt::format("bad checkpoint index {}: missing object \"weight_map\"", index.string()));
     std::map<std::string, std::size_t> file_indices;
     for (const auto& [tensor, shard] : map_it->items()) {
       if (!shard.is_string())
-        throw Error(fmt::format("bad checkpoint index {}: tensor \"{}\" must map to a file name", index.string(), tensor));
+        throw Error(fmt::format("bad checkpoint index {}: tensor \"{}\" must map to a file name",
+                                index.string(), tensor));
       const auto shard_name = shard.get<std::string>();
       if (shard_name.find('/') != std::string::npos)
-        throw Error(fmt::format("bad checkpoint index {}: shard \"{}\" must be a file in the same folder", index.string(), shard_name));
+        throw Error(
+            fmt::format("bad checkpoint index {}: shard \"{}\" must be a file in the same folder",
+                        index.string(), shard_name));
       auto [it, inserted] = file_indices.try_emplace(shard_name, checkpoint.files_.size());
       if (inserted) checkpoint.files_.push_back(SafetensorsFile::open(directory / shard_name));
       const auto& file = checkpoint.files_[it->second];
       const TensorInfo* info = file.find(tensor);
       if (info == nullptr)
-        throw Error(fmt::format("bad checkpoint index {}: tensor \"{}\" is listed in {} but that file does not contain it",
-                                index.string(), tensor, file.path().string()));
+        throw Error(
+            fmt::format("bad checkpoint index {}: tensor \"{}\" is listed in {} but that file does "
+                        "not contain it",
+                        index.string(), tensor, file.path().string()));
       checkpoint.tensors_.emplace(tensor, Location{it->second, info});
     }
   } else if (std::filesystem::exists(single)) {
     checkpoint.files_.push_back(SafetensorsFile::open(single));
-    for (const auto& info : checkpoint.files_[0].tensors()) checkpoint.tensors_.emplace(info.name, Location{0, &info});
+    for (const auto& info : checkpoint.files_[0].tensors())
+      checkpoint.tensors_.emplace(info.name, Location{0, &info});
   } else {
-    throw Error(fmt::format("no weights in {}: expected model.safetensors or model.safetensors.index.json", directory.string()));
+    throw Error(
+        fmt::format("no weights in {}: expected model.safetensors or model.safetensors.index.json",
+                    directory.string()));
   }
   return checkpoint;
 }
 
-bool Checkpoint::contains(std::string_view name) const { return tensors_.find(name) != tensors_.end(); }
+bool Checkpoint::contains(std::string_view name) const {
+  return tensors_.find(name) != tensors_.end();
+}
 
 std::vector<std::string> Checkpoint::tensor_names() const {
   std::vector<std::string> names;
@@ -226,8 +256,10 @@ Checkpoint::Location Checkpoint::locate(std::string_view name) const {
   auto it = tensors_.find(name);
   if (it == tensors_.end()) {
     const auto names = tensor_names();
-    std::string message = fmt::format("missing tensor \"{}\" in checkpoint {}", name, directory_.string());
-    if (auto near = nearest_name(name, names)) message += fmt::format(" (did you mean \"{}\"?)", *near);
+    std::string message =
+        fmt::format("missing tensor \"{}\" in checkpoint {}", name, directory_.string());
+    if (auto near = nearest_name(name, names))
+      message += fmt::format(" (did you mean \"{}\"?)", *near);
     throw Error(message);
   }
   return it->second;
@@ -238,19 +270,23 @@ void Checkpoint::read_f32_into(std::string_view name, std::span<const std::int64
   const Location location = locate(name);
   const SafetensorsFile& file = files_[location.file_index];
   const TensorInfo& info = *location.info;
-  if (!std::equal(info.shape.begin(), info.shape.end(), expected_shape.begin(), expected_shape.end()))
-    throw Error(fmt::format("tensor \"{}\" in {} has shape {} but the model config needs {}", name, file.path().string(),
-                            shape_to_string(info.shape), shape_to_string(expected_shape)));
+  if (!std::equal(info.shape.begin(), info.shape.end(), expected_shape.begin(),
+                  expected_shape.end()))
+    throw Error(fmt::format("tensor \"{}\" in {} has shape {} but the model config needs {}", name,
+                            file.path().string(), shape_to_string(info.shape),
+                            shape_to_string(expected_shape)));
   if (!dtype_converts_to_f32(info.dtype))
-    throw Error(fmt::format("tensor \"{}\" in {} has dtype {}; kvlab reads F32, F16, BF16 or F64 weights", name,
-                            file.path().string(), dtype_safetensors_name(info.dtype)));
+    throw Error(
+        fmt::format("tensor \"{}\" in {} has dtype {}; kvlab reads F32, F16, BF16 or F64 weights",
+                    name, file.path().string(), dtype_safetensors_name(info.dtype)));
   if (destination.size() != static_cast<std::size_t>(info.element_count()))
-    throw Error(fmt::format("tensor \"{}\": destination holds {} floats, tensor has {}", name, destination.size(),
-                            info.element_count()));
+    throw Error(fmt::format("tensor \"{}\": destination holds {} floats, tensor has {}", name,
+                            destination.size(), info.element_count()));
   convert_to_f32(info.dtype, file.bytes(info), destination);
 }
 
-std::vector<float> Checkpoint::read_f32(std::string_view name, std::span<const std::int64_t> expected_shape) const {
+std::vector<float> Checkpoint::read_f32(std::string_view name,
+                                        std::span<const std::int64_t> expected_shape) const {
   std::int64_t n = 1;
   for (auto d : expected_shape) n *= d;
   std::vector<float> values(static_cast<std::size_t>(n));
@@ -270,19 +306,25 @@ void write_safetensors(const std::filesystem::path& path, std::span<const Tensor
   for (std::size_t i = 0; i < ordered.size(); ++i) {
     const TensorToWrite& t = *ordered[i];
     if (t.name.empty() || t.name == "__metadata__")
-      throw Error(fmt::format("cannot write {}: invalid tensor name \"{}\"", path.string(), t.name));
+      throw Error(
+          fmt::format("cannot write {}: invalid tensor name \"{}\"", path.string(), t.name));
     if (i > 0 && ordered[i - 1]->name == t.name)
       throw Error(fmt::format("cannot write {}: tensor \"{}\" given twice", path.string(), t.name));
     std::int64_t n = 1;
     for (auto d : t.shape) {
-      if (d < 0) throw Error(fmt::format("cannot write {}: tensor \"{}\" has a negative dimension", path.string(), t.name));
+      if (d < 0)
+        throw Error(fmt::format("cannot write {}: tensor \"{}\" has a negative dimension",
+                                path.string(), t.name));
       n *= d;
     }
     const std::uint64_t size = static_cast<std::uint64_t>(n) * dtype_size(t.dtype);
     if (size != t.bytes.size())
-      throw Error(fmt::format("cannot write {}: tensor \"{}\" {} {} needs {} bytes, got {}", path.string(), t.name,
-                              dtype_safetensors_name(t.dtype), shape_to_string(t.shape), size, t.bytes.size()));
-    header[t.name] = {{"dtype", dtype_safetensors_name(t.dtype)}, {"shape", t.shape}, {"data_offsets", {offset, offset + size}}};
+      throw Error(fmt::format("cannot write {}: tensor \"{}\" {} {} needs {} bytes, got {}",
+                              path.string(), t.name, dtype_safetensors_name(t.dtype),
+                              shape_to_string(t.shape), size, t.bytes.size()));
+    header[t.name] = {{"dtype", dtype_safetensors_name(t.dtype)},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + size}}};
     offset += size;
   }
   std::string header_text = header.dump();
@@ -296,7 +338,8 @@ void write_safetensors(const std::filesystem::path& path, std::span<const Tensor
   out.write(length_bytes, 8);
   out.write(header_text.data(), static_cast<std::streamsize>(header_text.size()));
   for (const auto* t : ordered)
-    out.write(reinterpret_cast<const char*>(t->bytes.data()), static_cast<std::streamsize>(t->bytes.size()));
+    out.write(reinterpret_cast<const char*>(t->bytes.data()),
+              static_cast<std::streamsize>(t->bytes.size()));
   out.close();
   if (!out) throw Error(fmt::format("cannot write {}: write failed (disk full?)", path.string()));
 }

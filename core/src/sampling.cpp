@@ -33,10 +33,14 @@ std::vector<std::pair<std::int32_t, double>> kept_candidates(std::span<const flo
   const double normaliser = log_sum_exp(logits, inv_temperature);
   std::vector<std::pair<std::int32_t, double>> candidates(logits.size());
   for (std::size_t i = 0; i < logits.size(); ++i)
-    candidates[i] = {static_cast<std::int32_t>(i), std::exp(static_cast<double>(logits[i]) * inv_temperature - normaliser)};
-  auto more_likely = [](const auto& a, const auto& b) { return a.second > b.second || (a.second == b.second && a.first < b.first); };
+    candidates[i] = {static_cast<std::int32_t>(i),
+                     std::exp(static_cast<double>(logits[i]) * inv_temperature - normaliser)};
+  auto more_likely = [](const auto& a, const auto& b) {
+    return a.second > b.second || (a.second == b.second && a.first < b.first);
+  };
   if (p.top_k > 0 && static_cast<std::size_t>(p.top_k) < candidates.size()) {
-    std::nth_element(candidates.begin(), candidates.begin() + p.top_k, candidates.end(), more_likely);
+    std::nth_element(candidates.begin(), candidates.begin() + p.top_k, candidates.end(),
+                     more_likely);
     candidates.resize(static_cast<std::size_t>(p.top_k));
   }
   std::sort(candidates.begin(), candidates.end(), more_likely);
@@ -63,9 +67,11 @@ std::vector<std::pair<std::int32_t, double>> kept_candidates(std::span<const flo
 
 void validate_sampling_params(const SamplingParams& p) {
   if (!(p.temperature >= 0) || !std::isfinite(p.temperature))
-    throw Error(fmt::format("temperature must be a finite number >= 0 (0 = greedy), got {}", p.temperature));
+    throw Error(fmt::format("temperature must be a finite number >= 0 (0 = greedy), got {}",
+                            p.temperature));
   if (p.top_k < 0) throw Error(fmt::format("top_k must be >= 0 (0 = off), got {}", p.top_k));
-  if (!(p.top_p > 0 && p.top_p <= 1)) throw Error(fmt::format("top_p must be in (0, 1] (1 = off), got {}", p.top_p));
+  if (!(p.top_p > 0 && p.top_p <= 1))
+    throw Error(fmt::format("top_p must be in (0, 1] (1 = off), got {}", p.top_p));
   if (p.max_tokens < 1) throw Error(fmt::format("max_tokens must be >= 1, got {}", p.max_tokens));
 }
 
@@ -75,7 +81,9 @@ std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, std::int32
   std::iota(ids.begin(), ids.end(), 0);
   const auto count = std::min<std::size_t>(static_cast<std::size_t>(std::max(k, 0)), ids.size());
   std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(count), ids.end(),
-                    [&](std::int32_t a, std::int32_t b) { return logits[a] > logits[b] || (logits[a] == logits[b] && a < b); });
+                    [&](std::int32_t a, std::int32_t b) {
+                      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
+                    });
   std::vector<TokenLogprob> out;
   for (std::size_t i = 0; i < count; ++i)
     out.push_back({ids[i], static_cast<float>(static_cast<double>(logits[ids[i]]) - normaliser)});
@@ -92,7 +100,8 @@ std::vector<double> sampling_distribution(std::span<const float> logits, const S
     distribution[argmax(logits)] = 1.0;
     return distribution;
   }
-  for (const auto& [token, probability] : kept_candidates(logits, p)) distribution[token] = probability;
+  for (const auto& [token, probability] : kept_candidates(logits, p))
+    distribution[token] = probability;
   return distribution;
 }
 

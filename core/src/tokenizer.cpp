@@ -20,7 +20,8 @@ Tokenizer Tokenizer::open(const std::filesystem::path& model_file) {
   auto impl = std::make_unique<Impl>();
   const auto status = impl->processor.Load(model_file.string());
   if (!status.ok())
-    throw Error(fmt::format("cannot load SentencePiece tokenizer {}: {}", model_file.string(), status.ToString()));
+    throw Error(fmt::format("cannot load SentencePiece tokenizer {}: {}", model_file.string(),
+                            status.ToString()));
   return Tokenizer(std::move(impl));
 }
 
@@ -47,7 +48,8 @@ std::string Tokenizer::decode(std::span<const std::int32_t> ids) const {
     if (run.empty()) return;
     std::string decoded;
     const auto status = impl_->processor.Decode(run, &decoded);
-    if (!status.ok()) throw Error(fmt::format("tokenizer cannot decode ids: {}", status.ToString()));
+    if (!status.ok())
+      throw Error(fmt::format("tokenizer cannot decode ids: {}", status.ToString()));
     text += decoded;
     run.clear();
   };
@@ -63,6 +65,8 @@ std::string Tokenizer::decode(std::span<const std::int32_t> ids) const {
   return text;
 }
 
-std::int32_t Tokenizer::vocab_size() const { return impl_->processor.GetPieceSize(); }
+std::int32_t Tokenizer::vocab_size() const {
+  return impl_->processor.GetPieceSize();
+}
 
 }  // namespace kvlab

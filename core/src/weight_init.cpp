@@ -49,7 +49,8 @@ std::vector<WeightSpec> llama_weight_specs(const ModelConfig& c) {
   return specs;
 }
 
-std::vector<float> random_tensor_values(const WeightSpec& spec, std::uint64_t seed, double init_std) {
+std::vector<float> random_tensor_values(const WeightSpec& spec, std::uint64_t seed,
+                                        double init_std) {
   std::int64_t n = 1;
   for (auto d : spec.shape) n *= d;
   std::vector<float> values(static_cast<std::size_t>(n));
@@ -66,9 +67,10 @@ std::vector<float> random_tensor_values(const WeightSpec& spec, std::uint64_t se
   for (std::int64_t i = 0; i < n; ++i) {
     const std::uint64_t a = mix64(stream + 2 * static_cast<std::uint64_t>(i));
     const std::uint64_t b = mix64(stream + 2 * static_cast<std::uint64_t>(i) + 1);
-    const std::int64_t sum = static_cast<std::int64_t>(a & 0xffffff) + static_cast<std::int64_t>((a >> 24) & 0xffffff) +
-                             static_cast<std::int64_t>(b & 0xffffff) + static_cast<std::int64_t>((b >> 24) & 0xffffff) -
-                             (std::int64_t{1} << 25);
+    const std::int64_t sum =
+        static_cast<std::int64_t>(a & 0xffffff) + static_cast<std::int64_t>((a >> 24) & 0xffffff) +
+        static_cast<std::int64_t>(b & 0xffffff) + static_cast<std::int64_t>((b >> 24) & 0xffffff) -
+        (std::int64_t{1} << 25);
     values[static_cast<std::size_t>(i)] = static_cast<float>(static_cast<double>(sum) * scale);
   }
   return values;
@@ -77,14 +79,17 @@ std::vector<float> random_tensor_values(const WeightSpec& spec, std::uint64_t se
 void write_random_model(const ModelConfig& config, std::uint64_t seed, DType dtype,
                         const std::filesystem::path& directory) {
   if (config.size_only)
-    throw Error(fmt::format("preset \"{}\" is size-only ({:.1f}B parameters): it exists for `kvlab memory`; "
-                            "use tiny, stories15m or stories110m for runnable weights",
-                            config.name, static_cast<double>(config.parameter_count()) / 1e9));
+    throw Error(fmt::format(
+        "preset \"{}\" is size-only ({:.1f}B parameters): it exists for `kvlab memory`; "
+        "use tiny, stories15m or stories110m for runnable weights",
+        config.name, static_cast<double>(config.parameter_count()) / 1e9));
   if (dtype != DType::dtype_f32 && dtype != DType::dtype_f16 && dtype != DType::dtype_bf16)
-    throw Error(fmt::format("cannot write weights as {}: choose f32, f16 or bf16", dtype_short_name(dtype)));
+    throw Error(fmt::format("cannot write weights as {}: choose f32, f16 or bf16",
+                            dtype_short_name(dtype)));
   std::error_code ec;
   std::filesystem::create_directories(directory, ec);
-  if (ec) throw Error(fmt::format("cannot create model folder {}: {}", directory.string(), ec.message()));
+  if (ec)
+    throw Error(fmt::format("cannot create model folder {}: {}", directory.string(), ec.message()));
 
   const auto specs = llama_weight_specs(config);
   std::vector<std::vector<std::byte>> storage;
@@ -100,7 +105,9 @@ void write_random_model(const ModelConfig& config, std::uint64_t seed, DType dty
                     {{"format", "pt"}, {"kvlab_seed", std::to_string(seed)}});
   ModelConfig written = config;
   written.name = directory.string();
-  const char* torch_dtype = dtype == DType::dtype_f32 ? "float32" : dtype == DType::dtype_f16 ? "float16" : "bfloat16";
+  const char* torch_dtype = dtype == DType::dtype_f32   ? "float32"
+                            : dtype == DType::dtype_f16 ? "float16"
+                                                        : "bfloat16";
   const std::string json = model_config_to_json(written, torch_dtype);
   std::ofstream out(directory / "config.json", std::ios::binary | std::ios::trunc);
   out << json;

@@ -22,38 +22,60 @@ LlamaWeights build_weights(const ModelConfig& config,
   if (!config.tie_word_embeddings) w.lm_head.resize(config.vocab_size, dim);
   w.layers.resize(static_cast<std::size_t>(config.num_hidden_layers));
   for (auto& layer : w.layers) {
+    layer.q_dim = config.q_dim();
+    layer.kv_dim = config.kv_dim();
+    layer.ffn_dim = config.intermediate_size;
     layer.attention_norm.resize(dim);
-    layer.wq.resize(config.q_dim(), dim);
-    layer.wk.resize(config.kv_dim(), dim);
-    layer.wv.resize(config.kv_dim(), dim);
+    layer.w_qkv.resize(config.q_dim() + 2 * config.kv_dim(), dim);
     layer.wo.resize(dim, config.q_dim());
     layer.mlp_norm.resize(dim);
-    layer.w_gate.resize(config.intermediate_size, dim);
-    layer.w_up.resize(config.intermediate_size, dim);
+    layer.w_gate_up.resize(2 * config.intermediate_size, dim);
     layer.w_down.resize(dim, config.intermediate_size);
   }
-  auto span_of = [](auto& m) { return std::span<float>(m.data(), static_cast<std::size_t>(m.size())); };
+  // Row blocks of row-major matrices are contiguous, so each checkpoint tensor is one span.
+  auto span_of = [](auto&& m) {
+    return std::span<float>(m.data(), static_cast<std::size_t>(m.size()));
+  };
   for (const auto& spec : llama_weight_specs(config)) {
     const std::string& n = spec.name;
-    if (n == "model.embed_tokens.weight") { fill(spec, span_of(w.embedding)); continue; }
-    if (n == "model.norm.weight") { fill(spec, span_of(w.final_norm)); continue; }
-    if (n == "lm_head.weight") { fill(spec, span_of(w.lm_head)); continue; }
+    if (n == "model.embed_tokens.weight") {
+      fill(spec, span_of(w.embedding));
+      continue;
+    }
+    if (n == "model.norm.weight") {
+      fill(spec, span_of(w.final_norm));
+      continue;
+    }
+    if (n == "lm_head.weight") {
+      fill(spec, span_of(w.lm_head));
+      continue;
+    }
     std::size_t layer_index = 0;
     char field[64] = {};
     if (std::sscanf(n.c_str(), "model.layers.%zu.%63s", &layer_index, field) != 2)
       throw Error(fmt::format("internal: unexpected weight name {}", n));
     LayerWeights& layer = w.layers.at(layer_index);
     const std::string f = field;
-    if (f == "input_layernorm.weight") fill(spec, span_of(layer.attention_norm));
-    else if (f == "self_attn.q_proj.weight") fill(spec, span_of(layer.wq));
-    else if (f == "self_attn.k_proj.weight") fill(spec, span_of(layer.wk));
-    else if (f == "self_attn.v_proj.weight") fill(spec, span_of(layer.wv));
-    else if (f == "self_attn.o_proj.weight") fill(spec, span_of(layer.wo));
-    else if (f == "post_attention_layernorm.weight") fill(spec, span_of(layer.mlp_norm));
-    else if (f == "mlp.gate_proj.weight") fill(spec, span_of(layer.w_gate));
-    else if (f == "mlp.up_proj.weight") fill(spec, span_of(layer.w_up));
-    else if (f == "mlp.down_proj.weight") fill(spec, span_of(layer.w_down));
-    else throw Error(fmt::format("internal: unexpected weight name {}", n));
+    if (f == "input_layernorm.weight")
+      fill(spec, span_of(layer.attention_norm));
+    else if (f == "self_attn.q_proj.weight")
+      fill(spec, span_of(layer.wq()));
+    else if (f == "self_attn.k_proj.weight")
+      fill(spec, span_of(layer.wk()));
+    else if (f == "self_attn.v_proj.weight")
+      fill(spec, span_of(layer.wv()));
+    else if (f == "self_attn.o_proj.weight")
+      fill(spec, span_of(layer.wo));
+    else if (f == "post_attention_layernorm.weight")
+      fill(spec, span_of(layer.mlp_norm));
+    else if (f == "mlp.gate_proj.weight")
+      fill(spec, span_of(layer.w_gate()));
+    else if (f == "mlp.up_proj.weight")
+      fill(spec, span_of(layer.w_up()));
+    else if (f == "mlp.down_proj.weight")
+      fill(spec, span_of(layer.w_down));
+    else
+      throw Error(fmt::format("internal: unexpected weight name {}", n));
   }
   return w;
 }
@@ -62,8 +84,9 @@ LlamaWeights build_weights(const ModelConfig& config,
 
 LlamaWeights load_llama_weights(const std::filesystem::path& directory) {
   if (!std::filesystem::is_directory(directory))
-    throw Error(fmt::format("model folder {} does not exist (expected config.json and model.safetensors)",
-                            directory.string()));
+    throw Error(
+        fmt::format("model folder {} does not exist (expected config.json and model.safetensors)",
+                    directory.string()));
   ModelConfig config = load_model_config(directory / "config.json");
   config.name = directory.string();
   const Checkpoint checkpoint = Checkpoint::open(directory);
@@ -74,9 +97,10 @@ LlamaWeights load_llama_weights(const std::filesystem::path& directory) {
 
 LlamaWeights random_llama_weights(const ModelConfig& config, std::uint64_t seed) {
   if (config.size_only)
-    throw Error(fmt::format("preset \"{}\" is size-only ({:.1f}B parameters): use it with `kvlab memory`; "
-                            "runnable presets are tiny, stories15m and stories110m",
-                            config.name, static_cast<double>(config.parameter_count()) / 1e9));
+    throw Error(
+        fmt::format("preset \"{}\" is size-only ({:.1f}B parameters): use it with `kvlab memory`; "
+                    "runnable presets are tiny, stories15m and stories110m",
+                    config.name, static_cast<double>(config.parameter_count()) / 1e9));
   validate_model_config(config, config.name);
   return build_weights(config, [&](const WeightSpec& spec, std::span<float> destination) {
     const auto values = random_tensor_values(spec, seed);

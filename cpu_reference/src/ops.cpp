@@ -5,20 +5,25 @@
 #include <Eigen/Dense>
 #include <algorithm>
 #include <cmath>
-#include <limits>
+
+extern "C" void openblas_set_num_threads(int threads);  // OpenBLAS's own API (cblas.h)
 
 namespace kvlab::cpu {
 
 void set_num_threads(int threads) {
   omp_set_num_threads(threads);
   Eigen::setNbThreads(threads);
+  openblas_set_num_threads(threads);  // Eigen's products run in OpenBLAS (EIGEN_USE_BLAS)
 }
 
-int num_threads() { return Eigen::nbThreads(); }
+int num_threads() {
+  return Eigen::nbThreads();
+}
 
 void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowMatrix& out) {
   out.resize(x.rows(), x.cols());
   const auto gain = weight.transpose().array();  // (1, dim)
+#pragma omp parallel for if (x.rows() > 16)
   for (Eigen::Index t = 0; t < x.rows(); ++t) {
     const float mean_square = x.row(t).squaredNorm() / static_cast<float>(x.cols());
     const float inverse_rms = 1.0f / std::sqrt(mean_square + eps);
@@ -29,7 +34,8 @@ void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowM
 RopeTable::RopeTable(std::int64_t head_dim, double theta, std::int64_t max_positions)
     : head_dim_(head_dim), cos_(max_positions, head_dim / 2), sin_(max_positions, head_dim / 2) {
   for (std::int64_t i = 0; i < head_dim / 2; ++i) {
-    const double inverse_frequency = std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    const double inverse_frequency =
+        std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
     for (std::int64_t p = 0; p < max_positions; ++p) {
       const double angle = static_cast<double>(p) * inverse_frequency;
       cos_(p, i) = static_cast<float>(std::cos(angle));
@@ -38,7 +44,8 @@ RopeTable::RopeTable(std::int64_t head_dim, double theta, std::int64_t max_posit
   }
 }
 
-void RopeTable::apply(RowMatrix& rows, std::span<const std::int32_t> positions, std::int64_t n_heads) const {
+void RopeTable::apply(RowMatrix& rows, std::span<const std::int32_t> positions,
+                      std::int64_t n_heads) const {
   const std::int64_t half = head_dim_ / 2;
   for (std::int64_t t = 0; t < rows.rows(); ++t) {
     const auto cos_row = cos_.row(positions[static_cast<std::size_t>(t)]).array();  // (half)
@@ -53,8 +60,9 @@ void RopeTable::apply(RowMatrix& rows, std::span<const std::int32_t> positions, 
   }
 }
 
-void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v, std::int64_t n_heads,
-                      std::int64_t n_kv_heads, std::optional<std::int64_t> window, RowMatrix& out) {
+void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v,
+                      std::int64_t n_heads, std::int64_t n_kv_heads,
+                      std::optional<std::int64_t> window, RowMatrix& out) {
   const std::int64_t tokens = q.rows();
   const std::int64_t head_dim = q.cols() / n_heads;
   const std::int64_t group = n_heads / n_kv_heads;
@@ -70,21 +78,21 @@ void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v
       const std::int64_t q0 = b * kBlock;
       const std::int64_t q1 = std::min(tokens, q0 + kBlock);
       const std::int64_t k0 = window ? std::max<std::int64_t>(0, q0 - *window + 1) : 0;
-      const auto q_block = q.block(q0, h * head_dim, q1 - q0, head_dim);          // (B, hd)
-      const auto k_block = k.block(k0, kv_head * head_dim, q1 - k0, head_dim);    // (L, hd)
-      const auto v_block = v.block(k0, kv_head * head_dim, q1 - k0, head_dim);    // (L, hd)
-      RowMatrix scores = (q_block * k_block.transpose()) * scale;                 // (B, L)
+      const auto q_block = q.block(q0, h * head_dim, q1 - q0, head_dim);        // (B, hd)
+      const auto k_block = k.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
+      const auto v_block = v.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
+      RowMatrix scores = (q_block * k_block.transpose()) * scale;               // (B, L)
       for (std::int64_t i = 0; i < q1 - q0; ++i) {
+        // Query q0 + i sees keys [first, q0 + i]: causal, and within the window if any.
         const std::int64_t position = q0 + i;
+        const std::int64_t first = window ? std::max<std::int64_t>(k0, position - *window + 1) : k0;
         auto row = scores.row(i);
-        for (std::int64_t j = 0; j < q1 - k0; ++j) {
-          const std::int64_t key = k0 + j;
-          const bool visible = key <= position && (!window || position - key < *window);
-          if (!visible) row(j) = -std::numeric_limits<float>::infinity();
-        }
-        const float max_score = row.maxCoeff();
-        row = (row.array() - max_score).exp();
-        row /= row.sum();
+        auto visible = row.segment(first - k0, position - first + 1);
+        const float max_score = visible.maxCoeff();
+        visible = (visible.array() - max_score).exp();
+        visible /= visible.sum();
+        row.head(first - k0).setZero();
+        row.tail(q1 - 1 - position).setZero();
       }
       out.block(q0, h * head_dim, q1 - q0, head_dim).noalias() = scores * v_block;  // (B, hd)
     }

@@ -10,9 +10,11 @@ namespace kvlab::cpu {
 
 ReferenceModel::ReferenceModel(LlamaWeights weights)
     : weights_(std::move(weights)),
-      rope_(weights_.config.head_dim, weights_.config.rope_theta, weights_.config.max_position_embeddings) {}
+      rope_(weights_.config.head_dim, weights_.config.rope_theta,
+            weights_.config.max_position_embeddings) {}
 
-RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens, const ForwardOptions& options) const {
+RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
+                                  const ForwardOptions& options) const {
   const ModelConfig& c = weights_.config;
   const auto T = static_cast<std::int64_t>(tokens.size());
   if (T == 0) throw Error("forward: empty token sequence");
@@ -21,35 +23,45 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens, const Fo
                             c.max_position_embeddings));
   for (std::size_t i = 0; i < tokens.size(); ++i)
     if (tokens[i] < 0 || tokens[i] >= c.vocab_size)
-      throw Error(fmt::format("forward: token id {} at position {} is outside the vocabulary [0, {})", tokens[i], i,
-                              c.vocab_size));
+      throw Error(
+          fmt::format("forward: token id {} at position {} is outside the vocabulary [0, {})",
+                      tokens[i], i, c.vocab_size));
   const auto window = options.sliding_window ? options.sliding_window : c.sliding_window;
   const auto eps = static_cast<float>(c.rms_norm_eps);
   std::vector<std::int32_t> positions(tokens.size());
   std::iota(positions.begin(), positions.end(), 0);
 
   RowMatrix x(T, c.hidden_size);  // (T, dim) residual stream
-  for (std::int64_t t = 0; t < T; ++t) x.row(t) = weights_.embedding.row(tokens[static_cast<std::size_t>(t)]);
+  for (std::int64_t t = 0; t < T; ++t)
+    x.row(t) = weights_.embedding.row(tokens[static_cast<std::size_t>(t)]);
 
   RowMatrix normed;     // (T, dim)
+  RowMatrix qkv;        // (T, n_heads*hd + 2 n_kv*hd)
   RowMatrix q, k, v;    // (T, n_heads*hd), (T, n_kv*hd), (T, n_kv*hd)
   RowMatrix attention;  // (T, n_heads*hd)
-  RowMatrix gate, up;   // (T, ffn)
+  RowMatrix gate_up;    // (T, 2 ffn)
+  RowMatrix hidden;     // (T, ffn)
   for (const LayerWeights& layer : weights_.layers) {
     rms_norm(x, layer.attention_norm, eps, normed);
-    q.noalias() = normed * layer.wq.transpose();
-    k.noalias() = normed * layer.wk.transpose();
-    v.noalias() = normed * layer.wv.transpose();
+    qkv.noalias() = normed * layer.w_qkv.transpose();
+    q = qkv.leftCols(c.q_dim());
+    k = qkv.middleCols(c.q_dim(), c.kv_dim());
+    v = qkv.rightCols(c.kv_dim());
     rope_.apply(q, positions, c.num_attention_heads);
     rope_.apply(k, positions, c.num_key_value_heads);
     causal_attention(q, k, v, c.num_attention_heads, c.num_key_value_heads, window, attention);
     x.noalias() += attention * layer.wo.transpose();
 
     rms_norm(x, layer.mlp_norm, eps, normed);
-    gate.noalias() = normed * layer.w_gate.transpose();
-    up.noalias() = normed * layer.w_up.transpose();
-    gate.array() = gate.array() / (1.0f + (-gate.array()).exp()) * up.array();  // silu(gate) * up
-    x.noalias() += gate * layer.w_down.transpose();
+    gate_up.noalias() = normed * layer.w_gate_up.transpose();
+    hidden.resize(T, c.intermediate_size);
+#pragma omp parallel for if (T > 16)
+    for (std::int64_t t = 0; t < T; ++t) {  // silu(gate) * up
+      const auto gate = gate_up.row(t).head(c.intermediate_size).array();
+      hidden.row(t).array() =
+          gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
+    }
+    x.noalias() += hidden * layer.w_down.transpose();
   }
   const std::int64_t first = options.last_position_only ? T - 1 : 0;
   const RowMatrix last_rows = x.bottomRows(T - first);  // (T or 1, dim)
@@ -60,9 +72,12 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens, const Fo
 
 const char* finish_reason_name(FinishReason reason) {
   switch (reason) {
-    case FinishReason::eos: return "eos";
-    case FinishReason::max_tokens: return "max_tokens";
-    case FinishReason::context_full: return "context_full";
+    case FinishReason::eos:
+      return "eos";
+    case FinishReason::max_tokens:
+      return "max_tokens";
+    case FinishReason::context_full:
+      return "context_full";
   }
   return "?";
 }

@@ -9,12 +9,13 @@ DeviceProbe probe_device(int device) {
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess) {
-    probe.reason = std::string("no CUDA device: cudaGetDeviceCount failed: ") + cudaGetErrorString(status);
+    probe.reason =
+        std::string("no CUDA device: cudaGetDeviceCount failed: ") + cudaGetErrorString(status);
     return probe;
   }
   if (count <= device) {
-    probe.reason = "no CUDA device: " + std::to_string(count) + " device(s) visible, wanted index " +
-                   std::to_string(device);
+    probe.reason = "no CUDA device: " + std::to_string(count) +
+                   " device(s) visible, wanted index " + std::to_string(device);
     return probe;
   }
   cudaDeviceProp properties{};

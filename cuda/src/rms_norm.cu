@@ -6,7 +6,8 @@ namespace kvlab::cuda {
 namespace {
 
 // One block per row. x, out: (rows, dim); weight: (dim).
-__global__ void rms_norm_kernel(const float* x, const float* weight, float* out, int dim, float eps) {
+__global__ void rms_norm_kernel(const float* x, const float* weight, float* out, int dim,
+                                float eps) {
   const float* row = x + static_cast<long long>(blockIdx.x) * dim;
   float* out_row = out + static_cast<long long>(blockIdx.x) * dim;
   float sum = 0.0f;
@@ -27,8 +28,8 @@ __global__ void rms_norm_kernel(const float* x, const float* weight, float* out,
 
 }  // namespace
 
-std::string rms_norm_host(const float* x, const float* weight, std::int64_t rows, std::int64_t dim, float eps,
-                          float* out) {
+std::string rms_norm_host(const float* x, const float* weight, std::int64_t rows, std::int64_t dim,
+                          float eps, float* out) {
   if (rows <= 0 || dim <= 0) return "rms_norm_host: rows and dim must be positive";
   float *d_x = nullptr, *d_weight = nullptr, *d_out = nullptr;
   const std::size_t bytes = static_cast<std::size_t>(rows * dim) * sizeof(float);
@@ -40,7 +41,8 @@ std::string rms_norm_host(const float* x, const float* weight, std::int64_t rows
   if (status == cudaSuccess)
     status = cudaMemcpy(d_weight, weight, weight_bytes, cudaMemcpyHostToDevice);
   if (status == cudaSuccess) {
-    rms_norm_kernel<<<static_cast<unsigned>(rows), 256>>>(d_x, d_weight, d_out, static_cast<int>(dim), eps);
+    rms_norm_kernel<<<static_cast<unsigned>(rows), 256>>>(d_x, d_weight, d_out,
+                                                          static_cast<int>(dim), eps);
     status = cudaGetLastError();
   }
   if (status == cudaSuccess) status = cudaMemcpy(out, d_out, bytes, cudaMemcpyDeviceToHost);

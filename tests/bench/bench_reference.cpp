@@ -17,7 +17,9 @@ constexpr int kThreads = 2;
 const cpu::ReferenceModel& model_for(const std::string& preset) {
   static std::map<std::string, std::unique_ptr<cpu::ReferenceModel>> models;
   auto& slot = models[preset];
-  if (!slot) slot = std::make_unique<cpu::ReferenceModel>(cpu::random_llama_weights(model_preset(preset), 0));
+  if (!slot)
+    slot =
+        std::make_unique<cpu::ReferenceModel>(cpu::random_llama_weights(model_preset(preset), 0));
   return *slot;
 }
 
@@ -34,20 +36,31 @@ void BM_Prefill(benchmark::State& state, const std::string& preset) {
   const auto tokens = static_cast<std::int64_t>(state.range(0));
   const cpu::ReferenceModel& model = model_for(preset);
   std::vector<std::int32_t> prompt(static_cast<std::size_t>(tokens));
-  for (std::int64_t i = 0; i < tokens; ++i) prompt[static_cast<std::size_t>(i)] = static_cast<std::int32_t>((i * 7919 + 1) % model.config().vocab_size);
+  for (std::int64_t i = 0; i < tokens; ++i)
+    prompt[static_cast<std::size_t>(i)] =
+        static_cast<std::int32_t>((i * 7919 + 1) % model.config().vocab_size);
   cpu::ForwardOptions options;
   options.last_position_only = true;  // prefill: logits for the last position only
   for (auto _ : state) benchmark::DoNotOptimize(model.forward(prompt, options));
   const double flops = forward_flops(model.config(), tokens, 1);
   const double peak = measured_fp32_peak_gflops(kThreads);
-  state.counters["tok/s"] = benchmark::Counter(static_cast<double>(tokens), benchmark::Counter::kIsIterationInvariantRate);
-  state.counters["GFLOP/s"] = benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["tok/s"] = benchmark::Counter(static_cast<double>(tokens),
+                                               benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["GFLOP/s"] =
+      benchmark::Counter(flops / 1e9, benchmark::Counter::kIsIterationInvariantRate);
   state.counters["peak_GFLOP/s"] = peak;
+  state.counters["of_peak"] =
+      benchmark::Counter(flops / 1e9 / peak, benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel(preset + ", " + std::to_string(kThreads) + " threads, fp32");
 }
 BENCHMARK_CAPTURE(BM_Prefill, tiny, std::string("tiny"))->Arg(64)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_Prefill, stories15m, std::string("stories15m"))->Arg(256)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_Prefill, stories110m, std::string("stories110m"))->Arg(512)->Unit(benchmark::kMillisecond)->MinTime(2.0);
+BENCHMARK_CAPTURE(BM_Prefill, stories15m, std::string("stories15m"))
+    ->Arg(256)
+    ->Unit(benchmark::kMillisecond);
+BENCHMARK_CAPTURE(BM_Prefill, stories110m, std::string("stories110m"))
+    ->Arg(512)
+    ->Unit(benchmark::kMillisecond)
+    ->MinTime(2.0);
 
 }  // namespace
 }  // namespace kvlab::bench

@@ -54,7 +54,8 @@ double measured_fp32_peak_gflops(int threads) {
     const auto start = std::chrono::steady_clock::now();
 #pragma omp parallel num_threads(threads) reduction(+ : flops)
     flops += fma_flops_one_thread(4'000'000);
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best = std::max(best, flops / seconds / 1e9);
   }
   return cache[threads] = best;

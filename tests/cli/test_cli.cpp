@@ -20,8 +20,8 @@ struct RunResult {
 
 RunResult run(const std::string& arguments) {
   test::TempDir dir;
-  const std::string command =
-      std::string(KVLAB_BINARY) + " " + arguments + " > " + (dir / "out").string() + " 2> " + (dir / "err").string();
+  const std::string command = std::string(KVLAB_BINARY) + " " + arguments + " > " +
+                              (dir / "out").string() + " 2> " + (dir / "err").string();
   const int status = std::system(command.c_str());
   RunResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
@@ -37,7 +37,8 @@ void expect_failure(const std::string& arguments, const std::string& message_par
 }
 
 TEST(Cli, MissingModelFolder) {
-  expect_failure("generate --model /nonexistent/model --prompt-ids 1,2", "neither a preset nor a model folder");
+  expect_failure("generate --model /nonexistent/model --prompt-ids 1,2",
+                 "neither a preset nor a model folder");
 }
 
 TEST(Cli, MisspelledPresetGetsASuggestion) {
@@ -48,7 +49,8 @@ TEST(Cli, BadPromptIds) {
   expect_failure("generate --preset tiny --prompt-ids 1,x,3", "item 1 (\"x\") is not an integer");
   expect_failure("generate --preset tiny --prompt-ids 1,,3", "item 1 (\"\") is not an integer");
   expect_failure("generate --preset tiny --prompt-ids 1,-4", "item 1 (-4) is negative");
-  expect_failure("generate --preset tiny --prompt-ids 1,512", "prompt token id 512 (item 1) is outside the vocabulary");
+  expect_failure("generate --preset tiny --prompt-ids 1,512",
+                 "prompt token id 512 (item 1) is outside the vocabulary");
   expect_failure("generate --preset tiny --prompt-ids 99999999999", "is not an integer");
 }
 
@@ -73,15 +75,18 @@ TEST(Cli, BrokenModelFolder) {
   const RunResult init = run("model init --preset tiny --seed 1 --out " + dir.path().string());
   ASSERT_EQ(init.exit_code, 0) << init.output;
   test::write_file(dir / "model.safetensors", "garbage!garbage!");
-  expect_failure("generate --model " + dir.path().string() + " --prompt-ids 1", "model.safetensors");
+  expect_failure("generate --model " + dir.path().string() + " --prompt-ids 1",
+                 "model.safetensors");
 }
 
 TEST(Cli, ModelInitThenGenerateEqualsThePreset) {
   test::TempDir dir;
   const RunResult init = run("model init --preset tiny --seed 9 --out " + (dir / "m").string());
   ASSERT_EQ(init.exit_code, 0) << init.output;
-  const RunResult from_folder = run("generate --model " + (dir / "m").string() + " --prompt-ids 1,2,3 --max-tokens 6");
-  const RunResult from_preset = run("generate --preset tiny --weights-seed 9 --prompt-ids 1,2,3 --max-tokens 6");
+  const RunResult from_folder =
+      run("generate --model " + (dir / "m").string() + " --prompt-ids 1,2,3 --max-tokens 6");
+  const RunResult from_preset =
+      run("generate --preset tiny --weights-seed 9 --prompt-ids 1,2,3 --max-tokens 6");
   ASSERT_EQ(from_folder.exit_code, 0) << from_folder.output;
   ASSERT_EQ(from_preset.exit_code, 0) << from_preset.output;
   EXPECT_EQ(from_folder.stdout_only, from_preset.stdout_only);
@@ -89,7 +94,8 @@ TEST(Cli, ModelInitThenGenerateEqualsThePreset) {
 }
 
 TEST(Cli, JsonOutputHasOneObjectPerPosition) {
-  const RunResult r = run("generate --preset tiny --prompt-ids 1,2,3 --max-tokens 5 --ignore-eos --logprobs 4 --json");
+  const RunResult r = run(
+      "generate --preset tiny --prompt-ids 1,2,3 --max-tokens 5 --ignore-eos --logprobs 4 --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   std::istringstream lines(r.stdout_only);
   std::string line;
@@ -114,16 +120,21 @@ TEST(Cli, TextPromptWithTokenizer) {
   for (int i = 0; i < 2000; ++i) corpus += (i % 3 ? "once upon a time " : "there was a cat.\n");
   test::write_file(dir / "corpus.txt", corpus);
   const auto status = sentencepiece::SentencePieceTrainer::Train(
-      "--input=" + (dir / "corpus.txt").string() + " --model_prefix=" + (dir / "tokenizer").string() +
+      "--input=" + (dir / "corpus.txt").string() +
+      " --model_prefix=" + (dir / "tokenizer").string() +
       " --vocab_size=60 --model_type=bpe --minloglevel=2 --bos_id=1 --eos_id=2 --unk_id=0");
   ASSERT_TRUE(status.ok()) << status.ToString();
-  const RunResult r = run("generate --model " + dir.path().string() + " --prompt \"once upon\" --max-tokens 3 --ignore-eos");
+  const RunResult r = run("generate --model " + dir.path().string() +
+                          " --prompt \"once upon\" --max-tokens 3 --ignore-eos");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.stdout_only.find("prompt:    [1, "), std::string::npos) << r.stdout_only;  // BOS first
+  EXPECT_NE(r.stdout_only.find("prompt:    [1, "), std::string::npos)
+      << r.stdout_only;  // BOS first
   EXPECT_NE(r.stdout_only.find("text:"), std::string::npos) << r.stdout_only;
-  const RunResult j = run("generate --model " + dir.path().string() + " --prompt-ids 1,5 --max-tokens 2 --json");
+  const RunResult j =
+      run("generate --model " + dir.path().string() + " --prompt-ids 1,5 --max-tokens 2 --json");
   ASSERT_EQ(j.exit_code, 0) << j.output;
-  EXPECT_TRUE(nlohmann::json::parse(j.stdout_only.substr(0, j.stdout_only.find('\n'))).contains("text"));
+  EXPECT_TRUE(
+      nlohmann::json::parse(j.stdout_only.substr(0, j.stdout_only.find('\n'))).contains("text"));
 }
 
 TEST(Cli, MemoryReproducesTheSeedTableCorrectly) {

@@ -69,11 +69,13 @@ TEST(KvMemory, MaxBatchNextToTheWeights) {
 TEST(KvMemory, BadQueries) {
   KvMemoryQuery q;
   q.seq_len = 0;
-  EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); }).find("seq-len"), std::string::npos);
+  EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); }).find("seq-len"),
+            std::string::npos);
   q.seq_len = 10;
   q.kv_heads = 5;
-  EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); }).find("kv-heads 5"),
-            std::string::npos);
+  EXPECT_NE(
+      test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); }).find("kv-heads 5"),
+      std::string::npos);
 }
 
 }  // namespace

@@ -52,7 +52,8 @@ TEST(ModelConfig, ParsesHuggingFaceFields) {
 
 TEST(ModelConfig, ExplicitHeadDimAndEosList) {
   json config = valid_config();
-  config["head_dim"] = 32;  // q_dim (8 x 32) differs from hidden_size: allowed, as in Gemma/Llama-3.2
+  config["head_dim"] =
+      32;  // q_dim (8 x 32) differs from hidden_size: allowed, as in Gemma/Llama-3.2
   config["eos_token_id"] = {2, 7};
   const ModelConfig c = parse_model_config(config.dump(), "cfg.json");
   EXPECT_EQ(c.head_dim, 32);
@@ -73,7 +74,8 @@ TEST(ModelConfig, HeadsNotDivisibleByKvHeads) {
   config["num_key_value_heads"] = 3;
   const std::string message = parse_error(config);
   EXPECT_NE(message.find("cfg.json"), std::string::npos) << message;
-  EXPECT_NE(message.find("num_attention_heads (8) must be divisible by num_key_value_heads (3)"), std::string::npos)
+  EXPECT_NE(message.find("num_attention_heads (8) must be divisible by num_key_value_heads (3)"),
+            std::string::npos)
       << message;
 }
 
@@ -86,7 +88,9 @@ TEST(ModelConfig, MissingRequiredField) {
 TEST(ModelConfig, WrongType) {
   json config = valid_config();
   config["num_hidden_layers"] = "three";
-  EXPECT_NE(parse_error(config).find("field \"num_hidden_layers\" must be an integer, got \"three\""), std::string::npos);
+  EXPECT_NE(
+      parse_error(config).find("field \"num_hidden_layers\" must be an integer, got \"three\""),
+      std::string::npos);
 }
 
 TEST(ModelConfig, NonPositiveSizes) {
@@ -95,13 +99,16 @@ TEST(ModelConfig, NonPositiveSizes) {
   config["num_hidden_layers"] = -1;
   const std::string message = parse_error(config);
   EXPECT_NE(message.find("\"vocab_size\" must be positive, got 0"), std::string::npos) << message;
-  EXPECT_NE(message.find("\"num_hidden_layers\" must be positive, got -1"), std::string::npos) << message;
+  EXPECT_NE(message.find("\"num_hidden_layers\" must be positive, got -1"), std::string::npos)
+      << message;
 }
 
 TEST(ModelConfig, HiddenNotDivisibleByHeads) {
   json config = valid_config();
   config["hidden_size"] = 130;
-  EXPECT_NE(parse_error(config).find("hidden_size (130) must be divisible by num_attention_heads (8)"), std::string::npos);
+  EXPECT_NE(
+      parse_error(config).find("hidden_size (130) must be divisible by num_attention_heads (8)"),
+      std::string::npos);
 }
 
 TEST(ModelConfig, OddHeadDimForRope) {
@@ -115,20 +122,24 @@ TEST(ModelConfig, TokenIdsOutsideVocabulary) {
   config["bos_token_id"] = 1000;
   config["eos_token_id"] = {2, -1};
   const std::string message = parse_error(config);
-  EXPECT_NE(message.find("bos_token_id 1000 is outside the vocabulary [0, 1000)"), std::string::npos) << message;
+  EXPECT_NE(message.find("bos_token_id 1000 is outside the vocabulary [0, 1000)"),
+            std::string::npos)
+      << message;
   EXPECT_NE(message.find("eos_token_id -1 is outside"), std::string::npos) << message;
 }
 
 TEST(ModelConfig, BadEosType) {
   json config = valid_config();
   config["eos_token_id"] = "</s>";
-  EXPECT_NE(parse_error(config).find("\"eos_token_id\" must be an integer or a list of integers"), std::string::npos);
+  EXPECT_NE(parse_error(config).find("\"eos_token_id\" must be an integer or a list of integers"),
+            std::string::npos);
 }
 
 TEST(ModelConfig, UnsupportedArchitecture) {
   json config = valid_config();
   config["architectures"] = {"GPT2LMHeadModel"};
-  EXPECT_NE(parse_error(config).find("architecture \"GPT2LMHeadModel\" is not supported"), std::string::npos);
+  EXPECT_NE(parse_error(config).find("architecture \"GPT2LMHeadModel\" is not supported"),
+            std::string::npos);
 }
 
 TEST(ModelConfig, FeaturesThatWouldChangeTheMathAreRefused) {
@@ -158,15 +169,19 @@ TEST(ModelConfig, AllProblemsReportedAtOnce) {
 }
 
 TEST(ModelConfig, BadJson) {
-  const std::string message = error_of<Error>([] { parse_model_config("{\"vocab_size\": 12,", "broken.json"); });
+  const std::string message =
+      error_of<Error>([] { parse_model_config("{\"vocab_size\": 12,", "broken.json"); });
   EXPECT_NE(message.find("broken.json"), std::string::npos);
   EXPECT_NE(message.find("not valid JSON"), std::string::npos);
-  EXPECT_NE(error_of<Error>([] { parse_model_config("[1, 2]", "list.json"); }).find("expected a JSON object"),
+  EXPECT_NE(error_of<Error>([] {
+              parse_model_config("[1, 2]", "list.json");
+            }).find("expected a JSON object"),
             std::string::npos);
 }
 
 TEST(ModelConfig, MissingFileNamesThePath) {
-  const std::string message = error_of<Error>([] { load_model_config("/nonexistent/kvlab/config.json"); });
+  const std::string message =
+      error_of<Error>([] { load_model_config("/nonexistent/kvlab/config.json"); });
   EXPECT_NE(message.find("/nonexistent/kvlab/config.json"), std::string::npos) << message;
 }
 
@@ -243,11 +258,13 @@ TEST(ForwardFlops, CountsMatmulsAttentionAndHead) {
   const ModelConfig c = model_preset("tiny");
   // One token: every matmul weight once (x2), attention over 1 key, logits once.
   const double dense = 2.0 * static_cast<double>(c.matmul_parameter_count());
-  const double attention_one_key = 4.0 * static_cast<double>(c.num_attention_heads * c.head_dim * c.num_hidden_layers);
+  const double attention_one_key =
+      4.0 * static_cast<double>(c.num_attention_heads * c.head_dim * c.num_hidden_layers);
   EXPECT_DOUBLE_EQ(forward_flops(c, 1, 1), dense + attention_one_key);
   // T tokens see 1 + 2 + ... + T keys.
   const double layer_dense = dense - 2.0 * static_cast<double>(c.vocab_size * c.hidden_size);
-  EXPECT_DOUBLE_EQ(forward_flops(c, 4, 1), 4 * layer_dense + 10 * attention_one_key + 2.0 * c.vocab_size * c.hidden_size);
+  EXPECT_DOUBLE_EQ(forward_flops(c, 4, 1),
+                   4 * layer_dense + 10 * attention_one_key + 2.0 * c.vocab_size * c.hidden_size);
 }
 
 }  // namespace

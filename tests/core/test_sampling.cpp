@@ -17,7 +17,8 @@ std::vector<double> softmax(const std::vector<float>& logits, double temperature
   std::vector<double> p(logits.size());
   double max_value = *std::max_element(logits.begin(), logits.end());
   double sum = 0;
-  for (std::size_t i = 0; i < logits.size(); ++i) sum += p[i] = std::exp((logits[i] - max_value) / temperature);
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    sum += p[i] = std::exp((logits[i] - max_value) / temperature);
   for (auto& v : p) v /= sum;
   return p;
 }
@@ -37,7 +38,8 @@ TEST(Sampling, TemperatureScalesTheSoftmax) {
   p.temperature = 0.7;
   const auto distribution = sampling_distribution(kLogits, p);
   const auto expected = softmax(kLogits, 0.7);
-  for (std::size_t i = 0; i < kLogits.size(); ++i) EXPECT_NEAR(distribution[i], expected[i], 1e-12) << i;
+  for (std::size_t i = 0; i < kLogits.size(); ++i)
+    EXPECT_NEAR(distribution[i], expected[i], 1e-12) << i;
 }
 
 TEST(Sampling, TopKKeepsTheKMostLikely) {
@@ -48,7 +50,10 @@ TEST(Sampling, TopKKeepsTheKMostLikely) {
   const auto full = softmax(kLogits, 1.0);
   const double kept = full[1] + full[3] + full[5];
   for (int i : {0, 2, 4}) EXPECT_EQ(distribution[static_cast<std::size_t>(i)], 0.0) << i;
-  for (int i : {1, 3, 5}) EXPECT_NEAR(distribution[static_cast<std::size_t>(i)], full[static_cast<std::size_t>(i)] / kept, 1e-12) << i;
+  for (int i : {1, 3, 5})
+    EXPECT_NEAR(distribution[static_cast<std::size_t>(i)], full[static_cast<std::size_t>(i)] / kept,
+                1e-12)
+        << i;
 }
 
 TEST(Sampling, TopPKeepsTheSmallestSetReachingP) {
@@ -123,13 +128,16 @@ TEST(Sampling, LogprobsAreLogSoftmax) {
   EXPECT_EQ(top[0].token, 1);
   EXPECT_EQ(top[1].token, 3);
   EXPECT_EQ(top[2].token, 5);
-  for (const auto& t : top) EXPECT_NEAR(t.logprob, std::log(p[static_cast<std::size_t>(t.token)]), 1e-6);
+  for (const auto& t : top)
+    EXPECT_NEAR(t.logprob, std::log(p[static_cast<std::size_t>(t.token)]), 1e-6);
   EXPECT_NEAR(token_logprob(kLogits, 4), std::log(p[4]), 1e-6);
   EXPECT_EQ(top_logprobs(kLogits, 100).size(), kLogits.size());
 }
 
 TEST(Sampling, InvalidParametersAreNamed) {
-  auto message = [](SamplingParams p) { return test::error_of<Error>([&] { validate_sampling_params(p); }); };
+  auto message = [](SamplingParams p) {
+    return test::error_of<Error>([&] { validate_sampling_params(p); });
+  };
   SamplingParams p;
   p.temperature = -0.1;
   EXPECT_NE(message(p).find("temperature"), std::string::npos);

@@ -12,11 +12,14 @@ namespace {
 // would have been made.
 std::filesystem::path train_tokenizer(const test::TempDir& dir) {
   std::string corpus;
-  const char* words[] = {"the", "cat", "sat", "on", "a", "mat", "and", "dog", "ran", "far", "away", "home"};
-  for (int i = 0; i < 3000; ++i) corpus += std::string(words[(i * 7) % 12]) + (i % 9 == 8 ? ".\n" : " ");
+  const char* words[] = {"the", "cat", "sat", "on",  "a",    "mat",
+                         "and", "dog", "ran", "far", "away", "home"};
+  for (int i = 0; i < 3000; ++i)
+    corpus += std::string(words[(i * 7) % 12]) + (i % 9 == 8 ? ".\n" : " ");
   test::write_file(dir / "corpus.txt", corpus);
   const auto status = sentencepiece::SentencePieceTrainer::Train(
-      "--input=" + (dir / "corpus.txt").string() + " --model_prefix=" + (dir / "tokenizer").string() +
+      "--input=" + (dir / "corpus.txt").string() +
+      " --model_prefix=" + (dir / "tokenizer").string() +
       " --vocab_size=60 --model_type=bpe --minloglevel=2 --bos_id=1 --eos_id=2 --unk_id=0");
   EXPECT_TRUE(status.ok()) << status.ToString();
   return dir / "tokenizer.model";
@@ -39,7 +42,8 @@ TEST(Tokenizer, AbsentIsNotAnError) {
 TEST(Tokenizer, CorruptModelIsAClearError) {
   test::TempDir dir;
   test::write_file(dir / "tokenizer.model", "not a protobuf");
-  const std::string message = test::error_of<Error>([&] { Tokenizer::open_if_present(dir.path()); });
+  const std::string message =
+      test::error_of<Error>([&] { Tokenizer::open_if_present(dir.path()); });
   EXPECT_NE(message.find("tokenizer.model"), std::string::npos) << message;
 }
 

@@ -70,7 +70,8 @@ TEST(WeightInit, SpecsFollowHuggingFaceNames) {
   ASSERT_EQ(specs.size(), 1 + 9 * 2 + 1 + 1u);  // embed, 9 per layer, norm, lm_head
   EXPECT_EQ(specs[0].name, "model.embed_tokens.weight");
   EXPECT_EQ(specs[2].name, "model.layers.0.self_attn.q_proj.weight");
-  EXPECT_EQ(specs[3].shape, (std::vector<std::int64_t>{c.kv_dim(), c.hidden_size}));  // k_proj (out, in)
+  EXPECT_EQ(specs[3].shape,
+            (std::vector<std::int64_t>{c.kv_dim(), c.hidden_size}));  // k_proj (out, in)
   EXPECT_EQ(specs.back().name, "lm_head.weight");
   c.tie_word_embeddings = true;
   EXPECT_EQ(llama_weight_specs(c).back().name, "model.norm.weight");
@@ -88,13 +89,14 @@ TEST(WeightInit, HalfPrecisionFilesHoldRoundedValues) {
   EXPECT_FALSE(closeness.has_nan);
   EXPECT_LE(closeness.max_rel, 1.0 / 256);  // bf16 keeps 8 significant bits
   EXPECT_GT(closeness.max_abs, 0.0);        // and did round
-  EXPECT_NE(test::read_file(dir / "config.json").find("\"torch_dtype\": \"bfloat16\""), std::string::npos);
+  EXPECT_NE(test::read_file(dir / "config.json").find("\"torch_dtype\": \"bfloat16\""),
+            std::string::npos);
 }
 
 TEST(WeightInit, SizeOnlyPresetIsRefused) {
   TempDir dir;
-  const std::string message =
-      test::error_of<Error>([&] { write_random_model(model_preset("llama-7b"), 0, DType::dtype_f16, dir.path()); });
+  const std::string message = test::error_of<Error>(
+      [&] { write_random_model(model_preset("llama-7b"), 0, DType::dtype_f16, dir.path()); });
   EXPECT_NE(message.find("size-only"), std::string::npos) << message;
 }
 

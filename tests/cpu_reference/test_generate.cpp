@@ -52,7 +52,8 @@ TEST_F(Generate, StopsAtEos) {
   const auto result = generate(with_eos, prompt_, p);
   EXPECT_EQ(result.finish_reason, FinishReason::eos);
   const auto stopped = tokens(result);
-  const auto first_eos = std::find(free_run.begin(), free_run.end(), free_run[2]) - free_run.begin();
+  const auto first_eos =
+      std::find(free_run.begin(), free_run.end(), free_run[2]) - free_run.begin();
   EXPECT_EQ(stopped, std::vector<std::int32_t>(free_run.begin(), free_run.begin() + first_eos + 1));
 }
 

@@ -13,7 +13,8 @@ namespace {
 class HfInterop : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(HfInterop, LogitsMatchTransformers) {
-  const std::filesystem::path folder = std::filesystem::path(KVLAB_FIXTURES_DIR) / "hf" / GetParam();
+  const std::filesystem::path folder =
+      std::filesystem::path(KVLAB_FIXTURES_DIR) / "hf" / GetParam();
   const auto fixture = nlohmann::json::parse(test::read_file(folder / "logits.json"));
   const auto prompt = fixture["prompt"].get<std::vector<std::int32_t>>();
   const auto expected = fixture["logits"].get<std::vector<std::vector<float>>>();
@@ -24,9 +25,10 @@ TEST_P(HfInterop, LogitsMatchTransformers) {
   ASSERT_EQ(logits.cols(), static_cast<Eigen::Index>(expected[0].size()));
   test::Closeness worst;
   for (std::size_t t = 0; t < expected.size(); ++t) {
-    const auto c = test::compare(
-        std::span<const float>(logits.row(static_cast<Eigen::Index>(t)).data(), static_cast<std::size_t>(logits.cols())),
-        expected[t]);
+    const auto c =
+        test::compare(std::span<const float>(logits.row(static_cast<Eigen::Index>(t)).data(),
+                                             static_cast<std::size_t>(logits.cols())),
+                      expected[t]);
     worst.max_abs = std::max(worst.max_abs, c.max_abs);
     worst.max_rel = std::max(worst.max_rel, c.max_rel);
     worst.has_nan |= c.has_nan;
@@ -37,7 +39,8 @@ TEST_P(HfInterop, LogitsMatchTransformers) {
                                  << fixture["made_by"]["transformers"] << ")";
 }
 
-INSTANTIATE_TEST_SUITE_P(Fixtures, HfInterop, ::testing::Values("tiny_llama_gqa", "tiny_llama_sharded"));
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfInterop,
+                         ::testing::Values("tiny_llama_gqa", "tiny_llama_sharded"));
 
 }  // namespace
 }  // namespace kvlab::cpu

@@ -11,7 +11,8 @@ namespace {
 
 // An independent forward written as plain scalar loops in double precision, straight from the
 // formulas (llama2.c style), sharing no code with the Eigen reference.
-std::vector<std::vector<double>> naive_forward(const LlamaWeights& w, const std::vector<std::int32_t>& tokens,
+std::vector<std::vector<double>> naive_forward(const LlamaWeights& w,
+                                               const std::vector<std::int32_t>& tokens,
                                                std::optional<std::int64_t> window = std::nullopt) {
   const ModelConfig& c = w.config;
   const auto T = tokens.size();
@@ -20,10 +21,11 @@ std::vector<std::vector<double>> naive_forward(const LlamaWeights& w, const std:
   const auto heads = static_cast<std::size_t>(c.num_attention_heads);
   const auto kv_heads = static_cast<std::size_t>(c.num_key_value_heads);
   const auto ffn = static_cast<std::size_t>(c.intermediate_size);
-  auto matvec = [](const RowMatrix& m, const std::vector<double>& x) {  // m: (out, in)
+  auto matvec = [](const auto& m, const std::vector<double>& x) {  // m: (out, in)
     std::vector<double> y(static_cast<std::size_t>(m.rows()), 0.0);
     for (Eigen::Index r = 0; r < m.rows(); ++r)
-      for (Eigen::Index i = 0; i < m.cols(); ++i) y[static_cast<std::size_t>(r)] += m(r, i) * x[static_cast<std::size_t>(i)];
+      for (Eigen::Index i = 0; i < m.cols(); ++i)
+        y[static_cast<std::size_t>(r)] += m(r, i) * x[static_cast<std::size_t>(i)];
     return y;
   };
   auto rmsnorm = [&](const std::vector<double>& x, const Eigen::VectorXf& g) {
@@ -37,7 +39,9 @@ std::vector<std::vector<double>> naive_forward(const LlamaWeights& w, const std:
   auto rope = [&](std::vector<double>& v, std::size_t n_heads, std::size_t pos) {
     for (std::size_t h = 0; h < n_heads; ++h)
       for (std::size_t i = 0; i < hd / 2; ++i) {
-        const double angle = static_cast<double>(pos) * std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(hd));
+        const double angle =
+            static_cast<double>(pos) *
+            std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(hd));
         const double a = v[h * hd + i], b = v[h * hd + i + hd / 2];
         v[h * hd + i] = a * std::cos(angle) - b * std::sin(angle);
         v[h * hd + i + hd / 2] = b * std::cos(angle) + a * std::sin(angle);
@@ -45,14 +49,15 @@ std::vector<std::vector<double>> naive_forward(const LlamaWeights& w, const std:
   };
   std::vector<std::vector<double>> x(T, std::vector<double>(dim));
   for (std::size_t t = 0; t < T; ++t)
-    for (std::size_t i = 0; i < dim; ++i) x[t][i] = w.embedding(tokens[t], static_cast<Eigen::Index>(i));
+    for (std::size_t i = 0; i < dim; ++i)
+      x[t][i] = w.embedding(tokens[t], static_cast<Eigen::Index>(i));
   for (const auto& layer : w.layers) {
     std::vector<std::vector<double>> q(T), k(T), v(T);
     for (std::size_t t = 0; t < T; ++t) {
       const auto xn = rmsnorm(x[t], layer.attention_norm);
-      q[t] = matvec(layer.wq, xn);
-      k[t] = matvec(layer.wk, xn);
-      v[t] = matvec(layer.wv, xn);
+      q[t] = matvec(layer.wq(), xn);
+      k[t] = matvec(layer.wk(), xn);
+      v[t] = matvec(layer.wv(), xn);
       rope(q[t], heads, t);
       rope(k[t], kv_heads, t);
     }
@@ -73,14 +78,15 @@ std::vector<std::vector<double>> naive_forward(const LlamaWeights& w, const std:
         double sum = 0;
         for (auto& s : scores) sum += s = std::exp(s - m);
         for (std::size_t n = 0; n < keys.size(); ++n)
-          for (std::size_t i = 0; i < hd; ++i) attention[h * hd + i] += scores[n] / sum * v[keys[n]][kvh * hd + i];
+          for (std::size_t i = 0; i < hd; ++i)
+            attention[h * hd + i] += scores[n] / sum * v[keys[n]][kvh * hd + i];
       }
       const auto projected = matvec(layer.wo, attention);
       for (std::size_t i = 0; i < dim; ++i) x[t][i] += projected[i];
     }
     for (std::size_t t = 0; t < T; ++t) {
       const auto xn = rmsnorm(x[t], layer.mlp_norm);
-      const auto g = matvec(layer.w_gate, xn), u = matvec(layer.w_up, xn);
+      const auto g = matvec(layer.w_gate(), xn), u = matvec(layer.w_up(), xn);
       std::vector<double> hidden(ffn);
       for (std::size_t i = 0; i < ffn; ++i) hidden[i] = g[i] / (1.0 + std::exp(-g[i])) * u[i];
       const auto down = matvec(layer.w_down, hidden);
@@ -88,7 +94,8 @@ std::vector<std::vector<double>> naive_forward(const LlamaWeights& w, const std:
     }
   }
   std::vector<std::vector<double>> logits(T);
-  for (std::size_t t = 0; t < T; ++t) logits[t] = matvec(w.output_projection(), rmsnorm(x[t], w.final_norm));
+  for (std::size_t t = 0; t < T; ++t)
+    logits[t] = matvec(w.output_projection(), rmsnorm(x[t], w.final_norm));
   return logits;
 }
 
@@ -98,7 +105,7 @@ LlamaWeights scaled_random_weights(ModelConfig config, std::uint64_t seed) {
   auto scale = [](RowMatrix& m) { m *= 10.0f; };
   scale(w.embedding);
   for (auto& layer : w.layers) {
-    for (RowMatrix* m : {&layer.wq, &layer.wk, &layer.wv, &layer.wo, &layer.w_gate, &layer.w_up, &layer.w_down}) scale(*m);
+    for (RowMatrix* m : {&layer.w_qkv, &layer.wo, &layer.w_gate_up, &layer.w_down}) scale(*m);
     layer.attention_norm.setLinSpaced(0.5f, 1.5f);
     layer.mlp_norm.setLinSpaced(1.2f, 0.8f);
   }
@@ -117,7 +124,10 @@ void expect_matches_naive(const LlamaWeights& weights, const std::vector<std::in
   test::Closeness worst;
   for (std::size_t t = 0; t < tokens.size(); ++t) {
     std::vector<float> expected_row(expected[t].begin(), expected[t].end());
-    const auto c = test::compare(std::span<const float>(logits.row(static_cast<Eigen::Index>(t)).data(), static_cast<std::size_t>(logits.cols())), expected_row);
+    const auto c =
+        test::compare(std::span<const float>(logits.row(static_cast<Eigen::Index>(t)).data(),
+                                             static_cast<std::size_t>(logits.cols())),
+                      expected_row);
     worst.max_abs = std::max(worst.max_abs, c.max_abs);
     worst.has_nan |= c.has_nan;
   }
@@ -135,7 +145,8 @@ TEST(ReferenceModel, OneLayerMatchesHandWrittenLoops) {
 TEST(ReferenceModel, GqaTwoLayersMatchHandWrittenLoops) {
   const ModelConfig c = model_preset("tiny");  // 4 query heads, 2 KV heads
   std::vector<std::int32_t> tokens;
-  for (int i = 0; i < 150; ++i) tokens.push_back((i * 37 + 11) % 512);  // crosses the 64-query blocks
+  for (int i = 0; i < 150; ++i)
+    tokens.push_back((i * 37 + 11) % 512);  // crosses the 64-query blocks
   expect_matches_naive(scaled_random_weights(c, 12), tokens);
 }
 
@@ -163,19 +174,22 @@ TEST(ReferenceModel, SingleTokenClosedForm) {
   const std::int32_t token = 42;
   const RowMatrix logits = model.forward(std::vector<std::int32_t>{token});
   auto norm = [&](const Eigen::RowVectorXd& x, const Eigen::VectorXf& g) {
-    return Eigen::RowVectorXd(x.array() / std::sqrt(x.squaredNorm() / static_cast<double>(x.size()) + c.rms_norm_eps) *
-                              g.cast<double>().transpose().array());
+    return Eigen::RowVectorXd(
+        x.array() / std::sqrt(x.squaredNorm() / static_cast<double>(x.size()) + c.rms_norm_eps) *
+        g.cast<double>().transpose().array());
   };
   const auto& layer = w.layers[0];
   Eigen::RowVectorXd x = w.embedding.row(token).cast<double>();
-  Eigen::RowVectorXd v = norm(x, layer.attention_norm) * layer.wv.cast<double>().transpose();  // (kv_dim)
+  Eigen::RowVectorXd v =
+      norm(x, layer.attention_norm) * layer.wv().cast<double>().transpose();  // (kv_dim)
   Eigen::RowVectorXd attention(c.q_dim());
   for (std::int64_t h = 0; h < c.num_attention_heads; ++h)
-    attention.segment(h * c.head_dim, c.head_dim) = v.segment((h / c.group_size()) * c.head_dim, c.head_dim);
+    attention.segment(h * c.head_dim, c.head_dim) =
+        v.segment((h / c.group_size()) * c.head_dim, c.head_dim);
   x += attention * layer.wo.cast<double>().transpose();
   const Eigen::RowVectorXd xn = norm(x, layer.mlp_norm);
-  const Eigen::ArrayXXd g = (xn * layer.w_gate.cast<double>().transpose()).array();
-  const Eigen::ArrayXXd u = (xn * layer.w_up.cast<double>().transpose()).array();
+  const Eigen::ArrayXXd g = (xn * layer.w_gate().cast<double>().transpose()).array();
+  const Eigen::ArrayXXd u = (xn * layer.w_up().cast<double>().transpose()).array();
   x += (g / (1.0 + (-g).exp()) * u).matrix() * layer.w_down.cast<double>().transpose();
   const Eigen::RowVectorXd expected = norm(x, w.final_norm) * w.lm_head.cast<double>().transpose();
   EXPECT_LT((logits.row(0).cast<double>() - expected).cwiseAbs().maxCoeff(), 1e-4);
@@ -192,8 +206,9 @@ TEST(ReferenceModel, DeterministicAndThreadCountIndependent) {
   set_num_threads(1);
   const RowMatrix single = model.forward(tokens);
   set_num_threads(threads);
-  const auto c = test::compare(std::span<const float>(single.data(), static_cast<std::size_t>(single.size())),
-                               std::span<const float>(a.data(), static_cast<std::size_t>(a.size())));
+  const auto c =
+      test::compare(std::span<const float>(single.data(), static_cast<std::size_t>(single.size())),
+                    std::span<const float>(a.data(), static_cast<std::size_t>(a.size())));
   EXPECT_FALSE(c.has_nan);
   EXPECT_LT(c.max_abs, 1e-5);
 }
@@ -220,13 +235,17 @@ TEST(ReferenceModel, BadSequencesAreClearErrors) {
     return test::error_of<Error>([&] { model.forward(tokens); });
   };
   EXPECT_NE(message({}).find("empty"), std::string::npos);
-  EXPECT_NE(message({1, 512}).find("token id 512 at position 1 is outside the vocabulary"), std::string::npos);
+  EXPECT_NE(message({1, 512}).find("token id 512 at position 1 is outside the vocabulary"),
+            std::string::npos);
   EXPECT_NE(message({-3}).find("token id -3"), std::string::npos);
-  EXPECT_NE(message(std::vector<std::int32_t>(513, 1)).find("513 tokens exceed the context"), std::string::npos);
+  EXPECT_NE(message(std::vector<std::int32_t>(513, 1)).find("513 tokens exceed the context"),
+            std::string::npos);
 }
 
 TEST(ReferenceModel, SizeOnlyPresetIsRefused) {
-  EXPECT_NE(test::error_of<Error>([] { random_llama_weights(model_preset("llama-7b"), 0); }).find("size-only"),
+  EXPECT_NE(test::error_of<Error>([] {
+              random_llama_weights(model_preset("llama-7b"), 0);
+            }).find("size-only"),
             std::string::npos);
 }
 

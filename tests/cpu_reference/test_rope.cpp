@@ -17,20 +17,24 @@ TEST(Rope, MatchesTheClosedForm) {
   constexpr double kTheta = 10000.0;
   const RopeTable rope(kHeadDim, kTheta, 4096);
   const std::vector<std::int32_t> positions{0, 1, 7, 100, 4095};
-  const RowMatrix original = random_rows(static_cast<std::int64_t>(positions.size()), kHeads * kHeadDim, 3);
+  const RowMatrix original =
+      random_rows(static_cast<std::int64_t>(positions.size()), kHeads * kHeadDim, 3);
   RowMatrix rotated = original;
   rope.apply(rotated, positions, kHeads);
   double max_error = 0;
   for (std::size_t t = 0; t < positions.size(); ++t) {
     for (std::int64_t h = 0; h < kHeads; ++h) {
       for (std::int64_t i = 0; i < kHeadDim / 2; ++i) {
-        const double angle = positions[t] * std::pow(kTheta, -2.0 * static_cast<double>(i) / kHeadDim);
+        const double angle =
+            positions[t] * std::pow(kTheta, -2.0 * static_cast<double>(i) / kHeadDim);
         const double x1 = original(static_cast<Eigen::Index>(t), h * kHeadDim + i);
         const double x2 = original(static_cast<Eigen::Index>(t), h * kHeadDim + i + kHeadDim / 2);
         const double y1 = x1 * std::cos(angle) - x2 * std::sin(angle);
         const double y2 = x2 * std::cos(angle) + x1 * std::sin(angle);
-        max_error = std::max(max_error, std::abs(y1 - rotated(static_cast<Eigen::Index>(t), h * kHeadDim + i)));
-        max_error = std::max(max_error, std::abs(y2 - rotated(static_cast<Eigen::Index>(t), h * kHeadDim + i + kHeadDim / 2)));
+        max_error = std::max(
+            max_error, std::abs(y1 - rotated(static_cast<Eigen::Index>(t), h * kHeadDim + i)));
+        max_error = std::max(max_error, std::abs(y2 - rotated(static_cast<Eigen::Index>(t),
+                                                              h * kHeadDim + i + kHeadDim / 2)));
       }
     }
   }
@@ -46,7 +50,8 @@ TEST(Rope, PositionZeroIsIdentityAndNormsArePreserved) {
   EXPECT_EQ(rotated.row(0), original.row(0));
   for (Eigen::Index t = 1; t < 4; ++t)
     for (int h = 0; h < 2; ++h)
-      EXPECT_NEAR(rotated.row(t).segment(h * 8, 8).norm(), original.row(t).segment(h * 8, 8).norm(), 1e-5);
+      EXPECT_NEAR(rotated.row(t).segment(h * 8, 8).norm(), original.row(t).segment(h * 8, 8).norm(),
+                  1e-5);
 }
 
 TEST(Rope, DotProductDependsOnlyOnRelativePosition) {

@@ -11,7 +11,8 @@ int main() {
   const std::int32_t prompt[] = {1, 2, 3};
   const auto logits = model.forward(prompt);
   const auto memory = kvlab::kv_memory(kvlab::model_preset("llama-7b"), {.seq_len = 2048});
-  std::printf("logits %ldx%ld, llama-7b KV per request %lld bytes\n", static_cast<long>(logits.rows()),
-              static_cast<long>(logits.cols()), static_cast<long long>(memory.bytes_per_request));
+  std::printf("logits %ldx%ld, llama-7b KV per request %lld bytes\n",
+              static_cast<long>(logits.rows()), static_cast<long>(logits.cols()),
+              static_cast<long long>(memory.bytes_per_request));
   return logits.cols() == config.vocab_size && memory.bytes_per_request == (1LL << 30) ? 0 : 1;
 }

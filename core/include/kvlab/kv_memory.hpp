@@ -10,12 +10,12 @@
 namespace kvlab {
 
 struct KvMemoryQuery {
-  std::int64_t seq_len = 0;                   // tokens per request (prompt + output)
-  std::int64_t batch = 1;                     // concurrent requests
-  DType kv_dtype = DType::dtype_f16;          // element type of the cache
-  DType weight_dtype = DType::dtype_f16;      // element type of the weights
-  std::optional<std::int64_t> kv_heads;       // override (MHA = heads, GQA = groups, MQA = 1)
-  std::optional<double> gpu_memory_gib;       // device memory, for the max batch
+  std::int64_t seq_len = 0;               // tokens per request (prompt + output)
+  std::int64_t batch = 1;                 // concurrent requests
+  DType kv_dtype = DType::dtype_f16;      // element type of the cache
+  DType weight_dtype = DType::dtype_f16;  // element type of the weights
+  std::optional<std::int64_t> kv_heads;   // override (MHA = heads, GQA = groups, MQA = 1)
+  std::optional<double> gpu_memory_gib;   // device memory, for the max batch
 };
 
 struct KvMemoryReport {

@@ -53,7 +53,8 @@ ModelConfig load_model_config(const std::filesystem::path& path);
 ModelConfig parse_model_config(std::string_view json_text, std::string_view source);
 // Hugging Face config.json text for `config` (what `kvlab model init` writes); torch_dtype
 // records the dtype of the weights next to it ("float32", "float16", "bfloat16").
-std::string model_config_to_json(const ModelConfig& config, std::string_view torch_dtype = "float32");
+std::string model_config_to_json(const ModelConfig& config,
+                                 std::string_view torch_dtype = "float32");
 
 // Throws kvlab::Error listing every problem with `config` (heads not divisible by KV heads, ...).
 void validate_model_config(const ModelConfig& config, std::string_view source);

@@ -65,7 +65,8 @@ class Checkpoint {
   std::vector<std::string> tensor_names() const;  // sorted
   // Converts the tensor to fp32 after checking it exists, has `expected_shape` and a dtype
   // kvlab reads (F32/F16/BF16/F64). Throws kvlab::Error naming file and tensor.
-  std::vector<float> read_f32(std::string_view name, std::span<const std::int64_t> expected_shape) const;
+  std::vector<float> read_f32(std::string_view name,
+                              std::span<const std::int64_t> expected_shape) const;
   // The same, into caller memory of exactly the expected element count.
   void read_f32_into(std::string_view name, std::span<const std::int64_t> expected_shape,
                      std::span<float> destination) const;

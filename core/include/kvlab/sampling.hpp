@@ -34,7 +34,8 @@ float token_logprob(std::span<const float> logits, std::int32_t token);
 
 // The distribution `Sampler::sample` draws from: softmax(logits / temperature), cut to the top
 // k, then to the top-p nucleus, renormalised. Zero outside the kept set. Greedy: one-hot.
-std::vector<double> sampling_distribution(std::span<const float> logits, const SamplingParams& params);
+std::vector<double> sampling_distribution(std::span<const float> logits,
+                                          const SamplingParams& params);
 
 class Sampler {
  public:

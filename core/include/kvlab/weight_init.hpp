@@ -25,7 +25,8 @@ std::vector<WeightSpec> llama_weight_specs(const ModelConfig& config);
 
 // The values of one tensor: norms are 1; other tensors are approximately normal with
 // standard deviation `init_std` (Irwin-Hall sum of 4 uniforms, scaled; exact integer math).
-std::vector<float> random_tensor_values(const WeightSpec& spec, std::uint64_t seed, double init_std = 0.02);
+std::vector<float> random_tensor_values(const WeightSpec& spec, std::uint64_t seed,
+                                        double init_std = 0.02);
 
 // Writes config.json + model.safetensors (tensors in `dtype`: f32, f16 or bf16) into
 // `directory`, creating it. Throws kvlab::Error (size-only preset, unwritable folder, ...).

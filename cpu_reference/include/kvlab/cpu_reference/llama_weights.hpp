@@ -12,16 +12,31 @@ namespace kvlab::cpu {
 // Row-major like the checkpoint: a Linear weight is (out_features, in_features).
 using RowMatrix = Eigen::Matrix<float, Eigen::Dynamic, Eigen::Dynamic, Eigen::RowMajor>;
 
+// The projections that read the same input are stored stacked, so each is one GEMM over the
+// batch (as vLLM's QKVParallelLinear / MergedColumnParallelLinear do); the accessors give the
+// checkpoint's individual matrices as row blocks (contiguous: the storage is row-major).
 struct LayerWeights {
-  Eigen::VectorXf attention_norm;  // (dim)                   input_layernorm
-  RowMatrix wq;                    // (n_heads * head_dim, dim)     q_proj, HF row order
-  RowMatrix wk;                    // (n_kv_heads * head_dim, dim)  k_proj, HF row order
-  RowMatrix wv;                    // (n_kv_heads * head_dim, dim)  v_proj
-  RowMatrix wo;                    // (dim, n_heads * head_dim)     o_proj
-  Eigen::VectorXf mlp_norm;        // (dim)                   post_attention_layernorm
-  RowMatrix w_gate;                // (ffn, dim)              gate_proj
-  RowMatrix w_up;                  // (ffn, dim)              up_proj
-  RowMatrix w_down;                // (dim, ffn)              down_proj
+  std::int64_t q_dim = 0;   // n_heads * head_dim
+  std::int64_t kv_dim = 0;  // n_kv_heads * head_dim
+  std::int64_t ffn_dim = 0;
+
+  Eigen::VectorXf attention_norm;  // (dim)                          input_layernorm
+  RowMatrix w_qkv;                 // (q_dim + 2 kv_dim, dim)        q_proj; k_proj; v_proj rows
+  RowMatrix wo;                    // (dim, q_dim)                   o_proj
+  Eigen::VectorXf mlp_norm;        // (dim)                          post_attention_layernorm
+  RowMatrix w_gate_up;             // (2 ffn, dim)                   gate_proj; up_proj rows
+  RowMatrix w_down;                // (dim, ffn)                     down_proj
+
+  auto wq() { return w_qkv.topRows(q_dim); }             // (q_dim, dim), HF row order
+  auto wk() { return w_qkv.middleRows(q_dim, kv_dim); }  // (kv_dim, dim), HF row order
+  auto wv() { return w_qkv.bottomRows(kv_dim); }         // (kv_dim, dim)
+  auto w_gate() { return w_gate_up.topRows(ffn_dim); }   // (ffn, dim)
+  auto w_up() { return w_gate_up.bottomRows(ffn_dim); }  // (ffn, dim)
+  auto wq() const { return w_qkv.topRows(q_dim); }
+  auto wk() const { return w_qkv.middleRows(q_dim, kv_dim); }
+  auto wv() const { return w_qkv.bottomRows(kv_dim); }
+  auto w_gate() const { return w_gate_up.topRows(ffn_dim); }
+  auto w_up() const { return w_gate_up.bottomRows(ffn_dim); }
 };
 
 struct LlamaWeights {
@@ -32,7 +47,9 @@ struct LlamaWeights {
   RowMatrix lm_head;           // (vocab, dim); empty when tie_word_embeddings
 
   // (vocab, dim): lm_head, or the embedding when tied.
-  const RowMatrix& output_projection() const { return config.tie_word_embeddings ? embedding : lm_head; }
+  const RowMatrix& output_projection() const {
+    return config.tie_word_embeddings ? embedding : lm_head;
+  }
 };
 
 // Reads <directory>/config.json and its safetensors weights (single file or sharded), checking

@@ -42,7 +42,8 @@ class RopeTable {
 // head h / (n_heads / n_kv_heads). Position i attends to keys j with j <= i and, with a
 // window W, i - j < W. Softmax in fp32 with the row max subtracted.
 // q: (T, n_heads * head_dim)  k, v: (T, n_kv_heads * head_dim)  out: (T, n_heads * head_dim)
-void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v, std::int64_t n_heads,
-                      std::int64_t n_kv_heads, std::optional<std::int64_t> window, RowMatrix& out);
+void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v,
+                      std::int64_t n_heads, std::int64_t n_kv_heads,
+                      std::optional<std::int64_t> window, RowMatrix& out);
 
 }  // namespace kvlab::cpu

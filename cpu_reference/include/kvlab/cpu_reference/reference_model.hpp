@@ -41,8 +41,8 @@ const char* finish_reason_name(FinishReason reason);
 
 struct GeneratedToken {
   std::int32_t token = 0;
-  float logprob = 0;                // log p(token) under the model (temperature 1)
-  std::vector<TokenLogprob> top;    // the top-k alternatives, when asked for
+  float logprob = 0;              // log p(token) under the model (temperature 1)
+  std::vector<TokenLogprob> top;  // the top-k alternatives, when asked for
 };
 
 struct GenerationResult {

@@ -9,7 +9,7 @@ namespace kvlab::cuda {
 // copies the result into out (rows, dim). Returns an empty string on success, else the CUDA
 // error text (no exceptions: this is called from tests that must report, not crash).
 // (Pointers, not std::span: this header is also compiled by nvcc in C++17 mode.)
-std::string rms_norm_host(const float* x, const float* weight, std::int64_t rows, std::int64_t dim, float eps,
-                          float* out);
+std::string rms_norm_host(const float* x, const float* weight, std::int64_t rows, std::int64_t dim,
+                          float eps, float* out);
 
 }  // namespace kvlab::cuda
