@@ -28,5 +28,6 @@ std::string human_bytes(double bytes);
 void register_generate(CLI::App& app);
 void register_model(CLI::App& app);
 void register_memory(CLI::App& app);
+void register_plugins(CLI::App& app);
 
 }  // namespace kvlab::cli

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   kvlab::cli::register_generate(app);
   kvlab::cli::register_model(app);
   kvlab::cli::register_memory(app);
+  kvlab::cli::register_plugins(app);
   if (argc > 1 && argv[1][0] != '-') {  // name an unknown command (CLI11 only says one is required)
     std::vector<std::string> commands;
     for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))

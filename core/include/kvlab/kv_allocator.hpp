@@ -1,0 +1,78 @@
+#pragma once
+// KvAllocator: which slots of the KV pool belong to which sequence. A plugin kind.
+//
+// Query/commit verbs: the scheduler asks can_allocate / can_append on a const allocator; the
+// engine's apply step commits with allocate / append / free / fork. Failures are return
+// values (false, nullopt), never exceptions: this interface crosses the plugin boundary.
+// Allocators copy KV bytes themselves (grow-by-copy, copy-on-write) through the KvPool they
+// were created with, and count those bytes.
+#include <boost/config.hpp>
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "kvlab/kv_pool.hpp"
+
+namespace kvlab {
+
+using SequenceId = std::int64_t;
+
+// The same numbers from every allocator, in slots unless named bytes/tokens (docs/allocators.md):
+//   used + reserved_unused + last_block_slack + free = capacity
+struct KvAllocatorStats {
+  std::int64_t capacity = 0;  // slots in the pool
+  std::int64_t used = 0;      // slots holding live tokens' KV (a shared slot counts once)
+  std::int64_t reserved_unused =
+      0;  // reserved ahead for a sequence's future tokens (static, dynamic)
+  std::int64_t last_block_slack =
+      0;                  // allocated but unfilled slots of partly-filled blocks (paged)
+  std::int64_t free = 0;  // slots no live sequence holds (including evictable cached blocks)
+  std::int64_t unusable_free =
+      0;                         // free slots outside the largest free run (external fragmentation)
+  std::int64_t cached_free = 0;  // free slots still holding reusable prefix-cache KV (paged)
+  std::int64_t bytes_copied = 0;         // KV bytes moved by grow-by-copy and copy-on-write
+  std::int64_t prefix_query_tokens = 0;  // prompt tokens looked up in the prefix cache
+  std::int64_t prefix_hit_tokens = 0;    // of those, found with KV already in the pool
+  std::int64_t evictions = 0;            // cached blocks reused for other data
+  std::int64_t live_sequences = 0;
+};
+
+struct AllocateRequest {
+  SequenceId sequence = 0;
+  std::span<const std::int32_t> prompt;  // the tokens whose KV the first forward writes
+  std::int64_t max_total_tokens = 0;     // prompt + most tokens it may generate
+};
+
+struct AllocateResult {
+  std::int64_t cached_tokens = 0;  // leading prompt tokens whose KV is already in the pool
+};
+
+class BOOST_SYMBOL_VISIBLE KvAllocator {
+ public:
+  virtual ~KvAllocator() = default;
+
+  // Would allocate(request) succeed now? No side effects.
+  virtual bool can_allocate(const AllocateRequest& request) const = 0;
+  // Gives a new sequence room for its prompt (and, by policy, more). The sequence's length
+  // becomes prompt.size(). nullopt (nothing changed) when it does not fit.
+  virtual std::optional<AllocateResult> allocate(const AllocateRequest& request) = 0;
+  // Would append(sequence, n tokens) succeed now? No side effects.
+  virtual bool can_append(SequenceId sequence, std::int64_t tokens) const = 0;
+  // Extends the sequence by tokens.size() tokens (ids given for prefix hashing); the new slots
+  // are the sequence's own (copy-on-write done). false (nothing changed) when there is no room.
+  virtual bool append(SequenceId sequence, std::span<const std::int32_t> tokens) = 0;
+  // The backend has written KV for the sequence's first `computed_tokens` tokens: full blocks
+  // up to there may now be shared through the prefix cache.
+  virtual void mark_computed(SequenceId sequence, std::int64_t computed_tokens) = 0;
+  // Tokens before `position` will never be read again (sliding window): an allocator may free them.
+  virtual void release_before(SequenceId sequence, std::int64_t position) = 0;
+  // The child starts as a copy of the parent (parallel sampling); false when unsupported or full.
+  virtual bool fork(SequenceId parent, SequenceId child) = 0;
+  // Ends the sequence; its slots return to the pool (cached blocks stay reusable).
+  virtual void free(SequenceId sequence) = 0;
+  virtual bool contains(SequenceId sequence) const = 0;
+  virtual KvView view(SequenceId sequence) const = 0;
+  virtual KvAllocatorStats stats() const = 0;
+};
+
+}  // namespace kvlab

@@ -1,0 +1,70 @@
+#pragma once
+// The KV pool: host memory for the keys and values of every layer, divided into slots (one
+// slot = one token's K and V in every layer). Allocators decide which slots a sequence owns;
+// the backend reads and writes them through a KvView.
+#include <cstdint>
+#include <vector>
+
+namespace kvlab {
+
+struct KvPoolShape {
+  std::int64_t layers = 0;
+  std::int64_t kv_heads = 0;
+  std::int64_t head_dim = 0;
+  std::int64_t slots = 0;
+  std::int64_t slot_width() const {
+    return kv_heads * head_dim;
+  }  // floats per slot per layer, K or V
+};
+
+// Layout: keys and values each (layers, slots, kv_heads, head_dim), fp32, row-major.
+class KvPool {
+ public:
+  explicit KvPool(const KvPoolShape& shape);
+
+  const KvPoolShape& shape() const { return shape_; }
+  // (kv_heads * head_dim) floats of one slot in one layer.
+  float* key(std::int64_t layer, std::int64_t slot) { return keys_.data() + offset(layer, slot); }
+  float* value(std::int64_t layer, std::int64_t slot) {
+    return values_.data() + offset(layer, slot);
+  }
+  const float* key(std::int64_t layer, std::int64_t slot) const {
+    return keys_.data() + offset(layer, slot);
+  }
+  const float* value(std::int64_t layer, std::int64_t slot) const {
+    return values_.data() + offset(layer, slot);
+  }
+  // Bytes one slot holds over all layers, K and V.
+  std::int64_t bytes_per_slot() const;
+  // Copies `count` slots starting at `source` to `destination` in every layer, K and V
+  // (ranges may overlap). Returns the bytes copied.
+  std::int64_t copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count);
+
+ private:
+  std::int64_t offset(std::int64_t layer, std::int64_t slot) const {
+    return (layer * shape_.slots + slot) * shape_.slot_width();
+  }
+  KvPoolShape shape_;
+  std::vector<float> keys_;    // (layers, slots, kv_heads, head_dim)
+  std::vector<float> values_;  // (layers, slots, kv_heads, head_dim)
+};
+
+// A contiguous run of slots holding consecutive tokens of one sequence.
+struct KvExtent {
+  std::int64_t start_slot = 0;
+  std::int64_t length = 0;
+};
+
+// Where a sequence's KV lives: its tokens [first_position, first_position + length()) in order,
+// as a list of extents. Tokens before first_position were released (sliding window).
+struct KvView {
+  std::vector<KvExtent> extents;
+  std::int64_t first_position = 0;
+
+  std::int64_t length() const;
+  std::int64_t end_position() const { return first_position + length(); }
+  // The slot of token `position` (first_position <= position < end_position()).
+  std::int64_t slot_of(std::int64_t position) const;
+};
+
+}  // namespace kvlab

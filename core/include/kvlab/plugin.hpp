@@ -1,0 +1,116 @@
+#pragma once
+// The plugin ABI. A plugin is a shared library exporting one descriptor through Boost.DLL:
+//
+//   class PagedAllocator final : public kvlab::KvAllocator { ... };
+//   const kvlab::ParamSpec kParams[] = {{"block_size", kvlab::ParamType::param_integer, "...",
+//   "16", 1, 4096}}; KVLAB_PLUGIN(kvlab::PluginKind::kv_allocator, PagedAllocator, "paged", "one
+//   line", kParams)
+//
+// The host checks abi_version by exact equality, validates parameters against the schema,
+// and wraps created objects so they are destroyed by the plugin's own `destroy` while the
+// library is still loaded. Nothing that needs the library's code after unload crosses the
+// boundary: no exception (create catches and copies the message), no std::function, no deleter.
+#include <boost/config.hpp>
+#include <boost/dll/alias.hpp>
+#include <cstdint>
+#include <cstdio>
+#include <exception>
+#include <span>
+
+#include "kvlab/attention_variant.hpp"
+#include "kvlab/kv_allocator.hpp"
+#include "kvlab/model_config.hpp"
+#include "kvlab/plugin_params.hpp"
+
+namespace kvlab {
+
+// Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
+inline constexpr std::uint32_t kPluginAbiVersion = 1;
+
+enum class PluginKind : std::uint32_t {
+  kv_allocator = 1,
+  attention_variant = 2,
+  scheduler = 3,
+  backend = 4
+};
+const char* plugin_kind_name(PluginKind kind);  // "allocator", "attention", "scheduler", "backend"
+
+// What a plugin object may need from the host when it is created.
+struct PluginContext {
+  KvPool* pool = nullptr;              // allocators: the pool whose slots they hand out
+  const ModelConfig* model = nullptr;  // the model being served
+  std::int64_t max_seq_len = 0;        // longest sequence (prompt + output) a request may reach
+};
+
+struct PluginDescriptor {
+  std::uint32_t abi_version;  // first field: readable whatever else changes
+  PluginKind kind;
+  const char* name;
+  const char* description;
+  const ParamSpec* params;
+  std::size_t param_count;
+  // The object as a pointer to the kind's interface, cast to void*; nullptr with a message in
+  // error[0, error_size) when creation failed.
+  void* (*create)(const PluginParams& params, const PluginContext& context, char* error,
+                  std::size_t error_size);
+  void (*destroy)(void* object);
+};
+
+template <PluginKind K>
+struct PluginInterface;
+template <>
+struct PluginInterface<PluginKind::kv_allocator> {
+  using type = KvAllocator;
+};
+template <>
+struct PluginInterface<PluginKind::attention_variant> {
+  using type = AttentionVariant;
+};
+
+namespace detail {
+template <PluginKind K, typename Impl>
+void* guarded_create(const PluginParams& params, const PluginContext& context, char* error,
+                     std::size_t size) {
+  try {
+    using Interface = typename PluginInterface<K>::type;
+    return static_cast<void*>(static_cast<Interface*>(new Impl(params, context)));
+  } catch (const std::exception& e) {
+    std::snprintf(error, size, "%s", e.what());
+  } catch (...) {
+    std::snprintf(error, size, "unknown exception");
+  }
+  return nullptr;
+}
+}  // namespace detail
+
+}  // namespace kvlab
+
+// Defines and exports the plugin's descriptor (symbol "kvlab_plugin_descriptor").
+// PARAMS: an array of kvlab::ParamSpec, or kvlab::kNoParams.
+#define KVLAB_PLUGIN(KIND, IMPL, NAME, DESCRIPTION, PARAMS)                                  \
+  namespace {                                                                                \
+  void* kvlab_plugin_create(const ::kvlab::PluginParams& p, const ::kvlab::PluginContext& c, \
+                            char* e, std::size_t n) {                                        \
+    return ::kvlab::detail::guarded_create<KIND, IMPL>(p, c, e, n);                          \
+  }                                                                                          \
+  void kvlab_plugin_destroy(void* object) {                                                  \
+    delete static_cast<::kvlab::PluginInterface<KIND>::type*>(object);                       \
+  }                                                                                          \
+  const std::span<const ::kvlab::ParamSpec> kvlab_plugin_params{PARAMS};                     \
+  const ::kvlab::PluginDescriptor kvlab_plugin_descriptor_value{::kvlab::kPluginAbiVersion,  \
+                                                                KIND,                        \
+                                                                NAME,                        \
+                                                                DESCRIPTION,                 \
+                                                                kvlab_plugin_params.data(),  \
+                                                                kvlab_plugin_params.size(),  \
+                                                                &kvlab_plugin_create,        \
+                                                                &kvlab_plugin_destroy};      \
+  const ::kvlab::PluginDescriptor* kvlab_plugin_get_descriptor() {                           \
+    return &kvlab_plugin_descriptor_value;                                                   \
+  }                                                                                          \
+  }                                                                                          \
+  BOOST_DLL_ALIAS(kvlab_plugin_get_descriptor, kvlab_plugin_descriptor)
+
+namespace kvlab {
+inline constexpr std::span<const ParamSpec> kNoParams{};
+}

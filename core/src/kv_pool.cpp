@@ -1,0 +1,44 @@
+#include "kvlab/kv_pool.hpp"
+
+#include <cassert>
+#include <cstring>
+
+namespace kvlab {
+
+KvPool::KvPool(const KvPoolShape& shape)
+    : shape_(shape),
+      keys_(static_cast<std::size_t>(shape.layers * shape.slots * shape.slot_width())),
+      values_(static_cast<std::size_t>(shape.layers * shape.slots * shape.slot_width())) {}
+
+std::int64_t KvPool::bytes_per_slot() const {
+  return 2 * shape_.layers * shape_.slot_width() * static_cast<std::int64_t>(sizeof(float));
+}
+
+std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) {
+  assert(source >= 0 && destination >= 0 && source + count <= shape_.slots &&
+         destination + count <= shape_.slots);
+  const auto bytes = static_cast<std::size_t>(count * shape_.slot_width()) * sizeof(float);
+  for (std::int64_t layer = 0; layer < shape_.layers; ++layer) {
+    std::memmove(key(layer, destination), key(layer, source), bytes);
+    std::memmove(value(layer, destination), value(layer, source), bytes);
+  }
+  return count * bytes_per_slot();
+}
+
+std::int64_t KvView::length() const {
+  std::int64_t total = 0;
+  for (const auto& e : extents) total += e.length;
+  return total;
+}
+
+std::int64_t KvView::slot_of(std::int64_t position) const {
+  std::int64_t offset = position - first_position;
+  for (const auto& e : extents) {
+    if (offset < e.length) return e.start_slot + offset;
+    offset -= e.length;
+  }
+  assert(false && "KvView::slot_of: position outside the view");
+  return -1;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,123 @@
+#include "kvlab/plugin_params.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdlib>
+
+#include "kvlab/error.hpp"
+#include "kvlab/suggest.hpp"
+
+namespace kvlab {
+
+const char* param_type_name(ParamType type) {
+  switch (type) {
+    case ParamType::param_integer:
+      return "integer";
+    case ParamType::param_real:
+      return "number";
+    case ParamType::param_boolean:
+      return "boolean";
+    case ParamType::param_string:
+      return "string";
+  }
+  return "?";
+}
+
+std::string param_value_to_string(const ParamValue& value) {
+  return std::visit(
+      [](const auto& v) -> std::string {
+        using T = std::decay_t<decltype(v)>;
+        if constexpr (std::is_same_v<T, std::string>)
+          return "\"" + v + "\"";
+        else if constexpr (std::is_same_v<T, bool>)
+          return v ? "true" : "false";
+        else
+          return fmt::format("{}", v);
+      },
+      value);
+}
+
+namespace {
+
+template <typename T>
+const T& get(const std::map<std::string, ParamValue, std::less<>>& values, std::string_view name) {
+  auto it = values.find(name);
+  if (it == values.end() || !std::holds_alternative<T>(it->second))
+    throw Error(fmt::format("internal: plugin parameter \"{}\" missing or of another type", name));
+  return std::get<T>(it->second);
+}
+
+ParamValue parse_default(const ParamSpec& spec) {
+  const std::string text = spec.default_value;
+  switch (spec.type) {
+    case ParamType::param_integer:
+      return static_cast<std::int64_t>(std::strtoll(text.c_str(), nullptr, 10));
+    case ParamType::param_real:
+      return std::strtod(text.c_str(), nullptr);
+    case ParamType::param_boolean:
+      return text == "true";
+    case ParamType::param_string:
+      return text.size() >= 2 && text.front() == '"' ? text.substr(1, text.size() - 2) : text;
+  }
+  return text;
+}
+
+}  // namespace
+
+std::int64_t PluginParams::integer(std::string_view name) const {
+  return get<std::int64_t>(values_, name);
+}
+double PluginParams::real(std::string_view name) const {
+  return get<double>(values_, name);
+}
+bool PluginParams::boolean(std::string_view name) const {
+  return get<bool>(values_, name);
+}
+const std::string& PluginParams::string(std::string_view name) const {
+  return get<std::string>(values_, name);
+}
+
+PluginParams validate_plugin_params(std::string_view plugin, const std::vector<ParamSpec>& schema,
+                                    const std::map<std::string, ParamValue, std::less<>>& given) {
+  std::vector<std::string> names;
+  for (const auto& spec : schema) names.emplace_back(spec.name);
+  std::map<std::string, ParamValue, std::less<>> values;
+  for (const auto& spec : schema) values[spec.name] = parse_default(spec);
+  for (const auto& [name, value] : given) {
+    const ParamSpec* spec = nullptr;
+    for (const auto& s : schema)
+      if (name == s.name) spec = &s;
+    if (spec == nullptr) {
+      std::string message = fmt::format("plugin \"{}\" has no parameter \"{}\"", plugin, name);
+      if (auto near = nearest_name(name, names))
+        message += fmt::format(" (did you mean \"{}\"?)", *near);
+      message += names.empty() ? "; it takes no parameters" : "; parameters: " + join_names(names);
+      throw Error(message);
+    }
+    ParamValue converted = value;
+    if (spec->type == ParamType::param_real && std::holds_alternative<std::int64_t>(value))
+      converted = static_cast<double>(std::get<std::int64_t>(value));
+    const bool type_ok =
+        (spec->type == ParamType::param_integer &&
+         std::holds_alternative<std::int64_t>(converted)) ||
+        (spec->type == ParamType::param_real && std::holds_alternative<double>(converted)) ||
+        (spec->type == ParamType::param_boolean && std::holds_alternative<bool>(converted)) ||
+        (spec->type == ParamType::param_string && std::holds_alternative<std::string>(converted));
+    if (!type_ok)
+      throw Error(fmt::format("plugin \"{}\" parameter \"{}\" must be a {}, got {}", plugin, name,
+                              param_type_name(spec->type), param_value_to_string(value)));
+    if (spec->type == ParamType::param_integer || spec->type == ParamType::param_real) {
+      const double number = std::holds_alternative<std::int64_t>(converted)
+                                ? static_cast<double>(std::get<std::int64_t>(converted))
+                                : std::get<double>(converted);
+      if (number < spec->min_value || number > spec->max_value)
+        throw Error(fmt::format("plugin \"{}\" parameter \"{}\" = {} is out of range [{}, {}]",
+                                plugin, name, param_value_to_string(value), spec->min_value,
+                                spec->max_value));
+    }
+    values[name] = converted;
+  }
+  return PluginParams(std::move(values));
+}
+
+}  // namespace kvlab

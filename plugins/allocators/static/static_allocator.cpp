@@ -1,0 +1,107 @@
+// static: reserves max_seq_len contiguous slots for a sequence when it is admitted — the
+// FasterTransformer / Orca baseline. Everything a sequence might ever need is held from its
+// first step to its last, so `reserved_unused` is the waste this baseline is known for.
+#include <fmt/format.h>
+
+#include <unordered_map>
+
+#include "kvlab/free_slot_runs.hpp"
+#include "kvlab/plugin.hpp"
+
+namespace {
+
+using namespace kvlab;
+
+class StaticAllocator final : public KvAllocator {
+ public:
+  StaticAllocator(const PluginParams& params, const PluginContext& context)
+      : pool_(context.pool),
+        reserve_(params.integer("max_seq_len")),
+        free_(context.pool ? context.pool->shape().slots : 0) {
+    if (pool_ == nullptr) throw std::invalid_argument("static allocator needs a KV pool");
+    if (reserve_ == 0) reserve_ = context.max_seq_len;
+    if (reserve_ <= 0) throw std::invalid_argument("static allocator needs max_seq_len > 0");
+  }
+
+  bool can_allocate(const AllocateRequest& r) const override {
+    return fits(r) && free_.first_fit(reserve_).has_value();
+  }
+  std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
+    if (!fits(r) || sequences_.count(r.sequence)) return std::nullopt;
+    const auto start = free_.take(reserve_);
+    if (!start) return std::nullopt;
+    sequences_[r.sequence] = {*start, static_cast<std::int64_t>(r.prompt.size())};
+    return AllocateResult{0};
+  }
+  bool can_append(SequenceId id, std::int64_t tokens) const override {
+    auto it = sequences_.find(id);
+    return it != sequences_.end() && it->second.length + tokens <= reserve_;
+  }
+  bool append(SequenceId id, std::span<const std::int32_t> tokens) override {
+    if (!can_append(id, static_cast<std::int64_t>(tokens.size()))) return false;
+    sequences_[id].length += static_cast<std::int64_t>(tokens.size());
+    return true;
+  }
+  void mark_computed(SequenceId, std::int64_t) override {}
+  void release_before(SequenceId, std::int64_t) override {}  // the reservation is held to the end
+  bool fork(SequenceId parent, SequenceId child) override {
+    auto it = sequences_.find(parent);
+    if (it == sequences_.end() || sequences_.count(child)) return false;
+    const auto start = free_.take(reserve_);
+    if (!start) return false;
+    bytes_copied_ += pool_->copy_slots(it->second.start, *start, it->second.length);
+    sequences_[child] = {*start, it->second.length};
+    return true;
+  }
+  void free(SequenceId id) override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return;
+    free_.give_back(it->second.start, reserve_);
+    sequences_.erase(it);
+  }
+  bool contains(SequenceId id) const override { return sequences_.count(id) > 0; }
+  KvView view(SequenceId id) const override {
+    const auto& s = sequences_.at(id);
+    return KvView{{KvExtent{s.start, s.length}}, 0};
+  }
+  KvAllocatorStats stats() const override {
+    KvAllocatorStats st;
+    st.capacity = pool_->shape().slots;
+    for (const auto& [id, s] : sequences_) {
+      st.used += s.length;
+      st.reserved_unused += reserve_ - s.length;
+    }
+    st.free = free_.free_slots();
+    st.unusable_free = st.free - free_.largest_run();
+    st.bytes_copied = bytes_copied_;
+    st.live_sequences = static_cast<std::int64_t>(sequences_.size());
+    return st;
+  }
+
+ private:
+  struct Sequence {
+    std::int64_t start;
+    std::int64_t length;
+  };
+  bool fits(const AllocateRequest& r) const {
+    return static_cast<std::int64_t>(r.prompt.size()) <= reserve_ && r.max_total_tokens <= reserve_;
+  }
+  KvPool* pool_;
+  std::int64_t reserve_;
+  FreeSlotRuns free_;
+  std::unordered_map<SequenceId, Sequence> sequences_;
+  std::int64_t bytes_copied_ = 0;
+};
+
+const ParamSpec kParams[] = {
+    {"max_seq_len", ParamType::param_integer,
+     "slots reserved per sequence at admission (0 = the model's context / the experiment's limit)",
+     "0", 0, 1 << 30},
+};
+
+}  // namespace
+
+KVLAB_PLUGIN(kvlab::PluginKind::kv_allocator, StaticAllocator, "static",
+             "reserves max_seq_len contiguous slots per sequence at admission "
+             "(FasterTransformer/Orca baseline)",
+             kParams)
