@@ -104,7 +104,8 @@ PluginParams validate_plugin_params(std::string_view plugin, const std::vector<P
         (spec->type == ParamType::param_boolean && std::holds_alternative<bool>(converted)) ||
         (spec->type == ParamType::param_string && std::holds_alternative<std::string>(converted));
     if (!type_ok)
-      throw Error(fmt::format("plugin \"{}\" parameter \"{}\" must be a {}, got {}", plugin, name,
+      throw Error(fmt::format("plugin \"{}\" parameter \"{}\" must be {} {}, got {}", plugin, name,
+                              spec->type == ParamType::param_integer ? "an" : "a",
                               param_type_name(spec->type), param_value_to_string(value)));
     if (spec->type == ParamType::param_integer || spec->type == ParamType::param_real) {
       const double number = std::holds_alternative<std::int64_t>(converted)

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "cpu_reference/test_models.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
 #include "test_util.hpp"
@@ -99,19 +100,7 @@ std::vector<std::vector<double>> naive_forward(const LlamaWeights& w,
   return logits;
 }
 
-// Larger init than the default 0.02 so logits are O(1) and a 1e-4 check means something.
-LlamaWeights scaled_random_weights(ModelConfig config, std::uint64_t seed) {
-  LlamaWeights w = random_llama_weights(config, seed);
-  auto scale = [](RowMatrix& m) { m *= 10.0f; };
-  scale(w.embedding);
-  for (auto& layer : w.layers) {
-    for (RowMatrix* m : {&layer.w_qkv, &layer.wo, &layer.w_gate_up, &layer.w_down}) scale(*m);
-    layer.attention_norm.setLinSpaced(0.5f, 1.5f);
-    layer.mlp_norm.setLinSpaced(1.2f, 0.8f);
-  }
-  if (!config.tie_word_embeddings) scale(w.lm_head);
-  return w;
-}
+using test::scaled_random_weights;
 
 void expect_matches_naive(const LlamaWeights& weights, const std::vector<std::int32_t>& tokens,
                           std::optional<std::int64_t> window = std::nullopt) {

@@ -1,0 +1,74 @@
+#pragma once
+// Batch generation without a scheduler: N prompts through the batched CPU backend with a
+// chosen KV allocator and attention variant (both plugins). Every request joins at its arrival
+// step, so prefills mix with other sequences' decodes. For tests and benchmarks; the engine
+// with schedulers builds on the same pieces.
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/plugin_loader.hpp"
+
+namespace kvlab::cpu {
+
+struct BatchRequest {
+  std::vector<std::int32_t> prompt;
+  SamplingParams sampling;
+  std::int64_t arrival_step = 0;  // joins the batch at this step
+};
+
+struct BatchOptions {
+  std::int64_t prefill_chunk =
+      0;                       // prompt tokens per sequence per step (0 = the whole prompt at once)
+  bool record_logits = false;  // keep the logits that produced every generated token
+};
+
+struct BatchResult {
+  std::vector<std::int32_t> tokens;
+  std::vector<std::vector<float>> logits;  // (generated tokens, vocab), when recorded
+  FinishReason finish_reason = FinishReason::max_tokens;
+  std::int64_t cached_prompt_tokens = 0;  // prompt tokens served by the prefix cache
+};
+
+struct BatchSetup {
+  std::string allocator = "paged";
+  std::map<std::string, ParamValue, std::less<>> allocator_params;
+  std::string attention = "gqa";
+  std::map<std::string, ParamValue, std::less<>> attention_params;
+  std::int64_t pool_slots = 4096;  // KV pool capacity in tokens
+  std::int64_t max_seq_len = 0;    // 0 = the model's context
+};
+
+class BatchGenerator {
+ public:
+  // Creates the attention variant, converts the checkpoint's K/V heads to what it caches,
+  // sizes the pool, creates the allocator. Throws kvlab::Error (unknown plugin, bad parameter,
+  // a variant that cannot run this model).
+  BatchGenerator(const LlamaWeights& checkpoint, const PluginRegistry& registry,
+                 const BatchSetup& setup);
+
+  // Runs every request to completion. Throws kvlab::Error when the allocator cannot fit a
+  // request or its next token (without a scheduler there is nobody to wait or preempt).
+  std::vector<BatchResult> run(const std::vector<BatchRequest>& requests,
+                               const BatchOptions& options = {});
+
+  const LlamaWeights& weights() const { return weights_; }  // as converted for the variant
+  KvAllocator& allocator() { return *allocator_; }
+  const AttentionVariant& attention() const { return *attention_; }
+  KvPool& pool() { return pool_; }
+
+ private:
+  PluginObject<AttentionVariant> attention_;
+  LlamaWeights weights_;
+  KvPool pool_;
+  PluginObject<KvAllocator> allocator_;
+  CpuBackend backend_;
+  std::int64_t max_seq_len_;
+  SequenceId next_sequence_ = 0;
+};
+
+}  // namespace kvlab::cpu

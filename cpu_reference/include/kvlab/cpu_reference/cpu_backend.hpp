@@ -1,0 +1,52 @@
+#pragma once
+// The batched CPU backend: one forward over a mixed batch — prefill chunks of some sequences
+// and single decode tokens of others. Projections and MLP are GEMMs over all batch tokens;
+// attention runs per sequence, reading K/V from the KV pool through the sequence's KvView.
+#include <cstdint>
+#include <optional>
+#include <span>
+
+#include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/kv_pool.hpp"
+
+namespace kvlab::cpu {
+
+// One sequence's share of a batch: `tokens` sit at positions [start_position, + size()).
+// `view` must already map every position up to start_position + size() (the allocator gave the
+// new tokens their slots) and back to the oldest position attention needs.
+struct BatchEntry {
+  std::span<const std::int32_t> tokens;
+  std::int64_t start_position = 0;
+  KvView view;
+};
+
+// LLaMA weights with `kv_heads` K/V heads: mean-pools groups of the checkpoint's K/V heads
+// into one (fewer heads, the GQA paper's conversion) or repeats each head for its group (more
+// heads: the same function, computed MHA-style). Throws kvlab::Error when neither count
+// divides the other or kv_heads does not divide the query heads.
+LlamaWeights convert_kv_heads(const LlamaWeights& weights, std::int64_t kv_heads);
+
+class CpuBackend {
+ public:
+  // `weights` must have the pool's KV head count and head_dim. `window`: attend to the last W
+  // positions only.
+  CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window);
+
+  // Runs the batch, writing each new token's K/V into its slot. Returns logits (entries, vocab)
+  // for the last token of each entry.
+  RowMatrix forward(std::span<const BatchEntry> batch);
+
+  const LlamaWeights& weights() const { return weights_; }
+
+ private:
+  void attend(std::int64_t layer, std::span<const BatchEntry> batch,
+              std::span<const std::int64_t> first_rows, const RowMatrix& q, RowMatrix& out) const;
+
+  const LlamaWeights& weights_;
+  KvPool& pool_;
+  std::optional<std::int64_t> window_;
+  RopeTable rope_;
+};
+
+}  // namespace kvlab::cpu

@@ -1,0 +1,153 @@
+#include <gtest/gtest.h>
+
+#include "kvlab/error.hpp"
+#include "kvlab/plugin_loader.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+using test::error_of;
+
+const std::filesystem::path kPlugins = KVLAB_PLUGIN_DIR;
+const std::filesystem::path kTestPlugins = KVLAB_TEST_PLUGIN_DIR;
+
+std::string load_error(const std::filesystem::path& file) {
+  return error_of<Error>([&] {
+    PluginRegistry registry({});
+    registry.load_file(file);
+  });
+}
+
+TEST(PluginLoader, FindsTheShippedPlugins) {
+  const PluginRegistry registry({kPlugins});
+  for (const char* name : {"static", "dynamic", "paged"})
+    EXPECT_EQ(registry.find(PluginKind::kv_allocator, name).name, name);
+  for (const char* name : {"recompute", "mha", "gqa", "mqa", "sliding_window"})
+    EXPECT_EQ(registry.find(PluginKind::attention_variant, name).name, name);
+  const PluginInfo& paged = registry.find(PluginKind::kv_allocator, "paged");
+  ASSERT_EQ(paged.params.size(), 2u);
+  EXPECT_STREQ(paged.params[0].name, "block_size");
+  EXPECT_NE(paged.file.string().find("kvlab_plugin_allocator_paged.so"), std::string::npos);
+}
+
+TEST(PluginLoader, MissingFile) {
+  EXPECT_NE(load_error(kTestPlugins / "kvlab_plugin_nope.so").find("does not exist"),
+            std::string::npos);
+}
+
+TEST(PluginLoader, SharedLibraryThatIsNotAPlugin) {
+  const std::string message = load_error(kTestPlugins / "kvlab_plugin_test_not_a_plugin.so");
+  EXPECT_NE(message.find("is not a kvlab plugin"), std::string::npos) << message;
+  EXPECT_NE(message.find("kvlab_plugin_test_not_a_plugin.so"), std::string::npos) << message;
+}
+
+TEST(PluginLoader, FileThatIsNotALibrary) {
+  test::TempDir dir;
+  test::write_file(dir / "kvlab_plugin_text.so", "just text");
+  EXPECT_NE(load_error(dir / "kvlab_plugin_text.so").find("cannot load plugin"), std::string::npos);
+}
+
+TEST(PluginLoader, AbiMismatchReportsBothVersions) {
+  const std::string message = load_error(kTestPlugins / "kvlab_plugin_test_wrong_abi.so");
+  EXPECT_NE(message.find("ABI version " + std::to_string(kPluginAbiVersion + 98)),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("this kvlab has ABI version " + std::to_string(kPluginAbiVersion)),
+            std::string::npos)
+      << message;
+}
+
+TEST(PluginLoader, DuplicateNames) {
+  test::TempDir dir;
+  std::filesystem::copy_file(kPlugins / "kvlab_plugin_allocator_paged.so",
+                             dir / "kvlab_plugin_paged_copy.so");
+  const std::string message = error_of<Error>([&] {
+    PluginRegistry registry({kPlugins, dir.path()});
+  });
+  EXPECT_NE(message.find("two allocator plugins are named \"paged\""), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("kvlab_plugin_paged_copy.so"), std::string::npos) << message;
+}
+
+TEST(PluginLoader, UnknownNameListsAndSuggests) {
+  const PluginRegistry registry({kPlugins});
+  const std::string message =
+      error_of<Error>([&] { registry.find(PluginKind::kv_allocator, "pagde"); });
+  EXPECT_NE(message.find("unknown allocator plugin \"pagde\""), std::string::npos) << message;
+  EXPECT_NE(message.find("did you mean \"paged\""), std::string::npos) << message;
+  EXPECT_NE(message.find("dynamic"), std::string::npos) << message;
+}
+
+class PluginParameters : public ::testing::Test {
+ protected:
+  PluginParameters() : registry_({kPlugins}), pool_({1, 1, 4, 64}) { context_.pool = &pool_; }
+  std::string create_error(const std::string& name,
+                           std::map<std::string, ParamValue, std::less<>> params) {
+    return error_of<Error>(
+        [&] { registry_.create<PluginKind::kv_allocator>(name, params, context_); });
+  }
+  PluginRegistry registry_;
+  KvPool pool_;
+  PluginContext context_;
+};
+
+TEST_F(PluginParameters, UnknownParameter) {
+  const std::string message = create_error("paged", {{"blocksize", std::int64_t{8}}});
+  EXPECT_NE(message.find(
+                "plugin \"paged\" has no parameter \"blocksize\" (did you mean \"block_size\"?)"),
+            std::string::npos)
+      << message;
+}
+
+TEST_F(PluginParameters, WrongType) {
+  const std::string message = create_error("paged", {{"block_size", std::string("big")}});
+  EXPECT_NE(message.find("parameter \"block_size\" must be an integer, got \"big\""),
+            std::string::npos)
+      << message;
+  EXPECT_NE(create_error("paged", {{"prefix_caching", std::int64_t{1}}}).find("must be a boolean"),
+            std::string::npos);
+}
+
+TEST_F(PluginParameters, OutOfRange) {
+  const std::string message = create_error("paged", {{"block_size", std::int64_t{0}}});
+  EXPECT_NE(message.find("\"block_size\" = 0 is out of range [1, 4096]"), std::string::npos)
+      << message;
+  EXPECT_NE(create_error("dynamic", {{"growth", 0.5}}).find("out of range"), std::string::npos);
+}
+
+TEST_F(PluginParameters, CreationFailureCrossesTheBoundaryAsAMessage) {
+  const std::string message =
+      create_error("paged", {{"block_size", std::int64_t{48}}});  // 64 % 48 != 0
+  EXPECT_NE(
+      message.find("could not be created: pool slots (64) must be a multiple of block_size (48)"),
+      std::string::npos)
+      << message;
+}
+
+TEST_F(PluginParameters, IntegerAcceptedForReal) {
+  auto allocator = registry_.create<PluginKind::kv_allocator>(
+      "dynamic", {{"growth", std::int64_t{3}}}, context_);
+  EXPECT_TRUE(allocator);
+}
+
+TEST(PluginLifetime, ObjectsKeepTheirLibraryLoaded) {
+  KvPool pool({1, 1, 4, 64});
+  PluginContext context;
+  context.pool = &pool;
+  PluginObject<KvAllocator> allocator;
+  {
+    const PluginRegistry registry({kPlugins});
+    allocator = registry.create<PluginKind::kv_allocator>(
+        "paged", {{"block_size", std::int64_t{8}}}, context);
+  }  // the registry (and its handles) are gone; the object's handle keeps the .so mapped
+  const std::vector<std::int32_t> prompt{1, 2, 3};
+  ASSERT_TRUE(
+      allocator->allocate({7, prompt, 10}).has_value());  // virtual calls into the plugin's code
+  EXPECT_EQ(allocator->stats().used, 3);
+  allocator.reset();  // destroyed by the plugin's destroy, then the library may unload
+  EXPECT_FALSE(allocator);
+}
+
+}  // namespace
+}  // namespace kvlab
