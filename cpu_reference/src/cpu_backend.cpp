@@ -96,9 +96,9 @@ RowMatrix CpuBackend::forward(std::span<const BatchEntry> batch) {
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
-    qkv.noalias() = normed * layer.w_qkv.transpose();  // (N, q_dim + 2 kv_dim)
-    q = qkv.leftCols(q_dim);                           // (N, q_dim)
-    k = qkv.middleCols(q_dim, kv_dim);                 // (N, kv_dim)
+    multiply_by_transposed(normed, layer.w_qkv, qkv, false);  // (N, q_dim + 2 kv_dim)
+    q = qkv.leftCols(q_dim);                                  // (N, q_dim)
+    k = qkv.middleCols(q_dim, kv_dim);                        // (N, kv_dim)
     rope_.apply(q, positions, c.num_attention_heads);
     rope_.apply(k, positions, c.num_key_value_heads);
     // Write the new tokens' K and V into their slots.
@@ -113,10 +113,10 @@ RowMatrix CpuBackend::forward(std::span<const BatchEntry> batch) {
                     static_cast<std::size_t>(kv_dim) * sizeof(float));
       }
     attend(l, batch, first_rows, q, attention);
-    x.noalias() += attention * layer.wo.transpose();
+    multiply_by_transposed(attention, layer.wo, x, true);
 
     rms_norm(x, layer.mlp_norm, eps, normed);
-    gate_up.noalias() = normed * layer.w_gate_up.transpose();  // (N, 2 ffn)
+    multiply_by_transposed(normed, layer.w_gate_up, gate_up, false);  // (N, 2 ffn)
     hidden.resize(rows, c.intermediate_size);
 #pragma omp parallel for if (rows > 16)
     for (std::int64_t t = 0; t < rows; ++t) {  // silu(gate) * up
@@ -124,13 +124,15 @@ RowMatrix CpuBackend::forward(std::span<const BatchEntry> batch) {
       hidden.row(t).array() =
           gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
     }
-    x.noalias() += hidden * layer.w_down.transpose();
+    multiply_by_transposed(hidden, layer.w_down, x, true);
   }
   RowMatrix last(static_cast<std::int64_t>(batch.size()), c.hidden_size);  // (entries, dim)
   for (std::size_t e = 0; e < batch.size(); ++e)
     last.row(static_cast<std::int64_t>(e)) = x.row(first_rows[e + 1] - 1);
   rms_norm(last, weights_.final_norm, eps, normed);
-  return normed * weights_.output_projection().transpose();  // (entries, vocab)
+  RowMatrix logits;  // (entries, vocab)
+  multiply_by_transposed(normed, weights_.output_projection(), logits, false);
+  return logits;
 }
 
 // Attention of every entry's new tokens over its cached keys, read in place from the pool:

@@ -20,6 +20,27 @@ int num_threads() {
   return Eigen::nbThreads();
 }
 
+void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y, bool accumulate) {
+  constexpr Eigen::Index kSkinnyRows = 8;
+  if (!accumulate) y.resize(x.rows(), w.rows());
+  if (x.rows() > kSkinnyRows) {
+    if (accumulate)
+      y.noalias() += x * w.transpose();
+    else
+      y.noalias() = x * w.transpose();
+    return;
+  }
+  const Eigen::Index rows = x.rows(), outputs = w.rows();
+#pragma omp parallel for schedule(static)
+  for (Eigen::Index n = 0; n < outputs; ++n) {
+    const auto w_row = w.row(n);  // (K): read from memory once, dotted with every x row
+    for (Eigen::Index m = 0; m < rows; ++m) {
+      const float dot = x.row(m).dot(w_row);
+      y(m, n) = accumulate ? y(m, n) + dot : dot;
+    }
+  }
+}
+
 void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowMatrix& out) {
   out.resize(x.rows(), x.cols());
   const auto gain = weight.transpose().array();  // (1, dim)

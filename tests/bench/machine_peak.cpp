@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #if defined(__FMA__) && defined(__AVX__)
 #include <immintrin.h>
@@ -57,6 +58,43 @@ double measured_fp32_peak_gflops(int threads) {
     const double seconds =
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best = std::max(best, flops / seconds / 1e9);
+  }
+  return cache[threads] = best;
+}
+
+double measured_read_bandwidth_gbs(int threads) {
+  static std::mutex mutex;
+  static std::map<int, double> cache;
+  std::lock_guard lock(mutex);
+  if (auto it = cache.find(threads); it != cache.end()) return it->second;
+  const std::size_t count = (std::size_t{1} << 30) / sizeof(float);
+  std::vector<float> buffer(count);
+#pragma omp parallel for num_threads(threads)
+  for (std::size_t i = 0; i < count; ++i)
+    buffer[i] = static_cast<float>(i & 1023);  // touch every page
+  double best = 0;
+  for (int attempt = 0; attempt < 5; ++attempt) {
+    double total = 0;
+    const auto start = std::chrono::steady_clock::now();
+#pragma omp parallel num_threads(threads) reduction(+ : total)
+    {
+      // Eight independent vector sums per thread: the loads, not the add latency, set the pace.
+      const int t = omp_get_thread_num(), n = omp_get_num_threads();
+      const std::size_t begin =
+          count / 64 * static_cast<std::size_t>(t) / static_cast<std::size_t>(n) * 64;
+      const std::size_t end =
+          count / 64 * static_cast<std::size_t>(t + 1) / static_cast<std::size_t>(n) * 64;
+      float lanes[64] = {};
+      for (std::size_t i = begin; i < end; i += 64)
+#pragma omp simd
+        for (int j = 0; j < 64; ++j) lanes[j] += buffer[i + static_cast<std::size_t>(j)];
+      for (float v : lanes) total += v;
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    volatile double sink = total;
+    (void)sink;
+    best = std::max(best, static_cast<double>(count * sizeof(float)) / seconds / 1e9);
   }
   return cache[threads] = best;
 }

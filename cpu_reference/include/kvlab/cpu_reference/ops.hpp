@@ -14,6 +14,11 @@ namespace kvlab::cpu {
 void set_num_threads(int threads);
 int num_threads();
 
+// y (+)= x w^T, the projection of every batch row: x (M, K), w (N, K) as stored, y (M, N).
+// Few rows (decode batches): each thread streams a slice of w's rows once and dots it with all
+// of x (bandwidth-bound, like llama.cpp's matrix-vector path); many rows: a BLAS GEMM.
+void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y, bool accumulate);
+
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, for every row t.
 // x: (T, dim), weight: (dim), out: (T, dim); out may alias x.
 void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowMatrix& out);
