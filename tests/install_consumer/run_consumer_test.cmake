@@ -13,3 +13,14 @@ run(${CMAKE_COMMAND} -S ${CONSUMER_SOURCE_DIR} -B ${WORK_DIR}/build -DCMAKE_PREF
     -DCMAKE_BUILD_TYPE=Release)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/build)
 run(${WORK_DIR}/build/consumer)
+# The out-of-tree plugin example (docs/writing-a-plugin.md) builds against the installed
+# package, and the installed kvlab lists it next to the shipped plugins.
+run(${CMAKE_COMMAND} -S ${PLUGIN_EXAMPLE_DIR} -B ${WORK_DIR}/plugin_build -DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix
+    -DCMAKE_BUILD_TYPE=Release)
+run(${CMAKE_COMMAND} --build ${WORK_DIR}/plugin_build)
+execute_process(COMMAND ${WORK_DIR}/prefix/bin/kvlab plugins --path ${WORK_DIR}/plugin_build
+                RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
+message(STATUS "${out}${err}")
+if(NOT result EQUAL 0 OR NOT out MATCHES "attention fixed_kv_heads" OR NOT out MATCHES "allocator paged")
+  message(FATAL_ERROR "installed kvlab did not list the out-of-tree plugin and the shipped ones")
+endif()
