@@ -86,13 +86,15 @@ RowMatrix CpuBackend::forward(std::span<const BatchEntry> batch) {
   const auto eps = static_cast<float>(c.rms_norm_eps);
   const std::int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim();
 
-  RowMatrix x(rows, c.hidden_size);  // (N, dim) residual stream of every batch token
+  RowMatrix& x = x_;  // (N, dim) residual stream of every batch token
+  x.resize(rows, c.hidden_size);
   for (std::size_t e = 0; e < batch.size(); ++e)
     for (std::size_t j = 0; j < batch[e].tokens.size(); ++j)
       x.row(first_rows[e] + static_cast<std::int64_t>(j)) =
           weights_.embedding.row(batch[e].tokens[j]);
 
-  RowMatrix normed, qkv, q, k, attention, gate_up, hidden;
+  RowMatrix &normed = normed_, &qkv = qkv_, &q = q_, &k = k_, &attention = attention_,
+            &gate_up = gate_up_, &hidden = hidden_;
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
@@ -126,7 +128,8 @@ RowMatrix CpuBackend::forward(std::span<const BatchEntry> batch) {
     }
     multiply_by_transposed(hidden, layer.w_down, x, true);
   }
-  RowMatrix last(static_cast<std::int64_t>(batch.size()), c.hidden_size);  // (entries, dim)
+  RowMatrix& last = last_;  // (entries, dim)
+  last.resize(static_cast<std::int64_t>(batch.size()), c.hidden_size);
   for (std::size_t e = 0; e < batch.size(); ++e)
     last.row(static_cast<std::int64_t>(e)) = x.row(first_rows[e + 1] - 1);
   rms_norm(last, weights_.final_norm, eps, normed);

@@ -47,6 +47,8 @@ class CpuBackend {
   KvPool& pool_;
   std::optional<std::int64_t> window_;
   RopeTable rope_;
+  // Activations, kept between steps so a decode step allocates (and page-faults) nothing.
+  RowMatrix x_, normed_, qkv_, q_, k_, attention_, gate_up_, hidden_, last_;
 };
 
 }  // namespace kvlab::cpu

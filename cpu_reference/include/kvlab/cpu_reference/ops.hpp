@@ -15,8 +15,8 @@ void set_num_threads(int threads);
 int num_threads();
 
 // y (+)= x w^T, the projection of every batch row: x (M, K), w (N, K) as stored, y (M, N).
-// Few rows (decode batches): each thread streams a slice of w's rows once and dots it with all
-// of x (bandwidth-bound, like llama.cpp's matrix-vector path); many rows: a BLAS GEMM.
+// Up to 16 rows (decode batches): each thread streams 4 rows of w at a time once and multiplies
+// them with all of x in an AVX2 2x4 register tile, no packing; more rows: a BLAS GEMM.
 void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y, bool accumulate);
 
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, for every row t.
