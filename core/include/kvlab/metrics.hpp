@@ -1,0 +1,69 @@
+#pragma once
+// Serving metrics: what happened to each request, and the summaries an experiment reports.
+// Definitions (docs/metrics.md):
+//   TTFT  = first token time - arrival           queue delay = first scheduled - arrival
+//   TPOT  = (finish - first token) / (output tokens - 1), requests with >= 2 output tokens
+//   ITL   = every gap between consecutive output tokens, pooled over requests
+//   e2e   = finish - arrival
+//   goodput = finished requests meeting every SLO set, per second of the run
+// Percentiles interpolate linearly between order statistics (numpy's default).
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+namespace kvlab {
+
+struct RequestTimeline {
+  std::int64_t id = 0;
+  int priority = 0;
+  std::int64_t prompt_tokens = 0;
+  double arrival_s = 0;
+  std::optional<double> first_scheduled_s;
+  std::vector<double> token_times_s;  // when each output token was produced
+  std::optional<double> finish_s;
+  bool rejected = false;
+  std::string reject_reason;
+  std::int64_t preemptions = 0;
+  std::int64_t recomputed_tokens = 0;
+  std::int64_t swapped_bytes = 0;
+
+  std::int64_t output_tokens() const { return static_cast<std::int64_t>(token_times_s.size()); }
+  std::optional<double> ttft_s() const;
+  std::optional<double> tpot_s() const;
+  std::optional<double> e2e_s() const;
+  std::optional<double> queue_delay_s() const;
+};
+
+struct LatencySummary {
+  std::int64_t count = 0;
+  double mean = 0, p50 = 0, p90 = 0, p99 = 0, max = 0;  // all 0 when count == 0
+};
+
+// Linear-interpolation percentile of sorted values, q in [0, 100].
+double percentile_of_sorted(std::span<const double> sorted, double q);
+LatencySummary summarize_latencies(std::vector<double> values);
+
+struct ServiceLevelObjectives {
+  std::optional<double> ttft_s;
+  std::optional<double> tpot_s;
+  std::optional<double> e2e_s;
+};
+
+struct RunSummary {
+  std::int64_t submitted = 0, finished = 0, rejected = 0;
+  double duration_s = 0;
+  double requests_per_s = 0, output_tokens_per_s = 0, total_tokens_per_s = 0;
+  LatencySummary ttft_s, tpot_s, itl_s, e2e_s, queue_delay_s;
+  std::int64_t slo_met = 0;  // finished requests meeting every SLO set
+  double goodput_per_s = 0;  // slo_met / duration
+  std::int64_t preemptions = 0, recomputed_tokens = 0, swapped_bytes = 0;
+};
+
+// Throws kvlab::Error when a request is neither finished nor rejected (the engine lost it):
+// submitted = finished + rejected must hold.
+RunSummary summarize_run(std::span<const RequestTimeline> requests, double duration_s,
+                         const ServiceLevelObjectives& slo = {});
+
+}  // namespace kvlab

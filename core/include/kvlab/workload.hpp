@@ -1,0 +1,74 @@
+#pragma once
+// Workloads: the requests an experiment submits. Synthetic (arrival process, length
+// distributions, shared-prefix groups, priority mix, per-request sampling) or replayed from a
+// trace (CSV or JSONL). Deterministic: the same spec and seed give the same requests.
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "kvlab/sampling.hpp"
+
+namespace kvlab {
+
+struct WorkloadRequest {
+  std::int64_t id = 0;
+  double arrival_s = 0;
+  std::vector<std::int32_t> prompt;  // token ids
+  std::int64_t output_tokens = 0;    // max_tokens (generation stops here unless EOS comes first)
+  int priority = 0;                  // higher = more important
+  std::int64_t prefix_group = -1;    // shared-prefix group, -1 for none
+  SamplingParams sampling;           // seed is per request
+};
+
+enum class ArrivalKind { all_at_once, poisson, gamma, bursts };
+struct ArrivalProcess {
+  ArrivalKind kind = ArrivalKind::all_at_once;
+  double rate_per_s = 1.0;  // mean request rate (poisson, gamma, bursts)
+  double cv = 1.0;          // gamma: coefficient of variation of inter-arrival times (1 = poisson)
+  std::int64_t burst_size = 8;  // bursts: requests arriving together
+};
+
+enum class LengthKind { fixed, uniform, normal, lognormal, zipf };
+struct LengthDistribution {
+  LengthKind kind = LengthKind::fixed;
+  double value = 128;    // fixed
+  double mean = 128;     // normal, lognormal (mean of the resulting lengths)
+  double stddev = 32;    // normal; lognormal: of the resulting lengths
+  double alpha = 1.2;    // zipf exponent over [min, max]
+  std::int64_t min = 1;  // uniform bounds, and the clamp for every kind
+  std::int64_t max = 4096;
+};
+
+struct SyntheticWorkload {
+  std::int64_t requests = 100;
+  std::uint64_t seed = 0;
+  std::int64_t vocab_size = 32000;
+  ArrivalProcess arrival;
+  LengthDistribution prompt_tokens;
+  LengthDistribution output_tokens;
+  std::int64_t prefix_groups = 0;  // N groups of requests share a system prompt ...
+  std::int64_t prefix_tokens = 0;  // ... of this many tokens (counted inside prompt_tokens)
+  std::vector<double> priority_weights{1.0};  // P(priority = i) proportional to weight i
+  double temperature = 0.0;
+  double top_p = 1.0;
+  std::int32_t top_k = 0;
+  bool ignore_eos = true;  // fixed output lengths (random-weight models emit EOS at random)
+};
+
+// Throws kvlab::Error naming the bad field (non-positive rate, min > max, ...).
+std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec);
+
+struct TraceOptions {
+  std::int64_t vocab_size = 32000;
+  std::uint64_t seed = 0;   // for prompt ids of rows that give only prompt_len
+  SamplingParams sampling;  // temperature etc. for every row (each row's seed = seed + row)
+};
+
+// Reads a trace: CSV with a header row, or JSONL (one object per line), by file extension
+// (.csv / .jsonl). Fields: arrival_s, prompt_len or prompt_ids, output_len, priority
+// (optional). Rows are sorted by arrival. Every bad row is a kvlab::Error "file:line: why".
+std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
+                                        const TraceOptions& options);
+
+}  // namespace kvlab

@@ -1,0 +1,104 @@
+#include "kvlab/metrics.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+#include "kvlab/error.hpp"
+
+namespace kvlab {
+
+std::optional<double> RequestTimeline::ttft_s() const {
+  if (token_times_s.empty()) return std::nullopt;
+  return token_times_s.front() - arrival_s;
+}
+
+std::optional<double> RequestTimeline::tpot_s() const {
+  if (token_times_s.size() < 2) return std::nullopt;
+  return (token_times_s.back() - token_times_s.front()) /
+         static_cast<double>(token_times_s.size() - 1);
+}
+
+std::optional<double> RequestTimeline::e2e_s() const {
+  if (!finish_s) return std::nullopt;
+  return *finish_s - arrival_s;
+}
+
+std::optional<double> RequestTimeline::queue_delay_s() const {
+  if (!first_scheduled_s) return std::nullopt;
+  return *first_scheduled_s - arrival_s;
+}
+
+double percentile_of_sorted(std::span<const double> sorted, double q) {
+  if (sorted.empty()) return 0;
+  const double rank = q / 100.0 * static_cast<double>(sorted.size() - 1);
+  const auto below = static_cast<std::size_t>(std::floor(rank));
+  const std::size_t above = std::min(below + 1, sorted.size() - 1);
+  const double fraction = rank - static_cast<double>(below);
+  return sorted[below] + (sorted[above] - sorted[below]) * fraction;
+}
+
+LatencySummary summarize_latencies(std::vector<double> values) {
+  LatencySummary s;
+  s.count = static_cast<std::int64_t>(values.size());
+  if (values.empty()) return s;
+  std::sort(values.begin(), values.end());
+  s.mean = std::accumulate(values.begin(), values.end(), 0.0) / static_cast<double>(values.size());
+  s.p50 = percentile_of_sorted(values, 50);
+  s.p90 = percentile_of_sorted(values, 90);
+  s.p99 = percentile_of_sorted(values, 99);
+  s.max = values.back();
+  return s;
+}
+
+RunSummary summarize_run(std::span<const RequestTimeline> requests, double duration_s,
+                         const ServiceLevelObjectives& slo) {
+  RunSummary summary;
+  summary.submitted = static_cast<std::int64_t>(requests.size());
+  summary.duration_s = duration_s;
+  std::vector<double> ttft, tpot, itl, e2e, queue;
+  std::int64_t output_tokens = 0, prompt_tokens = 0;
+  for (const auto& r : requests) {
+    summary.preemptions += r.preemptions;
+    summary.recomputed_tokens += r.recomputed_tokens;
+    summary.swapped_bytes += r.swapped_bytes;
+    if (r.rejected) {
+      ++summary.rejected;
+      continue;
+    }
+    if (!r.finish_s)
+      throw Error(
+          fmt::format("request {} was neither finished nor rejected: the run lost it", r.id));
+    ++summary.finished;
+    output_tokens += r.output_tokens();
+    prompt_tokens += r.prompt_tokens;
+    if (auto v = r.ttft_s()) ttft.push_back(*v);
+    if (auto v = r.tpot_s()) tpot.push_back(*v);
+    if (auto v = r.e2e_s()) e2e.push_back(*v);
+    if (auto v = r.queue_delay_s()) queue.push_back(*v);
+    for (std::size_t i = 1; i < r.token_times_s.size(); ++i)
+      itl.push_back(r.token_times_s[i] - r.token_times_s[i - 1]);
+    const bool meets = (!slo.ttft_s || (r.ttft_s() && *r.ttft_s() <= *slo.ttft_s)) &&
+                       (!slo.tpot_s || !r.tpot_s() || *r.tpot_s() <= *slo.tpot_s) &&
+                       (!slo.e2e_s || *r.e2e_s() <= *slo.e2e_s);
+    if (meets) ++summary.slo_met;
+  }
+  if (summary.finished + summary.rejected != summary.submitted)
+    throw Error("internal: submitted != finished + rejected");
+  if (duration_s > 0) {
+    summary.requests_per_s = static_cast<double>(summary.finished) / duration_s;
+    summary.output_tokens_per_s = static_cast<double>(output_tokens) / duration_s;
+    summary.total_tokens_per_s = static_cast<double>(output_tokens + prompt_tokens) / duration_s;
+    summary.goodput_per_s = static_cast<double>(summary.slo_met) / duration_s;
+  }
+  summary.ttft_s = summarize_latencies(std::move(ttft));
+  summary.tpot_s = summarize_latencies(std::move(tpot));
+  summary.itl_s = summarize_latencies(std::move(itl));
+  summary.e2e_s = summarize_latencies(std::move(e2e));
+  summary.queue_delay_s = summarize_latencies(std::move(queue));
+  return summary;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,190 @@
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <numeric>
+
+#include "kvlab/error.hpp"
+#include "kvlab/workload.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+using test::error_of;
+
+TEST(Workload, SameSpecSameRequests) {
+  SyntheticWorkload spec;
+  spec.requests = 50;
+  spec.seed = 3;
+  spec.arrival.kind = ArrivalKind::poisson;
+  spec.arrival.rate_per_s = 4;
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 10, 40};
+  const auto a = generate_workload(spec), b = generate_workload(spec);
+  ASSERT_EQ(a.size(), 50u);
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].arrival_s, b[i].arrival_s);
+    EXPECT_EQ(a[i].prompt, b[i].prompt);
+    EXPECT_EQ(a[i].sampling.seed, b[i].sampling.seed);
+  }
+  spec.seed = 4;
+  EXPECT_NE(generate_workload(spec)[0].prompt, a[0].prompt);
+}
+
+TEST(Workload, PoissonAndGammaArrivalsHaveTheRequestedRateAndVariability) {
+  for (double cv : {1.0, 3.0}) {
+    SyntheticWorkload spec;
+    spec.requests = 20000;
+    spec.arrival = {cv == 1.0 ? ArrivalKind::poisson : ArrivalKind::gamma, 10.0, cv, 1};
+    const auto requests = generate_workload(spec);
+    std::vector<double> gaps;
+    double previous = 0;
+    for (const auto& r : requests) {
+      gaps.push_back(r.arrival_s - previous);
+      previous = r.arrival_s;
+    }
+    const double mean =
+        std::accumulate(gaps.begin(), gaps.end(), 0.0) / static_cast<double>(gaps.size());
+    double variance = 0;
+    for (double g : gaps) variance += (g - mean) * (g - mean);
+    const double measured_cv = std::sqrt(variance / static_cast<double>(gaps.size())) / mean;
+    EXPECT_NEAR(mean, 0.1, 0.1 * 0.05) << "cv " << cv;  // 5%: ~3.5 standard errors at cv 3
+    EXPECT_NEAR(measured_cv, cv, cv * 0.1) << "cv " << cv;
+  }
+}
+
+TEST(Workload, BurstsArriveTogether) {
+  SyntheticWorkload spec;
+  spec.requests = 12;
+  spec.arrival = {ArrivalKind::bursts, 4.0, 1.0, 4};
+  const auto r = generate_workload(spec);
+  EXPECT_EQ(r[0].arrival_s, r[3].arrival_s);
+  EXPECT_DOUBLE_EQ(r[4].arrival_s, 1.0);  // 4 requests per burst at 4 req/s
+  EXPECT_DOUBLE_EQ(r[11].arrival_s, 2.0);
+}
+
+TEST(Workload, LengthDistributionsRespectClampsAndMeans) {
+  SyntheticWorkload spec;
+  spec.requests = 5000;
+  spec.prompt_tokens = {LengthKind::lognormal, 0, 200, 100, 0, 1, 4000};
+  spec.output_tokens = {LengthKind::zipf, 0, 0, 0, 1.5, 1, 50};
+  double sum = 0;
+  int ones = 0;
+  for (const auto& r : generate_workload(spec)) {
+    ASSERT_GE(static_cast<std::int64_t>(r.prompt.size()), 1);
+    ASSERT_LE(static_cast<std::int64_t>(r.prompt.size()), 4000);
+    ASSERT_GE(r.output_tokens, 1);
+    ASSERT_LE(r.output_tokens, 50);
+    sum += static_cast<double>(r.prompt.size());
+    if (r.output_tokens == 1) ++ones;
+  }
+  EXPECT_NEAR(sum / 5000, 200, 200 * 0.05);
+  EXPECT_GT(ones, 5000 * 0.3);  // zipf(1.5) on [1, 50]: P(1) ~ 0.39
+  spec.prompt_tokens = {LengthKind::normal, 0, 50, 100, 0, 20, 80};  // heavy clamping
+  for (const auto& r : generate_workload(spec)) {
+    ASSERT_GE(r.prompt.size(), 20u);
+    ASSERT_LE(r.prompt.size(), 80u);
+  }
+}
+
+TEST(Workload, SharedPrefixGroupsAndPriorityMix) {
+  SyntheticWorkload spec;
+  spec.requests = 400;
+  spec.prefix_groups = 3;
+  spec.prefix_tokens = 32;
+  spec.prompt_tokens = {LengthKind::fixed, 40};
+  spec.priority_weights = {3, 1};
+  const auto requests = generate_workload(spec);
+  std::map<std::int64_t, std::vector<std::int32_t>> prefix_of_group;
+  int high = 0;
+  for (const auto& r : requests) {
+    ASSERT_GE(r.prefix_group, 0);
+    ASSERT_EQ(r.prompt.size(), 40u);
+    const std::vector<std::int32_t> prefix(r.prompt.begin(), r.prompt.begin() + 32);
+    auto [it, inserted] = prefix_of_group.try_emplace(r.prefix_group, prefix);
+    EXPECT_EQ(it->second, prefix) << "every request of a group starts with the group's prefix";
+    high += r.priority == 1;
+  }
+  EXPECT_EQ(prefix_of_group.size(), 3u);
+  EXPECT_NEAR(high / 400.0, 0.25, 0.07);
+}
+
+TEST(Workload, BadSpecsAreNamed) {
+  SyntheticWorkload spec;
+  spec.arrival = {ArrivalKind::poisson, 0.0, 1.0, 1};
+  EXPECT_NE(error_of<Error>([&] { generate_workload(spec); }).find("arrival rate"),
+            std::string::npos);
+  spec = {};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 10, 5};
+  EXPECT_NE(
+      error_of<Error>([&] { generate_workload(spec); }).find("output_tokens: need 1 <= min <= max"),
+      std::string::npos);
+  spec = {};
+  spec.prefix_groups = 2;
+  EXPECT_NE(error_of<Error>([&] { generate_workload(spec); }).find("shared prefix"),
+            std::string::npos);
+}
+
+TEST(Trace, CsvAndJsonlReplay) {
+  test::TempDir dir;
+  test::write_file(dir / "t.csv",
+                   "arrival_s,prompt_len,output_len,priority\n0.5,10,4,1\n0.0,3,2,0\n\n");
+  TraceOptions options;
+  options.vocab_size = 100;
+  const auto csv = load_trace(dir / "t.csv", options);
+  ASSERT_EQ(csv.size(), 2u);
+  EXPECT_EQ(csv[0].arrival_s, 0.0);  // sorted by arrival
+  EXPECT_EQ(csv[0].prompt.size(), 3u);
+  EXPECT_EQ(csv[1].priority, 1);
+  EXPECT_EQ(csv[1].sampling.max_tokens, 4);
+  test::write_file(dir / "t.jsonl",
+                   R"({"arrival_s": 0.1, "prompt_ids": [1, 2, 3], "output_len": 5})"
+                   "\n"
+                   R"({"arrival_s": 0.2, "prompt_len": 7, "output_len": 1, "priority": 2})"
+                   "\n");
+  const auto jsonl = load_trace(dir / "t.jsonl", options);
+  ASSERT_EQ(jsonl.size(), 2u);
+  EXPECT_EQ(jsonl[0].prompt, (std::vector<std::int32_t>{1, 2, 3}));
+  EXPECT_EQ(jsonl[1].prompt.size(), 7u);
+  test::write_file(dir / "ids.csv", "arrival_s,prompt_ids,output_len\n0,5 6 7,3\n");
+  EXPECT_EQ(load_trace(dir / "ids.csv", options)[0].prompt, (std::vector<std::int32_t>{5, 6, 7}));
+}
+
+TEST(Trace, EveryBadRowNamesFileAndLine) {
+  test::TempDir dir;
+  TraceOptions options;
+  options.vocab_size = 100;
+  auto error_for = [&](const std::string& name, const std::string& text) {
+    test::write_file(dir / name, text);
+    return error_of<Error>([&] { load_trace(dir / name, options); });
+  };
+  const std::string csv = "arrival_s,prompt_len,output_len\n";
+  EXPECT_NE(error_for("a.csv", csv + "0,5,3\n0.1,x,3\n")
+                .find("a.csv:3: prompt_len \"x\" is not a valid number"),
+            std::string::npos);
+  EXPECT_NE(
+      error_for("b.csv", csv + "0,5\n").find("b.csv:2: 2 cells, but the header has 3 columns"),
+      std::string::npos);
+  EXPECT_NE(error_for("c.csv", "arival_s,prompt_len,output_len\n")
+                .find("c.csv:1: unknown field \"arival_s\" (did you mean \"arrival_s\"?)"),
+            std::string::npos);
+  EXPECT_NE(error_for("d.csv", csv + "-1,5,3\n").find("d.csv:2: arrival_s must be >= 0"),
+            std::string::npos);
+  EXPECT_NE(error_for("e.csv", csv + "0,5,0\n").find("e.csv:2: output_len must be >= 1"),
+            std::string::npos);
+  EXPECT_NE(error_for("f.jsonl", "{\"arrival_s\": 0, \"output_len\": 3}\n")
+                .find("f.jsonl:1: missing prompt_len or prompt_ids"),
+            std::string::npos);
+  EXPECT_NE(
+      error_for("g.jsonl", "\n{\"arrival_s\": 0, \"prompt_ids\": [1, 200], \"output_len\": 3}\n")
+          .find("g.jsonl:2: prompt id 200 is outside the vocabulary [0, 100)"),
+      std::string::npos);
+  EXPECT_NE(error_for("h.jsonl", "{oops\n").find("h.jsonl:1: not valid JSON"), std::string::npos);
+  EXPECT_NE(error_for("i.txt", "x").find("unknown format \".txt\""), std::string::npos);
+  EXPECT_NE(error_for("j.csv", csv).find("holds no requests"), std::string::npos);
+  EXPECT_NE(
+      error_of<Error>([&] { load_trace(dir / "missing.csv", options); }).find("cannot read trace"),
+      std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvlab
