@@ -67,7 +67,7 @@ CpuBackend::CpuBackend(const LlamaWeights& weights, KvPool& pool,
         c.num_key_value_heads, c.head_dim));
 }
 
-RowMatrix CpuBackend::forward(std::span<const BatchEntry> batch) {
+const RowMatrix& CpuBackend::forward(std::span<const BatchEntry> batch) {
   const ModelConfig& c = weights_.config;
   std::vector<std::int64_t> first_rows;  // batch row of each entry's first token
   std::vector<std::int32_t> positions;
@@ -133,9 +133,8 @@ RowMatrix CpuBackend::forward(std::span<const BatchEntry> batch) {
   for (std::size_t e = 0; e < batch.size(); ++e)
     last.row(static_cast<std::int64_t>(e)) = x.row(first_rows[e + 1] - 1);
   rms_norm(last, weights_.final_norm, eps, normed);
-  RowMatrix logits;  // (entries, vocab)
-  multiply_by_transposed(normed, weights_.output_projection(), logits, false);
-  return logits;
+  multiply_by_transposed(normed, weights_.output_projection(), logits_, false);  // (entries, vocab)
+  return logits_;
 }
 
 // Attention of every entry's new tokens over its cached keys, read in place from the pool:
@@ -197,7 +196,12 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     for (const auto& [column, piece] : pieces) {
       const StridedMap v(pool_.value(layer, piece.start_slot) + kv_head * hd, piece.length, hd,
                          Eigen::OuterStride<>(width));
-      o.noalias() += scores.middleCols(column, piece.length) * v;
+      if (n_queries == 1) {  // decode: o += p_j v_j, one row at a time
+        for (std::int64_t j = 0; j < piece.length; ++j)
+          o.row(0) += scores(0, column + j) * v.row(j);
+      } else {
+        o.noalias() += scores.middleCols(column, piece.length) * v;
+      }
     }
   }
 }

@@ -34,8 +34,8 @@ class CpuBackend {
   CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window);
 
   // Runs the batch, writing each new token's K/V into its slot. Returns logits (entries, vocab)
-  // for the last token of each entry.
-  RowMatrix forward(std::span<const BatchEntry> batch);
+  // for the last token of each entry, valid until the next forward.
+  const RowMatrix& forward(std::span<const BatchEntry> batch);
 
   const LlamaWeights& weights() const { return weights_; }
 
@@ -48,7 +48,7 @@ class CpuBackend {
   std::optional<std::int64_t> window_;
   RopeTable rope_;
   // Activations, kept between steps so a decode step allocates (and page-faults) nothing.
-  RowMatrix x_, normed_, qkv_, q_, k_, attention_, gate_up_, hidden_, last_;
+  RowMatrix x_, normed_, qkv_, q_, k_, attention_, gate_up_, hidden_, last_, logits_;
 };
 
 }  // namespace kvlab::cpu
