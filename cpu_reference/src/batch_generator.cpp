@@ -114,7 +114,7 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
       batch.push_back(std::move(entry));
       samples.push_back(a.computed + count == length);
     }
-    const RowMatrix& logits = backend_.forward(batch);  // (entries, vocab)
+    const RowMatrix& logits = backend_.run(batch);  // (entries, vocab)
 
     // Sample, append, stop, free.
     for (std::size_t e = 0; e < active.size(); ++e) {

@@ -67,7 +67,7 @@ CpuBackend::CpuBackend(const LlamaWeights& weights, KvPool& pool,
         c.num_key_value_heads, c.head_dim));
 }
 
-const RowMatrix& CpuBackend::forward(std::span<const BatchEntry> batch) {
+const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   const ModelConfig& c = weights_.config;
   std::vector<std::int64_t> first_rows;  // batch row of each entry's first token
   std::vector<std::int32_t> positions;

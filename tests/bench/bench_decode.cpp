@@ -46,7 +46,7 @@ void BM_Decode(benchmark::State& state, const std::string& preset) {
       registry.create<PluginKind::kv_allocator>("paged", {{"prefix_caching", false}}, context);
   // Each sequence holds 128-255 tokens of (arbitrary) KV and decodes its next token.
   std::vector<std::vector<std::int32_t>> tokens(static_cast<std::size_t>(batch));
-  std::vector<cpu::BatchEntry> entries;
+  std::vector<BatchEntry> entries;
   for (std::int64_t s = 0; s < batch; ++s) {
     const std::int64_t length = 128 + (s * 37) % (max_context - 128);
     auto& t = tokens[static_cast<std::size_t>(s)];
@@ -56,8 +56,7 @@ void BM_Decode(benchmark::State& state, const std::string& preset) {
     entries.push_back({std::span<const std::int32_t>(t).last(1), length, allocator->view(s)});
   }
   cpu::CpuBackend backend(weights, pool, std::nullopt);
-  for (auto _ : state)
-    benchmark::DoNotOptimize(backend.forward(entries));  // rewrites the same slots
+  for (auto _ : state) benchmark::DoNotOptimize(backend.run(entries));  // rewrites the same slots
   const double weight_bytes = 4.0 * static_cast<double>(c.matmul_parameter_count());
   const double bandwidth = measured_read_bandwidth_gbs(kThreads) * 1e9;
   state.counters["tok/s"] =

@@ -56,6 +56,13 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   // Gives a new sequence room for its prompt (and, by policy, more). The sequence's length
   // becomes prompt.size(). nullopt (nothing changed) when it does not fit.
   virtual std::optional<AllocateResult> allocate(const AllocateRequest& request) = 0;
+  // Planning queries for schedulers, in slots taken from the free pool: what allocate(request)
+  // would take now (prefix hits not counted), what append(sequence, n) would take, and what
+  // free(sequence) would return. Sums of these are estimates for the contiguous allocators
+  // (fragmentation); the engine's apply step, which commits, is authoritative.
+  virtual std::int64_t slots_to_allocate(const AllocateRequest& request) const = 0;
+  virtual std::int64_t slots_to_append(SequenceId sequence, std::int64_t tokens) const = 0;
+  virtual std::int64_t slots_held(SequenceId sequence) const = 0;
   // Would append(sequence, n tokens) succeed now? No side effects.
   virtual bool can_append(SequenceId sequence, std::int64_t tokens) const = 0;
   // Extends the sequence by tokens.size() tokens (ids given for prefix hashing); the new slots

@@ -21,6 +21,7 @@
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/scheduler.hpp"
 
 namespace kvlab {
 
@@ -65,6 +66,10 @@ struct PluginInterface<PluginKind::kv_allocator> {
 template <>
 struct PluginInterface<PluginKind::attention_variant> {
   using type = AttentionVariant;
+};
+template <>
+struct PluginInterface<PluginKind::scheduler> {
+  using type = Scheduler;
 };
 
 namespace detail {

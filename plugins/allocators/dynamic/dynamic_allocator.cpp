@@ -33,6 +33,18 @@ class DynamicAllocator final : public KvAllocator {
     sequences_[r.sequence] = {*start, capacity, static_cast<std::int64_t>(r.prompt.size())};
     return AllocateResult{0};
   }
+  std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
+    return std::max<std::int64_t>(1, static_cast<std::int64_t>(r.prompt.size()));
+  }
+  std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return 0;
+    return std::max<std::int64_t>(0, it->second.length + tokens - it->second.capacity);
+  }
+  std::int64_t slots_held(SequenceId id) const override {
+    auto it = sequences_.find(id);
+    return it == sequences_.end() ? 0 : it->second.capacity;
+  }
   bool can_append(SequenceId id, std::int64_t tokens) const override {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return false;

@@ -39,14 +39,20 @@ class PagedAllocator final : public KvAllocator {
   }
 
   bool can_allocate(const AllocateRequest& r) const override {
-    if (sequences_.count(r.sequence)) return false;
-    const auto hits = lookup(r.prompt);
-    std::int64_t from_free = blocks_for(static_cast<std::int64_t>(r.prompt.size())) -
-                             static_cast<std::int64_t>(hits.size());
-    for (std::int32_t b : hits)
-      if (blocks_[static_cast<std::size_t>(b)].ref_count == 0)
-        ++from_free;  // a cached free block leaves the free list
-    return from_free <= free_blocks();
+    return !sequences_.count(r.sequence) && blocks_to_allocate(r) <= free_blocks();
+  }
+  std::int64_t slots_to_allocate(const AllocateRequest& r) const override { return blocks_to_allocate(r) * block_size_; }
+  std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
+    auto it = sequences_.find(id);
+    return it == sequences_.end() ? 0 : new_blocks_for_append(it->second, tokens) * block_size_;
+  }
+  std::int64_t slots_held(SequenceId id) const override {  // blocks this sequence alone holds
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return 0;
+    std::int64_t blocks = 0;
+    for (std::int32_t b : it->second.table)
+      if (b >= 0 && blocks_[static_cast<std::size_t>(b)].ref_count == 1) ++blocks;
+    return blocks * block_size_;
   }
 
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
@@ -215,6 +221,15 @@ class PagedAllocator final : public KvAllocator {
     std::int64_t first_block = 0;  // blocks before it were released
   };
 
+  // Blocks allocate(r) takes from the free lists: all it needs minus prefix hits, plus hits
+  // that are themselves free cached blocks (they leave the free lists too).
+  std::int64_t blocks_to_allocate(const AllocateRequest& r) const {
+    const auto hits = lookup(r.prompt);
+    std::int64_t from_free = blocks_for(static_cast<std::int64_t>(r.prompt.size())) - static_cast<std::int64_t>(hits.size());
+    for (std::int32_t b : hits)
+      if (blocks_[static_cast<std::size_t>(b)].ref_count == 0) ++from_free;
+    return from_free;
+  }
   std::int64_t blocks_for(std::int64_t tokens) const {
     return (tokens + block_size_ - 1) / block_size_;
   }

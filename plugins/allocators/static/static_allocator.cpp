@@ -33,6 +33,13 @@ class StaticAllocator final : public KvAllocator {
     sequences_[r.sequence] = {*start, static_cast<std::int64_t>(r.prompt.size())};
     return AllocateResult{0};
   }
+  std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
+    return fits(r) ? reserve_ : pool_->shape().slots + 1;
+  }
+  std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
+    return can_append(id, tokens) ? 0 : pool_->shape().slots + 1;  // never beyond the reservation
+  }
+  std::int64_t slots_held(SequenceId id) const override { return sequences_.count(id) ? reserve_ : 0; }
   bool can_append(SequenceId id, std::int64_t tokens) const override {
     auto it = sequences_.find(id);
     return it != sequences_.end() && it->second.length + tokens <= reserve_;

@@ -108,6 +108,7 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
         const AllocateRequest request{next_id, prompt,
                                       static_cast<std::int64_t>(prompt.size()) + 10};
         const KvAllocatorStats before = allocator_->stats();
+        const std::int64_t planned = allocator_->slots_to_allocate(request);
         const bool can = allocator_->can_allocate(request);
         const auto result = allocator_->allocate(request);
         ASSERT_EQ(can, result.has_value()) << "can_allocate must predict allocate";
@@ -119,6 +120,9 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
           continue;
         }
         ASSERT_LE(result->cached_tokens, static_cast<std::int64_t>(prompt.size()) - 1);
+        ASSERT_EQ(before.free - allocator_->stats().free, planned)
+            << "slots_to_allocate must be what allocate takes";
+        ASSERT_EQ(allocator_->slots_held(next_id) > 0, true);
         tokens_[next_id] = prompt;
         write_from(next_id, result->cached_tokens);
         ++next_id;
@@ -127,6 +131,9 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
         std::vector<std::int32_t> more(static_cast<std::size_t>(uniform(1, 3)));
         for (auto& t : more) t = uniform(0, 3);
         const std::int64_t old_length = static_cast<std::int64_t>(it->second.size());
+        const std::int64_t free_before = allocator_->stats().free;
+        const std::int64_t planned =
+            allocator_->slots_to_append(it->first, static_cast<std::int64_t>(more.size()));
         const bool can = allocator_->can_append(it->first, static_cast<std::int64_t>(more.size()));
         const bool done = allocator_->append(it->first, more);
         ASSERT_EQ(can, done) << "can_append must predict append";
@@ -135,6 +142,11 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
           continue;
         }
         it->second.insert(it->second.end(), more.begin(), more.end());
+        if (GetParam().name != "dynamic")  // dynamic may grow by more than asked (growth factor)
+          ASSERT_EQ(free_before - allocator_->stats().free, planned)
+              << "slots_to_append must be what append takes";
+        else
+          ASSERT_GE(free_before - allocator_->stats().free, planned);
         write_from(it->first, old_length);
         if (GetParam().releases_window && uniform(0, 1))
           allocator_->release_before(it->first, old_length - 8);

@@ -8,18 +8,10 @@
 
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/backend.hpp"
 #include "kvlab/kv_pool.hpp"
 
 namespace kvlab::cpu {
-
-// One sequence's share of a batch: `tokens` sit at positions [start_position, + size()).
-// `view` must already map every position up to start_position + size() (the allocator gave the
-// new tokens their slots) and back to the oldest position attention needs.
-struct BatchEntry {
-  std::span<const std::int32_t> tokens;
-  std::int64_t start_position = 0;
-  KvView view;
-};
 
 // LLaMA weights with `kv_heads` K/V heads: mean-pools groups of the checkpoint's K/V heads
 // into one (fewer heads, the GQA paper's conversion) or repeats each head for its group (more
@@ -27,7 +19,7 @@ struct BatchEntry {
 // divides the other or kv_heads does not divide the query heads.
 LlamaWeights convert_kv_heads(const LlamaWeights& weights, std::int64_t kv_heads);
 
-class CpuBackend {
+class CpuBackend final : public Backend {
  public:
   // `weights` must have the pool's KV head count and head_dim. `window`: attend to the last W
   // positions only.
@@ -35,7 +27,13 @@ class CpuBackend {
 
   // Runs the batch, writing each new token's K/V into its slot. Returns logits (entries, vocab)
   // for the last token of each entry, valid until the next forward.
-  const RowMatrix& forward(std::span<const BatchEntry> batch);
+  const RowMatrix& run(std::span<const BatchEntry> batch);
+
+  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+    const RowMatrix& logits = run(batch);
+    return {logits.data(), static_cast<std::size_t>(logits.size())};
+  }
+  std::int64_t vocab_size() const override { return weights_.config.vocab_size; }
 
   const LlamaWeights& weights() const { return weights_; }
 

@@ -1,0 +1,30 @@
+#pragma once
+// Backend: runs the forward pass over a mixed batch (a plugin kind once the CUDA and simulated
+// backends land; the CPU backend implements it in cpu_reference/).
+#include <boost/config.hpp>
+#include <cstdint>
+#include <span>
+
+#include "kvlab/kv_pool.hpp"
+
+namespace kvlab {
+
+// One sequence's share of a batch: `tokens` sit at positions [start_position, + size()).
+// `view` must already map every position up to start_position + size() (the allocator gave the
+// new tokens their slots) and back to the oldest position attention needs.
+struct BatchEntry {
+  std::span<const std::int32_t> tokens;
+  std::int64_t start_position = 0;
+  KvView view;
+};
+
+class BOOST_SYMBOL_VISIBLE Backend {
+ public:
+  virtual ~Backend() = default;
+  // Writes each new token's K/V into its slot; returns logits (entries, vocab) row-major for
+  // the last token of each entry, valid until the next call.
+  virtual std::span<const float> forward(std::span<const BatchEntry> batch) = 0;
+  virtual std::int64_t vocab_size() const = 0;
+};
+
+}  // namespace kvlab

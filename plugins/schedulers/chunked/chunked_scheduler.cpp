@@ -1,0 +1,34 @@
+// chunked: a token budget per step; decodes go first and prompts are split into chunks that
+// fill the rest (Sarathi-Serve), trading a little TTFT for a flat inter-token latency.
+#include "kvlab/plugin.hpp"
+#include "kvlab/scheduler.hpp"
+
+namespace {
+
+class ChunkedScheduler final : public kvlab::Scheduler {
+ public:
+  ChunkedScheduler(const kvlab::PluginParams& params, const kvlab::PluginContext&) {
+    policy_.order = kvlab::ContinuousPolicy::Order::arrival;
+    policy_.max_batch = params.integer("max_batch");
+    policy_.max_tokens_per_step = params.integer("max_tokens_per_step");
+    policy_.chunked_prefill = true;
+    policy_.preempt_for_priority = false;
+  }
+  kvlab::StepPlan schedule(const kvlab::SchedulerInput& input) override {
+    return kvlab::schedule_continuous(input, policy_);
+  }
+
+ private:
+  kvlab::ContinuousPolicy policy_;
+};
+
+const kvlab::ParamSpec kParams[] = {
+    {"max_batch", kvlab::ParamType::param_integer, "running requests at most", "256", 1, 1 << 20},
+    {"max_tokens_per_step", kvlab::ParamType::param_integer, "prefill + decode tokens per step",
+     "512", 1, 1 << 24},
+};
+
+}  // namespace
+
+KVLAB_PLUGIN(kvlab::PluginKind::scheduler, ChunkedScheduler, "chunked",
+             "token budget per step: prefill chunks mixed with decodes (Sarathi-Serve)", kParams)

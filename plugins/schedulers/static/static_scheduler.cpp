@@ -1,0 +1,28 @@
+// static: the seed's static batching baseline. A batch is formed only when nothing runs, and
+// runs until its last request finishes; requests that arrive meanwhile wait for the next batch.
+#include "kvlab/plugin.hpp"
+#include "kvlab/scheduler.hpp"
+
+namespace {
+
+class StaticScheduler final : public kvlab::Scheduler {
+ public:
+  StaticScheduler(const kvlab::PluginParams& params, const kvlab::PluginContext&)
+      : max_batch_(params.integer("max_batch")) {}
+  kvlab::StepPlan schedule(const kvlab::SchedulerInput& input) override {
+    return kvlab::schedule_static(input, max_batch_);
+  }
+
+ private:
+  std::int64_t max_batch_;
+};
+
+const kvlab::ParamSpec kParams[] = {
+    {"max_batch", kvlab::ParamType::param_integer, "requests per batch", "8", 1, 1 << 20},
+};
+
+}  // namespace
+
+KVLAB_PLUGIN(kvlab::PluginKind::scheduler, StaticScheduler, "static",
+             "static batching: a batch forms when idle and runs to completion (the baseline)",
+             kParams)

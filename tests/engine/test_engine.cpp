@@ -1,0 +1,191 @@
+// The engine end to end on the tiny model: every scheduler x allocator produces the reference's
+// greedy tokens; submitted = finished + rejected over many random workloads; same input, same
+// bytes out (events, tokens, timelines).
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "cpu_reference/test_models.hpp"
+#include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/engine.hpp"
+#include "kvlab/plugin_loader.hpp"
+
+namespace kvlab {
+namespace {
+
+const cpu::LlamaWeights& weights() {
+  static const cpu::LlamaWeights w = test::scaled_random_weights(model_preset("tiny"), 99);
+  return w;
+}
+
+const PluginRegistry& registry() {
+  static const PluginRegistry r({KVLAB_PLUGIN_DIR});
+  return r;
+}
+
+struct EngineSetup {
+  std::string scheduler = "fcfs";
+  std::map<std::string, ParamValue, std::less<>> scheduler_params;
+  std::string allocator = "paged";
+  std::map<std::string, ParamValue, std::less<>> allocator_params{{"block_size", std::int64_t{4}}};
+  std::int64_t slots = 256;
+  std::int64_t max_seq_len = 64;
+};
+
+EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequest>& requests) {
+  const ModelConfig& c = weights().config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, setup.slots});
+  PluginContext context;
+  context.pool = &pool;
+  context.model = &c;
+  context.max_seq_len = setup.max_seq_len;
+  auto allocator =
+      registry().create<PluginKind::kv_allocator>(setup.allocator, setup.allocator_params, context);
+  auto scheduler =
+      registry().create<PluginKind::scheduler>(setup.scheduler, setup.scheduler_params, context);
+  cpu::CpuBackend backend(weights(), pool, std::nullopt);
+  EngineOptions options;
+  options.max_seq_len = setup.max_seq_len;
+  options.eos_token_ids = c.eos_token_ids;
+  Engine engine(backend, *allocator, *scheduler, options);
+  return engine.run(requests);
+}
+
+std::vector<WorkloadRequest> small_workload(std::uint64_t seed, std::int64_t count) {
+  SyntheticWorkload spec;
+  spec.requests = count;
+  spec.seed = seed;
+  spec.vocab_size = weights().config.vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};  // a few steps apart on the virtual clock
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 20};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 1, 8};
+  spec.prefix_groups = 2;
+  spec.prefix_tokens = 8;
+  spec.priority_weights = {1, 1};
+  return generate_workload(spec);
+}
+
+using Combo = std::tuple<std::string, std::string>;
+class EngineEquivalence : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(EngineEquivalence, GreedyTokensMatchTheReference) {
+  const auto& [scheduler, allocator] = GetParam();
+  EngineSetup setup;
+  setup.scheduler = scheduler;
+  setup.allocator = allocator;
+  setup.allocator_params =
+      allocator == "paged"
+          ? std::map<std::string, ParamValue, std::less<>>{{"block_size", std::int64_t{4}}}
+          : std::map<std::string, ParamValue, std::less<>>{};
+  if (scheduler == "chunked") setup.scheduler_params = {{"max_tokens_per_step", std::int64_t{8}}};
+  setup.slots = allocator == "static" ? 64 * 3 : 72;  // tight: preemptions happen
+  const auto requests = small_workload(5, 8);
+  const EngineResult result = run_engine(setup, requests);
+  const cpu::ReferenceModel reference(weights());
+  std::int64_t preemptions = 0;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_FALSE(result.requests[i].rejected) << result.requests[i].reject_reason;
+    SamplingParams sampling = requests[i].sampling;
+    const auto expected = cpu::generate(reference, requests[i].prompt, sampling);
+    std::vector<std::int32_t> expected_tokens;
+    for (const auto& t : expected.tokens) expected_tokens.push_back(t.token);
+    EXPECT_EQ(result.tokens[i], expected_tokens) << "request " << i;
+    preemptions += result.requests[i].preemptions;
+  }
+  RecordProperty("preemptions", std::to_string(preemptions));
+  const RunSummary summary = summarize_run(result.requests, result.duration_s);
+  EXPECT_EQ(summary.finished, static_cast<std::int64_t>(requests.size()));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    SchedulersByAllocators, EngineEquivalence,
+    ::testing::Combine(::testing::Values("static", "fcfs", "priority", "chunked", "sjf_oracle"),
+                       ::testing::Values("static", "dynamic", "paged")),
+    [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+
+TEST(Engine, PreemptionHappensUnderMemoryPressureAndTokensStillMatch) {
+  EngineSetup setup;
+  setup.slots = 40;  // 10 blocks of 4
+  std::vector<WorkloadRequest> requests = small_workload(11, 6);
+  for (auto& r : requests) {
+    r.arrival_s = 0;
+    r.output_tokens = 8;
+    r.sampling.max_tokens = 8;
+  }
+  const EngineResult result = run_engine(setup, requests);
+  std::int64_t preemptions = 0;
+  for (const auto& t : result.requests) preemptions += t.preemptions;
+  EXPECT_GT(preemptions, 0);
+  const cpu::ReferenceModel reference(weights());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const auto expected = cpu::generate(reference, requests[i].prompt, requests[i].sampling);
+    ASSERT_EQ(result.tokens[i].size(), expected.tokens.size()) << i;
+    for (std::size_t t = 0; t < expected.tokens.size(); ++t)
+      EXPECT_EQ(result.tokens[i][t], expected.tokens[t].token);
+  }
+  bool saw_preempt_event = false;
+  for (const auto& line : result.events)
+    saw_preempt_event |= nlohmann::json::parse(line)["event"] == "preempt";
+  EXPECT_TRUE(saw_preempt_event);
+}
+
+TEST(Engine, ConservationOverRandomWorkloads) {
+  for (std::uint64_t seed = 0; seed < 12; ++seed) {
+    std::vector<WorkloadRequest> requests = small_workload(100 + seed, 10);
+    requests[seed % 10].output_tokens = 60;  // prompt + 60 > the 64-token context: must be rejected
+    requests[seed % 10].sampling.max_tokens = 60;
+    EngineSetup setup;
+    setup.scheduler = seed % 2 ? "fcfs" : "priority";
+    setup.slots = 48;
+    const EngineResult result = run_engine(setup, requests);
+    std::int64_t finished = 0, rejected = 0;
+    for (const auto& t : result.requests) {
+      if (t.rejected) {
+        ++rejected;
+        EXPECT_FALSE(t.reject_reason.empty());
+      } else if (t.finish_s) {
+        ++finished;
+      }
+    }
+    EXPECT_EQ(finished + rejected, static_cast<std::int64_t>(requests.size())) << "seed " << seed;
+    EXPECT_GE(rejected, 1) << "seed " << seed;
+    EXPECT_TRUE(result.requests[seed % 10].rejected);
+    EXPECT_NE(result.requests[seed % 10].reject_reason.find("exceed the context"),
+              std::string::npos);
+    EXPECT_EQ(result.steps.back().kv.used, 0) << "everything freed at the end";
+  }
+}
+
+TEST(Engine, SameInputSameBytes) {
+  const auto requests = small_workload(21, 10);
+  EngineSetup setup;
+  setup.slots = 60;
+  const EngineResult a = run_engine(setup, requests), b = run_engine(setup, requests);
+  EXPECT_EQ(a.events, b.events);
+  EXPECT_EQ(a.tokens, b.tokens);
+  ASSERT_EQ(a.requests.size(), b.requests.size());
+  for (std::size_t i = 0; i < a.requests.size(); ++i)
+    EXPECT_EQ(a.requests[i].token_times_s, b.requests[i].token_times_s);
+  EXPECT_EQ(a.duration_s, b.duration_s);
+}
+
+TEST(Engine, PrefixCachingServesSharedPrompts) {
+  SyntheticWorkload spec;
+  spec.requests = 6;
+  spec.vocab_size = weights().config.vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 50.0, 1.0, 1};
+  spec.prefix_groups = 1;
+  spec.prefix_tokens = 16;
+  spec.prompt_tokens = {LengthKind::fixed, 20};
+  spec.output_tokens = {LengthKind::fixed, 3};
+  const EngineResult result = run_engine(EngineSetup{}, generate_workload(spec));
+  EXPECT_GT(result.steps.back().kv.prefix_hit_tokens, 0);
+  bool hit_event = false;
+  for (const auto& line : result.events)
+    hit_event |= line.find("prefix_hit_tokens=16") != std::string::npos;
+  EXPECT_TRUE(hit_event);
+}
+
+}  // namespace
+}  // namespace kvlab
