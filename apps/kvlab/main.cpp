@@ -18,6 +18,8 @@ int main(int argc, char** argv) {
   kvlab::cli::register_model(app);
   kvlab::cli::register_memory(app);
   kvlab::cli::register_plugins(app);
+  int exit_code = 0;
+  kvlab::cli::register_run(app, exit_code);
   if (argc > 1 && argv[1][0] != '-') {  // name an unknown command (CLI11 only says one is required)
     std::vector<std::string> commands;
     for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))
@@ -41,5 +43,5 @@ int main(int argc, char** argv) {
     fmt::print(stderr, "kvlab: internal error: {}\n", e.what());
     return 3;
   }
-  return 0;
+  return exit_code;
 }

@@ -1,0 +1,76 @@
+#pragma once
+// Experiment files (TOML): parsing with strict validation, sweeps, and one run's execution.
+// The schema is documented in docs/experiments.md.
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kvlab/engine.hpp"
+#include "kvlab/metrics.hpp"
+#include "kvlab/plugin_params.hpp"
+#include "kvlab/workload.hpp"
+
+namespace kvlab::cli {
+
+using ParamMap = std::map<std::string, ParamValue, std::less<>>;
+
+struct ExperimentConfig {
+  std::string name = "experiment";
+  std::uint64_t seed = 0;
+  std::int64_t repeats = 1;
+  std::string clock = "virtual";  // virtual | offline
+  std::vector<std::string> plugin_paths;
+  std::string model;  // preset name or model folder
+  std::uint64_t weights_seed = 0;
+  std::int64_t threads = 0;
+  std::string allocator = "paged";
+  ParamMap allocator_params;
+  std::int64_t kv_slots = 4096;
+  std::string attention = "gqa";
+  ParamMap attention_params;
+  std::string scheduler = "fcfs";
+  ParamMap scheduler_params;
+  SyntheticWorkload workload;
+  std::string trace;  // replaces the synthetic workload when set
+  ServiceLevelObjectives slo;
+  StepTimeModel time_model;
+  std::string output_dir;  // empty: results/<name>
+  std::string label;       // "key=value, ..." of the sweep point
+};
+
+// One expanded run of a file: the config and where it came from.
+struct ExperimentRun {
+  ExperimentConfig config;
+  std::int64_t repeat = 0;
+};
+
+// Parses FILE, applies `overrides` ("dotted.key=toml value"), expands [[sweep]] axes and
+// repeats. Every problem is a kvlab::Error "file:line:column: why" (with a suggestion for
+// unknown keys) before anything runs.
+std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
+                                           const std::vector<std::string>& overrides);
+
+struct RunOutput {
+  EngineResult engine;
+  RunSummary summary;
+  std::vector<std::vector<std::int32_t>> prompts;
+  double wall_s = 0;                           // the whole run, model setup included
+  double engine_wall_s = 0;                    // Engine::run
+  double forward_wall_s = 0;                   // of which inside Backend::forward
+  double mean_kv_used = 0, mean_kv_waste = 0;  // fractions of capacity, averaged over steps
+  std::string model_name;
+};
+
+// Runs one expanded config. `check`: compare every finished request's greedy tokens with the
+// full-recompute reference; mismatches are appended to `mismatches`.
+RunOutput run_experiment(const ExperimentConfig& config, bool check,
+                         std::vector<std::string>* mismatches);
+
+// Writes requests.csv, steps.csv, events.jsonl and summary.json of one run into `directory`.
+void write_run_outputs(const std::filesystem::path& directory, const ExperimentConfig& config,
+                       const RunOutput& output);
+
+}  // namespace kvlab::cli

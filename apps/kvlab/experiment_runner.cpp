@@ -1,0 +1,235 @@
+// Running one experiment config: model, pool, plugins, backend, engine; outputs to files.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "cli_common.hpp"
+#include "experiment.hpp"
+#include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/plugin_loader.hpp"
+
+namespace kvlab::cli {
+namespace {
+
+// Times Backend::forward, to report how much of a run is spent outside it.
+class TimedBackend final : public Backend {
+ public:
+  explicit TimedBackend(Backend& inner) : inner_(inner) {}
+  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+    const auto start = std::chrono::steady_clock::now();
+    const auto logits = inner_.forward(batch);
+    seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return logits;
+  }
+  std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+  double seconds() const { return seconds_; }
+
+ private:
+  Backend& inner_;
+  double seconds_ = 0;
+};
+
+}  // namespace
+
+RunOutput run_experiment(const ExperimentConfig& c, bool check,
+                         std::vector<std::string>* mismatches) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
+  auto search = PluginRegistry::default_search_path();
+  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
+  const PluginRegistry registry(search);
+
+  const ModelSource source = resolve_model(c.model);
+  const cpu::LlamaWeights checkpoint =
+      source.is_preset() ? cpu::random_llama_weights(source.config, c.weights_seed)
+                         : cpu::load_llama_weights(source.directory);
+  PluginContext context;
+  context.model = &checkpoint.config;
+  context.max_seq_len = checkpoint.config.max_position_embeddings;
+  auto attention =
+      registry.create<PluginKind::attention_variant>(c.attention, c.attention_params, context);
+  if (const std::string problem = attention->check(checkpoint.config); !problem.empty())
+    throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention,
+                            checkpoint.config.name, problem));
+  const cpu::LlamaWeights weights =
+      cpu::convert_kv_heads(checkpoint, attention->kv_heads(checkpoint.config));
+  const ModelConfig& model = weights.config;
+  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, c.kv_slots});
+  context.pool = &pool;
+  context.model = &model;
+  auto allocator =
+      registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
+  auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
+  cpu::CpuBackend cpu_backend(weights, pool, attention->window());
+  TimedBackend backend(cpu_backend);
+
+  std::vector<WorkloadRequest> requests;
+  if (!c.trace.empty()) {
+    TraceOptions options;
+    options.vocab_size = model.vocab_size;
+    options.seed = c.seed;
+    options.sampling.temperature = c.workload.temperature;
+    options.sampling.top_p = c.workload.top_p;
+    options.sampling.top_k = c.workload.top_k;
+    options.sampling.ignore_eos = c.workload.ignore_eos;
+    requests = load_trace(c.trace, options);
+  } else {
+    SyntheticWorkload spec = c.workload;
+    spec.vocab_size = model.vocab_size;
+    requests = generate_workload(spec);
+  }
+  if (check)
+    for (auto& r : requests) r.sampling.temperature = 0;  // check compares greedy tokens
+
+  EngineOptions options;
+  options.clock = c.clock == "offline" ? EngineClock::offline : EngineClock::virtual_clock;
+  options.time_model = c.time_model;
+  options.max_seq_len = model.max_position_embeddings;
+  options.eos_token_ids = model.eos_token_ids;
+  options.window = attention->window();
+  options.caches_kv = attention->caches_kv();
+  Engine engine(backend, *allocator, *scheduler, options);
+
+  RunOutput out;
+  out.model_name = model.name;
+  const auto engine_start = std::chrono::steady_clock::now();
+  out.engine = engine.run(requests);
+  out.engine_wall_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - engine_start).count();
+  out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
+  for (const auto& r : requests) out.prompts.push_back(r.prompt);
+  for (const auto& s : out.engine.steps) {
+    const double capacity = static_cast<double>(s.kv.capacity);
+    out.mean_kv_used += static_cast<double>(s.kv.used) / capacity;
+    out.mean_kv_waste +=
+        static_cast<double>(s.kv.reserved_unused + s.kv.last_block_slack + s.kv.unusable_free) /
+        capacity;
+  }
+  if (!out.engine.steps.empty()) {
+    out.mean_kv_used /= static_cast<double>(out.engine.steps.size());
+    out.mean_kv_waste /= static_cast<double>(out.engine.steps.size());
+  }
+  out.forward_wall_s = backend.seconds();
+
+  if (check) {  // teacher forcing: one reference forward over prompt + output checks every token
+    const cpu::ReferenceModel reference(weights);
+    cpu::ForwardOptions forward;
+    forward.sliding_window = attention->window();
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      if (out.engine.requests[i].rejected || out.engine.tokens[i].empty()) continue;
+      std::vector<std::int32_t> sequence = requests[i].prompt;
+      sequence.insert(sequence.end(), out.engine.tokens[i].begin(), out.engine.tokens[i].end() - 1);
+      const cpu::RowMatrix logits = reference.forward(sequence, forward);
+      for (std::size_t t = 0; t < out.engine.tokens[i].size(); ++t) {
+        Eigen::Index expected = 0;
+        logits.row(static_cast<Eigen::Index>(requests[i].prompt.size() - 1 + t))
+            .maxCoeff(&expected);
+        if (out.engine.tokens[i][t] != expected) {
+          mismatches->push_back(fmt::format("request {}: token {} is {}, the reference gives {}", i,
+                                            t, out.engine.tokens[i][t], expected));
+          break;
+        }
+      }
+    }
+  }
+  out.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  return out;
+}
+
+void write_run_outputs(const std::filesystem::path& directory, const ExperimentConfig& c,
+                       const RunOutput& out) {
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  if (ec)
+    throw Error(
+        fmt::format("cannot create output folder {}: {}", directory.string(), ec.message()));
+  auto open = [&](const char* name) {
+    std::ofstream file(directory / name, std::ios::trunc);
+    if (!file) throw Error(fmt::format("cannot write {}", (directory / name).string()));
+    return file;
+  };
+  auto number = [](const std::optional<double>& v) {
+    return v ? fmt::format("{:.6f}", *v) : std::string();
+  };
+  {
+    auto f = open("requests.csv");
+    f << "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
+         "tokens,ttft_s,tpot_s,"
+         "e2e_s,preemptions,recomputed_tokens,rejected,reject_reason\n";
+    for (const auto& r : out.engine.requests)
+      f << fmt::format(
+          "{},{},{:.6f},{},{},{},{},{},{},{},{},{},{},{},\"{}\"\n", r.id, r.priority, r.arrival_s,
+          number(r.first_scheduled_s),
+          number(r.token_times_s.empty() ? std::nullopt
+                                         : std::optional<double>(r.token_times_s.front())),
+          number(r.finish_s), r.prompt_tokens, r.output_tokens(), number(r.ttft_s()),
+          number(r.tpot_s()), number(r.e2e_s()), r.preemptions, r.recomputed_tokens,
+          r.rejected ? 1 : 0, r.reject_reason);
+  }
+  {
+    auto f = open("steps.csv");
+    f << "step,start_s,duration_s,measured_forward_s,batch,prefill_tokens,decode_tokens,preempted,"
+         "waiting,running,"
+         "kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,kv_free,kv_unusable_free,kv_"
+         "cached_free,"
+         "prefix_hit_tokens,prefix_query_tokens\n";
+    for (const auto& s : out.engine.steps)
+      f << fmt::format("{},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                       s.step, s.start_s, s.duration_s, s.measured_forward_s, s.batch,
+                       s.prefill_tokens, s.decode_tokens, s.preempted, s.waiting, s.running,
+                       s.kv.capacity, s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack,
+                       s.kv.free, s.kv.unusable_free, s.kv.cached_free, s.kv.prefix_hit_tokens,
+                       s.kv.prefix_query_tokens);
+  }
+  {
+    auto f = open("events.jsonl");
+    for (const auto& line : out.engine.events) f << line << "\n";
+  }
+  {
+    const RunSummary& s = out.summary;
+    auto latency = [](const LatencySummary& l) {
+      return nlohmann::json{{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
+                            {"p90", l.p90},     {"p99", l.p99},   {"max", l.max}};
+    };
+    const KvAllocatorStats kv =
+        out.engine.steps.empty() ? KvAllocatorStats{} : out.engine.steps.back().kv;
+    nlohmann::json j = {
+        {"name", c.name},
+        {"label", c.label},
+        {"model", out.model_name},
+        {"allocator", c.allocator},
+        {"attention", c.attention},
+        {"scheduler", c.scheduler},
+        {"seed", c.seed},
+        {"submitted", s.submitted},
+        {"finished", s.finished},
+        {"rejected", s.rejected},
+        {"duration_s", s.duration_s},
+        {"requests_per_s", s.requests_per_s},
+        {"output_tokens_per_s", s.output_tokens_per_s},
+        {"total_tokens_per_s", s.total_tokens_per_s},
+        {"ttft_s", latency(s.ttft_s)},
+        {"tpot_s", latency(s.tpot_s)},
+        {"itl_s", latency(s.itl_s)},
+        {"e2e_s", latency(s.e2e_s)},
+        {"queue_delay_s", latency(s.queue_delay_s)},
+        {"slo_met", s.slo_met},
+        {"goodput_per_s", s.goodput_per_s},
+        {"preemptions", s.preemptions},
+        {"recomputed_tokens", s.recomputed_tokens},
+        {"mean_kv_used_fraction", out.mean_kv_used},
+        {"mean_kv_waste_fraction", out.mean_kv_waste},
+        {"prefix_hit_rate", kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
+                                                         static_cast<double>(kv.prefix_query_tokens)
+                                                   : 0.0},
+        {"bytes_copied", kv.bytes_copied},
+        {"steps", out.engine.steps.size()}};
+    open("summary.json") << j.dump(2) << "\n";
+  }
+}
+
+}  // namespace kvlab::cli
