@@ -69,6 +69,10 @@ class Section {
       if (auto near = nearest_name(key.str(), names))
         message += fmt::format(" (did you mean \"{}\"?)", *near);
       message += "; keys: " + join_names(names);
+      const auto& at = key.source();
+      if (at.begin.line > 0)
+        throw Error(fmt::format("{}:{}:{}: {}", at.path ? *at.path : file_, at.begin.line,
+                                at.begin.column, message));
       fail(value, message);
     }
   }
@@ -276,26 +280,7 @@ void set_dotted(toml::table& root, const std::string& key, const toml::node& val
   }
 }
 
-std::string value_text(const toml::node& node) {
-  if (node.is_string()) return node.as_string()->get();
-  std::ostringstream out;
-  node.visit([&](const auto& v) { out << v; });
-  return out.str();
-}
-
-}  // namespace
-
-std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
-                                           const std::vector<std::string>& overrides) {
-  toml::table root;
-  try {
-    root = toml::parse_file(file.string());
-  } catch (const toml::parse_error& e) {
-    if (!std::filesystem::exists(file))
-      throw Error(fmt::format("cannot read experiment file {}", file.string()));
-    throw Error(fmt::format("{}:{}:{}: {}", file.string(), e.source().begin.line,
-                            e.source().begin.column, e.description()));
-  }
+void apply_overrides(toml::table& root, const std::vector<std::string>& overrides) {
   for (const auto& o : overrides) {
     const std::size_t eq = o.find('=');
     if (eq == std::string::npos) throw Error(fmt::format("--set \"{}\": expected key=value", o));
@@ -308,6 +293,34 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
     }
     set_dotted(root, key, *parsed.get("v"), fmt::format("--set {}", o));
   }
+}
+
+std::string value_text(const toml::node& node) {
+  if (node.is_string()) return node.as_string()->get();
+  std::ostringstream out;
+  node.visit([&](const auto& v) { out << v; });
+  return out.str();
+}
+
+}  // namespace
+
+std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
+                                           const std::vector<std::string>& overrides) {
+  // Parsed afresh for every sweep point: copies of toml++ nodes lose their source positions.
+  auto parse = [&]() {
+    toml::table table;
+    try {
+      table = toml::parse_file(file.string());
+    } catch (const toml::parse_error& e) {
+      if (!std::filesystem::exists(file))
+        throw Error(fmt::format("cannot read experiment file {}", file.string()));
+      throw Error(fmt::format("{}:{}:{}: {}", file.string(), e.source().begin.line,
+                              e.source().begin.column, e.description()));
+    }
+    apply_overrides(table, overrides);
+    return table;
+  };
+  const toml::table root = parse();
 
   // Sweep axes: cartesian across groups, zipped within a group.
   struct Axis {
@@ -350,7 +363,7 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
 
   std::vector<ExperimentRun> runs;
   for (std::size_t point = 0; point < points; ++point) {
-    toml::table table = root;
+    toml::table table = parse();
     table.erase("sweep");
     std::string label;
     std::size_t rest = point;

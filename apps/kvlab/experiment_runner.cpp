@@ -172,18 +172,17 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   }
   {
     auto f = open("steps.csv");
-    f << "step,start_s,duration_s,measured_forward_s,batch,prefill_tokens,decode_tokens,preempted,"
+    f << "step,start_s,duration_s,batch,prefill_tokens,decode_tokens,preempted,"
          "waiting,running,"
          "kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,kv_free,kv_unusable_free,kv_"
          "cached_free,"
          "prefix_hit_tokens,prefix_query_tokens\n";
     for (const auto& s : out.engine.steps)
-      f << fmt::format("{},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-                       s.step, s.start_s, s.duration_s, s.measured_forward_s, s.batch,
-                       s.prefill_tokens, s.decode_tokens, s.preempted, s.waiting, s.running,
-                       s.kv.capacity, s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack,
-                       s.kv.free, s.kv.unusable_free, s.kv.cached_free, s.kv.prefix_hit_tokens,
-                       s.kv.prefix_query_tokens);
+      f << fmt::format("{},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", s.step,
+                       s.start_s, s.duration_s, s.batch, s.prefill_tokens, s.decode_tokens,
+                       s.preempted, s.waiting, s.running, s.kv.capacity, s.kv.used,
+                       s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free, s.kv.unusable_free,
+                       s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
   }
   {
     auto f = open("events.jsonl");

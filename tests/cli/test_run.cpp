@@ -1,0 +1,175 @@
+// kvlab run / kvlab check as a user runs them: bad files fail before anything runs, with
+// file:line:column and a suggestion; same file and seed give the same bytes; check catches a
+// broken allocator.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+struct Result {
+  int exit_code = -1;
+  std::string out, err;
+};
+
+Result kvlab(const std::string& arguments) {
+  test::TempDir dir;
+  const std::string command = std::string(KVLAB_BINARY) + " " + arguments + " > " +
+                              (dir / "out").string() + " 2> " + (dir / "err").string();
+  const int status = std::system(command.c_str());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, test::read_file(dir / "out"),
+          test::read_file(dir / "err")};
+}
+
+const std::string kSmall = R"(
+[experiment]
+name = "small"
+seed = 3
+
+[model]
+name = "tiny"
+
+[kv_cache]
+allocator = "paged"
+slots = 1024
+
+[scheduler]
+name = "fcfs"
+
+[workload]
+requests = 12
+arrival = "poisson"
+rate = 100.0
+prompt_tokens = { dist = "uniform", min = 4, max = 40 }
+output_tokens = { dist = "uniform", min = 1, max = 12 }
+)";
+
+std::string write_experiment(const test::TempDir& dir, const std::string& text,
+                             const std::string& name = "e.toml") {
+  test::write_file(dir / name, text);
+  return (dir / name).string();
+}
+
+TEST(KvlabRun, RunsAndWritesResults) {
+  test::TempDir dir;
+  const auto file = write_experiment(
+      dir,
+      kSmall + "\n[[sweep]]\nkey = \"kv_cache.allocator\"\nvalues = [\"static\", \"paged\"]\n");
+  const Result r = kvlab("run " + file + " --out " + (dir / "results").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("| kv_cache.allocator=static | 12/0 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("| kv_cache.allocator=paged | 12/0 |"), std::string::npos) << r.out;
+  for (const char* f : {"requests.csv", "steps.csv", "events.jsonl", "summary.json"})
+    EXPECT_TRUE(std::filesystem::exists(dir / "results" / "001_kv_cache.allocator=paged" / f)) << f;
+  EXPECT_TRUE(std::filesystem::exists(dir / "results" / "summary.md"));
+  const auto summary = nlohmann::json::parse(
+      test::read_file(dir / "results" / "001_kv_cache.allocator=paged" / "summary.json"));
+  EXPECT_EQ(summary["submitted"], 12);
+  EXPECT_EQ(summary["finished"].get<int>() + summary["rejected"].get<int>(), 12);
+}
+
+TEST(KvlabRun, SameFileAndSeedGiveTheSameBytes) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  ASSERT_EQ(kvlab("run " + file + " --out " + (dir / "a").string()).exit_code, 0);
+  ASSERT_EQ(kvlab("run " + file + " --out " + (dir / "b").string()).exit_code, 0);
+  for (const char* f : {"requests.csv", "steps.csv", "events.jsonl", "summary.json"}) {
+    const std::string a = test::read_file(dir / "a" / "000" / f),
+                      b = test::read_file(dir / "b" / "000" / f);
+    EXPECT_FALSE(a.empty()) << f;
+    EXPECT_EQ(a, b) << f;
+  }
+}
+
+TEST(KvlabRun, SetOverridesAKey) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const Result r =
+      kvlab("run " + file + " --set workload.requests=5 --set scheduler.name=static --out " +
+            (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto summary = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
+  EXPECT_EQ(summary["submitted"], 5);
+  EXPECT_EQ(summary["scheduler"], "static");
+}
+
+TEST(KvlabRun, BadFilesFailBeforeAnythingRuns) {
+  test::TempDir dir;
+  auto error_of = [&](const std::string& text, const std::string& extra = "") {
+    const auto file = write_experiment(dir, text);
+    const Result r = kvlab("run " + file + " --out " + (dir / "never").string() + extra);
+    EXPECT_NE(r.exit_code, 0);
+    EXPECT_FALSE(std::filesystem::exists(dir / "never")) << "nothing may be written for a bad file";
+    return r.err;
+  };
+  std::string e = error_of(kSmall + "\n[scheduler.paramz]\n");
+  EXPECT_NE(e.find("e.toml:"), std::string::npos) << e;
+  e = error_of("[experiment]\nname = \"x\"\nsede = 4\n");
+  EXPECT_NE(e.find("e.toml:3:1: unknown key \"sede\" in [experiment] (did you mean \"seed\"?)"),
+            std::string::npos)
+      << e;
+  e = error_of("[workload]\nrequests = \"many\"\n");
+  EXPECT_NE(e.find("e.toml:2:12: workload.requests must be an integer"), std::string::npos) << e;
+  e = error_of("[workload]\narrival = \"poison\"\n");
+  EXPECT_NE(e.find("arrival \"poison\" is not one of"), std::string::npos) << e;
+  e = error_of("[workload\n");
+  EXPECT_NE(e.find("e.toml:1:"), std::string::npos) << e;
+  e = error_of("[schedular]\nname = \"fcfs\"\n");
+  EXPECT_NE(e.find("unknown key \"schedular\" in [top level] (did you mean \"scheduler\"?)"),
+            std::string::npos)
+      << e;
+  e = error_of(kSmall, " --set scheduler.name=fcsf");
+  EXPECT_NE(e.find("unknown scheduler plugin \"fcsf\" (did you mean \"fcfs\"?)"), std::string::npos)
+      << e;
+  e = error_of(kSmall + "\n[[sweep]]\nkey = \"scheduler.name\"\nvalues = []\n");
+  EXPECT_NE(e.find("non-empty values"), std::string::npos) << e;
+  e = error_of(kSmall, " --set kv_cache.params.block_size=0");
+  EXPECT_NE(e.find("\"block_size\" = 0 is out of range"), std::string::npos) << e;
+  const Result missing = kvlab("run /nonexistent/x.toml");
+  EXPECT_NE(missing.exit_code, 0);
+  EXPECT_NE(missing.err.find("cannot read experiment file /nonexistent/x.toml"), std::string::npos)
+      << missing.err;
+}
+
+TEST(KvlabRun, RequestsThatCannotFitAreRejectedAndCounted) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const Result r =
+      kvlab("run " + file + " --set 'workload.output_tokens={dist=\"fixed\",value=600}' --out " +
+            (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("| 0/12 |"), std::string::npos) << r.out;
+  EXPECT_NE(test::read_file(dir / "o" / "000" / "events.jsonl").find("exceed the context"),
+            std::string::npos);
+}
+
+TEST(KvlabCheck, ShippedQuickstartMatchesTheReference) {
+  const Result r = kvlab(std::string("check ") + KVLAB_SOURCE_DIR +
+                         "/experiments/quickstart.toml --set workload.requests=12");
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("every finished request's tokens equal the reference's"), std::string::npos)
+      << r.out;
+}
+
+TEST(KvlabCheck, CatchesABrokenAllocator) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  std::filesystem::create_directories(dir / "plugins");
+  std::filesystem::copy_file(
+      std::filesystem::path(KVLAB_TEST_PLUGIN_DIR) / "kvlab_plugin_test_broken_allocator.so",
+      dir / "plugins" / "kvlab_plugin_test_broken_allocator.so");
+  const Result r =
+      kvlab("check " + file +
+            " --set kv_cache.allocator=broken_shared_slots --set 'experiment.plugin_paths=[\"" +
+            (dir / "plugins").string() + "\"]'");
+  EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
+  EXPECT_NE(r.err.find("mismatch"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("differ from the reference"), std::string::npos) << r.err;
+}
+
+}  // namespace
+}  // namespace kvlab
