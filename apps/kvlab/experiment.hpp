@@ -29,6 +29,7 @@ struct ExperimentConfig {
   std::string allocator = "paged";
   ParamMap allocator_params;
   std::int64_t kv_slots = 4096;
+  std::optional<double> kv_memory_mib;  // instead of slots: a byte budget (slots follow from the K/V heads)
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";

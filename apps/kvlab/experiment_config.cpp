@@ -172,6 +172,8 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
     c.allocator = s.get<std::string>("allocator").value_or(c.allocator);
     c.kv_slots = s.get<std::int64_t>("slots").value_or(c.kv_slots);
     if (c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
+    c.kv_memory_mib = s.get<double>("memory_mib");
+    if (c.kv_memory_mib && !(*c.kv_memory_mib > 0)) s.fail(*s.node("memory_mib"), "kv_cache.memory_mib must be > 0");
     c.allocator_params = plugin_params(s, "params");
     s.finish();
   }

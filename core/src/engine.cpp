@@ -47,6 +47,8 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
                    [&](std::size_t a, std::size_t b) { return arrival_of(a) < arrival_of(b); });
 
   std::map<RequestId, LiveRequest> live;  // waiting + running, by request id (= index)
+  std::unordered_map<RequestId, std::string>
+      last_deferral;  // why the scheduler last left it waiting
   std::vector<RequestId> waiting, running;
   std::size_t next_arrival = 0, done = 0;
   double now = 0;
@@ -149,7 +151,10 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     }
     std::unordered_map<RequestId, std::int64_t> chunks;
     for (const auto& c : plan.prefill) chunks[c.id] = c.tokens;
-    for (const auto& d : plan.deferred) event("defer", d.id, d.reason);
+    for (const auto& d : plan.deferred) {
+      event("defer", d.id, d.reason);
+      last_deferral[d.id] = d.reason;
+    }
     for (RequestId id : plan.admit) {
       LiveRequest& r = live.at(id);
       const std::int64_t length = static_cast<std::int64_t>(r.tokens.size());
@@ -251,7 +256,11 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
         const RequestId id = waiting.front();
         RequestTimeline& timeline = result.requests[live.at(id).index];
         timeline.rejected = true;
-        timeline.reject_reason = "could not be admitted into an empty KV pool";
+        const auto why = last_deferral.find(id);
+        timeline.reject_reason = fmt::format(
+            "not admitted even with nothing running (scheduler: {}): it exceeds the scheduler's "
+            "limits or the KV pool",
+            why == last_deferral.end() ? "no reason given" : why->second);
         event("reject", id, timeline.reject_reason);
         std::erase(waiting, id);
         live.erase(id);
