@@ -1,7 +1,7 @@
 # Runs a small quickstart and plots it; every PNG must exist and be non-empty.
 file(REMOVE_RECURSE ${WORK_DIR})
 execute_process(COMMAND ${KVLAB} run ${SOURCE_DIR}/experiments/quickstart.toml --set workload.requests=8
-                        --set model.name=tiny --out ${WORK_DIR}
+                        --set model.name=tiny --set backend.threads=1 --out ${WORK_DIR}
                 RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
 if(NOT result EQUAL 0)
   message(FATAL_ERROR "kvlab run failed: ${out}${err}")
