@@ -173,7 +173,13 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
     c.kv_slots = s.get<std::int64_t>("slots").value_or(c.kv_slots);
     if (c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
     c.kv_memory_mib = s.get<double>("memory_mib");
-    if (c.kv_memory_mib && !(*c.kv_memory_mib > 0)) s.fail(*s.node("memory_mib"), "kv_cache.memory_mib must be > 0");
+    c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
+    c.swap_gb_per_s = s.get<double>("swap_gb_per_s").value_or(c.swap_gb_per_s);
+    if (c.swap_slots < 0) s.fail(*s.node("swap_slots"), "kv_cache.swap_slots must be >= 0");
+    if (!(c.swap_gb_per_s > 0))
+      s.fail(*s.node("swap_gb_per_s"), "kv_cache.swap_gb_per_s must be > 0");
+    if (c.kv_memory_mib && !(*c.kv_memory_mib > 0))
+      s.fail(*s.node("memory_mib"), "kv_cache.memory_mib must be > 0");
     c.allocator_params = plugin_params(s, "params");
     s.finish();
   }

@@ -59,10 +59,14 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
       cpu::convert_kv_heads(checkpoint, attention->kv_heads(checkpoint.config));
   const ModelConfig& model = weights.config;
   std::int64_t slots = c.kv_slots;
-  if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (rounded down to whole blocks of 64)
-    const double bytes_per_slot = 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) * sizeof(float);
+  if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (rounded down to whole
+                          // blocks of 64)
+    const double bytes_per_slot =
+        2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) * sizeof(float);
     slots = static_cast<std::int64_t>(*c.kv_memory_mib * 1024 * 1024 / bytes_per_slot) / 64 * 64;
-    if (slots < 1) throw Error(fmt::format("kv_cache.memory_mib {} holds no token of {}", *c.kv_memory_mib, model.name));
+    if (slots < 1)
+      throw Error(
+          fmt::format("kv_cache.memory_mib {} holds no token of {}", *c.kv_memory_mib, model.name));
   }
   KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots});
   context.pool = &pool;
@@ -98,6 +102,9 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   options.eos_token_ids = model.eos_token_ids;
   options.window = attention->window();
   options.caches_kv = attention->caches_kv();
+  options.pool = &pool;
+  options.swap_slots = c.swap_slots;
+  options.swap_gb_per_s = c.swap_gb_per_s;
   Engine engine(backend, *allocator, *scheduler, options);
 
   RunOutput out;

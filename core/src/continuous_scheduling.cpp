@@ -1,6 +1,7 @@
 #include <algorithm>
 #include <limits>
 #include <unordered_set>
+#include <utility>
 
 #include "kvlab/scheduler.hpp"
 
@@ -62,14 +63,31 @@ StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy
     return a->admitted_step < b->admitted_step ||
            (a->admitted_step == b->admitted_step && a->id < b->id);
   });
+  // Victims in the order they give way.
+  std::vector<const ScheduledRequest*> victims(running.rbegin(), running.rend());
+  if (policy.victim == ContinuousPolicy::Victim::lowest_priority)
+    std::stable_sort(victims.begin(), victims.end(),
+                     [](const auto* a, const auto* b) { return a->priority < b->priority; });
+  else if (policy.victim == ContinuousPolicy::Victim::most_kv)
+    std::stable_sort(victims.begin(), victims.end(),
+                     [](const auto* a, const auto* b) { return a->tokens > b->tokens; });
+  plan.swap_preempted = policy.swap;
   std::unordered_set<RequestId> preempted;
+  std::int64_t budget_refund = 0;
+  auto preempt = [&](const ScheduledRequest* victim) {
+    preempted.insert(victim->id);
+    plan.preempt.push_back(victim->id);
+    ledger.give(ledger.kv().slots_held(victim->id));
+    // A victim scheduled earlier in this step gives its tokens back too.
+    budget_refund += static_cast<std::int64_t>(std::erase(plan.decode, victim->id));
+    for (const auto& c : plan.prefill)
+      if (c.id == victim->id) budget_refund += c.tokens;
+    std::erase_if(plan.prefill, [&](const PrefillChunk& c) { return c.id == victim->id; });
+  };
   auto preempt_last = [&](const ScheduledRequest* keep) -> bool {
-    for (auto it = running.rbegin(); it != running.rend(); ++it) {
-      const ScheduledRequest* victim = *it;
+    for (const ScheduledRequest* victim : victims) {
       if (victim == keep || preempted.count(victim->id)) continue;
-      preempted.insert(victim->id);
-      plan.preempt.push_back(victim->id);
-      ledger.give(ledger.kv().slots_held(victim->id));
+      preempt(victim);
       return true;
     }
     return false;
@@ -83,10 +101,9 @@ StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy
     const std::int64_t need = ledger.kv().slots_to_append(r->id, 1);
     bool fits = ledger.take(need);
     while (!fits && preempt_last(r)) fits = ledger.take(need);
+    budget += std::exchange(budget_refund, 0);
     if (!fits) {  // nothing left to preempt but itself
-      preempted.insert(r->id);
-      plan.preempt.push_back(r->id);
-      ledger.give(ledger.kv().slots_held(r->id));
+      preempt(r);
       continue;
     }
     plan.decode.push_back(r->id);
@@ -122,7 +139,8 @@ StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy
       blocked = true;
       continue;
     }
-    const std::int64_t chunk = policy.chunked_prefill ? std::min(r->tokens, budget) : r->tokens;
+    const std::int64_t remaining = r->tokens - r->computed_tokens;  // all of it, unless swapped
+    const std::int64_t chunk = policy.chunked_prefill ? std::min(remaining, budget) : remaining;
     if (chunk <= 0 || chunk > budget) {
       plan.deferred.push_back({r->id, "token_budget"});
       blocked = true;
@@ -138,15 +156,9 @@ StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy
       for (auto it = running.rbegin(); it != running.rend() && !fits; ++it) {
         const ScheduledRequest* victim = *it;
         if (victim->priority >= r->priority || preempted.count(victim->id)) continue;
-        preempted.insert(victim->id);
-        plan.preempt.push_back(victim->id);
-        ledger.give(ledger.kv().slots_held(victim->id));
+        preempt(victim);
         --running_count;
-        budget += static_cast<std::int64_t>(
-            std::erase_if(plan.decode, [&](RequestId id) { return id == victim->id; }));
-        for (const auto& c : plan.prefill)
-          if (c.id == victim->id) budget += c.tokens;
-        std::erase_if(plan.prefill, [&](const PrefillChunk& c) { return c.id == victim->id; });
+        budget += std::exchange(budget_refund, 0);
         fits = ledger.take(need);
       }
     }
@@ -161,6 +173,13 @@ StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy
     ++running_count;
   }
   return plan;
+}
+
+std::optional<ContinuousPolicy::Victim> victim_policy_from_name(std::string_view name) {
+  if (name == "last_admitted") return ContinuousPolicy::Victim::last_admitted;
+  if (name == "lowest_priority") return ContinuousPolicy::Victim::lowest_priority;
+  if (name == "most_kv") return ContinuousPolicy::Victim::most_kv;
+  return std::nullopt;
 }
 
 StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch) {

@@ -24,7 +24,34 @@ struct LiveRequest {
   std::int64_t admitted_step = -1;
   Sampler sampler;
   bool needs_recompute = false;  // no-cache variant: rebuild the whole sequence next step
+  // Swapped out: KV of positions [swap_first, computed) waits in `swap` (layers, K then V, tokens,
+  // width).
+  bool swapped = false;
+  std::int64_t swap_first = 0;
+  std::vector<float> swap;
 };
+
+// Copies the KV of positions [first, end) between the pool (through `view`) and a host buffer.
+std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
+                     std::vector<float>& buffer, bool to_host) {
+  const KvPoolShape& shape = pool.shape();
+  const std::int64_t width = shape.slot_width(), tokens = end - first;
+  if (to_host) buffer.assign(static_cast<std::size_t>(2 * shape.layers * tokens * width), 0.0f);
+  for (std::int64_t layer = 0; layer < shape.layers; ++layer)
+    for (std::int64_t p = first; p < end; ++p) {
+      const std::int64_t slot = view.slot_of(p);
+      float* k = buffer.data() + ((2 * layer) * tokens + (p - first)) * width;
+      float* v = buffer.data() + ((2 * layer + 1) * tokens + (p - first)) * width;
+      if (to_host) {
+        std::copy_n(pool.key(layer, slot), width, k);
+        std::copy_n(pool.value(layer, slot), width, v);
+      } else {
+        std::copy_n(k, width, pool.key(layer, slot));
+        std::copy_n(v, width, pool.value(layer, slot));
+      }
+    }
+  return 2 * shape.layers * tokens * width * static_cast<std::int64_t>(sizeof(float));
+}
 
 }  // namespace
 
@@ -53,6 +80,7 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
   std::size_t next_arrival = 0, done = 0;
   double now = 0;
   std::int64_t step = 0, idle_steps = 0;
+  std::int64_t swap_used = 0;  // tokens in the host swap pool
   const std::int64_t capacity = allocator_.stats().capacity;
 
   auto event = [&](const char* kind, RequestId id, const std::string& reason = {}) {
@@ -126,6 +154,7 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
       v.oracle_remaining = r.source->output_tokens - r.generated;
       v.admitted_step = r.admitted_step;
       v.token_ids = r.tokens;
+      v.swapped = r.swapped;
       return v;
     };
     for (RequestId id : waiting) waiting_view.push_back(view_of(id));
@@ -136,10 +165,33 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     StepRecord record;
     record.step = step;
     record.start_s = now;
+    std::int64_t swap_bytes = 0;
     for (RequestId id : plan.preempt) {
       LiveRequest& r = live.at(id);
-      allocator_.free(id);
       RequestTimeline& timeline = result.requests[r.index];
+      if (plan.swap_preempted && options_.pool != nullptr && options_.caches_kv && r.computed > 0) {
+        const KvView view = allocator_.view(id);
+        const std::int64_t first = view.first_position, tokens = r.computed - first;
+        if (swap_used + tokens <= options_.swap_slots) {
+          const std::int64_t bytes = copy_kv(*options_.pool, view, first, r.computed, r.swap, true);
+          swap_bytes += bytes;
+          timeline.swapped_bytes += bytes;
+          swap_used += tokens;
+          r.swapped = true;
+          r.swap_first = first;
+          allocator_.free(id);
+          ++timeline.preemptions;
+          r.admitted_step = -1;
+          std::erase(running, id);
+          waiting.push_back(id);
+          ++record.preempted;
+          event("swap_out", id, fmt::format("tokens={}", tokens));
+          continue;
+        }
+        event("swap_full", id,
+              fmt::format("swap pool holds {} of {} tokens", swap_used, options_.swap_slots));
+      }
+      allocator_.free(id);
       ++timeline.preemptions;
       timeline.recomputed_tokens += r.computed;
       r.computed = 0;
@@ -165,9 +217,38 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
         event("defer", id, "kv_full_at_apply");
         continue;
       }
-      r.computed = options_.caches_kv ? allocation->cached_tokens : 0;
       r.allocated = length;
       r.admitted_step = step;
+      if (r.swapped) {  // bring the KV back; prefix-cache hits already hold theirs
+        const KvView view = allocator_.view(id);
+        const std::int64_t tokens = r.computed - r.swap_first;
+        const std::int64_t from = std::max(r.swap_first, allocation->cached_tokens);
+        if (from < r.computed) {
+          std::vector<float> part;
+          if (from == r.swap_first) {
+            part = std::move(r.swap);
+          } else {  // skip the leading positions the cache already serves
+            const std::int64_t width = options_.pool->shape().slot_width(),
+                               layers = options_.pool->shape().layers;
+            const std::int64_t keep = r.computed - from;
+            part.resize(static_cast<std::size_t>(2 * layers * keep * width));
+            for (std::int64_t half = 0; half < 2 * layers; ++half)
+              std::copy_n(r.swap.data() + (half * tokens + (from - r.swap_first)) * width,
+                          keep * width, part.data() + half * keep * width);
+          }
+          const std::int64_t bytes = copy_kv(*options_.pool, view, from, r.computed, part, false);
+          swap_bytes += bytes;
+          result.requests[r.index].swapped_bytes += bytes;
+        }
+        swap_used -= tokens;
+        r.swap.clear();
+        r.swapped = false;
+        allocator_.mark_computed(id, r.computed);
+        if (options_.window) allocator_.release_before(id, length - *options_.window);
+        event("swap_in", id, fmt::format("tokens={}", tokens));
+      } else {
+        r.computed = options_.caches_kv ? allocation->cached_tokens : 0;
+      }
       std::erase(waiting, id);
       running.push_back(id);
       RequestTimeline& timeline = result.requests[r.index];
@@ -282,7 +363,8 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     record.duration_s = m.step_overhead_s +
                         m.prefill_token_s * static_cast<double>(record.prefill_tokens) +
                         m.decode_token_s * static_cast<double>(record.decode_tokens) +
-                        m.kv_token_read_s * static_cast<double>(kv_tokens_read);
+                        m.kv_token_read_s * static_cast<double>(kv_tokens_read) +
+                        static_cast<double>(swap_bytes) / (options_.swap_gb_per_s * 1e9);
     now += record.duration_s;
     record.batch = static_cast<std::int64_t>(batch.size());
 

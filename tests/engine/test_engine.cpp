@@ -31,6 +31,7 @@ struct EngineSetup {
   std::map<std::string, ParamValue, std::less<>> allocator_params{{"block_size", std::int64_t{4}}};
   std::int64_t slots = 256;
   std::int64_t max_seq_len = 64;
+  std::int64_t swap_slots = 0;
 };
 
 EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequest>& requests) {
@@ -48,6 +49,8 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   EngineOptions options;
   options.max_seq_len = setup.max_seq_len;
   options.eos_token_ids = c.eos_token_ids;
+  options.pool = &pool;
+  options.swap_slots = setup.swap_slots;
   Engine engine(backend, *allocator, *scheduler, options);
   return engine.run(requests);
 }
@@ -128,6 +131,50 @@ TEST(Engine, PreemptionHappensUnderMemoryPressureAndTokensStillMatch) {
   for (const auto& line : result.events)
     saw_preempt_event |= nlohmann::json::parse(line)["event"] == "preempt";
   EXPECT_TRUE(saw_preempt_event);
+}
+
+TEST(Engine, SwapPreemptionKeepsTheKvAndTheTokens) {
+  for (const char* victim : {"last_admitted", "most_kv"}) {
+    EngineSetup setup;
+    setup.slots = 40;
+    setup.swap_slots = 1000;
+    setup.scheduler_params = {{"preemption", std::string("swap")}, {"victim", std::string(victim)}};
+    std::vector<WorkloadRequest> requests = small_workload(11, 6);
+    for (auto& r : requests) {
+      r.arrival_s = 0;
+      r.output_tokens = 8;
+      r.sampling.max_tokens = 8;
+    }
+    const EngineResult result = run_engine(setup, requests);
+    std::int64_t swapped = 0, recomputed = 0, preemptions = 0;
+    for (const auto& t : result.requests) {
+      swapped += t.swapped_bytes;
+      recomputed += t.recomputed_tokens;
+      preemptions += t.preemptions;
+    }
+    EXPECT_GT(preemptions, 0) << victim;
+    EXPECT_GT(swapped, 0) << victim;
+    EXPECT_EQ(recomputed, 0) << victim << ": swapped requests resume without recomputing";
+    const cpu::ReferenceModel reference(weights());
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      const auto expected = cpu::generate(reference, requests[i].prompt, requests[i].sampling);
+      ASSERT_EQ(result.tokens[i].size(), expected.tokens.size()) << i;
+      for (std::size_t t = 0; t < expected.tokens.size(); ++t)
+        EXPECT_EQ(result.tokens[i][t], expected.tokens[t].token)
+            << victim << " request " << i << " token " << t;
+    }
+  }
+  // A full swap pool falls back to recompute, and says so.
+  EngineSetup setup;
+  setup.slots = 40;
+  setup.swap_slots = 1;
+  setup.scheduler_params = {{"preemption", std::string("swap")}};
+  std::vector<WorkloadRequest> requests = small_workload(11, 6);
+  for (auto& r : requests) r.arrival_s = 0, r.output_tokens = 8, r.sampling.max_tokens = 8;
+  const EngineResult result = run_engine(setup, requests);
+  bool swap_full = false;
+  for (const auto& line : result.events) swap_full |= line.find("swap_full") != std::string::npos;
+  EXPECT_TRUE(swap_full);
 }
 
 TEST(Engine, ConservationOverRandomWorkloads) {

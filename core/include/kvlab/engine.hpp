@@ -42,6 +42,11 @@ struct EngineOptions {
   std::optional<std::int64_t> window;  // sliding-window attention: release older KV
   bool caches_kv = true;               // false: recompute every sequence every step
   std::int64_t max_idle_steps = 1000;  // steps without progress before giving up (a scheduler bug)
+  // Swap preemption: KV moves to a host swap pool of `swap_slots` tokens over a link of
+  // `swap_gb_per_s` (the copy time is added to the step on the virtual clock).
+  KvPool* pool = nullptr;
+  std::int64_t swap_slots = 0;
+  double swap_gb_per_s = 16.0;
 };
 
 struct StepRecord {

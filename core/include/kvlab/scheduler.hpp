@@ -3,8 +3,10 @@
 // and a read-only allocator and returns a plan; it never touches memory (the engine applies).
 #include <boost/config.hpp>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvlab/kv_allocator.hpp"
@@ -30,6 +32,7 @@ struct ScheduledRequest {
   // (a prompt, or a preempted request recomputing its sequence).
   bool decoding() const { return generated > 0 && tokens - computed_tokens == 1; }
   bool prefilling() const { return computed_tokens < tokens && !decoding(); }
+  bool swapped = false;  // waiting with its KV in the host swap pool (no recompute on admission)
 };
 
 struct SchedulerInput {
@@ -56,6 +59,7 @@ struct StepPlan {
   std::vector<PrefillChunk> prefill;  // prompt chunks computed this step
   std::vector<RequestId> decode;      // one new token each
   std::vector<Deferral> deferred;     // waiting requests left waiting, and why (event log)
+  bool swap_preempted = false;        // preempt by swapping KV out (else: free and recompute later)
 };
 
 class BOOST_SYMBOL_VISIBLE Scheduler {
@@ -76,7 +80,13 @@ struct ContinuousPolicy {
   std::int64_t max_tokens_per_step = 8192;  // prefill + decode tokens per step
   bool chunked_prefill = false;             // split prompts over steps to fit the token budget
   bool preempt_for_priority = false;  // admit a higher-priority request by preempting lower ones
+  // Which running request gives way when the KV cache cannot grow.
+  enum class Victim { last_admitted, lowest_priority, most_kv };
+  Victim victim = Victim::last_admitted;
+  bool swap = false;  // preempt by swapping KV to the host swap pool (else recompute later)
 };
+// "last_admitted" | "lowest_priority" | "most_kv"; nullopt for anything else.
+std::optional<ContinuousPolicy::Victim> victim_policy_from_name(std::string_view name);
 StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy& policy);
 
 // static: a batch is formed only when nothing runs (up to max_batch, while the KV fits) and

@@ -1,5 +1,8 @@
 // sjf_oracle: shortest-job-first using the true output lengths (known only to the workload):
 // not implementable in a real server, an upper bound on what length prediction could buy.
+#include <stdexcept>
+#include <string>
+
 #include "kvlab/plugin.hpp"
 #include "kvlab/scheduler.hpp"
 
@@ -11,6 +14,17 @@ class SjfOracleScheduler final : public kvlab::Scheduler {
     policy_.order = kvlab::ContinuousPolicy::Order::shortest_remaining;
     policy_.max_batch = params.integer("max_batch");
     policy_.max_tokens_per_step = params.integer("max_tokens_per_step");
+    const std::string& preemption = params.string("preemption");
+    if (preemption != "recompute" && preemption != "swap")
+      throw std::invalid_argument("preemption must be \"recompute\" or \"swap\", got \"" +
+                                  preemption + "\"");
+    policy_.swap = preemption == "swap";
+    const auto victim = kvlab::victim_policy_from_name(params.string("victim"));
+    if (!victim)
+      throw std::invalid_argument(
+          "victim must be \"last_admitted\", \"lowest_priority\" or \"most_kv\", got \"" +
+          params.string("victim") + "\"");
+    policy_.victim = *victim;
     policy_.chunked_prefill = false;
     policy_.preempt_for_priority = false;
   }
@@ -26,6 +40,10 @@ const kvlab::ParamSpec kParams[] = {
     {"max_batch", kvlab::ParamType::param_integer, "running requests at most", "256", 1, 1 << 20},
     {"max_tokens_per_step", kvlab::ParamType::param_integer, "prefill + decode tokens per step",
      "8192", 1, 1 << 24},
+    {"preemption", kvlab::ParamType::param_string,
+     "recompute (free KV, recompute later) or swap (to the host swap pool)", "\"recompute\"", 0, 0},
+    {"victim", kvlab::ParamType::param_string,
+     "who gives way: last_admitted, lowest_priority or most_kv", "\"last_admitted\"", 0, 0},
 };
 
 }  // namespace
