@@ -15,6 +15,9 @@ namespace kvlab {
 namespace {
 
 struct LiveRequest {
+  LiveRequest(std::size_t submitted_index, const WorkloadRequest& request,
+              const SamplingParams& sampling)
+      : index(submitted_index), source(&request), tokens(request.prompt), sampler(sampling) {}
   std::size_t index = 0;  // into the submitted list
   const WorkloadRequest* source = nullptr;
   std::vector<std::int32_t> tokens;  // prompt + generated
@@ -129,8 +132,8 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
       }
       SamplingParams sampling = w.sampling;
       sampling.max_tokens = static_cast<std::int32_t>(w.output_tokens);
-      live.emplace(static_cast<RequestId>(i),
-                   LiveRequest{i, &w, w.prompt, 0, 0, 0, -1, Sampler(sampling), false});
+      LiveRequest request(i, w, sampling);
+      live.emplace(static_cast<RequestId>(i), std::move(request));
       waiting.push_back(static_cast<RequestId>(i));
     }
     if (done == submitted.size()) break;
