@@ -140,9 +140,9 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
     c.repeats = s.get<std::int64_t>("repeats").value_or(1);
     if (c.repeats < 1) s.fail(*s.node("repeats"), "experiment.repeats must be >= 1");
     c.clock = s.get<std::string>("clock").value_or(c.clock);
-    if (c.clock != "virtual" && c.clock != "offline")
+    if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall")
       s.fail(*s.node("clock"),
-             fmt::format("experiment.clock \"{}\" is not one of virtual, offline", c.clock));
+             fmt::format("experiment.clock \"{}\" is not one of virtual, offline, wall", c.clock));
     if (const toml::node* paths = s.node("plugin_paths")) {
       if (!paths->is_array()) s.fail(*paths, "experiment.plugin_paths must be a list of folders");
       for (const auto& p : *paths->as_array()) {

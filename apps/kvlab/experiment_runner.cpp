@@ -96,7 +96,9 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     for (auto& r : requests) r.sampling.temperature = 0;  // check compares greedy tokens
 
   EngineOptions options;
-  options.clock = c.clock == "offline" ? EngineClock::offline : EngineClock::virtual_clock;
+  options.clock = c.clock == "offline" ? EngineClock::offline
+                  : c.clock == "wall"  ? EngineClock::wall
+                                       : EngineClock::virtual_clock;
   options.time_model = c.time_model;
   options.max_seq_len = model.max_position_embeddings;
   options.eos_token_ids = model.eos_token_ids;
@@ -153,6 +155,23 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   return out;
 }
 
+namespace {
+// Each kind of KV waste as a fraction of capacity, averaged over steps.
+nlohmann::json waste_breakdown(const std::vector<StepRecord>& steps) {
+  double reserved = 0, slack = 0, unusable = 0;
+  for (const auto& s : steps) {
+    const double capacity = static_cast<double>(s.kv.capacity);
+    reserved += static_cast<double>(s.kv.reserved_unused) / capacity;
+    slack += static_cast<double>(s.kv.last_block_slack) / capacity;
+    unusable += static_cast<double>(s.kv.unusable_free) / capacity;
+  }
+  const double n = steps.empty() ? 1.0 : static_cast<double>(steps.size());
+  return {{"reserved_unused", reserved / n},
+          {"last_block_slack", slack / n},
+          {"unusable_free", unusable / n}};
+}
+}  // namespace
+
 void write_run_outputs(const std::filesystem::path& directory, const ExperimentConfig& c,
                        const RunOutput& out) {
   std::error_code ec;
@@ -172,16 +191,20 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
     auto f = open("requests.csv");
     f << "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
          "tokens,ttft_s,tpot_s,"
-         "e2e_s,preemptions,recomputed_tokens,rejected,reject_reason\n";
-    for (const auto& r : out.engine.requests)
+         "e2e_s,preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n";
+    for (const auto& r : out.engine.requests) {
+      std::string token_times;  // every output token's time, space-separated
+      for (double t : r.token_times_s)
+        token_times += fmt::format("{}{:.6f}", token_times.empty() ? "" : " ", t);
       f << fmt::format(
-          "{},{},{:.6f},{},{},{},{},{},{},{},{},{},{},{},\"{}\"\n", r.id, r.priority, r.arrival_s,
-          number(r.first_scheduled_s),
+          "{},{},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},\"{}\",{}\n", r.id, r.priority,
+          r.arrival_s, number(r.first_scheduled_s),
           number(r.token_times_s.empty() ? std::nullopt
                                          : std::optional<double>(r.token_times_s.front())),
           number(r.finish_s), r.prompt_tokens, r.output_tokens(), number(r.ttft_s()),
           number(r.tpot_s()), number(r.e2e_s()), r.preemptions, r.recomputed_tokens,
-          r.rejected ? 1 : 0, r.reject_reason);
+          r.swapped_bytes, r.rejected ? 1 : 0, r.reject_reason, token_times);
+    }
   }
   {
     auto f = open("steps.csv");
@@ -235,6 +258,7 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
         {"recomputed_tokens", s.recomputed_tokens},
         {"mean_kv_used_fraction", out.mean_kv_used},
         {"mean_kv_waste_fraction", out.mean_kv_waste},
+        {"mean_kv_waste_breakdown", waste_breakdown(out.engine.steps)},
         {"prefix_hit_rate", kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
                                                          static_cast<double>(kv.prefix_query_tokens)
                                                    : 0.0},

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <thread>
 #include <unordered_map>
 
 #include "kvlab/error.hpp"
@@ -86,6 +87,12 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
   std::int64_t swap_used = 0;  // tokens in the host swap pool
   const std::int64_t capacity = allocator_.stats().capacity;
 
+  const bool wall = options_.clock == EngineClock::wall;
+  const auto wall_start = std::chrono::steady_clock::now();
+  auto wall_now = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+  };
+  std::int64_t evictions_seen = allocator_.stats().evictions;
   auto event = [&](const char* kind, RequestId id, const std::string& reason = {}) {
     nlohmann::json e = {{"step", step}, {"t", now}, {"event", kind}, {"request", id}};
     if (!reason.empty()) e["reason"] = reason;
@@ -139,6 +146,10 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     if (done == submitted.size()) break;
     if (waiting.empty() && running.empty()) {  // idle until the next arrival
       now = arrival_of(arrival_order[next_arrival]);
+      if (wall) {  // really wait for it
+        std::this_thread::sleep_until(wall_start + std::chrono::duration<double>(now));
+        now = wall_now();
+      }
       continue;
     }
 
@@ -368,7 +379,12 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
                         m.decode_token_s * static_cast<double>(record.decode_tokens) +
                         m.kv_token_read_s * static_cast<double>(kv_tokens_read) +
                         static_cast<double>(swap_bytes) / (options_.swap_gb_per_s * 1e9);
-    now += record.duration_s;
+    if (wall) {
+      now = wall_now();
+      record.duration_s = now - record.start_s;
+    } else {
+      now += record.duration_s;
+    }
     record.batch = static_cast<std::int64_t>(batch.size());
 
     // 4-5. sample and update
@@ -405,6 +421,14 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     record.waiting = static_cast<std::int64_t>(waiting.size());
     record.running = static_cast<std::int64_t>(running.size());
     record.kv = allocator_.stats();
+    if (record.kv.evictions > evictions_seen) {  // cached prefix blocks reused for other data
+      nlohmann::json e = {{"step", step},
+                          {"t", now},
+                          {"event", "evict"},
+                          {"blocks", record.kv.evictions - evictions_seen}};
+      result.events.push_back(e.dump());
+      evictions_seen = record.kv.evictions;
+    }
     result.steps.push_back(record);
     ++step;
   }

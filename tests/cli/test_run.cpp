@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <nlohmann/json.hpp>
 
 #include "test_util.hpp"
@@ -145,6 +146,37 @@ TEST(KvlabRun, RequestsThatCannotFitAreRejectedAndCounted) {
   EXPECT_NE(r.out.find("| 0/12 |"), std::string::npos) << r.out;
   EXPECT_NE(test::read_file(dir / "o" / "000" / "events.jsonl").find("exceed the context"),
             std::string::npos);
+}
+
+TEST(KvlabRun, WallClockReplaysArrivalsInRealTime) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const auto start = std::chrono::steady_clock::now();
+  const Result r =
+      kvlab("run " + file + " --set experiment.clock=wall --set workload.rate=40.0 --out " +
+            (dir / "o").string());
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("| 12/0 |"), std::string::npos) << r.out;
+  const auto summary = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
+  // 12 Poisson arrivals at 40/s span ~0.3 s of real time, which the run must have waited for.
+  EXPECT_GT(summary["duration_s"].get<double>(), 0.1);
+  EXPECT_GE(seconds, summary["duration_s"].get<double>());
+}
+
+TEST(KvlabRun, EvictionsAreLogged) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const Result r = kvlab(
+      "run " + file +
+      " --set kv_cache.slots=128 --set workload.prefix_groups=6 --set workload.prefix_tokens=16 " +
+      "--set workload.requests=30 --out " + (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const std::string events = test::read_file(dir / "o" / "000" / "events.jsonl");
+  EXPECT_NE(events.find("\"event\":\"evict\""), std::string::npos);
+  EXPECT_NE(events.find("\"event\":\"admit\""), std::string::npos);
+  EXPECT_NE(events.find("\"event\":\"finish\""), std::string::npos);
 }
 
 TEST(KvlabCheck, ShippedQuickstartMatchesTheReference) {

@@ -24,6 +24,7 @@ namespace kvlab {
 enum class EngineClock {
   virtual_clock,  // time advances by each step's modelled duration: reproducible to the byte
   offline,        // every request arrives at t = 0, then as virtual_clock
+  wall,  // arrivals replayed in real time; time advances as it really passes (not reproducible)
 };
 
 // The virtual clock's step-time model (seconds); the measured forward time is recorded too.
