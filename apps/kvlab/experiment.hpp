@@ -30,8 +30,9 @@ struct ExperimentConfig {
   ParamMap allocator_params;
   std::int64_t kv_slots = 4096;
   std::optional<double> kv_memory_mib;
-  std::int64_t swap_slots = 0;      // host swap pool for swap preemption, in tokens
-  double swap_gb_per_s = 16.0;      // its modelled copy bandwidth  // instead of slots: a byte budget (slots follow from the K/V heads)
+  std::int64_t swap_slots = 0;  // host swap pool for swap preemption, in tokens
+  double swap_gb_per_s = 16.0;  // its modelled copy bandwidth  // instead of slots: a byte budget
+                                // (slots follow from the K/V heads)
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";

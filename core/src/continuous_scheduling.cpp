@@ -5,6 +5,11 @@
 
 #include "kvlab/scheduler.hpp"
 
+#include <stdexcept>
+#include <string>
+
+#include "kvlab/plugin_params.hpp"
+
 namespace kvlab {
 namespace {
 
@@ -180,6 +185,24 @@ std::optional<ContinuousPolicy::Victim> victim_policy_from_name(std::string_view
   if (name == "lowest_priority") return ContinuousPolicy::Victim::lowest_priority;
   if (name == "most_kv") return ContinuousPolicy::Victim::most_kv;
   return std::nullopt;
+}
+
+ContinuousPolicy continuous_policy_from_params(const PluginParams& params,
+                                               ContinuousPolicy policy) {
+  policy.max_batch = params.integer("max_batch");
+  policy.max_tokens_per_step = params.integer("max_tokens_per_step");
+  const std::string& preemption = params.string("preemption");
+  if (preemption != "recompute" && preemption != "swap")
+    throw std::invalid_argument("preemption must be \"recompute\" or \"swap\", got \"" +
+                                preemption + "\"");
+  policy.swap = preemption == "swap";
+  const auto victim = victim_policy_from_name(params.string("victim"));
+  if (!victim)
+    throw std::invalid_argument(
+        "victim must be \"last_admitted\", \"lowest_priority\" or \"most_kv\", got \"" +
+        params.string("victim") + "\"");
+  policy.victim = *victim;
+  return policy;
 }
 
 StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch) {

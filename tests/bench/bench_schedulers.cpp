@@ -24,7 +24,8 @@ void BM_SchedulerStep(benchmark::State& state, const std::string& name) {
   for (std::int64_t i = 0; i < kRunning + kWaiting; ++i) {
     auto& t = tokens[static_cast<std::size_t>(i)];
     const std::int64_t length = 64 + (i * 37) % 448;
-    for (std::int64_t k = 0; k < length; ++k) t.push_back(static_cast<std::int32_t>((i * 131 + k) % 32000));
+    for (std::int64_t k = 0; k < length; ++k)
+      t.push_back(static_cast<std::int32_t>((i * 131 + k) % 32000));
     ScheduledRequest r;
     r.id = i;
     r.arrival_s = static_cast<double>(i) * 1e-3;
@@ -49,13 +50,16 @@ void BM_SchedulerStep(benchmark::State& state, const std::string& name) {
     planned += static_cast<std::int64_t>(plan.decode.size() + plan.admit.size());
     benchmark::DoNotOptimize(plan);
   }
-  state.counters["scheduled/step"] = static_cast<double>(planned) / static_cast<double>(state.iterations());
+  state.counters["scheduled/step"] =
+      static_cast<double>(planned) / static_cast<double>(state.iterations());
 }
 BENCHMARK_CAPTURE(BM_SchedulerStep, static, std::string("static"))->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_SchedulerStep, fcfs, std::string("fcfs"))->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_SchedulerStep, priority, std::string("priority"))->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_SchedulerStep, priority, std::string("priority"))
+    ->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_SchedulerStep, chunked, std::string("chunked"))->Unit(benchmark::kMicrosecond);
-BENCHMARK_CAPTURE(BM_SchedulerStep, sjf_oracle, std::string("sjf_oracle"))->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_SchedulerStep, sjf_oracle, std::string("sjf_oracle"))
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvlab::bench

@@ -87,6 +87,12 @@ struct ContinuousPolicy {
 };
 // "last_admitted" | "lowest_priority" | "most_kv"; nullopt for anything else.
 std::optional<ContinuousPolicy::Victim> victim_policy_from_name(std::string_view name);
+
+// The continuous schedulers' shared parameters (max_batch, max_tokens_per_step, preemption,
+// victim) read into `base`. Throws std::invalid_argument for a bad preemption or victim name
+// (plugins call it from their constructor; the message reaches the user).
+ContinuousPolicy continuous_policy_from_params(const class PluginParams& params,
+                                               ContinuousPolicy base);
 StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy& policy);
 
 // static: a batch is formed only when nothing runs (up to max_batch, while the KV fits) and

@@ -41,7 +41,9 @@ class PagedAllocator final : public KvAllocator {
   bool can_allocate(const AllocateRequest& r) const override {
     return !sequences_.count(r.sequence) && blocks_to_allocate(r) <= free_blocks();
   }
-  std::int64_t slots_to_allocate(const AllocateRequest& r) const override { return blocks_to_allocate(r) * block_size_; }
+  std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
+    return blocks_to_allocate(r) * block_size_;
+  }
   std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
     auto it = sequences_.find(id);
     return it == sequences_.end() ? 0 : new_blocks_for_append(it->second, tokens) * block_size_;
@@ -225,7 +227,8 @@ class PagedAllocator final : public KvAllocator {
   // that are themselves free cached blocks (they leave the free lists too).
   std::int64_t blocks_to_allocate(const AllocateRequest& r) const {
     const auto hits = lookup(r.prompt);
-    std::int64_t from_free = blocks_for(static_cast<std::int64_t>(r.prompt.size())) - static_cast<std::int64_t>(hits.size());
+    std::int64_t from_free = blocks_for(static_cast<std::int64_t>(r.prompt.size())) -
+                             static_cast<std::int64_t>(hits.size());
     for (std::int32_t b : hits)
       if (blocks_[static_cast<std::size_t>(b)].ref_count == 0) ++from_free;
     return from_free;

@@ -39,7 +39,9 @@ class StaticAllocator final : public KvAllocator {
   std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
     return can_append(id, tokens) ? 0 : pool_->shape().slots + 1;  // never beyond the reservation
   }
-  std::int64_t slots_held(SequenceId id) const override { return sequences_.count(id) ? reserve_ : 0; }
+  std::int64_t slots_held(SequenceId id) const override {
+    return sequences_.count(id) ? reserve_ : 0;
+  }
   bool can_append(SequenceId id, std::int64_t tokens) const override {
     auto it = sequences_.find(id);
     return it != sequences_.end() && it->second.length + tokens <= reserve_;

@@ -1,8 +1,5 @@
 // chunked: a token budget per step; decodes go first and prompts are split into chunks that
 // fill the rest (Sarathi-Serve), trading a little TTFT for a flat inter-token latency.
-#include <stdexcept>
-#include <string>
-
 #include "kvlab/plugin.hpp"
 #include "kvlab/scheduler.hpp"
 
@@ -10,24 +7,11 @@ namespace {
 
 class ChunkedScheduler final : public kvlab::Scheduler {
  public:
-  ChunkedScheduler(const kvlab::PluginParams& params, const kvlab::PluginContext&) {
-    policy_.order = kvlab::ContinuousPolicy::Order::arrival;
-    policy_.max_batch = params.integer("max_batch");
-    policy_.max_tokens_per_step = params.integer("max_tokens_per_step");
-    const std::string& preemption = params.string("preemption");
-    if (preemption != "recompute" && preemption != "swap")
-      throw std::invalid_argument("preemption must be \"recompute\" or \"swap\", got \"" +
-                                  preemption + "\"");
-    policy_.swap = preemption == "swap";
-    const auto victim = kvlab::victim_policy_from_name(params.string("victim"));
-    if (!victim)
-      throw std::invalid_argument(
-          "victim must be \"last_admitted\", \"lowest_priority\" or \"most_kv\", got \"" +
-          params.string("victim") + "\"");
-    policy_.victim = *victim;
-    policy_.chunked_prefill = true;
-    policy_.preempt_for_priority = false;
-  }
+  ChunkedScheduler(const kvlab::PluginParams& params, const kvlab::PluginContext&)
+      : policy_(kvlab::continuous_policy_from_params(
+            params, {.order = kvlab::ContinuousPolicy::Order::arrival,
+                     .chunked_prefill = true,
+                     .preempt_for_priority = false})) {}
   kvlab::StepPlan schedule(const kvlab::SchedulerInput& input) override {
     return kvlab::schedule_continuous(input, policy_);
   }

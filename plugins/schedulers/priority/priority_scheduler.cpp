@@ -1,8 +1,5 @@
 // priority: continuous batching, higher priority first; when the KV cache is full, lower-
-// priority running requests are preempted (freed, recomputed later) to admit higher ones.
-#include <stdexcept>
-#include <string>
-
+// priority running requests give way (freed or swapped) so higher ones run.
 #include "kvlab/plugin.hpp"
 #include "kvlab/scheduler.hpp"
 
@@ -10,24 +7,11 @@ namespace {
 
 class PriorityScheduler final : public kvlab::Scheduler {
  public:
-  PriorityScheduler(const kvlab::PluginParams& params, const kvlab::PluginContext&) {
-    policy_.order = kvlab::ContinuousPolicy::Order::priority;
-    policy_.max_batch = params.integer("max_batch");
-    policy_.max_tokens_per_step = params.integer("max_tokens_per_step");
-    const std::string& preemption = params.string("preemption");
-    if (preemption != "recompute" && preemption != "swap")
-      throw std::invalid_argument("preemption must be \"recompute\" or \"swap\", got \"" +
-                                  preemption + "\"");
-    policy_.swap = preemption == "swap";
-    const auto victim = kvlab::victim_policy_from_name(params.string("victim"));
-    if (!victim)
-      throw std::invalid_argument(
-          "victim must be \"last_admitted\", \"lowest_priority\" or \"most_kv\", got \"" +
-          params.string("victim") + "\"");
-    policy_.victim = *victim;
-    policy_.chunked_prefill = false;
-    policy_.preempt_for_priority = true;
-  }
+  PriorityScheduler(const kvlab::PluginParams& params, const kvlab::PluginContext&)
+      : policy_(kvlab::continuous_policy_from_params(
+            params, {.order = kvlab::ContinuousPolicy::Order::priority,
+                     .chunked_prefill = false,
+                     .preempt_for_priority = true})) {}
   kvlab::StepPlan schedule(const kvlab::SchedulerInput& input) override {
     return kvlab::schedule_continuous(input, policy_);
   }

@@ -6,9 +6,9 @@
 #include <optional>
 #include <span>
 
+#include "kvlab/backend.hpp"
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
-#include "kvlab/backend.hpp"
 #include "kvlab/kv_pool.hpp"
 
 namespace kvlab::cpu {
