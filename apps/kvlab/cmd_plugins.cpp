@@ -28,9 +28,13 @@ void run_plugins(const PluginsOptions& o) {
       if (info.kind != kind) continue;
       fmt::print("\n{} {}: {}\n  file: {}\n", plugin_kind_name(kind), info.name, info.description,
                  info.file.string());
-      for (const auto& p : info.params)
-        fmt::print("  {} ({}, default {}, range [{}, {}]): {}\n", p.name, param_type_name(p.type),
-                   p.default_value, p.min_value, p.max_value, p.description);
+      for (const auto& p : info.params) {  // strings have no range
+        const bool numeric = p.type == ParamType::param_integer || p.type == ParamType::param_real;
+        fmt::print("  {} ({}, default {}{}): {}\n", p.name, param_type_name(p.type),
+                   p.default_value,
+                   numeric ? fmt::format(", range [{}, {}]", p.min_value, p.max_value) : "",
+                   p.description);
+      }
     }
   }
   if (registry.plugins().empty()) fmt::print("\nno plugins found\n");
