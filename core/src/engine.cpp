@@ -40,6 +40,8 @@ std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::
                      std::vector<float>& buffer, bool to_host) {
   const KvPoolShape& shape = pool.shape();
   const std::int64_t width = shape.slot_width(), tokens = end - first;
+  const std::int64_t bytes = 2 * shape.layers * tokens * width * static_cast<std::int64_t>(sizeof(float));
+  if (!pool.has_storage()) return bytes;  // bookkeeping only (the simulated backend)
   if (to_host) buffer.assign(static_cast<std::size_t>(2 * shape.layers * tokens * width), 0.0f);
   for (std::int64_t layer = 0; layer < shape.layers; ++layer)
     for (std::int64_t p = first; p < end; ++p) {
@@ -154,6 +156,7 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     }
 
     // 1. plan
+    const auto step_start = std::chrono::steady_clock::now();
     std::vector<ScheduledRequest> waiting_view, running_view;
     auto view_of = [&](RequestId id) {
       const LiveRequest& r = live.at(id);
@@ -239,7 +242,7 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
         const std::int64_t from = std::max(r.swap_first, allocation->cached_tokens);
         if (from < r.computed) {
           std::vector<float> part;
-          if (from == r.swap_first) {
+          if (from == r.swap_first || !options_.pool->has_storage()) {
             part = std::move(r.swap);
           } else {  // skip the leading positions the cache already serves
             const std::int64_t width = options_.pool->shape().slot_width(),
@@ -369,16 +372,23 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     idle_steps = 0;
     const auto start = std::chrono::steady_clock::now();
     const std::span<const float> logits = backend_.forward(batch);
-    record.measured_forward_s =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    std::int64_t kv_tokens_read = 0;
-    for (const auto& e : batch) kv_tokens_read += e.view.end_position() - e.view.first_position;
-    const StepTimeModel& m = options_.time_model;
-    record.duration_s = m.step_overhead_s +
-                        m.prefill_token_s * static_cast<double>(record.prefill_tokens) +
-                        m.decode_token_s * static_cast<double>(record.decode_tokens) +
-                        m.kv_token_read_s * static_cast<double>(kv_tokens_read) +
-                        static_cast<double>(swap_bytes) / (options_.swap_gb_per_s * 1e9);
+    const auto end = std::chrono::steady_clock::now();
+    record.measured_forward_s = std::chrono::duration<double>(end - start).count();
+    record.measured_step_s = std::chrono::duration<double>(end - step_start).count();
+    const double swap_s = static_cast<double>(swap_bytes) / (options_.swap_gb_per_s * 1e9);
+    if (options_.cost_model != nullptr) {
+      record.predicted_s = options_.cost_model->step(batch).total();
+      record.duration_s = record.predicted_s + swap_s;
+    } else {
+      std::int64_t kv_tokens_read = 0;
+      for (const auto& e : batch) kv_tokens_read += e.view.end_position() - e.view.first_position;
+      const StepTimeModel& m = options_.time_model;
+      record.duration_s = m.step_overhead_s +
+                          m.prefill_token_s * static_cast<double>(record.prefill_tokens) +
+                          m.decode_token_s * static_cast<double>(record.decode_tokens) +
+                          m.kv_token_read_s * static_cast<double>(kv_tokens_read) + swap_s;
+    }
+    if (options_.clock == EngineClock::measured) record.duration_s = record.measured_step_s;
     if (wall) {
       now = wall_now();
       record.duration_s = now - record.start_s;
@@ -389,6 +399,7 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
 
     // 4-5. sample and update
     const std::int64_t vocab = backend_.vocab_size();
+    const std::span<const std::int32_t> chosen = backend_.chosen_tokens();
     for (std::size_t e = 0; e < batch.size(); ++e) {
       const RequestId id = batch_ids[e];
       LiveRequest& r = live.at(id);
@@ -396,8 +407,10 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
       if (options_.caches_kv) allocator_.mark_computed(id, r.computed);
       if (r.computed < static_cast<std::int64_t>(r.tokens.size()))
         continue;  // prompt chunk, more to come
-      const std::int32_t token = r.sampler.sample(
-          logits.subspan(e * static_cast<std::size_t>(vocab), static_cast<std::size_t>(vocab)));
+      const std::int32_t token =
+          !chosen.empty() ? chosen[e]
+                          : r.sampler.sample(logits.subspan(e * static_cast<std::size_t>(vocab),
+                                                            static_cast<std::size_t>(vocab)));
       r.tokens.push_back(token);
       ++r.generated;
       r.needs_recompute = !options_.caches_kv;

@@ -5,10 +5,11 @@
 
 namespace kvlab {
 
-KvPool::KvPool(const KvPoolShape& shape)
-    : shape_(shape),
-      keys_(static_cast<std::size_t>(shape.layers * shape.slots * shape.slot_width())),
-      values_(static_cast<std::size_t>(shape.layers * shape.slots * shape.slot_width())) {}
+KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
+  if (storage == KvStorage::none) return;
+  keys_.resize(static_cast<std::size_t>(shape.layers * shape.slots * shape.slot_width()));
+  values_.resize(keys_.size());
+}
 
 std::int64_t KvPool::bytes_per_slot() const {
   return 2 * shape_.layers * shape_.slot_width() * static_cast<std::int64_t>(sizeof(float));
@@ -17,6 +18,7 @@ std::int64_t KvPool::bytes_per_slot() const {
 std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) {
   assert(source >= 0 && destination >= 0 && source + count <= shape_.slots &&
          destination + count <= shape_.slots);
+  if (!has_storage()) return count * bytes_per_slot();
   const auto bytes = static_cast<std::size_t>(count * shape_.slot_width()) * sizeof(float);
   for (std::int64_t layer = 0; layer < shape_.layers; ++layer) {
     std::memmove(key(layer, destination), key(layer, source), bytes);

@@ -9,10 +9,12 @@
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/plugin_loader.hpp"
-#include "machine_peak.hpp"
+#include "kvlab/cpu_reference/machine_peak.hpp"
 
 namespace kvlab::bench {
 namespace {
+using cpu::measured_fp32_peak_gflops;
+using cpu::measured_read_bandwidth_gbs;
 
 constexpr int kThreads = 2;
 

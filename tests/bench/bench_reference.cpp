@@ -7,10 +7,12 @@
 #include <memory>
 
 #include "kvlab/cpu_reference/reference_model.hpp"
-#include "machine_peak.hpp"
+#include "kvlab/cpu_reference/machine_peak.hpp"
 
 namespace kvlab::bench {
 namespace {
+using cpu::measured_fp32_peak_gflops;
+using cpu::measured_read_bandwidth_gbs;
 
 constexpr int kThreads = 2;
 

@@ -1,6 +1,6 @@
 #pragma once
-// Backend: runs the forward pass over a mixed batch (a plugin kind once the CUDA and simulated
-// backends land; the CPU backend implements it in cpu_reference/).
+// Backend: runs the forward pass over a mixed batch. Implementations: the CPU backend
+// (cpu_reference/), the simulated backend (core, a cost model), the CUDA backend (a plugin).
 #include <boost/config.hpp>
 #include <cstdint>
 #include <span>
@@ -25,6 +25,10 @@ class BOOST_SYMBOL_VISIBLE Backend {
   // the last token of each entry, valid until the next call.
   virtual std::span<const float> forward(std::span<const BatchEntry> batch) = 0;
   virtual std::int64_t vocab_size() const = 0;
+  // Backends without logits (the simulated one) choose each entry's next token themselves:
+  // after forward() they return one token per entry here and forward() returns no logits.
+  // Empty (the default): the engine samples the logits.
+  virtual std::span<const std::int32_t> chosen_tokens() const { return {}; }
 };
 
 }  // namespace kvlab

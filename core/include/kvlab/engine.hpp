@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvlab/backend.hpp"
+#include "kvlab/cost_model.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/metrics.hpp"
 #include "kvlab/scheduler.hpp"
@@ -25,6 +26,8 @@ enum class EngineClock {
   virtual_clock,  // time advances by each step's modelled duration: reproducible to the byte
   offline,        // every request arrives at t = 0, then as virtual_clock
   wall,  // arrivals replayed in real time; time advances as it really passes (not reproducible)
+  measured,  // as virtual_clock, but each step lasts what it really took (plan + apply +
+             // forward): the same decisions as a real server, without sleeping through idle gaps
 };
 
 // The virtual clock's step-time model (seconds); the measured forward time is recorded too.
@@ -38,6 +41,10 @@ struct StepTimeModel {
 struct EngineOptions {
   EngineClock clock = EngineClock::virtual_clock;
   StepTimeModel time_model;
+  // When set, the virtual clock's step time is this model's prediction instead of time_model's
+  // (the simulated backend's device); with the measured clock it is recorded next to the
+  // measured time (predicted_s) to validate a calibration.
+  const CostModel* cost_model = nullptr;
   std::int64_t max_seq_len = 0;  // the model's context
   std::vector<std::int32_t> eos_token_ids;
   std::optional<std::int64_t> window;  // sliding-window attention: release older KV
@@ -53,6 +60,8 @@ struct EngineOptions {
 struct StepRecord {
   std::int64_t step = 0;
   double start_s = 0, duration_s = 0, measured_forward_s = 0;
+  double measured_step_s = 0;  // plan + apply + forward, as it really took
+  double predicted_s = 0;      // the cost model's prediction (0 without one)
   std::int64_t batch = 0, prefill_tokens = 0, decode_tokens = 0, preempted = 0;
   std::int64_t waiting = 0, running = 0;
   KvAllocatorStats kv;

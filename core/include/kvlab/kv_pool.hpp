@@ -18,9 +18,14 @@ struct KvPoolShape {
 };
 
 // Layout: keys and values each (layers, slots, kv_heads, head_dim), fp32, row-major.
+// A pool without storage (KvStorage::none) is bookkeeping only: allocators hand out its slots
+// as usual, key()/value() must not be called (the simulated backend computes nothing).
+enum class KvStorage { host, none };
+
 class KvPool {
  public:
-  explicit KvPool(const KvPoolShape& shape);
+  explicit KvPool(const KvPoolShape& shape, KvStorage storage = KvStorage::host);
+  bool has_storage() const { return !keys_.empty(); }
 
   const KvPoolShape& shape() const { return shape_; }
   // (kv_heads * head_dim) floats of one slot in one layer.
@@ -34,7 +39,7 @@ class KvPool {
   const float* value(std::int64_t layer, std::int64_t slot) const {
     return values_.data() + offset(layer, slot);
   }
-  // Bytes one slot holds over all layers, K and V.
+  // Bytes one slot holds over all layers, K and V (as stored here: fp32).
   std::int64_t bytes_per_slot() const;
   // Copies `count` slots starting at `source` to `destination` in every layer, K and V
   // (ranges may overlap). Returns the bytes copied.

@@ -1,8 +1,8 @@
 #pragma once
-// This machine's limits, measured by the benchmark binary itself in the same run, so figures
-// are reported as ratios (the machine's speed drifts from run to run).
+// This machine's limits, measured by the running process itself (benchmarks report ratios to them;
+// `kvlab calibrate` uses them as the CPU profile's peaks).
 
-namespace kvlab::bench {
+namespace kvlab::cpu {
 
 // FP32 FMA throughput with `threads` threads, GFLOP/s (an FMA = 2 FLOPs). Measured once.
 double measured_fp32_peak_gflops(int threads);
@@ -11,4 +11,4 @@ double measured_fp32_peak_gflops(int threads);
 // Measured once per process.
 double measured_read_bandwidth_gbs(int threads);
 
-}  // namespace kvlab::bench
+}  // namespace kvlab::cpu

@@ -1,4 +1,4 @@
-#include "machine_peak.hpp"
+#include "kvlab/cpu_reference/machine_peak.hpp"
 
 #include <omp.h>
 
@@ -11,7 +11,7 @@
 #include <immintrin.h>
 #endif
 
-namespace kvlab::bench {
+namespace kvlab::cpu {
 namespace {
 
 // Independent accumulator chains, enough to cover FMA latency x FMA ports.
@@ -99,4 +99,4 @@ double measured_read_bandwidth_gbs(int threads) {
   return cache[threads] = best;
 }
 
-}  // namespace kvlab::bench
+}  // namespace kvlab::cpu

@@ -1,0 +1,36 @@
+#pragma once
+// Fitting a hardware profile's efficiencies and overheads to measured step latencies.
+//
+// Each sample is a step's work (CostModel::work) and its measured latency. The device peaks stay
+// as given (measured or datasheet); the five efficiencies and two overheads are fitted by
+// Levenberg-Marquardt (Eigen) on relative errors, efficiencies in log space so they stay
+// positive. A fitted efficiency above 1 (a working set that lives in cache beats the DRAM
+// bandwidth the profile states) is folded into the peak: the peak rises, the efficiency
+// becomes 1, and every prediction is unchanged.
+#include <span>
+
+#include "kvlab/cost_model.hpp"
+#include "kvlab/hardware_profile.hpp"
+
+namespace kvlab {
+
+struct CalibrationSample {
+  StepWork work;
+  double measured_s = 0;
+};
+
+struct CalibrationFit {
+  HardwareProfile profile;
+  double mean_abs_rel_error = 0;  // over the samples, |predicted - measured| / measured
+  double max_abs_rel_error = 0;
+  int iterations = 0;
+};
+
+// Throws kvlab::Error with fewer samples than fitted parameters or a non-positive latency.
+CalibrationFit fit_hardware_profile(const HardwareProfile& start,
+                                    std::span<const CalibrationSample> samples);
+
+// |predicted - measured| / measured of one sample under `profile`.
+double relative_error(const HardwareProfile& profile, const CalibrationSample& sample);
+
+}  // namespace kvlab

@@ -1,0 +1,81 @@
+#pragma once
+// The simulated backend's cost model: how long one engine step takes on a device.
+//
+// Each operator group is a roofline, max(FLOPs / (peak x e_compute), bytes / (bandwidth x
+// e_memory)), and a step is their sum plus fixed overheads:
+//   linear       Q/K/V/O projections and the SwiGLU MLP of every layer: 2 x tokens x weights
+//                FLOPs; every weight read once per step plus the activations
+//   lm_head      one logits row per sequence: 2 x sequences x hidden x vocab FLOPs
+//   attention    prefill: 4 x heads x head_dim FLOPs per (query, key) pair, causal; decode:
+//                the K/V bytes of the context read once per sequence (memory-bound)
+//   elementwise  RMSNorm, RoPE, SwiGLU, residual adds: bytes only
+//   overhead     step_s + sequences x sequence_s
+#include <cstdint>
+#include <span>
+
+#include "kvlab/backend.hpp"
+#include "kvlab/hardware_profile.hpp"
+#include "kvlab/model_config.hpp"
+
+namespace kvlab {
+
+// One sequence of a step as the cost model sees it: `new_tokens` at positions
+// [start_position, + new_tokens), attending back to first_position (a sliding window releases
+// older KV). new_tokens == 1 with a non-empty context is a decode.
+struct EntryShape {
+  std::int64_t new_tokens = 0;
+  std::int64_t start_position = 0;
+  std::int64_t first_position = 0;
+};
+
+struct Work {
+  double flops = 0;
+  double bytes = 0;
+};
+
+// What a step asks of the device, before any device speed is applied.
+struct StepWork {
+  Work linear, lm_head, attention_prefill, attention_decode, elementwise;
+  std::int64_t sequences = 0;
+  std::int64_t tokens = 0;
+};
+
+// Seconds per group; total() is the step's latency.
+struct StepCost {
+  double linear_s = 0, lm_head_s = 0, attention_prefill_s = 0, attention_decode_s = 0,
+         elementwise_s = 0, overhead_s = 0;
+  double total() const {
+    return linear_s + lm_head_s + attention_prefill_s + attention_decode_s + elementwise_s +
+           overhead_s;
+  }
+};
+
+class CostModel {
+ public:
+  // `model` as served (its K/V heads after the attention variant's conversion).
+  CostModel(const ModelConfig& model, const HardwareProfile& profile);
+
+  StepWork work(std::span<const EntryShape> batch) const;
+  StepCost cost(const StepWork& work) const;
+  StepCost step(std::span<const EntryShape> batch) const { return cost(work(batch)); }
+  StepCost step(std::span<const BatchEntry> batch) const;
+
+  // Memory: parameters x compute dtype; K and V of one token in every layer; and the tokens of
+  // KV that fit in memory_gib x utilization - weights - activation reserve (0 when nothing fits).
+  double weight_bytes() const;
+  std::int64_t kv_bytes_per_token() const;
+  std::int64_t kv_capacity_tokens() const;
+
+  const HardwareProfile& profile() const { return profile_; }
+  const ModelConfig& model() const { return model_; }
+
+ private:
+  ModelConfig model_;
+  HardwareProfile profile_;
+};
+
+// The roofline time of one group: max(flops / (peak x e_c), bytes / (bandwidth x e_m)).
+double roofline_seconds(const Work& work, double peak_flops, double bytes_per_s,
+                        double compute_efficiency, double memory_efficiency);
+
+}  // namespace kvlab

@@ -1,0 +1,58 @@
+#pragma once
+// Hardware profiles: what the simulated backend's cost model knows about a device. Stored as
+// TOML files (profiles/*.toml, installed to <prefix>/share/kvlab/profiles) and selectable by
+// name ("h200") or by path ("my-gpu.toml"); `kvlab calibrate` writes them.
+#include <filesystem>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvlab/dtype.hpp"
+
+namespace kvlab {
+
+// Fractions of the datasheet peak an operator group reaches (0 < e <= 1).
+struct Efficiency {
+  double gemm_compute = 0.7;        // projections + MLP + LM head, FLOP-bound side
+  double gemm_memory = 0.85;        // their weight/activation traffic, byte-bound side
+  double attention_compute = 0.5;   // prefill attention (QK^T and PV FLOPs)
+  double attention_memory = 0.75;   // K/V bytes read (decode attention)
+  double elementwise_memory = 0.7;  // RMSNorm, RoPE, SwiGLU, residual adds
+};
+
+struct HardwareProfile {
+  std::string name;
+  std::string description;
+  double peak_tflops = 0;      // dense, in the compute dtype (bf16 tensor cores on GPUs)
+  double memory_gb_per_s = 0;  // HBM (or DRAM) bandwidth, 10^9 bytes/s
+  double memory_gib = 0;       // device memory, 2^30 bytes
+  DType compute_dtype = DType::dtype_bf16;  // weights and activations
+  DType kv_dtype = DType::dtype_bf16;
+  Efficiency efficiency;
+  double step_overhead_s = 0;      // fixed cost of one engine step (launches, scheduling, sync)
+  double sequence_overhead_s = 0;  // per sequence in the batch (metadata, sampling)
+  // KV capacity = memory_gib x memory_utilization - weights - activation_reserve_gib.
+  double memory_utilization = 0.9;
+  double activation_reserve_gib = 1.0;
+  std::string source;  // the file it was read from ("" when built in code)
+};
+
+// Reads and validates a profile file: every problem (missing key, wrong type, unknown key with
+// a suggestion, non-positive value, efficiency outside (0, 1]) is a kvlab::Error naming the
+// file, line and key.
+HardwareProfile load_hardware_profile_file(const std::filesystem::path& file);
+
+// `name_or_path`: a path (contains '/' or ends in ".toml") or a profile name looked up
+// case-insensitively in hardware_profile_search_path(). Unknown names list what exists.
+HardwareProfile load_hardware_profile(std::string_view name_or_path);
+
+// $KVLAB_PROFILE_PATH (colon-separated), <exe>/../share/kvlab/profiles, the source tree's
+// profiles/ folder.
+std::vector<std::filesystem::path> hardware_profile_search_path();
+// Names of the profiles found on the search path, sorted.
+std::vector<std::string> hardware_profile_names();
+
+// The TOML text of a profile (what `kvlab calibrate` writes); loading it gives `profile` back.
+std::string hardware_profile_to_toml(const HardwareProfile& profile);
+
+}  // namespace kvlab

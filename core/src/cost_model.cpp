@@ -1,0 +1,116 @@
+#include "kvlab/cost_model.hpp"
+
+#include <algorithm>
+#include <cmath>
+
+namespace kvlab {
+
+double roofline_seconds(const Work& work, double peak_flops, double bytes_per_s,
+                        double compute_efficiency, double memory_efficiency) {
+  const double compute = work.flops > 0 ? work.flops / (peak_flops * compute_efficiency) : 0.0;
+  const double memory = work.bytes > 0 ? work.bytes / (bytes_per_s * memory_efficiency) : 0.0;
+  return std::max(compute, memory);
+}
+
+CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile)
+    : model_(model), profile_(profile) {}
+
+StepWork CostModel::work(std::span<const EntryShape> batch) const {
+  const ModelConfig& m = model_;
+  const double weight = static_cast<double>(dtype_size(profile_.compute_dtype));
+  const double act = weight;  // activations in the compute dtype
+  const double kv_element = static_cast<double>(dtype_size(profile_.kv_dtype));
+  const double layers = static_cast<double>(m.num_hidden_layers);
+  const double hidden = static_cast<double>(m.hidden_size);
+  const double inter = static_cast<double>(m.intermediate_size);
+  const double q = static_cast<double>(m.q_dim()), kv = static_cast<double>(m.kv_dim());
+  const double vocab = static_cast<double>(m.vocab_size);
+  // Per layer: W_qkv (hidden, q + 2kv), W_o (q, hidden), W_gate_up (hidden, 2 inter),
+  // W_down (inter, hidden).
+  const double layer_weights = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter;
+  const double kv_token_bytes = 2 * kv * kv_element;  // one layer, K and V
+
+  StepWork w;
+  w.sequences = static_cast<std::int64_t>(batch.size());
+  double prefill_pairs = 0, prefill_context = 0, prefill_tokens = 0, decode_context = 0;
+  for (const EntryShape& e : batch) {
+    w.tokens += e.new_tokens;
+    const double n = static_cast<double>(e.new_tokens);
+    const double before = static_cast<double>(e.start_position - e.first_position);
+    if (e.new_tokens == 1 && e.start_position > 0) {
+      decode_context += before + 1;
+    } else {  // causal: token i attends to `before` + i + 1 keys
+      prefill_pairs += n * before + n * (n + 1) / 2;
+      prefill_context += before + n;
+      prefill_tokens += n;
+    }
+  }
+  const double tokens = static_cast<double>(w.tokens);
+  const double sequences = static_cast<double>(w.sequences);
+  if (w.tokens == 0) return w;
+
+  w.linear.flops = 2 * tokens * layer_weights * layers;
+  w.linear.bytes = layers * (layer_weights * weight +
+                             tokens * (4 * hidden + 2 * q + 2 * kv + 3 * inter) * act);
+  w.lm_head.flops = 2 * sequences * hidden * vocab;
+  w.lm_head.bytes = vocab * hidden * weight + sequences * (hidden * act + vocab * 4);
+  const double pair_flops = 4 * q;  // QK^T and PV over every query head
+  w.attention_prefill.flops = layers * pair_flops * prefill_pairs;
+  w.attention_prefill.bytes =
+      layers * (prefill_context * kv_token_bytes + prefill_tokens * 2 * q * act);
+  w.attention_decode.flops = layers * pair_flops * decode_context;
+  w.attention_decode.bytes =
+      layers * (decode_context * kv_token_bytes + (tokens - prefill_tokens) * 2 * q * act);
+  // RMSNorm x2 (read + write hidden), RoPE (q + kv in and out), SwiGLU (2 inter in, inter out),
+  // residual x2 (two in, one out), K/V write; then the embedding gather and the final norm.
+  w.elementwise.bytes =
+      layers * tokens * ((10 * hidden + 2 * q + 2 * kv + 3 * inter) * act + kv_token_bytes) +
+      tokens * hidden * (weight + act) + sequences * 2 * hidden * act;
+  return w;
+}
+
+StepCost CostModel::cost(const StepWork& w) const {
+  const HardwareProfile& p = profile_;
+  const Efficiency& e = p.efficiency;
+  const double peak = p.peak_tflops * 1e12, bandwidth = p.memory_gb_per_s * 1e9;
+  StepCost c;
+  if (w.tokens == 0) return c;
+  c.linear_s = roofline_seconds(w.linear, peak, bandwidth, e.gemm_compute, e.gemm_memory);
+  c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, e.gemm_compute, e.gemm_memory);
+  c.attention_prefill_s = roofline_seconds(w.attention_prefill, peak, bandwidth,
+                                           e.attention_compute, e.attention_memory);
+  c.attention_decode_s = roofline_seconds(w.attention_decode, peak, bandwidth,
+                                          e.attention_compute, e.attention_memory);
+  c.elementwise_s = w.elementwise.bytes / (bandwidth * e.elementwise_memory);
+  c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s;
+  return c;
+}
+
+StepCost CostModel::step(std::span<const BatchEntry> batch) const {
+  std::vector<EntryShape> shapes;
+  shapes.reserve(batch.size());
+  for (const BatchEntry& b : batch)
+    shapes.push_back({static_cast<std::int64_t>(b.tokens.size()), b.start_position,
+                      std::min(b.view.first_position, b.start_position)});
+  return step(shapes);
+}
+
+double CostModel::weight_bytes() const {
+  return static_cast<double>(model_.parameter_count()) *
+         static_cast<double>(dtype_size(profile_.compute_dtype));
+}
+
+std::int64_t CostModel::kv_bytes_per_token() const {
+  return 2 * model_.num_hidden_layers * model_.kv_dim() *
+         static_cast<std::int64_t>(dtype_size(profile_.kv_dtype));
+}
+
+std::int64_t CostModel::kv_capacity_tokens() const {
+  constexpr double kGiBytes = 1024.0 * 1024.0 * 1024.0;
+  const double free = profile_.memory_gib * kGiBytes * profile_.memory_utilization -
+                      weight_bytes() - profile_.activation_reserve_gib * kGiBytes;
+  if (free <= 0) return 0;
+  return static_cast<std::int64_t>(std::floor(free / static_cast<double>(kv_bytes_per_token())));
+}
+
+}  // namespace kvlab

@@ -1,0 +1,230 @@
+#include "kvlab/hardware_profile.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <boost/dll/runtime_symbol_info.hpp>
+#include <cctype>
+#include <cstdlib>
+#include <set>
+#include <sstream>
+#include <toml++/toml.h>
+
+#include "kvlab/error.hpp"
+#include "kvlab/suggest.hpp"
+
+namespace kvlab {
+namespace {
+
+std::string lower(std::string_view s) {
+  std::string out(s);
+  for (char& c : out) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return out;
+}
+
+// One [table] of a profile file: typed reads that remember which keys were used, so leftovers
+// are reported as unknown (with the nearest known key).
+class ProfileSection {
+ public:
+  ProfileSection(const toml::table* table, std::string name, std::string file)
+      : table_(table), name_(std::move(name)), file_(std::move(file)) {}
+
+  [[noreturn]] void fail(const toml::node* node, const std::string& why) const {
+    const auto line = node != nullptr ? node->source().begin.line : 0;
+    throw Error(fmt::format("{}:{}: {}", file_, line, why));
+  }
+  const toml::node* node(std::string_view key) const {
+    return table_ == nullptr ? nullptr : table_->get(key);
+  }
+  std::string text(std::string_view key, std::string fallback, bool required = false) {
+    known_.emplace_back(key);
+    const toml::node* n = node(key);
+    if (n == nullptr) {
+      if (required) missing(key);
+      return fallback;
+    }
+    if (!n->is_string()) fail(n, fmt::format("{}.{} must be a string", name_, key));
+    return std::string(*n->value<std::string>());
+  }
+  double number(std::string_view key, double fallback, bool required = false,
+                bool allow_zero = false) {
+    known_.emplace_back(key);
+    const toml::node* n = node(key);
+    if (n == nullptr) {
+      if (required) missing(key);
+      return fallback;
+    }
+    const auto v = n->value<double>();
+    if (!v || !(n->is_number())) fail(n, fmt::format("{}.{} must be a number", name_, key));
+    if (allow_zero ? !(*v >= 0) : !(*v > 0))
+      fail(n, fmt::format("{}.{} must be {} 0 (got {})", name_, key, allow_zero ? ">=" : ">", *v));
+    return *v;
+  }
+  double fraction(std::string_view key, double fallback) {
+    const double v = number(key, fallback);
+    if (v > 1) fail(node(key), fmt::format("{}.{} is a fraction of the peak: (0, 1], got {}", name_, key, v));
+    return v;
+  }
+  DType dtype(std::string_view key, DType fallback) {
+    const std::string name = text(key, std::string(dtype_short_name(fallback)));
+    const auto d = dtype_from_short_name(name);
+    if (!d || !(*d == DType::dtype_f32 || *d == DType::dtype_f16 || *d == DType::dtype_bf16 ||
+                *d == DType::dtype_f8_e4m3))
+      fail(node(key), fmt::format("{}.{} \"{}\": choose f32, f16, bf16 or fp8", name_, key, name));
+    return *d;
+  }
+  void finish() const {
+    if (table_ == nullptr) return;
+    for (const auto& [key, value] : *table_) {
+      if (std::find(known_.begin(), known_.end(), key.str()) != known_.end()) continue;
+      std::string why = fmt::format("unknown key {}.{}", name_, key.str());
+      if (const auto near = nearest_name(key.str(), known_)) why += fmt::format(" (did you mean {}?)", *near);
+      fail(&value, why);
+    }
+  }
+
+ private:
+  [[noreturn]] void missing(std::string_view key) const {
+    throw Error(fmt::format("{}: [{}] needs {}", file_, name_, key));
+  }
+  const toml::table* table_;
+  std::string name_, file_;
+  std::vector<std::string> known_;
+};
+
+}  // namespace
+
+HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
+  std::error_code ec;
+  if (!std::filesystem::is_regular_file(file, ec))
+    throw Error(fmt::format("hardware profile {}: no such file", file.string()));
+  toml::table top;
+  try {
+    top = toml::parse_file(file.string());
+  } catch (const toml::parse_error& e) {
+    throw Error(fmt::format("{}:{}:{}: {}", file.string(), e.source().begin.line,
+                            e.source().begin.column, e.description()));
+  }
+  const std::string where = file.string();
+  const std::vector<std::string> tables{"profile", "device", "efficiency", "overhead", "memory"};
+  for (const auto& [key, value] : top) {
+    const bool known = std::find(tables.begin(), tables.end(), key.str()) != tables.end();
+    if (!known || !value.is_table()) {
+      std::string why = known ? fmt::format("[{}] must be a table", key.str())
+                              : fmt::format("unknown table [{}]", key.str());
+      if (!known)
+        if (const auto near = nearest_name(key.str(), tables)) why += fmt::format(" (did you mean [{}]?)", *near);
+      throw Error(fmt::format("{}:{}: {}", where, value.source().begin.line, why));
+    }
+  }
+  HardwareProfile p;
+  p.source = where;
+  {
+    ProfileSection s(top["profile"].as_table(), "profile", where);
+    p.name = s.text("name", "", true);
+    p.description = s.text("description", "");
+    s.finish();
+  }
+  {
+    ProfileSection s(top["device"].as_table(), "device", where);
+    p.peak_tflops = s.number("peak_tflops", 0, true);
+    p.memory_gb_per_s = s.number("memory_gb_per_s", 0, true);
+    p.memory_gib = s.number("memory_gib", 0, true);
+    p.compute_dtype = s.dtype("compute_dtype", p.compute_dtype);
+    p.kv_dtype = s.dtype("kv_dtype", p.kv_dtype);
+    s.finish();
+  }
+  {
+    ProfileSection s(top["efficiency"].as_table(), "efficiency", where);
+    Efficiency& e = p.efficiency;
+    e.gemm_compute = s.fraction("gemm_compute", e.gemm_compute);
+    e.gemm_memory = s.fraction("gemm_memory", e.gemm_memory);
+    e.attention_compute = s.fraction("attention_compute", e.attention_compute);
+    e.attention_memory = s.fraction("attention_memory", e.attention_memory);
+    e.elementwise_memory = s.fraction("elementwise_memory", e.elementwise_memory);
+    s.finish();
+  }
+  {
+    ProfileSection s(top["overhead"].as_table(), "overhead", where);
+    p.step_overhead_s = s.number("step_s", p.step_overhead_s, false, true);
+    p.sequence_overhead_s = s.number("sequence_s", p.sequence_overhead_s, false, true);
+    s.finish();
+  }
+  {
+    ProfileSection s(top["memory"].as_table(), "memory", where);
+    p.memory_utilization = s.fraction("utilization", p.memory_utilization);
+    p.activation_reserve_gib =
+        s.number("activation_reserve_gib", p.activation_reserve_gib, false, true);
+    s.finish();
+  }
+  return p;
+}
+
+std::vector<std::filesystem::path> hardware_profile_search_path() {
+  std::vector<std::filesystem::path> path;
+  if (const char* env = std::getenv("KVLAB_PROFILE_PATH")) {
+    std::stringstream list(env);
+    for (std::string item; std::getline(list, item, ':');)
+      if (!item.empty()) path.emplace_back(item);
+  }
+  std::error_code ec;
+  const std::filesystem::path program = boost::dll::program_location(ec);
+  if (!ec) path.push_back(program.parent_path().parent_path() / "share" / "kvlab" / "profiles");
+#ifdef KVLAB_SOURCE_PROFILE_DIR
+  path.emplace_back(KVLAB_SOURCE_PROFILE_DIR);
+#endif
+  return path;
+}
+
+std::vector<std::string> hardware_profile_names() {
+  std::set<std::string> names;
+  for (const auto& dir : hardware_profile_search_path()) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec))
+      if (entry.path().extension() == ".toml") names.insert(lower(entry.path().stem().string()));
+  }
+  return {names.begin(), names.end()};
+}
+
+HardwareProfile load_hardware_profile(std::string_view name_or_path) {
+  const std::string text(name_or_path);
+  if (text.find('/') != std::string::npos || text.ends_with(".toml"))
+    return load_hardware_profile_file(text);
+  const std::string wanted = lower(text);
+  for (const auto& dir : hardware_profile_search_path()) {
+    std::error_code ec;
+    for (const auto& entry : std::filesystem::directory_iterator(dir, ec))
+      if (entry.path().extension() == ".toml" && lower(entry.path().stem().string()) == wanted)
+        return load_hardware_profile_file(entry.path());
+  }
+  const auto names = hardware_profile_names();
+  std::string message = fmt::format("unknown hardware profile \"{}\"", text);
+  if (const auto near = nearest_name(wanted, names)) message += fmt::format(" (did you mean {}?)", *near);
+  message += names.empty() ? "; no profiles found (set KVLAB_PROFILE_PATH)"
+                           : "; profiles: " + join_names(names);
+  throw Error(message);
+}
+
+std::string hardware_profile_to_toml(const HardwareProfile& p) {
+  const Efficiency& e = p.efficiency;
+  toml::table top{
+      {"profile", toml::table{{"name", p.name}, {"description", p.description}}},
+      {"device", toml::table{{"peak_tflops", p.peak_tflops},
+                             {"memory_gb_per_s", p.memory_gb_per_s},
+                             {"memory_gib", p.memory_gib},
+                             {"compute_dtype", std::string(dtype_short_name(p.compute_dtype))},
+                             {"kv_dtype", std::string(dtype_short_name(p.kv_dtype))}}},
+      {"efficiency", toml::table{{"gemm_compute", e.gemm_compute},
+                                 {"gemm_memory", e.gemm_memory},
+                                 {"attention_compute", e.attention_compute},
+                                 {"attention_memory", e.attention_memory},
+                                 {"elementwise_memory", e.elementwise_memory}}},
+      {"overhead", toml::table{{"step_s", p.step_overhead_s}, {"sequence_s", p.sequence_overhead_s}}},
+      {"memory", toml::table{{"utilization", p.memory_utilization},
+                             {"activation_reserve_gib", p.activation_reserve_gib}}}};
+  std::ostringstream out;
+  out << toml::toml_formatter(top) << "\n";
+  return out.str();
+}
+
+}  // namespace kvlab

@@ -1,0 +1,37 @@
+#include "kvlab/simulated_backend.hpp"
+
+#include <algorithm>
+
+#include "kvlab/error.hpp"
+
+namespace kvlab {
+
+SimulatedBackend::SimulatedBackend(std::int64_t vocab_size, std::vector<std::int32_t> eos_token_ids)
+    : vocab_size_(vocab_size), eos_(std::move(eos_token_ids)) {
+  if (vocab_size_ < 2 || static_cast<std::int64_t>(eos_.size()) >= vocab_size_)
+    throw Error("simulated backend: the vocabulary needs a token that is not EOS");
+}
+
+std::int32_t SimulatedBackend::token_after(std::int32_t last_token, std::int64_t position) const {
+  // splitmix64 of (token, position): deterministic, independent of batch composition.
+  std::uint64_t z = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(last_token)) << 32) ^
+                    static_cast<std::uint64_t>(position) ^ 0x9e3779b97f4a7c15ULL;
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
+  z ^= z >> 31;
+  auto token = static_cast<std::int32_t>(z % static_cast<std::uint64_t>(vocab_size_));
+  while (std::find(eos_.begin(), eos_.end(), token) != eos_.end())
+    token = static_cast<std::int32_t>((token + 1) % vocab_size_);
+  return token;
+}
+
+std::span<const float> SimulatedBackend::forward(std::span<const BatchEntry> batch) {
+  tokens_.clear();
+  for (const BatchEntry& entry : batch) {
+    const std::int64_t last = entry.start_position + static_cast<std::int64_t>(entry.tokens.size()) - 1;
+    tokens_.push_back(token_after(entry.tokens.empty() ? 0 : entry.tokens.back(), last));
+  }
+  return {};
+}
+
+}  // namespace kvlab
