@@ -25,14 +25,16 @@ struct ExperimentConfig {
   std::vector<std::string> plugin_paths;
   std::string model;  // preset name or model folder
   std::uint64_t weights_seed = 0;
+  std::string backend = "cpu";  // cpu | simulated
+  std::string profile;          // hardware profile (name or file): simulated's device; with cpu,
+                                // its predictions time the virtual clock / sit next to measured
   std::int64_t threads = 0;
   std::string allocator = "paged";
   ParamMap allocator_params;
-  std::int64_t kv_slots = 4096;
-  std::optional<double> kv_memory_mib;
+  std::optional<std::int64_t> kv_slots;  // default: 4096 (cpu), the profile's capacity (simulated)
+  std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
   std::int64_t swap_slots = 0;  // host swap pool for swap preemption, in tokens
-  double swap_gb_per_s = 16.0;  // its modelled copy bandwidth  // instead of slots: a byte budget
-                                // (slots follow from the K/V heads)
+  double swap_gb_per_s = 16.0;  // its modelled copy bandwidth
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";
@@ -65,6 +67,9 @@ struct RunOutput {
   double engine_wall_s = 0;                    // Engine::run
   double forward_wall_s = 0;                   // of which inside Backend::forward
   double mean_kv_used = 0, mean_kv_waste = 0;  // fractions of capacity, averaged over steps
+  std::int64_t kv_slots = 0;                   // the pool's capacity in tokens
+  // With a cost model and the measured clock: |predicted - measured| / measured per step.
+  std::optional<LatencySummary> step_prediction_error;
   std::string model_name;
 };
 

@@ -8,6 +8,7 @@
 
 #include "experiment.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab::cli {
@@ -140,9 +141,10 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
     c.repeats = s.get<std::int64_t>("repeats").value_or(1);
     if (c.repeats < 1) s.fail(*s.node("repeats"), "experiment.repeats must be >= 1");
     c.clock = s.get<std::string>("clock").value_or(c.clock);
-    if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall")
+    if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall" && c.clock != "measured")
       s.fail(*s.node("clock"),
-             fmt::format("experiment.clock \"{}\" is not one of virtual, offline, wall", c.clock));
+             fmt::format("experiment.clock \"{}\" is not one of virtual, offline, measured, wall",
+                         c.clock));
     if (const toml::node* paths = s.node("plugin_paths")) {
       if (!paths->is_array()) s.fail(*paths, "experiment.plugin_paths must be a list of folders");
       for (const auto& p : *paths->as_array()) {
@@ -160,18 +162,23 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   }
   {
     Section s(top.table("backend"), "backend", file);
-    const std::string name = s.get<std::string>("name").value_or("cpu");
-    if (name != "cpu")
+    c.backend = s.get<std::string>("name").value_or(c.backend);
+    if (c.backend != "cpu" && c.backend != "simulated")
       s.fail(*s.node("name"),
-             fmt::format("backend \"{}\" is not available (kvlab has: cpu)", name));
+             fmt::format("backend \"{}\" is not available (kvlab has: cpu, simulated)", c.backend));
     c.threads = s.get<std::int64_t>("threads").value_or(0);
+    c.profile = s.get<std::string>("profile").value_or("");
+    if (c.backend == "simulated" && c.profile.empty())
+      s.fail(top.table("backend") != nullptr ? *top.table("backend") : root,
+             fmt::format("backend \"simulated\" needs backend.profile: a name ({}) or a .toml file",
+                         join_names(hardware_profile_names())));
     s.finish();
   }
   {
     Section s(top.table("kv_cache"), "kv_cache", file);
     c.allocator = s.get<std::string>("allocator").value_or(c.allocator);
-    c.kv_slots = s.get<std::int64_t>("slots").value_or(c.kv_slots);
-    if (c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
+    c.kv_slots = s.get<std::int64_t>("slots");
+    if (c.kv_slots && *c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
     c.kv_memory_mib = s.get<double>("memory_mib");
     c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
     c.swap_gb_per_s = s.get<double>("swap_gb_per_s").value_or(c.swap_gb_per_s);

@@ -2,7 +2,10 @@
 #include <fmt/format.h>
 
 #include <chrono>
+#include <cmath>
 #include <fstream>
+#include <memory>
+#include <optional>
 #include <nlohmann/json.hpp>
 
 #include "cli_common.hpp"
@@ -10,7 +13,9 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv_memory.hpp"
 #include "kvlab/plugin_loader.hpp"
+#include "kvlab/simulated_backend.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -26,6 +31,7 @@ class TimedBackend final : public Backend {
     return logits;
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+  std::span<const std::int32_t> chosen_tokens() const override { return inner_.chosen_tokens(); }
   double seconds() const { return seconds_; }
 
  private:
@@ -44,38 +50,69 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   const PluginRegistry registry(search);
 
   const ModelSource source = resolve_model(c.model);
-  const cpu::LlamaWeights checkpoint =
-      source.is_preset() ? cpu::random_llama_weights(source.config, c.weights_seed)
-                         : cpu::load_llama_weights(source.directory);
+  const bool simulated = c.backend == "simulated";
+  if (simulated && check)
+    throw Error(
+        "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
+        "\"simulated\" (which computes nothing)");
+  // The simulated backend needs only the config: no weights are made or loaded.
+  std::optional<cpu::LlamaWeights> weights;
+  ModelConfig model = source.config;
+  if (!simulated) {
+    weights = source.is_preset() ? cpu::random_llama_weights(source.config, c.weights_seed)
+                                 : cpu::load_llama_weights(source.directory);
+    model = weights->config;
+  }
   PluginContext context;
-  context.model = &checkpoint.config;
-  context.max_seq_len = checkpoint.config.max_position_embeddings;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
   auto attention =
       registry.create<PluginKind::attention_variant>(c.attention, c.attention_params, context);
-  if (const std::string problem = attention->check(checkpoint.config); !problem.empty())
-    throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention,
-                            checkpoint.config.name, problem));
-  const cpu::LlamaWeights weights =
-      cpu::convert_kv_heads(checkpoint, attention->kv_heads(checkpoint.config));
-  const ModelConfig& model = weights.config;
-  std::int64_t slots = c.kv_slots;
-  if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (rounded down to whole
-                          // blocks of 64)
+  if (const std::string problem = attention->check(model); !problem.empty())
+    throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention, model.name, problem));
+  const std::int64_t kv_heads = attention->kv_heads(model);
+  if (weights) {
+    weights = cpu::convert_kv_heads(*weights, kv_heads);
+    model = weights->config;
+  } else {
+    model.num_key_value_heads = kv_heads;
+  }
+
+  std::optional<CostModel> cost_model;
+  if (!c.profile.empty()) cost_model.emplace(model, load_hardware_profile(c.profile));
+  std::int64_t slots = c.kv_slots.value_or(4096);
+  if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (whole blocks of 64)
     const double bytes_per_slot =
-        2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) * sizeof(float);
+        cost_model ? static_cast<double>(cost_model->kv_bytes_per_token())
+                   : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
+                         sizeof(float);
     slots = static_cast<std::int64_t>(*c.kv_memory_mib * 1024 * 1024 / bytes_per_slot) / 64 * 64;
     if (slots < 1)
       throw Error(
           fmt::format("kv_cache.memory_mib {} holds no token of {}", *c.kv_memory_mib, model.name));
+  } else if (simulated && !c.kv_slots) {  // what the device holds next to the weights, in
+                                          // whole blocks of 256
+    slots = cost_model->kv_capacity_tokens() / 256 * 256;  // whole blocks of any usual size
+    if (slots < 1)
+      throw Error(fmt::format(
+          "{} does not fit on {}: {:.1f} GiB of weights, {:.1f} GiB usable (memory_gib x "
+          "utilization - activation reserve)",
+          model.name, cost_model->profile().name, cost_model->weight_bytes() / kGiB,
+          cost_model->profile().memory_gib * cost_model->profile().memory_utilization -
+              cost_model->profile().activation_reserve_gib));
   }
-  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots});
+  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
+              simulated ? KvStorage::none : KvStorage::host);
   context.pool = &pool;
-  context.model = &model;
   auto allocator =
       registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
   auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
-  cpu::CpuBackend cpu_backend(weights, pool, attention->window());
-  TimedBackend backend(cpu_backend);
+  std::unique_ptr<Backend> inner;
+  if (simulated)
+    inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
+  else
+    inner = std::make_unique<cpu::CpuBackend>(*weights, pool, attention->window());
+  TimedBackend backend(*inner);
 
   std::vector<WorkloadRequest> requests;
   if (!c.trace.empty()) {
@@ -96,10 +133,12 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     for (auto& r : requests) r.sampling.temperature = 0;  // check compares greedy tokens
 
   EngineOptions options;
-  options.clock = c.clock == "offline" ? EngineClock::offline
-                  : c.clock == "wall"  ? EngineClock::wall
-                                       : EngineClock::virtual_clock;
+  options.clock = c.clock == "offline"    ? EngineClock::offline
+                  : c.clock == "wall"     ? EngineClock::wall
+                  : c.clock == "measured" ? EngineClock::measured
+                                          : EngineClock::virtual_clock;
   options.time_model = c.time_model;
+  if (cost_model) options.cost_model = &*cost_model;
   options.max_seq_len = model.max_position_embeddings;
   options.eos_token_ids = model.eos_token_ids;
   options.window = attention->window();
@@ -111,6 +150,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 
   RunOutput out;
   out.model_name = model.name;
+  out.kv_slots = slots;
   const auto engine_start = std::chrono::steady_clock::now();
   out.engine = engine.run(requests);
   out.engine_wall_s =
@@ -129,9 +169,15 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     out.mean_kv_waste /= static_cast<double>(out.engine.steps.size());
   }
   out.forward_wall_s = backend.seconds();
+  if (cost_model && c.clock == "measured") {
+    std::vector<double> errors;
+    for (const auto& s : out.engine.steps)
+      errors.push_back(std::abs(s.predicted_s - s.measured_step_s) / s.measured_step_s);
+    out.step_prediction_error = summarize_latencies(std::move(errors));
+  }
 
   if (check) {  // teacher forcing: one reference forward over prompt + output checks every token
-    const cpu::ReferenceModel reference(weights);
+    const cpu::ReferenceModel reference(*weights);
     cpu::ForwardOptions forward;
     forward.sliding_window = attention->window();
     for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -208,14 +254,14 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   }
   {
     auto f = open("steps.csv");
-    f << "step,start_s,duration_s,batch,prefill_tokens,decode_tokens,preempted,"
+    f << "step,start_s,duration_s,measured_step_s,predicted_s,batch,prefill_tokens,decode_tokens,preempted,"
          "waiting,running,"
          "kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,kv_free,kv_unusable_free,kv_"
          "cached_free,"
          "prefix_hit_tokens,prefix_query_tokens\n";
     for (const auto& s : out.engine.steps)
-      f << fmt::format("{},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", s.step,
-                       s.start_s, s.duration_s, s.batch, s.prefill_tokens, s.decode_tokens,
+      f << fmt::format("{},{:.6f},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                       s.step, s.start_s, s.duration_s, c.clock == "virtual" || c.clock == "offline" ? 0.0 : s.measured_step_s, s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens,
                        s.preempted, s.waiting, s.running, s.kv.capacity, s.kv.used,
                        s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free, s.kv.unusable_free,
                        s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
@@ -263,7 +309,12 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
                                                          static_cast<double>(kv.prefix_query_tokens)
                                                    : 0.0},
         {"bytes_copied", kv.bytes_copied},
-        {"steps", out.engine.steps.size()}};
+        {"steps", out.engine.steps.size()},
+        {"backend", c.backend},
+        {"profile", c.profile},
+        {"kv_slots", out.kv_slots}};
+    if (out.step_prediction_error)
+      j["step_prediction_error"] = latency(*out.step_prediction_error);
     open("summary.json") << j.dump(2) << "\n";
   }
 }

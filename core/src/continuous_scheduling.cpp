@@ -16,7 +16,7 @@ namespace {
 // Slots the plan has committed so far, against what the allocator has free now.
 class Ledger {
  public:
-  explicit Ledger(const KvAllocator& kv) : kv_(kv), free_(kv.stats().free) {}
+  explicit Ledger(const KvAllocator& kv) : kv_(kv), free_(kv.free_slots()) {}
   bool take(std::int64_t slots) {
     if (slots > free_) return false;
     free_ -= slots;

@@ -400,6 +400,12 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     // 4-5. sample and update
     const std::int64_t vocab = backend_.vocab_size();
     const std::span<const std::int32_t> chosen = backend_.chosen_tokens();
+    if (chosen.empty() ? logits.size() != batch.size() * static_cast<std::size_t>(vocab)
+                       : chosen.size() != batch.size())
+      throw Error(fmt::format(
+          "backend returned {} logits and {} tokens for a batch of {} (vocab {}): it must return "
+          "one row of logits or one chosen token per entry",
+          logits.size(), chosen.size(), batch.size(), vocab));
     for (std::size_t e = 0; e < batch.size(); ++e) {
       const RequestId id = batch_ids[e];
       LiveRequest& r = live.at(id);

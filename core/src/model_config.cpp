@@ -289,7 +289,7 @@ struct PresetSpec {
   std::optional<std::int64_t> sliding_window;
 };
 
-// Published shapes: LLaMA (Touvron et al. 2023, Table 2), Llama 2 70B and Mistral 7B v0.1
+// Published shapes: LLaMA (Touvron et al. 2023, Table 2), Llama 2 7B/13B/70B and Mistral 7B v0.1
 // config.json, llama2.c's TinyStories models (stories15M/110M).
 const PresetSpec kPresets[] = {
     {"tiny", 512, 64, 176, 2, 4, 2, 512, 1e-5, 10000.0, false, false, std::nullopt},
@@ -298,6 +298,8 @@ const PresetSpec kPresets[] = {
     {"llama-7b", 32000, 4096, 11008, 32, 32, 32, 2048, 1e-6, 10000.0, false, true, std::nullopt},
     {"llama-13b", 32000, 5120, 13824, 40, 40, 40, 2048, 1e-6, 10000.0, false, true, std::nullopt},
     {"llama-65b", 32000, 8192, 22016, 80, 64, 64, 2048, 1e-5, 10000.0, false, true, std::nullopt},
+    {"llama2-7b", 32000, 4096, 11008, 32, 32, 32, 4096, 1e-5, 10000.0, false, true, std::nullopt},
+    {"llama2-13b", 32000, 5120, 13824, 40, 40, 40, 4096, 1e-5, 10000.0, false, true, std::nullopt},
     {"llama2-70b", 32000, 8192, 28672, 80, 64, 8, 4096, 1e-5, 10000.0, false, true, std::nullopt},
     {"mistral-7b", 32000, 4096, 14336, 32, 32, 8, 32768, 1e-5, 10000.0, false, true, 4096},
 };

@@ -80,6 +80,8 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   virtual bool contains(SequenceId sequence) const = 0;
   virtual KvView view(SequenceId sequence) const = 0;
   virtual KvAllocatorStats stats() const = 0;
+  // stats().free, cheaply: schedulers ask it every step (override when stats() walks memory).
+  virtual std::int64_t free_slots() const { return stats().free; }
 };
 
 }  // namespace kvlab

@@ -26,7 +26,7 @@
 namespace kvlab {
 
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
-inline constexpr std::uint32_t kPluginAbiVersion = 1;
+inline constexpr std::uint32_t kPluginAbiVersion = 2;  // 2: free_slots, chosen_tokens
 
 enum class PluginKind : std::uint32_t {
   kv_allocator = 1,

@@ -168,6 +168,7 @@ class PagedAllocator final : public KvAllocator {
     const Sequence& s = sequences_.at(id);
     KvView view;
     view.first_position = s.first_block * block_size_;
+    view.extents.reserve(s.table.size() - static_cast<std::size_t>(s.first_block));
     for (std::int64_t i = s.first_block; i < static_cast<std::int64_t>(s.table.size()); ++i) {
       const std::int64_t start =
           static_cast<std::int64_t>(s.table[static_cast<std::size_t>(i)]) * block_size_;
@@ -181,20 +182,30 @@ class PagedAllocator final : public KvAllocator {
     return view;
   }
 
+  std::int64_t free_slots() const override { return free_blocks() * block_size_; }
+
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;
     st.capacity = pool_->shape().slots;
-    std::vector<std::int64_t> fill(blocks_.size(), 0);  // filled slots of each live block
+    // Filled slots of each live block (shared blocks count once, at their fullest sharer):
+    // O(live blocks); the scratch array holds -1 (untouched) between calls.
+    fill_.resize(blocks_.size(), -1);
+    touched_.clear();
     for (const auto& [id, s] : sequences_)
       for (std::int64_t i = s.first_block; i < static_cast<std::int64_t>(s.table.size()); ++i) {
-        auto& f = fill[static_cast<std::size_t>(s.table[static_cast<std::size_t>(i)])];
+        const auto block = static_cast<std::size_t>(s.table[static_cast<std::size_t>(i)]);
+        auto& f = fill_[block];
+        if (f < 0) {
+          touched_.push_back(block);
+          f = 0;
+        }
         f = std::max(f, std::min(block_size_, s.length - i * block_size_));
       }
-    for (std::size_t b = 0; b < blocks_.size(); ++b)
-      if (blocks_[b].ref_count > 0) {
-        st.used += fill[b];
-        st.last_block_slack += block_size_ - fill[b];
-      }
+    for (const std::size_t b : touched_) {
+      st.used += fill_[b];
+      st.last_block_slack += block_size_ - fill_[b];
+      fill_[b] = -1;
+    }
     st.free = free_blocks() * block_size_;
     st.cached_free = static_cast<std::int64_t>(free_cached_.size()) * block_size_;
     st.unusable_free = 0;  // any free block serves any sequence
@@ -207,6 +218,8 @@ class PagedAllocator final : public KvAllocator {
   }
 
  private:
+  mutable std::vector<std::int64_t> fill_;     // stats() scratch, -1 between calls
+  mutable std::vector<std::size_t> touched_;   // stats() scratch
   struct Block {
     std::int32_t ref_count = 0;
     std::uint64_t hash = 0;  // 0: holds no registered prefix
