@@ -28,6 +28,7 @@ std::string human_bytes(double bytes);
 void register_generate(CLI::App& app);
 void register_model(CLI::App& app);
 void register_memory(CLI::App& app);
+void register_calibrate(CLI::App& app);
 void register_plugins(CLI::App& app);
 // run and check; a failed check sets exit_code.
 void register_run(CLI::App& app, int& exit_code);

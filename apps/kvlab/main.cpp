@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   kvlab::cli::register_generate(app);
   kvlab::cli::register_model(app);
   kvlab::cli::register_memory(app);
+  kvlab::cli::register_calibrate(app);
   kvlab::cli::register_plugins(app);
   int exit_code = 0;
   kvlab::cli::register_run(app, exit_code);

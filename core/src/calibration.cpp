@@ -13,14 +13,20 @@
 namespace kvlab {
 namespace {
 
-constexpr int kParameters = 7;  // 5 log-efficiencies, step and sequence overheads (ms)
+// Compute efficiencies as logits (bounded by 1), memory efficiencies as logs (a cache-resident
+// working set may beat the stated bandwidth), step and sequence overheads in ms.
+constexpr int kParameters = 7;
+constexpr int kEfficiencies = 5;
+constexpr double kPriorWeight = 0.1;
 
 HardwareProfile with_parameters(const HardwareProfile& base, const Eigen::VectorXd& x) {
   HardwareProfile p = base;
   Efficiency& e = p.efficiency;
-  e.gemm_compute = std::exp(x[0]);
+  auto bounded = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };  // (0, 1): the FMA peak is
+                                                                        // a hard ceiling
+  e.gemm_compute = bounded(x[0]);
   e.gemm_memory = std::exp(x[1]);
-  e.attention_compute = std::exp(x[2]);
+  e.attention_compute = bounded(x[2]);
   e.attention_memory = std::exp(x[3]);
   e.elementwise_memory = std::exp(x[4]);
   p.step_overhead_s = std::abs(x[5]) * 1e-3;  // |.|: overheads cannot be negative
@@ -42,13 +48,19 @@ struct Residuals {
 
   const HardwareProfile* base;
   std::span<const CalibrationSample> samples;
+  Eigen::VectorXd prior;  // the starting efficiencies (parameters 0-4)
   int inputs() const { return kParameters; }
-  int values() const { return static_cast<int>(samples.size()); }
+  int values() const { return static_cast<int>(samples.size()) + kEfficiencies; }
   int operator()(const Eigen::VectorXd& x, Eigen::VectorXd& residual) const {
     const HardwareProfile p = with_parameters(*base, x);
     for (std::size_t i = 0; i < samples.size(); ++i)
       residual[static_cast<Eigen::Index>(i)] =
           predict(p, samples[i].work) / samples[i].measured_s - 1.0;
+    // A weak pull towards the starting efficiencies: directions the samples cannot tell apart
+    // (a constant weight read vs the per-step overhead) stay where they started instead of
+    // drifting to absurd values; the samples outweigh it wherever they do tell.
+    for (int k = 0; k < kEfficiencies; ++k)
+      residual[static_cast<Eigen::Index>(samples.size()) + k] = kPriorWeight * (x[k] - prior[k]);
     return 0;
   }
 };
@@ -84,11 +96,15 @@ CalibrationFit fit_hardware_profile(const HardwareProfile& start,
       throw Error(fmt::format("calibration: a measured latency of {} s", s.measured_s));
   Eigen::VectorXd x(kParameters);
   const Efficiency& e = start.efficiency;
-  x << std::log(e.gemm_compute), std::log(e.gemm_memory), std::log(e.attention_compute),
+  auto logit = [](double v) {
+    v = std::clamp(v, 1e-3, 1 - 1e-3);
+    return std::log(v / (1 - v));
+  };
+  x << logit(e.gemm_compute), std::log(e.gemm_memory), logit(e.attention_compute),
       std::log(e.attention_memory), std::log(e.elementwise_memory),
       std::max(start.step_overhead_s, 1e-5) * 1e3, std::max(start.sequence_overhead_s, 1e-6) * 1e3;
 
-  Residuals residuals{&start, samples};
+  Residuals residuals{&start, samples, x.head(kEfficiencies)};
   Eigen::NumericalDiff<Residuals> numerical(residuals);
   Eigen::LevenbergMarquardt<Eigen::NumericalDiff<Residuals>> solver(numerical);
   solver.parameters.maxfev = 4000;

@@ -97,7 +97,9 @@ class ProfileSection {
 HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(file, ec))
-    throw Error(fmt::format("hardware profile {}: no such file", file.string()));
+    throw Error(fmt::format(
+        "hardware profile {}: no such file (profiles ship in profiles/; kvlab calibrate writes one)",
+        file.string()));
   toml::table top;
   try {
     top = toml::parse_file(file.string());

@@ -3,10 +3,10 @@
 //
 // Each sample is a step's work (CostModel::work) and its measured latency. The device peaks stay
 // as given (measured or datasheet); the five efficiencies and two overheads are fitted by
-// Levenberg-Marquardt (Eigen) on relative errors, efficiencies in log space so they stay
-// positive. A fitted efficiency above 1 (a working set that lives in cache beats the DRAM
-// bandwidth the profile states) is folded into the peak: the peak rises, the efficiency
-// becomes 1, and every prediction is unchanged.
+// Levenberg-Marquardt (Eigen) on relative errors. Compute efficiencies stay in (0, 1) (the
+// FMA/tensor-core peak is a ceiling); memory efficiencies stay positive, and one above 1 (a
+// working set that lives in cache beats the DRAM bandwidth the profile states) is folded into
+// the bandwidth: it rises, the efficiency becomes 1, and every prediction is unchanged.
 #include <span>
 
 #include "kvlab/cost_model.hpp"
