@@ -10,6 +10,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <vector>
 
 namespace kvlab::test {
 
@@ -57,6 +58,14 @@ std::string error_of(F&& body) {
   }
   ADD_FAILURE() << "expected an exception";
   return {};
+}
+
+// Expects `body` to throw a std::exception whose message contains every one of `parts`.
+template <typename F>
+void expect_error_containing(F&& body, const std::vector<std::string>& parts) {
+  const std::string message = error_of<std::exception>(std::forward<F>(body));
+  for (const auto& part : parts)
+    EXPECT_NE(message.find(part), std::string::npos) << "\"" << part << "\" not in: " << message;
 }
 
 // Max abs / rel error between two float arrays, and whether either holds a NaN.

@@ -10,6 +10,7 @@
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/engine.hpp"
 #include "kvlab/plugin_loader.hpp"
+#include "kvlab/simulated_backend.hpp"
 
 namespace kvlab {
 namespace {
@@ -232,6 +233,67 @@ TEST(Engine, PrefixCachingServesSharedPrompts) {
   for (const auto& line : result.events)
     hit_event |= line.find("prefix_hit_tokens=16") != std::string::npos;
   EXPECT_TRUE(hit_event);
+}
+
+}  // namespace
+}  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+// The simulated backend drives the same plugins on a pool with no storage: Llama-2-7B on an
+// H200, tight enough to preempt (with swap), deterministic, every request to its length.
+EngineResult run_simulated(std::int64_t slots, const std::vector<WorkloadRequest>& requests) {
+  const ModelConfig model = model_preset("llama2-7b");
+  const CostModel cost(model, load_hardware_profile("h200"));
+  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
+              KvStorage::none);
+  PluginContext context;
+  context.pool = &pool;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
+  auto allocator = registry().create<PluginKind::kv_allocator>(
+      "paged", {{"block_size", std::int64_t{16}}}, context);
+  auto scheduler = registry().create<PluginKind::scheduler>(
+      "fcfs", {{"preemption", std::string("swap")}}, context);
+  SimulatedBackend backend(model.vocab_size, model.eos_token_ids);
+  EngineOptions options;
+  options.max_seq_len = model.max_position_embeddings;
+  options.eos_token_ids = model.eos_token_ids;
+  options.pool = &pool;
+  options.swap_slots = 1 << 20;
+  options.cost_model = &cost;
+  Engine engine(backend, *allocator, *scheduler, options);
+  return engine.run(requests);
+}
+
+TEST(SimulatedEngine, DeterministicCompleteAndTimedByTheCostModel) {
+  SyntheticWorkload spec;
+  spec.requests = 60;
+  spec.seed = 3;
+  spec.arrival = {ArrivalKind::poisson, 50.0, 1.0, 1};
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 16, 512};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 8, 256};
+  const auto requests = generate_workload(spec);
+  const EngineResult a = run_simulated(1024, requests);  // ~2 requests' worth: preemptions
+  const EngineResult b = run_simulated(1024, requests);
+  EXPECT_EQ(a.events, b.events);
+  EXPECT_EQ(a.tokens, b.tokens);
+  EXPECT_EQ(a.duration_s, b.duration_s);
+  std::int64_t preemptions = 0;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_FALSE(a.requests[i].rejected) << a.requests[i].reject_reason;
+    EXPECT_EQ(static_cast<std::int64_t>(a.tokens[i].size()), requests[i].output_tokens) << i;
+    preemptions += a.requests[i].preemptions;
+  }
+  EXPECT_GT(preemptions, 0);
+  double predicted = 0;
+  for (const auto& s : a.steps) {
+    EXPECT_GT(s.predicted_s, 0);
+    EXPECT_GE(s.duration_s, s.predicted_s);  // + modelled swap copies
+    predicted += s.duration_s;
+  }
+  EXPECT_LE(predicted, a.duration_s * (1 + 1e-9));  // idle gaps between arrivals come on top
 }
 
 }  // namespace

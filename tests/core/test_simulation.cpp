@@ -1,0 +1,256 @@
+// The simulated backend's pieces: the cost model against hand-computed rooflines, hardware
+// profile files (shipped ones load, every file error is clear), the calibration fit, and the
+// synthetic tokens.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <fstream>
+#include <set>
+
+#include "kvlab/calibration.hpp"
+#include "kvlab/cost_model.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/hardware_profile.hpp"
+#include "kvlab/simulated_backend.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+// A small model whose arithmetic is easy to follow by hand.
+ModelConfig toy_model() {
+  ModelConfig m;
+  m.name = "toy";
+  m.vocab_size = 100;
+  m.hidden_size = 64;
+  m.intermediate_size = 128;
+  m.num_hidden_layers = 2;
+  m.num_attention_heads = 4;
+  m.num_key_value_heads = 2;
+  m.head_dim = 16;
+  m.max_position_embeddings = 512;
+  return m;
+}
+
+HardwareProfile toy_profile() {
+  HardwareProfile p;
+  p.name = "toy";
+  p.peak_tflops = 1.0;         // 1e12 FLOP/s
+  p.memory_gb_per_s = 100.0;   // 1e11 B/s
+  p.memory_gib = 1.0;
+  p.compute_dtype = DType::dtype_bf16;  // 2 bytes
+  p.kv_dtype = DType::dtype_f32;        // 4 bytes
+  p.efficiency = {0.5, 0.5, 0.25, 0.5, 0.5};
+  p.step_overhead_s = 1e-3;
+  p.sequence_overhead_s = 1e-5;
+  p.memory_utilization = 1.0;
+  p.activation_reserve_gib = 0.0;
+  return p;
+}
+
+constexpr double kRel = 1e-12;  // the model is closed-form: only rounding differs
+
+TEST(CostModel, DecodeOfOneSequenceMatchesTheHandRoofline) {
+  const CostModel model(toy_model(), toy_profile());
+  // One decode at position 9: attends to 10 keys (0..9).
+  const EntryShape decode{1, 9, 0};
+  const StepWork w = model.work(std::span(&decode, 1));
+  // Per layer weights: 64*(64 + 2*32) + 64*64 + 3*64*128 = 8192 + 4096 + 24576 = 36864.
+  EXPECT_DOUBLE_EQ(w.linear.flops, 2.0 * 1 * 36864 * 2);
+  // Weights (2 B) + activations per token per layer (4*64 + 2*64 + 2*32 + 3*128 = 832 elements).
+  EXPECT_DOUBLE_EQ(w.linear.bytes, 2 * (36864 * 2.0 + 832 * 2.0));
+  // 4 x q_dim FLOPs per (query, key) pair, 10 pairs, 2 layers; K/V bytes: 10 tokens x 2 x 32 x 4.
+  EXPECT_DOUBLE_EQ(w.attention_decode.flops, 2 * 4.0 * 64 * 10);
+  EXPECT_DOUBLE_EQ(w.attention_decode.bytes, 2 * (10 * 2 * 32 * 4.0 + 1 * 2 * 64 * 2.0));
+  EXPECT_DOUBLE_EQ(w.attention_prefill.flops, 0);
+  EXPECT_DOUBLE_EQ(w.lm_head.flops, 2.0 * 64 * 100);
+  EXPECT_DOUBLE_EQ(w.lm_head.bytes, 100 * 64 * 2.0 + (64 * 2.0 + 100 * 4.0));
+
+  const StepCost c = model.cost(w);
+  // Memory-bound: bytes / (1e11 x 0.5) beats flops / (1e12 x 0.5).
+  EXPECT_NEAR(c.linear_s, w.linear.bytes / 5e10, kRel);
+  EXPECT_NEAR(c.attention_decode_s, w.attention_decode.bytes / 5e10, kRel);
+  EXPECT_NEAR(c.overhead_s, 1e-3 + 1e-5, kRel);
+  EXPECT_NEAR(c.total(),
+              c.linear_s + c.lm_head_s + c.attention_decode_s + c.elementwise_s + c.overhead_s,
+              kRel);
+}
+
+TEST(CostModel, LargePrefillTurnsComputeBoundAndCountsCausalPairs) {
+  const CostModel model(toy_model(), toy_profile());
+  const EntryShape prefill{4096, 0, 0};
+  const StepWork w = model.work(std::span(&prefill, 1));
+  // Causal pairs: n(n+1)/2.
+  EXPECT_DOUBLE_EQ(w.attention_prefill.flops, 2 * 4.0 * 64 * (4096.0 * 4097 / 2));
+  const StepCost c = model.cost(w);
+  EXPECT_NEAR(c.linear_s, w.linear.flops / (1e12 * 0.5), kRel);  // compute-bound now
+  EXPECT_NEAR(c.attention_prefill_s, w.attention_prefill.flops / (1e12 * 0.25), kRel);
+  // A later chunk: 8 tokens after 100 cached ones attend to 100 + i + 1 keys each.
+  const EntryShape chunk{8, 100, 0};
+  EXPECT_DOUBLE_EQ(model.work(std::span(&chunk, 1)).attention_prefill.flops,
+                   2 * 4.0 * 64 * (8 * 100.0 + 8 * 9 / 2.0));
+  // Sliding window: the view starts at 60, so the same chunk sees 40 cached keys.
+  const EntryShape windowed{8, 100, 60};
+  EXPECT_DOUBLE_EQ(model.work(std::span(&windowed, 1)).attention_prefill.flops,
+                   2 * 4.0 * 64 * (8 * 40.0 + 8 * 9 / 2.0));
+}
+
+TEST(CostModel, EmptyStepCostsNothing) {
+  const CostModel model(toy_model(), toy_profile());
+  EXPECT_EQ(model.step(std::span<const EntryShape>{}).total(), 0.0);
+}
+
+TEST(CostModel, Llama2_7bOnH200DecodeIsTheWeightRead) {
+  const HardwareProfile h200 = load_hardware_profile("h200");
+  const ModelConfig llama = model_preset("llama2-7b");
+  const CostModel model(llama, h200);
+  const EntryShape decode{1, 511, 0};
+  const StepCost c = model.step(std::span(&decode, 1));
+  // Weights of the layers: 32 x (4096 x 3 x 4096 + 4096^2 + 3 x 4096 x 11008) x 2 B.
+  const double layer_bytes = 32.0 * (4096.0 * 3 * 4096 + 4096.0 * 4096 + 3.0 * 4096 * 11008) * 2;
+  EXPECT_NEAR(c.linear_s, layer_bytes / (4800e9 * h200.efficiency.gemm_memory),
+              1e-3 * c.linear_s);  // activations add < 0.1%
+  // KV: 512 tokens x 32 layers x 2 x 4096 x 2 B read at the attention bandwidth.
+  EXPECT_NEAR(c.attention_decode_s, 512.0 * 32 * 2 * 4096 * 2 / (4800e9 * h200.efficiency.attention_memory),
+              1e-2 * c.attention_decode_s);
+  // About 3 ms for one token of a 7B model on an H200: the well-known memory-bound decode.
+  EXPECT_GT(c.total(), 3e-3);
+  EXPECT_LT(c.total(), 8e-3);
+}
+
+TEST(CostModel, KvCapacityIsMemoryMinusWeightsAndReserve) {
+  const HardwareProfile h200 = load_hardware_profile("h200");
+  const CostModel model(model_preset("llama2-7b"), h200);
+  EXPECT_EQ(model.kv_bytes_per_token(), 2 * 32 * 4096 * 2);  // 512 KiB
+  const double gib = 1024.0 * 1024 * 1024;
+  const double free = 140 * 0.9 * gib - 6'738'415'616.0 * 2 - 2 * gib;
+  EXPECT_EQ(model.kv_capacity_tokens(), static_cast<std::int64_t>(free / (512 * 1024)));
+  // LLaMA-65B in bf16 (130 GB of weights) does not fit on one 80 GiB H100.
+  const CostModel too_big(model_preset("llama-65b"), load_hardware_profile("h100-sxm"));
+  EXPECT_EQ(too_big.kv_capacity_tokens(), 0);
+}
+
+TEST(HardwareProfiles, ShippedProfilesLoadByNameInAnyCase) {
+  for (const char* name : {"a100-80gb", "h100-sxm", "h200", "l4", "H200", "A100-80GB"}) {
+    const HardwareProfile p = load_hardware_profile(name);
+    EXPECT_GT(p.peak_tflops, 0) << name;
+    EXPECT_GT(p.memory_gb_per_s, 0) << name;
+    EXPECT_GT(p.memory_gib, 0) << name;
+  }
+  EXPECT_DOUBLE_EQ(load_hardware_profile("h200").memory_gb_per_s, 4800);
+  EXPECT_DOUBLE_EQ(load_hardware_profile("a100-80gb").peak_tflops, 312);
+  const auto names = hardware_profile_names();
+  for (const char* name : {"a100-80gb", "h100-sxm", "h200", "l4"})
+    EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
+}
+
+TEST(HardwareProfiles, UnknownNameListsProfilesAndSuggests) {
+  test::expect_error_containing([] { load_hardware_profile("h20"); },
+                                {"unknown hardware profile \"h20\"", "did you mean h200", "l4"});
+}
+
+TEST(HardwareProfiles, RoundTripThroughToml) {
+  test::TempDir dir;
+  HardwareProfile p = toy_profile();
+  p.description = "quotes \" and \\ survive";
+  const auto file = dir.path() / "toy.toml";
+  std::ofstream(file) << hardware_profile_to_toml(p);
+  const HardwareProfile q = load_hardware_profile_file(file);
+  EXPECT_EQ(q.name, p.name);
+  EXPECT_EQ(q.description, p.description);
+  EXPECT_DOUBLE_EQ(q.peak_tflops, p.peak_tflops);
+  EXPECT_DOUBLE_EQ(q.efficiency.attention_compute, p.efficiency.attention_compute);
+  EXPECT_DOUBLE_EQ(q.step_overhead_s, p.step_overhead_s);
+  EXPECT_EQ(q.kv_dtype, DType::dtype_f32);
+  EXPECT_DOUBLE_EQ(q.activation_reserve_gib, 0.0);
+  EXPECT_EQ(load_hardware_profile(file.string()).name, "toy");  // a path works too
+}
+
+TEST(HardwareProfiles, FileErrorsNameTheLineAndTheKey) {
+  test::TempDir dir;
+  const std::string good =
+      "[profile]\nname = \"x\"\n[device]\npeak_tflops = 1\nmemory_gb_per_s = 2\nmemory_gib = 3\n";
+  auto expect = [&](const std::string& text, std::vector<std::string> parts) {
+    const auto file = dir.path() / "p.toml";
+    std::ofstream(file, std::ios::trunc) << text;
+    test::expect_error_containing([&] { load_hardware_profile_file(file); }, parts);
+  };
+  EXPECT_NO_THROW({
+    std::ofstream(dir.path() / "ok.toml") << good;
+    load_hardware_profile_file(dir.path() / "ok.toml");
+  });
+  expect("[profile]\nname = \"x\"\n[device]\npeak_tflops = 1\nmemory_gib = 3\n",
+         {"p.toml", "[device] needs memory_gb_per_s"});
+  expect(good + "peak_tflop = 2\n", {"p.toml:7", "unknown key device.peak_tflop", "peak_tflops"});
+  expect(good + "[efficiency]\ngemm_compute = 1.5\n", {"p.toml:8", "(0, 1]", "1.5"});
+  expect(good + "[efficiency]\ngemm_memory = -1\n", {"p.toml:8", "must be > 0"});
+  expect(good + "[efficiency]\ngemm_memory = \"high\"\n", {"p.toml:8", "must be a number"});
+  expect(good + "[device2]\n", {"p.toml:7", "unknown table [device2]", "did you mean [device]"});
+  expect("[profile\nname = 1", {"p.toml:1"});
+  expect(good + "[memory]\nutilization = 0\n", {"memory.utilization must be > 0"});
+  test::expect_error_containing([&] { load_hardware_profile_file(dir.path() / "none.toml"); },
+                                {"none.toml", "no such file"});
+}
+
+TEST(Calibration, RecoversTheLatenciesOfAKnownProfile) {
+  // Samples made by a known profile over varied shapes: the fit must reproduce them.
+  const HardwareProfile truth = toy_profile();
+  const CostModel model(toy_model(), truth);
+  std::vector<CalibrationSample> samples;
+  for (std::int64_t n : {1, 8, 64, 512, 2048}) {
+    const EntryShape prefill{n, 0, 0};
+    samples.push_back({model.work(std::span(&prefill, 1)), 0});
+  }
+  for (std::int64_t batch : {1, 4, 16, 64})
+    for (std::int64_t context : {16, 256, 4000}) {
+      std::vector<EntryShape> decodes(static_cast<std::size_t>(batch), {1, context, 0});
+      samples.push_back({model.work(decodes), 0});
+    }
+  for (auto& s : samples) s.measured_s = model.cost(s.work).total();
+  HardwareProfile start = truth;
+  start.efficiency = {0.9, 0.9, 0.9, 0.9, 0.9};
+  start.step_overhead_s = 1e-4;
+  start.sequence_overhead_s = 1e-6;
+  const CalibrationFit fit = fit_hardware_profile(start, samples);
+  EXPECT_LT(fit.mean_abs_rel_error, 0.01);
+  EXPECT_LT(fit.max_abs_rel_error, 0.05);
+  for (const auto& s : samples) EXPECT_LT(relative_error(fit.profile, s), 0.05);
+  EXPECT_NEAR(fit.profile.step_overhead_s, truth.step_overhead_s, 0.1 * truth.step_overhead_s);
+}
+
+TEST(Calibration, RejectsTooFewSamplesAndBadLatencies) {
+  const CostModel model(toy_model(), toy_profile());
+  const EntryShape e{1, 4, 0};
+  std::vector<CalibrationSample> few(3, {model.work(std::span(&e, 1)), 1e-3});
+  test::expect_error_containing([&] { fit_hardware_profile(toy_profile(), few); },
+                                {"at least 7 samples", "got 3"});
+  std::vector<CalibrationSample> bad(8, {model.work(std::span(&e, 1)), 1e-3});
+  bad[3].measured_s = 0;
+  test::expect_error_containing([&] { fit_hardware_profile(toy_profile(), bad); },
+                                {"measured latency of 0"});
+}
+
+TEST(SimulatedBackend, TokensAreDeterministicAndNeverEos) {
+  SimulatedBackend backend(3, {0, 1});
+  std::vector<std::int32_t> prompt{2, 2, 2};
+  std::vector<BatchEntry> batch(5);
+  for (std::size_t i = 0; i < batch.size(); ++i) {
+    batch[i].tokens = prompt;
+    batch[i].start_position = static_cast<std::int64_t>(i);
+  }
+  EXPECT_TRUE(backend.forward(batch).empty());
+  ASSERT_EQ(backend.chosen_tokens().size(), batch.size());
+  for (std::int32_t t : backend.chosen_tokens()) EXPECT_EQ(t, 2);  // the only non-EOS id
+
+  SimulatedBackend wide(32000, {2});
+  const std::int32_t a = wide.token_after(17, 100);
+  EXPECT_EQ(a, wide.token_after(17, 100));
+  EXPECT_NE(a, 2);
+  std::set<std::int32_t> distinct;
+  for (std::int64_t p = 0; p < 100; ++p) distinct.insert(wide.token_after(17, p));
+  EXPECT_GT(distinct.size(), 90u);  // varied, not a constant
+  test::expect_error_containing([] { SimulatedBackend(1, {0}); }, {"not EOS"});
+}
+
+}  // namespace
+}  // namespace kvlab
