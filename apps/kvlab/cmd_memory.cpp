@@ -8,6 +8,7 @@
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/hardware_profile.hpp"
 #include "kvlab/kv_memory.hpp"
 
 namespace kvlab::cli {
@@ -17,10 +18,12 @@ struct MemoryOptions {
   std::string model;
   std::int64_t seq_len = 0;
   std::int64_t batch = 1;
-  std::string dtype = "f16";
+  std::string dtype;  // default: f16, or the GPU profile's KV dtype
   std::string weight_dtype;
   std::optional<std::int64_t> kv_heads;
   std::optional<double> gpu_mem;
+  std::string gpu;  // hardware profile: the planner
+  std::int64_t prompt_len = 0, output_len = 0, max_seq_len = 0, block_size = 16;
   bool json = false;
 };
 
@@ -33,13 +36,106 @@ DType parse_dtype(const std::string& name, const char* flag) {
   return *dtype;
 }
 
+// Static vs paged on one device, for each attention variant the model's heads allow.
+void run_plan(const MemoryOptions& o, const ModelConfig& c) {
+  const HardwareProfile device = load_hardware_profile(o.gpu);
+  MemoryPlanQuery q;
+  q.prompt_tokens = o.prompt_len;
+  q.output_tokens = o.output_len;
+  q.max_seq_len = o.max_seq_len;
+  q.block_size = o.block_size;
+  q.kv_dtype = o.dtype.empty() ? device.kv_dtype : parse_dtype(o.dtype, "--dtype");
+  q.weight_dtype = !o.weight_dtype.empty() ? parse_dtype(o.weight_dtype, "--weight-dtype")
+                   : o.dtype.empty()       ? device.compute_dtype
+                                           : q.kv_dtype;
+  q.kv_heads = o.kv_heads;
+  const MemoryPlan p = plan_memory(c, device, q);
+  std::vector<std::pair<std::string, std::int64_t>> variants{{"MHA", c.num_attention_heads}};
+  if (c.num_key_value_heads != c.num_attention_heads && c.num_key_value_heads != 1)
+    variants.emplace_back(fmt::format("GQA-{}", c.num_key_value_heads), c.num_key_value_heads);
+  if (c.num_key_value_heads != 8 && c.num_attention_heads % 8 == 0 && c.num_attention_heads > 8)
+    variants.emplace_back("GQA-8", 8);
+  variants.emplace_back("MQA", 1);
+  auto plan_for = [&](std::int64_t heads) {
+    MemoryPlanQuery v = q;
+    v.kv_heads = heads;
+    return plan_memory(c, device, v);
+  };
+  if (o.json) {
+    nlohmann::json out = {{"model", c.name},
+                          {"gpu", device.name},
+                          {"kv_dtype", dtype_short_name(q.kv_dtype)},
+                          {"weight_dtype", dtype_short_name(q.weight_dtype)},
+                          {"usable_bytes", p.usable_bytes},
+                          {"weight_bytes", p.weight_bytes},
+                          {"reserve_bytes", p.reserve_bytes},
+                          {"kv_budget_bytes", p.kv_budget_bytes},
+                          {"kv_heads", p.kv_heads},
+                          {"kv_bytes_per_token", p.kv_bytes_per_token},
+                          {"kv_capacity_tokens", p.kv_capacity_tokens},
+                          {"static_tokens_per_request", p.static_tokens_per_request},
+                          {"paged_tokens_per_request", p.paged_tokens_per_request},
+                          {"max_static_requests", p.max_static_requests},
+                          {"max_paged_requests", p.max_paged_requests}};
+    for (const auto& [name, heads] : variants) {
+      const MemoryPlan v = plan_for(heads);
+      out["variants"].push_back({{"variant", name},
+                                 {"kv_heads", heads},
+                                 {"kv_bytes_per_token", v.kv_bytes_per_token},
+                                 {"kv_capacity_tokens", v.kv_capacity_tokens},
+                                 {"max_static_requests", v.max_static_requests},
+                                 {"max_paged_requests", v.max_paged_requests}});
+    }
+    fmt::print("{}\n", out.dump(2));
+    return;
+  }
+  fmt::print("{} on {} ({}): {} weights, {} KV\n", c.name, device.name, device.description,
+             dtype_short_name(q.weight_dtype), dtype_short_name(q.kv_dtype));
+  fmt::print("  usable      {:>12}  = {} GiB x utilization {}\n", human_bytes(p.usable_bytes),
+             device.memory_gib, device.memory_utilization);
+  fmt::print("  weights     {:>12}  = {:.2f}B parameters x {} B\n", human_bytes(p.weight_bytes),
+             static_cast<double>(c.parameter_count()) / 1e9, dtype_size(q.weight_dtype));
+  fmt::print("  reserve     {:>12}  (activations, workspace)\n", human_bytes(p.reserve_bytes));
+  fmt::print("  KV budget   {:>12}  = {} tokens of {} ({} KV heads)\n",
+             human_bytes(p.kv_budget_bytes), p.kv_capacity_tokens,
+             human_bytes(static_cast<double>(p.kv_bytes_per_token)), p.kv_heads);
+  if (p.kv_capacity_tokens == 0)
+    fmt::print("  the weights and the reserve alone exceed the usable memory: shard the model "
+               "(tensor parallel) or use a larger device or a smaller weight dtype\n");
+  fmt::print("static: every request reserves {} tokens (max_seq_len)         -> {} concurrent\n",
+             p.static_tokens_per_request, p.max_static_requests);
+  fmt::print("paged:  every request holds {} tokens ({} + {}, blocks of {}) -> {} concurrent{}\n",
+             p.paged_tokens_per_request, q.prompt_tokens, q.output_tokens, q.block_size,
+             p.max_paged_requests,
+             p.max_static_requests > 0
+                 ? fmt::format(" ({:.1f}x)", static_cast<double>(p.max_paged_requests) /
+                                                 static_cast<double>(p.max_static_requests))
+                 : std::string());
+  fmt::print("\n{:<8} {:>8} {:>12} {:>12} {:>8} {:>8}\n", "variant", "kv_heads", "per token",
+             "KV tokens", "static", "paged");
+  for (const auto& [name, heads] : variants) {
+    const MemoryPlan v = plan_for(heads);
+    fmt::print("{:<8} {:>8} {:>12} {:>12} {:>8} {:>8}\n", name, heads,
+               human_bytes(static_cast<double>(v.kv_bytes_per_token)), v.kv_capacity_tokens,
+               v.max_static_requests, v.max_paged_requests);
+  }
+}
+
 void run_memory(const MemoryOptions& o) {
   const ModelSource source = resolve_model(o.model);
   const ModelConfig& c = source.config;
+  if (!o.gpu.empty()) {
+    if (o.prompt_len <= 0)
+      throw Error("--gpu plans for expected lengths: give --prompt-len (and --output-len)");
+    run_plan(o, c);
+    return;
+  }
+  if (o.seq_len <= 0)
+    throw Error("give --seq-len (KV arithmetic) or --gpu with --prompt-len (the planner)");
   KvMemoryQuery query;
   query.seq_len = o.seq_len;
   query.batch = o.batch;
-  query.kv_dtype = parse_dtype(o.dtype, "--dtype");
+  query.kv_dtype = parse_dtype(o.dtype.empty() ? "f16" : o.dtype, "--dtype");
   query.weight_dtype =
       o.weight_dtype.empty() ? query.kv_dtype : parse_dtype(o.weight_dtype, "--weight-dtype");
   query.kv_heads = o.kv_heads;
@@ -61,7 +157,7 @@ void run_memory(const MemoryOptions& o) {
     nlohmann::json out = {{"model", c.name},
                           {"seq_len", o.seq_len},
                           {"batch", o.batch},
-                          {"kv_dtype", o.dtype},
+                          {"kv_dtype", dtype_short_name(query.kv_dtype)},
                           {"kv_heads", r.kv_heads},
                           {"bytes_per_token", r.bytes_per_token},
                           {"bytes_per_request", r.bytes_per_request},
@@ -86,7 +182,7 @@ void run_memory(const MemoryOptions& o) {
   fmt::print("model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters\n",
              c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
              static_cast<double>(c.parameter_count()) / 1e9);
-  fmt::print("KV cache, {} x {} KV heads:\n", o.dtype, r.kv_heads);
+  fmt::print("KV cache, {} x {} KV heads:\n", dtype_short_name(query.kv_dtype), r.kv_heads);
   fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
              human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
              c.head_dim, element, r.bytes_per_token);
@@ -120,13 +216,21 @@ void register_memory(CLI::App& app) {
   auto o = std::make_shared<MemoryOptions>();
   auto* sub = app.add_subcommand("memory", "KV-cache memory arithmetic for a model");
   sub->add_option("--model", o->model, "Preset name (e.g. llama-7b) or model folder")->required();
-  sub->add_option("--seq-len", o->seq_len, "Tokens per request (prompt + output)")->required();
+  sub->add_option("--seq-len", o->seq_len, "Tokens per request (prompt + output)");
   sub->add_option("--batch", o->batch, "Concurrent requests")->capture_default_str();
-  sub->add_option("--dtype", o->dtype, "KV element type: f32, f16, bf16, fp8")
-      ->capture_default_str();
+  sub->add_option("--dtype", o->dtype,
+                  "KV element type: f32, f16, bf16, fp8 (default: f16, or the GPU profile's)");
   sub->add_option("--weight-dtype", o->weight_dtype, "Weight element type (default: --dtype)");
   sub->add_option("--kv-heads", o->kv_heads, "KV heads (MHA = query heads, GQA = groups, MQA = 1)");
   sub->add_option("--gpu-mem", o->gpu_mem, "Device memory in GiB: report the max batch that fits");
+  sub->add_option("--gpu", o->gpu,
+                  "Hardware profile (h200, a100-80gb, ... or a .toml): plan static vs paged");
+  sub->add_option("--prompt-len", o->prompt_len, "Planner: expected prompt tokens per request");
+  sub->add_option("--output-len", o->output_len, "Planner: expected output tokens per request");
+  sub->add_option("--max-seq-len", o->max_seq_len,
+                  "Planner: tokens a static reservation holds (default: the model's context)");
+  sub->add_option("--block-size", o->block_size, "Planner: paged block size")
+      ->capture_default_str();
   sub->add_flag("--json", o->json, "Print JSON");
   sub->callback([o]() { run_memory(*o); });
 }

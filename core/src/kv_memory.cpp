@@ -2,9 +2,11 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "kvlab/error.hpp"
+#include "kvlab/hardware_profile.hpp"
 
 namespace kvlab {
 
@@ -30,6 +32,36 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
                                         free_bytes / static_cast<double>(r.bytes_per_request)));
   }
   return r;
+}
+
+MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
+                       const MemoryPlanQuery& q) {
+  if (q.prompt_tokens <= 0 || q.output_tokens < 0)
+    throw Error(fmt::format("expected lengths must be positive: prompt {}, output {}",
+                            q.prompt_tokens, q.output_tokens));
+  if (q.block_size < 1) throw Error(fmt::format("block size must be >= 1, got {}", q.block_size));
+  MemoryPlan p;
+  const std::int64_t expected = q.prompt_tokens + q.output_tokens;
+  p.static_tokens_per_request = q.max_seq_len > 0 ? q.max_seq_len : c.max_position_embeddings;
+  if (expected > p.static_tokens_per_request)
+    throw Error(fmt::format("prompt {} + output {} exceed the {}-token context", q.prompt_tokens,
+                            q.output_tokens, p.static_tokens_per_request));
+  const KvMemoryReport kv =
+      kv_memory(c, {expected, 1, q.kv_dtype, q.weight_dtype, q.kv_heads, std::nullopt});
+  p.kv_heads = kv.kv_heads;
+  p.kv_bytes_per_token = kv.bytes_per_token;
+  p.usable_bytes = device.memory_gib * kGiB * device.memory_utilization;
+  p.weight_bytes = static_cast<double>(kv.weight_bytes);
+  p.reserve_bytes = device.activation_reserve_gib * kGiB;
+  p.kv_budget_bytes = std::max(0.0, p.usable_bytes - p.weight_bytes - p.reserve_bytes);
+  p.kv_capacity_tokens = static_cast<std::int64_t>(
+      std::floor(p.kv_budget_bytes / static_cast<double>(p.kv_bytes_per_token)));
+  p.paged_tokens_per_request = (expected + q.block_size - 1) / q.block_size * q.block_size;
+  p.max_static_requests = p.kv_capacity_tokens / p.static_tokens_per_request;
+  // Paged: whole blocks of the pool, each request holding its own.
+  p.max_paged_requests = p.kv_capacity_tokens / q.block_size * q.block_size /
+                         p.paged_tokens_per_request;
+  return p;
 }
 
 }  // namespace kvlab

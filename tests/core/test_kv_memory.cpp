@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include "kvlab/error.hpp"
+#include "kvlab/hardware_profile.hpp"
 #include "kvlab/kv_memory.hpp"
 #include "test_util.hpp"
 
@@ -76,6 +77,82 @@ TEST(KvMemory, BadQueries) {
   EXPECT_NE(
       test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); }).find("kv-heads 5"),
       std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+// The seed's sizing example: a 7B model in fp16 on a 40 GB card, the rest for KV.
+HardwareProfile card_40gib() {
+  HardwareProfile p;
+  p.name = "40gib";
+  p.peak_tflops = 1;
+  p.memory_gb_per_s = 1;
+  p.memory_gib = 40;
+  p.memory_utilization = 1.0;
+  p.activation_reserve_gib = 0;
+  return p;
+}
+
+TEST(MemoryPlanner, SeedSevenBillionOnFortyGiBByHand) {
+  MemoryPlanQuery q;
+  q.prompt_tokens = 512;
+  q.output_tokens = 256;
+  q.weight_dtype = DType::dtype_f16;
+  q.kv_dtype = DType::dtype_f16;
+  const MemoryPlan p = plan_memory(model_preset("llama-7b"), card_40gib(), q);
+  const double gib = 1024.0 * 1024 * 1024;
+  // Weights: 6,738,415,616 x 2 B = 12.55 GiB (the seed's "about 20 GB" overstates it).
+  EXPECT_DOUBLE_EQ(p.weight_bytes, 6'738'415'616.0 * 2);
+  EXPECT_DOUBLE_EQ(p.kv_budget_bytes, 40 * gib - 6'738'415'616.0 * 2);
+  EXPECT_EQ(p.kv_bytes_per_token, 524'288);  // 2 x 32 x 32 x 128 x 2 B
+  const auto tokens = static_cast<std::int64_t>((40 * gib - 6'738'415'616.0 * 2) / 524'288);
+  EXPECT_EQ(p.kv_capacity_tokens, tokens);  // 56,220 tokens
+  // Static reserves the 2048-token context (1 GiB each): 27 requests; paged holds 768 tokens.
+  EXPECT_EQ(p.static_tokens_per_request, 2048);
+  EXPECT_EQ(p.max_static_requests, tokens / 2048);
+  EXPECT_EQ(p.max_static_requests, 27);
+  EXPECT_EQ(p.paged_tokens_per_request, 768);
+  EXPECT_EQ(p.max_paged_requests, tokens / 16 * 16 / 768);
+  EXPECT_EQ(p.max_paged_requests, 73);
+}
+
+TEST(MemoryPlanner, GqaAndMqaMultiplyTheCapacityAndBlocksRoundUp) {
+  MemoryPlanQuery q;
+  q.prompt_tokens = 100;
+  q.output_tokens = 1;  // 101 tokens -> 7 blocks of 16 = 112
+  const ModelConfig llama70 = model_preset("llama2-70b");
+  const HardwareProfile h200 = load_hardware_profile("h200");
+  const MemoryPlan gqa = plan_memory(llama70, h200, q);
+  EXPECT_EQ(gqa.kv_heads, 8);
+  EXPECT_EQ(gqa.paged_tokens_per_request, 112);
+  q.kv_heads = 1;
+  const MemoryPlan mqa = plan_memory(llama70, h200, q);
+  EXPECT_EQ(mqa.kv_bytes_per_token * 8, gqa.kv_bytes_per_token);
+  EXPECT_NEAR(static_cast<double>(mqa.kv_capacity_tokens),
+              8.0 * static_cast<double>(gqa.kv_capacity_tokens), 8.0);
+  // bf16 Llama-2-70B (138 GB) exceeds one H200's usable 126 GiB: nothing fits.
+  EXPECT_EQ(gqa.kv_capacity_tokens, 0);
+  EXPECT_EQ(gqa.max_static_requests, 0);
+}
+
+TEST(MemoryPlanner, BadQueriesAreErrors) {
+  MemoryPlanQuery q;
+  q.prompt_tokens = 4000;
+  q.output_tokens = 200;
+  test::expect_error_containing(
+      [&] { plan_memory(model_preset("llama-7b"), card_40gib(), q); },
+      {"prompt 4000 + output 200 exceed the 2048-token context"});
+  q.prompt_tokens = 0;
+  test::expect_error_containing([&] { plan_memory(model_preset("llama-7b"), card_40gib(), q); },
+                                {"must be positive"});
+  q.prompt_tokens = 10;
+  q.block_size = 0;
+  test::expect_error_containing([&] { plan_memory(model_preset("llama-7b"), card_40gib(), q); },
+                                {"block size"});
 }
 
 }  // namespace

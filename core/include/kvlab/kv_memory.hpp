@@ -35,4 +35,37 @@ KvMemoryReport kv_memory(const ModelConfig& config, const KvMemoryQuery& query);
 
 inline constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
+// The memory planner: on one device, how many requests fit at once under a static KV
+// reservation (every request holds max_seq_len tokens: the model's context unless given) versus
+// a paged one (every request holds its expected prompt + output tokens, rounded up to blocks).
+struct MemoryPlanQuery {
+  std::int64_t prompt_tokens = 0;  // expected per request
+  std::int64_t output_tokens = 0;  // expected per request
+  std::int64_t max_seq_len = 0;    // static reservation; 0: the model's context
+  std::int64_t block_size = 16;    // paged
+  std::optional<std::int64_t> kv_heads;
+  DType weight_dtype = DType::dtype_bf16;
+  DType kv_dtype = DType::dtype_bf16;
+};
+
+struct MemoryPlan {
+  std::int64_t kv_heads = 0;
+  double usable_bytes = 0;   // memory_gib x utilization
+  double weight_bytes = 0;   // parameters x weight dtype
+  double reserve_bytes = 0;  // activations
+  double kv_budget_bytes = 0;            // usable - weights - reserve (0 when negative)
+  std::int64_t kv_bytes_per_token = 0;   // 2 x layers x kv_heads x head_dim x kv dtype
+  std::int64_t kv_capacity_tokens = 0;   // floor(budget / bytes per token)
+  std::int64_t static_tokens_per_request = 0;
+  std::int64_t paged_tokens_per_request = 0;  // ceil((prompt + output) / block) x block
+  std::int64_t max_static_requests = 0;
+  std::int64_t max_paged_requests = 0;
+};
+
+struct HardwareProfile;
+// Throws kvlab::Error for non-positive lengths, a block size < 1, expected lengths beyond the
+// static reservation, or kv_heads that do not divide the query heads.
+MemoryPlan plan_memory(const ModelConfig& model, const HardwareProfile& device,
+                       const MemoryPlanQuery& query);
+
 }  // namespace kvlab
