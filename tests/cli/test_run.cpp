@@ -205,3 +205,107 @@ TEST(KvlabCheck, CatchesABrokenAllocator) {
 
 }  // namespace
 }  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+TEST(KvlabSimulated, ScaleExperimentRunsWithTheRealPluginsAndNoWeights) {
+  test::TempDir dir;
+  const Result r = kvlab("run " + std::string(KVLAB_SOURCE_DIR) +
+                         "/experiments/simulated_scale.toml --set workload.requests=400 --out " +
+                         (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto s = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
+  EXPECT_EQ(s["finished"], 400);
+  EXPECT_EQ(s["backend"], "simulated");
+  EXPECT_EQ(s["model"], "llama2-7b");
+  // 140 GiB x 0.9 - 12.55 GiB of bf16 weights - 2 GiB, in 512 KiB tokens, whole blocks of 256.
+  EXPECT_EQ(s["kv_slots"], 228246 / 256 * 256);
+  EXPECT_GT(s["output_tokens_per_s"].get<double>(), 0);
+  // Virtual-clock steps carry the cost model's prediction; no measured time leaks into files.
+  const std::string steps = test::read_file(dir / "o" / "000" / "steps.csv");
+  EXPECT_NE(steps.find("measured_step_s,predicted_s"), std::string::npos);
+}
+
+TEST(KvlabSimulated, BackendAndProfileErrorsAreClear) {
+  test::TempDir dir;
+  auto run = [&](const std::string& text, const std::string& command = "run") {
+    test::write_file(dir / "s.toml", text);
+    return kvlab(command + " " + (dir / "s.toml").string() +
+                 (command == "run" ? " --out " + (dir / "o").string() : std::string()));
+  };
+  const std::string base = "[model]\nname = \"llama2-7b\"\n[workload]\nrequests = 3\n";
+  Result r = run(base + "[backend]\nname = \"simulated\"\n");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("needs backend.profile"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("h200"), std::string::npos) << r.err;
+  r = run(base + "[backend]\nname = \"simulated\"\nprofile = \"h2000\"\n");
+  EXPECT_NE(r.err.find("unknown hardware profile \"h2000\" (did you mean h200?)"),
+            std::string::npos)
+      << r.err;
+  r = run(base + "[backend]\nname = \"tpu\"\n");
+  EXPECT_NE(r.err.find("s.toml:6:8: backend \"tpu\" is not available"), std::string::npos)
+      << r.err;
+  r = run(base + "[backend]\nname = \"simulated\"\nprofile = \"h200\"\n", "check");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("needs backend \"cpu\""), std::string::npos) << r.err;
+  // LLaMA-65B in bf16 does not fit on one 80 GiB card: said, not crashed.
+  r = run("[model]\nname = \"llama-65b\"\n[backend]\nname = \"simulated\"\nprofile = "
+          "\"a100-80gb\"\n[workload]\nrequests = 3\n");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("llama-65b does not fit on a100-80gb"), std::string::npos) << r.err;
+}
+
+TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
+  test::TempDir dir;
+  const auto profile = (dir / "cpu.toml").string();
+  const Result r =
+      kvlab("calibrate --backend cpu --model tiny --threads 1 --repeats 1 --out " + profile);
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("fit: mean |error|"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("decode 8 x ctx 128"), std::string::npos) << r.out;
+  test::write_file(dir / "e.toml", kSmall + "[backend]\nname = \"simulated\"\nprofile = \"" +
+                                       profile + "\"\n");
+  const Result run = kvlab("run " + (dir / "e.toml").string() + " --out " + (dir / "o").string());
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const auto s = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
+  EXPECT_EQ(s["finished"], 12);
+
+  const Result cuda = kvlab("calibrate --backend cuda --out " + (dir / "gpu.toml").string());
+  EXPECT_NE(cuda.exit_code, 0);
+  EXPECT_NE(cuda.err.find("CUDA"), std::string::npos) << cuda.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "gpu.toml"));
+}
+
+TEST(KvlabCalibrate, MeasuredClockRecordsPredictionErrors) {
+  test::TempDir dir;
+  const auto profile = (dir / "cpu.toml").string();
+  ASSERT_EQ(
+      kvlab("calibrate --model tiny --threads 1 --repeats 1 --out " + profile).exit_code, 0);
+  test::write_file(dir / "e.toml", kSmall + "[backend]\nprofile = \"" + profile +
+                                       "\"\n");
+  const Result r = kvlab("run " + (dir / "e.toml").string() +
+                         " --set experiment.clock='\"measured\"' --out " + (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto s = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
+  ASSERT_TRUE(s.contains("step_prediction_error")) << s.dump();
+  EXPECT_EQ(s["step_prediction_error"]["count"], s["steps"]);
+  EXPECT_GE(s["step_prediction_error"]["mean"].get<double>(), 0);
+}
+
+TEST(KvlabMemory, PlannerPrintsStaticVersusPaged) {
+  const Result r =
+      kvlab("memory --model llama2-7b --gpu h200 --prompt-len 512 --output-len 256 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const auto j = nlohmann::json::parse(r.out);
+  EXPECT_EQ(j["kv_capacity_tokens"], 228246);
+  EXPECT_EQ(j["max_static_requests"], 228246 / 4096);
+  EXPECT_EQ(j["max_paged_requests"], 228246 / 16 * 16 / 768);
+  EXPECT_EQ(j["variants"].size(), 3u);  // MHA, GQA-8, MQA
+  const Result bad = kvlab("memory --model llama2-7b --gpu h200");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.err.find("--prompt-len"), std::string::npos) << bad.err;
+}
+
+}  // namespace
+}  // namespace kvlab
