@@ -220,9 +220,12 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     }
     std::unordered_map<RequestId, std::int64_t> chunks;
     for (const auto& c : plan.prefill) chunks[c.id] = c.tokens;
-    for (const auto& d : plan.deferred) {
+    for (const auto& d : plan.deferred) {  // logged when the reason is new for the request, not
+                                           // every step it keeps waiting for the same reason
+      auto [it, inserted] = last_deferral.try_emplace(d.id, d.reason);
+      if (!inserted && it->second == d.reason) continue;
+      it->second = d.reason;
       event("defer", d.id, d.reason);
-      last_deferral[d.id] = d.reason;
     }
     for (RequestId id : plan.admit) {
       LiveRequest& r = live.at(id);
@@ -234,6 +237,7 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
         event("defer", id, "kv_full_at_apply");
         continue;
       }
+      last_deferral.erase(id);  // a later deferral (after a preemption) is news again
       r.allocated = length;
       r.admitted_step = step;
       if (r.swapped) {  // bring the KV back; prefix-cache hits already hold theirs
