@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""Runs every command shown in the documentation, so none of them can rot.
+
+Usage: scripts/check_doc_commands.py BUILD_DIR [DOC ...]   (default: README.md and docs/**/*.md)
+
+A command is a line of a ```sh block that starts with ./build/bin/kvlab, kvlab or
+python3 experiments/. Each distinct command runs once, in document order, from a scratch
+folder that links build/, experiments/, profiles/ and tests/ of this checkout (results/ and
+models/ land there, not in the checkout). It must exit 0. Where the command is pure arithmetic
+(kvlab memory, or a run on the simulated backend) and the page shows what it printed (the next
+```text block, or the markdown table rows after it), every shown line must appear in the
+output: those pages cannot drift from the code.
+
+Shown but not run, with the reason printed: the README's ./scripts/*.sh (they are the CI job
+itself), the install-and-build lines of docs/writing-a-plugin.md (ctest's
+install.find_package_consumer runs exactly those steps), and benchmark binaries, which run
+with --benchmark_list_tests=true (flags and filters are checked; measuring is for humans).
+"""
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def blocks(path):
+    """Yields (language, first line number, lines) of every fenced block."""
+    lines = path.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if lines[i].startswith("```"):
+            lang, start, body = lines[i][3:].strip(), i + 1, []
+            i += 1
+            while i < len(lines) and not lines[i].startswith("```"):
+                body.append(lines[i])
+                i += 1
+            yield lang, start + 1, body, i + 1
+        i += 1
+
+
+def shown_output(path, after_line):
+    """The ```text block or markdown table rows that follow line `after_line`."""
+    lines = path.read_text().splitlines()
+    i = after_line
+    while i < len(lines) and not lines[i].startswith("```") and not lines[i].startswith("|"):
+        if lines[i].startswith("#") or "./build/bin/" in lines[i]:
+            return []
+        i += 1
+    if i >= len(lines):
+        return []
+    if lines[i].startswith("|"):
+        rows = []
+        while i < len(lines) and lines[i].startswith("|"):
+            if not lines[i].startswith("|---") and not lines[i].startswith("| run |"):
+                rows.append(lines[i])
+            i += 1
+        return rows
+    if lines[i].strip() == "```text":
+        rows = []
+        i += 1
+        while i < len(lines) and not lines[i].startswith("```"):
+            rows.append(lines[i].rstrip())
+            i += 1
+        return rows
+    return []
+
+
+def commands(docs):
+    for path in docs:
+        for lang, first, body, end in blocks(path):
+            if lang not in ("sh", "bash"):
+                continue
+            for offset, raw in enumerate(body):
+                line = re.sub(r"\s+#.*$", "", raw).strip()
+                if not line or line.startswith("#"):
+                    continue
+                yield path, first + offset, line, end
+
+
+def main():
+    if len(sys.argv) < 2:
+        sys.exit(__doc__)
+    build = pathlib.Path(sys.argv[1]).resolve()
+    docs = [pathlib.Path(p).resolve() for p in sys.argv[2:]] or (
+        [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md")))
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvlab_doc_commands_"))
+    os.symlink(build, scratch / "build")
+    for name in ("experiments", "profiles", "tests"):
+        os.symlink(ROOT / name, scratch / name)
+    env = dict(os.environ, OMP_WAIT_POLICY="passive")
+    seen, failures, ran, skipped = set(), [], 0, 0
+    for path, line_no, line, block_end in commands(docs):
+        where = f"{path.relative_to(ROOT)}:{line_no}"
+        if line.startswith("./scripts/") or line.startswith("cmake ") or line.startswith("/opt/"):
+            print(f"skip  {where}: {line}  (covered by CI / install.find_package_consumer)")
+            skipped += 1
+            continue
+        if line.startswith("kvlab "):
+            line = "./build/bin/" + line
+        if line.startswith("./build/bin/kvlab_bench"):
+            line += " --benchmark_list_tests=true"
+        elif not (line.startswith("./build/bin/kvlab ") or line.startswith("python3 experiments/")):
+            failures.append(f"{where}: not a runnable command: {line}")
+            continue
+        if line in seen:
+            continue
+        seen.add(line)
+        started = time.monotonic()
+        result = subprocess.run(line, shell=True, cwd=scratch, env=env, capture_output=True,
+                                text=True, timeout=900)
+        ran += 1
+        seconds = time.monotonic() - started
+        print(f"{'ok' if result.returncode == 0 else 'FAIL':4}  {where}: {line}  ({seconds:.1f} s)",
+              flush=True)
+        if result.returncode != 0:
+            failures.append(f"{where}: exit {result.returncode}: {line}\n{result.stderr[-2000:]}")
+            continue
+        deterministic = " memory " in line or "simulated" in line
+        if deterministic:
+            output = result.stdout.splitlines()
+            for shown in shown_output(path, block_end):
+                if shown.strip() and shown not in output:
+                    failures.append(f"{where}: the page shows a line the command no longer "
+                                    f"prints:\n  {shown}\n--- it printed:\n{result.stdout}")
+                    break
+    print(f"\n{ran} commands ran, {skipped} skipped, {len(failures)} failed")
+    for f in failures:
+        print(f"\nFAILED {f}")
+    sys.exit(1 if failures else 0)
+
+
+if __name__ == "__main__":
+    main()
