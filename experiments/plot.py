@@ -13,7 +13,11 @@ import json
 import pathlib
 import sys
 
-import matplotlib
+try:
+    import matplotlib
+except ModuleNotFoundError:
+    sys.exit(f"plot.py: {sys.executable} has no matplotlib: install Debian's python3-matplotlib "
+             "(scripts/setup.sh does) and run it with /usr/bin/python3, or pip install matplotlib")
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402

@@ -109,6 +109,8 @@ def main():
         if line in seen:
             continue
         seen.add(line)
+        if line.startswith("python3 "):  # the interpreter running this check (Debian's, with
+            line = sys.executable + line[len("python3"):]  # matplotlib), not a PATH shadow
         started = time.monotonic()
         result = subprocess.run(line, shell=True, cwd=scratch, env=env, capture_output=True,
                                 text=True, timeout=900)

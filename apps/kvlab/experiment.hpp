@@ -25,7 +25,8 @@ struct ExperimentConfig {
   std::vector<std::string> plugin_paths;
   std::string model;  // preset name or model folder
   std::uint64_t weights_seed = 0;
-  std::string backend = "cpu";  // cpu | simulated
+  std::string backend = "cpu";  // cpu | simulated | a backend plugin (cuda)
+  ParamMap backend_params;      // a plugin backend's parameters
   std::string profile;          // hardware profile (name or file): simulated's device; with cpu,
                                 // its predictions time the virtual clock / sit next to measured
   std::int64_t threads = 0;

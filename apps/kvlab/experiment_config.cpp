@@ -162,12 +162,10 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   }
   {
     Section s(top.table("backend"), "backend", file);
-    c.backend = s.get<std::string>("name").value_or(c.backend);
-    if (c.backend != "cpu" && c.backend != "simulated")
-      s.fail(*s.node("name"),
-             fmt::format("backend \"{}\" is not available (kvlab has: cpu, simulated)", c.backend));
+    c.backend = s.get<std::string>("name").value_or(c.backend);  // cpu, simulated or a plugin
     c.threads = s.get<std::int64_t>("threads").value_or(0);
     c.profile = s.get<std::string>("profile").value_or("");
+    c.backend_params = plugin_params(s, "params");
     if (c.backend == "simulated" && c.profile.empty())
       s.fail(top.table("backend") != nullptr ? *top.table("backend") : root,
              fmt::format("backend \"simulated\" needs backend.profile: a name ({}) or a .toml file",

@@ -51,6 +51,8 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 
   const ModelSource source = resolve_model(c.model);
   const bool simulated = c.backend == "simulated";
+  const bool plugin_backend = c.backend != "cpu" && !simulated;  // e.g. cuda
+  if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
   if (simulated && check)
     throw Error(
         "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
@@ -101,18 +103,25 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
           cost_model->profile().memory_gib * cost_model->profile().memory_utilization -
               cost_model->profile().activation_reserve_gib));
   }
+  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool.
   KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
-              simulated ? KvStorage::none : KvStorage::host);
+              simulated || plugin_backend ? KvStorage::none : KvStorage::host);
   context.pool = &pool;
   auto allocator =
       registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
   auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
   std::unique_ptr<Backend> inner;
-  if (simulated)
+  PluginObject<Backend> device_backend;  // declared after pool: destroyed (detaching) first
+  if (simulated) {
     inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
-  else
+  } else if (plugin_backend) {
+    context.weights = &*weights;
+    context.window = attention->window().value_or(0);
+    device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
+  } else {
     inner = std::make_unique<cpu::CpuBackend>(*weights, pool, attention->window());
-  TimedBackend backend(*inner);
+  }
+  TimedBackend backend(plugin_backend ? *device_backend : *inner);
 
   std::vector<WorkloadRequest> requests;
   if (!c.trace.empty()) {

@@ -41,6 +41,17 @@ std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::
   const KvPoolShape& shape = pool.shape();
   const std::int64_t width = shape.slot_width(), tokens = end - first;
   const std::int64_t bytes = 2 * shape.layers * tokens * width * static_cast<std::int64_t>(sizeof(float));
+  if (KvDeviceStorage* device = pool.device()) {  // the K/V live on a GPU
+    std::vector<std::int64_t> slots;
+    for (std::int64_t p = first; p < end; ++p) slots.push_back(view.slot_of(p));
+    if (to_host) {
+      buffer.assign(static_cast<std::size_t>(2 * shape.layers * tokens * width), 0.0f);
+      device->download(slots, buffer.data());
+    } else {
+      device->upload(slots, buffer.data());
+    }
+    return bytes;
+  }
   if (!pool.has_storage()) return bytes;  // bookkeeping only (the simulated backend)
   if (to_host) buffer.assign(static_cast<std::size_t>(2 * shape.layers * tokens * width), 0.0f);
   for (std::int64_t layer = 0; layer < shape.layers; ++layer)
@@ -246,7 +257,8 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
         const std::int64_t from = std::max(r.swap_first, allocation->cached_tokens);
         if (from < r.computed) {
           std::vector<float> part;
-          if (from == r.swap_first || !options_.pool->has_storage()) {
+          if (from == r.swap_first ||
+              (!options_.pool->has_storage() && options_.pool->device() == nullptr)) {
             part = std::move(r.swap);
           } else {  // skip the leading positions the cache already serves
             const std::int64_t width = options_.pool->shape().slot_width(),

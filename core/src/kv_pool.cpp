@@ -18,6 +18,7 @@ std::int64_t KvPool::bytes_per_slot() const {
 std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) {
   assert(source >= 0 && destination >= 0 && source + count <= shape_.slots &&
          destination + count <= shape_.slots);
+  if (device_ != nullptr) device_->copy_slots(source, destination, count);
   if (!has_storage()) return count * bytes_per_slot();
   const auto bytes = static_cast<std::size_t>(count * shape_.slot_width()) * sizeof(float);
   for (std::int64_t layer = 0; layer < shape_.layers; ++layer) {

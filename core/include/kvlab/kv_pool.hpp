@@ -22,10 +22,25 @@ struct KvPoolShape {
 // as usual, key()/value() must not be called (the simulated backend computes nothing).
 enum class KvStorage { host, none };
 
+// Where K/V live when not in this host pool: a GPU backend's device pool, indexed by the same
+// slots. The pool forwards slot copies to it (an allocator's move or copy-on-write) and the
+// engine swaps through it. Host buffers are (layers, 2 [K, V], slots.size(), slot_width) fp32.
+class KvDeviceStorage {
+ public:
+  virtual ~KvDeviceStorage() = default;
+  virtual void copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) = 0;
+  virtual void download(const std::vector<std::int64_t>& slots, float* host) = 0;
+  virtual void upload(const std::vector<std::int64_t>& slots, const float* host) = 0;
+};
+
 class KvPool {
  public:
   explicit KvPool(const KvPoolShape& shape, KvStorage storage = KvStorage::host);
   bool has_storage() const { return !keys_.empty(); }
+  // A device that holds this pool's K/V (the pool itself then has KvStorage::none); nullptr
+  // to detach. Not owned.
+  void attach_device(KvDeviceStorage* device) { device_ = device; }
+  KvDeviceStorage* device() const { return device_; }
 
   const KvPoolShape& shape() const { return shape_; }
   // (kv_heads * head_dim) floats of one slot in one layer.
@@ -50,6 +65,7 @@ class KvPool {
     return (layer * shape_.slots + slot) * shape_.slot_width();
   }
   KvPoolShape shape_;
+  KvDeviceStorage* device_ = nullptr;
   std::vector<float> keys_;    // (layers, slots, kv_heads, head_dim)
   std::vector<float> values_;  // (layers, slots, kv_heads, head_dim)
 };

@@ -18,6 +18,7 @@
 #include <span>
 
 #include "kvlab/attention_variant.hpp"
+#include "kvlab/backend.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/plugin_params.hpp"
@@ -26,7 +27,7 @@
 namespace kvlab {
 
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
-inline constexpr std::uint32_t kPluginAbiVersion = 2;  // 2: free_slots, chosen_tokens
+inline constexpr std::uint32_t kPluginAbiVersion = 2;  // 2: free_slots, chosen_tokens, backends
 
 enum class PluginKind : std::uint32_t {
   kv_allocator = 1,
@@ -36,11 +37,17 @@ enum class PluginKind : std::uint32_t {
 };
 const char* plugin_kind_name(PluginKind kind);  // "allocator", "attention", "scheduler", "backend"
 
+namespace cpu {
+struct LlamaWeights;  // cpu_reference: the host weights a compute backend uploads
+}
+
 // What a plugin object may need from the host when it is created.
 struct PluginContext {
   KvPool* pool = nullptr;              // allocators: the pool whose slots they hand out
   const ModelConfig* model = nullptr;  // the model being served
   std::int64_t max_seq_len = 0;        // longest sequence (prompt + output) a request may reach
+  const cpu::LlamaWeights* weights = nullptr;  // backends: the checkpoint (K/V heads converted)
+  std::int64_t window = 0;                     // backends: sliding-window size, 0 for none
 };
 
 struct PluginDescriptor {
@@ -70,6 +77,10 @@ struct PluginInterface<PluginKind::attention_variant> {
 template <>
 struct PluginInterface<PluginKind::scheduler> {
   using type = Scheduler;
+};
+template <>
+struct PluginInterface<PluginKind::backend> {
+  using type = Backend;
 };
 
 namespace detail {

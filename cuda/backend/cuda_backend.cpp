@@ -1,0 +1,458 @@
+// The `cuda` backend plugin: the LLaMA forward on one GPU. Weights are uploaded once (fp32 or
+// bf16); the KV cache lives in device memory indexed by the same slots the allocator plugins
+// hand out (the host KvPool keeps only the bookkeeping and forwards copies here); every step
+// uploads its tokens, positions, slots and the per-token slot table once and reuses them in
+// every layer. Projections and the MLP are cuBLAS GEMMs with fp32 accumulation; the residual
+// stream stays fp32; logits come back to the host so sampling is the CPU path's.
+#include <cublas_v2.h>
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+#include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/cuda/device.hpp"
+#include "kvlab/cuda/kernels.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/plugin.hpp"
+
+namespace {
+
+using kvlab::Error;
+using kvlab::cuda::Dtype;
+
+void check(cudaError_t status, const char* what) {
+  if (status != cudaSuccess)
+    throw Error(fmt::format("cuda backend: {}: {}", what, cudaGetErrorString(status)));
+}
+void check(cublasStatus_t status, const char* what) {
+  if (status != CUBLAS_STATUS_SUCCESS)
+    throw Error(fmt::format("cuda backend: {}: cuBLAS status {}", what, static_cast<int>(status)));
+}
+
+// A device allocation that frees itself.
+class DeviceBuffer {
+ public:
+  DeviceBuffer() = default;
+  explicit DeviceBuffer(std::size_t bytes) { resize(bytes); }
+  DeviceBuffer(const DeviceBuffer&) = delete;
+  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  ~DeviceBuffer() { cudaFree(data_); }
+  void resize(std::size_t bytes) {  // grows only; contents are not kept
+    if (bytes <= bytes_) return;
+    cudaFree(data_);
+    data_ = nullptr;
+    check(cudaMalloc(&data_, bytes), "cudaMalloc");
+    bytes_ = bytes;
+  }
+  template <typename T = void>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+// Pinned host staging for one step's uploads and the logits download.
+class PinnedBuffer {
+ public:
+  PinnedBuffer() = default;
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+  ~PinnedBuffer() { cudaFreeHost(data_); }
+  void resize(std::size_t bytes) {
+    if (bytes <= bytes_) return;
+    cudaFreeHost(data_);
+    data_ = nullptr;
+    check(cudaMallocHost(&data_, bytes), "cudaMallocHost");
+    bytes_ = bytes;
+  }
+  template <typename T>
+  T* get() const {
+    return static_cast<T*>(data_);
+  }
+
+ private:
+  void* data_ = nullptr;
+  std::size_t bytes_ = 0;
+};
+
+cudaDataType_t cuda_type(Dtype d) { return d == Dtype::f32 ? CUDA_R_32F : CUDA_R_16BF; }
+
+// A weight matrix on the device, converted to the compute dtype.
+DeviceBuffer upload_matrix(const float* data, std::int64_t count, Dtype dtype) {
+  DeviceBuffer buffer(static_cast<std::size_t>(count) * kvlab::cuda::dtype_bytes(dtype));
+  if (dtype == Dtype::f32) {
+    check(cudaMemcpy(buffer.get(), data, static_cast<std::size_t>(count) * sizeof(float),
+                     cudaMemcpyHostToDevice),
+          "upload weights");
+  } else {
+    std::vector<Eigen::bfloat16> converted(static_cast<std::size_t>(count));
+    for (std::int64_t i = 0; i < count; ++i) converted[static_cast<std::size_t>(i)] = Eigen::bfloat16(data[i]);
+    check(cudaMemcpy(buffer.get(), converted.data(), converted.size() * sizeof(Eigen::bfloat16),
+                     cudaMemcpyHostToDevice),
+          "upload weights");
+  }
+  return buffer;
+}
+
+DeviceBuffer upload_floats(const float* data, std::int64_t count) {
+  DeviceBuffer buffer(static_cast<std::size_t>(count) * sizeof(float));
+  check(cudaMemcpy(buffer.get(), data, static_cast<std::size_t>(count) * sizeof(float),
+                   cudaMemcpyHostToDevice),
+        "upload");
+  return buffer;
+}
+
+struct DeviceLayer {
+  DeviceBuffer attention_norm, w_qkv, wo, mlp_norm, w_gate_up, w_down;
+};
+
+class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
+ public:
+  CudaBackend(const kvlab::PluginParams& params, const kvlab::PluginContext& context)
+      : pool_(context.pool), window_(context.window) {
+    if (context.weights == nullptr || context.pool == nullptr)
+      throw Error("cuda backend: needs the model weights and the KV pool (a host bug)");
+    const kvlab::cuda::DeviceProbe probe =
+        kvlab::cuda::probe_device(static_cast<int>(params.integer("device")));
+    if (!probe.available) throw Error(fmt::format("cuda backend: {}", probe.reason));
+    check(cudaSetDevice(static_cast<int>(params.integer("device"))), "cudaSetDevice");
+    const std::string& dtype = params.string("dtype");
+    if (dtype != "f32" && dtype != "bf16")
+      throw Error(fmt::format("cuda backend: dtype \"{}\": choose f32 or bf16", dtype));
+    dtype_ = dtype == "f32" ? Dtype::f32 : Dtype::bf16;
+    split_keys_ = static_cast<std::int32_t>(params.integer("split_keys"));
+    const kvlab::cpu::LlamaWeights& w = *context.weights;
+    config_ = w.config;
+    const kvlab::ModelConfig& c = config_;
+    if (!kvlab::cuda::attention_supports(c.head_dim))
+      throw Error(fmt::format("cuda backend: head_dim {} is not instantiated (16, 32, 48, 64, 80, "
+                              "96, 128 or 256)",
+                              c.head_dim));
+    const kvlab::KvPoolShape& shape = pool_->shape();
+    if (shape.kv_heads != c.num_key_value_heads || shape.head_dim != c.head_dim ||
+        shape.layers != c.num_hidden_layers)
+      throw Error("cuda backend: the KV pool does not match the model");
+
+    check(cudaStreamCreate(&stream_), "cudaStreamCreate");
+    check(cublasCreate(&cublas_), "cublasCreate");
+    check(cublasSetStream(cublas_, stream_), "cublasSetStream");
+
+    embedding_ = upload_matrix(w.embedding.data(), w.embedding.size(), dtype_);
+    if (!c.tie_word_embeddings) lm_head_ = upload_matrix(w.lm_head.data(), w.lm_head.size(), dtype_);
+    final_norm_ = upload_floats(w.final_norm.data(), w.final_norm.size());
+    for (const auto& layer : w.layers) {
+      DeviceLayer d;
+      d.attention_norm = upload_floats(layer.attention_norm.data(), layer.attention_norm.size());
+      d.w_qkv = upload_matrix(layer.w_qkv.data(), layer.w_qkv.size(), dtype_);
+      d.wo = upload_matrix(layer.wo.data(), layer.wo.size(), dtype_);
+      d.mlp_norm = upload_floats(layer.mlp_norm.data(), layer.mlp_norm.size());
+      d.w_gate_up = upload_matrix(layer.w_gate_up.data(), layer.w_gate_up.size(), dtype_);
+      d.w_down = upload_matrix(layer.w_down.data(), layer.w_down.size(), dtype_);
+      layers_.push_back(std::move(d));
+    }
+    const kvlab::cpu::RopeTable rope(c.head_dim, c.rope_theta, c.max_position_embeddings);
+    std::vector<float> cos, sin;
+    for (std::int64_t p = 0; p < c.max_position_embeddings; ++p)
+      for (std::int64_t i = 0; i < c.head_dim / 2; ++i) {
+        cos.push_back(rope.cos(p, i));
+        sin.push_back(rope.sin(p, i));
+      }
+    rope_cos_ = upload_floats(cos.data(), static_cast<std::int64_t>(cos.size()));
+    rope_sin_ = upload_floats(sin.data(), static_cast<std::int64_t>(sin.size()));
+
+    layer_elements_ = shape.slots * c.kv_dim();
+    const std::size_t pool_bytes = static_cast<std::size_t>(shape.layers * layer_elements_) *
+                                   kvlab::cuda::dtype_bytes(dtype_);
+    k_pool_.resize(pool_bytes);
+    v_pool_.resize(pool_bytes);
+    check(cudaMemset(k_pool_.get(), 0, pool_bytes), "cudaMemset");
+    check(cudaMemset(v_pool_.get(), 0, pool_bytes), "cudaMemset");
+    pool_->attach_device(this);
+  }
+
+  ~CudaBackend() override {
+    if (pool_ != nullptr && pool_->device() == this) pool_->attach_device(nullptr);
+    if (cublas_ != nullptr) cublasDestroy(cublas_);
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+
+  std::int64_t vocab_size() const override { return config_.vocab_size; }
+
+  std::span<const float> forward(std::span<const kvlab::BatchEntry> batch) override {
+    const kvlab::ModelConfig& c = config_;
+    // 1. The step's metadata, staged and uploaded once.
+    tokens_.clear();
+    positions_.clear();
+    new_slots_.clear();
+    slot_table_.clear();
+    entries_.clear();
+    last_rows_.clear();
+    std::int32_t max_keys = 0, max_queries = 0;
+    for (const auto& e : batch) {
+      kvlab::cuda::AttentionEntry a;
+      a.first_row = static_cast<std::int32_t>(tokens_.size());
+      a.queries = static_cast<std::int32_t>(e.tokens.size());
+      a.start_position = static_cast<std::int32_t>(e.start_position);
+      a.first_position = static_cast<std::int32_t>(e.view.first_position);
+      a.slot_offset = static_cast<std::int64_t>(slot_table_.size());
+      const std::int64_t end = e.start_position + static_cast<std::int64_t>(e.tokens.size());
+      if (end > c.max_position_embeddings)
+        throw Error(fmt::format("position {} is beyond the context of {}", end - 1, c.name));
+      for (const auto& extent : e.view.extents)
+        for (std::int64_t s = 0; s < extent.length; ++s) slot_table_.push_back(extent.start_slot + s);
+      for (std::size_t j = 0; j < e.tokens.size(); ++j) {
+        const std::int64_t position = e.start_position + static_cast<std::int64_t>(j);
+        tokens_.push_back(e.tokens[j]);
+        positions_.push_back(static_cast<std::int32_t>(position));
+        new_slots_.push_back(slot_table_[static_cast<std::size_t>(a.slot_offset + position - e.view.first_position)]);
+      }
+      last_rows_.push_back(static_cast<std::int32_t>(tokens_.size() - 1));
+      if (a.queries == 1) max_keys = std::max(max_keys, a.start_position - a.first_position + 1);
+      max_queries = std::max(max_queries, a.queries);
+      entries_.push_back(a);
+    }
+    const auto rows = static_cast<std::int64_t>(tokens_.size());
+    const auto count = static_cast<std::int64_t>(batch.size());
+    if (rows == 0) return {};
+    to_device(tokens_, d_tokens_);
+    to_device(positions_, d_positions_);
+    to_device(new_slots_, d_new_slots_);
+    to_device(slot_table_, d_slot_table_);
+    to_device(entries_, d_entries_);
+    to_device(last_rows_, d_last_rows_);
+
+    // 2. Activations (grow only).
+    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
+    const std::int64_t dim = c.hidden_size, q_dim = c.q_dim(), kv_dim = c.kv_dim(),
+                       qkv_dim = q_dim + 2 * kv_dim, ffn = c.intermediate_size;
+    x_.resize(static_cast<std::size_t>(rows * dim) * sizeof(float));
+    normed_.resize(static_cast<std::size_t>(rows * dim) * e);
+    qkv_.resize(static_cast<std::size_t>(rows * qkv_dim) * e);
+    attention_.resize(static_cast<std::size_t>(rows * q_dim) * e);
+    projected_.resize(static_cast<std::size_t>(rows * dim) * e);
+    gate_up_.resize(static_cast<std::size_t>(rows * 2 * ffn) * e);
+    hidden_.resize(static_cast<std::size_t>(rows * ffn) * e);
+    last_.resize(static_cast<std::size_t>(count * dim) * sizeof(float));
+    logits_.resize(static_cast<std::size_t>(count * c.vocab_size) * sizeof(float));
+    workspace_.resize(static_cast<std::size_t>(kvlab::cuda::attention_workspace_floats(
+                          count, c.num_attention_heads, c.head_dim, std::max(max_keys, 1),
+                          split_keys_)) *
+                      sizeof(float));
+
+    // 3. The layers.
+    check(kvlab::cuda::launch_embedding({d_tokens_.get<std::int32_t>(), embedding_.get(),
+                                         x_.get<float>(), rows, dim, c.vocab_size, dtype_},
+                                        stream_),
+          "embedding");
+    const float eps = static_cast<float>(c.rms_norm_eps);
+    for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
+      const DeviceLayer& layer = layers_[static_cast<std::size_t>(l)];
+      char* qkv = qkv_.get<char>();
+      check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.attention_norm.get<float>(),
+                                          normed_.get(), rows, dim, eps, dtype_},
+                                         stream_),
+            "rms_norm");
+      gemm(normed_.get(), rows, dim, layer.w_qkv.get(), qkv_dim, qkv, cuda_type(dtype_));
+      check(kvlab::cuda::launch_rope({qkv, qkv_dim, d_positions_.get<std::int32_t>(),
+                                      rope_cos_.get<float>(), rope_sin_.get<float>(), rows,
+                                      c.num_attention_heads, c.head_dim, dtype_},
+                                     stream_),
+            "rope q");
+      check(kvlab::cuda::launch_rope({qkv + q_dim * e, qkv_dim, d_positions_.get<std::int32_t>(),
+                                      rope_cos_.get<float>(), rope_sin_.get<float>(), rows,
+                                      c.num_key_value_heads, c.head_dim, dtype_},
+                                     stream_),
+            "rope k");
+      char* k_layer = k_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
+      char* v_layer = v_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
+      check(kvlab::cuda::launch_kv_write({qkv + q_dim * e, qkv + (q_dim + kv_dim) * e, qkv_dim,
+                                          d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows,
+                                          kv_dim, dtype_},
+                                         stream_),
+            "kv_write");
+      kvlab::cuda::AttentionParams a;
+      a.q = qkv;
+      a.q_row_stride = qkv_dim;
+      a.k_pool = k_layer;
+      a.v_pool = v_layer;
+      a.slot_table = d_slot_table_.get<std::int64_t>();
+      a.entries = d_entries_.get<kvlab::cuda::AttentionEntry>();
+      a.entry_count = static_cast<std::int32_t>(count);
+      a.max_keys = max_keys;
+      a.max_queries = max_queries;
+      a.out = attention_.get();
+      a.heads = c.num_attention_heads;
+      a.kv_heads = c.num_key_value_heads;
+      a.head_dim = c.head_dim;
+      a.window = window_;
+      a.split_keys = split_keys_;
+      a.workspace = workspace_.get<float>();
+      a.dtype = dtype_;
+      check(kvlab::cuda::launch_attention(a, stream_), "attention");
+      gemm(attention_.get(), rows, q_dim, layer.wo.get(), dim, projected_.get(), cuda_type(dtype_));
+      check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
+                                             stream_),
+            "residual");
+      check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.mlp_norm.get<float>(),
+                                          normed_.get(), rows, dim, eps, dtype_},
+                                         stream_),
+            "rms_norm");
+      gemm(normed_.get(), rows, dim, layer.w_gate_up.get(), 2 * ffn, gate_up_.get(), cuda_type(dtype_));
+      check(kvlab::cuda::launch_swiglu({gate_up_.get(), hidden_.get(), rows, ffn, dtype_}, stream_),
+            "swiglu");
+      gemm(hidden_.get(), rows, ffn, layer.w_down.get(), dim, projected_.get(), cuda_type(dtype_));
+      check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
+                                             stream_),
+            "residual");
+    }
+    // 4. Logits of each entry's last token, fp32, back to the host.
+    check(kvlab::cuda::launch_gather_rows(x_.get<float>(), d_last_rows_.get<std::int32_t>(),
+                                          last_.get<float>(), count, dim, stream_),
+          "gather");
+    check(kvlab::cuda::launch_rms_norm({last_.get<float>(), dim, final_norm_.get<float>(),
+                                        normed_.get(), count, dim, eps, dtype_},
+                                       stream_),
+          "final norm");
+    gemm(normed_.get(), count, dim, c.tie_word_embeddings ? embedding_.get() : lm_head_.get(),
+         c.vocab_size, logits_.get(), CUDA_R_32F);
+    const std::size_t logit_bytes = static_cast<std::size_t>(count * c.vocab_size) * sizeof(float);
+    host_logits_.resize(logit_bytes);
+    check(cudaMemcpyAsync(host_logits_.get<float>(), logits_.get(), logit_bytes,
+                          cudaMemcpyDeviceToHost, stream_),
+          "download logits");
+    check(cudaStreamSynchronize(stream_), "forward");
+    return {host_logits_.get<float>(), static_cast<std::size_t>(count * c.vocab_size)};
+  }
+
+  // KvDeviceStorage: the allocator's slot copies and the engine's swaps.
+  void copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) override {
+    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
+    const std::size_t bytes = static_cast<std::size_t>(count * config_.kv_dim()) * e;
+    scratch_.resize(bytes);
+    for (char* base : {k_pool_.get<char>(), v_pool_.get<char>()})
+      for (std::int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+        char* layer = base + static_cast<std::size_t>(l * layer_elements_) * e;
+        const std::size_t from = static_cast<std::size_t>(source * config_.kv_dim()) * e;
+        const std::size_t to = static_cast<std::size_t>(destination * config_.kv_dim()) * e;
+        // Through scratch: the ranges may overlap.
+        check(cudaMemcpyAsync(scratch_.get(), layer + from, bytes, cudaMemcpyDeviceToDevice, stream_),
+              "copy slots");
+        check(cudaMemcpyAsync(layer + to, scratch_.get(), bytes, cudaMemcpyDeviceToDevice, stream_),
+              "copy slots");
+      }
+    check(cudaStreamSynchronize(stream_), "copy slots");
+  }
+
+  void download(const std::vector<std::int64_t>& slots, float* host) override {
+    transfer(slots, host, true);
+  }
+  void upload(const std::vector<std::int64_t>& slots, const float* host) override {
+    transfer(slots, const_cast<float*>(host), false);
+  }
+
+ private:
+  // Pageable source: cudaMemcpyAsync has copied it out when it returns.
+  template <typename T>
+  void to_device(const std::vector<T>& values, DeviceBuffer& buffer) {
+    const std::size_t bytes = values.size() * sizeof(T);
+    buffer.resize(std::max<std::size_t>(bytes, 1));
+    if (bytes == 0) return;
+    check(cudaMemcpyAsync(buffer.get(), values.data(), bytes, cudaMemcpyHostToDevice, stream_),
+          "upload step metadata");
+  }
+
+  // Y (rows, out) = X (rows, in) W^T, W (out, in) row-major: column-major Y^T = W^T^T X^T.
+  void gemm(const void* x, std::int64_t rows, std::int64_t in, const void* w, std::int64_t out,
+            void* y, cudaDataType_t y_type) {
+    const float alpha = 1.0f, beta = 0.0f;
+    check(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out),
+                       static_cast<int>(rows), static_cast<int>(in), &alpha, w, cuda_type(dtype_),
+                       static_cast<int>(in), x, cuda_type(dtype_), static_cast<int>(in), &beta, y,
+                       y_type, static_cast<int>(out), CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+          "cublasGemmEx");
+  }
+
+  // Host buffer (layers, 2 [K, V], slots, kv_dim) fp32 <-> the device pool's slots.
+  void transfer(const std::vector<std::int64_t>& slots, float* host, bool to_host) {
+    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
+    const std::int64_t width = config_.kv_dim(), n = static_cast<std::int64_t>(slots.size());
+    scratch_.resize(static_cast<std::size_t>(n * width) * e);
+    staging_floats_.resize(static_cast<std::size_t>(n * width) * sizeof(float));
+    for (std::int64_t l = 0; l < config_.num_hidden_layers; ++l)
+      for (int kv = 0; kv < 2; ++kv) {
+        char* layer = (kv == 0 ? k_pool_ : v_pool_).get<char>() +
+                      static_cast<std::size_t>(l * layer_elements_) * e;
+        float* part = host + ((2 * l + kv) * n) * width;
+        const std::size_t row = static_cast<std::size_t>(width) * e;
+        if (to_host) {
+          for (std::int64_t i = 0; i < n; ++i)
+            check(cudaMemcpyAsync(scratch_.get<char>() + i * row,
+                                  layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
+                                  row, cudaMemcpyDeviceToDevice, stream_),
+                  "swap out");
+          check(kvlab::cuda::launch_convert_to_f32(scratch_.get(), staging_floats_.get<float>(),
+                                                   n * width, dtype_, stream_),
+                "swap out");
+          check(cudaMemcpyAsync(part, staging_floats_.get(), static_cast<std::size_t>(n * width) * sizeof(float),
+                                cudaMemcpyDeviceToHost, stream_),
+                "swap out");
+          check(cudaStreamSynchronize(stream_), "swap out");
+        } else {
+          check(cudaMemcpyAsync(staging_floats_.get(), part, static_cast<std::size_t>(n * width) * sizeof(float),
+                                cudaMemcpyHostToDevice, stream_),
+                "swap in");
+          check(kvlab::cuda::launch_convert_from_f32(staging_floats_.get<float>(), scratch_.get(),
+                                                     n * width, dtype_, stream_),
+                "swap in");
+          for (std::int64_t i = 0; i < n; ++i)
+            check(cudaMemcpyAsync(layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
+                                  scratch_.get<char>() + i * row, row, cudaMemcpyDeviceToDevice, stream_),
+                  "swap in");
+          check(cudaStreamSynchronize(stream_), "swap in");
+        }
+      }
+  }
+
+  kvlab::KvPool* pool_;
+  std::int64_t window_;
+  kvlab::ModelConfig config_;
+  Dtype dtype_ = Dtype::f32;
+  std::int32_t split_keys_ = 256;
+  cudaStream_t stream_ = nullptr;
+  cublasHandle_t cublas_ = nullptr;
+  DeviceBuffer embedding_, lm_head_, final_norm_, rope_cos_, rope_sin_;
+  std::vector<DeviceLayer> layers_;
+  std::int64_t layer_elements_ = 0;  // slots x kv_dim
+  DeviceBuffer k_pool_, v_pool_;     // (layers, slots, kv_heads, head_dim) each
+  DeviceBuffer x_, normed_, qkv_, attention_, projected_, gate_up_, hidden_, last_, logits_, workspace_,
+      scratch_, staging_floats_;
+  DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_slot_table_, d_entries_, d_last_rows_;
+  PinnedBuffer host_logits_;
+  std::vector<std::int32_t> tokens_, positions_, last_rows_;
+  std::vector<std::int64_t> new_slots_, slot_table_;
+  std::vector<kvlab::cuda::AttentionEntry> entries_;
+};
+
+const kvlab::ParamSpec kParams[] = {
+    {"dtype", kvlab::ParamType::param_string,
+     "weights, activations and KV cache: f32 or bf16 (fp32 accumulation either way)", "\"f32\"",
+     0, 0},
+    {"device", kvlab::ParamType::param_integer, "CUDA device index", "0", 0, 1024},
+    {"split_keys", kvlab::ParamType::param_integer,
+     "keys per split of decode attention (flash-decoding)", "256", 16, 1 << 20},
+};
+
+}  // namespace
+
+KVLAB_PLUGIN(kvlab::PluginKind::backend, CudaBackend, "cuda",
+             "the LLaMA forward on an NVIDIA GPU: cuBLAS GEMMs, paged/extent attention kernels, "
+             "device KV pool",
+             kParams)

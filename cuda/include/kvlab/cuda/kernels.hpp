@@ -1,0 +1,135 @@
+#pragma once
+// The CUDA backend's kernels: one parameter struct per kernel family, host launchers that
+// return the launch status (cudaSuccess or the error; never throw), fp32 or bf16 storage with
+// fp32 accumulation. Shapes are row-major; "rows" are the batch's tokens.
+// Compiled by nvcc (C++17) and included by C++20 code: plain C++17, no CUDA types but cudaError_t.
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace kvlab::cuda {
+
+enum class Dtype : std::uint8_t { f32, bf16 };
+inline std::size_t dtype_bytes(Dtype d) { return d == Dtype::f32 ? 4 : 2; }
+
+// out (rows, dim) [fp32 residual stream] = table[tokens[r]] (vocab, dim) [dtype]
+struct EmbeddingParams {
+  const std::int32_t* tokens = nullptr;
+  const void* table = nullptr;
+  float* out = nullptr;
+  std::int64_t rows = 0, dim = 0, vocab = 0;
+  Dtype dtype = Dtype::f32;
+};
+cudaError_t launch_embedding(const EmbeddingParams& p, cudaStream_t stream);
+
+// out (rows, dim) [dtype] = x / rms(x) * weight; x (rows, dim) fp32, weight (dim) fp32.
+struct RmsNormParams {
+  const float* x = nullptr;
+  std::int64_t x_row_stride = 0;  // elements between rows of x (>= dim)
+  const float* weight = nullptr;
+  void* out = nullptr;
+  std::int64_t rows = 0, dim = 0;
+  float eps = 1e-5f;
+  Dtype dtype = Dtype::f32;
+};
+cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream);
+
+// Rotates `heads` heads of head_dim in every row of x in place, HF rotate-half convention:
+// for i < head_dim/2: (x_i, x_{i+hd/2}) <- (x_i cos - x_{i+hd/2} sin, x_{i+hd/2} cos + x_i sin),
+// angle = position x theta^(-2i/hd), cos/sin read from a table (max_positions, head_dim/2).
+struct RopeParams {
+  void* x = nullptr;
+  std::int64_t row_stride = 0;  // elements between rows
+  const std::int32_t* positions = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
+  std::int64_t rows = 0, heads = 0, head_dim = 0;
+  Dtype dtype = Dtype::f32;
+};
+cudaError_t launch_rope(const RopeParams& p, cudaStream_t stream);
+
+// out (rows, ffn) [dtype] = silu(gate_up[:, :ffn]) * gate_up[:, ffn:]; gate_up (rows, 2 ffn).
+struct SwiGluParams {
+  const void* gate_up = nullptr;
+  void* out = nullptr;
+  std::int64_t rows = 0, ffn = 0;
+  Dtype dtype = Dtype::f32;
+};
+cudaError_t launch_swiglu(const SwiGluParams& p, cudaStream_t stream);
+
+// x (rows, dim) fp32 += y (rows, dim) [dtype]
+struct ResidualAddParams {
+  float* x = nullptr;
+  const void* y = nullptr;
+  std::int64_t rows = 0, dim = 0;
+  Dtype dtype = Dtype::f32;
+};
+cudaError_t launch_residual_add(const ResidualAddParams& p, cudaStream_t stream);
+
+// Writes K and V of each row into its slot of one layer of the device pool:
+// k_pool[slot[r]] (kv_dim) = k[r], v_pool[slot[r]] = v[r]; k, v rows of `row_stride` elements.
+struct KvWriteParams {
+  const void* k = nullptr;
+  const void* v = nullptr;
+  std::int64_t row_stride = 0;
+  const std::int64_t* slots = nullptr;
+  void* k_pool = nullptr;
+  void* v_pool = nullptr;
+  std::int64_t rows = 0, kv_dim = 0;
+  Dtype dtype = Dtype::f32;
+};
+cudaError_t launch_kv_write(const KvWriteParams& p, cudaStream_t stream);
+
+// One sequence of an attention launch. Its queries are rows [first_row, + queries) at positions
+// [start_position, + queries); its cached keys are positions [first_position, start_position +
+// queries), whose slots are slot_table[slot_offset + (position - first_position)].
+struct AttentionEntry {
+  std::int32_t first_row = 0;
+  std::int32_t queries = 0;
+  std::int32_t start_position = 0;
+  std::int32_t first_position = 0;
+  std::int64_t slot_offset = 0;
+};
+
+// out (rows, heads x head_dim) [dtype] = softmax(q k^T / sqrt(hd), causal, window) v per head;
+// query head h reads K/V head h / group. q rows of q_row_stride elements [dtype]; the pool is
+// one layer: (slots, kv_heads, head_dim) [dtype] for K and for V.
+// Decode entries (queries == 1) use split-K (flash-decoding): up to `max_splits` chunks of
+// `split_keys` keys each in parallel, partial results in `workspace`, then a combine kernel.
+// Prefill entries use a tiled kernel with an online softmax.
+struct AttentionParams {
+  const void* q = nullptr;
+  std::int64_t q_row_stride = 0;
+  const void* k_pool = nullptr;
+  const void* v_pool = nullptr;
+  const std::int64_t* slot_table = nullptr;
+  const AttentionEntry* entries = nullptr;  // device array
+  std::int32_t entry_count = 0;
+  std::int32_t max_keys = 0;     // the longest key range of any decode entry (split grid)
+  std::int32_t max_queries = 0;  // the most queries of any entry (prefill grid)
+  void* out = nullptr;
+  std::int64_t heads = 0, kv_heads = 0, head_dim = 0;
+  std::int64_t window = 0;  // 0: none; else a query at p sees keys p - window + 1 .. p
+  std::int32_t split_keys = 256;
+  float* workspace = nullptr;  // attention_workspace_floats(...) floats
+  Dtype dtype = Dtype::f32;
+};
+// Floats of workspace a launch with these sizes needs.
+std::int64_t attention_workspace_floats(std::int64_t entries, std::int64_t heads,
+                                        std::int64_t head_dim, std::int64_t max_keys,
+                                        std::int64_t split_keys);
+// Head dims and group sizes the attention kernels are instantiated for (DISPATCH_*); others
+// return cudaErrorInvalidValue.
+bool attention_supports(std::int64_t head_dim);
+cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream);
+
+// Converts n fp32 values to dtype (a copy for f32) and back.
+cudaError_t launch_convert_from_f32(const float* in, void* out, std::int64_t n, Dtype dtype,
+                                    cudaStream_t stream);
+cudaError_t launch_convert_to_f32(const void* in, float* out, std::int64_t n, Dtype dtype,
+                                  cudaStream_t stream);
+// Gathers rows: out[i] (dim) = in[index[i]] (fp32).
+cudaError_t launch_gather_rows(const float* in, const std::int32_t* index, float* out,
+                               std::int64_t rows, std::int64_t dim, cudaStream_t stream);
+
+}  // namespace kvlab::cuda

@@ -1,0 +1,82 @@
+#pragma once
+// Device helpers shared by the kernels: element conversion and dispatch macros.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include "kvlab/cuda/kernels.hpp"
+
+namespace kvlab::cuda {
+
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+template <typename T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
+  return __float2bfloat16(x);  // round to nearest even
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+  return v;
+}
+
+inline unsigned blocks_for(std::int64_t n, int threads) {
+  return static_cast<unsigned>((n + threads - 1) / threads);
+}
+
+}  // namespace kvlab::cuda
+
+// DISPATCH_DTYPE(dtype, T, body): body with T = float or __nv_bfloat16.
+#define KVLAB_DISPATCH_DTYPE(DTYPE, T, ...)   \
+  do {                                        \
+    if ((DTYPE) == ::kvlab::cuda::Dtype::f32) { \
+      using T = float;                        \
+      __VA_ARGS__                             \
+    } else {                                  \
+      using T = __nv_bfloat16;                \
+      __VA_ARGS__                             \
+    }                                         \
+  } while (0)
+
+// DISPATCH_HEAD_DIM(head_dim, HD, body): HD a compile-time head size; unsupported sizes return
+// cudaErrorInvalidValue from the enclosing launcher.
+#define KVLAB_HEAD_DIM_CASE(VALUE, HD, ...) \
+  case VALUE: {                             \
+    constexpr int HD = VALUE;               \
+    __VA_ARGS__                             \
+  } break;
+#define KVLAB_DISPATCH_HEAD_DIM(HEAD_DIM, HD, ...)  \
+  switch (HEAD_DIM) {                               \
+    KVLAB_HEAD_DIM_CASE(16, HD, __VA_ARGS__)        \
+    KVLAB_HEAD_DIM_CASE(32, HD, __VA_ARGS__)        \
+    KVLAB_HEAD_DIM_CASE(48, HD, __VA_ARGS__)        \
+    KVLAB_HEAD_DIM_CASE(64, HD, __VA_ARGS__)        \
+    KVLAB_HEAD_DIM_CASE(80, HD, __VA_ARGS__)        \
+    KVLAB_HEAD_DIM_CASE(96, HD, __VA_ARGS__)        \
+    KVLAB_HEAD_DIM_CASE(128, HD, __VA_ARGS__)       \
+    KVLAB_HEAD_DIM_CASE(256, HD, __VA_ARGS__)       \
+    default:                                        \
+      return cudaErrorInvalidValue;                 \
+  }
+
+// DISPATCH_GROUP(queries_per_block, QPB, body): query heads sharing one K/V head that one block
+// serves together (1, 2, 4 or 8: the largest power of two <= 8 dividing the group size).
+#define KVLAB_GROUP_CASE(VALUE, QPB, ...) \
+  case VALUE: {                           \
+    constexpr int QPB = VALUE;            \
+    __VA_ARGS__                           \
+  } break;
+#define KVLAB_DISPATCH_GROUP(QUERIES_PER_BLOCK, QPB, ...) \
+  switch (QUERIES_PER_BLOCK) {                            \
+    KVLAB_GROUP_CASE(1, QPB, __VA_ARGS__)                 \
+    KVLAB_GROUP_CASE(2, QPB, __VA_ARGS__)                 \
+    KVLAB_GROUP_CASE(4, QPB, __VA_ARGS__)                 \
+    KVLAB_GROUP_CASE(8, QPB, __VA_ARGS__)                 \
+    default:                                              \
+      return cudaErrorInvalidValue;                       \
+  }
