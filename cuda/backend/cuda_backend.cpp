@@ -11,6 +11,7 @@
 #include <Eigen/Core>
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 #include "kvlab/cpu_reference/llama_weights.hpp"
@@ -41,6 +42,15 @@ class DeviceBuffer {
   explicit DeviceBuffer(std::size_t bytes) { resize(bytes); }
   DeviceBuffer(const DeviceBuffer&) = delete;
   DeviceBuffer& operator=(const DeviceBuffer&) = delete;
+  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
+  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
+    if (this != &other) {
+      cudaFree(data_);
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+    }
+    return *this;
+  }
   ~DeviceBuffer() { cudaFree(data_); }
   void resize(std::size_t bytes) {  // grows only; contents are not kept
     if (bytes <= bytes_) return;

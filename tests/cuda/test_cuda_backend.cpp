@@ -1,0 +1,184 @@
+// The cuda backend plugin end to end: for every allocator and attention variant, the engine on
+// the GPU (fp32) produces the greedy tokens of the CPU backend, with preemptions (recompute and
+// swap through the device pool) and the dynamic allocator's moves (copies on the device); one
+// mixed step's logits agree with the CPU backend's within 1e-3 (fp32; logits are O(1-10)) and,
+// in bf16, within 0.25 (about 2% of the logit range). Skips without a GPU.
+#include <gtest/gtest.h>
+
+#include "cpu_reference/test_models.hpp"
+#include "cuda_test_util.hpp"
+#include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/engine.hpp"
+#include "kvlab/plugin_loader.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+const cpu::LlamaWeights& checkpoint() {
+  static const cpu::LlamaWeights w = test::scaled_random_weights(model_preset("tiny"), 99);
+  return w;
+}
+const PluginRegistry& registry() {
+  static const PluginRegistry r({KVLAB_PLUGIN_DIR});
+  return r;
+}
+using Params = std::map<std::string, ParamValue, std::less<>>;
+
+struct EngineRun {
+  std::vector<std::vector<std::int32_t>> tokens;
+  std::int64_t preemptions = 0;
+};
+
+EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& allocator_params,
+               const std::string& attention, const Params& attention_params,
+               const std::string& preemption, std::int64_t slots,
+               const std::vector<WorkloadRequest>& requests) {
+  PluginContext context;
+  context.model = &checkpoint().config;
+  context.max_seq_len = 64;
+  auto variant = registry().create<PluginKind::attention_variant>(attention, attention_params, context);
+  const cpu::LlamaWeights weights =
+      cpu::convert_kv_heads(checkpoint(), variant->kv_heads(checkpoint().config));
+  const ModelConfig& c = weights.config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, slots},
+              on_gpu ? KvStorage::none : KvStorage::host);
+  context.pool = &pool;
+  context.model = &c;
+  context.weights = &weights;
+  context.window = variant->window().value_or(0);
+  auto kv = registry().create<PluginKind::kv_allocator>(allocator, allocator_params, context);
+  auto scheduler = registry().create<PluginKind::scheduler>(
+      "fcfs", {{"preemption", preemption}}, context);
+  std::unique_ptr<cpu::CpuBackend> cpu_backend;
+  PluginObject<Backend> gpu_backend;
+  if (on_gpu)
+    gpu_backend = registry().create<PluginKind::backend>("cuda", {}, context);
+  else
+    cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, variant->window());
+  EngineOptions options;
+  options.max_seq_len = 64;
+  options.eos_token_ids = c.eos_token_ids;
+  options.window = variant->window();
+  options.caches_kv = variant->caches_kv();
+  options.pool = &pool;
+  options.swap_slots = 4096;
+  Engine engine(on_gpu ? *gpu_backend : static_cast<Backend&>(*cpu_backend), *kv, *scheduler, options);
+  const EngineResult result = engine.run(requests);
+  EngineRun run;
+  run.tokens = result.tokens;
+  for (const auto& r : result.requests) {
+    EXPECT_FALSE(r.rejected) << r.reject_reason;
+    run.preemptions += r.preemptions;
+  }
+  return run;
+}
+
+std::vector<WorkloadRequest> workload() {
+  SyntheticWorkload spec;
+  spec.requests = 10;
+  spec.seed = 5;
+  spec.vocab_size = checkpoint().config.vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 24};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 2, 10};
+  return generate_workload(spec);
+}
+
+using Combo = std::tuple<std::string, std::string, std::string>;  // allocator, variant, preemption
+class CudaEngine : public ::testing::TestWithParam<Combo> {};
+
+TEST_P(CudaEngine, GreedyTokensEqualTheCpuBackend) {
+  KVLAB_REQUIRE_CUDA();
+  const auto& [allocator, variant, preemption] = GetParam();
+  const Params allocator_params =
+      allocator == "paged" ? Params{{"block_size", std::int64_t{4}}} : Params{};
+  const Params variant_params =
+      variant == "sliding_window" ? Params{{"window", std::int64_t{6}}} : Params{};
+  const std::int64_t slots = allocator == "static" ? 64 * 3 : 72;  // tight: preemptions happen
+  const auto requests = workload();
+  const EngineRun cpu = run_engine(false, allocator, allocator_params, variant, variant_params,
+                             preemption, slots, requests);
+  const EngineRun gpu = run_engine(true, allocator, allocator_params, variant, variant_params,
+                             preemption, slots, requests);
+  ASSERT_EQ(gpu.tokens.size(), cpu.tokens.size());
+  for (std::size_t i = 0; i < cpu.tokens.size(); ++i)
+    EXPECT_EQ(gpu.tokens[i], cpu.tokens[i]) << "request " << i;
+  EXPECT_EQ(gpu.preemptions, cpu.preemptions);
+  RecordProperty("preemptions", std::to_string(gpu.preemptions));
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllocatorsVariants, CudaEngine,
+    ::testing::Combine(::testing::Values("static", "dynamic", "paged"),
+                       ::testing::Values("mha", "gqa", "mqa", "sliding_window", "recompute"),
+                       ::testing::Values("recompute", "swap")),
+    [](const auto& info) {
+      return std::get<0>(info.param) + "_" + std::get<1>(info.param) + "_" + std::get<2>(info.param);
+    });
+
+TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
+  KVLAB_REQUIRE_CUDA();
+  const ModelConfig& c = checkpoint().config;
+  for (const char* dtype : {"f32", "bf16"}) {
+    KvPool host_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
+    KvPool device_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256},
+                       KvStorage::none);
+    PluginContext context;
+    context.model = &c;
+    context.pool = &device_pool;
+    context.weights = &checkpoint();
+    auto gpu = registry().create<PluginKind::backend>("cuda", {{"dtype", std::string(dtype)}}, context);
+    cpu::CpuBackend cpu(checkpoint(), host_pool, std::nullopt);
+    // Step 1: two prompts (13 and 30 tokens) at slots [0, 13) and [100, 130); step 2: one
+    // decode of each plus a third prompt of 5 tokens.
+    std::vector<std::int32_t> a(13), b(30), d(5), next_a{7}, next_b{9};
+    for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<std::int32_t>((i * 37 + 1) % c.vocab_size);
+    for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::int32_t>((i * 11 + 5) % c.vocab_size);
+    for (std::size_t i = 0; i < d.size(); ++i) d[i] = static_cast<std::int32_t>((i * 3 + 2) % c.vocab_size);
+    auto entry = [](std::span<const std::int32_t> tokens, std::int64_t start,
+                    std::vector<KvExtent> extents) {
+      BatchEntry e;
+      e.tokens = tokens;
+      e.start_position = start;
+      e.view.extents = std::move(extents);
+      return e;
+    };
+    for (int step = 0; step < 2; ++step) {
+      std::vector<BatchEntry> batch;
+      if (step == 0) {
+        batch = {entry(a, 0, {{0, 13}}), entry(b, 0, {{100, 30}})};
+      } else {
+        batch = {entry(next_a, 13, {{0, 14}}), entry(next_b, 30, {{100, 30}, {200, 1}}),
+                 entry(d, 0, {{50, 5}})};
+      }
+      const auto want = cpu.forward(batch);
+      const std::vector<float> expected(want.begin(), want.end());
+      const auto got = gpu->forward(batch);
+      const auto cmp = test::compare(got, expected);
+      EXPECT_FALSE(cmp.has_nan) << dtype;
+      EXPECT_LT(cmp.max_abs, std::string(dtype) == "f32" ? 1e-3 : 0.25)
+          << dtype << " step " << step << " (max rel " << cmp.max_rel << ")";
+    }
+  }
+}
+
+TEST(CudaBackend, WithoutADeviceTheErrorSaysWhy) {
+  const cuda::DeviceProbe probe = cuda::probe_device();
+  if (probe.available) GTEST_SKIP() << "a GPU is present: " << probe.name;
+  const ModelConfig& c = checkpoint().config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64}, KvStorage::none);
+  PluginContext context;
+  context.model = &c;
+  context.pool = &pool;
+  context.weights = &checkpoint();
+  try {
+    (void)registry().create<PluginKind::backend>("cuda", {}, context);
+    FAIL() << "created a CUDA backend without a device";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace kvlab

@@ -1,0 +1,432 @@
+// Correctness rung 3: every CUDA kernel against cpu_reference (or, for attention, an
+// independent double-precision reference that is itself checked against cpu_reference here),
+// over a grid of head_dim 64/128, group size 1/4/8, block size 1/16/32, and sequence lengths
+// that are not multiples of the block, tile or split sizes; fp32 and bf16.
+// Tolerances (outputs are O(1)): fp32 max abs 2e-5 (5e-5 for attention over 1,000 keys);
+// bf16 max abs 1e-2, i.e. about one bf16 ulp (2^-8) of an O(1) value plus rounding of inputs
+// that the reference sees rounded too. Every check also asserts no NaN and that guard regions
+// around every output are untouched (no out-of-bounds writes).
+// Without a GPU every device test skips with the probe's reason.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <random>
+
+#include "cuda_test_util.hpp"
+#include "kvlab/cpu_reference/ops.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+using cuda::Dtype;
+using test::GuardedBuffer;
+using test::stored;
+
+constexpr Dtype kDtypes[] = {Dtype::f32, Dtype::bf16};
+const char* dtype_name(Dtype d) { return d == Dtype::f32 ? "f32" : "bf16"; }
+double abs_tolerance(Dtype d) { return d == Dtype::f32 ? 2e-5 : 1e-2; }
+
+std::vector<float> random_values(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> u(-scale, scale);
+  std::vector<float> v(n);
+  for (auto& x : v) x = u(rng);
+  return v;
+}
+
+void expect_close(const std::vector<float>& actual, const std::vector<float>& expected,
+                  double tolerance, const std::string& what) {
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  const auto c = test::compare(actual, expected);
+  EXPECT_FALSE(c.has_nan) << what;
+  EXPECT_LE(c.max_abs, tolerance) << what << " (max rel " << c.max_rel << ")";
+}
+
+TEST(CudaKernels, EmbeddingGathersRowsExactly) {
+  KVLAB_REQUIRE_CUDA();
+  const std::int64_t vocab = 50, dim = 96, rows = 13;
+  for (Dtype dtype : kDtypes) {
+    const auto table = random_values(vocab * dim, 1);
+    std::vector<std::int32_t> tokens(rows);
+    for (std::int64_t r = 0; r < rows; ++r) tokens[r] = static_cast<std::int32_t>((r * 17 + 3) % vocab);
+    GuardedBuffer d_table(table.size(), cuda::dtype_bytes(dtype)), d_tokens(rows, 4),
+        d_out(rows * dim, 4);
+    d_table.write(table, dtype);
+    d_tokens.write_bytes(tokens.data(), tokens.size() * 4);
+    ASSERT_EQ(cuda::launch_embedding({d_tokens.as<std::int32_t>(), d_table.get(), d_out.as<float>(),
+                                      rows, dim, vocab, dtype},
+                                     nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> expected;
+    for (std::int32_t t : tokens)
+      for (std::int64_t i = 0; i < dim; ++i) expected.push_back(stored(table[t * dim + i], dtype));
+    expect_close(d_out.read(rows * dim, Dtype::f32), expected, 0.0, dtype_name(dtype));
+    EXPECT_TRUE(d_out.guards_intact());
+  }
+}
+
+TEST(CudaKernels, RmsNormMatchesTheReference) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes)
+    for (std::int64_t dim : {64, 288, 4096}) {
+      const std::int64_t rows = 7, stride = dim + 8;  // rows of x are padded: stride is honoured
+      const auto x_padded = random_values(rows * stride, 2, 3.0f);
+      const auto weight = random_values(dim, 3);
+      cpu::RowMatrix x(rows, dim);
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t i = 0; i < dim; ++i) x(r, i) = x_padded[r * stride + i];
+      const Eigen::VectorXf w = Eigen::Map<const Eigen::VectorXf>(weight.data(), dim);
+      cpu::RowMatrix expected;
+      cpu::rms_norm(x, w, 1e-5f, expected);
+      GuardedBuffer d_x(x_padded.size(), 4), d_w(dim, 4), d_out(rows * dim, cuda::dtype_bytes(dtype));
+      d_x.write(x_padded, Dtype::f32);
+      d_w.write(weight, Dtype::f32);
+      ASSERT_EQ(cuda::launch_rms_norm({d_x.as<float>(), stride, d_w.as<float>(), d_out.get(), rows,
+                                       dim, 1e-5f, dtype},
+                                      nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      std::vector<float> want(expected.data(), expected.data() + expected.size());
+      // |out| <= ~5: fp32 a few ulps; bf16 one ulp of 5 is 0.03.
+      expect_close(d_out.read(rows * dim, dtype), want, dtype == Dtype::f32 ? 2e-5 : 4e-2,
+                   std::string(dtype_name(dtype)) + " dim " + std::to_string(dim));
+      EXPECT_TRUE(d_out.guards_intact());
+    }
+}
+
+TEST(CudaKernels, RopeMatchesTheReferenceAndLeavesOtherColumns) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes)
+    for (std::int64_t head_dim : {64, 128}) {
+      const std::int64_t rows = 9, heads = 4, width = heads * head_dim, stride = width + 32,
+                         max_positions = 512;
+      const cpu::RopeTable rope(head_dim, 10000.0, max_positions);
+      std::vector<float> cos, sin;
+      for (std::int64_t p = 0; p < max_positions; ++p)
+        for (std::int64_t i = 0; i < head_dim / 2; ++i) {
+          cos.push_back(rope.cos(p, i));
+          sin.push_back(rope.sin(p, i));
+        }
+      std::vector<std::int32_t> positions(rows);
+      for (std::int64_t r = 0; r < rows; ++r) positions[r] = static_cast<std::int32_t>((r * 97 + 5) % max_positions);
+      auto values = random_values(rows * stride, 4);
+      for (auto& v : values) v = stored(v, dtype);
+      cpu::RowMatrix x(rows, width);
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t i = 0; i < width; ++i) x(r, i) = values[r * stride + i];
+      rope.apply(x, positions, heads);
+      GuardedBuffer d_x(values.size(), cuda::dtype_bytes(dtype)), d_pos(rows, 4),
+          d_cos(cos.size(), 4), d_sin(sin.size(), 4);
+      d_x.write(values, dtype);
+      d_pos.write_bytes(positions.data(), positions.size() * 4);
+      d_cos.write(cos, Dtype::f32);
+      d_sin.write(sin, Dtype::f32);
+      ASSERT_EQ(cuda::launch_rope({d_x.get(), stride, d_pos.as<std::int32_t>(), d_cos.as<float>(),
+                                   d_sin.as<float>(), rows, heads, head_dim, dtype},
+                                  nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto out = d_x.read(values.size(), dtype);
+      std::vector<float> got, want;
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t i = 0; i < width; ++i) {
+          got.push_back(out[r * stride + i]);
+          want.push_back(x(r, i));
+        }
+        for (std::int64_t i = width; i < stride; ++i)  // padding columns: untouched
+          EXPECT_EQ(out[r * stride + i], values[r * stride + i]);
+      }
+      expect_close(got, want, abs_tolerance(dtype),
+                   std::string(dtype_name(dtype)) + " hd " + std::to_string(head_dim));
+      EXPECT_TRUE(d_x.guards_intact());
+    }
+}
+
+TEST(CudaKernels, SwiGluAndResidualAddMatchTheFormula) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes) {
+    const std::int64_t rows = 5, ffn = 176;
+    auto gate_up = random_values(rows * 2 * ffn, 5, 4.0f);
+    for (auto& v : gate_up) v = stored(v, dtype);
+    std::vector<float> expected(rows * ffn);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t i = 0; i < ffn; ++i) {
+        const double g = gate_up[r * 2 * ffn + i], u = gate_up[r * 2 * ffn + ffn + i];
+        expected[r * ffn + i] = static_cast<float>(g / (1.0 + std::exp(-g)) * u);
+      }
+    GuardedBuffer d_in(gate_up.size(), cuda::dtype_bytes(dtype)), d_out(rows * ffn, cuda::dtype_bytes(dtype));
+    d_in.write(gate_up, dtype);
+    ASSERT_EQ(cuda::launch_swiglu({d_in.get(), d_out.get(), rows, ffn, dtype}, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    // |out| <= ~16: fp32 relative 1e-6 -> 2e-5 abs; bf16 one ulp of 16 is 0.125.
+    expect_close(d_out.read(rows * ffn, dtype), expected, dtype == Dtype::f32 ? 2e-5 : 1.3e-1,
+                 std::string("swiglu ") + dtype_name(dtype));
+    EXPECT_TRUE(d_out.guards_intact());
+
+    const auto x = random_values(rows * ffn, 6);
+    auto y = random_values(rows * ffn, 7);
+    for (auto& v : y) v = stored(v, dtype);
+    GuardedBuffer d_x(x.size(), 4), d_y(y.size(), cuda::dtype_bytes(dtype));
+    d_x.write(x, Dtype::f32);
+    d_y.write(y, dtype);
+    ASSERT_EQ(cuda::launch_residual_add({d_x.as<float>(), d_y.get(), rows, ffn, dtype}, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    std::vector<float> sum(x.size());
+    for (std::size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + y[i];
+    expect_close(d_x.read(x.size(), Dtype::f32), sum, 0.0, "residual add");  // the same fp32 add
+    EXPECT_TRUE(d_x.guards_intact());
+  }
+}
+
+TEST(CudaKernels, KvWriteFillsExactlyTheGivenSlots) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes) {
+    const std::int64_t rows = 6, kv_dim = 32, stride = 96, slots = 20;
+    auto k = random_values(rows * stride, 8), v = random_values(rows * stride, 9);
+    for (auto& x : k) x = stored(x, dtype);
+    for (auto& x : v) x = stored(x, dtype);
+    const std::vector<std::int64_t> where{7, 0, 19, 3, 12, 8};
+    GuardedBuffer d_k(k.size(), cuda::dtype_bytes(dtype)), d_v(v.size(), cuda::dtype_bytes(dtype)),
+        d_slots(rows, 8), k_pool(slots * kv_dim, cuda::dtype_bytes(dtype)),
+        v_pool(slots * kv_dim, cuda::dtype_bytes(dtype));
+    d_k.write(k, dtype);
+    d_v.write(v, dtype);
+    d_slots.write_bytes(where.data(), where.size() * 8);
+    const std::vector<float> zeros(slots * kv_dim, 0.0f);
+    k_pool.write(zeros, dtype);
+    v_pool.write(zeros, dtype);
+    ASSERT_EQ(cuda::launch_kv_write({d_k.get(), d_v.get(), stride, d_slots.as<std::int64_t>(),
+                                     k_pool.get(), v_pool.get(), rows, kv_dim, dtype},
+                                    nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto kp = k_pool.read(slots * kv_dim, dtype), vp = v_pool.read(slots * kv_dim, dtype);
+    for (std::int64_t s = 0; s < slots; ++s) {
+      const auto it = std::find(where.begin(), where.end(), s);
+      for (std::int64_t i = 0; i < kv_dim; ++i) {
+        const float want_k = it == where.end() ? 0.0f : k[(it - where.begin()) * stride + i];
+        const float want_v = it == where.end() ? 0.0f : v[(it - where.begin()) * stride + i];
+        ASSERT_EQ(kp[s * kv_dim + i], want_k) << "slot " << s;
+        ASSERT_EQ(vp[s * kv_dim + i], want_v) << "slot " << s;
+      }
+    }
+    EXPECT_TRUE(k_pool.guards_intact());
+    EXPECT_TRUE(v_pool.guards_intact());
+  }
+}
+
+// ---- attention ----
+
+// Double-precision attention of the queries at [start, start + n) of one sequence.
+// q: (n, heads * hd); k, v: (L, kv_heads * hd) for positions [0, L); window 0 = none.
+std::vector<double> reference_attention(const std::vector<float>& q, const std::vector<float>& k,
+                                        const std::vector<float>& v, std::int64_t heads,
+                                        std::int64_t kv_heads, std::int64_t hd, std::int64_t start,
+                                        std::int64_t n, std::int64_t window) {
+  std::vector<double> out(n * heads * hd, 0.0);
+  const std::int64_t group = heads / kv_heads, kv_width = kv_heads * hd;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int64_t position = start + i;
+    const std::int64_t lo = window > 0 ? std::max<std::int64_t>(0, position - window + 1) : 0;
+    for (std::int64_t h = 0; h < heads; ++h) {
+      const std::int64_t g = h / group;
+      std::vector<double> scores;
+      double max_score = -1e300;
+      for (std::int64_t j = lo; j <= position; ++j) {
+        double dot = 0;
+        for (std::int64_t d = 0; d < hd; ++d)
+          dot += static_cast<double>(q[(i * heads + h) * hd + d]) * k[j * kv_width + g * hd + d];
+        scores.push_back(dot / std::sqrt(static_cast<double>(hd)));
+        max_score = std::max(max_score, scores.back());
+      }
+      double total = 0;
+      for (auto& s : scores) total += (s = std::exp(s - max_score));
+      for (std::int64_t j = lo; j <= position; ++j)
+        for (std::int64_t d = 0; d < hd; ++d)
+          out[(i * heads + h) * hd + d] += scores[j - lo] / total * v[j * kv_width + g * hd + d];
+    }
+  }
+  return out;
+}
+
+TEST(CudaAttentionReference, EqualsCpuReferenceCausalAttention) {  // runs without a GPU
+  const std::int64_t heads = 4, kv_heads = 2, hd = 16, length = 23, window = 7;
+  const auto q = random_values(length * heads * hd, 10), k = random_values(length * kv_heads * hd, 11),
+             v = random_values(length * kv_heads * hd, 12);
+  for (std::int64_t w : {std::int64_t{0}, window}) {
+    cpu::RowMatrix out;
+    cpu::causal_attention(Eigen::Map<const cpu::RowMatrix>(q.data(), length, heads * hd),
+                          Eigen::Map<const cpu::RowMatrix>(k.data(), length, kv_heads * hd),
+                          Eigen::Map<const cpu::RowMatrix>(v.data(), length, kv_heads * hd), heads,
+                          kv_heads, w > 0 ? std::optional<std::int64_t>(w) : std::nullopt, out);
+    const auto mine = reference_attention(q, k, v, heads, kv_heads, hd, 0, length, w);
+    double max_abs = 0;
+    for (std::int64_t i = 0; i < out.size(); ++i)
+      max_abs = std::max(max_abs, std::abs(mine[i] - out.data()[i]));
+    EXPECT_LT(max_abs, 1e-5) << "window " << w;
+  }
+}
+
+TEST(CudaAttention, OnlyInstantiatedHeadDimsAreAccepted) {  // host-only: runs without a GPU
+  for (std::int64_t hd : {16, 32, 48, 64, 80, 96, 128, 256}) EXPECT_TRUE(cuda::attention_supports(hd)) << hd;
+  for (std::int64_t hd : {8, 40, 100, 512}) EXPECT_FALSE(cuda::attention_supports(hd)) << hd;
+}
+
+struct SequenceCase {
+  std::int64_t start;    // cached tokens before the queries
+  std::int64_t queries;  // 1 = decode
+};
+
+struct AttentionCase {
+  std::int64_t head_dim, group, block, window;
+  Dtype dtype;
+};
+
+void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>& sequences) {
+  const std::int64_t kv_heads = 2, heads = kv_heads * c.group, hd = c.head_dim;
+  const std::int64_t q_width = heads * hd, kv_width = kv_heads * hd;
+  const std::int64_t q_stride = q_width + 2 * kv_width;  // as inside the fused QKV rows
+  std::mt19937 rng(static_cast<std::uint32_t>(hd * 131 + c.group * 17 + c.block * 3 + c.window));
+  // Physical blocks of every sequence, shuffled across the pool.
+  std::int64_t total_blocks = 0;
+  for (const auto& s : sequences) total_blocks += (s.start + s.queries + c.block - 1) / c.block;
+  total_blocks += 3;  // never used: attention must not read them
+  std::vector<std::int64_t> physical(total_blocks);
+  std::iota(physical.begin(), physical.end(), 0);
+  std::shuffle(physical.begin(), physical.end(), rng);
+  const std::int64_t slots = total_blocks * c.block;
+
+  std::vector<float> k_pool(slots * kv_width, 0.0f), v_pool(slots * kv_width, 0.0f), q_rows;
+  std::vector<std::int64_t> slot_table;
+  std::vector<cuda::AttentionEntry> entries;
+  std::vector<std::vector<double>> expected;
+  std::int64_t next_block = 0, rows = 0, max_keys = 0, max_queries = 0;
+  for (std::size_t e = 0; e < sequences.size(); ++e) {
+    const auto& s = sequences[e];
+    const std::int64_t length = s.start + s.queries;
+    auto q = random_values(s.queries * q_width, 100 + e), k = random_values(length * kv_width, 200 + e),
+         v = random_values(length * kv_width, 300 + e);
+    for (auto* values : {&q, &k, &v})
+      for (auto& x : *values) x = stored(x, c.dtype);
+    // A window lets the allocator release whole blocks no query of this step still sees.
+    std::int64_t first = 0;
+    if (c.window > 0) first = std::max<std::int64_t>(0, s.start - c.window + 1) / c.block * c.block;
+    cuda::AttentionEntry a;
+    a.first_row = static_cast<std::int32_t>(rows);
+    a.queries = static_cast<std::int32_t>(s.queries);
+    a.start_position = static_cast<std::int32_t>(s.start);
+    a.first_position = static_cast<std::int32_t>(first);
+    a.slot_offset = static_cast<std::int64_t>(slot_table.size());
+    const std::int64_t blocks = (length + c.block - 1) / c.block;
+    for (std::int64_t p = 0; p < length; ++p) {
+      const std::int64_t slot = physical[next_block + p / c.block] * c.block + p % c.block;
+      if (p >= first) slot_table.push_back(slot);
+      std::copy_n(k.begin() + p * kv_width, kv_width, k_pool.begin() + slot * kv_width);
+      std::copy_n(v.begin() + p * kv_width, kv_width, v_pool.begin() + slot * kv_width);
+    }
+    next_block += blocks;
+    for (std::int64_t i = 0; i < s.queries; ++i) {
+      q_rows.insert(q_rows.end(), q.begin() + i * q_width, q.begin() + (i + 1) * q_width);
+      q_rows.insert(q_rows.end(), 2 * kv_width, 7.0f);  // K/V columns of the fused rows: unread
+    }
+    rows += s.queries;
+    if (s.queries == 1) max_keys = std::max(max_keys, s.start - first + 1);
+    max_queries = std::max(max_queries, s.queries);
+    entries.push_back(a);
+    expected.push_back(reference_attention(q, k, v, heads, kv_heads, hd, s.start, s.queries, c.window));
+  }
+  const std::size_t e_bytes = cuda::dtype_bytes(c.dtype);
+  const std::int32_t split_keys = 256;
+  GuardedBuffer d_q(q_rows.size(), e_bytes), d_k(k_pool.size(), e_bytes), d_v(v_pool.size(), e_bytes),
+      d_table(slot_table.size(), 8), d_entries(entries.size(), sizeof(cuda::AttentionEntry)),
+      d_out(rows * q_width, e_bytes),
+      d_workspace(cuda::attention_workspace_floats(entries.size(), heads, hd, std::max<std::int64_t>(max_keys, 1), split_keys), 4);
+  d_q.write(q_rows, c.dtype);
+  d_k.write(k_pool, c.dtype);
+  d_v.write(v_pool, c.dtype);
+  d_table.write_bytes(slot_table.data(), slot_table.size() * 8);
+  d_entries.write_bytes(entries.data(), entries.size() * sizeof(cuda::AttentionEntry));
+  cuda::AttentionParams p;
+  p.q = d_q.get();
+  p.q_row_stride = q_stride;
+  p.k_pool = d_k.get();
+  p.v_pool = d_v.get();
+  p.slot_table = d_table.as<std::int64_t>();
+  p.entries = d_entries.as<cuda::AttentionEntry>();
+  p.entry_count = static_cast<std::int32_t>(entries.size());
+  p.max_keys = static_cast<std::int32_t>(max_keys);
+  p.max_queries = static_cast<std::int32_t>(max_queries);
+  p.out = d_out.get();
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = hd;
+  p.window = c.window;
+  p.split_keys = split_keys;
+  p.workspace = d_workspace.as<float>();
+  p.dtype = c.dtype;
+  ASSERT_EQ(cuda::launch_attention(p, nullptr), cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const auto out = d_out.read(rows * q_width, c.dtype);
+  const std::string what = std::string(dtype_name(c.dtype)) + " hd " + std::to_string(hd) +
+                           " group " + std::to_string(c.group) + " block " +
+                           std::to_string(c.block) + " window " + std::to_string(c.window);
+  for (std::size_t e = 0; e < sequences.size(); ++e) {
+    std::vector<float> got(out.begin() + entries[e].first_row * q_width,
+                           out.begin() + (entries[e].first_row + sequences[e].queries) * q_width);
+    std::vector<float> want(expected[e].begin(), expected[e].end());
+    const double tolerance = c.dtype == Dtype::f32 ? 5e-5 : 1e-2;
+    expect_close(got, want, tolerance,
+                 what + " sequence start " + std::to_string(sequences[e].start) + " queries " +
+                     std::to_string(sequences[e].queries));
+  }
+  EXPECT_TRUE(d_out.guards_intact()) << what;
+  EXPECT_TRUE(d_workspace.guards_intact()) << what;
+}
+
+// Decodes at 1, 17, 256 and 1,000 keys (one to four splits of 256), a prompt of 37 from
+// scratch, a later chunk of 50 after 77 cached tokens (chunked prefill) and a short one of 9.
+const std::vector<SequenceCase> kSequences{{0, 1}, {16, 1}, {255, 1}, {999, 1}, {0, 37}, {77, 50}, {0, 9}};
+
+class CudaAttentionGrid
+    : public ::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t, std::int64_t, Dtype>> {};
+
+TEST_P(CudaAttentionGrid, MatchesTheReference) {
+  KVLAB_REQUIRE_CUDA();
+  const auto [head_dim, group, block, dtype] = GetParam();
+  run_attention_case({head_dim, group, block, 0, dtype}, kSequences);
+}
+
+INSTANTIATE_TEST_SUITE_P(HeadDimGroupBlockDtype, CudaAttentionGrid,
+                         ::testing::Combine(::testing::Values(64, 128), ::testing::Values(1, 4, 8),
+                                            ::testing::Values(1, 16, 32),
+                                            ::testing::Values(Dtype::f32, Dtype::bf16)),
+                         [](const auto& info) {
+                           return "hd" + std::to_string(std::get<0>(info.param)) + "_group" +
+                                  std::to_string(std::get<1>(info.param)) + "_block" +
+                                  std::to_string(std::get<2>(info.param)) + "_" +
+                                  dtype_name(std::get<3>(info.param));
+                         });
+
+TEST(CudaAttention, SlidingWindowMatchesTheReference) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes)
+    for (std::int64_t block : {1, 16})
+      run_attention_case({64, 4, block, 64, dtype}, {{300, 1}, {100, 40}, {10, 1}, {0, 70}});
+}
+
+TEST(CudaAttention, SmallAndOddHeadDimsAndGroups) {
+  KVLAB_REQUIRE_CUDA();
+  // The tiny preset (hd 16, group 2) and stories15m-like shapes (hd 48; group 3 and 6 take
+  // the one-query-head-per-block path).
+  run_attention_case({16, 2, 4, 0, Dtype::f32}, kSequences);
+  run_attention_case({48, 3, 16, 0, Dtype::f32}, kSequences);
+  run_attention_case({48, 6, 16, 0, Dtype::bf16}, kSequences);
+}
+
+}  // namespace
+}  // namespace kvlab
