@@ -290,11 +290,14 @@ struct PresetSpec {
 };
 
 // Published shapes: LLaMA (Touvron et al. 2023, Table 2), Llama 2 7B/13B/70B and Mistral 7B v0.1
-// config.json, llama2.c's TinyStories models (stories15M/110M).
+// config.json, llama2.c's TinyStories models (stories15M/110M), TinyLlama-1.1B (GQA 32/4: the
+// 1B-class model of the GPU benchmarks; runnable with random weights).
 const PresetSpec kPresets[] = {
     {"tiny", 512, 64, 176, 2, 4, 2, 512, 1e-5, 10000.0, false, false, std::nullopt},
     {"stories15m", 32000, 288, 768, 6, 6, 6, 256, 1e-5, 10000.0, true, false, std::nullopt},
     {"stories110m", 32000, 768, 2048, 12, 12, 12, 1024, 1e-5, 10000.0, true, false, std::nullopt},
+    {"tinyllama-1.1b", 32000, 2048, 5632, 22, 32, 4, 2048, 1e-5, 10000.0, false, false,
+     std::nullopt},
     {"llama-7b", 32000, 4096, 11008, 32, 32, 32, 2048, 1e-6, 10000.0, false, true, std::nullopt},
     {"llama-13b", 32000, 5120, 13824, 40, 40, 40, 2048, 1e-6, 10000.0, false, true, std::nullopt},
     {"llama-65b", 32000, 8192, 22016, 80, 64, 64, 2048, 1e-5, 10000.0, false, true, std::nullopt},

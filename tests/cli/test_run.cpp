@@ -309,3 +309,22 @@ TEST(KvlabMemory, PlannerPrintsStaticVersusPaged) {
 
 }  // namespace
 }  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+TEST(KvlabCuda, TheGpuExperimentParsesAndWithoutADeviceSaysWhy) {
+  test::TempDir dir;
+  const Result r = kvlab("run " + std::string(KVLAB_SOURCE_DIR) +
+                         "/experiments/cuda_fcfs_vs_static.toml --set 'model.name=\"tiny\"' "
+                         "--set kv_cache.slots=4096 --set workload.requests=4 --out " +
+                         (dir / "o").string());
+  if (r.exit_code == 0) GTEST_SKIP() << "a GPU ran it";
+  // The file is valid: the only complaint is the missing device (or a missing CUDA build).
+  const bool no_device = r.err.find("no CUDA device") != std::string::npos;
+  const bool no_plugin = r.err.find("unknown backend plugin \"cuda\"") != std::string::npos;
+  EXPECT_TRUE(no_device || no_plugin) << r.err;
+}
+
+}  // namespace
+}  // namespace kvlab

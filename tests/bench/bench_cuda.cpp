@@ -1,0 +1,125 @@
+// CUDA benchmarks (run by scripts/gpu_check.sh on a GPU machine; they report an error and
+// measure nothing where no device is present).
+//   DecodeAttention: flash-decoding over the paged device pool at batch 64 x 4096 context,
+//   head_dim 128, 64 query heads / 8 K/V heads (GQA 8), block 16 scattered across the pool.
+//   Achieved bandwidth = K/V bytes read / kernel time (CUDA events), and its fraction of the
+//   device's peak (memory clock x bus width x 2, from the driver).
+#include <benchmark/benchmark.h>
+#include <cuda_runtime_api.h>
+
+#include <Eigen/Core>
+#include <algorithm>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "kvlab/cuda/device.hpp"
+#include "kvlab/cuda/kernels.hpp"
+
+namespace {
+
+using kvlab::cuda::Dtype;
+
+double peak_bandwidth_bytes_per_s() {
+  int clock_khz = 0, bus_bits = 0;
+  cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, 0);
+  cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, 0);
+  return 2.0 * clock_khz * 1e3 * bus_bits / 8.0;
+}
+
+void DecodeAttention(benchmark::State& state) {
+  const kvlab::cuda::DeviceProbe probe = kvlab::cuda::probe_device();
+  if (!probe.available) {
+    state.SkipWithError(probe.reason.c_str());
+    return;
+  }
+  const Dtype dtype = state.range(0) == 0 ? Dtype::bf16 : Dtype::f32;
+  const int split_keys = static_cast<int>(state.range(1));
+  const std::int64_t batch = 64, context = 4096, head_dim = 128, kv_heads = 8, heads = 64,
+                     block = 16;
+  const std::int64_t slots = batch * context, kv_width = kv_heads * head_dim;
+  const std::size_t element = kvlab::cuda::dtype_bytes(dtype);
+  // Blocks of every sequence scattered across the pool, as a paged allocator leaves them.
+  std::vector<std::int64_t> blocks(slots / block);
+  std::iota(blocks.begin(), blocks.end(), 0);
+  std::shuffle(blocks.begin(), blocks.end(), std::mt19937(1));
+  std::vector<std::int64_t> table(slots);
+  for (std::int64_t t = 0; t < slots; ++t) table[t] = blocks[t / block] * block + t % block;
+  std::vector<kvlab::cuda::AttentionEntry> entries(batch);
+  for (std::int64_t e = 0; e < batch; ++e) {
+    entries[e].first_row = static_cast<std::int32_t>(e);
+    entries[e].queries = 1;
+    entries[e].start_position = static_cast<std::int32_t>(context - 1);
+    entries[e].first_position = 0;
+    entries[e].slot_offset = e * context;
+  }
+  void *k = nullptr, *v = nullptr, *q = nullptr, *out = nullptr, *d_table = nullptr,
+       *d_entries = nullptr, *workspace = nullptr;
+  const std::int64_t workspace_floats =
+      kvlab::cuda::attention_workspace_floats(batch, heads, head_dim, context, split_keys);
+  cudaMalloc(&k, slots * kv_width * element);
+  cudaMalloc(&v, slots * kv_width * element);
+  cudaMalloc(&q, batch * heads * head_dim * element);
+  cudaMalloc(&out, batch * heads * head_dim * element);
+  cudaMalloc(&d_table, table.size() * sizeof(std::int64_t));
+  cudaMalloc(&d_entries, entries.size() * sizeof(entries[0]));
+  cudaMalloc(&workspace, workspace_floats * sizeof(float));
+  cudaMemset(k, 0, slots * kv_width * element);
+  cudaMemset(v, 0, slots * kv_width * element);
+  cudaMemset(q, 0, batch * heads * head_dim * element);
+  cudaMemcpy(d_table, table.data(), table.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice);
+  cudaMemcpy(d_entries, entries.data(), entries.size() * sizeof(entries[0]), cudaMemcpyHostToDevice);
+  kvlab::cuda::AttentionParams p;
+  p.q = q;
+  p.q_row_stride = heads * head_dim;
+  p.k_pool = k;
+  p.v_pool = v;
+  p.slot_table = static_cast<const std::int64_t*>(d_table);
+  p.entries = static_cast<const kvlab::cuda::AttentionEntry*>(d_entries);
+  p.entry_count = static_cast<std::int32_t>(batch);
+  p.max_keys = static_cast<std::int32_t>(context);
+  p.max_queries = 1;
+  p.out = out;
+  p.heads = heads;
+  p.kv_heads = kv_heads;
+  p.head_dim = head_dim;
+  p.split_keys = split_keys;
+  p.workspace = static_cast<float*>(workspace);
+  p.dtype = dtype;
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  if (kvlab::cuda::launch_attention(p, nullptr) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+    state.SkipWithError("attention launch failed");
+  } else {
+    for (auto _ : state) {
+      cudaEventRecord(start);
+      kvlab::cuda::launch_attention(p, nullptr);
+      cudaEventRecord(stop);
+      cudaEventSynchronize(stop);
+      float ms = 0;
+      cudaEventElapsedTime(&ms, start, stop);
+      state.SetIterationTime(ms / 1e3);
+    }
+    const double bytes = 2.0 * static_cast<double>(slots * kv_width * element);  // K and V
+    state.counters["kv_GB_per_s"] =
+        benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+    state.counters["peak_GB_per_s"] = peak_bandwidth_bytes_per_s() / 1e9;
+    state.SetLabel(probe.name);
+  }
+  for (void* ptr : {k, v, q, out, d_table, d_entries, workspace}) cudaFree(ptr);
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+}
+BENCHMARK(DecodeAttention)
+    ->ArgNames({"f32", "split"})
+    ->Args({0, 256})
+    ->Args({0, 512})
+    ->Args({0, 1024})
+    ->Args({1, 512})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+
+BENCHMARK_MAIN();
