@@ -48,8 +48,7 @@ std::vector<Shape> calibration_grid(std::int64_t max_context) {
   };
   for (std::int64_t n : {8, 16, 32, 64, 128, 256, 512})
     add(fmt::format("prefill 1 x {}", n), {{n, 0, 0}});
-  for (std::int64_t n : {16, 64})
-    add(fmt::format("prefill 4 x {}", n), repeat(4, {n, 0, 0}));
+  for (std::int64_t n : {16, 64}) add(fmt::format("prefill 4 x {}", n), repeat(4, {n, 0, 0}));
   const std::int64_t long_context = std::min<std::int64_t>(max_context - 1, 1023);
   for (std::int64_t context : {std::int64_t{32}, std::int64_t{128}, long_context})
     for (std::int64_t batch : {1, 2, 4, 8, 16, 32})
@@ -82,9 +81,8 @@ void run_calibrate(const CalibrateOptions& o) {
   if (o.repeats < 1) throw Error("--repeats must be >= 1");
   cpu::set_num_threads(o.threads);
   const ModelSource source = resolve_model(o.model);
-  const cpu::LlamaWeights weights = source.is_preset()
-                                        ? cpu::random_llama_weights(source.config, 0)
-                                        : cpu::load_llama_weights(source.directory);
+  const cpu::LlamaWeights weights = source.is_preset() ? cpu::random_llama_weights(source.config, 0)
+                                                       : cpu::load_llama_weights(source.directory);
   const ModelConfig& model = weights.config;
   const auto grid = calibration_grid(model.max_position_embeddings);
   std::int64_t slots = 0;
@@ -112,7 +110,8 @@ void run_calibrate(const CalibrateOptions& o) {
   const CostModel shapes_model(model, start);
 
   std::mt19937 rng(1);
-  std::uniform_int_distribution<std::int32_t> token(0, static_cast<std::int32_t>(model.vocab_size - 1));
+  std::uniform_int_distribution<std::int32_t> token(
+      0, static_cast<std::int32_t>(model.vocab_size - 1));
   fmt::print(stderr, "measuring {} batch shapes x {} rounds on the cpu backend ({})...\n",
              grid.size(), o.repeats, model.name);
   // Every shape's batch, built once; then rounds over all shapes, so that the machine's drift
@@ -154,17 +153,16 @@ void run_calibrate(const CalibrateOptions& o) {
 
   const CalibrationFit fit = fit_hardware_profile(start, samples);
   HardwareProfile profile = fit.profile;
-  profile.description = fmt::format(
-      "kvlab cpu backend, {} threads, {} (fp32), fitted over {} batch shapes", o.threads,
-      model.name, samples.size());
+  profile.description =
+      fmt::format("kvlab cpu backend, {} threads, {} (fp32), fitted over {} batch shapes",
+                  o.threads, model.name, samples.size());
 
   fmt::print("{:<40} {:>12} {:>12} {:>8}\n", "shape", "measured ms", "predicted ms", "error");
   const CostModel fitted(model, profile);
   for (std::size_t i = 0; i < grid.size(); ++i) {
     const double predicted = fitted.cost(samples[i].work).total();
-    fmt::print("{:<40} {:>12.3f} {:>12.3f} {:>7.1f}%\n", grid[i].label,
-               samples[i].measured_s * 1e3, predicted * 1e3,
-               100 * (predicted - samples[i].measured_s) / samples[i].measured_s);
+    fmt::print("{:<40} {:>12.3f} {:>12.3f} {:>7.1f}%\n", grid[i].label, samples[i].measured_s * 1e3,
+               predicted * 1e3, 100 * (predicted - samples[i].measured_s) / samples[i].measured_s);
   }
   fmt::print("\nfit: mean |error| {:.1f}%, max {:.1f}% over {} shapes ({} iterations)\n",
              100 * fit.mean_abs_rel_error, 100 * fit.max_abs_rel_error, samples.size(),
@@ -175,9 +173,8 @@ void run_calibrate(const CalibrateOptions& o) {
       "{:.2f}/{:.2f}, attention {:.2f}/{:.2f}, elementwise {:.2f}; overhead {:.3f} ms/step + "
       "{:.4f} ms/sequence\n",
       profile.peak_tflops * 1e3, profile.memory_gb_per_s, start.peak_tflops * 1e3,
-      start.memory_gb_per_s, e.gemm_compute, e.gemm_memory, e.attention_compute,
-      e.attention_memory, e.elementwise_memory, profile.step_overhead_s * 1e3,
-      profile.sequence_overhead_s * 1e3);
+      start.memory_gb_per_s, e.gemm_compute, e.gemm_memory, e.attention_compute, e.attention_memory,
+      e.elementwise_memory, profile.step_overhead_s * 1e3, profile.sequence_overhead_s * 1e3);
 
   std::ofstream file(o.out, std::ios::trunc);
   if (!file) throw Error(fmt::format("cannot write {}", o.out));
@@ -200,7 +197,8 @@ void register_calibrate(CLI::App& app) {
   auto o = std::make_shared<CalibrateOptions>();
   auto* sub = app.add_subcommand(
       "calibrate", "Measure a backend over batch shapes and fit a hardware profile for simulation");
-  sub->add_option("--backend", o->backend, "Backend to measure: cpu or cuda")->capture_default_str();
+  sub->add_option("--backend", o->backend, "Backend to measure: cpu or cuda")
+      ->capture_default_str();
   sub->add_option("--model", o->model, "Preset or model folder to run")->capture_default_str();
   sub->add_option("--out", o->out, "Profile file to write (TOML)")->required();
   sub->add_option("--name", o->name, "Profile name (default: cpu-<model>-<threads>t)");

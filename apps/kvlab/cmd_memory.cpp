@@ -100,8 +100,9 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
              human_bytes(p.kv_budget_bytes), p.kv_capacity_tokens,
              human_bytes(static_cast<double>(p.kv_bytes_per_token)), p.kv_heads);
   if (p.kv_capacity_tokens == 0)
-    fmt::print("  the weights and the reserve alone exceed the usable memory: shard the model "
-               "(tensor parallel) or use a larger device or a smaller weight dtype\n");
+    fmt::print(
+        "  the weights and the reserve alone exceed the usable memory: shard the model "
+        "(tensor parallel) or use a larger device or a smaller weight dtype\n");
   fmt::print("static: every request reserves {} tokens (max_seq_len)         -> {} concurrent\n",
              p.static_tokens_per_request, p.max_static_requests);
   fmt::print("paged:  every request holds {} tokens ({} + {}, blocks of {}) -> {} concurrent{}\n",

@@ -34,8 +34,8 @@ struct ExperimentConfig {
   ParamMap allocator_params;
   std::optional<std::int64_t> kv_slots;  // default: 4096 (cpu), the profile's capacity (simulated)
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
-  std::int64_t swap_slots = 0;  // host swap pool for swap preemption, in tokens
-  double swap_gb_per_s = 16.0;  // its modelled copy bandwidth
+  std::int64_t swap_slots = 0;           // host swap pool for swap preemption, in tokens
+  double swap_gb_per_s = 16.0;           // its modelled copy bandwidth
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";

@@ -5,8 +5,8 @@
 #include <cmath>
 #include <fstream>
 #include <memory>
-#include <optional>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "cli_common.hpp"
 #include "experiment.hpp"
@@ -51,7 +51,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 
   const ModelSource source = resolve_model(c.model);
   const bool simulated = c.backend == "simulated";
-  const bool plugin_backend = c.backend != "cpu" && !simulated;  // e.g. cuda
+  const bool plugin_backend = c.backend != "cpu" && !simulated;             // e.g. cuda
   if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
   if (simulated && check)
     throw Error(
@@ -71,7 +71,8 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   auto attention =
       registry.create<PluginKind::attention_variant>(c.attention, c.attention_params, context);
   if (const std::string problem = attention->check(model); !problem.empty())
-    throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention, model.name, problem));
+    throw Error(
+        fmt::format("attention \"{}\" cannot run {}: {}", c.attention, model.name, problem));
   const std::int64_t kv_heads = attention->kv_heads(model);
   if (weights) {
     weights = cpu::convert_kv_heads(*weights, kv_heads);
@@ -85,9 +86,9 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   std::int64_t slots = c.kv_slots.value_or(4096);
   if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (whole blocks of 64)
     const double bytes_per_slot =
-        cost_model ? static_cast<double>(cost_model->kv_bytes_per_token())
-                   : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
-                         sizeof(float);
+        cost_model
+            ? static_cast<double>(cost_model->kv_bytes_per_token())
+            : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) * sizeof(float);
     slots = static_cast<std::int64_t>(*c.kv_memory_mib * 1024 * 1024 / bytes_per_slot) / 64 * 64;
     if (slots < 1)
       throw Error(
@@ -263,17 +264,20 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   }
   {
     auto f = open("steps.csv");
-    f << "step,start_s,duration_s,measured_step_s,predicted_s,batch,prefill_tokens,decode_tokens,preempted,"
+    f << "step,start_s,duration_s,measured_step_s,predicted_s,batch,prefill_tokens,decode_tokens,"
+         "preempted,"
          "waiting,running,"
          "kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,kv_free,kv_unusable_free,kv_"
          "cached_free,"
          "prefix_hit_tokens,prefix_query_tokens\n";
     for (const auto& s : out.engine.steps)
-      f << fmt::format("{},{:.6f},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-                       s.step, s.start_s, s.duration_s, c.clock == "virtual" || c.clock == "offline" ? 0.0 : s.measured_step_s, s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens,
-                       s.preempted, s.waiting, s.running, s.kv.capacity, s.kv.used,
-                       s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free, s.kv.unusable_free,
-                       s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+      f << fmt::format(
+          "{},{:.6f},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n", s.step,
+          s.start_s, s.duration_s,
+          c.clock == "virtual" || c.clock == "offline" ? 0.0 : s.measured_step_s, s.predicted_s,
+          s.batch, s.prefill_tokens, s.decode_tokens, s.preempted, s.waiting, s.running,
+          s.kv.capacity, s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free,
+          s.kv.unusable_free, s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
   }
   {
     auto f = open("events.jsonl");
@@ -322,8 +326,7 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
         {"backend", c.backend},
         {"profile", c.profile},
         {"kv_slots", out.kv_slots}};
-    if (out.step_prediction_error)
-      j["step_prediction_error"] = latency(*out.step_prediction_error);
+    if (out.step_prediction_error) j["step_prediction_error"] = latency(*out.step_prediction_error);
     open("summary.json") << j.dump(2) << "\n";
   }
 }

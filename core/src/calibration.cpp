@@ -23,7 +23,7 @@ HardwareProfile with_parameters(const HardwareProfile& base, const Eigen::Vector
   HardwareProfile p = base;
   Efficiency& e = p.efficiency;
   auto bounded = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };  // (0, 1): the FMA peak is
-                                                                        // a hard ceiling
+                                                                       // a hard ceiling
   e.gemm_compute = bounded(x[0]);
   e.gemm_memory = std::exp(x[1]);
   e.attention_compute = bounded(x[2]);
@@ -69,8 +69,7 @@ struct Residuals {
 void fold_into_peaks(HardwareProfile& p) {
   Efficiency& e = p.efficiency;
   const double compute = std::max({1.0, e.gemm_compute, e.attention_compute});
-  const double memory =
-      std::max({1.0, e.gemm_memory, e.attention_memory, e.elementwise_memory});
+  const double memory = std::max({1.0, e.gemm_memory, e.attention_memory, e.elementwise_memory});
   p.peak_tflops *= compute;
   e.gemm_compute /= compute;
   e.attention_compute /= compute;
@@ -89,8 +88,8 @@ double relative_error(const HardwareProfile& profile, const CalibrationSample& s
 CalibrationFit fit_hardware_profile(const HardwareProfile& start,
                                     std::span<const CalibrationSample> samples) {
   if (samples.size() < kParameters)
-    throw Error(fmt::format("calibration needs at least {} samples, got {}", kParameters,
-                            samples.size()));
+    throw Error(
+        fmt::format("calibration needs at least {} samples, got {}", kParameters, samples.size()));
   for (const auto& s : samples)
     if (!(s.measured_s > 0) || !std::isfinite(s.measured_s))
       throw Error(fmt::format("calibration: a measured latency of {} s", s.measured_s));

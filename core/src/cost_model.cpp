@@ -50,8 +50,8 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   if (w.tokens == 0) return w;
 
   w.linear.flops = 2 * tokens * layer_weights * layers;
-  w.linear.bytes = layers * (layer_weights * weight +
-                             tokens * (4 * hidden + 2 * q + 2 * kv + 3 * inter) * act);
+  w.linear.bytes =
+      layers * (layer_weights * weight + tokens * (4 * hidden + 2 * q + 2 * kv + 3 * inter) * act);
   w.lm_head.flops = 2 * sequences * hidden * vocab;
   w.lm_head.bytes = vocab * hidden * weight + sequences * (hidden * act + vocab * 4);
   const double pair_flops = 4 * q;  // QK^T and PV over every query head
@@ -79,8 +79,8 @@ StepCost CostModel::cost(const StepWork& w) const {
   c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, e.gemm_compute, e.gemm_memory);
   c.attention_prefill_s = roofline_seconds(w.attention_prefill, peak, bandwidth,
                                            e.attention_compute, e.attention_memory);
-  c.attention_decode_s = roofline_seconds(w.attention_decode, peak, bandwidth,
-                                          e.attention_compute, e.attention_memory);
+  c.attention_decode_s = roofline_seconds(w.attention_decode, peak, bandwidth, e.attention_compute,
+                                          e.attention_memory);
   c.elementwise_s = w.elementwise.bytes / (bandwidth * e.elementwise_memory);
   c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s;
   return c;

@@ -40,7 +40,8 @@ std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::
                      std::vector<float>& buffer, bool to_host) {
   const KvPoolShape& shape = pool.shape();
   const std::int64_t width = shape.slot_width(), tokens = end - first;
-  const std::int64_t bytes = 2 * shape.layers * tokens * width * static_cast<std::int64_t>(sizeof(float));
+  const std::int64_t bytes =
+      2 * shape.layers * tokens * width * static_cast<std::int64_t>(sizeof(float));
   if (KvDeviceStorage* device = pool.device()) {  // the K/V live on a GPU
     std::vector<std::int64_t> slots;
     for (std::int64_t p = first; p < end; ++p) slots.push_back(view.slot_of(p));

@@ -2,13 +2,13 @@
 
 #include <fmt/format.h>
 
+#include <toml++/toml.h>
 #include <algorithm>
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <cctype>
 #include <cstdlib>
 #include <set>
 #include <sstream>
-#include <toml++/toml.h>
 
 #include "kvlab/error.hpp"
 #include "kvlab/suggest.hpp"
@@ -62,7 +62,9 @@ class ProfileSection {
   }
   double fraction(std::string_view key, double fallback) {
     const double v = number(key, fallback);
-    if (v > 1) fail(node(key), fmt::format("{}.{} is a fraction of the peak: (0, 1], got {}", name_, key, v));
+    if (v > 1)
+      fail(node(key),
+           fmt::format("{}.{} is a fraction of the peak: (0, 1], got {}", name_, key, v));
     return v;
   }
   DType dtype(std::string_view key, DType fallback) {
@@ -78,7 +80,8 @@ class ProfileSection {
     for (const auto& [key, value] : *table_) {
       if (std::find(known_.begin(), known_.end(), key.str()) != known_.end()) continue;
       std::string why = fmt::format("unknown key {}.{}", name_, key.str());
-      if (const auto near = nearest_name(key.str(), known_)) why += fmt::format(" (did you mean {}?)", *near);
+      if (const auto near = nearest_name(key.str(), known_))
+        why += fmt::format(" (did you mean {}?)", *near);
       fail(&value, why);
     }
   }
@@ -97,9 +100,10 @@ class ProfileSection {
 HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(file, ec))
-    throw Error(fmt::format(
-        "hardware profile {}: no such file (profiles ship in profiles/; kvlab calibrate writes one)",
-        file.string()));
+    throw Error(
+        fmt::format("hardware profile {}: no such file (profiles ship in profiles/; kvlab "
+                    "calibrate writes one)",
+                    file.string()));
   toml::table top;
   try {
     top = toml::parse_file(file.string());
@@ -115,7 +119,8 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
       std::string why = known ? fmt::format("[{}] must be a table", key.str())
                               : fmt::format("unknown table [{}]", key.str());
       if (!known)
-        if (const auto near = nearest_name(key.str(), tables)) why += fmt::format(" (did you mean [{}]?)", *near);
+        if (const auto near = nearest_name(key.str(), tables))
+          why += fmt::format(" (did you mean [{}]?)", *near);
       throw Error(fmt::format("{}:{}: {}", where, value.source().begin.line, why));
     }
   }
@@ -201,7 +206,8 @@ HardwareProfile load_hardware_profile(std::string_view name_or_path) {
   }
   const auto names = hardware_profile_names();
   std::string message = fmt::format("unknown hardware profile \"{}\"", text);
-  if (const auto near = nearest_name(wanted, names)) message += fmt::format(" (did you mean {}?)", *near);
+  if (const auto near = nearest_name(wanted, names))
+    message += fmt::format(" (did you mean {}?)", *near);
   message += names.empty() ? "; no profiles found (set KVLAB_PROFILE_PATH)"
                            : "; profiles: " + join_names(names);
   throw Error(message);
@@ -221,7 +227,8 @@ std::string hardware_profile_to_toml(const HardwareProfile& p) {
                                  {"attention_compute", e.attention_compute},
                                  {"attention_memory", e.attention_memory},
                                  {"elementwise_memory", e.elementwise_memory}}},
-      {"overhead", toml::table{{"step_s", p.step_overhead_s}, {"sequence_s", p.sequence_overhead_s}}},
+      {"overhead",
+       toml::table{{"step_s", p.step_overhead_s}, {"sequence_s", p.sequence_overhead_s}}},
       {"memory", toml::table{{"utilization", p.memory_utilization},
                              {"activation_reserve_gib", p.activation_reserve_gib}}}};
   std::ostringstream out;

@@ -59,8 +59,8 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
   p.paged_tokens_per_request = (expected + q.block_size - 1) / q.block_size * q.block_size;
   p.max_static_requests = p.kv_capacity_tokens / p.static_tokens_per_request;
   // Paged: whole blocks of the pool, each request holding its own.
-  p.max_paged_requests = p.kv_capacity_tokens / q.block_size * q.block_size /
-                         p.paged_tokens_per_request;
+  p.max_paged_requests =
+      p.kv_capacity_tokens / q.block_size * q.block_size / p.paged_tokens_per_request;
   return p;
 }
 

@@ -93,7 +93,9 @@ class PinnedBuffer {
   std::size_t bytes_ = 0;
 };
 
-cudaDataType_t cuda_type(Dtype d) { return d == Dtype::f32 ? CUDA_R_32F : CUDA_R_16BF; }
+cudaDataType_t cuda_type(Dtype d) {
+  return d == Dtype::f32 ? CUDA_R_32F : CUDA_R_16BF;
+}
 
 // A weight matrix on the device, converted to the compute dtype.
 DeviceBuffer upload_matrix(const float* data, std::int64_t count, Dtype dtype) {
@@ -104,7 +106,8 @@ DeviceBuffer upload_matrix(const float* data, std::int64_t count, Dtype dtype) {
           "upload weights");
   } else {
     std::vector<Eigen::bfloat16> converted(static_cast<std::size_t>(count));
-    for (std::int64_t i = 0; i < count; ++i) converted[static_cast<std::size_t>(i)] = Eigen::bfloat16(data[i]);
+    for (std::int64_t i = 0; i < count; ++i)
+      converted[static_cast<std::size_t>(i)] = Eigen::bfloat16(data[i]);
     check(cudaMemcpy(buffer.get(), converted.data(), converted.size() * sizeof(Eigen::bfloat16),
                      cudaMemcpyHostToDevice),
           "upload weights");
@@ -143,9 +146,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     config_ = w.config;
     const kvlab::ModelConfig& c = config_;
     if (!kvlab::cuda::attention_supports(c.head_dim))
-      throw Error(fmt::format("cuda backend: head_dim {} is not instantiated (16, 32, 48, 64, 80, "
-                              "96, 128 or 256)",
-                              c.head_dim));
+      throw Error(
+          fmt::format("cuda backend: head_dim {} is not instantiated (16, 32, 48, 64, 80, "
+                      "96, 128 or 256)",
+                      c.head_dim));
     const kvlab::KvPoolShape& shape = pool_->shape();
     if (shape.kv_heads != c.num_key_value_heads || shape.head_dim != c.head_dim ||
         shape.layers != c.num_hidden_layers)
@@ -156,7 +160,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     check(cublasSetStream(cublas_, stream_), "cublasSetStream");
 
     embedding_ = upload_matrix(w.embedding.data(), w.embedding.size(), dtype_);
-    if (!c.tie_word_embeddings) lm_head_ = upload_matrix(w.lm_head.data(), w.lm_head.size(), dtype_);
+    if (!c.tie_word_embeddings)
+      lm_head_ = upload_matrix(w.lm_head.data(), w.lm_head.size(), dtype_);
     final_norm_ = upload_floats(w.final_norm.data(), w.final_norm.size());
     for (const auto& layer : w.layers) {
       DeviceLayer d;
@@ -179,8 +184,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     rope_sin_ = upload_floats(sin.data(), static_cast<std::int64_t>(sin.size()));
 
     layer_elements_ = shape.slots * c.kv_dim();
-    const std::size_t pool_bytes = static_cast<std::size_t>(shape.layers * layer_elements_) *
-                                   kvlab::cuda::dtype_bytes(dtype_);
+    const std::size_t pool_bytes =
+        static_cast<std::size_t>(shape.layers * layer_elements_) * kvlab::cuda::dtype_bytes(dtype_);
     k_pool_.resize(pool_bytes);
     v_pool_.resize(pool_bytes);
     check(cudaMemset(k_pool_.get(), 0, pool_bytes), "cudaMemset");
@@ -217,12 +222,14 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       if (end > c.max_position_embeddings)
         throw Error(fmt::format("position {} is beyond the context of {}", end - 1, c.name));
       for (const auto& extent : e.view.extents)
-        for (std::int64_t s = 0; s < extent.length; ++s) slot_table_.push_back(extent.start_slot + s);
+        for (std::int64_t s = 0; s < extent.length; ++s)
+          slot_table_.push_back(extent.start_slot + s);
       for (std::size_t j = 0; j < e.tokens.size(); ++j) {
         const std::int64_t position = e.start_position + static_cast<std::int64_t>(j);
         tokens_.push_back(e.tokens[j]);
         positions_.push_back(static_cast<std::int32_t>(position));
-        new_slots_.push_back(slot_table_[static_cast<std::size_t>(a.slot_offset + position - e.view.first_position)]);
+        new_slots_.push_back(slot_table_[static_cast<std::size_t>(a.slot_offset + position -
+                                                                  e.view.first_position)]);
       }
       last_rows_.push_back(static_cast<std::int32_t>(tokens_.size() - 1));
       if (a.queries == 1) max_keys = std::max(max_keys, a.start_position - a.first_position + 1);
@@ -252,10 +259,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     hidden_.resize(static_cast<std::size_t>(rows * ffn) * e);
     last_.resize(static_cast<std::size_t>(count * dim) * sizeof(float));
     logits_.resize(static_cast<std::size_t>(count * c.vocab_size) * sizeof(float));
-    workspace_.resize(static_cast<std::size_t>(kvlab::cuda::attention_workspace_floats(
-                          count, c.num_attention_heads, c.head_dim, std::max(max_keys, 1),
-                          split_keys_)) *
-                      sizeof(float));
+    workspace_.resize(
+        static_cast<std::size_t>(kvlab::cuda::attention_workspace_floats(
+            count, c.num_attention_heads, c.head_dim, std::max(max_keys, 1), split_keys_)) *
+        sizeof(float));
 
     // 3. The layers.
     check(kvlab::cuda::launch_embedding({d_tokens_.get<std::int32_t>(), embedding_.get(),
@@ -271,22 +278,22 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
                                          stream_),
             "rms_norm");
       gemm(normed_.get(), rows, dim, layer.w_qkv.get(), qkv_dim, qkv, cuda_type(dtype_));
-      check(kvlab::cuda::launch_rope({qkv, qkv_dim, d_positions_.get<std::int32_t>(),
-                                      rope_cos_.get<float>(), rope_sin_.get<float>(), rows,
-                                      c.num_attention_heads, c.head_dim, dtype_},
-                                     stream_),
+      check(kvlab::cuda::launch_rope(
+                {qkv, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
+                 rope_sin_.get<float>(), rows, c.num_attention_heads, c.head_dim, dtype_},
+                stream_),
             "rope q");
-      check(kvlab::cuda::launch_rope({qkv + q_dim * e, qkv_dim, d_positions_.get<std::int32_t>(),
-                                      rope_cos_.get<float>(), rope_sin_.get<float>(), rows,
-                                      c.num_key_value_heads, c.head_dim, dtype_},
-                                     stream_),
+      check(kvlab::cuda::launch_rope(
+                {qkv + q_dim * e, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
+                 rope_sin_.get<float>(), rows, c.num_key_value_heads, c.head_dim, dtype_},
+                stream_),
             "rope k");
       char* k_layer = k_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
       char* v_layer = v_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
-      check(kvlab::cuda::launch_kv_write({qkv + q_dim * e, qkv + (q_dim + kv_dim) * e, qkv_dim,
-                                          d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows,
-                                          kv_dim, dtype_},
-                                         stream_),
+      check(kvlab::cuda::launch_kv_write(
+                {qkv + q_dim * e, qkv + (q_dim + kv_dim) * e, qkv_dim,
+                 d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows, kv_dim, dtype_},
+                stream_),
             "kv_write");
       kvlab::cuda::AttentionParams a;
       a.q = qkv;
@@ -315,7 +322,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
                                           normed_.get(), rows, dim, eps, dtype_},
                                          stream_),
             "rms_norm");
-      gemm(normed_.get(), rows, dim, layer.w_gate_up.get(), 2 * ffn, gate_up_.get(), cuda_type(dtype_));
+      gemm(normed_.get(), rows, dim, layer.w_gate_up.get(), 2 * ffn, gate_up_.get(),
+           cuda_type(dtype_));
       check(kvlab::cuda::launch_swiglu({gate_up_.get(), hidden_.get(), rows, ffn, dtype_}, stream_),
             "swiglu");
       gemm(hidden_.get(), rows, ffn, layer.w_down.get(), dim, projected_.get(), cuda_type(dtype_));
@@ -353,8 +361,9 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
         const std::size_t from = static_cast<std::size_t>(source * config_.kv_dim()) * e;
         const std::size_t to = static_cast<std::size_t>(destination * config_.kv_dim()) * e;
         // Through scratch: the ranges may overlap.
-        check(cudaMemcpyAsync(scratch_.get(), layer + from, bytes, cudaMemcpyDeviceToDevice, stream_),
-              "copy slots");
+        check(
+            cudaMemcpyAsync(scratch_.get(), layer + from, bytes, cudaMemcpyDeviceToDevice, stream_),
+            "copy slots");
         check(cudaMemcpyAsync(layer + to, scratch_.get(), bytes, cudaMemcpyDeviceToDevice, stream_),
               "copy slots");
       }
@@ -404,27 +413,31 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
         const std::size_t row = static_cast<std::size_t>(width) * e;
         if (to_host) {
           for (std::int64_t i = 0; i < n; ++i)
-            check(cudaMemcpyAsync(scratch_.get<char>() + i * row,
-                                  layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
-                                  row, cudaMemcpyDeviceToDevice, stream_),
+            check(cudaMemcpyAsync(
+                      scratch_.get<char>() + i * row,
+                      layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
+                      row, cudaMemcpyDeviceToDevice, stream_),
                   "swap out");
           check(kvlab::cuda::launch_convert_to_f32(scratch_.get(), staging_floats_.get<float>(),
                                                    n * width, dtype_, stream_),
                 "swap out");
-          check(cudaMemcpyAsync(part, staging_floats_.get(), static_cast<std::size_t>(n * width) * sizeof(float),
+          check(cudaMemcpyAsync(part, staging_floats_.get(),
+                                static_cast<std::size_t>(n * width) * sizeof(float),
                                 cudaMemcpyDeviceToHost, stream_),
                 "swap out");
           check(cudaStreamSynchronize(stream_), "swap out");
         } else {
-          check(cudaMemcpyAsync(staging_floats_.get(), part, static_cast<std::size_t>(n * width) * sizeof(float),
+          check(cudaMemcpyAsync(staging_floats_.get(), part,
+                                static_cast<std::size_t>(n * width) * sizeof(float),
                                 cudaMemcpyHostToDevice, stream_),
                 "swap in");
           check(kvlab::cuda::launch_convert_from_f32(staging_floats_.get<float>(), scratch_.get(),
                                                      n * width, dtype_, stream_),
                 "swap in");
           for (std::int64_t i = 0; i < n; ++i)
-            check(cudaMemcpyAsync(layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
-                                  scratch_.get<char>() + i * row, row, cudaMemcpyDeviceToDevice, stream_),
+            check(cudaMemcpyAsync(
+                      layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
+                      scratch_.get<char>() + i * row, row, cudaMemcpyDeviceToDevice, stream_),
                   "swap in");
           check(cudaStreamSynchronize(stream_), "swap in");
         }
@@ -442,8 +455,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   std::vector<DeviceLayer> layers_;
   std::int64_t layer_elements_ = 0;  // slots x kv_dim
   DeviceBuffer k_pool_, v_pool_;     // (layers, slots, kv_heads, head_dim) each
-  DeviceBuffer x_, normed_, qkv_, attention_, projected_, gate_up_, hidden_, last_, logits_, workspace_,
-      scratch_, staging_floats_;
+  DeviceBuffer x_, normed_, qkv_, attention_, projected_, gate_up_, hidden_, last_, logits_,
+      workspace_, scratch_, staging_floats_;
   DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_slot_table_, d_entries_, d_last_rows_;
   PinnedBuffer host_logits_;
   std::vector<std::int32_t> tokens_, positions_, last_rows_;
@@ -453,8 +466,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
 
 const kvlab::ParamSpec kParams[] = {
     {"dtype", kvlab::ParamType::param_string,
-     "weights, activations and KV cache: f32 or bf16 (fp32 accumulation either way)", "\"f32\"",
-     0, 0},
+     "weights, activations and KV cache: f32 or bf16 (fp32 accumulation either way)", "\"f32\"", 0,
+     0},
     {"device", kvlab::ParamType::param_integer, "CUDA device index", "0", 0, 1024},
     {"split_keys", kvlab::ParamType::param_integer,
      "keys per split of decode attention (flash-decoding)", "256", 16, 1 << 20},

@@ -16,7 +16,8 @@ constexpr int kDecodeWarps = 4;
 constexpr int kPrefillWarps = 8;
 
 // Keys an entry's query at `position` sees: [lo, position].
-__device__ __forceinline__ int first_key(const AttentionEntry& e, int position, std::int64_t window) {
+__device__ __forceinline__ int first_key(const AttentionEntry& e, int position,
+                                         std::int64_t window) {
   int lo = e.first_position;
   if (window > 0) lo = max(lo, position - static_cast<int>(window) + 1);
   return lo;
@@ -59,7 +60,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   float q[QPB][PER_LANE], acc[QPB][PER_LANE], m[QPB], l[QPB];
 #pragma unroll
   for (int h = 0; h < QPB; ++h) {
-    const T* row = static_cast<const T*>(p.q) + static_cast<std::int64_t>(e.first_row) * p.q_row_stride +
+    const T* row = static_cast<const T*>(p.q) +
+                   static_cast<std::int64_t>(e.first_row) * p.q_row_stride +
                    static_cast<std::int64_t>(head0 + h) * HD;
     load_row<T, HD>(row, q[h], lane);
 #pragma unroll
@@ -121,8 +123,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
         value += factor * (d == 1 ? s_l[w][h] : s_acc[w][h][d - 2]);
       }
     }
-    partial_of(p.workspace, blockIdx.x, head0 + h, blockIdx.z, static_cast<int>(p.heads), max_splits,
-               HD)[d] = value;
+    partial_of(p.workspace, blockIdx.x, head0 + h, blockIdx.z, static_cast<int>(p.heads),
+               max_splits, HD)[d] = value;
   }
 }
 
@@ -137,7 +139,8 @@ __global__ void combine_kernel(AttentionParams p, int max_splits) {
   const int heads = static_cast<int>(p.heads);
   float total_m = -FLT_MAX;
   for (int s = 0; s < splits; ++s)
-    total_m = fmaxf(total_m, partial_of(p.workspace, blockIdx.x, head, s, heads, max_splits, HD)[0]);
+    total_m =
+        fmaxf(total_m, partial_of(p.workspace, blockIdx.x, head, s, heads, max_splits, HD)[0]);
   float total_l = 0.0f;
   for (int s = 0; s < splits; ++s) {
     const float* part = partial_of(p.workspace, blockIdx.x, head, s, heads, max_splits, HD);
@@ -178,7 +181,8 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionPa
 
   float q[PER_LANE], acc[PER_LANE], m = -FLT_MAX, l = 0.0f;
   if (active) {
-    load_row<T, HD>(static_cast<const T*>(p.q) + static_cast<std::int64_t>(e.first_row + query) * p.q_row_stride +
+    load_row<T, HD>(static_cast<const T*>(p.q) +
+                        static_cast<std::int64_t>(e.first_row + query) * p.q_row_stride +
                         static_cast<std::int64_t>(head) * HD,
                     q, lane);
   }
@@ -251,7 +255,14 @@ std::int64_t attention_workspace_floats(std::int64_t entries, std::int64_t heads
 
 bool attention_supports(std::int64_t head_dim) {
   switch (head_dim) {
-    case 16: case 32: case 48: case 64: case 80: case 96: case 128: case 256:
+    case 16:
+    case 32:
+    case 48:
+    case 64:
+    case 80:
+    case 96:
+    case 128:
+    case 256:
       return true;
     default:
       return false;
@@ -278,7 +289,7 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
       KVLAB_DISPATCH_GROUP(qpb, QPB, {
         decode_kernel<T, HD, QPB><<<decode_grid, kDecodeWarps * 32, 0, stream>>>(p, max_splits);
       });
-      combine_kernel<T, HD><<<combine_grid, HD < 128 ? HD : 128, 0, stream>>>(p, max_splits);
+      combine_kernel<T, HD> < <<combine_grid, HD<128 ? HD : 128, 0, stream>>>(p, max_splits);
       if (p.max_queries > 1)
         prefill_kernel<T, HD><<<prefill_grid, kPrefillWarps * 32, 0, stream>>>(p);
     });

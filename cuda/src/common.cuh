@@ -7,8 +7,12 @@
 
 namespace kvlab::cuda {
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <typename T>
 __device__ __forceinline__ T from_float(float x);
 template <>
@@ -32,15 +36,15 @@ inline unsigned blocks_for(std::int64_t n, int threads) {
 }  // namespace kvlab::cuda
 
 // DISPATCH_DTYPE(dtype, T, body): body with T = float or __nv_bfloat16.
-#define KVLAB_DISPATCH_DTYPE(DTYPE, T, ...)   \
-  do {                                        \
+#define KVLAB_DISPATCH_DTYPE(DTYPE, T, ...)     \
+  do {                                          \
     if ((DTYPE) == ::kvlab::cuda::Dtype::f32) { \
-      using T = float;                        \
-      __VA_ARGS__                             \
-    } else {                                  \
-      using T = __nv_bfloat16;                \
-      __VA_ARGS__                             \
-    }                                         \
+      using T = float;                          \
+      __VA_ARGS__                               \
+    } else {                                    \
+      using T = __nv_bfloat16;                  \
+      __VA_ARGS__                               \
+    }                                           \
   } while (0)
 
 // DISPATCH_HEAD_DIM(head_dim, HD, body): HD a compile-time head size; unsupported sizes return
@@ -50,18 +54,18 @@ inline unsigned blocks_for(std::int64_t n, int threads) {
     constexpr int HD = VALUE;               \
     __VA_ARGS__                             \
   } break;
-#define KVLAB_DISPATCH_HEAD_DIM(HEAD_DIM, HD, ...)  \
-  switch (HEAD_DIM) {                               \
-    KVLAB_HEAD_DIM_CASE(16, HD, __VA_ARGS__)        \
-    KVLAB_HEAD_DIM_CASE(32, HD, __VA_ARGS__)        \
-    KVLAB_HEAD_DIM_CASE(48, HD, __VA_ARGS__)        \
-    KVLAB_HEAD_DIM_CASE(64, HD, __VA_ARGS__)        \
-    KVLAB_HEAD_DIM_CASE(80, HD, __VA_ARGS__)        \
-    KVLAB_HEAD_DIM_CASE(96, HD, __VA_ARGS__)        \
-    KVLAB_HEAD_DIM_CASE(128, HD, __VA_ARGS__)       \
-    KVLAB_HEAD_DIM_CASE(256, HD, __VA_ARGS__)       \
-    default:                                        \
-      return cudaErrorInvalidValue;                 \
+#define KVLAB_DISPATCH_HEAD_DIM(HEAD_DIM, HD, ...) \
+  switch (HEAD_DIM) {                              \
+    KVLAB_HEAD_DIM_CASE(16, HD, __VA_ARGS__)       \
+    KVLAB_HEAD_DIM_CASE(32, HD, __VA_ARGS__)       \
+    KVLAB_HEAD_DIM_CASE(48, HD, __VA_ARGS__)       \
+    KVLAB_HEAD_DIM_CASE(64, HD, __VA_ARGS__)       \
+    KVLAB_HEAD_DIM_CASE(80, HD, __VA_ARGS__)       \
+    KVLAB_HEAD_DIM_CASE(96, HD, __VA_ARGS__)       \
+    KVLAB_HEAD_DIM_CASE(128, HD, __VA_ARGS__)      \
+    KVLAB_HEAD_DIM_CASE(256, HD, __VA_ARGS__)      \
+    default:                                       \
+      return cudaErrorInvalidValue;                \
   }
 
 // DISPATCH_GROUP(queries_per_block, QPB, body): query heads sharing one K/V head that one block

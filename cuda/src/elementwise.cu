@@ -44,7 +44,8 @@ __global__ void rope_kernel(RopeParams p) {
   const std::int64_t half = p.head_dim / 2;
   const std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= p.rows * p.heads * half) return;
-  const std::int64_t i = index % half, head = (index / half) % p.heads, row = index / (half * p.heads);
+  const std::int64_t i = index % half, head = (index / half) % p.heads,
+                     row = index / (half * p.heads);
   const std::int64_t position = p.positions[row];
   const float c = p.cos[position * half + i], s = p.sin[position * half + i];
   T* x = static_cast<T*>(p.x) + row * p.row_stride + head * p.head_dim;
@@ -106,15 +107,15 @@ __global__ void gather_rows_kernel(const float* in, const std::int32_t* index, f
 
 cudaError_t launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T,
-                       embedding_kernel<T><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p););
+  KVLAB_DISPATCH_DTYPE(
+      p.dtype, T, embedding_kernel<T><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p););
   return cudaGetLastError();
 }
 
 cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T,
-                       rms_norm_kernel<T><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p););
+  KVLAB_DISPATCH_DTYPE(
+      p.dtype, T, rms_norm_kernel<T><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p););
   return cudaGetLastError();
 }
 
@@ -122,22 +123,24 @@ cudaError_t launch_rope(const RopeParams& p, cudaStream_t stream) {
   const std::int64_t n = p.rows * p.heads * (p.head_dim / 2);
   if (n <= 0) return cudaSuccess;
   if (p.head_dim % 2 != 0) return cudaErrorInvalidValue;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T, rope_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
+  KVLAB_DISPATCH_DTYPE(p.dtype, T,
+                       rope_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
   return cudaGetLastError();
 }
 
 cudaError_t launch_swiglu(const SwiGluParams& p, cudaStream_t stream) {
   const std::int64_t n = p.rows * p.ffn;
   if (n <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T, swiglu_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
+  KVLAB_DISPATCH_DTYPE(p.dtype, T,
+                       swiglu_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
   return cudaGetLastError();
 }
 
 cudaError_t launch_residual_add(const ResidualAddParams& p, cudaStream_t stream) {
   const std::int64_t n = p.rows * p.dim;
   if (n <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T,
-                       residual_add_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
+  KVLAB_DISPATCH_DTYPE(
+      p.dtype, T, residual_add_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
   return cudaGetLastError();
 }
 

@@ -68,7 +68,8 @@ void DecodeAttention(benchmark::State& state) {
   cudaMemset(v, 0, slots * kv_width * element);
   cudaMemset(q, 0, batch * heads * head_dim * element);
   cudaMemcpy(d_table, table.data(), table.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice);
-  cudaMemcpy(d_entries, entries.data(), entries.size() * sizeof(entries[0]), cudaMemcpyHostToDevice);
+  cudaMemcpy(d_entries, entries.data(), entries.size() * sizeof(entries[0]),
+             cudaMemcpyHostToDevice);
   kvlab::cuda::AttentionParams p;
   p.q = q;
   p.q_row_stride = heads * head_dim;
@@ -89,7 +90,8 @@ void DecodeAttention(benchmark::State& state) {
   cudaEvent_t start, stop;
   cudaEventCreate(&start);
   cudaEventCreate(&stop);
-  if (kvlab::cuda::launch_attention(p, nullptr) != cudaSuccess || cudaDeviceSynchronize() != cudaSuccess) {
+  if (kvlab::cuda::launch_attention(p, nullptr) != cudaSuccess ||
+      cudaDeviceSynchronize() != cudaSuccess) {
     state.SkipWithError("attention launch failed");
   } else {
     for (auto _ : state) {

@@ -8,8 +8,8 @@
 #include <memory>
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
-#include "kvlab/plugin_loader.hpp"
 #include "kvlab/cpu_reference/machine_peak.hpp"
+#include "kvlab/plugin_loader.hpp"
 
 namespace kvlab::bench {
 namespace {

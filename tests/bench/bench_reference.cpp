@@ -6,8 +6,8 @@
 #include <map>
 #include <memory>
 
-#include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/cpu_reference/machine_peak.hpp"
+#include "kvlab/cpu_reference/reference_model.hpp"
 
 namespace kvlab::bench {
 namespace {

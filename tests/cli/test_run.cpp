@@ -244,13 +244,13 @@ TEST(KvlabSimulated, BackendAndProfileErrorsAreClear) {
             std::string::npos)
       << r.err;
   r = run(base + "[backend]\nname = \"tpu\"\n");
-  EXPECT_NE(r.err.find("unknown backend plugin \"tpu\""), std::string::npos)
-      << r.err;
+  EXPECT_NE(r.err.find("unknown backend plugin \"tpu\""), std::string::npos) << r.err;
   r = run(base + "[backend]\nname = \"simulated\"\nprofile = \"h200\"\n", "check");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("needs backend \"cpu\""), std::string::npos) << r.err;
   // LLaMA-65B in bf16 does not fit on one 80 GiB card: said, not crashed.
-  r = run("[model]\nname = \"llama-65b\"\n[backend]\nname = \"simulated\"\nprofile = "
+  r =
+      run("[model]\nname = \"llama-65b\"\n[backend]\nname = \"simulated\"\nprofile = "
           "\"a100-80gb\"\n[workload]\nrequests = 3\n");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.err.find("llama-65b does not fit on a100-80gb"), std::string::npos) << r.err;
@@ -264,8 +264,8 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("fit: mean |error|"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("decode 8 x ctx 128"), std::string::npos) << r.out;
-  test::write_file(dir / "e.toml", kSmall + "[backend]\nname = \"simulated\"\nprofile = \"" +
-                                       profile + "\"\n");
+  test::write_file(dir / "e.toml",
+                   kSmall + "[backend]\nname = \"simulated\"\nprofile = \"" + profile + "\"\n");
   const Result run = kvlab("run " + (dir / "e.toml").string() + " --out " + (dir / "o").string());
   ASSERT_EQ(run.exit_code, 0) << run.err;
   const auto s = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
@@ -280,10 +280,8 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
 TEST(KvlabCalibrate, MeasuredClockRecordsPredictionErrors) {
   test::TempDir dir;
   const auto profile = (dir / "cpu.toml").string();
-  ASSERT_EQ(
-      kvlab("calibrate --model tiny --threads 1 --repeats 1 --out " + profile).exit_code, 0);
-  test::write_file(dir / "e.toml", kSmall + "[backend]\nprofile = \"" + profile +
-                                       "\"\n");
+  ASSERT_EQ(kvlab("calibrate --model tiny --threads 1 --repeats 1 --out " + profile).exit_code, 0);
+  test::write_file(dir / "e.toml", kSmall + "[backend]\nprofile = \"" + profile + "\"\n");
   const Result r = kvlab("run " + (dir / "e.toml").string() +
                          " --set experiment.clock='\"measured\"' --out " + (dir / "o").string());
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -143,9 +143,8 @@ TEST(MemoryPlanner, BadQueriesAreErrors) {
   MemoryPlanQuery q;
   q.prompt_tokens = 4000;
   q.output_tokens = 200;
-  test::expect_error_containing(
-      [&] { plan_memory(model_preset("llama-7b"), card_40gib(), q); },
-      {"prompt 4000 + output 200 exceed the 2048-token context"});
+  test::expect_error_containing([&] { plan_memory(model_preset("llama-7b"), card_40gib(), q); },
+                                {"prompt 4000 + output 200 exceed the 2048-token context"});
   q.prompt_tokens = 0;
   test::expect_error_containing([&] { plan_memory(model_preset("llama-7b"), card_40gib(), q); },
                                 {"must be positive"});

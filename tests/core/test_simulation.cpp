@@ -35,8 +35,8 @@ ModelConfig toy_model() {
 HardwareProfile toy_profile() {
   HardwareProfile p;
   p.name = "toy";
-  p.peak_tflops = 1.0;         // 1e12 FLOP/s
-  p.memory_gb_per_s = 100.0;   // 1e11 B/s
+  p.peak_tflops = 1.0;        // 1e12 FLOP/s
+  p.memory_gb_per_s = 100.0;  // 1e11 B/s
   p.memory_gib = 1.0;
   p.compute_dtype = DType::dtype_bf16;  // 2 bytes
   p.kv_dtype = DType::dtype_f32;        // 4 bytes
@@ -111,7 +111,8 @@ TEST(CostModel, Llama2_7bOnH200DecodeIsTheWeightRead) {
   EXPECT_NEAR(c.linear_s, layer_bytes / (4800e9 * h200.efficiency.gemm_memory),
               1e-3 * c.linear_s);  // activations add < 0.1%
   // KV: 512 tokens x 32 layers x 2 x 4096 x 2 B read at the attention bandwidth.
-  EXPECT_NEAR(c.attention_decode_s, 512.0 * 32 * 2 * 4096 * 2 / (4800e9 * h200.efficiency.attention_memory),
+  EXPECT_NEAR(c.attention_decode_s,
+              512.0 * 32 * 2 * 4096 * 2 / (4800e9 * h200.efficiency.attention_memory),
               1e-2 * c.attention_decode_s);
   // About 3 ms for one token of a 7B model on an H200: the well-known memory-bound decode.
   EXPECT_GT(c.total(), 3e-3);

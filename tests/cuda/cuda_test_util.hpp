@@ -16,10 +16,10 @@
 namespace kvlab::test {
 
 // Skips the calling test with the probe's reason when there is no device.
-#define KVLAB_REQUIRE_CUDA()                                             \
-  do {                                                                   \
+#define KVLAB_REQUIRE_CUDA()                                                \
+  do {                                                                      \
     const ::kvlab::cuda::DeviceProbe probe = ::kvlab::cuda::probe_device(); \
-    if (!probe.available) GTEST_SKIP() << probe.reason;                  \
+    if (!probe.available) GTEST_SKIP() << probe.reason;                     \
   } while (0)
 
 // Host values as the device stores them: bf16 rounding applied, then back to float.
@@ -78,8 +78,9 @@ class GuardedBuffer {
   }
   bool guards_intact() const {
     std::vector<unsigned char> guard(kGuard * element_bytes_);
-    for (const char* at : {static_cast<const char*>(base_),
-                           static_cast<const char*>(base_) + (kGuard + elements_) * element_bytes_}) {
+    for (const char* at :
+         {static_cast<const char*>(base_),
+          static_cast<const char*>(base_) + (kGuard + elements_) * element_bytes_}) {
       if (cudaMemcpy(guard.data(), at, guard.size(), cudaMemcpyDeviceToHost) != cudaSuccess)
         return false;
       for (unsigned char b : guard)

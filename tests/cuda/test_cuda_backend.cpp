@@ -31,13 +31,14 @@ struct EngineRun {
 };
 
 EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& allocator_params,
-               const std::string& attention, const Params& attention_params,
-               const std::string& preemption, std::int64_t slots,
-               const std::vector<WorkloadRequest>& requests) {
+                     const std::string& attention, const Params& attention_params,
+                     const std::string& preemption, std::int64_t slots,
+                     const std::vector<WorkloadRequest>& requests) {
   PluginContext context;
   context.model = &checkpoint().config;
   context.max_seq_len = 64;
-  auto variant = registry().create<PluginKind::attention_variant>(attention, attention_params, context);
+  auto variant =
+      registry().create<PluginKind::attention_variant>(attention, attention_params, context);
   const cpu::LlamaWeights weights =
       cpu::convert_kv_heads(checkpoint(), variant->kv_heads(checkpoint().config));
   const ModelConfig& c = weights.config;
@@ -48,8 +49,8 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   context.weights = &weights;
   context.window = variant->window().value_or(0);
   auto kv = registry().create<PluginKind::kv_allocator>(allocator, allocator_params, context);
-  auto scheduler = registry().create<PluginKind::scheduler>(
-      "fcfs", {{"preemption", preemption}}, context);
+  auto scheduler =
+      registry().create<PluginKind::scheduler>("fcfs", {{"preemption", preemption}}, context);
   std::unique_ptr<cpu::CpuBackend> cpu_backend;
   PluginObject<Backend> gpu_backend;
   if (on_gpu)
@@ -63,7 +64,8 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   options.caches_kv = variant->caches_kv();
   options.pool = &pool;
   options.swap_slots = 4096;
-  Engine engine(on_gpu ? *gpu_backend : static_cast<Backend&>(*cpu_backend), *kv, *scheduler, options);
+  Engine engine(on_gpu ? *gpu_backend : static_cast<Backend&>(*cpu_backend), *kv, *scheduler,
+                options);
   const EngineResult result = engine.run(requests);
   EngineRun run;
   run.tokens = result.tokens;
@@ -98,9 +100,9 @@ TEST_P(CudaEngine, GreedyTokensEqualTheCpuBackend) {
   const std::int64_t slots = allocator == "static" ? 64 * 3 : 72;  // tight: preemptions happen
   const auto requests = workload();
   const EngineRun cpu = run_engine(false, allocator, allocator_params, variant, variant_params,
-                             preemption, slots, requests);
+                                   preemption, slots, requests);
   const EngineRun gpu = run_engine(true, allocator, allocator_params, variant, variant_params,
-                             preemption, slots, requests);
+                                   preemption, slots, requests);
   ASSERT_EQ(gpu.tokens.size(), cpu.tokens.size());
   for (std::size_t i = 0; i < cpu.tokens.size(); ++i)
     EXPECT_EQ(gpu.tokens[i], cpu.tokens[i]) << "request " << i;
@@ -108,14 +110,15 @@ TEST_P(CudaEngine, GreedyTokensEqualTheCpuBackend) {
   RecordProperty("preemptions", std::to_string(gpu.preemptions));
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    AllocatorsVariants, CudaEngine,
-    ::testing::Combine(::testing::Values("static", "dynamic", "paged"),
-                       ::testing::Values("mha", "gqa", "mqa", "sliding_window", "recompute"),
-                       ::testing::Values("recompute", "swap")),
-    [](const auto& info) {
-      return std::get<0>(info.param) + "_" + std::get<1>(info.param) + "_" + std::get<2>(info.param);
-    });
+INSTANTIATE_TEST_SUITE_P(AllocatorsVariants, CudaEngine,
+                         ::testing::Combine(::testing::Values("static", "dynamic", "paged"),
+                                            ::testing::Values("mha", "gqa", "mqa", "sliding_window",
+                                                              "recompute"),
+                                            ::testing::Values("recompute", "swap")),
+                         [](const auto& info) {
+                           return std::get<0>(info.param) + "_" + std::get<1>(info.param) + "_" +
+                                  std::get<2>(info.param);
+                         });
 
 TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
   KVLAB_REQUIRE_CUDA();
@@ -128,14 +131,18 @@ TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
     context.model = &c;
     context.pool = &device_pool;
     context.weights = &checkpoint();
-    auto gpu = registry().create<PluginKind::backend>("cuda", {{"dtype", std::string(dtype)}}, context);
+    auto gpu =
+        registry().create<PluginKind::backend>("cuda", {{"dtype", std::string(dtype)}}, context);
     cpu::CpuBackend cpu(checkpoint(), host_pool, std::nullopt);
     // Step 1: two prompts (13 and 30 tokens) at slots [0, 13) and [100, 130); step 2: one
     // decode of each plus a third prompt of 5 tokens.
     std::vector<std::int32_t> a(13), b(30), d(5), next_a{7}, next_b{9};
-    for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<std::int32_t>((i * 37 + 1) % c.vocab_size);
-    for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::int32_t>((i * 11 + 5) % c.vocab_size);
-    for (std::size_t i = 0; i < d.size(); ++i) d[i] = static_cast<std::int32_t>((i * 3 + 2) % c.vocab_size);
+    for (std::size_t i = 0; i < a.size(); ++i)
+      a[i] = static_cast<std::int32_t>((i * 37 + 1) % c.vocab_size);
+    for (std::size_t i = 0; i < b.size(); ++i)
+      b[i] = static_cast<std::int32_t>((i * 11 + 5) % c.vocab_size);
+    for (std::size_t i = 0; i < d.size(); ++i)
+      d[i] = static_cast<std::int32_t>((i * 3 + 2) % c.vocab_size);
     auto entry = [](std::span<const std::int32_t> tokens, std::int64_t start,
                     std::vector<KvExtent> extents) {
       BatchEntry e;

@@ -26,8 +26,12 @@ using test::GuardedBuffer;
 using test::stored;
 
 constexpr Dtype kDtypes[] = {Dtype::f32, Dtype::bf16};
-const char* dtype_name(Dtype d) { return d == Dtype::f32 ? "f32" : "bf16"; }
-double abs_tolerance(Dtype d) { return d == Dtype::f32 ? 2e-5 : 1e-2; }
+const char* dtype_name(Dtype d) {
+  return d == Dtype::f32 ? "f32" : "bf16";
+}
+double abs_tolerance(Dtype d) {
+  return d == Dtype::f32 ? 2e-5 : 1e-2;
+}
 
 std::vector<float> random_values(std::size_t n, std::uint32_t seed, float scale = 1.0f) {
   std::mt19937 rng(seed);
@@ -51,7 +55,8 @@ TEST(CudaKernels, EmbeddingGathersRowsExactly) {
   for (Dtype dtype : kDtypes) {
     const auto table = random_values(vocab * dim, 1);
     std::vector<std::int32_t> tokens(rows);
-    for (std::int64_t r = 0; r < rows; ++r) tokens[r] = static_cast<std::int32_t>((r * 17 + 3) % vocab);
+    for (std::int64_t r = 0; r < rows; ++r)
+      tokens[r] = static_cast<std::int32_t>((r * 17 + 3) % vocab);
     GuardedBuffer d_table(table.size(), cuda::dtype_bytes(dtype)), d_tokens(rows, 4),
         d_out(rows * dim, 4);
     d_table.write(table, dtype);
@@ -82,7 +87,8 @@ TEST(CudaKernels, RmsNormMatchesTheReference) {
       const Eigen::VectorXf w = Eigen::Map<const Eigen::VectorXf>(weight.data(), dim);
       cpu::RowMatrix expected;
       cpu::rms_norm(x, w, 1e-5f, expected);
-      GuardedBuffer d_x(x_padded.size(), 4), d_w(dim, 4), d_out(rows * dim, cuda::dtype_bytes(dtype));
+      GuardedBuffer d_x(x_padded.size(), 4), d_w(dim, 4),
+          d_out(rows * dim, cuda::dtype_bytes(dtype));
       d_x.write(x_padded, Dtype::f32);
       d_w.write(weight, Dtype::f32);
       ASSERT_EQ(cuda::launch_rms_norm({d_x.as<float>(), stride, d_w.as<float>(), d_out.get(), rows,
@@ -112,7 +118,8 @@ TEST(CudaKernels, RopeMatchesTheReferenceAndLeavesOtherColumns) {
           sin.push_back(rope.sin(p, i));
         }
       std::vector<std::int32_t> positions(rows);
-      for (std::int64_t r = 0; r < rows; ++r) positions[r] = static_cast<std::int32_t>((r * 97 + 5) % max_positions);
+      for (std::int64_t r = 0; r < rows; ++r)
+        positions[r] = static_cast<std::int32_t>((r * 97 + 5) % max_positions);
       auto values = random_values(rows * stride, 4);
       for (auto& v : values) v = stored(v, dtype);
       cpu::RowMatrix x(rows, width);
@@ -158,9 +165,11 @@ TEST(CudaKernels, SwiGluAndResidualAddMatchTheFormula) {
         const double g = gate_up[r * 2 * ffn + i], u = gate_up[r * 2 * ffn + ffn + i];
         expected[r * ffn + i] = static_cast<float>(g / (1.0 + std::exp(-g)) * u);
       }
-    GuardedBuffer d_in(gate_up.size(), cuda::dtype_bytes(dtype)), d_out(rows * ffn, cuda::dtype_bytes(dtype));
+    GuardedBuffer d_in(gate_up.size(), cuda::dtype_bytes(dtype)),
+        d_out(rows * ffn, cuda::dtype_bytes(dtype));
     d_in.write(gate_up, dtype);
-    ASSERT_EQ(cuda::launch_swiglu({d_in.get(), d_out.get(), rows, ffn, dtype}, nullptr), cudaSuccess);
+    ASSERT_EQ(cuda::launch_swiglu({d_in.get(), d_out.get(), rows, ffn, dtype}, nullptr),
+              cudaSuccess);
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     // |out| <= ~16: fp32 relative 1e-6 -> 2e-5 abs; bf16 one ulp of 16 is 0.125.
     expect_close(d_out.read(rows * ffn, dtype), expected, dtype == Dtype::f32 ? 2e-5 : 1.3e-1,
@@ -256,7 +265,8 @@ std::vector<double> reference_attention(const std::vector<float>& q, const std::
 
 TEST(CudaAttentionReference, EqualsCpuReferenceCausalAttention) {  // runs without a GPU
   const std::int64_t heads = 4, kv_heads = 2, hd = 16, length = 23, window = 7;
-  const auto q = random_values(length * heads * hd, 10), k = random_values(length * kv_heads * hd, 11),
+  const auto q = random_values(length * heads * hd, 10),
+             k = random_values(length * kv_heads * hd, 11),
              v = random_values(length * kv_heads * hd, 12);
   for (std::int64_t w : {std::int64_t{0}, window}) {
     cpu::RowMatrix out;
@@ -273,7 +283,8 @@ TEST(CudaAttentionReference, EqualsCpuReferenceCausalAttention) {  // runs witho
 }
 
 TEST(CudaAttention, OnlyInstantiatedHeadDimsAreAccepted) {  // host-only: runs without a GPU
-  for (std::int64_t hd : {16, 32, 48, 64, 80, 96, 128, 256}) EXPECT_TRUE(cuda::attention_supports(hd)) << hd;
+  for (std::int64_t hd : {16, 32, 48, 64, 80, 96, 128, 256})
+    EXPECT_TRUE(cuda::attention_supports(hd)) << hd;
   for (std::int64_t hd : {8, 40, 100, 512}) EXPECT_FALSE(cuda::attention_supports(hd)) << hd;
 }
 
@@ -309,7 +320,8 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   for (std::size_t e = 0; e < sequences.size(); ++e) {
     const auto& s = sequences[e];
     const std::int64_t length = s.start + s.queries;
-    auto q = random_values(s.queries * q_width, 100 + e), k = random_values(length * kv_width, 200 + e),
+    auto q = random_values(s.queries * q_width, 100 + e),
+         k = random_values(length * kv_width, 200 + e),
          v = random_values(length * kv_width, 300 + e);
     for (auto* values : {&q, &k, &v})
       for (auto& x : *values) x = stored(x, c.dtype);
@@ -338,14 +350,17 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
     if (s.queries == 1) max_keys = std::max(max_keys, s.start - first + 1);
     max_queries = std::max(max_queries, s.queries);
     entries.push_back(a);
-    expected.push_back(reference_attention(q, k, v, heads, kv_heads, hd, s.start, s.queries, c.window));
+    expected.push_back(
+        reference_attention(q, k, v, heads, kv_heads, hd, s.start, s.queries, c.window));
   }
   const std::size_t e_bytes = cuda::dtype_bytes(c.dtype);
   const std::int32_t split_keys = 256;
-  GuardedBuffer d_q(q_rows.size(), e_bytes), d_k(k_pool.size(), e_bytes), d_v(v_pool.size(), e_bytes),
-      d_table(slot_table.size(), 8), d_entries(entries.size(), sizeof(cuda::AttentionEntry)),
-      d_out(rows * q_width, e_bytes),
-      d_workspace(cuda::attention_workspace_floats(entries.size(), heads, hd, std::max<std::int64_t>(max_keys, 1), split_keys), 4);
+  GuardedBuffer d_q(q_rows.size(), e_bytes), d_k(k_pool.size(), e_bytes),
+      d_v(v_pool.size(), e_bytes), d_table(slot_table.size(), 8),
+      d_entries(entries.size(), sizeof(cuda::AttentionEntry)), d_out(rows * q_width, e_bytes),
+      d_workspace(cuda::attention_workspace_floats(entries.size(), heads, hd,
+                                                   std::max<std::int64_t>(max_keys, 1), split_keys),
+                  4);
   d_q.write(q_rows, c.dtype);
   d_k.write(k_pool, c.dtype);
   d_v.write(v_pool, c.dtype);
@@ -390,10 +405,12 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
 
 // Decodes at 1, 17, 256 and 1,000 keys (one to four splits of 256), a prompt of 37 from
 // scratch, a later chunk of 50 after 77 cached tokens (chunked prefill) and a short one of 9.
-const std::vector<SequenceCase> kSequences{{0, 1}, {16, 1}, {255, 1}, {999, 1}, {0, 37}, {77, 50}, {0, 9}};
+const std::vector<SequenceCase> kSequences{{0, 1},  {16, 1},  {255, 1}, {999, 1},
+                                           {0, 37}, {77, 50}, {0, 9}};
 
 class CudaAttentionGrid
-    : public ::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t, std::int64_t, Dtype>> {};
+    : public ::testing::TestWithParam<std::tuple<std::int64_t, std::int64_t, std::int64_t, Dtype>> {
+};
 
 TEST_P(CudaAttentionGrid, MatchesTheReference) {
   KVLAB_REQUIRE_CUDA();

@@ -25,7 +25,7 @@ namespace kvlab {
 enum class EngineClock {
   virtual_clock,  // time advances by each step's modelled duration: reproducible to the byte
   offline,        // every request arrives at t = 0, then as virtual_clock
-  wall,  // arrivals replayed in real time; time advances as it really passes (not reproducible)
+  wall,      // arrivals replayed in real time; time advances as it really passes (not reproducible)
   measured,  // as virtual_clock, but each step lasts what it really took (plan + apply +
              // forward): the same decisions as a real server, without sleeping through idle gaps
 };

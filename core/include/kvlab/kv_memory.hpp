@@ -50,12 +50,12 @@ struct MemoryPlanQuery {
 
 struct MemoryPlan {
   std::int64_t kv_heads = 0;
-  double usable_bytes = 0;   // memory_gib x utilization
-  double weight_bytes = 0;   // parameters x weight dtype
-  double reserve_bytes = 0;  // activations
-  double kv_budget_bytes = 0;            // usable - weights - reserve (0 when negative)
-  std::int64_t kv_bytes_per_token = 0;   // 2 x layers x kv_heads x head_dim x kv dtype
-  std::int64_t kv_capacity_tokens = 0;   // floor(budget / bytes per token)
+  double usable_bytes = 0;              // memory_gib x utilization
+  double weight_bytes = 0;              // parameters x weight dtype
+  double reserve_bytes = 0;             // activations
+  double kv_budget_bytes = 0;           // usable - weights - reserve (0 when negative)
+  std::int64_t kv_bytes_per_token = 0;  // 2 x layers x kv_heads x head_dim x kv dtype
+  std::int64_t kv_capacity_tokens = 0;  // floor(budget / bytes per token)
   std::int64_t static_tokens_per_request = 0;
   std::int64_t paged_tokens_per_request = 0;  // ceil((prompt + output) / block) x block
   std::int64_t max_static_requests = 0;

@@ -218,8 +218,8 @@ class PagedAllocator final : public KvAllocator {
   }
 
  private:
-  mutable std::vector<std::int64_t> fill_;     // stats() scratch, -1 between calls
-  mutable std::vector<std::size_t> touched_;   // stats() scratch
+  mutable std::vector<std::int64_t> fill_;    // stats() scratch, -1 between calls
+  mutable std::vector<std::size_t> touched_;  // stats() scratch
   struct Block {
     std::int32_t ref_count = 0;
     std::uint64_t hash = 0;  // 0: holds no registered prefix

@@ -10,7 +10,9 @@
 namespace kvlab::cuda {
 
 enum class Dtype : std::uint8_t { f32, bf16 };
-inline std::size_t dtype_bytes(Dtype d) { return d == Dtype::f32 ? 4 : 2; }
+inline std::size_t dtype_bytes(Dtype d) {
+  return d == Dtype::f32 ? 4 : 2;
+}
 
 // out (rows, dim) [fp32 residual stream] = table[tokens[r]] (vocab, dim) [dtype]
 struct EmbeddingParams {
