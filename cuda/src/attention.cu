@@ -289,7 +289,8 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
       KVLAB_DISPATCH_GROUP(qpb, QPB, {
         decode_kernel<T, HD, QPB><<<decode_grid, kDecodeWarps * 32, 0, stream>>>(p, max_splits);
       });
-      combine_kernel<T, HD> < <<combine_grid, HD<128 ? HD : 128, 0, stream>>>(p, max_splits);
+      constexpr int kCombineThreads = HD < 128 ? HD : 128;
+      combine_kernel<T, HD><<<combine_grid, kCombineThreads, 0, stream>>>(p, max_splits);
       if (p.max_queries > 1)
         prefill_kernel<T, HD><<<prefill_grid, kPrefillWarps * 32, 0, stream>>>(p);
     });
