@@ -6,7 +6,7 @@
 #      CPU backend (ctest -L cuda)
 #   3. compute-sanitizer memcheck on a small subset (the kernels and one engine run)
 #   4. benchmarks: decode attention bandwidth vs the device's peak; fcfs vs static end to end on
-#      a 1B-class model
+#      a 1B-class model; kvlab calibrate --backend cuda (the simulated backend's H200 fit)
 #   5. a summary of all of it
 # Usage: scripts/gpu_check.sh        (build dir: build-gpu, or $KVLAB_BUILD_DIR)
 set -uo pipefail
@@ -85,6 +85,15 @@ if "$build/bin/kvlab" run experiments/cuda_fcfs_vs_static.toml --out "$build/cud
 else
   status=1
   note "end to end FAILED"; tail -5 "$build/e2e.log"
+fi
+
+if "$build/bin/kvlab" calibrate --backend cuda --profile h200 --model tinyllama-1.1b --repeats 3 \
+     --out "$build/h200-calibrated.toml" > "$build/calibrate.log" 2>&1; then
+  note "kvlab calibrate --backend cuda: $(grep -E '^fit:' "$build/calibrate.log")"
+  note "  $(grep -E '^peaks:' "$build/calibrate.log")"
+else
+  status=1
+  note "kvlab calibrate --backend cuda FAILED"; tail -3 "$build/calibrate.log"
 fi
 
 echo

@@ -17,6 +17,7 @@
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/plugin_loader.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -28,6 +29,8 @@ struct CalibrateOptions {
   std::string name;
   int threads = 2;
   int repeats = 7;
+  std::string profile;         // cuda: the datasheet peaks to start from (h200, a100-80gb, ...)
+  std::string dtype = "bf16";  // cuda: weights, activations and KV
 };
 
 // One grid point: sequences of `new_tokens` each after `context` cached tokens.
@@ -70,13 +73,15 @@ double median(std::vector<double> v) {
 }
 
 void run_calibrate(const CalibrateOptions& o) {
-  if (o.backend == "cuda")
-    throw Error(
-        "kvlab calibrate --backend cuda needs the CUDA backend plugin and a GPU: build with the "
-        "CUDA toolkit and run scripts/gpu_check.sh on a GPU machine (see docs/concepts/simulated-"
-        "backend.md)");
-  if (o.backend != "cpu")
+  const bool cuda = o.backend == "cuda";
+  if (o.backend != "cpu" && !cuda)
     throw Error(fmt::format("--backend \"{}\": choose cpu or cuda", o.backend));
+  if (cuda && o.profile.empty())
+    throw Error(
+        "--backend cuda: give --profile with the GPU's datasheet peaks to fit against (h200, "
+        "h100-sxm, a100-80gb, l4 or a .toml)");
+  if (cuda && o.dtype != "f32" && o.dtype != "bf16")
+    throw Error(fmt::format("--dtype \"{}\": choose f32 or bf16", o.dtype));
   if (o.threads < 1) throw Error("--threads must be >= 1");
   if (o.repeats < 1) throw Error("--repeats must be >= 1");
   cpu::set_num_threads(o.threads);
@@ -91,29 +96,46 @@ void run_calibrate(const CalibrateOptions& o) {
     for (const auto& e : shape.entries) total += e.start_position + e.new_tokens;
     slots = std::max(slots, total);
   }
-  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots});
-  cpu::CpuBackend backend(weights, pool, std::nullopt);
-
-  fmt::print(stderr, "measuring this machine's peaks ({} threads)...\n", o.threads);
+  // The backend measured: the CPU backend, or the cuda plugin with its K/V in device memory.
+  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
+              cuda ? KvStorage::none : KvStorage::host);
+  const PluginRegistry registry(PluginRegistry::default_search_path());
+  std::unique_ptr<cpu::CpuBackend> cpu_backend;
+  PluginObject<Backend> cuda_backend;  // after pool: destroyed (detaching) first
   HardwareProfile start;
-  start.name = o.name.empty() ? fmt::format("cpu-{}-{}t", model.name, o.threads) : o.name;
-  start.peak_tflops = cpu::measured_fp32_peak_gflops(o.threads) / 1e3;
-  start.memory_gb_per_s = cpu::measured_read_bandwidth_gbs(o.threads);
-  start.memory_gib = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
-                     static_cast<double>(sysconf(_SC_PAGE_SIZE)) / (1024.0 * 1024.0 * 1024.0);
-  start.compute_dtype = DType::dtype_f32;
-  start.kv_dtype = DType::dtype_f32;
+  if (cuda) {
+    PluginContext context;
+    context.model = &model;
+    context.max_seq_len = model.max_position_embeddings;
+    context.pool = &pool;
+    context.weights = &weights;
+    cuda_backend = registry.create<PluginKind::backend>("cuda", {{"dtype", o.dtype}}, context);
+    start = load_hardware_profile(o.profile);  // datasheet peaks
+    start.name = o.name.empty() ? fmt::format("{}-calibrated-{}", start.name, model.name) : o.name;
+    start.compute_dtype = start.kv_dtype = o.dtype == "f32" ? DType::dtype_f32 : DType::dtype_bf16;
+  } else {
+    cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, std::nullopt);
+    fmt::print(stderr, "measuring this machine's peaks ({} threads)...\n", o.threads);
+    start.name = o.name.empty() ? fmt::format("cpu-{}-{}t", model.name, o.threads) : o.name;
+    start.peak_tflops = cpu::measured_fp32_peak_gflops(o.threads) / 1e3;
+    start.memory_gb_per_s = cpu::measured_read_bandwidth_gbs(o.threads);
+    start.memory_gib = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                       static_cast<double>(sysconf(_SC_PAGE_SIZE)) / (1024.0 * 1024.0 * 1024.0);
+    start.compute_dtype = DType::dtype_f32;
+    start.kv_dtype = DType::dtype_f32;
+    start.memory_utilization = 1.0;
+    start.activation_reserve_gib = 0;
+  }
+  Backend& backend = cuda ? *cuda_backend : static_cast<Backend&>(*cpu_backend);
   start.step_overhead_s = 1e-4;
   start.sequence_overhead_s = 1e-5;
-  start.memory_utilization = 1.0;
-  start.activation_reserve_gib = 0;
   const CostModel shapes_model(model, start);
 
   std::mt19937 rng(1);
   std::uniform_int_distribution<std::int32_t> token(
       0, static_cast<std::int32_t>(model.vocab_size - 1));
-  fmt::print(stderr, "measuring {} batch shapes x {} rounds on the cpu backend ({})...\n",
-             grid.size(), o.repeats, model.name);
+  fmt::print(stderr, "measuring {} batch shapes x {} rounds on the {} backend ({})...\n",
+             grid.size(), o.repeats, o.backend, model.name);
   // Every shape's batch, built once; then rounds over all shapes, so that the machine's drift
   // (frequency, other load) spreads over every shape instead of biasing a few.
   std::vector<std::vector<std::vector<std::int32_t>>> tokens(grid.size());
@@ -169,7 +191,7 @@ void run_calibrate(const CalibrateOptions& o) {
              fit.iterations);
   const Efficiency& e = profile.efficiency;
   fmt::print(
-      "peaks: {:.1f} GFLOP/s, {:.1f} GB/s (measured {:.1f} and {:.1f}); efficiencies: gemm "
+      "peaks: {:.1f} GFLOP/s, {:.1f} GB/s (started from {:.1f} and {:.1f}); efficiencies: gemm "
       "{:.2f}/{:.2f}, attention {:.2f}/{:.2f}, elementwise {:.2f}; overhead {:.3f} ms/step + "
       "{:.4f} ms/sequence\n",
       profile.peak_tflops * 1e3, profile.memory_gb_per_s, start.peak_tflops * 1e3,
@@ -182,9 +204,9 @@ void run_calibrate(const CalibrateOptions& o) {
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   file << fmt::format(
-      "# Written by kvlab calibrate on {}: the cpu backend with {} threads on {}.\n# Fit over {} "
+      "# Written by kvlab calibrate on {}: {}.\n# Fit over {} "
       "batch shapes: mean |error| {:.1f}%, max {:.1f}%.\n",
-      date, o.threads, model.name, samples.size(), 100 * fit.mean_abs_rel_error,
+      date, profile.description, samples.size(), 100 * fit.mean_abs_rel_error,
       100 * fit.max_abs_rel_error);
   file << hardware_profile_to_toml(profile);
   if (!file) throw Error(fmt::format("cannot write {}", o.out));
@@ -203,6 +225,9 @@ void register_calibrate(CLI::App& app) {
   sub->add_option("--out", o->out, "Profile file to write (TOML)")->required();
   sub->add_option("--name", o->name, "Profile name (default: cpu-<model>-<threads>t)");
   sub->add_option("--threads", o->threads, "CPU threads")->capture_default_str();
+  sub->add_option("--profile", o->profile,
+                  "cuda: the hardware profile whose datasheet peaks the fit starts from");
+  sub->add_option("--dtype", o->dtype, "cuda: f32 or bf16")->capture_default_str();
   sub->add_option("--repeats", o->repeats, "Timed runs per shape (the median is kept)")
       ->capture_default_str();
   sub->callback([o]() { run_calibrate(*o); });

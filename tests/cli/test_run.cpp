@@ -271,10 +271,17 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   const auto s = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
   EXPECT_EQ(s["finished"], 12);
 
-  const Result cuda = kvlab("calibrate --backend cuda --out " + (dir / "gpu.toml").string());
-  EXPECT_NE(cuda.exit_code, 0);
-  EXPECT_NE(cuda.err.find("CUDA"), std::string::npos) << cuda.err;
-  EXPECT_FALSE(std::filesystem::exists(dir / "gpu.toml"));
+  const Result no_profile = kvlab("calibrate --backend cuda --out " + (dir / "gpu.toml").string());
+  EXPECT_NE(no_profile.exit_code, 0);
+  EXPECT_NE(no_profile.err.find("give --profile"), std::string::npos) << no_profile.err;
+  const Result cuda = kvlab("calibrate --backend cuda --profile h200 --model tiny --out " +
+                            (dir / "gpu.toml").string());
+  if (cuda.exit_code != 0) {  // no GPU here (or no CUDA build): said, nothing written
+    EXPECT_TRUE(cuda.err.find("no CUDA device") != std::string::npos ||
+                cuda.err.find("unknown backend plugin \"cuda\"") != std::string::npos)
+        << cuda.err;
+    EXPECT_FALSE(std::filesystem::exists(dir / "gpu.toml"));
+  }
 }
 
 TEST(KvlabCalibrate, MeasuredClockRecordsPredictionErrors) {
