@@ -36,6 +36,18 @@ DType parse_dtype(const std::string& name, const char* flag) {
   return *dtype;
 }
 
+// The attention variants the model's head count allows, as (label, K/V heads): MHA, the
+// checkpoint's own GQA, GQA-8, MQA.
+std::vector<std::pair<std::string, std::int64_t>> attention_variants(const ModelConfig& c) {
+  std::vector<std::pair<std::string, std::int64_t>> variants{{"MHA", c.num_attention_heads}};
+  if (c.num_key_value_heads != c.num_attention_heads && c.num_key_value_heads != 1)
+    variants.emplace_back(fmt::format("GQA-{}", c.num_key_value_heads), c.num_key_value_heads);
+  if (c.num_key_value_heads != 8 && c.num_attention_heads % 8 == 0 && c.num_attention_heads > 8)
+    variants.emplace_back("GQA-8", 8);
+  variants.emplace_back("MQA", 1);
+  return variants;
+}
+
 // Static vs paged on one device, for each attention variant the model's heads allow.
 void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   const HardwareProfile device = load_hardware_profile(o.gpu);
@@ -50,12 +62,7 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
                                            : q.kv_dtype;
   q.kv_heads = o.kv_heads;
   const MemoryPlan p = plan_memory(c, device, q);
-  std::vector<std::pair<std::string, std::int64_t>> variants{{"MHA", c.num_attention_heads}};
-  if (c.num_key_value_heads != c.num_attention_heads && c.num_key_value_heads != 1)
-    variants.emplace_back(fmt::format("GQA-{}", c.num_key_value_heads), c.num_key_value_heads);
-  if (c.num_key_value_heads != 8 && c.num_attention_heads % 8 == 0 && c.num_attention_heads > 8)
-    variants.emplace_back("GQA-8", 8);
-  variants.emplace_back("MQA", 1);
+  const auto variants = attention_variants(c);
   auto plan_for = [&](std::int64_t heads) {
     MemoryPlanQuery v = q;
     v.kv_heads = heads;
@@ -143,13 +150,7 @@ void run_memory(const MemoryOptions& o) {
   query.gpu_memory_gib = o.gpu_mem;
   const KvMemoryReport r = kv_memory(c, query);
 
-  // The same question for each attention variant the model's head count allows.
-  std::vector<std::pair<std::string, std::int64_t>> variants{{"MHA", c.num_attention_heads}};
-  if (c.num_key_value_heads != c.num_attention_heads && c.num_key_value_heads != 1)
-    variants.emplace_back(fmt::format("GQA-{}", c.num_key_value_heads), c.num_key_value_heads);
-  if (c.num_key_value_heads != 8 && c.num_attention_heads % 8 == 0 && c.num_attention_heads > 8)
-    variants.emplace_back("GQA-8", 8);
-  variants.emplace_back("MQA", 1);
+  const auto variants = attention_variants(c);
   const KvMemoryReport mha =
       kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
                     c.num_attention_heads, query.gpu_memory_gib});
