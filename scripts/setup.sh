@@ -28,6 +28,9 @@ if ! command -v nvcc >/dev/null 2>&1 && [ -x /usr/local/cuda/bin/nvcc ]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
 
+# KVLAB_SETUP_PACKAGES_ONLY=1: stop here (scripts/gpu_check.sh builds only what it needs).
+[ "${KVLAB_SETUP_PACKAGES_ONLY:-0}" = 1 ] && exit 0
+
 build_dir="${KVLAB_BUILD_DIR:-build}"
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release ${KVLAB_CMAKE_ARGS:-}
 cmake --build "$build_dir" -j "$(nproc)"
