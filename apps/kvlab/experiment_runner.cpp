@@ -53,6 +53,11 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   const bool simulated = c.backend == "simulated";
   const bool plugin_backend = c.backend != "cpu" && !simulated;             // e.g. cuda
   if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
+  if (!plugin_backend && !c.backend_params.empty())
+    throw Error(fmt::format(
+        "backend.params are for backend plugins (such as cuda); the built-in \"{}\" backend "
+        "takes none",
+        c.backend));
   if (simulated && check)
     throw Error(
         "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
@@ -84,17 +89,17 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   std::optional<CostModel> cost_model;
   if (!c.profile.empty()) cost_model.emplace(model, load_hardware_profile(c.profile));
   std::int64_t slots = c.kv_slots.value_or(4096);
-  if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (whole blocks of 64)
+  if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (whole blocks of 64);
+                          // simulated KV is in the profile's dtype, real KV in fp32
     const double bytes_per_slot =
-        cost_model
+        simulated
             ? static_cast<double>(cost_model->kv_bytes_per_token())
             : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) * sizeof(float);
     slots = static_cast<std::int64_t>(*c.kv_memory_mib * 1024 * 1024 / bytes_per_slot) / 64 * 64;
     if (slots < 1)
       throw Error(
           fmt::format("kv_cache.memory_mib {} holds no token of {}", *c.kv_memory_mib, model.name));
-  } else if (simulated && !c.kv_slots) {  // what the device holds next to the weights, in
-                                          // whole blocks of 256
+  } else if (simulated && !c.kv_slots) {  // what the device holds next to the weights
     slots = cost_model->kv_capacity_tokens() / 256 * 256;  // whole blocks of any usual size
     if (slots < 1)
       throw Error(fmt::format(

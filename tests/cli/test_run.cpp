@@ -243,6 +243,9 @@ TEST(KvlabSimulated, BackendAndProfileErrorsAreClear) {
   EXPECT_NE(r.err.find("unknown hardware profile \"h2000\" (did you mean h200?)"),
             std::string::npos)
       << r.err;
+  r = run(base + "[backend]\nname = \"simulated\"\nprofile = \"h200\"\n[backend.params]\ndtype = "
+          "\"bf16\"\n");
+  EXPECT_NE(r.err.find("backend.params are for backend plugins"), std::string::npos) << r.err;
   r = run(base + "[backend]\nname = \"tpu\"\n");
   EXPECT_NE(r.err.find("unknown backend plugin \"tpu\""), std::string::npos) << r.err;
   r = run(base + "[backend]\nname = \"simulated\"\nprofile = \"h200\"\n", "check");
