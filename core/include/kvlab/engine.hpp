@@ -26,8 +26,9 @@ enum class EngineClock {
   virtual_clock,  // time advances by each step's modelled duration: reproducible to the byte
   offline,        // every request arrives at t = 0, then as virtual_clock
   wall,      // arrivals replayed in real time; time advances as it really passes (not reproducible)
-  measured,  // as virtual_clock, but each step lasts what it really took (plan + apply +
-             // forward): the same decisions as a real server, without sleeping through idle gaps
+  measured,  // as virtual_clock, but each step lasts what Backend::forward really took (+ the
+             // modelled swap copies): a real backend's timeline without sleeping through idle
+             // gaps, and what a cost model's predictions are validated against
 };
 
 // The virtual clock's step-time model (seconds); the measured forward time is recorded too.
