@@ -35,8 +35,7 @@ HardwareProfile with_parameters(const HardwareProfile& base, const Eigen::Vector
 }
 
 double predict(const HardwareProfile& profile, const StepWork& work) {
-  ModelConfig unused;  // CostModel::cost reads only the profile
-  return CostModel(unused, profile).cost(work).total();
+  return step_cost(work, profile).total();
 }
 
 struct Residuals {

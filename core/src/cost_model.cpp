@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kvlab/kv_memory.hpp"
+
 namespace kvlab {
 
 double roofline_seconds(const Work& work, double peak_flops, double bytes_per_s,
@@ -69,8 +71,7 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   return w;
 }
 
-StepCost CostModel::cost(const StepWork& w) const {
-  const HardwareProfile& p = profile_;
+StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
   const Efficiency& e = p.efficiency;
   const double peak = p.peak_tflops * 1e12, bandwidth = p.memory_gb_per_s * 1e9;
   StepCost c;
@@ -106,11 +107,8 @@ std::int64_t CostModel::kv_bytes_per_token() const {
 }
 
 std::int64_t CostModel::kv_capacity_tokens() const {
-  constexpr double kGiBytes = 1024.0 * 1024.0 * 1024.0;
-  const double free = profile_.memory_gib * kGiBytes * profile_.memory_utilization -
-                      weight_bytes() - profile_.activation_reserve_gib * kGiBytes;
-  if (free <= 0) return 0;
-  return static_cast<std::int64_t>(std::floor(free / static_cast<double>(kv_bytes_per_token())));
+  return static_cast<std::int64_t>(std::floor(kv_budget_bytes(profile_, weight_bytes()) /
+                                              static_cast<double>(kv_bytes_per_token())));
 }
 
 }  // namespace kvlab

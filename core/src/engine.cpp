@@ -393,8 +393,11 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
     record.measured_forward_s = std::chrono::duration<double>(end - start).count();
     record.measured_step_s = std::chrono::duration<double>(end - step_start).count();
     const double swap_s = static_cast<double>(swap_bytes) / (options_.swap_gb_per_s * 1e9);
-    if (options_.cost_model != nullptr) {
+    if (options_.cost_model != nullptr)
       record.predicted_s = options_.cost_model->step(batch).total();
+    if (options_.clock == EngineClock::measured) {  // the backend's real latency, as predicted
+      record.duration_s = record.measured_forward_s + swap_s;
+    } else if (options_.cost_model != nullptr) {
       record.duration_s = record.predicted_s + swap_s;
     } else {
       std::int64_t kv_tokens_read = 0;
@@ -405,8 +408,6 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
                           m.decode_token_s * static_cast<double>(record.decode_tokens) +
                           m.kv_token_read_s * static_cast<double>(kv_tokens_read) + swap_s;
     }
-    if (options_.clock == EngineClock::measured)  // the backend's real latency, like the model's
-      record.duration_s = record.measured_forward_s + swap_s;
     if (wall) {
       now = wall_now();
       record.duration_s = now - record.start_s;

@@ -34,6 +34,11 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   return r;
 }
 
+double kv_budget_bytes(const HardwareProfile& device, double weight_bytes) {
+  return std::max(0.0, device.memory_gib * kGiB * device.memory_utilization - weight_bytes -
+                           device.activation_reserve_gib * kGiB);
+}
+
 MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
                        const MemoryPlanQuery& q) {
   if (q.prompt_tokens <= 0 || q.output_tokens < 0)
@@ -53,7 +58,7 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
   p.usable_bytes = device.memory_gib * kGiB * device.memory_utilization;
   p.weight_bytes = static_cast<double>(kv.weight_bytes);
   p.reserve_bytes = device.activation_reserve_gib * kGiB;
-  p.kv_budget_bytes = std::max(0.0, p.usable_bytes - p.weight_bytes - p.reserve_bytes);
+  p.kv_budget_bytes = kv_budget_bytes(device, p.weight_bytes);
   p.kv_capacity_tokens = static_cast<std::int64_t>(
       std::floor(p.kv_budget_bytes / static_cast<double>(p.kv_bytes_per_token)));
   p.paged_tokens_per_request = (expected + q.block_size - 1) / q.block_size * q.block_size;

@@ -10,7 +10,6 @@
 
 #include <Eigen/Core>
 #include <algorithm>
-#include <cstring>
 #include <utility>
 #include <vector>
 

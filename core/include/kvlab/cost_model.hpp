@@ -50,13 +50,16 @@ struct StepCost {
   }
 };
 
+// A step's latency on a device: needs only the profile (CostModel::cost; calibration fits it).
+StepCost step_cost(const StepWork& work, const HardwareProfile& profile);
+
 class CostModel {
  public:
   // `model` as served (its K/V heads after the attention variant's conversion).
   CostModel(const ModelConfig& model, const HardwareProfile& profile);
 
   StepWork work(std::span<const EntryShape> batch) const;
-  StepCost cost(const StepWork& work) const;
+  StepCost cost(const StepWork& work) const { return step_cost(work, profile_); }
   StepCost step(std::span<const EntryShape> batch) const { return cost(work(batch)); }
   StepCost step(std::span<const BatchEntry> batch) const;
 

@@ -63,6 +63,9 @@ struct MemoryPlan {
 };
 
 struct HardwareProfile;
+// Bytes left for KV on a device: memory_gib x utilization - weights - activation reserve (>= 0).
+double kv_budget_bytes(const HardwareProfile& device, double weight_bytes);
+
 // Throws kvlab::Error for non-positive lengths, a block size < 1, expected lengths beyond the
 // static reservation, or kv_heads that do not divide the query heads.
 MemoryPlan plan_memory(const ModelConfig& model, const HardwareProfile& device,

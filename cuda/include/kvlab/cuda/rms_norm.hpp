@@ -1,5 +1,6 @@
 #pragma once
-// RMSNorm on the GPU, the first kernel checked against cpu_reference (correctness rung 3).
+// RMSNorm on the GPU from host memory: a convenience over launch_rms_norm (kernels.hpp) for
+// tests that compare one kernel with cpu_reference.
 #include <cstdint>
 #include <string>
 
