@@ -284,18 +284,22 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   const dim3 combine_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads));
   const dim3 prefill_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads),
                           static_cast<unsigned>((max_queries + kPrefillWarps - 1) / kPrefillWarps));
+  cudaError_t status = cudaSuccess;
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
     KVLAB_DISPATCH_HEAD_DIM(p.head_dim, HD, {
       KVLAB_DISPATCH_GROUP(qpb, QPB, {
-        decode_kernel<T, HD, QPB><<<decode_grid, kDecodeWarps * 32, 0, stream>>>(p, max_splits);
+        status = launch_kernel(decode_kernel<T, HD, QPB>, decode_grid, kDecodeWarps * 32, stream, p,
+                               max_splits);
       });
       constexpr int kCombineThreads = HD < 128 ? HD : 128;
-      combine_kernel<T, HD><<<combine_grid, kCombineThreads, 0, stream>>>(p, max_splits);
-      if (p.max_queries > 1)
-        prefill_kernel<T, HD><<<prefill_grid, kPrefillWarps * 32, 0, stream>>>(p);
+      if (status == cudaSuccess)
+        status = launch_kernel(combine_kernel<T, HD>, combine_grid, kCombineThreads, stream, p,
+                               max_splits);
+      if (status == cudaSuccess && p.max_queries > 1)
+        status = launch_kernel(prefill_kernel<T, HD>, prefill_grid, kPrefillWarps * 32, stream, p);
     });
   });
-  return cudaGetLastError();
+  return status;
 }
 
 }  // namespace kvlab::cuda

@@ -1,7 +1,13 @@
 #pragma once
-// Device helpers shared by the kernels: element conversion and dispatch macros.
+// Device helpers shared by the kernels: element conversion, the launch helper and dispatch
+// macros. The same sources build for the GPU (nvcc) and for the CPU emulator (g++ with
+// KVLAB_CUDA_EMULATION, see kvlab/cuda/emulation.hpp).
+#if defined(KVLAB_CUDA_EMULATION)
+#include "kvlab/cuda/emulation.hpp"
+#else
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#endif
 
 #include "kvlab/cuda/kernels.hpp"
 
@@ -27,6 +33,20 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+// Launches kernel<<<grid, block, 0, stream>>>(args...) and returns the launch status; under
+// the emulator the grid runs on the CPU before this returns.
+template <typename... Params, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cudaStream_t stream,
+                          const Args&... args) {
+#if defined(KVLAB_CUDA_EMULATION)
+  (void)stream;
+  return emulation::launch(grid, block, [&] { kernel(args...); });
+#else
+  kernel<<<grid, block, 0, stream> > >(args...);
+  return cudaGetLastError();
+#endif
 }
 
 inline unsigned blocks_for(std::int64_t n, int threads) {

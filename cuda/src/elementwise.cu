@@ -107,73 +107,73 @@ __global__ void gather_rows_kernel(const float* in, const std::int32_t* index, f
 
 cudaError_t launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(
-      p.dtype, T, embedding_kernel<T><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
+    return launch_kernel(embedding_kernel<T>, static_cast<unsigned>(p.rows), kThreads, stream, p);
+  });
 }
 
 cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(
-      p.dtype, T, rms_norm_kernel<T><<<static_cast<unsigned>(p.rows), kThreads, 0, stream>>>(p););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
+    return launch_kernel(rms_norm_kernel<T>, static_cast<unsigned>(p.rows), kThreads, stream, p);
+  });
 }
 
 cudaError_t launch_rope(const RopeParams& p, cudaStream_t stream) {
   const std::int64_t n = p.rows * p.heads * (p.head_dim / 2);
   if (n <= 0) return cudaSuccess;
   if (p.head_dim % 2 != 0) return cudaErrorInvalidValue;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T,
-                       rope_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
+    return launch_kernel(rope_kernel<T>, blocks_for(n, kThreads), kThreads, stream, p);
+  });
 }
 
 cudaError_t launch_swiglu(const SwiGluParams& p, cudaStream_t stream) {
   const std::int64_t n = p.rows * p.ffn;
   if (n <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T,
-                       swiglu_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
+    return launch_kernel(swiglu_kernel<T>, blocks_for(n, kThreads), kThreads, stream, p);
+  });
 }
 
 cudaError_t launch_residual_add(const ResidualAddParams& p, cudaStream_t stream) {
   const std::int64_t n = p.rows * p.dim;
   if (n <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(
-      p.dtype, T, residual_add_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(p););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
+    return launch_kernel(residual_add_kernel<T>, blocks_for(n, kThreads), kThreads, stream, p);
+  });
 }
 
 cudaError_t launch_kv_write(const KvWriteParams& p, cudaStream_t stream) {
   if (p.rows <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T,
-                       kv_write_kernel<T><<<static_cast<unsigned>(p.rows), 128, 0, stream>>>(p););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
+    return launch_kernel(kv_write_kernel<T>, static_cast<unsigned>(p.rows), 128, stream, p);
+  });
 }
 
 cudaError_t launch_convert_from_f32(const float* in, void* out, std::int64_t n, Dtype dtype,
                                     cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(dtype, T,
-                       from_f32_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-                           in, static_cast<T*>(out), n););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(dtype, T, {
+    return launch_kernel(from_f32_kernel<T>, blocks_for(n, kThreads), kThreads, stream, in,
+                         static_cast<T*>(out), n);
+  });
 }
 
 cudaError_t launch_convert_to_f32(const void* in, float* out, std::int64_t n, Dtype dtype,
                                   cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(dtype, T,
-                       to_f32_kernel<T><<<blocks_for(n, kThreads), kThreads, 0, stream>>>(
-                           static_cast<const T*>(in), out, n););
-  return cudaGetLastError();
+  KVLAB_DISPATCH_DTYPE(dtype, T, {
+    return launch_kernel(to_f32_kernel<T>, blocks_for(n, kThreads), kThreads, stream,
+                         static_cast<const T*>(in), out, n);
+  });
 }
 
 cudaError_t launch_gather_rows(const float* in, const std::int32_t* index, float* out,
                                std::int64_t rows, std::int64_t dim, cudaStream_t stream) {
   if (rows <= 0) return cudaSuccess;
-  gather_rows_kernel<<<static_cast<unsigned>(rows), kThreads, 0, stream>>>(in, index, out, dim);
-  return cudaGetLastError();
+  return launch_kernel(gather_rows_kernel, static_cast<unsigned>(rows), kThreads, stream, in, index,
+                       out, dim);
 }
 
 }  // namespace kvlab::cuda

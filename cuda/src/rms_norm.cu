@@ -1,4 +1,4 @@
-#include <cuda_runtime.h>
+#include <cuda_runtime_api.h>
 
 #include "kvlab/cuda/kernels.hpp"
 #include "kvlab/cuda/rms_norm.hpp"
@@ -8,7 +8,7 @@ namespace kvlab::cuda {
 std::string rms_norm_host(const float* x, const float* weight, std::int64_t rows, std::int64_t dim,
                           float eps, float* out) {
   if (rows <= 0 || dim <= 0) return "rms_norm_host: rows and dim must be positive";
-  float *d_x = nullptr, *d_weight = nullptr, *d_out = nullptr;
+  void *d_x = nullptr, *d_weight = nullptr, *d_out = nullptr;
   const std::size_t bytes = static_cast<std::size_t>(rows * dim) * sizeof(float);
   const std::size_t weight_bytes = static_cast<std::size_t>(dim) * sizeof(float);
   cudaError_t status = cudaMalloc(&d_x, bytes);
@@ -18,7 +18,10 @@ std::string rms_norm_host(const float* x, const float* weight, std::int64_t rows
   if (status == cudaSuccess)
     status = cudaMemcpy(d_weight, weight, weight_bytes, cudaMemcpyHostToDevice);
   if (status == cudaSuccess)  // the backend's kernel, fp32 in and out
-    status = launch_rms_norm({d_x, dim, d_weight, d_out, rows, dim, eps, Dtype::f32}, nullptr);
+    status =
+        launch_rms_norm({static_cast<const float*>(d_x), dim, static_cast<const float*>(d_weight),
+                         d_out, rows, dim, eps, Dtype::f32},
+                        nullptr);
   if (status == cudaSuccess) status = cudaMemcpy(out, d_out, bytes, cudaMemcpyDeviceToHost);
   cudaFree(d_x);
   cudaFree(d_out);
