@@ -329,6 +329,26 @@ cudaError_t cudaFree(void* pointer) {
   return cudaSuccess;
 }
 
+cudaError_t cudaMallocHost(void** pointer, size_t size) {
+  *pointer = std::malloc(std::max<std::size_t>(size, 1));  // "pinned" host memory
+  return *pointer == nullptr ? cudaErrorMemoryAllocation : cudaSuccess;
+}
+cudaError_t cudaFreeHost(void* pointer) {
+  std::free(pointer);
+  return cudaSuccess;
+}
+
+// Streams: the emulator runs every launch and copy before returning, so a stream only has to
+// exist; each gets a distinct handle.
+cudaError_t cudaStreamCreate(cudaStream_t* stream) {
+  *stream = reinterpret_cast<cudaStream_t>(new char);
+  return cudaSuccess;
+}
+cudaError_t cudaStreamDestroy(cudaStream_t stream) {
+  delete reinterpret_cast<char*>(stream);
+  return cudaSuccess;
+}
+
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
   return copy(dst, src, count, kind);
 }

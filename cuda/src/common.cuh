@@ -44,7 +44,9 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cuda
   (void)stream;
   return emulation::launch(grid, block, [&] { kernel(args...); });
 #else
-  kernel<<<grid, block, 0, stream> > >(args...);
+  // clang-format off
+  kernel<<<grid, block, 0, stream>>>(args...);
+  // clang-format on
   return cudaGetLastError();
 #endif
 }

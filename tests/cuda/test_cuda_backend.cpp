@@ -19,8 +19,17 @@ const cpu::LlamaWeights& checkpoint() {
   static const cpu::LlamaWeights w = test::scaled_random_weights(model_preset("tiny"), 99);
   return w;
 }
+// The `cuda` backend comes from the GPU build's plugin directory, or, in the emulated test
+// binary, from the directory of the same plugin built on the CPU emulator.
+#ifndef KVLAB_CUDA_BACKEND_PLUGIN_DIR
+#define KVLAB_CUDA_BACKEND_PLUGIN_DIR KVLAB_PLUGIN_DIR
+#endif
 const PluginRegistry& registry() {
   static const PluginRegistry r({KVLAB_PLUGIN_DIR});
+  return r;
+}
+const PluginRegistry& backend_registry() {
+  static const PluginRegistry r({KVLAB_CUDA_BACKEND_PLUGIN_DIR});
   return r;
 }
 using Params = std::map<std::string, ParamValue, std::less<>>;
@@ -54,7 +63,7 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   std::unique_ptr<cpu::CpuBackend> cpu_backend;
   PluginObject<Backend> gpu_backend;
   if (on_gpu)
-    gpu_backend = registry().create<PluginKind::backend>("cuda", {}, context);
+    gpu_backend = backend_registry().create<PluginKind::backend>("cuda", {}, context);
   else
     cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, variant->window());
   EngineOptions options;
@@ -131,8 +140,8 @@ TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
     context.model = &c;
     context.pool = &device_pool;
     context.weights = &checkpoint();
-    auto gpu =
-        registry().create<PluginKind::backend>("cuda", {{"dtype", std::string(dtype)}}, context);
+    auto gpu = backend_registry().create<PluginKind::backend>(
+        "cuda", {{"dtype", std::string(dtype)}}, context);
     cpu::CpuBackend cpu(checkpoint(), host_pool, std::nullopt);
     // Step 1: two prompts (13 and 30 tokens) at slots [0, 13) and [100, 130); step 2: one
     // decode of each plus a third prompt of 5 tokens.
@@ -172,7 +181,7 @@ TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
 
 TEST(CudaBackend, WithoutADeviceTheErrorSaysWhy) {
   const cuda::DeviceProbe probe = cuda::probe_device();
-  if (probe.available) GTEST_SKIP() << "a GPU is present: " << probe.name;
+  if (probe.available) GTEST_SKIP() << "a device is present: " << probe.name;
   const ModelConfig& c = checkpoint().config;
   KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64}, KvStorage::none);
   PluginContext context;
@@ -180,7 +189,7 @@ TEST(CudaBackend, WithoutADeviceTheErrorSaysWhy) {
   context.pool = &pool;
   context.weights = &checkpoint();
   try {
-    (void)registry().create<PluginKind::backend>("cuda", {}, context);
+    (void)backend_registry().create<PluginKind::backend>("cuda", {}, context);
     FAIL() << "created a CUDA backend without a device";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
