@@ -1,16 +1,45 @@
 // Attention over the device KV pool, read through a per-token slot table (any allocator:
 // contiguous extents or paged blocks), with GQA/MQA head mapping and a sliding window.
 //   decode  (one query): split-K flash-decoding, one block per (entry, K/V head, query-head
-//           chunk, key split), online softmax per warp, partials combined by a second kernel
+//           chunk, key split), partials combined by a second kernel. Where a K/V row is a power
+//           of two 16-byte chunks and the pool is 16-byte aligned (every fp32/bf16 head_dim of
+//           16, 32, 64, 128, 256), the vectorized kernel runs: lanes of a warp split into groups
+//           of up to 32 lanes per key, each lane loads whole 16-byte chunks, and every warp keeps
+//           several keys' K and V in flight; otherwise the scalar kernel (a key per warp, a lane
+//           per element) runs.
 //   prefill (a chunk of queries): one warp per query, key tiles staged in shared memory,
 //           causal, online softmax; earlier chunks' keys come from the cache like any other
 #include <algorithm>
 #include <cfloat>
+#include <cstdint>
+#include <cstring>
 
 #include "common.cuh"
 
 namespace kvlab::cuda {
+namespace detail {
+
+// How the vectorized decode kernel lays a K/V row of HD elements of T over the lanes.
+template <typename T, int HD>
+struct VectorLayout {
+  static constexpr int kVec = 16 / static_cast<int>(sizeof(T));  // elements per 16-byte chunk
+  static constexpr int kChunks = HD * static_cast<int>(sizeof(T)) / 16;
+  static constexpr bool kApplies = HD * sizeof(T) % 16 == 0 && kChunks > 0 &&
+                                   (kChunks & (kChunks - 1)) == 0;
+  static constexpr int kLanesPerKey = kChunks < 32 ? kChunks : 32;
+  static constexpr int kLoads = kApplies ? kChunks / kLanesPerKey : 1;  // chunks per lane
+  static constexpr int kElements = kLoads * kVec;                       // elements per lane
+  static constexpr int kKeysPerWarp = kApplies ? 32 / kLanesPerKey : 1;
+  // Query heads one block serves: q and the accumulators stay in registers (2 x QPB x
+  // kElements floats per lane), at most 64 of them.
+  static constexpr int kMaxQueriesPerBlock = kElements >= 8 ? 4 : 8;
+};
+
+}  // namespace detail
+
 namespace {
+
+using detail::VectorLayout;
 
 constexpr int kDecodeWarps = 4;
 constexpr int kPrefillWarps = 8;
@@ -39,9 +68,35 @@ __device__ __forceinline__ float* partial_of(float* workspace, int entry, int he
          ((static_cast<std::int64_t>(entry) * heads + head) * max_splits + split) * (head_dim + 2);
 }
 
+// Merges the warps' partial softmaxes (in shared memory) into the block's workspace partial
+// [m, l, acc[HD]] for each of its QPB query heads.
+template <int HD, int QPB>
+__device__ __forceinline__ void write_block_partial(const AttentionParams& p, int max_splits,
+                                                    int head0,
+                                                    const float (&s_m)[kDecodeWarps][QPB],
+                                                    const float (&s_l)[kDecodeWarps][QPB],
+                                                    const float (&s_acc)[kDecodeWarps][QPB][HD]) {
+  for (int index = threadIdx.x; index < QPB * (HD + 2); index += blockDim.x) {
+    const int h = index / (HD + 2), d = index % (HD + 2);
+    float total_m = -FLT_MAX;
+    for (int w = 0; w < kDecodeWarps; ++w) total_m = fmaxf(total_m, s_m[w][h]);
+    float value = 0.0f;
+    if (d == 0) {
+      value = total_m;
+    } else {
+      for (int w = 0; w < kDecodeWarps; ++w) {
+        const float factor = s_l[w][h] > 0.0f ? __expf(s_m[w][h] - total_m) : 0.0f;
+        value += factor * (d == 1 ? s_l[w][h] : s_acc[w][h][d - 2]);
+      }
+    }
+    partial_of(p.workspace, blockIdx.x, head0 + h, blockIdx.z, static_cast<int>(p.heads),
+               max_splits, HD)[d] = value;
+  }
+}
+
 template <typename T, int HD, int QPB>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
-    decode_kernel(AttentionParams p, int max_splits) {
+    decode_scalar_kernel(AttentionParams p, int max_splits) {
   constexpr int PER_LANE = (HD + 31) / 32;
   const AttentionEntry e = p.entries[blockIdx.x];
   if (e.queries != 1) return;
@@ -110,22 +165,154 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     }
   }
   __syncthreads();
-  for (int index = threadIdx.x; index < QPB * (HD + 2); index += blockDim.x) {
-    const int h = index / (HD + 2), d = index % (HD + 2);
-    float total_m = -FLT_MAX;
-    for (int w = 0; w < kDecodeWarps; ++w) total_m = fmaxf(total_m, s_m[w][h]);
-    float value = 0.0f;
-    if (d == 0) {
-      value = total_m;
-    } else {
-      for (int w = 0; w < kDecodeWarps; ++w) {
-        const float factor = s_l[w][h] > 0.0f ? __expf(s_m[w][h] - total_m) : 0.0f;
-        value += factor * (d == 1 ? s_l[w][h] : s_acc[w][h][d - 2]);
+  write_block_partial<HD, QPB>(p, max_splits, head0, s_m, s_l, s_acc);
+}
+
+// The kElements values of a row this lane holds: chunks i * kLanesPerKey + sub, i < kLoads.
+template <typename T, int HD>
+__device__ __forceinline__ void load_chunks(const T* row, float* out, int sub) {
+  using L = VectorLayout<T, HD>;
+  const uint4* chunks = reinterpret_cast<const uint4*>(row);
+#pragma unroll
+  for (int i = 0; i < L::kLoads; ++i) {
+    const uint4 raw = chunks[i * L::kLanesPerKey + sub];
+    T values[L::kVec];
+    memcpy(static_cast<void*>(values), &raw, sizeof(raw));
+#pragma unroll
+    for (int j = 0; j < L::kVec; ++j) out[i * L::kVec + j] = to_float(values[j]);
+  }
+}
+// The element of a row that a lane's local value `local` is.
+template <typename T, int HD>
+__device__ __forceinline__ int element_of(int local, int sub) {
+  using L = VectorLayout<T, HD>;
+  return ((local / L::kVec) * L::kLanesPerKey + sub) * L::kVec + local % L::kVec;
+}
+
+// Same grid and workspace as the scalar kernel. A warp's lanes form kKeysPerWarp groups of
+// kLanesPerKey lanes; each step a group takes kUnroll keys, so a warp has kKeysPerWarp x kUnroll
+// K and V rows in flight. Each group keeps its own online softmax; groups merge by shuffles,
+// warps through shared memory.
+template <typename T, int HD, int QPB>
+__global__ void __launch_bounds__(kDecodeWarps * 32)
+    decode_vectorized_kernel(AttentionParams p, int max_splits) {
+  using L = VectorLayout<T, HD>;
+  constexpr int kUnroll = 2;
+  constexpr int E = L::kElements;
+  const AttentionEntry e = p.entries[blockIdx.x];
+  if (e.queries != 1) return;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int chunks = group / QPB;
+  const int kv_head = blockIdx.y / chunks;
+  const int head0 = kv_head * group + (blockIdx.y % chunks) * QPB;
+  const int position = e.start_position;
+  const int lo = first_key(e, position, p.window);
+  const int begin = lo + static_cast<int>(blockIdx.z) * p.split_keys;
+  if (begin > position) return;  // the combine kernel counts this entry's splits the same way
+  const int end = min(position + 1, begin + p.split_keys);
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int key_group = lane / L::kLanesPerKey, sub = lane % L::kLanesPerKey;
+  const float scale = rsqrtf(static_cast<float>(HD));
+
+  float q[QPB][E], acc[QPB][E], m[QPB], l[QPB];
+#pragma unroll
+  for (int h = 0; h < QPB; ++h) {
+    const T* row = static_cast<const T*>(p.q) +
+                   static_cast<std::int64_t>(e.first_row) * p.q_row_stride +
+                   static_cast<std::int64_t>(head0 + h) * HD;
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      q[h][i] = to_float(row[element_of<T, HD>(i, sub)]) * scale;
+      acc[h][i] = 0.0f;
+    }
+    m[h] = -FLT_MAX;
+    l[h] = 0.0f;
+  }
+  const T* k_pool = static_cast<const T*>(p.k_pool);
+  const T* v_pool = static_cast<const T*>(p.v_pool);
+  constexpr int kKeysPerStep = kDecodeWarps * L::kKeysPerWarp * kUnroll;
+  for (int step = begin; step < end; step += kKeysPerStep) {
+    float k[kUnroll][E], v[kUnroll][E];
+    bool valid[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int key = step + (warp * kUnroll + u) * L::kKeysPerWarp + key_group;
+      valid[u] = key < end;
+      if (valid[u]) {
+        const std::int64_t slot = p.slot_table[e.slot_offset + (key - e.first_position)];
+        const std::int64_t offset = (slot * p.kv_heads + kv_head) * HD;
+        load_chunks<T, HD>(k_pool + offset, k[u], sub);
+        load_chunks<T, HD>(v_pool + offset, v[u], sub);
+      } else {
+#pragma unroll
+        for (int i = 0; i < E; ++i) k[u][i] = v[u][i] = 0.0f;
       }
     }
-    partial_of(p.workspace, blockIdx.x, head0 + h, blockIdx.z, static_cast<int>(p.heads),
-               max_splits, HD)[d] = value;
+#pragma unroll
+    for (int h = 0; h < QPB; ++h) {
+      float score[kUnroll];
+      float m_new = m[h];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        float dot = 0.0f;
+#pragma unroll
+        for (int i = 0; i < E; ++i) dot += q[h][i] * k[u][i];
+          // Every lane shuffles, invalid keys too; the sum stays inside the key's lane group.
+#pragma unroll
+        for (int offset = L::kLanesPerKey / 2; offset > 0; offset /= 2)
+          dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+        score[u] = dot;
+        if (valid[u]) m_new = fmaxf(m_new, dot);
+      }
+      if (!valid[0]) continue;  // no key for this group this step (valid[u] implies valid[0])
+      const float correction = __expf(m[h] - m_new);
+      l[h] *= correction;
+#pragma unroll
+      for (int i = 0; i < E; ++i) acc[h][i] *= correction;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (!valid[u]) continue;
+        const float weight = __expf(score[u] - m_new);
+        l[h] += weight;
+#pragma unroll
+        for (int i = 0; i < E; ++i) acc[h][i] += weight * v[u][i];
+      }
+      m[h] = m_new;
+    }
   }
+  // Merge the lane groups of each warp: they hold the same elements for different keys.
+#pragma unroll
+  for (int offset = L::kLanesPerKey; offset < 32; offset *= 2) {
+#pragma unroll
+    for (int h = 0; h < QPB; ++h) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[h], offset);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[h], offset);
+      const float m_new = fmaxf(m[h], m_other);
+      const float mine = l[h] > 0.0f ? __expf(m[h] - m_new) : 0.0f;
+      const float theirs = l_other > 0.0f ? __expf(m_other - m_new) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < E; ++i)
+        acc[h][i] = acc[h][i] * mine + __shfl_xor_sync(0xffffffffu, acc[h][i], offset) * theirs;
+      l[h] = l[h] * mine + l_other * theirs;
+      m[h] = m_new;
+    }
+  }
+  // Merge the warps through shared memory; lane group 0 of each warp holds its result.
+  __shared__ float s_m[kDecodeWarps][QPB], s_l[kDecodeWarps][QPB];
+  __shared__ float s_acc[kDecodeWarps][QPB][HD];
+  if (key_group == 0) {
+#pragma unroll
+    for (int h = 0; h < QPB; ++h) {
+      if (sub == 0) {
+        s_m[warp][h] = m[h];
+        s_l[warp][h] = l[h];
+      }
+#pragma unroll
+      for (int i = 0; i < E; ++i) s_acc[warp][h][element_of<T, HD>(i, sub)] = acc[h][i];
+    }
+  }
+  __syncthreads();
+  write_block_partial<HD, QPB>(p, max_splits, head0, s_m, s_l, s_acc);
 }
 
 // out[entry row, head] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
@@ -238,10 +425,34 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionPa
   }
 }
 
-int queries_per_block(std::int64_t group) {
+// The largest power of two <= limit dividing the group size.
+int queries_per_block(std::int64_t group, int limit) {
   for (int candidate : {8, 4, 2})
-    if (group % candidate == 0) return candidate;
+    if (candidate <= limit && group % candidate == 0) return candidate;
   return 1;
+}
+
+// The decode launch for one dtype and head size: vectorized where it applies.
+template <typename T, int HD>
+cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t stream) {
+  using L = VectorLayout<T, HD>;
+  const std::int64_t group = p.heads / p.kv_heads;
+  const std::uintptr_t pools =
+      reinterpret_cast<std::uintptr_t>(p.k_pool) | reinterpret_cast<std::uintptr_t>(p.v_pool);
+  const bool vectorized = L::kApplies && pools % 16 == 0;
+  const int qpb = queries_per_block(group, vectorized ? L::kMaxQueriesPerBlock : 8);
+  const dim3 grid(static_cast<unsigned>(p.entry_count),
+                  static_cast<unsigned>(p.kv_heads * (group / qpb)),
+                  static_cast<unsigned>(max_splits));
+  KVLAB_DISPATCH_GROUP(qpb, QPB, {
+    if constexpr (L::kApplies && QPB <= L::kMaxQueriesPerBlock) {
+      if (vectorized)
+        return launch_kernel(decode_vectorized_kernel<T, HD, QPB>, grid, kDecodeWarps * 32, stream,
+                             p, max_splits);
+    }
+    return launch_kernel(decode_scalar_kernel<T, HD, QPB>, grid, kDecodeWarps * 32, stream, p,
+                         max_splits);
+  });
 }
 
 }  // namespace
@@ -274,23 +485,15 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.kv_heads <= 0 || p.heads % p.kv_heads != 0 || p.split_keys <= 0 ||
       !attention_supports(p.head_dim))
     return cudaErrorInvalidValue;
-  const std::int64_t group = p.heads / p.kv_heads;
-  const int qpb = queries_per_block(group);
   const int max_splits = std::max(1, (p.max_keys + p.split_keys - 1) / p.split_keys);
   const int max_queries = std::max(p.max_queries, 1);
-  const dim3 decode_grid(static_cast<unsigned>(p.entry_count),
-                         static_cast<unsigned>(p.kv_heads * (group / qpb)),
-                         static_cast<unsigned>(max_splits));
   const dim3 combine_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads));
   const dim3 prefill_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads),
                           static_cast<unsigned>((max_queries + kPrefillWarps - 1) / kPrefillWarps));
   cudaError_t status = cudaSuccess;
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
     KVLAB_DISPATCH_HEAD_DIM(p.head_dim, HD, {
-      KVLAB_DISPATCH_GROUP(qpb, QPB, {
-        status = launch_kernel(decode_kernel<T, HD, QPB>, decode_grid, kDecodeWarps * 32, stream, p,
-                               max_splits);
-      });
+      status = launch_decode<T, HD>(p, max_splits, stream);
       constexpr int kCombineThreads = HD < 128 ? HD : 128;
       if (status == cudaSuccess)
         status = launch_kernel(combine_kernel<T, HD>, combine_grid, kCombineThreads, stream, p,

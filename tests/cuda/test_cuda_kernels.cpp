@@ -296,6 +296,7 @@ struct SequenceCase {
 struct AttentionCase {
   std::int64_t head_dim, group, block, window;
   Dtype dtype;
+  bool unaligned_pools = false;  // K/V pools one element off 16 bytes: the scalar decode kernel
 };
 
 void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>& sequences) {
@@ -355,6 +356,9 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   }
   const std::size_t e_bytes = cuda::dtype_bytes(c.dtype);
   const std::int32_t split_keys = 256;
+  const std::size_t shift = c.unaligned_pools ? 1 : 0;  // elements before the pools' first slot
+  k_pool.insert(k_pool.begin(), shift, 0.0f);
+  v_pool.insert(v_pool.begin(), shift, 0.0f);
   GuardedBuffer d_q(q_rows.size(), e_bytes), d_k(k_pool.size(), e_bytes),
       d_v(v_pool.size(), e_bytes), d_table(slot_table.size(), 8),
       d_entries(entries.size(), sizeof(cuda::AttentionEntry)), d_out(rows * q_width, e_bytes),
@@ -369,8 +373,8 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   cuda::AttentionParams p;
   p.q = d_q.get();
   p.q_row_stride = q_stride;
-  p.k_pool = d_k.get();
-  p.v_pool = d_v.get();
+  p.k_pool = d_k.as<char>() + shift * e_bytes;
+  p.v_pool = d_v.as<char>() + shift * e_bytes;
   p.slot_table = d_table.as<std::int64_t>();
   p.entries = d_entries.as<cuda::AttentionEntry>();
   p.entry_count = static_cast<std::int32_t>(entries.size());
@@ -436,11 +440,27 @@ TEST(CudaAttention, SlidingWindowMatchesTheReference) {
       run_attention_case({64, 4, block, 64, dtype}, {{300, 1}, {100, 40}, {10, 1}, {0, 70}});
 }
 
+TEST(CudaAttention, UnalignedPoolsTakeTheScalarDecodeKernel) {
+  KVLAB_REQUIRE_CUDA();
+  // The vectorized decode kernel needs 16-byte aligned rows; pools that are not fall back to
+  // the scalar kernel, which must give the same answers.
+  for (Dtype dtype : kDtypes)
+    for (std::int64_t group : {1, 8}) {
+      AttentionCase c{128, group, 16, 0, dtype};
+      c.unaligned_pools = true;
+      run_attention_case(c, kSequences);
+    }
+}
+
 TEST(CudaAttention, SmallAndOddHeadDimsAndGroups) {
   KVLAB_REQUIRE_CUDA();
-  // The tiny preset (hd 16, group 2) and stories15m-like shapes (hd 48; group 3 and 6 take
-  // the one-query-head-per-block path).
+  // The tiny preset (hd 16, group 2; vectorized with 4 and 2 lanes per key), stories15m-like
+  // shapes (hd 48: scalar; group 3 and 6 take the one-query-head-per-block path) and hd 256
+  // (two 16-byte chunks per lane in fp32).
   run_attention_case({16, 2, 4, 0, Dtype::f32}, kSequences);
+  run_attention_case({16, 2, 4, 0, Dtype::bf16}, kSequences);
+  run_attention_case({256, 4, 16, 0, Dtype::f32}, kSequences);
+  run_attention_case({256, 8, 16, 0, Dtype::bf16}, kSequences);
   run_attention_case({48, 3, 16, 0, Dtype::f32}, kSequences);
   run_attention_case({48, 6, 16, 0, Dtype::bf16}, kSequences);
 }
