@@ -8,7 +8,7 @@ packages=(
   build-essential cmake pkg-config git
   libeigen3-dev libopenblas-openmp-dev libboost-dev libboost-context-dev libtomlplusplus-dev libcli11-dev libfmt-dev nlohmann-json3-dev libsentencepiece-dev
   libgtest-dev libgmock-dev libbenchmark-dev
-  python3 python3-matplotlib
+  python3 python3-matplotlib valgrind
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -6,6 +6,7 @@
 
 #include <boost/context/fiber.hpp>
 #include <cstdio>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <sstream>
@@ -310,9 +311,11 @@ extern "C" {
 
 cudaError_t cudaMalloc(void** pointer, size_t size) {
   if (pointer == nullptr) return cudaErrorInvalidValue;
-  const std::size_t rounded = (std::max<std::size_t>(size, 1) + 255) / 256 * 256;
-  void* memory = std::aligned_alloc(256, rounded);  // cudaMalloc aligns to at least 256 bytes
-  if (memory == nullptr) return cudaErrorMemoryAllocation;
+  // cudaMalloc aligns to at least 256 bytes. The block is exactly `size` bytes, so valgrind or
+  // ASan see an access one byte past it.
+  void* memory = nullptr;
+  if (posix_memalign(&memory, 256, std::max<std::size_t>(size, 1)) != 0)
+    return cudaErrorMemoryAllocation;
   std::lock_guard lock(allocations().mutex);
   allocations().live[static_cast<const char*>(memory)] = size;
   *pointer = memory;
