@@ -3,7 +3,7 @@
 #   1. configure + build (Release, sm_90 unless KVLAB_CUDA_ARCHS says otherwise) only what the
 #      checks need, with every core
 #   2. the CUDA tests: every kernel against the Eigen reference, the engine on the GPU against the
-#      CPU backend (ctest -L cuda)
+#      CPU backend (ctest -L '^cuda$'; the same tests on the CPU emulator run in CI everywhere)
 #   3. compute-sanitizer memcheck on a small subset (the kernels and one engine run)
 #   4. benchmarks: decode attention bandwidth vs the device's peak; fcfs vs static end to end on
 #      a 1B-class model; kvlab calibrate --backend cuda (the simulated backend's H200 fit)
@@ -35,7 +35,7 @@ else
 fi
 
 status=0
-if OMP_NUM_THREADS=4 ctest --test-dir "$build" -L cuda --output-on-failure -j 4 > "$build/cuda_ctest.log" 2>&1; then
+if OMP_NUM_THREADS=4 ctest --test-dir "$build" -L '^cuda$' --output-on-failure -j 4 > "$build/cuda_ctest.log" 2>&1; then
   note "CUDA tests: $(grep -E 'tests passed' "$build/cuda_ctest.log")"
 else
   status=1
@@ -45,7 +45,7 @@ fi
 
 if command -v compute-sanitizer >/dev/null; then
   if compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/kvlab_cuda_tests" \
-       --gtest_filter='CudaKernels.*:CudaAttention.*:CudaAttentionGrid.*hd128_group8_block16*:CudaEngine.*paged_gqa_swap' \
+       --gtest_filter='CudaKernels.*:CudaAttention.*:*CudaAttentionGrid.*hd128_group8_block16*:*CudaEngine.*paged_gqa_swap' \
        > "$build/memcheck.log" 2>&1; then
     note "compute-sanitizer memcheck: clean ($(grep -cE '^\[       OK' "$build/memcheck.log") tests)"
   else

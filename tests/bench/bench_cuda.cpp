@@ -3,7 +3,9 @@
 //   DecodeAttention: flash-decoding over the paged device pool at batch 64 x 4096 context,
 //   head_dim 128, 64 query heads / 8 K/V heads (GQA 8), block 16 scattered across the pool.
 //   Achieved bandwidth = K/V bytes read / kernel time (CUDA events), and its fraction of the
-//   device's peak (memory clock x bus width x 2, from the driver).
+//   device's peak (memory clock x bus width x 2, from the driver). scalar:1 shifts the pools one
+//   element off 16-byte alignment, which makes launch_attention take the scalar decode kernel:
+//   the row to compare the vectorized kernel against.
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
@@ -35,6 +37,7 @@ void DecodeAttention(benchmark::State& state) {
   }
   const Dtype dtype = state.range(0) == 0 ? Dtype::bf16 : Dtype::f32;
   const int split_keys = static_cast<int>(state.range(1));
+  const bool scalar = state.range(2) != 0;
   const std::int64_t batch = 64, context = 4096, head_dim = 128, kv_heads = 8, heads = 64,
                      block = 16;
   const std::int64_t slots = batch * context, kv_width = kv_heads * head_dim;
@@ -57,15 +60,16 @@ void DecodeAttention(benchmark::State& state) {
        *d_entries = nullptr, *workspace = nullptr;
   const std::int64_t workspace_floats =
       kvlab::cuda::attention_workspace_floats(batch, heads, head_dim, context, split_keys);
-  cudaMalloc(&k, slots * kv_width * element);
-  cudaMalloc(&v, slots * kv_width * element);
+  const std::size_t shift = scalar ? element : 0;  // bytes before the first slot
+  cudaMalloc(&k, slots * kv_width * element + shift);
+  cudaMalloc(&v, slots * kv_width * element + shift);
   cudaMalloc(&q, batch * heads * head_dim * element);
   cudaMalloc(&out, batch * heads * head_dim * element);
   cudaMalloc(&d_table, table.size() * sizeof(std::int64_t));
   cudaMalloc(&d_entries, entries.size() * sizeof(entries[0]));
   cudaMalloc(&workspace, workspace_floats * sizeof(float));
-  cudaMemset(k, 0, slots * kv_width * element);
-  cudaMemset(v, 0, slots * kv_width * element);
+  cudaMemset(k, 0, slots * kv_width * element + shift);
+  cudaMemset(v, 0, slots * kv_width * element + shift);
   cudaMemset(q, 0, batch * heads * head_dim * element);
   cudaMemcpy(d_table, table.data(), table.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice);
   cudaMemcpy(d_entries, entries.data(), entries.size() * sizeof(entries[0]),
@@ -73,8 +77,8 @@ void DecodeAttention(benchmark::State& state) {
   kvlab::cuda::AttentionParams p;
   p.q = q;
   p.q_row_stride = heads * head_dim;
-  p.k_pool = k;
-  p.v_pool = v;
+  p.k_pool = static_cast<char*>(k) + shift;
+  p.v_pool = static_cast<char*>(v) + shift;
   p.slot_table = static_cast<const std::int64_t*>(d_table);
   p.entries = static_cast<const kvlab::cuda::AttentionEntry*>(d_entries);
   p.entry_count = static_cast<std::int32_t>(batch);
@@ -114,11 +118,13 @@ void DecodeAttention(benchmark::State& state) {
   cudaEventDestroy(stop);
 }
 BENCHMARK(DecodeAttention)
-    ->ArgNames({"f32", "split"})
-    ->Args({0, 256})
-    ->Args({0, 512})
-    ->Args({0, 1024})
-    ->Args({1, 512})
+    ->ArgNames({"f32", "split", "scalar"})
+    ->Args({0, 256, 0})
+    ->Args({0, 512, 0})
+    ->Args({0, 1024, 0})
+    ->Args({1, 512, 0})
+    ->Args({0, 512, 1})
+    ->Args({1, 512, 1})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 
