@@ -238,6 +238,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     const auto rows = static_cast<std::int64_t>(tokens_.size());
     const auto count = static_cast<std::int64_t>(batch.size());
     if (rows == 0) return {};
+    if (count > 65535)
+      throw Error(fmt::format(
+          "cuda backend: a step of {} sequences; attention takes at most 65,535 per launch",
+          count));
     to_device(tokens_, d_tokens_);
     to_device(positions_, d_positions_);
     to_device(new_slots_, d_new_slots_);

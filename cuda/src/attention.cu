@@ -1,9 +1,9 @@
 // Attention over the device KV pool, read through a per-token slot table (any allocator:
 // contiguous extents or paged blocks), with GQA/MQA head mapping and a sliding window.
-//   decode  (one query): split-K flash-decoding, one block per (entry, K/V head, query-head
-//           chunk, key split), partials combined by a second kernel. Where a K/V row is a power
-//           of two 16-byte chunks and the pool is 16-byte aligned (every fp32/bf16 head_dim of
-//           16, 32, 64, 128, 256), the vectorized kernel runs: lanes of a warp split into groups
+//   decode  (one query): split-K flash-decoding, one block per (query-head chunk of a K/V
+//           head, entry, key split), partials combined by a second kernel. Where a K/V row is a
+//           power of two 16-byte chunks and the pool is 16-byte aligned (every fp32/bf16 head_dim
+//           of 16, 32, 64, 128, 256), the vectorized kernel runs: lanes of a warp split into groups
 //           of up to 32 lanes per key, each lane loads whole 16-byte chunks, and every warp keeps
 //           several keys' K and V in flight; otherwise the scalar kernel (a key per warp, a lane
 //           per element) runs.
@@ -43,6 +43,7 @@ using detail::VectorLayout;
 
 constexpr int kDecodeWarps = 4;
 constexpr int kPrefillWarps = 8;
+constexpr std::int32_t kMaxEntries = 65535;  // the decode grid's y dimension
 
 // Keys an entry's query at `position` sees: [lo, position].
 __device__ __forceinline__ int first_key(const AttentionEntry& e, int position,
@@ -72,7 +73,7 @@ __device__ __forceinline__ float* partial_of(float* workspace, int entry, int he
 // [m, l, acc[HD]] for each of its QPB query heads.
 template <int HD, int QPB>
 __device__ __forceinline__ void write_block_partial(const AttentionParams& p, int max_splits,
-                                                    int head0,
+                                                    int entry, int head0,
                                                     const float (&s_m)[kDecodeWarps][QPB],
                                                     const float (&s_l)[kDecodeWarps][QPB],
                                                     const float (&s_acc)[kDecodeWarps][QPB][HD]) {
@@ -89,8 +90,8 @@ __device__ __forceinline__ void write_block_partial(const AttentionParams& p, in
         value += factor * (d == 1 ? s_l[w][h] : s_acc[w][h][d - 2]);
       }
     }
-    partial_of(p.workspace, blockIdx.x, head0 + h, blockIdx.z, static_cast<int>(p.heads),
-               max_splits, HD)[d] = value;
+    partial_of(p.workspace, entry, head0 + h, blockIdx.z, static_cast<int>(p.heads), max_splits,
+               HD)[d] = value;
   }
 }
 
@@ -98,12 +99,13 @@ template <typename T, int HD, int QPB>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_scalar_kernel(AttentionParams p, int max_splits) {
   constexpr int PER_LANE = (HD + 31) / 32;
-  const AttentionEntry e = p.entries[blockIdx.x];
+  const int entry = blockIdx.y;
+  const AttentionEntry e = p.entries[entry];
   if (e.queries != 1) return;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int chunks = group / QPB;
-  const int kv_head = blockIdx.y / chunks;
-  const int head0 = kv_head * group + (blockIdx.y % chunks) * QPB;
+  const int kv_head = blockIdx.x / chunks;
+  const int head0 = kv_head * group + (blockIdx.x % chunks) * QPB;
   const int position = e.start_position;
   const int lo = first_key(e, position, p.window);
   const int begin = lo + static_cast<int>(blockIdx.z) * p.split_keys;
@@ -165,7 +167,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     }
   }
   __syncthreads();
-  write_block_partial<HD, QPB>(p, max_splits, head0, s_m, s_l, s_acc);
+  write_block_partial<HD, QPB>(p, max_splits, entry, head0, s_m, s_l, s_acc);
 }
 
 // The kElements values of a row this lane holds: chunks i * kLanesPerKey + sub, i < kLoads.
@@ -199,12 +201,13 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   using L = VectorLayout<T, HD>;
   constexpr int kUnroll = 2;
   constexpr int E = L::kElements;
-  const AttentionEntry e = p.entries[blockIdx.x];
+  const int entry = blockIdx.y;
+  const AttentionEntry e = p.entries[entry];
   if (e.queries != 1) return;
   const int group = static_cast<int>(p.heads / p.kv_heads);
   const int chunks = group / QPB;
-  const int kv_head = blockIdx.y / chunks;
-  const int head0 = kv_head * group + (blockIdx.y % chunks) * QPB;
+  const int kv_head = blockIdx.x / chunks;
+  const int head0 = kv_head * group + (blockIdx.x % chunks) * QPB;
   const int position = e.start_position;
   const int lo = first_key(e, position, p.window);
   const int begin = lo + static_cast<int>(blockIdx.z) * p.split_keys;
@@ -312,7 +315,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     }
   }
   __syncthreads();
-  write_block_partial<HD, QPB>(p, max_splits, head0, s_m, s_l, s_acc);
+  write_block_partial<HD, QPB>(p, max_splits, entry, head0, s_m, s_l, s_acc);
 }
 
 // out[entry row, head] = sum_s acc_s e^(m_s - M) / sum_s l_s e^(m_s - M)
@@ -441,9 +444,10 @@ cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t
       reinterpret_cast<std::uintptr_t>(p.k_pool) | reinterpret_cast<std::uintptr_t>(p.v_pool);
   const bool vectorized = L::kApplies && pools % 16 == 0;
   const int qpb = queries_per_block(group, vectorized ? L::kMaxQueriesPerBlock : 8);
-  const dim3 grid(static_cast<unsigned>(p.entry_count),
-                  static_cast<unsigned>(p.kv_heads * (group / qpb)),
-                  static_cast<unsigned>(max_splits));
+  // x: the query-head blocks, fastest, so the blocks that share a K/V head (GQA with more query
+  // heads than one block serves) run side by side and the second read of its rows hits L2.
+  const dim3 grid(static_cast<unsigned>(p.kv_heads * (group / qpb)),
+                  static_cast<unsigned>(p.entry_count), static_cast<unsigned>(max_splits));
   KVLAB_DISPATCH_GROUP(qpb, QPB, {
     if constexpr (L::kApplies && QPB <= L::kMaxQueriesPerBlock) {
       if (vectorized)
@@ -483,7 +487,7 @@ bool attention_supports(std::int64_t head_dim) {
 cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.entry_count <= 0) return cudaSuccess;
   if (p.kv_heads <= 0 || p.heads % p.kv_heads != 0 || p.split_keys <= 0 ||
-      !attention_supports(p.head_dim))
+      !attention_supports(p.head_dim) || p.entry_count > kMaxEntries)
     return cudaErrorInvalidValue;
   const int max_splits = std::max(1, (p.max_keys + p.split_keys - 1) / p.split_keys);
   const int max_queries = std::max(p.max_queries, 1);

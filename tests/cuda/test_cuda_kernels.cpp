@@ -288,6 +288,27 @@ TEST(CudaAttention, OnlyInstantiatedHeadDimsAreAccepted) {  // host-only: runs w
   for (std::int64_t hd : {8, 40, 100, 512}) EXPECT_FALSE(cuda::attention_supports(hd)) << hd;
 }
 
+TEST(CudaAttention, LaunchesItCannotRunAreRefusedBeforeTouchingMemory) {
+  KVLAB_REQUIRE_CUDA();
+  cuda::AttentionParams p;  // null pointers: a refused launch must not read them
+  p.entry_count = 4;
+  p.heads = 8;
+  p.kv_heads = 2;
+  p.head_dim = 40;  // not instantiated
+  EXPECT_EQ(cuda::launch_attention(p, nullptr), cudaErrorInvalidValue);
+  p.head_dim = 64;
+  p.kv_heads = 3;  // 8 query heads do not split over 3 K/V heads
+  EXPECT_EQ(cuda::launch_attention(p, nullptr), cudaErrorInvalidValue);
+  p.kv_heads = 2;
+  p.split_keys = 0;
+  EXPECT_EQ(cuda::launch_attention(p, nullptr), cudaErrorInvalidValue);
+  p.split_keys = 256;
+  p.entry_count = 65536;  // the decode grid's y dimension holds 65,535
+  EXPECT_EQ(cuda::launch_attention(p, nullptr), cudaErrorInvalidValue);
+  p.entry_count = 0;  // nothing to do
+  EXPECT_EQ(cuda::launch_attention(p, nullptr), cudaSuccess);
+}
+
 struct SequenceCase {
   std::int64_t start;    // cached tokens before the queries
   std::int64_t queries;  // 1 = decode

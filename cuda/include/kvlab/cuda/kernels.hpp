@@ -106,7 +106,7 @@ struct AttentionParams {
   const void* v_pool = nullptr;
   const std::int64_t* slot_table = nullptr;
   const AttentionEntry* entries = nullptr;  // device array
-  std::int32_t entry_count = 0;
+  std::int32_t entry_count = 0;             // at most 65,535 sequences per launch
   std::int32_t max_keys = 0;     // the longest key range of any decode entry (split grid)
   std::int32_t max_queries = 0;  // the most queries of any entry (prefill grid)
   void* out = nullptr;
