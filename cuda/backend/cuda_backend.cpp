@@ -402,49 +402,46 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
           "cublasGemmEx");
   }
 
-  // Host buffer (layers, 2 [K, V], slots, kv_dim) fp32 <-> the device pool's slots.
+  // Host buffer (layers, 2 [K, V], slots, kv_dim) fp32 <-> the device pool's slots: one
+  // gather (or scatter) launch over every layer, one conversion, one copy.
   void transfer(const std::vector<std::int64_t>& slots, float* host, bool to_host) {
-    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
-    const std::int64_t width = config_.kv_dim(), n = static_cast<std::int64_t>(slots.size());
-    scratch_.resize(static_cast<std::size_t>(n * width) * e);
-    staging_floats_.resize(static_cast<std::size_t>(n * width) * sizeof(float));
-    for (std::int64_t l = 0; l < config_.num_hidden_layers; ++l)
-      for (int kv = 0; kv < 2; ++kv) {
-        char* layer = (kv == 0 ? k_pool_ : v_pool_).get<char>() +
-                      static_cast<std::size_t>(l * layer_elements_) * e;
-        float* part = host + ((2 * l + kv) * n) * width;
-        const std::size_t row = static_cast<std::size_t>(width) * e;
-        if (to_host) {
-          for (std::int64_t i = 0; i < n; ++i)
-            check(cudaMemcpyAsync(
-                      scratch_.get<char>() + i * row,
-                      layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
-                      row, cudaMemcpyDeviceToDevice, stream_),
-                  "swap out");
-          check(kvlab::cuda::launch_convert_to_f32(scratch_.get(), staging_floats_.get<float>(),
-                                                   n * width, dtype_, stream_),
-                "swap out");
-          check(cudaMemcpyAsync(part, staging_floats_.get(),
-                                static_cast<std::size_t>(n * width) * sizeof(float),
-                                cudaMemcpyDeviceToHost, stream_),
-                "swap out");
-          check(cudaStreamSynchronize(stream_), "swap out");
-        } else {
-          check(cudaMemcpyAsync(staging_floats_.get(), part,
-                                static_cast<std::size_t>(n * width) * sizeof(float),
-                                cudaMemcpyHostToDevice, stream_),
-                "swap in");
-          check(kvlab::cuda::launch_convert_from_f32(staging_floats_.get<float>(), scratch_.get(),
-                                                     n * width, dtype_, stream_),
-                "swap in");
-          for (std::int64_t i = 0; i < n; ++i)
-            check(cudaMemcpyAsync(
-                      layer + static_cast<std::size_t>(slots[static_cast<std::size_t>(i)]) * row,
-                      scratch_.get<char>() + i * row, row, cudaMemcpyDeviceToDevice, stream_),
-                  "swap in");
-          check(cudaStreamSynchronize(stream_), "swap in");
-        }
-      }
+    const auto n = static_cast<std::int64_t>(slots.size());
+    if (n == 0) return;
+    const std::int64_t elements = config_.num_hidden_layers * 2 * n * config_.kv_dim();
+    const std::size_t float_bytes = static_cast<std::size_t>(elements) * sizeof(float);
+    scratch_.resize(static_cast<std::size_t>(elements) * kvlab::cuda::dtype_bytes(dtype_));
+    staging_floats_.resize(float_bytes);
+    to_device(slots, d_transfer_slots_);
+    kvlab::cuda::SlotRowsParams rows;
+    rows.k_pool = k_pool_.get();
+    rows.v_pool = v_pool_.get();
+    rows.layer_elements = layer_elements_;
+    rows.layers = config_.num_hidden_layers;
+    rows.slots = d_transfer_slots_.get<std::int64_t>();
+    rows.count = n;
+    rows.kv_dim = config_.kv_dim();
+    rows.packed = scratch_.get();
+    rows.dtype = dtype_;
+    if (to_host) {
+      check(kvlab::cuda::launch_copy_slot_rows(rows, stream_), "swap out");
+      check(kvlab::cuda::launch_convert_to_f32(scratch_.get(), staging_floats_.get<float>(),
+                                               elements, dtype_, stream_),
+            "swap out");
+      check(cudaMemcpyAsync(host, staging_floats_.get(), float_bytes, cudaMemcpyDeviceToHost,
+                            stream_),
+            "swap out");
+      check(cudaStreamSynchronize(stream_), "swap out");
+    } else {
+      check(cudaMemcpyAsync(staging_floats_.get(), host, float_bytes, cudaMemcpyHostToDevice,
+                            stream_),
+            "swap in");
+      check(kvlab::cuda::launch_convert_from_f32(staging_floats_.get<float>(), scratch_.get(),
+                                                 elements, dtype_, stream_),
+            "swap in");
+      rows.to_pool = true;
+      check(kvlab::cuda::launch_copy_slot_rows(rows, stream_), "swap in");
+      check(cudaStreamSynchronize(stream_), "swap in");
+    }
   }
 
   kvlab::KvPool* pool_;
@@ -460,7 +457,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   DeviceBuffer k_pool_, v_pool_;     // (layers, slots, kv_heads, head_dim) each
   DeviceBuffer x_, normed_, qkv_, attention_, projected_, gate_up_, hidden_, last_, logits_,
       workspace_, scratch_, staging_floats_;
-  DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_slot_table_, d_entries_, d_last_rows_;
+  DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_slot_table_, d_entries_, d_last_rows_,
+      d_transfer_slots_;
   PinnedBuffer host_logits_;
   std::vector<std::int32_t> tokens_, positions_, last_rows_;
   std::vector<std::int64_t> new_slots_, slot_table_;

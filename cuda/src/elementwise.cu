@@ -86,6 +86,21 @@ __global__ void kv_write_kernel(KvWriteParams p) {
   }
 }
 
+// One block per (slot i, layer x K/V).
+template <typename T>
+__global__ void slot_rows_kernel(SlotRowsParams p) {
+  const std::int64_t i = blockIdx.x, layer_kv = blockIdx.y;
+  T* pool = static_cast<T*>(layer_kv % 2 == 0 ? p.k_pool : p.v_pool) +
+            (layer_kv / 2) * p.layer_elements + p.slots[i] * p.kv_dim;
+  T* packed = static_cast<T*>(p.packed) + (layer_kv * p.count + i) * p.kv_dim;
+  for (std::int64_t d = threadIdx.x; d < p.kv_dim; d += blockDim.x) {
+    if (p.to_pool)
+      pool[d] = packed[d];
+    else
+      packed[d] = pool[d];
+  }
+}
+
 template <typename T>
 __global__ void from_f32_kernel(const float* in, T* out, std::int64_t n) {
   const std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -149,6 +164,14 @@ cudaError_t launch_kv_write(const KvWriteParams& p, cudaStream_t stream) {
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
     return launch_kernel(kv_write_kernel<T>, static_cast<unsigned>(p.rows), 128, stream, p);
   });
+}
+
+cudaError_t launch_copy_slot_rows(const SlotRowsParams& p, cudaStream_t stream) {
+  if (p.count <= 0 || p.layers <= 0) return cudaSuccess;
+  if (p.layers * 2 > 65535 || p.kv_dim <= 0) return cudaErrorInvalidValue;
+  const dim3 grid(static_cast<unsigned>(p.count), static_cast<unsigned>(p.layers * 2));
+  KVLAB_DISPATCH_DTYPE(p.dtype, T,
+                       { return launch_kernel(slot_rows_kernel<T>, grid, 128, stream, p); });
 }
 
 cudaError_t launch_convert_from_f32(const float* in, void* out, std::int64_t n, Dtype dtype,

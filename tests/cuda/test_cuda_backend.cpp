@@ -5,6 +5,8 @@
 // in bf16, within 0.25 (about 2% of the logit range). Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <numeric>
+
 #include "cpu_reference/test_models.hpp"
 #include "cuda_test_util.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
@@ -176,6 +178,58 @@ TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
       EXPECT_LT(cmp.max_abs, std::string(dtype) == "f32" ? 1e-3 : 0.25)
           << dtype << " step " << step << " (max rel " << cmp.max_rel << ")";
     }
+  }
+}
+
+// The device pool's side of swaps and allocator copies, directly: K/V written by a prompt,
+// downloaded, uploaded into other slots (a swap) or copied there (a dynamic move), must read
+// back bit for bit and give the decode step the same logits as the original slots.
+TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
+  KVLAB_REQUIRE_CUDA();
+  const ModelConfig& c = checkpoint().config;
+  for (const char* dtype : {"f32", "bf16"}) {
+    KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 128}, KvStorage::none);
+    PluginContext context;
+    context.model = &c;
+    context.pool = &pool;
+    context.weights = &checkpoint();
+    auto gpu = backend_registry().create<PluginKind::backend>(
+        "cuda", {{"dtype", std::string(dtype)}}, context);
+    ASSERT_NE(pool.device(), nullptr) << "the backend attaches its device pool";
+    std::vector<std::int32_t> prompt(13), next{5};
+    for (std::size_t i = 0; i < prompt.size(); ++i)
+      prompt[i] = static_cast<std::int32_t>((i * 29 + 3) % c.vocab_size);
+    std::vector<BatchEntry> batch(1);
+    batch[0].tokens = prompt;
+    batch[0].view.extents = {{0, 13}};
+    (void)gpu->forward(batch);  // K/V of 13 positions in slots [0, 13)
+
+    // Decode the next token reading the 13 positions from `first_slot` on.
+    const auto decode_from = [&](std::int64_t first_slot) {
+      batch[0].tokens = next;
+      batch[0].start_position = 13;
+      batch[0].view.extents = {{first_slot, 13}, {first_slot + 13, 1}};
+      const auto logits = gpu->forward(batch);
+      return std::vector<float>(logits.begin(), logits.end());
+    };
+    const std::vector<float> reference = decode_from(0);
+
+    std::vector<std::int64_t> original(13), swapped(13);
+    std::iota(original.begin(), original.end(), 0);
+    std::iota(swapped.begin(), swapped.end(), 40);
+    const auto floats = static_cast<std::size_t>(c.num_hidden_layers * 2 * 13 * c.kv_dim());
+    std::vector<float> out(floats), back(floats);
+    pool.device()->download(original, out.data());
+    pool.device()->upload(swapped, out.data());
+    pool.device()->download(swapped, back.data());
+    EXPECT_EQ(back, out) << dtype << ": a swap-in reads back what was swapped out";
+    const auto after_swap = test::compare(decode_from(40), reference);
+    EXPECT_FALSE(after_swap.has_nan);
+    EXPECT_EQ(after_swap.max_abs, 0.0) << dtype << ": the same K/V and arithmetic, other slots";
+
+    pool.device()->copy_slots(0, 80, 13);
+    const auto after_copy = test::compare(decode_from(80), reference);
+    EXPECT_EQ(after_copy.max_abs, 0.0) << dtype << ": copied slots";
   }
 }
 

@@ -229,6 +229,66 @@ TEST(CudaKernels, KvWriteFillsExactlyTheGivenSlots) {
   }
 }
 
+TEST(CudaKernels, SlotRowsGatherAndScatterWholeSlotsOfEveryLayer) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes) {
+    const std::int64_t layers = 3, slots = 40, kv_dim = 24, layer_elements = slots * kv_dim;
+    const std::size_t e = cuda::dtype_bytes(dtype);
+    auto k = random_values(layers * layer_elements, 10),
+         v = random_values(layers * layer_elements, 11);
+    for (auto* values : {&k, &v})
+      for (auto& x : *values) x = stored(x, dtype);
+    const std::vector<std::int64_t> where{33, 2, 17, 39, 0};
+    const auto count = static_cast<std::int64_t>(where.size());
+    GuardedBuffer k_pool(k.size(), e), v_pool(v.size(), e), d_slots(where.size(), 8),
+        packed(layers * 2 * count * kv_dim, e);
+    k_pool.write(k, dtype);
+    v_pool.write(v, dtype);
+    d_slots.write_bytes(where.data(), where.size() * 8);
+    cuda::SlotRowsParams p;
+    p.k_pool = k_pool.get();
+    p.v_pool = v_pool.get();
+    p.layer_elements = layer_elements;
+    p.layers = layers;
+    p.slots = d_slots.as<std::int64_t>();
+    p.count = count;
+    p.kv_dim = kv_dim;
+    p.packed = packed.get();
+    p.dtype = dtype;
+    ASSERT_EQ(cuda::launch_copy_slot_rows(p, nullptr), cudaSuccess);  // gather
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto got = packed.read(layers * 2 * count * kv_dim, dtype);
+    for (std::int64_t l = 0; l < layers; ++l)
+      for (int kv = 0; kv < 2; ++kv)
+        for (std::int64_t i = 0; i < count; ++i)
+          for (std::int64_t d = 0; d < kv_dim; ++d)
+            ASSERT_EQ(got[((l * 2 + kv) * count + i) * kv_dim + d],
+                      (kv == 0 ? k : v)[l * layer_elements + where[i] * kv_dim + d])
+                << "layer " << l << " kv " << kv << " slot " << where[i];
+    EXPECT_TRUE(packed.guards_intact());
+
+    // Scatter the packed rows into zeroed pools: exactly those slots of every layer change.
+    const std::vector<float> zeros(k.size(), 0.0f);
+    k_pool.write(zeros, dtype);
+    v_pool.write(zeros, dtype);
+    p.to_pool = true;
+    ASSERT_EQ(cuda::launch_copy_slot_rows(p, nullptr), cudaSuccess);
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const auto kp = k_pool.read(k.size(), dtype), vp = v_pool.read(v.size(), dtype);
+    for (std::int64_t l = 0; l < layers; ++l)
+      for (std::int64_t s = 0; s < slots; ++s) {
+        const bool moved = std::find(where.begin(), where.end(), s) != where.end();
+        for (std::int64_t d = 0; d < kv_dim; ++d) {
+          const std::int64_t at = l * layer_elements + s * kv_dim + d;
+          ASSERT_EQ(kp[at], moved ? k[at] : 0.0f) << "layer " << l << " slot " << s;
+          ASSERT_EQ(vp[at], moved ? v[at] : 0.0f) << "layer " << l << " slot " << s;
+        }
+      }
+    EXPECT_TRUE(k_pool.guards_intact());
+    EXPECT_TRUE(v_pool.guards_intact());
+  }
+}
+
 // ---- attention ----
 
 // Double-precision attention of the queries at [start, start + n) of one sequence.

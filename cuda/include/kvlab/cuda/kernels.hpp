@@ -130,6 +130,24 @@ cudaError_t launch_convert_from_f32(const float* in, void* out, std::int64_t n, 
                                     cudaStream_t stream);
 cudaError_t launch_convert_to_f32(const void* in, float* out, std::int64_t n, Dtype dtype,
                                   cudaStream_t stream);
+// Moves whole slots between the device pool and a packed buffer in one launch (swaps):
+//   packed (layers, 2 [K, V], count, kv_dim) [dtype]  <->  K/V of every layer at slots[i].
+// Gather (to_pool false): packed = pool rows; scatter (to_pool true): pool rows = packed. The
+// slots must be distinct for a scatter.
+struct SlotRowsParams {
+  void* k_pool = nullptr;
+  void* v_pool = nullptr;
+  std::int64_t layer_elements = 0;  // elements between one layer and the next in each pool
+  std::int64_t layers = 0;
+  const std::int64_t* slots = nullptr;  // device array of count slots
+  std::int64_t count = 0;
+  std::int64_t kv_dim = 0;
+  void* packed = nullptr;
+  bool to_pool = false;
+  Dtype dtype = Dtype::f32;
+};
+cudaError_t launch_copy_slot_rows(const SlotRowsParams& p, cudaStream_t stream);
+
 // Gathers rows: out[i] (dim) = in[index[i]] (fp32).
 cudaError_t launch_gather_rows(const float* in, const std::int32_t* index, float* out,
                                std::int64_t rows, std::int64_t dim, cudaStream_t stream);
