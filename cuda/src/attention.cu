@@ -69,6 +69,30 @@ __device__ __forceinline__ float* partial_of(float* workspace, int entry, int he
          ((static_cast<std::int64_t>(entry) * heads + head) * max_splits + split) * (head_dim + 2);
 }
 
+// What one decode block (grid x: query-head chunk of a K/V head, y: entry, z: key split) works
+// on: its entry, K/V head, first of its QPB query heads and keys [begin, end). False when the
+// block has nothing to do (not a decode entry, or a split past the last key; the combine kernel
+// counts an entry's splits the same way).
+struct DecodeSplit {
+  AttentionEntry e;
+  int entry, kv_head, head0, begin, end;
+};
+__device__ __forceinline__ bool decode_split(const AttentionParams& p, int queries_per_block,
+                                             DecodeSplit& d) {
+  d.entry = blockIdx.y;
+  d.e = p.entries[d.entry];
+  if (d.e.queries != 1) return false;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int chunks = group / queries_per_block;
+  d.kv_head = blockIdx.x / chunks;
+  d.head0 = d.kv_head * group + (blockIdx.x % chunks) * queries_per_block;
+  const int position = d.e.start_position;
+  d.begin = first_key(d.e, position, p.window) + static_cast<int>(blockIdx.z) * p.split_keys;
+  if (d.begin > position) return false;
+  d.end = min(position + 1, d.begin + p.split_keys);
+  return true;
+}
+
 // Merges the warps' partial softmaxes (in shared memory) into the block's workspace partial
 // [m, l, acc[HD]] for each of its QPB query heads.
 template <int HD, int QPB>
@@ -99,18 +123,10 @@ template <typename T, int HD, int QPB>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_scalar_kernel(AttentionParams p, int max_splits) {
   constexpr int PER_LANE = (HD + 31) / 32;
-  const int entry = blockIdx.y;
-  const AttentionEntry e = p.entries[entry];
-  if (e.queries != 1) return;
-  const int group = static_cast<int>(p.heads / p.kv_heads);
-  const int chunks = group / QPB;
-  const int kv_head = blockIdx.x / chunks;
-  const int head0 = kv_head * group + (blockIdx.x % chunks) * QPB;
-  const int position = e.start_position;
-  const int lo = first_key(e, position, p.window);
-  const int begin = lo + static_cast<int>(blockIdx.z) * p.split_keys;
-  if (begin > position) return;  // the combine kernel counts this entry's splits the same way
-  const int end = min(position + 1, begin + p.split_keys);
+  DecodeSplit d;
+  if (!decode_split(p, QPB, d)) return;
+  const int entry = d.entry, kv_head = d.kv_head, head0 = d.head0, begin = d.begin, end = d.end;
+  const AttentionEntry& e = d.e;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const float scale = rsqrtf(static_cast<float>(HD));
 
@@ -201,18 +217,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   using L = VectorLayout<T, HD>;
   constexpr int kUnroll = 2;
   constexpr int E = L::kElements;
-  const int entry = blockIdx.y;
-  const AttentionEntry e = p.entries[entry];
-  if (e.queries != 1) return;
-  const int group = static_cast<int>(p.heads / p.kv_heads);
-  const int chunks = group / QPB;
-  const int kv_head = blockIdx.x / chunks;
-  const int head0 = kv_head * group + (blockIdx.x % chunks) * QPB;
-  const int position = e.start_position;
-  const int lo = first_key(e, position, p.window);
-  const int begin = lo + static_cast<int>(blockIdx.z) * p.split_keys;
-  if (begin > position) return;  // the combine kernel counts this entry's splits the same way
-  const int end = min(position + 1, begin + p.split_keys);
+  DecodeSplit d;
+  if (!decode_split(p, QPB, d)) return;
+  const int entry = d.entry, kv_head = d.kv_head, head0 = d.head0, begin = d.begin, end = d.end;
+  const AttentionEntry& e = d.e;
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
   const int key_group = lane / L::kLanesPerKey, sub = lane % L::kLanesPerKey;
   const float scale = rsqrtf(static_cast<float>(HD));

@@ -36,6 +36,15 @@ const PluginRegistry& backend_registry() {
 }
 using Params = std::map<std::string, ParamValue, std::less<>>;
 
+// The cuda backend on the checkpoint, holding its K/V in `pool` (dtype "f32" or "bf16").
+PluginObject<Backend> create_cuda_backend(KvPool& pool, const std::string& dtype) {
+  PluginContext context;
+  context.model = &checkpoint().config;
+  context.pool = &pool;
+  context.weights = &checkpoint();
+  return backend_registry().create<PluginKind::backend>("cuda", {{"dtype", dtype}}, context);
+}
+
 struct EngineRun {
   std::vector<std::vector<std::int32_t>> tokens;
   std::int64_t preemptions = 0;
@@ -138,12 +147,7 @@ TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
     KvPool host_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
     KvPool device_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256},
                        KvStorage::none);
-    PluginContext context;
-    context.model = &c;
-    context.pool = &device_pool;
-    context.weights = &checkpoint();
-    auto gpu = backend_registry().create<PluginKind::backend>(
-        "cuda", {{"dtype", std::string(dtype)}}, context);
+    auto gpu = create_cuda_backend(device_pool, dtype);
     cpu::CpuBackend cpu(checkpoint(), host_pool, std::nullopt);
     // Step 1: two prompts (13 and 30 tokens) at slots [0, 13) and [100, 130); step 2: one
     // decode of each plus a third prompt of 5 tokens.
@@ -189,12 +193,7 @@ TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
   const ModelConfig& c = checkpoint().config;
   for (const char* dtype : {"f32", "bf16"}) {
     KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 128}, KvStorage::none);
-    PluginContext context;
-    context.model = &c;
-    context.pool = &pool;
-    context.weights = &checkpoint();
-    auto gpu = backend_registry().create<PluginKind::backend>(
-        "cuda", {{"dtype", std::string(dtype)}}, context);
+    auto gpu = create_cuda_backend(pool, dtype);
     ASSERT_NE(pool.device(), nullptr) << "the backend attaches its device pool";
     std::vector<std::int32_t> prompt(13), next{5};
     for (std::size_t i = 0; i < prompt.size(); ++i)
@@ -238,12 +237,8 @@ TEST(CudaBackend, WithoutADeviceTheErrorSaysWhy) {
   if (probe.available) GTEST_SKIP() << "a device is present: " << probe.name;
   const ModelConfig& c = checkpoint().config;
   KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64}, KvStorage::none);
-  PluginContext context;
-  context.model = &c;
-  context.pool = &pool;
-  context.weights = &checkpoint();
   try {
-    (void)backend_registry().create<PluginKind::backend>("cuda", {}, context);
+    (void)create_cuda_backend(pool, "f32");
     FAIL() << "created a CUDA backend without a device";
   } catch (const std::exception& e) {
     EXPECT_NE(std::string(e.what()).find("no CUDA device"), std::string::npos) << e.what();
