@@ -32,5 +32,7 @@ fi
 [ "${KVLAB_SETUP_PACKAGES_ONLY:-0}" = 1 ] && exit 0
 
 build_dir="${KVLAB_BUILD_DIR:-build}"
-cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release ${KVLAB_CMAKE_ARGS:-}
+# KVLAB_WERROR=ON (scripts/test.sh, CI): kvlab's own warnings fail the build.
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_WERROR="${KVLAB_WERROR:-OFF}" \
+  ${KVLAB_CMAKE_ARGS:-}
 cmake --build "$build_dir" -j "$(nproc)"

@@ -1,15 +1,30 @@
 #!/usr/bin/env bash
-# The README's second command: set up, build, and run the whole test suite (ctest), then the
-# core and plugin tests again under AddressSanitizer + UndefinedBehaviorSanitizer.
+# The README's second command: set up, build, and run the whole test suite (ctest) in three
+# builds (docs/building.md):
+#   build/           native (-march=native), warnings as errors: every test
+#   build-asan/      portable, AddressSanitizer + UBSan: the core and plugin tests
+#   build-portable/  portable, no sanitizer: the CUDA emulator under valgrind (emulated.memcheck),
+#                    which cannot decode the AVX-512 a native build contains on some machines
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export KVLAB_WERROR=ON
 scripts/setup.sh
 build_dir="${KVLAB_BUILD_DIR:-build}"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
 
 asan_dir="${build_dir}-asan"
 cmake -S . -B "$asan_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_SANITIZE=ON -DKVLAB_WITH_CUDA=OFF \
-  -DKVLAB_BUILD_BENCHMARKS=OFF
+  -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON
 cmake --build "$asan_dir" -j "$(nproc)" --target kvlab_core_tests kvlab_plugin_tests
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir "$asan_dir" -L "core|plugins" --output-on-failure -j "$(nproc)"
+
+if command -v valgrind >/dev/null 2>&1; then
+  portable_dir="${build_dir}-portable"
+  cmake -S . -B "$portable_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON \
+    -DKVLAB_BUILD_BENCHMARKS=OFF
+  if cmake --build "$portable_dir" --target help | grep -q kvlab_cuda_emulated_tests; then
+    cmake --build "$portable_dir" -j "$(nproc)" --target kvlab_cuda_emulated_tests
+    ctest --test-dir "$portable_dir" -L memcheck --output-on-failure
+  fi
+fi

@@ -43,6 +43,14 @@ void run_info(const std::string& name) {
              c.num_key_value_heads, c.group_size(), c.head_dim);
   fmt::print("vocab / context:     {} / {}\n", c.vocab_size, c.max_position_embeddings);
   fmt::print("rope_theta / eps:    {} / {}\n", c.rope_theta, c.rms_norm_eps);
+  const RopeScaling& r = c.rope_scaling;
+  if (r.type == RopeScaling::Type::linear)
+    fmt::print("rope scaling:        linear, factor {}\n", r.factor);
+  if (r.type == RopeScaling::Type::llama3)
+    fmt::print(
+        "rope scaling:        llama3, factor {}, low/high freq factor {} / {}, original "
+        "context {}\n",
+        r.factor, r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings);
   fmt::print("tied embeddings:     {}\n", c.tie_word_embeddings ? "yes" : "no");
   if (c.sliding_window) fmt::print("sliding window:      {}\n", *c.sliding_window);
   if (!source.is_preset()) {

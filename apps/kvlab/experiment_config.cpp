@@ -3,15 +3,24 @@
 #include <fmt/format.h>
 
 #include <toml++/toml.h>
+#include <limits>
 #include <set>
 #include <sstream>
 
 #include "experiment.hpp"
+#include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab::cli {
+
+// Limits on sizes an experiment file sets, checked when it is read (docs/experiments.md).
+constexpr std::int64_t kMaxRepeats = 10'000;
+constexpr std::int64_t kMaxRequests = 10'000'000;  // per run: the request table stays < ~10 GB
+constexpr std::int64_t kMaxThreads = 1024;
+constexpr std::size_t kMaxSweepPoints = 10'000;
+constexpr std::size_t kMaxRuns = 100'000;  // points x repeats
 namespace {
 
 std::string where(const toml::node& node, const std::string& fallback_file) {
@@ -47,6 +56,15 @@ class Section {
       fail(*node, fmt::format("{}.{} must be a string", name_, key));
     }
     return std::nullopt;
+  }
+  // An integer that must fit T and lie in [min, max]: an error naming the key otherwise.
+  template <typename T>
+  std::optional<T> get_int(const char* key, std::int64_t min, std::int64_t max) {
+    const auto value = get<std::int64_t>(key);
+    if (!value) return std::nullopt;
+    if (*value < min || *value > max || !narrow_integer<T>(*value))
+      fail(*node(key), fmt::format("{}.{} = {} is outside [{}, {}]", name_, key, *value, min, max));
+    return static_cast<T>(*value);
   }
   const toml::node* node(const char* key) {
     known_.insert(key);
@@ -138,8 +156,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
     Section s(top.table("experiment"), "experiment", file);
     c.name = s.get<std::string>("name").value_or(c.name);
     c.seed = static_cast<std::uint64_t>(s.get<std::int64_t>("seed").value_or(0));
-    c.repeats = s.get<std::int64_t>("repeats").value_or(1);
-    if (c.repeats < 1) s.fail(*s.node("repeats"), "experiment.repeats must be >= 1");
+    c.repeats = s.get_int<std::int64_t>("repeats", 1, kMaxRepeats).value_or(1);
     c.clock = s.get<std::string>("clock").value_or(c.clock);
     if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall" && c.clock != "measured")
       s.fail(*s.node("clock"),
@@ -163,7 +180,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   {
     Section s(top.table("backend"), "backend", file);
     c.backend = s.get<std::string>("name").value_or(c.backend);  // cpu, simulated or a plugin
-    c.threads = s.get<std::int64_t>("threads").value_or(0);
+    c.threads = s.get_int<int>("threads", 0, kMaxThreads).value_or(0);
     c.profile = s.get<std::string>("profile").value_or("");
     c.backend_params = plugin_params(s, "params");
     if (c.backend == "simulated" && c.profile.empty())
@@ -203,7 +220,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   {
     Section s(top.table("workload"), "workload", file);
     SyntheticWorkload& w = c.workload;
-    w.requests = s.get<std::int64_t>("requests").value_or(w.requests);
+    w.requests = s.get_int<std::int64_t>("requests", 1, kMaxRequests).value_or(w.requests);
     const std::string arrival = s.get<std::string>("arrival").value_or("all_at_once");
     static const std::map<std::string, ArrivalKind> arrivals{
         {"all_at_once", ArrivalKind::all_at_once},
@@ -235,7 +252,8 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
     }
     w.temperature = s.get<double>("temperature").value_or(0.0);
     w.top_p = s.get<double>("top_p").value_or(1.0);
-    w.top_k = static_cast<std::int32_t>(s.get<std::int64_t>("top_k").value_or(0));
+    w.top_k =
+        s.get_int<std::int32_t>("top_k", 0, std::numeric_limits<std::int32_t>::max()).value_or(0);
     w.ignore_eos = s.get<bool>("ignore_eos").value_or(true);
     c.trace = s.get<std::string>("trace").value_or("");
     s.finish();
@@ -372,7 +390,15 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
                       file.string(), a.group));
   }
   std::size_t points = 1;
-  for (const auto& g : groups) points *= group_size[g];
+  for (const auto& g : groups) {
+    const auto product = checked_mul<std::size_t>(points, group_size[g]);
+    if (!product || *product > kMaxSweepPoints)
+      throw Error(
+          fmt::format("{}: the [[sweep]] axes make more than {} points (kvlab's limit per "
+                      "experiment file): split the sweep into several files",
+                      file.string(), kMaxSweepPoints));
+    points = *product;
+  }
 
   std::vector<ExperimentRun> runs;
   for (std::size_t point = 0; point < points; ++point) {
@@ -392,6 +418,11 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
     }
     ExperimentConfig config = parse_config(table, file.string());
     config.label = label;
+    if (runs.size() + static_cast<std::size_t>(config.repeats) > kMaxRuns)
+      throw Error(
+          fmt::format("{}: sweep points x repeats make more than {} runs (kvlab's limit "
+                      "per experiment file)",
+                      file.string(), kMaxRuns));
     for (std::int64_t r = 0; r < config.repeats; ++r) {
       ExperimentRun run{config, r};
       run.config.seed = config.seed + static_cast<std::uint64_t>(r);

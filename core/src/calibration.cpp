@@ -1,8 +1,9 @@
 #include "kvlab/calibration.hpp"
 
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <fmt/format.h>
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <cmath>
 #include <unsupported/Eigen/NonLinearOptimization>

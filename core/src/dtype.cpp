@@ -1,6 +1,7 @@
 #include "kvlab/dtype.hpp"
 
-#include <Eigen/Core>
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <array>
 #include <cassert>
 #include <cstring>

@@ -15,6 +15,16 @@
 namespace kvlab {
 namespace {
 
+// Sampling needs finite logits; NaN or inf means the backend (or the weights) broke: stop the run
+// with the request and step rather than emit token 0 with a null logprob.
+void throw_if_non_finite(std::span<const float> row, RequestId id, std::int64_t step) {
+  if (auto bad = first_non_finite(row))
+    throw Error(fmt::format(
+        "request {}, step {}: the backend's logits hold {} at token id {}; the model's weights or "
+        "the backend produced non-finite values, so no token can be sampled",
+        id, step, row[*bad], *bad));
+}
+
 struct LiveRequest {
   LiveRequest(std::size_t submitted_index, const WorkloadRequest& request,
               const SamplingParams& sampling)
@@ -432,10 +442,10 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& submitted) {
       if (options_.caches_kv) allocator_.mark_computed(id, r.computed);
       if (r.computed < static_cast<std::int64_t>(r.tokens.size()))
         continue;  // prompt chunk, more to come
-      const std::int32_t token =
-          !chosen.empty() ? chosen[e]
-                          : r.sampler.sample(logits.subspan(e * static_cast<std::size_t>(vocab),
-                                                            static_cast<std::size_t>(vocab)));
+      const auto row =
+          logits.subspan(e * static_cast<std::size_t>(vocab), static_cast<std::size_t>(vocab));
+      if (chosen.empty()) throw_if_non_finite(row, id, step);
+      const std::int32_t token = !chosen.empty() ? chosen[e] : r.sampler.sample(row);
       r.tokens.push_back(token);
       ++r.generated;
       r.needs_recompute = !options_.caches_kv;

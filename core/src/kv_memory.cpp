@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/hardware_profile.hpp"
 
@@ -19,9 +20,18 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
     throw Error(fmt::format("kv-heads {} must be a positive divisor of the {} query heads of {}",
                             r.kv_heads, c.num_attention_heads, c.name));
   const auto kv_element = static_cast<std::int64_t>(dtype_size(q.kv_dtype));
-  r.bytes_per_token = 2 * c.num_hidden_layers * r.kv_heads * c.head_dim * kv_element;
-  r.bytes_per_request = r.bytes_per_token * q.seq_len;
-  r.bytes_total = r.bytes_per_request * q.batch;
+  const auto per_token =
+      checked_product<std::int64_t>({2, c.num_hidden_layers, r.kv_heads, c.head_dim, kv_element});
+  if (!per_token) throw Error(fmt::format("{}: KV bytes per token overflow 64 bits", c.name));
+  r.bytes_per_token = *per_token;
+  const auto per_request = checked_mul(r.bytes_per_token, q.seq_len);
+  const auto total = per_request ? checked_mul(*per_request, q.batch) : std::nullopt;
+  if (!total)
+    throw Error(fmt::format(
+        "seq-len {} x batch {} x {} bytes per token is more bytes than 64 bits can count",
+        q.seq_len, q.batch, r.bytes_per_token));
+  r.bytes_per_request = *per_request;
+  r.bytes_total = *total;
   r.weight_bytes = c.parameter_count() * static_cast<std::int64_t>(dtype_size(q.weight_dtype));
   if (q.gpu_memory_gib) {
     if (!(*q.gpu_memory_gib > 0))
@@ -46,7 +56,11 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
                             q.prompt_tokens, q.output_tokens));
   if (q.block_size < 1) throw Error(fmt::format("block size must be >= 1, got {}", q.block_size));
   MemoryPlan p;
-  const std::int64_t expected = q.prompt_tokens + q.output_tokens;
+  const auto expected_sum = checked_add(q.prompt_tokens, q.output_tokens);
+  if (!expected_sum)
+    throw Error(fmt::format("prompt {} + output {} tokens overflow 64 bits", q.prompt_tokens,
+                            q.output_tokens));
+  const std::int64_t expected = *expected_sum;
   p.static_tokens_per_request = q.max_seq_len > 0 ? q.max_seq_len : c.max_position_embeddings;
   if (expected > p.static_tokens_per_request)
     throw Error(fmt::format("prompt {} + output {} exceed the {}-token context", q.prompt_tokens,

@@ -3,11 +3,33 @@
 #include <cassert>
 #include <cstring>
 
+#include <fmt/format.h>
+
+#include "kvlab/checked_math.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/memory_limit.hpp"
+
 namespace kvlab {
 
 KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
+  if (shape.layers < 0 || shape.kv_heads < 0 || shape.head_dim < 0 || shape.slots < 0)
+    throw Error(
+        fmt::format("KV pool shape must be non-negative: {} layers, {} KV heads, head_dim "
+                    "{}, {} slots",
+                    shape.layers, shape.kv_heads, shape.head_dim, shape.slots));
+  const auto floats =
+      checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads, shape.head_dim});
+  const auto bytes =
+      floats ? checked_product<std::int64_t>({*floats, 2, sizeof(float)}) : std::nullopt;
+  if (!bytes)
+    throw Error(fmt::format("KV pool of {} slots x {} layers x {} floats overflows 64 bits",
+                            shape.slots, shape.layers, shape.kv_heads * shape.head_dim));
   if (storage == KvStorage::none) return;
-  keys_.resize(static_cast<std::size_t>(shape.layers * shape.slots * shape.slot_width()));
+  check_allocation(static_cast<std::uint64_t>(*bytes),
+                   fmt::format("the KV pool ({} slots x {} layers x {} KV heads x head_dim {}, "
+                               "K and V in fp32; kv_cache.slots or kv_cache.memory_mib)",
+                               shape.slots, shape.layers, shape.kv_heads, shape.head_dim));
+  keys_.resize(static_cast<std::size_t>(*floats));
   values_.resize(keys_.size());
 }
 

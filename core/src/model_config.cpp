@@ -4,10 +4,13 @@
 #include <fmt/ranges.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <numbers>
 #include <sstream>
 
+#include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/suggest.hpp"
 
@@ -49,6 +52,44 @@ double forward_flops(const ModelConfig& c, std::int64_t tokens, std::int64_t log
          static_cast<double>(c.num_hidden_layers) * attention + lm_head;
 }
 
+const char* rope_type_name(RopeScaling::Type type) {
+  switch (type) {
+    case RopeScaling::Type::linear:
+      return "linear";
+    case RopeScaling::Type::llama3:
+      return "llama3";
+    case RopeScaling::Type::none:
+      break;
+  }
+  return "default";
+}
+
+std::vector<double> rope_inverse_frequencies(const ModelConfig& c) {
+  const RopeScaling& r = c.rope_scaling;
+  std::vector<double> inverse(static_cast<std::size_t>(c.head_dim / 2));
+  for (std::size_t i = 0; i < inverse.size(); ++i)
+    inverse[i] =
+        std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(c.head_dim));
+  if (r.type == RopeScaling::Type::linear)
+    for (double& f : inverse) f /= r.factor;
+  if (r.type == RopeScaling::Type::llama3) {
+    const auto original = static_cast<double>(r.original_max_position_embeddings);
+    const double low_freq_wavelength = original / r.low_freq_factor;    // longer: divided
+    const double high_freq_wavelength = original / r.high_freq_factor;  // shorter: kept
+    for (double& f : inverse) {
+      const double wavelength = 2.0 * std::numbers::pi / f;
+      if (wavelength > low_freq_wavelength) {
+        f /= r.factor;
+      } else if (wavelength >= high_freq_wavelength) {
+        const double smooth =
+            (original / wavelength - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+        f = (1.0 - smooth) * f / r.factor + smooth * f;
+      }
+    }
+  }
+  return inverse;
+}
+
 namespace {
 
 const std::vector<std::string>& supported_architectures() {
@@ -56,42 +97,136 @@ const std::vector<std::string>& supported_architectures() {
   return names;
 }
 
+// An integer JSON value as T when it fits (json's get<T> would silently wrap).
+template <typename T>
+std::optional<T> json_integer_as(const json& value) {
+  if (value.is_number_unsigned()) return narrow_integer<T>(value.get<std::uint64_t>());
+  return narrow_integer<T>(value.get<std::int64_t>());
+}
+
 // Reads config.json fields with their type checked; collects problems instead of stopping at
 // the first so one run shows everything that is wrong.
 class FieldReader {
  public:
-  FieldReader(const json& root, std::vector<std::string>& problems)
-      : root_(root), problems_(problems) {}
+  // `prefix` names the object read ("rope_parameters.") in messages; empty for the root.
+  FieldReader(const json& root, std::vector<std::string>& problems, std::string prefix = "")
+      : root_(root), problems_(problems), prefix_(std::move(prefix)) {}
 
   template <typename T>
   std::optional<T> get(const char* key, bool required) {
     auto it = root_.find(key);
     if (it == root_.end() || it->is_null()) {
-      if (required) problems_.push_back(fmt::format("missing required field \"{}\"", key));
+      if (required)
+        problems_.push_back(fmt::format("missing required field \"{}{}\"", prefix_, key));
       return std::nullopt;
     }
+    return convert<T>(key, *it);
+  }
+
+  // `value` as T, or a problem naming `key`: integers must fit T (2^32 + 1 is not an int32).
+  template <typename T>
+  std::optional<T> convert(const char* key, const json& value) {
     if constexpr (std::is_same_v<T, bool>) {
-      if (!it->is_boolean()) return wrong_type<T>(key, "a boolean", *it);
+      if (!value.is_boolean()) return wrong_type<T>(key, "a boolean", value);
     } else if constexpr (std::is_integral_v<T>) {
-      if (!it->is_number_integer()) return wrong_type<T>(key, "an integer", *it);
+      if (!value.is_number_integer()) return wrong_type<T>(key, "an integer", value);
+      if (auto fitted = json_integer_as<T>(value)) return fitted;
+      problems_.push_back(fmt::format("field \"{}{}\" = {} does not fit in {} bits", prefix_, key,
+                                      value.dump(), sizeof(T) * 8));
+      return std::nullopt;
     } else if constexpr (std::is_floating_point_v<T>) {
-      if (!it->is_number()) return wrong_type<T>(key, "a number", *it);
+      if (!value.is_number()) return wrong_type<T>(key, "a number", value);
     } else {
-      if (!it->is_string()) return wrong_type<T>(key, "a string", *it);
+      if (!value.is_string()) return wrong_type<T>(key, "a string", value);
     }
-    return it->get<T>();
+    return value.get<T>();
   }
 
  private:
   template <typename T>
   std::optional<T> wrong_type(const char* key, const char* expected, const json& value) {
     problems_.push_back(
-        fmt::format("field \"{}\" must be {}, got {}", key, expected, value.dump()));
+        fmt::format("field \"{}{}\" must be {}, got {}", prefix_, key, expected, value.dump()));
     return std::nullopt;
   }
   const json& root_;
   std::vector<std::string>& problems_;
+  std::string prefix_;
 };
+
+// The object that holds RoPE's parameters: "rope_parameters" (transformers >= 5: theta, type
+// and scaling together) or "rope_scaling" (before: type and scaling, theta at the top level).
+// Both may appear only when they agree. nullptr when neither is set.
+const json* rope_section(const json& root, std::vector<std::string>& problems) {
+  const json* found = nullptr;
+  for (const char* key : {"rope_parameters", "rope_scaling"}) {
+    auto it = root.find(key);
+    if (it == root.end() || it->is_null()) continue;
+    if (!it->is_object()) {
+      problems.push_back(fmt::format("\"{}\" must be an object, got {}", key, it->dump()));
+      return nullptr;
+    }
+    if (found && *found != *it) {
+      problems.push_back(fmt::format("\"rope_parameters\" {} and \"rope_scaling\" {} disagree",
+                                     found->dump(), it->dump()));
+      return nullptr;
+    }
+    found = &*it;
+  }
+  return found;
+}
+
+// RoPE theta and scaling from either config style; an unknown type or key is refused by name,
+// since computing plain RoPE for a scaled checkpoint gives a different model.
+void read_rope(const json& root, ModelConfig& c, std::vector<std::string>& problems) {
+  FieldReader top(root, problems);
+  const auto top_theta = top.get<double>("rope_theta", false);
+  c.rope_theta = top_theta.value_or(10000.0);
+  const json* section = rope_section(root, problems);
+  if (!section) return;
+  const bool is_parameters = root.contains("rope_parameters") && !root["rope_parameters"].is_null();
+  const std::string prefix = is_parameters ? "rope_parameters." : "rope_scaling.";
+  static const std::vector<std::string> known{"rope_type",
+                                              "type",
+                                              "rope_theta",
+                                              "factor",
+                                              "low_freq_factor",
+                                              "high_freq_factor",
+                                              "original_max_position_embeddings"};
+  for (const auto& [key, value] : section->items())
+    if (std::find(known.begin(), known.end(), key) == known.end())
+      problems.push_back(fmt::format("\"{}{}\" is not supported (kvlab reads {})", prefix, key,
+                                     join_names(known)));
+  FieldReader read(*section, problems, prefix);
+  if (auto theta = read.get<double>("rope_theta", false)) {
+    if (top_theta && *top_theta != *theta)
+      problems.push_back(fmt::format("\"rope_theta\" {} and \"{}rope_theta\" {} disagree",
+                                     *top_theta, prefix, *theta));
+    c.rope_theta = *theta;
+  }
+  auto type = read.get<std::string>("rope_type", false);
+  if (!type) type = read.get<std::string>("type", false);
+  const std::string name = type.value_or("default");
+  RopeScaling& r = c.rope_scaling;
+  if (name == "default") {
+    r.type = RopeScaling::Type::none;
+  } else if (name == "linear") {
+    r.type = RopeScaling::Type::linear;
+    r.factor = read.get<double>("factor", true).value_or(1.0);
+  } else if (name == "llama3") {
+    r.type = RopeScaling::Type::llama3;
+    r.factor = read.get<double>("factor", true).value_or(1.0);
+    r.low_freq_factor = read.get<double>("low_freq_factor", true).value_or(1.0);
+    r.high_freq_factor = read.get<double>("high_freq_factor", true).value_or(4.0);
+    r.original_max_position_embeddings =
+        read.get<std::int64_t>("original_max_position_embeddings", true).value_or(8192);
+  } else {
+    problems.push_back(fmt::format(
+        "RoPE type \"{}\" ({}rope_type) is not supported: kvlab implements default, linear and "
+        "llama3",
+        name, prefix));
+  }
+}
 
 void throw_problems(std::string_view source, const std::vector<std::string>& problems) {
   if (problems.empty()) return;
@@ -103,6 +238,17 @@ void throw_problems(std::string_view source, const std::vector<std::string>& pro
 }  // namespace
 
 namespace {
+
+constexpr double kMaxParameters = 1125899906842624.0;  // 2^50: 1,000x the largest models
+
+// parameter_count() in doubles, which cannot overflow, to check it before using integers.
+double approximate_parameter_count(const ModelConfig& c) {
+  const auto d = [](std::int64_t v) { return static_cast<double>(std::max<std::int64_t>(v, 0)); };
+  const double q_dim = d(c.num_attention_heads) * d(c.head_dim);
+  const double kv_dim = d(c.num_key_value_heads) * d(c.head_dim);
+  const double layer = d(c.hidden_size) * (2 * q_dim + 2 * kv_dim + 3 * d(c.intermediate_size));
+  return d(c.num_hidden_layers) * layer + 2 * d(c.vocab_size) * d(c.hidden_size);
+}
 
 // Every problem with `c`, skipping fields whose reading already failed (`already_reported`).
 std::vector<std::string> config_problems(const ModelConfig& c,
@@ -125,6 +271,24 @@ std::vector<std::string> config_problems(const ModelConfig& c,
   positive("num_key_value_heads", c.num_key_value_heads);
   positive("head_dim", c.head_dim);
   positive("max_position_embeddings", c.max_position_embeddings);
+  // Every size kvlab derives from a config (parameter and FLOP counts, KV bytes per token, pool
+  // offsets) is a product of these dims in 64-bit integers: bound each dim, and the total.
+  constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
+  for (auto [key, value] : {std::pair{"vocab_size", c.vocab_size},
+                            {"hidden_size", c.hidden_size},
+                            {"intermediate_size", c.intermediate_size},
+                            {"num_hidden_layers", c.num_hidden_layers},
+                            {"num_attention_heads", c.num_attention_heads},
+                            {"num_key_value_heads", c.num_key_value_heads},
+                            {"head_dim", c.head_dim},
+                            {"max_position_embeddings", c.max_position_embeddings}})
+    if (value > kMaxDim)
+      problems.push_back(
+          fmt::format("\"{}\" = {} is larger than kvlab's limit of 2^31", key, value));
+  if (approximate_parameter_count(c) > kMaxParameters)
+    problems.push_back(fmt::format(
+        "the shape describes {:.3g} parameters, more than kvlab's limit of {:.3g} (2^50)",
+        approximate_parameter_count(c), kMaxParameters));
   if (c.num_attention_heads > 0 && c.num_key_value_heads > 0 &&
       c.num_attention_heads % c.num_key_value_heads != 0)
     problems.push_back(fmt::format(
@@ -138,6 +302,21 @@ std::vector<std::string> config_problems(const ModelConfig& c,
     problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
   if (!(c.rope_theta > 0) && !reported("rope_theta"))
     problems.push_back(fmt::format("\"rope_theta\" must be positive, got {}", c.rope_theta));
+  const RopeScaling& rope = c.rope_scaling;
+  if (rope.type != RopeScaling::Type::none && !(rope.factor > 0 && std::isfinite(rope.factor)))
+    problems.push_back(fmt::format("RoPE scaling factor must be positive, got {}", rope.factor));
+  if (rope.type == RopeScaling::Type::llama3) {
+    if (!(rope.low_freq_factor > 0 && rope.high_freq_factor > rope.low_freq_factor &&
+          std::isfinite(rope.high_freq_factor)))
+      problems.push_back(
+          fmt::format("llama3 RoPE needs 0 < low_freq_factor < high_freq_factor, got {} and {}",
+                      rope.low_freq_factor, rope.high_freq_factor));
+    if (rope.original_max_position_embeddings <= 0)
+      problems.push_back(
+          fmt::format("llama3 RoPE original_max_position_embeddings must be "
+                      "positive, got {}",
+                      rope.original_max_position_embeddings));
+  }
   if (c.vocab_size > 0) {
     if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
       problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})",
@@ -197,7 +376,7 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
       read.get<std::int64_t>("num_key_value_heads", false).value_or(c.num_attention_heads);
   c.max_position_embeddings = read.get<std::int64_t>("max_position_embeddings", true).value_or(0);
   c.rms_norm_eps = read.get<double>("rms_norm_eps", false).value_or(1e-6);
-  c.rope_theta = read.get<double>("rope_theta", false).value_or(10000.0);
+  read_rope(root, c, problems);
   c.tie_word_embeddings = read.get<bool>("tie_word_embeddings", false).value_or(false);
   c.bos_token_id = read.get<std::int32_t>("bos_token_id", false).value_or(1);
   if (auto head_dim = read.get<std::int64_t>("head_dim", false)) {
@@ -212,12 +391,13 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   if (auto it = root.find("eos_token_id"); it != root.end() && !it->is_null()) {
     c.eos_token_ids.clear();
     if (it->is_number_integer()) {
-      c.eos_token_ids.push_back(it->get<std::int32_t>());
+      if (auto id = read.convert<std::int32_t>("eos_token_id", *it)) c.eos_token_ids.push_back(*id);
     } else if (it->is_array() &&
                std::all_of(it->begin(), it->end(),
                            [](const json& v) { return v.is_number_integer(); }) &&
                !it->empty()) {
-      for (const auto& v : *it) c.eos_token_ids.push_back(v.get<std::int32_t>());
+      for (const auto& v : *it)
+        if (auto id = read.convert<std::int32_t>("eos_token_id", v)) c.eos_token_ids.push_back(*id);
     } else {
       problems.push_back(fmt::format(
           "\"eos_token_id\" must be an integer or a list of integers, got {}", it->dump()));
@@ -228,9 +408,6 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   if (auto act = read.get<std::string>("hidden_act", false); act && *act != "silu")
     problems.push_back(fmt::format(
         "hidden_act \"{}\" is not supported (kvlab implements SwiGLU with silu)", *act));
-  if (auto it = root.find("rope_scaling"); it != root.end() && !it->is_null())
-    problems.push_back(
-        fmt::format("rope_scaling {} is not supported (kvlab implements plain RoPE)", it->dump()));
   for (const char* key : {"attention_bias", "mlp_bias"})
     if (read.get<bool>(key, false).value_or(false))
       problems.push_back(
@@ -276,6 +453,16 @@ std::string model_config_to_json(const ModelConfig& c, std::string_view torch_dt
   else
     root["eos_token_id"] = c.eos_token_ids;
   if (c.sliding_window) root["sliding_window"] = *c.sliding_window;
+  const RopeScaling& r = c.rope_scaling;
+  if (r.type == RopeScaling::Type::linear)
+    root["rope_scaling"] = {{"rope_type", "linear"}, {"factor", r.factor}};
+  if (r.type == RopeScaling::Type::llama3)
+    root["rope_scaling"] = {
+        {"rope_type", "llama3"},
+        {"factor", r.factor},
+        {"low_freq_factor", r.low_freq_factor},
+        {"high_freq_factor", r.high_freq_factor},
+        {"original_max_position_embeddings", r.original_max_position_embeddings}};
   return root.dump(2) + "\n";
 }
 

@@ -2,10 +2,17 @@
 
 #include <fmt/format.h>
 
+#include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
+
 #include <algorithm>
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <boost/dll/shared_library.hpp>
 #include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <span>
 
 #include "kvlab/error.hpp"
 #include "kvlab/suggest.hpp"
@@ -29,6 +36,94 @@ const char* plugin_kind_name(PluginKind kind) {
 namespace {
 constexpr const char* kDescriptorSymbol = "kvlab_plugin_descriptor";
 constexpr const char* kFilePrefix = "kvlab_plugin_";
+
+// Why a file of `file_size` bytes starting with `bytes` is not a shared library this process can
+// dlopen, or "" when its ELF header and program headers are sound. glibc's dlopen maps segments
+// without checking them against the file size, so a truncated library crashes it with SIGBUS.
+std::string elf_problem(std::span<const std::byte> bytes, std::uint64_t file_size) {
+  if (bytes.size() < sizeof(ElfW(Ehdr)))
+    return fmt::format("it has {} bytes, fewer than an ELF header", bytes.size());
+  ElfW(Ehdr) header;
+  std::memcpy(&header, bytes.data(), sizeof(header));
+  if (std::memcmp(header.e_ident, ELFMAG, SELFMAG) != 0) return "it is not an ELF file";
+  if (header.e_ident[EI_CLASS] != ELFCLASS64 || header.e_ident[EI_DATA] != ELFDATA2LSB)
+    return "it is not a 64-bit little-endian ELF file";
+  if (header.e_machine != EM_X86_64)
+    return fmt::format("it is built for another machine (ELF e_machine {}, this is x86-64)",
+                       header.e_machine);
+  if (header.e_type != ET_DYN) return "it is not a shared library (ELF type is not ET_DYN)";
+  if (header.e_phentsize != sizeof(ElfW(Phdr)) || header.e_phnum == 0)
+    return "its ELF program headers are missing or malformed";
+  const std::uint64_t table_end =
+      header.e_phoff + std::uint64_t{header.e_phnum} * sizeof(ElfW(Phdr));
+  if (header.e_phoff > file_size || table_end > file_size)
+    return fmt::format("it is truncated: its program headers end at byte {}, the file has {}",
+                       table_end, file_size);
+  if (table_end > bytes.size()) return "its program headers lie beyond the first 64 KiB";
+  for (std::size_t i = 0; i < header.e_phnum; ++i) {
+    ElfW(Phdr) segment;
+    std::memcpy(&segment, bytes.data() + header.e_phoff + i * sizeof(segment), sizeof(segment));
+    if (segment.p_type != PT_LOAD) continue;
+    if (segment.p_offset > file_size || segment.p_filesz > file_size - segment.p_offset)
+      return fmt::format("it is truncated: segment {} ends at byte {}, the file has {}", i,
+                         segment.p_offset + segment.p_filesz, file_size);
+  }
+  return "";
+}
+
+std::string elf_problem(const std::filesystem::path& file) {
+  std::error_code ec;
+  const std::uint64_t size = std::filesystem::file_size(file, ec);
+  std::ifstream in(file, std::ios::binary);
+  if (ec || !in) return "it cannot be read";
+  std::vector<char> head(static_cast<std::size_t>(std::min<std::uint64_t>(size, 64 * 1024)));
+  in.read(head.data(), static_cast<std::streamsize>(head.size()));
+  if (!in) return "it cannot be read";
+  return elf_problem(std::as_bytes(std::span<const char>(head)), size);
+}
+
+// dlopen's own reason (Boost.DLL reports an errno-style code such as "Bad file descriptor").
+std::string dlopen_reason(const std::filesystem::path& file) {
+  void* handle = dlopen(file.c_str(), RTLD_LAZY | RTLD_LOCAL);
+  if (handle != nullptr) {
+    dlclose(handle);
+    return "unknown reason";
+  }
+  const char* reason = dlerror();
+  return reason != nullptr ? reason : "unknown reason";
+}
+
+// The descriptor alias must be a pointer-sized data object (what KVLAB_PLUGIN exports); a
+// function of that name would be read as a pointer and crash. "" when it is.
+std::string descriptor_symbol_problem(const void* address) {
+  Dl_info info{};
+  void* entry = nullptr;  // the symbol's ElfW(Sym)
+  if (dladdr1(address, &info, &entry, RTLD_DL_SYMENT) == 0 || entry == nullptr)
+    return "its symbol cannot be inspected";
+  const auto* symbol = static_cast<const ElfW(Sym)*>(entry);
+  if (ELF64_ST_TYPE(symbol->st_info) != STT_OBJECT || symbol->st_size != sizeof(void*))
+    return "it is not the pointer KVLAB_PLUGIN exports (a function or object of that name?)";
+  return "";
+}
+
+// Every field the host reads, checked before it reads them.
+std::string descriptor_problem(const PluginDescriptor& d) {
+  if (d.name == nullptr || d.name[0] == '\0') return "its name is null or empty";
+  if (d.description == nullptr) return "its description is null";
+  if (d.create == nullptr || d.destroy == nullptr) return "its create or destroy function is null";
+  if (d.param_count > 0 && d.params == nullptr) return "it declares parameters but lists none";
+  for (std::size_t i = 0; i < d.param_count; ++i)
+    if (d.params[i].name == nullptr) return fmt::format("its parameter {} has no name", i);
+  switch (d.kind) {
+    case PluginKind::kv_allocator:
+    case PluginKind::attention_variant:
+    case PluginKind::scheduler:
+    case PluginKind::backend:
+      return "";
+  }
+  return fmt::format("its kind {} is not one kvlab knows (1-4)",
+                     static_cast<std::uint32_t>(d.kind));
+}
 }  // namespace
 
 PluginRegistry::PluginRegistry(const std::vector<std::filesystem::path>& directories) {
@@ -78,16 +173,23 @@ void PluginRegistry::load_file(const std::filesystem::path& file) {
     if (std::filesystem::equivalent(loaded.file, canonical, ec))
       return;  // same file twice on the path
 
+  if (const std::string problem = elf_problem(canonical); !problem.empty())
+    throw Error(fmt::format("cannot load plugin {}: {}", file.string(), problem));
   auto library = std::make_shared<boost::dll::shared_library>();
   boost::dll::fs::error_code load_error;
   library->load(canonical, boost::dll::load_mode::rtld_lazy | boost::dll::load_mode::rtld_local,
                 load_error);
   if (load_error)
-    throw Error(fmt::format("cannot load plugin {}: {}", file.string(), load_error.message()));
+    throw Error(fmt::format("cannot load plugin {}: {}", file.string(), dlopen_reason(canonical)));
   if (!library->has(kDescriptorSymbol))
     throw Error(fmt::format(
         "{} is not a kvlab plugin: it exports no \"{}\" (build it with KVLAB_PLUGIN(...))",
         file.string(), kDescriptorSymbol));
+  if (const std::string problem =
+          descriptor_symbol_problem(&library->get<const void*>(kDescriptorSymbol));
+      !problem.empty())
+    throw Error(fmt::format("{} is not a kvlab plugin: \"{}\" {}", file.string(), kDescriptorSymbol,
+                            problem));
   using DescriptorFunction = const PluginDescriptor*();
   const PluginDescriptor* descriptor = library->get_alias<DescriptorFunction>(kDescriptorSymbol)();
   if (descriptor == nullptr)
@@ -97,6 +199,8 @@ void PluginRegistry::load_file(const std::filesystem::path& file) {
         "plugin {} was built for kvlab plugin ABI version {}, this kvlab has ABI version {}: "
         "rebuild the plugin against this kvlab",
         file.string(), descriptor->abi_version, kPluginAbiVersion));
+  if (const std::string problem = descriptor_problem(*descriptor); !problem.empty())
+    throw Error(fmt::format("plugin {} has a broken descriptor: {}", file.string(), problem));
   PluginInfo info;
   info.kind = descriptor->kind;
   info.name = descriptor->name;

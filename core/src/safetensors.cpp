@@ -13,6 +13,7 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+#include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/suggest.hpp"
 
@@ -131,11 +132,17 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     const auto shape_it = entry.find("shape");
     if (shape_it == entry.end() || !shape_it->is_array())
       throw tensor_fail("missing array field \"shape\"");
+    std::optional<std::uint64_t> elements = 1;  // checked: a shape from input may overflow
     for (const auto& d : *shape_it) {
       if (!d.is_number_unsigned())
         throw tensor_fail(
             fmt::format("shape {} must hold non-negative integers", shape_it->dump()));
-      info.shape.push_back(d.get<std::int64_t>());
+      const auto dim = narrow_integer<std::int64_t>(d.get<std::uint64_t>());
+      if (dim && elements) elements = checked_mul<std::uint64_t>(*elements, *dim);
+      if (!dim || !elements || !narrow_integer<std::int64_t>(*elements))
+        throw tensor_fail(fmt::format("shape {} has more elements than a 63-bit count can hold",
+                                      shape_it->dump()));
+      info.shape.push_back(*dim);
     }
     const auto offsets_it = entry.find("data_offsets");
     if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2 ||
@@ -146,12 +153,15 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     if (info.data_end < info.data_begin)
       throw tensor_fail(fmt::format("data_offsets [{}, {}] end before they begin", info.data_begin,
                                     info.data_end));
-    const auto needed = static_cast<std::uint64_t>(info.element_count()) * dtype_size(info.dtype);
-    if (info.data_end - info.data_begin != needed)
+    const auto needed = checked_mul<std::uint64_t>(*elements, dtype_size(info.dtype));
+    if (!needed)
+      throw tensor_fail(fmt::format("{} x {} needs more bytes than 64 bits can count",
+                                    dtype_it->get<std::string>(), shape_to_string(info.shape)));
+    if (info.data_end - info.data_begin != *needed)
       throw tensor_fail(fmt::format("data_offsets [{}, {}] hold {} bytes but {} x {} needs {}",
                                     info.data_begin, info.data_end, info.data_end - info.data_begin,
                                     dtype_it->get<std::string>(), shape_to_string(info.shape),
-                                    needed));
+                                    *needed));
     if (info.data_end > file.data_.size())
       throw tensor_fail(
           fmt::format("data_offsets [{}, {}] are out of bounds: the data section has {} bytes "

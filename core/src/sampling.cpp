@@ -17,24 +17,34 @@ std::int32_t argmax(std::span<const float> logits) {
   return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
-double log_sum_exp(std::span<const float> logits, double scale) {
-  double max_value = -std::numeric_limits<double>::infinity();
-  for (float v : logits) max_value = std::max(max_value, static_cast<double>(v) * scale);
+// (logit - max_logit) / temperature, computed so that it cannot overflow or turn into NaN:
+// the max logit scores exactly 0 whatever the temperature (1e-20 makes 1/T = 1e20, and a
+// fused multiply-subtract of logit * 1e20 - max * 1e20 leaves the rounding error, ~1e4, which
+// exp() overflows); every other logit scores a negative number or -inf. As T -> 0 the
+// distribution thus converges to the argmax's one-hot.
+double scaled_logit(float logit, float max_logit, double inv_temperature) {
+  if (logit == max_logit) return 0.0;
+  return (static_cast<double>(logit) - static_cast<double>(max_logit)) * inv_temperature;
+}
+
+// log(sum(exp(scaled_logit))), >= 0 (the max term is exp(0) = 1).
+double log_sum_exp(std::span<const float> logits, float max_logit, double inv_temperature) {
   double sum = 0;
-  for (float v : logits) sum += std::exp(static_cast<double>(v) * scale - max_value);
-  return max_value + std::log(sum);
+  for (float v : logits) sum += std::exp(scaled_logit(v, max_logit, inv_temperature));
+  return std::log(sum);
 }
 
 // Candidate (token, probability) pairs after temperature / top-k / top-p, most likely first,
 // probabilities renormalised to sum to 1.
 std::vector<std::pair<std::int32_t, double>> kept_candidates(std::span<const float> logits,
                                                              const SamplingParams& p) {
-  const double inv_temperature = 1.0 / p.temperature;
-  const double normaliser = log_sum_exp(logits, inv_temperature);
+  const double inv_temperature = 1.0 / p.temperature;  // may be +inf for subnormal T: fine
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  const double normaliser = log_sum_exp(logits, max_logit, inv_temperature);
   std::vector<std::pair<std::int32_t, double>> candidates(logits.size());
   for (std::size_t i = 0; i < logits.size(); ++i)
     candidates[i] = {static_cast<std::int32_t>(i),
-                     std::exp(static_cast<double>(logits[i]) * inv_temperature - normaliser)};
+                     std::exp(scaled_logit(logits[i], max_logit, inv_temperature) - normaliser)};
   auto more_likely = [](const auto& a, const auto& b) {
     return a.second > b.second || (a.second == b.second && a.first < b.first);
   };
@@ -75,8 +85,15 @@ void validate_sampling_params(const SamplingParams& p) {
   if (p.max_tokens < 1) throw Error(fmt::format("max_tokens must be >= 1, got {}", p.max_tokens));
 }
 
+std::optional<std::size_t> first_non_finite(std::span<const float> logits) {
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    if (!std::isfinite(logits[i])) return i;
+  return std::nullopt;
+}
+
 std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, std::int32_t k) {
-  const double normaliser = log_sum_exp(logits, 1.0);
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  const double normaliser = static_cast<double>(max_logit) + log_sum_exp(logits, max_logit, 1.0);
   std::vector<std::int32_t> ids(logits.size());
   std::iota(ids.begin(), ids.end(), 0);
   const auto count = std::min<std::size_t>(static_cast<std::size_t>(std::max(k, 0)), ids.size());
@@ -91,7 +108,9 @@ std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, std::int32
 }
 
 float token_logprob(std::span<const float> logits, std::int32_t token) {
-  return static_cast<float>(static_cast<double>(logits[token]) - log_sum_exp(logits, 1.0));
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  return static_cast<float>(static_cast<double>(logits[token]) - static_cast<double>(max_logit) -
+                            log_sum_exp(logits, max_logit, 1.0));
 }
 
 std::vector<double> sampling_distribution(std::span<const float> logits, const SamplingParams& p) {

@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/suggest.hpp"
 
@@ -252,7 +253,9 @@ WorkloadRequest finish_row(const TraceRow& row, std::int64_t index, const TraceO
   r.id = index;
   r.arrival_s = *row.arrival_s;
   r.output_tokens = *row.output_len;
-  r.priority = static_cast<int>(row.priority.value_or(0));
+  const auto priority = narrow_integer<int>(row.priority.value_or(0));
+  if (!priority) throw Error(fmt::format("priority {} does not fit in 32 bits", *row.priority));
+  r.priority = *priority;
   if (row.prompt_ids) {
     for (auto id : *row.prompt_ids)
       if (id < 0 || id >= options.vocab_size)
@@ -328,7 +331,15 @@ std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
                   return v.is_number_integer();
                 }))
               throw Error("prompt_ids must be a list of integers");
-            row.prompt_ids = value.get<std::vector<std::int32_t>>();
+            row.prompt_ids.emplace();
+            for (const auto& id : value) {
+              const auto fitted = id.is_number_unsigned()
+                                      ? narrow_integer<std::int32_t>(id.get<std::uint64_t>())
+                                      : narrow_integer<std::int32_t>(id.get<std::int64_t>());
+              if (!fitted)
+                throw Error(fmt::format("prompt id {} does not fit in 32 bits", id.dump()));
+              row.prompt_ids->push_back(*fitted);
+            }
           } else {
             throw Error(unknown_field(key));
           }

@@ -126,6 +126,9 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
       const std::span<const float> row(logits.row(static_cast<Eigen::Index>(e)).data(),
                                        static_cast<std::size_t>(logits.cols()));
       BatchResult& result = results[a.request];
+      if (auto bad = first_non_finite(row))
+        throw Error(fmt::format("batch generator: request {}: logits hold {} at token id {}",
+                                a.request, row[*bad], *bad));
       const std::int32_t token = a.sampler.sample(row);
       result.tokens.push_back(token);
       if (options.record_logits) result.logits.emplace_back(row.begin(), row.end());

@@ -1,5 +1,7 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <fmt/format.h>
 
 #include <Eigen/Dense>
@@ -53,11 +55,7 @@ LlamaWeights convert_kv_heads(const LlamaWeights& weights, std::int64_t kv_heads
 
 CpuBackend::CpuBackend(const LlamaWeights& weights, KvPool& pool,
                        std::optional<std::int64_t> window)
-    : weights_(weights),
-      pool_(pool),
-      window_(window),
-      rope_(weights.config.head_dim, weights.config.rope_theta,
-            weights.config.max_position_embeddings) {
+    : weights_(weights), pool_(pool), window_(window), rope_(weights.config) {
   const ModelConfig& c = weights.config;
   if (pool.shape().kv_heads != c.num_key_value_heads || pool.shape().head_dim != c.head_dim ||
       pool.shape().layers != c.num_hidden_layers)

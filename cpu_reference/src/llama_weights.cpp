@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "kvlab/error.hpp"
+#include "kvlab/memory_limit.hpp"
 #include "kvlab/safetensors.hpp"
 #include "kvlab/weight_init.hpp"
 
@@ -14,6 +15,10 @@ namespace {
 // Calls fill(spec, destination floats) for every tensor of the model, in llama_weight_specs order.
 LlamaWeights build_weights(const ModelConfig& config,
                            const std::function<void(const WeightSpec&, std::span<float>)>& fill) {
+  validate_model_config(config, config.name);  // dims bounded: the products below fit
+  check_allocation(
+      static_cast<std::uint64_t>(config.parameter_count()) * sizeof(float),
+      fmt::format("the fp32 weights of {} ({} parameters)", config.name, config.parameter_count()));
   LlamaWeights w;
   w.config = config;
   const std::int64_t dim = config.hidden_size;

@@ -1,5 +1,7 @@
 #include "kvlab/cpu_reference/machine_peak.hpp"
 
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <omp.h>
 
 #include <chrono>

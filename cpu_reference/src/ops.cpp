@@ -1,5 +1,7 @@
 #include "kvlab/cpu_reference/ops.hpp"
 
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <omp.h>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -15,6 +17,9 @@ extern "C" void openblas_set_num_threads(int threads);  // OpenBLAS's own API (c
 namespace kvlab::cpu {
 
 void set_num_threads(int threads) {
+  // More threads than processors only oversubscribes; OpenBLAS at 64+ threads under an
+  // address-space limit spins forever allocating its buffers. Capped to the processors.
+  threads = std::clamp(threads, 1, std::max(1, omp_get_num_procs()));
   omp_set_num_threads(threads);
   Eigen::setNbThreads(threads);
   openblas_set_num_threads(threads);  // Eigen's products run in OpenBLAS (EIGEN_USE_BLAS)
@@ -107,11 +112,27 @@ void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowM
   }
 }
 
+namespace {
+ModelConfig plain_rope_config(std::int64_t head_dim, double theta) {
+  ModelConfig c;
+  c.head_dim = head_dim;
+  c.rope_theta = theta;
+  return c;
+}
+}  // namespace
+
+RopeTable::RopeTable(const ModelConfig& config)
+    : RopeTable(rope_inverse_frequencies(config), config.max_position_embeddings) {}
+
 RopeTable::RopeTable(std::int64_t head_dim, double theta, std::int64_t max_positions)
-    : head_dim_(head_dim), cos_(max_positions, head_dim / 2), sin_(max_positions, head_dim / 2) {
-  for (std::int64_t i = 0; i < head_dim / 2; ++i) {
-    const double inverse_frequency =
-        std::pow(theta, -2.0 * static_cast<double>(i) / static_cast<double>(head_dim));
+    : RopeTable(rope_inverse_frequencies(plain_rope_config(head_dim, theta)), max_positions) {}
+
+RopeTable::RopeTable(std::span<const double> inverse_frequencies, std::int64_t max_positions)
+    : head_dim_(2 * static_cast<std::int64_t>(inverse_frequencies.size())),
+      cos_(max_positions, head_dim_ / 2),
+      sin_(max_positions, head_dim_ / 2) {
+  for (std::int64_t i = 0; i < head_dim_ / 2; ++i) {
+    const double inverse_frequency = inverse_frequencies[static_cast<std::size_t>(i)];
     for (std::int64_t p = 0; p < max_positions; ++p) {
       const double angle = static_cast<double>(p) * inverse_frequency;
       cos_(p, i) = static_cast<float>(std::cos(angle));

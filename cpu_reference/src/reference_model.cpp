@@ -9,9 +9,7 @@
 namespace kvlab::cpu {
 
 ReferenceModel::ReferenceModel(LlamaWeights weights)
-    : weights_(std::move(weights)),
-      rope_(weights_.config.head_dim, weights_.config.rope_theta,
-            weights_.config.max_position_embeddings) {}
+    : weights_(std::move(weights)), rope_(weights_.config) {}
 
 RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
                                   const ForwardOptions& options) const {
@@ -97,6 +95,11 @@ GenerationResult generate(const ReferenceModel& model, std::span<const std::int3
     }
     const RowMatrix logits = model.forward(sequence, options);  // (1, vocab)
     const std::span<const float> row(logits.data(), static_cast<std::size_t>(logits.cols()));
+    if (auto bad = first_non_finite(row))
+      throw Error(fmt::format(
+          "generate: the logits at position {} hold {} at token id {}; the model's weights "
+          "produce non-finite values, so no token can be sampled",
+          sequence.size() - 1, row[*bad], *bad));
     GeneratedToken generated;
     generated.token = sampler.sample(row);
     generated.logprob = token_logprob(row, generated.token);

@@ -4,11 +4,12 @@
 // uploads its tokens, positions, slots and the per-token slot table once and reuses them in
 // every layer. Projections and the MLP are cuBLAS GEMMs with fp32 accumulation; the residual
 // stream stays fp32; logits come back to the host so sampling is the CPU path's.
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <cublas_v2.h>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <utility>
 #include <vector>
@@ -172,7 +173,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       d.w_down = upload_matrix(layer.w_down.data(), layer.w_down.size(), dtype_);
       layers_.push_back(std::move(d));
     }
-    const kvlab::cpu::RopeTable rope(c.head_dim, c.rope_theta, c.max_position_embeddings);
+    const kvlab::cpu::RopeTable rope(c);
     std::vector<float> cos, sin;
     for (std::int64_t p = 0; p < c.max_position_embeddings; ++p)
       for (std::int64_t i = 0; i < c.head_dim / 2; ++i) {

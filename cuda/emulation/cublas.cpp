@@ -1,10 +1,10 @@
 // The cuBLAS subset the cuda backend calls (handle, stream, GemmEx), on the CPU for the
 // emulated build: column-major C = alpha op(A) op(B) + beta C with fp32 accumulation, inputs and
 // outputs fp32 or bf16 (outputs rounded to nearest even), like CUBLAS_COMPUTE_32F.
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
-
-#include <Eigen/Core>
 
 struct cublasContext {
   cudaStream_t stream = nullptr;

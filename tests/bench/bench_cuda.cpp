@@ -6,10 +6,11 @@
 //   device's peak (memory clock x bus width x 2, from the driver). scalar:1 shifts the pools one
 //   element off 16-byte alignment, which makes launch_attention take the scalar decode kernel:
 //   the row to compare the vectorized kernel against.
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <benchmark/benchmark.h>
 #include <cuda_runtime_api.h>
 
-#include <Eigen/Core>
 #include <algorithm>
 #include <numeric>
 #include <random>

@@ -144,13 +144,88 @@ TEST(ModelConfig, UnsupportedArchitecture) {
 
 TEST(ModelConfig, FeaturesThatWouldChangeTheMathAreRefused) {
   json config = valid_config();
-  config["rope_scaling"] = {{"rope_type", "llama3"}, {"factor", 8.0}};
+  config["rope_scaling"] = {{"rope_type", "yarn"}, {"factor", 8.0}};
   config["hidden_act"] = "gelu";
   config["attention_bias"] = true;
   const std::string message = parse_error(config);
-  EXPECT_NE(message.find("rope_scaling"), std::string::npos) << message;
+  EXPECT_NE(message.find("RoPE type \"yarn\""), std::string::npos) << message;
   EXPECT_NE(message.find("hidden_act \"gelu\""), std::string::npos) << message;
   EXPECT_NE(message.find("\"attention_bias\": true"), std::string::npos) << message;
+}
+
+// transformers >= 5 keeps theta inside rope_parameters; reading only the top level would give
+// theta 1e4 silently.
+TEST(ModelConfig, TransformersFiveRopeParameters) {
+  json config = valid_config();
+  config.erase("rope_theta");
+  config["rope_parameters"] = {{"rope_theta", 250000.0}, {"rope_type", "default"}};
+  ModelConfig c = parse_model_config(config.dump(), "cfg.json");
+  EXPECT_DOUBLE_EQ(c.rope_theta, 250000.0);
+  EXPECT_EQ(c.rope_scaling.type, RopeScaling::Type::none);
+
+  config["rope_parameters"] = {
+      {"rope_theta", 500000.0},  {"rope_type", "llama3"},
+      {"factor", 32.0},          {"low_freq_factor", 1.0},
+      {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 8192}};
+  c = parse_model_config(config.dump(), "cfg.json");
+  EXPECT_EQ(c.rope_scaling.type, RopeScaling::Type::llama3);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 32.0);
+  EXPECT_EQ(c.rope_scaling.original_max_position_embeddings, 8192);
+}
+
+TEST(ModelConfig, TransformersFourRopeScaling) {
+  json config = valid_config();
+  config["rope_scaling"] = {{"type", "linear"}, {"factor", 2.0}};  // the pre-4.45 key "type"
+  const ModelConfig c = parse_model_config(config.dump(), "cfg.json");
+  EXPECT_DOUBLE_EQ(c.rope_theta, 500000.0);
+  EXPECT_EQ(c.rope_scaling.type, RopeScaling::Type::linear);
+  EXPECT_DOUBLE_EQ(c.rope_scaling.factor, 2.0);
+  const auto inverse = rope_inverse_frequencies(c);
+  EXPECT_DOUBLE_EQ(inverse[0], 0.5);  // theta^0 / factor
+}
+
+TEST(ModelConfig, RopeProblemsAreNamed) {
+  auto with_rope = [](json rope_parameters) {
+    json config = valid_config();
+    config["rope_parameters"] = std::move(rope_parameters);
+    return parse_error(config);
+  };
+  EXPECT_NE(with_rope({{"rope_type", "dynamic"}, {"factor", 2.0}}).find("RoPE type \"dynamic\""),
+            std::string::npos);
+  EXPECT_NE(with_rope({{"rope_type", "llama3"}, {"factor", 8.0}})
+                .find("missing required field \"rope_parameters.low_freq_factor\""),
+            std::string::npos);
+  EXPECT_NE(with_rope({{"rope_type", "default"}, {"rope_theta", 1e4}})  // top level says 5e5
+                .find("disagree"),
+            std::string::npos);
+  EXPECT_NE(with_rope({{"rope_type", "default"}, {"mscale", 1.0}})
+                .find("\"rope_parameters.mscale\" is not supported"),
+            std::string::npos);
+  EXPECT_NE(with_rope({{"rope_type", "linear"}, {"factor", -1.0}}).find("factor must be positive"),
+            std::string::npos);
+  EXPECT_NE(with_rope(json::array()).find("must be an object"), std::string::npos);
+}
+
+TEST(ModelConfig, RopeScalingRoundTrips) {
+  ModelConfig c = model_preset("tiny");
+  c.rope_scaling = {RopeScaling::Type::llama3, 8.0, 1.0, 4.0, 256};
+  const ModelConfig parsed = parse_model_config(model_config_to_json(c), "tiny");
+  EXPECT_EQ(parsed.rope_scaling.type, RopeScaling::Type::llama3);
+  EXPECT_EQ(rope_inverse_frequencies(parsed), rope_inverse_frequencies(c));
+}
+
+// A JSON integer that does not fit the field's type is an error, never a wrapped value.
+TEST(ModelConfig, IntegersThatDoNotFitAreErrors) {
+  json config = valid_config();
+  config["bos_token_id"] = 4294967297LL;  // 2^32 + 1 would wrap to 1
+  EXPECT_NE(parse_error(config).find("\"bos_token_id\" = 4294967297 does not fit in 32 bits"),
+            std::string::npos);
+  config = valid_config();
+  config["eos_token_id"] = {2, 4294967298LL};
+  EXPECT_NE(parse_error(config).find("eos_token_id"), std::string::npos);
+  config = valid_config();
+  config["vocab_size"] = 18446744073709551615ULL;  // 2^64 - 1: fits no int64
+  EXPECT_NE(parse_error(config).find("\"vocab_size\""), std::string::npos);
 }
 
 TEST(ModelConfig, NullRopeScalingIsPlainRope) {

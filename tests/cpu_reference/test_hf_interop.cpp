@@ -2,7 +2,9 @@
 // the reference reproduces transformers' own logits (tests/fixtures/hf/make_fixture.py).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
+#include <numbers>
 
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "test_util.hpp"
@@ -40,7 +42,56 @@ TEST_P(HfInterop, LogitsMatchTransformers) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixtures, HfInterop,
-                         ::testing::Values("tiny_llama_gqa", "tiny_llama_sharded"));
+                         ::testing::Values("tiny_llama_gqa", "tiny_llama_sharded",
+                                           "tiny_llama_v4_llama3", "tiny_llama_v5_theta5e5",
+                                           "tiny_llama_v5_llama3", "tiny_llama_v5_linear"));
+
+// Each RoPE setting the fixtures exercise must matter for their logits, or the match above
+// would not show that kvlab reads it: the same weights with plain RoPE at theta 1e4 (what a
+// loader that ignores rope_parameters computes) are far from transformers.
+class HfRopeMatters : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(HfRopeMatters, PlainRopeWouldNotMatch) {
+  const std::filesystem::path folder =
+      std::filesystem::path(KVLAB_FIXTURES_DIR) / "hf" / GetParam();
+  const auto fixture = nlohmann::json::parse(test::read_file(folder / "logits.json"));
+  const auto prompt = fixture["prompt"].get<std::vector<std::int32_t>>();
+  const auto expected = fixture["logits"].get<std::vector<std::vector<float>>>();
+  LlamaWeights weights = load_llama_weights(folder);
+  ASSERT_TRUE(weights.config.rope_theta != 10000.0 ||
+              weights.config.rope_scaling.type != RopeScaling::Type::none);
+  weights.config.rope_theta = 10000.0;
+  weights.config.rope_scaling = {};
+  const RowMatrix logits = ReferenceModel(std::move(weights)).forward(prompt);
+  float worst = 0;
+  for (std::size_t t = 0; t < expected.size(); ++t)
+    for (std::size_t v = 0; v < expected[t].size(); ++v)
+      worst = std::max(worst,
+                       std::abs(logits(static_cast<Eigen::Index>(t), static_cast<Eigen::Index>(v)) -
+                                expected[t][v]));
+  EXPECT_GT(worst, 1e-2);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixtures, HfRopeMatters,
+                         ::testing::Values("tiny_llama_v4_llama3", "tiny_llama_v5_theta5e5",
+                                           "tiny_llama_v5_llama3", "tiny_llama_v5_linear"));
+
+// llama3 scaling's three bands, against transformers' _compute_llama3_parameters worked by hand
+// for head_dim 8, theta 5e5, factor 8, low/high 0.25/4, original context 64 (the fixture's).
+TEST(RopeScaling, Llama3BandsMatchTheFormula) {
+  ModelConfig c;
+  c.head_dim = 8;
+  c.rope_theta = 500000.0;
+  c.rope_scaling = {RopeScaling::Type::llama3, 8.0, 0.25, 4.0, 64};
+  const auto inverse = rope_inverse_frequencies(c);
+  ASSERT_EQ(inverse.size(), 4u);
+  const double base1 = std::pow(500000.0, -0.25);  // wavelength 167: between 16 and 256
+  const double smooth = (64.0 / (2 * std::numbers::pi / base1) - 0.25) / (4.0 - 0.25);
+  EXPECT_DOUBLE_EQ(inverse[0], 1.0);  // wavelength 2 pi < 64 / 4: kept
+  EXPECT_NEAR(inverse[1], (1 - smooth) * base1 / 8.0 + smooth * base1, 1e-15);
+  EXPECT_NEAR(inverse[2], std::pow(500000.0, -0.5) / 8.0, 1e-15);  // > 64 / 0.25: divided
+  EXPECT_NEAR(inverse[3], std::pow(500000.0, -0.75) / 8.0, 1e-15);
+}
 
 }  // namespace
 }  // namespace kvlab::cpu

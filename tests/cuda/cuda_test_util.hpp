@@ -3,10 +3,11 @@
 // kGuard extra elements on both sides filled with a sentinel, and guards_intact() checks that no
 // kernel wrote outside [0, size). Values travel as fp32 on the host and are stored as the
 // kernel's dtype (fp32 or bf16, rounded to nearest even) on the device.
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
-#include <Eigen/Core>
 #include <cstring>
 #include <vector>
 

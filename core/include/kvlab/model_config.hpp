@@ -10,6 +10,22 @@
 
 namespace kvlab {
 
+// How RoPE's frequencies are rescaled for a longer context, as transformers' `rope_type`
+// (config.json `rope_parameters` in transformers >= 5, `rope_scaling` before). Each type here
+// leaves the attention scale at 1; any other type is refused when a config is read.
+struct RopeScaling {
+  enum class Type { none, linear, llama3 };
+  Type type = Type::none;  // none = transformers' "default": plain RoPE
+  double factor = 1.0;     // linear: every frequency / factor; llama3: low frequencies / factor
+  // llama3 (Llama 3.1+): wavelengths longer than original / low_freq_factor are divided by
+  // factor, shorter than original / high_freq_factor kept, and the band between interpolated.
+  double low_freq_factor = 1.0;
+  double high_freq_factor = 4.0;
+  std::int64_t original_max_position_embeddings = 8192;
+};
+// "default", "linear", "llama3": the name transformers uses for `type`.
+const char* rope_type_name(RopeScaling::Type type);
+
 struct ModelConfig {
   std::string name;  // preset name or the folder it was read from (for messages)
   std::string architecture = "LlamaForCausalLM";
@@ -23,6 +39,7 @@ struct ModelConfig {
   std::int64_t max_position_embeddings = 0;
   double rms_norm_eps = 1e-5;
   double rope_theta = 10000.0;
+  RopeScaling rope_scaling;
   bool tie_word_embeddings = false;
   std::int32_t bos_token_id = 1;
   std::vector<std::int32_t> eos_token_ids{2};
@@ -46,6 +63,11 @@ struct ModelConfig {
 // (t+1) keys each position sees (capped by the sliding window), output logits for
 // `logit_positions` positions. Multiply-add = 2 FLOPs.
 double forward_flops(const ModelConfig& config, std::int64_t tokens, std::int64_t logit_positions);
+
+// RoPE's inverse frequencies, one per rotated pair (head_dim / 2): theta^(-2i/d), then the
+// config's scaling (transformers' `_compute_*_parameters`). The one home of the formula: the CPU
+// reference, the CPU backend and the CUDA backend all build their tables from it.
+std::vector<double> rope_inverse_frequencies(const ModelConfig& config);
 
 // Reads and validates <dir>/config.json (or a path to a .json file). Throws kvlab::Error.
 ModelConfig load_model_config(const std::filesystem::path& path);

@@ -2,6 +2,7 @@
 // Token sampling: greedy, temperature, top-k, top-p, each request with its own seeded RNG,
 // so a request's tokens never depend on what else shares its batch.
 #include <cstdint>
+#include <optional>
 #include <random>
 #include <span>
 #include <string>
@@ -20,6 +21,10 @@ struct SamplingParams {
 
 // Throws kvlab::Error naming the bad field (negative temperature, top_p outside (0, 1], ...).
 void validate_sampling_params(const SamplingParams& params);
+
+// The first position of `logits` holding NaN or +-inf, if any. Sampling assumes finite logits:
+// callers check first and report the request and step (a backend that produced NaN is broken).
+std::optional<std::size_t> first_non_finite(std::span<const float> logits);
 
 struct TokenLogprob {
   std::int32_t token = 0;

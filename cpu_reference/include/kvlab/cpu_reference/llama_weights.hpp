@@ -1,6 +1,7 @@
 #pragma once
 // fp32 weights of a LLaMA-family model, held as Eigen matrices in Hugging Face layout.
-#include <Eigen/Core>
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <cstdint>
 #include <filesystem>
 #include <vector>

@@ -1,7 +1,8 @@
 #pragma once
 // The building blocks of the LLaMA forward, one formula each, shared by the full-recompute
 // reference and (later) the batched CPU backend.
-#include <Eigen/Core>
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
 #include <cstdint>
 #include <optional>
 #include <span>
@@ -27,9 +28,16 @@ void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowM
 // size d, dimension i (< d/2) pairs with i + d/2, rotated by angle pos * theta^(-2i/d):
 //   x'[i]       = x[i] cos - x[i + d/2] sin
 //   x'[i + d/2] = x[i + d/2] cos + x[i] sin
+// The angle of pair i is pos * inverse_frequency[i]: theta^(-2i/d) for plain RoPE, rescaled
+// for linear / llama3 RoPE by kvlab::rope_inverse_frequencies.
 class RopeTable {
  public:
+  // The model's RoPE (theta and scaling) for positions [0, max_position_embeddings).
+  explicit RopeTable(const ModelConfig& config);
+  // Plain RoPE with `theta` (no scaling).
   RopeTable(std::int64_t head_dim, double theta, std::int64_t max_positions);
+  // inverse_frequencies: (head_dim / 2).
+  RopeTable(std::span<const double> inverse_frequencies, std::int64_t max_positions);
   // rows: (T, n_heads * head_dim), positions: (T). Rotates every head of every row in place.
   void apply(RowMatrix& rows, std::span<const std::int32_t> positions, std::int64_t n_heads) const;
   std::int64_t head_dim() const { return head_dim_; }
