@@ -111,7 +111,8 @@ std::string descriptor_problem(const PluginDescriptor& d) {
   if (d.name == nullptr || d.name[0] == '\0') return "its name is null or empty";
   if (d.description == nullptr) return "its description is null";
   if (d.create == nullptr || d.destroy == nullptr) return "its create or destroy function is null";
-  if (d.param_count > 0 && d.params == nullptr) return "it declares parameters but lists none";
+  if (d.param_count > 0 && d.params == nullptr)
+    return fmt::format("its params are null but param_count is {}", d.param_count);
   for (std::size_t i = 0; i < d.param_count; ++i)
     if (d.params[i].name == nullptr) return fmt::format("its parameter {} has no name", i);
   switch (d.kind) {

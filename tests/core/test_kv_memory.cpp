@@ -1,8 +1,13 @@
 #include <gtest/gtest.h>
 
+#include <limits>
+
 #include "kvlab/error.hpp"
 #include "kvlab/hardware_profile.hpp"
 #include "kvlab/kv_memory.hpp"
+#include "kvlab/kv_pool.hpp"
+#include "kvlab/memory_limit.hpp"
+#include "kvlab/model_config.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -72,6 +77,16 @@ TEST(KvMemory, BadQueries) {
   q.seq_len = 0;
   EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); }).find("seq-len"),
             std::string::npos);
+  q.seq_len = std::numeric_limits<std::int64_t>::max();  // used to print a negative size
+  EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); })
+                .find("more bytes than 64 bits can count"),
+            std::string::npos);
+  q.seq_len = 4096;
+  q.batch = std::int64_t{1} << 50;
+  EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); })
+                .find("more bytes than 64 bits can count"),
+            std::string::npos);
+  q.batch = 1;
   q.seq_len = 10;
   q.kv_heads = 5;
   EXPECT_NE(
@@ -152,6 +167,45 @@ TEST(MemoryPlanner, BadQueriesAreErrors) {
   q.block_size = 0;
   test::expect_error_containing([&] { plan_memory(model_preset("llama-7b"), card_40gib(), q); },
                                 {"block size"});
+}
+
+}  // namespace
+}  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+// A pool sized from input is checked before it is allocated: overflow and "more than this
+// machine holds" are errors naming the pool's shape, not std::bad_alloc.
+TEST(KvPoolSize, OverflowAndMachineLimitAreErrors) {
+  const std::string overflow = test::error_of<Error>(
+      [] { KvPool pool({32, 32, 128, std::int64_t{1} << 50}); });
+  EXPECT_NE(overflow.find("overflows 64 bits"), std::string::npos) << overflow;
+  const std::uint64_t machine = allocatable_bytes();
+  const auto slots = static_cast<std::int64_t>(machine / (2 * 4 * 64) + 1);  // 1 layer, 64 floats
+  const std::string too_big = test::error_of<Error>([&] { KvPool pool({1, 1, 64, slots}); });
+  EXPECT_NE(too_big.find("more than this machine can hold"), std::string::npos) << too_big;
+  EXPECT_NE(too_big.find("kv_cache.slots"), std::string::npos) << too_big;
+  const KvPool bookkeeping({1, 1, 64, slots}, KvStorage::none);  // no storage: nothing to hold
+  EXPECT_FALSE(bookkeeping.has_storage());
+  const std::string negative = test::error_of<Error>([] { KvPool pool({1, 1, 64, -5}); });
+  EXPECT_NE(negative.find("non-negative"), std::string::npos) << negative;
+}
+
+TEST(ModelConfigLimits, DimsAndParameterCountAreBounded) {
+  ModelConfig c = model_preset("tiny");
+  c.hidden_size = std::int64_t{1} << 40;
+  const std::string message = test::error_of<Error>([&] { validate_model_config(c, "big"); });
+  EXPECT_NE(message.find("\"hidden_size\" = 1099511627776 is larger than kvlab's limit"),
+            std::string::npos)
+      << message;
+  c = model_preset("tiny");
+  c.vocab_size = std::int64_t{1} << 30;
+  c.hidden_size = std::int64_t{1} << 30;  // 2^61 parameters in the embedding alone
+  EXPECT_NE(test::error_of<Error>([&] { validate_model_config(c, "big"); })
+                .find("more than kvlab's limit"),
+            std::string::npos);
+  EXPECT_NO_THROW(validate_model_config(model_preset("llama2-70b"), "llama2-70b"));
 }
 
 }  // namespace

@@ -174,6 +174,13 @@ TEST(Safetensors, MalformedEntries) {
       {{{"w", {{"dtype", "F32"}, {"shape", {0}}, {"data_offsets", {4, 0}}}}},
        "end before they begin"},
       {{{"__metadata__", {{"k", 1}}}}, "\"__metadata__\" value for \"k\" must be a string"},
+      // Sizes that overflow: [2^32, 2^32] with 0 bytes used to pass (the count wrapped to 0).
+      {{{"w", {{"dtype", "F32"}, {"shape", {4294967296ULL, 4294967296ULL}}, {"data_offsets", {0, 0}}}}},
+       "more elements than a 63-bit count can hold"},
+      {{{"w", {{"dtype", "F32"}, {"shape", {18446744073709551615ULL}}, {"data_offsets", {0, 0}}}}},
+       "more elements than a 63-bit count can hold"},
+      {{{"w", {{"dtype", "F64"}, {"shape", {4611686018427387904ULL}}, {"data_offsets", {0, 0}}}}},
+       "needs more bytes than 64 bits can count"},
   };
   for (const auto& [header, expected] : cases) {
     test::write_file(dir / "m.safetensors", raw_file(header.dump(), std::string(4, '\0')));

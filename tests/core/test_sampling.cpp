@@ -1,6 +1,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <map>
 #include <numeric>
 
@@ -132,6 +133,50 @@ TEST(Sampling, LogprobsAreLogSoftmax) {
     EXPECT_NEAR(t.logprob, std::log(p[static_cast<std::size_t>(t.token)]), 1e-6);
   EXPECT_NEAR(token_logprob(kLogits, 4), std::log(p[4]), 1e-6);
   EXPECT_EQ(top_logprobs(kLogits, 100).size(), kLogits.size());
+}
+
+// As the temperature goes to 0 the sampled token converges to the argmax (the first of tied
+// maxima gets half the mass each with its twin; the last id never appears). 1e-20 used to
+// overflow exp() in a fused multiply-subtract and return the last vocabulary id.
+TEST(Sampling, TinyTemperaturesConvergeToGreedy) {
+  std::vector<float> logits(512);
+  for (std::size_t i = 0; i < logits.size(); ++i)
+    logits[i] = 0.001f * static_cast<float>((i * 7919) % 512) - 0.2f;  // one max, at id 279
+  const auto greedy = Sampler({}).sample(logits);
+  for (double temperature : {1e-6, 1e-8, 1e-20, 1e-300, 5e-324}) {
+    SamplingParams p;
+    p.temperature = temperature;
+    p.seed = 3;
+    Sampler sampler(p);
+    for (int draw = 0; draw < 16; ++draw)
+      EXPECT_EQ(sampler.sample(logits), greedy) << "temperature " << temperature;
+    const auto distribution = sampling_distribution(logits, p);
+    EXPECT_DOUBLE_EQ(distribution[static_cast<std::size_t>(greedy)], 1.0) << temperature;
+    for (double v : distribution) EXPECT_FALSE(std::isnan(v)) << temperature;
+  }
+  SamplingParams tied;
+  tied.temperature = 1e-20;
+  const auto distribution = sampling_distribution(kLogits, tied);  // ids 1 and 3 tie at 3.0
+  EXPECT_DOUBLE_EQ(distribution[1], 0.5);
+  EXPECT_DOUBLE_EQ(distribution[3], 0.5);
+}
+
+TEST(Sampling, LargeLogitsStayFinite) {
+  const std::vector<float> logits{3e38f, -3e38f, 2.9e38f};
+  SamplingParams p;
+  p.temperature = 0.5;
+  const auto distribution = sampling_distribution(logits, p);
+  EXPECT_DOUBLE_EQ(distribution[0], 1.0);
+  EXPECT_TRUE(std::isfinite(token_logprob(logits, 0)));
+}
+
+TEST(Sampling, NonFiniteLogitsAreFound) {
+  EXPECT_EQ(first_non_finite(kLogits), std::nullopt);
+  std::vector<float> bad = kLogits;
+  bad[4] = std::numeric_limits<float>::quiet_NaN();
+  EXPECT_EQ(first_non_finite(bad), 4u);
+  bad[2] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(first_non_finite(bad), 2u);
 }
 
 TEST(Sampling, InvalidParametersAreNamed) {

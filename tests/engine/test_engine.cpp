@@ -5,10 +5,14 @@
 
 #include <nlohmann/json.hpp>
 
+#include <limits>
+
 #include "cpu_reference/test_models.hpp"
+#include "test_util.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/engine.hpp"
+#include "kvlab/error.hpp"
 #include "kvlab/plugin_loader.hpp"
 #include "kvlab/simulated_backend.hpp"
 
@@ -54,6 +58,33 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   options.swap_slots = setup.swap_slots;
   Engine engine(backend, *allocator, *scheduler, options);
   return engine.run(requests);
+}
+
+// Logits with NaN (broken weights, a broken backend) stop the run with the request and the
+// step; they used to become token 0 with a null logprob and exit 0.
+TEST(Engine, NonFiniteLogitsAreAnErrorNamingRequestAndStep) {
+  cpu::LlamaWeights broken = weights();
+  broken.final_norm(3) = std::numeric_limits<float>::quiet_NaN();  // every logit turns NaN
+  const ModelConfig& c = broken.config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
+  PluginContext context;
+  context.pool = &pool;
+  context.model = &c;
+  context.max_seq_len = 64;
+  auto allocator = registry().create<PluginKind::kv_allocator>("paged", {}, context);
+  auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
+  cpu::CpuBackend backend(broken, pool, std::nullopt);
+  EngineOptions options;
+  options.max_seq_len = 64;
+  options.eos_token_ids = c.eos_token_ids;
+  options.pool = &pool;
+  Engine engine(backend, *allocator, *scheduler, options);
+  std::vector<WorkloadRequest> requests(1);
+  requests[0].prompt = {1, 5, 9};
+  requests[0].output_tokens = 4;
+  const std::string message = test::error_of<Error>([&] { engine.run(requests); });
+  EXPECT_NE(message.find("request 0, step 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("nan"), std::string::npos) << message;
 }
 
 std::vector<WorkloadRequest> small_workload(std::uint64_t seed, std::int64_t count) {

@@ -1,3 +1,4 @@
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include "kvlab/error.hpp"
@@ -46,6 +47,57 @@ TEST(PluginLoader, FileThatIsNotALibrary) {
   test::TempDir dir;
   test::write_file(dir / "kvlab_plugin_text.so", "just text");
   EXPECT_NE(load_error(dir / "kvlab_plugin_text.so").find("cannot load plugin"), std::string::npos);
+}
+
+// Files that are not loadable libraries: each gets dlopen's reason or the ELF check's, never
+// "Bad file descriptor" and never a crash (a truncated library used to SIGBUS inside glibc).
+TEST(PluginLoader, UnloadableFilesSayWhy) {
+  test::TempDir dir;
+  const std::string real = test::read_file(kPlugins / "kvlab_plugin_allocator_paged.so");
+  std::string random(4096, '\0');
+  std::uint32_t state = 12345;
+  for (char& c : random) c = static_cast<char>((state = state * 1664525u + 1013904223u) >> 24);
+  std::string aarch64 = real;
+  aarch64[18] = static_cast<char>(183);  // e_machine = EM_AARCH64
+  aarch64[19] = 0;
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"", "fewer than an ELF header"},
+      {"just text, long enough to fill an ELF header's sixty-four bytes...........", "not an ELF"},
+      {random, "not an ELF"},
+      {real.substr(0, 40), "fewer than an ELF header"},
+      {real.substr(0, 200), "truncated"},
+      {real.substr(0, real.size() / 2), "truncated"},
+      {aarch64, "another machine"},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const auto file = dir / fmt::format("kvlab_plugin_case{}.so", i);
+    test::write_file(file, cases[i].first);
+    const std::string message = load_error(file);
+    EXPECT_NE(message.find("cannot load plugin"), std::string::npos) << i << ": " << message;
+    EXPECT_NE(message.find(cases[i].second), std::string::npos) << i << ": " << message;
+  }
+  // An executable is an ELF file of the right machine; dlopen itself refuses it, in its words.
+  const std::string message = load_error(KVLAB_BINARY);
+  EXPECT_NE(message.find("cannot load plugin"), std::string::npos) << message;
+  EXPECT_EQ(message.find("Bad file descriptor"), std::string::npos) << message;
+}
+
+TEST(PluginLoader, DescriptorThatIsAFunctionIsRefused) {
+  const std::string message =
+      load_error(kTestPlugins / "kvlab_plugin_test_function_descriptor.so");
+  EXPECT_NE(message.find("is not the pointer KVLAB_PLUGIN exports"), std::string::npos)
+      << message;
+}
+
+TEST(PluginLoader, BrokenDescriptorsAreNamed) {
+  const std::vector<std::string> expected{"name is null", "create or destroy function is null",
+                                          "kind 77", "params are null"};
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    const std::string message =
+        load_error(kTestPlugins / fmt::format("kvlab_plugin_test_bad_descriptor_{}.so", i + 1));
+    EXPECT_NE(message.find("broken descriptor: its " + expected[i]), std::string::npos)
+        << message;
+  }
 }
 
 TEST(PluginLoader, AbiMismatchReportsBothVersions) {
