@@ -76,7 +76,7 @@ for r in runs:
 PY
 )
 
-if "$build/bin/kvlab" run experiments/cuda_fcfs_vs_static.toml --out "$build/cuda_fcfs_vs_static" \
+if "$build/bin/kvlab" run experiments/cuda_fcfs_vs_static.toml --force --out "$build/cuda_fcfs_vs_static" \
      > "$build/e2e.log" 2>&1; then
   note "end to end (tinyllama-1.1b bf16, 256 requests, measured clock):"
   grep -E "^\|" "$build/e2e.log"

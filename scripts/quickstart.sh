@@ -5,4 +5,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh
 build_dir="${KVLAB_BUILD_DIR:-build}"
-"$build_dir/bin/kvlab" run experiments/quickstart.toml
+"$build_dir/bin/kvlab" run experiments/quickstart.toml --force  # a rerun replaces results/quickstart

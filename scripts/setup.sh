@@ -9,6 +9,7 @@ packages=(
   libeigen3-dev libopenblas-openmp-dev libboost-dev libboost-context-dev libtomlplusplus-dev libcli11-dev libfmt-dev nlohmann-json3-dev libsentencepiece-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-matplotlib valgrind
+  clang libclang-rt-14-dev
 )
 missing=()
 for p in "${packages[@]}"; do

@@ -5,6 +5,8 @@
 #   build-asan/      portable, AddressSanitizer + UBSan: the core and plugin tests
 #   build-portable/  portable, no sanitizer: the CUDA emulator under valgrind (emulated.memcheck),
 #                    which cannot decode the AVX-512 a native build contains on some machines
+#   build-fuzz/      clang, libFuzzer + ASan + UBSan: every input parser fuzzed for
+#                    KVLAB_FUZZ_SECONDS (30) each, from the seed corpora in tests/fuzz/corpus/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVLAB_WERROR=ON
@@ -28,3 +30,11 @@ if command -v valgrind >/dev/null 2>&1; then
     ctest --test-dir "$portable_dir" -L memcheck --output-on-failure
   fi
 fi
+
+fuzz_dir="${build_dir}-fuzz"
+CC=clang CXX=clang++ cmake -S . -B "$fuzz_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_FUZZ=ON \
+  -DKVLAB_WITH_CUDA=OFF -DKVLAB_BUILD_TESTS=OFF -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF \
+  -DKVLAB_WERROR=ON -DKVLAB_FUZZ_SECONDS="${KVLAB_FUZZ_SECONDS:-30}"
+cmake --build "$fuzz_dir" -j "$(nproc)" --target fuzz_safetensors fuzz_model_config fuzz_trace \
+  fuzz_experiment
+ctest --test-dir "$fuzz_dir" -L fuzz --output-on-failure -j "$(nproc)"

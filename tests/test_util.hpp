@@ -44,6 +44,7 @@ inline std::string read_file(const std::filesystem::path& path) {
 }
 
 inline void write_file(const std::filesystem::path& path, const std::string& bytes) {
+  if (path.has_parent_path()) std::filesystem::create_directories(path.parent_path());
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out << bytes;
 }

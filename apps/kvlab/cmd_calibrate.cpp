@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <chrono>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -198,6 +199,11 @@ void run_calibrate(const CalibrateOptions& o) {
       start.memory_gb_per_s, e.gemm_compute, e.gemm_memory, e.attention_compute, e.attention_memory,
       e.elementwise_memory, profile.step_overhead_s * 1e3, profile.sequence_overhead_s * 1e3);
 
+  if (const auto folder = std::filesystem::path(o.out).parent_path(); !folder.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(folder, ec);
+    if (ec) throw Error(fmt::format("cannot create {}: {}", folder.string(), ec.message()));
+  }
   std::ofstream file(o.out, std::ios::trunc);
   if (!file) throw Error(fmt::format("cannot write {}", o.out));
   const std::time_t now = std::time(nullptr);

@@ -2,16 +2,22 @@
 // comparison table. kvlab check FILE.toml: the same runs, every greedy token checked against
 // the full-recompute reference.
 #include <fmt/format.h>
+#include <sys/utsname.h>
 #include <unistd.h>
 
 #include <chrono>
+#include <ctime>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <thread>
 
 #include "cli_common.hpp"
 #include "experiment.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/memory_limit.hpp"
+#include "kvlab_commit.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -20,7 +26,86 @@ struct RunOptions {
   std::string file;
   std::vector<std::string> overrides;
   std::string out;
+  bool force = false;
 };
+
+// What a results folder holds besides its runs; anything else in it is not kvlab's.
+constexpr const char* kManifest = "manifest.json";
+
+// An empty (or new) results folder. A folder with a previous run is cleared only with
+// --force; one with files kvlab did not write (no manifest) is never cleared.
+void prepare_results_folder(const std::filesystem::path& folder, bool force) {
+  std::error_code ec;
+  if (!std::filesystem::exists(folder, ec) || std::filesystem::is_empty(folder, ec)) {
+    std::filesystem::create_directories(folder, ec);
+    if (ec)
+      throw Error(
+          fmt::format("cannot create results folder {}: {}", folder.string(), ec.message()));
+    return;
+  }
+  if (!std::filesystem::is_directory(folder))
+    throw Error(fmt::format("results folder {} is a file", folder.string()));
+  if (!std::filesystem::exists(folder / kManifest))
+    throw Error(
+        fmt::format("results folder {} is not empty and holds no {} (it is not a kvlab "
+                    "results folder): choose another with --out",
+                    folder.string(), kManifest));
+  if (!force)
+    throw Error(
+        fmt::format("results folder {} holds an earlier run: pass --force to replace it, "
+                    "or --out another folder",
+                    folder.string()));
+  for (const auto& entry : std::filesystem::directory_iterator(folder))
+    std::filesystem::remove_all(entry.path());
+}
+
+std::string machine_description() {
+  std::string cpu;
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  for (std::string line; cpu.empty() && std::getline(cpuinfo, line);)
+    if (line.rfind("model name", 0) == 0) cpu = line.substr(line.find(':') + 2);
+  utsname name{};
+  uname(&name);
+  return fmt::format("{} {} {}, {}, {} processors, {:.1f} GiB", name.sysname, name.release,
+                     name.machine, cpu.empty() ? "unknown CPU" : cpu,
+                     std::thread::hardware_concurrency(),
+                     static_cast<double>(allocatable_bytes()) / (1024.0 * 1024.0 * 1024.0));
+}
+
+// The folder describes itself: the experiment file as given, how it was run, by which kvlab,
+// on which machine. Each run's folder gets its resolved config (config.toml).
+void write_manifest(const std::filesystem::path& folder, const RunOptions& o, std::size_t runs) {
+  std::filesystem::copy_file(o.file, folder / "experiment.toml",
+                             std::filesystem::copy_options::overwrite_existing);
+  const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
+  char when[32] = {};
+  std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
+  const nlohmann::json manifest = {
+      {"experiment_file", o.file},       {"overrides", o.overrides},     {"runs", runs},
+      {"kvlab_version", KVLAB_VERSION},  {"kvlab_commit", KVLAB_COMMIT}, {"started_utc", when},
+      {"machine", machine_description()}};
+  std::ofstream(folder / kManifest) << manifest.dump(2) << "\n";
+}
+
+// "N of M requests rejected: reason (xK), ..." from a run's events; empty when any finished.
+std::string all_rejected_reasons(const RunOutput& out) {
+  if (out.summary.finished > 0 || out.summary.rejected == 0) return "";
+  std::map<std::string, int> reasons;
+  for (const auto& line : out.engine.events) {
+    const auto event = nlohmann::json::parse(line, nullptr, false);
+    if (event.is_object() && event.value("event", "") == "reject")
+      ++reasons[event.value("reason", "no reason given")];
+  }
+  constexpr std::size_t kShown = 5;  // events.jsonl has every one
+  std::string text;
+  std::size_t shown = 0;
+  for (const auto& [reason, count] : reasons)
+    if (shown++ < kShown) text += fmt::format("\n  {} x {}", count, reason);
+  if (reasons.size() > kShown)
+    text +=
+        fmt::format("\n  ... {} more distinct reasons in events.jsonl", reasons.size() - kShown);
+  return text;
+}
 
 std::string run_directory_name(const ExperimentRun& run, std::size_t index) {
   std::string name = fmt::format("{:03d}", index);
@@ -45,11 +130,18 @@ std::string table_row(const std::string& label, const RunSummary& s, const RunOu
 
 int run_all(const RunOptions& o, bool check) {
   const auto runs = load_experiment(o.file, o.overrides);  // every error before anything runs
+  validate_experiment(runs, check);
   const std::string name = runs.front().config.name;
   const std::filesystem::path out_dir = !o.out.empty() ? std::filesystem::path(o.out)
                                         : !runs.front().config.output_dir.empty()
                                             ? std::filesystem::path(runs.front().config.output_dir)
                                             : std::filesystem::path("results") / name;
+  if (!check) {
+    prepare_results_folder(out_dir, o.force);
+    write_manifest(out_dir, o, runs.size());
+  }
+  std::vector<std::string> all_rejected;  // runs in which no request finished
+  std::int64_t finished_total = 0;
   const bool tty = isatty(STDERR_FILENO) != 0;
   std::vector<std::string> rows;
   nlohmann::json index = nlohmann::json::array();
@@ -76,7 +168,15 @@ int run_all(const RunOptions& o, bool check) {
     engine_wall += out.engine_wall_s;
     forward_wall += out.forward_wall_s;
     const std::string directory = run_directory_name(run, i);
-    if (!check) write_run_outputs(out_dir / directory, run.config, out);
+    if (!check) {
+      write_run_outputs(out_dir / directory, run.config, out);
+      std::ofstream(out_dir / directory / "config.toml") << run.config.resolved_toml << "\n";
+    }
+    finished_total += out.summary.finished;
+    if (const std::string reasons = all_rejected_reasons(out); !reasons.empty())
+      all_rejected.push_back(fmt::format("run {} ({}): all {} requests were rejected:{}", i + 1,
+                                         run.config.label.empty() ? "base" : run.config.label,
+                                         out.summary.rejected, reasons));
     rows.push_back(table_row(
         run.config.label + (run.config.repeats > 1 ? fmt::format(" #{}", run.repeat) : ""),
         out.summary, out));
@@ -100,7 +200,13 @@ int run_all(const RunOptions& o, bool check) {
              "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward)\n",
              wall, engine_wall,
              engine_wall > 0 ? 100.0 * (engine_wall - forward_wall) / engine_wall : 0.0);
+  for (const auto& message : all_rejected) fmt::print(stderr, "kvlab: error: {}\n", message);
   if (check) {
+    if (finished_total == 0) {
+      fmt::print(stderr, "kvlab check: no request finished, so nothing was checked\n");
+      return 1;
+    }
+    if (!all_rejected.empty()) return 1;
     if (total_mismatches > 0) {
       fmt::print(stderr, "kvlab check: {} request(s) differ from the reference\n",
                  total_mismatches);
@@ -112,7 +218,7 @@ int run_all(const RunOptions& o, bool check) {
   std::ofstream(out_dir / "summary.md") << "# " << name << "\n\n" << table;
   std::ofstream(out_dir / "runs.json") << index.dump(2) << "\n";
   fmt::print("\nresults: {}\n", out_dir.string());
-  return 0;
+  return all_rejected.empty() ? 0 : 1;
 }
 
 }  // namespace
@@ -127,8 +233,11 @@ void register_run(CLI::App& app, int& exit_code) {
     sub->add_option("file", o->file, "Experiment file (TOML)")->required();
     sub->add_option("--set", o->overrides,
                     "Override a key: --set scheduler.name=fcfs (repeatable)");
-    if (!check)
+    if (!check) {
       sub->add_option("--out", o->out, "Results folder (default: [output] dir, or results/<name>)");
+      sub->add_flag("--force", o->force,
+                    "Replace the runs of an earlier kvlab run in the results folder");
+    }
     sub->callback([o, check, &exit_code]() { exit_code = run_all(*o, check); });
   }
 }

@@ -44,8 +44,9 @@ struct ExperimentConfig {
   std::string trace;  // replaces the synthetic workload when set
   ServiceLevelObjectives slo;
   StepTimeModel time_model;
-  std::string output_dir;  // empty: results/<name>
-  std::string label;       // "key=value, ..." of the sweep point
+  std::string output_dir;     // empty: results/<name>
+  std::string label;          // "key=value, ..." of the sweep point
+  std::string resolved_toml;  // this point's whole table after --set and the sweep (TOML text)
 };
 
 // One expanded run of a file: the config and where it came from.
@@ -59,6 +60,11 @@ struct ExperimentRun {
 // unknown keys) before anything runs.
 std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
                                            const std::vector<std::string>& overrides);
+
+// Everything that can be checked before a run, for every run: the plugins of each sweep point
+// exist and accept their parameters, the model, profile and trace resolve, cross-section rules
+// hold. Throws kvlab::Error naming the sweep point. `check`: for kvlab check.
+void validate_experiment(const std::vector<ExperimentRun>& runs, bool check);
 
 struct RunOutput {
   EngineResult engine;

@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <toml++/toml.h>
+#include <algorithm>
+#include <filesystem>
 #include <limits>
 #include <set>
 #include <sstream>
@@ -11,6 +13,7 @@
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/hardware_profile.hpp"
+#include "kvlab/model_config.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab::cli {
@@ -149,6 +152,24 @@ LengthDistribution length(Section& parent, const char* key, LengthDistribution f
   return d;
 }
 
+// Relative paths in an experiment file name files next to it, wherever kvlab runs from: the
+// model folder (not a preset name), a profile file (not a profile name), the trace, plugin
+// folders and the output folder. Normalised lexically, so experiments/../results stays in the
+// tree the file was reached through (symlinked folders included).
+void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
+  const std::filesystem::path folder = std::filesystem::path(file).parent_path();
+  auto resolve = [&](std::string& path) {
+    if (path.empty() || std::filesystem::path(path).is_absolute() || folder.empty()) return;
+    path = (folder / path).lexically_normal().string();
+  };
+  const auto presets = model_preset_names();
+  if (std::find(presets.begin(), presets.end(), c.model) == presets.end()) resolve(c.model);
+  if (c.profile.find('/') != std::string::npos || c.profile.ends_with(".toml")) resolve(c.profile);
+  resolve(c.trace);
+  resolve(c.output_dir);
+  for (auto& p : c.plugin_paths) resolve(p);
+}
+
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {
   ExperimentConfig c;
   Section top(&root, "top level", file);
@@ -285,6 +306,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   top.node("sweep");
   top.finish();
   c.workload.seed = c.seed;
+  resolve_relative_paths(c, file);
   return c;
 }
 
@@ -337,6 +359,11 @@ std::string value_text(const toml::node& node) {
 
 std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
                                            const std::vector<std::string>& overrides) {
+  if (std::filesystem::is_directory(file))
+    throw Error(
+        fmt::format("{} is a folder: kvlab run and check take an experiment file (TOML), "
+                    "e.g. experiments/quickstart.toml",
+                    file.string()));
   // Parsed afresh for every sweep point: copies of toml++ nodes lose their source positions.
   auto parse = [&]() {
     toml::table table;
@@ -418,6 +445,9 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
     }
     ExperimentConfig config = parse_config(table, file.string());
     config.label = label;
+    std::ostringstream resolved;
+    resolved << table;
+    config.resolved_toml = resolved.str();
     if (runs.size() + static_cast<std::size_t>(config.repeats) > kMaxRuns)
       throw Error(
           fmt::format("{}: sweep points x repeats make more than {} runs (kvlab's limit "

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -13,6 +14,7 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/hardware_profile.hpp"
 #include "kvlab/kv_memory.hpp"
 #include "kvlab/plugin_loader.hpp"
 #include "kvlab/simulated_backend.hpp"
@@ -40,6 +42,61 @@ class TimedBackend final : public Backend {
 };
 
 }  // namespace
+
+namespace {
+
+// One point's plugins exist and accept their parameters; the model, profile and trace resolve.
+void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
+  const bool simulated = c.backend == "simulated";
+  const bool plugin_backend = c.backend != "cpu" && !simulated;
+  if (!plugin_backend && !c.backend_params.empty())
+    throw Error(fmt::format(
+        "backend.params are for backend plugins (such as cuda); the built-in \"{}\" backend "
+        "takes none",
+        c.backend));
+  if (simulated && check)
+    throw Error(
+        "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
+        "\"simulated\" (which computes nothing)");
+  auto check_plugin = [&](PluginKind kind, const std::string& name, const ParamMap& params) {
+    const PluginInfo& info = registry.find(kind, name);
+    (void)validate_plugin_params(info.name, info.params, params);
+  };
+  check_plugin(PluginKind::attention_variant, c.attention, c.attention_params);
+  check_plugin(PluginKind::kv_allocator, c.allocator, c.allocator_params);
+  check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
+  if (plugin_backend) check_plugin(PluginKind::backend, c.backend, c.backend_params);
+  const ModelSource source = resolve_model(c.model);
+  if (source.config.size_only && !simulated)
+    throw Error(
+        fmt::format("model \"{}\" is a size-only preset: it runs only on backend "
+                    "\"simulated\" (no weights exist for it)",
+                    c.model));
+  if (!c.profile.empty()) (void)load_hardware_profile(c.profile);
+  if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
+    throw Error(fmt::format("workload.trace {} is not a file", c.trace));
+}
+
+}  // namespace
+
+void validate_experiment(const std::vector<ExperimentRun>& runs, bool check) {
+  std::map<std::vector<std::string>, std::unique_ptr<PluginRegistry>> registries;
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const ExperimentConfig& c = runs[i].config;
+    auto& registry = registries[c.plugin_paths];
+    if (!registry) {
+      auto search = PluginRegistry::default_search_path();
+      search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
+      registry = std::make_unique<PluginRegistry>(search);
+    }
+    try {
+      validate_point(c, check, *registry);
+    } catch (const Error& e) {
+      if (c.label.empty()) throw;
+      throw Error(fmt::format("sweep point {} ({}): {}", i + 1, c.label, e.what()));
+    }
+  }
+}
 
 RunOutput run_experiment(const ExperimentConfig& c, bool check,
                          std::vector<std::string>* mismatches) {
@@ -95,7 +152,11 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
         simulated
             ? static_cast<double>(cost_model->kv_bytes_per_token())
             : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) * sizeof(float);
-    slots = static_cast<std::int64_t>(*c.kv_memory_mib * 1024 * 1024 / bytes_per_slot) / 64 * 64;
+    const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;
+    if (!(budget_slots < 0x1p62))
+      throw Error(fmt::format("kv_cache.memory_mib {} is more memory than kvlab can address",
+                              *c.kv_memory_mib));
+    slots = static_cast<std::int64_t>(budget_slots) / 64 * 64;
     if (slots < 1)
       throw Error(
           fmt::format("kv_cache.memory_mib {} holds no token of {}", *c.kv_memory_mib, model.name));

@@ -35,8 +35,15 @@ int main(int argc, char** argv) {
   }
   try {
     app.parse(argc, argv);  // subcommands run from their callbacks
-  } catch (const CLI::ParseError& e) {
+  } catch (const CLI::CallForHelp& e) {
     return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {  // a usage error: exit 2, as docs/cli.md says
+    fmt::print(stderr, "kvlab: error: {}\nRun with --help for more information.\n", e.what());
+    return 2;
   } catch (const kvlab::Error& e) {
     fmt::print(stderr, "kvlab: error: {}\n", e.what());
     return 1;

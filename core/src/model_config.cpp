@@ -346,7 +346,7 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   json root;
   try {
     root = json::parse(json_text);
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
     throw Error(fmt::format("invalid model config {}: not valid JSON: {}", source, e.what()));
   }
   if (!root.is_object())

@@ -99,13 +99,15 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   try {
     header = json::parse(reinterpret_cast<const char*>(base + 8),
                          reinterpret_cast<const char*>(base + 8 + header_length));
-  } catch (const json::parse_error& e) {
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
     throw fail(fmt::format("header is not valid JSON: {}", e.what()));
   }
   if (!header.is_object()) throw fail("header must be a JSON object");
 
   file.data_ = std::span<const std::byte>(base + 8 + header_length, file_size - 8 - header_length);
-  for (const auto& [name, entry] : header.items()) {
+  for (const auto& item : header.items()) {
+    const std::string& name = item.key();  // a plain reference: lambdas below capture it
+    const json& entry = item.value();
     if (name == "__metadata__") {
       if (!entry.is_object()) throw fail("\"__metadata__\" must be an object of strings");
       for (const auto& [key, value] : entry.items()) {
@@ -211,7 +213,7 @@ Checkpoint Checkpoint::open(const std::filesystem::path& directory) {
     json root;
     try {
       root = json::parse(text.str());
-    } catch (const json::parse_error& e) {
+    } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
       throw Error(
           fmt::format("bad checkpoint index {}: not valid JSON: {}", index.string(), e.what()));
     }

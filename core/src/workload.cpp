@@ -303,11 +303,13 @@ std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
         nlohmann::json object;
         try {
           object = nlohmann::json::parse(line);
-        } catch (const nlohmann::json::parse_error& e) {
+        } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
           throw Error(fmt::format("not valid JSON: {}", e.what()));
         }
         if (!object.is_object()) throw Error("each line must be a JSON object");
-        for (const auto& [key, value] : object.items()) {
+        for (const auto& item : object.items()) {
+          const std::string& key = item.key();  // plain references: the lambda captures them
+          const nlohmann::json& value = item.value();
           auto number = [&](const char* field) {
             if (!value.is_number())
               throw Error(fmt::format("{} must be a number, got {}", field, value.dump()));

@@ -61,6 +61,13 @@ TEST(Cli, MissingOrConflictingArguments) {
   expect_failure("generate --preset tiny --prompt-ids 1 --top-p 0", "top_p must be in (0, 1]");
   expect_failure("generate --preset tiny --prompt-ids 1 --max-tokens nope", "--max-tokens");
   expect_failure("frobnicate", "frobnicate");
+  // Usage errors exit 2 with the same prefix as every other error (docs/cli.md).
+  for (const char* usage : {"generate --preset tiny --prompt-ids 1 --no-such-flag", "run",
+                            "memory --model llama-7b --seq-len many"}) {
+    const RunResult r = run(usage);
+    EXPECT_EQ(r.exit_code, 2) << usage << "\n" << r.output;
+    EXPECT_EQ(r.output.rfind("kvlab: error: ", 0), 0u) << usage << "\n" << r.output;
+  }
   expect_failure("generate --preset tiny --prompt text", "needs a tokenizer.model");
 }
 

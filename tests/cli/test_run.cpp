@@ -1,6 +1,7 @@
 // kvlab run / kvlab check as a user runs them: bad files fail before anything runs, with
 // file:line:column and a suggestion; same file and seed give the same bytes; check catches a
 // broken allocator.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
@@ -142,10 +143,110 @@ TEST(KvlabRun, RequestsThatCannotFitAreRejectedAndCounted) {
   const Result r =
       kvlab("run " + file + " --set 'workload.output_tokens={dist=\"fixed\",value=600}' --out " +
             (dir / "o").string());
-  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // Every request rejected: the results are written, and the run fails saying why.
+  EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.out.find("| 0/12 |"), std::string::npos) << r.out;
+  EXPECT_NE(r.err.find("kvlab: error: run 1 (base): all 12 requests were rejected:"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find(" x prompt "), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("exceed the context of 512"), std::string::npos) << r.err;
   EXPECT_NE(test::read_file(dir / "o" / "000" / "events.jsonl").find("exceed the context"),
             std::string::npos);
+  const Result check =
+      kvlab("check " + file + " --set 'workload.output_tokens={dist=\"fixed\",value=600}'");
+  EXPECT_EQ(check.exit_code, 1) << check.err;  // nothing finished: nothing was checked
+  EXPECT_NE(check.err.find("no request finished, so nothing was checked"), std::string::npos)
+      << check.err;
+  EXPECT_EQ(check.out.find("every finished request's tokens equal"), std::string::npos);
+}
+
+// A results folder says what made it; an earlier run is replaced only with --force; a folder
+// kvlab did not write is never cleared.
+TEST(KvlabRun, ResultsFolderDescribesItselfAndIsNotOverwritten) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::string out = (dir / "o").string();
+  ASSERT_EQ(kvlab("run " + file + " --set workload.requests=3 --out " + out).exit_code, 0);
+  const auto manifest = nlohmann::json::parse(test::read_file(dir / "o" / "manifest.json"));
+  EXPECT_EQ(manifest["experiment_file"], file);
+  EXPECT_EQ(manifest["overrides"][0], "workload.requests=3");
+  EXPECT_FALSE(manifest["kvlab_commit"].get<std::string>().empty());
+  EXPECT_NE(manifest["machine"].get<std::string>().find("processors"), std::string::npos);
+  EXPECT_EQ(test::read_file(dir / "o" / "experiment.toml"), kSmall);
+  EXPECT_NE(test::read_file(dir / "o" / "000" / "config.toml").find("requests = 3"),
+            std::string::npos);
+
+  const Result again = kvlab("run " + file + " --out " + out);
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_NE(again.err.find("holds an earlier run: pass --force"), std::string::npos) << again.err;
+  test::write_file(dir / "o" / "stale.txt", "from before");
+  ASSERT_EQ(kvlab("run " + file + " --force --out " + out).exit_code, 0);
+  EXPECT_FALSE(std::filesystem::exists(dir / "o" / "stale.txt"));
+
+  test::write_file(dir / "mine" / "notes.txt", "not kvlab's");
+  const Result foreign = kvlab("run " + file + " --force --out " + (dir / "mine").string());
+  EXPECT_EQ(foreign.exit_code, 1);
+  EXPECT_NE(foreign.err.find("not a kvlab results folder"), std::string::npos) << foreign.err;
+  EXPECT_TRUE(std::filesystem::exists(dir / "mine" / "notes.txt"));
+}
+
+TEST(KvlabRun, EveryPointIsValidatedBeforeTheFirstRuns) {
+  test::TempDir dir;
+  const auto file = write_experiment(
+      dir, kSmall + "\n[[sweep]]\nkey = \"scheduler.name\"\nvalues = [\"fcfs\", \"fcsf\"]\n");
+  const Result r = kvlab("run " + file + " --out " + (dir / "o").string());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("sweep point 2 (scheduler.name=fcsf): unknown scheduler plugin"),
+            std::string::npos)
+      << r.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "o")) << "the first point must not have run";
+  const Result params =
+      kvlab("run " + file + " --set scheduler.params.nope=1 --out " + (dir / "p").string());
+  EXPECT_NE(params.err.find("plugin \"fcfs\" has no parameter \"nope\""), std::string::npos)
+      << params.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "p"));
+}
+
+TEST(KvlabRun, SizesAndFoldersFromInputAreBounded) {
+  test::TempDir dir;
+  auto error_of = [&](const std::string& arguments) {
+    const Result r = kvlab(arguments);
+    EXPECT_EQ(r.exit_code, 1) << arguments;
+    EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;
+    return r.err;
+  };
+  const auto file = write_experiment(dir, kSmall);
+  EXPECT_NE(error_of("check " + file + " --set workload.requests=1000000000000")
+                .find("workload.requests = 1000000000000 is outside [1, 10000000]"),
+            std::string::npos);
+  EXPECT_NE(error_of("check " + file + " --set experiment.repeats=1000000000")
+                .find("experiment.repeats = 1000000000 is outside"),
+            std::string::npos);
+  EXPECT_NE(error_of("check " + file + " --set workload.top_k=4294967297")
+                .find("workload.top_k = 4294967297 is outside"),
+            std::string::npos);
+  EXPECT_NE(error_of("check " + file + " --set kv_cache.slots=1099511627776")
+                .find("more than this machine can hold"),
+            std::string::npos);
+  std::string sweeps = kSmall;
+  for (int axis = 0; axis < 8; ++axis)  // 10^8 points used to hang while expanding
+    sweeps +=
+        fmt::format("[[sweep]]\nkey = \"workload.seed{}\"\nvalues = [0,1,2,3,4,5,6,7,8,9]\n", axis);
+  const auto big = write_experiment(dir, sweeps, "big.toml");
+  EXPECT_NE(error_of("check " + big).find("more than 10000 points"), std::string::npos);
+  EXPECT_NE(error_of("run " + dir.path().string()).find("is a folder"), std::string::npos);
+}
+
+// Paths in an experiment file are relative to the file, not to where kvlab runs.
+TEST(KvlabRun, RelativePathsResolveAgainstTheFile) {
+  test::TempDir dir;
+  test::write_file(dir / "sub" / "trace.csv",
+                   "arrival_s,prompt_len,output_len\n0.0,5,3\n0.01,7,2\n");
+  const auto file = write_experiment(dir, kSmall + "trace = \"trace.csv\"\n", "sub/e.toml");
+  const Result r = kvlab("run " + file + " --out " + (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("| 2/0 |"), std::string::npos) << r.out;
 }
 
 TEST(KvlabRun, WallClockReplaysArrivalsInRealTime) {
@@ -262,7 +363,7 @@ TEST(KvlabSimulated, BackendAndProfileErrorsAreClear) {
 
 TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   test::TempDir dir;
-  const auto profile = (dir / "cpu.toml").string();
+  const auto profile = (dir / "new_folder" / "cpu.toml").string();  // --out creates the folder
   const Result r =
       kvlab("calibrate --backend cpu --model tiny --threads 1 --repeats 1 --out " + profile);
   ASSERT_EQ(r.exit_code, 0) << r.err;
