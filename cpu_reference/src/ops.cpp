@@ -72,14 +72,14 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
   }
   // Few rows (decode batches): no packing. Each thread takes 4 rows of w at a time, reads them
   // from memory once and multiplies them with every row of x (which stays in cache).
-  const Eigen::Index rows = x.rows(), outputs = w.rows(), depth = x.cols();
+  const Eigen::Index rows = x.rows(), outputs = w.rows();
   const Eigen::Index n_blocks = (outputs + 3) / 4;
 #pragma omp parallel for schedule(static)
   for (Eigen::Index block = 0; block < n_blocks; ++block) {
     const Eigen::Index n0 = block * 4, n_count = std::min<Eigen::Index>(4, outputs - n0);
     Eigen::Index m0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
-    const Eigen::Index k_vec = depth / 8 * 8;
+    const Eigen::Index depth = x.cols(), k_vec = depth / 8 * 8;
     if (n_count == 4) {
       for (; m0 + 2 <= rows; m0 += 2) {
         float tile[2][4];
