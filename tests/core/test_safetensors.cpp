@@ -123,6 +123,12 @@ TEST(Safetensors, BadJson) {
   EXPECT_NE(open_error(dir / "j.safetensors").find("header is not valid JSON"), std::string::npos);
 }
 
+TEST(Safetensors, NumberBeyondDoubleRangeIsBadJson) {
+  TempDir dir;
+  test::write_file(dir / "h.safetensors", raw_file("{\"w\": 1e999}", ""));
+  EXPECT_NE(open_error(dir / "h.safetensors").find("header is not valid JSON"), std::string::npos);
+}
+
 TEST(Safetensors, UnknownDtype) {
   TempDir dir;
   const json header = {{"w", {{"dtype", "F12"}, {"shape", {2}}, {"data_offsets", {0, 3}}}}};
@@ -175,7 +181,8 @@ TEST(Safetensors, MalformedEntries) {
        "end before they begin"},
       {{{"__metadata__", {{"k", 1}}}}, "\"__metadata__\" value for \"k\" must be a string"},
       // Sizes that overflow: [2^32, 2^32] with 0 bytes used to pass (the count wrapped to 0).
-      {{{"w", {{"dtype", "F32"}, {"shape", {4294967296ULL, 4294967296ULL}}, {"data_offsets", {0, 0}}}}},
+      {{{"w",
+         {{"dtype", "F32"}, {"shape", {4294967296ULL, 4294967296ULL}}, {"data_offsets", {0, 0}}}}},
        "more elements than a 63-bit count can hold"},
       {{{"w", {{"dtype", "F32"}, {"shape", {18446744073709551615ULL}}, {"data_offsets", {0, 0}}}}},
        "more elements than a 63-bit count can hold"},

@@ -179,6 +179,17 @@ TEST(Trace, EveryBadRowNamesFileAndLine) {
           .find("g.jsonl:2: prompt id 200 is outside the vocabulary [0, 100)"),
       std::string::npos);
   EXPECT_NE(error_for("h.jsonl", "{oops\n").find("h.jsonl:1: not valid JSON"), std::string::npos);
+  EXPECT_NE(error_for("h2.jsonl", "{\"arrival_s\": 1e999}\n").find("h2.jsonl:1: not valid JSON"),
+            std::string::npos);
+  // Integers that do not fit their field are errors, not wrapped values.
+  EXPECT_NE(error_for("p.csv", "arrival_s,prompt_len,output_len,priority\n0,5,3,4294967297\n")
+                .find("p.csv:2: priority 4294967297 does not fit in 32 bits"),
+            std::string::npos);
+  EXPECT_NE(error_for("q.jsonl",
+                      "{\"arrival_s\": 0, \"prompt_ids\": [4294967297], "
+                      "\"output_len\": 3}\n")
+                .find("q.jsonl:1: prompt id 4294967297 does not fit in 32 bits"),
+            std::string::npos);
   EXPECT_NE(error_for("i.txt", "x").find("unknown format \".txt\""), std::string::npos);
   EXPECT_NE(error_for("j.csv", csv).find("holds no requests"), std::string::npos);
   EXPECT_NE(
