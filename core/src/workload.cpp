@@ -15,6 +15,7 @@
 
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/memory_limit.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab {
@@ -58,6 +59,9 @@ void check_length(const LengthDistribution& d, const char* what) {
   if (d.min < 1 || d.max < d.min)
     throw Error(
         fmt::format("workload {}: need 1 <= min <= max, got min {} max {}", what, d.min, d.max));
+  if (d.max > kMaxRequestTokens)
+    throw Error(fmt::format("workload {}: max {} is above kvlab's limit of {} tokens per request",
+                            what, d.max, kMaxRequestTokens));
   if ((d.kind == LengthKind::normal || d.kind == LengthKind::lognormal) &&
       (!(d.mean > 0) || !(d.stddev >= 0)))
     throw Error(fmt::format("workload {}: mean must be > 0 and stddev >= 0", what));
@@ -65,6 +69,41 @@ void check_length(const LengthDistribution& d, const char* what) {
     throw Error(fmt::format("workload {}: zipf alpha must be > 0", what));
   if (d.kind == LengthKind::fixed && !(d.value >= 1))
     throw Error(fmt::format("workload {}: fixed value must be >= 1", what));
+}
+
+// Every prompt token a workload holds, checked against the machine's memory as they accumulate
+// (before each allocation), so 10^7 requests of 10^6 tokens fail with the fields, not bad_alloc.
+class PromptBudget {
+ public:
+  void add(std::int64_t tokens, const char* what) {
+    total_ += tokens;
+    if (static_cast<std::uint64_t>(total_) * sizeof(std::int32_t) > limit_)
+      throw Error(
+          fmt::format("{} reach {} tokens, more than half of what this machine can hold "
+                      "({:.1f} GiB)",
+                      what, total_, static_cast<double>(2 * limit_) / (1 << 30)));
+  }
+
+ private:
+  std::int64_t total_ = 0;
+  std::uint64_t limit_ = allocatable_bytes() / 2;  // prompts are not all a run holds
+};
+
+// The mean of draw_length(d) (zipf: bounded below by min), to size a workload before drawing it.
+double expected_length(const LengthDistribution& d) {
+  const auto lo = static_cast<double>(d.min), hi = static_cast<double>(d.max);
+  switch (d.kind) {
+    case LengthKind::fixed:
+      return std::clamp(d.value, lo, hi);
+    case LengthKind::uniform:
+      return (lo + hi) / 2;
+    case LengthKind::normal:
+    case LengthKind::lognormal:
+      return std::clamp(d.mean, lo, hi);
+    case LengthKind::zipf:
+      break;
+  }
+  return lo;
 }
 
 std::int64_t draw_length(const LengthDistribution& d, Draw& draw) {
@@ -103,7 +142,10 @@ std::int64_t draw_length(const LengthDistribution& d, Draw& draw) {
       break;
     }
   }
-  return std::clamp(static_cast<std::int64_t>(x), d.min, d.max);
+  // Clamped as a double first: a fixed value of 1e30 must not reach the integer conversion.
+  return static_cast<std::int64_t>(std::clamp(std::isnan(x) ? static_cast<double>(d.min) : x,
+                                              static_cast<double>(d.min),
+                                              static_cast<double>(d.max)));
 }
 
 std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, Draw& draw) {
@@ -127,6 +169,11 @@ std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec) {
     throw Error("workload burst_size must be >= 1");
   check_length(spec.prompt_tokens, "prompt_tokens");
   check_length(spec.output_tokens, "output_tokens");
+  if (spec.prefix_tokens >= kMaxRequestTokens || spec.prefix_groups > kMaxPrefixGroups)
+    throw Error(fmt::format(
+        "workload shared prefix: {} groups of {} tokens is above kvlab's "
+        "limits ({} groups, {} tokens)",
+        spec.prefix_groups, spec.prefix_tokens, kMaxPrefixGroups, kMaxRequestTokens - 1));
   if (spec.prefix_groups < 0 || spec.prefix_tokens < 0 ||
       (spec.prefix_groups > 0) != (spec.prefix_tokens > 0))
     throw Error(
@@ -144,7 +191,17 @@ std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec) {
   const double weight_sum =
       std::accumulate(spec.priority_weights.begin(), spec.priority_weights.end(), 0.0);
 
+  const double expected_tokens =
+      static_cast<double>(spec.requests) *
+      std::max(expected_length(spec.prompt_tokens), static_cast<double>(spec.prefix_tokens + 1));
+  if (expected_tokens * sizeof(std::int32_t) > static_cast<double>(allocatable_bytes()) / 2)
+    throw Error(fmt::format(
+        "the workload's prompts (workload.requests {} x about {:.0f} prompt_tokens) need more "
+        "than half of what this machine can hold ({:.1f} GiB)",
+        spec.requests, expected_tokens / static_cast<double>(spec.requests),
+        static_cast<double>(allocatable_bytes()) / (1 << 30)));
   std::vector<WorkloadRequest> requests;
+  PromptBudget budget;  // the backstop for distributions whose mean says little
   double clock = 0;
   for (std::int64_t i = 0; i < spec.requests; ++i) {
     WorkloadRequest r;
@@ -176,6 +233,7 @@ std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec) {
       r.prompt = prefixes[static_cast<std::size_t>(r.prefix_group)];
       prompt_length = std::max(prompt_length, spec.prefix_tokens + 1);  // at least one own token
     }
+    budget.add(prompt_length, "the workload's prompts (workload.requests x prompt_tokens)");
     const auto own = random_tokens(prompt_length - static_cast<std::int64_t>(r.prompt.size()),
                                    spec.vocab_size, draw);
     r.prompt.insert(r.prompt.end(), own.begin(), own.end());
@@ -243,8 +301,9 @@ WorkloadRequest finish_row(const TraceRow& row, std::int64_t index, const TraceO
   if (!(*row.arrival_s >= 0) || !std::isfinite(*row.arrival_s))
     throw Error(fmt::format("arrival_s must be >= 0, got {}", *row.arrival_s));
   if (!row.output_len) throw Error("missing output_len");
-  if (*row.output_len < 1)
-    throw Error(fmt::format("output_len must be >= 1, got {}", *row.output_len));
+  if (*row.output_len < 1 || *row.output_len > kMaxRequestTokens)
+    throw Error(
+        fmt::format("output_len must be in [1, {}], got {}", kMaxRequestTokens, *row.output_len));
   if (row.prompt_ids && row.prompt_len &&
       static_cast<std::int64_t>(row.prompt_ids->size()) != *row.prompt_len)
     throw Error(fmt::format("prompt_len {} disagrees with the {} prompt_ids", *row.prompt_len,
@@ -263,8 +322,9 @@ WorkloadRequest finish_row(const TraceRow& row, std::int64_t index, const TraceO
             fmt::format("prompt id {} is outside the vocabulary [0, {})", id, options.vocab_size));
     r.prompt = *row.prompt_ids;
   } else if (row.prompt_len) {
-    if (*row.prompt_len < 1)
-      throw Error(fmt::format("prompt_len must be >= 1, got {}", *row.prompt_len));
+    if (*row.prompt_len < 1 || *row.prompt_len > kMaxRequestTokens)
+      throw Error(
+          fmt::format("prompt_len must be in [1, {}], got {}", kMaxRequestTokens, *row.prompt_len));
     r.prompt = random_tokens(*row.prompt_len, options.vocab_size, draw);
   } else {
     throw Error("missing prompt_len or prompt_ids");
@@ -289,6 +349,7 @@ std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
                             extension));
   Draw draw(options.seed);
   std::vector<WorkloadRequest> requests;
+  PromptBudget budget;
   std::string line;
   std::int64_t line_number = 0;
   std::vector<std::string> header;
@@ -385,6 +446,7 @@ std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
           }
         }
       }
+      if (row.prompt_len) budget.add(*row.prompt_len, "the trace's prompts");
       requests.push_back(
           finish_row(row, static_cast<std::int64_t>(requests.size()), options, draw));
     } catch (const Error& e) {

@@ -124,6 +124,33 @@ TEST(Workload, BadSpecsAreNamed) {
             std::string::npos);
 }
 
+// Sizes from input are bounded before anything is allocated: a request's tokens, the shared
+// prefixes, and the prompts of the whole workload against the machine's memory.
+TEST(Workload, SizesAreBoundedBeforeAllocating) {
+  SyntheticWorkload spec;
+  spec.prompt_tokens = {LengthKind::fixed, 1e30, 0, 0, 0, 1, std::int64_t{1} << 40};
+  EXPECT_NE(error_of<Error>([&] {
+              generate_workload(spec);
+            }).find("prompt_tokens: max 1099511627776 is above kvlab's limit of 16777216"),
+            std::string::npos);
+  spec.prompt_tokens.max = 64;  // 1e30 clamps to the max (no float-to-int overflow)
+  spec.requests = 3;
+  for (const auto& r : generate_workload(spec)) EXPECT_EQ(r.prompt.size(), 64u);
+  spec = {};
+  spec.prefix_groups = 1;
+  spec.prefix_tokens = std::int64_t{1} << 40;
+  EXPECT_NE(error_of<Error>([&] { generate_workload(spec); }).find("above kvlab's limits"),
+            std::string::npos);
+  spec = {};
+  spec.requests = 10'000'000;
+  spec.prompt_tokens = {LengthKind::fixed, 16'000'000, 0, 0, 0, 1, 16'000'000};
+  const std::string message = error_of<Error>([&] { generate_workload(spec); });
+  EXPECT_NE(message.find("workload.requests 10000000 x about 16000000 prompt_tokens) need more "
+                         "than half of what this machine can hold"),
+            std::string::npos)
+      << message;
+}
+
 TEST(Trace, CsvAndJsonlReplay) {
   test::TempDir dir;
   test::write_file(dir / "t.csv",
@@ -169,7 +196,8 @@ TEST(Trace, EveryBadRowNamesFileAndLine) {
             std::string::npos);
   EXPECT_NE(error_for("d.csv", csv + "-1,5,3\n").find("d.csv:2: arrival_s must be >= 0"),
             std::string::npos);
-  EXPECT_NE(error_for("e.csv", csv + "0,5,0\n").find("e.csv:2: output_len must be >= 1"),
+  EXPECT_NE(error_for("e.csv", csv + "0,5,0\n")
+                .find("e.csv:2: output_len must be in [1, 16777216], got 0"),
             std::string::npos);
   EXPECT_NE(error_for("f.jsonl", "{\"arrival_s\": 0, \"output_len\": 3}\n")
                 .find("f.jsonl:1: missing prompt_len or prompt_ids"),

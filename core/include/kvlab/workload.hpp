@@ -29,6 +29,11 @@ struct ArrivalProcess {
   std::int64_t burst_size = 8;  // bursts: requests arriving together
 };
 
+// Limits on what a workload may ask for, far beyond any model: a request of more tokens than
+// this (prompt or output) is an input error, and so are more shared-prefix groups.
+inline constexpr std::int64_t kMaxRequestTokens = std::int64_t{1} << 24;
+inline constexpr std::int64_t kMaxPrefixGroups = 1'000'000;
+
 enum class LengthKind { fixed, uniform, normal, lognormal, zipf };
 struct LengthDistribution {
   LengthKind kind = LengthKind::fixed;
