@@ -45,7 +45,9 @@ void prepare_results_folder(const std::filesystem::path& folder, bool force) {
   }
   if (!std::filesystem::is_directory(folder))
     throw Error(fmt::format("results folder {} is a file", folder.string()));
-  if (!std::filesystem::exists(folder / kManifest))
+  // runs.json: what kvlab wrote before results folders had a manifest.
+  if (!std::filesystem::exists(folder / kManifest) &&
+      !std::filesystem::exists(folder / "runs.json"))
     throw Error(
         fmt::format("results folder {} is not empty and holds no {} (it is not a kvlab "
                     "results folder): choose another with --out",

@@ -277,8 +277,8 @@ Checkpoint::Location Checkpoint::locate(std::string_view name) const {
   return it->second;
 }
 
-void Checkpoint::read_f32_into(std::string_view name, std::span<const std::int64_t> expected_shape,
-                               std::span<float> destination) const {
+void Checkpoint::check_tensor(std::string_view name,
+                              std::span<const std::int64_t> expected_shape) const {
   const Location location = locate(name);
   const SafetensorsFile& file = files_[location.file_index];
   const TensorInfo& info = *location.info;
@@ -291,6 +291,14 @@ void Checkpoint::read_f32_into(std::string_view name, std::span<const std::int64
     throw Error(
         fmt::format("tensor \"{}\" in {} has dtype {}; kvlab reads F32, F16, BF16 or F64 weights",
                     name, file.path().string(), dtype_safetensors_name(info.dtype)));
+}
+
+void Checkpoint::read_f32_into(std::string_view name, std::span<const std::int64_t> expected_shape,
+                               std::span<float> destination) const {
+  check_tensor(name, expected_shape);
+  const Location location = locate(name);
+  const SafetensorsFile& file = files_[location.file_index];
+  const TensorInfo& info = *location.info;
   if (destination.size() != static_cast<std::size_t>(info.element_count()))
     throw Error(fmt::format("tensor \"{}\": destination holds {} floats, tensor has {}", name,
                             destination.size(), info.element_count()));

@@ -7,6 +7,7 @@
 #include <numbers>
 
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/error.hpp"
 #include "test_util.hpp"
 
 namespace kvlab::cpu {
@@ -91,6 +92,28 @@ TEST(RopeScaling, Llama3BandsMatchTheFormula) {
   EXPECT_NEAR(inverse[1], (1 - smooth) * base1 / 8.0 + smooth * base1, 1e-15);
   EXPECT_NEAR(inverse[2], std::pow(500000.0, -0.5) / 8.0, 1e-15);  // > 64 / 0.25: divided
   EXPECT_NEAR(inverse[3], std::pow(500000.0, -0.75) / 8.0, 1e-15);
+}
+
+}  // namespace
+}  // namespace kvlab::cpu
+
+namespace kvlab::cpu {
+namespace {
+
+// A config that claims a far larger model than its checkpoint holds fails on the first tensor
+// whose shape disagrees, before any weight memory is allocated (it would need ~800 GB here).
+TEST(HfCheckpoint, ConfigDimsAreCheckedAgainstTensorShapesFirst) {
+  const std::filesystem::path fixture =
+      std::filesystem::path(KVLAB_FIXTURES_DIR) / "hf" / "tiny_llama_gqa";
+  test::TempDir dir;
+  std::filesystem::copy_file(fixture / "model.safetensors", dir / "model.safetensors");
+  auto config = nlohmann::json::parse(test::read_file(fixture / "config.json"));
+  config["intermediate_size"] = std::int64_t{1} << 30;
+  test::write_file(dir / "config.json", config.dump());
+  const std::string message = test::error_of<Error>([&] { load_llama_weights(dir.path()); });
+  EXPECT_NE(message.find("has shape [88, 32] but the model config needs [1073741824, 32]"),
+            std::string::npos)
+      << message;
 }
 
 }  // namespace

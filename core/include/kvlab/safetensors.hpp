@@ -63,8 +63,10 @@ class Checkpoint {
   const std::filesystem::path& directory() const { return directory_; }
   bool contains(std::string_view name) const;
   std::vector<std::string> tensor_names() const;  // sorted
-  // Converts the tensor to fp32 after checking it exists, has `expected_shape` and a dtype
-  // kvlab reads (F32/F16/BF16/F64). Throws kvlab::Error naming file and tensor.
+  // Checks that the tensor exists, has `expected_shape` and a dtype kvlab reads
+  // (F32/F16/BF16/F64), without reading it. Throws kvlab::Error naming file and tensor.
+  void check_tensor(std::string_view name, std::span<const std::int64_t> expected_shape) const;
+  // Converts the tensor to fp32 after check_tensor. Throws kvlab::Error naming file and tensor.
   std::vector<float> read_f32(std::string_view name,
                               std::span<const std::int64_t> expected_shape) const;
   // The same, into caller memory of exactly the expected element count.
