@@ -45,8 +45,9 @@ class TimedBackend final : public Backend {
 
 namespace {
 
-// One point's plugins exist and accept their parameters; the model, profile and trace resolve.
-void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
+// Rules across [backend] and the command: parameters only for plugin backends, no check of a
+// backend that computes nothing.
+void check_backend_rules(const ExperimentConfig& c, bool check) {
   const bool simulated = c.backend == "simulated";
   const bool plugin_backend = c.backend != "cpu" && !simulated;
   if (!plugin_backend && !c.backend_params.empty())
@@ -58,6 +59,13 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
     throw Error(
         "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
         "\"simulated\" (which computes nothing)");
+}
+
+// One point's plugins exist and accept their parameters; the model, profile and trace resolve.
+void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
+  const bool simulated = c.backend == "simulated";
+  const bool plugin_backend = c.backend != "cpu" && !simulated;
+  check_backend_rules(c, check);
   auto check_plugin = [&](PluginKind kind, const std::string& name, const ParamMap& params) {
     const PluginInfo& info = registry.find(kind, name);
     (void)validate_plugin_params(info.name, info.params, params);
@@ -110,15 +118,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   const bool simulated = c.backend == "simulated";
   const bool plugin_backend = c.backend != "cpu" && !simulated;             // e.g. cuda
   if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
-  if (!plugin_backend && !c.backend_params.empty())
-    throw Error(fmt::format(
-        "backend.params are for backend plugins (such as cuda); the built-in \"{}\" backend "
-        "takes none",
-        c.backend));
-  if (simulated && check)
-    throw Error(
-        "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
-        "\"simulated\" (which computes nothing)");
+  check_backend_rules(c, check);
   // The simulated backend needs only the config: no weights are made or loaded.
   std::optional<cpu::LlamaWeights> weights;
   ModelConfig model = source.config;
