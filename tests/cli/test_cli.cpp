@@ -144,6 +144,14 @@ TEST(Cli, TextPromptWithTokenizer) {
       nlohmann::json::parse(j.stdout_only.substr(0, j.stdout_only.find('\n'))).contains("text"));
 }
 
+TEST(Cli, MemorySizesThatOverflowAreErrors) {
+  // Used to print a negative size.
+  expect_failure("memory --model llama-7b --seq-len 9223372036854775807",
+                 "more bytes than 64 bits can count");
+  expect_failure("memory --model llama-7b --seq-len 4096 --batch 4611686018427387904",
+                 "more bytes than 64 bits can count");
+}
+
 TEST(Cli, MemoryReproducesTheSeedTableCorrectly) {
   const RunResult r = run("memory --model llama-7b --seq-len 2048 --batch 1 --dtype f16 --json");
   ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -1,5 +1,7 @@
 #include <gtest/gtest.h>
 
+#include <thread>
+
 #include <cmath>
 
 #include "cpu_reference/test_models.hpp"
@@ -183,6 +185,18 @@ TEST(ReferenceModel, SingleTokenClosedForm) {
   const Eigen::RowVectorXd expected = norm(x, w.final_norm) * w.lm_head.cast<double>().transpose();
   EXPECT_LT((logits.row(0).cast<double>() - expected).cwiseAbs().maxCoeff(), 1e-4);
   EXPECT_TRUE(logits.allFinite());
+}
+
+// More threads than processors only oversubscribes (and OpenBLAS at 64+ threads under an
+// address-space limit spins forever): requests are capped to the processors.
+TEST(Threads, CappedToTheProcessors) {
+  const int threads = num_threads();
+  set_num_threads(4096);
+  EXPECT_LE(num_threads(), static_cast<int>(std::thread::hardware_concurrency()));
+  EXPECT_GE(num_threads(), 1);
+  set_num_threads(0);
+  EXPECT_EQ(num_threads(), 1);
+  set_num_threads(threads);
 }
 
 TEST(ReferenceModel, DeterministicAndThreadCountIndependent) {

@@ -11,7 +11,8 @@
 
 namespace kvlab::cpu {
 
-// Threads used by Eigen's GEMMs and kvlab's OpenMP loops (default: all cores).
+// Threads used by Eigen's GEMMs and kvlab's OpenMP loops (default: all cores); a request is
+// clamped to [1, processors].
 void set_num_threads(int threads);
 int num_threads();
 
