@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <exception>
+#include <new>
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
@@ -46,6 +47,11 @@ int main(int argc, char** argv) {
     return 2;
   } catch (const kvlab::Error& e) {
     fmt::print(stderr, "kvlab: error: {}\n", e.what());
+    return 1;
+  } catch (const std::bad_alloc&) {  // a size no check caught: still the input's, not a bug
+    fmt::print(stderr,
+               "kvlab: error: out of memory: the input asks for more than this machine holds "
+               "(sizes and limits: docs/experiments.md)\n");
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "kvlab: internal error: {}\n", e.what());
