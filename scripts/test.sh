@@ -24,7 +24,7 @@ ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1
 if command -v valgrind >/dev/null 2>&1; then
   portable_dir="${build_dir}-portable"
   cmake -S . -B "$portable_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON \
-    -DKVLAB_BUILD_BENCHMARKS=OFF
+    -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_WITH_NVCC=OFF
   # (grep the test list, not `cmake --build --target help | grep -q`: under pipefail the
   # broken pipe of an early grep exit made the check fail and the stage silently skip)
   if grep -q "emulated.memcheck" "$portable_dir/tests/CTestTestfile.cmake"; then
