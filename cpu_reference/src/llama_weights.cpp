@@ -98,7 +98,8 @@ LlamaWeights load_llama_weights(const std::filesystem::path& directory) {
   validate_model_config(config, config.name);
   // Every tensor is where the config says, with its shape, before the fp32 copy is allocated:
   // a config that claims a larger model than the checkpoint holds fails here, not in malloc.
-  for (const auto& spec : llama_weight_specs(config)) checkpoint.check_tensor(spec.name, spec.shape);
+  for (const auto& spec : llama_weight_specs(config))
+    checkpoint.check_tensor(spec.name, spec.shape);
   return build_weights(config, [&](const WeightSpec& spec, std::span<float> destination) {
     checkpoint.read_f32_into(spec.name, spec.shape, destination);
   });

@@ -78,13 +78,15 @@ TEST(KvMemory, BadQueries) {
   EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); }).find("seq-len"),
             std::string::npos);
   q.seq_len = std::numeric_limits<std::int64_t>::max();  // used to print a negative size
-  EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); })
-                .find("more bytes than 64 bits can count"),
+  EXPECT_NE(test::error_of<Error>([&] {
+              kv_memory(model_preset("llama-7b"), q);
+            }).find("more bytes than 64 bits can count"),
             std::string::npos);
   q.seq_len = 4096;
   q.batch = std::int64_t{1} << 50;
-  EXPECT_NE(test::error_of<Error>([&] { kv_memory(model_preset("llama-7b"), q); })
-                .find("more bytes than 64 bits can count"),
+  EXPECT_NE(test::error_of<Error>([&] {
+              kv_memory(model_preset("llama-7b"), q);
+            }).find("more bytes than 64 bits can count"),
             std::string::npos);
   q.batch = 1;
   q.seq_len = 10;
@@ -178,8 +180,9 @@ namespace {
 // A pool sized from input is checked before it is allocated: overflow and "more than this
 // machine holds" are errors naming the pool's shape, not std::bad_alloc.
 TEST(KvPoolSize, OverflowAndMachineLimitAreErrors) {
-  const std::string overflow = test::error_of<Error>(
-      [] { KvPool pool({32, 32, 128, std::int64_t{1} << 50}); });
+  const std::string overflow = test::error_of<Error>([] {
+    KvPool pool({32, 32, 128, std::int64_t{1} << 50});
+  });
   EXPECT_NE(overflow.find("overflows 64 bits"), std::string::npos) << overflow;
   const std::uint64_t machine = allocatable_bytes();
   const auto slots = static_cast<std::int64_t>(machine / (2 * 4 * 64) + 1);  // 1 layer, 64 floats
@@ -202,8 +205,9 @@ TEST(ModelConfigLimits, DimsAndParameterCountAreBounded) {
   c = model_preset("tiny");
   c.vocab_size = std::int64_t{1} << 30;
   c.hidden_size = std::int64_t{1} << 30;  // 2^61 parameters in the embedding alone
-  EXPECT_NE(test::error_of<Error>([&] { validate_model_config(c, "big"); })
-                .find("more than kvlab's limit"),
+  EXPECT_NE(test::error_of<Error>([&] {
+              validate_model_config(c, "big");
+            }).find("more than kvlab's limit"),
             std::string::npos);
   EXPECT_NO_THROW(validate_model_config(model_preset("llama2-70b"), "llama2-70b"));
 }

@@ -8,13 +8,13 @@
 #include <limits>
 
 #include "cpu_reference/test_models.hpp"
-#include "test_util.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/engine.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/plugin_loader.hpp"
 #include "kvlab/simulated_backend.hpp"
+#include "test_util.hpp"
 
 namespace kvlab {
 namespace {

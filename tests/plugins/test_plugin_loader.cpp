@@ -83,10 +83,8 @@ TEST(PluginLoader, UnloadableFilesSayWhy) {
 }
 
 TEST(PluginLoader, DescriptorThatIsAFunctionIsRefused) {
-  const std::string message =
-      load_error(kTestPlugins / "kvlab_plugin_test_function_descriptor.so");
-  EXPECT_NE(message.find("is not the pointer KVLAB_PLUGIN exports"), std::string::npos)
-      << message;
+  const std::string message = load_error(kTestPlugins / "kvlab_plugin_test_function_descriptor.so");
+  EXPECT_NE(message.find("is not the pointer KVLAB_PLUGIN exports"), std::string::npos) << message;
 }
 
 TEST(PluginLoader, BrokenDescriptorsAreNamed) {
@@ -95,8 +93,7 @@ TEST(PluginLoader, BrokenDescriptorsAreNamed) {
   for (std::size_t i = 0; i < expected.size(); ++i) {
     const std::string message =
         load_error(kTestPlugins / fmt::format("kvlab_plugin_test_bad_descriptor_{}.so", i + 1));
-    EXPECT_NE(message.find("broken descriptor: its " + expected[i]), std::string::npos)
-        << message;
+    EXPECT_NE(message.find("broken descriptor: its " + expected[i]), std::string::npos) << message;
   }
 }
 
