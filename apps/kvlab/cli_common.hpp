@@ -13,7 +13,7 @@ namespace kvlab::cli {
 // A --model argument: a preset name or a Hugging Face model folder (config.json).
 struct ModelSource {
   ModelConfig config;
-  std::filesystem::path directory;  // empty for a preset
+  std::filesystem::path directory;  // the folder or .gguf file; empty for a preset
   bool is_preset() const { return directory.empty(); }
 };
 // Throws kvlab::Error naming the presets (and the nearest one) when `name` is neither.

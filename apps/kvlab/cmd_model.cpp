@@ -1,10 +1,12 @@
 // kvlab model init | info: make deterministic random-weight models, describe a model.
 #include <fmt/format.h>
 
+#include <map>
 #include <memory>
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/gguf.hpp"
 #include "kvlab/safetensors.hpp"
 #include "kvlab/weight_init.hpp"
 
@@ -30,7 +32,35 @@ void run_init(const InitOptions& o) {
              o.seed, static_cast<double>(config.parameter_count()) / 1e6, o.out);
 }
 
+// A GGUF file as it is: version, every metadata key (long arrays shortened), tensors by type.
+// Mapping its metadata to a model config is the next step of the real-models work.
+void print_gguf_info(const std::filesystem::path& path) {
+  const GgufFile file = GgufFile::open(path);
+  fmt::print("file:                {} (GGUF v{}, alignment {})\n", path.string(), file.version(),
+             file.alignment());
+  fmt::print("metadata:            {} keys\n", file.metadata().size());
+  for (const auto& [key, value] : file.metadata())
+    fmt::print("  {} = {}\n", key, value.to_string());
+  std::map<std::string, std::pair<int, std::uint64_t>> by_type;  // type -> count, bytes
+  std::int64_t elements = 0;
+  for (const auto& t : file.tensors()) {
+    auto& entry = by_type[gguf_type_name(t.type)];
+    ++entry.first;
+    entry.second += t.bytes;
+    elements += t.elements;
+  }
+  fmt::print("tensors:             {} ({:.2f}M values)\n", file.tensors().size(),
+             static_cast<double>(elements) / 1e6);
+  for (const auto& [type, entry] : by_type)
+    fmt::print("  {:<6} {:>4} tensors, {:.1f} MiB\n", type, entry.first,
+               static_cast<double>(entry.second) / (1 << 20));
+}
+
 void run_info(const std::string& name) {
+  if (name.ends_with(".gguf")) {
+    print_gguf_info(name);
+    return;
+  }
   const ModelSource source = resolve_model(name);
   const ModelConfig& c = source.config;
   fmt::print("model:               {}{}\n", c.name, c.size_only ? " (size-only preset)" : "");
@@ -78,7 +108,7 @@ void register_model(CLI::App& app) {
 
   auto name = std::make_shared<std::string>();
   auto* info_cmd = model->add_subcommand("info", "Describe a preset or a model folder");
-  info_cmd->add_option("model", *name, "Preset name or model folder")->required();
+  info_cmd->add_option("model", *name, "Preset name, model folder or .gguf file")->required();
   info_cmd->callback([name]() { run_info(*name); });
 }
 

@@ -177,16 +177,21 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   auto allocator =
       registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
   auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
+  // The window of the whole run: the attention variant's when it sets one (the experiment's
+  // choice), else the model's own (config.json sliding_window, as Mistral's). One value for the
+  // backend, the engine's KV release and the reference check, so `check` compares one model.
+  const std::optional<std::int64_t> window =
+      attention->window() ? attention->window() : model.sliding_window;
   std::unique_ptr<Backend> inner;
   PluginObject<Backend> device_backend;  // declared after pool: destroyed (detaching) first
   if (simulated) {
     inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
   } else if (plugin_backend) {
     context.weights = &*weights;
-    context.window = attention->window().value_or(0);
+    context.window = window.value_or(0);
     device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
   } else {
-    inner = std::make_unique<cpu::CpuBackend>(*weights, pool, attention->window());
+    inner = std::make_unique<cpu::CpuBackend>(*weights, pool, window);
   }
   TimedBackend backend(plugin_backend ? *device_backend : *inner);
 
@@ -217,7 +222,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   if (cost_model) options.cost_model = &*cost_model;
   options.max_seq_len = model.max_position_embeddings;
   options.eos_token_ids = model.eos_token_ids;
-  options.window = attention->window();
+  options.window = window;
   options.caches_kv = attention->caches_kv();
   options.pool = &pool;
   options.swap_slots = c.swap_slots;
@@ -255,7 +260,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   if (check) {  // teacher forcing: one reference forward over prompt + output checks every token
     const cpu::ReferenceModel reference(*weights);
     cpu::ForwardOptions forward;
-    forward.sliding_window = attention->window();
+    forward.sliding_window = window;
     for (std::size_t i = 0; i < requests.size(); ++i) {
       if (out.engine.requests[i].rejected || out.engine.tokens[i].empty()) continue;
       std::vector<std::int32_t> sequence = requests[i].prompt;

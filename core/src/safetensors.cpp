@@ -1,10 +1,6 @@
 #include "kvlab/safetensors.hpp"
 
-#include <fcntl.h>
 #include <fmt/format.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -15,6 +11,7 @@
 
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/mapped_file.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab {
@@ -38,12 +35,8 @@ std::string shape_to_string(std::span<const std::int64_t> shape) {
   return out + "]";
 }
 
-struct SafetensorsFile::Mapping {
-  void* address = nullptr;
-  std::size_t size = 0;
-  ~Mapping() {
-    if (address != nullptr && size > 0) munmap(address, size);
-  }
+struct SafetensorsFile::Mapping : MappedFile {
+  using MappedFile::MappedFile;
 };
 
 SafetensorsFile::SafetensorsFile(SafetensorsFile&&) noexcept = default;
@@ -56,29 +49,11 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
     return Error(fmt::format("bad safetensors file {}: {}", where, why));
   };
 
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0)
-    throw Error(fmt::format("cannot open safetensors file {}: {}", where, std::strerror(errno)));
-  struct stat st {};
-  if (fstat(fd, &st) != 0) {
-    ::close(fd);
-    throw Error(fmt::format("cannot stat safetensors file {}: {}", where, std::strerror(errno)));
-  }
   SafetensorsFile file;
   file.path_ = path;
-  file.mapping_ = std::make_unique<Mapping>();
-  const auto file_size = static_cast<std::uint64_t>(st.st_size);
-  if (file_size > 0) {
-    void* address = mmap(nullptr, file_size, PROT_READ, MAP_PRIVATE, fd, 0);
-    if (address == MAP_FAILED) {
-      ::close(fd);
-      throw Error(fmt::format("cannot map safetensors file {}: {}", where, std::strerror(errno)));
-    }
-    file.mapping_->address = address;
-    file.mapping_->size = file_size;
-  }
-  ::close(fd);
-  const auto* base = static_cast<const std::byte*>(file.mapping_->address);
+  file.mapping_ = std::make_unique<Mapping>(path, "safetensors");
+  const auto file_size = static_cast<std::uint64_t>(file.mapping_->bytes().size());
+  const std::byte* base = file.mapping_->bytes().data();
 
   if (file_size < 8)
     throw fail(fmt::format(

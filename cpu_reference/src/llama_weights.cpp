@@ -5,6 +5,7 @@
 #include <functional>
 
 #include "kvlab/error.hpp"
+#include "kvlab/gguf_model.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab/safetensors.hpp"
 #include "kvlab/weight_init.hpp"
@@ -88,6 +89,22 @@ LlamaWeights build_weights(const ModelConfig& config,
 }  // namespace
 
 LlamaWeights load_llama_weights(const std::filesystem::path& directory) {
+  if (directory.extension() == ".gguf" && std::filesystem::is_regular_file(directory)) {
+    const GgufFile file = GgufFile::open(directory);
+    const ModelConfig config = gguf_model_config(file);
+    for (const auto& spec : llama_weight_specs(config)) {  // every tensor, before allocating
+      const auto name = gguf_tensor_name(spec.name);
+      const GgufTensorInfo* tensor = name ? file.find_tensor(*name) : nullptr;
+      if (tensor == nullptr || tensor->row_major_shape() != spec.shape)
+        throw Error(
+            fmt::format("GGUF model {}: tensor {} is missing or has another shape than "
+                        "the metadata implies ({})",
+                        directory.string(), name.value_or(spec.name), shape_to_string(spec.shape)));
+    }
+    return build_weights(config, [&](const WeightSpec& spec, std::span<float> destination) {
+      read_gguf_tensor(file, config, spec.name, spec.shape, destination);
+    });
+  }
   if (!std::filesystem::is_directory(directory))
     throw Error(
         fmt::format("model folder {} does not exist (expected config.json and model.safetensors)",

@@ -38,7 +38,7 @@ void expect_failure(const std::string& arguments, const std::string& message_par
 
 TEST(Cli, MissingModelFolder) {
   expect_failure("generate --model /nonexistent/model --prompt-ids 1,2",
-                 "neither a preset nor a model folder");
+                 "neither a preset, a model folder nor a .gguf file");
 }
 
 TEST(Cli, MisspelledPresetGetsASuggestion) {

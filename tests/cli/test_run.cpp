@@ -288,6 +288,30 @@ TEST(KvlabCheck, ShippedQuickstartMatchesTheReference) {
       << r.out;
 }
 
+// A Hugging Face folder that declares its own sliding window (Mistral-style) runs with that
+// window under any attention variant, and `check` compares the same model: the engine used to
+// drop the window unless the variant was sliding_window, while the reference kept it (10 of 12
+// requests differed).
+TEST(KvlabCheck, HonoursTheModelsOwnSlidingWindow) {
+  test::TempDir dir;
+  ASSERT_EQ(kvlab("model init --preset tiny --seed 0 --out " + (dir / "m").string()).exit_code, 0);
+  auto config = nlohmann::json::parse(test::read_file(dir / "m" / "config.json"));
+  config["sliding_window"] = 8;  // prompts of 4-40 tokens: most attend past it
+  config["architectures"] = {"MistralForCausalLM"};
+  config["model_type"] = "mistral";
+  test::write_file(dir / "m" / "config.json", config.dump(2));
+  std::string experiment = kSmall;
+  experiment.replace(experiment.find("name = \"tiny\""), 13, "name = \"m\"");
+  const auto file = write_experiment(dir, experiment);
+  for (const char* variant : {"gqa", "mha"}) {
+    const Result r = kvlab("check " + file + " --set attention.variant=" + variant);
+    EXPECT_EQ(r.exit_code, 0) << variant << "\n" << r.err;
+    EXPECT_NE(r.out.find("every finished request's tokens equal the reference's"),
+              std::string::npos)
+        << r.out;
+  }
+}
+
 TEST(KvlabCheck, CatchesABrokenAllocator) {
   test::TempDir dir;
   const auto file = write_experiment(dir, kSmall);

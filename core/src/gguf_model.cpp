@@ -1,0 +1,162 @@
+#include "kvlab/gguf_model.hpp"
+
+#include <fmt/format.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "kvlab/error.hpp"
+#include "kvlab/model_config.hpp"
+#include "kvlab/safetensors.hpp"
+
+namespace kvlab {
+namespace {
+
+// Collects every problem with the metadata, like the config.json reader.
+class MetadataReader {
+ public:
+  MetadataReader(const GgufFile& file, std::vector<std::string>& problems)
+      : file_(file), problems_(problems) {}
+  std::optional<std::int64_t> integer(const std::string& key, bool required) {
+    const GgufValue* v = file_.find_metadata(key);
+    if (v == nullptr) return missing(key, required);
+    if (auto i = v->as_int()) return i;
+    problems_.push_back(fmt::format("\"{}\" must be an integer, got {}", key, v->to_string()));
+    return std::nullopt;
+  }
+  std::optional<double> number(const std::string& key, bool required) {
+    const GgufValue* v = file_.find_metadata(key);
+    if (v == nullptr) return missing(key, required);
+    if (auto d = v->as_double()) return d;
+    problems_.push_back(fmt::format("\"{}\" must be a number, got {}", key, v->to_string()));
+    return std::nullopt;
+  }
+
+ private:
+  std::nullopt_t missing(const std::string& key, bool required) {
+    if (required) problems_.push_back(fmt::format("missing metadata key \"{}\"", key));
+    return std::nullopt;
+  }
+  const GgufFile& file_;
+  std::vector<std::string>& problems_;
+};
+
+std::int64_t vocabulary_size(const GgufFile& file, MetadataReader& read) {
+  if (auto n = read.integer("llama.vocab_size", false)) return *n;
+  if (const GgufValue* tokens = file.find_metadata("tokenizer.ggml.tokens"))
+    if (const GgufArray* list = tokens->as_array()) return static_cast<std::int64_t>(list->size());
+  if (const GgufTensorInfo* embedding = file.find_tensor("token_embd.weight"))
+    if (embedding->dims.size() == 2) return embedding->dims[1];
+  return 0;
+}
+
+}  // namespace
+
+ModelConfig gguf_model_config(const GgufFile& file) {
+  const std::string source = file.path().string();
+  const GgufValue* architecture = file.find_metadata("general.architecture");
+  if (architecture == nullptr || architecture->as_string() == nullptr)
+    throw Error(fmt::format("GGUF model {}: no general.architecture string", source));
+  if (*architecture->as_string() != "llama")
+    throw Error(
+        fmt::format("GGUF model {}: architecture \"{}\" is not supported (kvlab runs "
+                    "\"llama\")",
+                    source, *architecture->as_string()));
+  std::vector<std::string> problems;
+  MetadataReader read(file, problems);
+  ModelConfig c;
+  c.name = source;
+  c.architecture = "LlamaForCausalLM";
+  c.hidden_size = read.integer("llama.embedding_length", true).value_or(0);
+  c.intermediate_size = read.integer("llama.feed_forward_length", true).value_or(0);
+  c.num_hidden_layers = read.integer("llama.block_count", true).value_or(0);
+  c.num_attention_heads = read.integer("llama.attention.head_count", true).value_or(0);
+  c.num_key_value_heads =
+      read.integer("llama.attention.head_count_kv", false).value_or(c.num_attention_heads);
+  c.max_position_embeddings = read.integer("llama.context_length", true).value_or(0);
+  c.rms_norm_eps = read.number("llama.attention.layer_norm_rms_epsilon", true).value_or(1e-5);
+  c.rope_theta = read.number("llama.rope.freq_base", false).value_or(10000.0);
+  c.head_dim = c.num_attention_heads > 0 ? c.hidden_size / c.num_attention_heads : 0;
+  if (auto rope_dims = read.integer("llama.rope.dimension_count", false);
+      rope_dims && *rope_dims != c.head_dim)
+    problems.push_back(
+        fmt::format("llama.rope.dimension_count {} differs from head_dim {}: "
+                    "partial RoPE is not supported",
+                    *rope_dims, c.head_dim));
+  if (file.find_metadata("llama.rope.scaling.type") != nullptr ||
+      file.find_tensor("rope_freqs.weight") != nullptr)
+    problems.push_back(
+        "RoPE scaling (llama.rope.scaling.* or a rope_freqs tensor) is not read "
+        "from GGUF yet; kvlab would compute plain RoPE");
+  c.vocab_size = vocabulary_size(file, read);
+  if (auto bos = read.integer("tokenizer.ggml.bos_token_id", false))
+    c.bos_token_id = static_cast<std::int32_t>(*bos);
+  if (auto eos = read.integer("tokenizer.ggml.eos_token_id", false))
+    c.eos_token_ids = {static_cast<std::int32_t>(*eos)};
+  c.tie_word_embeddings = file.find_tensor("output.weight") == nullptr;
+  if (!problems.empty()) {
+    std::string message = fmt::format("invalid GGUF model {}:", source);
+    for (const auto& p : problems) message += "\n  - " + p;
+    throw Error(message);
+  }
+  validate_model_config(c, source);
+  return c;
+}
+
+std::optional<std::string> gguf_tensor_name(const std::string& hf_name) {
+  if (hf_name == "model.embed_tokens.weight") return "token_embd.weight";
+  if (hf_name == "model.norm.weight") return "output_norm.weight";
+  if (hf_name == "lm_head.weight") return "output.weight";
+  std::size_t layer = 0;
+  char field[64] = {};
+  if (std::sscanf(hf_name.c_str(), "model.layers.%zu.%63s", &layer, field) != 2)
+    return std::nullopt;
+  static const std::pair<const char*, const char*> kFields[] = {
+      {"input_layernorm.weight", "attn_norm.weight"},
+      {"self_attn.q_proj.weight", "attn_q.weight"},
+      {"self_attn.k_proj.weight", "attn_k.weight"},
+      {"self_attn.v_proj.weight", "attn_v.weight"},
+      {"self_attn.o_proj.weight", "attn_output.weight"},
+      {"post_attention_layernorm.weight", "ffn_norm.weight"},
+      {"mlp.gate_proj.weight", "ffn_gate.weight"},
+      {"mlp.up_proj.weight", "ffn_up.weight"},
+      {"mlp.down_proj.weight", "ffn_down.weight"},
+  };
+  for (const auto& [hf, gguf] : kFields)
+    if (std::string_view(field) == hf) return fmt::format("blk.{}.{}", layer, gguf);
+  return std::nullopt;
+}
+
+void read_gguf_tensor(const GgufFile& file, const ModelConfig& config, const std::string& hf_name,
+                      std::span<const std::int64_t> shape, std::span<float> destination) {
+  const auto name = gguf_tensor_name(hf_name);
+  const GgufTensorInfo* tensor = name ? file.find_tensor(*name) : nullptr;
+  if (tensor == nullptr)
+    throw Error(fmt::format("GGUF model {} has no tensor {} (for {})", file.path().string(),
+                            name.value_or("?"), hf_name));
+  const auto stored = tensor->row_major_shape();
+  if (!std::equal(stored.begin(), stored.end(), shape.begin(), shape.end()))
+    throw Error(fmt::format("tensor \"{}\" in {} has shape {} but the model needs {}", *name,
+                            file.path().string(), shape_to_string(stored), shape_to_string(shape)));
+  if (destination.size() != static_cast<std::size_t>(tensor->elements))
+    throw Error(fmt::format("tensor \"{}\": destination holds {} floats, tensor has {}", *name,
+                            destination.size(), tensor->elements));
+  std::vector<float> values = file.dequantize(*tensor);  // (rows, row_length) row-major
+  const bool is_q = hf_name.ends_with("q_proj.weight"), is_k = hf_name.ends_with("k_proj.weight");
+  if (!is_q && !is_k) {
+    std::copy(values.begin(), values.end(), destination.begin());
+    return;
+  }
+  // Undo permute(): GGUF row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
+  const std::int64_t hd = config.head_dim, half = hd / 2, columns = shape[1];
+  const std::int64_t heads = is_q ? config.num_attention_heads : config.num_key_value_heads;
+  for (std::int64_t h = 0; h < heads; ++h)
+    for (std::int64_t i = 0; i < half; ++i)
+      for (std::int64_t j = 0; j < 2; ++j) {
+        const float* from = values.data() + (h * hd + 2 * i + j) * columns;
+        float* to = destination.data() + (h * hd + j * half + i) * columns;
+        std::copy(from, from + columns, to);
+      }
+}
+
+}  // namespace kvlab

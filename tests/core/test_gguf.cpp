@@ -1,0 +1,216 @@
+// The GGUF reader: every metadata value type, tensor infos and alignment, each tensor type kvlab
+// reads dequantized exactly as llama.cpp's gguf-py does (tests/fixtures/gguf/make_fixture.py),
+// and malformed files ending in one clear error.
+#include <gtest/gtest.h>
+
+#include <cfloat>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kvlab/error.hpp"
+#include "kvlab/gguf.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+using test::error_of;
+
+const std::filesystem::path kFixture =
+    std::filesystem::path(KVLAB_FIXTURES_DIR) / "gguf" / "quant_types.gguf";
+
+TEST(Gguf, ReadsEveryMetadataValueType) {
+  const GgufFile file = GgufFile::open(kFixture);
+  EXPECT_EQ(file.version(), 3u);
+  EXPECT_EQ(file.alignment(), 32u);
+  auto integer = [&](const char* key) { return file.find_metadata(key)->as_int(); };
+  EXPECT_EQ(integer("test.u8"), 200);
+  EXPECT_EQ(integer("test.i8"), -100);
+  EXPECT_EQ(integer("test.u16"), 60000);
+  EXPECT_EQ(integer("test.i16"), -30000);
+  EXPECT_EQ(integer("test.u32"), 4000000000LL);
+  EXPECT_EQ(integer("test.i32"), -2000000000);
+  EXPECT_EQ(integer("test.i64"), -9000000000000000000LL);
+  EXPECT_EQ(integer("test.u64"), std::nullopt);  // 1.8e19 fits no int64: not silently wrapped
+  EXPECT_EQ(std::get<std::uint64_t>(file.find_metadata("test.u64")->value),
+            18000000000000000000ULL);
+  EXPECT_EQ(file.find_metadata("test.f32")->as_double(), 0.25);
+  EXPECT_EQ(file.find_metadata("test.f64")->as_double(), 1e-300);
+  EXPECT_EQ(std::get<bool>(file.find_metadata("test.bool")->value), true);
+  EXPECT_EQ(*file.find_metadata("test.string")->as_string(), "kvlab \u2713");
+  const GgufArray& strings = *file.find_metadata("test.strings")->as_array();
+  ASSERT_EQ(strings.size(), 3u);
+  EXPECT_EQ(*strings[1].as_string(), "bc");
+  EXPECT_EQ(*strings[2].as_string(), "");
+  EXPECT_EQ(file.find_metadata("test.ints")->to_string(), "[1, 2, 3]");
+  EXPECT_EQ(*file.find_metadata("general.architecture")->as_string(), "llama");
+  EXPECT_EQ(file.find_metadata("no.such.key"), nullptr);
+}
+
+class GgufTypes : public ::testing::TestWithParam<const char*> {};
+
+// Tolerance: the same float32 operations as gguf-py in the same order, so at most one rounding
+// apart (a fused multiply-add under -march=native): |a - b| <= 2 eps max(1, |b|).
+TEST_P(GgufTypes, DequantizesAsLlamaCpp) {
+  const GgufFile file = GgufFile::open(kFixture);
+  const GgufTensorInfo* quantized = file.find_tensor(std::string("q.") + GetParam());
+  const GgufTensorInfo* expected = file.find_tensor(std::string("expected.") + GetParam());
+  ASSERT_NE(quantized, nullptr);
+  ASSERT_NE(expected, nullptr);
+  EXPECT_EQ(gguf_type_name(quantized->type), GetParam());
+  EXPECT_EQ(quantized->row_major_shape(), (std::vector<std::int64_t>{2, 512}));
+  const std::vector<float> values = file.dequantize(*quantized);
+  const std::vector<float> reference = file.dequantize(*expected);
+  ASSERT_EQ(values.size(), reference.size());
+  double worst = 0;
+  std::size_t bad = 0;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(values[i])) << i;
+    const double error = std::abs(static_cast<double>(values[i]) - reference[i]);
+    worst = std::max(worst, error);
+    if (error > 2 * FLT_EPSILON * std::max(1.0f, std::abs(reference[i]))) ++bad;
+  }
+  EXPECT_EQ(bad, 0u) << "max abs error " << worst;
+  // Not vacuous: the values are spread, not all zero.
+  EXPECT_GT(*std::max_element(reference.begin(), reference.end()), 0.01f);
+}
+
+INSTANTIATE_TEST_SUITE_P(Fixture, GgufTypes,
+                         ::testing::Values("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K",
+                                           "Q6_K"));
+
+// A GGUF file written by hand, field by field (little-endian).
+class GgufBytes {
+ public:
+  GgufBytes& u32(std::uint32_t v) { return raw(&v, 4); }
+  GgufBytes& u64(std::uint64_t v) { return raw(&v, 8); }
+  GgufBytes& str(const std::string& s) {
+    u64(s.size());
+    bytes_ += s;
+    return *this;
+  }
+  GgufBytes& header(std::uint32_t version, std::uint64_t tensors, std::uint64_t metadata) {
+    bytes_ += "GGUF";
+    return u32(version).u64(tensors).u64(metadata);
+  }
+  GgufBytes& tensor(const std::string& name, std::vector<std::uint64_t> dims, std::uint32_t type,
+                    std::uint64_t offset) {
+    str(name).u32(static_cast<std::uint32_t>(dims.size()));
+    for (auto d : dims) u64(d);
+    return u32(type).u64(offset);
+  }
+  GgufBytes& pad_to(std::size_t alignment) {
+    while (bytes_.size() % alignment != 0) bytes_ += '\0';
+    return *this;
+  }
+  GgufBytes& zeros(std::size_t n) {
+    bytes_.append(n, '\0');
+    return *this;
+  }
+  const std::string& text() const { return bytes_; }
+
+ private:
+  GgufBytes& raw(const void* p, std::size_t n) {
+    bytes_.append(static_cast<const char*>(p), n);
+    return *this;
+  }
+  std::string bytes_;
+};
+
+std::string open_error(const test::TempDir& dir, const std::string& bytes) {
+  test::write_file(dir / "f.gguf", bytes);
+  return error_of<Error>([&] { GgufFile::open(dir / "f.gguf"); });
+}
+
+TEST(Gguf, HandWrittenFileWithAlignment) {
+  test::TempDir dir;
+  GgufBytes b;
+  b.header(2, 1, 1).str("general.alignment").u32(4).u32(64);  // uint32 value 64
+  b.tensor("w", {4, 2}, 0, 0).pad_to(64);
+  for (int i = 0; i < 8; ++i) {
+    const float v = static_cast<float>(i) * 0.5f;
+    std::uint32_t bits;
+    std::memcpy(&bits, &v, 4);
+    b.u32(bits);
+  }
+  test::write_file(dir / "f.gguf", b.text());
+  const GgufFile file = GgufFile::open(dir / "f.gguf");
+  EXPECT_EQ(file.version(), 2u);
+  EXPECT_EQ(file.alignment(), 64u);
+  const auto values = file.dequantize(file.tensors().at(0));
+  EXPECT_EQ(values, (std::vector<float>{0, 0.5f, 1, 1.5f, 2, 2.5f, 3, 3.5f}));
+}
+
+// Every malformed file ends in one kvlab::Error that says what is wrong (and where).
+TEST(Gguf, MalformedFilesAreClearErrors) {
+  test::TempDir dir;
+  const std::vector<std::pair<std::string, std::string>> cases{
+      {"", "not a GGUF file"},
+      {"GGML and more", "not a GGUF file"},
+      {GgufBytes().header(1, 0, 0).text(), "GGUF version 1; kvlab reads versions 2 and 3"},
+      {GgufBytes().header(3, 0, 1).text(), "claims 1 items"},
+      {GgufBytes().header(3, 0, 1).str("k").u32(8).u64(1ULL << 40).text(),
+       "truncated: a string needs 1099511627776 bytes"},
+      {GgufBytes().header(3, 0, 1).str("k").u32(99).zeros(8).text(),
+       "unknown metadata value type 99"},
+      {GgufBytes().header(3, 0, 1).str("k").u32(9).u32(4).u64(1ULL << 60).zeros(8).text(),
+       "an array claims 1152921504606846976 items"},
+      {GgufBytes().header(3, 0, 1).str("k").u32(7).text() + "\x02", "bool value 2"},
+      {GgufBytes().header(3, 0, 2).str("k").u32(4).u32(1).str("k").u32(4).u32(2).text(),
+       "metadata key \"k\" appears twice"},
+      {GgufBytes().header(3, 0, 1).str("general.alignment").u32(4).u32(48).text(),
+       "general.alignment 48 is not a power of two"},
+      {GgufBytes().header(3, 1, 0).tensor("w", {1, 1, 1, 1, 1}, 0, 0).pad_to(32).zeros(4).text(),
+       "has 5 dimensions"},
+      {GgufBytes().header(3, 1, 0).tensor("w", {32}, 6, 0).pad_to(32).zeros(22).text(),
+       "is Q5_0, which kvlab does not read"},
+      {GgufBytes().header(3, 1, 0).tensor("w", {16}, 2, 0).pad_to(32).zeros(18).text(),
+       "rows of 16 elements are not whole Q4_0 blocks of 32"},
+      {GgufBytes().header(3, 1, 0).tensor("w", {4}, 0, 8).pad_to(32).zeros(64).text(),
+       "at data offset 8 is not aligned to 32"},
+      {GgufBytes().header(3, 1, 0).tensor("w", {64}, 0, 0).pad_to(32).zeros(100).text(),
+       "runs past the end of the file"},
+      {GgufBytes().header(3, 1, 0).tensor("w", {1ULL << 62, 4}, 0, 0).pad_to(32).text(),
+       "more elements than a 63-bit count"},
+      {GgufBytes()
+           .header(3, 2, 0)
+           .tensor("w", {4}, 0, 0)
+           .tensor("w", {4}, 0, 32)
+           .pad_to(32)
+           .zeros(64)
+           .text(),
+       "tensor \"w\" appears twice"},
+  };
+  for (std::size_t i = 0; i < cases.size(); ++i) {
+    const std::string message = open_error(dir, cases[i].first);
+    EXPECT_NE(message.find("f.gguf"), std::string::npos) << i << ": " << message;
+    EXPECT_NE(message.find(cases[i].second), std::string::npos) << i << ": " << message;
+  }
+  // Arrays nested past the limit (a fuzzer's way to exhaust the stack).
+  GgufBytes nested;
+  nested.header(3, 0, 1).str("k").u32(9);
+  for (int depth = 0; depth < 6; ++depth) nested.u32(9).u64(1);
+  EXPECT_NE(open_error(dir, nested.text()).find("nested deeper than 4"), std::string::npos);
+  EXPECT_NE(error_of<Error>([] {
+              GgufFile::open("/nonexistent/m.gguf");
+            }).find("cannot open GGUF file /nonexistent/m.gguf"),
+            std::string::npos);
+}
+
+TEST(Gguf, DequantizeRefusesMismatchedSizesAndUnknownTypes) {
+  std::vector<std::byte> bytes(34);
+  std::vector<float> values(31);
+  EXPECT_NE(error_of<Error>([&] { gguf_dequantize(8, bytes, values); }).find("do not hold"),
+            std::string::npos);
+  values.resize(32);
+  EXPECT_NO_THROW(gguf_dequantize(8, bytes, values));
+  EXPECT_NE(error_of<Error>([&] {
+              gguf_dequantize(13, bytes, values);
+            }).find("Q5_K is not one kvlab reads"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace kvlab

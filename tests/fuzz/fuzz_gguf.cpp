@@ -1,0 +1,17 @@
+// libFuzzer: the GGUF reader (header, every metadata type, nested arrays, tensor infos,
+// alignment, offsets); every tensor of a file that opens is dequantized.
+#include "fuzz_input_file.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/gguf.hpp"
+
+extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
+  const auto path = kvlab::fuzz::write_input(kvlab::fuzz::as_text(data, size), ".gguf");
+  try {
+    const auto file = kvlab::GgufFile::open(path);
+    for (const auto& [key, value] : file.metadata()) (void)value.to_string();
+    for (const auto& tensor : file.tensors())
+      if (tensor.elements <= (1 << 20)) (void)file.dequantize(tensor);
+  } catch (const kvlab::Error&) {
+  }
+  return 0;
+}
