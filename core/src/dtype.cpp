@@ -74,6 +74,7 @@ bool dtype_converts_to_f32(DType dtype) {
 void convert_to_f32(DType dtype, std::span<const std::byte> source, std::span<float> destination) {
   const std::size_t n = destination.size();
   assert(source.size() == n * dtype_size(dtype));
+  if (n == 0) return;  // an empty tensor: its spans may be null, which memcpy must not see
   const std::byte* p = source.data();
   switch (dtype) {
     case DType::dtype_f32:
@@ -102,6 +103,7 @@ void convert_from_f32(DType dtype, std::span<const float> source,
                       std::span<std::byte> destination) {
   const std::size_t n = source.size();
   assert(destination.size() == n * dtype_size(dtype));
+  if (n == 0) return;
   std::byte* p = destination.data();
   switch (dtype) {
     case DType::dtype_f32:

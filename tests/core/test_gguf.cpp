@@ -143,6 +143,20 @@ TEST(Gguf, HandWrittenFileWithAlignment) {
   EXPECT_EQ(values, (std::vector<float>{0, 0.5f, 1, 1.5f, 2, 2.5f, 3, 3.5f}));
 }
 
+// A tensor with a zero dimension holds nothing and dequantizes to nothing (found by fuzzing:
+// memcpy was handed a null pointer for it, undefined behaviour even for 0 bytes).
+TEST(Gguf, EmptyTensorsDequantizeToNothing) {
+  test::TempDir dir;
+  GgufBytes b;
+  b.header(3, 2, 0).tensor("empty", {4, 0}, 0, 0).tensor("q", {32, 0}, 8, 0).pad_to(32);
+  test::write_file(dir / "f.gguf", b.text());
+  const GgufFile file = GgufFile::open(dir / "f.gguf");
+  for (const auto& tensor : file.tensors()) {
+    EXPECT_EQ(tensor.elements, 0);
+    EXPECT_TRUE(file.dequantize(tensor).empty());
+  }
+}
+
 // Every malformed file ends in one kvlab::Error that says what is wrong (and where).
 TEST(Gguf, MalformedFilesAreClearErrors) {
   test::TempDir dir;
