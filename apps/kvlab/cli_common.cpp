@@ -5,7 +5,7 @@
 #include <charconv>
 
 #include "kvlab/error.hpp"
-#include "kvlab/gguf_model.hpp"
+#include "kvlab/model/gguf_model.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab::cli {

@@ -11,7 +11,7 @@
 #include "cli_common.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/tokenizer.hpp"
+#include "kvlab/model/tokenizer.hpp"
 
 namespace kvlab::cli {
 namespace {

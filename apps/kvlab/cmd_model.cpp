@@ -6,9 +6,9 @@
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/gguf.hpp"
-#include "kvlab/safetensors.hpp"
-#include "kvlab/weight_init.hpp"
+#include "kvlab/model/gguf.hpp"
+#include "kvlab/model/safetensors.hpp"
+#include "kvlab/model/weight_init.hpp"
 
 namespace kvlab::cli {
 namespace {

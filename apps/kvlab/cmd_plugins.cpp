@@ -4,7 +4,7 @@
 #include <memory>
 
 #include "cli_common.hpp"
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::cli {
 namespace {

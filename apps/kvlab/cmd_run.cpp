@@ -93,11 +93,9 @@ void write_manifest(const std::filesystem::path& folder, const RunOptions& o, st
 std::string all_rejected_reasons(const RunOutput& out) {
   if (out.summary.finished > 0 || out.summary.rejected == 0) return "";
   std::map<std::string, int> reasons;
-  for (const auto& line : out.engine.events) {
-    const auto event = nlohmann::json::parse(line, nullptr, false);
-    if (event.is_object() && event.value("event", "") == "reject")
-      ++reasons[event.value("reason", "no reason given")];
-  }
+  for (const auto& event : out.engine.events)
+    if (event.kind == EventKind::event_reject)
+      ++reasons[event.reason.empty() ? "no reason given" : event.reason];
   constexpr std::size_t kShown = 5;  // events.jsonl has every one
   std::string text;
   std::size_t shown = 0;

@@ -8,10 +8,10 @@
 #include <string>
 #include <vector>
 
-#include "kvlab/engine.hpp"
-#include "kvlab/metrics.hpp"
+#include "kvlab/engine/engine.hpp"
+#include "kvlab/engine/metrics.hpp"
 #include "kvlab/plugin_params.hpp"
-#include "kvlab/workload.hpp"
+#include "kvlab/engine/workload.hpp"
 
 namespace kvlab::cli {
 

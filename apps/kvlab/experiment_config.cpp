@@ -12,7 +12,7 @@
 #include "experiment.hpp"
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/hardware_profile.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/suggest.hpp"
 

@@ -14,10 +14,10 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/hardware_profile.hpp"
-#include "kvlab/kv_memory.hpp"
-#include "kvlab/plugin_loader.hpp"
-#include "kvlab/simulated_backend.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
+#include "kvlab/model/kv_memory.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/sim/simulated_backend.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -177,11 +177,10 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   auto allocator =
       registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
   auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
-  // The window of the whole run: the attention variant's when it sets one (the experiment's
-  // choice), else the model's own (config.json sliding_window, as Mistral's). One value for the
-  // backend, the engine's KV release and the reference check, so `check` compares one model.
-  const std::optional<std::int64_t> window =
-      attention->window() ? attention->window() : model.sliding_window;
+  // Context, EOS and window from one place: the backend, the engine's KV release and the
+  // reference check all use these, so `check` compares one model.
+  const SequenceRules rules = sequence_rules(model, *attention);
+  const std::optional<std::int64_t> window = rules.window;
   std::unique_ptr<Backend> inner;
   PluginObject<Backend> device_backend;  // declared after pool: destroyed (detaching) first
   if (simulated) {
@@ -220,10 +219,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
                                           : EngineClock::virtual_clock;
   options.time_model = c.time_model;
   if (cost_model) options.cost_model = &*cost_model;
-  options.max_seq_len = model.max_position_embeddings;
-  options.eos_token_ids = model.eos_token_ids;
-  options.window = window;
-  options.caches_kv = attention->caches_kv();
+  options.rules = rules;
   options.pool = &pool;
   options.swap_slots = c.swap_slots;
   options.swap_gb_per_s = c.swap_gb_per_s;
@@ -355,7 +351,7 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   }
   {
     auto f = open("events.jsonl");
-    for (const auto& line : out.engine.events) f << line << "\n";
+    for (const auto& event : out.engine.events) f << event_json(event) << "\n";
   }
   {
     const RunSummary& s = out.summary;

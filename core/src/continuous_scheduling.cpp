@@ -1,14 +1,12 @@
+// The shared continuous-batching algorithm (schedule_continuous) and the static baseline.
 #include <algorithm>
 #include <limits>
-#include <unordered_set>
-#include <utility>
-
-#include "kvlab/scheduler.hpp"
-
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/scheduler.hpp"
 
 namespace kvlab {
 namespace {
@@ -30,154 +28,202 @@ class Ledger {
   std::int64_t free_;
 };
 
-// a before b in the policy's order.
-bool before(const ScheduledRequest& a, const ScheduledRequest& b, ContinuousPolicy::Order order) {
+// a before b in a built-in admission order; ties by arrival, then id.
+bool admitted_before(const RequestState& a, const RequestState& b, ContinuousPolicy::Order order) {
   switch (order) {
     case ContinuousPolicy::Order::arrival:
       break;
     case ContinuousPolicy::Order::priority:
       if (a.priority != b.priority) return a.priority > b.priority;
       break;
-    case ContinuousPolicy::Order::shortest_remaining: {
-      const std::int64_t ra =
-          a.oracle_remaining >= 0 ? a.oracle_remaining : a.max_new_tokens - a.generated;
-      const std::int64_t rb =
-          b.oracle_remaining >= 0 ? b.oracle_remaining : b.max_new_tokens - b.generated;
-      if (ra != rb) return ra < rb;
+    case ContinuousPolicy::Order::shortest_remaining:
+      if (a.remaining_output() != b.remaining_output())
+        return a.remaining_output() < b.remaining_output();
       break;
-    }
   }
   if (a.arrival_s != b.arrival_s) return a.arrival_s < b.arrival_s;
   return a.id < b.id;
 }
 
-}  // namespace
+using Requests = std::vector<const RequestState*>;
 
-StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy& policy) {
-  StepPlan plan;
-  Ledger ledger(*input.kv);
-  std::int64_t budget = policy.max_tokens_per_step;
+// Waiting requests in the policy's admission order (the input is already by arrival, id).
+Requests admission_queue(const SchedulerInput& input, const ContinuousPolicy& policy,
+                         const PolicyHooks& hooks) {
+  Requests waiting(input.waiting.begin(), input.waiting.end());
+  if (hooks.admission_order)
+    std::stable_sort(waiting.begin(), waiting.end(), [&](const auto* a, const auto* b) {
+      return hooks.admission_order(*a, *b);
+    });
+  else if (policy.order != ContinuousPolicy::Order::arrival)
+    std::stable_sort(waiting.begin(), waiting.end(), [&](const auto* a, const auto* b) {
+      return admitted_before(*a, *b, policy.order);
+    });
+  return waiting;
+}
 
-  // Running requests, most important first; victims are taken from the back (latest admitted /
-  // lowest priority), as vLLM does.
-  std::vector<const ScheduledRequest*> running;
-  for (const auto& r : input.running) running.push_back(&r);
+// Running requests, most important first (the priority order, then admission).
+Requests running_queue(const SchedulerInput& input, const ContinuousPolicy& policy) {
+  Requests running(input.running.begin(), input.running.end());
   std::stable_sort(running.begin(), running.end(), [&](const auto* a, const auto* b) {
     if (policy.order == ContinuousPolicy::Order::priority && a->priority != b->priority)
       return a->priority > b->priority;
     return a->admitted_step < b->admitted_step ||
            (a->admitted_step == b->admitted_step && a->id < b->id);
   });
-  // Victims in the order they give way.
-  std::vector<const ScheduledRequest*> victims(running.rbegin(), running.rend());
-  if (policy.victim == ContinuousPolicy::Victim::lowest_priority)
+  return running;
+}
+
+// Running requests in the order they give way: from the back of the running queue (latest
+// admitted / least important, as vLLM does), re-ordered by the victim policy.
+Requests victim_queue(const Requests& running, const ContinuousPolicy& policy,
+                      const PolicyHooks& hooks) {
+  Requests victims(running.rbegin(), running.rend());
+  if (hooks.victim_order)
+    std::stable_sort(victims.begin(), victims.end(),
+                     [&](const auto* a, const auto* b) { return hooks.victim_order(*a, *b); });
+  else if (policy.victim == ContinuousPolicy::Victim::lowest_priority)
     std::stable_sort(victims.begin(), victims.end(),
                      [](const auto* a, const auto* b) { return a->priority < b->priority; });
   else if (policy.victim == ContinuousPolicy::Victim::most_kv)
     std::stable_sort(victims.begin(), victims.end(),
-                     [](const auto* a, const auto* b) { return a->tokens > b->tokens; });
-  plan.swap_preempted = policy.swap;
-  std::unordered_set<RequestId> preempted;
-  std::int64_t budget_refund = 0;
-  auto preempt = [&](const ScheduledRequest* victim) {
-    preempted.insert(victim->id);
-    plan.preempt.push_back(victim->id);
-    ledger.give(ledger.kv().slots_held(victim->id));
-    // A victim scheduled earlier in this step gives its tokens back too.
-    budget_refund += static_cast<std::int64_t>(std::erase(plan.decode, victim->id));
-    for (const auto& c : plan.prefill)
-      if (c.id == victim->id) budget_refund += c.tokens;
-    std::erase_if(plan.prefill, [&](const PrefillChunk& c) { return c.id == victim->id; });
-  };
-  auto preempt_last = [&](const ScheduledRequest* keep) -> bool {
-    for (const ScheduledRequest* victim : victims) {
-      if (victim == keep || preempted.count(victim->id)) continue;
+                     [](const auto* a, const auto* b) { return a->length() > b->length(); });
+  return victims;
+}
+
+// One step's plan under construction: the token budget, the KV ledger, who is preempted.
+class PlanBuilder {
+ public:
+  PlanBuilder(const SchedulerInput& input, const ContinuousPolicy& policy,
+              const PolicyHooks& hooks)
+      : policy_(policy),
+        ledger_(*input.kv),
+        budget_(policy.max_tokens_per_step),
+        running_(running_queue(input, policy)),
+        victims_(victim_queue(running_, policy, hooks)) {}
+
+  StepPlan take() { return std::move(plan_); }
+  void schedule_running();
+  void schedule_waiting(const Requests& waiting);
+
+ private:
+  bool is_preempted(const RequestState* r) const {
+    return std::find(preempted_.begin(), preempted_.end(), r) != preempted_.end();
+  }
+  // Frees the victim's KV in the ledger and gives back any work it was given this step.
+  void preempt(const RequestState* victim) {
+    preempted_.push_back(victim);
+    plan_.preempt.push_back({victim->id, policy_.preemption});
+    ledger_.give(ledger_.kv().slots_held(victim->id));
+    std::erase_if(plan_.work, [&](const Work& w) {
+      if (w.id != victim->id) return false;
+      budget_ += w.new_tokens;
+      return true;
+    });
+  }
+  // Preempts the next victim that is not `keep`; false when there is none left.
+  bool preempt_next_victim(const RequestState* keep) {
+    for (const RequestState* victim : victims_) {
+      if (victim == keep || is_preempted(victim)) continue;
       preempt(victim);
       return true;
     }
     return false;
-  };
+  }
+  bool admit(const RequestState& r, std::int64_t chunk);
+  // The prompt chunk a request may compute within the budget (0: none).
+  std::int64_t chunk_for(const RequestState& r) const {
+    const std::int64_t chunk = policy_.chunked_prefill ? std::min(r.new_tokens(), budget_)
+                                                       : r.new_tokens();
+    return chunk > 0 && chunk <= budget_ ? chunk : 0;
+  }
 
-  std::int64_t batch = 0;
+  const ContinuousPolicy& policy_;
+  Ledger ledger_;
+  std::int64_t budget_;  // tokens left this step
+  std::int64_t batch_ = 0;  // running requests after this step's preemptions and admissions
+  Requests running_, victims_, preempted_;
+  StepPlan plan_;
+};
+
+void PlanBuilder::schedule_running() {
+  batch_ = static_cast<std::int64_t>(running_.size());
   // Decodes first: they are what keeps inter-token latency low.
-  for (const ScheduledRequest* r : running) {
-    if (preempted.count(r->id) || !r->decoding()) continue;
-    if (budget < 1) break;
-    const std::int64_t need = ledger.kv().slots_to_append(r->id, 1);
-    bool fits = ledger.take(need);
-    while (!fits && preempt_last(r)) fits = ledger.take(need);
-    budget += std::exchange(budget_refund, 0);
+  for (const RequestState* r : running_) {
+    if (is_preempted(r) || !r->decoding()) continue;
+    if (budget_ < 1) break;
+    const std::int64_t need = ledger_.kv().slots_to_append(r->id, 1);
+    bool fits = ledger_.take(need);
+    while (!fits && preempt_next_victim(r)) fits = ledger_.take(need);
     if (!fits) {  // nothing left to preempt but itself
       preempt(r);
       continue;
     }
-    plan.decode.push_back(r->id);
-    --budget;
-    ++batch;
+    plan_.work.push_back({r->id, 1});
+    --budget_;
   }
-  // Then running requests still computing their prompt (chunked prefill).
-  for (const ScheduledRequest* r : running) {
-    if (preempted.count(r->id) || !r->prefilling()) continue;
-    const std::int64_t remaining = r->tokens - r->computed_tokens;
-    const std::int64_t chunk = policy.chunked_prefill ? std::min(remaining, budget) : remaining;
-    if (chunk <= 0 || chunk > budget) continue;  // slots were allocated at admission
-    plan.prefill.push_back({r->id, chunk});
-    budget -= chunk;
-    ++batch;
+  // Then running requests still computing their prompt (chunked prefill); their slots were
+  // allocated at admission.
+  for (const RequestState* r : running_) {
+    if (is_preempted(r) || !r->prefilling()) continue;
+    if (const std::int64_t chunk = chunk_for(*r); chunk > 0) {
+      plan_.work.push_back({r->id, chunk});
+      budget_ -= chunk;
+    }
   }
-  const auto still_running = static_cast<std::int64_t>(running.size() - preempted.size());
+  batch_ = static_cast<std::int64_t>(running_.size() - preempted_.size());
+}
 
-  // Admissions. A request preempted this step is not re-admitted in the same step.
-  std::vector<const ScheduledRequest*> waiting;
-  for (const auto& r : input.waiting) waiting.push_back(&r);
-  std::stable_sort(waiting.begin(), waiting.end(),
-                   [&](const auto* a, const auto* b) { return before(*a, *b, policy.order); });
-  std::int64_t running_count = still_running;
-  bool blocked = false;
-  for (const ScheduledRequest* r : waiting) {
-    if (blocked) {
-      plan.deferred.push_back({r->id, "behind_blocked_request"});
-      continue;
+// Admits `r` when batch slots, the token budget and the KV cache allow (preempting strictly
+// lower-priority requests when the policy says so).
+bool PlanBuilder::admit(const RequestState& r, std::int64_t chunk) {
+  // The sequence so far (prompt, plus anything generated before a preemption) is allocated.
+  const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output()};
+  const std::int64_t need = ledger_.kv().slots_to_allocate(request);
+  bool fits = ledger_.take(need);
+  if (!fits && policy_.preempt_for_priority) {
+    for (auto it = running_.rbegin(); it != running_.rend() && !fits; ++it) {
+      const RequestState* victim = *it;
+      if (victim->priority >= r.priority || is_preempted(victim)) continue;
+      preempt(victim);
+      --batch_;
+      fits = ledger_.take(need);
     }
-    if (running_count >= policy.max_batch) {
-      plan.deferred.push_back({r->id, "max_batch"});
-      blocked = true;
-      continue;
-    }
-    const std::int64_t remaining = r->tokens - r->computed_tokens;  // all of it, unless swapped
-    const std::int64_t chunk = policy.chunked_prefill ? std::min(remaining, budget) : remaining;
-    if (chunk <= 0 || chunk > budget) {
-      plan.deferred.push_back({r->id, "token_budget"});
-      blocked = true;
-      continue;
-    }
-    // The prompt (plus anything generated before a preemption) is allocated at admission.
-    const AllocateRequest request{r->id, r->token_ids,
-                                  r->tokens + (r->max_new_tokens - r->generated)};
-    const std::int64_t need = ledger.kv().slots_to_allocate(request);
-    bool fits = ledger.take(need);
-    if (!fits && policy.preempt_for_priority) {
-      // Preempt strictly lower-priority running requests, lowest first, while that helps.
-      for (auto it = running.rbegin(); it != running.rend() && !fits; ++it) {
-        const ScheduledRequest* victim = *it;
-        if (victim->priority >= r->priority || preempted.count(victim->id)) continue;
-        preempt(victim);
-        --running_count;
-        budget += std::exchange(budget_refund, 0);
-        fits = ledger.take(need);
-      }
-    }
-    if (!fits) {
-      plan.deferred.push_back({r->id, "kv_full"});
-      blocked = true;
-      continue;
-    }
-    plan.admit.push_back(r->id);
-    plan.prefill.push_back({r->id, chunk});
-    budget -= chunk;
-    ++running_count;
   }
-  return plan;
+  if (!fits) return false;
+  plan_.work.push_back({r.id, chunk});
+  budget_ -= chunk;
+  ++batch_;
+  return true;
+}
+
+// Admissions in order until the first request that does not fit; everyone behind it waits.
+// A request preempted this step is not in `waiting`, so it is not re-admitted in the same step.
+void PlanBuilder::schedule_waiting(const Requests& waiting) {
+  std::string_view blocked;
+  for (const RequestState* r : waiting) {
+    if (!blocked.empty()) {
+      plan_.deferred.push_back({r->id, "behind_blocked_request"});
+      continue;
+    }
+    if (batch_ >= policy_.max_batch)
+      blocked = "max_batch";
+    else if (const std::int64_t chunk = chunk_for(*r); chunk == 0)
+      blocked = "token_budget";
+    else if (!admit(*r, chunk))
+      blocked = "kv_full";
+    if (!blocked.empty()) plan_.deferred.push_back({r->id, blocked});
+  }
+}
+
+}  // namespace
+
+StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy& policy,
+                             const PolicyHooks& hooks) {
+  PlanBuilder builder(input, policy, hooks);
+  builder.schedule_running();
+  builder.schedule_waiting(admission_queue(input, policy, hooks));
+  return builder.take();
 }
 
 std::optional<ContinuousPolicy::Victim> victim_policy_from_name(std::string_view name) {
@@ -195,7 +241,7 @@ ContinuousPolicy continuous_policy_from_params(const PluginParams& params,
   if (preemption != "recompute" && preemption != "swap")
     throw std::invalid_argument("preemption must be \"recompute\" or \"swap\", got \"" +
                                 preemption + "\"");
-  policy.swap = preemption == "swap";
+  policy.preemption = preemption == "swap" ? PreemptMode::swap : PreemptMode::recompute;
   const auto victim = victim_policy_from_name(params.string("victim"));
   if (!victim)
     throw std::invalid_argument(
@@ -206,20 +252,15 @@ ContinuousPolicy continuous_policy_from_params(const PluginParams& params,
 }
 
 StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch) {
-  if (input.running.empty()) {  // form a new batch: whole prompts, arrival order
-    ContinuousPolicy policy;
-    policy.max_batch = max_batch;
-    policy.max_tokens_per_step = std::numeric_limits<std::int64_t>::max() / 4;
-    return schedule_continuous(input, policy);
-  }
-  // The batch runs to completion: same step logic, but nobody is admitted.
-  ContinuousPolicy policy;
+  ContinuousPolicy policy;  // whole prompts, arrival order, no token budget
   policy.max_batch = max_batch;
   policy.max_tokens_per_step = std::numeric_limits<std::int64_t>::max() / 4;
+  if (input.running.empty()) return schedule_continuous(input, policy);  // form a new batch
+  // The batch runs to completion: same step logic, but nobody is admitted.
   SchedulerInput running_only = input;
   running_only.waiting = {};
   StepPlan plan = schedule_continuous(running_only, policy);
-  for (const auto& r : input.waiting) plan.deferred.push_back({r.id, "static_batch_running"});
+  for (const RequestState* r : input.waiting) plan.deferred.push_back({r->id, "static_batch_running"});
   return plan;
 }
 

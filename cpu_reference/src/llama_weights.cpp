@@ -5,10 +5,10 @@
 #include <functional>
 
 #include "kvlab/error.hpp"
-#include "kvlab/gguf_model.hpp"
+#include "kvlab/model/gguf_model.hpp"
 #include "kvlab/memory_limit.hpp"
-#include "kvlab/safetensors.hpp"
-#include "kvlab/weight_init.hpp"
+#include "kvlab/model/safetensors.hpp"
+#include "kvlab/model/weight_init.hpp"
 
 namespace kvlab::cpu {
 namespace {

@@ -4,7 +4,7 @@
 //   ./build/bin/kvlab_bench_allocators
 #include <benchmark/benchmark.h>
 
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::bench {
 namespace {

@@ -9,7 +9,7 @@
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/machine_peak.hpp"
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::bench {
 namespace {

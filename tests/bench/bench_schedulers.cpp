@@ -4,7 +4,7 @@
 //   ./build/bin/kvlab_bench_schedulers
 #include <benchmark/benchmark.h>
 
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::bench {
 namespace {
@@ -19,35 +19,33 @@ void BM_SchedulerStep(benchmark::State& state, const std::string& name) {
   context.max_seq_len = 4096;
   auto allocator = registry.create<PluginKind::kv_allocator>("paged", {}, context);
   auto scheduler = registry.create<PluginKind::scheduler>(name, {}, context);
-  std::vector<std::vector<std::int32_t>> tokens(kRunning + kWaiting);
-  std::vector<ScheduledRequest> running, waiting;
+  std::vector<RequestState> states(kRunning + kWaiting);
+  std::vector<const RequestState*> running, waiting;
   for (std::int64_t i = 0; i < kRunning + kWaiting; ++i) {
-    auto& t = tokens[static_cast<std::size_t>(i)];
+    RequestState& r = states[static_cast<std::size_t>(i)];
     const std::int64_t length = 64 + (i * 37) % 448;
     for (std::int64_t k = 0; k < length; ++k)
-      t.push_back(static_cast<std::int32_t>((i * 131 + k) % 32000));
-    ScheduledRequest r;
+      r.tokens.push_back(static_cast<std::int32_t>((i * 131 + k) % 32000));
     r.id = i;
     r.arrival_s = static_cast<double>(i) * 1e-3;
     r.priority = static_cast<int>(i % 3);
-    r.tokens = length;
-    r.max_new_tokens = 128;
-    r.oracle_remaining = 1 + (i * 7) % 128;
-    r.token_ids = t;
+    r.prompt_tokens = length;
+    r.max_new_tokens = 1 + (i * 7) % 128;
     if (i < kRunning) {  // running and decoding: all but the newest token computed
-      allocator->allocate({i, t, length + 128});
-      r.computed_tokens = length - 1;
-      r.generated = 1;
+      r.prompt_tokens = length - 1;
+      allocator->allocate({i, r.tokens, length + 128});
+      r.computed = r.allocated = length - 1;
       r.admitted_step = i;
-      running.push_back(r);
+      r.status = RequestStatus::running;
+      running.push_back(&r);
     } else {
-      waiting.push_back(r);
+      waiting.push_back(&r);
     }
   }
   std::int64_t planned = 0;
   for (auto _ : state) {
     const StepPlan plan = scheduler->schedule({waiting, running, allocator.get(), 0});
-    planned += static_cast<std::int64_t>(plan.decode.size() + plan.admit.size());
+    planned += static_cast<std::int64_t>(plan.work.size());
     benchmark::DoNotOptimize(plan);
   }
   state.counters["scheduled/step"] =

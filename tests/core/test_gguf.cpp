@@ -10,7 +10,7 @@
 #include <vector>
 
 #include "kvlab/error.hpp"
-#include "kvlab/gguf.hpp"
+#include "kvlab/model/gguf.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

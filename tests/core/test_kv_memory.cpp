@@ -3,8 +3,8 @@
 #include <limits>
 
 #include "kvlab/error.hpp"
-#include "kvlab/hardware_profile.hpp"
-#include "kvlab/kv_memory.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
+#include "kvlab/model/kv_memory.hpp"
 #include "kvlab/kv_pool.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab/model_config.hpp"

@@ -4,7 +4,7 @@
 #include <nlohmann/json.hpp>
 
 #include "kvlab/error.hpp"
-#include "kvlab/safetensors.hpp"
+#include "kvlab/model/safetensors.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

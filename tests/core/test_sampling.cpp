@@ -6,7 +6,7 @@
 #include <numeric>
 
 #include "kvlab/error.hpp"
-#include "kvlab/sampling.hpp"
+#include "kvlab/engine/sampling.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

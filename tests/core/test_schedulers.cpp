@@ -1,5 +1,5 @@
 // Scheduler iteration tables (the shape of TensorRT-LLM's capacity-scheduler tests): a mock KV
-// allocator with one slot per token, a driver that applies each plan like the engine does,
+// allocator with one slot per token, a driver that applies each plan with the engine's apply,
 // and for every step the expected set of requests that run, wait, and are preempted.
 #include <gtest/gtest.h>
 
@@ -7,6 +7,7 @@
 #include <map>
 #include <set>
 
+#include "kvlab/engine/apply.hpp"
 #include "kvlab/scheduler.hpp"
 
 namespace kvlab {
@@ -82,82 +83,41 @@ std::ostream& operator<<(std::ostream& os, const Row& row) {
   return os << "}";
 }
 
-// Applies plans like the engine: admission allocates the whole sequence so far, a decode
-// appends one slot, a request finishes after `output` tokens and frees its slots.
+// Drives the requests with the engine's own apply_plan / apply_tokens (no backend: every
+// sampled token is 7, EOS never comes); a request finishes after `output` tokens.
 std::vector<Row> drive(const std::vector<Spec>& specs, std::int64_t capacity,
                        const std::function<StepPlan(const SchedulerInput&)>& schedule,
                        int max_steps = 40) {
   MockAllocator kv(capacity);
-  struct State {
-    ScheduledRequest view;
-    bool running = false, done = false;
-  };
-  std::vector<State> states(specs.size());
-  std::vector<std::vector<std::int32_t>> ids(specs.size());
+  std::vector<WorkloadRequest> requests(specs.size());
   for (std::size_t i = 0; i < specs.size(); ++i) {
-    states[i].view.id = static_cast<RequestId>(i);
-    states[i].view.arrival_s = static_cast<double>(specs[i].arrival_step);
-    states[i].view.priority = specs[i].priority;
-    states[i].view.tokens = specs[i].prompt;
-    states[i].view.max_new_tokens = specs[i].output;
-    states[i].view.oracle_remaining = specs[i].output;
+    requests[i].arrival_s = static_cast<double>(specs[i].arrival_step);
+    requests[i].priority = specs[i].priority;
+    requests[i].prompt.assign(static_cast<std::size_t>(specs[i].prompt), 7);
+    requests[i].output_tokens = specs[i].output;
   }
-  std::vector<Row> table;
-  for (int step = 0; step < max_steps; ++step) {
-    std::vector<ScheduledRequest> waiting, running;
-    bool all_done = true;
-    for (std::size_t i = 0; i < specs.size(); ++i) {
-      auto& s = states[i];
-      all_done &= s.done;
-      ids[i].assign(static_cast<std::size_t>(s.view.tokens), 7);
-      s.view.token_ids = ids[i];
-      s.view.oracle_remaining = specs[i].output - s.view.generated;
-      if (s.done || specs[i].arrival_step > step) continue;
-      (s.running ? running : waiting).push_back(s.view);
-    }
-    if (all_done) break;
-    const StepPlan plan = schedule({waiting, running, &kv, step});
+  RequestTable table(requests, false);
+  ApplyOptions options;
+  options.rules.context = 1 << 20;
+  EventLog log;
+  std::vector<Row> table_rows;
+  for (int step = 0; step < max_steps && !table.all_done(); ++step) {
+    while (table.next_arrival() && table.at(*table.next_arrival()).arrival_s <= step)
+      table.arrive();
+    const StepPlan plan = schedule({table.waiting(), table.running(), &kv, step});
+    const AppliedPlan applied = apply_plan(plan, step, table, kv, options, log);
     Row row;
-    for (RequestId id : plan.preempt) {
-      auto& s = states[static_cast<std::size_t>(id)];
-      kv.free(id);
-      s.running = false;
-      s.view.computed_tokens = 0;
-      row.preempted.insert(id);
-    }
-    for (RequestId id : plan.admit) {
-      auto& s = states[static_cast<std::size_t>(id)];
-      std::vector<std::int32_t> prompt(static_cast<std::size_t>(s.view.tokens), 7);
-      EXPECT_TRUE(kv.allocate({id, prompt, 0}).has_value())
-          << "step " << step << " admits " << id << " beyond capacity";
-      s.running = true;
-      s.view.admitted_step = step;
-    }
-    auto compute = [&](RequestId id, std::int64_t tokens) {
-      auto& s = states[static_cast<std::size_t>(id)];
-      row.run.insert(id);
-      s.view.computed_tokens += tokens;
-      if (s.view.computed_tokens == s.view.tokens) {  // sample one token
-        ++s.view.generated;
-        if (s.view.generated == specs[static_cast<std::size_t>(id)].output) {
-          kv.free(id);
-          s.done = true;
-          s.running = false;
-        } else {
-          ++s.view.tokens;
-        }
-      }
-    };
-    for (RequestId id : plan.decode) {
-      const std::int32_t token = 7;
-      EXPECT_TRUE(kv.append(id, std::span<const std::int32_t>(&token, 1)))
-          << "step " << step << " decode " << id;
-      compute(id, 1);
-    }
-    for (const auto& chunk : plan.prefill) compute(chunk.id, chunk.tokens);
-    table.push_back(row);
+    for (const Preemption& p : plan.preempt) row.preempted.insert(p.id);
+    for (const ScheduledWork& w : applied.batch) row.run.insert(w.id);
+    const std::vector<std::int32_t> sampled(applied.batch.size(), 7);
+    apply_tokens(applied, sampled, step, table, kv, options, log);
+    table_rows.push_back(row);
   }
-  return table;
+  for (const EngineEvent& e : log.events())
+    EXPECT_NE(e.reason, "kv_full_at_apply") << "request " << e.request << ": plan overcommitted";
+  for (const EngineEvent& e : log.events())
+    EXPECT_NE(e.reason, "append_failed_at_apply") << "request " << e.request;
+  return table_rows;
 }
 
 auto continuous(ContinuousPolicy policy) {
@@ -236,16 +196,20 @@ TEST(SchedulerTables, TokenBudgetHoldsAndDeferralsHaveReasons) {
   ContinuousPolicy policy;
   policy.max_tokens_per_step = 10;
   MockAllocator kv(1000);
-  std::vector<ScheduledRequest> waiting(3);
-  std::vector<std::vector<std::int32_t>> ids(3, std::vector<std::int32_t>(6, 1));
+  std::vector<RequestState> states(3);
+  std::vector<const RequestState*> waiting;
   for (int i = 0; i < 3; ++i) {
-    waiting[static_cast<std::size_t>(i)].id = i;
-    waiting[static_cast<std::size_t>(i)].tokens = 6;
-    waiting[static_cast<std::size_t>(i)].max_new_tokens = 4;
-    waiting[static_cast<std::size_t>(i)].token_ids = ids[static_cast<std::size_t>(i)];
+    RequestState& r = states[static_cast<std::size_t>(i)];
+    r.id = i;
+    r.prompt_tokens = 6;
+    r.tokens.assign(6, 1);
+    r.max_new_tokens = 4;
+    waiting.push_back(&r);
   }
   const StepPlan plan = schedule_continuous({waiting, {}, &kv, 0}, policy);
-  EXPECT_EQ(plan.admit, (std::vector<RequestId>{0}));  // 6 + 6 > 10
+  ASSERT_EQ(plan.work.size(), 1u);  // 6 + 6 > 10
+  EXPECT_EQ(plan.work[0].id, 0);
+  EXPECT_EQ(plan.work[0].new_tokens, 6);
   ASSERT_EQ(plan.deferred.size(), 2u);
   EXPECT_EQ(plan.deferred[0].reason, "token_budget");
   EXPECT_EQ(plan.deferred[1].reason, "behind_blocked_request");

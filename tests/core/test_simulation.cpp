@@ -7,11 +7,11 @@
 #include <fstream>
 #include <set>
 
-#include "kvlab/calibration.hpp"
-#include "kvlab/cost_model.hpp"
+#include "kvlab/sim/calibration.hpp"
+#include "kvlab/sim/cost_model.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/hardware_profile.hpp"
-#include "kvlab/simulated_backend.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
+#include "kvlab/sim/simulated_backend.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

@@ -2,7 +2,7 @@
 #include <sentencepiece_trainer.h>
 
 #include "kvlab/error.hpp"
-#include "kvlab/tokenizer.hpp"
+#include "kvlab/model/tokenizer.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

@@ -3,8 +3,8 @@
 #include <cmath>
 
 #include "kvlab/error.hpp"
-#include "kvlab/safetensors.hpp"
-#include "kvlab/weight_init.hpp"
+#include "kvlab/model/safetensors.hpp"
+#include "kvlab/model/weight_init.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

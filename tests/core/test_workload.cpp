@@ -4,7 +4,7 @@
 #include <numeric>
 
 #include "kvlab/error.hpp"
-#include "kvlab/workload.hpp"
+#include "kvlab/engine/workload.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

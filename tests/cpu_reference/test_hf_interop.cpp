@@ -9,7 +9,7 @@
 
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/gguf_model.hpp"
+#include "kvlab/model/gguf_model.hpp"
 #include "test_util.hpp"
 
 namespace kvlab::cpu {

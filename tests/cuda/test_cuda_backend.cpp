@@ -10,8 +10,8 @@
 #include "cpu_reference/test_models.hpp"
 #include "cuda_test_util.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
-#include "kvlab/engine.hpp"
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/engine/engine.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -78,10 +78,8 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   else
     cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, variant->window());
   EngineOptions options;
-  options.max_seq_len = 64;
-  options.eos_token_ids = c.eos_token_ids;
-  options.window = variant->window();
-  options.caches_kv = variant->caches_kv();
+  options.rules = sequence_rules(c, *variant);
+  options.rules.context = 64;
   options.pool = &pool;
   options.swap_slots = 4096;
   Engine engine(on_gpu ? *gpu_backend : static_cast<Backend&>(*cpu_backend), *kv, *scheduler,

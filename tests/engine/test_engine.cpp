@@ -10,10 +10,10 @@
 #include "cpu_reference/test_models.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
-#include "kvlab/engine.hpp"
+#include "kvlab/engine/engine.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/plugin_loader.hpp"
-#include "kvlab/simulated_backend.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/sim/simulated_backend.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -52,8 +52,8 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
       registry().create<PluginKind::scheduler>(setup.scheduler, setup.scheduler_params, context);
   cpu::CpuBackend backend(weights(), pool, std::nullopt);
   EngineOptions options;
-  options.max_seq_len = setup.max_seq_len;
-  options.eos_token_ids = c.eos_token_ids;
+  options.rules.context = setup.max_seq_len;
+  options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
   options.swap_slots = setup.swap_slots;
   Engine engine(backend, *allocator, *scheduler, options);
@@ -75,8 +75,8 @@ TEST(Engine, NonFiniteLogitsAreAnErrorNamingRequestAndStep) {
   auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
   cpu::CpuBackend backend(broken, pool, std::nullopt);
   EngineOptions options;
-  options.max_seq_len = 64;
-  options.eos_token_ids = c.eos_token_ids;
+  options.rules.context = 64;
+  options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
   Engine engine(backend, *allocator, *scheduler, options);
   std::vector<WorkloadRequest> requests(1);
@@ -160,8 +160,8 @@ TEST(Engine, PreemptionHappensUnderMemoryPressureAndTokensStillMatch) {
       EXPECT_EQ(result.tokens[i][t], expected.tokens[t].token);
   }
   bool saw_preempt_event = false;
-  for (const auto& line : result.events)
-    saw_preempt_event |= nlohmann::json::parse(line)["event"] == "preempt";
+  for (const auto& event : result.events)
+    saw_preempt_event |= event.kind == EventKind::event_preempt;
   EXPECT_TRUE(saw_preempt_event);
 }
 
@@ -205,7 +205,7 @@ TEST(Engine, SwapPreemptionKeepsTheKvAndTheTokens) {
   for (auto& r : requests) r.arrival_s = 0, r.output_tokens = 8, r.sampling.max_tokens = 8;
   const EngineResult result = run_engine(setup, requests);
   bool swap_full = false;
-  for (const auto& line : result.events) swap_full |= line.find("swap_full") != std::string::npos;
+  for (const auto& event : result.events) swap_full |= event.kind == EventKind::event_swap_full;
   EXPECT_TRUE(swap_full);
 }
 
@@ -261,8 +261,8 @@ TEST(Engine, PrefixCachingServesSharedPrompts) {
   const EngineResult result = run_engine(EngineSetup{}, generate_workload(spec));
   EXPECT_GT(result.steps.back().kv.prefix_hit_tokens, 0);
   bool hit_event = false;
-  for (const auto& line : result.events)
-    hit_event |= line.find("prefix_hit_tokens=16") != std::string::npos;
+  for (const auto& event : result.events)
+    hit_event |= event.kind == EventKind::event_admit && event.reason == "prefix_hit_tokens=16";
   EXPECT_TRUE(hit_event);
 }
 
@@ -289,8 +289,8 @@ EngineResult run_simulated(std::int64_t slots, const std::vector<WorkloadRequest
       "fcfs", {{"preemption", std::string("swap")}}, context);
   SimulatedBackend backend(model.vocab_size, model.eos_token_ids);
   EngineOptions options;
-  options.max_seq_len = model.max_position_embeddings;
-  options.eos_token_ids = model.eos_token_ids;
+  options.rules.context = model.max_position_embeddings;
+  options.rules.eos_token_ids = model.eos_token_ids;
   options.pool = &pool;
   options.swap_slots = 1 << 20;
   options.cost_model = &cost;

@@ -2,7 +2,7 @@
 // alignment, offsets); every tensor of a file that opens is dequantized.
 #include "fuzz_input_file.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/gguf.hpp"
+#include "kvlab/model/gguf.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const auto path = kvlab::fuzz::write_input(kvlab::fuzz::as_text(data, size), ".gguf");

@@ -4,7 +4,7 @@
 
 #include "fuzz_input_file.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/kv_memory.hpp"
+#include "kvlab/model/kv_memory.hpp"
 #include "kvlab/model_config.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -3,7 +3,7 @@
 // report, another exception) is a finding.
 #include "fuzz_input_file.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/safetensors.hpp"
+#include "kvlab/model/safetensors.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const auto path = kvlab::fuzz::write_input(kvlab::fuzz::as_text(data, size), ".safetensors");

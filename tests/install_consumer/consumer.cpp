@@ -2,7 +2,7 @@
 #include <cstdio>
 
 #include "kvlab/cpu_reference/reference_model.hpp"
-#include "kvlab/kv_memory.hpp"
+#include "kvlab/model/kv_memory.hpp"
 #include "kvlab/model_config.hpp"
 
 int main() {

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "kvlab/error.hpp"
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

@@ -15,8 +15,12 @@ class ContinuousScheduler : public Scheduler {
   ContinuousScheduler(const PluginParams& params, ContinuousPolicy base)
       : policy_(continuous_policy_from_params(params, base)) {}
   StepPlan schedule(const SchedulerInput& input) override {
-    return schedule_continuous(input, policy_);
+    return schedule_continuous(input, policy_, hooks_);
   }
+
+ protected:
+  // A plugin's own admission order and victim choice (set in its constructor).
+  PolicyHooks hooks_;
 
  private:
   ContinuousPolicy policy_;

@@ -1,8 +1,10 @@
 #pragma once
-// Scheduler: the iteration-level policy. A plugin kind. Each engine step it reads the queues
-// and a read-only allocator and returns a plan; it never touches memory (the engine applies).
+// Scheduler: the iteration-level policy. A plugin kind. Each engine step it reads the request
+// table (read-only) and the allocator (read-only) and returns a plan; it never touches memory:
+// apply_plan (kvlab/engine/apply_plan.hpp) is the only code that does.
 #include <boost/config.hpp>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <string>
@@ -10,56 +12,48 @@
 #include <vector>
 
 #include "kvlab/kv_allocator.hpp"
+#include "kvlab/request.hpp"
 
 namespace kvlab {
 
-using RequestId = std::int64_t;  // also the request's SequenceId in the allocator
-
-// What a scheduler sees of one request.
-struct ScheduledRequest {
-  RequestId id = 0;
-  double arrival_s = 0;
-  int priority = 0;                  // higher = more important
-  std::int64_t tokens = 0;           // prompt + generated so far: the KV a running request needs
-  std::int64_t computed_tokens = 0;  // tokens whose KV is in the pool (0 while waiting)
-  std::int64_t generated = 0;
-  std::int64_t max_new_tokens = 0;
-  std::int64_t oracle_remaining =
-      -1;  // tokens it will still generate, when the workload knows (sjf_oracle)
-  std::int64_t admitted_step = -1;          // step it (last) entered the running queue
-  std::span<const std::int32_t> token_ids;  // prompt + generated (prefix-cache lookups)
-  // Decoding: its newest token is the only one without KV. Prefilling: anything else unfinished
-  // (a prompt, or a preempted request recomputing its sequence).
-  bool decoding() const { return generated > 0 && tokens - computed_tokens == 1; }
-  bool prefilling() const { return computed_tokens < tokens && !decoding(); }
-  bool swapped = false;  // waiting with its KV in the host swap pool (no recompute on admission)
-};
-
 struct SchedulerInput {
-  std::span<const ScheduledRequest> waiting;  // never-admitted and preempted requests, by arrival
-  std::span<const ScheduledRequest> running;  // by admission
-  const KvAllocator* kv = nullptr;            // read-only: can_*, slots_* queries
+  // Waiting and swapped requests by (arrival, id); running requests by admission.
+  std::span<const RequestState* const> waiting;
+  std::span<const RequestState* const> running;
+  const KvAllocator* kv = nullptr;  // read-only: free_slots, slots_* queries
   std::int64_t step = 0;
 };
 
-struct PrefillChunk {
+enum class PreemptMode : std::uint8_t {
+  recompute,  // free its KV; the whole sequence is recomputed on readmission
+  swap,       // copy its KV to the host swap pool (recompute if the swap pool is full)
+};
+
+struct Preemption {
   RequestId id = 0;
-  std::int64_t tokens = 0;  // prompt tokens to compute this step
+  PreemptMode mode = PreemptMode::recompute;
+};
+
+// Compute `new_tokens` of this request's tokens this step. On a waiting request this admits it
+// (its sequence so far is allocated); on a running one it is a decode (1) or a prompt chunk.
+struct Work {
+  RequestId id = 0;
+  std::int64_t new_tokens = 0;  // 1 .. RequestState::new_tokens()
 };
 
 struct Deferral {
   RequestId id = 0;
-  std::string reason;  // e.g. "kv_full", "max_batch", "token_budget", "static_batch_running"
+  // e.g. "kv_full", "max_batch", "token_budget", "static_batch_running": a string literal or
+  // text the scheduler keeps alive until its next schedule() call (no allocation per request).
+  std::string_view reason;
 };
 
+// vLLM v1's plan shape: running requests to preempt, then work for running and waiting requests
+// alike, and why the waiting requests left out stay waiting (the event log).
 struct StepPlan {
-  std::vector<RequestId> preempt;  // running -> waiting; KV freed (recomputed later)
-  std::vector<RequestId>
-      admit;  // waiting -> running; prompt allocated (their prefill is in `prefill`)
-  std::vector<PrefillChunk> prefill;  // prompt chunks computed this step
-  std::vector<RequestId> decode;      // one new token each
-  std::vector<Deferral> deferred;     // waiting requests left waiting, and why (event log)
-  bool swap_preempted = false;        // preempt by swapping KV out (else: free and recompute later)
+  std::vector<Preemption> preempt;  // running -> waiting / swapped
+  std::vector<Work> work;
+  std::vector<Deferral> deferred;
 };
 
 class BOOST_SYMBOL_VISIBLE Scheduler {
@@ -68,11 +62,15 @@ class BOOST_SYMBOL_VISIBLE Scheduler {
   virtual StepPlan schedule(const SchedulerInput& input) = 0;
 };
 
+// "a comes before b": an admission order, or the order in which running requests give way.
+using RequestOrder = std::function<bool(const RequestState& a, const RequestState& b)>;
+
 // The shared iteration-level algorithm behind fcfs, priority, chunked and sjf_oracle:
 // (1) running requests keep going — decodes first, then unfinished prefills (chunked within
-// the token budget) — preempting victims when the KV cannot grow; (2) waiting requests are
+// the token budget) — preempting victims when the KV cache cannot grow; (2) waiting requests are
 // admitted in `order` while batch slots, tokens and KV last. Head-of-line: admission stops at
-// the first waiting request that does not fit.
+// the first waiting request that does not fit. A scheduler plugin brings its own policy through
+// PolicyHooks (docs/writing-a-plugin.md).
 struct ContinuousPolicy {
   enum class Order { arrival, priority, shortest_remaining };
   Order order = Order::arrival;
@@ -83,7 +81,15 @@ struct ContinuousPolicy {
   // Which running request gives way when the KV cache cannot grow.
   enum class Victim { last_admitted, lowest_priority, most_kv };
   Victim victim = Victim::last_admitted;
-  bool swap = false;  // preempt by swapping KV to the host swap pool (else recompute later)
+  PreemptMode preemption = PreemptMode::recompute;
+};
+
+// A plugin's own policy on top of the shared algorithm: each order, when set, replaces the
+// policy's `order` / `victim` (stable: ties keep arrival order / latest admitted first). They
+// are called only inside schedule_continuous, within the plugin's own schedule() call.
+struct PolicyHooks {
+  RequestOrder admission_order;  // which waiting request is admitted first
+  RequestOrder victim_order;     // which running request gives way first
 };
 // "last_admitted" | "lowest_priority" | "most_kv"; nullopt for anything else.
 std::optional<ContinuousPolicy::Victim> victim_policy_from_name(std::string_view name);
@@ -93,7 +99,8 @@ std::optional<ContinuousPolicy::Victim> victim_policy_from_name(std::string_view
 // (plugins call it from their constructor; the message reaches the user).
 ContinuousPolicy continuous_policy_from_params(const class PluginParams& params,
                                                ContinuousPolicy base);
-StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy& policy);
+StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy& policy,
+                             const PolicyHooks& hooks = {});
 
 // static: a batch is formed only when nothing runs (up to max_batch, while the KV fits) and
 // runs to completion; nobody joins a running batch (the seed's static batching baseline).

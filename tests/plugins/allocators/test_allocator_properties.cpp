@@ -8,7 +8,7 @@
 #include <set>
 #include <unordered_map>
 
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

@@ -8,7 +8,7 @@
 
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
-#include "kvlab/sampling.hpp"
+#include "kvlab/engine/sampling.hpp"
 
 namespace kvlab::cpu {
 

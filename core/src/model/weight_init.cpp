@@ -1,4 +1,4 @@
-#include "kvlab/weight_init.hpp"
+#include "kvlab/model/weight_init.hpp"
 
 #include <fmt/format.h>
 
@@ -6,7 +6,7 @@
 #include <fstream>
 
 #include "kvlab/error.hpp"
-#include "kvlab/safetensors.hpp"
+#include "kvlab/model/safetensors.hpp"
 
 namespace kvlab {
 namespace {

@@ -1,4 +1,4 @@
-#include "kvlab/simulated_backend.hpp"
+#include "kvlab/sim/simulated_backend.hpp"
 
 #include <algorithm>
 

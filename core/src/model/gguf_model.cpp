@@ -1,4 +1,4 @@
-#include "kvlab/gguf_model.hpp"
+#include "kvlab/model/gguf_model.hpp"
 
 #include <fmt/format.h>
 
@@ -7,7 +7,7 @@
 
 #include "kvlab/error.hpp"
 #include "kvlab/model_config.hpp"
-#include "kvlab/safetensors.hpp"
+#include "kvlab/model/safetensors.hpp"
 
 namespace kvlab {
 namespace {

@@ -14,7 +14,7 @@
 #include <span>
 
 #include "kvlab/backend.hpp"
-#include "kvlab/hardware_profile.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/model_config.hpp"
 
 namespace kvlab {
@@ -28,14 +28,14 @@ struct EntryShape {
   std::int64_t first_position = 0;
 };
 
-struct Work {
+struct FlopsAndBytes {
   double flops = 0;
   double bytes = 0;
 };
 
 // What a step asks of the device, before any device speed is applied.
 struct StepWork {
-  Work linear, lm_head, attention_prefill, attention_decode, elementwise;
+  FlopsAndBytes linear, lm_head, attention_prefill, attention_decode, elementwise;
   std::int64_t sequences = 0;
   std::int64_t tokens = 0;
 };
@@ -78,7 +78,7 @@ class CostModel {
 };
 
 // The roofline time of one group: max(flops / (peak x e_c), bytes / (bandwidth x e_m)).
-double roofline_seconds(const Work& work, double peak_flops, double bytes_per_s,
+double roofline_seconds(const FlopsAndBytes& work, double peak_flops, double bytes_per_s,
                         double compute_efficiency, double memory_efficiency);
 
 }  // namespace kvlab

@@ -7,7 +7,7 @@
 #include <string>
 #include <vector>
 
-#include "kvlab/sampling.hpp"
+#include "kvlab/engine/sampling.hpp"
 
 namespace kvlab {
 

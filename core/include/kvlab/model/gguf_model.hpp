@@ -8,7 +8,7 @@
 #include <string>
 #include <vector>
 
-#include "kvlab/gguf.hpp"
+#include "kvlab/model/gguf.hpp"
 #include "kvlab/model_config.hpp"
 
 namespace kvlab {

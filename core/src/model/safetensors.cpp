@@ -1,4 +1,4 @@
-#include "kvlab/safetensors.hpp"
+#include "kvlab/model/safetensors.hpp"
 
 #include <fmt/format.h>
 
@@ -11,7 +11,7 @@
 
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/mapped_file.hpp"
+#include "kvlab/model/mapped_file.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab {

@@ -1,43 +1,30 @@
 #pragma once
-// The engine: the step loop of a serving system.
-//   1. plan   = Scheduler::schedule(queues, read-only allocator)
-//   2. apply  = the allocator commits: preemptions free, admissions allocate (prefix hits),
-//               decodes append a slot for their newest token
+// The engine: the step loop of a serving system. Engine::step() is, in order,
+//   1. plan   = Scheduler::schedule(read-only request table, read-only allocator)
+//   2. apply  = apply_plan(): preemptions, admissions, decode slots (the only mutator)
 //   3. run    = Backend::forward over the mixed batch
 //   4. sample = each request with its own seeded sampler
-//   5. update = append tokens, stop conditions, free finished KV, metrics and event log
+//   5. update = apply_tokens(): tokens appended, stop rules, finished KV freed; step record
 // Requests that can never fit (prompt + max tokens beyond the context or the KV capacity) are
 // rejected with a reason at arrival: submitted = finished + rejected, always.
 #include <cstdint>
-#include <optional>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "kvlab/backend.hpp"
-#include "kvlab/cost_model.hpp"
+#include "kvlab/engine/apply.hpp"
+#include "kvlab/engine/clock.hpp"
+#include "kvlab/engine/events.hpp"
+#include "kvlab/engine/metrics.hpp"
+#include "kvlab/engine/request_table.hpp"
+#include "kvlab/engine/sequence_rules.hpp"
+#include "kvlab/engine/workload.hpp"
 #include "kvlab/kv_allocator.hpp"
-#include "kvlab/metrics.hpp"
 #include "kvlab/scheduler.hpp"
-#include "kvlab/workload.hpp"
+#include "kvlab/sim/cost_model.hpp"
 
 namespace kvlab {
-
-enum class EngineClock {
-  virtual_clock,  // time advances by each step's modelled duration: reproducible to the byte
-  offline,        // every request arrives at t = 0, then as virtual_clock
-  wall,      // arrivals replayed in real time; time advances as it really passes (not reproducible)
-  measured,  // as virtual_clock, but each step lasts what Backend::forward really took (+ the
-             // modelled swap copies): a real backend's timeline without sleeping through idle
-             // gaps, and what a cost model's predictions are validated against
-};
-
-// The virtual clock's step-time model (seconds); the measured forward time is recorded too.
-struct StepTimeModel {
-  double step_overhead_s = 2e-3;
-  double prefill_token_s = 2e-4;
-  double decode_token_s = 1e-3;
-  double kv_token_read_s = 0;  // per cached token attended to by decodes
-};
 
 struct EngineOptions {
   EngineClock clock = EngineClock::virtual_clock;
@@ -46,13 +33,10 @@ struct EngineOptions {
   // (the simulated backend's device); with the measured clock it is recorded next to the
   // measured time (predicted_s) to validate a calibration.
   const CostModel* cost_model = nullptr;
-  std::int64_t max_seq_len = 0;  // the model's context
-  std::vector<std::int32_t> eos_token_ids;
-  std::optional<std::int64_t> window;  // sliding-window attention: release older KV
-  bool caches_kv = true;               // false: recompute every sequence every step
+  SequenceRules rules;                 // from sequence_rules(model, attention)
   std::int64_t max_idle_steps = 1000;  // steps without progress before giving up (a scheduler bug)
   // Swap preemption: KV moves to a host swap pool of `swap_slots` tokens over a link of
-  // `swap_gb_per_s` (the copy time is added to the step on the virtual clock).
+  // `swap_gb_per_s` (the copy time is added to the step).
   KvPool* pool = nullptr;
   std::int64_t swap_slots = 0;
   double swap_gb_per_s = 16.0;
@@ -72,22 +56,43 @@ struct EngineResult {
   std::vector<RequestTimeline> requests;          // in submission order
   std::vector<std::vector<std::int32_t>> tokens;  // generated tokens per request
   std::vector<StepRecord> steps;
-  std::vector<std::string> events;  // JSONL: admit / defer / preempt / finish / reject
+  std::vector<EngineEvent> events;  // admit / defer / preempt / swap / finish / reject / evict
   double duration_s = 0;
 };
 
 class Engine {
  public:
   Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler, EngineOptions options);
-  // Throws kvlab::Error only for engine-level faults (a scheduler that stalls); bad requests
-  // are rejected and reported, never thrown.
+  ~Engine();
+  // Runs every request to the end. Throws kvlab::Error only for engine-level faults (a
+  // scheduler that stalls, a backend returning NaN); bad requests are rejected and reported.
   EngineResult run(const std::vector<WorkloadRequest>& requests);
 
+  // The same, step by step: start(), step() until it returns false, take_result().
+  // `requests` must outlive the run.
+  void start(const std::vector<WorkloadRequest>& requests);
+  bool step();  // receive arrivals, then idle or plan, apply, run, sample, update
+  EngineResult take_result();
+
  private:
+  void receive_arrivals();
+  std::string never_fits(const RequestState& r) const;
+  void idle_step();
+  std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
+  std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
+  void record_step(StepRecord record);
+
   Backend& backend_;
   KvAllocator& allocator_;
   Scheduler& scheduler_;
   EngineOptions options_;
+  ApplyOptions apply_options_;
+  std::unique_ptr<RequestTable> table_;
+  std::unique_ptr<Clock> clock_;
+  EventLog log_;
+  EngineResult result_;
+  std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
+  std::chrono::steady_clock::time_point step_start_;
 };
 
 }  // namespace kvlab

@@ -1,4 +1,4 @@
-#include "kvlab/metrics.hpp"
+#include "kvlab/engine/metrics.hpp"
 
 #include <fmt/format.h>
 

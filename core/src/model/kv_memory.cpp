@@ -1,4 +1,4 @@
-#include "kvlab/kv_memory.hpp"
+#include "kvlab/model/kv_memory.hpp"
 
 #include <fmt/format.h>
 
@@ -7,7 +7,7 @@
 
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/hardware_profile.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 
 namespace kvlab {
 

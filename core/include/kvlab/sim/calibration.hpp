@@ -9,8 +9,8 @@
 // the bandwidth: it rises, the efficiency becomes 1, and every prediction is unchanged.
 #include <span>
 
-#include "kvlab/cost_model.hpp"
-#include "kvlab/hardware_profile.hpp"
+#include "kvlab/sim/cost_model.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 
 namespace kvlab {
 

@@ -14,7 +14,7 @@
 
 #include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/gguf.hpp"
+#include "kvlab/model/gguf.hpp"
 
 namespace kvlab {
 namespace {

@@ -1,4 +1,4 @@
-#include "kvlab/plugin_loader.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 
 #include <fmt/format.h>
 

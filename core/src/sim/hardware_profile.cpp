@@ -1,4 +1,4 @@
-#include "kvlab/hardware_profile.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 
 #include <fmt/format.h>
 

@@ -1,13 +1,13 @@
-#include "kvlab/cost_model.hpp"
+#include "kvlab/sim/cost_model.hpp"
 
 #include <algorithm>
 #include <cmath>
 
-#include "kvlab/kv_memory.hpp"
+#include "kvlab/model/kv_memory.hpp"
 
 namespace kvlab {
 
-double roofline_seconds(const Work& work, double peak_flops, double bytes_per_s,
+double roofline_seconds(const FlopsAndBytes& work, double peak_flops, double bytes_per_s,
                         double compute_efficiency, double memory_efficiency) {
   const double compute = work.flops > 0 ? work.flops / (peak_flops * compute_efficiency) : 0.0;
   const double memory = work.bytes > 0 ? work.bytes / (bytes_per_s * memory_efficiency) : 0.0;

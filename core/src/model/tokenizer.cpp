@@ -1,4 +1,4 @@
-#include "kvlab/tokenizer.hpp"
+#include "kvlab/model/tokenizer.hpp"
 
 #include <fmt/format.h>
 #include <sentencepiece_processor.h>

@@ -1,4 +1,4 @@
-#include "kvlab/mapped_file.hpp"
+#include "kvlab/model/mapped_file.hpp"
 
 #include <fcntl.h>
 #include <fmt/format.h>

@@ -1,4 +1,4 @@
-#include "kvlab/sampling.hpp"
+#include "kvlab/engine/sampling.hpp"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "kvlab/calibration.hpp"
+#include "kvlab/sim/calibration.hpp"
 
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 

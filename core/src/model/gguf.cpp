@@ -1,4 +1,4 @@
-#include "kvlab/gguf.hpp"
+#include "kvlab/model/gguf.hpp"
 
 #include <fmt/format.h>
 
@@ -9,7 +9,7 @@
 #include "kvlab/checked_math.hpp"
 #include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/mapped_file.hpp"
+#include "kvlab/model/mapped_file.hpp"
 
 namespace kvlab {
 namespace {

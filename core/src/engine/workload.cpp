@@ -1,4 +1,4 @@
-#include "kvlab/workload.hpp"
+#include "kvlab/engine/workload.hpp"
 
 #include <fmt/format.h>
 

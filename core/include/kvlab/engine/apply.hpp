@@ -1,0 +1,50 @@
+#pragma once
+// Plan, then apply: the only code that changes the KV allocator and the request table.
+//   apply_plan    before the forward: preemptions (free or swap out), admissions (allocate,
+//                 prefix-cache hits, swap in), a slot for each decode's newest token
+//   apply_tokens  after the forward: KV marked computed, sampled tokens appended, stop rules,
+//                 finished sequences freed, KV outside the window released
+// The engine and the scheduler tests both drive requests through these two functions.
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "kvlab/engine/events.hpp"
+#include "kvlab/engine/request_table.hpp"
+#include "kvlab/engine/sequence_rules.hpp"
+#include "kvlab/kv_allocator.hpp"
+#include "kvlab/scheduler.hpp"
+
+namespace kvlab {
+
+struct ApplyOptions {
+  SequenceRules rules;
+  KvPool* pool = nullptr;        // where swapped KV is copied from and back to
+  std::int64_t swap_slots = 0;   // host swap pool capacity in tokens (0: swap falls back)
+};
+
+// One batch entry: `tokens` new tokens of request `id`, starting at its computed count.
+struct ScheduledWork {
+  RequestId id = 0;
+  std::int64_t tokens = 0;
+  bool samples = false;  // the entry ends the sequence: its last logits give the next token
+  bool decode = false;   // one new token of a decoding request (else prefill or recompute)
+};
+
+struct AppliedPlan {
+  std::vector<ScheduledWork> batch;  // in running order
+  std::int64_t preempted = 0;
+  std::int64_t swap_bytes = 0;  // KV copied to and from the host swap pool
+  std::int64_t prefill_tokens = 0, decode_tokens = 0;
+};
+
+AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& table,
+                       KvAllocator& kv, const ApplyOptions& options, EventLog& log);
+
+// `sampled[e]` is the token batch entry e produced (read only when it samples). Returns how
+// many requests finished.
+std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32_t> sampled,
+                          double now, RequestTable& table, KvAllocator& kv,
+                          const ApplyOptions& options, EventLog& log);
+
+}  // namespace kvlab

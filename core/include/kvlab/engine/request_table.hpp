@@ -1,0 +1,70 @@
+#pragma once
+// The request table: every submitted request's state for the whole run, in one place — its
+// tokens, how many have KV, its status, its swap buffer, its sampler and its timeline.
+// Schedulers read it through SchedulerInput (waiting(), running()); apply_plan and
+// apply_tokens (apply.hpp) are the only code that changes it.
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvlab/engine/metrics.hpp"
+#include "kvlab/engine/sampling.hpp"
+#include "kvlab/engine/workload.hpp"
+#include "kvlab/request.hpp"
+
+namespace kvlab {
+
+class RequestTable {
+ public:
+  // Request i of `submitted` gets id i. With `arrivals_at_zero` (the offline clock) everyone
+  // arrives at t = 0; otherwise at its arrival_s. Arrivals are taken in time order, ties by id.
+  // `submitted` must outlive the table: prompts are copied in as requests arrive.
+  RequestTable(std::span<const WorkloadRequest> submitted, bool arrivals_at_zero);
+
+  std::size_t size() const { return states_.size(); }
+  const RequestState& at(RequestId id) const { return states_[index(id)]; }
+  RequestState& at(RequestId id) { return states_[index(id)]; }
+  RequestTimeline& timeline(RequestId id) { return timelines_[index(id)]; }
+  const RequestTimeline& timeline(RequestId id) const { return timelines_[index(id)]; }
+  Sampler& sampler(RequestId id) { return *samplers_[index(id)]; }
+  bool ignores_eos(RequestId id) const { return ignore_eos_[index(id)]; }
+
+  // Waiting and swapped requests by (arrival, id); running requests by admission.
+  std::span<const RequestState* const> waiting() const { return waiting_; }
+  std::span<const RequestState* const> running() const { return running_; }
+  // The next request not yet arrived, if any.
+  std::optional<RequestId> next_arrival() const;
+  bool all_done() const { return done_ == states_.size(); }
+  // Tokens of KV held in the host swap pool by swapped requests.
+  std::int64_t swap_used_tokens() const { return swap_used_; }
+
+  // Status changes. Each checks the request is in the state it leaves.
+  RequestId arrive();                                  // the next arrival -> waiting
+  void reject(RequestId id, std::string reason);       // just arrived or waiting -> rejected
+  void start_running(RequestId id, std::int64_t step);  // waiting or swapped -> running
+  void stop_running(RequestId id, RequestStatus to);   // running -> waiting or swapped
+  void finish(RequestId id, double now);               // running -> finished
+  void add_swap_tokens(std::int64_t tokens) { swap_used_ += tokens; }
+
+  // The run's record: timelines and generated tokens, in submission order.
+  std::vector<RequestTimeline> take_timelines() { return std::move(timelines_); }
+  std::vector<std::vector<std::int32_t>> generated_tokens() const;
+
+ private:
+  std::size_t index(RequestId id) const { return static_cast<std::size_t>(id); }
+  void insert_waiting(const RequestState* r);
+
+  std::span<const WorkloadRequest> submitted_;
+  std::vector<RequestState> states_;
+  std::vector<RequestTimeline> timelines_;
+  std::vector<std::optional<Sampler>> samplers_;  // made on arrival, dropped when done
+  std::vector<SamplingParams> sampling_;
+  std::vector<bool> ignore_eos_;
+  std::vector<RequestId> arrival_order_;
+  std::size_t arrived_ = 0, done_ = 0;
+  std::vector<const RequestState*> waiting_, running_;
+  std::int64_t swap_used_ = 0;
+};
+
+}  // namespace kvlab

@@ -1,0 +1,260 @@
+#include "kvlab/engine/apply.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace kvlab {
+namespace {
+
+// Bytes of K and V for `tokens` positions across all layers.
+std::int64_t kv_bytes(const KvPoolShape& shape, std::int64_t tokens) {
+  return 2 * shape.layers * tokens * shape.slot_width() * static_cast<std::int64_t>(sizeof(float));
+}
+
+// Copies the KV of positions [first, end) between the pool (through `view`) and a host buffer
+// laid out (layers, K then V, positions, width). Returns the bytes moved.
+std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
+                     std::vector<float>& buffer, bool to_host) {
+  const KvPoolShape& shape = pool.shape();
+  const std::int64_t width = shape.slot_width(), tokens = end - first;
+  if (to_host && (pool.has_storage() || pool.device() != nullptr))
+    buffer.assign(static_cast<std::size_t>(2 * shape.layers * tokens * width), 0.0f);
+  if (KvDeviceStorage* device = pool.device()) {  // the K/V live on a GPU
+    std::vector<std::int64_t> slots;
+    for (std::int64_t p = first; p < end; ++p) slots.push_back(view.slot_of(p));
+    if (to_host)
+      device->download(slots, buffer.data());
+    else
+      device->upload(slots, buffer.data());
+  } else if (pool.has_storage()) {
+    for (std::int64_t layer = 0; layer < shape.layers; ++layer)
+      for (std::int64_t p = first; p < end; ++p) {
+        const std::int64_t slot = view.slot_of(p);
+        float* k = buffer.data() + ((2 * layer) * tokens + (p - first)) * width;
+        float* v = buffer.data() + ((2 * layer + 1) * tokens + (p - first)) * width;
+        if (to_host) {
+          std::copy_n(pool.key(layer, slot), width, k);
+          std::copy_n(pool.value(layer, slot), width, v);
+        } else {
+          std::copy_n(k, width, pool.key(layer, slot));
+          std::copy_n(v, width, pool.value(layer, slot));
+        }
+      }
+  }  // else: bookkeeping only (the simulated backend's pool has no storage)
+  return kv_bytes(shape, tokens);
+}
+
+class PlanApplier {
+ public:
+  PlanApplier(std::int64_t step, RequestTable& table, KvAllocator& kv,
+              const ApplyOptions& options, EventLog& log)
+      : step_(step), table_(table), kv_(kv), options_(options), log_(log) {}
+
+  void preempt(RequestState& r, PreemptMode mode, const char* reason);
+  void log_deferral(const Deferral& deferral);
+  void admit(RequestState& r, std::int64_t new_tokens);
+  void continue_running(RequestState& r, std::int64_t new_tokens);
+  AppliedPlan finish();
+
+ private:
+  bool swap_out(RequestState& r);
+  void swap_in(RequestState& r, std::int64_t cached_tokens);
+
+  std::int64_t step_;
+  RequestTable& table_;
+  KvAllocator& kv_;
+  const ApplyOptions& options_;
+  EventLog& log_;
+  AppliedPlan applied_;
+  std::vector<std::pair<RequestId, std::int64_t>> work_;  // new tokens granted, by request
+};
+
+// nano-vllm's preempt(): free (or swap out) the KV and put the request back in the queue.
+void PlanApplier::preempt(RequestState& r, PreemptMode mode, const char* reason) {
+  ++applied_.preempted;
+  ++table_.timeline(r.id).preemptions;
+  if (mode == PreemptMode::swap && swap_out(r)) return;
+  kv_.free(r.id);
+  table_.timeline(r.id).recomputed_tokens += r.computed;
+  r.computed = r.allocated = 0;
+  table_.stop_running(r.id, RequestStatus::waiting);
+  log_.add(EventKind::event_preempt, r.id, reason);
+}
+
+// Copies the computed KV to the host swap pool; false (and a swap_full event) when it is full
+// or there is nothing to keep.
+bool PlanApplier::swap_out(RequestState& r) {
+  if (options_.pool == nullptr || !options_.rules.caches_kv || r.computed == 0) return false;
+  const KvView view = kv_.view(r.id);
+  const std::int64_t first = view.first_position, tokens = r.computed - first;
+  if (table_.swap_used_tokens() + tokens > options_.swap_slots) {
+    log_.add(EventKind::event_swap_full, r.id,
+             fmt::format("swap pool holds {} of {} tokens", table_.swap_used_tokens(),
+                         options_.swap_slots));
+    return false;
+  }
+  const std::int64_t bytes = copy_kv(*options_.pool, view, first, r.computed, r.swap.data, true);
+  applied_.swap_bytes += bytes;
+  table_.timeline(r.id).swapped_bytes += bytes;
+  table_.add_swap_tokens(tokens);
+  r.swap.first = first;
+  kv_.free(r.id);
+  r.allocated = 0;
+  table_.stop_running(r.id, RequestStatus::swapped);
+  log_.add(EventKind::event_swap_out, r.id, fmt::format("tokens={}", tokens));
+  return true;
+}
+
+// Logged when the reason is news for the request, not every step it waits for the same one.
+void PlanApplier::log_deferral(const Deferral& deferral) {
+  RequestState& r = table_.at(deferral.id);
+  if (r.last_deferral == deferral.reason) return;
+  r.last_deferral = deferral.reason;
+  log_.add(EventKind::event_defer, r.id, r.last_deferral);
+}
+
+// Allocates the sequence so far (prefix-cache hits come back computed) or copies a swapped
+// request's KV back; the request joins the running queue.
+void PlanApplier::admit(RequestState& r, std::int64_t new_tokens) {
+  const auto allocation = kv_.allocate({r.id, r.tokens, r.length() + r.remaining_output()});
+  if (!allocation) {  // the plan's estimate was optimistic (fragmentation): try next step
+    log_.add(EventKind::event_defer, r.id, "kv_full_at_apply");
+    return;
+  }
+  r.last_deferral.clear();  // a later deferral (after a preemption) is news again
+  r.allocated = r.length();
+  if (r.status == RequestStatus::swapped)
+    swap_in(r, allocation->cached_tokens);
+  else
+    r.computed = options_.rules.caches_kv ? allocation->cached_tokens : 0;
+  table_.start_running(r.id, step_);
+  RequestTimeline& timeline = table_.timeline(r.id);
+  if (!timeline.first_scheduled_s) timeline.first_scheduled_s = log_.time();
+  log_.add(EventKind::event_admit, r.id,
+           allocation->cached_tokens > 0
+               ? fmt::format("prefix_hit_tokens={}", allocation->cached_tokens)
+               : "");
+  work_.emplace_back(r.id, new_tokens);
+}
+
+// Copies the swapped KV back into the new slots, skipping leading positions the prefix cache
+// already serves.
+void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
+  KvPool& pool = *options_.pool;
+  const std::int64_t first = r.swap.first, tokens = r.computed - first;
+  const std::int64_t from = std::max(first, cached_tokens);
+  if (from < r.computed) {
+    std::vector<float> part;
+    if (from == first || (!pool.has_storage() && pool.device() == nullptr)) {
+      part = std::move(r.swap.data);
+    } else {  // the buffer's tail positions [from, computed), per layer half
+      const std::int64_t width = pool.shape().slot_width(), keep = r.computed - from;
+      part.resize(static_cast<std::size_t>(2 * pool.shape().layers * keep * width));
+      for (std::int64_t half = 0; half < 2 * pool.shape().layers; ++half)
+        std::copy_n(r.swap.data.data() + (half * tokens + (from - first)) * width, keep * width,
+                    part.data() + half * keep * width);
+    }
+    const std::int64_t bytes = copy_kv(pool, kv_.view(r.id), from, r.computed, part, false);
+    applied_.swap_bytes += bytes;
+    table_.timeline(r.id).swapped_bytes += bytes;
+  }
+  table_.add_swap_tokens(-tokens);
+  r.swap = {};
+  kv_.mark_computed(r.id, r.computed);
+  if (options_.rules.window) kv_.release_before(r.id, r.length() - *options_.rules.window);
+  log_.add(EventKind::event_swap_in, r.id, fmt::format("tokens={}", tokens));
+}
+
+// A running request's work: a decode gets a slot for its newest token (the no-cache variant
+// re-allocates its whole sequence instead); a prompt chunk's slots were allocated at admission.
+void PlanApplier::continue_running(RequestState& r, std::int64_t new_tokens) {
+  if (r.decoding() && r.recompute_each_step) {
+    kv_.free(r.id);
+    if (!kv_.allocate({r.id, r.tokens, r.length()})) {
+      preempt(r, PreemptMode::recompute, "no_room_to_recompute");
+      return;
+    }
+    table_.timeline(r.id).recomputed_tokens += r.computed;
+    r.computed = 0;
+    r.allocated = r.length();
+    work_.emplace_back(r.id, r.length());
+    return;
+  }
+  if (r.decoding() && r.allocated < r.length()) {
+    const std::int32_t newest = r.tokens.back();
+    if (!kv_.append(r.id, std::span<const std::int32_t>(&newest, 1))) {
+      preempt(r, PreemptMode::recompute, "append_failed_at_apply");
+      return;
+    }
+    r.allocated = r.length();
+  }
+  work_.emplace_back(r.id, new_tokens);
+}
+
+// The batch in running order: each request's granted tokens, up to what it has without KV.
+AppliedPlan PlanApplier::finish() {
+  std::sort(work_.begin(), work_.end());
+  for (const RequestState* r : table_.running()) {
+    const auto it = std::lower_bound(work_.begin(), work_.end(), std::pair{r->id, std::int64_t{0}},
+                                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    if (it == work_.end() || it->first != r->id) continue;
+    const std::int64_t tokens = std::min(it->second, r->new_tokens());
+    if (tokens <= 0) continue;
+    ScheduledWork work{r->id, tokens, r->computed + tokens == r->length(), false};
+    work.decode = tokens == 1 && work.samples && r->generated() > 0 && !r->recompute_each_step;
+    (work.decode ? applied_.decode_tokens : applied_.prefill_tokens) += tokens;
+    applied_.batch.push_back(work);
+  }
+  return std::move(applied_);
+}
+
+}  // namespace
+
+AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& table,
+                       KvAllocator& kv, const ApplyOptions& options, EventLog& log) {
+  PlanApplier applier(step, table, kv, options, log);
+  for (const Preemption& p : plan.preempt) applier.preempt(table.at(p.id), p.mode, "kv_full");
+  for (const Deferral& d : plan.deferred) applier.log_deferral(d);
+  // Admissions first (they were sized against the free pool), then the running requests' work.
+  for (const Work& w : plan.work)
+    if (table.at(w.id).is_waiting()) applier.admit(table.at(w.id), w.new_tokens);
+  for (const Work& w : plan.work)
+    if (RequestState& r = table.at(w.id); r.status == RequestStatus::running &&
+                                          r.admitted_step != step)
+      applier.continue_running(r, w.new_tokens);
+  return applier.finish();
+}
+
+std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32_t> sampled,
+                          double now, RequestTable& table, KvAllocator& kv,
+                          const ApplyOptions& options, EventLog& log) {
+  const SequenceRules& rules = options.rules;
+  std::int64_t finished = 0;
+  for (std::size_t e = 0; e < applied.batch.size(); ++e) {
+    const ScheduledWork& work = applied.batch[e];
+    RequestState& r = table.at(work.id);
+    r.computed += work.tokens;
+    if (rules.caches_kv) kv.mark_computed(r.id, r.computed);
+    if (!work.samples) continue;  // a prompt chunk, more to come
+    const std::int32_t token = sampled[e];
+    r.tokens.push_back(token);
+    r.recompute_each_step = !rules.caches_kv;
+    table.timeline(r.id).token_times_s.push_back(now);
+    const bool eos = !table.ignores_eos(r.id) && rules.is_eos(token);
+    const bool full = r.length() >= rules.context;
+    if (eos || r.generated() >= r.max_new_tokens || full) {
+      log.add(EventKind::event_finish, r.id,
+              eos ? "eos" : full ? "context_full" : "max_tokens");
+      kv.free(r.id);
+      table.finish(r.id, now);
+      ++finished;
+      continue;
+    }
+    if (rules.window) kv.release_before(r.id, r.length() - *rules.window);
+  }
+  return finished;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,215 @@
+#include "kvlab/engine/engine.hpp"
+
+#include <fmt/format.h>
+
+#include <chrono>
+
+#include "kvlab/error.hpp"
+
+namespace kvlab {
+namespace {
+
+using SteadyClock = std::chrono::steady_clock;
+
+double seconds_between(SteadyClock::time_point a, SteadyClock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+
+// Sampling needs finite logits; NaN or inf means the backend (or the weights) broke: stop the run
+// with the request and step rather than emit token 0 with a null logprob.
+void throw_if_non_finite(std::span<const float> row, RequestId id, std::int64_t step) {
+  if (auto bad = first_non_finite(row))
+    throw Error(fmt::format(
+        "request {}, step {}: the backend's logits hold {} at token id {}; the model's weights or "
+        "the backend produced non-finite values, so no token can be sampled",
+        id, step, row[*bad], *bad));
+}
+
+}  // namespace
+
+Engine::Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
+               EngineOptions options)
+    : backend_(backend),
+      allocator_(allocator),
+      scheduler_(scheduler),
+      options_(std::move(options)),
+      apply_options_{options_.rules, options_.pool, options_.swap_slots} {}
+
+Engine::~Engine() = default;
+
+EngineResult Engine::run(const std::vector<WorkloadRequest>& requests) {
+  start(requests);
+  while (step()) {
+  }
+  return take_result();
+}
+
+void Engine::start(const std::vector<WorkloadRequest>& requests) {
+  clock_ = make_clock(options_.clock, options_.time_model);
+  table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
+  log_ = {};
+  result_ = {};
+  step_ = idle_steps_ = 0;
+  evictions_seen_ = allocator_.stats().evictions;
+}
+
+EngineResult Engine::take_result() {
+  result_.duration_s = clock_->now();
+  result_.tokens = table_->generated_tokens();
+  result_.requests = table_->take_timelines();
+  result_.events = log_.take();
+  table_.reset();
+  return std::move(result_);
+}
+
+// Why a request can never run here, or "" when it can.
+std::string Engine::never_fits(const RequestState& r) const {
+  const std::int64_t total = r.prompt_tokens + r.max_new_tokens;
+  if (r.prompt_tokens == 0) return "empty prompt";
+  if (total > options_.rules.context)
+    return fmt::format("prompt {} + max tokens {} exceed the context of {}", r.prompt_tokens,
+                       r.max_new_tokens, options_.rules.context);
+  const std::vector<std::int32_t> whole(static_cast<std::size_t>(total), -1);  // no prefix hits
+  const std::int64_t capacity = allocator_.stats().capacity;
+  if (allocator_.slots_to_allocate({r.id, whole, total}) > capacity)
+    return fmt::format("prompt {} + max tokens {} need more KV than the pool holds ({} slots)",
+                       r.prompt_tokens, r.max_new_tokens, capacity);
+  return {};
+}
+
+// Requests whose arrival time has come join the waiting queue, or are rejected with the reason.
+void Engine::receive_arrivals() {
+  log_.set_time(step_, clock_->now());
+  while (const auto next = table_->next_arrival()) {
+    if (table_->at(*next).arrival_s > clock_->now()) break;
+    const RequestId id = table_->arrive();
+    if (std::string reason = never_fits(table_->at(id)); !reason.empty()) {
+      log_.add(EventKind::event_reject, id, reason);
+      table_->reject(id, std::move(reason));
+    }
+  }
+}
+
+bool Engine::step() {
+  receive_arrivals();
+  if (table_->all_done()) return false;
+  if (table_->waiting().empty() && table_->running().empty()) {  // idle until the next arrival
+    clock_->idle_until(table_->at(*table_->next_arrival()).arrival_s);
+    return true;
+  }
+  // 1. plan, 2. apply
+  step_start_ = SteadyClock::now();
+  const StepPlan plan =
+      scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
+  const AppliedPlan applied = apply_plan(plan, step_, *table_, allocator_, apply_options_, log_);
+  if (applied.batch.empty()) {
+    idle_step();
+    return !table_->all_done();
+  }
+  idle_steps_ = 0;
+  // 3. run, 4. sample, 5. update
+  StepRecord record;
+  record.preempted = applied.preempted;
+  const std::span<const float> logits = run_batch(applied, record);
+  const std::vector<std::int32_t> sampled = sample(applied, logits);
+  log_.set_time(step_, clock_->now());
+  apply_tokens(applied, sampled, clock_->now(), *table_, allocator_, apply_options_, log_);
+  record_step(record);
+  return !table_->all_done();
+}
+
+// Nothing to run: everyone waits for memory or for a scheduler limit. With nothing running and
+// nothing left to arrive, the head request can never be admitted: it is rejected.
+void Engine::idle_step() {
+  if (++idle_steps_ > options_.max_idle_steps)
+    throw Error(fmt::format(
+        "engine: {} steps without progress ({} waiting, {} running): the scheduler stalls",
+        idle_steps_, table_->waiting().size(), table_->running().size()));
+  const auto next = table_->next_arrival();
+  if (table_->running().empty() && !table_->waiting().empty() && !next) {
+    const RequestState& head = *table_->waiting().front();
+    std::string reason = fmt::format(
+        "not admitted even with nothing running (scheduler: {}): it exceeds the scheduler's "
+        "limits or the KV pool",
+        head.last_deferral.empty() ? "no reason given" : head.last_deferral);
+    log_.add(EventKind::event_reject, head.id, reason);
+    table_->reject(head.id, std::move(reason));
+  } else if (next) {
+    clock_->skip_to(table_->at(*next).arrival_s);
+  }
+  ++step_;
+}
+
+// The forward over the applied batch; the clock prices the step.
+std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord& record) {
+  std::vector<BatchEntry> batch;
+  batch.reserve(applied.batch.size());
+  for (const ScheduledWork& work : applied.batch) {
+    const RequestState& r = table_->at(work.id);
+    BatchEntry entry;
+    entry.tokens = std::span<const std::int32_t>(r.tokens).subspan(
+        static_cast<std::size_t>(r.computed), static_cast<std::size_t>(work.tokens));
+    entry.start_position = r.computed;
+    entry.view = allocator_.view(work.id);
+    batch.push_back(std::move(entry));
+  }
+  const auto start = SteadyClock::now();
+  const std::span<const float> logits = backend_.forward(batch);
+  const auto end = SteadyClock::now();
+  record.step = step_;
+  record.start_s = clock_->now();
+  record.batch = static_cast<std::int64_t>(batch.size());
+  record.prefill_tokens = applied.prefill_tokens;
+  record.decode_tokens = applied.decode_tokens;
+  record.measured_forward_s = seconds_between(start, end);
+  record.measured_step_s = seconds_between(step_start_, end);
+  StepTiming cost{batch, applied.prefill_tokens, applied.decode_tokens, record.measured_forward_s,
+                nullptr, static_cast<double>(applied.swap_bytes) / (options_.swap_gb_per_s * 1e9)};
+  if (options_.cost_model != nullptr) {
+    record.predicted_s = options_.cost_model->step(batch).total();
+    cost.predicted_s = &record.predicted_s;
+  }
+  record.duration_s = clock_->advance(cost);
+  return logits;
+}
+
+// The next token of every entry that ends its sequence (the backend's choice when it makes one).
+std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
+                                         std::span<const float> logits) {
+  const std::size_t entries = applied.batch.size();
+  const auto vocab = static_cast<std::size_t>(backend_.vocab_size());
+  const std::span<const std::int32_t> chosen = backend_.chosen_tokens();
+  if (chosen.empty() ? logits.size() != entries * vocab : chosen.size() != entries)
+    throw Error(fmt::format(
+        "backend returned {} logits and {} tokens for a batch of {} (vocab {}): it must return "
+        "one row of logits or one chosen token per entry",
+        logits.size(), chosen.size(), entries, vocab));
+  std::vector<std::int32_t> sampled(entries, -1);
+  for (std::size_t e = 0; e < entries; ++e) {
+    const ScheduledWork& work = applied.batch[e];
+    if (!work.samples) continue;
+    if (!chosen.empty()) {
+      sampled[e] = chosen[e];
+      continue;
+    }
+    const auto row = logits.subspan(e * vocab, vocab);
+    throw_if_non_finite(row, work.id, step_);
+    sampled[e] = table_->sampler(work.id).sample(row);
+  }
+  return sampled;
+}
+
+// The step's record: queue lengths and the allocator's numbers after the update.
+void Engine::record_step(StepRecord record) {
+  record.waiting = static_cast<std::int64_t>(table_->waiting().size());
+  record.running = static_cast<std::int64_t>(table_->running().size());
+  record.kv = allocator_.stats();
+  if (record.kv.evictions > evictions_seen_) {  // cached prefix blocks reused for other data
+    log_.add_evictions(record.kv.evictions - evictions_seen_);
+    evictions_seen_ = record.kv.evictions;
+  }
+  result_.steps.push_back(record);
+  ++step_;
+}
+
+}  // namespace kvlab

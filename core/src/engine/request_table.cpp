@@ -1,0 +1,111 @@
+#include "kvlab/engine/request_table.hpp"
+
+#include <algorithm>
+#include <cassert>
+
+namespace kvlab {
+
+RequestTable::RequestTable(std::span<const WorkloadRequest> submitted, bool arrivals_at_zero)
+    : submitted_(submitted) {
+  states_.resize(submitted.size());
+  timelines_.resize(submitted.size());
+  samplers_.resize(submitted.size());
+  sampling_.resize(submitted.size());
+  ignore_eos_.resize(submitted.size());
+  for (std::size_t i = 0; i < submitted.size(); ++i) {
+    const WorkloadRequest& w = submitted[i];
+    RequestState& r = states_[i];
+    r.id = static_cast<RequestId>(i);
+    r.arrival_s = arrivals_at_zero ? 0.0 : w.arrival_s;
+    r.priority = w.priority;
+    r.prompt_tokens = static_cast<std::int64_t>(w.prompt.size());
+    r.max_new_tokens = w.output_tokens;
+    RequestTimeline& timeline = timelines_[i];
+    timeline.id = r.id;
+    timeline.priority = w.priority;
+    timeline.prompt_tokens = r.prompt_tokens;
+    timeline.arrival_s = r.arrival_s;
+    sampling_[i] = w.sampling;
+    sampling_[i].max_tokens = static_cast<std::int32_t>(w.output_tokens);
+    ignore_eos_[i] = w.sampling.ignore_eos;
+    arrival_order_.push_back(r.id);
+  }
+  std::stable_sort(arrival_order_.begin(), arrival_order_.end(), [&](RequestId a, RequestId b) {
+    return states_[index(a)].arrival_s < states_[index(b)].arrival_s;
+  });
+}
+
+std::optional<RequestId> RequestTable::next_arrival() const {
+  if (arrived_ == arrival_order_.size()) return std::nullopt;
+  return arrival_order_[arrived_];
+}
+
+RequestId RequestTable::arrive() {
+  const RequestId id = arrival_order_.at(arrived_++);
+  RequestState& r = at(id);
+  r.tokens = submitted_[index(id)].prompt;
+  samplers_[index(id)].emplace(sampling_[index(id)]);
+  // Arrivals come in (arrival, id) order, after everyone already waiting.
+  waiting_.push_back(&r);
+  return id;
+}
+
+void RequestTable::reject(RequestId id, std::string reason) {
+  RequestState& r = at(id);
+  assert(r.is_waiting());
+  std::erase(waiting_, &r);
+  r.status = RequestStatus::rejected;
+  RequestTimeline& timeline = timelines_[index(id)];
+  timeline.rejected = true;
+  timeline.reject_reason = std::move(reason);
+  samplers_[index(id)].reset();
+  ++done_;
+}
+
+void RequestTable::start_running(RequestId id, std::int64_t step) {
+  RequestState& r = at(id);
+  assert(r.is_waiting());
+  std::erase(waiting_, &r);
+  r.status = RequestStatus::running;
+  r.admitted_step = step;
+  running_.push_back(&r);
+}
+
+void RequestTable::stop_running(RequestId id, RequestStatus to) {
+  RequestState& r = at(id);
+  assert(r.status == RequestStatus::running &&
+         (to == RequestStatus::waiting || to == RequestStatus::swapped));
+  std::erase(running_, &r);
+  r.status = to;
+  r.admitted_step = -1;
+  insert_waiting(&r);
+}
+
+void RequestTable::finish(RequestId id, double now) {
+  RequestState& r = at(id);
+  assert(r.status == RequestStatus::running);
+  std::erase(running_, &r);
+  r.status = RequestStatus::finished;
+  timelines_[index(id)].finish_s = now;
+  samplers_[index(id)].reset();
+  ++done_;
+}
+
+void RequestTable::insert_waiting(const RequestState* r) {
+  const auto by_arrival = [](const RequestState* a, const RequestState* b) {
+    return a->arrival_s < b->arrival_s || (a->arrival_s == b->arrival_s && a->id < b->id);
+  };
+  waiting_.insert(std::upper_bound(waiting_.begin(), waiting_.end(), r, by_arrival), r);
+}
+
+std::vector<std::vector<std::int32_t>> RequestTable::generated_tokens() const {
+  std::vector<std::vector<std::int32_t>> out(states_.size());
+  for (std::size_t i = 0; i < states_.size(); ++i) {
+    const RequestState& r = states_[i];
+    if (r.length() > r.prompt_tokens)
+      out[i].assign(r.tokens.begin() + r.prompt_tokens, r.tokens.end());
+  }
+  return out;
+}
+
+}  // namespace kvlab
