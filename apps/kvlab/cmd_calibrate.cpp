@@ -12,13 +12,13 @@
 #include <random>
 
 #include "cli_common.hpp"
-#include "kvlab/sim/calibration.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/machine_peak.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/sim/calibration.hpp"
 
 namespace kvlab::cli {
 namespace {

@@ -8,8 +8,8 @@
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/model/kv_memory.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 
 namespace kvlab::cli {
 namespace {

@@ -10,8 +10,8 @@
 
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/engine/metrics.hpp"
-#include "kvlab/plugin_params.hpp"
 #include "kvlab/engine/workload.hpp"
+#include "kvlab/plugin_params.hpp"
 
 namespace kvlab::cli {
 

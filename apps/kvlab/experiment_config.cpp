@@ -12,8 +12,8 @@
 #include "experiment.hpp"
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/model_config.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
 
 namespace kvlab::cli {

@@ -14,9 +14,9 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
 
 namespace kvlab::cli {

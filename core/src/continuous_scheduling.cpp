@@ -47,20 +47,52 @@ bool admitted_before(const RequestState& a, const RequestState& b, ContinuousPol
 
 using Requests = std::vector<const RequestState*>;
 
-// Waiting requests in the policy's admission order (the input is already by arrival, id).
-Requests admission_queue(const SchedulerInput& input, const ContinuousPolicy& policy,
-                         const PolicyHooks& hooks) {
-  Requests waiting(input.waiting.begin(), input.waiting.end());
-  if (hooks.admission_order)
-    std::stable_sort(waiting.begin(), waiting.end(), [&](const auto* a, const auto* b) {
-      return hooks.admission_order(*a, *b);
-    });
-  else if (policy.order != ContinuousPolicy::Order::arrival)
-    std::stable_sort(waiting.begin(), waiting.end(), [&](const auto* a, const auto* b) {
-      return admitted_before(*a, *b, policy.order);
-    });
-  return waiting;
-}
+// Waiting requests in the policy's admission order, produced lazily: admission usually stops
+// after a few requests (a full batch stops at the first), so a heap (O(n) to build, O(log n) a
+// request) replaces sorting every waiting request every step. The input is already by
+// (arrival, id): first-come-first-served reads it in place.
+class AdmissionQueue {
+  // The heap's top is the request that comes first.
+  struct Later {
+    const AdmissionQueue* queue;
+    bool operator()(const RequestState* a, const RequestState* b) const {
+      return queue->before(*b, *a);
+    }
+  };
+
+ public:
+  AdmissionQueue(const SchedulerInput& input, const ContinuousPolicy& policy,
+                 const PolicyHooks& hooks)
+      : waiting_(input.waiting), policy_(policy), hooks_(hooks) {
+    if (!hooks.admission_order && policy.order == ContinuousPolicy::Order::arrival) return;
+    heap_.assign(input.waiting.begin(), input.waiting.end());
+    std::make_heap(heap_.begin(), heap_.end(), Later{this});
+    sorted_ = false;
+  }
+  const RequestState* next() {
+    if (sorted_) return next_ < waiting_.size() ? waiting_[next_++] : nullptr;
+    if (heap_.empty()) return nullptr;
+    std::pop_heap(heap_.begin(), heap_.end(), Later{this});
+    const RequestState* r = heap_.back();
+    heap_.pop_back();
+    return r;
+  }
+
+ private:
+  // a comes before b: the plugin's order or the policy's, ties by arrival, then id.
+  bool before(const RequestState& a, const RequestState& b) const {
+    if (!hooks_.admission_order) return admitted_before(a, b, policy_.order);
+    if (hooks_.admission_order(a, b)) return true;
+    if (hooks_.admission_order(b, a)) return false;
+    return admitted_before(a, b, ContinuousPolicy::Order::arrival);
+  }
+  std::span<const RequestState* const> waiting_;
+  const ContinuousPolicy& policy_;
+  const PolicyHooks& hooks_;
+  bool sorted_ = true;
+  std::size_t next_ = 0;
+  Requests heap_;
+};
 
 // Running requests, most important first (the priority order, then admission).
 Requests running_queue(const SchedulerInput& input, const ContinuousPolicy& policy) {
@@ -94,8 +126,7 @@ Requests victim_queue(const Requests& running, const ContinuousPolicy& policy,
 // One step's plan under construction: the token budget, the KV ledger, who is preempted.
 class PlanBuilder {
  public:
-  PlanBuilder(const SchedulerInput& input, const ContinuousPolicy& policy,
-              const PolicyHooks& hooks)
+  PlanBuilder(const SchedulerInput& input, const ContinuousPolicy& policy, const PolicyHooks& hooks)
       : policy_(policy),
         ledger_(*input.kv),
         budget_(policy.max_tokens_per_step),
@@ -104,7 +135,7 @@ class PlanBuilder {
 
   StepPlan take() { return std::move(plan_); }
   void schedule_running();
-  void schedule_waiting(const Requests& waiting);
+  void schedule_waiting(AdmissionQueue& waiting);
 
  private:
   bool is_preempted(const RequestState* r) const {
@@ -133,14 +164,14 @@ class PlanBuilder {
   bool admit(const RequestState& r, std::int64_t chunk);
   // The prompt chunk a request may compute within the budget (0: none).
   std::int64_t chunk_for(const RequestState& r) const {
-    const std::int64_t chunk = policy_.chunked_prefill ? std::min(r.new_tokens(), budget_)
-                                                       : r.new_tokens();
+    const std::int64_t chunk =
+        policy_.chunked_prefill ? std::min(r.new_tokens(), budget_) : r.new_tokens();
     return chunk > 0 && chunk <= budget_ ? chunk : 0;
   }
 
   const ContinuousPolicy& policy_;
   Ledger ledger_;
-  std::int64_t budget_;  // tokens left this step
+  std::int64_t budget_;     // tokens left this step
   std::int64_t batch_ = 0;  // running requests after this step's preemptions and admissions
   Requests running_, victims_, preempted_;
   StepPlan plan_;
@@ -197,22 +228,23 @@ bool PlanBuilder::admit(const RequestState& r, std::int64_t chunk) {
   return true;
 }
 
-// Admissions in order until the first request that does not fit; everyone behind it waits.
-// A request preempted this step is not in `waiting`, so it is not re-admitted in the same step.
-void PlanBuilder::schedule_waiting(const Requests& waiting) {
-  std::string_view blocked;
-  for (const RequestState* r : waiting) {
-    if (!blocked.empty()) {
-      plan_.deferred.push_back({r->id, "behind_blocked_request"});
-      continue;
-    }
+// Admissions in order until the first request that does not fit: it is deferred with the
+// reason, and everyone behind it waits too (head-of-line; they are not listed, so a step costs
+// nothing per waiting request beyond the blocker). A request preempted this step is not in
+// `waiting`, so it is not re-admitted in the same step.
+void PlanBuilder::schedule_waiting(AdmissionQueue& waiting) {
+  while (const RequestState* r = waiting.next()) {
+    std::string_view blocked;
     if (batch_ >= policy_.max_batch)
       blocked = "max_batch";
     else if (const std::int64_t chunk = chunk_for(*r); chunk == 0)
       blocked = "token_budget";
     else if (!admit(*r, chunk))
       blocked = "kv_full";
-    if (!blocked.empty()) plan_.deferred.push_back({r->id, blocked});
+    if (!blocked.empty()) {
+      plan_.deferred.push_back({r->id, blocked});
+      return;
+    }
   }
 }
 
@@ -222,7 +254,8 @@ StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy
                              const PolicyHooks& hooks) {
   PlanBuilder builder(input, policy, hooks);
   builder.schedule_running();
-  builder.schedule_waiting(admission_queue(input, policy, hooks));
+  AdmissionQueue waiting(input, policy, hooks);
+  builder.schedule_waiting(waiting);
   return builder.take();
 }
 
@@ -260,7 +293,8 @@ StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch) {
   SchedulerInput running_only = input;
   running_only.waiting = {};
   StepPlan plan = schedule_continuous(running_only, policy);
-  for (const RequestState* r : input.waiting) plan.deferred.push_back({r->id, "static_batch_running"});
+  for (const RequestState* r : input.waiting)
+    plan.deferred.push_back({r->id, "static_batch_running"});
   return plan;
 }
 

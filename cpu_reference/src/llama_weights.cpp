@@ -5,8 +5,8 @@
 #include <functional>
 
 #include "kvlab/error.hpp"
-#include "kvlab/model/gguf_model.hpp"
 #include "kvlab/memory_limit.hpp"
+#include "kvlab/model/gguf_model.hpp"
 #include "kvlab/model/safetensors.hpp"
 #include "kvlab/model/weight_init.hpp"
 

@@ -3,11 +3,11 @@
 #include <limits>
 
 #include "kvlab/error.hpp"
-#include "kvlab/sim/hardware_profile.hpp"
-#include "kvlab/model/kv_memory.hpp"
 #include "kvlab/kv_pool.hpp"
 #include "kvlab/memory_limit.hpp"
+#include "kvlab/model/kv_memory.hpp"
 #include "kvlab/model_config.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

@@ -1,7 +1,7 @@
 #include <gtest/gtest.h>
 
-#include "kvlab/error.hpp"
 #include "kvlab/engine/metrics.hpp"
+#include "kvlab/error.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

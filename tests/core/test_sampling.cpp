@@ -5,8 +5,8 @@
 #include <map>
 #include <numeric>
 
-#include "kvlab/error.hpp"
 #include "kvlab/engine/sampling.hpp"
+#include "kvlab/error.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

@@ -210,9 +210,46 @@ TEST(SchedulerTables, TokenBudgetHoldsAndDeferralsHaveReasons) {
   ASSERT_EQ(plan.work.size(), 1u);  // 6 + 6 > 10
   EXPECT_EQ(plan.work[0].id, 0);
   EXPECT_EQ(plan.work[0].new_tokens, 6);
-  ASSERT_EQ(plan.deferred.size(), 2u);
+  // Request 1 is refused for the budget; 2 waits behind it without being listed.
+  ASSERT_EQ(plan.deferred.size(), 1u);
+  EXPECT_EQ(plan.deferred[0].id, 1);
   EXPECT_EQ(plan.deferred[0].reason, "token_budget");
-  EXPECT_EQ(plan.deferred[1].reason, "behind_blocked_request");
+}
+
+// A plugin's own admission order on top of the shared algorithm: longest prompt first.
+TEST(SchedulerTables, PolicyHooksBringTheirOwnAdmissionOrder) {
+  ContinuousPolicy policy;
+  policy.max_batch = 1;
+  PolicyHooks hooks;
+  hooks.admission_order = [](const RequestState& a, const RequestState& b) {
+    return a.prompt_tokens > b.prompt_tokens;
+  };
+  const std::vector<Spec> specs{{2, 1}, {6, 1}, {4, 1}};
+  const auto table = drive(
+      specs, 100, [&](const SchedulerInput& in) { return schedule_continuous(in, policy, hooks); });
+  expect_table(table, {{{1}, {}}, {{2}, {}}, {{0}, {}}});
+  // Without the hook: arrival order.
+  expect_table(drive(specs, 100, continuous(policy)), {{{0}, {}}, {{1}, {}}, {{2}, {}}});
+}
+
+// ... and its own victim: the request with the highest id gives way first, whoever came last.
+TEST(SchedulerTables, PolicyHooksBringTheirOwnVictimChoice) {
+  ContinuousPolicy policy;
+  PolicyHooks hooks;
+  hooks.victim_order = [](const RequestState& a, const RequestState& b) { return a.id < b.id; };
+  // 14 slots: three 4-token prompts fit (12); at step 1 each decode needs one more slot and
+  // only two are free, so when 2 asks someone else must give way: the hook picks 0 (lowest id),
+  // the default the latest admitted other than 2 itself, 1.
+  const std::vector<Spec> specs{{4, 4}, {4, 4}, {4, 4}};
+  const auto with_hook = drive(
+      specs, 14, [&](const SchedulerInput& in) { return schedule_continuous(in, policy, hooks); });
+  const auto without = drive(specs, 14, continuous(policy));
+  ASSERT_GE(with_hook.size(), 2u);
+  ASSERT_GE(without.size(), 2u);
+  EXPECT_EQ(with_hook[1].preempted, (std::set<RequestId>{0}));
+  EXPECT_EQ(with_hook[1].run, (std::set<RequestId>{1, 2}));
+  EXPECT_EQ(without[1].preempted, (std::set<RequestId>{1}));
+  EXPECT_EQ(without[1].run, (std::set<RequestId>{0, 2}));
 }
 
 }  // namespace

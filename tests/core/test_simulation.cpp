@@ -7,9 +7,9 @@
 #include <fstream>
 #include <set>
 
+#include "kvlab/error.hpp"
 #include "kvlab/sim/calibration.hpp"
 #include "kvlab/sim/cost_model.hpp"
-#include "kvlab/error.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
 #include "test_util.hpp"

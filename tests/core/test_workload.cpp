@@ -3,8 +3,8 @@
 #include <cmath>
 #include <numeric>
 
-#include "kvlab/error.hpp"
 #include "kvlab/engine/workload.hpp"
+#include "kvlab/error.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

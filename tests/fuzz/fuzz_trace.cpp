@@ -1,7 +1,7 @@
 // libFuzzer: workload traces, CSV and JSONL (the first input byte picks the format).
 #include "fuzz_input_file.hpp"
-#include "kvlab/error.hpp"
 #include "kvlab/engine/workload.hpp"
+#include "kvlab/error.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;

@@ -107,6 +107,23 @@ TEST(PluginLoader, AbiMismatchReportsBothVersions) {
       << message;
 }
 
+TEST(PluginLoader, LayoutFingerprintMismatchIsRefused) {
+  const std::string message = load_error(kTestPlugins / "kvlab_plugin_test_wrong_fingerprint.so");
+  EXPECT_NE(message.find(fmt::format("fingerprint {:016x}", kPluginAbiFingerprint ^ 1)),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find(fmt::format("this kvlab has {:016x}", kPluginAbiFingerprint)),
+            std::string::npos)
+      << message;
+}
+
+// The fingerprint moves when a boundary type's layout does (checked here on the function the
+// headers evaluate: a different ABI version alone changes it).
+TEST(PluginLoader, FingerprintCoversTheAbiVersionAndLayouts) {
+  EXPECT_NE(kPluginAbiFingerprint, plugin_abi_fingerprint());
+  EXPECT_NE(plugin_abi_fingerprint(), detail::Fnv1a{}.mix(kPluginAbiVersion).hash);
+}
+
 TEST(PluginLoader, DuplicateNames) {
   test::TempDir dir;
   std::filesystem::copy_file(kPlugins / "kvlab_plugin_allocator_paged.so",

@@ -6,10 +6,11 @@
 //   "16", 1, 4096}}; KVLAB_PLUGIN(kvlab::PluginKind::kv_allocator, PagedAllocator, "paged", "one
 //   line", kParams)
 //
-// The host checks abi_version by exact equality, validates parameters against the schema,
-// and wraps created objects so they are destroyed by the plugin's own `destroy` while the
-// library is still loaded. Nothing that needs the library's code after unload crosses the
-// boundary: no exception (create catches and copies the message), no std::function, no deleter.
+// The host checks abi_version and abi_fingerprint (plugin_abi.hpp) by exact equality, validates
+// parameters against the schema, and wraps created objects so they are destroyed by the plugin's
+// own `destroy` while the library is still loaded. Nothing that needs the library's code after
+// unload crosses the boundary: no exception (create catches and copies the message), no
+// std::function, no deleter.
 #include <boost/config.hpp>
 #include <boost/dll/alias.hpp>
 #include <cstdint>
@@ -21,13 +22,11 @@
 #include "kvlab/backend.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
+#include "kvlab/plugin_abi.hpp"
 #include "kvlab/plugin_params.hpp"
 #include "kvlab/scheduler.hpp"
 
 namespace kvlab {
-
-// Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
-inline constexpr std::uint32_t kPluginAbiVersion = 2;  // 2: free_slots, chosen_tokens, backends
 
 enum class PluginKind : std::uint32_t {
   kv_allocator = 1,
@@ -51,7 +50,8 @@ struct PluginContext {
 };
 
 struct PluginDescriptor {
-  std::uint32_t abi_version;  // first field: readable whatever else changes
+  std::uint32_t abi_version;      // first field: readable whatever else changes
+  std::uint64_t abi_fingerprint;  // kPluginAbiFingerprint as the plugin was built
   PluginKind kind;
   const char* name;
   const char* description;
@@ -63,6 +63,10 @@ struct PluginDescriptor {
                   std::size_t error_size);
   void (*destroy)(void* object);
 };
+
+// The layouts of every type crossing the boundary, this header's own included.
+inline constexpr std::uint64_t kPluginAbiFingerprint =
+    detail::Fnv1a{plugin_abi_fingerprint()}.type<PluginContext>().type<PluginDescriptor>().hash;
 
 template <PluginKind K>
 struct PluginInterface;
@@ -103,28 +107,29 @@ void* guarded_create(const PluginParams& params, const PluginContext& context, c
 
 // Defines and exports the plugin's descriptor (symbol "kvlab_plugin_descriptor").
 // PARAMS: an array of kvlab::ParamSpec, or kvlab::kNoParams.
-#define KVLAB_PLUGIN(KIND, IMPL, NAME, DESCRIPTION, PARAMS)                                  \
-  namespace {                                                                                \
-  void* kvlab_plugin_create(const ::kvlab::PluginParams& p, const ::kvlab::PluginContext& c, \
-                            char* e, std::size_t n) {                                        \
-    return ::kvlab::detail::guarded_create<KIND, IMPL>(p, c, e, n);                          \
-  }                                                                                          \
-  void kvlab_plugin_destroy(void* object) {                                                  \
-    delete static_cast<::kvlab::PluginInterface<KIND>::type*>(object);                       \
-  }                                                                                          \
-  const std::span<const ::kvlab::ParamSpec> kvlab_plugin_params{PARAMS};                     \
-  const ::kvlab::PluginDescriptor kvlab_plugin_descriptor_value{::kvlab::kPluginAbiVersion,  \
-                                                                KIND,                        \
-                                                                NAME,                        \
-                                                                DESCRIPTION,                 \
-                                                                kvlab_plugin_params.data(),  \
-                                                                kvlab_plugin_params.size(),  \
-                                                                &kvlab_plugin_create,        \
-                                                                &kvlab_plugin_destroy};      \
-  const ::kvlab::PluginDescriptor* kvlab_plugin_get_descriptor() {                           \
-    return &kvlab_plugin_descriptor_value;                                                   \
-  }                                                                                          \
-  }                                                                                          \
+#define KVLAB_PLUGIN(KIND, IMPL, NAME, DESCRIPTION, PARAMS)                                     \
+  namespace {                                                                                   \
+  void* kvlab_plugin_create(const ::kvlab::PluginParams& p, const ::kvlab::PluginContext& c,    \
+                            char* e, std::size_t n) {                                           \
+    return ::kvlab::detail::guarded_create<KIND, IMPL>(p, c, e, n);                             \
+  }                                                                                             \
+  void kvlab_plugin_destroy(void* object) {                                                     \
+    delete static_cast<::kvlab::PluginInterface<KIND>::type*>(object);                          \
+  }                                                                                             \
+  const std::span<const ::kvlab::ParamSpec> kvlab_plugin_params{PARAMS};                        \
+  const ::kvlab::PluginDescriptor kvlab_plugin_descriptor_value{::kvlab::kPluginAbiVersion,     \
+                                                                ::kvlab::kPluginAbiFingerprint, \
+                                                                KIND,                           \
+                                                                NAME,                           \
+                                                                DESCRIPTION,                    \
+                                                                kvlab_plugin_params.data(),     \
+                                                                kvlab_plugin_params.size(),     \
+                                                                &kvlab_plugin_create,           \
+                                                                &kvlab_plugin_destroy};         \
+  const ::kvlab::PluginDescriptor* kvlab_plugin_get_descriptor() {                              \
+    return &kvlab_plugin_descriptor_value;                                                      \
+  }                                                                                             \
+  }                                                                                             \
   BOOST_DLL_ALIAS(kvlab_plugin_get_descriptor, kvlab_plugin_descriptor)
 
 namespace kvlab {

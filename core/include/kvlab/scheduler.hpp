@@ -49,7 +49,8 @@ struct Deferral {
 };
 
 // vLLM v1's plan shape: running requests to preempt, then work for running and waiting requests
-// alike, and why the waiting requests left out stay waiting (the event log).
+// alike, and why waiting requests were refused (the event log). Requests queued behind a refused
+// one need not be listed: they wait behind it.
 struct StepPlan {
   std::vector<Preemption> preempt;  // running -> waiting / swapped
   std::vector<Work> work;

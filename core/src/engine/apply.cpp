@@ -48,8 +48,8 @@ std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::
 
 class PlanApplier {
  public:
-  PlanApplier(std::int64_t step, RequestTable& table, KvAllocator& kv,
-              const ApplyOptions& options, EventLog& log)
+  PlanApplier(std::int64_t step, RequestTable& table, KvAllocator& kv, const ApplyOptions& options,
+              EventLog& log)
       : step_(step), table_(table), kv_(kv), options_(options), log_(log) {}
 
   void preempt(RequestState& r, PreemptMode mode, const char* reason);
@@ -197,8 +197,9 @@ void PlanApplier::continue_running(RequestState& r, std::int64_t new_tokens) {
 AppliedPlan PlanApplier::finish() {
   std::sort(work_.begin(), work_.end());
   for (const RequestState* r : table_.running()) {
-    const auto it = std::lower_bound(work_.begin(), work_.end(), std::pair{r->id, std::int64_t{0}},
-                                     [](const auto& a, const auto& b) { return a.first < b.first; });
+    const auto it =
+        std::lower_bound(work_.begin(), work_.end(), std::pair{r->id, std::int64_t{0}},
+                         [](const auto& a, const auto& b) { return a.first < b.first; });
     if (it == work_.end() || it->first != r->id) continue;
     const std::int64_t tokens = std::min(it->second, r->new_tokens());
     if (tokens <= 0) continue;
@@ -221,8 +222,8 @@ AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& ta
   for (const Work& w : plan.work)
     if (table.at(w.id).is_waiting()) applier.admit(table.at(w.id), w.new_tokens);
   for (const Work& w : plan.work)
-    if (RequestState& r = table.at(w.id); r.status == RequestStatus::running &&
-                                          r.admitted_step != step)
+    if (RequestState& r = table.at(w.id);
+        r.status == RequestStatus::running && r.admitted_step != step)
       applier.continue_running(r, w.new_tokens);
   return applier.finish();
 }
@@ -245,8 +246,7 @@ std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32
     const bool eos = !table.ignores_eos(r.id) && rules.is_eos(token);
     const bool full = r.length() >= rules.context;
     if (eos || r.generated() >= r.max_new_tokens || full) {
-      log.add(EventKind::event_finish, r.id,
-              eos ? "eos" : full ? "context_full" : "max_tokens");
+      log.add(EventKind::event_finish, r.id, eos ? "eos" : full ? "context_full" : "max_tokens");
       kv.free(r.id);
       table.finish(r.id, now);
       ++finished;

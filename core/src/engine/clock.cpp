@@ -21,7 +21,8 @@ class VirtualClock : public Clock {
  private:
   double modelled(const StepTiming& cost) const {
     std::int64_t kv_tokens_read = 0;
-    for (const auto& e : cost.batch) kv_tokens_read += e.view.end_position() - e.view.first_position;
+    for (const auto& e : cost.batch)
+      kv_tokens_read += e.view.end_position() - e.view.first_position;
     return model_.step_overhead_s +
            model_.prefill_token_s * static_cast<double>(cost.prefill_tokens) +
            model_.decode_token_s * static_cast<double>(cost.decode_tokens) +

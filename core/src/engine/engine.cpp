@@ -163,8 +163,12 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
   record.decode_tokens = applied.decode_tokens;
   record.measured_forward_s = seconds_between(start, end);
   record.measured_step_s = seconds_between(step_start_, end);
-  StepTiming cost{batch, applied.prefill_tokens, applied.decode_tokens, record.measured_forward_s,
-                nullptr, static_cast<double>(applied.swap_bytes) / (options_.swap_gb_per_s * 1e9)};
+  StepTiming cost{batch,
+                  applied.prefill_tokens,
+                  applied.decode_tokens,
+                  record.measured_forward_s,
+                  nullptr,
+                  static_cast<double>(applied.swap_bytes) / (options_.swap_gb_per_s * 1e9)};
   if (options_.cost_model != nullptr) {
     record.predicted_s = options_.cost_model->step(batch).total();
     cost.predicted_s = &record.predicted_s;

@@ -6,15 +6,24 @@ namespace kvlab {
 
 const char* event_kind_name(EventKind kind) {
   switch (kind) {
-    case EventKind::event_admit: return "admit";
-    case EventKind::event_defer: return "defer";
-    case EventKind::event_preempt: return "preempt";
-    case EventKind::event_swap_out: return "swap_out";
-    case EventKind::event_swap_full: return "swap_full";
-    case EventKind::event_swap_in: return "swap_in";
-    case EventKind::event_finish: return "finish";
-    case EventKind::event_reject: return "reject";
-    case EventKind::event_evict: return "evict";
+    case EventKind::event_admit:
+      return "admit";
+    case EventKind::event_defer:
+      return "defer";
+    case EventKind::event_preempt:
+      return "preempt";
+    case EventKind::event_swap_out:
+      return "swap_out";
+    case EventKind::event_swap_full:
+      return "swap_full";
+    case EventKind::event_swap_in:
+      return "swap_in";
+    case EventKind::event_finish:
+      return "finish";
+    case EventKind::event_reject:
+      return "reject";
+    case EventKind::event_evict:
+      return "evict";
   }
   return "unknown";
 }

@@ -46,6 +46,7 @@ RequestId RequestTable::arrive() {
   r.tokens = submitted_[index(id)].prompt;
   samplers_[index(id)].emplace(sampling_[index(id)]);
   // Arrivals come in (arrival, id) order, after everyone already waiting.
+  waiting();
   waiting_.push_back(&r);
   return id;
 }
@@ -53,6 +54,7 @@ RequestId RequestTable::arrive() {
 void RequestTable::reject(RequestId id, std::string reason) {
   RequestState& r = at(id);
   assert(r.is_waiting());
+  waiting();  // settles earlier admissions
   std::erase(waiting_, &r);
   r.status = RequestStatus::rejected;
   RequestTimeline& timeline = timelines_[index(id)];
@@ -62,10 +64,18 @@ void RequestTable::reject(RequestId id, std::string reason) {
   ++done_;
 }
 
+std::span<const RequestState* const> RequestTable::waiting() const {
+  if (waiting_has_admitted_) {
+    std::erase_if(waiting_, [](const RequestState* r) { return !r->is_waiting(); });
+    waiting_has_admitted_ = false;
+  }
+  return waiting_;
+}
+
 void RequestTable::start_running(RequestId id, std::int64_t step) {
   RequestState& r = at(id);
   assert(r.is_waiting());
-  std::erase(waiting_, &r);
+  waiting_has_admitted_ = true;
   r.status = RequestStatus::running;
   r.admitted_step = step;
   running_.push_back(&r);
@@ -92,6 +102,7 @@ void RequestTable::finish(RequestId id, double now) {
 }
 
 void RequestTable::insert_waiting(const RequestState* r) {
+  waiting();  // settles earlier admissions
   const auto by_arrival = [](const RequestState* a, const RequestState* b) {
     return a->arrival_s < b->arrival_s || (a->arrival_s == b->arrival_s && a->id < b->id);
   };

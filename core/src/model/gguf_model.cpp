@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "kvlab/error.hpp"
-#include "kvlab/model_config.hpp"
 #include "kvlab/model/safetensors.hpp"
+#include "kvlab/model_config.hpp"
 
 namespace kvlab {
 namespace {

@@ -200,6 +200,12 @@ void PluginRegistry::load_file(const std::filesystem::path& file) {
         "plugin {} was built for kvlab plugin ABI version {}, this kvlab has ABI version {}: "
         "rebuild the plugin against this kvlab",
         file.string(), descriptor->abi_version, kPluginAbiVersion));
+  if (descriptor->abi_fingerprint != kPluginAbiFingerprint)
+    throw Error(fmt::format(
+        "plugin {} was built against other kvlab headers (type layout fingerprint {:016x}, this "
+        "kvlab has {:016x}): a type crossing the plugin boundary changed; rebuild the plugin "
+        "against this kvlab",
+        file.string(), descriptor->abi_fingerprint, kPluginAbiFingerprint));
   if (const std::string problem = descriptor_problem(*descriptor); !problem.empty())
     throw Error(fmt::format("plugin {} has a broken descriptor: {}", file.string(), problem));
   PluginInfo info;

@@ -19,8 +19,8 @@ namespace kvlab {
 
 struct ApplyOptions {
   SequenceRules rules;
-  KvPool* pool = nullptr;        // where swapped KV is copied from and back to
-  std::int64_t swap_slots = 0;   // host swap pool capacity in tokens (0: swap falls back)
+  KvPool* pool = nullptr;       // where swapped KV is copied from and back to
+  std::int64_t swap_slots = 0;  // host swap pool capacity in tokens (0: swap falls back)
 };
 
 // One batch entry: `tokens` new tokens of request `id`, starting at its computed count.

@@ -27,8 +27,8 @@ struct EngineEvent {
   std::int64_t step = 0;
   double t = 0;  // the clock's time
   EventKind kind = EventKind::event_admit;
-  RequestId request = -1;  // -1 for evict
-  std::string reason;      // "" when there is none
+  RequestId request = -1;   // -1 for evict
+  std::string reason;       // "" when there is none
   std::int64_t blocks = 0;  // evict only
   bool operator==(const EngineEvent&) const = default;
 };

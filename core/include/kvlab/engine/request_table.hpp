@@ -31,7 +31,7 @@ class RequestTable {
   bool ignores_eos(RequestId id) const { return ignore_eos_[index(id)]; }
 
   // Waiting and swapped requests by (arrival, id); running requests by admission.
-  std::span<const RequestState* const> waiting() const { return waiting_; }
+  std::span<const RequestState* const> waiting() const;
   std::span<const RequestState* const> running() const { return running_; }
   // The next request not yet arrived, if any.
   std::optional<RequestId> next_arrival() const;
@@ -40,11 +40,11 @@ class RequestTable {
   std::int64_t swap_used_tokens() const { return swap_used_; }
 
   // Status changes. Each checks the request is in the state it leaves.
-  RequestId arrive();                                  // the next arrival -> waiting
-  void reject(RequestId id, std::string reason);       // just arrived or waiting -> rejected
+  RequestId arrive();                                   // the next arrival -> waiting
+  void reject(RequestId id, std::string reason);        // just arrived or waiting -> rejected
   void start_running(RequestId id, std::int64_t step);  // waiting or swapped -> running
-  void stop_running(RequestId id, RequestStatus to);   // running -> waiting or swapped
-  void finish(RequestId id, double now);               // running -> finished
+  void stop_running(RequestId id, RequestStatus to);    // running -> waiting or swapped
+  void finish(RequestId id, double now);                // running -> finished
   void add_swap_tokens(std::int64_t tokens) { swap_used_ += tokens; }
 
   // The run's record: timelines and generated tokens, in submission order.
@@ -63,7 +63,11 @@ class RequestTable {
   std::vector<bool> ignore_eos_;
   std::vector<RequestId> arrival_order_;
   std::size_t arrived_ = 0, done_ = 0;
-  std::vector<const RequestState*> waiting_, running_;
+  // Admissions leave their entries in waiting_ until the next read (one pass per step instead of
+  // one erase per admission).
+  mutable std::vector<const RequestState*> waiting_;
+  mutable bool waiting_has_admitted_ = false;
+  std::vector<const RequestState*> running_;
   std::int64_t swap_used_ = 0;
 };
 

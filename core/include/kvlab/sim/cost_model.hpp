@@ -14,8 +14,8 @@
 #include <span>
 
 #include "kvlab/backend.hpp"
-#include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/model_config.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 
 namespace kvlab {
 

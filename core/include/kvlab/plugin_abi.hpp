@@ -1,0 +1,68 @@
+#pragma once
+// The plugin ABI fingerprint: a hash of the size, alignment and member offsets of every type
+// that crosses the plugin boundary, plus the hand-kept ABI version. A plugin records the value
+// its headers gave at build time; the loader refuses one whose fingerprint differs from its own
+// (a field added to ModelConfig, RequestState or StepPlan changes it without anyone
+// remembering to bump a number). Virtual interfaces are covered by kPluginAbiVersion.
+#include <cstddef>
+#include <cstdint>
+
+#include "kvlab/attention_variant.hpp"
+#include "kvlab/backend.hpp"
+#include "kvlab/kv_allocator.hpp"
+#include "kvlab/model_config.hpp"
+#include "kvlab/plugin_params.hpp"
+#include "kvlab/scheduler.hpp"
+
+namespace kvlab {
+
+// Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
+// 3: the request table's plan shape (RequestState, Work, Preemption) and the layout fingerprint.
+inline constexpr std::uint32_t kPluginAbiVersion = 3;
+
+namespace detail {
+
+struct Fnv1a {
+  std::uint64_t hash = 14695981039346656037ull;
+  constexpr Fnv1a& mix(std::uint64_t value) {
+    for (int byte = 0; byte < 8; ++byte) {
+      hash ^= (value >> (8 * byte)) & 0xff;
+      hash *= 1099511628211ull;
+    }
+    return *this;
+  }
+  template <typename T>
+  constexpr Fnv1a& type() {
+    return mix(sizeof(T)).mix(alignof(T));
+  }
+};
+
+}  // namespace detail
+
+#define KVLAB_ABI_MEMBER(T, M) mix(offsetof(T, M)).mix(sizeof(T::M))
+
+// Evaluated in each plugin and in the host from the headers each was built with.
+constexpr std::uint64_t plugin_abi_fingerprint() {
+  detail::Fnv1a h;
+  h.mix(kPluginAbiVersion);
+#if defined(_GLIBCXX_USE_CXX11_ABI)
+  h.mix(_GLIBCXX_USE_CXX11_ABI);  // std::string and std::list layouts
+#endif
+  h.type<ModelConfig>().type<RopeScaling>().type<ParamSpec>().type<PluginParams>();
+  h.type<KvPoolShape>().type<KvPool>().type<KvExtent>().type<KvView>().type<BatchEntry>();
+  h.type<AllocateRequest>().type<AllocateResult>().type<KvAllocatorStats>();
+  h.type<RequestState>().type<SwapBuffer>().type<SchedulerInput>().type<StepPlan>();
+  h.type<Preemption>().type<Work>().type<Deferral>();
+  h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
+  h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);
+  h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
+  h.KVLAB_ABI_MEMBER(Preemption, id).KVLAB_ABI_MEMBER(Preemption, mode);
+  h.KVLAB_ABI_MEMBER(AllocateRequest, prompt).KVLAB_ABI_MEMBER(AllocateRequest, max_total_tokens);
+  h.KVLAB_ABI_MEMBER(KvPoolShape, layers).KVLAB_ABI_MEMBER(KvPoolShape, slots);
+  h.KVLAB_ABI_MEMBER(SchedulerInput, running).KVLAB_ABI_MEMBER(SchedulerInput, kv);
+  return h.hash;
+}
+
+#undef KVLAB_ABI_MEMBER
+
+}  // namespace kvlab
