@@ -199,3 +199,34 @@ TEST(Sampling, InvalidParametersAreNamed) {
 
 }  // namespace
 }  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+// Greedy is the first maximum wherever it lies: in the lanes, on a tie, in the ragged tail.
+TEST(Sampling, GreedyPicksTheFirstMaximumAnywhereInTheVocabulary) {
+  for (const std::size_t vocab : {5u, 16u, 517u, 32000u}) {
+    for (const std::size_t at : {std::size_t{0}, vocab / 3, vocab - 1}) {
+      std::vector<float> logits(vocab, -1.0f);
+      logits[at] = 2.0f;
+      if (at + 9 < vocab) logits[at + 9] = 2.0f;  // a tie later: the first one wins
+      Sampler greedy(SamplingParams{});
+      EXPECT_EQ(greedy.sample(logits), static_cast<std::int32_t>(at)) << vocab << " " << at;
+    }
+  }
+}
+
+TEST(Sampling, FirstNonFiniteFindsTheFirstInfOrNan) {
+  std::vector<float> logits(1000, 0.5f);
+  EXPECT_FALSE(first_non_finite(logits));
+  logits[700] = std::numeric_limits<float>::quiet_NaN();
+  logits[999] = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(first_non_finite(logits), 700u);
+  logits[3] = -std::numeric_limits<float>::infinity();
+  EXPECT_EQ(first_non_finite(logits), 3u);
+  logits[3] = std::numeric_limits<float>::max();  // the largest finite float is fine
+  EXPECT_EQ(first_non_finite(logits), 700u);
+}
+
+}  // namespace
+}  // namespace kvlab

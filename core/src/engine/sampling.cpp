@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <numeric>
@@ -12,9 +14,23 @@
 namespace kvlab {
 namespace {
 
+// The first maximum: the lowest id wins ties (as std::max_element, which it equals on finite
+// logits). Eight independent running maxima, then a search for the first equal value: twice the
+// reads of one pass, but without its serial dependency (a token per step at a 32k-150k vocab).
 std::int32_t argmax(std::span<const float> logits) {
-  // std::max_element returns the first maximum: the lowest id wins ties.
-  return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+  constexpr std::size_t kLanes = 8;
+  if (logits.size() < 2 * kLanes)
+    return static_cast<std::int32_t>(std::max_element(logits.begin(), logits.end()) -
+                                     logits.begin());
+  std::array<float, kLanes> lane{};
+  std::copy_n(logits.begin(), kLanes, lane.begin());
+  std::size_t i = kLanes;
+  for (; i + kLanes <= logits.size(); i += kLanes)
+    for (std::size_t l = 0; l < kLanes; ++l)
+      lane[l] = logits[i + l] > lane[l] ? logits[i + l] : lane[l];
+  float best = *std::max_element(lane.begin(), lane.end());
+  for (; i < logits.size(); ++i) best = logits[i] > best ? logits[i] : best;
+  return static_cast<std::int32_t>(std::find(logits.begin(), logits.end(), best) - logits.begin());
 }
 
 // (logit - max_logit) / temperature, computed so that it cannot overflow or turn into NaN:
@@ -85,9 +101,21 @@ void validate_sampling_params(const SamplingParams& p) {
   if (p.max_tokens < 1) throw Error(fmt::format("max_tokens must be >= 1, got {}", p.max_tokens));
 }
 
+// Blocks checked with an integer test the compiler vectorises (exponent bits all ones = inf or
+// NaN); only a block that holds one is searched element by element.
 std::optional<std::size_t> first_non_finite(std::span<const float> logits) {
-  for (std::size_t i = 0; i < logits.size(); ++i)
-    if (!std::isfinite(logits[i])) return i;
+  constexpr std::uint32_t kExponent = 0x7f800000u;
+  constexpr std::size_t kBlock = 256;
+  for (std::size_t start = 0; start < logits.size(); start += kBlock) {
+    const std::size_t end = std::min(logits.size(), start + kBlock);
+    std::uint32_t any = 0;
+    for (std::size_t i = start; i < end; ++i)
+      any |= static_cast<std::uint32_t>((std::bit_cast<std::uint32_t>(logits[i]) & kExponent) ==
+                                        kExponent);
+    if (any == 0) continue;
+    for (std::size_t i = start; i < end; ++i)
+      if (!std::isfinite(logits[i])) return i;
+  }
   return std::nullopt;
 }
 
