@@ -21,6 +21,7 @@ run(${CMAKE_COMMAND} --build ${WORK_DIR}/plugin_build)
 execute_process(COMMAND ${WORK_DIR}/prefix/bin/kvlab plugins --path ${WORK_DIR}/plugin_build
                 RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message(STATUS "${out}${err}")
-if(NOT result EQUAL 0 OR NOT out MATCHES "attention fixed_kv_heads" OR NOT out MATCHES "allocator paged")
+if(NOT result EQUAL 0 OR NOT out MATCHES "attention fixed_kv_heads" OR NOT out MATCHES "scheduler longest_prompt_first"
+   OR NOT out MATCHES "allocator paged")
   message(FATAL_ERROR "installed kvlab did not list the out-of-tree plugin and the shipped ones")
 endif()

@@ -1,9 +1,9 @@
 #pragma once
 // KvAllocator: which slots of the KV pool belong to which sequence. A plugin kind.
 //
-// Query/commit verbs: the scheduler asks can_allocate / can_append on a const allocator; the
-// engine's apply step commits with allocate / append / free / fork. Failures are return
-// values (false, nullopt), never exceptions: this interface crosses the plugin boundary.
+// Query/commit verbs: the scheduler asks free_slots / slots_* on a const allocator; the
+// engine's apply_plan (kvlab/engine/apply.hpp) commits with allocate / append / free. Failures are
+// return values (false, nullopt), never exceptions: this interface crosses the plugin boundary.
 // Allocators copy KV bytes themselves (grow-by-copy, copy-on-write) through the KvPool they
 // were created with, and count those bytes.
 #include <boost/config.hpp>
@@ -75,7 +75,8 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   virtual void release_before(SequenceId sequence, std::int64_t position) = 0;
   // The child starts as a copy of the parent (parallel sampling); false when unsupported or full.
   virtual bool fork(SequenceId parent, SequenceId child) = 0;
-  // Ends the sequence; its slots return to the pool (cached blocks stay reusable).
+  // Ends the sequence; its slots return to the pool (cached blocks stay reusable). Freeing a
+  // sequence it does not hold does nothing (apply_plan frees before re-allocating).
   virtual void free(SequenceId sequence) = 0;
   virtual bool contains(SequenceId sequence) const = 0;
   virtual KvView view(SequenceId sequence) const = 0;
