@@ -3,7 +3,11 @@
 
 #include <memory>
 
+#include <toml++/toml.h>
+
 #include "cli_common.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/plugin/allocator_conformance.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::cli {
@@ -12,13 +16,67 @@ namespace {
 struct PluginsOptions {
   std::vector<std::string> extra_paths;
   std::vector<std::string> files;
+  // conformance
+  std::string allocator;
+  std::vector<std::string> params;  // key=value, the value in TOML syntax (bare words: strings)
+  bool release_window = false, growth_ahead = false;
 };
 
-void run_plugins(const PluginsOptions& o) {
+PluginRegistry make_registry(const PluginsOptions& o) {
   auto search = PluginRegistry::default_search_path();
   search.insert(search.end(), o.extra_paths.begin(), o.extra_paths.end());
   PluginRegistry registry(search);
   for (const auto& file : o.files) registry.load_file(file);
+  return registry;
+}
+
+// "block_size=16" -> {"block_size", 16}: integers, reals, booleans and quoted strings as TOML
+// reads them; anything TOML cannot read is a string.
+std::pair<std::string, ParamValue> parse_param(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw Error(fmt::format("--param \"{}\": expected key=value", text));
+  const std::string key = text.substr(0, eq), value = text.substr(eq + 1);
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    return {key, value};
+  }
+  const toml::node& node = *parsed.get("v");
+  if (auto i = node.value_exact<std::int64_t>()) return {key, *i};
+  if (auto d = node.value_exact<double>()) return {key, *d};
+  if (auto b = node.value_exact<bool>()) return {key, *b};
+  if (auto s = node.value_exact<std::string>()) return {key, *s};
+  return {key, value};
+}
+
+// kvlab plugins conformance NAME: the allocator conformance suite on any allocator plugin.
+void run_conformance(const PluginsOptions& o) {
+  const PluginRegistry registry = make_registry(o);
+  std::map<std::string, ParamValue, std::less<>> params;
+  for (const auto& text : o.params) params.insert(parse_param(text));
+  ConformanceOptions options;
+  options.release_window = o.release_window;
+  options.exact_append = !o.growth_ahead;
+  const ConformanceReport report =
+      check_allocator_conformance(registry, o.allocator, params, options);
+  fmt::print("allocator {}: {} random operations over {} seeds, {} refused for lack of room\n",
+             o.allocator, report.operations, options.seeds.size(), report.full_pool_refusals);
+  for (const auto& failure : report.failures) fmt::print("FAIL {}\n", failure);
+  if (!report.passed())
+    throw Error(fmt::format("allocator \"{}\" does not conform ({} of {} seeds failed)",
+                            o.allocator, report.failures.size(), options.seeds.size()));
+  fmt::print("conforms: every contract in kvlab/kv_allocator.hpp held\n");
+}
+
+void run_plugins(const PluginsOptions& o) {
+  const auto search = [&] {
+    auto path = PluginRegistry::default_search_path();
+    path.insert(path.end(), o.extra_paths.begin(), o.extra_paths.end());
+    return path;
+  }();
+  const PluginRegistry registry = make_registry(o);
   fmt::print("search path:");
   for (const auto& directory : search) fmt::print(" {}", directory.string());
   fmt::print("\n");
@@ -48,7 +106,20 @@ void register_plugins(CLI::App& app) {
       "plugins", "List the plugins on the search path (build folder, KVLAB_PLUGIN_PATH)");
   sub->add_option("--path", o->extra_paths, "Extra plugin folder (repeatable)");
   sub->add_option("--load", o->files, "Load this plugin file too (repeatable)");
-  sub->callback([o]() { run_plugins(*o); });
+  sub->callback([o, sub]() {
+    if (sub->get_subcommands().empty()) run_plugins(*o);
+  });
+  auto* check = sub->add_subcommand(
+      "conformance", "Run the KV allocator conformance suite on an allocator plugin");
+  check->add_option("allocator", o->allocator, "Allocator plugin name")->required();
+  check->add_option("--param", o->params, "Plugin parameter key=value (repeatable)");
+  check->add_option("--path", o->extra_paths, "Extra plugin folder (repeatable)");
+  check->add_option("--load", o->files, "Load this plugin file too (repeatable)");
+  check->add_flag("--release-window", o->release_window,
+                  "Also exercise release_before (allocators that free old KV early)");
+  check->add_flag("--growth-ahead", o->growth_ahead,
+                  "append may take more slots than slots_to_append says (grows ahead of need)");
+  check->callback([o]() { run_conformance(*o); });
 }
 
 }  // namespace kvlab::cli

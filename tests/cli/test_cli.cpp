@@ -180,3 +180,24 @@ TEST(Cli, ModelInfo) {
 
 }  // namespace
 }  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+TEST(Cli, AllocatorConformanceOnAShippedAndABrokenPlugin) {
+  const RunResult good = run("plugins conformance paged --param block_size=4 --release-window");
+  EXPECT_EQ(good.exit_code, 0) << good.output;
+  EXPECT_NE(good.output.find("allocator paged: 9000 random operations over 3 seeds"),
+            std::string::npos)
+      << good.output;
+  const RunResult broken = run(std::string("plugins conformance broken_shared_slots --load ") +
+                               KVLAB_TEST_PLUGIN_DIR + "/kvlab_plugin_test_broken_allocator.so");
+  EXPECT_EQ(broken.exit_code, 1) << broken.output;
+  EXPECT_NE(broken.output.find("FAIL seed 1: operation 0"), std::string::npos) << broken.output;
+  EXPECT_NE(broken.output.find("does not conform (3 of 3 seeds failed)"), std::string::npos);
+  expect_failure("plugins conformance paged --param block_size", "expected key=value");
+  expect_failure("plugins conformance paged --param block_size=x", "must be an integer");
+}
+
+}  // namespace
+}  // namespace kvlab

@@ -231,7 +231,10 @@ TEST(BatchGeneration, ARequestThatCannotFitIsAClearError) {
   std::vector<BatchRequest> requests(1);
   requests[0].prompt.assign(12, 5);
   const std::string message = test::error_of<Error>([&] { generator.run(requests); });
-  EXPECT_NE(message.find("does not fit in the KV pool (8 slots)"), std::string::npos) << message;
+  EXPECT_NE(message.find(
+                "request 0: prompt 12 + max tokens 16 need more KV than the pool holds (8 slots)"),
+            std::string::npos)
+      << message;
 }
 
 TEST(BatchGeneration, VariantThatCannotRunTheModel) {

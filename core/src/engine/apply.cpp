@@ -131,7 +131,10 @@ void PlanApplier::admit(RequestState& r, std::int64_t new_tokens) {
     r.computed = options_.rules.caches_kv ? allocation->cached_tokens : 0;
   table_.start_running(r.id, step_);
   RequestTimeline& timeline = table_.timeline(r.id);
-  if (!timeline.first_scheduled_s) timeline.first_scheduled_s = log_.time();
+  if (!timeline.first_scheduled_s) {
+    timeline.first_scheduled_s = log_.time();
+    timeline.prefix_hit_tokens = allocation->cached_tokens;
+  }
   log_.add(EventKind::event_admit, r.id,
            allocation->cached_tokens > 0
                ? fmt::format("prefix_hit_tokens={}", allocation->cached_tokens)
@@ -246,7 +249,9 @@ std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32
     const bool eos = !table.ignores_eos(r.id) && rules.is_eos(token);
     const bool full = r.length() >= rules.context;
     if (eos || r.generated() >= r.max_new_tokens || full) {
-      log.add(EventKind::event_finish, r.id, eos ? "eos" : full ? "context_full" : "max_tokens");
+      std::string& reason = table.timeline(r.id).finish_reason;
+      reason = eos ? "eos" : full ? "context_full" : "max_tokens";
+      log.add(EventKind::event_finish, r.id, reason);
       kv.free(r.id);
       table.finish(r.id, now);
       ++finished;

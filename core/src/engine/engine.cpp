@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 
 #include "kvlab/error.hpp"
@@ -62,16 +63,20 @@ EngineResult Engine::take_result() {
   return std::move(result_);
 }
 
-// Why a request can never run here, or "" when it can.
+// Why a request can never run here, or "" when it can. With a sliding window a sequence holds
+// at most its prompt or the window (+1 for the new token), whichever is longer.
 std::string Engine::never_fits(const RequestState& r) const {
   const std::int64_t total = r.prompt_tokens + r.max_new_tokens;
   if (r.prompt_tokens == 0) return "empty prompt";
   if (total > options_.rules.context)
     return fmt::format("prompt {} + max tokens {} exceed the context of {}", r.prompt_tokens,
                        r.max_new_tokens, options_.rules.context);
-  const std::vector<std::int32_t> whole(static_cast<std::size_t>(total), -1);  // no prefix hits
+  const std::int64_t held =
+      options_.rules.window ? std::min(total, std::max(r.prompt_tokens, *options_.rules.window + 1))
+                            : total;
+  const std::vector<std::int32_t> tokens(static_cast<std::size_t>(held), -1);  // no prefix hits
   const std::int64_t capacity = allocator_.stats().capacity;
-  if (allocator_.slots_to_allocate({r.id, whole, total}) > capacity)
+  if (allocator_.slots_to_allocate({r.id, tokens, held}) > capacity)
     return fmt::format("prompt {} + max tokens {} need more KV than the pool holds ({} slots)",
                        r.prompt_tokens, r.max_new_tokens, capacity);
   return {};
@@ -198,6 +203,7 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
     }
     const auto row = logits.subspan(e * vocab, vocab);
     throw_if_non_finite(row, work.id, step_);
+    if (options_.on_logits) options_.on_logits(work.id, row);
     sampled[e] = table_->sampler(work.id).sample(row);
   }
   return sampled;

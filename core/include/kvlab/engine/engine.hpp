@@ -8,6 +8,7 @@
 // Requests that can never fit (prompt + max tokens beyond the context or the KV capacity) are
 // rejected with a reason at arrival: submitted = finished + rejected, always.
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -40,6 +41,9 @@ struct EngineOptions {
   KvPool* pool = nullptr;
   std::int64_t swap_slots = 0;
   double swap_gb_per_s = 16.0;
+  // Called with each sampled row of logits (request, vocab), before the token is drawn: for
+  // tests and tools that keep logits (cpu::BatchGenerator). Never with a backend that samples.
+  std::function<void(RequestId, std::span<const float>)> on_logits;
 };
 
 struct StepRecord {

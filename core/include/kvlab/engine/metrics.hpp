@@ -28,6 +28,8 @@ struct RequestTimeline {
   std::int64_t preemptions = 0;
   std::int64_t recomputed_tokens = 0;
   std::int64_t swapped_bytes = 0;
+  std::int64_t prefix_hit_tokens = 0;  // prompt tokens the prefix cache served at first admission
+  std::string finish_reason;           // "eos" | "max_tokens" | "context_full" once finished
 
   std::int64_t output_tokens() const { return static_cast<std::int64_t>(token_times_s.size()); }
   std::optional<double> ttft_s() const;

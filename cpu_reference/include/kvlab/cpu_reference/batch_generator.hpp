@@ -1,8 +1,8 @@
 #pragma once
-// Batch generation without a scheduler: N prompts through the batched CPU backend with a
-// chosen KV allocator and attention variant (both plugins). Every request joins at its arrival
-// step, so prefills mix with other sequences' decodes. For tests and benchmarks; the engine
-// with schedulers builds on the same pieces.
+// Batch generation without a scheduling policy: N prompts through the engine and the batched
+// CPU backend with a chosen KV allocator and attention variant (both plugins). Every request
+// joins at its arrival step, so prefills mix with other sequences' decodes. For tests and
+// benchmarks: it is the engine (request table, apply_plan) with a scheduler that runs everyone.
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -11,6 +11,7 @@
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/engine/sequence_rules.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::cpu {
@@ -51,8 +52,9 @@ class BatchGenerator {
   BatchGenerator(const LlamaWeights& checkpoint, const PluginRegistry& registry,
                  const BatchSetup& setup);
 
-  // Runs every request to completion. Throws kvlab::Error when the allocator cannot fit a
-  // request or its next token (without a scheduler there is nobody to wait or preempt).
+  // Runs every request to completion. Throws kvlab::Error for a request that can never run
+  // (beyond the context or the KV pool). When the pool fills up, the engine defers admissions
+  // and preempts (recomputing later), as it would under any scheduler.
   std::vector<BatchResult> run(const std::vector<BatchRequest>& requests,
                                const BatchOptions& options = {});
 
@@ -65,10 +67,9 @@ class BatchGenerator {
   PluginObject<AttentionVariant> attention_;
   LlamaWeights weights_;
   KvPool pool_;
-  PluginObject<KvAllocator> allocator_;
+  SequenceRules rules_;  // context, EOS, window: one source for the backend and the engine
   CpuBackend backend_;
-  std::int64_t max_seq_len_;
-  SequenceId next_sequence_ = 0;
+  PluginObject<KvAllocator> allocator_;
 };
 
 }  // namespace kvlab::cpu

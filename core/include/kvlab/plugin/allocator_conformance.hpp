@@ -1,0 +1,44 @@
+#pragma once
+// The KV allocator conformance suite: what every allocator plugin, shipped or third-party, must
+// do (kv_allocator.hpp's contracts), checked over long seeded random sequences of allocate /
+// append / release_before / free / fork on a real pool. A shadow "backend" writes, for every
+// token, a value that depends only on the token prefix (as real KV does) into the slot the
+// allocator gave; every live sequence must then read its own prefix values back. Sharing a slot
+// is legal only when the prefixes agree (prefix caching, fork before divergence).
+// Run it from the test suite (tests/plugins/allocators/) or on any plugin with
+// `kvlab plugins conformance NAME`.
+#include <cstdint>
+#include <map>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvlab/plugin/plugin_loader.hpp"
+
+namespace kvlab {
+
+struct ConformanceOptions {
+  std::vector<unsigned> seeds{1, 2, 3};
+  int operations = 3000;     // per seed
+  std::int64_t slots = 256;  // pool capacity
+  std::int64_t max_seq_len = 48;
+  bool release_window = false;  // also call release_before (allocators that free early)
+  // append takes exactly slots_to_append (false: at least that many, for allocators that grow
+  // ahead of need, as `dynamic` does).
+  bool exact_append = true;
+};
+
+struct ConformanceReport {
+  std::vector<std::string>
+      failures;  // empty when the allocator conforms; the first failure ends a seed
+  std::int64_t operations = 0;
+  std::int64_t full_pool_refusals = 0;  // allocate/append refused for lack of room (must be > 0)
+  bool passed() const { return failures.empty(); }
+};
+
+ConformanceReport check_allocator_conformance(
+    const PluginRegistry& registry, std::string_view allocator,
+    const std::map<std::string, ParamValue, std::less<>>& params,
+    const ConformanceOptions& options = {});
+
+}  // namespace kvlab

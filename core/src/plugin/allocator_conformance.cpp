@@ -1,0 +1,219 @@
+#include "kvlab/plugin/allocator_conformance.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <random>
+#include <unordered_map>
+
+namespace kvlab {
+namespace {
+
+// Value of the token at `position` given the whole prefix: exact in fp32 (< 2^23).
+float prefix_value(const std::vector<std::int32_t>& tokens, std::size_t position) {
+  std::uint64_t h = 1469598103934665603ULL;
+  for (std::size_t i = 0; i <= position; ++i)
+    h = (h ^ static_cast<std::uint64_t>(tokens[i] + 1)) * 1099511628211ULL;
+  return static_cast<float>(h % (1u << 23));
+}
+
+// One seed's run. Each operation returns "" or what broke the contract.
+class ConformanceRun {
+ public:
+  ConformanceRun(const PluginRegistry& registry, std::string_view name,
+                 const std::map<std::string, ParamValue, std::less<>>& params,
+                 const ConformanceOptions& options, unsigned seed)
+      : options_(options), pool_({1, 1, 1, options.slots}), rng_(seed) {
+    PluginContext context;
+    context.pool = &pool_;
+    context.max_seq_len = options.max_seq_len;
+    allocator_ = registry.create<PluginKind::kv_allocator>(name, params, context);
+  }
+  std::string run(ConformanceReport& report);
+
+ private:
+  int uniform(int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng_); }
+  std::map<SequenceId, std::vector<std::int32_t>>::iterator any_sequence() {
+    return std::next(tokens_.begin(), uniform(0, static_cast<int>(tokens_.size()) - 1));
+  }
+  std::string admit();
+  std::string append();
+  void fork();
+  void write_from(SequenceId id, std::int64_t from);
+  std::string check_invariants() const;
+  std::string check_all_returned() const;
+
+  const ConformanceOptions& options_;
+  KvPool pool_;
+  PluginObject<KvAllocator> allocator_;
+  std::mt19937 rng_;
+  std::map<SequenceId, std::vector<std::int32_t>> tokens_;
+  SequenceId next_id_ = 0;
+  std::int64_t refusals_ = 0;
+};
+
+std::string ConformanceRun::run(ConformanceReport& report) {
+  for (int op = 0; op < options_.operations; ++op) {
+    const int kind = uniform(0, 9);
+    std::string failure;
+    if (kind <= 2 || tokens_.empty()) {
+      failure = admit();
+    } else if (kind <= 5) {
+      failure = append();
+    } else if (kind <= 8) {  // finish a random sequence
+      const auto it = any_sequence();
+      allocator_->free(it->first);
+      tokens_.erase(it);
+    } else {
+      fork();
+    }
+    if (failure.empty()) failure = check_invariants();
+    ++report.operations;
+    if (!failure.empty()) return fmt::format("operation {}: {}", op, failure);
+  }
+  report.full_pool_refusals += refusals_;
+  if (refusals_ == 0) return "the workload never filled the pool (use fewer slots)";
+  for (const auto& [id, tokens] : tokens_) allocator_->free(id);
+  tokens_.clear();
+  return check_all_returned();
+}
+
+// A new sequence, often with a shared prefix: can_allocate predicts allocate, allocate takes
+// slots_to_allocate, a refusal changes nothing.
+std::string ConformanceRun::admit() {
+  static const std::vector<std::vector<std::int32_t>> prefixes{
+      {5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20}, {1, 2, 3, 4, 5, 6, 7, 8, 9, 10}};
+  std::vector<std::int32_t> prompt;
+  if (uniform(0, 1)) prompt = prefixes[static_cast<std::size_t>(uniform(0, 1))];
+  const int extra = uniform(1, 20);
+  for (int i = 0; i < extra; ++i) prompt.push_back(uniform(0, 3));
+  const AllocateRequest request{next_id_, prompt, static_cast<std::int64_t>(prompt.size()) + 10};
+  const KvAllocatorStats before = allocator_->stats();
+  const std::int64_t planned = allocator_->slots_to_allocate(request);
+  const bool can = allocator_->can_allocate(request);
+  const auto result = allocator_->allocate(request);
+  if (can != result.has_value())
+    return fmt::format("can_allocate said {}, allocate {}", can, result.has_value());
+  if (!result) {
+    ++refusals_;
+    const KvAllocatorStats after = allocator_->stats();
+    return after.used == before.used && after.free == before.free
+               ? ""
+               : "a refused allocate changed the pool";
+  }
+  if (result->cached_tokens > static_cast<std::int64_t>(prompt.size()) - 1)
+    return fmt::format("{} cached tokens of a {}-token prompt (the last is always computed)",
+                       result->cached_tokens, prompt.size());
+  if (const std::int64_t taken = before.free - allocator_->stats().free; taken != planned)
+    return fmt::format("slots_to_allocate said {}, allocate took {}", planned, taken);
+  if (allocator_->slots_held(next_id_) <= 0) return "slots_held is 0 after allocate";
+  tokens_[next_id_] = prompt;
+  write_from(next_id_, result->cached_tokens);
+  ++next_id_;
+  return "";
+}
+
+// 1-3 tokens onto a random sequence: can_append predicts append, append takes slots_to_append.
+std::string ConformanceRun::append() {
+  const auto it = any_sequence();
+  std::vector<std::int32_t> more(static_cast<std::size_t>(uniform(1, 3)));
+  for (auto& t : more) t = uniform(0, 3);
+  const auto count = static_cast<std::int64_t>(more.size());
+  const std::int64_t old_length = static_cast<std::int64_t>(it->second.size());
+  const std::int64_t free_before = allocator_->stats().free;
+  const std::int64_t planned = allocator_->slots_to_append(it->first, count);
+  const bool can = allocator_->can_append(it->first, count);
+  const bool done = allocator_->append(it->first, more);
+  if (can != done) return fmt::format("can_append said {}, append {}", can, done);
+  if (!done) {
+    ++refusals_;
+    return "";
+  }
+  it->second.insert(it->second.end(), more.begin(), more.end());
+  const std::int64_t taken = free_before - allocator_->stats().free;
+  if (options_.exact_append ? taken != planned : taken < planned)
+    return fmt::format("slots_to_append said {}, append took {}", planned, taken);
+  write_from(it->first, old_length);
+  if (options_.release_window && uniform(0, 1))
+    allocator_->release_before(it->first, old_length - 8);
+  return "";
+}
+
+// Parallel sampling: a fork shares the parent's KV (or is refused).
+void ConformanceRun::fork() {
+  const auto it = any_sequence();
+  if (allocator_->view(it->first).first_position > 0) return;  // released prefix: nothing to share
+  if (allocator_->fork(it->first, next_id_)) tokens_[next_id_] = tokens_[it->first];
+  ++next_id_;
+}
+
+void ConformanceRun::write_from(SequenceId id, std::int64_t from) {
+  const KvView view = allocator_->view(id);
+  const auto& tokens = tokens_[id];
+  for (std::int64_t p = std::max(from, view.first_position); p < view.end_position(); ++p)
+    *pool_.key(0, view.slot_of(p)) = prefix_value(tokens, static_cast<std::size_t>(p));
+  allocator_->mark_computed(id, static_cast<std::int64_t>(tokens.size()));
+}
+
+// The stats add up; every live sequence reads its own prefix back; a shared slot holds one
+// prefix; `used` counts each live slot once.
+std::string ConformanceRun::check_invariants() const {
+  const KvAllocatorStats s = allocator_->stats();
+  if (s.used + s.reserved_unused + s.last_block_slack + s.free != s.capacity)
+    return fmt::format("used {} + reserved {} + slack {} + free {} != capacity {}", s.used,
+                       s.reserved_unused, s.last_block_slack, s.free, s.capacity);
+  if (s.unusable_free < 0 || s.unusable_free > s.free)
+    return fmt::format("unusable_free {} outside [0, free {}]", s.unusable_free, s.free);
+  if (s.live_sequences != static_cast<std::int64_t>(tokens_.size()))
+    return fmt::format("live_sequences {} for {} live", s.live_sequences, tokens_.size());
+  std::unordered_map<std::int64_t, float> value_of_slot;
+  for (const auto& [id, tokens] : tokens_) {
+    const KvView view = allocator_->view(id);
+    if (view.end_position() != static_cast<std::int64_t>(tokens.size()))
+      return fmt::format("sequence {}: view ends at {}, it has {} tokens", id, view.end_position(),
+                         tokens.size());
+    for (std::int64_t p = view.first_position; p < view.end_position(); ++p) {
+      const std::int64_t slot = view.slot_of(p);
+      if (slot < 0 || slot >= options_.slots)
+        return fmt::format("sequence {} position {}: slot {} outside the pool", id, p, slot);
+      const float expected = prefix_value(tokens, static_cast<std::size_t>(p));
+      if (*pool_.key(0, slot) != expected)
+        return fmt::format("sequence {} position {} slot {}: KV overwritten", id, p, slot);
+      const auto [it, inserted] = value_of_slot.try_emplace(slot, expected);
+      if (!inserted && it->second != expected)
+        return fmt::format("slot {} shared by different prefixes", slot);
+    }
+  }
+  if (s.used != static_cast<std::int64_t>(value_of_slot.size()))
+    return fmt::format("used {} but {} distinct live slots", s.used, value_of_slot.size());
+  return "";
+}
+
+// Everything freed: every slot and reference count returns, free runs coalesce.
+std::string ConformanceRun::check_all_returned() const {
+  const KvAllocatorStats s = allocator_->stats();
+  if (s.used != 0 || s.free != s.capacity || s.live_sequences != 0)
+    return fmt::format("after freeing everything: used {}, free {} of {}, {} live", s.used, s.free,
+                       s.capacity, s.live_sequences);
+  if (s.unusable_free != 0)
+    return fmt::format("after freeing everything: {} unusable free slots (runs not coalesced)",
+                       s.unusable_free);
+  return "";
+}
+
+}  // namespace
+
+ConformanceReport check_allocator_conformance(
+    const PluginRegistry& registry, std::string_view allocator,
+    const std::map<std::string, ParamValue, std::less<>>& params,
+    const ConformanceOptions& options) {
+  ConformanceReport report;
+  for (unsigned seed : options.seeds) {
+    ConformanceRun run(registry, allocator, params, options, seed);
+    if (std::string failure = run.run(report); !failure.empty())
+      report.failures.push_back(fmt::format("seed {}: {}", seed, failure));
+  }
+  return report;
+}
+
+}  // namespace kvlab
