@@ -6,18 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "kvlab/experiment/model_source.hpp"
 #include "kvlab/model_config.hpp"
 
 namespace kvlab::cli {
-
-// A --model argument: a preset name or a Hugging Face model folder (config.json).
-struct ModelSource {
-  ModelConfig config;
-  std::filesystem::path directory;  // the folder or .gguf file; empty for a preset
-  bool is_preset() const { return directory.empty(); }
-};
-// Throws kvlab::Error naming the presets (and the nearest one) when `name` is neither.
-ModelSource resolve_model(const std::string& name);
 
 // "1, 2,3" -> {1, 2, 3}. Throws kvlab::Error naming the bad item and its position.
 std::vector<std::int32_t> parse_token_ids(const std::string& text);

@@ -14,8 +14,8 @@
 #include <thread>
 
 #include "cli_common.hpp"
-#include "experiment.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab_commit.hpp"
 

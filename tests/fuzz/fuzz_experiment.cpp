@@ -3,9 +3,9 @@
 #include <string>
 #include <vector>
 
-#include "experiment.hpp"
 #include "fuzz_input_file.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const std::string_view text = kvlab::fuzz::as_text(data, size);
@@ -22,7 +22,7 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   }
   const auto path = kvlab::fuzz::write_input(text.substr(0, split), ".toml");
   try {
-    (void)kvlab::cli::load_experiment(path, overrides);
+    (void)kvlab::load_experiment(path, overrides);
   } catch (const kvlab::Error&) {
   }
   return 0;

@@ -9,8 +9,8 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "cli_common.hpp"
-#include "experiment.hpp"
+#include "kvlab/experiment/model_source.hpp"
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
@@ -19,7 +19,7 @@
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
 
-namespace kvlab::cli {
+namespace kvlab {
 namespace {
 
 // Times Backend::forward, to report how much of a run is spent outside it.
@@ -401,4 +401,4 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   }
 }
 
-}  // namespace kvlab::cli
+}  // namespace kvlab

@@ -13,7 +13,7 @@
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/plugin_params.hpp"
 
-namespace kvlab::cli {
+namespace kvlab {
 
 using ParamMap = std::map<std::string, ParamValue, std::less<>>;
 
@@ -89,4 +89,4 @@ RunOutput run_experiment(const ExperimentConfig& config, bool check,
 void write_run_outputs(const std::filesystem::path& directory, const ExperimentConfig& config,
                        const RunOutput& output);
 
-}  // namespace kvlab::cli
+}  // namespace kvlab

@@ -9,14 +9,14 @@
 #include <set>
 #include <sstream>
 
-#include "experiment.hpp"
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
 
-namespace kvlab::cli {
+namespace kvlab {
 
 // Limits on sizes an experiment file sets, checked when it is read (docs/experiments.md).
 constexpr std::int64_t kMaxRepeats = 10'000;
@@ -463,4 +463,4 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
   return runs;
 }
 
-}  // namespace kvlab::cli
+}  // namespace kvlab

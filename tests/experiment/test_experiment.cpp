@@ -1,0 +1,75 @@
+// The experiment library called directly, as the CLI calls it: load (strict TOML, --set, sweep
+// expansion), validate every point before anything runs, run one point, write its results.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+const std::filesystem::path kQuickstart =
+    std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "quickstart.toml";
+
+// quickstart, small: the tiny preset, six short requests, the build's plugins.
+std::vector<std::string> small(std::vector<std::string> more = {}) {
+  std::vector<std::string> overrides{
+      "model.name=\"tiny\"", "workload.requests=6",
+      "workload.prompt_tokens={dist=\"uniform\", min=4, max=12}",
+      "workload.output_tokens={dist=\"uniform\", min=2, max=6}",
+      std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]"};
+  more.insert(more.begin(), overrides.begin(), overrides.end());
+  return more;
+}
+
+TEST(ExperimentLibrary, LoadExpandsTheSweepWithLabelsAndOverrides) {
+  const auto runs = load_experiment(kQuickstart, small());
+  ASSERT_EQ(runs.size(), 2u);  // [[sweep]] scheduler.name = static, fcfs
+  EXPECT_EQ(runs[0].config.scheduler, "static");
+  EXPECT_EQ(runs[1].config.scheduler, "fcfs");
+  EXPECT_EQ(runs[1].config.label, "scheduler.name=fcfs");
+  EXPECT_EQ(runs[1].config.model, "tiny");
+  EXPECT_EQ(runs[1].config.workload.requests, 6);
+  EXPECT_NO_THROW(validate_experiment(runs, false));
+}
+
+TEST(ExperimentLibrary, ValidateNamesTheSweepPointThatCannotRun) {
+  // max_batch 0 is out of fcfs's range; static's own max_batch is untouched and fine.
+  const auto runs = load_experiment(kQuickstart, small({"scheduler.params.max_batch=0"}));
+  const std::string message = test::error_of<Error>([&] { validate_experiment(runs, false); });
+  EXPECT_NE(message.find("max_batch"), std::string::npos) << message;
+  EXPECT_NE(message.find("scheduler.name="), std::string::npos) << message;
+}
+
+TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
+  const auto runs = load_experiment(kQuickstart, small());
+  validate_experiment(runs, true);
+  std::vector<std::string> mismatches;
+  const RunOutput out = run_experiment(runs[1].config, true, &mismatches);
+  EXPECT_TRUE(mismatches.empty()) << mismatches.front();
+  EXPECT_EQ(out.summary.submitted, 6);
+  EXPECT_EQ(out.summary.finished + out.summary.rejected, out.summary.submitted);
+  EXPECT_GT(out.summary.finished, 0);
+  test::TempDir dir;
+  write_run_outputs(dir.path(), runs[1].config, out);
+  for (const char* file : {"requests.csv", "steps.csv", "events.jsonl", "summary.json"})
+    EXPECT_TRUE(std::filesystem::exists(dir / file)) << file;
+  const auto summary = nlohmann::json::parse(test::read_file(dir / "summary.json"));
+  EXPECT_EQ(summary["finished"], out.summary.finished);
+  EXPECT_EQ(summary["steps"], out.engine.steps.size());
+}
+
+TEST(ExperimentLibrary, SameFileSameBytes) {
+  const auto runs = load_experiment(kQuickstart, small());
+  test::TempDir a, b;
+  write_run_outputs(a.path(), runs[1].config, run_experiment(runs[1].config, false, nullptr));
+  write_run_outputs(b.path(), runs[1].config, run_experiment(runs[1].config, false, nullptr));
+  for (const char* file : {"requests.csv", "steps.csv", "events.jsonl", "summary.json"})
+    EXPECT_EQ(test::read_file(a / file), test::read_file(b / file)) << file;
+}
+
+}  // namespace
+}  // namespace kvlab
