@@ -19,7 +19,7 @@ struct PluginsOptions {
   // conformance
   std::string allocator;
   std::vector<std::string> params;  // key=value, the value in TOML syntax (bare words: strings)
-  bool release_window = false, growth_ahead = false;
+  bool release_window = false;
 };
 
 PluginRegistry make_registry(const PluginsOptions& o) {
@@ -58,7 +58,6 @@ void run_conformance(const PluginsOptions& o) {
   for (const auto& text : o.params) params.insert(parse_param(text));
   ConformanceOptions options;
   options.release_window = o.release_window;
-  options.exact_append = !o.growth_ahead;
   const ConformanceReport report =
       check_allocator_conformance(registry, o.allocator, params, options);
   fmt::print("allocator {}: {} random operations over {} seeds, {} refused for lack of room\n",
@@ -117,8 +116,6 @@ void register_plugins(CLI::App& app) {
   check->add_option("--load", o->files, "Load this plugin file too (repeatable)");
   check->add_flag("--release-window", o->release_window,
                   "Also exercise release_before (allocators that free old KV early)");
-  check->add_flag("--growth-ahead", o->growth_ahead,
-                  "append may take more slots than slots_to_append says (grows ahead of need)");
   check->callback([o]() { run_conformance(*o); });
 }
 

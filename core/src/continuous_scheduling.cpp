@@ -11,23 +11,6 @@
 namespace kvlab {
 namespace {
 
-// Slots the plan has committed so far, against what the allocator has free now.
-class Ledger {
- public:
-  explicit Ledger(const KvAllocator& kv) : kv_(kv), free_(kv.free_slots()) {}
-  bool take(std::int64_t slots) {
-    if (slots > free_) return false;
-    free_ -= slots;
-    return true;
-  }
-  void give(std::int64_t slots) { free_ += slots; }
-  const KvAllocator& kv() const { return kv_; }
-
- private:
-  const KvAllocator& kv_;
-  std::int64_t free_;
-};
-
 // a before b in a built-in admission order; ties by arrival, then id.
 bool admitted_before(const RequestState& a, const RequestState& b, ContinuousPolicy::Order order) {
   switch (order) {
@@ -123,15 +106,18 @@ Requests victim_queue(const Requests& running, const ContinuousPolicy& policy,
   return victims;
 }
 
-// One step's plan under construction: the token budget, the KV ledger, who is preempted.
+// One step's plan under construction: the token budget, the allocator's planner (every KV
+// operation tried in commit order), who is preempted.
 class PlanBuilder {
  public:
   PlanBuilder(const SchedulerInput& input, const ContinuousPolicy& policy, const PolicyHooks& hooks)
       : policy_(policy),
-        ledger_(*input.kv),
+        input_(input),
         budget_(policy.max_tokens_per_step),
         running_(running_queue(input, policy)),
-        victims_(victim_queue(running_, policy, hooks)) {}
+        victims_(victim_queue(running_, policy, hooks)) {
+    plan_step_begin(*input.kv, input.running);
+  }
 
   StepPlan take() { return std::move(plan_); }
   void schedule_running();
@@ -141,16 +127,37 @@ class PlanBuilder {
   bool is_preempted(const RequestState* r) const {
     return std::find(preempted_.begin(), preempted_.end(), r) != preempted_.end();
   }
-  // Frees the victim's KV in the ledger and gives back any work it was given this step.
+  // Tries r's KV operation on the planner, after those planned so far.
+  bool plan_kv(const RequestState& r) {
+    if (!plan_work(*input_.kv, r)) return false;
+    planned_.push_back(&r);
+    return true;
+  }
+  // Gives back any work the victim was given this step, and replans: apply frees every
+  // preempted sequence before it commits any work, so the planner must see the frees first.
   void preempt(const RequestState* victim) {
     preempted_.push_back(victim);
     plan_.preempt.push_back({victim->id, policy_.preemption});
-    ledger_.give(ledger_.kv().slots_held(victim->id));
+    drop_work(victim);
+    replan();
+  }
+  void drop_work(const RequestState* r) {
+    std::erase(planned_, r);
     std::erase_if(plan_.work, [&](const Work& w) {
-      if (w.id != victim->id) return false;
+      if (w.id != r->id) return false;
       budget_ += w.new_tokens;
       return true;
     });
+  }
+  // The planner from scratch: frees first, then the planned operations in order. An operation
+  // that no longer fits (first-fit placement can change with more free space) loses its work.
+  void replan() {
+    const KvAllocator& kv = *input_.kv;
+    plan_step_begin(kv, input_.running);
+    for (const RequestState* r : preempted_) kv.plan_free(r->id);
+    const Requests planned = std::exchange(planned_, {});
+    for (const RequestState* r : planned)
+      if (!plan_kv(*r)) drop_work(r);
   }
   // Preempts the next victim that is not `keep`; false when there is none left.
   bool preempt_next_victim(const RequestState* keep) {
@@ -170,10 +177,11 @@ class PlanBuilder {
   }
 
   const ContinuousPolicy& policy_;
-  Ledger ledger_;
+  const SchedulerInput& input_;
   std::int64_t budget_;     // tokens left this step
   std::int64_t batch_ = 0;  // running requests after this step's preemptions and admissions
   Requests running_, victims_, preempted_;
+  Requests planned_;  // requests whose KV operation the planner accepted, in plan order
   StepPlan plan_;
 };
 
@@ -183,9 +191,8 @@ void PlanBuilder::schedule_running() {
   for (const RequestState* r : running_) {
     if (is_preempted(r) || !r->decoding()) continue;
     if (budget_ < 1) break;
-    const std::int64_t need = ledger_.kv().slots_to_append(r->id, 1);
-    bool fits = ledger_.take(need);
-    while (!fits && preempt_next_victim(r)) fits = ledger_.take(need);
+    bool fits = plan_kv(*r);
+    while (!fits && preempt_next_victim(r)) fits = plan_kv(*r);
     if (!fits) {  // nothing left to preempt but itself
       preempt(r);
       continue;
@@ -209,16 +216,14 @@ void PlanBuilder::schedule_running() {
 // lower-priority requests when the policy says so).
 bool PlanBuilder::admit(const RequestState& r, std::int64_t chunk) {
   // The sequence so far (prompt, plus anything generated before a preemption) is allocated.
-  const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output()};
-  const std::int64_t need = ledger_.kv().slots_to_allocate(request);
-  bool fits = ledger_.take(need);
+  bool fits = plan_kv(r);
   if (!fits && policy_.preempt_for_priority) {
     for (auto it = running_.rbegin(); it != running_.rend() && !fits; ++it) {
       const RequestState* victim = *it;
       if (victim->priority >= r.priority || is_preempted(victim)) continue;
       preempt(victim);
       --batch_;
-      fits = ledger_.take(need);
+      fits = plan_kv(r);
     }
   }
   if (!fits) return false;
@@ -249,6 +254,33 @@ void PlanBuilder::schedule_waiting(AdmissionQueue& waiting) {
 }
 
 }  // namespace
+
+KvOperation kv_operation(const RequestState& r) {
+  if (r.is_waiting()) return KvOperation::kv_allocate;
+  if (r.decoding() && r.recompute_each_step) return KvOperation::kv_reallocate;
+  if (r.decoding() && r.allocated < r.length()) return KvOperation::kv_append;
+  return KvOperation::kv_none;
+}
+
+void plan_step_begin(const KvAllocator& kv, std::span<const RequestState* const> running) {
+  kv.plan_reset();
+  for (const RequestState* r : running)
+    if (kv_operation(*r) == KvOperation::kv_reallocate) kv.plan_free(r->id);
+}
+
+bool plan_work(const KvAllocator& kv, const RequestState& r) {
+  switch (kv_operation(r)) {
+    case KvOperation::kv_allocate:
+      return kv.plan_allocate({r.id, r.tokens, r.length() + r.remaining_output()});
+    case KvOperation::kv_reallocate:
+      return kv.plan_allocate({r.id, r.tokens, r.length()});
+    case KvOperation::kv_append:
+      return kv.plan_append(r.id, 1);
+    case KvOperation::kv_none:
+      break;
+  }
+  return true;
+}
 
 StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy& policy,
                              const PolicyHooks& hooks) {

@@ -31,15 +31,24 @@ SequenceRules rules_for(const ModelConfig& model, const AttentionVariant& attent
   return rules;
 }
 
-// No scheduling policy at all: a request is admitted the step it arrives, and every running
-// request computes its next prompt chunk (`chunk` tokens, 0 = all) or its next token.
+// No scheduling policy at all: a request is admitted the step it arrives (while the KV pool has
+// room), and every running request computes its next prompt chunk (`chunk` tokens, 0 = all) or
+// its next token.
 class EveryoneRuns final : public Scheduler {
  public:
   explicit EveryoneRuns(std::int64_t chunk) : chunk_(chunk) {}
   StepPlan schedule(const SchedulerInput& input) override {
     StepPlan plan;
-    for (const RequestState* r : input.running) plan.work.push_back({r->id, tokens_for(*r)});
-    for (const RequestState* r : input.waiting) plan.work.push_back({r->id, tokens_for(*r)});
+    plan_step_begin(*input.kv, input.running);
+    for (const RequestState* r : input.running)
+      if (plan_work(*input.kv, *r)) plan.work.push_back({r->id, tokens_for(*r)});
+    for (const RequestState* r : input.waiting) {
+      if (!plan_work(*input.kv, *r)) {  // the pool is full: the rest wait behind it
+        plan.deferred.push_back({r->id, "kv_full"});
+        break;
+      }
+      plan.work.push_back({r->id, tokens_for(*r)});
+    }
     return plan;
   }
 

@@ -1,9 +1,10 @@
 #pragma once
 // KvAllocator: which slots of the KV pool belong to which sequence. A plugin kind.
 //
-// Query/commit verbs: the scheduler asks free_slots / slots_* on a const allocator; the
-// engine's apply_plan (kvlab/engine/apply.hpp) commits with allocate / append / free. Failures are
-// return values (false, nullopt), never exceptions: this interface crosses the plugin boundary.
+// Plan, then commit: a scheduler tries a step's operations with plan_* on a const allocator
+// (exact: a planned step always commits); the engine's apply_plan (kvlab/engine/apply.hpp)
+// commits them with allocate / append / free. Failures are return values (false, nullopt),
+// never exceptions: this interface crosses the plugin boundary.
 // Allocators copy KV bytes themselves (grow-by-copy, copy-on-write) through the KvPool they
 // were created with, and count those bytes.
 #include <boost/config.hpp>
@@ -51,20 +52,10 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
  public:
   virtual ~KvAllocator() = default;
 
-  // Would allocate(request) succeed now? No side effects.
-  virtual bool can_allocate(const AllocateRequest& request) const = 0;
+  // --- Commits: called by apply_plan only, in the order described under Planning. ---
   // Gives a new sequence room for its prompt (and, by policy, more). The sequence's length
   // becomes prompt.size(). nullopt (nothing changed) when it does not fit.
   virtual std::optional<AllocateResult> allocate(const AllocateRequest& request) = 0;
-  // Planning queries for schedulers, in slots taken from the free pool: what allocate(request)
-  // would take now (prefix hits not counted), what append(sequence, n) would take, and what
-  // free(sequence) would return. Sums of these are estimates for the contiguous allocators
-  // (fragmentation); the engine's apply step, which commits, is authoritative.
-  virtual std::int64_t slots_to_allocate(const AllocateRequest& request) const = 0;
-  virtual std::int64_t slots_to_append(SequenceId sequence, std::int64_t tokens) const = 0;
-  virtual std::int64_t slots_held(SequenceId sequence) const = 0;
-  // Would append(sequence, n tokens) succeed now? No side effects.
-  virtual bool can_append(SequenceId sequence, std::int64_t tokens) const = 0;
   // Extends the sequence by tokens.size() tokens (ids given for prefix hashing); the new slots
   // are the sequence's own (copy-on-write done). false (nothing changed) when there is no room.
   virtual bool append(SequenceId sequence, std::span<const std::int32_t> tokens) = 0;
@@ -76,13 +67,26 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   // The child starts as a copy of the parent (parallel sampling); false when unsupported or full.
   virtual bool fork(SequenceId parent, SequenceId child) = 0;
   // Ends the sequence; its slots return to the pool (cached blocks stay reusable). Freeing a
-  // sequence it does not hold does nothing (apply_plan frees before re-allocating).
+  // sequence it does not hold does nothing.
   virtual void free(SequenceId sequence) = 0;
-  virtual bool contains(SequenceId sequence) const = 0;
+
+  // --- Planning (llama.cpp's prepare, vLLM's allocate-or-refuse): exact answers for a whole
+  // step. A scheduler tries the step's operations on the allocator's scratch state in the order
+  // apply_plan commits them: first every sequence the step frees (preempted ones), then
+  // allocations and appends in plan order. Each plan_* call that returns true is a promise:
+  // committing the same operations in the same order succeeds. false changes nothing.
+  // Const: the scratch is the allocator's own planning state, never the pool or a sequence.
+  virtual void plan_reset() const = 0;  // scratch := the allocator as it is now
+  virtual void plan_free(SequenceId sequence) const = 0;
+  virtual bool plan_allocate(const AllocateRequest& request) const = 0;
+  virtual bool plan_append(SequenceId sequence, std::int64_t tokens) const = 0;
+
+  // --- Queries ---
+  // Slots allocate(request) takes from the free pool now (prefix-cache hits counted). The engine
+  // rejects a request whose whole sequence needs more than the pool's capacity.
+  virtual std::int64_t slots_to_allocate(const AllocateRequest& request) const = 0;
   virtual KvView view(SequenceId sequence) const = 0;
   virtual KvAllocatorStats stats() const = 0;
-  // stats().free, cheaply: schedulers ask it every step (override when stats() walks memory).
-  virtual std::int64_t free_slots() const { return stats().free; }
 };
 
 }  // namespace kvlab

@@ -17,8 +17,9 @@
 namespace kvlab {
 
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
-// 3: the request table's plan shape (RequestState, Work, Preemption) and the layout fingerprint.
-inline constexpr std::uint32_t kPluginAbiVersion = 3;
+// 3: the request table's plan shape and the layout fingerprint; 4: KvAllocator plans exactly
+// (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone.
+inline constexpr std::uint32_t kPluginAbiVersion = 4;
 
 namespace detail {
 

@@ -57,11 +57,28 @@ struct StepPlan {
   std::vector<Deferral> deferred;
 };
 
+// A scheduler plans exactly: every work item it returns must have been tried on the allocator's
+// planner (plan_work below) in plan order, after plan_step_begin and a plan_free for each
+// preemption. apply_plan then commits the same operations in the same order and never fails
+// (an allocator that breaks its promise stops the run with an error).
 class BOOST_SYMBOL_VISIBLE Scheduler {
  public:
   virtual ~Scheduler() = default;
   virtual StepPlan schedule(const SchedulerInput& input) = 0;
 };
+
+// The KV operation a request's work commits in apply_plan, written once for both sides:
+//   waiting                         allocate its sequence so far (room for the rest of its output)
+//   decoding, no-cache variant      allocate its whole sequence again (freed at the step's start)
+//   decoding without a slot         append one slot for its newest token
+//   otherwise (a prompt chunk)      nothing: its slots were allocated at admission
+enum class KvOperation : std::uint8_t { kv_none, kv_allocate, kv_reallocate, kv_append };
+KvOperation kv_operation(const RequestState& r);
+// Starts a step's plan: plan_reset, then the no-cache variant's decoding requests freed (apply
+// frees them first too, scheduled or not).
+void plan_step_begin(const KvAllocator& kv, std::span<const RequestState* const> running);
+// Tries r's work's KV operation on the planner; true is the allocator's promise.
+bool plan_work(const KvAllocator& kv, const RequestState& r);
 
 // "a comes before b": an admission order, or the order in which running requests give way.
 using RequestOrder = std::function<bool(const RequestState& a, const RequestState& b)>;

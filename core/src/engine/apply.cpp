@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <utility>
 
+#include "kvlab/error.hpp"
+
 namespace kvlab {
 namespace {
 
@@ -60,6 +62,7 @@ class PlanApplier {
 
  private:
   bool swap_out(RequestState& r);
+  [[noreturn]] void broken_promise(const RequestState& r, const char* what);
   void swap_in(RequestState& r, std::int64_t cached_tokens);
 
   std::int64_t step_;
@@ -119,10 +122,7 @@ void PlanApplier::log_deferral(const Deferral& deferral) {
 // request's KV back; the request joins the running queue.
 void PlanApplier::admit(RequestState& r, std::int64_t new_tokens) {
   const auto allocation = kv_.allocate({r.id, r.tokens, r.length() + r.remaining_output()});
-  if (!allocation) {  // the plan's estimate was optimistic (fragmentation): try next step
-    log_.add(EventKind::event_defer, r.id, "kv_full_at_apply");
-    return;
-  }
+  if (!allocation) broken_promise(r, "allocate its sequence");
   r.last_deferral.clear();  // a later deferral (after a preemption) is news again
   r.allocated = r.length();
   if (r.status == RequestStatus::swapped)
@@ -170,30 +170,40 @@ void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
   log_.add(EventKind::event_swap_in, r.id, fmt::format("tokens={}", tokens));
 }
 
-// A running request's work: a decode gets a slot for its newest token (the no-cache variant
-// re-allocates its whole sequence instead); a prompt chunk's slots were allocated at admission.
+// A running request's work (kv_operation): a decode gets a slot for its newest token (the
+// no-cache variant re-allocates its whole sequence, freed at the step's start); a prompt
+// chunk's slots were allocated at admission.
 void PlanApplier::continue_running(RequestState& r, std::int64_t new_tokens) {
-  if (r.decoding() && r.recompute_each_step) {
-    kv_.free(r.id);
-    if (!kv_.allocate({r.id, r.tokens, r.length()})) {
-      preempt(r, PreemptMode::recompute, "no_room_to_recompute");
+  switch (kv_operation(r)) {
+    case KvOperation::kv_reallocate:
+      if (!kv_.allocate({r.id, r.tokens, r.length()}))
+        broken_promise(r, "re-allocate its sequence");
+      table_.timeline(r.id).recomputed_tokens += r.computed;
+      r.computed = 0;
+      r.allocated = r.length();
+      work_.emplace_back(r.id, r.length());
       return;
+    case KvOperation::kv_append: {
+      const std::int32_t newest = r.tokens.back();
+      if (!kv_.append(r.id, std::span<const std::int32_t>(&newest, 1)))
+        broken_promise(r, "append its newest token");
+      r.allocated = r.length();
+      break;
     }
-    table_.timeline(r.id).recomputed_tokens += r.computed;
-    r.computed = 0;
-    r.allocated = r.length();
-    work_.emplace_back(r.id, r.length());
-    return;
-  }
-  if (r.decoding() && r.allocated < r.length()) {
-    const std::int32_t newest = r.tokens.back();
-    if (!kv_.append(r.id, std::span<const std::int32_t>(&newest, 1))) {
-      preempt(r, PreemptMode::recompute, "append_failed_at_apply");
-      return;
-    }
-    r.allocated = r.length();
+    case KvOperation::kv_allocate:
+    case KvOperation::kv_none:
+      break;
   }
   work_.emplace_back(r.id, new_tokens);
+}
+
+// The scheduler planned this operation (plan_work) and the allocator promised it would commit.
+void PlanApplier::broken_promise(const RequestState& r, const char* what) {
+  throw Error(fmt::format(
+      "step {}: the KV allocator refused to {} for request {} after its planner accepted it: "
+      "the allocator breaks its plan_* contract (kvlab plugins conformance NAME checks it) or the "
+      "scheduler returned work it did not plan with plan_work",
+      step_, what, r.id));
 }
 
 // The batch in running order: each request's granted tokens, up to what it has without KV.
@@ -219,15 +229,19 @@ AppliedPlan PlanApplier::finish() {
 AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& table,
                        KvAllocator& kv, const ApplyOptions& options, EventLog& log) {
   PlanApplier applier(step, table, kv, options, log);
+  // The order the scheduler planned in (plan_step_begin, plan_free, plan_work): every free
+  // first — the preempted, then the no-cache variant's decodes — then the work in plan order.
   for (const Preemption& p : plan.preempt) applier.preempt(table.at(p.id), p.mode, "kv_full");
+  for (const RequestState* r : table.running())
+    if (kv_operation(*r) == KvOperation::kv_reallocate) kv.free(r->id);
   for (const Deferral& d : plan.deferred) applier.log_deferral(d);
-  // Admissions first (they were sized against the free pool), then the running requests' work.
-  for (const Work& w : plan.work)
-    if (table.at(w.id).is_waiting()) applier.admit(table.at(w.id), w.new_tokens);
-  for (const Work& w : plan.work)
-    if (RequestState& r = table.at(w.id);
-        r.status == RequestStatus::running && r.admitted_step != step)
+  for (const Work& w : plan.work) {
+    RequestState& r = table.at(w.id);
+    if (r.is_waiting())
+      applier.admit(r, w.new_tokens);
+    else if (r.status == RequestStatus::running)
       applier.continue_running(r, w.new_tokens);
+  }
   return applier.finish();
 }
 

@@ -39,6 +39,7 @@ class ConformanceRun {
   std::string admit();
   std::string append();
   void fork();
+  std::string planned_step();
   void write_from(SequenceId id, std::int64_t from);
   std::string check_invariants() const;
   std::string check_all_returned() const;
@@ -60,12 +61,14 @@ std::string ConformanceRun::run(ConformanceReport& report) {
       failure = admit();
     } else if (kind <= 5) {
       failure = append();
-    } else if (kind <= 8) {  // finish a random sequence
+    } else if (kind <= 7) {  // finish a random sequence
       const auto it = any_sequence();
       allocator_->free(it->first);
       tokens_.erase(it);
-    } else {
+    } else if (kind == 8) {
       fork();
+    } else {
+      failure = planned_step();
     }
     if (failure.empty()) failure = check_invariants();
     ++report.operations;
@@ -78,7 +81,7 @@ std::string ConformanceRun::run(ConformanceReport& report) {
   return check_all_returned();
 }
 
-// A new sequence, often with a shared prefix: can_allocate predicts allocate, allocate takes
+// A new sequence, often with a shared prefix: plan_allocate predicts allocate, allocate takes
 // slots_to_allocate, a refusal changes nothing.
 std::string ConformanceRun::admit() {
   static const std::vector<std::vector<std::int32_t>> prefixes{
@@ -90,10 +93,11 @@ std::string ConformanceRun::admit() {
   const AllocateRequest request{next_id_, prompt, static_cast<std::int64_t>(prompt.size()) + 10};
   const KvAllocatorStats before = allocator_->stats();
   const std::int64_t planned = allocator_->slots_to_allocate(request);
-  const bool can = allocator_->can_allocate(request);
+  allocator_->plan_reset();
+  const bool promised = allocator_->plan_allocate(request);
   const auto result = allocator_->allocate(request);
-  if (can != result.has_value())
-    return fmt::format("can_allocate said {}, allocate {}", can, result.has_value());
+  if (promised != result.has_value())
+    return fmt::format("plan_allocate said {}, allocate {}", promised, result.has_value());
   if (!result) {
     ++refusals_;
     const KvAllocatorStats after = allocator_->stats();
@@ -106,36 +110,93 @@ std::string ConformanceRun::admit() {
                        result->cached_tokens, prompt.size());
   if (const std::int64_t taken = before.free - allocator_->stats().free; taken != planned)
     return fmt::format("slots_to_allocate said {}, allocate took {}", planned, taken);
-  if (allocator_->slots_held(next_id_) <= 0) return "slots_held is 0 after allocate";
   tokens_[next_id_] = prompt;
   write_from(next_id_, result->cached_tokens);
   ++next_id_;
   return "";
 }
 
-// 1-3 tokens onto a random sequence: can_append predicts append, append takes slots_to_append.
+// 1-3 tokens onto a random sequence: plan_append predicts append.
 std::string ConformanceRun::append() {
   const auto it = any_sequence();
   std::vector<std::int32_t> more(static_cast<std::size_t>(uniform(1, 3)));
   for (auto& t : more) t = uniform(0, 3);
   const auto count = static_cast<std::int64_t>(more.size());
   const std::int64_t old_length = static_cast<std::int64_t>(it->second.size());
-  const std::int64_t free_before = allocator_->stats().free;
-  const std::int64_t planned = allocator_->slots_to_append(it->first, count);
-  const bool can = allocator_->can_append(it->first, count);
+  allocator_->plan_reset();
+  const bool promised = allocator_->plan_append(it->first, count);
   const bool done = allocator_->append(it->first, more);
-  if (can != done) return fmt::format("can_append said {}, append {}", can, done);
+  if (promised != done) return fmt::format("plan_append said {}, append {}", promised, done);
   if (!done) {
     ++refusals_;
     return "";
   }
   it->second.insert(it->second.end(), more.begin(), more.end());
-  const std::int64_t taken = free_before - allocator_->stats().free;
-  if (options_.exact_append ? taken != planned : taken < planned)
-    return fmt::format("slots_to_append said {}, append took {}", planned, taken);
   write_from(it->first, old_length);
   if (options_.release_window && uniform(0, 1))
     allocator_->release_before(it->first, old_length - 8);
+  return "";
+}
+
+// A whole step planned, then committed in the same order (as a scheduler and apply_plan do):
+// one or two sequences freed, then appends to others and new sequences, each tried on the
+// planner; every operation the planner accepted must commit.
+std::string ConformanceRun::planned_step() {
+  std::vector<SequenceId> frees;
+  for (int i = uniform(0, 2); i > 0 && tokens_.size() > frees.size() + 1; --i) {
+    const SequenceId id = any_sequence()->first;
+    if (std::find(frees.begin(), frees.end(), id) == frees.end()) frees.push_back(id);
+  }
+  struct Op {
+    SequenceId id;
+    std::vector<std::int32_t> tokens;  // appended, or the new sequence's prompt
+    bool allocate;
+  };
+  std::vector<Op> ops;
+  for (const auto& [id, tokens] : tokens_)
+    if (std::find(frees.begin(), frees.end(), id) == frees.end() && uniform(0, 2) == 0)
+      ops.push_back(
+          {id, std::vector<std::int32_t>(static_cast<std::size_t>(uniform(1, 2)), 1), false});
+  for (int i = uniform(0, 3); i > 0; --i)
+    ops.push_back(
+        {next_id_++, std::vector<std::int32_t>(static_cast<std::size_t>(uniform(1, 24)), 2), true});
+  allocator_->plan_reset();
+  for (SequenceId id : frees) allocator_->plan_free(id);
+  std::vector<bool> promised;
+  for (const Op& op : ops)
+    promised.push_back(
+        op.allocate ? allocator_->plan_allocate(
+                          {op.id, op.tokens, static_cast<std::int64_t>(op.tokens.size()) + 10})
+                    : allocator_->plan_append(op.id, static_cast<std::int64_t>(op.tokens.size())));
+  for (SequenceId id : frees) {
+    allocator_->free(id);
+    tokens_.erase(id);
+  }
+  for (std::size_t i = 0; i < ops.size(); ++i) {
+    if (!promised[i]) {
+      ++refusals_;
+      continue;
+    }
+    const Op& op = ops[i];
+    if (op.allocate) {
+      const auto result = allocator_->allocate(
+          {op.id, op.tokens, static_cast<std::int64_t>(op.tokens.size()) + 10});
+      if (!result)
+        return fmt::format(
+            "a planned step: allocate of sequence {} refused after plan_allocate accepted it",
+            op.id);
+      tokens_[op.id] = op.tokens;
+      write_from(op.id, result->cached_tokens);
+    } else {
+      auto& tokens = tokens_[op.id];
+      const auto old_length = static_cast<std::int64_t>(tokens.size());
+      if (!allocator_->append(op.id, op.tokens))
+        return fmt::format(
+            "a planned step: append to sequence {} refused after plan_append accepted it", op.id);
+      tokens.insert(tokens.end(), op.tokens.begin(), op.tokens.end());
+      write_from(op.id, old_length);
+    }
+  }
   return "";
 }
 

@@ -21,10 +21,6 @@ class DynamicAllocator final : public KvAllocator {
     if (pool_ == nullptr) throw std::invalid_argument("dynamic allocator needs a KV pool");
   }
 
-  bool can_allocate(const AllocateRequest& r) const override {
-    return free_.first_fit(std::max<std::int64_t>(1, static_cast<std::int64_t>(r.prompt.size())))
-        .has_value();
-  }
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
     if (sequences_.count(r.sequence)) return std::nullopt;
     const auto capacity = std::max<std::int64_t>(1, static_cast<std::int64_t>(r.prompt.size()));
@@ -36,31 +32,55 @@ class DynamicAllocator final : public KvAllocator {
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
     return std::max<std::int64_t>(1, static_cast<std::int64_t>(r.prompt.size()));
   }
-  std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return 0;
-    return std::max<std::int64_t>(0, it->second.length + tokens - it->second.capacity);
-  }
-  std::int64_t slots_held(SequenceId id) const override {
-    auto it = sequences_.find(id);
-    return it == sequences_.end() ? 0 : it->second.capacity;
-  }
-  bool can_append(SequenceId id, std::int64_t tokens) const override {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return false;
-    const Sequence& s = it->second;
-    const std::int64_t needed = s.length + tokens;
-    if (needed <= s.capacity) return true;
-    return free_.is_free(s.start + s.capacity, needed - s.capacity) ||
-           free_.first_fit(needed).has_value();
-  }
   bool append(SequenceId id, std::span<const std::int32_t> tokens) override {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return false;
     Sequence& s = it->second;
     const std::int64_t needed = s.length + static_cast<std::int64_t>(tokens.size());
-    if (needed > s.capacity && !grow(s, needed)) return false;
+    if (needed > s.capacity) {
+      const auto grown = grow(free_, s, needed, growth_);
+      if (!grown) return false;
+      if (grown->start != s.start)
+        bytes_copied_ += pool_->copy_slots(s.start, grown->start, s.length);
+      s = *grown;
+    }
     s.length = needed;
+    return true;
+  }
+
+  // Planning: a scratch copy of the free runs and of the extents the plan moved or freed; the
+  // same first-fit and growth code as the commits.
+  void plan_reset() const override {
+    plan_free_ = free_;
+    plan_sequences_.clear();
+  }
+  void plan_free(SequenceId id) const override {
+    if (const Sequence* s = planned(id)) {
+      plan_free_.give_back(s->start, s->capacity);
+      plan_sequences_[id] = std::nullopt;
+    }
+  }
+  bool plan_allocate(const AllocateRequest& r) const override {
+    if (planned(r.sequence)) return false;
+    const auto capacity = std::max<std::int64_t>(1, static_cast<std::int64_t>(r.prompt.size()));
+    const auto start = plan_free_.take(capacity);
+    if (!start) return false;
+    plan_sequences_[r.sequence] =
+        Sequence{*start, capacity, static_cast<std::int64_t>(r.prompt.size())};
+    return true;
+  }
+  bool plan_append(SequenceId id, std::int64_t tokens) const override {
+    const Sequence* s = planned(id);
+    if (s == nullptr) return false;
+    Sequence next = *s;
+    const std::int64_t needed = next.length + tokens;
+    if (needed > next.capacity) {
+      const auto grown = grow(plan_free_, next, needed, growth_);
+      if (!grown) return false;
+      next = *grown;
+    }
+    next.length = needed;
+    plan_sequences_[id] = next;
     return true;
   }
   void mark_computed(SequenceId, std::int64_t) override {}
@@ -82,7 +102,6 @@ class DynamicAllocator final : public KvAllocator {
     free_.give_back(it->second.start, it->second.capacity);
     sequences_.erase(it);
   }
-  bool contains(SequenceId id) const override { return sequences_.count(id) > 0; }
   KvView view(SequenceId id) const override {
     const auto& s = sequences_.at(id);
     return KvView{{KvExtent{s.start, s.length}}, 0};
@@ -108,33 +127,45 @@ class DynamicAllocator final : public KvAllocator {
     std::int64_t length;
   };
 
-  // Grows s to hold `needed` slots: try capacity x growth in place, then `needed` in place,
-  // then move to a first-fit run (x growth, else exact) and copy the KV over.
-  bool grow(Sequence& s, std::int64_t needed) {
+  // The sequence as the plan sees it: moved or freed by an earlier planned operation, else as
+  // it is. nullptr when it does not exist (or the plan freed it).
+  const Sequence* planned(SequenceId id) const {
+    if (auto it = plan_sequences_.find(id); it != plan_sequences_.end())
+      return it->second ? &*it->second : nullptr;
+    auto it = sequences_.find(id);
+    return it == sequences_.end() ? nullptr : &it->second;
+  }
+
+  // s's extent grown to hold `needed` slots, taken from `free`: capacity x growth in place, then
+  // `needed` in place, then a first-fit run elsewhere (x growth, else exact; the caller copies
+  // the KV over). nullopt (free unchanged) when nothing fits.
+  static std::optional<Sequence> grow(FreeSlotRuns& free, Sequence s, std::int64_t needed,
+                                      double growth) {
     const std::int64_t target = std::max(
-        needed, static_cast<std::int64_t>(std::ceil(static_cast<double>(s.capacity) * growth_)));
+        needed, static_cast<std::int64_t>(std::ceil(static_cast<double>(s.capacity) * growth)));
     for (std::int64_t capacity : {target, needed}) {
-      if (free_.take_at(s.start + s.capacity, capacity - s.capacity)) {
+      if (free.take_at(s.start + s.capacity, capacity - s.capacity)) {
         s.capacity = capacity;
-        return true;
+        return s;
       }
     }
     for (std::int64_t capacity : {target, needed}) {
-      if (const auto start = free_.take(capacity)) {
-        bytes_copied_ += pool_->copy_slots(s.start, *start, s.length);
-        free_.give_back(s.start, s.capacity);
+      if (const auto start = free.take(capacity)) {
+        free.give_back(s.start, s.capacity);
         s.start = *start;
         s.capacity = capacity;
-        return true;
+        return s;
       }
     }
-    return false;
+    return std::nullopt;
   }
 
   KvPool* pool_;
   double growth_;
   FreeSlotRuns free_;
   std::unordered_map<SequenceId, Sequence> sequences_;
+  mutable FreeSlotRuns plan_free_{0};  // planning scratch
+  mutable std::unordered_map<SequenceId, std::optional<Sequence>> plan_sequences_;
   std::int64_t bytes_copied_ = 0;
 };
 

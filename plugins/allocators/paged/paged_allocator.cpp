@@ -12,6 +12,7 @@
 #include <list>
 #include <stdexcept>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "kvlab/plugin.hpp"
@@ -38,27 +39,56 @@ class PagedAllocator final : public KvAllocator {
       free_plain_.push_back(b);
   }
 
-  bool can_allocate(const AllocateRequest& r) const override {
-    return !sequences_.count(r.sequence) && blocks_to_allocate(r) <= free_blocks();
-  }
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
     return blocks_to_allocate(r) * block_size_;
   }
-  std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
-    auto it = sequences_.find(id);
-    return it == sequences_.end() ? 0 : new_blocks_for_append(it->second, tokens) * block_size_;
+
+  // Planning: the free-block count and the reference counts the plan's operations so far leave.
+  // A freed sequence drops a reference on each of its blocks (a block nobody else holds becomes
+  // free). An allocation takes a free block for each block of its prompt beyond its prefix hits
+  // on blocks someone holds; a hit on a free cached block takes that block from the free list.
+  // Once the plan has taken more blocks than there were plain free ones, the commits before
+  // this one may evict cached blocks (least recently freed first), so the hit chain stops at
+  // its first free cached block. An append takes its new blocks and a copy-on-write copy
+  // (against the real reference count: conservative).
+  void plan_reset() const override {
+    plan_free_blocks_ = free_blocks();
+    plan_taken_ = 0;
+    plan_refs_.clear();
+    plan_touched_.clear();
   }
-  std::int64_t slots_held(SequenceId id) const override {  // blocks this sequence alone holds
+  void plan_free(SequenceId id) const override {
     auto it = sequences_.find(id);
-    if (it == sequences_.end()) return 0;
-    std::int64_t blocks = 0;
+    if (it == sequences_.end() || !plan_touched_.insert(id).second) return;
     for (std::int32_t b : it->second.table)
-      if (b >= 0 && blocks_[static_cast<std::size_t>(b)].ref_count == 1) ++blocks;
-    return blocks * block_size_;
+      if (b >= 0 && --plan_ref(b) == 0) ++plan_free_blocks_;
+  }
+  bool plan_allocate(const AllocateRequest& r) const override {
+    if (sequences_.count(r.sequence) && !plan_touched_.count(r.sequence)) return false;
+    const bool evictions_possible = plan_taken_ > static_cast<std::int64_t>(free_plain_.size());
+    std::vector<std::int32_t> hits;
+    std::int64_t held = 0;  // hits on blocks someone holds: no free block taken for them
+    for (std::int32_t b : lookup(r.prompt)) {
+      if (plan_ref(b) == 0 && evictions_possible) break;
+      hits.push_back(b);
+      held += plan_ref(b) > 0 ? 1 : 0;
+    }
+    const std::int64_t blocks = blocks_for(static_cast<std::int64_t>(r.prompt.size())) - held;
+    if (!plan_take(blocks)) return false;
+    for (std::int32_t b : hits) ++plan_ref(b);
+    plan_touched_.insert(r.sequence);
+    return true;
+  }
+  bool plan_append(SequenceId id, std::int64_t tokens) const override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end() || plan_touched_.count(id)) return false;
+    if (!plan_take(new_blocks_for_append(it->second, tokens))) return false;
+    plan_touched_.insert(id);
+    return true;
   }
 
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
-    if (!can_allocate(r)) return std::nullopt;
+    if (sequences_.count(r.sequence) || blocks_to_allocate(r) > free_blocks()) return std::nullopt;
     const auto length = static_cast<std::int64_t>(r.prompt.size());
     Sequence s;
     s.tokens.assign(r.prompt.begin(), r.prompt.end());
@@ -78,11 +108,6 @@ class PagedAllocator final : public KvAllocator {
     prefix_hit_tokens_ += static_cast<std::int64_t>(hits.size()) * block_size_;
     sequences_.emplace(r.sequence, std::move(s));
     return AllocateResult{static_cast<std::int64_t>(hits.size()) * block_size_};
-  }
-
-  bool can_append(SequenceId id, std::int64_t tokens) const override {
-    auto it = sequences_.find(id);
-    return it != sequences_.end() && new_blocks_for_append(it->second, tokens) <= free_blocks();
   }
 
   bool append(SequenceId id, std::span<const std::int32_t> tokens) override {
@@ -162,8 +187,6 @@ class PagedAllocator final : public KvAllocator {
     sequences_.erase(it);
   }
 
-  bool contains(SequenceId id) const override { return sequences_.count(id) > 0; }
-
   KvView view(SequenceId id) const override {
     const Sequence& s = sequences_.at(id);
     KvView view;
@@ -181,8 +204,6 @@ class PagedAllocator final : public KvAllocator {
     }
     return view;
   }
-
-  std::int64_t free_slots() const override { return free_blocks() * block_size_; }
 
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;
@@ -238,6 +259,17 @@ class PagedAllocator final : public KvAllocator {
 
   // Blocks allocate(r) takes from the free lists: all it needs minus prefix hits, plus hits
   // that are themselves free cached blocks (they leave the free lists too).
+  bool plan_take(std::int64_t blocks) const {
+    if (blocks > plan_free_blocks_) return false;
+    plan_free_blocks_ -= blocks;
+    plan_taken_ += blocks;
+    return true;
+  }
+  std::int32_t& plan_ref(std::int32_t block) const {
+    auto [it, inserted] = plan_refs_.try_emplace(block, 0);
+    if (inserted) it->second = blocks_[static_cast<std::size_t>(block)].ref_count;
+    return it->second;
+  }
   std::int64_t blocks_to_allocate(const AllocateRequest& r) const {
     const auto hits = lookup(r.prompt);
     std::int64_t from_free = blocks_for(static_cast<std::int64_t>(r.prompt.size())) -
@@ -331,6 +363,11 @@ class PagedAllocator final : public KvAllocator {
   std::list<std::int32_t> free_cached_;   // free blocks still holding a prefix, LRU first
   std::unordered_map<std::uint64_t, std::int32_t> cache_;  // chain hash -> block
   std::unordered_map<SequenceId, Sequence> sequences_;
+  // Planning scratch.
+  mutable std::int64_t plan_free_blocks_ = 0;
+  mutable std::int64_t plan_taken_ = 0;  // blocks the plan's operations take from the free list
+  mutable std::unordered_map<std::int32_t, std::int32_t> plan_refs_;  // block -> planned refs
+  mutable std::unordered_set<SequenceId> plan_touched_;  // planned once: freed or grown
   std::int64_t bytes_copied_ = 0;
   std::int64_t prefix_query_tokens_ = 0;
   std::int64_t prefix_hit_tokens_ = 0;

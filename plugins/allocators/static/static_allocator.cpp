@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 
 #include <unordered_map>
+#include <unordered_set>
 
 #include "kvlab/free_slot_runs.hpp"
 #include "kvlab/plugin.hpp"
@@ -23,9 +24,6 @@ class StaticAllocator final : public KvAllocator {
     if (reserve_ <= 0) throw std::invalid_argument("static allocator needs max_seq_len > 0");
   }
 
-  bool can_allocate(const AllocateRequest& r) const override {
-    return fits(r) && free_.first_fit(reserve_).has_value();
-  }
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
     if (!fits(r) || sequences_.count(r.sequence)) return std::nullopt;
     const auto start = free_.take(reserve_);
@@ -36,21 +34,33 @@ class StaticAllocator final : public KvAllocator {
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
     return fits(r) ? reserve_ : pool_->shape().slots + 1;
   }
-  std::int64_t slots_to_append(SequenceId id, std::int64_t tokens) const override {
-    return can_append(id, tokens) ? 0 : pool_->shape().slots + 1;  // never beyond the reservation
-  }
-  std::int64_t slots_held(SequenceId id) const override {
-    return sequences_.count(id) ? reserve_ : 0;
-  }
-  bool can_append(SequenceId id, std::int64_t tokens) const override {
-    auto it = sequences_.find(id);
-    return it != sequences_.end() && it->second.length + tokens <= reserve_;
-  }
   bool append(SequenceId id, std::span<const std::int32_t> tokens) override {
-    if (!can_append(id, static_cast<std::int64_t>(tokens.size()))) return false;
-    sequences_[id].length += static_cast<std::int64_t>(tokens.size());
+    auto it = sequences_.find(id);
+    const auto n = static_cast<std::int64_t>(tokens.size());
+    if (it == sequences_.end() || it->second.length + n > reserve_) return false;
+    it->second.length += n;
     return true;
   }
+
+  // Planning: a scratch copy of the free runs; sequences never move.
+  void plan_reset() const override {
+    plan_free_ = free_;
+    plan_freed_.clear();
+  }
+  void plan_free(SequenceId id) const override {
+    if (auto it = sequences_.find(id); it != sequences_.end() && plan_freed_.insert(id).second)
+      plan_free_.give_back(it->second.start, reserve_);
+  }
+  bool plan_allocate(const AllocateRequest& r) const override {
+    return fits(r) && (!sequences_.count(r.sequence) || plan_freed_.count(r.sequence)) &&
+           plan_free_.take(reserve_).has_value();
+  }
+  bool plan_append(SequenceId id, std::int64_t tokens) const override {
+    auto it = sequences_.find(id);
+    return it != sequences_.end() && !plan_freed_.count(id) &&
+           it->second.length + tokens <= reserve_;
+  }
+
   void mark_computed(SequenceId, std::int64_t) override {}
   void release_before(SequenceId, std::int64_t) override {}  // the reservation is held to the end
   bool fork(SequenceId parent, SequenceId child) override {
@@ -68,7 +78,6 @@ class StaticAllocator final : public KvAllocator {
     free_.give_back(it->second.start, reserve_);
     sequences_.erase(it);
   }
-  bool contains(SequenceId id) const override { return sequences_.count(id) > 0; }
   KvView view(SequenceId id) const override {
     const auto& s = sequences_.at(id);
     return KvView{{KvExtent{s.start, s.length}}, 0};
@@ -98,6 +107,8 @@ class StaticAllocator final : public KvAllocator {
   KvPool* pool_;
   std::int64_t reserve_;
   FreeSlotRuns free_;
+  mutable FreeSlotRuns plan_free_{0};  // planning scratch
+  mutable std::unordered_set<SequenceId> plan_freed_;
   std::unordered_map<SequenceId, Sequence> sequences_;
   std::int64_t bytes_copied_ = 0;
 };

@@ -33,7 +33,6 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   ConformanceOptions options;
   options.release_window = GetParam().releases_window;
-  options.exact_append = GetParam().name != "dynamic";  // dynamic grows ahead (growth factor)
   const ConformanceReport report =
       check_allocator_conformance(registry, GetParam().name, GetParam().params, options);
   for (const std::string& failure : report.failures) ADD_FAILURE() << failure;

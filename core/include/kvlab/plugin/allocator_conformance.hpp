@@ -23,9 +23,6 @@ struct ConformanceOptions {
   std::int64_t slots = 256;  // pool capacity
   std::int64_t max_seq_len = 48;
   bool release_window = false;  // also call release_before (allocators that free early)
-  // append takes exactly slots_to_append (false: at least that many, for allocators that grow
-  // ahead of need, as `dynamic` does).
-  bool exact_append = true;
 };
 
 struct ConformanceReport {
