@@ -22,6 +22,14 @@ execute_process(COMMAND ${WORK_DIR}/prefix/bin/kvlab plugins --path ${WORK_DIR}/
                 RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message(STATUS "${out}${err}")
 if(NOT result EQUAL 0 OR NOT out MATCHES "attention fixed_kv_heads" OR NOT out MATCHES "scheduler longest_prompt_first"
-   OR NOT out MATCHES "allocator paged")
-  message(FATAL_ERROR "installed kvlab did not list the out-of-tree plugin and the shipped ones")
+   OR NOT out MATCHES "allocator slot_list" OR NOT out MATCHES "allocator paged")
+  message(FATAL_ERROR "installed kvlab did not list the out-of-tree plugins and the shipped ones")
 endif()
+# The out-of-tree allocator passes the installed conformance suite.
+run(${WORK_DIR}/prefix/bin/kvlab plugins conformance slot_list --path ${WORK_DIR}/plugin_build --release-window)
+# ... and the out-of-tree allocator and scheduler serve requests whose every greedy token equals
+# the reference's (kvlab check on a small quickstart).
+run(${WORK_DIR}/prefix/bin/kvlab check ${QUICKSTART} --set "kv_cache.allocator=\"slot_list\""
+    --set "kv_cache.params={}" --set "scheduler.params={}" --set "model.name=\"tiny\""
+    --set "workload.requests=6" --set "experiment.plugin_paths=[\"${WORK_DIR}/plugin_build\"]"
+    --set "sweep=[{key=\"scheduler.name\", values=[\"longest_prompt_first\", \"fcfs\"]}]")
