@@ -9,9 +9,9 @@
 #include <set>
 #include <sstream>
 
-#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
@@ -170,137 +170,179 @@ void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
   for (auto& p : c.plugin_paths) resolve(p);
 }
 
+// One parser per section of the file (docs/experiments.md): each reads its keys into the
+// config and fails with file:line:column on a bad value.
+void parse_experiment(Section& s, ExperimentConfig& c) {
+  c.name = s.get<std::string>("name").value_or(c.name);
+  c.seed = static_cast<std::uint64_t>(s.get<std::int64_t>("seed").value_or(0));
+  c.repeats = s.get_int<std::int64_t>("repeats", 1, kMaxRepeats).value_or(1);
+  c.clock = s.get<std::string>("clock").value_or(c.clock);
+  if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall" && c.clock != "measured")
+    s.fail(*s.node("clock"),
+           fmt::format("experiment.clock \"{}\" is not one of virtual, offline, measured, wall",
+                       c.clock));
+  if (const toml::node* paths = s.node("plugin_paths")) {
+    if (!paths->is_array()) s.fail(*paths, "experiment.plugin_paths must be a list of folders");
+    for (const auto& p : *paths->as_array()) {
+      if (!p.is_string()) s.fail(p, "experiment.plugin_paths entries must be strings");
+      c.plugin_paths.push_back(p.as_string()->get());
+    }
+  }
+}
+
+void parse_model(Section& s, ExperimentConfig& c) {
+  c.model = s.get<std::string>("name").value_or("stories15m");
+  c.weights_seed = static_cast<std::uint64_t>(s.get<std::int64_t>("weights_seed").value_or(0));
+}
+
+void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
+  c.backend = s.get<std::string>("name").value_or(c.backend);  // cpu, simulated or a plugin
+  c.threads = s.get_int<int>("threads", 0, kMaxThreads).value_or(0);
+  c.profile = s.get<std::string>("profile").value_or("");
+  c.backend_params = plugin_params(s, "params");
+  if (c.backend == "simulated" && c.profile.empty())
+    s.fail(where,
+           fmt::format("backend \"simulated\" needs backend.profile: a name ({}) or a .toml file",
+                       join_names(hardware_profile_names())));
+}
+
+void parse_kv_cache(Section& s, ExperimentConfig& c) {
+  c.allocator = s.get<std::string>("allocator").value_or(c.allocator);
+  c.kv_slots = s.get<std::int64_t>("slots");
+  if (c.kv_slots && *c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
+  c.kv_memory_mib = s.get<double>("memory_mib");
+  c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
+  c.swap_gb_per_s = s.get<double>("swap_gb_per_s").value_or(c.swap_gb_per_s);
+  if (c.swap_slots < 0) s.fail(*s.node("swap_slots"), "kv_cache.swap_slots must be >= 0");
+  if (!(c.swap_gb_per_s > 0))
+    s.fail(*s.node("swap_gb_per_s"), "kv_cache.swap_gb_per_s must be > 0");
+  if (c.kv_memory_mib && !(*c.kv_memory_mib > 0))
+    s.fail(*s.node("memory_mib"), "kv_cache.memory_mib must be > 0");
+  c.allocator_params = plugin_params(s, "params");
+}
+
+void parse_attention(Section& s, ExperimentConfig& c) {
+  c.attention = s.get<std::string>("variant").value_or(c.attention);
+  c.attention_params = plugin_params(s, "params");
+}
+
+void parse_scheduler(Section& s, ExperimentConfig& c) {
+  c.scheduler = s.get<std::string>("name").value_or(c.scheduler);
+  c.scheduler_params = plugin_params(s, "params");
+}
+
+void parse_workload(Section& s, ExperimentConfig& c) {
+  SyntheticWorkload& w = c.workload;
+  w.requests = s.get_int<std::int64_t>("requests", 1, kMaxRequests).value_or(w.requests);
+  const std::string arrival = s.get<std::string>("arrival").value_or("all_at_once");
+  static const std::map<std::string, ArrivalKind> arrivals{
+      {"all_at_once", ArrivalKind::all_at_once},
+      {"poisson", ArrivalKind::poisson},
+      {"gamma", ArrivalKind::gamma},
+      {"bursts", ArrivalKind::bursts}};
+  auto it = arrivals.find(arrival);
+  if (it == arrivals.end())
+    s.fail(
+        *s.node("arrival"),
+        fmt::format("arrival \"{}\" is not one of all_at_once, poisson, gamma, bursts", arrival));
+  w.arrival.kind = it->second;
+  w.arrival.rate_per_s = s.get<double>("rate").value_or(w.arrival.rate_per_s);
+  w.arrival.cv = s.get<double>("cv").value_or(w.arrival.cv);
+  w.arrival.burst_size = s.get<std::int64_t>("burst_size").value_or(w.arrival.burst_size);
+  w.prompt_tokens = length(s, "prompt_tokens", w.prompt_tokens);
+  w.output_tokens = length(s, "output_tokens", {LengthKind::fixed, 32});
+  w.prefix_groups = s.get<std::int64_t>("prefix_groups").value_or(0);
+  w.prefix_tokens = s.get<std::int64_t>("prefix_tokens").value_or(0);
+  if (const toml::node* weights = s.node("priority_weights")) {
+    if (!weights->is_array())
+      s.fail(*weights, "workload.priority_weights must be a list of numbers");
+    w.priority_weights.clear();
+    for (const auto& v : *weights->as_array()) {
+      auto number = v.value<double>();
+      if (!number) s.fail(v, "workload.priority_weights entries must be numbers");
+      w.priority_weights.push_back(*number);
+    }
+  }
+  w.temperature = s.get<double>("temperature").value_or(0.0);
+  w.top_p = s.get<double>("top_p").value_or(1.0);
+  w.top_k =
+      s.get_int<std::int32_t>("top_k", 0, std::numeric_limits<std::int32_t>::max()).value_or(0);
+  w.ignore_eos = s.get<bool>("ignore_eos").value_or(true);
+  c.trace = s.get<std::string>("trace").value_or("");
+}
+
+void parse_slo(Section& s, ExperimentConfig& c) {
+  c.slo.ttft_s = s.get<double>("ttft_s");
+  c.slo.tpot_s = s.get<double>("tpot_s");
+  c.slo.e2e_s = s.get<double>("e2e_s");
+}
+
+void parse_time_model(Section& s, ExperimentConfig& c) {
+  c.time_model.step_overhead_s =
+      s.get<double>("step_overhead_s").value_or(c.time_model.step_overhead_s);
+  c.time_model.prefill_token_s =
+      s.get<double>("prefill_token_s").value_or(c.time_model.prefill_token_s);
+  c.time_model.decode_token_s =
+      s.get<double>("decode_token_s").value_or(c.time_model.decode_token_s);
+  c.time_model.kv_token_read_s =
+      s.get<double>("kv_token_read_s").value_or(c.time_model.kv_token_read_s);
+}
+
+void parse_output(Section& s, ExperimentConfig& c) {
+  c.output_dir = s.get<std::string>("dir").value_or("");
+}
+
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {
   ExperimentConfig c;
   Section top(&root, "top level", file);
   {
     Section s(top.table("experiment"), "experiment", file);
-    c.name = s.get<std::string>("name").value_or(c.name);
-    c.seed = static_cast<std::uint64_t>(s.get<std::int64_t>("seed").value_or(0));
-    c.repeats = s.get_int<std::int64_t>("repeats", 1, kMaxRepeats).value_or(1);
-    c.clock = s.get<std::string>("clock").value_or(c.clock);
-    if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall" && c.clock != "measured")
-      s.fail(*s.node("clock"),
-             fmt::format("experiment.clock \"{}\" is not one of virtual, offline, measured, wall",
-                         c.clock));
-    if (const toml::node* paths = s.node("plugin_paths")) {
-      if (!paths->is_array()) s.fail(*paths, "experiment.plugin_paths must be a list of folders");
-      for (const auto& p : *paths->as_array()) {
-        if (!p.is_string()) s.fail(p, "experiment.plugin_paths entries must be strings");
-        c.plugin_paths.push_back(p.as_string()->get());
-      }
-    }
+    parse_experiment(s, c);
     s.finish();
   }
   {
     Section s(top.table("model"), "model", file);
-    c.model = s.get<std::string>("name").value_or("stories15m");
-    c.weights_seed = static_cast<std::uint64_t>(s.get<std::int64_t>("weights_seed").value_or(0));
+    parse_model(s, c);
     s.finish();
   }
   {
     Section s(top.table("backend"), "backend", file);
-    c.backend = s.get<std::string>("name").value_or(c.backend);  // cpu, simulated or a plugin
-    c.threads = s.get_int<int>("threads", 0, kMaxThreads).value_or(0);
-    c.profile = s.get<std::string>("profile").value_or("");
-    c.backend_params = plugin_params(s, "params");
-    if (c.backend == "simulated" && c.profile.empty())
-      s.fail(top.table("backend") != nullptr ? *top.table("backend") : root,
-             fmt::format("backend \"simulated\" needs backend.profile: a name ({}) or a .toml file",
-                         join_names(hardware_profile_names())));
+    parse_backend(s, top.table("backend") != nullptr ? *top.table("backend") : root, c);
     s.finish();
   }
   {
     Section s(top.table("kv_cache"), "kv_cache", file);
-    c.allocator = s.get<std::string>("allocator").value_or(c.allocator);
-    c.kv_slots = s.get<std::int64_t>("slots");
-    if (c.kv_slots && *c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
-    c.kv_memory_mib = s.get<double>("memory_mib");
-    c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
-    c.swap_gb_per_s = s.get<double>("swap_gb_per_s").value_or(c.swap_gb_per_s);
-    if (c.swap_slots < 0) s.fail(*s.node("swap_slots"), "kv_cache.swap_slots must be >= 0");
-    if (!(c.swap_gb_per_s > 0))
-      s.fail(*s.node("swap_gb_per_s"), "kv_cache.swap_gb_per_s must be > 0");
-    if (c.kv_memory_mib && !(*c.kv_memory_mib > 0))
-      s.fail(*s.node("memory_mib"), "kv_cache.memory_mib must be > 0");
-    c.allocator_params = plugin_params(s, "params");
+    parse_kv_cache(s, c);
     s.finish();
   }
   {
     Section s(top.table("attention"), "attention", file);
-    c.attention = s.get<std::string>("variant").value_or(c.attention);
-    c.attention_params = plugin_params(s, "params");
+    parse_attention(s, c);
     s.finish();
   }
   {
     Section s(top.table("scheduler"), "scheduler", file);
-    c.scheduler = s.get<std::string>("name").value_or(c.scheduler);
-    c.scheduler_params = plugin_params(s, "params");
+    parse_scheduler(s, c);
     s.finish();
   }
   {
     Section s(top.table("workload"), "workload", file);
-    SyntheticWorkload& w = c.workload;
-    w.requests = s.get_int<std::int64_t>("requests", 1, kMaxRequests).value_or(w.requests);
-    const std::string arrival = s.get<std::string>("arrival").value_or("all_at_once");
-    static const std::map<std::string, ArrivalKind> arrivals{
-        {"all_at_once", ArrivalKind::all_at_once},
-        {"poisson", ArrivalKind::poisson},
-        {"gamma", ArrivalKind::gamma},
-        {"bursts", ArrivalKind::bursts}};
-    auto it = arrivals.find(arrival);
-    if (it == arrivals.end())
-      s.fail(
-          *s.node("arrival"),
-          fmt::format("arrival \"{}\" is not one of all_at_once, poisson, gamma, bursts", arrival));
-    w.arrival.kind = it->second;
-    w.arrival.rate_per_s = s.get<double>("rate").value_or(w.arrival.rate_per_s);
-    w.arrival.cv = s.get<double>("cv").value_or(w.arrival.cv);
-    w.arrival.burst_size = s.get<std::int64_t>("burst_size").value_or(w.arrival.burst_size);
-    w.prompt_tokens = length(s, "prompt_tokens", w.prompt_tokens);
-    w.output_tokens = length(s, "output_tokens", {LengthKind::fixed, 32});
-    w.prefix_groups = s.get<std::int64_t>("prefix_groups").value_or(0);
-    w.prefix_tokens = s.get<std::int64_t>("prefix_tokens").value_or(0);
-    if (const toml::node* weights = s.node("priority_weights")) {
-      if (!weights->is_array())
-        s.fail(*weights, "workload.priority_weights must be a list of numbers");
-      w.priority_weights.clear();
-      for (const auto& v : *weights->as_array()) {
-        auto number = v.value<double>();
-        if (!number) s.fail(v, "workload.priority_weights entries must be numbers");
-        w.priority_weights.push_back(*number);
-      }
-    }
-    w.temperature = s.get<double>("temperature").value_or(0.0);
-    w.top_p = s.get<double>("top_p").value_or(1.0);
-    w.top_k =
-        s.get_int<std::int32_t>("top_k", 0, std::numeric_limits<std::int32_t>::max()).value_or(0);
-    w.ignore_eos = s.get<bool>("ignore_eos").value_or(true);
-    c.trace = s.get<std::string>("trace").value_or("");
+    parse_workload(s, c);
     s.finish();
   }
   {
     Section s(top.table("slo"), "slo", file);
-    c.slo.ttft_s = s.get<double>("ttft_s");
-    c.slo.tpot_s = s.get<double>("tpot_s");
-    c.slo.e2e_s = s.get<double>("e2e_s");
+    parse_slo(s, c);
     s.finish();
   }
   {
     Section s(top.table("time_model"), "time_model", file);
-    c.time_model.step_overhead_s =
-        s.get<double>("step_overhead_s").value_or(c.time_model.step_overhead_s);
-    c.time_model.prefill_token_s =
-        s.get<double>("prefill_token_s").value_or(c.time_model.prefill_token_s);
-    c.time_model.decode_token_s =
-        s.get<double>("decode_token_s").value_or(c.time_model.decode_token_s);
-    c.time_model.kv_token_read_s =
-        s.get<double>("kv_token_read_s").value_or(c.time_model.kv_token_read_s);
+    parse_time_model(s, c);
     s.finish();
   }
   {
     Section s(top.table("output"), "output", file);
-    c.output_dir = s.get<std::string>("dir").value_or("");
+    parse_output(s, c);
     s.finish();
   }
   top.node("sweep");

@@ -9,11 +9,11 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
-#include "kvlab/experiment/model_source.hpp"
-#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/model_source.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
@@ -106,48 +106,50 @@ void validate_experiment(const std::vector<ExperimentRun>& runs, bool check) {
   }
 }
 
-RunOutput run_experiment(const ExperimentConfig& c, bool check,
-                         std::vector<std::string>* mismatches) {
-  const auto wall_start = std::chrono::steady_clock::now();
-  if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
-  auto search = PluginRegistry::default_search_path();
-  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
-  const PluginRegistry registry(search);
+namespace {
 
-  const ModelSource source = resolve_model(c.model);
-  const bool simulated = c.backend == "simulated";
-  const bool plugin_backend = c.backend != "cpu" && !simulated;             // e.g. cuda
-  if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
-  check_backend_rules(c, check);
-  // The simulated backend needs only the config: no weights are made or loaded.
+// The model as served: the checkpoint (none for the simulated backend), its config after the
+// attention variant converted its K/V heads, and the variant.
+struct ServedModel {
   std::optional<cpu::LlamaWeights> weights;
-  ModelConfig model = source.config;
-  if (!simulated) {
-    weights = source.is_preset() ? cpu::random_llama_weights(source.config, c.weights_seed)
-                                 : cpu::load_llama_weights(source.directory);
-    model = weights->config;
+  ModelConfig config;
+  PluginObject<AttentionVariant> attention;
+};
+
+ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
+                              bool simulated) {
+  const ModelSource source = resolve_model(c.model);
+  ServedModel served;
+  served.config = source.config;
+  if (!simulated) {  // the simulated backend needs only the config
+    served.weights = source.is_preset() ? cpu::random_llama_weights(source.config, c.weights_seed)
+                                        : cpu::load_llama_weights(source.directory);
+    served.config = served.weights->config;
   }
   PluginContext context;
-  context.model = &model;
-  context.max_seq_len = model.max_position_embeddings;
-  auto attention =
+  context.model = &served.config;
+  context.max_seq_len = served.config.max_position_embeddings;
+  served.attention =
       registry.create<PluginKind::attention_variant>(c.attention, c.attention_params, context);
-  if (const std::string problem = attention->check(model); !problem.empty())
-    throw Error(
-        fmt::format("attention \"{}\" cannot run {}: {}", c.attention, model.name, problem));
-  const std::int64_t kv_heads = attention->kv_heads(model);
-  if (weights) {
-    weights = cpu::convert_kv_heads(*weights, kv_heads);
-    model = weights->config;
+  if (const std::string problem = served.attention->check(served.config); !problem.empty())
+    throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention, served.config.name,
+                            problem));
+  const std::int64_t kv_heads = served.attention->kv_heads(served.config);
+  if (served.weights) {
+    served.weights = cpu::convert_kv_heads(*served.weights, kv_heads);
+    served.config = served.weights->config;
   } else {
-    model.num_key_value_heads = kv_heads;
+    served.config.num_key_value_heads = kv_heads;
   }
+  return served;
+}
 
-  std::optional<CostModel> cost_model;
-  if (!c.profile.empty()) cost_model.emplace(model, load_hardware_profile(c.profile));
-  std::int64_t slots = c.kv_slots.value_or(4096);
-  if (c.kv_memory_mib) {  // a byte budget: fewer K/V heads, more tokens (whole blocks of 64);
-                          // simulated KV is in the profile's dtype, real KV in fp32
+// The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
+// KV in the profile's dtype, real KV in fp32), or what the simulated device holds next to the
+// weights.
+std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, bool simulated,
+                        const std::optional<CostModel>& cost_model) {
+  if (c.kv_memory_mib) {
     const double bytes_per_slot =
         simulated
             ? static_cast<double>(cost_model->kv_bytes_per_token())
@@ -156,44 +158,27 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     if (!(budget_slots < 0x1p62))
       throw Error(fmt::format("kv_cache.memory_mib {} is more memory than kvlab can address",
                               *c.kv_memory_mib));
-    slots = static_cast<std::int64_t>(budget_slots) / 64 * 64;
+    const std::int64_t slots = static_cast<std::int64_t>(budget_slots) / 64 * 64;
     if (slots < 1)
       throw Error(
           fmt::format("kv_cache.memory_mib {} holds no token of {}", *c.kv_memory_mib, model.name));
-  } else if (simulated && !c.kv_slots) {  // what the device holds next to the weights
-    slots = cost_model->kv_capacity_tokens() / 256 * 256;  // whole blocks of any usual size
-    if (slots < 1)
-      throw Error(fmt::format(
-          "{} does not fit on {}: {:.1f} GiB of weights, {:.1f} GiB usable (memory_gib x "
-          "utilization - activation reserve)",
-          model.name, cost_model->profile().name, cost_model->weight_bytes() / kGiB,
-          cost_model->profile().memory_gib * cost_model->profile().memory_utilization -
-              cost_model->profile().activation_reserve_gib));
+    return slots;
   }
-  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool.
-  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
-              simulated || plugin_backend ? KvStorage::none : KvStorage::host);
-  context.pool = &pool;
-  auto allocator =
-      registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
-  auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
-  // Context, EOS and window from one place: the backend, the engine's KV release and the
-  // reference check all use these, so `check` compares one model.
-  const SequenceRules rules = sequence_rules(model, *attention);
-  const std::optional<std::int64_t> window = rules.window;
-  std::unique_ptr<Backend> inner;
-  PluginObject<Backend> device_backend;  // declared after pool: destroyed (detaching) first
-  if (simulated) {
-    inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
-  } else if (plugin_backend) {
-    context.weights = &*weights;
-    context.window = window.value_or(0);
-    device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
-  } else {
-    inner = std::make_unique<cpu::CpuBackend>(*weights, pool, window);
-  }
-  TimedBackend backend(plugin_backend ? *device_backend : *inner);
+  if (!simulated || c.kv_slots) return c.kv_slots.value_or(4096);
+  const std::int64_t slots = cost_model->kv_capacity_tokens() / 256 * 256;  // whole blocks
+  if (slots < 1)
+    throw Error(
+        fmt::format("{} does not fit on {}: {:.1f} GiB of weights, {:.1f} GiB usable (memory_gib x "
+                    "utilization - activation reserve)",
+                    model.name, cost_model->profile().name, cost_model->weight_bytes() / kGiB,
+                    cost_model->profile().memory_gib * cost_model->profile().memory_utilization -
+                        cost_model->profile().activation_reserve_gib));
+  return slots;
+}
 
+// The trace, or the synthetic workload; greedy everywhere for `check`.
+std::vector<WorkloadRequest> make_requests(const ExperimentConfig& c, const ModelConfig& model,
+                                           bool check) {
   std::vector<WorkloadRequest> requests;
   if (!c.trace.empty()) {
     TraceOptions options;
@@ -211,7 +196,11 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   }
   if (check)
     for (auto& r : requests) r.sampling.temperature = 0;  // check compares greedy tokens
+  return requests;
+}
 
+EngineOptions engine_options(const ExperimentConfig& c, const SequenceRules& rules,
+                             const std::optional<CostModel>& cost_model, KvPool& pool) {
   EngineOptions options;
   options.clock = c.clock == "offline"    ? EngineClock::offline
                   : c.clock == "wall"     ? EngineClock::wall
@@ -223,17 +212,12 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   options.pool = &pool;
   options.swap_slots = c.swap_slots;
   options.swap_gb_per_s = c.swap_gb_per_s;
-  Engine engine(backend, *allocator, *scheduler, options);
+  return options;
+}
 
-  RunOutput out;
-  out.model_name = model.name;
-  out.kv_slots = slots;
-  const auto engine_start = std::chrono::steady_clock::now();
-  out.engine = engine.run(requests);
-  out.engine_wall_s =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - engine_start).count();
-  out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
-  for (const auto& r : requests) out.prompts.push_back(r.prompt);
+// Mean KV use and waste over the steps, and (measured clock with a cost model) how far the
+// model's step predictions were from the measured forwards.
+void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
   for (const auto& s : out.engine.steps) {
     const double capacity = static_cast<double>(s.kv.capacity);
     out.mean_kv_used += static_cast<double>(s.kv.used) / capacity;
@@ -245,36 +229,101 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     out.mean_kv_used /= static_cast<double>(out.engine.steps.size());
     out.mean_kv_waste /= static_cast<double>(out.engine.steps.size());
   }
-  out.forward_wall_s = backend.seconds();
-  if (cost_model && c.clock == "measured") {
-    std::vector<double> errors;
-    for (const auto& s : out.engine.steps)
-      errors.push_back(std::abs(s.predicted_s - s.measured_forward_s) / s.measured_forward_s);
-    out.step_prediction_error = summarize_latencies(std::move(errors));
-  }
+  if (!predictions) return;
+  std::vector<double> errors;
+  for (const auto& s : out.engine.steps)
+    errors.push_back(std::abs(s.predicted_s - s.measured_forward_s) / s.measured_forward_s);
+  out.step_prediction_error = summarize_latencies(std::move(errors));
+}
 
-  if (check) {  // teacher forcing: one reference forward over prompt + output checks every token
-    const cpu::ReferenceModel reference(*weights);
-    cpu::ForwardOptions forward;
-    forward.sliding_window = window;
-    for (std::size_t i = 0; i < requests.size(); ++i) {
-      if (out.engine.requests[i].rejected || out.engine.tokens[i].empty()) continue;
-      std::vector<std::int32_t> sequence = requests[i].prompt;
-      sequence.insert(sequence.end(), out.engine.tokens[i].begin(), out.engine.tokens[i].end() - 1);
-      const cpu::RowMatrix logits = reference.forward(sequence, forward);
-      for (std::size_t t = 0; t < out.engine.tokens[i].size(); ++t) {
-        Eigen::Index expected = 0;
-        logits.row(static_cast<Eigen::Index>(requests[i].prompt.size() - 1 + t))
-            .maxCoeff(&expected);
-        if (out.engine.tokens[i][t] != expected) {
-          mismatches->push_back(fmt::format("request {}: token {} is {}, the reference gives {}", i,
-                                            t, out.engine.tokens[i][t], expected));
-          break;
-        }
+// Teacher forcing: one reference forward over prompt + output checks every generated token.
+void check_against_reference(const cpu::LlamaWeights& weights, std::optional<std::int64_t> window,
+                             const std::vector<WorkloadRequest>& requests, const RunOutput& out,
+                             std::vector<std::string>& mismatches) {
+  const cpu::ReferenceModel reference(weights);
+  cpu::ForwardOptions forward;
+  forward.sliding_window = window;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const std::vector<std::int32_t>& tokens = out.engine.tokens[i];
+    if (out.engine.requests[i].rejected || tokens.empty()) continue;
+    std::vector<std::int32_t> sequence = requests[i].prompt;
+    sequence.insert(sequence.end(), tokens.begin(), tokens.end() - 1);
+    const cpu::RowMatrix logits = reference.forward(sequence, forward);
+    for (std::size_t t = 0; t < tokens.size(); ++t) {
+      Eigen::Index expected = 0;
+      logits.row(static_cast<Eigen::Index>(requests[i].prompt.size() - 1 + t)).maxCoeff(&expected);
+      if (tokens[t] != expected) {
+        mismatches.push_back(fmt::format("request {}: token {} is {}, the reference gives {}", i, t,
+                                         tokens[t], expected));
+        break;
       }
     }
   }
-  out.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - wall_start).count();
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace
+
+RunOutput run_experiment(const ExperimentConfig& c, bool check,
+                         std::vector<std::string>* mismatches) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
+  auto search = PluginRegistry::default_search_path();
+  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
+  const PluginRegistry registry(search);
+  const bool simulated = c.backend == "simulated";
+  const bool plugin_backend = c.backend != "cpu" && !simulated;             // e.g. cuda
+  if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
+  check_backend_rules(c, check);
+
+  ServedModel served = load_served_model(c, registry, simulated);
+  const ModelConfig& model = served.config;
+  std::optional<CostModel> cost_model;
+  if (!c.profile.empty()) cost_model.emplace(model, load_hardware_profile(c.profile));
+  const std::int64_t slots = pool_slots(c, model, simulated, cost_model);
+  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool.
+  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
+              simulated || plugin_backend ? KvStorage::none : KvStorage::host);
+  PluginContext context;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
+  context.pool = &pool;
+  auto allocator =
+      registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
+  auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
+  // Context, EOS and window from one place: the backend, the engine's KV release and the
+  // reference check all use these, so `check` compares one model.
+  const SequenceRules rules = sequence_rules(model, *served.attention);
+  std::unique_ptr<Backend> inner;
+  PluginObject<Backend> device_backend;  // declared after pool: destroyed (detaching) first
+  if (simulated) {
+    inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
+  } else if (plugin_backend) {
+    context.weights = &*served.weights;
+    context.window = rules.window.value_or(0);
+    device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
+  } else {
+    inner = std::make_unique<cpu::CpuBackend>(*served.weights, pool, rules.window);
+  }
+  TimedBackend backend(plugin_backend ? *device_backend : *inner);
+  const std::vector<WorkloadRequest> requests = make_requests(c, model, check);
+  Engine engine(backend, *allocator, *scheduler, engine_options(c, rules, cost_model, pool));
+
+  RunOutput out;
+  out.model_name = model.name;
+  out.kv_slots = slots;
+  const auto engine_start = std::chrono::steady_clock::now();
+  out.engine = engine.run(requests);
+  out.engine_wall_s = seconds_since(engine_start);
+  out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
+  for (const auto& r : requests) out.prompts.push_back(r.prompt);
+  out.forward_wall_s = backend.seconds();
+  summarize_memory_and_predictions(out, cost_model && c.clock == "measured");
+  if (check) check_against_reference(*served.weights, rules.window, requests, out, *mismatches);
+  out.wall_s = seconds_since(wall_start);
   return out;
 }
 
@@ -293,6 +342,98 @@ nlohmann::json waste_breakdown(const std::vector<StepRecord>& steps) {
           {"last_block_slack", slack / n},
           {"unusable_free", unusable / n}};
 }
+
+std::string csv_number(const std::optional<double>& v) {
+  return v ? fmt::format("{:.6f}", *v) : std::string();
+}
+
+void write_requests_csv(std::ostream& f, const RunOutput& out) {
+  f << "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
+       "tokens,ttft_s,tpot_s,"
+       "e2e_s,preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n";
+  for (const auto& r : out.engine.requests) {
+    std::string token_times;  // every output token's time, space-separated
+    for (double t : r.token_times_s)
+      token_times += fmt::format("{}{:.6f}", token_times.empty() ? "" : " ", t);
+    f << fmt::format(
+        "{},{},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},\"{}\",{}\n", r.id, r.priority,
+        r.arrival_s, csv_number(r.first_scheduled_s),
+        csv_number(r.token_times_s.empty() ? std::nullopt
+                                           : std::optional<double>(r.token_times_s.front())),
+        csv_number(r.finish_s), r.prompt_tokens, r.output_tokens(), csv_number(r.ttft_s()),
+        csv_number(r.tpot_s()), csv_number(r.e2e_s()), r.preemptions, r.recomputed_tokens,
+        r.swapped_bytes, r.rejected ? 1 : 0, r.reject_reason, token_times);
+  }
+}
+
+// Measured times only where they are the clock's: virtual runs stay byte-identical.
+void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
+  f << "step,start_s,duration_s,measured_forward_s,measured_step_s,predicted_s,batch,prefill_"
+       "tokens,decode_tokens,"
+       "preempted,"
+       "waiting,running,"
+       "kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,kv_free,kv_unusable_free,kv_"
+       "cached_free,"
+       "prefix_hit_tokens,prefix_query_tokens\n";
+  for (const auto& s : out.engine.steps)
+    f << fmt::format(
+        "{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+        s.step, s.start_s, s.duration_s, measured ? s.measured_forward_s : 0.0,
+        measured ? s.measured_step_s : 0.0, s.predicted_s, s.batch, s.prefill_tokens,
+        s.decode_tokens, s.preempted, s.waiting, s.running, s.kv.capacity, s.kv.used,
+        s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free, s.kv.unusable_free,
+        s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+}
+
+nlohmann::json latency_json(const LatencySummary& l) {
+  return nlohmann::json{{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
+                        {"p90", l.p90},     {"p99", l.p99},   {"max", l.max}};
+}
+
+nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
+  const RunSummary& s = out.summary;
+  const KvAllocatorStats kv =
+      out.engine.steps.empty() ? KvAllocatorStats{} : out.engine.steps.back().kv;
+  nlohmann::json j = {
+      {"name", c.name},
+      {"label", c.label},
+      {"model", out.model_name},
+      {"allocator", c.allocator},
+      {"attention", c.attention},
+      {"scheduler", c.scheduler},
+      {"seed", c.seed},
+      {"submitted", s.submitted},
+      {"finished", s.finished},
+      {"rejected", s.rejected},
+      {"duration_s", s.duration_s},
+      {"requests_per_s", s.requests_per_s},
+      {"output_tokens_per_s", s.output_tokens_per_s},
+      {"total_tokens_per_s", s.total_tokens_per_s},
+      {"ttft_s", latency_json(s.ttft_s)},
+      {"tpot_s", latency_json(s.tpot_s)},
+      {"itl_s", latency_json(s.itl_s)},
+      {"e2e_s", latency_json(s.e2e_s)},
+      {"queue_delay_s", latency_json(s.queue_delay_s)},
+      {"slo_met", s.slo_met},
+      {"goodput_per_s", s.goodput_per_s},
+      {"preemptions", s.preemptions},
+      {"recomputed_tokens", s.recomputed_tokens},
+      {"mean_kv_used_fraction", out.mean_kv_used},
+      {"mean_kv_waste_fraction", out.mean_kv_waste},
+      {"mean_kv_waste_breakdown", waste_breakdown(out.engine.steps)},
+      {"prefix_hit_rate", kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
+                                                       static_cast<double>(kv.prefix_query_tokens)
+                                                 : 0.0},
+      {"bytes_copied", kv.bytes_copied},
+      {"steps", out.engine.steps.size()},
+      {"backend", c.backend},
+      {"profile", c.profile},
+      {"kv_slots", out.kv_slots}};
+  if (out.step_prediction_error)
+    j["step_prediction_error"] = latency_json(*out.step_prediction_error);
+  return j;
+}
+
 }  // namespace
 
 void write_run_outputs(const std::filesystem::path& directory, const ExperimentConfig& c,
@@ -307,98 +448,19 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
     if (!file) throw Error(fmt::format("cannot write {}", (directory / name).string()));
     return file;
   };
-  auto number = [](const std::optional<double>& v) {
-    return v ? fmt::format("{:.6f}", *v) : std::string();
-  };
   {
     auto f = open("requests.csv");
-    f << "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
-         "tokens,ttft_s,tpot_s,"
-         "e2e_s,preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n";
-    for (const auto& r : out.engine.requests) {
-      std::string token_times;  // every output token's time, space-separated
-      for (double t : r.token_times_s)
-        token_times += fmt::format("{}{:.6f}", token_times.empty() ? "" : " ", t);
-      f << fmt::format(
-          "{},{},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},\"{}\",{}\n", r.id, r.priority,
-          r.arrival_s, number(r.first_scheduled_s),
-          number(r.token_times_s.empty() ? std::nullopt
-                                         : std::optional<double>(r.token_times_s.front())),
-          number(r.finish_s), r.prompt_tokens, r.output_tokens(), number(r.ttft_s()),
-          number(r.tpot_s()), number(r.e2e_s()), r.preemptions, r.recomputed_tokens,
-          r.swapped_bytes, r.rejected ? 1 : 0, r.reject_reason, token_times);
-    }
+    write_requests_csv(f, out);
   }
   {
     auto f = open("steps.csv");
-    f << "step,start_s,duration_s,measured_forward_s,measured_step_s,predicted_s,batch,prefill_"
-         "tokens,decode_tokens,"
-         "preempted,"
-         "waiting,running,"
-         "kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,kv_free,kv_unusable_free,kv_"
-         "cached_free,"
-         "prefix_hit_tokens,prefix_query_tokens\n";
-    // Measured times only where they are the clock's: virtual runs stay byte-identical.
-    const bool measured = c.clock == "measured" || c.clock == "wall";
-    for (const auto& s : out.engine.steps)
-      f << fmt::format(
-          "{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-          s.step, s.start_s, s.duration_s, measured ? s.measured_forward_s : 0.0,
-          measured ? s.measured_step_s : 0.0, s.predicted_s, s.batch, s.prefill_tokens,
-          s.decode_tokens, s.preempted, s.waiting, s.running, s.kv.capacity, s.kv.used,
-          s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free, s.kv.unusable_free,
-          s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+    write_steps_csv(f, out, c.clock == "measured" || c.clock == "wall");
   }
   {
     auto f = open("events.jsonl");
     for (const auto& event : out.engine.events) f << event_json(event) << "\n";
   }
-  {
-    const RunSummary& s = out.summary;
-    auto latency = [](const LatencySummary& l) {
-      return nlohmann::json{{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
-                            {"p90", l.p90},     {"p99", l.p99},   {"max", l.max}};
-    };
-    const KvAllocatorStats kv =
-        out.engine.steps.empty() ? KvAllocatorStats{} : out.engine.steps.back().kv;
-    nlohmann::json j = {
-        {"name", c.name},
-        {"label", c.label},
-        {"model", out.model_name},
-        {"allocator", c.allocator},
-        {"attention", c.attention},
-        {"scheduler", c.scheduler},
-        {"seed", c.seed},
-        {"submitted", s.submitted},
-        {"finished", s.finished},
-        {"rejected", s.rejected},
-        {"duration_s", s.duration_s},
-        {"requests_per_s", s.requests_per_s},
-        {"output_tokens_per_s", s.output_tokens_per_s},
-        {"total_tokens_per_s", s.total_tokens_per_s},
-        {"ttft_s", latency(s.ttft_s)},
-        {"tpot_s", latency(s.tpot_s)},
-        {"itl_s", latency(s.itl_s)},
-        {"e2e_s", latency(s.e2e_s)},
-        {"queue_delay_s", latency(s.queue_delay_s)},
-        {"slo_met", s.slo_met},
-        {"goodput_per_s", s.goodput_per_s},
-        {"preemptions", s.preemptions},
-        {"recomputed_tokens", s.recomputed_tokens},
-        {"mean_kv_used_fraction", out.mean_kv_used},
-        {"mean_kv_waste_fraction", out.mean_kv_waste},
-        {"mean_kv_waste_breakdown", waste_breakdown(out.engine.steps)},
-        {"prefix_hit_rate", kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
-                                                         static_cast<double>(kv.prefix_query_tokens)
-                                                   : 0.0},
-        {"bytes_copied", kv.bytes_copied},
-        {"steps", out.engine.steps.size()},
-        {"backend", c.backend},
-        {"profile", c.profile},
-        {"kv_slots", out.kv_slots}};
-    if (out.step_prediction_error) j["step_prediction_error"] = latency(*out.step_prediction_error);
-    open("summary.json") << j.dump(2) << "\n";
-  }
+  open("summary.json") << summary_json(c, out).dump(2) << "\n";
 }
 
 }  // namespace kvlab
