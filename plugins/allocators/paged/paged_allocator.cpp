@@ -12,7 +12,6 @@
 #include <list>
 #include <stdexcept>
 #include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "kvlab/plugin.hpp"
@@ -55,16 +54,18 @@ class PagedAllocator final : public KvAllocator {
     plan_free_blocks_ = free_blocks();
     plan_taken_ = 0;
     plan_refs_.clear();
-    plan_touched_.clear();
+    ++plan_epoch_;
   }
   void plan_free(SequenceId id) const override {
     auto it = sequences_.find(id);
-    if (it == sequences_.end() || !plan_touched_.insert(id).second) return;
+    if (it == sequences_.end() || !plan_touch(it->second, true)) return;
     for (std::int32_t b : it->second.table)
       if (b >= 0 && --plan_ref(b) == 0) ++plan_free_blocks_;
   }
   bool plan_allocate(const AllocateRequest& r) const override {
-    if (sequences_.count(r.sequence) && !plan_touched_.count(r.sequence)) return false;
+    if (auto it = sequences_.find(r.sequence);
+        it != sequences_.end() && !(it->second.plan_epoch == plan_epoch_ && it->second.plan_freed))
+      return false;  // an existing sequence is allocated again only after the plan freed it
     const bool evictions_possible = plan_taken_ > static_cast<std::int64_t>(free_plain_.size());
     std::vector<std::int32_t> hits;
     std::int64_t held = 0;  // hits on blocks someone holds: no free block taken for them
@@ -76,14 +77,13 @@ class PagedAllocator final : public KvAllocator {
     const std::int64_t blocks = blocks_for(static_cast<std::int64_t>(r.prompt.size())) - held;
     if (!plan_take(blocks)) return false;
     for (std::int32_t b : hits) ++plan_ref(b);
-    plan_touched_.insert(r.sequence);
     return true;
   }
   bool plan_append(SequenceId id, std::int64_t tokens) const override {
     auto it = sequences_.find(id);
-    if (it == sequences_.end() || plan_touched_.count(id)) return false;
+    if (it == sequences_.end() || it->second.plan_epoch == plan_epoch_) return false;
     if (!plan_take(new_blocks_for_append(it->second, tokens))) return false;
-    plan_touched_.insert(id);
+    plan_touch(it->second, false);
     return true;
   }
 
@@ -255,10 +255,20 @@ class PagedAllocator final : public KvAllocator {
     std::int64_t length = 0;
     std::int64_t computed_blocks = 0;
     std::int64_t first_block = 0;  // blocks before it were released
+    // Planning: the plan (epoch) that last touched it, and whether that plan freed it.
+    mutable std::uint64_t plan_epoch = 0;
+    mutable bool plan_freed = false;
   };
 
   // Blocks allocate(r) takes from the free lists: all it needs minus prefix hits, plus hits
   // that are themselves free cached blocks (they leave the free lists too).
+  // Marks s as planned in this plan; false when it already was.
+  bool plan_touch(const Sequence& s, bool freed) const {
+    if (s.plan_epoch == plan_epoch_) return false;
+    s.plan_epoch = plan_epoch_;
+    s.plan_freed = freed;
+    return true;
+  }
   bool plan_take(std::int64_t blocks) const {
     if (blocks > plan_free_blocks_) return false;
     plan_free_blocks_ -= blocks;
@@ -367,7 +377,7 @@ class PagedAllocator final : public KvAllocator {
   mutable std::int64_t plan_free_blocks_ = 0;
   mutable std::int64_t plan_taken_ = 0;  // blocks the plan's operations take from the free list
   mutable std::unordered_map<std::int32_t, std::int32_t> plan_refs_;  // block -> planned refs
-  mutable std::unordered_set<SequenceId> plan_touched_;  // planned once: freed or grown
+  mutable std::uint64_t plan_epoch_ = 0;  // each plan_reset starts a new plan
   std::int64_t bytes_copied_ = 0;
   std::int64_t prefix_query_tokens_ = 0;
   std::int64_t prefix_hit_tokens_ = 0;
