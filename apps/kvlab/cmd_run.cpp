@@ -128,14 +128,52 @@ std::string table_row(const std::string& label, const RunSummary& s, const RunOu
       s.preemptions, 100 * out.mean_kv_used, 100 * out.mean_kv_waste);
 }
 
+// --out, else [output] dir, else results/<name>.
+std::filesystem::path results_folder(const RunOptions& o, const ExperimentConfig& first) {
+  if (!o.out.empty()) return o.out;
+  if (!first.output_dir.empty()) return first.output_dir;
+  return std::filesystem::path("results") / first.name;
+}
+
+// "[i/n] name label (ETA ...)" on stderr, rewritten in place on a terminal.
+void print_progress(std::size_t i, const std::vector<ExperimentRun>& runs,
+                    std::chrono::steady_clock::time_point start, bool tty) {
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string eta = i == 0 ? "?"
+                                 : fmt::format("{:.0f}s", elapsed / static_cast<double>(i) *
+                                                              static_cast<double>(runs.size() - i));
+  const ExperimentConfig& c = runs[i].config;
+  const std::string line = fmt::format("[{}/{}] {} {} (ETA {})", i + 1, runs.size(), c.name,
+                                       c.label.empty() ? "" : c.label, eta);
+  if (tty)
+    fmt::print(stderr, "\r\033[K{}", line);
+  else
+    fmt::print(stderr, "{}\n", line);
+}
+
+// kvlab check's verdict: exit 1 when nothing finished, a run rejected everything, or a token
+// differs from the reference.
+int check_verdict(std::int64_t finished_total, bool any_all_rejected,
+                  std::int64_t total_mismatches) {
+  if (finished_total == 0) {
+    fmt::print(stderr, "kvlab check: no request finished, so nothing was checked\n");
+    return 1;
+  }
+  if (any_all_rejected) return 1;
+  if (total_mismatches > 0) {
+    fmt::print(stderr, "kvlab check: {} request(s) differ from the reference\n", total_mismatches);
+    return 1;
+  }
+  fmt::print("kvlab check: every finished request's tokens equal the reference's\n");
+  return 0;
+}
+
 int run_all(const RunOptions& o, bool check) {
   const auto runs = load_experiment(o.file, o.overrides);  // every error before anything runs
   validate_experiment(runs, check);
   const std::string name = runs.front().config.name;
-  const std::filesystem::path out_dir = !o.out.empty() ? std::filesystem::path(o.out)
-                                        : !runs.front().config.output_dir.empty()
-                                            ? std::filesystem::path(runs.front().config.output_dir)
-                                            : std::filesystem::path("results") / name;
+  const std::filesystem::path out_dir = results_folder(o, runs.front().config);
   if (!check) {
     prepare_results_folder(out_dir, o.force);
     write_manifest(out_dir, o, runs.size());
@@ -150,18 +188,7 @@ int run_all(const RunOptions& o, bool check) {
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < runs.size(); ++i) {
     const ExperimentRun& run = runs[i];
-    const double elapsed =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    const std::string eta = i == 0
-                                ? "?"
-                                : fmt::format("{:.0f}s", elapsed / static_cast<double>(i) *
-                                                             static_cast<double>(runs.size() - i));
-    const std::string line = fmt::format("[{}/{}] {} {} (ETA {})", i + 1, runs.size(), name,
-                                         run.config.label.empty() ? "" : run.config.label, eta);
-    if (tty)
-      fmt::print(stderr, "\r\033[K{}", line);
-    else
-      fmt::print(stderr, "{}\n", line);
+    print_progress(i, runs, start, tty);
     std::vector<std::string> mismatches;
     const RunOutput out = run_experiment(run.config, check, &mismatches);
     wall += out.wall_s;
@@ -201,20 +228,7 @@ int run_all(const RunOptions& o, bool check) {
              wall, engine_wall,
              engine_wall > 0 ? 100.0 * (engine_wall - forward_wall) / engine_wall : 0.0);
   for (const auto& message : all_rejected) fmt::print(stderr, "kvlab: error: {}\n", message);
-  if (check) {
-    if (finished_total == 0) {
-      fmt::print(stderr, "kvlab check: no request finished, so nothing was checked\n");
-      return 1;
-    }
-    if (!all_rejected.empty()) return 1;
-    if (total_mismatches > 0) {
-      fmt::print(stderr, "kvlab check: {} request(s) differ from the reference\n",
-                 total_mismatches);
-      return 1;
-    }
-    fmt::print("kvlab check: every finished request's tokens equal the reference's\n");
-    return 0;
-  }
+  if (check) return check_verdict(finished_total, !all_rejected.empty(), total_mismatches);
   std::ofstream(out_dir / "summary.md") << "# " << name << "\n\n" << table;
   std::ofstream(out_dir / "runs.json") << index.dump(2) << "\n";
   fmt::print("\nresults: {}\n", out_dir.string());

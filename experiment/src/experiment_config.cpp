@@ -295,56 +295,24 @@ void parse_output(Section& s, ExperimentConfig& c) {
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {
   ExperimentConfig c;
   Section top(&root, "top level", file);
-  {
-    Section s(top.table("experiment"), "experiment", file);
-    parse_experiment(s, c);
+  // Each section through its parser; unknown keys fail when the section finishes.
+  auto section = [&](const char* name, auto parse) {
+    Section s(top.table(name), name, file);
+    parse(s);
     s.finish();
-  }
-  {
-    Section s(top.table("model"), "model", file);
-    parse_model(s, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("backend"), "backend", file);
+  };
+  section("experiment", [&](Section& s) { parse_experiment(s, c); });
+  section("model", [&](Section& s) { parse_model(s, c); });
+  section("backend", [&](Section& s) {
     parse_backend(s, top.table("backend") != nullptr ? *top.table("backend") : root, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("kv_cache"), "kv_cache", file);
-    parse_kv_cache(s, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("attention"), "attention", file);
-    parse_attention(s, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("scheduler"), "scheduler", file);
-    parse_scheduler(s, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("workload"), "workload", file);
-    parse_workload(s, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("slo"), "slo", file);
-    parse_slo(s, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("time_model"), "time_model", file);
-    parse_time_model(s, c);
-    s.finish();
-  }
-  {
-    Section s(top.table("output"), "output", file);
-    parse_output(s, c);
-    s.finish();
-  }
+  });
+  section("kv_cache", [&](Section& s) { parse_kv_cache(s, c); });
+  section("attention", [&](Section& s) { parse_attention(s, c); });
+  section("scheduler", [&](Section& s) { parse_scheduler(s, c); });
+  section("workload", [&](Section& s) { parse_workload(s, c); });
+  section("slo", [&](Section& s) { parse_slo(s, c); });
+  section("time_model", [&](Section& s) { parse_time_model(s, c); });
+  section("output", [&](Section& s) { parse_output(s, c); });
   top.node("sweep");
   top.finish();
   c.workload.seed = c.seed;
