@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 packages=(
   build-essential cmake pkg-config git
   libeigen3-dev libopenblas-openmp-dev libboost-dev libboost-context-dev libtomlplusplus-dev libcli11-dev libfmt-dev nlohmann-json3-dev libsentencepiece-dev
+  libpcre2-dev libutf8proc-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   python3 python3-matplotlib valgrind
   clang libclang-rt-14-dev

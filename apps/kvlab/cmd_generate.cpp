@@ -1,9 +1,12 @@
-// kvlab generate: prompt ids in, generated ids (and text, log-probabilities) out, computed by
-// the full-recompute reference.
+// kvlab generate: a prompt (ids, raw text, or a chat message rendered with the model's chat
+// template) in; generated ids, text (streamed as it comes with --chat / --stream) and
+// log-probabilities out, computed by the full-recompute reference.
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -11,6 +14,7 @@
 #include "cli_common.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/model/chat_template.hpp"
 #include "kvlab/model/tokenizer.hpp"
 
 namespace kvlab::cli {
@@ -22,12 +26,93 @@ struct GenerateOptions {
   std::uint64_t weights_seed = 0;
   std::string prompt_ids;
   std::string prompt_text;
-  bool use_prompt_ids = true;
+  std::string chat;
+  std::string system;
+  bool has_system = false;
   SamplingParams sampling;
   std::int32_t logprobs = 0;
   bool json = false;
+  bool stream = false;
   int threads = 0;
 };
+
+// The prompt the options ask for, and the token that ends a chat answer (when --chat).
+struct Prompt {
+  std::vector<std::int32_t> ids;
+  std::optional<std::int32_t> end_of_turn;
+};
+
+Prompt build_prompt(const GenerateOptions& o, const ModelSource& source,
+                    const TokenizerLookup& lookup) {
+  if (!o.prompt_ids.empty()) return {parse_token_ids(o.prompt_ids), std::nullopt};
+  if (!lookup.tokenizer)
+    throw Error(fmt::format("{} needs the model's tokenizer: {}; use --prompt-ids",
+                            o.chat.empty() ? "--prompt" : "--chat",
+                            source.is_preset() ? "a preset has none" : lookup.why_not));
+  if (o.chat.empty()) return {lookup.tokenizer->encode_prompt(o.prompt_text), std::nullopt};
+  const ChatTemplate chat = ChatTemplate::detect(lookup.chat_template, source.directory.string());
+  std::vector<ChatMessage> messages;
+  if (o.has_system) messages.push_back({"system", o.system});
+  messages.push_back({"user", o.chat});
+  return {chat.render(messages, *lookup.tokenizer), chat.end_of_turn(*lookup.tokenizer)};
+}
+
+void check_prompt(const std::vector<std::int32_t>& prompt, const ModelConfig& config) {
+  for (std::size_t i = 0; i < prompt.size(); ++i)
+    if (prompt[i] >= config.vocab_size)
+      throw Error(
+          fmt::format("prompt token id {} (item {}) is outside the vocabulary of {} [0, {})",
+                      prompt[i], i, config.name, config.vocab_size));
+  if (prompt.empty()) throw Error("the prompt is empty: nothing to generate from");
+  if (static_cast<std::int64_t>(prompt.size()) >= config.max_position_embeddings)
+    throw Error(fmt::format(
+        "prompt of {} tokens leaves no room to generate in the context of {} ({} positions)",
+        prompt.size(), config.name, config.max_position_embeddings));
+}
+
+void print_json(const cpu::GenerationResult& result, std::size_t prompt_size,
+                const Tokenizer* tokenizer, std::int32_t logprobs) {
+  for (std::size_t i = 0; i < result.tokens.size(); ++i) {
+    const auto& t = result.tokens[i];
+    nlohmann::json line = {
+        {"index", i}, {"position", prompt_size + i}, {"token", t.token}, {"logprob", t.logprob}};
+    if (tokenizer) line["text"] = tokenizer->decode(std::span(&t.token, 1));
+    if (logprobs > 0) {
+      auto& top = line["top_logprobs"] = nlohmann::json::array();
+      for (const auto& alt : t.top) top.push_back({{"token", alt.token}, {"logprob", alt.logprob}});
+    }
+    fmt::print("{}\n", line.dump());
+  }
+}
+
+void print_table(const cpu::GenerationResult& result, const std::vector<std::int32_t>& prompt,
+                 const Tokenizer* tokenizer, std::int32_t logprobs) {
+  std::vector<std::int32_t> ids;
+  for (const auto& t : result.tokens) ids.push_back(t.token);
+  fmt::print("prompt:    [{}]\n", fmt::join(prompt, ", "));
+  fmt::print("generated: [{}]\n", fmt::join(ids, ", "));
+  if (tokenizer) fmt::print("text:      {}\n", tokenizer->decode(ids));
+  if (logprobs <= 0) return;
+  fmt::print("\n{:>5}  {:>7}  {:>9}  top-{} (token:logprob)\n", "index", "token", "logprob",
+             logprobs);
+  for (std::size_t i = 0; i < result.tokens.size(); ++i) {
+    const auto& t = result.tokens[i];
+    std::string alternatives;
+    for (const auto& alt : t.top) alternatives += fmt::format(" {}:{:.4f}", alt.token, alt.logprob);
+    fmt::print("{:>5}  {:>7}  {:>9.4f} {}\n", i, t.token, t.logprob, alternatives);
+  }
+}
+
+// Prints text to the terminal as tokens arrive; the stop token itself is not shown.
+std::function<void(const cpu::GeneratedToken&)> streamer(StreamingDecoder& decoder,
+                                                         const ModelConfig& config,
+                                                         const SamplingParams& sampling) {
+  return [&decoder, &config, &sampling](const cpu::GeneratedToken& token) {
+    if (!sampling.ignore_eos && config.is_eos(token.token)) return;
+    fmt::print("{}", decoder.push(token.token));
+    std::fflush(stdout);
+  };
+}
 
 void run_generate(const GenerateOptions& o) {
   validate_sampling_params(o.sampling);
@@ -40,81 +125,42 @@ void run_generate(const GenerateOptions& o) {
   if (!o.preset.empty() && !source.is_preset())
     throw Error(
         fmt::format("--preset takes a preset name; \"{}\" is a folder (use --model)", o.preset));
-  std::optional<Tokenizer> tokenizer;
-  if (!source.is_preset()) tokenizer = Tokenizer::open_if_present(source.directory);
-
-  std::vector<std::int32_t> prompt;
-  if (o.use_prompt_ids) {
-    prompt = parse_token_ids(o.prompt_ids);
-  } else {
-    if (!tokenizer)
-      throw Error(fmt::format(
-          "--prompt needs a tokenizer.model in the model folder; {} has none: use --prompt-ids",
-          source.is_preset() ? "a preset" : source.directory.string()));
-    prompt = tokenizer->encode(o.prompt_text);
-    prompt.insert(prompt.begin(), source.config.bos_token_id);
-  }
-  for (std::size_t i = 0; i < prompt.size(); ++i)
-    if (prompt[i] >= source.config.vocab_size)
-      throw Error(
-          fmt::format("prompt token id {} (item {}) is outside the vocabulary of {} [0, {})",
-                      prompt[i], i, source.config.name, source.config.vocab_size));
-  if (static_cast<std::int64_t>(prompt.size()) >= source.config.max_position_embeddings)
-    throw Error(fmt::format(
-        "prompt of {} tokens leaves no room to generate in the context of {} ({} positions)",
-        prompt.size(), source.config.name, source.config.max_position_embeddings));
+  TokenizerLookup lookup;
+  if (!source.is_preset()) lookup = find_tokenizer(source.directory);
+  const Tokenizer* tokenizer = lookup.tokenizer.get();
+  const Prompt prompt = build_prompt(o, source, lookup);
+  check_prompt(prompt.ids, source.config);
 
   const auto load_start = std::chrono::steady_clock::now();
-  cpu::ReferenceModel model(source.is_preset()
-                                ? cpu::random_llama_weights(source.config, o.weights_seed)
-                                : cpu::load_llama_weights(source.directory));
+  cpu::LlamaWeights weights = source.is_preset()
+                                  ? cpu::random_llama_weights(source.config, o.weights_seed)
+                                  : cpu::load_llama_weights(source.directory);
+  auto& eos = weights.config.eos_token_ids;  // a chat answer also ends at its end-of-turn token
+  if (prompt.end_of_turn && std::find(eos.begin(), eos.end(), *prompt.end_of_turn) == eos.end())
+    eos.push_back(*prompt.end_of_turn);
+  const cpu::ReferenceModel model(std::move(weights));
+  const bool streaming = tokenizer && !o.json && (o.stream || !o.chat.empty());
+  std::optional<StreamingDecoder> decoder;
+  if (streaming) decoder.emplace(*tokenizer);
   const auto start = std::chrono::steady_clock::now();
-  const cpu::GenerationResult result = cpu::generate(model, prompt, o.sampling, o.logprobs);
+  const cpu::GenerationResult result =
+      cpu::generate(model, prompt.ids, o.sampling, o.logprobs,
+                    streaming ? streamer(*decoder, model.config(), o.sampling) : nullptr);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double load_seconds = std::chrono::duration<double>(start - load_start).count();
 
-  std::vector<std::int32_t> ids;
-  for (const auto& t : result.tokens) ids.push_back(t.token);
-  auto piece = [&](std::int32_t id) {
-    return tokenizer ? tokenizer->decode(std::span(&id, 1)) : std::string();
-  };
-
-  if (o.json) {
-    for (std::size_t i = 0; i < result.tokens.size(); ++i) {
-      const auto& t = result.tokens[i];
-      nlohmann::json line = {{"index", i},
-                             {"position", prompt.size() + i},
-                             {"token", t.token},
-                             {"logprob", t.logprob}};
-      if (tokenizer) line["text"] = piece(t.token);
-      if (o.logprobs > 0) {
-        auto& top = line["top_logprobs"] = nlohmann::json::array();
-        for (const auto& alt : t.top)
-          top.push_back({{"token", alt.token}, {"logprob", alt.logprob}});
-      }
-      fmt::print("{}\n", line.dump());
-    }
-  } else {
-    fmt::print("prompt:    [{}]\n", fmt::join(prompt, ", "));
-    fmt::print("generated: [{}]\n", fmt::join(ids, ", "));
-    if (tokenizer) fmt::print("text:      {}\n", tokenizer->decode(ids));
-    if (o.logprobs > 0) {
-      fmt::print("\n{:>5}  {:>7}  {:>9}  top-{} (token:logprob)\n", "index", "token", "logprob",
-                 o.logprobs);
-      for (std::size_t i = 0; i < result.tokens.size(); ++i) {
-        const auto& t = result.tokens[i];
-        std::string alternatives;
-        for (const auto& alt : t.top)
-          alternatives += fmt::format(" {}:{:.4f}", alt.token, alt.logprob);
-        fmt::print("{:>5}  {:>7}  {:>9.4f} {}\n", i, t.token, t.logprob, alternatives);
-      }
-    }
-  }
+  if (streaming)
+    fmt::print("{}\n", decoder->finish());
+  else if (o.json)
+    print_json(result, prompt.ids.size(), tokenizer, o.logprobs);
+  else
+    print_table(result, prompt.ids, tokenizer, o.logprobs);
+  std::fflush(stdout);
   fmt::print(stderr,
-             "{}: {} tokens, finish={}, {:.2f} s ({:.1f} tok/s, full recompute, {} threads; load "
-             "{:.2f} s)\n",
-             source.config.name, result.tokens.size(),
+             "{}: {} prompt tokens, {} generated, finish={}, {:.2f} s ({:.1f} tok/s, full "
+             "recompute, {} threads; load {:.2f} s)\n",
+             source.config.name, prompt.ids.size(), result.tokens.size(),
              cpu::finish_reason_name(result.finish_reason), seconds,
              static_cast<double>(result.tokens.size()) / seconds, cpu::num_threads(), load_seconds);
 }
@@ -126,7 +172,8 @@ void register_generate(CLI::App& app) {
   auto* sub =
       app.add_subcommand("generate", "Generate tokens with the full-recompute CPU reference");
   auto* model = sub->add_option("--model", options->model,
-                                "Model folder (config.json + safetensors) or preset name");
+                                "Model: a folder (config.json + safetensors), a .gguf file, or a "
+                                "preset name");
   auto* preset = sub->add_option("--preset", options->preset,
                                  "Built-in preset with random weights (see --weights-seed)");
   model->excludes(preset);
@@ -136,9 +183,17 @@ void register_generate(CLI::App& app) {
   auto* ids = sub->add_option("--prompt-ids", options->prompt_ids,
                               "Prompt token ids, comma-separated: 1,2,3");
   auto* text = sub->add_option("--prompt", options->prompt_text,
-                               "Prompt text (needs tokenizer.model in the model folder)");
-  ids->excludes(text);
-  text->excludes(ids);
+                               "Prompt text, as it is (needs the model's tokenizer)");
+  auto* chat = sub->add_option("--chat", options->chat,
+                               "A user message, rendered with the model's chat template (ChatML, "
+                               "Llama-3, Llama-2); the answer streams to the terminal");
+  auto* system = sub->add_option("--system", options->system,
+                                 "With --chat: the system message (replaces the template's "
+                                 "default)");
+  system->needs(chat);
+  for (auto* a : {ids, text, chat})
+    for (auto* b : {ids, text, chat})
+      if (a != b) a->excludes(b);
   sub->add_option("--max-tokens", options->sampling.max_tokens, "Tokens to generate at most")
       ->capture_default_str();
   sub->add_option("--temperature", options->sampling.temperature, "0 = greedy")
@@ -153,14 +208,18 @@ void register_generate(CLI::App& app) {
   sub->add_option("--logprobs", options->logprobs,
                   "Also print the top-K log-probabilities of every position");
   sub->add_flag("--json", options->json, "One JSON object per generated position");
+  sub->add_flag("--stream", options->stream,
+                "Print the text as it is generated (the default with --chat)");
   sub->add_option("--threads", options->threads, "CPU threads (0 = all cores)")
       ->capture_default_str();
-  sub->callback([options, model, preset, ids, text]() {
+  sub->callback([options, model, preset, ids, text, chat, system]() {
     if (model->count() == 0 && preset->count() == 0)
       throw CLI::RequiredError("--model or --preset");
-    if (ids->count() == 0 && text->count() == 0)
-      throw CLI::RequiredError("--prompt-ids or --prompt");
-    options->use_prompt_ids = ids->count() > 0;
+    if (ids->count() == 0 && text->count() == 0 && chat->count() == 0)
+      throw CLI::RequiredError("--prompt-ids, --prompt or --chat");
+    if (ids->count() > 0 && options->prompt_ids.empty())
+      throw Error("--prompt-ids is empty: give at least one token id");
+    options->has_system = system->count() > 0;
     run_generate(*options);
   });
 }

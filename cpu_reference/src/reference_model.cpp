@@ -81,7 +81,8 @@ const char* finish_reason_name(FinishReason reason) {
 }
 
 GenerationResult generate(const ReferenceModel& model, std::span<const std::int32_t> prompt,
-                          const SamplingParams& sampling, std::int32_t top_logprobs_k) {
+                          const SamplingParams& sampling, std::int32_t top_logprobs_k,
+                          const std::function<void(const GeneratedToken&)>& on_token) {
   Sampler sampler(sampling);
   const ModelConfig& c = model.config();
   std::vector<std::int32_t> sequence(prompt.begin(), prompt.end());
@@ -105,6 +106,7 @@ GenerationResult generate(const ReferenceModel& model, std::span<const std::int3
     generated.logprob = token_logprob(row, generated.token);
     if (top_logprobs_k > 0) generated.top = top_logprobs(row, top_logprobs_k);
     result.tokens.push_back(std::move(generated));
+    if (on_token) on_token(result.tokens.back());
     sequence.push_back(result.tokens.back().token);
     if (!sampling.ignore_eos && c.is_eos(result.tokens.back().token)) {
       result.finish_reason = FinishReason::eos;

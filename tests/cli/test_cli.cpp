@@ -55,7 +55,7 @@ TEST(Cli, BadPromptIds) {
 }
 
 TEST(Cli, MissingOrConflictingArguments) {
-  expect_failure("generate --preset tiny", "--prompt-ids or --prompt");
+  expect_failure("generate --preset tiny", "--prompt-ids, --prompt or --chat");
   expect_failure("generate --prompt-ids 1", "--model or --preset");
   expect_failure("generate --preset tiny --model tiny --prompt-ids 1", "excludes");
   expect_failure("generate --preset tiny --prompt-ids 1 --top-p 0", "top_p must be in (0, 1]");
@@ -68,7 +68,10 @@ TEST(Cli, MissingOrConflictingArguments) {
     EXPECT_EQ(r.exit_code, 2) << usage << "\n" << r.output;
     EXPECT_EQ(r.output.rfind("kvlab: error: ", 0), 0u) << usage << "\n" << r.output;
   }
-  expect_failure("generate --preset tiny --prompt text", "needs a tokenizer.model");
+  expect_failure("generate --preset tiny --prompt text", "needs the model's tokenizer");
+  expect_failure("generate --preset tiny --chat hello", "--chat needs the model's tokenizer");
+  expect_failure("generate --preset tiny --prompt-ids 1 --system hi", "requires --chat");
+  expect_failure("generate --preset tiny --prompt hi --chat hello", "excludes");
 }
 
 TEST(Cli, SizeOnlyPresetCannotGenerate) {

@@ -9,7 +9,10 @@
 #include <nlohmann/json.hpp>
 
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/model/chat_template.hpp"
+#include "kvlab/model/tokenizer.hpp"
 #include "test_util.hpp"
+#include "tokenizer_fixture.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -17,13 +20,16 @@ namespace {
 const std::filesystem::path kModel = std::filesystem::path(KVLAB_SOURCE_DIR) / "models" /
                                      "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf";
 
+#define SKIP_WITHOUT_MODEL()                                                                 \
+  if (!std::filesystem::exists(kModel))                                                      \
+  GTEST_SKIP() << kModel << " is not here: scripts/get_model.sh smollm2 could not fetch it " \
+               << "(its output is in the models.get_smollm2 test)"
+
 // Tolerances: |delta logprob| <= 1e-3 at every position for transformers' argmax token and for
 // the next prompt token (fp32 both sides; what is left is summation order over 30 layers), and
 // the same argmax wherever transformers' top token leads by more than 1e-3.
 TEST(RealModel, SmolLm2LogitsAgreeWithTransformersOverTheSameFile) {
-  if (!std::filesystem::exists(kModel))
-    GTEST_SKIP() << kModel << " is not here: scripts/get_model.sh smollm2 could not fetch it "
-                 << "(its output is in the models.get_smollm2 test)";
+  SKIP_WITHOUT_MODEL();
   const auto fixture = nlohmann::json::parse(
       test::read_file(std::filesystem::path(KVLAB_FIXTURES_DIR) / "real" / "smollm2_logits.json"));
   const auto prompt = fixture["prompt"].get<std::vector<std::int32_t>>();
@@ -57,6 +63,75 @@ TEST(RealModel, SmolLm2LogitsAgreeWithTransformersOverTheSameFile) {
   EXPECT_LT(worst, 1e-3);
   EXPECT_EQ(same_argmax, decided);
   EXPECT_GE(decided, 300);
+}
+
+// SmolLM2's tokenizer from its GGUF metadata: ids equal to Hugging Face `tokenizers` on every
+// MT-Bench turn (160), Vicuna-bench question (80), GSM8K test question (1,319) and the edge
+// cases (tests/fixtures/tokenizer/make_fixtures.py); decode(encode(x)) == x for all of them.
+TEST(RealModel, SmolLm2TokenizerEqualsHuggingFaceOnThePromptSets) {
+  SKIP_WITHOUT_MODEL();
+  const TokenizerLookup lookup = find_tokenizer(kModel);
+  ASSERT_TRUE(lookup.tokenizer) << lookup.why_not;
+  const Tokenizer& tokenizer = *lookup.tokenizer;
+  EXPECT_EQ(tokenizer.vocab_size(), 49152);
+  const auto texts =
+      test::fixture_texts(std::filesystem::path(KVLAB_SOURCE_DIR) / "data" / "prompts");
+  const auto cases = test::fixture_cases(std::filesystem::path(KVLAB_FIXTURES_DIR) / "tokenizer" /
+                                         "smollm2.ids.jsonl");
+  ASSERT_EQ(cases.size(), 160u + 80u + 1319u + test::kExtraTexts.size());
+  int equal = 0, round_trips = 0;
+  std::size_t tokens = 0;
+  for (const auto& c : cases) {
+    const auto ids = tokenizer.encode(texts.at(c.source));
+    tokens += ids.size();
+    if (ids == c.ids)
+      ++equal;
+    else
+      ADD_FAILURE() << c.source << ": ids differ from tokenizers'";
+    round_trips += tokenizer.decode(ids) == texts.at(c.source);
+  }
+  RecordProperty("texts", static_cast<int>(cases.size()));
+  RecordProperty("tokens", static_cast<int>(tokens));
+  EXPECT_EQ(equal, static_cast<int>(cases.size()));
+  EXPECT_EQ(round_trips, static_cast<int>(cases.size()));
+}
+
+// The fixture's prompt ids (transformers' tokenizer over the same ChatML text) are what
+// kvlab's tokenizer gives for that text.
+TEST(RealModel, SmolLm2FixturePromptIsKvlabsTokenization) {
+  SKIP_WITHOUT_MODEL();
+  const auto fixture = nlohmann::json::parse(
+      test::read_file(std::filesystem::path(KVLAB_FIXTURES_DIR) / "real" / "smollm2_logits.json"));
+  const auto texts =
+      test::fixture_texts(std::filesystem::path(KVLAB_SOURCE_DIR) / "data" / "prompts");
+  std::string chat;
+  for (int question = 81; question <= 90; ++question)
+    chat += fmt::format("<|im_start|>user\n{}<|im_end|>\n",
+                        texts.at(fmt::format("mt_bench:{}:0", question)));
+  auto ids = find_tokenizer(kModel).tokenizer->encode(chat);
+  ASSERT_GE(ids.size(), 320u);
+  ids.resize(320);
+  EXPECT_EQ(ids, fixture["prompt"].get<std::vector<std::int32_t>>());
+}
+
+// Greedy chat through the model's own template: a coherent, correct answer.
+TEST(RealModel, SmolLm2AnswersWhatTheCapitalOfFranceIs) {
+  SKIP_WITHOUT_MODEL();
+  const TokenizerLookup lookup = find_tokenizer(kModel);
+  const ChatTemplate chat = ChatTemplate::detect(lookup.chat_template, kModel.string());
+  EXPECT_EQ(chat.format(), ChatFormat::chatml);
+  const std::vector<ChatMessage> messages = {{"user", "What is the capital of France?"}};
+  const auto prompt = chat.render(messages, *lookup.tokenizer);
+  const ReferenceModel model(load_llama_weights(kModel));
+  SamplingParams greedy;
+  greedy.max_tokens = 16;
+  const GenerationResult result = generate(model, prompt, greedy);
+  std::vector<std::int32_t> ids;
+  for (const auto& t : result.tokens) ids.push_back(t.token);
+  const std::string answer = lookup.tokenizer->decode(ids);
+  RecordProperty("answer", answer);
+  EXPECT_NE(answer.find("Paris"), std::string::npos) << answer;
+  EXPECT_EQ(result.finish_reason, FinishReason::eos) << answer;
 }
 
 }  // namespace

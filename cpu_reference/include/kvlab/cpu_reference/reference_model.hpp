@@ -2,6 +2,7 @@
 // The golden reference (rung 1 of the correctness ladder): a full-recompute forward of a whole
 // token sequence, causal, fp32, no cache. Everything else in kvlab is checked against it.
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <span>
 #include <vector>
@@ -52,8 +53,10 @@ struct GenerationResult {
 
 // Autoregressive generation by full recompute: every step runs forward() over prompt +
 // generated tokens (O(S^2) — the seed's no-cache baseline, and the truth for every strategy).
-// Stops on EOS (unless ignore_eos), max_tokens, or a full context.
+// Stops on EOS (unless ignore_eos), max_tokens, or a full context. `on_token`, when set, sees
+// every token as soon as it is sampled (streaming).
 GenerationResult generate(const ReferenceModel& model, std::span<const std::int32_t> prompt,
-                          const SamplingParams& sampling, std::int32_t top_logprobs_k = 0);
+                          const SamplingParams& sampling, std::int32_t top_logprobs_k = 0,
+                          const std::function<void(const GeneratedToken&)>& on_token = {});
 
 }  // namespace kvlab::cpu
