@@ -1,8 +1,10 @@
 // libFuzzer: the GGUF reader (header, every metadata type, nested arrays, tensor infos,
-// alignment, offsets); every tensor of a file that opens is dequantized.
+// alignment, offsets); every tensor of a file that opens is dequantized, and its tokenizer
+// metadata (tokenizer.ggml.*) is read and, when it loads, encodes a text.
 #include "fuzz_input_file.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf.hpp"
+#include "kvlab/model/tokenizer.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   const auto path = kvlab::fuzz::write_input(kvlab::fuzz::as_text(data, size), ".gguf");
@@ -11,6 +13,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
     for (const auto& [key, value] : file.metadata()) (void)value.to_string();
     for (const auto& tensor : file.tensors())
       if (tensor.elements <= (1 << 20)) (void)file.dequantize(tensor);
+    const auto lookup = kvlab::find_tokenizer(path);
+    if (lookup.tokenizer) (void)lookup.tokenizer->decode(lookup.tokenizer->encode("Hi 12 <|x|>"));
   } catch (const kvlab::Error&) {
   }
   return 0;
