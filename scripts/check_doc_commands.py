@@ -5,7 +5,7 @@ Usage: scripts/check_doc_commands.py BUILD_DIR [DOC ...]   (default: README.md a
 
 A command is a line of a ```sh block that starts with ./build/bin/kvlab, kvlab or
 python3 experiments/. Each distinct command runs once, in document order, from a scratch
-folder that links build/, experiments/, profiles/ and tests/ of this checkout (results/ and
+folder that links build/, data/, experiments/, profiles/ and tests/ of this checkout (results/ and
 models/ land there, not in the checkout). It must exit 0. Where the command is pure arithmetic
 (kvlab memory, or a run on the simulated backend) and the page shows what it printed (the next
 ```text block, or the markdown table rows after it), every shown line must appear in the
@@ -89,7 +89,7 @@ def main():
         [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md")))
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvlab_doc_commands_"))
     os.symlink(build, scratch / "build")
-    for name in ("experiments", "profiles", "tests"):
+    for name in ("data", "experiments", "profiles", "tests"):
         os.symlink(ROOT / name, scratch / name)
     env = dict(os.environ, OMP_WAIT_POLICY="passive")
     seen, failures, ran, skipped = set(), [], 0, 0

@@ -166,6 +166,8 @@ void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
   if (std::find(presets.begin(), presets.end(), c.model) == presets.end()) resolve(c.model);
   if (c.profile.find('/') != std::string::npos || c.profile.ends_with(".toml")) resolve(c.profile);
   resolve(c.trace);
+  resolve(c.azure_trace);
+  resolve(c.prompt_set);
   resolve(c.output_dir);
   for (auto& p : c.plugin_paths) resolve(p);
 }
@@ -231,6 +233,37 @@ void parse_scheduler(Section& s, ExperimentConfig& c) {
   c.scheduler_params = plugin_params(s, "params");
 }
 
+void parse_azure_trace(Section& workload, ExperimentConfig& c) {
+  const toml::table* table = workload.table("azure_trace");
+  if (table == nullptr) return;
+  Section s(table, "workload.azure_trace", workload.file());
+  const auto file = s.get<std::string>("file");
+  if (!file) s.fail(*table, "[workload.azure_trace] needs file = \"...csv\"");
+  c.azure_trace = *file;
+  AzureTraceOptions& a = c.azure;
+  a.start_s = s.get<double>("start_s").value_or(0);
+  a.duration_s = s.get<double>("duration_s").value_or(0);
+  a.rate_scale = s.get<double>("rate_scale").value_or(1.0);
+  a.max_requests = s.get_int<std::int64_t>("max_requests", 0, kMaxRequests).value_or(0);
+  if (!(a.start_s >= 0) || !(a.duration_s >= 0) || !(a.rate_scale > 0))
+    s.fail(*table, "workload.azure_trace: start_s, duration_s >= 0 and rate_scale > 0");
+  s.finish();
+}
+
+void parse_prompt_set(Section& workload, ExperimentConfig& c) {
+  const toml::table* table = workload.table("prompts");
+  if (table == nullptr) return;
+  Section s(table, "workload.prompts", workload.file());
+  const auto file = s.get<std::string>("file");
+  if (!file) s.fail(*table, "[workload.prompts] needs file = \"...jsonl\"");
+  c.prompt_set = *file;
+  c.prompt_chat = s.get<bool>("chat").value_or(true);
+  c.prompt_max_tokens =
+      s.get_int<std::int32_t>("max_tokens", 1, kMaxRequestTokens).value_or(c.prompt_max_tokens);
+  c.prompt_requests = s.get_int<std::int64_t>("requests", 0, kMaxRequests).value_or(0);
+  s.finish();
+}
+
 void parse_workload(Section& s, ExperimentConfig& c) {
   SyntheticWorkload& w = c.workload;
   w.requests = s.get_int<std::int64_t>("requests", 1, kMaxRequests).value_or(w.requests);
@@ -269,6 +302,12 @@ void parse_workload(Section& s, ExperimentConfig& c) {
       s.get_int<std::int32_t>("top_k", 0, std::numeric_limits<std::int32_t>::max()).value_or(0);
   w.ignore_eos = s.get<bool>("ignore_eos").value_or(true);
   c.trace = s.get<std::string>("trace").value_or("");
+  parse_azure_trace(s, c);
+  parse_prompt_set(s, c);
+  const int sources = !c.trace.empty() + !c.azure_trace.empty() + !c.prompt_set.empty();
+  if (sources > 1)
+    s.fail(*s.node(c.trace.empty() ? "azure_trace" : "trace"),
+           "workload: give at most one of trace, [workload.azure_trace], [workload.prompts]");
 }
 
 void parse_slo(Section& s, ExperimentConfig& c) {

@@ -14,10 +14,13 @@
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/model_source.hpp"
+#include "kvlab/model/chat_template.hpp"
 #include "kvlab/model/kv_memory.hpp"
+#include "kvlab/model/tokenizer.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "run_memo.hpp"
 
 namespace kvlab {
 namespace {
@@ -83,6 +86,15 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (!c.profile.empty()) (void)load_hardware_profile(c.profile);
   if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
     throw Error(fmt::format("workload.trace {} is not a file", c.trace));
+  if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
+    throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
+  if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
+    throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
+  if (!c.prompt_set.empty() && source.is_preset())
+    throw Error(
+        fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "
+                    "preset (random weights, no tokenizer)",
+                    c.model));
 }
 
 }  // namespace
@@ -111,7 +123,8 @@ namespace {
 // The model as served: the checkpoint (none for the simulated backend), its config after the
 // attention variant converted its K/V heads, and the variant.
 struct ServedModel {
-  std::optional<cpu::LlamaWeights> weights;
+  std::optional<cpu::LlamaWeights> weights;  // as converted for the attention variant
+  std::string weights_key;                   // names them exactly (checkpoint, K/V heads)
   ModelConfig config;
   PluginObject<AttentionVariant> attention;
 };
@@ -121,10 +134,10 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
   const ModelSource source = resolve_model(c.model);
   ServedModel served;
   served.config = source.config;
+  LoadedCheckpoint checkpoint;
   if (!simulated) {  // the simulated backend needs only the config
-    served.weights = source.is_preset() ? cpu::random_llama_weights(source.config, c.weights_seed)
-                                        : cpu::load_llama_weights(source.directory);
-    served.config = served.weights->config;
+    checkpoint = load_checkpoint(source, c.weights_seed);
+    served.config = checkpoint.weights->config;
   }
   PluginContext context;
   context.model = &served.config;
@@ -135,8 +148,9 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
     throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention, served.config.name,
                             problem));
   const std::int64_t kv_heads = served.attention->kv_heads(served.config);
-  if (served.weights) {
-    served.weights = cpu::convert_kv_heads(*served.weights, kv_heads);
+  if (checkpoint.weights) {
+    served.weights = cpu::convert_kv_heads(*checkpoint.weights, kv_heads);
+    served.weights_key = fmt::format("{}, {} K/V heads", checkpoint.key, kv_heads);
     served.config = served.weights->config;
   } else {
     served.config.num_key_value_heads = kv_heads;
@@ -176,10 +190,41 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
   return slots;
 }
 
-// The trace, or the synthetic workload; greedy everywhere for `check`.
-std::vector<WorkloadRequest> make_requests(const ExperimentConfig& c, const ModelConfig& model,
-                                           bool check) {
-  std::vector<WorkloadRequest> requests;
+// A prompt set's requests: each text through the model's tokenizer, and its chat template
+// when the experiment asks for one (workload.prompts.chat).
+RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model) {
+  const ModelSource source = resolve_model(c.model);
+  if (source.is_preset())
+    throw Error(
+        fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "
+                    "preset (random weights, no tokenizer)",
+                    c.model));
+  TokenizerLookup lookup = find_tokenizer(source.directory);
+  if (!lookup.tokenizer) throw Error(fmt::format("workload.prompts: {}", lookup.why_not));
+  const Tokenizer& tokenizer = *lookup.tokenizer;
+  std::optional<ChatTemplate> chat;
+  if (c.prompt_chat) chat = ChatTemplate::detect(lookup.chat_template, source.directory.string());
+  PromptSetOptions options;
+  options.requests = c.prompt_requests;
+  options.max_tokens = c.prompt_max_tokens;
+  options.context = model.max_position_embeddings;
+  options.arrival = c.workload.arrival;
+  options.seed = c.seed;
+  options.sampling.temperature = c.workload.temperature;
+  options.sampling.top_p = c.workload.top_p;
+  options.sampling.top_k = c.workload.top_k;
+  auto encode = [&](const std::string& text) {
+    if (!chat) return tokenizer.encode_prompt(text);
+    const std::vector<ChatMessage> messages = {{"user", text}};
+    return chat->render(messages, tokenizer);
+  };
+  return prompt_set_workload(load_prompt_texts(c.prompt_set), encode, options);
+}
+
+// The trace, the Azure trace, the prompt set, or the synthetic workload; greedy everywhere for
+// `check`.
+RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, bool check) {
+  RealWorkload w;
   if (!c.trace.empty()) {
     TraceOptions options;
     options.vocab_size = model.vocab_size;
@@ -188,15 +233,26 @@ std::vector<WorkloadRequest> make_requests(const ExperimentConfig& c, const Mode
     options.sampling.top_p = c.workload.top_p;
     options.sampling.top_k = c.workload.top_k;
     options.sampling.ignore_eos = c.workload.ignore_eos;
-    requests = load_trace(c.trace, options);
+    w.requests = load_trace(c.trace, options);
+  } else if (!c.azure_trace.empty()) {
+    AzureTraceOptions options = c.azure;
+    options.context = model.max_position_embeddings;
+    options.vocab_size = model.vocab_size;
+    options.seed = c.seed;
+    options.sampling.temperature = c.workload.temperature;
+    options.sampling.top_p = c.workload.top_p;
+    options.sampling.top_k = c.workload.top_k;
+    w = load_azure_trace(c.azure_trace, options);
+  } else if (!c.prompt_set.empty()) {
+    w = prompt_requests(c, model);
   } else {
     SyntheticWorkload spec = c.workload;
     spec.vocab_size = model.vocab_size;
-    requests = generate_workload(spec);
+    w.requests = generate_workload(spec);
   }
   if (check)
-    for (auto& r : requests) r.sampling.temperature = 0;  // check compares greedy tokens
-  return requests;
+    for (auto& r : w.requests) r.sampling.temperature = 0;  // check compares greedy tokens
+  return w;
 }
 
 EngineOptions engine_options(const ExperimentConfig& c, const SequenceRules& rules,
@@ -236,22 +292,24 @@ void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
   out.step_prediction_error = summarize_latencies(std::move(errors));
 }
 
-// Teacher forcing: one reference forward over prompt + output checks every generated token.
-void check_against_reference(const cpu::LlamaWeights& weights, std::optional<std::int64_t> window,
+// Teacher forcing: one reference forward over prompt + output checks every generated token
+// (memoized per sequence: other sweep points asking for the same sequence share it).
+void check_against_reference(const ServedModel& served, std::optional<std::int64_t> window,
                              const std::vector<WorkloadRequest>& requests, const RunOutput& out,
                              std::vector<std::string>& mismatches) {
-  const cpu::ReferenceModel reference(weights);
-  cpu::ForwardOptions forward;
-  forward.sliding_window = window;
+  std::optional<cpu::ReferenceModel> model;  // built on the first sequence not seen before
+  auto reference = [&]() -> const cpu::ReferenceModel& {
+    if (!model) model.emplace(*served.weights);
+    return *model;
+  };
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const std::vector<std::int32_t>& tokens = out.engine.tokens[i];
     if (out.engine.requests[i].rejected || tokens.empty()) continue;
     std::vector<std::int32_t> sequence = requests[i].prompt;
     sequence.insert(sequence.end(), tokens.begin(), tokens.end() - 1);
-    const cpu::RowMatrix logits = reference.forward(sequence, forward);
+    const auto argmax = reference_argmax(reference, served.weights_key, window, sequence);
     for (std::size_t t = 0; t < tokens.size(); ++t) {
-      Eigen::Index expected = 0;
-      logits.row(static_cast<Eigen::Index>(requests[i].prompt.size() - 1 + t)).maxCoeff(&expected);
+      const std::int32_t expected = argmax[requests[i].prompt.size() - 1 + t];
       if (tokens[t] != expected) {
         mismatches.push_back(fmt::format("request {}: token {} is {}, the reference gives {}", i, t,
                                          tokens[t], expected));
@@ -309,12 +367,14 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     inner = std::make_unique<cpu::CpuBackend>(*served.weights, pool, rules.window);
   }
   TimedBackend backend(plugin_backend ? *device_backend : *inner);
-  const std::vector<WorkloadRequest> requests = make_requests(c, model, check);
+  const RealWorkload workload = make_requests(c, model, check);
+  const std::vector<WorkloadRequest>& requests = workload.requests;
   Engine engine(backend, *allocator, *scheduler, engine_options(c, rules, cost_model, pool));
 
   RunOutput out;
   out.model_name = model.name;
   out.kv_slots = slots;
+  out.workload_description = workload.description;
   const auto engine_start = std::chrono::steady_clock::now();
   out.engine = engine.run(requests);
   out.engine_wall_s = seconds_since(engine_start);
@@ -322,7 +382,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   for (const auto& r : requests) out.prompts.push_back(r.prompt);
   out.forward_wall_s = backend.seconds();
   summarize_memory_and_predictions(out, cost_model && c.clock == "measured");
-  if (check) check_against_reference(*served.weights, rules.window, requests, out, *mismatches);
+  if (check) check_against_reference(served, rules.window, requests, out, *mismatches);
   out.wall_s = seconds_since(wall_start);
   return out;
 }
@@ -431,6 +491,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
       {"kv_slots", out.kv_slots}};
   if (out.step_prediction_error)
     j["step_prediction_error"] = latency_json(*out.step_prediction_error);
+  if (!out.workload_description.empty()) j["workload"] = out.workload_description;
   return j;
 }
 

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <numeric>
 
+#include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/error.hpp"
 #include "test_util.hpp"
@@ -223,6 +224,142 @@ TEST(Trace, EveryBadRowNamesFileAndLine) {
   EXPECT_NE(
       error_of<Error>([&] { load_trace(dir / "missing.csv", options); }).find("cannot read trace"),
       std::string::npos);
+}
+
+const std::filesystem::path kData =
+    std::filesystem::path(KVLAB_FIXTURES_DIR) / ".." / ".." / "data";
+const std::filesystem::path kAzureConv =
+    kData / "azure-llm-inference-2023" / "AzureLLMInferenceTrace_conv.csv";
+
+// The vendored Azure conversation trace: its first ten minutes, compressed, clipped.
+TEST(AzureTrace, WindowRateScaleAndContextClipping) {
+  AzureTraceOptions options;
+  options.duration_s = 600;
+  options.vocab_size = 32000;
+  const RealWorkload all = load_azure_trace(kAzureConv, options);
+  EXPECT_EQ(all.requests.size(), 2867u);  // rows within 600 s of the first
+  EXPECT_EQ(all.clipped, 0);
+  EXPECT_DOUBLE_EQ(all.requests.front().arrival_s, 0.0);
+  EXPECT_LT(all.requests.back().arrival_s, 600.0);
+  EXPECT_EQ(all.requests.front().prompt.size(), 374u);  // the trace's first row: 374, 44
+  EXPECT_EQ(all.requests.front().output_tokens, 44);
+  for (std::size_t i = 1; i < all.requests.size(); ++i)
+    ASSERT_GE(all.requests[i].arrival_s, all.requests[i - 1].arrival_s);
+  for (const auto& r : all.requests) {
+    ASSERT_TRUE(r.sampling.ignore_eos);  // the trace's lengths, as Splitwise replays them
+    ASSERT_EQ(r.sampling.max_tokens, r.output_tokens);
+  }
+
+  options.rate_scale = 2.0;
+  options.context = 4096;
+  const RealWorkload fast = load_azure_trace(kAzureConv, options);
+  ASSERT_EQ(fast.requests.size(), all.requests.size());
+  EXPECT_DOUBLE_EQ(fast.requests.back().arrival_s, all.requests.back().arrival_s / 2);
+  EXPECT_EQ(fast.clipped, 205);
+  std::int64_t clipped = 0;
+  for (std::size_t i = 0; i < fast.requests.size(); ++i) {
+    const auto& r = fast.requests[i];
+    const auto total = static_cast<std::int64_t>(r.prompt.size()) + r.output_tokens;
+    ASSERT_LE(total, 4096) << i;
+    ASSERT_GE(r.output_tokens, 1);
+    clipped += total < static_cast<std::int64_t>(all.requests[i].prompt.size()) +
+                           all.requests[i].output_tokens;
+  }
+  EXPECT_EQ(clipped, fast.clipped);
+  EXPECT_NE(fast.description.find("205 clipped"), std::string::npos) << fast.description;
+
+  options.start_s = 300;
+  options.max_requests = 10;
+  const RealWorkload later = load_azure_trace(kAzureConv, options);
+  EXPECT_EQ(later.requests.size(), 10u);
+  // Times count from the window's start (300 s after the first request), compressed x2.
+  EXPECT_GE(later.requests.front().arrival_s, 0.0);
+  EXPECT_LT(later.requests.front().arrival_s, 5.0);
+}
+
+TEST(AzureTrace, BadRowsAndOptionsAreNamed) {
+  test::TempDir dir;
+  AzureTraceOptions options;
+  auto error_for = [&](const std::string& text) {
+    test::write_file(dir / "t.csv", text);
+    return error_of<Error>([&] { load_azure_trace(dir / "t.csv", options); });
+  };
+  const std::string header = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
+  EXPECT_NE(error_for("time,in,out\n").find("t.csv:1: the header must be"), std::string::npos);
+  EXPECT_NE(error_for(header + "2023-11-16 18:15:46.68,374\n").find("t.csv:2: 2 cells"),
+            std::string::npos);
+  EXPECT_NE(error_for(header + "2023-13-16 18:15:46.68,374,44\n").find("not a valid date"),
+            std::string::npos);
+  EXPECT_NE(error_for(header + "yesterday,374,44\n").find("t.csv:2: TIMESTAMP \"yesterday\""),
+            std::string::npos);
+  EXPECT_NE(error_for(header + "2023-11-16 18:15:46.68,0,44\n").find("must be in [1,"),
+            std::string::npos);
+  EXPECT_NE(error_for(header + "2023-11-16 18:15:46.68,3x,44\n").find("ContextTokens \"3x\""),
+            std::string::npos);
+  EXPECT_NE(error_for(header).find("has no requests"), std::string::npos);
+  options.start_s = 1e6;
+  EXPECT_NE(error_for(header + "2023-11-16 18:15:46.68,374,44\n").find("no request in the window"),
+            std::string::npos);
+  options = {};
+  options.rate_scale = 0;
+  EXPECT_NE(error_for(header).find("rate_scale must be > 0"), std::string::npos);
+  EXPECT_NE(error_of<Error>([&] { load_azure_trace(dir / "missing.csv", {}); }).find("cannot read"),
+            std::string::npos);
+}
+
+TEST(PromptSet, TextsOfEachVendoredSet) {
+  const auto mt_bench = load_prompt_texts(kData / "prompts" / "mt_bench_questions.jsonl");
+  EXPECT_EQ(mt_bench.size(), 80u);
+  EXPECT_EQ(mt_bench[0].rfind("Compose an engaging travel blog post", 0), 0u);
+  EXPECT_EQ(load_prompt_texts(kData / "prompts" / "vicuna_bench_questions.jsonl").size(), 80u);
+  const auto gsm8k = load_prompt_texts(kData / "prompts" / "gsm8k_test.jsonl");
+  EXPECT_EQ(gsm8k.size(), 1319u);
+  EXPECT_EQ(gsm8k[0].rfind("Janet", 0), 0u);
+}
+
+TEST(PromptSet, RequestsEndAtEosWithACapCutToTheContext) {
+  const std::vector<std::string> texts = {"aa", "bbbb", "c"};
+  auto encode = [](const std::string& text) {  // one id per character
+    return std::vector<std::int32_t>(text.begin(), text.end());
+  };
+  PromptSetOptions options;
+  options.requests = 7;
+  options.max_tokens = 8;
+  options.context = 10;
+  options.arrival.kind = ArrivalKind::poisson;
+  options.arrival.rate_per_s = 5;
+  const RealWorkload w = prompt_set_workload(texts, encode, options);
+  ASSERT_EQ(w.requests.size(), 7u);
+  EXPECT_EQ(w.requests[3].prompt, encode("aa"));  // cycles through the prompts
+  EXPECT_EQ(w.requests[1].output_tokens, 6);      // 4 + 8 > 10: the cap is cut
+  EXPECT_EQ(w.requests[0].output_tokens, 8);
+  EXPECT_EQ(w.clipped, 2);  // requests 1 and 4
+  for (std::size_t i = 0; i < w.requests.size(); ++i) {
+    EXPECT_FALSE(w.requests[i].sampling.ignore_eos);
+    if (i > 0) {
+      EXPECT_GT(w.requests[i].arrival_s, w.requests[i - 1].arrival_s);
+    }
+  }
+  options.context = 4;
+  EXPECT_NE(error_of<Error>([&] {
+              prompt_set_workload(texts, encode, options);
+            }).find("prompt 1 (\"bbbb...\") is 4 tokens: no room to answer"),
+            std::string::npos);
+}
+
+TEST(PromptSet, BadFilesAreNamed) {
+  test::TempDir dir;
+  auto error_for = [&](const std::string& text) {
+    test::write_file(dir / "p.jsonl", text);
+    return error_of<Error>([&] { load_prompt_texts(dir / "p.jsonl"); });
+  };
+  EXPECT_NE(error_for("{\"turns\": [\"hi\"]}\n{oops\n").find("p.jsonl:2: not valid JSON"),
+            std::string::npos);
+  EXPECT_NE(error_for("{\"answer\": \"4\"}\n").find("p.jsonl:1: no prompt text"),
+            std::string::npos);
+  EXPECT_NE(error_for("[1]\n").find("p.jsonl:1: each line must be a JSON object"),
+            std::string::npos);
+  EXPECT_NE(error_for("\n").find("holds no prompts"), std::string::npos);
 }
 
 }  // namespace

@@ -71,5 +71,52 @@ TEST(ExperimentLibrary, SameFileSameBytes) {
     EXPECT_EQ(test::read_file(a / file), test::read_file(b / file)) << file;
 }
 
+// The Azure trace as a workload: its first minute on the simulated H200.
+TEST(ExperimentLibrary, AzureTraceReplaysTheTracesRequests) {
+  const auto file =
+      std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "azure_conv_replay.toml";
+  const auto runs = load_experiment(
+      file,
+      {"workload.azure_trace.duration_s=60", "sweep=[{key=\"scheduler.name\", values=[\"fcfs\"]}]",
+       std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]"});
+  ASSERT_EQ(runs.size(), 1u);
+  validate_experiment(runs, false);
+  const RunOutput out = run_experiment(runs[0].config, false, nullptr);
+  AzureTraceOptions options;
+  options.duration_s = 60;
+  const auto expected =
+      load_azure_trace(std::filesystem::path(KVLAB_SOURCE_DIR) / "data" /
+                           "azure-llm-inference-2023" / "AzureLLMInferenceTrace_conv.csv",
+                       options);
+  EXPECT_EQ(out.summary.submitted, static_cast<std::int64_t>(expected.requests.size()));
+  EXPECT_EQ(out.summary.finished, out.summary.submitted);
+  EXPECT_NE(out.workload_description.find("clipped to the 4096-token context"), std::string::npos)
+      << out.workload_description;
+}
+
+TEST(ExperimentLibrary, RealWorkloadSectionsAreChecked) {
+  auto load_error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  EXPECT_NE(load_error({"workload.azure_trace={start_s=1}"}).find("needs file"), std::string::npos);
+  EXPECT_NE(load_error({"workload.prompts={file=\"x.jsonl\", chatt=true}"})
+                .find("unknown key \"chatt\" in [workload.prompts] (did you mean \"chat\"?)"),
+            std::string::npos);
+  EXPECT_NE(load_error({"workload.trace=\"t.csv\"", "workload.azure_trace={file=\"a.csv\"}"})
+                .find("at most one of trace"),
+            std::string::npos);
+  EXPECT_NE(
+      load_error({"workload.azure_trace={file=\"a.csv\", rate_scale=0}"}).find("rate_scale > 0"),
+      std::string::npos);
+  const auto prompts =
+      std::filesystem::path(KVLAB_SOURCE_DIR) / "data" / "prompts" / "mt_bench_questions.jsonl";
+  EXPECT_NE(load_error({"workload.prompts={file=\"" + prompts.string() + "\"}"})
+                .find("needs a real model with a tokenizer; \"tiny\" is a preset"),
+            std::string::npos);
+  EXPECT_NE(load_error({"workload.azure_trace={file=\"/no/such.csv\"}"}).find("is not a file"),
+            std::string::npos);
+}
+
 }  // namespace
 }  // namespace kvlab

@@ -55,6 +55,35 @@ class Draw {
   std::mt19937_64 engine_;
 };
 
+// Request i's arrival time, the one before it at `clock`.
+double next_arrival(const ArrivalProcess& arrival, std::int64_t i, double clock, Draw& draw) {
+  switch (arrival.kind) {
+    case ArrivalKind::all_at_once:
+      return 0;
+    case ArrivalKind::poisson:
+      return clock + draw.exponential(arrival.rate_per_s);
+    case ArrivalKind::gamma: {  // shape 1/cv^2, mean 1/rate
+      const double shape = 1.0 / (arrival.cv * arrival.cv);
+      return clock + draw.gamma(shape) / (shape * arrival.rate_per_s);
+    }
+    case ArrivalKind::bursts:  // burst_size requests at once, bursts spaced to keep the mean rate
+      if (i % arrival.burst_size == 0 && i > 0)
+        return clock + static_cast<double>(arrival.burst_size) / arrival.rate_per_s;
+      return clock;
+  }
+  return clock;
+}
+
+void check_arrival(const ArrivalProcess& arrival) {
+  if (arrival.kind != ArrivalKind::all_at_once && !(arrival.rate_per_s > 0))
+    throw Error(
+        fmt::format("workload arrival rate must be > 0 requests/s, got {}", arrival.rate_per_s));
+  if (arrival.kind == ArrivalKind::gamma && !(arrival.cv > 0))
+    throw Error(fmt::format("workload gamma arrival cv must be > 0, got {}", arrival.cv));
+  if (arrival.kind == ArrivalKind::bursts && arrival.burst_size < 1)
+    throw Error("workload burst_size must be >= 1");
+}
+
 void check_length(const LengthDistribution& d, const char* what) {
   if (d.min < 1 || d.max < d.min)
     throw Error(
@@ -160,13 +189,7 @@ std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, 
 std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec) {
   if (spec.requests < 0) throw Error("workload requests must be >= 0");
   if (spec.vocab_size < 1) throw Error("workload vocab_size must be >= 1");
-  if (spec.arrival.kind != ArrivalKind::all_at_once && !(spec.arrival.rate_per_s > 0))
-    throw Error(fmt::format("workload arrival rate must be > 0 requests/s, got {}",
-                            spec.arrival.rate_per_s));
-  if (spec.arrival.kind == ArrivalKind::gamma && !(spec.arrival.cv > 0))
-    throw Error(fmt::format("workload gamma arrival cv must be > 0, got {}", spec.arrival.cv));
-  if (spec.arrival.kind == ArrivalKind::bursts && spec.arrival.burst_size < 1)
-    throw Error("workload burst_size must be >= 1");
+  check_arrival(spec.arrival);
   check_length(spec.prompt_tokens, "prompt_tokens");
   check_length(spec.output_tokens, "output_tokens");
   if (spec.prefix_tokens >= kMaxRequestTokens || spec.prefix_groups > kMaxPrefixGroups)
@@ -206,26 +229,7 @@ std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec) {
   for (std::int64_t i = 0; i < spec.requests; ++i) {
     WorkloadRequest r;
     r.id = i;
-    switch (spec.arrival.kind) {
-      case ArrivalKind::all_at_once:
-        r.arrival_s = 0;
-        break;
-      case ArrivalKind::poisson:
-        clock += draw.exponential(spec.arrival.rate_per_s);
-        r.arrival_s = clock;
-        break;
-      case ArrivalKind::gamma: {  // shape 1/cv^2, mean 1/rate
-        const double shape = 1.0 / (spec.arrival.cv * spec.arrival.cv);
-        clock += draw.gamma(shape) / (shape * spec.arrival.rate_per_s);
-        r.arrival_s = clock;
-        break;
-      }
-      case ArrivalKind::bursts:  // burst_size requests at once, bursts spaced to keep the mean rate
-        if (i % spec.arrival.burst_size == 0 && i > 0)
-          clock += static_cast<double>(spec.arrival.burst_size) / spec.arrival.rate_per_s;
-        r.arrival_s = clock;
-        break;
-    }
+    r.arrival_s = clock = next_arrival(spec.arrival, i, clock, draw);
     std::int64_t prompt_length = draw_length(spec.prompt_tokens, draw);
     if (spec.prefix_groups > 0) {
       r.prefix_group =
@@ -337,6 +341,17 @@ WorkloadRequest finish_row(const TraceRow& row, std::int64_t index, const TraceO
 }
 
 }  // namespace
+
+std::vector<double> arrival_times(const ArrivalProcess& arrival, std::int64_t requests,
+                                  std::uint64_t seed) {
+  check_arrival(arrival);
+  Draw draw(seed);
+  std::vector<double> times;
+  double clock = 0;
+  for (std::int64_t i = 0; i < requests; ++i)
+    times.push_back(clock = next_arrival(arrival, i, clock, draw));
+  return times;
+}
 
 std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
                                         const TraceOptions& options) {

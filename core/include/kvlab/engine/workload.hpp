@@ -64,6 +64,10 @@ struct SyntheticWorkload {
 // Throws kvlab::Error naming the bad field (non-positive rate, min > max, ...).
 std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec);
 
+// `requests` arrival times of `arrival` (the same draws generate_workload makes for it).
+std::vector<double> arrival_times(const ArrivalProcess& arrival, std::int64_t requests,
+                                  std::uint64_t seed);
+
 struct TraceOptions {
   std::int64_t vocab_size = 32000;
   std::uint64_t seed = 0;   // for prompt ids of rows that give only prompt_len

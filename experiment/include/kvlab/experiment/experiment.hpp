@@ -10,6 +10,7 @@
 
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/engine/metrics.hpp"
+#include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/plugin_params.hpp"
 
@@ -42,6 +43,14 @@ struct ExperimentConfig {
   ParamMap scheduler_params;
   SyntheticWorkload workload;
   std::string trace;  // replaces the synthetic workload when set
+  // [workload.azure_trace]: the Azure LLM inference trace 2023 replayed (replaces synthetic).
+  std::string azure_trace;  // its CSV file
+  AzureTraceOptions azure;  // window, rate scale (context, vocab and seed come from the run)
+  // [workload.prompts]: a prompt-set JSONL file (replaces synthetic); answers end at EOS.
+  std::string prompt_set;   // its file
+  bool prompt_chat = true;  // through the model's chat template (else the raw text, with BOS)
+  std::int32_t prompt_max_tokens = 256;
+  std::int64_t prompt_requests = 0;  // 0 = one per prompt
   ServiceLevelObjectives slo;
   StepTimeModel time_model;
   std::string output_dir;     // empty: results/<name>
@@ -78,6 +87,7 @@ struct RunOutput {
   // With a cost model and the measured clock: |predicted - measured| / measured per step.
   std::optional<LatencySummary> step_prediction_error;
   std::string model_name;
+  std::string workload_description;  // a real workload's: what was read, what was clipped
 };
 
 // Runs one expanded config. `check`: compare every finished request's greedy tokens with the

@@ -1,0 +1,35 @@
+#pragma once
+// What the runs of one process share, computed once: the checkpoint a sweep serves at every
+// point, and the reference's greedy tokens for a sequence (kvlab check asks for the same
+// sequences at every allocator x scheduler point). Both are pure functions of their keys, so a
+// memoized answer is the answer. Thread-safe.
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/experiment/model_source.hpp"
+
+namespace kvlab {
+
+// The checkpoint of `source` (a preset's random weights for `weights_seed`); the last one
+// loaded is kept. Its key names it for reference_argmax.
+struct LoadedCheckpoint {
+  std::shared_ptr<const cpu::LlamaWeights> weights;
+  std::string key;
+};
+LoadedCheckpoint load_checkpoint(const ModelSource& source, std::uint64_t weights_seed);
+
+// Argmax of the reference's logits at every position of `sequence` (the full-recompute forward
+// with `window`); `reference` gives the model when the answer is not known yet. `weights_key`
+// must name its weights exactly (checkpoint key and K/V head conversion).
+std::vector<std::int32_t> reference_argmax(
+    const std::function<const cpu::ReferenceModel&()>& reference, const std::string& weights_key,
+    std::optional<std::int64_t> window, std::span<const std::int32_t> sequence);
+
+}  // namespace kvlab
