@@ -192,7 +192,8 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
 
 // A prompt set's requests: each text through the model's tokenizer, and its chat template
 // when the experiment asks for one (workload.prompts.chat).
-RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model) {
+RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model,
+                             std::unique_ptr<Tokenizer>& tokenizer_out) {
   const ModelSource source = resolve_model(c.model);
   if (source.is_preset())
     throw Error(
@@ -218,12 +219,15 @@ RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model
     const std::vector<ChatMessage> messages = {{"user", text}};
     return chat->render(messages, tokenizer);
   };
-  return prompt_set_workload(load_prompt_texts(c.prompt_set), encode, options);
+  RealWorkload workload = prompt_set_workload(load_prompt_texts(c.prompt_set), encode, options);
+  tokenizer_out = std::move(lookup.tokenizer);
+  return workload;
 }
 
 // The trace, the Azure trace, the prompt set, or the synthetic workload; greedy everywhere for
 // `check`.
-RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, bool check) {
+RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, bool check,
+                           std::unique_ptr<Tokenizer>& tokenizer) {
   RealWorkload w;
   if (!c.trace.empty()) {
     TraceOptions options;
@@ -244,7 +248,7 @@ RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, 
     options.sampling.top_k = c.workload.top_k;
     w = load_azure_trace(c.azure_trace, options);
   } else if (!c.prompt_set.empty()) {
-    w = prompt_requests(c, model);
+    w = prompt_requests(c, model, tokenizer);
   } else {
     SyntheticWorkload spec = c.workload;
     spec.vocab_size = model.vocab_size;
@@ -367,7 +371,8 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     inner = std::make_unique<cpu::CpuBackend>(*served.weights, pool, rules.window);
   }
   TimedBackend backend(plugin_backend ? *device_backend : *inner);
-  const RealWorkload workload = make_requests(c, model, check);
+  std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers
+  const RealWorkload workload = make_requests(c, model, check, tokenizer);
   const std::vector<WorkloadRequest>& requests = workload.requests;
   Engine engine(backend, *allocator, *scheduler, engine_options(c, rules, cost_model, pool));
 
@@ -375,11 +380,17 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   out.model_name = model.name;
   out.kv_slots = slots;
   out.workload_description = workload.description;
+  out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();
   out.engine = engine.run(requests);
   out.engine_wall_s = seconds_since(engine_start);
   out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
   for (const auto& r : requests) out.prompts.push_back(r.prompt);
+  for (std::size_t i = 0; tokenizer && i < out.engine.tokens.size(); ++i) {
+    std::span<const std::int32_t> answer = out.engine.tokens[i];
+    if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);
+    out.answer_texts.push_back(tokenizer->decode(answer));  // without the stop token
+  }
   out.forward_wall_s = backend.seconds();
   summarize_memory_and_predictions(out, cost_model && c.clock == "measured");
   if (check) check_against_reference(served, rules.window, requests, out, *mismatches);
@@ -448,6 +459,21 @@ void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
 nlohmann::json latency_json(const LatencySummary& l) {
   return nlohmann::json{{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
                         {"p90", l.p90},     {"p99", l.p99},   {"max", l.max}};
+}
+
+// A prompt set's run: each request's question and the model's answer, as text.
+void write_outputs_jsonl(std::ostream& f, const RunOutput& out) {
+  for (std::size_t i = 0; i < out.answer_texts.size(); ++i) {
+    const auto& r = out.engine.requests[i];
+    f << nlohmann::json{{"id", r.id},
+                        {"finish_reason", r.rejected ? "rejected" : r.finish_reason},
+                        {"output_tokens", out.engine.tokens[i].size()},
+                        {"prompt", out.prompt_texts[i]},
+                        {"answer", out.answer_texts[i]}}
+             // An answer cut at max_tokens may end inside a UTF-8 character: shown as U+FFFD.
+             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+      << "\n";
+  }
 }
 
 nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
@@ -522,6 +548,10 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
     for (const auto& event : out.engine.events) f << event_json(event) << "\n";
   }
   open("summary.json") << summary_json(c, out).dump(2) << "\n";
+  if (!out.answer_texts.empty()) {
+    auto f = open("outputs.jsonl");
+    write_outputs_jsonl(f, out);
+  }
 }
 
 }  // namespace kvlab

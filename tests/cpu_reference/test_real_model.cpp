@@ -6,9 +6,11 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <fstream>
 #include <nlohmann/json.hpp>
 
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/model/chat_template.hpp"
 #include "kvlab/model/tokenizer.hpp"
 #include "test_util.hpp"
@@ -133,6 +135,39 @@ TEST(RealModel, SmolLm2AnswersWhatTheCapitalOfFranceIs) {
   RecordProperty("answer", answer);
   EXPECT_NE(answer.find("Paris"), std::string::npos) << answer;
   EXPECT_EQ(result.finish_reason, FinishReason::eos) << answer;
+}
+
+// A prompt set served through the engine: real questions in, the model's answers out as text
+// (outputs.jsonl), each ending at EOS or the cap, every token checked against the reference.
+TEST(RealModel, PromptSetExperimentWritesTheAnswers) {
+  SKIP_WITHOUT_MODEL();
+  const auto file =
+      std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "real_model_chat.toml";
+  const auto runs = load_experiment(
+      file, {"workload.prompts.requests=3", "workload.prompts.max_tokens=40",
+             "experiment.clock=\"virtual\"",
+             "workload.prompts.file=\"../data/prompts/vicuna_bench_questions.jsonl\"",
+             std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]"});
+  ASSERT_EQ(runs.size(), 3u);  // static, fcfs, chunked
+  validate_experiment(runs, true);
+  std::vector<std::string> mismatches;
+  const RunOutput out = run_experiment(runs[1].config, true, &mismatches);
+  EXPECT_TRUE(mismatches.empty()) << mismatches.front();
+  ASSERT_EQ(out.answer_texts.size(), 3u);
+  EXPECT_EQ(out.prompt_texts[0], "How can I improve my time management skills?");
+  test::TempDir dir;
+  write_run_outputs(dir.path(), runs[1].config, out);
+  std::ifstream lines(dir / "outputs.jsonl");
+  int count = 0;
+  for (std::string line; std::getline(lines, line); ++count) {
+    const auto answer = nlohmann::json::parse(line);
+    const std::string reason = answer["finish_reason"];
+    EXPECT_TRUE(reason == "eos" || reason == "max_tokens") << reason;
+    EXPECT_FALSE(answer["answer"].get<std::string>().empty());
+    EXPECT_EQ(answer["answer"].get<std::string>().find("<|im_end|>"), std::string::npos);
+    RecordProperty(fmt::format("answer_{}", count), answer["answer"].get<std::string>());
+  }
+  EXPECT_EQ(count, 3);
 }
 
 }  // namespace

@@ -219,6 +219,7 @@ RealWorkload prompt_set_workload(
     r.sampling.ignore_eos = false;
     r.sampling.seed = o.seed * 1000003ULL + static_cast<std::uint64_t>(i);
     out.requests.push_back(std::move(r));
+    out.prompt_texts.push_back(texts[which]);
   }
   out.description = fmt::format(
       "{} prompts of a {}-prompt set, answers end at EOS or {} tokens "

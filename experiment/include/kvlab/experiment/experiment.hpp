@@ -88,6 +88,8 @@ struct RunOutput {
   std::optional<LatencySummary> step_prediction_error;
   std::string model_name;
   std::string workload_description;  // a real workload's: what was read, what was clipped
+  // A prompt set's texts and the answers decoded by the model's tokenizer (outputs.jsonl).
+  std::vector<std::string> prompt_texts, answer_texts;
 };
 
 // Runs one expanded config. `check`: compare every finished request's greedy tokens with the
