@@ -1,6 +1,7 @@
 // kvlab generate: a prompt (ids, raw text, or a chat message rendered with the model's chat
 // template) in; generated ids, text (streamed as it comes with --chat / --stream) and
-// log-probabilities out, computed by the full-recompute reference.
+// log-probabilities out, computed by the full-recompute reference or by the engine with a KV
+// cache (--compute).
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
@@ -12,6 +13,7 @@
 #include <optional>
 
 #include "cli_common.hpp"
+#include "kvlab/cpu_reference/batch_generator.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/model/chat_template.hpp"
@@ -33,6 +35,7 @@ struct GenerateOptions {
   std::int32_t logprobs = 0;
   bool json = false;
   bool stream = false;
+  std::string compute;  // "reference" | "engine"; empty: engine with --chat, else reference
   int threads = 0;
 };
 
@@ -103,15 +106,42 @@ void print_table(const cpu::GenerationResult& result, const std::vector<std::int
   }
 }
 
+using TokenCallback = std::function<void(std::int32_t)>;
+
 // Prints text to the terminal as tokens arrive; the stop token itself is not shown.
-std::function<void(const cpu::GeneratedToken&)> streamer(StreamingDecoder& decoder,
-                                                         const ModelConfig& config,
-                                                         const SamplingParams& sampling) {
-  return [&decoder, &config, &sampling](const cpu::GeneratedToken& token) {
-    if (!sampling.ignore_eos && config.is_eos(token.token)) return;
-    fmt::print("{}", decoder.push(token.token));
+TokenCallback streamer(StreamingDecoder& decoder, const ModelConfig& config,
+                       const SamplingParams& sampling) {
+  return [&decoder, &config, &sampling](std::int32_t token) {
+    if (!sampling.ignore_eos && config.is_eos(token)) return;
+    fmt::print("{}", decoder.push(token));
     std::fflush(stdout);
   };
+}
+
+// The same generation through the engine: a paged KV cache and the batched CPU backend (the
+// tokens kvlab check holds equal to the reference's), with logprobs from the recorded logits.
+cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
+                                           const std::vector<std::int32_t>& prompt,
+                                           const SamplingParams& sampling, std::int32_t logprobs,
+                                           const TokenCallback& on_token) {
+  const PluginRegistry registry(PluginRegistry::default_search_path());
+  cpu::BatchSetup setup;  // paged blocks of 16, the checkpoint's own K/V heads
+  const auto needed = static_cast<std::int64_t>(prompt.size()) + sampling.max_tokens;
+  setup.pool_slots = std::min(needed, weights.config.max_position_embeddings) / 16 * 16 + 16;
+  cpu::BatchGenerator generator(weights, registry, setup);
+  cpu::BatchOptions options;
+  options.record_logits = true;
+  if (on_token) options.on_token = [&](std::size_t, std::int32_t token) { on_token(token); };
+  const cpu::BatchResult batch = generator.run({{prompt, sampling, 0}}, options).front();
+  cpu::GenerationResult result;
+  result.finish_reason = batch.finish_reason;
+  for (std::size_t i = 0; i < batch.tokens.size(); ++i) {
+    const std::span<const float> row = batch.logits[i];
+    cpu::GeneratedToken token{batch.tokens[i], token_logprob(row, batch.tokens[i]), {}};
+    if (logprobs > 0) token.top = top_logprobs(row, logprobs);
+    result.tokens.push_back(std::move(token));
+  }
+  return result;
 }
 
 void run_generate(const GenerateOptions& o) {
@@ -138,14 +168,19 @@ void run_generate(const GenerateOptions& o) {
   auto& eos = weights.config.eos_token_ids;  // a chat answer also ends at its end-of-turn token
   if (prompt.end_of_turn && std::find(eos.begin(), eos.end(), *prompt.end_of_turn) == eos.end())
     eos.push_back(*prompt.end_of_turn);
-  const cpu::ReferenceModel model(std::move(weights));
+  const bool engine = o.compute == "engine" || (o.compute.empty() && !o.chat.empty());
+  const ModelConfig config = weights.config;
   const bool streaming = tokenizer && !o.json && (o.stream || !o.chat.empty());
   std::optional<StreamingDecoder> decoder;
   if (streaming) decoder.emplace(*tokenizer);
+  const TokenCallback on_token = streaming ? streamer(*decoder, config, o.sampling) : nullptr;
   const auto start = std::chrono::steady_clock::now();
   const cpu::GenerationResult result =
-      cpu::generate(model, prompt.ids, o.sampling, o.logprobs,
-                    streaming ? streamer(*decoder, model.config(), o.sampling) : nullptr);
+      engine ? generate_with_engine(weights, prompt.ids, o.sampling, o.logprobs, on_token)
+             : cpu::generate(cpu::ReferenceModel(std::move(weights)), prompt.ids, o.sampling,
+                             o.logprobs, [&](const cpu::GeneratedToken& t) {
+                               if (on_token) on_token(t.token);
+                             });
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double load_seconds = std::chrono::duration<double>(start - load_start).count();
@@ -158,11 +193,13 @@ void run_generate(const GenerateOptions& o) {
     print_table(result, prompt.ids, tokenizer, o.logprobs);
   std::fflush(stdout);
   fmt::print(stderr,
-             "{}: {} prompt tokens, {} generated, finish={}, {:.2f} s ({:.1f} tok/s, full "
-             "recompute, {} threads; load {:.2f} s)\n",
+             "{}: {} prompt tokens, {} generated, finish={}, {:.2f} s ({:.1f} tok/s, {}, {} "
+             "threads; load {:.2f} s)\n",
              source.config.name, prompt.ids.size(), result.tokens.size(),
              cpu::finish_reason_name(result.finish_reason), seconds,
-             static_cast<double>(result.tokens.size()) / seconds, cpu::num_threads(), load_seconds);
+             static_cast<double>(result.tokens.size()) / seconds,
+             engine ? "engine with a paged KV cache" : "full recompute", cpu::num_threads(),
+             load_seconds);
 }
 
 }  // namespace
@@ -210,6 +247,11 @@ void register_generate(CLI::App& app) {
   sub->add_flag("--json", options->json, "One JSON object per generated position");
   sub->add_flag("--stream", options->stream,
                 "Print the text as it is generated (the default with --chat)");
+  sub->add_option("--compute", options->compute,
+                  "reference: the full-recompute reference (the truth, O(S^2)); engine: the "
+                  "engine with a paged KV cache (same tokens, much faster). Default: engine "
+                  "with --chat, else reference")
+      ->check(CLI::IsMember({"reference", "engine"}));
   sub->add_option("--threads", options->threads, "CPU threads (0 = all cores)")
       ->capture_default_str();
   sub->callback([options, model, preset, ids, text, chat, system]() {

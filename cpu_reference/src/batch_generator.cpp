@@ -99,6 +99,10 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
     engine_options.on_logits = [&](RequestId id, std::span<const float> row) {
       results[static_cast<std::size_t>(id)].logits.emplace_back(row.begin(), row.end());
     };
+  if (options.on_token)
+    engine_options.on_token = [&](RequestId id, std::int32_t token) {
+      options.on_token(static_cast<std::size_t>(id), token);
+    };
   EveryoneRuns scheduler(options.prefill_chunk);
   Engine engine(backend_, *allocator_, scheduler, engine_options);
   const EngineResult run = engine.run(workload);

@@ -103,6 +103,28 @@ TEST(Cli, ModelInitThenGenerateEqualsThePreset) {
   EXPECT_NE(from_folder.stdout_only.find("generated: ["), std::string::npos);
 }
 
+// --compute engine serves the same prompt through the engine (paged KV cache, batched CPU
+// backend): the same greedy tokens as the full-recompute reference, logprobs within 1e-4.
+TEST(Cli, EngineComputeGivesTheReferencesTokens) {
+  const std::string base = "generate --preset stories15m --prompt-ids 1,450,4996,1,2,3 "
+                           "--max-tokens 24 --ignore-eos --logprobs 3 --json --compute ";
+  const RunResult reference = run(base + "reference");
+  const RunResult engine = run(base + "engine");
+  ASSERT_EQ(reference.exit_code, 0) << reference.output;
+  ASSERT_EQ(engine.exit_code, 0) << engine.output;
+  EXPECT_NE(engine.output.find("engine with a paged KV cache"), std::string::npos) << engine.output;
+  std::istringstream a(reference.stdout_only), b(engine.stdout_only);
+  int count = 0;
+  for (std::string x, y; std::getline(a, x) && std::getline(b, y); ++count) {
+    const auto want = nlohmann::json::parse(x), got = nlohmann::json::parse(y);
+    EXPECT_EQ(got["token"], want["token"]) << count;
+    EXPECT_NEAR(got["logprob"].get<double>(), want["logprob"].get<double>(), 1e-4) << count;
+    EXPECT_EQ(got["top_logprobs"].size(), 3u);
+  }
+  EXPECT_EQ(count, 24);
+  expect_failure("generate --preset tiny --prompt-ids 1 --compute fast", "--compute");
+}
+
 TEST(Cli, JsonOutputHasOneObjectPerPosition) {
   const RunResult r = run(
       "generate --preset tiny --prompt-ids 1,2,3 --max-tokens 5 --ignore-eos --logprobs 4 --json");

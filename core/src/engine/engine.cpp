@@ -199,12 +199,13 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
     if (!work.samples) continue;
     if (!chosen.empty()) {
       sampled[e] = chosen[e];
-      continue;
+    } else {
+      const auto row = logits.subspan(e * vocab, vocab);
+      throw_if_non_finite(row, work.id, step_);
+      if (options_.on_logits) options_.on_logits(work.id, row);
+      sampled[e] = table_->sampler(work.id).sample(row);
     }
-    const auto row = logits.subspan(e * vocab, vocab);
-    throw_if_non_finite(row, work.id, step_);
-    if (options_.on_logits) options_.on_logits(work.id, row);
-    sampled[e] = table_->sampler(work.id).sample(row);
+    if (options_.on_token) options_.on_token(work.id, sampled[e]);
   }
   return sampled;
 }

@@ -44,6 +44,8 @@ struct EngineOptions {
   // Called with each sampled row of logits (request, vocab), before the token is drawn: for
   // tests and tools that keep logits (cpu::BatchGenerator). Never with a backend that samples.
   std::function<void(RequestId, std::span<const float>)> on_logits;
+  // Called with each token as soon as it is chosen (streaming), before the stop rules apply.
+  std::function<void(RequestId, std::int32_t)> on_token;
 };
 
 struct StepRecord {

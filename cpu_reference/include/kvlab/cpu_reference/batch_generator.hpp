@@ -4,6 +4,7 @@
 // joins at its arrival step, so prefills mix with other sequences' decodes. For tests and
 // benchmarks: it is the engine (request table, apply_plan) with a scheduler that runs everyone.
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <optional>
 #include <string>
@@ -26,6 +27,8 @@ struct BatchOptions {
   std::int64_t prefill_chunk =
       0;                       // prompt tokens per sequence per step (0 = the whole prompt at once)
   bool record_logits = false;  // keep the logits that produced every generated token
+  // Each token as soon as it is chosen: (request index, token), for streaming.
+  std::function<void(std::size_t, std::int32_t)> on_token;
 };
 
 struct BatchResult {
