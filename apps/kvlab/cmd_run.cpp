@@ -119,6 +119,20 @@ std::string run_directory_name(const ExperimentRun& run, std::size_t index) {
   return name;
 }
 
+// What the table's times are: the clock, and on the virtual clock what times each step.
+std::string clock_description(const std::vector<ExperimentRun>& runs) {
+  const ExperimentConfig& c = runs.front().config;
+  for (const auto& run : runs)
+    if (run.config.clock != c.clock || run.config.profile != c.profile)
+      return "times: each run's own clock (see its summary.json)";
+  const std::string model =
+      c.profile.empty() ? "[time_model]" : fmt::format("the cost model of profile {}", c.profile);
+  if (c.clock == "measured") return "measured clock: each step lasts what Backend::forward took";
+  if (c.clock == "wall") return "wall clock: arrivals and steps in real time";
+  if (c.clock == "offline") return fmt::format("offline (all at t = 0), steps timed by {}", model);
+  return fmt::format("virtual clock, steps timed by {}", model);
+}
+
 std::string table_row(const std::string& label, const RunSummary& s, const RunOutput& out) {
   return fmt::format(
       "| {} | {}/{} | {:.2f} | {:.1f} | {:.3f} | {:.3f} | {:.4f} | {:.4f} | {:.4f} | {} | {:.1f}% "
@@ -221,8 +235,8 @@ int run_all(const RunOptions& o, bool check) {
       "preempt | KV used | KV waste |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
   std::string table = header;
   for (const auto& row : rows) table += row + "\n";
-  fmt::print("{} ({} run{}, virtual-clock times)\n\n{}", name, runs.size(),
-             runs.size() > 1 ? "s" : "", table);
+  fmt::print("{} ({} run{}; {})\n\n{}", name, runs.size(), runs.size() > 1 ? "s" : "",
+             clock_description(runs), table);
   fmt::print(stderr,
              "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward)\n",
              wall, engine_wall,
