@@ -406,6 +406,85 @@ std::string value_text(const toml::node& node) {
 
 }  // namespace
 
+namespace {
+
+// One [[sweep]] axis; values point into the parsed file's table.
+struct SweepAxis {
+  std::string key;
+  std::vector<const toml::node*> values;
+  std::string group;  // axes of one group advance together; groups are crossed
+};
+
+std::vector<SweepAxis> sweep_axes(const toml::table& root, const std::string& file) {
+  std::vector<SweepAxis> axes;
+  const toml::node* sweep = root.get("sweep");
+  if (sweep == nullptr) return axes;
+  if (!sweep->is_array_of_tables())
+    throw Error(fmt::format("{}: [[sweep]] must be an array of tables", where(*sweep, file)));
+  for (const auto& entry : *sweep->as_array()) {
+    Section s(entry.as_table(), "sweep", file);
+    SweepAxis axis;
+    axis.key = s.get<std::string>("key").value_or("");
+    if (axis.key.empty()) s.fail(entry, "[[sweep]] needs key = \"section.field\"");
+    const toml::node* values = s.node("values");
+    if (values == nullptr || !values->is_array() || values->as_array()->empty())
+      s.fail(entry, "[[sweep]] needs a non-empty values = [...]");
+    for (const auto& v : *values->as_array()) axis.values.push_back(&v);
+    axis.group = s.get<std::string>("zip").value_or("axis:" + axis.key);
+    s.finish();
+    axes.push_back(std::move(axis));
+  }
+  return axes;
+}
+
+// The groups in order of appearance with their sizes, and the number of points they make.
+struct SweepShape {
+  std::vector<std::string> groups;
+  std::map<std::string, std::size_t> size;
+  std::size_t points = 1;
+};
+
+SweepShape sweep_shape(const std::vector<SweepAxis>& axes, const std::string& file) {
+  SweepShape shape;
+  for (const auto& a : axes) {
+    auto [it, inserted] = shape.size.try_emplace(a.group, a.values.size());
+    if (inserted)
+      shape.groups.push_back(a.group);
+    else if (it->second != a.values.size())
+      throw Error(fmt::format(
+          "{}: zipped sweep axes in group \"{}\" need the same number of values", file, a.group));
+  }
+  for (const auto& g : shape.groups) {
+    const auto product = checked_mul<std::size_t>(shape.points, shape.size[g]);
+    if (!product || *product > kMaxSweepPoints)
+      throw Error(
+          fmt::format("{}: the [[sweep]] axes make more than {} points (kvlab's limit per "
+                      "experiment file): split the sweep into several files",
+                      file, kMaxSweepPoints));
+    shape.points = *product;
+  }
+  return shape;
+}
+
+// Sets sweep point `point`'s values into `table`; returns its label ("key=value, ...").
+std::string apply_sweep_point(toml::table& table, const std::vector<SweepAxis>& axes,
+                              const SweepShape& shape, std::size_t point) {
+  std::map<std::string, std::size_t> index;
+  for (auto g = shape.groups.rbegin(); g != shape.groups.rend(); ++g) {
+    index[*g] = point % shape.size.at(*g);
+    point /= shape.size.at(*g);
+  }
+  std::string label;
+  for (const auto& a : axes) {
+    const toml::node* value = a.values[index[a.group]];
+    set_dotted(table, a.key, *value, fmt::format("[[sweep]] {}", a.key));
+    label += (label.empty() ? "" : ", ") + a.key + "=" + value_text(*value);
+  }
+  return label;
+}
+
+}  // namespace
+
 std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
                                            const std::vector<std::string>& overrides) {
   if (std::filesystem::is_directory(file))
@@ -428,70 +507,14 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
     return table;
   };
   const toml::table root = parse();
-
-  // Sweep axes: cartesian across groups, zipped within a group.
-  struct Axis {
-    std::string key;
-    std::vector<const toml::node*> values;
-    std::string group;
-  };
-  std::vector<Axis> axes;
-  if (const toml::node* sweep = root.get("sweep")) {
-    if (!sweep->is_array_of_tables())
-      throw Error(
-          fmt::format("{}: [[sweep]] must be an array of tables", where(*sweep, file.string())));
-    for (const auto& entry : *sweep->as_array()) {
-      Section s(entry.as_table(), "sweep", file.string());
-      Axis axis;
-      axis.key = s.get<std::string>("key").value_or("");
-      if (axis.key.empty()) s.fail(entry, "[[sweep]] needs key = \"section.field\"");
-      const toml::node* values = s.node("values");
-      if (values == nullptr || !values->is_array() || values->as_array()->empty())
-        s.fail(entry, "[[sweep]] needs a non-empty values = [...]");
-      for (const auto& v : *values->as_array()) axis.values.push_back(&v);
-      axis.group = s.get<std::string>("zip").value_or("axis:" + axis.key);
-      s.finish();
-      axes.push_back(std::move(axis));
-    }
-  }
-  std::vector<std::string> groups;
-  std::map<std::string, std::size_t> group_size;
-  for (const auto& a : axes) {
-    auto [it, inserted] = group_size.try_emplace(a.group, a.values.size());
-    if (inserted)
-      groups.push_back(a.group);
-    else if (it->second != a.values.size())
-      throw Error(
-          fmt::format("{}: zipped sweep axes in group \"{}\" need the same number of values",
-                      file.string(), a.group));
-  }
-  std::size_t points = 1;
-  for (const auto& g : groups) {
-    const auto product = checked_mul<std::size_t>(points, group_size[g]);
-    if (!product || *product > kMaxSweepPoints)
-      throw Error(
-          fmt::format("{}: the [[sweep]] axes make more than {} points (kvlab's limit per "
-                      "experiment file): split the sweep into several files",
-                      file.string(), kMaxSweepPoints));
-    points = *product;
-  }
+  const std::vector<SweepAxis> axes = sweep_axes(root, file.string());
+  const SweepShape shape = sweep_shape(axes, file.string());
 
   std::vector<ExperimentRun> runs;
-  for (std::size_t point = 0; point < points; ++point) {
+  for (std::size_t point = 0; point < shape.points; ++point) {
     toml::table table = parse();
     table.erase("sweep");
-    std::string label;
-    std::size_t rest = point;
-    std::map<std::string, std::size_t> index;
-    for (auto g = groups.rbegin(); g != groups.rend(); ++g) {
-      index[*g] = rest % group_size[*g];
-      rest /= group_size[*g];
-    }
-    for (const auto& a : axes) {
-      const toml::node* value = a.values[index[a.group]];
-      set_dotted(table, a.key, *value, fmt::format("[[sweep]] {}", a.key));
-      label += (label.empty() ? "" : ", ") + a.key + "=" + value_text(*value);
-    }
+    const std::string label = apply_sweep_point(table, axes, shape, point);
     ExperimentConfig config = parse_config(table, file.string());
     config.label = label;
     std::ostringstream resolved;

@@ -106,8 +106,9 @@ TEST(Cli, ModelInitThenGenerateEqualsThePreset) {
 // --compute engine serves the same prompt through the engine (paged KV cache, batched CPU
 // backend): the same greedy tokens as the full-recompute reference, logprobs within 1e-4.
 TEST(Cli, EngineComputeGivesTheReferencesTokens) {
-  const std::string base = "generate --preset stories15m --prompt-ids 1,450,4996,1,2,3 "
-                           "--max-tokens 24 --ignore-eos --logprobs 3 --json --compute ";
+  const std::string base =
+      "generate --preset stories15m --prompt-ids 1,450,4996,1,2,3 "
+      "--max-tokens 24 --ignore-eos --logprobs 3 --json --compute ";
   const RunResult reference = run(base + "reference");
   const RunResult engine = run(base + "engine");
   ASSERT_EQ(reference.exit_code, 0) << reference.output;

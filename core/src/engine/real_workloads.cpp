@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 
+#include "csv_fields.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab {
@@ -22,39 +23,22 @@ struct AzureRow {
   std::int64_t output = 0;
 };
 
-template <typename T>
-T parse_field(std::string_view text, const char* what) {
-  T value{};
-  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), value);
-  if (text.empty() || ec != std::errc() || end != text.data() + text.size())
-    throw Error(fmt::format("{} \"{}\" is not a number", what, text));
-  return value;
-}
-
 // "2023-11-16 18:15:46.6805900" -> seconds since 1970-01-01 (UTC; the trace has no zone).
 double parse_timestamp(std::string_view text) {
   if (text.size() < 19 || text[4] != '-' || text[7] != '-' || text[10] != ' ' || text[13] != ':' ||
       text[16] != ':')
     throw Error(fmt::format("TIMESTAMP \"{}\" is not YYYY-MM-DD HH:MM:SS[.fraction]", text));
   using namespace std::chrono;
-  const year_month_day date{year(parse_field<int>(text.substr(0, 4), "year")),
-                            month(parse_field<unsigned>(text.substr(5, 2), "month")),
-                            day(parse_field<unsigned>(text.substr(8, 2), "day"))};
-  const int hours = parse_field<int>(text.substr(11, 2), "hour");
-  const int minutes = parse_field<int>(text.substr(14, 2), "minute");
-  const double seconds = parse_field<double>(text.substr(17), "second");
+  const year_month_day date{year(parse_number<int>(text.substr(0, 4), "year")),
+                            month(parse_number<unsigned>(text.substr(5, 2), "month")),
+                            day(parse_number<unsigned>(text.substr(8, 2), "day"))};
+  const int hours = parse_number<int>(text.substr(11, 2), "hour");
+  const int minutes = parse_number<int>(text.substr(14, 2), "minute");
+  const double seconds = parse_number<double>(text.substr(17), "second");
   if (!date.ok() || hours > 23 || minutes > 59 || !(seconds >= 0 && seconds < 61))
     throw Error(fmt::format("TIMESTAMP \"{}\" is not a valid date and time", text));
   const auto days = sys_days(date).time_since_epoch().count();
   return static_cast<double>(days) * 86400.0 + hours * 3600.0 + minutes * 60.0 + seconds;
-}
-
-std::vector<std::string> split_csv(const std::string& line) {
-  std::vector<std::string> cells;
-  std::stringstream stream(line);
-  for (std::string cell; std::getline(stream, cell, ',');) cells.push_back(cell);
-  if (!line.empty() && line.back() == ',') cells.emplace_back();
-  return cells;
 }
 
 std::vector<AzureRow> read_azure_rows(const std::filesystem::path& path) {
@@ -66,7 +50,7 @@ std::vector<AzureRow> read_azure_rows(const std::filesystem::path& path) {
     ++line_number;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.empty()) continue;
-    const auto cells = split_csv(line);
+    const auto cells = csv_cells(line);
     try {
       if (line_number == 1) {
         if (cells != std::vector<std::string>{"TIMESTAMP", "ContextTokens", "GeneratedTokens"})
@@ -74,8 +58,8 @@ std::vector<AzureRow> read_azure_rows(const std::filesystem::path& path) {
         continue;
       }
       if (cells.size() != 3) throw Error(fmt::format("{} cells, expected 3", cells.size()));
-      AzureRow row{parse_timestamp(cells[0]), parse_field<std::int64_t>(cells[1], "ContextTokens"),
-                   parse_field<std::int64_t>(cells[2], "GeneratedTokens")};
+      AzureRow row{parse_timestamp(cells[0]), parse_number<std::int64_t>(cells[1], "ContextTokens"),
+                   parse_number<std::int64_t>(cells[2], "GeneratedTokens")};
       if (row.prompt < 1 || row.prompt > kMaxRequestTokens || row.output < 1 ||
           row.output > kMaxRequestTokens)
         throw Error(fmt::format("token counts must be in [1, {}], got {} and {}", kMaxRequestTokens,

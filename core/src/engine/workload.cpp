@@ -13,6 +13,7 @@
 #include <random>
 #include <sstream>
 
+#include "csv_fields.hpp"
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/memory_limit.hpp"
@@ -286,19 +287,6 @@ std::string unknown_field(const std::string& name) {
   return message + "; fields: " + join_names(trace_fields());
 }
 
-template <typename T>
-T parse_number(const std::string& text, const char* field) {
-  T value{};
-  const char* begin = text.data();
-  const char* end = text.data() + text.size();
-  while (begin < end && *begin == ' ') ++begin;
-  while (end > begin && end[-1] == ' ') --end;
-  const auto [ptr, ec] = std::from_chars(begin, end, value);
-  if (begin == end || ec != std::errc() || ptr != end)
-    throw Error(fmt::format("{} \"{}\" is not a valid number", field, text));
-  return value;
-}
-
 WorkloadRequest finish_row(const TraceRow& row, std::int64_t index, const TraceOptions& options,
                            Draw& draw) {
   if (!row.arrival_s) throw Error("missing arrival_s");
@@ -353,6 +341,92 @@ std::vector<double> arrival_times(const ArrivalProcess& arrival, std::int64_t re
   return times;
 }
 
+namespace {
+
+// One JSONL trace line: an object of trace fields.
+TraceRow jsonl_row(const std::string& line) {
+  nlohmann::json object;
+  try {
+    object = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
+    throw Error(fmt::format("not valid JSON: {}", e.what()));
+  }
+  if (!object.is_object()) throw Error("each line must be a JSON object");
+  TraceRow row;
+  auto integer = [](const std::string& key, const nlohmann::json& value) {
+    if (!value.is_number_integer())
+      throw Error(fmt::format("{} must be an integer, got {}", key, value.dump()));
+    return value.get<std::int64_t>();
+  };
+  for (const auto& item : object.items()) {
+    const std::string& key = item.key();
+    const nlohmann::json& value = item.value();
+    if (key == "arrival_s") {
+      if (!value.is_number())
+        throw Error(fmt::format("arrival_s must be a number, got {}", value.dump()));
+      row.arrival_s = value.get<double>();
+    } else if (key == "prompt_len" || key == "output_len" || key == "priority") {
+      (key == "prompt_len"   ? row.prompt_len
+       : key == "output_len" ? row.output_len
+                             : row.priority) = integer(key, value);
+    } else if (key == "prompt_ids") {
+      if (!value.is_array() || !std::all_of(value.begin(), value.end(),
+                                            [](const auto& v) { return v.is_number_integer(); }))
+        throw Error("prompt_ids must be a list of integers");
+      row.prompt_ids.emplace();
+      for (const auto& id : value) {
+        const auto fitted = id.is_number_unsigned()
+                                ? narrow_integer<std::int32_t>(id.get<std::uint64_t>())
+                                : narrow_integer<std::int32_t>(id.get<std::int64_t>());
+        if (!fitted) throw Error(fmt::format("prompt id {} does not fit in 32 bits", id.dump()));
+        row.prompt_ids->push_back(*fitted);
+      }
+    } else {
+      throw Error(unknown_field(key));
+    }
+  }
+  return row;
+}
+
+// A CSV trace's header: the column names, each a trace field.
+std::vector<std::string> csv_header(std::vector<std::string> cells) {
+  for (auto& name : cells) {
+    name.erase(0, name.find_first_not_of(' '));
+    name.erase(name.find_last_not_of(' ') + 1);
+    if (std::find(trace_fields().begin(), trace_fields().end(), name) == trace_fields().end())
+      throw Error(unknown_field(name));
+  }
+  return cells;
+}
+
+TraceRow csv_row(const std::vector<std::string>& cells, const std::vector<std::string>& header) {
+  if (cells.size() != header.size())
+    throw Error(
+        fmt::format("{} cells, but the header has {} columns", cells.size(), header.size()));
+  TraceRow row;
+  for (std::size_t c = 0; c < cells.size(); ++c) {
+    const std::string& name = header[c];
+    if (name == "arrival_s") {
+      row.arrival_s = parse_number<double>(cells[c], "arrival_s");
+    } else if (name == "prompt_len") {
+      row.prompt_len = parse_number<std::int64_t>(cells[c], "prompt_len");
+    } else if (name == "output_len") {
+      row.output_len = parse_number<std::int64_t>(cells[c], "output_len");
+    } else if (name == "priority") {
+      row.priority = parse_number<std::int64_t>(cells[c], "priority");
+    } else if (name == "prompt_ids") {  // space-separated ids inside the cell
+      std::vector<std::int32_t> ids;
+      std::stringstream id_stream(cells[c]);
+      for (std::string id; id_stream >> id;)
+        ids.push_back(parse_number<std::int32_t>(id, "prompt id"));
+      row.prompt_ids = ids;
+    }
+  }
+  return row;
+}
+
+}  // namespace
+
 std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
                                         const TraceOptions& options) {
   std::ifstream in(path);
@@ -365,107 +439,24 @@ std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
   Draw draw(options.seed);
   std::vector<WorkloadRequest> requests;
   PromptBudget budget;
-  std::string line;
+  std::vector<std::string> header;  // CSV: the first non-empty line names the columns
   std::int64_t line_number = 0;
-  std::vector<std::string> header;
-  auto where = [&] { return fmt::format("{}:{}", path.string(), line_number); };
-  while (std::getline(in, line)) {
+  for (std::string line; std::getline(in, line);) {
     ++line_number;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.find_first_not_of(" \t") == std::string::npos) continue;
-    TraceRow row;
     try {
-      if (extension == ".jsonl") {
-        nlohmann::json object;
-        try {
-          object = nlohmann::json::parse(line);
-        } catch (const nlohmann::json::exception& e) {  // parse_error, or out_of_range for 1e999
-          throw Error(fmt::format("not valid JSON: {}", e.what()));
-        }
-        if (!object.is_object()) throw Error("each line must be a JSON object");
-        for (const auto& item : object.items()) {
-          const std::string& key = item.key();  // plain references: the lambda captures them
-          const nlohmann::json& value = item.value();
-          auto number = [&](const char* field) {
-            if (!value.is_number())
-              throw Error(fmt::format("{} must be a number, got {}", field, value.dump()));
-          };
-          if (key == "arrival_s")
-            number("arrival_s"), row.arrival_s = value.get<double>();
-          else if (key == "prompt_len") {
-            if (!value.is_number_integer())
-              throw Error(fmt::format("prompt_len must be an integer, got {}", value.dump()));
-            row.prompt_len = value.get<std::int64_t>();
-          } else if (key == "output_len") {
-            if (!value.is_number_integer())
-              throw Error(fmt::format("output_len must be an integer, got {}", value.dump()));
-            row.output_len = value.get<std::int64_t>();
-          } else if (key == "priority") {
-            if (!value.is_number_integer())
-              throw Error(fmt::format("priority must be an integer, got {}", value.dump()));
-            row.priority = value.get<std::int64_t>();
-          } else if (key == "prompt_ids") {
-            if (!value.is_array() || !std::all_of(value.begin(), value.end(), [](const auto& v) {
-                  return v.is_number_integer();
-                }))
-              throw Error("prompt_ids must be a list of integers");
-            row.prompt_ids.emplace();
-            for (const auto& id : value) {
-              const auto fitted = id.is_number_unsigned()
-                                      ? narrow_integer<std::int32_t>(id.get<std::uint64_t>())
-                                      : narrow_integer<std::int32_t>(id.get<std::int64_t>());
-              if (!fitted)
-                throw Error(fmt::format("prompt id {} does not fit in 32 bits", id.dump()));
-              row.prompt_ids->push_back(*fitted);
-            }
-          } else {
-            throw Error(unknown_field(key));
-          }
-        }
-      } else {
-        std::vector<std::string> cells;
-        std::stringstream stream(line);
-        std::string cell;
-        while (std::getline(stream, cell, ',')) cells.push_back(cell);
-        if (!line.empty() && line.back() == ',') cells.emplace_back();
-        if (header.empty()) {  // the first non-empty line names the columns
-          for (auto& name : cells) {
-            name.erase(0, name.find_first_not_of(' '));
-            name.erase(name.find_last_not_of(' ') + 1);
-            if (std::find(trace_fields().begin(), trace_fields().end(), name) ==
-                trace_fields().end())
-              throw Error(unknown_field(name));
-          }
-          header = cells;
-          continue;
-        }
-        if (cells.size() != header.size())
-          throw Error(
-              fmt::format("{} cells, but the header has {} columns", cells.size(), header.size()));
-        for (std::size_t c = 0; c < cells.size(); ++c) {
-          const std::string& name = header[c];
-          if (name == "arrival_s")
-            row.arrival_s = parse_number<double>(cells[c], "arrival_s");
-          else if (name == "prompt_len")
-            row.prompt_len = parse_number<std::int64_t>(cells[c], "prompt_len");
-          else if (name == "output_len")
-            row.output_len = parse_number<std::int64_t>(cells[c], "output_len");
-          else if (name == "priority")
-            row.priority = parse_number<std::int64_t>(cells[c], "priority");
-          else if (name == "prompt_ids") {  // space-separated ids inside the cell
-            std::vector<std::int32_t> ids;
-            std::stringstream id_stream(cells[c]);
-            std::string id;
-            while (id_stream >> id) ids.push_back(parse_number<std::int32_t>(id, "prompt id"));
-            row.prompt_ids = ids;
-          }
-        }
+      if (extension == ".csv" && header.empty()) {
+        header = csv_header(csv_cells(line));
+        continue;
       }
+      const TraceRow row =
+          extension == ".jsonl" ? jsonl_row(line) : csv_row(csv_cells(line), header);
       if (row.prompt_len) budget.add(*row.prompt_len, "the trace's prompts");
       requests.push_back(
           finish_row(row, static_cast<std::int64_t>(requests.size()), options, draw));
     } catch (const Error& e) {
-      throw Error(fmt::format("{}: {}", where(), e.what()));
+      throw Error(fmt::format("{}:{}: {}", path.string(), line_number, e.what()));
     }
   }
   if (requests.empty()) throw Error(fmt::format("trace {} holds no requests", path.string()));

@@ -30,8 +30,8 @@ struct AzureTraceOptions {
 struct RealWorkload {
   std::vector<WorkloadRequest> requests;
   std::vector<std::string> prompt_texts;  // a prompt set's text of each request (else empty)
-  std::int64_t clipped = 0;  // requests whose lengths were cut to the context
-  std::string description;   // "azure conv: 812 requests, 600.0 s window, ..." for the run log
+  std::int64_t clipped = 0;               // requests whose lengths were cut to the context
+  std::string description;  // "azure conv: 812 requests, 600.0 s window, ..." for the run log
 };
 
 // Throws kvlab::Error "file:line: why" for a malformed row (bad timestamp, a negative or
