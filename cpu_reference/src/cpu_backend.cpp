@@ -54,9 +54,17 @@ LlamaWeights convert_kv_heads(const LlamaWeights& weights, std::int64_t kv_heads
 }
 
 CpuBackend::CpuBackend(const LlamaWeights& weights, KvPool& pool,
-                       std::optional<std::int64_t> window)
-    : weights_(weights), pool_(pool), window_(window), rope_(weights.config) {
+                       std::optional<std::int64_t> window, ComputeWeights compute)
+    : weights_(weights),
+      compute_(std::move(compute)),
+      pool_(pool),
+      window_(window),
+      rope_(weights.config) {
   const ModelConfig& c = weights.config;
+  if (compute_.layers.size() != weights.layers.size() ||
+      compute_.output_projection.rows() != c.vocab_size)
+    throw Error(fmt::format("internal: compute weights ({} layers) are not {}'s",
+                            compute_.layers.size(), c.name));
   if (pool.shape().kv_heads != c.num_key_value_heads || pool.shape().head_dim != c.head_dim ||
       pool.shape().layers != c.num_hidden_layers)
     throw Error(fmt::format(
@@ -95,8 +103,9 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
             &gate_up = gate_up_, &hidden = hidden_;
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
+    const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
-    multiply_by_transposed(normed, layer.w_qkv, qkv, false);  // (N, q_dim + 2 kv_dim)
+    multiply_by_transposed(normed, matrices.w_qkv, qkv, false);  // (N, q_dim + 2 kv_dim)
     q = qkv.leftCols(q_dim);                                  // (N, q_dim)
     k = qkv.middleCols(q_dim, kv_dim);                        // (N, kv_dim)
     rope_.apply(q, positions, c.num_attention_heads);
@@ -113,10 +122,10 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
                     static_cast<std::size_t>(kv_dim) * sizeof(float));
       }
     attend(l, batch, first_rows, q, attention);
-    multiply_by_transposed(attention, layer.wo, x, true);
+    multiply_by_transposed(attention, matrices.wo, x, true);
 
     rms_norm(x, layer.mlp_norm, eps, normed);
-    multiply_by_transposed(normed, layer.w_gate_up, gate_up, false);  // (N, 2 ffn)
+    multiply_by_transposed(normed, matrices.w_gate_up, gate_up, false);  // (N, 2 ffn)
     hidden.resize(rows, c.intermediate_size);
 #pragma omp parallel for if (rows > 16)
     for (std::int64_t t = 0; t < rows; ++t) {  // silu(gate) * up
@@ -124,14 +133,14 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
       hidden.row(t).array() =
           gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
     }
-    multiply_by_transposed(hidden, layer.w_down, x, true);
+    multiply_by_transposed(hidden, matrices.w_down, x, true);
   }
   RowMatrix& last = last_;  // (entries, dim)
   last.resize(static_cast<std::int64_t>(batch.size()), c.hidden_size);
   for (std::size_t e = 0; e < batch.size(); ++e)
     last.row(static_cast<std::int64_t>(e)) = x.row(first_rows[e + 1] - 1);
   rms_norm(last, weights_.final_norm, eps, normed);
-  multiply_by_transposed(normed, weights_.output_projection(), logits_, false);  // (entries, vocab)
+  multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (entries, vocab)
   return logits_;
 }
 

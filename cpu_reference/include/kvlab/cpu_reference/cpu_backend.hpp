@@ -9,6 +9,7 @@
 #include "kvlab/backend.hpp"
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "kvlab/kv_pool.hpp"
 
 namespace kvlab::cpu {
@@ -23,7 +24,12 @@ class CpuBackend final : public Backend {
  public:
   // `weights` must have the pool's KV head count and head_dim. `window`: attend to the last W
   // positions only.
-  CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window);
+  // Multiplies with `compute` (compute_weights / gguf_compute_weights of the same model);
+  // without it, with the fp32 matrices of `weights` in place.
+  CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window,
+             ComputeWeights compute);
+  CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window)
+      : CpuBackend(weights, pool, window, cpu::compute_weights(weights, WeightFormat::f32)) {}
 
   // Runs the batch, writing each new token's K/V into its slot. Returns logits (entries, vocab)
   // for the last token of each entry, valid until the next forward.
@@ -36,12 +42,14 @@ class CpuBackend final : public Backend {
   std::int64_t vocab_size() const override { return weights_.config.vocab_size; }
 
   const LlamaWeights& weights() const { return weights_; }
+  const ComputeWeights& matrices() const { return compute_; }
 
  private:
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,
               std::span<const std::int64_t> first_rows, const RowMatrix& q, RowMatrix& out) const;
 
   const LlamaWeights& weights_;
+  ComputeWeights compute_;
   KvPool& pool_;
   std::optional<std::int64_t> window_;
   RopeTable rope_;

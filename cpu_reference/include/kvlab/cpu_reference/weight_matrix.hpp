@@ -1,0 +1,101 @@
+#pragma once
+// Weights as the CPU backend multiplies them: a (rows, cols) matrix whose rows are stored in one
+// of GGUF's formats — f32, f16, bf16, or the 32-value blocks Q8_0, Q4_0, Q4_1 — and multiplied
+// in that format: each thread widens a panel of rows to fp32 in cache right before its FMAs, so
+// no fp32 copy of the matrix exists and every byte of it is read once per product. The math is
+// the fp32 reference's over the dequantized values (gguf_dequantize), only summed in another
+// order; activations stay fp32 (no activation quantization, unlike llama.cpp's q8_1 dots).
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "kvlab/cpu_reference/llama_weights.hpp"
+
+namespace kvlab::cpu {
+
+enum class WeightFormat : std::uint8_t { f32, f16, bf16, q8_0, q4_0, q4_1 };
+
+// "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1".
+std::string_view weight_format_name(WeightFormat format);
+std::optional<WeightFormat> weight_format_from_name(std::string_view name);
+// The format of GGUF tensor type `type`; nullopt for the types kvlab only dequantizes (Q4_K..).
+std::optional<WeightFormat> weight_format_of_gguf_type(std::uint32_t type);
+// Values per block (32 for the Q formats, 1 otherwise) and bytes per block.
+std::int64_t weight_format_block_values(WeightFormat format);
+std::int64_t weight_format_block_bytes(WeightFormat format);
+// Bytes of one row of `cols` values (cols a multiple of the block values).
+std::int64_t weight_row_bytes(WeightFormat format, std::int64_t cols);
+
+class WeightMatrix {
+ public:
+  WeightMatrix() = default;
+  // Rounds `source` (rows, cols) to `format` as llama.cpp's quantize_row_*_ref does (f16/bf16:
+  // round to nearest even). Throws kvlab::Error when cols is not a multiple of the block.
+  static WeightMatrix quantize(const RowMatrix& source, WeightFormat format);
+  // Shares `source`'s storage, no copy (f32): `source` must outlive the result.
+  static WeightMatrix view(const RowMatrix& source);
+  // Rows already in `format`'s layout: rows * weight_row_bytes(format, cols) bytes, copied.
+  static WeightMatrix from_bytes(WeightFormat format, std::int64_t rows, std::int64_t cols,
+                                 std::span<const std::byte> bytes);
+  // The rows of every part, in order (one format and column count; e.g. q; k; v).
+  static WeightMatrix stack(std::span<const WeightMatrix> parts);
+
+  WeightFormat format() const { return format_; }
+  std::int64_t rows() const { return rows_; }
+  std::int64_t cols() const { return cols_; }
+  std::int64_t row_bytes() const { return weight_row_bytes(format_, cols_); }
+  std::int64_t bytes() const { return rows_ * row_bytes(); }
+  const std::byte* row(std::int64_t r) const { return data_ + r * row_bytes(); }
+
+  // Rows [first, first + count) widened to fp32 into `out` (count, cols) row-major.
+  void dequantize_rows(std::int64_t first, std::int64_t count, float* out) const;
+  RowMatrix dequantize() const;  // (rows, cols)
+
+ private:
+  WeightFormat format_ = WeightFormat::f32;
+  std::int64_t rows_ = 0, cols_ = 0;
+  std::shared_ptr<const std::vector<std::byte>> owned_;  // null for a view
+  const std::byte* data_ = nullptr;
+};
+
+// y (+)= x w^T: x (M, K) fp32, w (N, K) in its format, y (M, N). Threads split w's rows; each
+// widens a panel of 16 rows to fp32 once and runs every row of x against it in register tiles
+// (AVX2 + FMA + F16C when compiled for them, plain loops otherwise).
+void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
+                            bool accumulate);
+
+// The matrices of a LLaMA layer in a compute format (same stacking as LayerWeights).
+struct LayerComputeWeights {
+  WeightMatrix w_qkv;      // (q_dim + 2 kv_dim, dim)
+  WeightMatrix wo;         // (dim, q_dim)
+  WeightMatrix w_gate_up;  // (2 ffn, dim)
+  WeightMatrix w_down;     // (dim, ffn)
+};
+
+// What CpuBackend multiplies with; norms and the embedding lookup stay in LlamaWeights (fp32).
+struct ComputeWeights {
+  std::string description;  // "f32", "q4_1", "gguf native (Q4_1, Q8_0)" ...
+  std::vector<LayerComputeWeights> layers;
+  WeightMatrix output_projection;  // (vocab, dim)
+  std::int64_t bytes() const;      // of every matrix above
+};
+
+// Views of the fp32 matrices (format f32: nothing copied) or a rounded copy in `format`.
+ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format);
+
+// The matrices of a GGUF file in their stored formats, no fp32 copy (Q and K rows put back in
+// Hugging Face's order, as read_gguf_tensor does); a matrix stored in a type kvlab only
+// dequantizes (Q4_K, Q6_K), or a stack whose parts differ in type, is rounded to Q8_0 from its
+// fp32 values in `weights` (which must be this file's). Throws kvlab::Error.
+ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
+                                    const LlamaWeights& weights);
+
+}  // namespace kvlab::cpu

@@ -1,0 +1,312 @@
+// WeightMatrix storage: formats, rounding from fp32 (llama.cpp's quantize_row_*_ref), widening
+// back (gguf_dequantize), and the compute weights of a model. The product is in
+// weight_matmul.cpp.
+#include "kvlab/cpu_reference/weight_matrix.hpp"
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+#include "kvlab/dtype.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/model/gguf.hpp"
+#include "kvlab/model/gguf_model.hpp"
+
+namespace kvlab::cpu {
+namespace {
+
+struct FormatInfo {
+  WeightFormat format;
+  std::string_view name;
+  GgufTensorType gguf_type;
+  std::int64_t block_values, block_bytes;
+};
+constexpr FormatInfo kFormats[] = {
+    {WeightFormat::f32, "f32", GgufTensorType::f32, 1, 4},
+    {WeightFormat::f16, "f16", GgufTensorType::f16, 1, 2},
+    {WeightFormat::bf16, "bf16", GgufTensorType::bf16, 1, 2},
+    {WeightFormat::q8_0, "q8_0", GgufTensorType::q8_0, 32, 34},
+    {WeightFormat::q4_0, "q4_0", GgufTensorType::q4_0, 32, 18},
+    {WeightFormat::q4_1, "q4_1", GgufTensorType::q4_1, 32, 20},
+};
+
+const FormatInfo& info(WeightFormat format) {
+  return kFormats[static_cast<std::size_t>(format)];
+}
+
+void put_f16(float value, std::byte* out) {
+  convert_from_f32(DType::dtype_f16, {&value, 1}, {out, 2});
+}
+
+// One 32-value block of each Q format from fp32, as ggml-quants.c's quantize_row_*_ref.
+void quantize_q8_0(const float* x, std::byte* out) {
+  float amax = 0;
+  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
+  const float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
+  put_f16(d, out);
+  for (int j = 0; j < 32; ++j)
+    out[2 + j] = static_cast<std::byte>(static_cast<std::int8_t>(std::round(x[j] * id)));
+}
+
+void quantize_q4_0(const float* x, std::byte* out) {
+  float amax = 0, max = 0;  // max: the value of largest magnitude, with its sign
+  for (int j = 0; j < 32; ++j)
+    if (std::fabs(x[j]) > amax) {
+      amax = std::fabs(x[j]);
+      max = x[j];
+    }
+  const float d = max / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
+  put_f16(d, out);
+  auto nibble = [&](float v) {
+    return static_cast<std::uint8_t>(std::min(15, static_cast<int>(v * id + 8.5f)));
+  };
+  for (int j = 0; j < 16; ++j)
+    out[2 + j] = static_cast<std::byte>(nibble(x[j]) | (nibble(x[j + 16]) << 4));
+}
+
+void quantize_q4_1(const float* x, std::byte* out) {
+  const auto [min_it, max_it] = std::minmax_element(x, x + 32);
+  const float min = *min_it, d = (*max_it - min) / 15.0f, id = d != 0 ? 1.0f / d : 0.0f;
+  put_f16(d, out);
+  put_f16(min, out + 2);
+  auto nibble = [&](float v) {
+    return static_cast<std::uint8_t>(std::min(15, static_cast<int>((v - min) * id + 0.5f)));
+  };
+  for (int j = 0; j < 16; ++j)
+    out[4 + j] = static_cast<std::byte>(nibble(x[j]) | (nibble(x[j + 16]) << 4));
+}
+
+void quantize_row(WeightFormat format, std::span<const float> x, std::byte* out) {
+  switch (format) {
+    case WeightFormat::f32:
+    case WeightFormat::f16:
+    case WeightFormat::bf16: {
+      const DType dtype = format == WeightFormat::f32   ? DType::dtype_f32
+                          : format == WeightFormat::f16 ? DType::dtype_f16
+                                                        : DType::dtype_bf16;
+      convert_from_f32(dtype, x, {out, x.size() * dtype_size(dtype)});
+      return;
+    }
+    default:
+      break;
+  }
+  void (*block)(const float*, std::byte*) = format == WeightFormat::q8_0   ? quantize_q8_0
+                                            : format == WeightFormat::q4_0 ? quantize_q4_0
+                                                                           : quantize_q4_1;
+  const std::int64_t bytes = info(format).block_bytes;
+  for (std::size_t b = 0; b * 32 < x.size(); ++b)
+    block(x.data() + b * 32, out + static_cast<std::int64_t>(b) * bytes);
+}
+
+void check_columns(WeightFormat format, std::int64_t cols) {
+  if (cols <= 0 || cols % weight_format_block_values(format) != 0)
+    throw Error(fmt::format("a {} matrix needs a positive multiple of {} columns, not {}",
+                            weight_format_name(format), weight_format_block_values(format), cols));
+}
+
+}  // namespace
+
+std::string_view weight_format_name(WeightFormat format) {
+  return info(format).name;
+}
+
+std::optional<WeightFormat> weight_format_from_name(std::string_view name) {
+  for (const auto& f : kFormats)
+    if (f.name == name) return f.format;
+  return std::nullopt;
+}
+
+std::optional<WeightFormat> weight_format_of_gguf_type(std::uint32_t type) {
+  for (const auto& f : kFormats)
+    if (static_cast<std::uint32_t>(f.gguf_type) == type) return f.format;
+  return std::nullopt;
+}
+
+std::int64_t weight_format_block_values(WeightFormat format) {
+  return info(format).block_values;
+}
+std::int64_t weight_format_block_bytes(WeightFormat format) {
+  return info(format).block_bytes;
+}
+std::int64_t weight_row_bytes(WeightFormat format, std::int64_t cols) {
+  return cols / info(format).block_values * info(format).block_bytes;
+}
+
+WeightMatrix WeightMatrix::quantize(const RowMatrix& source, WeightFormat format) {
+  check_columns(format, source.cols());
+  WeightMatrix m;
+  m.format_ = format;
+  m.rows_ = source.rows();
+  m.cols_ = source.cols();
+  auto storage = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(m.bytes()));
+  const std::int64_t row_bytes = m.row_bytes();
+#pragma omp parallel for schedule(static)
+  for (std::int64_t r = 0; r < m.rows_; ++r)
+    quantize_row(format, {source.row(r).data(), static_cast<std::size_t>(m.cols_)},
+                 storage->data() + r * row_bytes);
+  m.data_ = storage->data();
+  m.owned_ = std::move(storage);
+  return m;
+}
+
+WeightMatrix WeightMatrix::view(const RowMatrix& source) {
+  WeightMatrix m;
+  m.rows_ = source.rows();
+  m.cols_ = source.cols();
+  m.data_ = reinterpret_cast<const std::byte*>(source.data());
+  return m;
+}
+
+WeightMatrix WeightMatrix::from_bytes(WeightFormat format, std::int64_t rows, std::int64_t cols,
+                                      std::span<const std::byte> bytes) {
+  check_columns(format, cols);
+  if (rows < 0 || static_cast<std::int64_t>(bytes.size()) != rows * weight_row_bytes(format, cols))
+    throw Error(fmt::format("{} bytes are not {} rows of {} {} values", bytes.size(), rows, cols,
+                            weight_format_name(format)));
+  WeightMatrix m;
+  m.format_ = format;
+  m.rows_ = rows;
+  m.cols_ = cols;
+  auto storage = std::make_shared<std::vector<std::byte>>(bytes.begin(), bytes.end());
+  m.data_ = storage->data();
+  m.owned_ = std::move(storage);
+  return m;
+}
+
+WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
+  if (parts.empty()) return {};
+  std::vector<std::byte> bytes;
+  std::int64_t rows = 0;
+  for (const auto& part : parts) {
+    if (part.format_ != parts[0].format_ || part.cols_ != parts[0].cols_)
+      throw Error("internal: stacked weight matrices differ in format or columns");
+    bytes.insert(bytes.end(), part.data_, part.data_ + part.bytes());
+    rows += part.rows_;
+  }
+  return from_bytes(parts[0].format_, rows, parts[0].cols_, bytes);
+}
+
+void WeightMatrix::dequantize_rows(std::int64_t first, std::int64_t count, float* out) const {
+  const auto values = static_cast<std::size_t>(count * cols_);
+  gguf_dequantize(static_cast<std::uint32_t>(info(format_).gguf_type),
+                  {row(first), static_cast<std::size_t>(count * row_bytes())}, {out, values});
+}
+
+RowMatrix WeightMatrix::dequantize() const {
+  RowMatrix out(rows_, cols_);
+  dequantize_rows(0, rows_, out.data());
+  return out;
+}
+
+std::int64_t ComputeWeights::bytes() const {
+  std::int64_t total = output_projection.bytes();
+  for (const auto& l : layers)
+    total += l.w_qkv.bytes() + l.wo.bytes() + l.w_gate_up.bytes() + l.w_down.bytes();
+  return total;
+}
+
+ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format) {
+  // A matrix whose rows are not whole blocks of `format` stays f32 (as llama.cpp's quantizer
+  // leaves such tensors in a wider type).
+  std::int64_t kept = 0;
+  auto convert = [&](const RowMatrix& m) {
+    if (format == WeightFormat::f32 || m.cols() % weight_format_block_values(format) != 0) {
+      kept += format != WeightFormat::f32;
+      return WeightMatrix::view(m);
+    }
+    return WeightMatrix::quantize(m, format);
+  };
+  ComputeWeights out;
+  for (const auto& l : weights.layers)
+    out.layers.push_back(
+        {convert(l.w_qkv), convert(l.wo), convert(l.w_gate_up), convert(l.w_down)});
+  out.output_projection = convert(weights.output_projection());
+  out.description = std::string(weight_format_name(format));
+  if (kept > 0)
+    out.description += fmt::format(" ({} matrices kept f32: rows not whole {}-value blocks)", kept,
+                                   weight_format_block_values(format));
+  return out;
+}
+
+namespace {
+
+// Tensor `hf_name` of `file` as stored (rows in Hugging Face order); nullopt when its type has
+// no WeightFormat.
+std::optional<WeightMatrix> stored_matrix(const GgufFile& file, const ModelConfig& config,
+                                          const std::string& hf_name) {
+  const auto name = gguf_tensor_name(hf_name);
+  const GgufTensorInfo* tensor = name ? file.find_tensor(*name) : nullptr;
+  if (tensor == nullptr)
+    throw Error(fmt::format("GGUF model {} has no tensor {} (for {})", file.path().string(),
+                            name.value_or("?"), hf_name));
+  const auto format = weight_format_of_gguf_type(tensor->type);
+  const auto shape = tensor->row_major_shape();
+  if (!format || shape.size() != 2) return std::nullopt;
+  const std::span<const std::byte> bytes = file.bytes(*tensor);
+  const bool is_q = hf_name.ends_with("q_proj.weight"), is_k = hf_name.ends_with("k_proj.weight");
+  if (!is_q && !is_k) return WeightMatrix::from_bytes(*format, shape[0], shape[1], bytes);
+  // Undo llama.cpp's permute(): GGUF row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
+  const std::int64_t hd = config.head_dim, half = hd / 2;
+  const std::int64_t row_bytes = weight_row_bytes(*format, shape[1]);
+  std::vector<std::byte> reordered(bytes.size());
+  for (std::int64_t r = 0; r < shape[0]; ++r) {
+    const std::int64_t h = r / hd, i = (r % hd) % half, j = (r % hd) / half;
+    std::memcpy(reordered.data() + r * row_bytes, bytes.data() + (h * hd + 2 * i + j) * row_bytes,
+                static_cast<std::size_t>(row_bytes));
+  }
+  return WeightMatrix::from_bytes(*format, shape[0], shape[1], reordered);
+}
+
+}  // namespace
+
+ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
+                                    const LlamaWeights& weights) {
+  const GgufFile file = GgufFile::open(gguf_path);
+  const ModelConfig& config = weights.config;
+  std::vector<std::string> formats, converted;
+  auto note = [&](const WeightMatrix& m) {
+    const std::string name(weight_format_name(m.format()));
+    if (std::find(formats.begin(), formats.end(), name) == formats.end()) formats.push_back(name);
+    return m;
+  };
+  // The stack of `hf_names` as stored, or `fallback` (the fp32 values) rounded to Q8_0.
+  auto matrix = [&](std::initializer_list<std::string> hf_names, const RowMatrix& fallback) {
+    std::vector<WeightMatrix> parts;
+    for (const auto& n : hf_names) {
+      auto part = stored_matrix(file, config, n);
+      if (!part || (!parts.empty() && part->format() != parts[0].format())) {
+        converted.push_back(n);
+        return note(WeightMatrix::quantize(fallback, WeightFormat::q8_0));
+      }
+      parts.push_back(std::move(*part));
+    }
+    return note(parts.size() == 1 ? parts[0] : WeightMatrix::stack(parts));
+  };
+  ComputeWeights out;
+  for (std::size_t l = 0; l < weights.layers.size(); ++l) {
+    const LayerWeights& w = weights.layers[l];
+    const std::string p = fmt::format("model.layers.{}.", l);
+    out.layers.push_back({
+        matrix({p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
+                p + "self_attn.v_proj.weight"},
+               w.w_qkv),
+        matrix({p + "self_attn.o_proj.weight"}, w.wo),
+        matrix({p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"}, w.w_gate_up),
+        matrix({p + "mlp.down_proj.weight"}, w.w_down),
+    });
+  }
+  out.output_projection =
+      matrix({config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"},
+             weights.output_projection());
+  out.description = fmt::format("gguf native ({})", fmt::join(formats, ", "));
+  if (!converted.empty())
+    out.description += fmt::format("; {} matrices rounded to q8_0 (stored in a type without a "
+                                   "fast kernel, or stacked with another type)",
+                                   converted.size());
+  return out;
+}
+
+}  // namespace kvlab::cpu

@@ -1,0 +1,204 @@
+// Weights multiplied in their stored format (f16, bf16, Q8_0, Q4_0, Q4_1): the rounding matches
+// llama.cpp's reference quantizers within their stated error, the product equals the fp32
+// product over the dequantized values (only the summation order differs), and the CPU backend
+// fed such weights computes the reference's logits over the same dequantized values.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+
+#include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/model/gguf_model.hpp"
+#include "test_util.hpp"
+
+namespace kvlab::cpu {
+namespace {
+
+constexpr WeightFormat kAllFormats[] = {WeightFormat::f32,  WeightFormat::f16,  WeightFormat::bf16,
+                                        WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1};
+
+RowMatrix random_matrix(std::int64_t rows, std::int64_t cols, std::uint32_t seed,
+                        float scale = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, scale);
+  RowMatrix m(rows, cols);
+  for (Eigen::Index i = 0; i < m.size(); ++i) m.data()[i] = normal(rng);
+  return m;
+}
+
+TEST(WeightFormat, NamesRoundTripAndGgufTypesMap) {
+  for (WeightFormat f : kAllFormats)
+    EXPECT_EQ(weight_format_from_name(weight_format_name(f)), f);
+  EXPECT_FALSE(weight_format_from_name("q4_k"));
+  EXPECT_EQ(weight_format_of_gguf_type(3), WeightFormat::q4_1);  // GGML_TYPE_Q4_1
+  EXPECT_EQ(weight_format_of_gguf_type(30), WeightFormat::bf16);
+  EXPECT_FALSE(weight_format_of_gguf_type(12));  // Q4_K: dequantized only
+  EXPECT_EQ(weight_row_bytes(WeightFormat::q4_1, 576), 18 * 20);
+  EXPECT_EQ(weight_row_bytes(WeightFormat::q8_0, 64), 2 * 34);
+}
+
+// Each Q block's error is bounded by half a quantization step (plus the f16 rounding of the
+// scale and minimum): the bound llama.cpp's reference quantizers give. Q4_0 maps the block's
+// largest magnitude to -8 steps, so a value of the opposite sign and equal size would be +8,
+// clipped to +7: up to one whole step there.
+TEST(WeightMatrix, RoundingStaysWithinHalfAStep) {
+  const RowMatrix source = random_matrix(8, 256, 1);
+  for (WeightFormat f : kAllFormats) {
+    const RowMatrix back = WeightMatrix::quantize(source, f).dequantize();
+    for (Eigen::Index r = 0; r < source.rows(); ++r)
+      for (Eigen::Index b = 0; b < source.cols() / 32; ++b) {
+        const auto block = source.row(r).segment(b * 32, 32);
+        const float amax = block.cwiseAbs().maxCoeff(), range = block.maxCoeff() - block.minCoeff();
+        const float step = f == WeightFormat::q8_0   ? amax / 127
+                           : f == WeightFormat::q4_0 ? amax / 8
+                           : f == WeightFormat::q4_1 ? range / 15
+                                                     : 0.0f;
+        const float relative = f == WeightFormat::f16    ? 0x1p-11f
+                               : f == WeightFormat::bf16 ? 0x1p-8f
+                                                         : 0.0f;
+        for (Eigen::Index k = 0; k < 32; ++k) {
+          const float x = block(k), error = std::abs(back(r, b * 32 + k) - x);
+          const float max_q = f == WeightFormat::q8_0 ? 127.0f : 16.0f;  // |q| times the f16 scale error
+          const float steps = f == WeightFormat::q4_0 ? 1.0f : 0.5f;
+          const float bound = steps * step + max_q * step * 0x1p-11f + amax * 0x1p-11f *
+                              (f == WeightFormat::q4_1) + relative * std::abs(x) +
+                              0x1p-25f * (f == WeightFormat::f16);  // f16 subnormals
+          ASSERT_LE(error, bound) << weight_format_name(f) << " row " << r << " col " << b * 32 + k;
+        }
+      }
+  }
+}
+
+TEST(WeightMatrix, ExactValuesSurviveEveryFormat) {
+  // Integers 0..15 times 0.25 are exact in f16, bf16 and, with a range of 15 steps, Q4_1;
+  // Q8_0 keeps zero exactly and the maximum up to its f16 scale.
+  RowMatrix source(1, 32);
+  for (int k = 0; k < 32; ++k) source(0, k) = 0.25f * static_cast<float>(k % 16);
+  for (WeightFormat f : {WeightFormat::f16, WeightFormat::bf16, WeightFormat::q4_1})
+    EXPECT_EQ(WeightMatrix::quantize(source, f).dequantize(), source) << weight_format_name(f);
+  const RowMatrix q8 = WeightMatrix::quantize(source, WeightFormat::q8_0).dequantize();
+  EXPECT_NEAR(q8(0, 15), 3.75f, 3.75f * 0x1p-11f);
+  EXPECT_EQ(q8(0, 0), 0.0f);
+}
+
+TEST(WeightMatrix, BadShapesAreClearErrors) {
+  test::expect_error_containing(
+      [] { WeightMatrix::quantize(RowMatrix::Zero(2, 40), WeightFormat::q4_0); },
+      {"q4_0", "multiple of 32", "40"});
+  test::expect_error_containing(
+      [] {
+        std::vector<std::byte> bytes(10);
+        WeightMatrix::from_bytes(WeightFormat::q8_0, 1, 32, bytes);
+      },
+      {"10 bytes", "q8_0"});
+}
+
+// x w^T with w in its format equals x (dequantized w)^T in fp32, for every tile edge: rows of x
+// around the register tile and BLAS thresholds, outputs around the 4-row tile and 16-row panel,
+// depths with and without an 8-wide tail (f32/f16/bf16 only: Q rows are whole blocks).
+TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
+  for (WeightFormat f : kAllFormats)
+    for (std::int64_t depth : {32, 96, 44})
+      for (std::int64_t outputs : {1, 7, 16, 37})
+        for (std::int64_t rows : {1, 2, 3, 5, 17, 64, 65}) {
+          if (depth % weight_format_block_values(f) != 0) continue;
+          const WeightMatrix w =
+              WeightMatrix::quantize(random_matrix(outputs, depth, 2, 0.1f), f);
+          const RowMatrix x = random_matrix(rows, depth, 3);
+          const RowMatrix dense = w.dequantize();
+          const RowMatrix expected = x * dense.transpose();
+          // |error| <= depth * eps * sum |x_k w_k|: fp32 sums in any order.
+          const RowMatrix bound = (x.cwiseAbs() * dense.cwiseAbs().transpose()) *
+                                  (static_cast<float>(depth) * 1.2e-7f);
+          RowMatrix y;
+          multiply_by_transposed(x, w, y, false);
+          RowMatrix accumulated = RowMatrix::Ones(rows, outputs);
+          multiply_by_transposed(x, w, accumulated, true);
+          for (Eigen::Index i = 0; i < expected.rows(); ++i)
+            for (Eigen::Index j = 0; j < expected.cols(); ++j) {
+              ASSERT_LE(std::abs(y(i, j) - expected(i, j)), bound(i, j) + 1e-6f)
+                  << weight_format_name(f) << " rows " << rows << " outputs " << outputs
+                  << " depth " << depth << " at " << i << "," << j;
+              ASSERT_NEAR(accumulated(i, j), 1.0f + expected(i, j), bound(i, j) + 1e-5f);
+            }
+        }
+}
+
+TEST(WeightMatrix, F32ViewSharesStorageAndStackConcatenatesRows) {
+  const RowMatrix a = random_matrix(3, 64, 4), b = random_matrix(2, 64, 5);
+  const WeightMatrix view = WeightMatrix::view(a);
+  EXPECT_EQ(view.row(0), reinterpret_cast<const std::byte*>(a.data()));
+  const std::vector<WeightMatrix> parts{WeightMatrix::quantize(a, WeightFormat::q8_0),
+                                        WeightMatrix::quantize(b, WeightFormat::q8_0)};
+  const RowMatrix stacked = WeightMatrix::stack(parts).dequantize();
+  ASSERT_EQ(stacked.rows(), 5);
+  EXPECT_EQ(stacked.topRows(3), parts[0].dequantize());
+  EXPECT_EQ(stacked.bottomRows(2), parts[1].dequantize());
+}
+
+// The fp32 weights of `source` replaced by the dequantized values of `compute`.
+LlamaWeights dequantized_copy(const LlamaWeights& source, const ComputeWeights& compute) {
+  LlamaWeights out = source;
+  for (std::size_t l = 0; l < out.layers.size(); ++l) {
+    out.layers[l].w_qkv = compute.layers[l].w_qkv.dequantize();
+    out.layers[l].wo = compute.layers[l].wo.dequantize();
+    out.layers[l].w_gate_up = compute.layers[l].w_gate_up.dequantize();
+    out.layers[l].w_down = compute.layers[l].w_down.dequantize();
+  }
+  (out.config.tie_word_embeddings ? out.embedding : out.lm_head) =
+      compute.output_projection.dequantize();
+  return out;
+}
+
+// Prefill of a whole prompt through the CPU backend with `compute`: last-token logits.
+RowMatrix backend_logits(const LlamaWeights& weights, const ComputeWeights& compute,
+                         std::span<const std::int32_t> prompt) {
+  const ModelConfig& c = weights.config;
+  const auto n = static_cast<std::int64_t>(prompt.size());
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, n});
+  CpuBackend backend(weights, pool, std::nullopt, compute);
+  const BatchEntry entry{prompt, 0, KvView{{{0, n}}, 0}};
+  return backend.run({&entry, 1});
+}
+
+TEST(ComputeWeights, BackendEqualsTheReferenceOverTheDequantizedValues) {
+  const LlamaWeights weights = random_llama_weights(model_preset("tiny"), 7);
+  const std::vector<std::int32_t> prompt{1, 5, 9, 200, 3, 77, 12, 8};
+  for (WeightFormat f : kAllFormats) {
+    
+    const ComputeWeights compute = compute_weights(weights, f);
+    const LlamaWeights truth = dequantized_copy(weights, compute);
+    const RowMatrix expected = ReferenceModel(truth).forward(prompt).bottomRows(1);
+    const RowMatrix actual = backend_logits(truth, compute, prompt);
+    const auto closeness = test::compare({actual.data(), static_cast<std::size_t>(actual.size())},
+                                         {expected.data(), static_cast<std::size_t>(expected.size())});
+    EXPECT_LT(closeness.max_abs, 1e-4) << weight_format_name(f);
+    if (f != WeightFormat::f32) {
+      EXPECT_LT(compute.bytes(), compute_weights(weights, WeightFormat::f32).bytes());
+    }
+  }
+}
+
+// A GGUF file's matrices keep their stored types (here Q8_0, and F32 where a row is not whole
+// blocks) and dequantize to exactly what the fp32 loader reads, Q/K row order included.
+TEST(ComputeWeights, GgufMatricesStayInTheirStoredTypes) {
+  const auto path = std::filesystem::path(KVLAB_FIXTURES_DIR) / "gguf" / "tiny_llama_q8_0.gguf";
+  const LlamaWeights weights = load_llama_weights(path);
+  const ComputeWeights compute = gguf_compute_weights(path, weights);
+  EXPECT_EQ(compute.layers[0].w_qkv.format(), WeightFormat::q8_0);
+  EXPECT_EQ(compute.layers[0].w_down.format(), WeightFormat::f32);  // 88 columns: not blocks
+  EXPECT_NE(compute.description.find("q8_0"), std::string::npos) << compute.description;
+  for (std::size_t l = 0; l < weights.layers.size(); ++l) {
+    EXPECT_EQ(compute.layers[l].w_qkv.dequantize(), weights.layers[l].w_qkv);
+    EXPECT_EQ(compute.layers[l].wo.dequantize(), weights.layers[l].wo);
+    EXPECT_EQ(compute.layers[l].w_gate_up.dequantize(), weights.layers[l].w_gate_up);
+    EXPECT_EQ(compute.layers[l].w_down.dequantize(), weights.layers[l].w_down);
+  }
+  EXPECT_EQ(compute.output_projection.dequantize(), weights.output_projection());
+}
+
+}  // namespace
+}  // namespace kvlab::cpu
