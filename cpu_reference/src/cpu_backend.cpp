@@ -144,73 +144,139 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   return logits_;
 }
 
-// Attention of every entry's new tokens over its cached keys, read in place from the pool:
-// each extent of the view is an (length, kv_heads * head_dim) row-major block with the pool's
-// row stride, so a head's keys are an Eigen map with an outer stride — no gather.
+using StridedMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+using VectorMap = Eigen::Map<const Eigen::VectorXf>;
+
+// One entry's queries for the query heads of one KV head, and the keys they may see.
+struct AttentionGroup {
+  const BatchEntry& entry;
+  std::int64_t kv_head, first_head, heads;  // query heads [first_head, first_head + heads)
+  std::int64_t row0;                        // batch row of the entry's first query
+  std::int64_t key_begin, last_position;    // keys [key_begin, last_position]
+  std::optional<std::int64_t> window;
+
+  std::int64_t queries() const { return static_cast<std::int64_t>(entry.tokens.size()); }
+  std::int64_t keys() const { return last_position - key_begin + 1; }
+  // Keys query i (position start + i) sees: [first_visible(i), start + i].
+  std::int64_t first_visible(std::int64_t i) const {
+    const std::int64_t position = entry.start_position + i;
+    return window ? std::max(key_begin, position - *window + 1) : key_begin;
+  }
+  // Calls visit(column, first slot, length) for each run of consecutive slots holding keys
+  // [key_begin, last_position]; column = position - key_begin.
+  template <typename Visit>
+  void for_each_run(Visit&& visit) const {
+    std::int64_t position = entry.view.first_position;
+    for (const KvExtent& extent : entry.view.extents) {
+      const std::int64_t begin = std::max(position, key_begin),
+                         end = std::min(position + extent.length, last_position + 1);
+      if (begin < end)
+        visit(begin - key_begin, extent.start_slot + (begin - position), end - begin);
+      position += extent.length;
+    }
+  }
+};
+
+namespace {
+
+// Softmax of each row of `scores` over the keys its query sees, zero elsewhere. Row r is query
+// r % queries (rows are heads x queries, head-major).
+void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
+  for (std::int64_t r = 0; r < scores.rows(); ++r) {
+    const std::int64_t i = r % task.queries();
+    const std::int64_t first = task.first_visible(i) - task.key_begin;
+    const std::int64_t last = task.entry.start_position + i - task.key_begin;  // inclusive
+    auto row = scores.row(r);
+    auto visible = row.segment(first, last - first + 1);
+    const float max_score = visible.maxCoeff();
+    visible = (visible.array() - max_score).exp();
+    visible /= visible.sum();
+    row.head(first).setZero();
+    row.tail(scores.cols() - 1 - last).setZero();
+  }
+}
+
+}  // namespace
+
+// Attention of every entry's new tokens over its cached K/V, read in place from the pool. One
+// task per (entry, KV head) serves all the query heads of that KV head's group, so each K and V
+// row is read once per group; runs of consecutive slots (extents, or paged blocks) are only
+// boundaries of the walk, not separate products.
 void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
                         std::span<const std::int64_t> first_rows, const RowMatrix& q,
                         RowMatrix& out) const {
   const ModelConfig& c = weights_.config;
-  const std::int64_t hd = c.head_dim, heads = c.num_attention_heads, group = c.group_size();
-  const std::int64_t width = pool_.shape().slot_width();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  using StridedMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+  const std::int64_t kv_heads = c.num_key_value_heads, group = c.group_size();
   out.resize(q.rows(), q.cols());
-  const auto tasks = static_cast<std::int64_t>(batch.size()) * heads;
+  const auto tasks = static_cast<std::int64_t>(batch.size()) * kv_heads;
 #pragma omp parallel for schedule(dynamic)
-  for (std::int64_t task = 0; task < tasks; ++task) {
-    const BatchEntry& e = batch[static_cast<std::size_t>(task / heads)];
-    const std::int64_t h = task % heads, kv_head = h / group;
-    const std::int64_t row0 = first_rows[static_cast<std::size_t>(task / heads)];
-    const auto n_queries = static_cast<std::int64_t>(e.tokens.size());
-    const std::int64_t last_position = e.start_position + n_queries - 1;
-    std::int64_t key_begin = e.view.first_position;  // oldest key any of these queries sees
-    if (window_) key_begin = std::max(key_begin, e.start_position - *window_ + 1);
-    const std::int64_t keys = last_position - key_begin + 1;
-    // scores (n_queries, keys): column j is position key_begin + j.
-    RowMatrix scores(n_queries, keys);
-    const auto q_rows = q.block(row0, h * hd, n_queries, hd);  // (n_queries, hd)
-    std::int64_t position = e.view.first_position;
-    std::vector<std::pair<std::int64_t, KvExtent>>
-        pieces;  // (first column, slots) of each extent in range
-    for (const KvExtent& extent : e.view.extents) {
-      const std::int64_t begin = std::max(position, key_begin),
-                         end = std::min(position + extent.length, last_position + 1);
-      if (begin < end) {
-        const KvExtent piece{extent.start_slot + (begin - position), end - begin};
-        pieces.emplace_back(begin - key_begin, piece);
-        const StridedMap k(pool_.key(layer, piece.start_slot) + kv_head * hd, piece.length, hd,
-                           Eigen::OuterStride<>(width));
-        scores.middleCols(begin - key_begin, piece.length).noalias() =
-            (q_rows * k.transpose()) * scale;
-      }
-      position += extent.length;
-    }
-    for (std::int64_t i = 0; i < n_queries; ++i) {
-      const std::int64_t query_position = e.start_position + i;
-      const std::int64_t first =
-          window_ ? std::max(key_begin, query_position - *window_ + 1) : key_begin;
-      auto row = scores.row(i);
-      auto visible = row.segment(first - key_begin, query_position - first + 1);
-      const float max_score = visible.maxCoeff();
-      visible = (visible.array() - max_score).exp();
-      visible /= visible.sum();
-      row.head(first - key_begin).setZero();
-      row.tail(last_position - query_position).setZero();
-    }
-    auto o = out.block(row0, h * hd, n_queries, hd);
-    o.setZero();
-    for (const auto& [column, piece] : pieces) {
-      const StridedMap v(pool_.value(layer, piece.start_slot) + kv_head * hd, piece.length, hd,
-                         Eigen::OuterStride<>(width));
-      if (n_queries == 1) {  // decode: o += p_j v_j, one row at a time
-        for (std::int64_t j = 0; j < piece.length; ++j)
-          o.row(0) += scores(0, column + j) * v.row(j);
-      } else {
-        o.noalias() += scores.middleCols(column, piece.length) * v;
-      }
-    }
+  for (std::int64_t t = 0; t < tasks; ++t) {
+    const auto e = static_cast<std::size_t>(t / kv_heads);
+    const BatchEntry& entry = batch[e];
+    const auto queries = static_cast<std::int64_t>(entry.tokens.size());
+    const std::int64_t last_position = entry.start_position + queries - 1;
+    std::int64_t key_begin = entry.view.first_position;  // oldest key any query sees
+    if (window_) key_begin = std::max(key_begin, entry.start_position - *window_ + 1);
+    const AttentionGroup task{entry,    t % kv_heads, (t % kv_heads) * group, group, first_rows[e],
+                         key_begin, last_position, window_};
+    if (queries == 1)
+      attend_decode(layer, task, q, out);
+    else
+      attend_chunk(layer, task, q, out);
   }
+}
+
+// One query per head: K row j is read once and dotted with every head's query; V row j once,
+// added to every head's output with that head's weight.
+void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
+                               RowMatrix& out) const {
+  const std::int64_t hd = weights_.config.head_dim, offset = task.kv_head * hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  RowMatrix scores(task.heads, task.keys());  // (heads, keys)
+  const StridedMap q_heads(q.row(task.row0).data() + task.first_head * hd, task.heads, hd,
+                           Eigen::OuterStride<>(hd));  // (heads, hd)
+  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
+    for (std::int64_t j = 0; j < length; ++j) {
+      const VectorMap k(pool_.key(layer, slot + j) + offset, hd);
+      for (std::int64_t h = 0; h < task.heads; ++h)
+        scores(h, column + j) = q_heads.row(h).dot(k.transpose()) * scale;
+    }
+  });
+  masked_softmax(task, scores);
+  auto o = out.row(task.row0).segment(task.first_head * hd, task.heads * hd);  // heads x (hd)
+  o.setZero();
+  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
+    for (std::int64_t j = 0; j < length; ++j) {
+      const VectorMap v(pool_.value(layer, slot + j) + offset, hd);
+      for (std::int64_t h = 0; h < task.heads; ++h)
+        o.segment(h * hd, hd) += scores(h, column + j) * v.transpose();
+    }
+  });
+}
+
+// Several queries (a prefill chunk): the group's queries stacked (heads x queries, hd) meet each
+// run of K and V in one product.
+void CpuBackend::attend_chunk(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
+                              RowMatrix& out) const {
+  const std::int64_t hd = weights_.config.head_dim, n = task.queries();
+  const std::int64_t width = pool_.shape().slot_width(), offset = task.kv_head * hd;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  RowMatrix stacked(task.heads * n, hd);  // row h*n + i: head first_head + h, query i
+  for (std::int64_t h = 0; h < task.heads; ++h)
+    stacked.middleRows(h * n, n) = q.block(task.row0, (task.first_head + h) * hd, n, hd);
+  RowMatrix scores(task.heads * n, task.keys());
+  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
+    const StridedMap k(pool_.key(layer, slot) + offset, length, hd, Eigen::OuterStride<>(width));
+    scores.middleCols(column, length).noalias() = (stacked * k.transpose()) * scale;
+  });
+  masked_softmax(task, scores);
+  RowMatrix result = RowMatrix::Zero(task.heads * n, hd);
+  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
+    const StridedMap v(pool_.value(layer, slot) + offset, length, hd, Eigen::OuterStride<>(width));
+    result.noalias() += scores.middleCols(column, length) * v;
+  });
+  for (std::int64_t h = 0; h < task.heads; ++h)
+    out.block(task.row0, (task.first_head + h) * hd, n, hd) = result.middleRows(h * n, n);
 }
 
 }  // namespace kvlab::cpu

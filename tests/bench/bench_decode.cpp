@@ -1,7 +1,8 @@
 // Batched decode through the CPU backend: aggregate tokens/s at batch 1, 8, 32, 64 with
-// contexts of 128-255 tokens, fp32, 2 threads — next to this machine's read bandwidth measured
-// in the same run, and the batch-1 roofline (weight bytes per token / bandwidth).
-//   ./build/bin/kvlab_bench_decode
+// contexts of 128-255 tokens, 2 threads, weights multiplied in each format (f32, f16, bf16,
+// q8_0, q4_0, q4_1) - next to this machine's read bandwidth measured in the same run, and the
+// batch-1 roofline (weight bytes per token / bandwidth).
+//   ./build/bin/kvlab_bench_decode --benchmark_filter=stories110m/q4_1
 #include <benchmark/benchmark.h>
 
 #include <map>
@@ -33,7 +34,7 @@ void BM_ReadBandwidth(benchmark::State& state) {
 }
 BENCHMARK(BM_ReadBandwidth)->Iterations(1)->Unit(benchmark::kMillisecond);
 
-void BM_Decode(benchmark::State& state, const std::string& preset) {
+void BM_Decode(benchmark::State& state, const std::string& preset, cpu::WeightFormat format) {
   cpu::set_num_threads(kThreads);
   const auto batch = static_cast<std::int64_t>(state.range(0));
   const cpu::LlamaWeights& weights = weights_for(preset);
@@ -57,30 +58,40 @@ void BM_Decode(benchmark::State& state, const std::string& preset) {
     allocator->allocate({s, t, length + 1});
     entries.push_back({std::span<const std::int32_t>(t).last(1), length, allocator->view(s)});
   }
-  cpu::CpuBackend backend(weights, pool, std::nullopt);
+  cpu::CpuBackend backend(weights, pool, std::nullopt, cpu::compute_weights(weights, format));
   for (auto _ : state) benchmark::DoNotOptimize(backend.run(entries));  // rewrites the same slots
-  const double weight_bytes = 4.0 * static_cast<double>(c.matmul_parameter_count());
+  const auto weight_bytes = static_cast<double>(backend.matrices().bytes());
   const double bandwidth = measured_read_bandwidth_gbs(kThreads) * 1e9;
   state.counters["tok/s"] =
       benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["roofline_b1_tok/s"] = bandwidth / weight_bytes;
   state.counters["GB/s"] = bandwidth / 1e9;
-  state.SetLabel(preset + ", batch " + std::to_string(batch) + ", ctx 128-255, " +
-                 std::to_string(kThreads) + " threads");
+  state.SetLabel(preset + " " + backend.matrices().description + ", batch " +
+                 std::to_string(batch) + ", ctx 128-255, " + std::to_string(kThreads) + " threads");
 }
-BENCHMARK_CAPTURE(BM_Decode, tiny, std::string("tiny"))->Arg(1)->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_Decode, stories15m, std::string("stories15m"))
+BENCHMARK_CAPTURE(BM_Decode, tiny, std::string("tiny"), cpu::WeightFormat::f32)
     ->Arg(1)
-    ->Arg(8)
-    ->Arg(32)
-    ->Arg(64)
     ->Unit(benchmark::kMillisecond);
-BENCHMARK_CAPTURE(BM_Decode, stories110m, std::string("stories110m"))
-    ->Arg(1)
-    ->Arg(8)
-    ->Arg(32)
-    ->Arg(64)
-    ->Unit(benchmark::kMillisecond);
+// Every format at batch 1 and 64 (f32 also at 8 and 32) for one preset.
+#define KVLAB_DECODE_FORMAT(preset, format)                                                    \
+  BENCHMARK_CAPTURE(BM_Decode, preset/format, std::string(#preset), cpu::WeightFormat::format) \
+      ->Arg(1)                                                                                 \
+      ->Arg(64)                                                                                \
+      ->Unit(benchmark::kMillisecond)
+#define KVLAB_DECODE_FORMATS(preset)                                                     \
+  BENCHMARK_CAPTURE(BM_Decode, preset/f32, std::string(#preset), cpu::WeightFormat::f32) \
+      ->Arg(1)                                                                           \
+      ->Arg(8)                                                                           \
+      ->Arg(32)                                                                          \
+      ->Arg(64)                                                                          \
+      ->Unit(benchmark::kMillisecond);                                                   \
+  KVLAB_DECODE_FORMAT(preset, f16);                                                      \
+  KVLAB_DECODE_FORMAT(preset, bf16);                                                     \
+  KVLAB_DECODE_FORMAT(preset, q8_0);                                                     \
+  KVLAB_DECODE_FORMAT(preset, q4_0);                                                     \
+  KVLAB_DECODE_FORMAT(preset, q4_1)
+KVLAB_DECODE_FORMATS(stories15m);
+KVLAB_DECODE_FORMATS(stories110m);
 
 }  // namespace
 }  // namespace kvlab::bench

@@ -2,9 +2,11 @@
 // llama.cpp's reference quantizers within their stated error, the product equals the fp32
 // product over the dequantized values (only the summation order differs), and the CPU backend
 // fed such weights computes the reference's logits over the same dequantized values.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
@@ -82,6 +84,28 @@ TEST(WeightMatrix, ExactValuesSurviveEveryFormat) {
   const RowMatrix q8 = WeightMatrix::quantize(source, WeightFormat::q8_0).dequantize();
   EXPECT_NEAR(q8(0, 15), 3.75f, 3.75f * 0x1p-11f);
   EXPECT_EQ(q8(0, 0), 0.0f);
+}
+
+// Byte for byte what llama.cpp's reference quantizers make of the same fp32 rows (gguf-py's port,
+// tests/fixtures/gguf/make_quantize_fixture.py): zero blocks, skewed ranges and large values.
+TEST(WeightMatrix, RoundingIsLlamaCppsByteForByte) {
+  const auto fixture = nlohmann::json::parse(test::read_file(
+      std::filesystem::path(KVLAB_FIXTURES_DIR) / "gguf" / "quantize_reference.json"));
+  const auto values = fixture["values"].get<std::vector<std::vector<float>>>();
+  RowMatrix source(static_cast<Eigen::Index>(values.size()),
+                   static_cast<Eigen::Index>(values[0].size()));
+  for (Eigen::Index r = 0; r < source.rows(); ++r)
+    for (Eigen::Index c = 0; c < source.cols(); ++c)
+      source(r, c) = values[static_cast<std::size_t>(r)][static_cast<std::size_t>(c)];
+  for (const auto& [name, rows] : fixture["bytes"].items()) {
+    const WeightMatrix m = WeightMatrix::quantize(source, *weight_format_from_name(name));
+    for (Eigen::Index r = 0; r < source.rows(); ++r) {
+      std::string hex;
+      for (std::int64_t b = 0; b < m.row_bytes(); ++b)
+        hex += fmt::format("{:02x}", std::to_integer<int>(m.row(r)[b]));
+      EXPECT_EQ(hex, rows[static_cast<std::size_t>(r)].get<std::string>()) << name << " row " << r;
+    }
+  }
 }
 
 TEST(WeightMatrix, BadShapesAreClearErrors) {

@@ -20,6 +20,8 @@ namespace kvlab::cpu {
 // divides the other or kv_heads does not divide the query heads.
 LlamaWeights convert_kv_heads(const LlamaWeights& weights, std::int64_t kv_heads);
 
+struct AttentionGroup;  // one entry's queries of one KV head's group (cpu_backend.cpp)
+
 class CpuBackend final : public Backend {
  public:
   // `weights` must have the pool's KV head count and head_dim. `window`: attend to the last W
@@ -47,6 +49,10 @@ class CpuBackend final : public Backend {
  private:
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,
               std::span<const std::int64_t> first_rows, const RowMatrix& q, RowMatrix& out) const;
+  void attend_decode(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
+                     RowMatrix& out) const;
+  void attend_chunk(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
+                    RowMatrix& out) const;
 
   const LlamaWeights& weights_;
   ComputeWeights compute_;
