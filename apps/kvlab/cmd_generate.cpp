@@ -36,6 +36,7 @@ struct GenerateOptions {
   bool json = false;
   bool stream = false;
   std::string compute;  // "reference" | "engine"; empty: engine with --chat, else reference
+  std::string weights = "stored";  // the engine's weight format (cpu::select_compute_weights)
   int threads = 0;
 };
 
@@ -121,11 +122,15 @@ TokenCallback streamer(StreamingDecoder& decoder, const ModelConfig& config,
 // The same generation through the engine: a paged KV cache and the batched CPU backend (the
 // tokens kvlab check holds equal to the reference's), with logprobs from the recorded logits.
 cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
+                                           const GenerateOptions& o, const ModelSource& source,
                                            const std::vector<std::int32_t>& prompt,
-                                           const SamplingParams& sampling, std::int32_t logprobs,
                                            const TokenCallback& on_token) {
+  const SamplingParams& sampling = o.sampling;
+  const std::int32_t logprobs = o.logprobs;
   const PluginRegistry registry(PluginRegistry::default_search_path());
   cpu::BatchSetup setup;  // paged blocks of 16, the checkpoint's own K/V heads
+  setup.weights = o.weights;
+  setup.source = source.directory;
   const auto needed = static_cast<std::int64_t>(prompt.size()) + sampling.max_tokens;
   setup.pool_slots = std::min(needed, weights.config.max_position_embeddings) / 16 * 16 + 16;
   cpu::BatchGenerator generator(weights, registry, setup);
@@ -161,6 +166,10 @@ void run_generate(const GenerateOptions& o) {
   const Prompt prompt = build_prompt(o, source, lookup);
   check_prompt(prompt.ids, source.config);
 
+  const bool engine = o.compute == "engine" || (o.compute.empty() && !o.chat.empty());
+  if (!engine && o.weights != "stored")
+    throw Error(fmt::format("--weights {} needs --compute engine: the reference computes in fp32",
+                            o.weights));
   const auto load_start = std::chrono::steady_clock::now();
   cpu::LlamaWeights weights = source.is_preset()
                                   ? cpu::random_llama_weights(source.config, o.weights_seed)
@@ -168,7 +177,6 @@ void run_generate(const GenerateOptions& o) {
   auto& eos = weights.config.eos_token_ids;  // a chat answer also ends at its end-of-turn token
   if (prompt.end_of_turn && std::find(eos.begin(), eos.end(), *prompt.end_of_turn) == eos.end())
     eos.push_back(*prompt.end_of_turn);
-  const bool engine = o.compute == "engine" || (o.compute.empty() && !o.chat.empty());
   const ModelConfig config = weights.config;
   const bool streaming = tokenizer && !o.json && (o.stream || !o.chat.empty());
   std::optional<StreamingDecoder> decoder;
@@ -176,7 +184,7 @@ void run_generate(const GenerateOptions& o) {
   const TokenCallback on_token = streaming ? streamer(*decoder, config, o.sampling) : nullptr;
   const auto start = std::chrono::steady_clock::now();
   const cpu::GenerationResult result =
-      engine ? generate_with_engine(weights, prompt.ids, o.sampling, o.logprobs, on_token)
+      engine ? generate_with_engine(weights, o, source, prompt.ids, on_token)
              : cpu::generate(cpu::ReferenceModel(std::move(weights)), prompt.ids, o.sampling,
                              o.logprobs, [&](const cpu::GeneratedToken& t) {
                                if (on_token) on_token(t.token);
@@ -252,6 +260,12 @@ void register_generate(CLI::App& app) {
                   "engine with a paged KV cache (same tokens, much faster). Default: engine "
                   "with --chat, else reference")
       ->check(CLI::IsMember({"reference", "engine"}));
+  auto* weights = sub->add_option(
+      "--weights", options->weights,
+      "With --compute engine: the format the engine multiplies in: stored (a GGUF file's own "
+      "types; f32 otherwise), f32, f16, bf16, q8_0, q4_0, q4_1");
+  weights->capture_default_str()->check(
+      CLI::IsMember({"stored", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"}));
   sub->add_option("--threads", options->threads, "CPU threads (0 = all cores)")
       ->capture_default_str();
   sub->callback([options, model, preset, ids, text, chat, system]() {

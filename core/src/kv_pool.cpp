@@ -1,5 +1,8 @@
 #include "kvlab/kv_pool.hpp"
 
+#include <sys/mman.h>
+
+#include <algorithm>
 #include <cassert>
 #include <cstring>
 
@@ -29,8 +32,22 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
                    fmt::format("the KV pool ({} slots x {} layers x {} KV heads x head_dim {}, "
                                "K and V in fp32; kv_cache.slots or kv_cache.memory_mib)",
                                shape.slots, shape.layers, shape.kv_heads, shape.head_dim));
-  keys_.resize(static_cast<std::size_t>(*floats));
-  values_.resize(keys_.size());
+  keys_ = allocate(*floats);
+  values_ = allocate(*floats);
+}
+
+KvPool::Buffer KvPool::allocate(std::int64_t floats) {
+  constexpr std::size_t kHugePage = std::size_t{2} << 20;
+  const std::size_t bytes = static_cast<std::size_t>(std::max<std::int64_t>(floats, 1)) * sizeof(float);
+  const std::size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
+  void* memory = std::aligned_alloc(kHugePage, rounded);
+  if (memory == nullptr)
+    throw Error(fmt::format("cannot allocate {} bytes for the KV pool", rounded));
+#ifdef MADV_HUGEPAGE
+  madvise(memory, rounded, MADV_HUGEPAGE);  // a hint: without huge pages it works as before
+#endif
+  std::memset(memory, 0, bytes);
+  return Buffer(static_cast<float*>(memory));
 }
 
 std::int64_t KvPool::bytes_per_slot() const {

@@ -67,7 +67,8 @@ BatchGenerator::BatchGenerator(const LlamaWeights& checkpoint, const PluginRegis
       weights_(convert_kv_heads(checkpoint, attention_->kv_heads(checkpoint.config))),
       pool_(pool_shape(weights_.config, setup.pool_slots)),
       rules_(rules_for(weights_.config, *attention_, setup.max_seq_len)),
-      backend_(weights_, pool_, rules_.window) {
+      backend_(weights_, pool_, rules_.window,
+               select_compute_weights(weights_, setup.source, setup.weights)) {
   PluginContext context;
   context.pool = &pool_;
   context.model = &weights_.config;

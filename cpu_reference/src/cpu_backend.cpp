@@ -7,6 +7,7 @@
 #include <Eigen/Dense>
 #include <cstring>
 
+#include "attention_rows.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab::cpu {
@@ -145,7 +146,6 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
 }
 
 using StridedMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
-using VectorMap = Eigen::Map<const Eigen::VectorXf>;
 
 // One entry's queries for the query heads of one KV head, and the keys they may see.
 struct AttentionGroup {
@@ -226,31 +226,34 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   }
 }
 
-// One query per head: K row j is read once and dotted with every head's query; V row j once,
-// added to every head's output with that head's weight.
+// One query per head. Each run of slots is walked in chunks of 32 keys that stay in L1 while
+// every head of the group reads them: K and V come from memory once per group.
 void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
                                RowMatrix& out) const {
+  constexpr std::int64_t kChunk = 32;
   const std::int64_t hd = weights_.config.head_dim, offset = task.kv_head * hd;
+  const std::int64_t width = pool_.shape().slot_width();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   RowMatrix scores(task.heads, task.keys());  // (heads, keys)
-  const StridedMap q_heads(q.row(task.row0).data() + task.first_head * hd, task.heads, hd,
-                           Eigen::OuterStride<>(hd));  // (heads, hd)
-  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
-    for (std::int64_t j = 0; j < length; ++j) {
-      const VectorMap k(pool_.key(layer, slot + j) + offset, hd);
-      for (std::int64_t h = 0; h < task.heads; ++h)
-        scores(h, column + j) = q_heads.row(h).dot(k.transpose()) * scale;
-    }
+  const float* queries = q.row(task.row0).data() + task.first_head * hd;  // (heads, hd)
+  auto chunks = [&](auto&& body) {
+    task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
+      for (std::int64_t j = 0; j < length; j += kChunk)
+        body(column + j, slot + j, std::min(kChunk, length - j));
+    });
+  };
+  chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
+    for (std::int64_t h = 0; h < task.heads; ++h)
+      score_rows(queries + h * hd, pool_.key(layer, slot) + offset, width, count, hd, scale,
+                 &scores(h, column));
   });
   masked_softmax(task, scores);
-  auto o = out.row(task.row0).segment(task.first_head * hd, task.heads * hd);  // heads x (hd)
-  o.setZero();
-  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
-    for (std::int64_t j = 0; j < length; ++j) {
-      const VectorMap v(pool_.value(layer, slot + j) + offset, hd);
-      for (std::int64_t h = 0; h < task.heads; ++h)
-        o.segment(h * hd, hd) += scores(h, column + j) * v.transpose();
-    }
+  float* o = out.row(task.row0).data() + task.first_head * hd;  // (heads, hd)
+  std::fill(o, o + task.heads * hd, 0.0f);
+  chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
+    for (std::int64_t h = 0; h < task.heads; ++h)
+      add_weighted_rows(&scores(h, column), pool_.value(layer, slot) + offset, width, count, hd,
+                        o + h * hd);
   });
 }
 

@@ -265,7 +265,11 @@ std::optional<WeightMatrix> stored_matrix(const GgufFile& file, const ModelConfi
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights) {
   const GgufFile file = GgufFile::open(gguf_path);
-  const ModelConfig& config = weights.config;
+  ModelConfig config = gguf_model_config(file);
+  if (config.hidden_size != weights.config.hidden_size ||
+      config.num_hidden_layers != weights.config.num_hidden_layers ||
+      config.vocab_size != weights.config.vocab_size)
+    throw Error(fmt::format("internal: the weights given are not those of {}", gguf_path.string()));
   std::vector<std::string> formats, converted;
   auto note = [&](const WeightMatrix& m) {
     const std::string name(weight_format_name(m.format()));
@@ -275,15 +279,21 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   // The stack of `hf_names` as stored, or `fallback` (the fp32 values) rounded to Q8_0.
   auto matrix = [&](std::initializer_list<std::string> hf_names, const RowMatrix& fallback) {
     std::vector<WeightMatrix> parts;
+    std::int64_t rows = 0;
     for (const auto& n : hf_names) {
       auto part = stored_matrix(file, config, n);
-      if (!part || (!parts.empty() && part->format() != parts[0].format())) {
-        converted.push_back(n);
-        return note(WeightMatrix::quantize(fallback, WeightFormat::q8_0));
-      }
+      if (!part || (!parts.empty() && part->format() != parts[0].format())) break;
+      rows += part->rows();
       parts.push_back(std::move(*part));
     }
-    return note(parts.size() == 1 ? parts[0] : WeightMatrix::stack(parts));
+    // Every part stored in one fast format, and together the shape of the served matrix (K/V
+    // heads converted by an attention variant are not what the file holds).
+    if (parts.size() == hf_names.size() && rows == fallback.rows() &&
+        parts[0].cols() == fallback.cols())
+      return note(parts.size() == 1 ? parts[0] : WeightMatrix::stack(parts));
+    converted.push_back(*hf_names.begin());
+    if (fallback.cols() % 32 != 0) return note(WeightMatrix::view(fallback));
+    return note(WeightMatrix::quantize(fallback, WeightFormat::q8_0));
   };
   ComputeWeights out;
   for (std::size_t l = 0; l < weights.layers.size(); ++l) {
@@ -303,10 +313,23 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
              weights.output_projection());
   out.description = fmt::format("gguf native ({})", fmt::join(formats, ", "));
   if (!converted.empty())
-    out.description += fmt::format("; {} matrices rounded to q8_0 (stored in a type without a "
-                                   "fast kernel, or stacked with another type)",
-                                   converted.size());
+    out.description += fmt::format(
+        "; {} matrices rounded to q8_0 from fp32 (stored in a type without a kernel, stacked "
+        "with another type, or K/V heads converted)",
+        converted.size());
   return out;
+}
+
+ComputeWeights select_compute_weights(const LlamaWeights& weights,
+                                      const std::filesystem::path& source, std::string_view choice) {
+  if (choice == "stored")
+    return source.extension() == ".gguf" ? gguf_compute_weights(source, weights)
+                                         : compute_weights(weights, WeightFormat::f32);
+  if (const auto format = weight_format_from_name(choice)) return compute_weights(weights, *format);
+  throw Error(fmt::format(
+      "unknown weight format \"{}\": stored (a GGUF file's own types, f32 otherwise), f32, f16, "
+      "bf16, q8_0, q4_0 or q4_1",
+      choice));
 }
 
 }  // namespace kvlab::cpu

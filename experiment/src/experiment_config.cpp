@@ -202,6 +202,18 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
   c.threads = s.get_int<int>("threads", 0, kMaxThreads).value_or(0);
   c.profile = s.get<std::string>("profile").value_or("");
   c.backend_params = plugin_params(s, "params");
+  if (const toml::node* weights = s.node("weights")) {
+    c.cpu_weights = s.get<std::string>("weights").value_or("");
+    if (c.backend != "cpu")
+      s.fail(*weights, fmt::format("backend.weights is the cpu backend's weight format; backend "
+                                   "\"{}\" takes its own parameters",
+                                   c.backend));
+    static constexpr const char* kChoices[] = {"stored", "f32",  "f16", "bf16",
+                                               "q8_0",   "q4_0", "q4_1"};
+    if (std::find(std::begin(kChoices), std::end(kChoices), c.cpu_weights) == std::end(kChoices))
+      s.fail(*weights, fmt::format("backend.weights must be one of {}, not \"{}\"",
+                                   fmt::join(kChoices, ", "), c.cpu_weights));
+  }
   if (c.backend == "simulated" && c.profile.empty())
     s.fail(where,
            fmt::format("backend \"simulated\" needs backend.profile: a name ({}) or a .toml file",

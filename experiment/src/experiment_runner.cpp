@@ -124,6 +124,7 @@ namespace {
 // attention variant converted its K/V heads, and the variant.
 struct ServedModel {
   std::optional<cpu::LlamaWeights> weights;  // as converted for the attention variant
+  std::filesystem::path source;              // the checkpoint's folder or .gguf; empty: preset
   std::string weights_key;                   // names them exactly (checkpoint, K/V heads)
   ModelConfig config;
   PluginObject<AttentionVariant> attention;
@@ -134,6 +135,7 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
   const ModelSource source = resolve_model(c.model);
   ServedModel served;
   served.config = source.config;
+  served.source = source.directory;
   LoadedCheckpoint checkpoint;
   if (!simulated) {  // the simulated backend needs only the config
     checkpoint = load_checkpoint(source, c.weights_seed);
@@ -368,7 +370,9 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     context.window = rules.window.value_or(0);
     device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
   } else {
-    inner = std::make_unique<cpu::CpuBackend>(*served.weights, pool, rules.window);
+    inner = std::make_unique<cpu::CpuBackend>(
+        *served.weights, pool, rules.window,
+        cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights));
   }
   TimedBackend backend(plugin_backend ? *device_backend : *inner);
   std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers

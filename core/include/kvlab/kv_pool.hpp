@@ -3,6 +3,8 @@
 // slot = one token's K and V in every layer). Allocators decide which slots a sequence owns;
 // the backend reads and writes them through a KvView.
 #include <cstdint>
+#include <cstdlib>
+#include <memory>
 #include <vector>
 
 namespace kvlab {
@@ -36,7 +38,7 @@ class KvDeviceStorage {
 class KvPool {
  public:
   explicit KvPool(const KvPoolShape& shape, KvStorage storage = KvStorage::host);
-  bool has_storage() const { return !keys_.empty(); }
+  bool has_storage() const { return keys_ != nullptr; }
   // A device that holds this pool's K/V (the pool itself then has KvStorage::none); nullptr
   // to detach. Not owned.
   void attach_device(KvDeviceStorage* device) { device_ = device; }
@@ -44,15 +46,15 @@ class KvPool {
 
   const KvPoolShape& shape() const { return shape_; }
   // (kv_heads * head_dim) floats of one slot in one layer.
-  float* key(std::int64_t layer, std::int64_t slot) { return keys_.data() + offset(layer, slot); }
+  float* key(std::int64_t layer, std::int64_t slot) { return keys_.get() + offset(layer, slot); }
   float* value(std::int64_t layer, std::int64_t slot) {
-    return values_.data() + offset(layer, slot);
+    return values_.get() + offset(layer, slot);
   }
   const float* key(std::int64_t layer, std::int64_t slot) const {
-    return keys_.data() + offset(layer, slot);
+    return keys_.get() + offset(layer, slot);
   }
   const float* value(std::int64_t layer, std::int64_t slot) const {
-    return values_.data() + offset(layer, slot);
+    return values_.get() + offset(layer, slot);
   }
   // Bytes one slot holds over all layers, K and V (as stored here: fp32).
   std::int64_t bytes_per_slot() const;
@@ -66,8 +68,15 @@ class KvPool {
   }
   KvPoolShape shape_;
   KvDeviceStorage* device_ = nullptr;
-  std::vector<float> keys_;    // (layers, slots, kv_heads, head_dim)
-  std::vector<float> values_;  // (layers, slots, kv_heads, head_dim)
+  struct Free {
+    void operator()(float* p) const { std::free(p); }
+  };
+  // Zeroed, on 2 MiB boundaries and advised as huge pages (Linux): attention reads one head's
+  // slice of every slot row, a stride that would otherwise miss the TLB on every row.
+  using Buffer = std::unique_ptr<float[], Free>;
+  static Buffer allocate(std::int64_t floats);
+  Buffer keys_;    // (layers, slots, kv_heads, head_dim)
+  Buffer values_;  // (layers, slots, kv_heads, head_dim)
 };
 
 // A contiguous run of slots holding consecutive tokens of one sequence.

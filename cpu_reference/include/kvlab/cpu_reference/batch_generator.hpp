@@ -45,6 +45,9 @@ struct BatchSetup {
   std::map<std::string, ParamValue, std::less<>> attention_params;
   std::int64_t pool_slots = 4096;  // KV pool capacity in tokens
   std::int64_t max_seq_len = 0;    // 0 = the model's context
+  // The format the backend multiplies in (select_compute_weights), and the checkpoint's file.
+  std::string weights = "stored";
+  std::filesystem::path source;  // a .gguf keeps its stored types under "stored"
 };
 
 class BatchGenerator {

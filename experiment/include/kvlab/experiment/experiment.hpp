@@ -31,6 +31,9 @@ struct ExperimentConfig {
   std::string profile;          // hardware profile (name or file): simulated's device; with cpu,
                                 // its predictions time the virtual clock / sit next to measured
   std::int64_t threads = 0;
+  // The cpu backend's weight format: "stored" (a GGUF file's own types; f32 for presets and
+  // folders), f32, f16, bf16, q8_0, q4_0, q4_1 (cpu::select_compute_weights).
+  std::string cpu_weights = "stored";
   std::string allocator = "paged";
   ParamMap allocator_params;
   std::optional<std::int64_t> kv_slots;  // default: 4096 (cpu), the profile's capacity (simulated)
