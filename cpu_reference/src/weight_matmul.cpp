@@ -181,6 +181,123 @@ struct Product {
   }
 };
 
+
+#if KVLAB_WEIGHT_SIMD
+// Up to this many rows of x, Q and f16/bf16 weights are widened in registers and used at once
+// (no panel written and read back): decode at small batches reads each weight byte once and
+// spends a few instructions on it.
+constexpr std::int64_t kFusedRows = 4;
+
+// The 32 nibbles of a Q4 block as four vectors of 8 floats (values 0-15, not yet scaled).
+void q4_nibbles(const std::byte* qs, __m256 (&q)[4]) {
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  const __m128i low = _mm_and_si128(packed, mask);
+  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
+  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
+  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
+  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
+  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+}
+
+void q8_values(const std::byte* qs, __m256 (&q)[4]) {
+  for (int g = 0; g < 4; ++g)
+    q[g] = _mm256_cvtepi32_ps(
+        _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * g))));
+}
+
+// One Q row against Rows rows of x: per block, sum_k q_k x_k in fp32 scaled by d, plus
+// m * sum_k x_k (Q4_1's minimum; Q4_0 is the same with m = -8 d). block_sums: (Rows, blocks).
+template <int Rows>
+void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::int64_t ldx,
+               const float* block_sums, std::int64_t blocks, float (&out)[Rows]) {
+  __m256 acc[Rows];
+  float offset[Rows] = {};
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const std::int64_t block_bytes = weight_format_block_bytes(format);
+  for (std::int64_t b = 0; b < blocks; ++b, row += block_bytes) {
+    __m256 q[4];
+    const float d = half_to_float(row);
+    float m = 0;
+    if (format == WeightFormat::q8_0) {
+      q8_values(row + 2, q);
+    } else if (format == WeightFormat::q4_0) {
+      q4_nibbles(row + 2, q);
+      m = -8.0f * d;
+    } else {
+      q4_nibbles(row + 4, q);
+      m = half_to_float(row + 2);
+    }
+    const __m256 scale = _mm256_set1_ps(d);
+    for (int i = 0; i < Rows; ++i) {
+      const float* xb = x + i * ldx + 32 * b;
+      __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
+      for (int g = 1; g < 4; ++g) dot = _mm256_fmadd_ps(q[g], _mm256_loadu_ps(xb + 8 * g), dot);
+      acc[i] = _mm256_fmadd_ps(dot, scale, acc[i]);
+      offset[i] += m * block_sums[i * blocks + b];
+    }
+  }
+  for (int i = 0; i < Rows; ++i) out[i] = horizontal_sum(acc[i]) + offset[i];
+}
+
+// One f16/bf16 row against Rows rows of x (depth a multiple of 8).
+template <int Rows>
+void half_row_dot(WeightFormat format, const std::byte* row, const float* x, std::int64_t ldx,
+                  std::int64_t depth, float (&out)[Rows]) {
+  __m256 acc[Rows];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  for (std::int64_t k = 0; k < depth; k += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+    const __m256 w = format == WeightFormat::f16
+                         ? _mm256_cvtph_ps(h)
+                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    for (int i = 0; i < Rows; ++i)
+      acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i * ldx + k), acc[i]);
+  }
+  for (int i = 0; i < Rows; ++i) out[i] = horizontal_sum(acc[i]);
+}
+
+template <int Rows>
+void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate,
+                std::int64_t m0, const std::vector<float>& block_sums) {
+  const std::int64_t depth = w.cols(), blocks = depth / 32;
+  const bool q = w.format() != WeightFormat::f16 && w.format() != WeightFormat::bf16;
+#pragma omp for schedule(static)
+  for (std::int64_t n = 0; n < w.rows(); ++n) {
+    float out[Rows];
+    if (q)
+      q_row_dot<Rows>(w.format(), w.row(n), x.row(m0).data(), depth,
+                      block_sums.data() + m0 * blocks, blocks, out);
+    else
+      half_row_dot<Rows>(w.format(), w.row(n), x.row(m0).data(), depth, depth, out);
+    for (int i = 0; i < Rows; ++i) y(m0 + i, n) = accumulate ? y(m0 + i, n) + out[i] : out[i];
+  }
+}
+
+// True when the product ran here: few rows of x, weights in a format widened in registers.
+bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
+  const std::int64_t rows = x.rows(), depth = w.cols();
+  if (rows > kFusedRows || w.format() == WeightFormat::f32 || depth % 8 != 0) return false;
+  std::vector<float> block_sums;  // (rows, blocks): sum of x over each 32-value block
+  if (depth % 32 == 0) {
+    block_sums.resize(static_cast<std::size_t>(rows * (depth / 32)));
+    for (std::int64_t i = 0; i < rows; ++i)
+      for (std::int64_t b = 0; b < depth / 32; ++b)
+        block_sums[static_cast<std::size_t>(i * (depth / 32) + b)] = x.row(i).segment(b * 32, 32).sum();
+  }
+#pragma omp parallel
+  {
+    switch (rows) {
+      case 4: fused_rows<4>(x, w, y, accumulate, 0, block_sums); break;
+      case 3: fused_rows<3>(x, w, y, accumulate, 0, block_sums); break;
+      case 2: fused_rows<2>(x, w, y, accumulate, 0, block_sums); break;
+      default: fused_rows<1>(x, w, y, accumulate, 0, block_sums); break;
+    }
+  }
+  return true;
+}
+#endif
+
 void widen_panel(const WeightMatrix& w, std::int64_t first, std::int64_t count, float* out) {
 #if KVLAB_WEIGHT_SIMD
   for (std::int64_t r = 0; r < count; ++r)
@@ -205,12 +322,16 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
       y.noalias() = x * weights.transpose();
     return;
   }
+#if KVLAB_WEIGHT_SIMD
+  if (multiply_fused(x, w, y, accumulate)) return;
+#endif
   const Product product{x, y, accumulate};
   const std::int64_t panels = (outputs + kPanelRows - 1) / kPanelRows;
 #pragma omp parallel
   {
-    std::vector<float> widened;
-    if (w.format() != WeightFormat::f32)
+    thread_local std::vector<float> widened;  // kept between products: no allocation per call
+    if (w.format() != WeightFormat::f32 &&
+        widened.size() < static_cast<std::size_t>(kPanelRows * depth))
       widened.resize(static_cast<std::size_t>(kPanelRows * depth));
 #pragma omp for schedule(static)
     for (std::int64_t p = 0; p < panels; ++p) {
