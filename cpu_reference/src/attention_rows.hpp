@@ -19,6 +19,9 @@ inline void score_rows(const float* q, const float* k, std::int64_t stride, std:
 #if defined(__AVX2__) && defined(__FMA__)
   if (hd % 8 == 0) {
     for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
+      for (int r = 0; r < 8; ++r)      // the next 8 rows' first lines, ahead of use (x86
+        _mm_prefetch(reinterpret_cast<const char*>(k + (j + 8 + r) * stride),  // prefetches
+                     _MM_HINT_T0);                                               // never fault)
       __m256 acc[8];
       for (auto& a : acc) a = _mm256_setzero_ps();
       for (std::int64_t d = 0; d < hd; d += 8) {
@@ -50,6 +53,7 @@ void add_weighted_columns(const float* p, const float* v, std::int64_t stride, s
   __m256 acc[Vectors];
   for (int s = 0; s < Vectors; ++s) acc[s] = _mm256_loadu_ps(o + 8 * s);
   for (std::int64_t j = 0; j < count; ++j) {
+    _mm_prefetch(reinterpret_cast<const char*>(v + (j + 4) * stride), _MM_HINT_T0);
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int s = 0; s < Vectors; ++s)
       acc[s] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * stride + 8 * s), acc[s]);

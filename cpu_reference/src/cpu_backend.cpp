@@ -209,7 +209,7 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   const std::int64_t kv_heads = c.num_key_value_heads, group = c.group_size();
   out.resize(q.rows(), q.cols());
   const auto tasks = static_cast<std::int64_t>(batch.size()) * kv_heads;
-#pragma omp parallel for schedule(dynamic)
+#pragma omp parallel for schedule(static)
   for (std::int64_t t = 0; t < tasks; ++t) {
     const auto e = static_cast<std::size_t>(t / kv_heads);
     const BatchEntry& entry = batch[e];
