@@ -1,7 +1,11 @@
-// y (+)= x w^T with w in any WeightFormat. Each thread takes panels of 16 rows of w, widens a
-// panel to fp32 once (f32 rows are used in place) and multiplies every row of x with it in
-// register tiles: x rows x 4 w rows of 8-wide fp32 FMA accumulators, summed across at the end.
-// Weights are read from memory once per product whatever the batch, and never repacked.
+// y (+)= x w^T with w in any WeightFormat, in three ways by the rows of x (AVX2 + FMA + F16C):
+//   up to 4 rows    each thread streams w row by row, widening it in registers (fused_rows);
+//   more rows       each thread packs 16 rows of w, widened, into a (depth, 16) panel in cache
+//                   and multiplies x, packed in tiles of 8 (AVX-512) or 6 rows, with it
+//                   (multiply_packed); f32 beyond 64 rows goes to BLAS instead;
+//   no AVX2, or depths that are not multiples of 8: plain loops over widened panels (Product).
+// Weights are read from memory once per product whatever the batch; the math is fp32 on the
+// dequantized values throughout.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <omp.h>
@@ -183,9 +187,9 @@ struct Product {
 
 
 #if KVLAB_WEIGHT_SIMD
-// Up to this many rows of x, Q and f16/bf16 weights are widened in registers and used at once
-// (no panel written and read back): decode at small batches reads each weight byte once and
-// spends a few instructions on it.
+// Up to this many rows of x, each weight row is widened in registers and used at once (no
+// panel written and read back): decode at small batches streams each weight byte once, one
+// row at a time, and spends a few instructions on it.
 constexpr std::int64_t kFusedRows = 4;
 
 // The 32 nibbles of a Q4 block as four vectors of 8 floats (values 0-15, not yet scaled).
@@ -240,28 +244,38 @@ void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::i
   for (int i = 0; i < Rows; ++i) out[i] = horizontal_sum(acc[i]) + offset[i];
 }
 
-// One f16/bf16 row against Rows rows of x (depth a multiple of 8).
+// 8 values of an f32/f16/bf16 row from value k, as fp32.
+__m256 load8(WeightFormat format, const std::byte* row, std::int64_t k) {
+  if (format == WeightFormat::f32) return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + k);
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
+  return format == WeightFormat::f16
+             ? _mm256_cvtph_ps(h)
+             : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+// One f32/f16/bf16 row against Rows rows of x (depth a multiple of 16): two accumulators per row
+// of x, so that a single row does not wait on one FMA chain.
 template <int Rows>
-void half_row_dot(WeightFormat format, const std::byte* row, const float* x, std::int64_t ldx,
-                  std::int64_t depth, float (&out)[Rows]) {
-  __m256 acc[Rows];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  for (std::int64_t k = 0; k < depth; k += 8) {
-    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k));
-    const __m256 w = format == WeightFormat::f16
-                         ? _mm256_cvtph_ps(h)
-                         : _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    for (int i = 0; i < Rows; ++i)
-      acc[i] = _mm256_fmadd_ps(w, _mm256_loadu_ps(x + i * ldx + k), acc[i]);
+void float_row_dot(WeightFormat format, const std::byte* row, const float* x, std::int64_t ldx,
+                   std::int64_t depth, float (&out)[Rows]) {
+  __m256 acc[Rows][2];
+  for (auto& a : acc) a[0] = a[1] = _mm256_setzero_ps();
+  for (std::int64_t k = 0; k < depth; k += 16) {
+    const __m256 w0 = load8(format, row, k), w1 = load8(format, row, k + 8);
+    for (int i = 0; i < Rows; ++i) {
+      acc[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), acc[i][1]);
+    }
   }
-  for (int i = 0; i < Rows; ++i) out[i] = horizontal_sum(acc[i]);
+  for (int i = 0; i < Rows; ++i) out[i] = horizontal_sum(_mm256_add_ps(acc[i][0], acc[i][1]));
 }
 
 template <int Rows>
 void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate,
                 std::int64_t m0, const std::vector<float>& block_sums) {
   const std::int64_t depth = w.cols(), blocks = depth / 32;
-  const bool q = w.format() != WeightFormat::f16 && w.format() != WeightFormat::bf16;
+  const bool q = w.format() == WeightFormat::q8_0 || w.format() == WeightFormat::q4_0 ||
+                 w.format() == WeightFormat::q4_1;
 #pragma omp for schedule(static)
   for (std::int64_t n = 0; n < w.rows(); ++n) {
     float out[Rows];
@@ -269,7 +283,7 @@ void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool ac
       q_row_dot<Rows>(w.format(), w.row(n), x.row(m0).data(), depth,
                       block_sums.data() + m0 * blocks, blocks, out);
     else
-      half_row_dot<Rows>(w.format(), w.row(n), x.row(m0).data(), depth, depth, out);
+      float_row_dot<Rows>(w.format(), w.row(n), x.row(m0).data(), depth, depth, out);
     for (int i = 0; i < Rows; ++i) y(m0 + i, n) = accumulate ? y(m0 + i, n) + out[i] : out[i];
   }
 }
@@ -277,7 +291,7 @@ void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool ac
 // True when the product ran here: few rows of x, weights in a format widened in registers.
 bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
   const std::int64_t rows = x.rows(), depth = w.cols();
-  if (rows > kFusedRows || w.format() == WeightFormat::f32 || depth % 8 != 0) return false;
+  if (rows > kFusedRows || depth % 16 != 0) return false;
   std::vector<float> block_sums;  // (rows, blocks): sum of x over each 32-value block
   if (depth % 32 == 0) {
     block_sums.resize(static_cast<std::size_t>(rows * (depth / 32)));
@@ -295,6 +309,137 @@ bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
     }
   }
   return true;
+}
+#endif
+
+#if KVLAB_WEIGHT_SIMD
+// More rows of x: each thread widens 16 rows of w into a (depth, 16) panel — panel[k][j] =
+// w(n0 + j, k) — and multiplies it with register tiles of kPackedRows rows of x: per k, two
+// 8-wide loads of the panel, one broadcast per x row, two FMAs per x row (no sums across lanes).
+constexpr std::int64_t kPackWidth = 16;
+#if defined(__AVX512VL__)
+constexpr int kPackedRows = 8;
+#else
+constexpr int kPackedRows = 6;  // 12 accumulators: AVX2's 16
+#endif
+
+// 8 rows of 8 floats (rows `stride` apart) stored transposed: out[c * 16 + i] = row i's c.
+void transpose_8x8(const float* rows, std::int64_t stride, float* out) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + i * stride);
+  for (int i = 0; i < 8; i += 2) {  // interleave pairs of rows
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // then pairs of pairs
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {  // then the 128-bit halves
+    _mm256_storeu_ps(out + i * kPackWidth, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
+    _mm256_storeu_ps(out + (i + 4) * kPackWidth, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  }
+}
+
+// Rows [n0, n0 + count) of w (count <= 16; depth a multiple of 8) as the (depth, 16) panel,
+// zero past count. Q/f16/bf16 rows are widened into `rows_buffer` first (rows 16 floats longer
+// than depth, so that they do not all fall in one L1 set).
+void pack_panel(const WeightMatrix& w, std::int64_t n0, std::int64_t count, float* rows_buffer,
+                float* panel) {
+  const std::int64_t depth = w.cols();
+  const float* rows = reinterpret_cast<const float*>(w.row(n0));
+  std::int64_t stride = depth;
+  if (w.format() != WeightFormat::f32 || count < kPackWidth) {
+    stride = depth + 16;
+    for (std::int64_t r = 0; r < kPackWidth; ++r) {
+      float* row = rows_buffer + r * stride;
+      if (r >= count)
+        std::fill(row, row + depth, 0.0f);
+      else if (w.format() == WeightFormat::f32)
+        std::copy_n(reinterpret_cast<const float*>(w.row(n0 + r)), depth, row);
+      else
+        widen_row(w.format(), w.row(n0 + r), depth, row);
+    }
+    rows = rows_buffer;
+  }
+  for (std::int64_t k = 0; k < depth; k += 8)
+    for (std::int64_t r0 = 0; r0 < kPackWidth; r0 += 8)
+      transpose_8x8(rows + r0 * stride + k, stride, panel + k * kPackWidth + r0);
+}
+
+// out (Rows, 16) = x tile . panel (depth, 16); the x tile is packed (depth, kPackedRows):
+// x[k * kPackedRows + i] is row i's value k, so its broadcasts read consecutive floats (rows of
+// x a multiple of 4 KiB apart would all fall in one L1 set).
+template <int Rows>
+void packed_tile(const float* x, const float* panel, std::int64_t depth, float* out) {
+  __m256 acc[Rows][2];
+  for (auto& row : acc) row[0] = row[1] = _mm256_setzero_ps();
+  for (std::int64_t k = 0; k < depth; ++k) {
+    const __m256 w0 = _mm256_loadu_ps(panel + k * kPackWidth);
+    const __m256 w1 = _mm256_loadu_ps(panel + k * kPackWidth + 8);
+    for (int i = 0; i < Rows; ++i) {
+      const __m256 xi = _mm256_broadcast_ss(x + k * kPackedRows + i);
+      acc[i][0] = _mm256_fmadd_ps(xi, w0, acc[i][0]);
+      acc[i][1] = _mm256_fmadd_ps(xi, w1, acc[i][1]);
+    }
+  }
+  for (int i = 0; i < Rows; ++i) {
+    _mm256_storeu_ps(out + i * kPackWidth, acc[i][0]);
+    _mm256_storeu_ps(out + i * kPackWidth + 8, acc[i][1]);
+  }
+}
+
+// The tile for the last rows (fewer than kPackedRows): Rows counts down to the one needed.
+template <int Rows>
+void packed_tile_rows(int rows, const float* x, const float* panel, std::int64_t depth,
+                      float* out) {
+  if constexpr (Rows > 1) {
+    if (rows < Rows) return packed_tile_rows<Rows - 1>(rows, x, panel, depth, out);
+  }
+  packed_tile<Rows>(x, panel, depth, out);
+}
+
+// x (M, depth) as tiles of kPackedRows rows, each (depth, kPackedRows); missing rows are zero.
+const std::vector<float>& pack_rows(const RowMatrix& x) {
+  thread_local std::vector<float> packed;
+  const std::int64_t depth = x.cols(), tiles = (x.rows() + kPackedRows - 1) / kPackedRows;
+  packed.assign(static_cast<std::size_t>(tiles * depth * kPackedRows), 0.0f);
+  for (std::int64_t m = 0; m < x.rows(); ++m) {
+    float* tile = packed.data() + (m / kPackedRows) * depth * kPackedRows + m % kPackedRows;
+    for (std::int64_t k = 0; k < depth; ++k) tile[k * kPackedRows] = x(m, k);
+  }
+  return packed;
+}
+
+void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
+  const std::int64_t rows = x.rows(), outputs = w.rows(), depth = w.cols();
+  const std::int64_t panels = (outputs + kPackWidth - 1) / kPackWidth;
+  const std::vector<float>& x_tiles = pack_rows(x);
+#pragma omp parallel
+  {
+    thread_local std::vector<float> rows_buffer, panel;  // kept between products
+    const auto size = static_cast<std::size_t>(kPackWidth * (depth + 16));
+    if (rows_buffer.size() < size) rows_buffer.resize(size);
+    if (panel.size() < size) panel.resize(size);
+#pragma omp for schedule(static)
+    for (std::int64_t p = 0; p < panels; ++p) {
+      const std::int64_t n0 = p * kPackWidth, count = std::min(kPackWidth, outputs - n0);
+      pack_panel(w, n0, count, rows_buffer.data(), panel.data());
+      for (std::int64_t m0 = 0; m0 < rows; m0 += kPackedRows) {
+        const int tile_rows = static_cast<int>(std::min<std::int64_t>(kPackedRows, rows - m0));
+        float out[kPackedRows * kPackWidth];
+        packed_tile_rows<kPackedRows>(tile_rows, x_tiles.data() + m0 * depth, panel.data(), depth,
+                                      out);
+        for (int i = 0; i < tile_rows; ++i)
+          for (std::int64_t j = 0; j < count; ++j) {
+            float& target = y(m0 + i, n0 + j);
+            target = accumulate ? target + out[i * kPackWidth + j] : out[i * kPackWidth + j];
+          }
+      }
+    }
+  }
 }
 #endif
 
@@ -324,6 +469,7 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
   }
 #if KVLAB_WEIGHT_SIMD
   if (multiply_fused(x, w, y, accumulate)) return;
+  if (rows > kFusedRows && depth % 8 == 0) return multiply_packed(x, w, y, accumulate);
 #endif
   const Product product{x, y, accumulate};
   const std::int64_t panels = (outputs + kPanelRows - 1) / kPanelRows;
