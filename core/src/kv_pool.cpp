@@ -22,23 +22,47 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
                     shape.layers, shape.kv_heads, shape.head_dim, shape.slots));
   const auto floats =
       checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads, shape.head_dim});
+  if (shape.dtype != DType::dtype_f32 && shape.dtype != DType::dtype_f16 &&
+      shape.dtype != DType::dtype_bf16)
+    throw Error(fmt::format("a KV pool holds f32, f16 or bf16, not {}",
+                            dtype_short_name(shape.dtype)));
   const auto bytes =
-      floats ? checked_product<std::int64_t>({*floats, 2, sizeof(float)}) : std::nullopt;
+      floats ? checked_product<std::int64_t>({*floats, 2, shape.element_bytes()}) : std::nullopt;
   if (!bytes)
     throw Error(fmt::format("KV pool of {} slots x {} layers x {} floats overflows 64 bits",
                             shape.slots, shape.layers, shape.kv_heads * shape.head_dim));
   if (storage == KvStorage::none) return;
   check_allocation(static_cast<std::uint64_t>(*bytes),
                    fmt::format("the KV pool ({} slots x {} layers x {} KV heads x head_dim {}, "
-                               "K and V in fp32; kv_cache.slots or kv_cache.memory_mib)",
-                               shape.slots, shape.layers, shape.kv_heads, shape.head_dim));
-  keys_ = allocate(*floats);
-  values_ = allocate(*floats);
+                               "K and V in {}; kv_cache.slots or kv_cache.memory_mib)",
+                               shape.slots, shape.layers, shape.kv_heads, shape.head_dim,
+                               dtype_short_name(shape.dtype)));
+  keys_ = allocate(*bytes / 2);
+  values_ = allocate(*bytes / 2);
 }
 
-KvPool::Buffer KvPool::allocate(std::int64_t floats) {
+float* KvPool::as_floats(std::byte* p) const {
+  if (shape_.dtype != DType::dtype_f32)
+    throw Error(fmt::format("internal: float access to a {} KV pool",
+                            dtype_short_name(shape_.dtype)));
+  return reinterpret_cast<float*>(p);
+}
+
+void KvPool::read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const {
+  const auto width = static_cast<std::size_t>(shape_.slot_width());
+  const std::byte* row = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
+  convert_to_f32(shape_.dtype, {row, width * dtype_size(shape_.dtype)}, {out, width});
+}
+
+void KvPool::write_row(std::int64_t layer, std::int64_t slot, bool value, const float* row) {
+  const auto width = static_cast<std::size_t>(shape_.slot_width());
+  std::byte* target = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
+  convert_from_f32(shape_.dtype, {row, width}, {target, width * dtype_size(shape_.dtype)});
+}
+
+KvPool::Buffer KvPool::allocate(std::int64_t size) {
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
-  const std::size_t bytes = static_cast<std::size_t>(std::max<std::int64_t>(floats, 1)) * sizeof(float);
+  const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(size, 1));
   const std::size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
   void* memory = std::aligned_alloc(kHugePage, rounded);
   if (memory == nullptr)
@@ -47,11 +71,11 @@ KvPool::Buffer KvPool::allocate(std::int64_t floats) {
   madvise(memory, rounded, MADV_HUGEPAGE);  // a hint: without huge pages it works as before
 #endif
   std::memset(memory, 0, bytes);
-  return Buffer(static_cast<float*>(memory));
+  return Buffer(static_cast<std::byte*>(memory));
 }
 
 std::int64_t KvPool::bytes_per_slot() const {
-  return 2 * shape_.layers * shape_.slot_width() * static_cast<std::int64_t>(sizeof(float));
+  return 2 * shape_.layers * shape_.slot_width() * shape_.element_bytes();
 }
 
 std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) {
@@ -59,10 +83,10 @@ std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, s
          destination + count <= shape_.slots);
   if (device_ != nullptr) device_->copy_slots(source, destination, count);
   if (!has_storage()) return count * bytes_per_slot();
-  const auto bytes = static_cast<std::size_t>(count * shape_.slot_width()) * sizeof(float);
+  const auto bytes = static_cast<std::size_t>(count * shape_.slot_width() * shape_.element_bytes());
   for (std::int64_t layer = 0; layer < shape_.layers; ++layer) {
-    std::memmove(key(layer, destination), key(layer, source), bytes);
-    std::memmove(value(layer, destination), value(layer, source), bytes);
+    std::memmove(key_bytes(layer, destination), key_bytes(layer, source), bytes);
+    std::memmove(value_bytes(layer, destination), value_bytes(layer, source), bytes);
   }
   return count * bytes_per_slot();
 }

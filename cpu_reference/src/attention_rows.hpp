@@ -1,80 +1,138 @@
 #pragma once
 // The two inner loops of decode attention over K/V rows read in place from the pool (rows
-// `stride` floats apart): scores of one query against a run of keys, and the weighted sum of a
-// run of values. AVX2 + FMA when head_dim is a multiple of 8, plain loops otherwise.
+// `stride` bytes apart, values in the pool's dtype: f32, f16 or bf16): scores of one query
+// against a run of keys, and the weighted sum of a run of values. AVX2 + FMA (+ F16C) when
+// head_dim is a multiple of 8; plain loops over rows widened with convert_to_f32 otherwise.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
+#include "kvlab/dtype.hpp"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVLAB_ATTENTION_SIMD 1
 #include <immintrin.h>
 #endif
 
 namespace kvlab::cpu {
 
-// scores[j] = scale * (q . k_j), k_j = k + j * stride, for j in [0, count); q: (hd).
-inline void score_rows(const float* q, const float* k, std::int64_t stride, std::int64_t count,
-                       std::int64_t hd, float scale, float* scores) {
-  std::int64_t j = 0;
-#if defined(__AVX2__) && defined(__FMA__)
-  if (hd % 8 == 0) {
-    for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
-      for (int r = 0; r < 8; ++r)      // the next 8 rows' first lines, ahead of use (x86
-        _mm_prefetch(reinterpret_cast<const char*>(k + (j + 8 + r) * stride),  // prefetches
-                     _MM_HINT_T0);                                               // never fault)
-      __m256 acc[8];
-      for (auto& a : acc) a = _mm256_setzero_ps();
-      for (std::int64_t d = 0; d < hd; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int r = 0; r < 8; ++r)
-          acc[r] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (j + r) * stride + d), acc[r]);
-      }
-      // Lane sums: hadd pairs, then the 128-bit halves of keys 0-3 and 4-7 added.
-      const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-      const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-      const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                        _mm256_permute2f128_ps(t0, t1, 0x31));
-      _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
-    }
-  }
-#endif
-  for (; j < count; ++j) {
-    float dot = 0;
-    for (std::int64_t d = 0; d < hd; ++d) dot += q[d] * k[j * stride + d];
-    scores[j] = dot * scale;
+#if KVLAB_ATTENTION_SIMD
+// 8 values of a row from value d, widened to fp32.
+template <DType Type>
+__m256 load_row8(const std::byte* row, std::int64_t d) {
+  if constexpr (Type == DType::dtype_f32) {
+    return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d);
+  } else {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d));
+    if constexpr (Type == DType::dtype_f16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+template <DType Type>
+void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, std::int64_t count,
+                     std::int64_t hd, float scale, float* scores) {
+  std::int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
+    for (int r = 0; r < 8; ++r)      // the next 8 rows, ahead of use (x86 prefetches never fault)
+      _mm_prefetch(reinterpret_cast<const char*>(k + (j + 8 + r) * stride), _MM_HINT_T0);
+    __m256 acc[8];
+    for (auto& a : acc) a = _mm256_setzero_ps();
+    for (std::int64_t d = 0; d < hd; d += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + d);
+      for (int r = 0; r < 8; ++r)
+        acc[r] = _mm256_fmadd_ps(qv, load_row8<Type>(k + (j + r) * stride, d), acc[r]);
+    }
+    // Lane sums: hadd pairs, then the 128-bit halves of keys 0-3 and 4-7 added.
+    const __m256 t0 =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+    const __m256 t1 =
+        _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
+                                      _mm256_permute2f128_ps(t0, t1, 0x31));
+    _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
+  }
+  for (; j < count; ++j) {  // the last keys, one at a time
+    __m256 acc = _mm256_setzero_ps();
+    for (std::int64_t d = 0; d < hd; d += 8)
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_row8<Type>(k + j * stride, d), acc);
+    const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+    scores[j] = _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1))) * scale;
+  }
+}
+
 // o[0 : 8 Vectors] += sum_j p[j] * v_j[0 : 8 Vectors]: the accumulators stay in registers.
-template <int Vectors>
-void add_weighted_columns(const float* p, const float* v, std::int64_t stride, std::int64_t count,
-                          float* o) {
+template <DType Type, int Vectors>
+void add_weighted_columns(const float* p, const std::byte* v, std::int64_t stride,
+                          std::int64_t count, float* o) {
   __m256 acc[Vectors];
   for (int s = 0; s < Vectors; ++s) acc[s] = _mm256_loadu_ps(o + 8 * s);
   for (std::int64_t j = 0; j < count; ++j) {
     _mm_prefetch(reinterpret_cast<const char*>(v + (j + 4) * stride), _MM_HINT_T0);
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int s = 0; s < Vectors; ++s)
-      acc[s] = _mm256_fmadd_ps(weight, _mm256_loadu_ps(v + j * stride + 8 * s), acc[s]);
+      acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(v + j * stride, 8 * s), acc[s]);
   }
   for (int s = 0; s < Vectors; ++s) _mm256_storeu_ps(o + 8 * s, acc[s]);
 }
+
+template <DType Type>
+void add_weighted_rows_simd(const float* p, const std::byte* v, std::int64_t stride,
+                            std::int64_t count, std::int64_t hd, float* o) {
+  const std::int64_t element = Type == DType::dtype_f32 ? 4 : 2;
+  std::int64_t c0 = 0;
+  for (; c0 + 64 <= hd; c0 += 64)
+    add_weighted_columns<Type, 8>(p, v + c0 * element, stride, count, o + c0);
+  for (; c0 < hd; c0 += 8)
+    add_weighted_columns<Type, 1>(p, v + c0 * element, stride, count, o + c0);
+}
 #endif
 
-// o += sum_j p[j] * v_j, v_j = v + j * stride, for j in [0, count); o: (hd).
-inline void add_weighted_rows(const float* p, const float* v, std::int64_t stride,
-                              std::int64_t count, std::int64_t hd, float* o) {
-#if defined(__AVX2__) && defined(__FMA__)
+// Row j (hd values from `rows + j * stride`) widened to fp32 in `out`.
+inline void widen_attention_row(DType dtype, const std::byte* row, std::int64_t hd, float* out) {
+  const auto n = static_cast<std::size_t>(hd);
+  convert_to_f32(dtype, {row, n * dtype_size(dtype)}, {out, n});
+}
+
+// scores[j] = scale * (q . k_j), k_j = k + j * stride bytes, for j in [0, count); q: (hd).
+inline void score_rows(DType dtype, const float* q, const std::byte* k, std::int64_t stride,
+                       std::int64_t count, std::int64_t hd, float scale, float* scores) {
+#if KVLAB_ATTENTION_SIMD
   if (hd % 8 == 0) {
-    std::int64_t c0 = 0;
-    for (; c0 + 64 <= hd; c0 += 64) add_weighted_columns<8>(p, v + c0, stride, count, o + c0);
-    for (; c0 < hd; c0 += 8) add_weighted_columns<1>(p, v + c0, stride, count, o + c0);
-    return;
+    if (dtype == DType::dtype_f32) return score_rows_simd<DType::dtype_f32>(q, k, stride, count, hd, scale, scores);
+    if (dtype == DType::dtype_f16) return score_rows_simd<DType::dtype_f16>(q, k, stride, count, hd, scale, scores);
+    return score_rows_simd<DType::dtype_bf16>(q, k, stride, count, hd, scale, scores);
   }
 #endif
-  for (std::int64_t j = 0; j < count; ++j)
-    for (std::int64_t d = 0; d < hd; ++d) o[d] += p[j] * v[j * stride + d];
+  std::vector<float> row(static_cast<std::size_t>(hd));
+  for (std::int64_t j = 0; j < count; ++j) {
+    widen_attention_row(dtype, k + j * stride, hd, row.data());
+    float dot = 0;
+    for (std::int64_t d = 0; d < hd; ++d) dot += q[d] * row[static_cast<std::size_t>(d)];
+    scores[j] = dot * scale;
+  }
+}
+
+// o += sum_j p[j] * v_j, v_j = v + j * stride bytes, for j in [0, count); o: (hd).
+inline void add_weighted_rows(DType dtype, const float* p, const std::byte* v,
+                              std::int64_t stride, std::int64_t count, std::int64_t hd,
+                              float* o) {
+#if KVLAB_ATTENTION_SIMD
+  if (hd % 8 == 0) {
+    if (dtype == DType::dtype_f32) return add_weighted_rows_simd<DType::dtype_f32>(p, v, stride, count, hd, o);
+    if (dtype == DType::dtype_f16) return add_weighted_rows_simd<DType::dtype_f16>(p, v, stride, count, hd, o);
+    return add_weighted_rows_simd<DType::dtype_bf16>(p, v, stride, count, hd, o);
+  }
+#endif
+  std::vector<float> row(static_cast<std::size_t>(hd));
+  for (std::int64_t j = 0; j < count; ++j) {
+    widen_attention_row(dtype, v + j * stride, hd, row.data());
+    for (std::int64_t d = 0; d < hd; ++d) o[d] += p[j] * row[static_cast<std::size_t>(d)];
+  }
 }
 
 }  // namespace kvlab::cpu

@@ -117,10 +117,8 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
         const std::int64_t row = first_rows[e] + static_cast<std::int64_t>(j);
         const std::int64_t slot =
             batch[e].view.slot_of(batch[e].start_position + static_cast<std::int64_t>(j));
-        std::memcpy(pool_.key(l, slot), k.row(row).data(),
-                    static_cast<std::size_t>(kv_dim) * sizeof(float));
-        std::memcpy(pool_.value(l, slot), qkv.row(row).data() + q_dim + kv_dim,
-                    static_cast<std::size_t>(kv_dim) * sizeof(float));
+        pool_.write_row(l, slot, false, k.row(row).data());  // rounded to the pool's dtype
+        pool_.write_row(l, slot, true, qkv.row(row).data() + q_dim + kv_dim);
       }
     attend(l, batch, first_rows, q, attention);
     multiply_by_transposed(attention, matrices.wo, x, true);
@@ -145,7 +143,6 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   return logits_;
 }
 
-using StridedMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
 
 // One entry's queries for the query heads of one KV head, and the keys they may see.
 struct AttentionGroup {
@@ -231,8 +228,11 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
 void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
                                RowMatrix& out) const {
   constexpr std::int64_t kChunk = 32;
-  const std::int64_t hd = weights_.config.head_dim, offset = task.kv_head * hd;
-  const std::int64_t width = pool_.shape().slot_width();
+  const KvPoolShape& shape = pool_.shape();
+  const DType dtype = shape.dtype;
+  const std::int64_t hd = weights_.config.head_dim;
+  const std::int64_t offset = task.kv_head * hd * shape.element_bytes();  // bytes into a row
+  const std::int64_t stride = shape.slot_width() * shape.element_bytes();  // bytes between rows
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   RowMatrix scores(task.heads, task.keys());  // (heads, keys)
   const float* queries = q.row(task.row0).data() + task.first_head * hd;  // (heads, hd)
@@ -244,17 +244,38 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   };
   chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
     for (std::int64_t h = 0; h < task.heads; ++h)
-      score_rows(queries + h * hd, pool_.key(layer, slot) + offset, width, count, hd, scale,
-                 &scores(h, column));
+      score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset, stride, count, hd,
+                 scale, &scores(h, column));
   });
   masked_softmax(task, scores);
   float* o = out.row(task.row0).data() + task.first_head * hd;  // (heads, hd)
   std::fill(o, o + task.heads * hd, 0.0f);
   chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
     for (std::int64_t h = 0; h < task.heads; ++h)
-      add_weighted_rows(&scores(h, column), pool_.value(layer, slot) + offset, width, count, hd,
-                        o + h * hd);
+      add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset, stride,
+                        count, hd, o + h * hd);
   });
+}
+
+// Head `kv_head` of `length` consecutive slots as (length, hd) fp32: the pool rows in place
+// (f32), or widened into a buffer of this thread's (f16, bf16).
+CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t slot, std::int64_t length,
+                                 std::int64_t kv_head, bool value) const {
+  const KvPoolShape& shape = pool_.shape();
+  const std::int64_t hd = shape.head_dim;
+  if (shape.dtype == DType::dtype_f32) {
+    const float* first = (value ? pool_.value(layer, slot) : pool_.key(layer, slot)) + kv_head * hd;
+    return {first, length, hd, Eigen::OuterStride<>(shape.slot_width())};
+  }
+  thread_local std::vector<float> widened[2];  // K and V of the run being used
+  auto& buffer = widened[value ? 1 : 0];
+  buffer.resize(static_cast<std::size_t>(length * hd));
+  const std::int64_t offset = kv_head * hd * shape.element_bytes();
+  for (std::int64_t j = 0; j < length; ++j) {
+    const std::byte* row = value ? pool_.value_bytes(layer, slot + j) : pool_.key_bytes(layer, slot + j);
+    widen_attention_row(shape.dtype, row + offset, hd, buffer.data() + j * hd);
+  }
+  return {buffer.data(), length, hd, Eigen::OuterStride<>(hd)};
 }
 
 // Several queries (a prefill chunk): the group's queries stacked (heads x queries, hd) meet each
@@ -262,20 +283,19 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
 void CpuBackend::attend_chunk(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
                               RowMatrix& out) const {
   const std::int64_t hd = weights_.config.head_dim, n = task.queries();
-  const std::int64_t width = pool_.shape().slot_width(), offset = task.kv_head * hd;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   RowMatrix stacked(task.heads * n, hd);  // row h*n + i: head first_head + h, query i
   for (std::int64_t h = 0; h < task.heads; ++h)
     stacked.middleRows(h * n, n) = q.block(task.row0, (task.first_head + h) * hd, n, hd);
   RowMatrix scores(task.heads * n, task.keys());
   task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
-    const StridedMap k(pool_.key(layer, slot) + offset, length, hd, Eigen::OuterStride<>(width));
+    const StridedMap k = head_rows(layer, slot, length, task.kv_head, false);  // (length, hd)
     scores.middleCols(column, length).noalias() = (stacked * k.transpose()) * scale;
   });
   masked_softmax(task, scores);
   RowMatrix result = RowMatrix::Zero(task.heads * n, hd);
   task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
-    const StridedMap v(pool_.value(layer, slot) + offset, length, hd, Eigen::OuterStride<>(width));
+    const StridedMap v = head_rows(layer, slot, length, task.kv_head, true);  // (length, hd)
     result.noalias() += scores.middleCols(column, length) * v;
   });
   for (std::int64_t h = 0; h < task.heads; ++h)

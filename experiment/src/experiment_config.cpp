@@ -225,6 +225,15 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
   c.kv_slots = s.get<std::int64_t>("slots");
   if (c.kv_slots && *c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
   c.kv_memory_mib = s.get<double>("memory_mib");
+  if (const toml::node* dtype = s.node("dtype")) {
+    const std::string name = s.get<std::string>("dtype").value_or("");
+    const auto parsed = dtype_from_short_name(name);
+    if (!parsed || (*parsed != DType::dtype_f32 && *parsed != DType::dtype_f16 &&
+                    *parsed != DType::dtype_bf16))
+      s.fail(*dtype, fmt::format("kv_cache.dtype must be \"f32\", \"f16\" or \"bf16\", not \"{}\"",
+                                 name));
+    c.kv_dtype = *parsed;
+  }
   c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
   c.swap_gb_per_s = s.get<double>("swap_gb_per_s").value_or(c.swap_gb_per_s);
   if (c.swap_slots < 0) s.fail(*s.node("swap_slots"), "kv_cache.swap_slots must be >= 0");

@@ -46,11 +46,11 @@ void run_step(benchmark::State& state, std::int64_t batch, std::int64_t new_toke
   const Model& m = model();
   const ModelConfig& c = m.weights.config;
   new_tokens = std::min(new_tokens, c.max_position_embeddings);  // small models (the smoke test)
-  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch * 1024});
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch * 512});
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   PluginContext plugin_context;
   plugin_context.pool = &pool;
-  plugin_context.max_seq_len = 1024;
+  plugin_context.max_seq_len = 512;
   auto allocator = registry.create<PluginKind::kv_allocator>("paged", {{"prefix_caching", false}},
                                                            plugin_context);
   std::vector<std::vector<std::int32_t>> tokens(static_cast<std::size_t>(batch));

@@ -179,6 +179,35 @@ namespace {
 
 // A pool sized from input is checked before it is allocated: overflow and "more than this
 // machine holds" are errors naming the pool's shape, not std::bad_alloc.
+// An f16/bf16 pool stores half the bytes, rounds each value to nearest even on write (what
+// convert_from_f32 does), moves slots as bytes, and refuses float access.
+TEST(KvPoolDtype, HalfPoolsRoundOnWriteAndHoldHalfTheBytes) {
+  const KvPoolShape f32_shape{2, 2, 4, 8};
+  for (DType dtype : {DType::dtype_f16, DType::dtype_bf16}) {
+    KvPoolShape shape = f32_shape;
+    shape.dtype = dtype;
+    KvPool pool(shape);
+    EXPECT_EQ(pool.bytes_per_slot() * 2, KvPool(f32_shape).bytes_per_slot());
+    const std::vector<float> row{0.1f, -1.0f / 3, 65504.0f, 1e-8f, 3.0f, -0.0f, 7.5f, 1234.567f};
+    pool.write_row(1, 5, true, row.data());
+    std::vector<std::byte> expected_bytes(row.size() * 2);
+    convert_from_f32(dtype, row, expected_bytes);
+    std::vector<float> expected(row.size()), back(row.size());
+    convert_to_f32(dtype, expected_bytes, expected);
+    pool.read_row(1, 5, true, back.data());
+    EXPECT_EQ(back, expected) << dtype_short_name(dtype);
+    EXPECT_NE(back, row);  // 0.1 and 1/3 are not exact in 16 bits
+    pool.copy_slots(5, 2, 1);
+    pool.read_row(1, 2, true, back.data());
+    EXPECT_EQ(back, expected);
+    pool.read_row(1, 2, false, back.data());  // K untouched
+    EXPECT_EQ(back, std::vector<float>(row.size(), 0.0f));
+    test::expect_error_containing([&] { (void)pool.key(0, 0); }, {"float access", "KV pool"});
+  }
+  test::expect_error_containing([] { KvPool pool({1, 1, 8, 4, DType::dtype_i8}); },
+                                {"f32, f16 or bf16", "i8"});
+}
+
 TEST(KvPoolSize, OverflowAndMachineLimitAreErrors) {
   const std::string overflow = test::error_of<Error>([] {
     KvPool pool({32, 32, 128, std::int64_t{1} << 50});

@@ -37,11 +37,12 @@ struct EngineSetup {
   std::int64_t slots = 256;
   std::int64_t max_seq_len = 64;
   std::int64_t swap_slots = 0;
+  DType kv_dtype = DType::dtype_f32;
 };
 
 EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequest>& requests) {
   const ModelConfig& c = weights().config;
-  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, setup.slots});
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, setup.slots, setup.kv_dtype});
   PluginContext context;
   context.pool = &pool;
   context.model = &c;
@@ -163,6 +164,39 @@ TEST(Engine, PreemptionHappensUnderMemoryPressureAndTokensStillMatch) {
   for (const auto& event : result.events)
     saw_preempt_event |= event.kind == EventKind::event_preempt;
   EXPECT_TRUE(saw_preempt_event);
+}
+
+// A 16-bit KV pool: swapping moves its bytes (half of fp32's) and brings back exactly the K/V it
+// held, so a run with swap preemption makes the tokens of the same pool never preempted.
+TEST(Engine, HalfKvPoolsSwapTheirOwnBytesLosslessly) {
+  std::vector<WorkloadRequest> requests = small_workload(11, 6);
+  for (auto& r : requests) {
+    r.arrival_s = 0;
+    r.output_tokens = 8;
+    r.sampling.max_tokens = 8;
+    r.sampling.ignore_eos = true;  // the same lengths, so the same schedule, in every run
+  }
+  auto swapped_bytes = [](const EngineResult& result) {
+    std::int64_t total = 0;
+    for (const auto& t : result.requests) total += t.swapped_bytes;
+    return total;
+  };
+  EngineSetup tight;
+  tight.slots = 40;
+  tight.swap_slots = 1000;
+  tight.scheduler_params = {{"preemption", std::string("swap")}};
+  const std::int64_t f32_bytes = swapped_bytes(run_engine(tight, requests));
+  for (DType dtype : {DType::dtype_f16, DType::dtype_bf16}) {
+    tight.kv_dtype = dtype;
+    const EngineResult swapped = run_engine(tight, requests);
+    EXPECT_GT(swapped_bytes(swapped), 0);
+    EXPECT_EQ(2 * swapped_bytes(swapped), f32_bytes) << dtype_short_name(dtype);
+    EngineSetup roomy;
+    roomy.kv_dtype = dtype;
+    const EngineResult unpreempted = run_engine(roomy, requests);
+    EXPECT_EQ(swapped_bytes(unpreempted), 0);
+    EXPECT_EQ(swapped.tokens, unpreempted.tokens) << dtype_short_name(dtype);
+  }
 }
 
 TEST(Engine, SwapPreemptionKeepsTheKvAndTheTokens) {

@@ -118,5 +118,27 @@ TEST(ExperimentLibrary, RealWorkloadSectionsAreChecked) {
             std::string::npos);
 }
 
+// [backend] weights and [kv_cache] dtype: what the cpu backend multiplies in and stores K/V as.
+TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
+  auto load_error = [](std::vector<std::string> more, bool check = false) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), check); });
+  };
+  EXPECT_NE(load_error({"backend.weights=\"q5_k\""}).find("backend.weights must be one of stored"),
+            std::string::npos);
+  EXPECT_NE(load_error({"kv_cache.dtype=\"fp8\""}).find("kv_cache.dtype must be"),
+            std::string::npos);
+  EXPECT_NE(load_error({"kv_cache.dtype=\"f16\""}, true).find("check with kv_cache.dtype"),
+            std::string::npos);
+  const auto runs =
+      load_experiment(kQuickstart, small({"backend.weights=\"q8_0\"", "kv_cache.dtype=\"bf16\""}));
+  EXPECT_EQ(runs[1].config.cpu_weights, "q8_0");
+  EXPECT_EQ(runs[1].config.kv_dtype, DType::dtype_bf16);
+  validate_experiment(runs, false);
+  const RunOutput out = run_experiment(runs[1].config, false, nullptr);
+  EXPECT_EQ(out.summary.finished + out.summary.rejected, out.summary.submitted);
+  EXPECT_GT(out.summary.finished, 0);
+}
+
 }  // namespace
 }  // namespace kvlab

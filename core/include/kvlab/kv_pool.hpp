@@ -2,10 +2,13 @@
 // The KV pool: host memory for the keys and values of every layer, divided into slots (one
 // slot = one token's K and V in every layer). Allocators decide which slots a sequence owns;
 // the backend reads and writes them through a KvView.
+#include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
 #include <vector>
+
+#include "kvlab/dtype.hpp"
 
 namespace kvlab {
 
@@ -14,12 +17,14 @@ struct KvPoolShape {
   std::int64_t kv_heads = 0;
   std::int64_t head_dim = 0;
   std::int64_t slots = 0;
-  std::int64_t slot_width() const {
-    return kv_heads * head_dim;
-  }  // floats per slot per layer, K or V
+  DType dtype = DType::dtype_f32;  // f32, f16 or bf16 (rounded to nearest even on write)
+  // Values per slot per layer, K or V.
+  std::int64_t slot_width() const { return kv_heads * head_dim; }
+  std::int64_t element_bytes() const { return static_cast<std::int64_t>(dtype_size(dtype)); }
 };
 
-// Layout: keys and values each (layers, slots, kv_heads, head_dim), fp32, row-major.
+// Layout: keys and values each (layers, slots, kv_heads, head_dim) in the shape's dtype,
+// row-major.
 // A pool without storage (KvStorage::none) is bookkeeping only: allocators hand out its slots
 // as usual, key()/value() must not be called (the simulated backend computes nothing).
 enum class KvStorage { host, none };
@@ -45,36 +50,50 @@ class KvPool {
   KvDeviceStorage* device() const { return device_; }
 
   const KvPoolShape& shape() const { return shape_; }
-  // (kv_heads * head_dim) floats of one slot in one layer.
-  float* key(std::int64_t layer, std::int64_t slot) { return keys_.get() + offset(layer, slot); }
-  float* value(std::int64_t layer, std::int64_t slot) {
+  // (kv_heads * head_dim) values of one slot in one layer, in the pool's dtype.
+  std::byte* key_bytes(std::int64_t layer, std::int64_t slot) { return keys_.get() + offset(layer, slot); }
+  std::byte* value_bytes(std::int64_t layer, std::int64_t slot) {
     return values_.get() + offset(layer, slot);
   }
-  const float* key(std::int64_t layer, std::int64_t slot) const {
+  const std::byte* key_bytes(std::int64_t layer, std::int64_t slot) const {
     return keys_.get() + offset(layer, slot);
   }
-  const float* value(std::int64_t layer, std::int64_t slot) const {
+  const std::byte* value_bytes(std::int64_t layer, std::int64_t slot) const {
     return values_.get() + offset(layer, slot);
   }
-  // Bytes one slot holds over all layers, K and V (as stored here: fp32).
+  // The same as floats: an f32 pool only.
+  float* key(std::int64_t layer, std::int64_t slot) { return as_floats(key_bytes(layer, slot)); }
+  float* value(std::int64_t layer, std::int64_t slot) { return as_floats(value_bytes(layer, slot)); }
+  const float* key(std::int64_t layer, std::int64_t slot) const {
+    return as_floats(const_cast<std::byte*>(key_bytes(layer, slot)));
+  }
+  const float* value(std::int64_t layer, std::int64_t slot) const {
+    return as_floats(const_cast<std::byte*>(value_bytes(layer, slot)));
+  }
+  // One slot row of one layer (K, or V when `value`) widened to / rounded from fp32, whatever
+  // the dtype: slot_width() floats.
+  void read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const;
+  void write_row(std::int64_t layer, std::int64_t slot, bool value, const float* row);
+  // Bytes one slot holds over all layers, K and V, in the pool's dtype.
   std::int64_t bytes_per_slot() const;
   // Copies `count` slots starting at `source` to `destination` in every layer, K and V
   // (ranges may overlap). Returns the bytes copied.
   std::int64_t copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count);
 
  private:
-  std::int64_t offset(std::int64_t layer, std::int64_t slot) const {
-    return (layer * shape_.slots + slot) * shape_.slot_width();
+  std::int64_t offset(std::int64_t layer, std::int64_t slot) const {  // in bytes
+    return (layer * shape_.slots + slot) * shape_.slot_width() * shape_.element_bytes();
   }
+  float* as_floats(std::byte* p) const;  // checks the dtype is f32
   KvPoolShape shape_;
   KvDeviceStorage* device_ = nullptr;
   struct Free {
-    void operator()(float* p) const { std::free(p); }
+    void operator()(std::byte* p) const { std::free(p); }
   };
   // Zeroed, on 2 MiB boundaries and advised as huge pages (Linux): attention reads one head's
   // slice of every slot row, a stride that would otherwise miss the TLB on every row.
-  using Buffer = std::unique_ptr<float[], Free>;
-  static Buffer allocate(std::int64_t floats);
+  using Buffer = std::unique_ptr<std::byte[], Free>;
+  static Buffer allocate(std::int64_t bytes);
   Buffer keys_;    // (layers, slots, kv_heads, head_dim)
   Buffer values_;  // (layers, slots, kv_heads, head_dim)
 };

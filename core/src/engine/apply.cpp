@@ -10,9 +10,10 @@
 namespace kvlab {
 namespace {
 
-// Bytes of K and V for `tokens` positions across all layers.
+// Bytes of K and V for `tokens` positions across all layers, in the pool's dtype (what a real
+// swap moves; the host buffer holds them widened to fp32, which is exact).
 std::int64_t kv_bytes(const KvPoolShape& shape, std::int64_t tokens) {
-  return 2 * shape.layers * tokens * shape.slot_width() * static_cast<std::int64_t>(sizeof(float));
+  return 2 * shape.layers * tokens * shape.slot_width() * shape.element_bytes();
 }
 
 // Copies the KV of positions [first, end) between the pool (through `view`) and a host buffer
@@ -37,11 +38,11 @@ std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::
         float* k = buffer.data() + ((2 * layer) * tokens + (p - first)) * width;
         float* v = buffer.data() + ((2 * layer + 1) * tokens + (p - first)) * width;
         if (to_host) {
-          std::copy_n(pool.key(layer, slot), width, k);
-          std::copy_n(pool.value(layer, slot), width, v);
+          pool.read_row(layer, slot, false, k);
+          pool.read_row(layer, slot, true, v);
         } else {
-          std::copy_n(k, width, pool.key(layer, slot));
-          std::copy_n(v, width, pool.value(layer, slot));
+          pool.write_row(layer, slot, false, k);
+          pool.write_row(layer, slot, true, v);
         }
       }
   }  // else: bookkeeping only (the simulated backend's pool has no storage)

@@ -53,6 +53,9 @@ class CpuBackend final : public Backend {
                      RowMatrix& out) const;
   void attend_chunk(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
                     RowMatrix& out) const;
+  using StridedMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
+  StridedMap head_rows(std::int64_t layer, std::int64_t slot, std::int64_t length,
+                       std::int64_t kv_head, bool value) const;
 
   const LlamaWeights& weights_;
   ComputeWeights compute_;

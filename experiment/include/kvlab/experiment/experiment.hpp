@@ -12,6 +12,7 @@
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
+#include "kvlab/dtype.hpp"
 #include "kvlab/plugin_params.hpp"
 
 namespace kvlab {
@@ -38,6 +39,7 @@ struct ExperimentConfig {
   ParamMap allocator_params;
   std::optional<std::int64_t> kv_slots;  // default: 4096 (cpu), the profile's capacity (simulated)
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
+  DType kv_dtype = DType::dtype_f32;     // the cpu backend's KV pool: f32, f16 or bf16
   std::int64_t swap_slots = 0;           // host swap pool for swap preemption, in tokens
   double swap_gb_per_s = 16.0;           // its modelled copy bandwidth
   std::string attention = "gqa";
