@@ -276,7 +276,7 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
     if (std::find(formats.begin(), formats.end(), name) == formats.end()) formats.push_back(name);
     return m;
   };
-  // The stack of `hf_names` as stored, or `fallback` (the fp32 values) rounded to Q8_0.
+  // The stack of `hf_names` as stored, or `fallback` (the fp32 values) multiplied as they are.
   auto matrix = [&](std::initializer_list<std::string> hf_names, const RowMatrix& fallback) {
     std::vector<WeightMatrix> parts;
     std::int64_t rows = 0;
@@ -292,8 +292,7 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
         parts[0].cols() == fallback.cols())
       return note(parts.size() == 1 ? parts[0] : WeightMatrix::stack(parts));
     converted.push_back(*hf_names.begin());
-    if (fallback.cols() % 32 != 0) return note(WeightMatrix::view(fallback));
-    return note(WeightMatrix::quantize(fallback, WeightFormat::q8_0));
+    return note(WeightMatrix::view(fallback));  // the fp32 values the reference uses
   };
   ComputeWeights out;
   for (std::size_t l = 0; l < weights.layers.size(); ++l) {
@@ -314,8 +313,8 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   out.description = fmt::format("gguf native ({})", fmt::join(formats, ", "));
   if (!converted.empty())
     out.description += fmt::format(
-        "; {} matrices rounded to q8_0 from fp32 (stored in a type without a kernel, stacked "
-        "with another type, or K/V heads converted)",
+        "; {} matrices multiplied in fp32 (stored in a type without a kernel, stacked with "
+        "another type, or K/V heads converted)",
         converted.size());
   return out;
 }

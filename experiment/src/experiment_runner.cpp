@@ -66,6 +66,11 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
     throw Error(fmt::format("kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" "
                             "keeps K/V its own way",
                             dtype_short_name(c.kv_dtype), c.backend));
+  if (c.cpu_weights != "stored" && c.cpu_weights != "f32" && check)
+    throw Error(fmt::format(
+        "kvlab check holds tokens equal to the reference over the checkpoint's own values; "
+        "backend.weights = \"{}\" rounds them first: check with \"stored\" (the default)",
+        c.cpu_weights));
   if (c.kv_dtype != DType::dtype_f32 && check)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the fp32 reference; a {} KV pool rounds every K and V, "
@@ -373,6 +378,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   // reference check all use these, so `check` compares one model.
   const SequenceRules rules = sequence_rules(model, *served.attention);
   std::unique_ptr<Backend> inner;
+  std::string weights_description;
   PluginObject<Backend> device_backend;  // declared after pool: destroyed (detaching) first
   if (simulated) {
     inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
@@ -381,9 +387,11 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     context.window = rules.window.value_or(0);
     device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
   } else {
-    inner = std::make_unique<cpu::CpuBackend>(
+    auto cpu_backend = std::make_unique<cpu::CpuBackend>(
         *served.weights, pool, rules.window,
         cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights));
+    weights_description = cpu_backend->matrices().description;
+    inner = std::move(cpu_backend);
   }
   TimedBackend backend(plugin_backend ? *device_backend : *inner);
   std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers
@@ -395,6 +403,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   out.model_name = model.name;
   out.kv_slots = slots;
   out.workload_description = workload.description;
+  out.weights_description = weights_description;
   out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();
   out.engine = engine.run(requests);
@@ -533,6 +542,8 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
   if (out.step_prediction_error)
     j["step_prediction_error"] = latency_json(*out.step_prediction_error);
   if (!out.workload_description.empty()) j["workload"] = out.workload_description;
+  if (!out.weights_description.empty()) j["weights"] = out.weights_description;
+  j["kv_dtype"] = dtype_short_name(c.kv_dtype);
   return j;
 }
 

@@ -222,6 +222,15 @@ TEST(ComputeWeights, GgufMatricesStayInTheirStoredTypes) {
     EXPECT_EQ(compute.layers[l].w_down.dequantize(), weights.layers[l].w_down);
   }
   EXPECT_EQ(compute.output_projection.dequantize(), weights.output_projection());
+  // K/V heads converted by an attention variant (2 -> 1, MQA): the stored Q/K/V blocks are not
+  // the served matrix, so it is multiplied in fp32 from the converted weights, as the
+  // reference computes it; the other matrices keep their stored types.
+  const LlamaWeights mqa = convert_kv_heads(weights, 1);
+  const ComputeWeights converted = gguf_compute_weights(path, mqa);
+  EXPECT_EQ(converted.layers[0].w_qkv.format(), WeightFormat::f32);
+  EXPECT_EQ(converted.layers[0].w_qkv.dequantize(), mqa.layers[0].w_qkv);
+  EXPECT_EQ(converted.layers[0].w_gate_up.format(), WeightFormat::q8_0);
+  EXPECT_NE(converted.description.find("multiplied in fp32"), std::string::npos);
 }
 
 }  // namespace

@@ -130,6 +130,8 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
             std::string::npos);
   EXPECT_NE(load_error({"kv_cache.dtype=\"f16\""}, true).find("check with kv_cache.dtype"),
             std::string::npos);
+  EXPECT_NE(load_error({"backend.weights=\"q4_0\""}, true).find("rounds them first"),
+            std::string::npos);
   const auto runs =
       load_experiment(kQuickstart, small({"backend.weights=\"q8_0\"", "kv_cache.dtype=\"bf16\""}));
   EXPECT_EQ(runs[1].config.cpu_weights, "q8_0");

@@ -94,8 +94,8 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
 // The matrices of a GGUF file in their stored formats, no fp32 copy (Q and K rows put back in
 // Hugging Face's order, as read_gguf_tensor does); a matrix stored in a type kvlab only
 // dequantizes (Q4_K, Q6_K), a stack whose parts differ in type, or one whose K/V heads an
-// attention variant converted, is rounded to Q8_0 from its fp32 values in `weights` (which must
-// be this file's, converted or not). Throws kvlab::Error.
+// attention variant converted, is multiplied in fp32 from `weights` (which must be this file's,
+// converted or not), so the product is always the reference's. Throws kvlab::Error.
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights);
 

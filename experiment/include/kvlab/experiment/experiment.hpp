@@ -93,6 +93,7 @@ struct RunOutput {
   std::optional<LatencySummary> step_prediction_error;
   std::string model_name;
   std::string workload_description;  // a real workload's: what was read, what was clipped
+  std::string weights_description;   // cpu backend: the formats its products read
   // A prompt set's texts and the answers decoded by the model's tokenizer (outputs.jsonl).
   std::vector<std::string> prompt_texts, answer_texts;
 };
