@@ -2,7 +2,8 @@
 # The README's second command: set up, build, and run the whole test suite (ctest) in three
 # builds (docs/building.md):
 #   build/           native (-march=native), warnings as errors: every test
-#   build-asan/      portable, AddressSanitizer + UBSan: the core and plugin tests
+#   build-asan/      portable, AddressSanitizer + UBSan: the core, plugin and cpu_reference tests
+#                    (the plain-loop kernels that machines without AVX2 run)
 #   build-portable/  portable, no sanitizer: the CUDA emulator under valgrind (emulated.memcheck),
 #                    which cannot decode the AVX-512 a native build contains on some machines
 #   build-fuzz/      clang, libFuzzer + ASan + UBSan: every input parser fuzzed for
@@ -17,9 +18,10 @@ ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
 asan_dir="${build_dir}-asan"
 cmake -S . -B "$asan_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_SANITIZE=ON -DKVLAB_WITH_CUDA=OFF \
   -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON
-cmake --build "$asan_dir" -j "$(nproc)" --target kvlab_core_tests kvlab_plugin_tests
+cmake --build "$asan_dir" -j "$(nproc)" --target kvlab_core_tests kvlab_plugin_tests \
+  kvlab_cpu_reference_tests
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
-  ctest --test-dir "$asan_dir" -L "core|plugins" --output-on-failure -j "$(nproc)"
+  ctest --test-dir "$asan_dir" -L "core|plugins|cpu_reference" --output-on-failure -j "$(nproc)"
 
 if command -v valgrind >/dev/null 2>&1; then
   portable_dir="${build_dir}-portable"

@@ -24,8 +24,8 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
       checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads, shape.head_dim});
   if (shape.dtype != DType::dtype_f32 && shape.dtype != DType::dtype_f16 &&
       shape.dtype != DType::dtype_bf16)
-    throw Error(fmt::format("a KV pool holds f32, f16 or bf16, not {}",
-                            dtype_short_name(shape.dtype)));
+    throw Error(
+        fmt::format("a KV pool holds f32, f16 or bf16, not {}", dtype_short_name(shape.dtype)));
   const auto bytes =
       floats ? checked_product<std::int64_t>({*floats, 2, shape.element_bytes()}) : std::nullopt;
   if (!bytes)
@@ -43,8 +43,8 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
 
 float* KvPool::as_floats(std::byte* p) const {
   if (shape_.dtype != DType::dtype_f32)
-    throw Error(fmt::format("internal: float access to a {} KV pool",
-                            dtype_short_name(shape_.dtype)));
+    throw Error(
+        fmt::format("internal: float access to a {} KV pool", dtype_short_name(shape_.dtype)));
   return reinterpret_cast<float*>(p);
 }
 

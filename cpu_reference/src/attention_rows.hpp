@@ -37,7 +37,7 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
                      std::int64_t hd, float scale, float* scores) {
   std::int64_t j = 0;
   for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
-    for (int r = 0; r < 8; ++r)      // the next 8 rows, ahead of use (x86 prefetches never fault)
+    for (int r = 0; r < 8; ++r)     // the next 8 rows, ahead of use (x86 prefetches never fault)
       _mm_prefetch(reinterpret_cast<const char*>(k + (j + 8 + r) * stride), _MM_HINT_T0);
     __m256 acc[8];
     for (auto& a : acc) a = _mm256_setzero_ps();
@@ -51,8 +51,8 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
         _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
     const __m256 t1 =
         _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    const __m256 sums = _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20),
-                                      _mm256_permute2f128_ps(t0, t1, 0x31));
+    const __m256 sums =
+        _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
   }
   for (; j < count; ++j) {  // the last keys, one at a time
@@ -103,8 +103,10 @@ inline void score_rows(DType dtype, const float* q, const std::byte* k, std::int
                        std::int64_t count, std::int64_t hd, float scale, float* scores) {
 #if KVLAB_ATTENTION_SIMD
   if (hd % 8 == 0) {
-    if (dtype == DType::dtype_f32) return score_rows_simd<DType::dtype_f32>(q, k, stride, count, hd, scale, scores);
-    if (dtype == DType::dtype_f16) return score_rows_simd<DType::dtype_f16>(q, k, stride, count, hd, scale, scores);
+    if (dtype == DType::dtype_f32)
+      return score_rows_simd<DType::dtype_f32>(q, k, stride, count, hd, scale, scores);
+    if (dtype == DType::dtype_f16)
+      return score_rows_simd<DType::dtype_f16>(q, k, stride, count, hd, scale, scores);
     return score_rows_simd<DType::dtype_bf16>(q, k, stride, count, hd, scale, scores);
   }
 #endif
@@ -118,13 +120,14 @@ inline void score_rows(DType dtype, const float* q, const std::byte* k, std::int
 }
 
 // o += sum_j p[j] * v_j, v_j = v + j * stride bytes, for j in [0, count); o: (hd).
-inline void add_weighted_rows(DType dtype, const float* p, const std::byte* v,
-                              std::int64_t stride, std::int64_t count, std::int64_t hd,
-                              float* o) {
+inline void add_weighted_rows(DType dtype, const float* p, const std::byte* v, std::int64_t stride,
+                              std::int64_t count, std::int64_t hd, float* o) {
 #if KVLAB_ATTENTION_SIMD
   if (hd % 8 == 0) {
-    if (dtype == DType::dtype_f32) return add_weighted_rows_simd<DType::dtype_f32>(p, v, stride, count, hd, o);
-    if (dtype == DType::dtype_f16) return add_weighted_rows_simd<DType::dtype_f16>(p, v, stride, count, hd, o);
+    if (dtype == DType::dtype_f32)
+      return add_weighted_rows_simd<DType::dtype_f32>(p, v, stride, count, hd, o);
+    if (dtype == DType::dtype_f16)
+      return add_weighted_rows_simd<DType::dtype_f16>(p, v, stride, count, hd, o);
     return add_weighted_rows_simd<DType::dtype_bf16>(p, v, stride, count, hd, o);
   }
 #endif

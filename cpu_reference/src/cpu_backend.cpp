@@ -107,8 +107,8 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
     const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
     multiply_by_transposed(normed, matrices.w_qkv, qkv, false);  // (N, q_dim + 2 kv_dim)
-    q = qkv.leftCols(q_dim);                                  // (N, q_dim)
-    k = qkv.middleCols(q_dim, kv_dim);                        // (N, kv_dim)
+    q = qkv.leftCols(q_dim);                                     // (N, q_dim)
+    k = qkv.middleCols(q_dim, kv_dim);                           // (N, kv_dim)
     rope_.apply(q, positions, c.num_attention_heads);
     rope_.apply(k, positions, c.num_key_value_heads);
     // Write the new tokens' K and V into their slots.
@@ -142,7 +142,6 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (entries, vocab)
   return logits_;
 }
-
 
 // One entry's queries for the query heads of one KV head, and the keys they may see.
 struct AttentionGroup {
@@ -214,8 +213,8 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     const std::int64_t last_position = entry.start_position + queries - 1;
     std::int64_t key_begin = entry.view.first_position;  // oldest key any query sees
     if (window_) key_begin = std::max(key_begin, entry.start_position - *window_ + 1);
-    const AttentionGroup task{entry,    t % kv_heads, (t % kv_heads) * group, group, first_rows[e],
-                         key_begin, last_position, window_};
+    const AttentionGroup task{entry,         t % kv_heads, (t % kv_heads) * group, group,
+                              first_rows[e], key_begin,    last_position,          window_};
     if (queries == 1)
       attend_decode(layer, task, q, out);
     else
@@ -231,10 +230,10 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   const KvPoolShape& shape = pool_.shape();
   const DType dtype = shape.dtype;
   const std::int64_t hd = weights_.config.head_dim;
-  const std::int64_t offset = task.kv_head * hd * shape.element_bytes();  // bytes into a row
+  const std::int64_t offset = task.kv_head * hd * shape.element_bytes();   // bytes into a row
   const std::int64_t stride = shape.slot_width() * shape.element_bytes();  // bytes between rows
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  RowMatrix scores(task.heads, task.keys());  // (heads, keys)
+  RowMatrix scores(task.heads, task.keys());                              // (heads, keys)
   const float* queries = q.row(task.row0).data() + task.first_head * hd;  // (heads, hd)
   auto chunks = [&](auto&& body) {
     task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
@@ -259,8 +258,9 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
 
 // Head `kv_head` of `length` consecutive slots as (length, hd) fp32: the pool rows in place
 // (f32), or widened into a buffer of this thread's (f16, bf16).
-CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t slot, std::int64_t length,
-                                 std::int64_t kv_head, bool value) const {
+CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t slot,
+                                             std::int64_t length, std::int64_t kv_head,
+                                             bool value) const {
   const KvPoolShape& shape = pool_.shape();
   const std::int64_t hd = shape.head_dim;
   if (shape.dtype == DType::dtype_f32) {
@@ -272,7 +272,8 @@ CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t sl
   buffer.resize(static_cast<std::size_t>(length * hd));
   const std::int64_t offset = kv_head * hd * shape.element_bytes();
   for (std::int64_t j = 0; j < length; ++j) {
-    const std::byte* row = value ? pool_.value_bytes(layer, slot + j) : pool_.key_bytes(layer, slot + j);
+    const std::byte* row =
+        value ? pool_.value_bytes(layer, slot + j) : pool_.key_bytes(layer, slot + j);
     widen_attention_row(shape.dtype, row + offset, hd, buffer.data() + j * hd);
   }
   return {buffer.data(), length, hd, Eigen::OuterStride<>(hd)};

@@ -70,8 +70,9 @@ void widen_row(WeightFormat format, const std::byte* row, std::int64_t cols, flo
   switch (format) {
     case WeightFormat::f16:
       for (std::int64_t k = 0; k + 8 <= cols; k += 8)
-        _mm256_storeu_ps(out + k, _mm256_cvtph_ps(_mm_loadu_si128(
-                                      reinterpret_cast<const __m128i*>(row + 2 * k))));
+        _mm256_storeu_ps(
+            out + k,
+            _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * k))));
       break;
     case WeightFormat::bf16:
       for (std::int64_t k = 0; k + 8 <= cols; k += 8) {
@@ -185,7 +186,6 @@ struct Product {
   }
 };
 
-
 #if KVLAB_WEIGHT_SIMD
 // Up to this many rows of x, each weight row is widened in registers and used at once (no
 // panel written and read back): decode at small batches streams each weight byte once, one
@@ -297,15 +297,24 @@ bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
     block_sums.resize(static_cast<std::size_t>(rows * (depth / 32)));
     for (std::int64_t i = 0; i < rows; ++i)
       for (std::int64_t b = 0; b < depth / 32; ++b)
-        block_sums[static_cast<std::size_t>(i * (depth / 32) + b)] = x.row(i).segment(b * 32, 32).sum();
+        block_sums[static_cast<std::size_t>(i * (depth / 32) + b)] =
+            x.row(i).segment(b * 32, 32).sum();
   }
 #pragma omp parallel
   {
     switch (rows) {
-      case 4: fused_rows<4>(x, w, y, accumulate, 0, block_sums); break;
-      case 3: fused_rows<3>(x, w, y, accumulate, 0, block_sums); break;
-      case 2: fused_rows<2>(x, w, y, accumulate, 0, block_sums); break;
-      default: fused_rows<1>(x, w, y, accumulate, 0, block_sums); break;
+      case 4:
+        fused_rows<4>(x, w, y, accumulate, 0, block_sums);
+        break;
+      case 3:
+        fused_rows<3>(x, w, y, accumulate, 0, block_sums);
+        break;
+      case 2:
+        fused_rows<2>(x, w, y, accumulate, 0, block_sums);
+        break;
+      default:
+        fused_rows<1>(x, w, y, accumulate, 0, block_sums);
+        break;
     }
   }
   return true;

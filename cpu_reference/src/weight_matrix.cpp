@@ -320,7 +320,8 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
 }
 
 ComputeWeights select_compute_weights(const LlamaWeights& weights,
-                                      const std::filesystem::path& source, std::string_view choice) {
+                                      const std::filesystem::path& source,
+                                      std::string_view choice) {
   if (choice == "stored")
     return source.extension() == ".gguf" ? gguf_compute_weights(source, weights)
                                          : compute_weights(weights, WeightFormat::f32);

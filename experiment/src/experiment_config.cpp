@@ -230,8 +230,8 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
     const auto parsed = dtype_from_short_name(name);
     if (!parsed || (*parsed != DType::dtype_f32 && *parsed != DType::dtype_f16 &&
                     *parsed != DType::dtype_bf16))
-      s.fail(*dtype, fmt::format("kv_cache.dtype must be \"f32\", \"f16\" or \"bf16\", not \"{}\"",
-                                 name));
+      s.fail(*dtype,
+             fmt::format("kv_cache.dtype must be \"f32\", \"f16\" or \"bf16\", not \"{}\"", name));
     c.kv_dtype = *parsed;
   }
   c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);

@@ -63,9 +63,10 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
         "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
         "\"simulated\" (which computes nothing)");
   if (c.kv_dtype != DType::dtype_f32 && c.backend != "cpu")
-    throw Error(fmt::format("kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" "
-                            "keeps K/V its own way",
-                            dtype_short_name(c.kv_dtype), c.backend));
+    throw Error(
+        fmt::format("kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" "
+                    "keeps K/V its own way",
+                    dtype_short_name(c.kv_dtype), c.backend));
   if (c.cpu_weights != "stored" && c.cpu_weights != "f32" && check)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the reference over the checkpoint's own values; "
@@ -175,16 +176,15 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
 }
 
 // The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
-// KV in the profile's dtype, real KV in kv_cache.dtype), or what the simulated device holds next to the
-// weights.
+// KV in the profile's dtype, real KV in kv_cache.dtype), or what the simulated device holds next to
+// the weights.
 std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, bool simulated,
                         const std::optional<CostModel>& cost_model) {
   if (c.kv_memory_mib) {
     const double bytes_per_slot =
-        simulated
-            ? static_cast<double>(cost_model->kv_bytes_per_token())
-            : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
-                  static_cast<double>(dtype_size(c.kv_dtype));
+        simulated ? static_cast<double>(cost_model->kv_bytes_per_token())
+                  : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
+                        static_cast<double>(dtype_size(c.kv_dtype));
     const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;
     if (!(budget_slots < 0x1p62))
       throw Error(fmt::format("kv_cache.memory_mib {} is more memory than kvlab can address",
@@ -364,9 +364,9 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   if (!c.profile.empty()) cost_model.emplace(model, load_hardware_profile(c.profile));
   const std::int64_t slots = pool_slots(c, model, simulated, cost_model);
   // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool.
-  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
-               c.kv_dtype},
-              simulated || plugin_backend ? KvStorage::none : KvStorage::host);
+  KvPool pool(
+      {model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots, c.kv_dtype},
+      simulated || plugin_backend ? KvStorage::none : KvStorage::host);
   PluginContext context;
   context.model = &model;
   context.max_seq_len = model.max_position_embeddings;

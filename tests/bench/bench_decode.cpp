@@ -73,22 +73,22 @@ BENCHMARK_CAPTURE(BM_Decode, tiny, std::string("tiny"), cpu::WeightFormat::f32)
     ->Arg(1)
     ->Unit(benchmark::kMillisecond);
 // Every format at batch 1 and 64 (f32 also at 8 and 32) for one preset.
-#define KVLAB_DECODE_FORMAT(preset, format)                                                    \
-  BENCHMARK_CAPTURE(BM_Decode, preset/format, std::string(#preset), cpu::WeightFormat::format) \
-      ->Arg(1)                                                                                 \
-      ->Arg(64)                                                                                \
+#define KVLAB_DECODE_FORMAT(preset, format)                                                      \
+  BENCHMARK_CAPTURE(BM_Decode, preset / format, std::string(#preset), cpu::WeightFormat::format) \
+      ->Arg(1)                                                                                   \
+      ->Arg(64)                                                                                  \
       ->Unit(benchmark::kMillisecond)
-#define KVLAB_DECODE_FORMATS(preset)                                                     \
-  BENCHMARK_CAPTURE(BM_Decode, preset/f32, std::string(#preset), cpu::WeightFormat::f32) \
-      ->Arg(1)                                                                           \
-      ->Arg(8)                                                                           \
-      ->Arg(32)                                                                          \
-      ->Arg(64)                                                                          \
-      ->Unit(benchmark::kMillisecond);                                                   \
-  KVLAB_DECODE_FORMAT(preset, f16);                                                      \
-  KVLAB_DECODE_FORMAT(preset, bf16);                                                     \
-  KVLAB_DECODE_FORMAT(preset, q8_0);                                                     \
-  KVLAB_DECODE_FORMAT(preset, q4_0);                                                     \
+#define KVLAB_DECODE_FORMATS(preset)                                                       \
+  BENCHMARK_CAPTURE(BM_Decode, preset / f32, std::string(#preset), cpu::WeightFormat::f32) \
+      ->Arg(1)                                                                             \
+      ->Arg(8)                                                                             \
+      ->Arg(32)                                                                            \
+      ->Arg(64)                                                                            \
+      ->Unit(benchmark::kMillisecond);                                                     \
+  KVLAB_DECODE_FORMAT(preset, f16);                                                        \
+  KVLAB_DECODE_FORMAT(preset, bf16);                                                       \
+  KVLAB_DECODE_FORMAT(preset, q8_0);                                                       \
+  KVLAB_DECODE_FORMAT(preset, q4_0);                                                       \
   KVLAB_DECODE_FORMAT(preset, q4_1)
 KVLAB_DECODE_FORMATS(stories15m);
 KVLAB_DECODE_FORMATS(stories110m);

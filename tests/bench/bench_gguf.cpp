@@ -52,7 +52,7 @@ void run_step(benchmark::State& state, std::int64_t batch, std::int64_t new_toke
   plugin_context.pool = &pool;
   plugin_context.max_seq_len = 512;
   auto allocator = registry.create<PluginKind::kv_allocator>("paged", {{"prefix_caching", false}},
-                                                           plugin_context);
+                                                             plugin_context);
   std::vector<std::vector<std::int32_t>> tokens(static_cast<std::size_t>(batch));
   std::vector<BatchEntry> entries;
   for (std::int64_t s = 0; s < batch; ++s) {
@@ -69,7 +69,8 @@ void run_step(benchmark::State& state, std::int64_t batch, std::int64_t new_toke
   state.counters["tok/s"] = benchmark::Counter(static_cast<double>(batch * new_tokens),
                                                benchmark::Counter::kIsIterationInvariantRate);
   const double flops_per_token = 2.0 * static_cast<double>(c.matmul_parameter_count());
-  state.counters["ceiling_tok/s"] = cpu::measured_fp32_peak_gflops(kThreads) * 1e9 / flops_per_token;
+  state.counters["ceiling_tok/s"] =
+      cpu::measured_fp32_peak_gflops(kThreads) * 1e9 / flops_per_token;
   state.SetLabel(m.path + " (" + m.matrices.description + "), " + std::to_string(kThreads) +
                  " threads");
 }

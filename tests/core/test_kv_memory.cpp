@@ -204,8 +204,11 @@ TEST(KvPoolDtype, HalfPoolsRoundOnWriteAndHoldHalfTheBytes) {
     EXPECT_EQ(back, std::vector<float>(row.size(), 0.0f));
     test::expect_error_containing([&] { (void)pool.key(0, 0); }, {"float access", "KV pool"});
   }
-  test::expect_error_containing([] { KvPool pool({1, 1, 8, 4, DType::dtype_i8}); },
-                                {"f32, f16 or bf16", "i8"});
+  test::expect_error_containing(
+      [] {
+        KvPool pool({1, 1, 8, 4, DType::dtype_i8});
+      },
+      {"f32, f16 or bf16", "i8"});
 }
 
 TEST(KvPoolSize, OverflowAndMachineLimitAreErrors) {

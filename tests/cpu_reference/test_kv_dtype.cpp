@@ -20,7 +20,8 @@ std::vector<float> run_steps(const LlamaWeights& weights, DType dtype) {
   CpuBackend backend(weights, pool, std::nullopt);
   std::vector<float> logits;
   auto step = [&](std::int64_t begin, std::int64_t end) {
-    const std::span<const std::int32_t> chunk(tokens.data() + begin, static_cast<std::size_t>(end - begin));
+    const std::span<const std::int32_t> chunk(tokens.data() + begin,
+                                              static_cast<std::size_t>(end - begin));
     const BatchEntry entry{chunk, begin, KvView{{{0, end}}, 0}};
     const RowMatrix& out = backend.run({&entry, 1});
     logits.insert(logits.end(), out.data(), out.data() + out.size());
@@ -38,8 +39,8 @@ TEST(KvDtype, HalfPoolsMoveLogitsByTheirRoundingOnly) {
   const std::vector<float> exact = run_steps(weights, DType::dtype_f32);
   float range = 0;
   for (float v : exact) range = std::max(range, std::abs(v));
-  for (const auto& [dtype, unit] : {std::pair{DType::dtype_f16, 0x1p-11f},
-                                    std::pair{DType::dtype_bf16, 0x1p-8f}}) {
+  for (const auto& [dtype, unit] :
+       {std::pair{DType::dtype_f16, 0x1p-11f}, std::pair{DType::dtype_bf16, 0x1p-8f}}) {
     const std::vector<float> rounded = run_steps(weights, dtype);
     ASSERT_EQ(rounded.size(), exact.size());
     float worst = 0;

@@ -32,8 +32,7 @@ RowMatrix random_matrix(std::int64_t rows, std::int64_t cols, std::uint32_t seed
 }
 
 TEST(WeightFormat, NamesRoundTripAndGgufTypesMap) {
-  for (WeightFormat f : kAllFormats)
-    EXPECT_EQ(weight_format_from_name(weight_format_name(f)), f);
+  for (WeightFormat f : kAllFormats) EXPECT_EQ(weight_format_from_name(weight_format_name(f)), f);
   EXPECT_FALSE(weight_format_from_name("q4_k"));
   EXPECT_EQ(weight_format_of_gguf_type(3), WeightFormat::q4_1);  // GGML_TYPE_Q4_1
   EXPECT_EQ(weight_format_of_gguf_type(30), WeightFormat::bf16);
@@ -63,10 +62,11 @@ TEST(WeightMatrix, RoundingStaysWithinHalfAStep) {
                                                          : 0.0f;
         for (Eigen::Index k = 0; k < 32; ++k) {
           const float x = block(k), error = std::abs(back(r, b * 32 + k) - x);
-          const float max_q = f == WeightFormat::q8_0 ? 127.0f : 16.0f;  // |q| times the f16 scale error
+          const float max_q =
+              f == WeightFormat::q8_0 ? 127.0f : 16.0f;  // |q| times the f16 scale error
           const float steps = f == WeightFormat::q4_0 ? 1.0f : 0.5f;
-          const float bound = steps * step + max_q * step * 0x1p-11f + amax * 0x1p-11f *
-                              (f == WeightFormat::q4_1) + relative * std::abs(x) +
+          const float bound = steps * step + max_q * step * 0x1p-11f +
+                              amax * 0x1p-11f * (f == WeightFormat::q4_1) + relative * std::abs(x) +
                               0x1p-25f * (f == WeightFormat::f16);  // f16 subnormals
           ASSERT_LE(error, bound) << weight_format_name(f) << " row " << r << " col " << b * 32 + k;
         }
@@ -129,14 +129,13 @@ TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
       for (std::int64_t outputs : {1, 7, 16, 37})
         for (std::int64_t rows : {1, 2, 3, 5, 17, 64, 65}) {
           if (depth % weight_format_block_values(f) != 0) continue;
-          const WeightMatrix w =
-              WeightMatrix::quantize(random_matrix(outputs, depth, 2, 0.1f), f);
+          const WeightMatrix w = WeightMatrix::quantize(random_matrix(outputs, depth, 2, 0.1f), f);
           const RowMatrix x = random_matrix(rows, depth, 3);
           const RowMatrix dense = w.dequantize();
           const RowMatrix expected = x * dense.transpose();
           // |error| <= depth * eps * sum |x_k w_k|: fp32 sums in any order.
-          const RowMatrix bound = (x.cwiseAbs() * dense.cwiseAbs().transpose()) *
-                                  (static_cast<float>(depth) * 1.2e-7f);
+          const RowMatrix bound =
+              (x.cwiseAbs() * dense.cwiseAbs().transpose()) * (static_cast<float>(depth) * 1.2e-7f);
           RowMatrix y;
           multiply_by_transposed(x, w, y, false);
           RowMatrix accumulated = RowMatrix::Ones(rows, outputs);
@@ -192,13 +191,13 @@ TEST(ComputeWeights, BackendEqualsTheReferenceOverTheDequantizedValues) {
   const LlamaWeights weights = random_llama_weights(model_preset("tiny"), 7);
   const std::vector<std::int32_t> prompt{1, 5, 9, 200, 3, 77, 12, 8};
   for (WeightFormat f : kAllFormats) {
-    
     const ComputeWeights compute = compute_weights(weights, f);
     const LlamaWeights truth = dequantized_copy(weights, compute);
     const RowMatrix expected = ReferenceModel(truth).forward(prompt).bottomRows(1);
     const RowMatrix actual = backend_logits(truth, compute, prompt);
-    const auto closeness = test::compare({actual.data(), static_cast<std::size_t>(actual.size())},
-                                         {expected.data(), static_cast<std::size_t>(expected.size())});
+    const auto closeness =
+        test::compare({actual.data(), static_cast<std::size_t>(actual.size())},
+                      {expected.data(), static_cast<std::size_t>(expected.size())});
     EXPECT_LT(closeness.max_abs, 1e-4) << weight_format_name(f);
     if (f != WeightFormat::f32) {
       EXPECT_LT(compute.bytes(), compute_weights(weights, WeightFormat::f32).bytes());

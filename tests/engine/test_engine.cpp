@@ -42,7 +42,8 @@ struct EngineSetup {
 
 EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequest>& requests) {
   const ModelConfig& c = weights().config;
-  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, setup.slots, setup.kv_dtype});
+  KvPool pool(
+      {c.num_hidden_layers, c.num_key_value_heads, c.head_dim, setup.slots, setup.kv_dtype});
   PluginContext context;
   context.pool = &pool;
   context.model = &c;

@@ -51,7 +51,9 @@ class KvPool {
 
   const KvPoolShape& shape() const { return shape_; }
   // (kv_heads * head_dim) values of one slot in one layer, in the pool's dtype.
-  std::byte* key_bytes(std::int64_t layer, std::int64_t slot) { return keys_.get() + offset(layer, slot); }
+  std::byte* key_bytes(std::int64_t layer, std::int64_t slot) {
+    return keys_.get() + offset(layer, slot);
+  }
   std::byte* value_bytes(std::int64_t layer, std::int64_t slot) {
     return values_.get() + offset(layer, slot);
   }
@@ -63,7 +65,9 @@ class KvPool {
   }
   // The same as floats: an f32 pool only.
   float* key(std::int64_t layer, std::int64_t slot) { return as_floats(key_bytes(layer, slot)); }
-  float* value(std::int64_t layer, std::int64_t slot) { return as_floats(value_bytes(layer, slot)); }
+  float* value(std::int64_t layer, std::int64_t slot) {
+    return as_floats(value_bytes(layer, slot));
+  }
   const float* key(std::int64_t layer, std::int64_t slot) const {
     return as_floats(const_cast<std::byte*>(key_bytes(layer, slot)));
   }

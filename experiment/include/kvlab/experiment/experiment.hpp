@@ -8,11 +8,11 @@
 #include <string>
 #include <vector>
 
+#include "kvlab/dtype.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
-#include "kvlab/dtype.hpp"
 #include "kvlab/plugin_params.hpp"
 
 namespace kvlab {
