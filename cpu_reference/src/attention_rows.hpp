@@ -20,6 +20,13 @@
 namespace kvlab::cpu {
 
 #if KVLAB_ATTENTION_SIMD
+// Every cache line of `bytes` bytes from `row`: a head's slice of a slot row is several lines,
+// and rows a slot apart defeat the hardware's next-line prefetch.
+inline void prefetch_row(const std::byte* row, std::int64_t bytes) {
+  for (std::int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(row + b), _MM_HINT_T0);
+}
+
 // 8 values of a row from value d, widened to fp32.
 template <DType Type>
 __m256 load_row8(const std::byte* row, std::int64_t d) {
@@ -36,9 +43,10 @@ template <DType Type>
 void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, std::int64_t count,
                      std::int64_t hd, float scale, float* scores) {
   std::int64_t j = 0;
+  const std::int64_t row_bytes = hd * (Type == DType::dtype_f32 ? 4 : 2);
   for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
     for (int r = 0; r < 8; ++r)     // the next 8 rows, ahead of use (x86 prefetches never fault)
-      _mm_prefetch(reinterpret_cast<const char*>(k + (j + 8 + r) * stride), _MM_HINT_T0);
+      prefetch_row(k + (j + 8 + r) * stride, row_bytes);
     __m256 acc[8];
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (std::int64_t d = 0; d < hd; d += 8) {
@@ -69,10 +77,11 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
 template <DType Type, int Vectors>
 void add_weighted_columns(const float* p, const std::byte* v, std::int64_t stride,
                           std::int64_t count, float* o) {
+  constexpr std::int64_t element = Type == DType::dtype_f32 ? 4 : 2;
   __m256 acc[Vectors];
   for (int s = 0; s < Vectors; ++s) acc[s] = _mm256_loadu_ps(o + 8 * s);
   for (std::int64_t j = 0; j < count; ++j) {
-    _mm_prefetch(reinterpret_cast<const char*>(v + (j + 4) * stride), _MM_HINT_T0);
+    if (Vectors == 8 || j % 8 == 0) prefetch_row(v + (j + 4) * stride, 8 * Vectors * element);
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int s = 0; s < Vectors; ++s)
       acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(v + j * stride, 8 * s), acc[s]);
@@ -91,6 +100,17 @@ void add_weighted_rows_simd(const float* p, const std::byte* v, std::int64_t str
     add_weighted_columns<Type, 1>(p, v + c0 * element, stride, count, o + c0);
 }
 #endif
+
+// Asks for `bytes` consecutive bytes to be brought into cache (a hint; no-op without SSE).
+inline void prefetch_bytes(const std::byte* first, std::int64_t bytes) {
+#if KVLAB_ATTENTION_SIMD
+  for (std::int64_t b = 0; b < bytes; b += 64)
+    _mm_prefetch(reinterpret_cast<const char*>(first + b), _MM_HINT_T1);
+#else
+  (void)first;
+  (void)bytes;
+#endif
+}
 
 // Row j (hd values from `rows + j * stride`) widened to fp32 in `out`.
 inline void widen_attention_row(DType dtype, const std::byte* row, std::int64_t hd, float* out) {

@@ -146,11 +146,14 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
 // One entry's queries for the query heads of one KV head, and the keys they may see.
 struct AttentionGroup {
   const BatchEntry& entry;
-  std::int64_t kv_head, first_head, heads;  // query heads [first_head, first_head + heads)
-  std::int64_t row0;                        // batch row of the entry's first query
-  std::int64_t key_begin, last_position;    // keys [key_begin, last_position]
+  std::int64_t kv_head, kv_count, group;  // K/V heads [kv_head, kv_head + kv_count)
+  std::int64_t row0;                      // batch row of the entry's first query
+  std::int64_t key_begin, last_position;  // keys [key_begin, last_position]
   std::optional<std::int64_t> window;
 
+  // Their query heads: [first_head, first_head + heads); query head h reads K/V head h / group.
+  std::int64_t first_head() const { return kv_head * group; }
+  std::int64_t heads() const { return kv_count * group; }
   std::int64_t queries() const { return static_cast<std::int64_t>(entry.tokens.size()); }
   std::int64_t keys() const { return last_position - key_begin + 1; }
   // Keys query i (position start + i) sees: [first_visible(i), start + i].
@@ -204,55 +207,72 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   const ModelConfig& c = weights_.config;
   const std::int64_t kv_heads = c.num_key_value_heads, group = c.group_size();
   out.resize(q.rows(), q.cols());
-  const auto tasks = static_cast<std::int64_t>(batch.size()) * kv_heads;
-#pragma omp parallel for schedule(static)
-  for (std::int64_t t = 0; t < tasks; ++t) {
-    const auto e = static_cast<std::size_t>(t / kv_heads);
+  // A decode task takes a whole entry when there are entries enough for every thread: it then
+  // reads the entry's slot rows whole, in order. Otherwise (and for prompt chunks) one task per
+  // (entry, K/V head), so that few sequences still spread over the threads.
+  const bool whole_entries =
+      static_cast<std::int64_t>(batch.size()) >= 4 * static_cast<std::int64_t>(num_threads());
+  std::vector<AttentionGroup> tasks;
+  for (std::size_t e = 0; e < batch.size(); ++e) {
     const BatchEntry& entry = batch[e];
-    const auto queries = static_cast<std::int64_t>(entry.tokens.size());
-    const std::int64_t last_position = entry.start_position + queries - 1;
+    const std::int64_t last_position =
+        entry.start_position + static_cast<std::int64_t>(entry.tokens.size()) - 1;
     std::int64_t key_begin = entry.view.first_position;  // oldest key any query sees
     if (window_) key_begin = std::max(key_begin, entry.start_position - *window_ + 1);
-    const AttentionGroup task{entry,         t % kv_heads, (t % kv_heads) * group, group,
-                              first_rows[e], key_begin,    last_position,          window_};
-    if (queries == 1)
-      attend_decode(layer, task, q, out);
+    if (entry.tokens.size() == 1 && whole_entries)
+      tasks.push_back(
+          {entry, 0, kv_heads, group, first_rows[e], key_begin, last_position, window_});
     else
-      attend_chunk(layer, task, q, out);
+      for (std::int64_t h = 0; h < kv_heads; ++h)
+        tasks.push_back({entry, h, 1, group, first_rows[e], key_begin, last_position, window_});
+  }
+#pragma omp parallel for schedule(static)
+  for (std::size_t t = 0; t < tasks.size(); ++t) {
+    if (tasks[t].queries() == 1)
+      attend_decode(layer, tasks[t], q, out);
+    else
+      attend_chunk(layer, tasks[t], q, out);
   }
 }
 
-// One query per head. Each run of slots is walked in chunks of 32 keys that stay in L1 while
-// every head of the group reads them: K and V come from memory once per group.
+// One query per head. Each run of slots is walked in chunks of 32 keys that stay in cache while
+// every query head of the task reads them: K and V come from memory once per step.
 void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
                                RowMatrix& out) const {
   constexpr std::int64_t kChunk = 32;
   const KvPoolShape& shape = pool_.shape();
   const DType dtype = shape.dtype;
-  const std::int64_t hd = weights_.config.head_dim;
-  const std::int64_t offset = task.kv_head * hd * shape.element_bytes();   // bytes into a row
+  const std::int64_t hd = weights_.config.head_dim, heads = task.heads();
   const std::int64_t stride = shape.slot_width() * shape.element_bytes();  // bytes between rows
+  auto offset = [&](std::int64_t h) {  // bytes into a slot row of query head h's K/V head
+    return (task.kv_head + h / task.group) * hd * shape.element_bytes();
+  };
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  RowMatrix scores(task.heads, task.keys());                              // (heads, keys)
-  const float* queries = q.row(task.row0).data() + task.first_head * hd;  // (heads, hd)
+  RowMatrix scores(heads, task.keys());                                     // (heads, keys)
+  const float* queries = q.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
   auto chunks = [&](auto&& body) {
     task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
       for (std::int64_t j = 0; j < length; j += kChunk)
         body(column + j, slot + j, std::min(kChunk, length - j));
     });
   };
+  // A whole-entry task reads whole slot rows: ask for the chunk's consecutive bytes first, so
+  // memory streams them in order instead of head slice by head slice.
+  const bool whole_rows = task.kv_count == shape.kv_heads;
   chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
-    for (std::int64_t h = 0; h < task.heads; ++h)
-      score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset, stride, count, hd,
-                 scale, &scores(h, column));
+    if (whole_rows) prefetch_bytes(pool_.key_bytes(layer, slot), count * stride);
+    for (std::int64_t h = 0; h < heads; ++h)
+      score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride, count,
+                 hd, scale, &scores(h, column));
   });
   masked_softmax(task, scores);
-  float* o = out.row(task.row0).data() + task.first_head * hd;  // (heads, hd)
-  std::fill(o, o + task.heads * hd, 0.0f);
+  float* o = out.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
+  std::fill(o, o + heads * hd, 0.0f);
   chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
-    for (std::int64_t h = 0; h < task.heads; ++h)
-      add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset, stride,
-                        count, hd, o + h * hd);
+    if (whole_rows) prefetch_bytes(pool_.value_bytes(layer, slot), count * stride);
+    for (std::int64_t h = 0; h < heads; ++h)
+      add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset(h),
+                        stride, count, hd, o + h * hd);
   });
 }
 
@@ -285,22 +305,23 @@ void CpuBackend::attend_chunk(std::int64_t layer, const AttentionGroup& task, co
                               RowMatrix& out) const {
   const std::int64_t hd = weights_.config.head_dim, n = task.queries();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  RowMatrix stacked(task.heads * n, hd);  // row h*n + i: head first_head + h, query i
-  for (std::int64_t h = 0; h < task.heads; ++h)
-    stacked.middleRows(h * n, n) = q.block(task.row0, (task.first_head + h) * hd, n, hd);
-  RowMatrix scores(task.heads * n, task.keys());
+  const std::int64_t heads = task.heads();  // one K/V head's group (task.kv_count == 1)
+  RowMatrix stacked(heads * n, hd);         // row h*n + i: head first_head + h, query i
+  for (std::int64_t h = 0; h < heads; ++h)
+    stacked.middleRows(h * n, n) = q.block(task.row0, (task.first_head() + h) * hd, n, hd);
+  RowMatrix scores(heads * n, task.keys());
   task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
     const StridedMap k = head_rows(layer, slot, length, task.kv_head, false);  // (length, hd)
     scores.middleCols(column, length).noalias() = (stacked * k.transpose()) * scale;
   });
   masked_softmax(task, scores);
-  RowMatrix result = RowMatrix::Zero(task.heads * n, hd);
+  RowMatrix result = RowMatrix::Zero(heads * n, hd);
   task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
     const StridedMap v = head_rows(layer, slot, length, task.kv_head, true);  // (length, hd)
     result.noalias() += scores.middleCols(column, length) * v;
   });
-  for (std::int64_t h = 0; h < task.heads; ++h)
-    out.block(task.row0, (task.first_head + h) * hd, n, hd) = result.middleRows(h * n, n);
+  for (std::int64_t h = 0; h < heads; ++h)
+    out.block(task.row0, (task.first_head() + h) * hd, n, hd) = result.middleRows(h * n, n);
 }
 
 }  // namespace kvlab::cpu

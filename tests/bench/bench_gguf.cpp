@@ -4,15 +4,18 @@
 //   decode/1      one sequence at 64 cached tokens           (llama-bench tg128: contexts 0-127)
 //   decode/64     64 sequences at 128-255 cached tokens     (llama-batched-bench -npp 128
 //                                                            -ntg 128 -npl 64)
-// Weights are multiplied in the file's stored types ("stored"), or in KVLAB_BENCH_WEIGHTS.
+// Weights are multiplied in the file's stored types ("stored"), or in KVLAB_BENCH_WEIGHTS; the KV
+// pool holds KVLAB_BENCH_KV (f32, f16 or bf16; default f16, llama.cpp's default cache type).
 //   KVLAB_BENCH_GGUF=models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ./build/bin/kvlab_bench_gguf
 #include <benchmark/benchmark.h>
+#include <fmt/format.h>
 
 #include <cstdlib>
 #include <memory>
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/machine_peak.hpp"
+#include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::bench {
@@ -46,7 +49,10 @@ void run_step(benchmark::State& state, std::int64_t batch, std::int64_t new_toke
   const Model& m = model();
   const ModelConfig& c = m.weights.config;
   new_tokens = std::min(new_tokens, c.max_position_embeddings);  // small models (the smoke test)
-  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch * 512});
+  const char* kv = std::getenv("KVLAB_BENCH_KV");
+  const auto kv_dtype = dtype_from_short_name(kv ? kv : "f16");
+  if (!kv_dtype) throw Error(fmt::format("KVLAB_BENCH_KV={}: f32, f16 or bf16", kv));
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch * 512, *kv_dtype});
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   PluginContext plugin_context;
   plugin_context.pool = &pool;
@@ -71,7 +77,8 @@ void run_step(benchmark::State& state, std::int64_t batch, std::int64_t new_toke
   const double flops_per_token = 2.0 * static_cast<double>(c.matmul_parameter_count());
   state.counters["ceiling_tok/s"] =
       cpu::measured_fp32_peak_gflops(kThreads) * 1e9 / flops_per_token;
-  state.SetLabel(m.path + " (" + m.matrices.description + "), " + std::to_string(kThreads) +
+  state.SetLabel(m.path + " (" + m.matrices.description + "; KV " +
+                 std::string(dtype_short_name(*kv_dtype)) + "), " + std::to_string(kThreads) +
                  " threads");
 }
 
