@@ -3,7 +3,8 @@
 
 For each round and each model file, in turn: llama-bench (pp512, tg128), llama-batched-bench
 (64 sequences of 128 prompt tokens, 32 new tokens each: decode at 64 x 128-160 cached tokens),
-then kvlab_bench_gguf (prefill 512, decode 1 at 64 cached tokens, decode 64 at 128-255). Both
+then kvlab_bench_gguf (prefill 512, decode 1 at 64 cached tokens, decode 64 at 128-255), both
+with an f16 KV cache (llama.cpp's default; KVLAB_BENCH_KV is passed through). Both
 use 2 threads. Medians over the rounds, and their ratios, are printed as a Markdown table and
 every measurement is written to a CSV.
 
