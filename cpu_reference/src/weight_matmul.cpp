@@ -3,7 +3,8 @@
 //   more rows       each thread packs 32 (AVX-512) or 16 rows of w, widened, into a
 //                   (depth, 32 or 16) panel in cache and multiplies x, packed in tiles of 8 or 6
 //                   rows, with it (multiply_packed); f32 beyond 64 rows goes to BLAS instead;
-//   no AVX2, or depths that are not multiples of 8: plain loops over widened panels (Product).
+//   no AVX2, or depths that are not multiples of 8: Eigen dot products over dequantized
+//                   panels (multiply_plain).
 // Weights are read from memory once per product whatever the batch; the math is fp32 on the
 // dequantized values throughout.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
@@ -32,14 +33,6 @@ constexpr std::int64_t kPanelRows = 16;
 constexpr std::int64_t kBlasRows = 64;
 
 #if KVLAB_WEIGHT_SIMD
-// x rows per register tile: AVX-512 machines have 32 vector registers (the ymm forms included),
-// so a 4 x 4 tile (16 accumulators) fits; AVX2 has 16, so 2 x 4.
-#if defined(__AVX512VL__)
-constexpr int kTileRows = 4;
-#else
-constexpr int kTileRows = 2;
-#endif
-
 float horizontal_sum(__m256 v) {
   const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
@@ -105,87 +98,9 @@ void widen_row(WeightFormat format, const std::byte* row, std::int64_t cols, flo
     case WeightFormat::f32:
       break;
   }
-  // f16/bf16 columns past the last multiple of 8: one at a time.
-  const std::int64_t done = cols / 8 * 8;
-  if (done < cols) {
-    std::vector<float> tail(static_cast<std::size_t>(cols));
-    WeightMatrix::from_bytes(format, 1, cols, {row, static_cast<std::size_t>(cols * 2)})
-        .dequantize_rows(0, 1, tail.data());
-    std::copy(tail.begin() + done, tail.end(), out + done);
-  }
 }
 
-// out[i][j] = x row i . w row j over k in [0, k_vec) (k_vec a multiple of 8).
-template <int Rows, int Cols>
-void tile(const float* x, std::int64_t ldx, const float* w, std::int64_t ldw, std::int64_t k_vec,
-          float (&out)[Rows][Cols]) {
-  __m256 acc[Rows][Cols];
-  for (auto& row : acc)
-    for (auto& a : row) a = _mm256_setzero_ps();
-  for (std::int64_t k = 0; k < k_vec; k += 8) {
-    __m256 wv[Cols];
-    for (int j = 0; j < Cols; ++j) wv[j] = _mm256_loadu_ps(w + j * ldw + k);
-    for (int i = 0; i < Rows; ++i) {
-      const __m256 xv = _mm256_loadu_ps(x + i * ldx + k);
-      for (int j = 0; j < Cols; ++j) acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
-    }
-  }
-  for (int i = 0; i < Rows; ++i)
-    for (int j = 0; j < Cols; ++j) out[i][j] = horizontal_sum(acc[i][j]);
-}
 #endif
-
-struct Product {
-  const RowMatrix& x;  // (M, K)
-  RowMatrix& y;        // (M, N)
-  bool accumulate;
-
-  void store(std::int64_t m, std::int64_t n, float value) const {
-    y(m, n) = accumulate ? y(m, n) + value : value;
-  }
-
-  // y[m0 : m0+Rows, n0 : n0+Cols] from w rows `w` (fp32, leading dimension K).
-  template <int Rows, int Cols>
-  void block(std::int64_t m0, std::int64_t n0, const float* w) const {
-    const std::int64_t depth = x.cols();
-    float out[Rows][Cols] = {};
-    std::int64_t k_vec = 0;
-#if KVLAB_WEIGHT_SIMD
-    k_vec = depth / 8 * 8;
-    tile<Rows, Cols>(x.row(m0).data(), depth, w, depth, k_vec, out);
-#endif
-    for (int i = 0; i < Rows; ++i)
-      for (int j = 0; j < Cols; ++j) {
-        float value = out[i][j];
-        for (std::int64_t k = k_vec; k < depth; ++k) value += x(m0 + i, k) * w[j * depth + k];
-        store(m0 + i, n0 + j, value);
-      }
-  }
-
-  // Every row of x against panel rows [n0, n0 + count), widened in `w`.
-  void panel(std::int64_t n0, std::int64_t count, const float* w) const {
-    constexpr int kRows =
-#if KVLAB_WEIGHT_SIMD
-        kTileRows;
-#else
-        1;
-#endif
-    const std::int64_t depth = x.cols(), rows = x.rows();
-    for (std::int64_t m0 = 0; m0 < rows; m0 += kRows) {
-      const bool full = m0 + kRows <= rows;
-      std::int64_t j = 0;
-      for (; j + 4 <= count; j += 4)
-        full ? block<kRows, 4>(m0, n0 + j, w + j * depth) : edge_rows<4>(m0, n0 + j, w + j * depth);
-      for (; j < count; ++j)
-        full ? block<kRows, 1>(m0, n0 + j, w + j * depth) : edge_rows<1>(m0, n0 + j, w + j * depth);
-    }
-  }
-
-  template <int Cols>
-  void edge_rows(std::int64_t m0, std::int64_t n0, const float* w) const {
-    for (std::int64_t m = m0; m < x.rows(); ++m) block<1, Cols>(m, n0, w);
-  }
-};
 
 #if KVLAB_WEIGHT_SIMD
 // Up to this many rows of x, each weight row is widened in registers and used at once (no
@@ -293,8 +208,8 @@ void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool ac
 bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
   const std::int64_t rows = x.rows(), depth = w.cols();
   if (rows > kFusedRows || depth % 16 != 0) return false;
-  std::vector<float> block_sums;  // (rows, blocks): sum of x over each 32-value block
-  if (depth % 32 == 0) {
+  std::vector<float> block_sums;  // (rows, blocks): sum of x over each 32-value block (Q only)
+  if (weight_format_block_values(w.format()) == 32) {
     block_sums.resize(static_cast<std::size_t>(rows * (depth / 32)));
     for (std::int64_t i = 0; i < rows; ++i)
       for (std::int64_t b = 0; b < depth / 32; ++b)
@@ -437,7 +352,11 @@ void packed_tile_rows(int rows, const float* x, const float* panel, std::int64_t
 const std::vector<float>& pack_rows(const RowMatrix& x) {
   thread_local std::vector<float> packed;
   const std::int64_t depth = x.cols(), tiles = (x.rows() + kPackedRows - 1) / kPackedRows;
-  packed.assign(static_cast<std::size_t>(tiles * depth * kPackedRows), 0.0f);
+  packed.resize(static_cast<std::size_t>(tiles * depth * kPackedRows));
+  for (std::int64_t m = x.rows(); m < tiles * kPackedRows; ++m)  // the last tile's missing rows
+    for (std::int64_t k = 0; k < depth; ++k)
+      packed[static_cast<std::size_t>((tiles - 1) * depth * kPackedRows + k * kPackedRows +
+                                      m % kPackedRows)] = 0.0f;
   for (std::int64_t m = 0; m < x.rows(); ++m) {
     float* tile = packed.data() + (m / kPackedRows) * depth * kPackedRows + m % kPackedRows;
     for (std::int64_t k = 0; k < depth; ++k) tile[k * kPackedRows] = x(m, k);
@@ -475,13 +394,33 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
 }
 #endif
 
-void widen_panel(const WeightMatrix& w, std::int64_t first, std::int64_t count, float* out) {
-#if KVLAB_WEIGHT_SIMD
-  for (std::int64_t r = 0; r < count; ++r)
-    widen_row(w.format(), w.row(first + r), w.cols(), out + r * w.cols());
-#else
-  w.dequantize_rows(first, count, out);
-#endif
+// The plain path (no AVX2, or depths the kernels above do not take): each thread dequantizes a
+// panel of rows (f32 rows are used in place) and takes Eigen's dot products of x with them.
+void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
+  const std::int64_t outputs = w.rows(), depth = w.cols();
+  const std::int64_t panels = (outputs + kPanelRows - 1) / kPanelRows;
+#pragma omp parallel
+  {
+    thread_local std::vector<float> widened;  // kept between products: no allocation per call
+    if (w.format() != WeightFormat::f32 &&
+        widened.size() < static_cast<std::size_t>(kPanelRows * depth))
+      widened.resize(static_cast<std::size_t>(kPanelRows * depth));
+#pragma omp for schedule(static)
+    for (std::int64_t p = 0; p < panels; ++p) {
+      const std::int64_t n0 = p * kPanelRows, count = std::min(kPanelRows, outputs - n0);
+      const float* panel = reinterpret_cast<const float*>(w.row(n0));
+      if (w.format() != WeightFormat::f32) {
+        w.dequantize_rows(n0, count, widened.data());
+        panel = widened.data();
+      }
+      const Eigen::Map<const RowMatrix> rows(panel, count, depth);  // (count, depth)
+      for (std::int64_t m = 0; m < x.rows(); ++m)
+        for (std::int64_t j = 0; j < count; ++j) {
+          const float dot = x.row(m).dot(rows.row(j));
+          y(m, n0 + j) = accumulate ? y(m, n0 + j) + dot : dot;
+        }
+    }
+  }
 }
 
 }  // namespace
@@ -503,25 +442,7 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
   if (multiply_fused(x, w, y, accumulate)) return;
   if (rows > kFusedRows && depth % 8 == 0) return multiply_packed(x, w, y, accumulate);
 #endif
-  const Product product{x, y, accumulate};
-  const std::int64_t panels = (outputs + kPanelRows - 1) / kPanelRows;
-#pragma omp parallel
-  {
-    thread_local std::vector<float> widened;  // kept between products: no allocation per call
-    if (w.format() != WeightFormat::f32 &&
-        widened.size() < static_cast<std::size_t>(kPanelRows * depth))
-      widened.resize(static_cast<std::size_t>(kPanelRows * depth));
-#pragma omp for schedule(static)
-    for (std::int64_t p = 0; p < panels; ++p) {
-      const std::int64_t n0 = p * kPanelRows, count = std::min(kPanelRows, outputs - n0);
-      const float* panel = reinterpret_cast<const float*>(w.row(n0));
-      if (w.format() != WeightFormat::f32) {
-        widen_panel(w, n0, count, widened.data());
-        panel = widened.data();
-      }
-      product.panel(n0, count, panel);
-    }
-  }
+  multiply_plain(x, w, y, accumulate);
 }
 
 }  // namespace kvlab::cpu

@@ -178,15 +178,19 @@ WeightMatrix WeightMatrix::from_bytes(WeightFormat format, std::int64_t rows, st
 
 WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
   if (parts.empty()) return {};
-  std::vector<std::byte> bytes;
-  std::int64_t rows = 0;
+  WeightMatrix m;
+  m.format_ = parts[0].format_;
+  m.cols_ = parts[0].cols_;
+  auto storage = std::make_shared<std::vector<std::byte>>();
   for (const auto& part : parts) {
-    if (part.format_ != parts[0].format_ || part.cols_ != parts[0].cols_)
+    if (part.format_ != m.format_ || part.cols_ != m.cols_)
       throw Error("internal: stacked weight matrices differ in format or columns");
-    bytes.insert(bytes.end(), part.data_, part.data_ + part.bytes());
-    rows += part.rows_;
+    storage->insert(storage->end(), part.data_, part.data_ + part.bytes());
+    m.rows_ += part.rows_;
   }
-  return from_bytes(parts[0].format_, rows, parts[0].cols_, bytes);
+  m.data_ = storage->data();
+  m.owned_ = std::move(storage);
+  return m;
 }
 
 void WeightMatrix::dequantize_rows(std::int64_t first, std::int64_t count, float* out) const {
