@@ -264,8 +264,7 @@ void register_generate(CLI::App& app) {
       "--weights", options->weights,
       "With --compute engine: the format the engine multiplies in: stored (a GGUF file's own "
       "types; f32 otherwise), f32, f16, bf16, q8_0, q4_0, q4_1");
-  weights->capture_default_str()->check(
-      CLI::IsMember({"stored", "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1"}));
+  weights->capture_default_str()->check(CLI::IsMember(cpu::weight_choices()));
   sub->add_option("--threads", options->threads, "CPU threads (0 = all cores)")
       ->capture_default_str();
   sub->callback([options, model, preset, ids, text, chat, system]() {

@@ -37,6 +37,7 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
                                "K and V in {}; kv_cache.slots or kv_cache.memory_mib)",
                                shape.slots, shape.layers, shape.kv_heads, shape.head_dim,
                                dtype_short_name(shape.dtype)));
+  if (*bytes == 0) return;  // no slots: nothing to hold (has_storage() stays false)
   keys_ = allocate(*bytes / 2);
   values_ = allocate(*bytes / 2);
 }
@@ -62,7 +63,7 @@ void KvPool::write_row(std::int64_t layer, std::int64_t slot, bool value, const 
 
 KvPool::Buffer KvPool::allocate(std::int64_t size) {
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
-  const auto bytes = static_cast<std::size_t>(std::max<std::int64_t>(size, 1));
+  const auto bytes = static_cast<std::size_t>(size);
   const std::size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
   void* memory = std::aligned_alloc(kHugePage, rounded);
   if (memory == nullptr)

@@ -323,6 +323,12 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   return out;
 }
 
+std::vector<std::string> weight_choices() {
+  std::vector<std::string> choices{"stored"};
+  for (const auto& f : kFormats) choices.emplace_back(f.name);
+  return choices;
+}
+
 ComputeWeights select_compute_weights(const LlamaWeights& weights,
                                       const std::filesystem::path& source,
                                       std::string_view choice) {
@@ -330,10 +336,10 @@ ComputeWeights select_compute_weights(const LlamaWeights& weights,
     return source.extension() == ".gguf" ? gguf_compute_weights(source, weights)
                                          : compute_weights(weights, WeightFormat::f32);
   if (const auto format = weight_format_from_name(choice)) return compute_weights(weights, *format);
-  throw Error(fmt::format(
-      "unknown weight format \"{}\": stored (a GGUF file's own types, f32 otherwise), f32, f16, "
-      "bf16, q8_0, q4_0 or q4_1",
-      choice));
+  throw Error(
+      fmt::format("unknown weight format \"{}\": {} (stored: a GGUF file's own types, "
+                  "f32 otherwise)",
+                  choice, fmt::join(weight_choices(), ", ")));
 }
 
 }  // namespace kvlab::cpu

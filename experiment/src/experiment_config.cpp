@@ -1,6 +1,7 @@
 // Parsing and validating experiment files (toml++): every key is known, every value typed,
 // every problem reported as file:line:column with a suggestion, before anything runs.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <toml++/toml.h>
 #include <algorithm>
@@ -10,6 +11,7 @@
 #include <sstream>
 
 #include "kvlab/checked_math.hpp"
+#include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/model_config.hpp"
@@ -208,11 +210,10 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
       s.fail(*weights, fmt::format("backend.weights is the cpu backend's weight format; backend "
                                    "\"{}\" takes its own parameters",
                                    c.backend));
-    static constexpr const char* kChoices[] = {"stored", "f32",  "f16", "bf16",
-                                               "q8_0",   "q4_0", "q4_1"};
-    if (std::find(std::begin(kChoices), std::end(kChoices), c.cpu_weights) == std::end(kChoices))
+    const std::vector<std::string> choices = cpu::weight_choices();
+    if (std::find(choices.begin(), choices.end(), c.cpu_weights) == choices.end())
       s.fail(*weights, fmt::format("backend.weights must be one of {}, not \"{}\"",
-                                   fmt::join(kChoices, ", "), c.cpu_weights));
+                                   fmt::join(choices, ", "), c.cpu_weights));
   }
   if (c.backend == "simulated" && c.profile.empty())
     s.fail(where,

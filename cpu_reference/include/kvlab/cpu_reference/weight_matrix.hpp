@@ -100,6 +100,9 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights);
 
+// What select_compute_weights accepts: "stored", then every format name.
+std::vector<std::string> weight_choices();
+
 // `choice`: "stored" (gguf_compute_weights for a .gguf `source`, f32 otherwise: presets and
 // safetensors folders are held in fp32) or a format name. Throws kvlab::Error for another name.
 ComputeWeights select_compute_weights(const LlamaWeights& weights,
