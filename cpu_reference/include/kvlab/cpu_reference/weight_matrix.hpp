@@ -69,7 +69,7 @@ class WeightMatrix {
 // y (+)= x w^T: x (M, K) fp32, w (N, K) in its format, y (M, N). Threads split w's rows. Up to
 // 4 rows of x, each weight row is widened in registers and used at once; more, each thread
 // widens a panel of rows into cache and runs every row of x against it in register tiles
-// (AVX2 + FMA + F16C, AVX-512 where compiled for it; plain loops otherwise). weight_matmul.cpp.
+// (AVX2 + FMA + F16C, AVX-512 where compiled for it; Eigen dot products otherwise). weight_matmul.cpp.
 void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
                             bool accumulate);
 
