@@ -264,7 +264,8 @@ void register_generate(CLI::App& app) {
       "--weights", options->weights,
       "With --compute engine: the format the engine multiplies in: stored (a GGUF file's own "
       "types; f32 otherwise), f32, f16, bf16, q8_0, q4_0, q4_1");
-  weights->capture_default_str()->check(CLI::IsMember(cpu::weight_choices()));
+  weights->capture_default_str()->check(CLI::IsMember(
+      std::vector<std::string>(cpu::kWeightChoices.begin(), cpu::kWeightChoices.end())));
   sub->add_option("--threads", options->threads, "CPU threads (0 = all cores)")
       ->capture_default_str();
   sub->callback([options, model, preset, ids, text, chat, system]() {

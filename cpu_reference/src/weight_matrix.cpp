@@ -33,6 +33,14 @@ constexpr FormatInfo kFormats[] = {
     {WeightFormat::q4_1, "q4_1", GgufTensorType::q4_1, 32, 20},
 };
 
+constexpr bool choices_follow_formats() {
+  for (std::size_t i = 0; i < std::size(kFormats); ++i)
+    if (kWeightChoices[i + 1] != kFormats[i].name || kFormats[i].format != WeightFormat(i))
+      return false;
+  return std::size(kFormats) + 1 == kWeightChoices.size();
+}
+static_assert(choices_follow_formats(), "kWeightChoices lists the formats in enum order");
+
 const FormatInfo& info(WeightFormat format) {
   return kFormats[static_cast<std::size_t>(format)];
 }
@@ -323,12 +331,6 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   return out;
 }
 
-std::vector<std::string> weight_choices() {
-  std::vector<std::string> choices{"stored"};
-  for (const auto& f : kFormats) choices.emplace_back(f.name);
-  return choices;
-}
-
 ComputeWeights select_compute_weights(const LlamaWeights& weights,
                                       const std::filesystem::path& source,
                                       std::string_view choice) {
@@ -339,7 +341,7 @@ ComputeWeights select_compute_weights(const LlamaWeights& weights,
   throw Error(
       fmt::format("unknown weight format \"{}\": {} (stored: a GGUF file's own types, "
                   "f32 otherwise)",
-                  choice, fmt::join(weight_choices(), ", ")));
+                  choice, fmt::join(kWeightChoices, ", ")));
 }
 
 }  // namespace kvlab::cpu

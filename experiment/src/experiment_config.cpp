@@ -11,7 +11,7 @@
 #include <sstream>
 
 #include "kvlab/checked_math.hpp"
-#include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "kvlab/cpu_reference/weight_choices.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/model_config.hpp"
@@ -210,7 +210,7 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
       s.fail(*weights, fmt::format("backend.weights is the cpu backend's weight format; backend "
                                    "\"{}\" takes its own parameters",
                                    c.backend));
-    const std::vector<std::string> choices = cpu::weight_choices();
+    const auto& choices = cpu::kWeightChoices;
     if (std::find(choices.begin(), choices.end(), c.cpu_weights) == choices.end())
       s.fail(*weights, fmt::format("backend.weights must be one of {}, not \"{}\"",
                                    fmt::join(choices, ", "), c.cpu_weights));

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/cpu_reference/weight_choices.hpp"
 
 namespace kvlab::cpu {
 
@@ -69,7 +70,8 @@ class WeightMatrix {
 // y (+)= x w^T: x (M, K) fp32, w (N, K) in its format, y (M, N). Threads split w's rows. Up to
 // 4 rows of x, each weight row is widened in registers and used at once; more, each thread
 // widens a panel of rows into cache and runs every row of x against it in register tiles
-// (AVX2 + FMA + F16C, AVX-512 where compiled for it; Eigen dot products otherwise). weight_matmul.cpp.
+// (AVX2 + FMA + F16C, AVX-512 where compiled for it; Eigen dot products otherwise).
+// weight_matmul.cpp.
 void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
                             bool accumulate);
 
@@ -99,9 +101,6 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
 // converted or not), so the product is always the reference's. Throws kvlab::Error.
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights);
-
-// What select_compute_weights accepts: "stored", then every format name.
-std::vector<std::string> weight_choices();
 
 // `choice`: "stored" (gguf_compute_weights for a .gguf `source`, f32 otherwise: presets and
 // safetensors folders are held in fp32) or a format name. Throws kvlab::Error for another name.
