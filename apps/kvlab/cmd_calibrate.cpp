@@ -73,6 +73,25 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
+// This machine's measured peaks (FMA, DRAM read, memcpy for swaps) to fit the CPU backend against.
+HardwareProfile cpu_start_profile(const CalibrateOptions& o, const ModelConfig& model) {
+  fmt::print(stderr, "measuring this machine's peaks ({} threads)...\n", o.threads);
+  HardwareProfile start;
+  start.name = o.name.empty() ? fmt::format("cpu-{}-{}t", model.name, o.threads) : o.name;
+  start.peak_tflops = cpu::measured_fp32_peak_gflops(o.threads) / 1e3;
+  start.memory_gb_per_s = cpu::measured_read_bandwidth_gbs(o.threads);
+  start.memory_gib = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
+                     static_cast<double>(sysconf(_SC_PAGE_SIZE)) / (1024.0 * 1024.0 * 1024.0);
+  start.compute_dtype = DType::dtype_f32;
+  start.kv_dtype = DType::dtype_f32;
+  start.memory_utilization = 1.0;
+  start.activation_reserve_gib = 0;
+  const cpu::HostCopyLink link = cpu::measured_host_copy_link();  // a swap is a host memcpy
+  start.swap_gb_per_s = link.gb_per_s;
+  start.swap_latency_s = link.latency_s;
+  return start;
+}
+
 void run_calibrate(const CalibrateOptions& o) {
   const bool cuda = o.backend == "cuda";
   if (o.backend != "cpu" && !cuda)
@@ -116,16 +135,7 @@ void run_calibrate(const CalibrateOptions& o) {
     start.compute_dtype = start.kv_dtype = o.dtype == "f32" ? DType::dtype_f32 : DType::dtype_bf16;
   } else {
     cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, std::nullopt);
-    fmt::print(stderr, "measuring this machine's peaks ({} threads)...\n", o.threads);
-    start.name = o.name.empty() ? fmt::format("cpu-{}-{}t", model.name, o.threads) : o.name;
-    start.peak_tflops = cpu::measured_fp32_peak_gflops(o.threads) / 1e3;
-    start.memory_gb_per_s = cpu::measured_read_bandwidth_gbs(o.threads);
-    start.memory_gib = static_cast<double>(sysconf(_SC_PHYS_PAGES)) *
-                       static_cast<double>(sysconf(_SC_PAGE_SIZE)) / (1024.0 * 1024.0 * 1024.0);
-    start.compute_dtype = DType::dtype_f32;
-    start.kv_dtype = DType::dtype_f32;
-    start.memory_utilization = 1.0;
-    start.activation_reserve_gib = 0;
+    start = cpu_start_profile(o, model);
   }
   Backend& backend = cuda ? *cuda_backend : static_cast<Backend&>(*cpu_backend);
   start.step_overhead_s = 1e-4;

@@ -16,6 +16,7 @@
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab_commit.hpp"
 
@@ -125,21 +126,12 @@ std::string clock_description(const std::vector<ExperimentRun>& runs) {
   for (const auto& run : runs)
     if (run.config.clock != c.clock || run.config.profile != c.profile)
       return "times: each run's own clock (see its summary.json)";
-  const std::string model =
-      c.profile.empty() ? "[time_model]" : fmt::format("the cost model of profile {}", c.profile);
-  if (c.clock == "measured") return "measured clock: each step lasts what Backend::forward took";
+  const std::string model = fmt::format("the roofline cost model of profile {}", c.profile);
+  if (c.clock == "measured")
+    return "measured clock: each step lasts what Backend::forward (and its swap copies) took";
   if (c.clock == "wall") return "wall clock: arrivals and steps in real time";
   if (c.clock == "offline") return fmt::format("offline (all at t = 0), steps timed by {}", model);
   return fmt::format("virtual clock, steps timed by {}", model);
-}
-
-std::string table_row(const std::string& label, const RunSummary& s, const RunOutput& out) {
-  return fmt::format(
-      "| {} | {}/{} | {:.2f} | {:.1f} | {:.3f} | {:.3f} | {:.4f} | {:.4f} | {:.4f} | {} | {:.1f}% "
-      "| {:.1f}% |",
-      label.empty() ? "(base)" : label, s.finished, s.rejected, s.requests_per_s,
-      s.output_tokens_per_s, s.ttft_s.p50, s.ttft_s.p99, s.tpot_s.p50, s.tpot_s.p99, s.itl_s.p99,
-      s.preemptions, 100 * out.mean_kv_used, 100 * out.mean_kv_waste);
 }
 
 // --out, else [output] dir, else results/<name>.
@@ -195,7 +187,7 @@ int run_all(const RunOptions& o, bool check) {
   std::vector<std::string> all_rejected;  // runs in which no request finished
   std::int64_t finished_total = 0;
   const bool tty = isatty(STDERR_FILENO) != 0;
-  std::vector<std::string> rows;
+  std::vector<SummaryRow> rows;
   nlohmann::json index = nlohmann::json::array();
   std::int64_t total_mismatches = 0;
   double wall = 0, engine_wall = 0, forward_wall = 0;
@@ -218,9 +210,7 @@ int run_all(const RunOptions& o, bool check) {
       all_rejected.push_back(fmt::format("run {} ({}): all {} requests were rejected:{}", i + 1,
                                          run.config.label.empty() ? "base" : run.config.label,
                                          out.summary.rejected, reasons));
-    rows.push_back(table_row(
-        run.config.label + (run.config.repeats > 1 ? fmt::format(" #{}", run.repeat) : ""),
-        out.summary, out));
+    rows.push_back({run.config.label, summary_values(runs.front().config, out)});  // one column set
     index.push_back({{"dir", directory}, {"label", run.config.label}, {"repeat", run.repeat}});
     if (check) {
       for (const auto& m : mismatches)
@@ -229,12 +219,7 @@ int run_all(const RunOptions& o, bool check) {
     }
   }
   if (tty) fmt::print(stderr, "\n");
-  const std::string header =
-      "| run | finished/rejected | req/s | out tok/s | TTFT p50 (s) | TTFT p99 | TPOT p50 | TPOT "
-      "p99 | ITL p99 | "
-      "preempt | KV used | KV waste |\n|---|---|---|---|---|---|---|---|---|---|---|---|\n";
-  std::string table = header;
-  for (const auto& row : rows) table += row + "\n";
+  const std::string table = summary_table(summary_columns(runs.front().config), rows);
   fmt::print("{} ({} run{}; {})\n\n{}", name, runs.size(), runs.size() > 1 ? "s" : "",
              clock_description(runs), table);
   fmt::print(stderr,

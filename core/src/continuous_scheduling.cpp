@@ -316,17 +316,21 @@ ContinuousPolicy continuous_policy_from_params(const PluginParams& params,
   return policy;
 }
 
-StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch) {
+StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch, bool padding) {
   ContinuousPolicy policy;  // whole prompts, arrival order, no token budget
   policy.max_batch = max_batch;
   policy.max_tokens_per_step = std::numeric_limits<std::int64_t>::max() / 4;
-  if (input.running.empty()) return schedule_continuous(input, policy);  // form a new batch
-  // The batch runs to completion: same step logic, but nobody is admitted.
-  SchedulerInput running_only = input;
-  running_only.waiting = {};
-  StepPlan plan = schedule_continuous(running_only, policy);
-  for (const RequestState* r : input.waiting)
-    plan.deferred.push_back({r->id, "static_batch_running"});
+  StepPlan plan;
+  if (input.running.empty()) {
+    plan = schedule_continuous(input, policy);  // form a new batch
+  } else {  // the batch runs to completion: same step logic, but nobody is admitted
+    SchedulerInput running_only = input;
+    running_only.waiting = {};
+    plan = schedule_continuous(running_only, policy);
+    for (const RequestState* r : input.waiting)
+      plan.deferred.push_back({r->id, "static_batch_running"});
+  }
+  plan.pad_finished = padding;
   return plan;
 }
 

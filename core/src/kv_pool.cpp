@@ -22,8 +22,9 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
                     shape.layers, shape.kv_heads, shape.head_dim, shape.slots));
   const auto floats =
       checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads, shape.head_dim});
-  if (shape.dtype != DType::dtype_f32 && shape.dtype != DType::dtype_f16 &&
-      shape.dtype != DType::dtype_bf16)
+  // Without storage the dtype only sizes swaps and memory (a simulated device's fp8 KV).
+  if (storage == KvStorage::host && shape.dtype != DType::dtype_f32 &&
+      shape.dtype != DType::dtype_f16 && shape.dtype != DType::dtype_bf16)
     throw Error(
         fmt::format("a KV pool holds f32, f16 or bf16, not {}", dtype_short_name(shape.dtype)));
   const auto bytes =

@@ -94,7 +94,7 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
   }
   std::vector<BatchResult> results(requests.size());
   EngineOptions engine_options;
-  engine_options.time_model = {1.0, 0.0, 0.0, 0.0};
+  engine_options.clock = EngineClock::steps;  // arrival_s counts steps
   engine_options.rules = rules_;
   if (options.record_logits)
     engine_options.on_logits = [&](RequestId id, std::span<const float> row) {

@@ -14,6 +14,7 @@
 #include "kvlab/cpu_reference/weight_choices.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
@@ -215,6 +216,7 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
       s.fail(*weights, fmt::format("backend.weights must be one of {}, not \"{}\"",
                                    fmt::join(choices, ", "), c.cpu_weights));
   }
+  if (c.backend == "cpu" && c.profile.empty()) c.profile = kDefaultCpuProfile;
   if (c.backend == "simulated" && c.profile.empty())
     s.fail(where,
            fmt::format("backend \"simulated\" needs backend.profile: a name ({}) or a .toml file",
@@ -236,10 +238,11 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
     c.kv_dtype = *parsed;
   }
   c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
-  c.swap_gb_per_s = s.get<double>("swap_gb_per_s").value_or(c.swap_gb_per_s);
   if (c.swap_slots < 0) s.fail(*s.node("swap_slots"), "kv_cache.swap_slots must be >= 0");
-  if (!(c.swap_gb_per_s > 0))
-    s.fail(*s.node("swap_gb_per_s"), "kv_cache.swap_gb_per_s must be > 0");
+  if (const toml::node* old = s.node("swap_gb_per_s"))
+    s.fail(*old,
+           "kv_cache.swap_gb_per_s is gone: the swap link is the hardware profile's [link] "
+           "swap_gb_per_s and swap_latency_s (backend.profile)");
   if (c.kv_memory_mib && !(*c.kv_memory_mib > 0))
     s.fail(*s.node("memory_mib"), "kv_cache.memory_mib must be > 0");
   c.allocator_params = plugin_params(s, "params");
@@ -338,19 +341,20 @@ void parse_slo(Section& s, ExperimentConfig& c) {
   c.slo.e2e_s = s.get<double>("e2e_s");
 }
 
-void parse_time_model(Section& s, ExperimentConfig& c) {
-  c.time_model.step_overhead_s =
-      s.get<double>("step_overhead_s").value_or(c.time_model.step_overhead_s);
-  c.time_model.prefill_token_s =
-      s.get<double>("prefill_token_s").value_or(c.time_model.prefill_token_s);
-  c.time_model.decode_token_s =
-      s.get<double>("decode_token_s").value_or(c.time_model.decode_token_s);
-  c.time_model.kv_token_read_s =
-      s.get<double>("kv_token_read_s").value_or(c.time_model.kv_token_read_s);
-}
-
 void parse_output(Section& s, ExperimentConfig& c) {
   c.output_dir = s.get<std::string>("dir").value_or("");
+  const toml::node* columns = s.node("columns");
+  if (columns == nullptr) return;
+  const toml::array* list = columns->as_array();
+  if (list == nullptr) s.fail(*columns, "output.columns must be an array of column names");
+  std::vector<std::string> known(std::begin(kExtraColumns), std::end(kExtraColumns));
+  for (const toml::node& item : *list) {
+    const auto name = item.value<std::string>();
+    if (!name || std::find(known.begin(), known.end(), *name) == known.end())
+      s.fail(item, fmt::format("output.columns: \"{}\" is not a column; choose from {}",
+                               name.value_or("?"), join_names(known)));
+    c.table_columns.push_back(*name);
+  }
 }
 
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {
@@ -372,7 +376,11 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   section("scheduler", [&](Section& s) { parse_scheduler(s, c); });
   section("workload", [&](Section& s) { parse_workload(s, c); });
   section("slo", [&](Section& s) { parse_slo(s, c); });
-  section("time_model", [&](Section& s) { parse_time_model(s, c); });
+  if (const toml::node* gone = root.get("time_model"))
+    top.fail(*gone,
+             "[time_model] is gone: the virtual clock prices each step with the roofline cost "
+             "model of backend.profile (\"cpu\" by default for the cpu backend; kvlab calibrate "
+             "writes one for your machine); delete the table");
   section("output", [&](Section& s) { parse_output(s, c); });
   top.node("sweep");
   top.finish();

@@ -20,6 +20,7 @@
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "kvlab/suggest.hpp"
 #include "run_memo.hpp"
 
 namespace kvlab {
@@ -92,6 +93,11 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   check_plugin(PluginKind::kv_allocator, c.allocator, c.allocator_params);
   check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
   if (plugin_backend) check_plugin(PluginKind::backend, c.backend, c.backend_params);
+  if (c.profile.empty() && (c.clock == "virtual" || c.clock == "offline"))
+    throw Error(fmt::format(
+        "backend \"{}\" on the {} clock needs backend.profile, the device its steps are priced "
+        "on: a name ({}) or a .toml file; or experiment.clock = \"measured\"",
+        c.backend, c.clock, join_names(hardware_profile_names())));
   const ModelSource source = resolve_model(c.model);
   if (source.config.size_only && !simulated)
     throw Error(
@@ -173,6 +179,16 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
     served.config.num_key_value_heads = kv_heads;
   }
   return served;
+}
+
+// The cost model that prices the run's steps: the profile's device; the cpu backend's run is
+// priced with its own KV dtype (kv_cache.dtype).
+std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model,
+                                        bool simulated) {
+  if (c.profile.empty()) return std::nullopt;
+  HardwareProfile profile = load_hardware_profile(c.profile);
+  if (c.backend == "cpu") profile.kv_dtype = c.kv_dtype;
+  return CostModel(model, profile);
 }
 
 // The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
@@ -283,28 +299,45 @@ EngineOptions engine_options(const ExperimentConfig& c, const SequenceRules& rul
                   : c.clock == "wall"     ? EngineClock::wall
                   : c.clock == "measured" ? EngineClock::measured
                                           : EngineClock::virtual_clock;
-  options.time_model = c.time_model;
   if (cost_model) options.cost_model = &*cost_model;
   options.rules = rules;
   options.pool = &pool;
   options.swap_slots = c.swap_slots;
-  options.swap_gb_per_s = c.swap_gb_per_s;
   return options;
 }
 
+// KV slots that hold no live token's KV although a sequence holds them (or, for external
+// fragmentation, although a refused request needed them): reservation ahead of use, unfilled
+// last blocks, a static batch's padding rows, and free holes on steps they blocked an admission.
+double wasted_slots(const StepRecord& s) {
+  return static_cast<double>(s.kv.reserved_unused + s.kv.last_block_slack + s.padding_slots +
+                             s.blocking_unusable_free);
+}
+
 // Mean KV use and waste over the steps, and (measured clock with a cost model) how far the
-// model's step predictions were from the measured forwards.
+// model's step predictions were from the measured forwards. Waste among held slots is vLLM's
+// definition: over all steps, the share of the slots sequences held (live + reserved + slack)
+// that held no live KV.
 void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
+  double held = 0, held_waste = 0;
   for (const auto& s : out.engine.steps) {
     const double capacity = static_cast<double>(s.kv.capacity);
-    out.mean_kv_used += static_cast<double>(s.kv.used) / capacity;
-    out.mean_kv_waste +=
-        static_cast<double>(s.kv.reserved_unused + s.kv.last_block_slack + s.kv.unusable_free) /
-        capacity;
+    out.mean_kv_used += static_cast<double>(s.kv.used - s.padding_slots) / capacity;
+    out.mean_kv_waste += wasted_slots(s) / capacity;
+    held += static_cast<double>(s.kv.used + s.kv.reserved_unused + s.kv.last_block_slack);
+    held_waste +=
+        static_cast<double>(s.kv.reserved_unused + s.kv.last_block_slack + s.padding_slots);
   }
   if (!out.engine.steps.empty()) {
     out.mean_kv_used /= static_cast<double>(out.engine.steps.size());
     out.mean_kv_waste /= static_cast<double>(out.engine.steps.size());
+  }
+  out.kv_waste_of_held = held > 0 ? held_waste / held : 0.0;
+  if (!out.engine.steps.empty()) {
+    const KvAllocatorStats& kv = out.engine.steps.back().kv;  // cumulative counters
+    out.prefix_hit_rate = kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
+                                                       static_cast<double>(kv.prefix_query_tokens)
+                                                 : 0.0;
   }
   if (!predictions) return;
   std::vector<double> errors;
@@ -360,13 +393,13 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 
   ServedModel served = load_served_model(c, registry, simulated);
   const ModelConfig& model = served.config;
-  std::optional<CostModel> cost_model;
-  if (!c.profile.empty()) cost_model.emplace(model, load_hardware_profile(c.profile));
+  std::optional<CostModel> cost_model = run_cost_model(c, model, simulated);
   const std::int64_t slots = pool_slots(c, model, simulated, cost_model);
-  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool.
-  KvPool pool(
-      {model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots, c.kv_dtype},
-      simulated || plugin_backend ? KvStorage::none : KvStorage::host);
+  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool; the
+  // simulated device's pool has no storage, its dtype (the profile's) sizes swaps.
+  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
+               simulated ? cost_model->profile().kv_dtype : c.kv_dtype},
+              simulated || plugin_backend ? KvStorage::none : KvStorage::host);
   PluginContext context;
   context.model = &model;
   context.max_seq_len = model.max_position_embeddings;
@@ -423,19 +456,24 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 }
 
 namespace {
-// Each kind of KV waste as a fraction of capacity, averaged over steps.
+// Each kind of KV waste as a fraction of capacity, averaged over steps; unusable_free_all is
+// every free hole outside the largest run, blocking or not (not counted as waste).
 nlohmann::json waste_breakdown(const std::vector<StepRecord>& steps) {
-  double reserved = 0, slack = 0, unusable = 0;
+  double reserved = 0, slack = 0, padding = 0, blocking = 0, unusable = 0;
   for (const auto& s : steps) {
     const double capacity = static_cast<double>(s.kv.capacity);
     reserved += static_cast<double>(s.kv.reserved_unused) / capacity;
     slack += static_cast<double>(s.kv.last_block_slack) / capacity;
+    padding += static_cast<double>(s.padding_slots) / capacity;
+    blocking += static_cast<double>(s.blocking_unusable_free) / capacity;
     unusable += static_cast<double>(s.kv.unusable_free) / capacity;
   }
   const double n = steps.empty() ? 1.0 : static_cast<double>(steps.size());
   return {{"reserved_unused", reserved / n},
           {"last_block_slack", slack / n},
-          {"unusable_free", unusable / n}};
+          {"padding", padding / n},
+          {"unusable_free_blocking", blocking / n},
+          {"unusable_free_all", unusable / n}};
 }
 
 std::string csv_number(const std::optional<double>& v) {
@@ -461,23 +499,24 @@ void write_requests_csv(std::ostream& f, const RunOutput& out) {
   }
 }
 
-// Measured times only where they are the clock's: virtual runs stay byte-identical.
+// Measured times only where they are the clock's (measured, wall): virtual runs stay
+// byte-identical and carry no columns of zeros.
 void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
-  f << "step,start_s,duration_s,measured_forward_s,measured_step_s,predicted_s,batch,prefill_"
-       "tokens,decode_tokens,"
-       "preempted,"
-       "waiting,running,"
-       "kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,kv_free,kv_unusable_free,kv_"
-       "cached_free,"
-       "prefix_hit_tokens,prefix_query_tokens\n";
-  for (const auto& s : out.engine.steps)
-    f << fmt::format(
-        "{},{:.6f},{:.6f},{:.6f},{:.6f},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
-        s.step, s.start_s, s.duration_s, measured ? s.measured_forward_s : 0.0,
-        measured ? s.measured_step_s : 0.0, s.predicted_s, s.batch, s.prefill_tokens,
-        s.decode_tokens, s.preempted, s.waiting, s.running, s.kv.capacity, s.kv.used,
-        s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free, s.kv.unusable_free,
-        s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+  f << "step,start_s,duration_s," << (measured ? "measured_forward_s,measured_step_s," : "")
+    << "predicted_s,batch,prefill_tokens,decode_tokens,preempted,waiting,running,padding,"
+       "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
+       "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
+       "prefix_query_tokens\n";
+  for (const auto& s : out.engine.steps) {
+    f << fmt::format("{},{:.6f},{:.6f},", s.step, s.start_s, s.duration_s);
+    if (measured) f << fmt::format("{:.6f},{:.6f},", s.measured_forward_s, s.measured_step_s);
+    f << fmt::format("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                     s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens, s.preempted,
+                     s.waiting, s.running, s.padding, s.padding_slots, s.swap_bytes, s.kv.capacity,
+                     s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free,
+                     s.kv.unusable_free, s.blocking_unusable_free, s.kv.cached_free,
+                     s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+  }
 }
 
 nlohmann::json latency_json(const LatencySummary& l) {
@@ -504,41 +543,40 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
   const RunSummary& s = out.summary;
   const KvAllocatorStats kv =
       out.engine.steps.empty() ? KvAllocatorStats{} : out.engine.steps.back().kv;
-  nlohmann::json j = {
-      {"name", c.name},
-      {"label", c.label},
-      {"model", out.model_name},
-      {"allocator", c.allocator},
-      {"attention", c.attention},
-      {"scheduler", c.scheduler},
-      {"seed", c.seed},
-      {"submitted", s.submitted},
-      {"finished", s.finished},
-      {"rejected", s.rejected},
-      {"duration_s", s.duration_s},
-      {"requests_per_s", s.requests_per_s},
-      {"output_tokens_per_s", s.output_tokens_per_s},
-      {"total_tokens_per_s", s.total_tokens_per_s},
-      {"ttft_s", latency_json(s.ttft_s)},
-      {"tpot_s", latency_json(s.tpot_s)},
-      {"itl_s", latency_json(s.itl_s)},
-      {"e2e_s", latency_json(s.e2e_s)},
-      {"queue_delay_s", latency_json(s.queue_delay_s)},
-      {"slo_met", s.slo_met},
-      {"goodput_per_s", s.goodput_per_s},
-      {"preemptions", s.preemptions},
-      {"recomputed_tokens", s.recomputed_tokens},
-      {"mean_kv_used_fraction", out.mean_kv_used},
-      {"mean_kv_waste_fraction", out.mean_kv_waste},
-      {"mean_kv_waste_breakdown", waste_breakdown(out.engine.steps)},
-      {"prefix_hit_rate", kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
-                                                       static_cast<double>(kv.prefix_query_tokens)
-                                                 : 0.0},
-      {"bytes_copied", kv.bytes_copied},
-      {"steps", out.engine.steps.size()},
-      {"backend", c.backend},
-      {"profile", c.profile},
-      {"kv_slots", out.kv_slots}};
+  nlohmann::json j = {{"name", c.name},
+                      {"label", c.label},
+                      {"model", out.model_name},
+                      {"allocator", c.allocator},
+                      {"attention", c.attention},
+                      {"scheduler", c.scheduler},
+                      {"seed", c.seed},
+                      {"submitted", s.submitted},
+                      {"finished", s.finished},
+                      {"rejected", s.rejected},
+                      {"duration_s", s.duration_s},
+                      {"requests_per_s", s.requests_per_s},
+                      {"output_tokens_per_s", s.output_tokens_per_s},
+                      {"total_tokens_per_s", s.total_tokens_per_s},
+                      {"ttft_s", latency_json(s.ttft_s)},
+                      {"tpot_s", latency_json(s.tpot_s)},
+                      {"itl_s", latency_json(s.itl_s)},
+                      {"e2e_s", latency_json(s.e2e_s)},
+                      {"queue_delay_s", latency_json(s.queue_delay_s)},
+                      {"slo_met", s.slo_met},
+                      {"goodput_per_s", s.goodput_per_s},
+                      {"preemptions", s.preemptions},
+                      {"recomputed_tokens", s.recomputed_tokens},
+                      {"mean_kv_used_fraction", out.mean_kv_used},
+                      {"mean_kv_waste_fraction", out.mean_kv_waste},
+                      {"kv_waste_of_held_fraction", out.kv_waste_of_held},
+                      {"mean_kv_waste_breakdown", waste_breakdown(out.engine.steps)},
+                      {"prefix_hit_rate", out.prefix_hit_rate},
+                      {"swapped_bytes", s.swapped_bytes},
+                      {"bytes_copied", kv.bytes_copied},
+                      {"steps", out.engine.steps.size()},
+                      {"backend", c.backend},
+                      {"profile", c.profile},
+                      {"kv_slots", out.kv_slots}};
   if (out.step_prediction_error)
     j["step_prediction_error"] = latency_json(*out.step_prediction_error);
   if (!out.workload_description.empty()) j["workload"] = out.workload_description;

@@ -106,7 +106,7 @@ void BM_EngineStep(benchmark::State& state) {
     auto scheduler = registry.create<PluginKind::scheduler>("fcfs", {}, context);
     FixedLogitsBackend backend;
     EngineOptions options;
-    options.clock = EngineClock::offline;
+    options.clock = EngineClock::steps;  // the engine's own cost, no pricing
     options.rules.context = 4096;
     Engine engine(backend, *allocator, *scheduler, options);
     const auto start = std::chrono::steady_clock::now();

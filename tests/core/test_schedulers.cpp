@@ -141,7 +141,7 @@ TEST(SchedulerTables, StaticRunsABatchToCompletion) {
   // 0 and 1 form the batch; 2 arrives at step 1 and waits until both are done.
   const std::vector<Spec> specs{{4, 2}, {4, 4}, {4, 1, 0, 1}};
   const auto table =
-      drive(specs, 100, [](const SchedulerInput& in) { return schedule_static(in, 2); });
+      drive(specs, 100, [](const SchedulerInput& in) { return schedule_static(in, 2, false); });
   expect_table(table, {{{0, 1}, {}}, {{0, 1}, {}}, {{1}, {}}, {{1}, {}}, {{2}, {}}});
 }
 

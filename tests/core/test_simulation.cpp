@@ -45,6 +45,8 @@ HardwareProfile toy_profile() {
   p.sequence_overhead_s = 1e-5;
   p.memory_utilization = 1.0;
   p.activation_reserve_gib = 0.0;
+  p.swap_gb_per_s = 25.0;  // 2.5e10 B/s
+  p.swap_latency_s = 7e-6;
   return p;
 }
 
@@ -95,6 +97,27 @@ TEST(CostModel, LargePrefillTurnsComputeBoundAndCountsCausalPairs) {
                    2 * 4.0 * 64 * (8 * 40.0 + 8 * 9 / 2.0));
 }
 
+TEST(CostModel, SwapIsLatencyPerCopyPlusBytesOverTheLink) {
+  const CostModel cost(toy_model(), toy_profile());
+  EXPECT_EQ(cost.swap_seconds(0, 0), 0.0);
+  EXPECT_NEAR(cost.swap_seconds(5'000'000, 2), 2 * 7e-6 + 5e6 / 2.5e10, kRel);
+}
+
+// A static batch's padding row costs what a decode of one token after its context costs.
+TEST(CostModel, PaddingRowsArePricedAsDecodes) {
+  const CostModel cost(toy_model(), toy_profile());
+  const std::vector<std::int32_t> tokens{1};
+  BatchEntry running;
+  running.tokens = tokens;
+  running.start_position = 40;
+  running.view.extents = {{0, 41}};
+  const std::vector<BatchEntry> batch{running};
+  const std::vector<EntryShape> padding{{1, 100, 0}, {1, 7, 0}};
+  const std::vector<EntryShape> all{{1, 40, 0}, {1, 100, 0}, {1, 7, 0}};
+  EXPECT_NEAR(cost.step(batch, padding).total(), cost.step(all).total(), kRel);
+  EXPECT_GT(cost.step(batch, padding).total(), cost.step(batch).total());
+}
+
 TEST(CostModel, EmptyStepCostsNothing) {
   const CostModel model(toy_model(), toy_profile());
   EXPECT_EQ(model.step(std::span<const EntryShape>{}).total(), 0.0);
@@ -132,12 +155,19 @@ TEST(CostModel, KvCapacityIsMemoryMinusWeightsAndReserve) {
 }
 
 TEST(HardwareProfiles, ShippedProfilesLoadByNameInAnyCase) {
-  for (const char* name : {"a100-80gb", "h100-sxm", "h200", "l4", "H200", "A100-80GB"}) {
+  for (const char* name : {"a100-80gb", "h100-sxm", "h200", "l4", "cpu", "H200", "A100-80GB"}) {
     const HardwareProfile p = load_hardware_profile(name);
     EXPECT_GT(p.peak_tflops, 0) << name;
     EXPECT_GT(p.memory_gb_per_s, 0) << name;
     EXPECT_GT(p.memory_gib, 0) << name;
+    // Every shipped profile states its swap link (the struct's defaults are not a device).
+    std::ifstream file(p.source);
+    const std::string text((std::istreambuf_iterator<char>(file)),
+                           std::istreambuf_iterator<char>());
+    EXPECT_NE(text.find("\n[link]\nswap_gb_per_s = "), std::string::npos) << name;
+    EXPECT_NE(text.find("\nswap_latency_s = "), std::string::npos) << name;
   }
+  EXPECT_EQ(load_hardware_profile("cpu").compute_dtype, DType::dtype_f32);
   EXPECT_DOUBLE_EQ(load_hardware_profile("h200").memory_gb_per_s, 4800);
   EXPECT_DOUBLE_EQ(load_hardware_profile("a100-80gb").peak_tflops, 312);
   const auto names = hardware_profile_names();
@@ -164,6 +194,8 @@ TEST(HardwareProfiles, RoundTripThroughToml) {
   EXPECT_DOUBLE_EQ(q.step_overhead_s, p.step_overhead_s);
   EXPECT_EQ(q.kv_dtype, DType::dtype_f32);
   EXPECT_DOUBLE_EQ(q.activation_reserve_gib, 0.0);
+  EXPECT_DOUBLE_EQ(q.swap_gb_per_s, p.swap_gb_per_s);
+  EXPECT_DOUBLE_EQ(q.swap_latency_s, p.swap_latency_s);
   EXPECT_EQ(load_hardware_profile(file.string()).name, "toy");  // a path works too
 }
 
@@ -189,6 +221,8 @@ TEST(HardwareProfiles, FileErrorsNameTheLineAndTheKey) {
   expect(good + "[device2]\n", {"p.toml:7", "unknown table [device2]", "did you mean [device]"});
   expect("[profile\nname = 1", {"p.toml:1"});
   expect(good + "[memory]\nutilization = 0\n", {"memory.utilization must be > 0"});
+  expect(good + "[link]\nswap_gb_per_s = 0\n", {"p.toml:8", "link.swap_gb_per_s must be > 0"});
+  expect(good + "[link]\nswap_latency_s = -1\n", {"link.swap_latency_s must be >= 0"});
   test::expect_error_containing([&] { load_hardware_profile_file(dir.path() / "none.toml"); },
                                 {"none.toml", "no such file"});
 }

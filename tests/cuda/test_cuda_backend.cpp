@@ -78,6 +78,7 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   else
     cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, variant->window());
   EngineOptions options;
+  options.clock = EngineClock::steps;  // tokens are compared, not times
   options.rules = sequence_rules(c, *variant);
   options.rules.context = 64;
   options.pool = &pool;

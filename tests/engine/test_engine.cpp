@@ -53,7 +53,9 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   auto scheduler =
       registry().create<PluginKind::scheduler>(setup.scheduler, setup.scheduler_params, context);
   cpu::CpuBackend backend(weights(), pool, std::nullopt);
+  const CostModel cost(c, load_hardware_profile("cpu"));  // prices the virtual clock's steps
   EngineOptions options;
+  options.cost_model = &cost;
   options.rules.context = setup.max_seq_len;
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
@@ -77,6 +79,7 @@ TEST(Engine, NonFiniteLogitsAreAnErrorNamingRequestAndStep) {
   auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
   cpu::CpuBackend backend(broken, pool, std::nullopt);
   EngineOptions options;
+  options.clock = EngineClock::steps;
   options.rules.context = 64;
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
@@ -271,6 +274,63 @@ TEST(Engine, ConservationOverRandomWorkloads) {
   }
 }
 
+// The virtual and offline clocks price steps with a cost model; without one the engine says so
+// before anything runs (there is no other time model).
+TEST(Engine, PricedClocksNeedACostModel) {
+  const ModelConfig& c = weights().config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64});
+  PluginContext context;
+  context.pool = &pool;
+  context.model = &c;
+  context.max_seq_len = 64;
+  auto allocator = registry().create<PluginKind::kv_allocator>("paged", {}, context);
+  auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
+  cpu::CpuBackend backend(weights(), pool, std::nullopt);
+  for (const EngineClock clock : {EngineClock::virtual_clock, EngineClock::offline}) {
+    EngineOptions options;
+    options.clock = clock;
+    options.rules.context = 64;
+    Engine engine(backend, *allocator, *scheduler, options);
+    test::expect_error_containing([&] { engine.run(small_workload(1, 2)); },
+                                  {"cost model", "hardware profile"});
+  }
+}
+
+// Static batching as the literature runs it: a finished request stays in its batch as padding.
+// Same batches and tokens as without padding (the pool is ample), but each step is priced with
+// the padding rows, their KV stays held until the batch ends, and nothing is left at the end.
+TEST(Engine, PaddedStaticBatchHoldsFinishedRowsUntilTheBatchEnds) {
+  std::vector<WorkloadRequest> requests = small_workload(5, 12);
+  for (std::size_t i = 0; i < requests.size(); ++i) {  // the spread static batching pays for
+    requests[i].arrival_s = 0;
+    requests[i].output_tokens = requests[i].sampling.max_tokens = i % 3 == 0 ? 24 : 2;
+    requests[i].sampling.ignore_eos = true;
+  }
+  EngineSetup padded, unpadded;
+  padded.scheduler = unpadded.scheduler = "static";
+  padded.scheduler_params = {{"max_batch", std::int64_t{4}}, {"padding", true}};
+  unpadded.scheduler_params = {{"max_batch", std::int64_t{4}}, {"padding", false}};
+  padded.slots = unpadded.slots = 512;
+  // No shared prefix blocks, so that a padding row's slots are its own (exact accounting).
+  padded.allocator_params =
+      unpadded.allocator_params = {{"block_size", std::int64_t{4}}, {"prefix_caching", false}};
+  const EngineResult a = run_engine(padded, requests), b = run_engine(unpadded, requests);
+  EXPECT_EQ(a.tokens, b.tokens);
+  ASSERT_EQ(a.steps.size(), b.steps.size());  // the same batches, step for step
+  std::int64_t padded_rows = 0;
+  for (std::size_t i = 0; i < a.steps.size(); ++i) {
+    EXPECT_EQ(b.steps[i].padding, 0);
+    EXPECT_GE(a.steps[i].predicted_s, b.steps[i].predicted_s) << "step " << i;
+    if (a.steps[i].padding > 0) EXPECT_GT(a.steps[i].predicted_s, b.steps[i].predicted_s);
+    EXPECT_EQ(a.steps[i].kv.used, b.steps[i].kv.used + a.steps[i].padding_slots) << "step " << i;
+    padded_rows += a.steps[i].padding;
+  }
+  EXPECT_GT(padded_rows, 0);
+  EXPECT_GT(a.duration_s, b.duration_s);
+  EXPECT_EQ(a.steps.back().kv.used, 0) << "the last batch's padding is freed";
+  EXPECT_EQ(a.steps.back().padding_slots, 0);
+}
+
 TEST(Engine, SameInputSameBytes) {
   const auto requests = small_workload(21, 10);
   EngineSetup setup;
@@ -354,11 +414,20 @@ TEST(SimulatedEngine, DeterministicCompleteAndTimedByTheCostModel) {
   }
   EXPECT_GT(preemptions, 0);
   double predicted = 0;
+  std::int64_t swapped = 0, timeline_swapped = 0;
+  const CostModel cost(model_preset("llama2-7b"), load_hardware_profile("h200"));
   for (const auto& s : a.steps) {
     EXPECT_GT(s.predicted_s, 0);
-    EXPECT_GE(s.duration_s, s.predicted_s);  // + modelled swap copies
+    // The step and its swap copies over the profile's link: latency per copy + bytes / bandwidth.
+    EXPECT_NEAR(s.duration_s, s.predicted_s + cost.swap_seconds(s.swap_bytes, s.swap_transfers),
+                1e-12 * s.duration_s);
+    EXPECT_EQ(s.swap_bytes > 0, s.swap_transfers > 0);
     predicted += s.duration_s;
+    swapped += s.swap_bytes;
   }
+  for (const auto& t : a.requests) timeline_swapped += t.swapped_bytes;
+  EXPECT_GT(swapped, 0);
+  EXPECT_EQ(swapped, timeline_swapped);
   EXPECT_LE(predicted, a.duration_s * (1 + 1e-9));  // idle gaps between arrivals come on top
 }
 

@@ -6,6 +6,7 @@
 
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/summary_table.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -116,6 +117,71 @@ TEST(ExperimentLibrary, RealWorkloadSectionsAreChecked) {
             std::string::npos);
   EXPECT_NE(load_error({"workload.azure_trace={file=\"/no/such.csv\"}"}).find("is not a file"),
             std::string::npos);
+}
+
+// Every virtual-clock run is priced by a hardware profile's cost model: the cpu backend's
+// default is the shipped "cpu" profile; the old linear [time_model] and kv_cache.swap_gb_per_s
+// are errors that say where their replacement lives; a plugin backend on the virtual clock
+// needs a profile.
+TEST(ExperimentLibrary, VirtualClockRunsArePricedByAProfile) {
+  auto load_error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  const auto runs = load_experiment(kQuickstart, small());
+  EXPECT_EQ(runs[0].config.profile, "cpu");
+  EXPECT_EQ(load_experiment(kQuickstart, small({"backend.profile=\"h200\""}))[0].config.profile,
+            "h200");
+  const std::string time_model = load_error({"time_model.step_overhead_s=0.002"});
+  EXPECT_NE(time_model.find("[time_model] is gone"), std::string::npos) << time_model;
+  EXPECT_NE(time_model.find("backend.profile"), std::string::npos) << time_model;
+  const std::string swap = load_error({"kv_cache.swap_gb_per_s=16.0"});
+  EXPECT_NE(swap.find("[link] swap_gb_per_s"), std::string::npos) << swap;
+  const std::string plugin = load_error({"backend.name=\"cuda\""});
+  EXPECT_NE(plugin.find("needs backend.profile"), std::string::npos) << plugin;
+}
+
+// Repeats become one row: mean ± the 95% interval's half-width, t with n-1 degrees of freedom.
+TEST(SummaryTable, RepeatsAreAMeanWithA95PercentInterval) {
+  // 1, 2, 6: mean 3, sd sqrt(7), t(0.975, 2) = 4.30265272974946 (tables give 4.303).
+  const std::vector<double> values{1, 2, 6};
+  EXPECT_NEAR(confidence_half_width_95(values), 4.30265272974946 * std::sqrt(7.0 / 3), 1e-12);
+  EXPECT_EQ(confidence_half_width_95(std::vector<double>{5}), 0);
+  const std::vector<SummaryColumn> columns{{"out tok/s", 1, false}, {"KV used", 1, true}};
+  const std::vector<SummaryRow> rows{
+      {"a", {1, 0.5}}, {"b", {10, 0.25}}, {"a", {2, 0.5}}, {"a", {6, 0.5}}};
+  const std::string table = summary_table(columns, rows);
+  EXPECT_NE(table.find("| run | out tok/s | KV used |\n|---|---|---|\n"), std::string::npos)
+      << table;
+  EXPECT_NE(table.find("| a (n=3) | 3.0 ± 6.6 | 50.0% ± 0.0 |\n"), std::string::npos) << table;
+  EXPECT_NE(table.find("| b | 10.0 | 25.0% |\n"), std::string::npos) << table;
+  EXPECT_LT(table.find("| a (n=3)"), table.find("| b |"));  // labels in first-seen order
+}
+
+// [output] columns add what an experiment is about; unknown names list the choices.
+TEST(SummaryTable, ExperimentColumnsAreCheckedAndFilled) {
+  const auto runs = load_experiment(
+      kQuickstart, small({"output.columns=[\"prefix_hit_rate\", \"ttft_by_priority\", "
+                          "\"swapped_mib\"]",
+                          "workload.priority_weights=[1.0, 1.0]", "experiment.repeats=1"}));
+  const ExperimentConfig& c = runs[1].config;
+  const auto columns = summary_columns(c);
+  const auto base = summary_columns(runs[1].config).size() - 6;  // p50 + p99 x 2 levels + 2
+  EXPECT_EQ(columns[base].header, "prefix hit");
+  EXPECT_EQ(columns[base + 1].header, "TTFT p50 prio 0");
+  EXPECT_EQ(columns[base + 4].header, "TTFT p99 prio 1");
+  EXPECT_EQ(columns.back().header, "swapped MiB");
+  std::vector<std::string> mismatches;
+  const RunOutput out = run_experiment(c, false, &mismatches);
+  const auto values = summary_values(c, out);
+  ASSERT_EQ(values.size(), columns.size());
+  EXPECT_DOUBLE_EQ(values[2], out.summary.requests_per_s);
+  EXPECT_DOUBLE_EQ(values[base], out.prefix_hit_rate);
+  EXPECT_GE(values[base + 1], 0);
+  const std::string message = test::error_of<Error>(
+      [&] { load_experiment(kQuickstart, small({"output.columns=[\"goodputt\"]"})); });
+  EXPECT_NE(message.find("\"goodputt\" is not a column"), std::string::npos) << message;
+  EXPECT_NE(message.find("goodput, slo_attainment"), std::string::npos) << message;
 }
 
 // [backend] weights and [kv_cache] dtype: what the cpu backend multiplies in and stores K/V as.

@@ -61,6 +61,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(AllocateRequest, prompt).KVLAB_ABI_MEMBER(AllocateRequest, max_total_tokens);
   h.KVLAB_ABI_MEMBER(KvPoolShape, layers).KVLAB_ABI_MEMBER(KvPoolShape, slots);
   h.KVLAB_ABI_MEMBER(SchedulerInput, running).KVLAB_ABI_MEMBER(SchedulerInput, kv);
+  h.KVLAB_ABI_MEMBER(StepPlan, deferred).KVLAB_ABI_MEMBER(StepPlan, pad_finished);
   return h.hash;
 }
 

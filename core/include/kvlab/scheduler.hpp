@@ -55,6 +55,10 @@ struct StepPlan {
   std::vector<Preemption> preempt;  // running -> waiting / swapped
   std::vector<Work> work;
   std::vector<Deferral> deferred;
+  // Static batching as Hugging Face generate() and FasterTransformer run it: a request that
+  // finishes this step stays in the batch as padding — its KV held, and each later step priced
+  // as if it decoded one more (discarded) token — until no request of the batch is running.
+  bool pad_finished = false;
 };
 
 // A scheduler plans exactly: every work item it returns must have been tried on the allocator's
@@ -122,6 +126,7 @@ StepPlan schedule_continuous(const SchedulerInput& input, const ContinuousPolicy
 
 // static: a batch is formed only when nothing runs (up to max_batch, while the KV fits) and
 // runs to completion; nobody joins a running batch (the seed's static batching baseline).
-StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch);
+// `padding`: finished requests stay in the batch as padding until it ends (StepPlan::pad_finished).
+StepPlan schedule_static(const SchedulerInput& input, std::int64_t max_batch, bool padding);
 
 }  // namespace kvlab

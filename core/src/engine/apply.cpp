@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <chrono>
 #include <utility>
 
 #include "kvlab/error.hpp"
@@ -18,8 +19,8 @@ std::int64_t kv_bytes(const KvPoolShape& shape, std::int64_t tokens) {
 
 // Copies the KV of positions [first, end) between the pool (through `view`) and a host buffer
 // laid out (layers, K then V, positions, width). Returns the bytes moved.
-std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
-                     std::vector<float>& buffer, bool to_host) {
+std::int64_t copy_kv_rows(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
+                          std::vector<float>& buffer, bool to_host) {
   const KvPoolShape& shape = pool.shape();
   const std::int64_t width = shape.slot_width(), tokens = end - first;
   if (to_host && (pool.has_storage() || pool.device() != nullptr))
@@ -47,6 +48,19 @@ std::int64_t copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::
       }
   }  // else: bookkeeping only (the simulated backend's pool has no storage)
   return kv_bytes(shape, tokens);
+}
+
+// copy_kv_rows as one transfer of the applied plan: its bytes, count and measured time.
+void copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
+             std::vector<float>& buffer, bool to_host, AppliedPlan& applied,
+             RequestTimeline& timeline) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::int64_t bytes = copy_kv_rows(pool, view, first, end, buffer, to_host);
+  applied.swap_copy_s +=
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  applied.swap_bytes += bytes;
+  ++applied.swap_transfers;
+  timeline.swapped_bytes += bytes;
 }
 
 class PlanApplier {
@@ -99,9 +113,8 @@ bool PlanApplier::swap_out(RequestState& r) {
                          options_.swap_slots));
     return false;
   }
-  const std::int64_t bytes = copy_kv(*options_.pool, view, first, r.computed, r.swap.data, true);
-  applied_.swap_bytes += bytes;
-  table_.timeline(r.id).swapped_bytes += bytes;
+  copy_kv(*options_.pool, view, first, r.computed, r.swap.data, true, applied_,
+          table_.timeline(r.id));
   table_.add_swap_tokens(tokens);
   r.swap.first = first;
   kv_.free(r.id);
@@ -160,9 +173,7 @@ void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
         std::copy_n(r.swap.data.data() + (half * tokens + (from - first)) * width, keep * width,
                     part.data() + half * keep * width);
     }
-    const std::int64_t bytes = copy_kv(pool, kv_.view(r.id), from, r.computed, part, false);
-    applied_.swap_bytes += bytes;
-    table_.timeline(r.id).swapped_bytes += bytes;
+    copy_kv(pool, kv_.view(r.id), from, r.computed, part, false, applied_, table_.timeline(r.id));
   }
   table_.add_swap_tokens(-tokens);
   r.swap = {};
@@ -243,12 +254,15 @@ AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& ta
     else if (r.status == RequestStatus::running)
       applier.continue_running(r, w.new_tokens);
   }
-  return applier.finish();
+  AppliedPlan applied = applier.finish();
+  applied.pad_finished = plan.pad_finished;
+  return applied;
 }
 
 std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32_t> sampled,
                           double now, RequestTable& table, KvAllocator& kv,
-                          const ApplyOptions& options, EventLog& log) {
+                          const ApplyOptions& options, EventLog& log,
+                          std::vector<RequestId>* held) {
   const SequenceRules& rules = options.rules;
   std::int64_t finished = 0;
   for (std::size_t e = 0; e < applied.batch.size(); ++e) {
@@ -267,7 +281,10 @@ std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32
       std::string& reason = table.timeline(r.id).finish_reason;
       reason = eos ? "eos" : full ? "context_full" : "max_tokens";
       log.add(EventKind::event_finish, r.id, reason);
-      kv.free(r.id);
+      if (applied.pad_finished && held != nullptr)
+        held->push_back(r.id);  // padding until the static batch ends
+      else
+        kv.free(r.id);
       table.finish(r.id, now);
       ++finished;
       continue;

@@ -5,40 +5,37 @@
 namespace kvlab {
 namespace {
 
-// A step lasts its modelled duration: the cost model's prediction when there is one, else the
-// step-time model.
+// A step lasts the cost model's price of it.
 class VirtualClock : public Clock {
  public:
-  VirtualClock(const StepTimeModel& model, bool arrivals_at_zero)
-      : model_(model), arrivals_at_zero_(arrivals_at_zero) {}
+  explicit VirtualClock(bool arrivals_at_zero) : arrivals_at_zero_(arrivals_at_zero) {}
   bool all_arrive_at_zero() const override { return arrivals_at_zero_; }
   double advance(const StepTiming& cost) override {
-    const double duration = (cost.predicted_s ? *cost.predicted_s : modelled(cost)) + cost.swap_s;
+    const double duration = cost.predicted_s + cost.modelled_swap_s;
     now_ += duration;
     return duration;
   }
 
  private:
-  double modelled(const StepTiming& cost) const {
-    std::int64_t kv_tokens_read = 0;
-    for (const auto& e : cost.batch)
-      kv_tokens_read += e.view.end_position() - e.view.first_position;
-    return model_.step_overhead_s +
-           model_.prefill_token_s * static_cast<double>(cost.prefill_tokens) +
-           model_.decode_token_s * static_cast<double>(cost.decode_tokens) +
-           model_.kv_token_read_s * static_cast<double>(kv_tokens_read);
-  }
-  StepTimeModel model_;
   bool arrivals_at_zero_;
 };
 
-// A step lasts what the backend really took, plus the modelled swap copies.
+// A step lasts what the backend and the swap copies really took.
 class MeasuredClock : public Clock {
  public:
   double advance(const StepTiming& cost) override {
-    const double duration = cost.measured_forward_s + cost.swap_s;
+    const double duration = cost.measured_forward_s + cost.measured_swap_s;
     now_ += duration;
     return duration;
+  }
+};
+
+// Each step lasts 1.
+class StepCountingClock : public Clock {
+ public:
+  double advance(const StepTiming&) override {
+    now_ += 1;
+    return 1;
   }
 };
 
@@ -64,18 +61,20 @@ class WallClock : public Clock {
 
 }  // namespace
 
-std::unique_ptr<Clock> make_clock(EngineClock kind, const StepTimeModel& model) {
+std::unique_ptr<Clock> make_clock(EngineClock kind) {
   switch (kind) {
     case EngineClock::offline:
-      return std::make_unique<VirtualClock>(model, true);
+      return std::make_unique<VirtualClock>(true);
     case EngineClock::measured:
       return std::make_unique<MeasuredClock>();
     case EngineClock::wall:
       return std::make_unique<WallClock>();
+    case EngineClock::steps:
+      return std::make_unique<StepCountingClock>();
     case EngineClock::virtual_clock:
       break;
   }
-  return std::make_unique<VirtualClock>(model, false);
+  return std::make_unique<VirtualClock>(false);
 }
 
 }  // namespace kvlab

@@ -46,7 +46,16 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& requests) {
 }
 
 void Engine::start(const std::vector<WorkloadRequest>& requests) {
-  clock_ = make_clock(options_.clock, options_.time_model);
+  const bool priced =
+      options_.clock == EngineClock::virtual_clock || options_.clock == EngineClock::offline;
+  if (priced && options_.cost_model == nullptr)
+    throw Error(
+        "engine: the virtual and offline clocks price every step with a cost model; give "
+        "EngineOptions::cost_model (a hardware profile: profiles/cpu.toml for the CPU backend) or "
+        "use the measured clock");
+  clock_ = make_clock(options_.clock);
+  padding_shapes_.clear();
+  padding_ids_.clear();
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
   log_ = {};
   result_ = {};
@@ -103,10 +112,12 @@ bool Engine::step() {
     return true;
   }
   // 1. plan, 2. apply
+  release_padding_after_batch();
   step_start_ = SteadyClock::now();
   const StepPlan plan =
       scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
   const AppliedPlan applied = apply_plan(plan, step_, *table_, allocator_, apply_options_, log_);
+  const std::int64_t blocking_unusable = blocking_fragmentation(plan);
   if (applied.batch.empty()) {
     idle_step();
     return !table_->all_done();
@@ -115,12 +126,31 @@ bool Engine::step() {
   // 3. run, 4. sample, 5. update
   StepRecord record;
   record.preempted = applied.preempted;
+  record.blocking_unusable_free = blocking_unusable;
   const std::span<const float> logits = run_batch(applied, record);
   const std::vector<std::int32_t> sampled = sample(applied, logits);
   log_.set_time(step_, clock_->now());
-  apply_tokens(applied, sampled, clock_->now(), *table_, allocator_, apply_options_, log_);
+  std::vector<RequestId> finished_held;
+  apply_tokens(applied, sampled, clock_->now(), *table_, allocator_, apply_options_, log_,
+               &finished_held);
+  hold_padding(finished_held);
   record_step(record);
   return !table_->all_done();
+}
+
+// The unusable free slots when a request refused for memory (kv_full) would have fitted in the
+// free slots in all — external fragmentation that blocked an admission; else 0.
+std::int64_t Engine::blocking_fragmentation(const StepPlan& plan) const {
+  const KvAllocatorStats stats = allocator_.stats();
+  if (stats.unusable_free == 0) return 0;
+  for (const Deferral& d : plan.deferred) {
+    if (d.reason != "kv_full") continue;
+    const RequestState& r = table_->at(d.id);
+    if (!r.is_waiting()) continue;
+    const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output()};
+    if (allocator_.slots_to_allocate(request) <= stats.free) return stats.unusable_free;
+  }
+  return 0;
 }
 
 // Nothing to run: everyone waits for memory or for a scheduler limit. With nothing running and
@@ -168,18 +198,45 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
   record.decode_tokens = applied.decode_tokens;
   record.measured_forward_s = seconds_between(start, end);
   record.measured_step_s = seconds_between(step_start_, end);
-  StepTiming cost{batch,
-                  applied.prefill_tokens,
-                  applied.decode_tokens,
-                  record.measured_forward_s,
-                  nullptr,
-                  static_cast<double>(applied.swap_bytes) / (options_.swap_gb_per_s * 1e9)};
-  if (options_.cost_model != nullptr) {
-    record.predicted_s = options_.cost_model->step(batch).total();
-    cost.predicted_s = &record.predicted_s;
-  }
-  record.duration_s = clock_->advance(cost);
+  record.duration_s = clock_->advance(price_step(applied, batch, record));
   return logits;
+}
+
+// The step as each clock prices it: the cost model's roofline over the batch and the static
+// batch's padding rows, and the swap copies over its link; the measured forward and copies.
+StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
+                              StepRecord& record) const {
+  StepTiming timing;
+  timing.measured_forward_s = record.measured_forward_s;
+  timing.measured_swap_s = applied.swap_copy_s;
+  record.padding = static_cast<std::int64_t>(padding_shapes_.size());
+  record.swap_bytes = applied.swap_bytes;
+  record.swap_transfers = applied.swap_transfers;
+  if (options_.cost_model != nullptr) {
+    record.predicted_s = options_.cost_model->step(batch, padding_shapes_).total();
+    timing.predicted_s = record.predicted_s;
+    timing.modelled_swap_s =
+        options_.cost_model->swap_seconds(applied.swap_bytes, applied.swap_transfers);
+  }
+  return timing;
+}
+
+// Finished requests of a padded static batch keep their KV and add a discarded token per step
+// until the batch has no running request left; then all of it is freed at once.
+void Engine::hold_padding(const std::vector<RequestId>& finished) {
+  for (EntryShape& shape : padding_shapes_) ++shape.start_position;  // this step's pad token
+  for (const RequestId id : finished) {
+    padding_ids_.push_back(id);  // its last token's row, then one pad token per step
+    padding_shapes_.push_back({1, table_->at(id).length() - 1, allocator_.view(id).first_position});
+  }
+  release_padding_after_batch();
+}
+
+void Engine::release_padding_after_batch() {
+  if (!table_->running().empty()) return;  // preemption can empty a batch too
+  for (const RequestId id : padding_ids_) allocator_.free(id);
+  padding_ids_.clear();
+  padding_shapes_.clear();
 }
 
 // The next token of every entry that ends its sequence (the backend's choice when it makes one).
@@ -215,6 +272,7 @@ void Engine::record_step(StepRecord record) {
   record.waiting = static_cast<std::int64_t>(table_->waiting().size());
   record.running = static_cast<std::int64_t>(table_->running().size());
   record.kv = allocator_.stats();
+  for (const RequestId id : padding_ids_) record.padding_slots += allocator_.view(id).length();
   if (record.kv.evictions > evictions_seen_) {  // cached prefix blocks reused for other data
     log_.add_evictions(record.kv.evictions - evictions_seen_);
     evictions_seen_ = record.kv.evictions;

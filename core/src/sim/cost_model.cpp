@@ -87,13 +87,20 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
   return c;
 }
 
-StepCost CostModel::step(std::span<const BatchEntry> batch) const {
+StepCost CostModel::step(std::span<const BatchEntry> batch,
+                         std::span<const EntryShape> padding) const {
   std::vector<EntryShape> shapes;
-  shapes.reserve(batch.size());
+  shapes.reserve(batch.size() + padding.size());
   for (const BatchEntry& b : batch)
     shapes.push_back({static_cast<std::int64_t>(b.tokens.size()), b.start_position,
                       std::min(b.view.first_position, b.start_position)});
-  return step(shapes);
+  shapes.insert(shapes.end(), padding.begin(), padding.end());
+  return step(std::span<const EntryShape>(shapes));
+}
+
+double CostModel::swap_seconds(std::int64_t bytes, std::int64_t transfers) const {
+  return static_cast<double>(transfers) * profile_.swap_latency_s +
+         static_cast<double>(bytes) / (profile_.swap_gb_per_s * 1e9);
 }
 
 double CostModel::weight_bytes() const {

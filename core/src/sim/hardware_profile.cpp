@@ -112,7 +112,8 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
                             e.source().begin.column, e.description()));
   }
   const std::string where = file.string();
-  const std::vector<std::string> tables{"profile", "device", "efficiency", "overhead", "memory"};
+  const std::vector<std::string> tables{"profile",  "device", "efficiency",
+                                        "overhead", "memory", "link"};
   for (const auto& [key, value] : top) {
     const bool known = std::find(tables.begin(), tables.end(), key.str()) != tables.end();
     if (!known || !value.is_table()) {
@@ -162,6 +163,12 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
     p.memory_utilization = s.fraction("utilization", p.memory_utilization);
     p.activation_reserve_gib =
         s.number("activation_reserve_gib", p.activation_reserve_gib, false, true);
+    s.finish();
+  }
+  {
+    ProfileSection s(top["link"].as_table(), "link", where);
+    p.swap_gb_per_s = s.number("swap_gb_per_s", p.swap_gb_per_s);
+    p.swap_latency_s = s.number("swap_latency_s", p.swap_latency_s, false, true);
     s.finish();
   }
   return p;
@@ -230,7 +237,9 @@ std::string hardware_profile_to_toml(const HardwareProfile& p) {
       {"overhead",
        toml::table{{"step_s", p.step_overhead_s}, {"sequence_s", p.sequence_overhead_s}}},
       {"memory", toml::table{{"utilization", p.memory_utilization},
-                             {"activation_reserve_gib", p.activation_reserve_gib}}}};
+                             {"activation_reserve_gib", p.activation_reserve_gib}}},
+      {"link",
+       toml::table{{"swap_gb_per_s", p.swap_gb_per_s}, {"swap_latency_s", p.swap_latency_s}}}};
   std::ostringstream out;
   out << toml::toml_formatter(top) << "\n";
   return out.str();

@@ -34,17 +34,23 @@ struct ScheduledWork {
 struct AppliedPlan {
   std::vector<ScheduledWork> batch;  // in running order
   std::int64_t preempted = 0;
-  std::int64_t swap_bytes = 0;  // KV copied to and from the host swap pool
+  std::int64_t swap_bytes = 0;      // KV copied to and from the host swap pool, in its dtype
+  std::int64_t swap_transfers = 0;  // copies (one per swap-out or swap-in of a request)
+  double swap_copy_s = 0;           // what those copies really took here
   std::int64_t prefill_tokens = 0, decode_tokens = 0;
+  bool pad_finished = false;  // StepPlan::pad_finished
 };
 
 AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& table,
                        KvAllocator& kv, const ApplyOptions& options, EventLog& log);
 
 // `sampled[e]` is the token batch entry e produced (read only when it samples). Returns how
-// many requests finished.
+// many requests finished. A finished request's KV is freed, unless the plan pads finished
+// requests (applied.pad_finished) and `held` is given: then it stays allocated and its id is
+// appended to `held` (the caller frees it when the static batch ends).
 std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32_t> sampled,
                           double now, RequestTable& table, KvAllocator& kv,
-                          const ApplyOptions& options, EventLog& log);
+                          const ApplyOptions& options, EventLog& log,
+                          std::vector<RequestId>* held = nullptr);
 
 }  // namespace kvlab

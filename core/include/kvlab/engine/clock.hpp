@@ -1,38 +1,28 @@
 #pragma once
 // The engine's clock, a strategy: when requests arrive, how long a step lasts, what idling does.
-//   virtual   a step lasts its modelled duration (time model, or a cost model's prediction):
-//             reproducible to the byte
+//   virtual   a step lasts the cost model's price of it (a hardware profile's roofline) plus
+//             its swap copies over the profile's link: reproducible to the byte
 //   offline   every request arrives at t = 0, then as virtual
-//   measured  a step lasts what Backend::forward really took (+ the modelled swap copies): a
-//             real backend's timeline without sleeping through idle gaps
+//   measured  a step lasts what Backend::forward and the swap copies really took: a real
+//             backend's timeline without sleeping through idle gaps
 //   wall      arrivals replayed in real time; time passes as it really does (not reproducible)
+//   steps     every step lasts 1: time counts engine steps (arrivals at a given step; for
+//             tools and tests that need an order of events, not a duration)
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
 #include <memory>
-#include <span>
-
-#include "kvlab/backend.hpp"
 
 namespace kvlab {
 
-enum class EngineClock { virtual_clock, offline, wall, measured };
+enum class EngineClock { virtual_clock, offline, wall, measured, steps };
 
-// The virtual clock's step-time model (seconds), when no cost model predicts steps.
-struct StepTimeModel {
-  double step_overhead_s = 2e-3;
-  double prefill_token_s = 2e-4;
-  double decode_token_s = 1e-3;
-  double kv_token_read_s = 0;  // per cached token attended to
-};
-
-// What a step did, for the clock to price.
+// What a step cost, for the clock to price.
 struct StepTiming {
-  std::span<const BatchEntry> batch;
-  std::int64_t prefill_tokens = 0, decode_tokens = 0;
-  double measured_forward_s = 0;
-  const double* predicted_s = nullptr;  // the cost model's prediction, when there is one
-  double swap_s = 0;                    // host <-> device KV copies
+  double predicted_s = 0;         // the cost model's price of the step (virtual clocks)
+  double measured_forward_s = 0;  // what Backend::forward really took (measured clock)
+  double modelled_swap_s = 0;     // host <-> device KV copies over the profile's link
+  double measured_swap_s = 0;     // the same copies as they really took here
 };
 
 class Clock {
@@ -52,6 +42,6 @@ class Clock {
   double now_ = 0;
 };
 
-std::unique_ptr<Clock> make_clock(EngineClock kind, const StepTimeModel& model);
+std::unique_ptr<Clock> make_clock(EngineClock kind);
 
 }  // namespace kvlab

@@ -29,18 +29,16 @@ namespace kvlab {
 
 struct EngineOptions {
   EngineClock clock = EngineClock::virtual_clock;
-  StepTimeModel time_model;
-  // When set, the virtual clock's step time is this model's prediction instead of time_model's
-  // (the simulated backend's device); with the measured clock it is recorded next to the
+  // Prices every step: the virtual and offline clocks need one (a hardware profile's roofline,
+  // kvlab/sim/cost_model.hpp); with the measured clock its prediction is recorded next to the
   // measured time (predicted_s) to validate a calibration.
   const CostModel* cost_model = nullptr;
   SequenceRules rules;                 // from sequence_rules(model, attention)
   std::int64_t max_idle_steps = 1000;  // steps without progress before giving up (a scheduler bug)
-  // Swap preemption: KV moves to a host swap pool of `swap_slots` tokens over a link of
-  // `swap_gb_per_s` (the copy time is added to the step).
+  // Swap preemption: KV moves to a host swap pool of `swap_slots` tokens; the copies' time is
+  // added to the step (the cost model's link on virtual clocks, as measured otherwise).
   KvPool* pool = nullptr;
   std::int64_t swap_slots = 0;
-  double swap_gb_per_s = 16.0;
   // Called with each sampled row of logits (request, vocab), before the token is drawn: for
   // tests and tools that keep logits (cpu::BatchGenerator). Never with a backend that samples.
   std::function<void(RequestId, std::span<const float>)> on_logits;
@@ -55,6 +53,14 @@ struct StepRecord {
   double predicted_s = 0;      // the cost model's prediction (0 without one)
   std::int64_t batch = 0, prefill_tokens = 0, decode_tokens = 0, preempted = 0;
   std::int64_t waiting = 0, running = 0;
+  // Finished requests a static batch still carries (StepPlan::pad_finished): rows priced this
+  // step, and the KV slots their views hold after it (a shared prefix block in each view).
+  std::int64_t padding = 0, padding_slots = 0;
+  std::int64_t swap_bytes = 0, swap_transfers = 0;  // KV copied to and from the host swap pool
+  // External fragmentation that cost something: the pool's unusable free slots on a step where
+  // a request was refused for memory although the free slots in all would have held it (0 on
+  // every other step: holes that block nobody are not waste).
+  std::int64_t blocking_unusable_free = 0;
   KvAllocatorStats kv;
 };
 
@@ -87,6 +93,11 @@ class Engine {
   std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
   std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
   void record_step(StepRecord record);
+  StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
+                        StepRecord& record) const;
+  void hold_padding(const std::vector<RequestId>& finished);
+  void release_padding_after_batch();
+  std::int64_t blocking_fragmentation(const StepPlan& plan) const;
 
   Backend& backend_;
   KvAllocator& allocator_;
@@ -99,6 +110,10 @@ class Engine {
   EngineResult result_;
   std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
   std::chrono::steady_clock::time_point step_start_;
+  // The finished requests of the running static batch kept as padding: id and the position of
+  // the discarded token each step adds.
+  std::vector<EntryShape> padding_shapes_;
+  std::vector<RequestId> padding_ids_;
 };
 
 }  // namespace kvlab

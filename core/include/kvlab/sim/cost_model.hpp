@@ -61,7 +61,11 @@ class CostModel {
   StepWork work(std::span<const EntryShape> batch) const;
   StepCost cost(const StepWork& work) const { return step_cost(work, profile_); }
   StepCost step(std::span<const EntryShape> batch) const { return cost(work(batch)); }
-  StepCost step(std::span<const BatchEntry> batch) const;
+  // A step of `batch`, plus `padding`: finished rows a static batch still carries (each a
+  // decode of one discarded token after its context).
+  StepCost step(std::span<const BatchEntry> batch, std::span<const EntryShape> padding = {}) const;
+  // `transfers` copies of `bytes` in all over the profile's swap link.
+  double swap_seconds(std::int64_t bytes, std::int64_t transfers) const;
 
   // Memory: parameters x compute dtype; K and V of one token in every layer; and the tokens of
   // KV that fit in memory_gib x utilization - weights - activation reserve (0 when nothing fits).

@@ -34,6 +34,11 @@ struct HardwareProfile {
   // KV capacity = memory_gib x memory_utilization - weights - activation_reserve_gib.
   double memory_utilization = 0.9;
   double activation_reserve_gib = 1.0;
+  // The link swapped KV crosses (device <-> host memory): one copy of B bytes takes
+  // swap_latency_s + B / (swap_gb_per_s x 10^9). GPUs: PCIe, pinned host buffers; CPUs: memcpy
+  // between two DRAM buffers (kvlab calibrate --backend cpu measures both).
+  double swap_gb_per_s = 16.0;
+  double swap_latency_s = 1e-5;
   std::string source;  // the file it was read from ("" when built in code)
 };
 

@@ -19,18 +19,24 @@ namespace kvlab {
 
 using ParamMap = std::map<std::string, ParamValue, std::less<>>;
 
+// The profile the cpu backend's steps are priced on when backend.profile is not given:
+// profiles/cpu.toml, measured by kvlab calibrate on the build machine (its header says which).
+inline constexpr const char* kDefaultCpuProfile = "cpu";
+
 struct ExperimentConfig {
   std::string name = "experiment";
   std::uint64_t seed = 0;
   std::int64_t repeats = 1;
-  std::string clock = "virtual";  // virtual | offline
+  std::string clock = "virtual";  // virtual | offline | measured | wall
   std::vector<std::string> plugin_paths;
   std::string model;  // preset name or model folder
   std::uint64_t weights_seed = 0;
   std::string backend = "cpu";  // cpu | simulated | a backend plugin (cuda)
   ParamMap backend_params;      // a plugin backend's parameters
-  std::string profile;          // hardware profile (name or file): simulated's device; with cpu,
-                                // its predictions time the virtual clock / sit next to measured
+  // Hardware profile (name or file) whose roofline cost model prices every step on the virtual
+  // and offline clocks (and sits next to the measured clock's times): the simulated backend's
+  // device; kDefaultCpuProfile for the cpu backend when not given.
+  std::string profile;
   std::int64_t threads = 0;
   // The cpu backend's weight format: "stored" (a GGUF file's own types; f32 for presets and
   // folders), f32, f16, bf16, q8_0, q4_0, q4_1 (cpu::select_compute_weights).
@@ -41,7 +47,6 @@ struct ExperimentConfig {
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
   DType kv_dtype = DType::dtype_f32;     // the cpu backend's KV pool: f32, f16 or bf16
   std::int64_t swap_slots = 0;           // host swap pool for swap preemption, in tokens
-  double swap_gb_per_s = 16.0;           // its modelled copy bandwidth
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";
@@ -57,8 +62,10 @@ struct ExperimentConfig {
   std::int32_t prompt_max_tokens = 256;
   std::int64_t prompt_requests = 0;  // 0 = one per prompt
   ServiceLevelObjectives slo;
-  StepTimeModel time_model;
-  std::string output_dir;     // empty: results/<name>
+  std::string output_dir;  // empty: results/<name>
+  // [output] columns: what the summary table adds for this experiment (kExtraColumns,
+  // kvlab/experiment/summary_table.hpp).
+  std::vector<std::string> table_columns;
   std::string label;          // "key=value, ..." of the sweep point
   std::string resolved_toml;  // this point's whole table after --set and the sweep (TOML text)
 };
@@ -84,11 +91,15 @@ struct RunOutput {
   EngineResult engine;
   RunSummary summary;
   std::vector<std::vector<std::int32_t>> prompts;
-  double wall_s = 0;                           // the whole run, model setup included
-  double engine_wall_s = 0;                    // Engine::run
-  double forward_wall_s = 0;                   // of which inside Backend::forward
-  double mean_kv_used = 0, mean_kv_waste = 0;  // fractions of capacity, averaged over steps
-  std::int64_t kv_slots = 0;                   // the pool's capacity in tokens
+  double wall_s = 0;          // the whole run, model setup included
+  double engine_wall_s = 0;   // Engine::run
+  double forward_wall_s = 0;  // of which inside Backend::forward
+  // Fractions of the pool averaged over steps: live KV (not a static batch's padding), and
+  // waste (reserved ahead, unfilled last blocks, padding, holes that blocked an admission).
+  double mean_kv_used = 0, mean_kv_waste = 0;
+  double kv_waste_of_held = 0;  // waste among the slots sequences held, over all steps (vLLM's)
+  double prefix_hit_rate = 0;   // prompt tokens found in the prefix cache / tokens looked up
+  std::int64_t kv_slots = 0;    // the pool's capacity in tokens
   // With a cost model and the measured clock: |predicted - measured| / measured per step.
   std::optional<LatencySummary> step_prediction_error;
   std::string model_name;
