@@ -331,6 +331,32 @@ TEST(Engine, PaddedStaticBatchHoldsFinishedRowsUntilTheBatchEnds) {
   EXPECT_EQ(a.steps.back().padding_slots, 0);
 }
 
+// Padding holds KV, so a padded static batch in a tight pool preempts; when preemption empties
+// the batch, its padding is freed and the batch forms again: nothing is rejected (it once was:
+// "not admitted even with nothing running" while padding still held the pool).
+TEST(Engine, PaddedStaticBatchThatPreemptsLosesNothing) {
+  for (std::uint64_t seed = 0; seed < 6; ++seed) {
+    std::vector<WorkloadRequest> requests = small_workload(40 + seed, 16);
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      requests[i].arrival_s = 0;
+      requests[i].output_tokens = requests[i].sampling.max_tokens = i % 2 ? 3 : 30;
+      requests[i].sampling.ignore_eos = true;
+    }
+    EngineSetup setup;
+    setup.scheduler = "static";
+    setup.scheduler_params = {{"max_batch", std::int64_t{8}}, {"padding", true}};
+    setup.slots = 96;
+    const EngineResult result = run_engine(setup, requests);
+    std::int64_t preemptions = 0;
+    for (const auto& t : result.requests) {
+      EXPECT_FALSE(t.rejected) << "seed " << seed << ": " << t.reject_reason;
+      preemptions += t.preemptions;
+    }
+    EXPECT_EQ(result.steps.back().kv.used, 0) << "seed " << seed;
+    if (seed == 0) EXPECT_GT(preemptions, 0) << "the pool is tight enough to preempt";
+  }
+}
+
 TEST(Engine, SameInputSameBytes) {
   const auto requests = small_workload(21, 10);
   EngineSetup setup;

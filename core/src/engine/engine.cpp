@@ -112,13 +112,15 @@ bool Engine::step() {
     return true;
   }
   // 1. plan, 2. apply
-  release_padding_after_batch();
+  (void)release_padding_after_batch();
   step_start_ = SteadyClock::now();
   const StepPlan plan =
       scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
   const AppliedPlan applied = apply_plan(plan, step_, *table_, allocator_, apply_options_, log_);
   const std::int64_t blocking_unusable = blocking_fragmentation(plan);
   if (applied.batch.empty()) {
+    // Preemption emptied a padded static batch: free its padding and plan again.
+    if (release_padding_after_batch()) return true;
     idle_step();
     return !table_->all_done();
   }
@@ -229,14 +231,15 @@ void Engine::hold_padding(const std::vector<RequestId>& finished) {
     padding_ids_.push_back(id);  // its last token's row, then one pad token per step
     padding_shapes_.push_back({1, table_->at(id).length() - 1, allocator_.view(id).first_position});
   }
-  release_padding_after_batch();
+  (void)release_padding_after_batch();
 }
 
-void Engine::release_padding_after_batch() {
-  if (!table_->running().empty()) return;  // preemption can empty a batch too
+bool Engine::release_padding_after_batch() {
+  if (!table_->running().empty() || padding_ids_.empty()) return false;
   for (const RequestId id : padding_ids_) allocator_.free(id);
   padding_ids_.clear();
   padding_shapes_.clear();
+  return true;
 }
 
 // The next token of every entry that ends its sequence (the backend's choice when it makes one).

@@ -96,7 +96,7 @@ class Engine {
   StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
                         StepRecord& record) const;
   void hold_padding(const std::vector<RequestId>& finished);
-  void release_padding_after_batch();
+  bool release_padding_after_batch();  // true when it freed something
   std::int64_t blocking_fragmentation(const StepPlan& plan) const;
 
   Backend& backend_;
