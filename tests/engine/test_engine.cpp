@@ -38,6 +38,8 @@ struct EngineSetup {
   std::int64_t max_seq_len = 64;
   std::int64_t swap_slots = 0;
   DType kv_dtype = DType::dtype_f32;
+  EngineClock clock = EngineClock::virtual_clock;
+  bool cost_model = true;  // price steps with the cpu profile
 };
 
 EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequest>& requests) {
@@ -55,7 +57,8 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   cpu::CpuBackend backend(weights(), pool, std::nullopt);
   const CostModel cost(c, load_hardware_profile("cpu"));  // prices the virtual clock's steps
   EngineOptions options;
-  options.cost_model = &cost;
+  options.clock = setup.clock;
+  if (setup.cost_model) options.cost_model = &cost;
   options.rules.context = setup.max_seq_len;
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
@@ -277,21 +280,11 @@ TEST(Engine, ConservationOverRandomWorkloads) {
 // The virtual and offline clocks price steps with a cost model; without one the engine says so
 // before anything runs (there is no other time model).
 TEST(Engine, PricedClocksNeedACostModel) {
-  const ModelConfig& c = weights().config;
-  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64});
-  PluginContext context;
-  context.pool = &pool;
-  context.model = &c;
-  context.max_seq_len = 64;
-  auto allocator = registry().create<PluginKind::kv_allocator>("paged", {}, context);
-  auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
-  cpu::CpuBackend backend(weights(), pool, std::nullopt);
   for (const EngineClock clock : {EngineClock::virtual_clock, EngineClock::offline}) {
-    EngineOptions options;
-    options.clock = clock;
-    options.rules.context = 64;
-    Engine engine(backend, *allocator, *scheduler, options);
-    test::expect_error_containing([&] { engine.run(small_workload(1, 2)); },
+    EngineSetup setup;
+    setup.clock = clock;
+    setup.cost_model = false;
+    test::expect_error_containing([&] { run_engine(setup, small_workload(1, 2)); },
                                   {"cost model", "hardware profile"});
   }
 }
