@@ -92,7 +92,7 @@ HardwareProfile cpu_start_profile(const CalibrateOptions& o, const ModelConfig& 
   return start;
 }
 
-void run_calibrate(const CalibrateOptions& o) {
+void check_options(const CalibrateOptions& o) {
   const bool cuda = o.backend == "cuda";
   if (o.backend != "cpu" && !cuda)
     throw Error(fmt::format("--backend \"{}\": choose cpu or cuda", o.backend));
@@ -104,6 +104,105 @@ void run_calibrate(const CalibrateOptions& o) {
     throw Error(fmt::format("--dtype \"{}\": choose f32 or bf16", o.dtype));
   if (o.threads < 1) throw Error("--threads must be >= 1");
   if (o.repeats < 1) throw Error("--repeats must be >= 1");
+}
+
+// Every grid shape's batch with random tokens, each sequence in its own run of slots; `tokens`
+// owns what the batches' spans point at.
+std::vector<std::vector<BatchEntry>> grid_batches(
+    const std::vector<Shape>& grid, std::int64_t vocab,
+    std::vector<std::vector<std::vector<std::int32_t>>>& tokens) {
+  std::mt19937 rng(1);
+  std::uniform_int_distribution<std::int32_t> token(0, static_cast<std::int32_t>(vocab - 1));
+  tokens.assign(grid.size(), {});
+  std::vector<std::vector<BatchEntry>> batches(grid.size());
+  for (std::size_t s = 0; s < grid.size(); ++s) {
+    std::int64_t next_slot = 0;
+    for (const auto& e : grid[s].entries) {
+      tokens[s].emplace_back(static_cast<std::size_t>(e.new_tokens));
+      for (auto& t : tokens[s].back()) t = token(rng);
+    }
+    for (std::size_t i = 0; i < grid[s].entries.size(); ++i) {
+      const EntryShape& e = grid[s].entries[i];
+      BatchEntry b;
+      b.tokens = tokens[s][i];
+      b.start_position = e.start_position;
+      b.view.extents = {{next_slot, e.start_position + e.new_tokens}};
+      next_slot += e.start_position + e.new_tokens;
+      batches[s].push_back(b);
+    }
+  }
+  return batches;
+}
+
+// The median forward time of each batch over `repeats` rounds across all batches, so that the
+// machine's drift (frequency, other load) spreads over every shape instead of biasing a few.
+// Each timed run follows an untimed run of the same shape: an engine's consecutive steps are
+// alike, so its caches are as warm as that (timing cold shapes overestimated steps by ~15%).
+std::vector<double> median_forward_seconds(Backend& backend,
+                                           const std::vector<std::vector<BatchEntry>>& batches,
+                                           int repeats) {
+  std::vector<std::vector<double>> times(batches.size());
+  for (int round = 0; round < repeats; ++round)
+    for (std::size_t s = 0; s < batches.size(); ++s) {
+      (void)backend.forward(batches[s]);
+      const auto t0 = std::chrono::steady_clock::now();
+      (void)backend.forward(batches[s]);
+      times[s].push_back(
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    }
+  std::vector<double> medians;
+  for (auto& t : times) medians.push_back(median(std::move(t)));
+  return medians;
+}
+
+void print_fit(const std::vector<Shape>& grid, const std::vector<CalibrationSample>& samples,
+               const CalibrationFit& fit, const HardwareProfile& start, const ModelConfig& model) {
+  const HardwareProfile& profile = fit.profile;
+  fmt::print("{:<40} {:>12} {:>12} {:>8}\n", "shape", "measured ms", "predicted ms", "error");
+  const CostModel fitted(model, profile);
+  for (std::size_t i = 0; i < grid.size(); ++i) {
+    const double predicted = fitted.cost(samples[i].work).total();
+    fmt::print("{:<40} {:>12.3f} {:>12.3f} {:>7.1f}%\n", grid[i].label, samples[i].measured_s * 1e3,
+               predicted * 1e3, 100 * (predicted - samples[i].measured_s) / samples[i].measured_s);
+  }
+  fmt::print("\nfit: mean |error| {:.1f}%, max {:.1f}% over {} shapes ({} iterations)\n",
+             100 * fit.mean_abs_rel_error, 100 * fit.max_abs_rel_error, samples.size(),
+             fit.iterations);
+  const Efficiency& e = profile.efficiency;
+  fmt::print(
+      "peaks: {:.1f} GFLOP/s, {:.1f} GB/s (started from {:.1f} and {:.1f}); efficiencies: gemm "
+      "{:.2f}/{:.2f}, attention {:.2f}/{:.2f}, elementwise {:.2f}; overhead {:.3f} ms/step + "
+      "{:.4f} ms/sequence; swap link {:.2f} GB/s + {:.2f} us per copy\n",
+      profile.peak_tflops * 1e3, profile.memory_gb_per_s, start.peak_tflops * 1e3,
+      start.memory_gb_per_s, e.gemm_compute, e.gemm_memory, e.attention_compute, e.attention_memory,
+      e.elementwise_memory, profile.step_overhead_s * 1e3, profile.sequence_overhead_s * 1e3,
+      profile.swap_gb_per_s, profile.swap_latency_s * 1e6);
+}
+
+void write_profile(const std::string& out, const HardwareProfile& profile,
+                   const CalibrationFit& fit, std::size_t shapes) {
+  if (const auto folder = std::filesystem::path(out).parent_path(); !folder.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(folder, ec);
+    if (ec) throw Error(fmt::format("cannot create {}: {}", folder.string(), ec.message()));
+  }
+  std::ofstream file(out, std::ios::trunc);
+  if (!file) throw Error(fmt::format("cannot write {}", out));
+  const std::time_t now = std::time(nullptr);
+  char date[32];
+  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
+  file << fmt::format(
+      "# Written by kvlab calibrate on {}: {}.\n# Fit over {} "
+      "batch shapes: mean |error| {:.1f}%, max {:.1f}%.\n",
+      date, profile.description, shapes, 100 * fit.mean_abs_rel_error, 100 * fit.max_abs_rel_error);
+  file << hardware_profile_to_toml(profile);
+  if (!file) throw Error(fmt::format("cannot write {}", out));
+  fmt::print("wrote {}\n", out);
+}
+
+void run_calibrate(const CalibrateOptions& o) {
+  check_options(o);
+  const bool cuda = o.backend == "cuda";
   cpu::set_num_threads(o.threads);
   const ModelSource source = resolve_model(o.model);
   const cpu::LlamaWeights weights = source.is_preset() ? cpu::random_llama_weights(source.config, 0)
@@ -142,91 +241,20 @@ void run_calibrate(const CalibrateOptions& o) {
   start.sequence_overhead_s = 1e-5;
   const CostModel shapes_model(model, start);
 
-  std::mt19937 rng(1);
-  std::uniform_int_distribution<std::int32_t> token(
-      0, static_cast<std::int32_t>(model.vocab_size - 1));
   fmt::print(stderr, "measuring {} batch shapes x {} rounds on the {} backend ({})...\n",
              grid.size(), o.repeats, o.backend, model.name);
-  // Every shape's batch, built once; then rounds over all shapes, so that the machine's drift
-  // (frequency, other load) spreads over every shape instead of biasing a few.
-  std::vector<std::vector<std::vector<std::int32_t>>> tokens(grid.size());
-  std::vector<std::vector<BatchEntry>> batches(grid.size());
-  for (std::size_t s = 0; s < grid.size(); ++s) {
-    std::int64_t next_slot = 0;
-    for (const auto& e : grid[s].entries) {
-      tokens[s].emplace_back(static_cast<std::size_t>(e.new_tokens));
-      for (auto& t : tokens[s].back()) t = token(rng);
-    }
-    for (std::size_t i = 0; i < grid[s].entries.size(); ++i) {
-      const EntryShape& e = grid[s].entries[i];
-      BatchEntry b;
-      b.tokens = tokens[s][i];
-      b.start_position = e.start_position;
-      b.view.extents = {{next_slot, e.start_position + e.new_tokens}};
-      next_slot += e.start_position + e.new_tokens;
-      batches[s].push_back(b);
-    }
-  }
-  std::vector<std::vector<double>> times(grid.size());
-  // Each timed run follows an untimed run of the same shape: an engine's consecutive steps are
-  // alike, so its caches are as warm as that (timing cold shapes overestimated the engine's
-  // steps by ~15%).
-  for (int round = 0; round < o.repeats; ++round)
-    for (std::size_t s = 0; s < grid.size(); ++s) {
-      (void)backend.forward(batches[s]);
-      const auto t0 = std::chrono::steady_clock::now();
-      (void)backend.forward(batches[s]);
-      const double seconds =
-          std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      times[s].push_back(seconds);
-    }
+  std::vector<std::vector<std::vector<std::int32_t>>> tokens;
+  const auto batches = grid_batches(grid, model.vocab_size, tokens);
+  const std::vector<double> seconds = median_forward_seconds(backend, batches, o.repeats);
   std::vector<CalibrationSample> samples;
   for (std::size_t s = 0; s < grid.size(); ++s)
-    samples.push_back({shapes_model.work(grid[s].entries), median(times[s])});
-
-  const CalibrationFit fit = fit_hardware_profile(start, samples);
-  HardwareProfile profile = fit.profile;
-  profile.description =
-      fmt::format("kvlab cpu backend, {} threads, {} (fp32), fitted over {} batch shapes",
-                  o.threads, model.name, samples.size());
-
-  fmt::print("{:<40} {:>12} {:>12} {:>8}\n", "shape", "measured ms", "predicted ms", "error");
-  const CostModel fitted(model, profile);
-  for (std::size_t i = 0; i < grid.size(); ++i) {
-    const double predicted = fitted.cost(samples[i].work).total();
-    fmt::print("{:<40} {:>12.3f} {:>12.3f} {:>7.1f}%\n", grid[i].label, samples[i].measured_s * 1e3,
-               predicted * 1e3, 100 * (predicted - samples[i].measured_s) / samples[i].measured_s);
-  }
-  fmt::print("\nfit: mean |error| {:.1f}%, max {:.1f}% over {} shapes ({} iterations)\n",
-             100 * fit.mean_abs_rel_error, 100 * fit.max_abs_rel_error, samples.size(),
-             fit.iterations);
-  const Efficiency& e = profile.efficiency;
-  fmt::print(
-      "peaks: {:.1f} GFLOP/s, {:.1f} GB/s (started from {:.1f} and {:.1f}); efficiencies: gemm "
-      "{:.2f}/{:.2f}, attention {:.2f}/{:.2f}, elementwise {:.2f}; overhead {:.3f} ms/step + "
-      "{:.4f} ms/sequence\n",
-      profile.peak_tflops * 1e3, profile.memory_gb_per_s, start.peak_tflops * 1e3,
-      start.memory_gb_per_s, e.gemm_compute, e.gemm_memory, e.attention_compute, e.attention_memory,
-      e.elementwise_memory, profile.step_overhead_s * 1e3, profile.sequence_overhead_s * 1e3);
-
-  if (const auto folder = std::filesystem::path(o.out).parent_path(); !folder.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(folder, ec);
-    if (ec) throw Error(fmt::format("cannot create {}: {}", folder.string(), ec.message()));
-  }
-  std::ofstream file(o.out, std::ios::trunc);
-  if (!file) throw Error(fmt::format("cannot write {}", o.out));
-  const std::time_t now = std::time(nullptr);
-  char date[32];
-  std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
-  file << fmt::format(
-      "# Written by kvlab calibrate on {}: {}.\n# Fit over {} "
-      "batch shapes: mean |error| {:.1f}%, max {:.1f}%.\n",
-      date, profile.description, samples.size(), 100 * fit.mean_abs_rel_error,
-      100 * fit.max_abs_rel_error);
-  file << hardware_profile_to_toml(profile);
-  if (!file) throw Error(fmt::format("cannot write {}", o.out));
-  fmt::print("wrote {}\n", o.out);
+    samples.push_back({shapes_model.work(grid[s].entries), seconds[s]});
+  CalibrationFit fit = fit_hardware_profile(start, samples);
+  fit.profile.description =
+      fmt::format("kvlab {} backend, {} threads, {} ({}), fitted over {} batch shapes", o.backend,
+                  o.threads, model.name, cuda ? o.dtype : "fp32", samples.size());
+  print_fit(grid, samples, fit, start, model);
+  write_profile(o.out, fit.profile, fit, samples.size());
 }
 
 }  // namespace
