@@ -576,6 +576,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
                       {"steps", out.engine.steps.size()},
                       {"backend", c.backend},
                       {"profile", c.profile},
+      {"clock", c.clock},
                       {"kv_slots", out.kv_slots}};
   if (out.step_prediction_error)
     j["step_prediction_error"] = latency_json(*out.step_prediction_error);

@@ -61,6 +61,9 @@ TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
   const auto summary = nlohmann::json::parse(test::read_file(dir / "summary.json"));
   EXPECT_EQ(summary["finished"], out.summary.finished);
   EXPECT_EQ(summary["steps"], out.engine.steps.size());
+  EXPECT_EQ(summary["clock"], "virtual");  // and what priced it
+  EXPECT_EQ(summary["profile"], "cpu");
+  EXPECT_DOUBLE_EQ(summary["kv_waste_of_held_fraction"].get<double>(), out.kv_waste_of_held);
 }
 
 TEST(ExperimentLibrary, SameFileSameBytes) {
