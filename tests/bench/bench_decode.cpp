@@ -72,7 +72,8 @@ void BM_Decode(benchmark::State& state, const std::string& preset, cpu::WeightFo
 BENCHMARK_CAPTURE(BM_Decode, tiny, std::string("tiny"), cpu::WeightFormat::f32)
     ->Arg(1)
     ->Unit(benchmark::kMillisecond);
-// Every format at batch 1 and 64 (f32 also at 8 and 32) for one preset.
+// Every format at batch 1 and 64 (f32 also at 4, 5, 8, 9 and 32: either side of the fused
+// kernels' 4-row limit and of 8) for one preset.
 #define KVLAB_DECODE_FORMAT(preset, format)                                                      \
   BENCHMARK_CAPTURE(BM_Decode, preset / format, std::string(#preset), cpu::WeightFormat::format) \
       ->Arg(1)                                                                                   \
@@ -81,7 +82,10 @@ BENCHMARK_CAPTURE(BM_Decode, tiny, std::string("tiny"), cpu::WeightFormat::f32)
 #define KVLAB_DECODE_FORMATS(preset)                                                       \
   BENCHMARK_CAPTURE(BM_Decode, preset / f32, std::string(#preset), cpu::WeightFormat::f32) \
       ->Arg(1)                                                                             \
+      ->Arg(4)                                                                             \
+      ->Arg(5)                                                                             \
       ->Arg(8)                                                                             \
+      ->Arg(9)                                                                             \
       ->Arg(32)                                                                            \
       ->Arg(64)                                                                            \
       ->Unit(benchmark::kMillisecond);                                                     \

@@ -127,7 +127,7 @@ TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
   for (WeightFormat f : kAllFormats)
     for (std::int64_t depth : {32, 96, 44})
       for (std::int64_t outputs : {1, 7, 16, 37})
-        for (std::int64_t rows : {1, 2, 3, 5, 17, 64, 65}) {
+        for (std::int64_t rows : {1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 65}) {  // fused, packed, BLAS
           if (depth % weight_format_block_values(f) != 0) continue;
           const WeightMatrix w = WeightMatrix::quantize(random_matrix(outputs, depth, 2, 0.1f), f);
           const RowMatrix x = random_matrix(rows, depth, 3);
