@@ -183,8 +183,7 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
 
 // The cost model that prices the run's steps: the profile's device; the cpu backend's run is
 // priced with its own KV dtype (kv_cache.dtype).
-std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model,
-                                        bool simulated) {
+std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model) {
   if (c.profile.empty()) return std::nullopt;
   HardwareProfile profile = load_hardware_profile(c.profile);
   if (c.backend == "cpu") profile.kv_dtype = c.kv_dtype;
@@ -393,7 +392,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 
   ServedModel served = load_served_model(c, registry, simulated);
   const ModelConfig& model = served.config;
-  std::optional<CostModel> cost_model = run_cost_model(c, model, simulated);
+  std::optional<CostModel> cost_model = run_cost_model(c, model);
   const std::int64_t slots = pool_slots(c, model, simulated, cost_model);
   // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool; the
   // simulated device's pool has no storage, its dtype (the profile's) sizes swaps.
@@ -576,7 +575,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
                       {"steps", out.engine.steps.size()},
                       {"backend", c.backend},
                       {"profile", c.profile},
-      {"clock", c.clock},
+                      {"clock", c.clock},
                       {"kv_slots", out.kv_slots}};
   if (out.step_prediction_error)
     j["step_prediction_error"] = latency_json(*out.step_prediction_error);

@@ -314,7 +314,9 @@ TEST(Engine, PaddedStaticBatchHoldsFinishedRowsUntilTheBatchEnds) {
   for (std::size_t i = 0; i < a.steps.size(); ++i) {
     EXPECT_EQ(b.steps[i].padding, 0);
     EXPECT_GE(a.steps[i].predicted_s, b.steps[i].predicted_s) << "step " << i;
-    if (a.steps[i].padding > 0) EXPECT_GT(a.steps[i].predicted_s, b.steps[i].predicted_s);
+    if (a.steps[i].padding > 0) {
+      EXPECT_GT(a.steps[i].predicted_s, b.steps[i].predicted_s);
+    }
     EXPECT_EQ(a.steps[i].kv.used, b.steps[i].kv.used + a.steps[i].padding_slots) << "step " << i;
     padded_rows += a.steps[i].padding;
   }
@@ -346,7 +348,9 @@ TEST(Engine, PaddedStaticBatchThatPreemptsLosesNothing) {
       preemptions += t.preemptions;
     }
     EXPECT_EQ(result.steps.back().kv.used, 0) << "seed " << seed;
-    if (seed == 0) EXPECT_GT(preemptions, 0) << "the pool is tight enough to preempt";
+    if (seed == 0) {
+      EXPECT_GT(preemptions, 0) << "the pool is tight enough to preempt";
+    }
   }
 }
 

@@ -96,10 +96,12 @@ TEST(Lesson, PagedWasteAmongHeldSlotsIsSmallOnLongSequences) {
           if (c.allocator == "static") c.allocator_params.clear();
         });
     for (const auto& [label, out] : runs) {
-      if (label.find("paged") != std::string::npos)
+      if (label.find("paged") != std::string::npos) {
         EXPECT_LT(out.kv_waste_of_held, 0.04) << label << " seed " << seed;
-      if (label.find("static") != std::string::npos)
+      }
+      if (label.find("static") != std::string::npos) {
         EXPECT_GT(out.kv_waste_of_held, 0.5) << label << " seed " << seed;
+      }
     }
   }
 }
@@ -156,12 +158,13 @@ TEST(Lesson, SwapOrRecomputeCrossesOverWhereTheLinkMeetsThePrefill) {
           (label.find("swap") != std::string::npos ? swap : recompute) = &out.summary;
       ASSERT_TRUE(recompute && swap);
       ASSERT_GT(swap->swapped_bytes, 0);
-      if (factor < 1)
+      if (factor < 1) {
         EXPECT_LT(swap->output_tokens_per_s, recompute->output_tokens_per_s)
             << "link " << profile.swap_gb_per_s << " GB/s, seed " << seed;
-      else
+      } else {
         EXPECT_GT(swap->output_tokens_per_s, recompute->output_tokens_per_s)
             << "link " << profile.swap_gb_per_s << " GB/s, seed " << seed;
+      }
     }
   }
 }
