@@ -106,6 +106,32 @@ TEST(Lesson, PagedWasteAmongHeldSlotsIsSmallOnLongSequences) {
   }
 }
 
+// The waste columns by their definitions, recomputed from the steps: waste/held over the slots
+// sequences hold; waste/pool adds free holes only on steps where a refused request would have
+// fitted in the free slots in all (dynamic's growing extents fragment the pool).
+TEST(Lesson, WasteCountsHolesOnlyWhenTheyBlockAnAdmission) {
+  auto runs = run_points("allocator_waste.toml", 1, {"backend.profile=\"cpu\""});
+  bool blocked = false;
+  for (const auto& [label, out] : runs) {
+    double held = 0, held_waste = 0, pool_waste = 0;
+    for (const StepRecord& s : out.engine.steps) {
+      const double waste =
+          static_cast<double>(s.kv.reserved_unused + s.kv.last_block_slack + s.padding_slots);
+      held += static_cast<double>(s.kv.used + s.kv.reserved_unused + s.kv.last_block_slack);
+      held_waste += waste;
+      pool_waste += (waste + static_cast<double>(s.blocking_unusable_free)) /
+                    static_cast<double>(s.kv.capacity);
+      EXPECT_TRUE(s.blocking_unusable_free == 0 || s.blocking_unusable_free == s.kv.unusable_free)
+          << label;
+      blocked |= s.blocking_unusable_free > 0;
+    }
+    EXPECT_NEAR(out.kv_waste_of_held, held_waste / held, 1e-12) << label;
+    EXPECT_NEAR(out.mean_kv_waste, pool_waste / static_cast<double>(out.engine.steps.size()), 1e-12)
+        << label;
+  }
+  EXPECT_TRUE(blocked) << "dynamic's holes blocked some admission";
+}
+
 // Fewer K/V heads read per decoded token: on a memory-bound device (an H100 decoding a 7B model
 // at long context) GQA-8 gives a lower TPOT than MHA at the same batch, MQA lower still.
 TEST(Lesson, GqaLowersTpotOnAMemoryBoundDevice) {

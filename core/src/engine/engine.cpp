@@ -117,7 +117,7 @@ bool Engine::step() {
   const StepPlan plan =
       scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
   const AppliedPlan applied = apply_plan(plan, step_, *table_, allocator_, apply_options_, log_);
-  const std::int64_t blocking_unusable = blocking_fragmentation(plan);
+  const bool fragmentation_blocked = admission_blocked_by_fragmentation(plan);
   if (applied.batch.empty()) {
     // Preemption emptied a padded static batch: free its padding and plan again.
     if (release_padding_after_batch()) return true;
@@ -128,7 +128,6 @@ bool Engine::step() {
   // 3. run, 4. sample, 5. update
   StepRecord record;
   record.preempted = applied.preempted;
-  record.blocking_unusable_free = blocking_unusable;
   const std::span<const float> logits = run_batch(applied, record);
   const std::vector<std::int32_t> sampled = sample(applied, logits);
   log_.set_time(step_, clock_->now());
@@ -136,23 +135,23 @@ bool Engine::step() {
   apply_tokens(applied, sampled, clock_->now(), *table_, allocator_, apply_options_, log_,
                &finished_held);
   hold_padding(finished_held);
-  record_step(record);
+  record_step(record, fragmentation_blocked);
   return !table_->all_done();
 }
 
-// The unusable free slots when a request refused for memory (kv_full) would have fitted in the
-// free slots in all — external fragmentation that blocked an admission; else 0.
-std::int64_t Engine::blocking_fragmentation(const StepPlan& plan) const {
+// True when a request refused for memory (kv_full) would have fitted in the free slots in all:
+// external fragmentation blocked an admission this step.
+bool Engine::admission_blocked_by_fragmentation(const StepPlan& plan) const {
   const KvAllocatorStats stats = allocator_.stats();
-  if (stats.unusable_free == 0) return 0;
+  if (stats.unusable_free == 0) return false;
   for (const Deferral& d : plan.deferred) {
     if (d.reason != "kv_full") continue;
     const RequestState& r = table_->at(d.id);
     if (!r.is_waiting()) continue;
     const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output()};
-    if (allocator_.slots_to_allocate(request) <= stats.free) return stats.unusable_free;
+    if (allocator_.slots_to_allocate(request) <= stats.free) return true;
   }
-  return 0;
+  return false;
 }
 
 // Nothing to run: everyone waits for memory or for a scheduler limit. With nothing running and
@@ -271,10 +270,11 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
 }
 
 // The step's record: queue lengths and the allocator's numbers after the update.
-void Engine::record_step(StepRecord record) {
+void Engine::record_step(StepRecord record, bool fragmentation_blocked) {
   record.waiting = static_cast<std::int64_t>(table_->waiting().size());
   record.running = static_cast<std::int64_t>(table_->running().size());
   record.kv = allocator_.stats();
+  record.blocking_unusable_free = fragmentation_blocked ? record.kv.unusable_free : 0;
   for (const RequestId id : padding_ids_) record.padding_slots += allocator_.view(id).length();
   if (record.kv.evictions > evictions_seen_) {  // cached prefix blocks reused for other data
     log_.add_evictions(record.kv.evictions - evictions_seen_);

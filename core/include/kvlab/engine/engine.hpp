@@ -57,9 +57,9 @@ struct StepRecord {
   // step, and the KV slots their views hold after it (a shared prefix block in each view).
   std::int64_t padding = 0, padding_slots = 0;
   std::int64_t swap_bytes = 0, swap_transfers = 0;  // KV copied to and from the host swap pool
-  // External fragmentation that cost something: the pool's unusable free slots on a step where
-  // a request was refused for memory although the free slots in all would have held it (0 on
-  // every other step: holes that block nobody are not waste).
+  // External fragmentation that cost something: kv.unusable_free on a step where a request was
+  // refused for memory although the free slots in all would have held it (0 on every other
+  // step: holes that block nobody are not waste).
   std::int64_t blocking_unusable_free = 0;
   KvAllocatorStats kv;
 };
@@ -92,12 +92,12 @@ class Engine {
   void idle_step();
   std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
   std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
-  void record_step(StepRecord record);
+  void record_step(StepRecord record, bool fragmentation_blocked);
   StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
                         StepRecord& record) const;
   void hold_padding(const std::vector<RequestId>& finished);
   bool release_padding_after_batch();  // true when it freed something
-  std::int64_t blocking_fragmentation(const StepPlan& plan) const;
+  bool admission_blocked_by_fragmentation(const StepPlan& plan) const;
 
   Backend& backend_;
   KvAllocator& allocator_;
