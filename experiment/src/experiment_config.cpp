@@ -350,9 +350,12 @@ void parse_output(Section& s, ExperimentConfig& c) {
   std::vector<std::string> known(std::begin(kExtraColumns), std::end(kExtraColumns));
   for (const toml::node& item : *list) {
     const auto name = item.value<std::string>();
-    if (!name || std::find(known.begin(), known.end(), *name) == known.end())
-      s.fail(item, fmt::format("output.columns: \"{}\" is not a column; choose from {}",
-                               name.value_or("?"), join_names(known)));
+    if (!name)
+      s.fail(item,
+             fmt::format("output.columns holds column names (strings): {}", join_names(known)));
+    if (std::find(known.begin(), known.end(), *name) == known.end())
+      s.fail(item, fmt::format("output.columns: \"{}\" is not a column; choose from {}", *name,
+                               join_names(known)));
     c.table_columns.push_back(*name);
   }
 }

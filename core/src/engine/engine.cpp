@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <optional>
 
 #include "kvlab/error.hpp"
 
@@ -56,6 +57,7 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
   clock_ = make_clock(options_.clock);
   padding_shapes_.clear();
   padding_ids_.clear();
+  padding_slots_ = 0;
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
   log_ = {};
   result_ = {};
@@ -142,14 +144,14 @@ bool Engine::step() {
 // True when a request refused for memory (kv_full) would have fitted in the free slots in all:
 // external fragmentation blocked an admission this step.
 bool Engine::admission_blocked_by_fragmentation(const StepPlan& plan) const {
-  const KvAllocatorStats stats = allocator_.stats();
-  if (stats.unusable_free == 0) return false;
+  std::optional<KvAllocatorStats> stats;  // read only when a request was refused for memory
   for (const Deferral& d : plan.deferred) {
-    if (d.reason != "kv_full") continue;
     const RequestState& r = table_->at(d.id);
-    if (!r.is_waiting()) continue;
+    if (d.reason != "kv_full" || !r.is_waiting()) continue;
+    if (!stats) stats = allocator_.stats();
+    if (stats->unusable_free == 0) return false;
     const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output()};
-    if (allocator_.slots_to_allocate(request) <= stats.free) return true;
+    if (allocator_.slots_to_allocate(request) <= stats->free) return true;
   }
   return false;
 }
@@ -227,8 +229,10 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
 void Engine::hold_padding(const std::vector<RequestId>& finished) {
   for (EntryShape& shape : padding_shapes_) ++shape.start_position;  // this step's pad token
   for (const RequestId id : finished) {
-    padding_ids_.push_back(id);  // its last token's row, then one pad token per step
-    padding_shapes_.push_back({1, table_->at(id).length() - 1, allocator_.view(id).first_position});
+    const KvView view = allocator_.view(id);  // held unchanged until the batch ends
+    padding_ids_.push_back(id);               // its last token's row, then one pad token per step
+    padding_shapes_.push_back({1, table_->at(id).length() - 1, view.first_position});
+    padding_slots_ += view.length();
   }
   (void)release_padding_after_batch();
 }
@@ -238,6 +242,7 @@ bool Engine::release_padding_after_batch() {
   for (const RequestId id : padding_ids_) allocator_.free(id);
   padding_ids_.clear();
   padding_shapes_.clear();
+  padding_slots_ = 0;
   return true;
 }
 
@@ -275,7 +280,7 @@ void Engine::record_step(StepRecord record, bool fragmentation_blocked) {
   record.running = static_cast<std::int64_t>(table_->running().size());
   record.kv = allocator_.stats();
   record.blocking_unusable_free = fragmentation_blocked ? record.kv.unusable_free : 0;
-  for (const RequestId id : padding_ids_) record.padding_slots += allocator_.view(id).length();
+  record.padding_slots = padding_slots_;
   if (record.kv.evictions > evictions_seen_) {  // cached prefix blocks reused for other data
     log_.add_evictions(record.kv.evictions - evictions_seen_);
     evictions_seen_ = record.kv.evictions;

@@ -114,6 +114,7 @@ class Engine {
   // the discarded token each step adds.
   std::vector<EntryShape> padding_shapes_;
   std::vector<RequestId> padding_ids_;
+  std::int64_t padding_slots_ = 0;  // the KV slots their views hold
 };
 
 }  // namespace kvlab
