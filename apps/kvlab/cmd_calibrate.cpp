@@ -8,7 +8,9 @@
 #include <ctime>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <memory>
+#include <optional>
 #include <random>
 
 #include "cli_common.hpp"
@@ -16,7 +18,9 @@
 #include "kvlab/cpu_reference/machine_peak.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/calibration.hpp"
 
@@ -32,6 +36,12 @@ struct CalibrateOptions {
   int repeats = 7;
   std::string profile;         // cuda: the datasheet peaks to start from (h200, a100-80gb, ...)
   std::string dtype = "bf16";  // cuda: weights, activations and KV
+  // cpu: requests of the engine replay whose measured steps join the fit (0: the grid only);
+  // unset: 192 on the cpu backend, 0 on cuda (the replay runs the cpu backend only).
+  std::optional<std::int64_t> engine_requests;
+  std::int64_t replay_requests() const {
+    return engine_requests.value_or(backend == "cpu" ? 192 : 0);
+  }
 };
 
 // One grid point: sequences of `new_tokens` each after `context` cached tokens.
@@ -89,6 +99,13 @@ HardwareProfile cpu_start_profile(const CalibrateOptions& o, const ModelConfig& 
   const cpu::HostCopyLink link = cpu::measured_host_copy_link();  // a swap is a host memcpy
   start.swap_gb_per_s = link.gb_per_s;
   start.swap_latency_s = link.latency_s;
+  // One pair of efficiencies per kernel the backend switches to (calibrate runs f32 weights).
+  const Efficiency& e = start.efficiency;
+  for (const std::int64_t rows : cpu::gemm_kernel_switch_rows(cpu::WeightFormat::f32))
+    start.gemm_regimes.push_back({rows, e.gemm_compute, e.gemm_memory});
+  start.decode_attention_regimes.push_back(
+      {cpu::CpuBackend::whole_entry_attention_sequences(o.threads), e.attention_compute,
+       e.attention_memory});
   return start;
 }
 
@@ -104,6 +121,114 @@ void check_options(const CalibrateOptions& o) {
     throw Error(fmt::format("--dtype \"{}\": choose f32 or bf16", o.dtype));
   if (o.threads < 1) throw Error("--threads must be >= 1");
   if (o.repeats < 1) throw Error("--repeats must be >= 1");
+  if (o.replay_requests() < 0) throw Error("--engine-requests must be >= 0");
+  if (cuda && o.replay_requests() > 0)
+    throw Error(
+        "--engine-requests: the engine replay runs on the cpu backend only; give "
+        "--engine-requests 0 with --backend cuda");
+}
+
+struct EngineSteps {
+  std::vector<CalibrationSample> samples;
+  std::vector<std::string> kinds;  // per sample: decode by batch size, prefill, or mixed
+};
+
+// A replay step's kind: decode only, prefill only or both, and which of the start profile's
+// gemm regimes its tokens fall in ("prefill + decodes, 5-64 tokens"): each kind weighs the same
+// in the fit, so that a kernel seen in few steps is not drowned by the common ones.
+std::string step_kind(const StepRecord& step, std::span<const KernelRegime> regimes) {
+  const std::string what = step.prefill_tokens == 0  ? "decode only"
+                           : step.decode_tokens == 0 ? "prefill only"
+                                                     : "prefill + decodes";
+  const std::int64_t tokens = step.prefill_tokens + step.decode_tokens;
+  std::int64_t low = 1, high = -1;  // the regime's token range; high -1: no upper end
+  for (const KernelRegime& r : regimes) {
+    if (tokens >= r.min_rows)
+      low = r.min_rows;
+    else {
+      high = r.min_rows - 1;
+      break;
+    }
+  }
+  return high < 0 ? fmt::format("{}, {}+ tokens", what, low)
+                  : fmt::format("{}, {}-{} tokens", what, low, high);
+}
+
+// The replay's heavy arrival rate: half of what the fastest decode batch of the grid could
+// serve (decode tokens per second / mean output length): batches of every size, queues at times.
+double replay_rate(const std::vector<Shape>& grid, const std::vector<double>& seconds,
+                   double mean_output) {
+  double tokens_per_s = 0;
+  for (std::size_t s = 0; s < grid.size(); ++s) {
+    bool decode = true;
+    for (const EntryShape& e : grid[s].entries) decode = decode && e.new_tokens == 1;
+    if (decode)
+      tokens_per_s =
+          std::max(tokens_per_s, static_cast<double>(grid[s].entries.size()) / seconds[s]);
+  }
+  return tokens_per_s > 0 ? 0.5 * tokens_per_s / mean_output : 1.0;
+}
+
+// The engine's own steps as samples: a serving workload of its own (its seed, rates and lengths
+// are none of experiments/calibration.toml's) on the measured clock, each step's work and
+// measured forward time. Consecutive engine steps differ in batch, context and where the KV
+// lies, so they do not run like the grid's repeated shapes: fitting both keeps the profile true
+// to the steps it will price. Two loads, half the requests each: light (prefills alone or
+// beside a few decodes) and heavy (large decode batches with prompts joining).
+EngineSteps engine_step_samples(const CalibrateOptions& o, const ModelConfig& model,
+                                const HardwareProfile& start, const std::vector<Shape>& grid,
+                                const std::vector<double>& seconds) {
+  ExperimentConfig c;
+  c.name = "calibrate-engine-replay";
+  c.clock = "measured";
+  c.model = o.model;
+  c.profile = kDefaultCpuProfile;  // any cpu profile: StepWork depends on the model and dtypes only
+  c.threads = o.threads;
+  c.cpu_weights = "f32";  // as the grid's backend multiplies
+  c.allocator = "paged";
+  c.allocator_params = {{"block_size", ParamValue{std::int64_t{16}}}};
+  c.scheduler = "fcfs";
+  c.scheduler_params = {{"max_batch", ParamValue{std::int64_t{32}}}};
+  // Prompts up to 5/8 of the context, outputs up to a quarter (512 and 128 at most).
+  const std::int64_t context = model.max_position_embeddings;
+  const std::int64_t max_output = std::clamp<std::int64_t>(context / 4, 1, 128);
+  c.workload.prompt_tokens = {.kind = LengthKind::uniform,
+                              .min = 1,
+                              .max = std::clamp<std::int64_t>(context * 5 / 8, 1, 512)};
+  c.workload.output_tokens = {.kind = LengthKind::uniform, .min = 1, .max = max_output};
+  c.workload.ignore_eos = true;
+  const double heavy = replay_rate(grid, seconds, 0.5 * static_cast<double>(1 + max_output));
+  EngineSteps steps;
+  for (const double rate : {0.15 * heavy, heavy}) {
+    c.seed = rate < heavy ? 7919 : 7920;
+    c.workload.requests = std::max<std::int64_t>(1, o.replay_requests() / 2);
+    c.workload.arrival = {ArrivalKind::poisson, rate};
+    fmt::print(stderr,
+               "replaying {} requests on the engine (measured clock, Poisson {:.1f}/s)...\n",
+               c.workload.requests, rate);
+    const RunOutput run = run_experiment(c, false, nullptr);
+    for (const StepRecord& step : run.engine.steps)
+      if (step.work.tokens > 0 && step.measured_forward_s > 0) {
+        steps.samples.push_back({step.work, step.measured_forward_s});
+        steps.kinds.push_back(step_kind(step, start.gemm_regimes));
+      }
+  }
+  return steps;
+}
+
+// Every kind of sample weighs the same in the fit, however many of it there are: the grid's
+// shapes as one kind, the replay's steps by kind (a light load makes thousands of small decodes
+// and a few prefills; both matter to the latencies predicted).
+void weigh_by_kind(std::size_t grid_shapes, const EngineSteps& engine,
+                   std::vector<CalibrationSample>& samples) {
+  std::map<std::string, std::size_t> counts;
+  for (const std::string& kind : engine.kinds) ++counts[kind];
+  const double kinds = static_cast<double>(counts.size() + 1);
+  const double total = static_cast<double>(samples.size());
+  for (std::size_t i = 0; i < samples.size(); ++i) {
+    const std::size_t count = i < grid_shapes ? grid_shapes : counts[engine.kinds[i - grid_shapes]];
+    samples[i].weight = total / (kinds * static_cast<double>(count));
+  }
 }
 
 // Every grid shape's batch with random tokens, each sequence in its own run of slots; `tokens`
@@ -155,19 +280,67 @@ std::vector<double> median_forward_seconds(Backend& backend,
   return medians;
 }
 
-void print_fit(const std::vector<Shape>& grid, const std::vector<CalibrationSample>& samples,
-               const CalibrationFit& fit, const HardwareProfile& start, const ModelConfig& model) {
-  const HardwareProfile& profile = fit.profile;
+// Mean and p90 of |relative error| over samples [first, last).
+std::pair<double, double> error_summary(const HardwareProfile& profile,
+                                        std::span<const CalibrationSample> samples) {
+  std::vector<double> errors;
+  for (const auto& s : samples) errors.push_back(relative_error(profile, s));
+  if (errors.empty()) return {0, 0};
+  std::sort(errors.begin(), errors.end());
+  double sum = 0;
+  for (const double e : errors) sum += e;
+  const auto p90 = static_cast<std::size_t>(0.9 * static_cast<double>(errors.size() - 1));
+  return {sum / static_cast<double>(errors.size()), errors[p90]};
+}
+
+// The grid's shapes one per line.
+void print_grid_fit(const std::vector<Shape>& grid, std::span<const CalibrationSample> samples,
+                    const HardwareProfile& profile) {
   fmt::print("{:<40} {:>12} {:>12} {:>8}\n", "shape", "measured ms", "predicted ms", "error");
-  const CostModel fitted(model, profile);
   for (std::size_t i = 0; i < grid.size(); ++i) {
-    const double predicted = fitted.cost(samples[i].work).total();
+    const double predicted = step_cost(samples[i].work, profile).total();
     fmt::print("{:<40} {:>12.3f} {:>12.3f} {:>7.1f}%\n", grid[i].label, samples[i].measured_s * 1e3,
                predicted * 1e3, 100 * (predicted - samples[i].measured_s) / samples[i].measured_s);
   }
-  fmt::print("\nfit: mean |error| {:.1f}%, max {:.1f}% over {} shapes ({} iterations)\n",
-             100 * fit.mean_abs_rel_error, 100 * fit.max_abs_rel_error, samples.size(),
-             fit.iterations);
+}
+
+// The engine replay's steps by kind: how many, their median time, the signed and absolute error.
+void print_engine_fit(const EngineSteps& steps, const HardwareProfile& profile) {
+  std::map<std::string, std::vector<std::size_t>> by_kind;
+  for (std::size_t i = 0; i < steps.kinds.size(); ++i) by_kind[steps.kinds[i]].push_back(i);
+  fmt::print("\n{:<36} {:>6} {:>18} {:>12} {:>12}\n", "engine steps", "count", "median measured ms",
+             "mean error", "mean |error|");
+  for (const auto& [kind, indices] : by_kind) {
+    std::vector<double> measured;
+    double signed_sum = 0, abs_sum = 0;
+    for (const std::size_t i : indices) {
+      const CalibrationSample& s = steps.samples[i];
+      const double error = step_cost(s.work, profile).total() / s.measured_s - 1;
+      measured.push_back(s.measured_s);
+      signed_sum += error;
+      abs_sum += std::abs(error);
+    }
+    const auto n = static_cast<double>(indices.size());
+    fmt::print("{:<36} {:>6} {:>18.3f} {:>11.1f}% {:>11.1f}%\n", kind, indices.size(),
+               median(measured) * 1e3, 100 * signed_sum / n, 100 * abs_sum / n);
+  }
+}
+
+void print_fit(const std::vector<Shape>& grid, const EngineSteps& engine,
+               std::span<const CalibrationSample> samples, const CalibrationFit& fit,
+               const HardwareProfile& start) {
+  const HardwareProfile& profile = fit.profile;
+  print_grid_fit(grid, samples, profile);
+  if (!engine.samples.empty()) print_engine_fit(engine, profile);
+  const auto [grid_mean, grid_p90] = error_summary(profile, samples.first(grid.size()));
+  fmt::print("\nfit ({} iterations): grid shapes mean |error| {:.1f}%, p90 {:.1f}%", fit.iterations,
+             100 * grid_mean, 100 * grid_p90);
+  if (!engine.samples.empty()) {
+    const auto [mean, p90] = error_summary(profile, engine.samples);
+    fmt::print("; {} engine steps mean |error| {:.1f}%, p90 {:.1f}%", engine.samples.size(),
+               100 * mean, 100 * p90);
+  }
+  fmt::print("; max {:.1f}% over all {}\n", 100 * fit.max_abs_rel_error, samples.size());
   const Efficiency& e = profile.efficiency;
   fmt::print(
       "peaks: {:.1f} GFLOP/s, {:.1f} GB/s (started from {:.1f} and {:.1f}); efficiencies: gemm "
@@ -177,10 +350,15 @@ void print_fit(const std::vector<Shape>& grid, const std::vector<CalibrationSamp
       start.memory_gb_per_s, e.gemm_compute, e.gemm_memory, e.attention_compute, e.attention_memory,
       e.elementwise_memory, profile.step_overhead_s * 1e3, profile.sequence_overhead_s * 1e3,
       profile.swap_gb_per_s, profile.swap_latency_s * 1e6);
+  for (const KernelRegime& r : profile.gemm_regimes)
+    fmt::print("gemm from {} rows: {:.2f}/{:.2f}\n", r.min_rows, r.compute, r.memory);
+  for (const KernelRegime& r : profile.decode_attention_regimes)
+    fmt::print("decode attention from {} sequences: {:.2f}/{:.2f}\n", r.min_rows, r.compute,
+               r.memory);
 }
 
 void write_profile(const std::string& out, const HardwareProfile& profile,
-                   const CalibrationFit& fit, std::size_t shapes) {
+                   const CalibrationFit& fit, std::size_t samples) {
   if (const auto folder = std::filesystem::path(out).parent_path(); !folder.empty()) {
     std::error_code ec;
     std::filesystem::create_directories(folder, ec);
@@ -193,8 +371,9 @@ void write_profile(const std::string& out, const HardwareProfile& profile,
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
   file << fmt::format(
       "# Written by kvlab calibrate on {}: {}.\n# Fit over {} "
-      "batch shapes: mean |error| {:.1f}%, max {:.1f}%.\n",
-      date, profile.description, shapes, 100 * fit.mean_abs_rel_error, 100 * fit.max_abs_rel_error);
+      "samples: mean |error| {:.1f}%, max {:.1f}%.\n",
+      date, profile.description, samples, 100 * fit.mean_abs_rel_error,
+      100 * fit.max_abs_rel_error);
   file << hardware_profile_to_toml(profile);
   if (!file) throw Error(fmt::format("cannot write {}", out));
   fmt::print("wrote {}\n", out);
@@ -249,11 +428,16 @@ void run_calibrate(const CalibrateOptions& o) {
   std::vector<CalibrationSample> samples;
   for (std::size_t s = 0; s < grid.size(); ++s)
     samples.push_back({shapes_model.work(grid[s].entries), seconds[s]});
+  const EngineSteps engine =
+      o.replay_requests() > 0 ? engine_step_samples(o, model, start, grid, seconds) : EngineSteps{};
+  samples.insert(samples.end(), engine.samples.begin(), engine.samples.end());
+  weigh_by_kind(grid.size(), engine, samples);
   CalibrationFit fit = fit_hardware_profile(start, samples);
-  fit.profile.description =
-      fmt::format("kvlab {} backend, {} threads, {} ({}), fitted over {} batch shapes", o.backend,
-                  o.threads, model.name, cuda ? o.dtype : "fp32", samples.size());
-  print_fit(grid, samples, fit, start, model);
+  fit.profile.description = fmt::format(
+      "kvlab {} backend, {} threads, {} ({}), fitted over {} batch shapes and {} engine steps",
+      o.backend, o.threads, model.name, cuda ? o.dtype : "fp32", grid.size(),
+      engine.samples.size());
+  print_fit(grid, engine, samples, fit, start);
   write_profile(o.out, fit.profile, fit, samples.size());
 }
 
@@ -274,6 +458,9 @@ void register_calibrate(CLI::App& app) {
   sub->add_option("--dtype", o->dtype, "cuda: f32 or bf16")->capture_default_str();
   sub->add_option("--repeats", o->repeats, "Timed runs per shape (the median is kept)")
       ->capture_default_str();
+  sub->add_option("--engine-requests", o->engine_requests,
+                  "cpu: requests of an engine replay whose measured steps join the fit (0: the "
+                  "shape grid only; default 192 on cpu, 0 on cuda)");
   sub->callback([o]() { run_calibrate(*o); });
 }
 

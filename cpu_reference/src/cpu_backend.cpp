@@ -211,7 +211,7 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   // reads the entry's slot rows whole, in order. Otherwise (and for prompt chunks) one task per
   // (entry, K/V head), so that few sequences still spread over the threads.
   const bool whole_entries =
-      static_cast<std::int64_t>(batch.size()) >= 4 * static_cast<std::int64_t>(num_threads());
+      static_cast<std::int64_t>(batch.size()) >= whole_entry_attention_sequences(num_threads());
   std::vector<AttentionGroup> tasks;
   for (std::size_t e = 0; e < batch.size(); ++e) {
     const BatchEntry& entry = batch[e];

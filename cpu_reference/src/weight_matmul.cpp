@@ -425,6 +425,15 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
 
 }  // namespace
 
+std::vector<std::int64_t> gemm_kernel_switch_rows(WeightFormat format) {
+  std::vector<std::int64_t> rows;
+#if KVLAB_WEIGHT_SIMD
+  rows.push_back(kFusedRows + 1);  // fused dot products -> packed panels
+#endif
+  if (format == WeightFormat::f32) rows.push_back(kBlasRows + 1);  // -> BLAS
+  return rows;
+}
+
 void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
                             bool accumulate) {
   const std::int64_t rows = x.rows(), outputs = w.rows(), depth = w.cols();

@@ -392,8 +392,19 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   const Result r =
       kvlab("calibrate --backend cpu --model tiny --threads 1 --repeats 1 --out " + profile);
   ASSERT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("fit: mean |error|"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("grid shapes mean |error|"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("decode 8 x ctx 128"), std::string::npos) << r.out;
+  // The engine replay's steps join the fit, reported by kind; the kernel regimes are fitted.
+  EXPECT_NE(r.err.find("replaying 96 requests on the engine"), std::string::npos) << r.err;
+  EXPECT_NE(r.out.find("engine steps mean |error|"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("prefill + decodes"), std::string::npos) << r.out;
+  const std::string fitted = test::read_file(profile);
+  EXPECT_NE(fitted.find("[[gemm_regime]]"), std::string::npos) << fitted;
+  // 4 sequences per thread, 1 thread: decode attention switches kernel at 4 sequences.
+  const auto attention = fitted.find("[[decode_attention_regime]]");
+  ASSERT_NE(attention, std::string::npos) << fitted;
+  EXPECT_NE(fitted.find("min_rows = 4", attention), std::string::npos) << fitted;
+  EXPECT_NE(fitted.find("engine steps"), std::string::npos) << fitted;
   test::write_file(dir / "e.toml",
                    kSmall + "[backend]\nname = \"simulated\"\nprofile = \"" + profile + "\"\n");
   const Result run = kvlab("run " + (dir / "e.toml").string() + " --out " + (dir / "o").string());
@@ -401,6 +412,19 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   const auto s = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
   EXPECT_EQ(s["finished"], 12);
 
+  const Result grid_only = kvlab(
+      "calibrate --model tiny --threads 1 --repeats 1 --engine-requests 0 "
+      "--out " +
+      (dir / "grid.toml").string());
+  ASSERT_EQ(grid_only.exit_code, 0) << grid_only.err;
+  EXPECT_EQ(grid_only.out.find("engine steps"), std::string::npos) << grid_only.out;
+  const Result cuda_replay =
+      kvlab("calibrate --backend cuda --profile h200 --engine-requests 8 --out " +
+            (dir / "gpu.toml").string());
+  EXPECT_NE(cuda_replay.exit_code, 0);
+  EXPECT_NE(cuda_replay.err.find("the engine replay runs on the cpu backend only"),
+            std::string::npos)
+      << cuda_replay.err;
   const Result no_profile = kvlab("calibrate --backend cuda --out " + (dir / "gpu.toml").string());
   EXPECT_NE(no_profile.exit_code, 0);
   EXPECT_NE(no_profile.err.find("give --profile"), std::string::npos) << no_profile.err;

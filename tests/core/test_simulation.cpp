@@ -118,6 +118,32 @@ TEST(CostModel, PaddingRowsArePricedAsDecodes) {
   EXPECT_GT(cost.step(batch, padding).total(), cost.step(batch).total());
 }
 
+TEST(CostModel, KernelRegimesTakeOverFromTheirMinRows) {
+  HardwareProfile p = toy_profile();
+  p.gemm_regimes = {{3, 0.05, 0.05}, {6, 0.25, 0.25}};  // slow from 3 rows, faster from 6
+  p.decode_attention_regimes = {{4, 0.5, 0.01}};
+  const CostModel plain(toy_model(), toy_profile()), regimes(toy_model(), p);
+  auto decodes = [](std::int64_t n) {
+    return std::vector<EntryShape>(static_cast<std::size_t>(n), EntryShape{1, 99, 0});
+  };
+  for (std::int64_t n = 1; n <= 8; ++n) {
+    const StepWork w = plain.work(decodes(n));
+    const StepCost base = plain.cost(w), with = regimes.cost(w);
+    // Rows of the projections are tokens, of the LM head sequences: here both are n.
+    const double gemm = n >= 6 ? 0.25 : n >= 3 ? 0.05 : 0.5;  // toy base: 0.5
+    EXPECT_NEAR(with.linear_s, base.linear_s * 0.5 / gemm, kRel * base.linear_s) << n;
+    EXPECT_NEAR(with.lm_head_s, base.lm_head_s * 0.5 / gemm, kRel * base.lm_head_s) << n;
+    const double attention = n >= 4 ? 0.01 : 0.5;  // memory-bound decode attention
+    EXPECT_NEAR(with.attention_decode_s, base.attention_decode_s * 0.5 / attention,
+                kRel * with.attention_decode_s)
+        << n;
+    EXPECT_NEAR(with.elementwise_s, base.elementwise_s, kRel * base.elementwise_s) << n;
+  }
+  EXPECT_EQ(regime_efficiency(p.gemm_regimes, 2, {0.7, 0.8}), std::make_pair(0.7, 0.8));
+  EXPECT_EQ(regime_efficiency(p.gemm_regimes, 5, {0.7, 0.8}), std::make_pair(0.05, 0.05));
+  EXPECT_EQ(regime_efficiency(p.gemm_regimes, 100, {0.7, 0.8}), std::make_pair(0.25, 0.25));
+}
+
 TEST(CostModel, EmptyStepCostsNothing) {
   const CostModel model(toy_model(), toy_profile());
   EXPECT_EQ(model.step(std::span<const EntryShape>{}).total(), 0.0);
@@ -196,7 +222,20 @@ TEST(HardwareProfiles, RoundTripThroughToml) {
   EXPECT_DOUBLE_EQ(q.activation_reserve_gib, 0.0);
   EXPECT_DOUBLE_EQ(q.swap_gb_per_s, p.swap_gb_per_s);
   EXPECT_DOUBLE_EQ(q.swap_latency_s, p.swap_latency_s);
+  EXPECT_TRUE(q.gemm_regimes.empty());
   EXPECT_EQ(load_hardware_profile(file.string()).name, "toy");  // a path works too
+
+  p.gemm_regimes = {{5, 0.3, 0.4}, {65, 0.9, 0.6}};
+  p.decode_attention_regimes = {{8, 0.5, 0.2}};
+  std::ofstream(file, std::ios::trunc) << hardware_profile_to_toml(p);
+  const HardwareProfile r = load_hardware_profile_file(file);
+  ASSERT_EQ(r.gemm_regimes.size(), 2u);
+  EXPECT_EQ(r.gemm_regimes[1].min_rows, 65);
+  EXPECT_DOUBLE_EQ(r.gemm_regimes[1].compute, 0.9);
+  EXPECT_DOUBLE_EQ(r.gemm_regimes[0].memory, 0.4);
+  ASSERT_EQ(r.decode_attention_regimes.size(), 1u);
+  EXPECT_EQ(r.decode_attention_regimes[0].min_rows, 8);
+  EXPECT_DOUBLE_EQ(r.decode_attention_regimes[0].memory, 0.2);
 }
 
 TEST(HardwareProfiles, FileErrorsNameTheLineAndTheKey) {
@@ -223,6 +262,24 @@ TEST(HardwareProfiles, FileErrorsNameTheLineAndTheKey) {
   expect(good + "[memory]\nutilization = 0\n", {"memory.utilization must be > 0"});
   expect(good + "[link]\nswap_gb_per_s = 0\n", {"p.toml:8", "link.swap_gb_per_s must be > 0"});
   expect(good + "[link]\nswap_latency_s = -1\n", {"link.swap_latency_s must be >= 0"});
+  const std::string regime = "[[gemm_regime]]\nmin_rows = 5\ncompute = 0.5\nmemory = 0.5\n";
+  EXPECT_NO_THROW({
+    std::ofstream(dir.path() / "ok.toml", std::ios::trunc) << good + regime;
+    load_hardware_profile_file(dir.path() / "ok.toml");
+  });
+  expect(good + "[gemm_regime]\nmin_rows = 5\n",
+         {"p.toml:7", "gemm_regime must be an array of tables ([[gemm_regime]])"});
+  expect(good + "[[gemm_regime]]\nmin_rows = 5\ncompute = 0.5\n",
+         {"p.toml:7", "a gemm_regime needs min_rows, compute and memory"});
+  expect(good + "[[decode_attention_regime]]\nmin_rows = 1\ncompute = 0.5\nmemory = 0.5\n",
+         {"p.toml:8", "decode_attention_regime.min_rows must be an integer in [2, 1e9], got 1"});
+  expect(good + regime + "[[gemm_regime]]\nmin_rows = 4.5\ncompute = 0.5\nmemory = 0.5\n",
+         {"p.toml:12", "gemm_regime.min_rows must be an integer"});
+  expect(good + regime + regime, {"p.toml:12", "gemm_regime.min_rows must ascend: 5 after 5"});
+  expect(good + "[[gemm_regime]]\nmin_rows = 5\ncompute = 1.5\nmemory = 0.5\n",
+         {"p.toml:9", "gemm_regime.compute is a fraction of the peak: (0, 1], got 1.5"});
+  expect(good + "[[gemm_regime]]\nmin_rows = 5\ncompute = 0.5\nmemory = 0.5\nspeed = 1\n",
+         {"p.toml:11", "unknown key gemm_regime.speed"});
   test::expect_error_containing([&] { load_hardware_profile_file(dir.path() / "none.toml"); },
                                 {"none.toml", "no such file"});
 }
@@ -251,6 +308,61 @@ TEST(Calibration, RecoversTheLatenciesOfAKnownProfile) {
   EXPECT_LT(fit.max_abs_rel_error, 0.05);
   for (const auto& s : samples) EXPECT_LT(relative_error(fit.profile, s), 0.05);
   EXPECT_NEAR(fit.profile.step_overhead_s, truth.step_overhead_s, 0.1 * truth.step_overhead_s);
+}
+
+TEST(Calibration, FitsEachKernelRegimeOfTheStartProfile) {
+  // A device whose products get 3x slower from 4 rows on and whose decode attention is slower
+  // from 8 sequences: one efficiency for all could not fit both sides of either switch.
+  HardwareProfile truth = toy_profile();
+  truth.step_overhead_s = 1e-6;  // small: the toy's steps are made of work, not overhead
+  truth.gemm_regimes = {{4, 0.15, 0.15}};
+  truth.decode_attention_regimes = {{8, 0.2, 0.1}};
+  const CostModel model(toy_model(), truth);
+  std::vector<CalibrationSample> samples;
+  for (std::int64_t n : {1, 2, 8, 64, 512, 2048}) {
+    const EntryShape prefill{n, 0, 0};
+    samples.push_back({model.work(std::span(&prefill, 1)), 0});
+  }
+  for (std::int64_t batch : {1, 2, 3, 4, 6, 8, 16, 64})
+    for (std::int64_t context : {16, 1000, 4000}) {
+      std::vector<EntryShape> decodes(static_cast<std::size_t>(batch), {1, context, 0});
+      samples.push_back({model.work(decodes), 0});
+    }
+  for (auto& s : samples) s.measured_s = model.cost(s.work).total();
+  HardwareProfile start = truth;
+  start.efficiency = {0.9, 0.9, 0.9, 0.9, 0.9};
+  start.gemm_regimes = {{4, 0.9, 0.9}};
+  start.decode_attention_regimes = {{8, 0.9, 0.9}};
+  const CalibrationFit fit = fit_hardware_profile(start, samples);
+  EXPECT_LT(fit.mean_abs_rel_error, 0.01);
+  EXPECT_LT(fit.max_abs_rel_error, 0.05);
+  ASSERT_EQ(fit.profile.gemm_regimes.size(), 1u);
+  EXPECT_EQ(fit.profile.gemm_regimes[0].min_rows, 4);
+  ASSERT_EQ(fit.profile.decode_attention_regimes.size(), 1u);
+
+  HardwareProfile without = start;  // the same samples with one efficiency for every size
+  without.gemm_regimes.clear();
+  without.decode_attention_regimes.clear();
+  EXPECT_GT(fit_hardware_profile(without, samples).mean_abs_rel_error, 0.1);
+}
+
+TEST(Calibration, WeightsDecideBetweenSamplesThatDisagree) {
+  // Two measurements of the same shape, 20% apart: the fit lands nearer the heavier one.
+  const CostModel model(toy_model(), toy_profile());
+  std::vector<CalibrationSample> samples;
+  for (std::int64_t n : {1, 4, 16, 64, 256, 1024, 2048, 4000}) {
+    const EntryShape prefill{n, 0, 0};
+    const StepWork w = model.work(std::span(&prefill, 1));
+    const double t = model.cost(w).total();
+    samples.push_back({w, t, 9.0});
+    samples.push_back({w, 1.2 * t, 1.0});
+  }
+  const CalibrationFit fit = fit_hardware_profile(toy_profile(), samples);
+  for (std::size_t i = 0; i < samples.size(); i += 2)
+    EXPECT_LT(relative_error(fit.profile, samples[i]), relative_error(fit.profile, samples[i + 1]));
+  samples[3].weight = 0;
+  test::expect_error_containing([&] { fit_hardware_profile(toy_profile(), samples); },
+                                {"sample weight of 0"});
 }
 
 TEST(Calibration, RejectsTooFewSamplesAndBadLatencies) {

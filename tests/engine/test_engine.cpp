@@ -441,6 +441,11 @@ TEST(SimulatedEngine, DeterministicCompleteAndTimedByTheCostModel) {
   const CostModel cost(model_preset("llama2-7b"), load_hardware_profile("h200"));
   for (const auto& s : a.steps) {
     EXPECT_GT(s.predicted_s, 0);
+    // The work the cost model priced is recorded with the step (kvlab calibrate fits to it):
+    // every token the step ran, one sequence per batch row.
+    EXPECT_EQ(s.work.tokens, s.prefill_tokens + s.decode_tokens);
+    EXPECT_EQ(s.work.sequences, s.batch);
+    EXPECT_DOUBLE_EQ(cost.cost(s.work).total(), s.predicted_s);
     // The step and its swap copies over the profile's link: latency per copy + bytes / bandwidth.
     EXPECT_NEAR(s.duration_s, s.predicted_s + cost.swap_seconds(s.swap_bytes, s.swap_transfers),
                 1e-12 * s.duration_s);

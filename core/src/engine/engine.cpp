@@ -216,7 +216,8 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
   record.swap_bytes = applied.swap_bytes;
   record.swap_transfers = applied.swap_transfers;
   if (options_.cost_model != nullptr) {
-    record.predicted_s = options_.cost_model->step(batch, padding_shapes_).total();
+    record.work = options_.cost_model->work(batch, padding_shapes_);
+    record.predicted_s = options_.cost_model->cost(record.work).total();
     timing.predicted_s = record.predicted_s;
     timing.modelled_swap_s =
         options_.cost_model->swap_seconds(applied.swap_bytes, applied.swap_transfers);

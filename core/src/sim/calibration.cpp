@@ -14,17 +14,44 @@
 namespace kvlab {
 namespace {
 
-// Compute efficiencies as logits (bounded by 1), memory efficiencies as logs (a cache-resident
-// working set may beat the stated bandwidth), step and sequence overheads in ms.
-constexpr int kParameters = 7;
-constexpr int kEfficiencies = 5;
-constexpr double kPriorWeight = 0.1;
+// Compute efficiencies in (0, 2) (a logistic: the FMA peak is a ceiling, but a probe that ran
+// while a shared machine's other tenants were busy may measure half of it), memory efficiencies
+// as logs (a cache-resident working set beats the DRAM bandwidth); either above 1 is folded into
+// its peak afterwards. Step and sequence overheads in ms; then each kernel
+// regime's compute and memory efficiency (gemm regimes, then decode attention regimes). The
+// prior pulls on every efficiency, not on the overheads.
+constexpr int kBaseParameters = 7;
+constexpr int kBaseEfficiencies = 5;
+constexpr double kPriorWeight = 0.01;
+
+constexpr double kComputeCeiling = 2.0;  // x the starting peak
+double bounded(double v) {
+  return kComputeCeiling / (1.0 + std::exp(-v));
+}
+double logit(double v) {
+  v = std::clamp(v / kComputeCeiling, 1e-3, 1 - 1e-3);
+  return std::log(v / (1 - v));
+}
+
+int parameter_count(const HardwareProfile& p) {
+  return kBaseParameters +
+         2 * static_cast<int>(p.gemm_regimes.size() + p.decode_attention_regimes.size());
+}
+
+// Every regime of `p` with its first parameter's index: gemm regimes, then decode attention.
+template <typename Profile, typename Visit>
+void for_each_regime(Profile& p, Visit&& visit) {
+  Eigen::Index i = kBaseParameters;
+  for (auto* list : {&p.gemm_regimes, &p.decode_attention_regimes})
+    for (auto& regime : *list) {
+      visit(regime, i);
+      i += 2;
+    }
+}
 
 HardwareProfile with_parameters(const HardwareProfile& base, const Eigen::VectorXd& x) {
   HardwareProfile p = base;
   Efficiency& e = p.efficiency;
-  auto bounded = [](double v) { return 1.0 / (1.0 + std::exp(-v)); };  // (0, 1): the FMA peak is
-                                                                       // a hard ceiling
   e.gemm_compute = bounded(x[0]);
   e.gemm_memory = std::exp(x[1]);
   e.attention_compute = bounded(x[2]);
@@ -32,7 +59,28 @@ HardwareProfile with_parameters(const HardwareProfile& base, const Eigen::Vector
   e.elementwise_memory = std::exp(x[4]);
   p.step_overhead_s = std::abs(x[5]) * 1e-3;  // |.|: overheads cannot be negative
   p.sequence_overhead_s = std::abs(x[6]) * 1e-3;
+  for_each_regime(p, [&](KernelRegime& r, Eigen::Index i) {
+    r.compute = bounded(x[i]);
+    r.memory = std::exp(x[i + 1]);
+  });
   return p;
+}
+
+Eigen::VectorXd starting_parameters(const HardwareProfile& start) {
+  Eigen::VectorXd x(parameter_count(start));
+  const Efficiency& e = start.efficiency;
+  x.head(kBaseParameters) << logit(e.gemm_compute), std::log(e.gemm_memory),
+      logit(e.attention_compute), std::log(e.attention_memory), std::log(e.elementwise_memory),
+      std::max(start.step_overhead_s, 1e-5) * 1e3, std::max(start.sequence_overhead_s, 1e-6) * 1e3;
+  for_each_regime(start, [&](const KernelRegime& r, Eigen::Index i) {
+    x[i] = logit(r.compute);
+    x[i + 1] = std::log(r.memory);
+  });
+  return x;
+}
+
+bool is_efficiency(Eigen::Index k) {
+  return k < kBaseEfficiencies || k >= kBaseParameters;
 }
 
 double predict(const HardwareProfile& profile, const StepWork& work) {
@@ -48,19 +96,21 @@ struct Residuals {
 
   const HardwareProfile* base;
   std::span<const CalibrationSample> samples;
-  Eigen::VectorXd prior;  // the starting efficiencies (parameters 0-4)
-  int inputs() const { return kParameters; }
-  int values() const { return static_cast<int>(samples.size()) + kEfficiencies; }
+  Eigen::VectorXd prior;  // the starting parameters
+  int inputs() const { return static_cast<int>(prior.size()); }
+  int values() const { return static_cast<int>(samples.size() + prior.size()); }
   int operator()(const Eigen::VectorXd& x, Eigen::VectorXd& residual) const {
     const HardwareProfile p = with_parameters(*base, x);
     for (std::size_t i = 0; i < samples.size(); ++i)
       residual[static_cast<Eigen::Index>(i)] =
-          predict(p, samples[i].work) / samples[i].measured_s - 1.0;
+          std::sqrt(samples[i].weight) *
+          (predict(p, samples[i].work) / samples[i].measured_s - 1.0);
     // A weak pull towards the starting efficiencies: directions the samples cannot tell apart
     // (a constant weight read vs the per-step overhead) stay where they started instead of
     // drifting to absurd values; the samples outweigh it wherever they do tell.
-    for (int k = 0; k < kEfficiencies; ++k)
-      residual[static_cast<Eigen::Index>(samples.size()) + k] = kPriorWeight * (x[k] - prior[k]);
+    for (Eigen::Index k = 0; k < prior.size(); ++k)
+      residual[static_cast<Eigen::Index>(samples.size()) + k] =
+          is_efficiency(k) ? kPriorWeight * (x[k] - prior[k]) : 0.0;
     return 0;
   }
 };
@@ -68,8 +118,12 @@ struct Residuals {
 // Folds efficiencies above 1 into the peaks (predictions are unchanged).
 void fold_into_peaks(HardwareProfile& p) {
   Efficiency& e = p.efficiency;
-  const double compute = std::max({1.0, e.gemm_compute, e.attention_compute});
-  const double memory = std::max({1.0, e.gemm_memory, e.attention_memory, e.elementwise_memory});
+  double compute = std::max({1.0, e.gemm_compute, e.attention_compute});
+  double memory = std::max({1.0, e.gemm_memory, e.attention_memory, e.elementwise_memory});
+  for_each_regime(p, [&](const KernelRegime& r, Eigen::Index) {
+    compute = std::max(compute, r.compute);
+    memory = std::max(memory, r.memory);
+  });
   p.peak_tflops *= compute;
   e.gemm_compute /= compute;
   e.attention_compute /= compute;
@@ -77,6 +131,10 @@ void fold_into_peaks(HardwareProfile& p) {
   e.gemm_memory /= memory;
   e.attention_memory /= memory;
   e.elementwise_memory /= memory;
+  for_each_regime(p, [&](KernelRegime& r, Eigen::Index) {
+    r.compute /= compute;
+    r.memory /= memory;
+  });
 }
 
 }  // namespace
@@ -87,23 +145,17 @@ double relative_error(const HardwareProfile& profile, const CalibrationSample& s
 
 CalibrationFit fit_hardware_profile(const HardwareProfile& start,
                                     std::span<const CalibrationSample> samples) {
-  if (samples.size() < kParameters)
+  const int parameters = parameter_count(start);
+  if (samples.size() < static_cast<std::size_t>(parameters))
     throw Error(
-        fmt::format("calibration needs at least {} samples, got {}", kParameters, samples.size()));
+        fmt::format("calibration needs at least {} samples, got {}", parameters, samples.size()));
   for (const auto& s : samples)
     if (!(s.measured_s > 0) || !std::isfinite(s.measured_s))
       throw Error(fmt::format("calibration: a measured latency of {} s", s.measured_s));
-  Eigen::VectorXd x(kParameters);
-  const Efficiency& e = start.efficiency;
-  auto logit = [](double v) {
-    v = std::clamp(v, 1e-3, 1 - 1e-3);
-    return std::log(v / (1 - v));
-  };
-  x << logit(e.gemm_compute), std::log(e.gemm_memory), logit(e.attention_compute),
-      std::log(e.attention_memory), std::log(e.elementwise_memory),
-      std::max(start.step_overhead_s, 1e-5) * 1e3, std::max(start.sequence_overhead_s, 1e-6) * 1e3;
-
-  Residuals residuals{&start, samples, x.head(kEfficiencies)};
+    else if (!(s.weight > 0) || !std::isfinite(s.weight))
+      throw Error(fmt::format("calibration: a sample weight of {}", s.weight));
+  Eigen::VectorXd x = starting_parameters(start);
+  Residuals residuals{&start, samples, x};
   Eigen::NumericalDiff<Residuals> numerical(residuals);
   Eigen::LevenbergMarquardt<Eigen::NumericalDiff<Residuals>> solver(numerical);
   solver.parameters.maxfev = 4000;

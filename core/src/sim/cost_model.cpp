@@ -76,18 +76,25 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
   const double peak = p.peak_tflops * 1e12, bandwidth = p.memory_gb_per_s * 1e9;
   StepCost c;
   if (w.tokens == 0) return c;
-  c.linear_s = roofline_seconds(w.linear, peak, bandwidth, e.gemm_compute, e.gemm_memory);
-  c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, e.gemm_compute, e.gemm_memory);
+  const std::pair<double, double> gemm{e.gemm_compute, e.gemm_memory};
+  const auto [linear_compute, linear_memory] =
+      regime_efficiency(p.gemm_regimes, w.tokens, gemm);  // rows: tokens
+  c.linear_s = roofline_seconds(w.linear, peak, bandwidth, linear_compute, linear_memory);
+  const auto [head_compute, head_memory] =
+      regime_efficiency(p.gemm_regimes, w.sequences, gemm);  // rows: sequences
+  c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, head_compute, head_memory);
   c.attention_prefill_s = roofline_seconds(w.attention_prefill, peak, bandwidth,
                                            e.attention_compute, e.attention_memory);
-  c.attention_decode_s = roofline_seconds(w.attention_decode, peak, bandwidth, e.attention_compute,
-                                          e.attention_memory);
+  const auto [decode_compute, decode_memory] = regime_efficiency(
+      p.decode_attention_regimes, w.sequences, {e.attention_compute, e.attention_memory});
+  c.attention_decode_s =
+      roofline_seconds(w.attention_decode, peak, bandwidth, decode_compute, decode_memory);
   c.elementwise_s = w.elementwise.bytes / (bandwidth * e.elementwise_memory);
   c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s;
   return c;
 }
 
-StepCost CostModel::step(std::span<const BatchEntry> batch,
+StepWork CostModel::work(std::span<const BatchEntry> batch,
                          std::span<const EntryShape> padding) const {
   std::vector<EntryShape> shapes;
   shapes.reserve(batch.size() + padding.size());
@@ -95,7 +102,7 @@ StepCost CostModel::step(std::span<const BatchEntry> batch,
     shapes.push_back({static_cast<std::int64_t>(b.tokens.size()), b.start_position,
                       std::min(b.view.first_position, b.start_position)});
   shapes.insert(shapes.end(), padding.begin(), padding.end());
-  return step(std::span<const EntryShape>(shapes));
+  return work(std::span<const EntryShape>(shapes));
 }
 
 double CostModel::swap_seconds(std::int64_t bytes, std::int64_t transfers) const {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <boost/dll/runtime_symbol_info.hpp>
 #include <cctype>
+#include <cmath>
 #include <cstdlib>
 #include <set>
 #include <sstream>
@@ -95,7 +96,41 @@ class ProfileSection {
   std::vector<std::string> known_;
 };
 
+// [[gemm_regime]] or [[decode_attention_regime]] tables: min_rows > 1, strictly ascending;
+// compute and memory efficiencies required.
+std::vector<KernelRegime> read_regimes(const toml::array* regimes, const std::string& name,
+                                       const std::string& where) {
+  std::vector<KernelRegime> out;
+  if (regimes == nullptr) return out;
+  for (const toml::node& node : *regimes) {
+    ProfileSection s(node.as_table(), name, where);
+    if (s.node("compute") == nullptr || s.node("memory") == nullptr)
+      s.fail(&node, fmt::format("a {} needs min_rows, compute and memory", name));
+    KernelRegime r;
+    const double rows = s.number("min_rows", 0, true);
+    if (rows != std::floor(rows) || rows < 2 || rows > 1e9)
+      s.fail(s.node("min_rows"),
+             fmt::format("{}.min_rows must be an integer in [2, 1e9], got {}", name, rows));
+    r.min_rows = static_cast<std::int64_t>(rows);
+    if (!out.empty() && r.min_rows <= out.back().min_rows)
+      s.fail(s.node("min_rows"), fmt::format("{}.min_rows must ascend: {} after {}", name,
+                                             r.min_rows, out.back().min_rows));
+    r.compute = s.fraction("compute", r.compute);
+    r.memory = s.fraction("memory", r.memory);
+    s.finish();
+    out.push_back(r);
+  }
+  return out;
+}
+
 }  // namespace
+
+std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regimes,
+                                            std::int64_t rows, std::pair<double, double> base) {
+  for (const KernelRegime& r : regimes)
+    if (rows >= r.min_rows) base = {r.compute, r.memory};
+  return base;
+}
 
 HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
   std::error_code ec;
@@ -114,11 +149,16 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
   const std::string where = file.string();
   const std::vector<std::string> tables{"profile",  "device", "efficiency",
                                         "overhead", "memory", "link"};
+  const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime"};
   for (const auto& [key, value] : top) {
-    const bool known = std::find(tables.begin(), tables.end(), key.str()) != tables.end();
-    if (!known || !value.is_table()) {
-      std::string why = known ? fmt::format("[{}] must be a table", key.str())
-                              : fmt::format("unknown table [{}]", key.str());
+    const bool regimes =
+        std::find(regime_arrays.begin(), regime_arrays.end(), key.str()) != regime_arrays.end();
+    const bool known =
+        regimes || std::find(tables.begin(), tables.end(), key.str()) != tables.end();
+    if (!known || (regimes ? !value.is_array_of_tables() : !value.is_table())) {
+      std::string why = regimes ? fmt::format("{0} must be an array of tables ([[{0}]])", key.str())
+                        : known ? fmt::format("[{}] must be a table", key.str())
+                                : fmt::format("unknown table [{}]", key.str());
       if (!known)
         if (const auto near = nearest_name(key.str(), tables))
           why += fmt::format(" (did you mean [{}]?)", *near);
@@ -152,6 +192,9 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
     e.elementwise_memory = s.fraction("elementwise_memory", e.elementwise_memory);
     s.finish();
   }
+  p.gemm_regimes = read_regimes(top["gemm_regime"].as_array(), "gemm_regime", where);
+  p.decode_attention_regimes =
+      read_regimes(top["decode_attention_regime"].as_array(), "decode_attention_regime", where);
   {
     ProfileSection s(top["overhead"].as_table(), "overhead", where);
     p.step_overhead_s = s.number("step_s", p.step_overhead_s, false, true);
@@ -240,6 +283,16 @@ std::string hardware_profile_to_toml(const HardwareProfile& p) {
                              {"activation_reserve_gib", p.activation_reserve_gib}}},
       {"link",
        toml::table{{"swap_gb_per_s", p.swap_gb_per_s}, {"swap_latency_s", p.swap_latency_s}}}};
+  auto add_regimes = [&](const char* name, const std::vector<KernelRegime>& regimes) {
+    if (regimes.empty()) return;
+    toml::array array;
+    for (const KernelRegime& r : regimes)
+      array.push_back(
+          toml::table{{"min_rows", r.min_rows}, {"compute", r.compute}, {"memory", r.memory}});
+    top.insert(name, std::move(array));
+  };
+  add_regimes("gemm_regime", p.gemm_regimes);
+  add_regimes("decode_attention_regime", p.decode_attention_regimes);
   std::ostringstream out;
   out << toml::toml_formatter(top) << "\n";
   return out.str();

@@ -51,6 +51,7 @@ struct StepRecord {
   double start_s = 0, duration_s = 0, measured_forward_s = 0;
   double measured_step_s = 0;  // plan + apply + forward, as it really took
   double predicted_s = 0;      // the cost model's prediction (0 without one)
+  StepWork work;               // what the cost model priced: FLOPs and bytes (zeros without one)
   std::int64_t batch = 0, prefill_tokens = 0, decode_tokens = 0, preempted = 0;
   std::int64_t waiting = 0, running = 0;
   // Finished requests a static batch still carries (StepPlan::pad_finished): rows priced this

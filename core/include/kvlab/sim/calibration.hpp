@@ -1,12 +1,13 @@
 #pragma once
 // Fitting a hardware profile's efficiencies and overheads to measured step latencies.
 //
-// Each sample is a step's work (CostModel::work) and its measured latency. The device peaks stay
-// as given (measured or datasheet); the five efficiencies and two overheads are fitted by
-// Levenberg-Marquardt (Eigen) on relative errors. Compute efficiencies stay in (0, 1) (the
-// FMA/tensor-core peak is a ceiling); memory efficiencies stay positive, and one above 1 (a
-// working set that lives in cache beats the DRAM bandwidth the profile states) is folded into
-// the bandwidth: it rises, the efficiency becomes 1, and every prediction is unchanged.
+// Each sample is a step's work (CostModel::work) and its measured latency. The device peaks
+// (measured or datasheet) are the scale; the five efficiencies, two overheads and each kernel
+// regime's two efficiencies (the start profile's regimes) are fitted by Levenberg-Marquardt (Eigen)
+// on weighted relative errors. Memory efficiencies stay positive, compute efficiencies below 2; one
+// above 1 is folded into its peak (the peak rises, the efficiency becomes 1, every prediction is
+// unchanged): a working set that lives in cache beats the DRAM bandwidth the profile states, and a
+// probe that ran while a shared machine was busy may measure half the FMA peak.
 #include <span>
 
 #include "kvlab/sim/cost_model.hpp"
@@ -17,6 +18,7 @@ namespace kvlab {
 struct CalibrationSample {
   StepWork work;
   double measured_s = 0;
+  double weight = 1;  // of its squared relative error in the fit (> 0)
 };
 
 struct CalibrationFit {
@@ -26,7 +28,8 @@ struct CalibrationFit {
   int iterations = 0;
 };
 
-// Throws kvlab::Error with fewer samples than fitted parameters or a non-positive latency.
+// Throws kvlab::Error with fewer samples than fitted parameters, a non-positive latency or a
+// non-positive weight.
 CalibrationFit fit_hardware_profile(const HardwareProfile& start,
                                     std::span<const CalibrationSample> samples);
 

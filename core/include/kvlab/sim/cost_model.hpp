@@ -63,7 +63,10 @@ class CostModel {
   StepCost step(std::span<const EntryShape> batch) const { return cost(work(batch)); }
   // A step of `batch`, plus `padding`: finished rows a static batch still carries (each a
   // decode of one discarded token after its context).
-  StepCost step(std::span<const BatchEntry> batch, std::span<const EntryShape> padding = {}) const;
+  StepWork work(std::span<const BatchEntry> batch, std::span<const EntryShape> padding = {}) const;
+  StepCost step(std::span<const BatchEntry> batch, std::span<const EntryShape> padding = {}) const {
+    return cost(work(batch, padding));
+  }
   // `transfers` copies of `bytes` in all over the profile's swap link.
   double swap_seconds(std::int64_t bytes, std::int64_t transfers) const;
 

@@ -2,9 +2,12 @@
 // Hardware profiles: what the simulated backend's cost model knows about a device. Stored as
 // TOML files (profiles/*.toml, installed to <prefix>/share/kvlab/profiles) and selectable by
 // name ("h200") or by path ("my-gpu.toml"); `kvlab calibrate` writes them.
+#include <cstdint>
 #include <filesystem>
+#include <span>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "kvlab/dtype.hpp"
@@ -20,6 +23,18 @@ struct Efficiency {
   double elementwise_memory = 0.7;  // RMSNorm, RoPE, SwiGLU, residual adds
 };
 
+// Few rows run other kernels than many, each with its own efficiency: matrix products (the CPU
+// backend: fused dot products up to 4 rows, packed panels up to 64, BLAS beyond; GPUs: GEMV for
+// one row, small-M tiles, tensor-core tiles) and decode attention (the CPU backend: one task per
+// sequence and K/V head below 4 sequences per thread, one per sequence from there on). From
+// `min_rows` rows on, a regime's efficiencies replace the base ones of [efficiency], up to the
+// next regime's min_rows.
+struct KernelRegime {
+  std::int64_t min_rows = 2;
+  double compute = 0.7;
+  double memory = 0.85;
+};
+
 struct HardwareProfile {
   std::string name;
   std::string description;
@@ -29,6 +44,9 @@ struct HardwareProfile {
   DType compute_dtype = DType::dtype_bf16;  // weights and activations
   DType kv_dtype = DType::dtype_bf16;
   Efficiency efficiency;
+  // By min_rows, ascending; none: the base efficiency for every size. Rows of a product: tokens
+  // (projections, MLP), sequences (LM head); of decode attention: the step's sequences.
+  std::vector<KernelRegime> gemm_regimes, decode_attention_regimes;
   double step_overhead_s = 0;      // fixed cost of one engine step (launches, scheduling, sync)
   double sequence_overhead_s = 0;  // per sequence in the batch (metadata, sampling)
   // KV capacity = memory_gib x memory_utilization - weights - activation_reserve_gib.
@@ -41,6 +59,10 @@ struct HardwareProfile {
   double swap_latency_s = 1e-5;
   std::string source;  // the file it was read from ("" when built in code)
 };
+
+// The (compute, memory) efficiencies of `rows` rows under `regimes`, `base` below the first.
+std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regimes,
+                                            std::int64_t rows, std::pair<double, double> base);
 
 // Reads and validates a profile file: every problem (missing key, wrong type, unknown key with
 // a suggestion, non-positive value, efficiency outside (0, 1]) is a kvlab::Error naming the

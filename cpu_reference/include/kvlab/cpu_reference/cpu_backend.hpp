@@ -43,6 +43,14 @@ class CpuBackend final : public Backend {
   }
   std::int64_t vocab_size() const override { return weights_.config.vocab_size; }
 
+  // From this many sequences in a batch on, decode attention runs one task per sequence (its
+  // slot rows read whole, in order); below, one task per (sequence, K/V head) so that a few
+  // sequences still spread over the threads. The two kernels differ in speed (a cost model's
+  // decode attention regimes, kvlab calibrate).
+  static std::int64_t whole_entry_attention_sequences(int threads) {
+    return 4 * static_cast<std::int64_t>(threads);
+  }
+
   const LlamaWeights& weights() const { return weights_; }
   const ComputeWeights& matrices() const { return compute_; }
 

@@ -75,6 +75,11 @@ class WeightMatrix {
 void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
                             bool accumulate);
 
+// The row counts of x at which multiply_by_transposed switches to another kernel for weights
+// in `format` (ascending): what a cost model's gemm regimes should start at
+// (kvlab calibrate --backend cpu fits one efficiency per kernel).
+std::vector<std::int64_t> gemm_kernel_switch_rows(WeightFormat format);
+
 // The matrices of a LLaMA layer in a compute format (same stacking as LayerWeights).
 struct LayerComputeWeights {
   WeightMatrix w_qkv;      // (q_dim + 2 kv_dim, dim)
