@@ -9,6 +9,7 @@ packages=(
   libeigen3-dev libopenblas-openmp-dev libboost-dev libboost-context-dev libtomlplusplus-dev libcli11-dev libfmt-dev nlohmann-json3-dev libsentencepiece-dev
   libpcre2-dev libutf8proc-dev
   libgtest-dev libgmock-dev libbenchmark-dev
+  libopenmpi-dev openmpi-bin
   python3 python3-matplotlib valgrind
   clang libclang-rt-14-dev
 )

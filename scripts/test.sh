@@ -43,5 +43,5 @@ CC=clang CXX=clang++ cmake -S . -B "$fuzz_dir" -DCMAKE_BUILD_TYPE=Release -DKVLA
   -DKVLAB_WITH_CUDA=OFF -DKVLAB_BUILD_TESTS=OFF -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF \
   -DKVLAB_WERROR=ON -DKVLAB_FUZZ_SECONDS="${KVLAB_FUZZ_SECONDS:-30}"
 cmake --build "$fuzz_dir" -j "$(nproc)" --target fuzz_safetensors fuzz_model_config fuzz_trace \
-  fuzz_experiment fuzz_gguf fuzz_tokenizer_json fuzz_bpe_encode fuzz_hardware_profile
+  fuzz_experiment fuzz_gguf fuzz_tokenizer_json fuzz_bpe_encode fuzz_hardware_profile fuzz_run_record
 ctest --test-dir "$fuzz_dir" -L fuzz --output-on-failure -j "$(nproc)"

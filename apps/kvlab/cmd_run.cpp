@@ -7,6 +7,7 @@
 
 #include <chrono>
 #include <ctime>
+#include <exception>
 #include <fstream>
 #include <map>
 #include <memory>
@@ -15,10 +16,12 @@
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/distributed_sweep.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab_commit.hpp"
+#include "mpi_sweep.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -77,16 +80,21 @@ std::string machine_description() {
 
 // The folder describes itself: the experiment file as given, how it was run, by which kvlab,
 // on which machine. Each run's folder gets its resolved config (config.toml).
-void write_manifest(const std::filesystem::path& folder, const RunOptions& o, std::size_t runs) {
+void write_manifest(const std::filesystem::path& folder, const RunOptions& o, std::size_t runs,
+                    int ranks) {
   std::filesystem::copy_file(o.file, folder / "experiment.toml",
                              std::filesystem::copy_options::overwrite_existing);
   const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char when[32] = {};
   std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  const nlohmann::json manifest = {
-      {"experiment_file", o.file},       {"overrides", o.overrides},     {"runs", runs},
-      {"kvlab_version", KVLAB_VERSION},  {"kvlab_commit", KVLAB_COMMIT}, {"started_utc", when},
-      {"machine", machine_description()}};
+  const nlohmann::json manifest = {{"experiment_file", o.file},
+                                   {"overrides", o.overrides},
+                                   {"runs", runs},
+                                   {"kvlab_version", KVLAB_VERSION},
+                                   {"kvlab_commit", KVLAB_COMMIT},
+                                   {"started_utc", when},
+                                   {"machine", machine_description()},
+                                   {"ranks", ranks}};
   std::ofstream(folder / kManifest) << manifest.dump(2) << "\n";
 }
 
@@ -141,21 +149,100 @@ std::filesystem::path results_folder(const RunOptions& o, const ExperimentConfig
   return std::filesystem::path("results") / first.name;
 }
 
-// "[i/n] name label (ETA ...)" on stderr, rewritten in place on a terminal.
-void print_progress(std::size_t i, const std::vector<ExperimentRun>& runs,
-                    std::chrono::steady_clock::time_point start, bool tty) {
+// "[i/n] name label (ETA ...)" on stderr, rewritten in place on a terminal; "rank r: " first
+// when several ranks share the sweep (i and n count this rank's runs).
+void print_progress(std::size_t i, std::size_t n, const ExperimentConfig& c,
+                    std::chrono::steady_clock::time_point start, bool tty,
+                    const std::string& rank) {
   const double elapsed =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const std::string eta = i == 0 ? "?"
-                                 : fmt::format("{:.0f}s", elapsed / static_cast<double>(i) *
-                                                              static_cast<double>(runs.size() - i));
-  const ExperimentConfig& c = runs[i].config;
-  const std::string line = fmt::format("[{}/{}] {} {} (ETA {})", i + 1, runs.size(), c.name,
+  const std::string eta =
+      i == 0
+          ? "?"
+          : fmt::format("{:.0f}s", elapsed / static_cast<double>(i) * static_cast<double>(n - i));
+  const std::string line = fmt::format("{}[{}/{}] {} {} (ETA {})", rank, i + 1, n, c.name,
                                        c.label.empty() ? "" : c.label, eta);
   if (tty)
     fmt::print(stderr, "\r\033[K{}", line);
   else
     fmt::print(stderr, "{}\n", line);
+}
+
+// Runs `runs[i]` and writes its outputs into `folder` (none for kvlab check). A kvlab::Error
+// becomes the record's error: the sweep's other runs go on and keep their results.
+RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, bool check,
+                      const std::filesystem::path& folder, int rank) {
+  RunRecord r;
+  r.index = i;
+  r.rank = rank;
+  const ExperimentRun& run = runs[i];
+  try {
+    const RunOutput out = run_experiment(run.config, check, &r.mismatches);
+    if (!folder.empty()) {
+      write_run_outputs(folder, run.config, out);
+      std::ofstream(folder / "config.toml") << run.config.resolved_toml << "\n";
+    }
+    r.wall_s = out.wall_s;
+    r.engine_wall_s = out.engine_wall_s;
+    r.forward_wall_s = out.forward_wall_s;
+    r.finished = out.summary.finished;
+    if (const std::string reasons = all_rejected_reasons(out); !reasons.empty())
+      r.all_rejected =
+          fmt::format("all {} requests were rejected:{}", out.summary.rejected, reasons);
+    r.row = summary_values(runs.front().config, out);  // one column set
+  } catch (const Error& e) {
+    r = RunRecord{};
+    r.index = i;
+    r.rank = rank;
+    r.error = e.what();
+  }
+  return r;
+}
+
+// This rank's share of the sweep. Rank 0 writes into the results folder; another rank writes
+// each run into a staging folder of its own and carries the files in the record to rank 0.
+std::vector<RunRecord> run_share(const std::vector<ExperimentRun>& runs,
+                                 const std::vector<std::size_t>& share, bool check,
+                                 const std::filesystem::path& out_dir, const SweepRanks& ranks) {
+  const bool tty = isatty(STDERR_FILENO) != 0 && ranks.size() == 1;
+  const std::string prefix = ranks.size() > 1 ? fmt::format("rank {}: ", ranks.rank()) : "";
+  const auto start = std::chrono::steady_clock::now();
+  std::vector<RunRecord> records;
+  for (std::size_t k = 0; k < share.size(); ++k) {
+    const std::size_t i = share[k];
+    print_progress(k, share.size(), runs[i].config, start, tty, prefix);
+    if (check || ranks.rank() == 0) {
+      records.push_back(
+          execute_run(runs, i, check,
+                      check ? std::filesystem::path{} : out_dir / run_directory_name(runs[i], i),
+                      ranks.rank()));
+      continue;
+    }
+    const auto staging = std::filesystem::temp_directory_path() /
+                         fmt::format("kvlab-rank{}-{}-{}", ranks.rank(), getpid(), i);
+    std::filesystem::remove_all(staging);
+    RunRecord record = execute_run(runs, i, check, staging, ranks.rank());
+    if (record.error.empty()) record.files = read_folder_files(staging);
+    std::filesystem::remove_all(staging);
+    records.push_back(std::move(record));
+  }
+  if (tty) fmt::print(stderr, "\n");
+  return records;
+}
+
+// Rank 0: writes the files other ranks carried into their runs' folders.
+void write_carried_files(const std::vector<ExperimentRun>& runs,
+                         const std::vector<RunRecord>& records,
+                         const std::filesystem::path& out_dir) {
+  for (const RunRecord& r : records) {
+    const std::filesystem::path folder = out_dir / run_directory_name(runs[r.index], r.index);
+    for (const auto& [path, contents] : r.files) {
+      std::filesystem::create_directories((folder / path).parent_path());
+      std::ofstream file(folder / path, std::ios::binary | std::ios::trunc);
+      file << contents;
+      if (!file) throw Error(fmt::format("cannot write {}", (folder / path).string()));
+    }
+  }
 }
 
 // kvlab check's verdict: exit 1 when nothing finished, a run rejected everything, or a token
@@ -175,50 +262,38 @@ int check_verdict(std::int64_t finished_total, bool any_all_rejected,
   return 0;
 }
 
-int run_all(const RunOptions& o, bool check) {
-  const auto runs = load_experiment(o.file, o.overrides);  // every error before anything runs
-  validate_experiment(runs, check);
-  const std::string name = runs.front().config.name;
-  const std::filesystem::path out_dir = results_folder(o, runs.front().config);
-  if (!check) {
-    prepare_results_folder(out_dir, o.force);
-    write_manifest(out_dir, o, runs.size());
-  }
-  std::vector<std::string> all_rejected;  // runs in which no request finished
-  std::int64_t finished_total = 0;
-  const bool tty = isatty(STDERR_FILENO) != 0;
+// What rank 0 prints and writes once every run is in: the table, the errors, runs.json.
+int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
+           std::vector<RunRecord> records, const std::filesystem::path& out_dir) {
+  std::sort(records.begin(), records.end(),
+            [](const RunRecord& a, const RunRecord& b) { return a.index < b.index; });
+  std::vector<std::string> errors;  // runs that failed, or in which no request finished
+  std::int64_t finished_total = 0, total_mismatches = 0;
   std::vector<SummaryRow> rows;
   nlohmann::json index = nlohmann::json::array();
-  std::int64_t total_mismatches = 0;
   double wall = 0, engine_wall = 0, forward_wall = 0;
-  const auto start = std::chrono::steady_clock::now();
-  for (std::size_t i = 0; i < runs.size(); ++i) {
-    const ExperimentRun& run = runs[i];
-    print_progress(i, runs, start, tty);
-    std::vector<std::string> mismatches;
-    const RunOutput out = run_experiment(run.config, check, &mismatches);
-    wall += out.wall_s;
-    engine_wall += out.engine_wall_s;
-    forward_wall += out.forward_wall_s;
-    const std::string directory = run_directory_name(run, i);
-    if (!check) {
-      write_run_outputs(out_dir / directory, run.config, out);
-      std::ofstream(out_dir / directory / "config.toml") << run.config.resolved_toml << "\n";
+  for (const RunRecord& r : records) {
+    const ExperimentRun& run = runs[r.index];
+    const std::string label = run.config.label.empty() ? "base" : run.config.label;
+    if (!r.error.empty()) {
+      errors.push_back(fmt::format("run {} ({}) failed{}: {}", r.index + 1, label,
+                                   ranks > 1 ? fmt::format(" on rank {}", r.rank) : "", r.error));
+      continue;
     }
-    finished_total += out.summary.finished;
-    if (const std::string reasons = all_rejected_reasons(out); !reasons.empty())
-      all_rejected.push_back(fmt::format("run {} ({}): all {} requests were rejected:{}", i + 1,
-                                         run.config.label.empty() ? "base" : run.config.label,
-                                         out.summary.rejected, reasons));
-    rows.push_back({run.config.label, summary_values(runs.front().config, out)});  // one column set
-    index.push_back({{"dir", directory}, {"label", run.config.label}, {"repeat", run.repeat}});
-    if (check) {
-      for (const auto& m : mismatches)
-        fmt::print(stderr, "{}mismatch [{}]: {}\n", tty ? "\n" : "", run.config.label, m);
-      total_mismatches += static_cast<std::int64_t>(mismatches.size());
-    }
+    wall += r.wall_s;
+    engine_wall += r.engine_wall_s;
+    forward_wall += r.forward_wall_s;
+    finished_total += r.finished;
+    if (!r.all_rejected.empty())
+      errors.push_back(fmt::format("run {} ({}): {}", r.index + 1, label, r.all_rejected));
+    rows.push_back({run.config.label, r.row});
+    index.push_back({{"dir", run_directory_name(run, r.index)},
+                     {"label", run.config.label},
+                     {"repeat", run.repeat}});
+    for (const auto& m : r.mismatches) fmt::print(stderr, "mismatch [{}]: {}\n", label, m);
+    total_mismatches += static_cast<std::int64_t>(r.mismatches.size());
   }
-  if (tty) fmt::print(stderr, "\n");
+  const std::string name = runs.front().config.name;
   const std::string table = summary_table(summary_columns(runs.front().config), rows);
   fmt::print("{} ({} run{}; {})\n\n{}", name, runs.size(), runs.size() > 1 ? "s" : "",
              clock_description(runs), table);
@@ -226,12 +301,51 @@ int run_all(const RunOptions& o, bool check) {
              "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward)\n",
              wall, engine_wall,
              engine_wall > 0 ? 100.0 * (engine_wall - forward_wall) / engine_wall : 0.0);
-  for (const auto& message : all_rejected) fmt::print(stderr, "kvlab: error: {}\n", message);
-  if (check) return check_verdict(finished_total, !all_rejected.empty(), total_mismatches);
+  for (const auto& message : errors) fmt::print(stderr, "kvlab: error: {}\n", message);
+  if (check) return check_verdict(finished_total, !errors.empty(), total_mismatches);
   std::ofstream(out_dir / "summary.md") << "# " << name << "\n\n" << table;
   std::ofstream(out_dir / "runs.json") << index.dump(2) << "\n";
   fmt::print("\nresults: {}\n", out_dir.string());
-  return all_rejected.empty() ? 0 : 1;
+  return errors.empty() ? 0 : 1;
+}
+
+// Every rank loads and validates the file; rank 0 prepares the results folder, and no rank
+// starts unless all of that worked everywhere. Each rank runs its share (balance_runs by
+// estimated cost); rank 0 gathers the outcomes, writes what the others carried and reports.
+int run_all(const RunOptions& o, bool check) {
+  SweepRanks ranks;
+  std::vector<ExperimentRun> runs;
+  std::filesystem::path out_dir;
+  std::exception_ptr not_ready;
+  try {
+    runs = load_experiment(o.file, o.overrides);  // every error before anything runs
+    validate_experiment(runs, check);
+    out_dir = results_folder(o, runs.front().config);
+    if (!check && ranks.rank() == 0) {
+      prepare_results_folder(out_dir, o.force);
+      write_manifest(out_dir, o, runs.size(), ranks.size());
+    }
+  } catch (const Error&) {
+    not_ready = std::current_exception();
+  }
+  if (!ranks.all(not_ready == nullptr)) {
+    if (not_ready && ranks.rank() == 0) std::rethrow_exception(not_ready);  // one report
+    return 1;
+  }
+  std::vector<double> costs;
+  for (const ExperimentRun& run : runs) costs.push_back(estimated_run_cost(run.config));
+  const auto shares = balance_runs(costs, ranks.size());
+  try {
+    std::vector<RunRecord> records = ranks.gather(
+        run_share(runs, shares[static_cast<std::size_t>(ranks.rank())], check, out_dir, ranks));
+    if (ranks.rank() != 0) return 0;
+    if (!check) write_carried_files(runs, records, out_dir);
+    return report(check, ranks.size(), runs, std::move(records), out_dir);
+  } catch (const std::exception& e) {  // not one run's error: the job cannot finish
+    if (ranks.size() == 1) throw;
+    fmt::print(stderr, "kvlab: error on rank {}: {}\n", ranks.rank(), e.what());
+    ranks.abort(1);
+  }
 }
 
 }  // namespace
