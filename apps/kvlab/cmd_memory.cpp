@@ -24,6 +24,7 @@ struct MemoryOptions {
   std::optional<double> gpu_mem;
   std::string gpu;  // hardware profile: the planner
   std::int64_t prompt_len = 0, output_len = 0, max_seq_len = 0, block_size = 16;
+  std::int64_t tp = 1;  // planner: GPUs of --gpu sharing each layer
   bool json = false;
 };
 
@@ -61,6 +62,7 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
                    : o.dtype.empty()       ? device.compute_dtype
                                            : q.kv_dtype;
   q.kv_heads = o.kv_heads;
+  q.tensor_parallel = o.tp;
   const MemoryPlan p = plan_memory(c, device, q);
   const auto variants = attention_variants(c);
   auto plan_for = [&](std::int64_t heads) {
@@ -78,6 +80,8 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
                           {"reserve_bytes", p.reserve_bytes},
                           {"kv_budget_bytes", p.kv_budget_bytes},
                           {"kv_heads", p.kv_heads},
+                          {"tensor_parallel", p.tensor_parallel},
+                          {"kv_heads_per_gpu", p.kv_heads_per_gpu},
                           {"kv_bytes_per_token", p.kv_bytes_per_token},
                           {"kv_capacity_tokens", p.kv_capacity_tokens},
                           {"static_tokens_per_request", p.static_tokens_per_request},
@@ -96,16 +100,25 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
     fmt::print("{}\n", out.dump(2));
     return;
   }
-  fmt::print("{} on {} ({}): {} weights, {} KV\n", c.name, device.name, device.description,
-             dtype_short_name(q.weight_dtype), dtype_short_name(q.kv_dtype));
+  const bool sharded = p.tensor_parallel > 1;
+  fmt::print("{} on {}{} ({}): {} weights, {} KV\n", c.name,
+             sharded ? fmt::format("{} x ", p.tensor_parallel) : "", device.name,
+             device.description, dtype_short_name(q.weight_dtype), dtype_short_name(q.kv_dtype));
+  if (sharded)
+    fmt::print("  tensor parallel over {} GPUs: every figure below is one GPU's\n",
+               p.tensor_parallel);
   fmt::print("  usable      {:>12}  = {} GiB x utilization {}\n", human_bytes(p.usable_bytes),
              device.memory_gib, device.memory_utilization);
-  fmt::print("  weights     {:>12}  = {:.2f}B parameters x {} B\n", human_bytes(p.weight_bytes),
-             static_cast<double>(c.parameter_count()) / 1e9, dtype_size(q.weight_dtype));
+  fmt::print(
+      "  weights     {:>12}  = {:.2f}B parameters{} x {} B\n", human_bytes(p.weight_bytes),
+      p.weight_bytes / static_cast<double>(dtype_size(q.weight_dtype)) / 1e9,
+      sharded ? fmt::format(" (of {:.2f}B)", static_cast<double>(c.parameter_count()) / 1e9) : "",
+      dtype_size(q.weight_dtype));
   fmt::print("  reserve     {:>12}  (activations, workspace)\n", human_bytes(p.reserve_bytes));
-  fmt::print("  KV budget   {:>12}  = {} tokens of {} ({} KV heads)\n",
+  fmt::print("  KV budget   {:>12}  = {} tokens of {} ({} KV heads{})\n",
              human_bytes(p.kv_budget_bytes), p.kv_capacity_tokens,
-             human_bytes(static_cast<double>(p.kv_bytes_per_token)), p.kv_heads);
+             human_bytes(static_cast<double>(p.kv_bytes_per_token)), p.kv_heads,
+             sharded ? fmt::format(", {} on each GPU", p.kv_heads_per_gpu) : "");
   if (p.kv_capacity_tokens == 0)
     fmt::print(
         "  the weights and the reserve alone exceed the usable memory: shard the model "
@@ -132,6 +145,8 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
 void run_memory(const MemoryOptions& o) {
   const ModelSource source = resolve_model(o.model);
   const ModelConfig& c = source.config;
+  if (o.tp != 1 && o.gpu.empty())
+    throw Error("--tp shards a model over the GPUs of --gpu: give --gpu (and --prompt-len)");
   if (!o.gpu.empty()) {
     if (o.prompt_len <= 0)
       throw Error("--gpu plans for expected lengths: give --prompt-len (and --output-len)");
@@ -232,6 +247,10 @@ void register_memory(CLI::App& app) {
   sub->add_option("--max-seq-len", o->max_seq_len,
                   "Planner: tokens a static reservation holds (default: the model's context)");
   sub->add_option("--block-size", o->block_size, "Planner: paged block size")
+      ->capture_default_str();
+  sub->add_option("--tp", o->tp,
+                  "Planner: tensor parallelism, GPUs of --gpu sharing each layer (weights and K/V "
+                  "heads split)")
       ->capture_default_str();
   sub->add_flag("--json", o->json, "Print JSON");
   sub->callback([o]() { run_memory(*o); });

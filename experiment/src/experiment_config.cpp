@@ -204,6 +204,12 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
   c.backend = s.get<std::string>("name").value_or(c.backend);  // cpu, simulated or a plugin
   c.threads = s.get_int<int>("threads", 0, kMaxThreads).value_or(0);
   c.profile = s.get<std::string>("profile").value_or("");
+  c.tensor_parallel = s.get_int<std::int64_t>("tensor_parallel", 1, 1024).value_or(1);
+  if (c.tensor_parallel > 1 && c.backend != "simulated")
+    s.fail(*s.node("tensor_parallel"),
+           fmt::format("backend.tensor_parallel is the simulated backend's GPUs per model; "
+                       "backend \"{}\" computes on one device",
+                       c.backend));
   c.backend_params = plugin_params(s, "params");
   if (const toml::node* weights = s.node("weights")) {
     c.cpu_weights = s.get<std::string>("weights").value_or("");

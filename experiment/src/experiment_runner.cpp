@@ -104,7 +104,11 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         fmt::format("model \"{}\" is a size-only preset: it runs only on backend "
                     "\"simulated\" (no weights exist for it)",
                     c.model));
-  if (!c.profile.empty()) (void)load_hardware_profile(c.profile);
+  if (!c.profile.empty()) {
+    const HardwareProfile profile = load_hardware_profile(c.profile);
+    // Tensor parallelism: the GPUs divide the heads, the profile prices their all-reduces.
+    if (c.tensor_parallel > 1) (void)CostModel(source.config, profile, c.tensor_parallel);
+  }
   if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
     throw Error(fmt::format("workload.trace {} is not a file", c.trace));
   if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
@@ -187,7 +191,7 @@ std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelCo
   if (c.profile.empty()) return std::nullopt;
   HardwareProfile profile = load_hardware_profile(c.profile);
   if (c.backend == "cpu") profile.kv_dtype = c.kv_dtype;
-  return CostModel(model, profile);
+  return CostModel(model, profile, c.tensor_parallel);
 }
 
 // The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
@@ -197,7 +201,7 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
                         const std::optional<CostModel>& cost_model) {
   if (c.kv_memory_mib) {
     const double bytes_per_slot =
-        simulated ? static_cast<double>(cost_model->kv_bytes_per_token())
+        simulated ? static_cast<double>(cost_model->kv_bytes_per_token_per_gpu())
                   : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
                         static_cast<double>(dtype_size(c.kv_dtype));
     const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;
@@ -575,6 +579,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
                       {"steps", out.engine.steps.size()},
                       {"backend", c.backend},
                       {"profile", c.profile},
+                      {"tensor_parallel", c.tensor_parallel},
                       {"clock", c.clock},
                       {"kv_slots", out.kv_slots}};
   if (out.step_prediction_error)

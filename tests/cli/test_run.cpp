@@ -466,6 +466,77 @@ TEST(KvlabMemory, PlannerPrintsStaticVersusPaged) {
   EXPECT_NE(bad.err.find("--prompt-len"), std::string::npos) << bad.err;
 }
 
+TEST(KvlabMemory, TensorParallelPlansOneGpusShare) {
+  // bf16 Llama-2-70B does not fit one H200; on 8 it leaves each ~108 GiB of KV.
+  const Result one =
+      kvlab("memory --model llama2-70b --gpu h200 --prompt-len 512 --output-len 256 --json");
+  const Result eight =
+      kvlab("memory --model llama2-70b --gpu h200 --prompt-len 512 --output-len 256 --tp 8 --json");
+  ASSERT_EQ(one.exit_code, 0) << one.err;
+  ASSERT_EQ(eight.exit_code, 0) << eight.err;
+  const auto a = nlohmann::json::parse(one.out), b = nlohmann::json::parse(eight.out);
+  EXPECT_EQ(a["kv_capacity_tokens"], 0);
+  EXPECT_EQ(b["tensor_parallel"], 8);
+  EXPECT_EQ(b["kv_heads_per_gpu"], 1);
+  EXPECT_EQ(b["kv_bytes_per_token"], 40960);
+  EXPECT_GT(b["kv_capacity_tokens"].get<std::int64_t>(), 2'000'000);
+  EXPECT_LT(b["weight_bytes"].get<double>(), a["weight_bytes"].get<double>() / 7.9);
+  const Result text =
+      kvlab("memory --model llama2-70b --gpu h200 --prompt-len 512 --output-len 256 --tp 8");
+  EXPECT_NE(text.out.find("llama2-70b on 8 x h200"), std::string::npos) << text.out;
+  EXPECT_NE(text.out.find("every figure below is one GPU's"), std::string::npos) << text.out;
+  const Result no_gpu = kvlab("memory --model llama2-70b --seq-len 100 --tp 8");
+  EXPECT_NE(no_gpu.exit_code, 0);
+  EXPECT_NE(no_gpu.err.find("--tp shards a model over the GPUs of --gpu"), std::string::npos)
+      << no_gpu.err;
+  const Result odd =
+      kvlab("memory --model llama2-70b --gpu h200 --prompt-len 512 --output-len 256 --tp 3");
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.err.find("does not divide the 64 query heads"), std::string::npos) << odd.err;
+}
+
+TEST(KvlabSimulated, TensorParallelShortensTheStepAndNeedsTheSimulatedBackend) {
+  test::TempDir dir;
+  const std::string file = std::string(KVLAB_SOURCE_DIR) +
+                           "/experiments/simulated_tensor_parallel.toml --set workload.requests=64 "
+                           "--set workload.output_tokens='{ dist = \"fixed\", value = 128 }'";
+  const Result r = kvlab("run " + file + " --out " + (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  // FP8 on 1, 2, 4, 8 GPUs: each step splits its weight read and KV over more GPUs, so decode
+  // steps shorten and output tok/s rises; bf16 on 8 reads twice the bytes of FP8 on 8.
+  std::vector<double> tpot, throughput;
+  const auto runs = nlohmann::json::parse(test::read_file(dir / "o" / "runs.json"));
+  ASSERT_EQ(runs.size(), 5u);
+  for (const auto& run : runs) {
+    const auto s = nlohmann::json::parse(
+        test::read_file(dir / "o" / run["dir"].get<std::string>() / "summary.json"));
+    EXPECT_EQ(s["finished"], 64) << run;
+    tpot.push_back(s["tpot_s"]["p50"].get<double>());
+    throughput.push_back(s["output_tokens_per_s"].get<double>());
+  }
+  for (std::size_t i = 1; i < 4; ++i) {
+    EXPECT_LT(tpot[i], tpot[i - 1]) << i;
+    EXPECT_GT(throughput[i], throughput[i - 1]) << i;
+  }
+  EXPECT_GT(tpot[4], tpot[3]);
+  const Result cpu = kvlab("run " + std::string(KVLAB_SOURCE_DIR) +
+                           "/experiments/quickstart.toml --set backend.tensor_parallel=2 --out " +
+                           (dir / "c").string());
+  EXPECT_NE(cpu.exit_code, 0);
+  EXPECT_NE(cpu.err.find("backend.tensor_parallel is the simulated backend's GPUs per model"),
+            std::string::npos)
+      << cpu.err;
+  test::write_file(dir / "no_link.toml", kSmall +
+                                             "[backend]\nname = \"simulated\"\nprofile = \"cpu\"\n"
+                                             "tensor_parallel = 2\n");
+  const Result no_link =
+      kvlab("run " + (dir / "no_link.toml").string() + " --out " + (dir / "l").string());
+  EXPECT_NE(no_link.exit_code, 0);
+  EXPECT_NE(no_link.err.find("tensor parallelism 2 on cpu: the profile has no [interconnect]"),
+            std::string::npos)
+      << no_link.err;
+}
+
 }  // namespace
 }  // namespace kvlab
 

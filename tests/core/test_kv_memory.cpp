@@ -156,6 +156,36 @@ TEST(MemoryPlanner, GqaAndMqaMultiplyTheCapacityAndBlocksRoundUp) {
   EXPECT_EQ(gqa.max_static_requests, 0);
 }
 
+TEST(MemoryPlanner, TensorParallelShardsWeightsAndKvHeadsPerGpu) {
+  MemoryPlanQuery q;
+  q.prompt_tokens = 512;
+  q.output_tokens = 256;
+  q.tensor_parallel = 8;
+  const ModelConfig llama70 = model_preset("llama2-70b");  // 64 query heads, 8 K/V heads
+  const MemoryPlan p = plan_memory(llama70, load_hardware_profile("h200"), q);
+  EXPECT_EQ(p.tensor_parallel, 8);
+  EXPECT_EQ(p.kv_heads_per_gpu, 1);
+  EXPECT_EQ(p.kv_bytes_per_token, 2 * 80 * 1 * 128 * 2);  // 40 KiB: one K/V head per GPU
+  // Weights: everything split 8 ways but the norms (2 x 80 + 1 vectors of 8192), whole on each.
+  const double norms = (2 * 80 + 1) * 8192.0;
+  const double split = static_cast<double>(llama70.parameter_count()) - norms;
+  EXPECT_NEAR(p.weight_bytes, (split / 8 + norms) * 2, 1.0);
+  const double gib = 1024.0 * 1024 * 1024;
+  EXPECT_NEAR(p.kv_budget_bytes, 140 * 0.9 * gib - p.weight_bytes - 2 * gib, 1.0);
+  EXPECT_EQ(p.kv_capacity_tokens, static_cast<std::int64_t>(p.kv_budget_bytes / (40 * 1024)));
+  // Replicated K/V heads: MQA on 8 GPUs keeps its one head on every GPU, no less.
+  q.kv_heads = 1;
+  EXPECT_EQ(plan_memory(llama70, load_hardware_profile("h200"), q).kv_bytes_per_token,
+            p.kv_bytes_per_token);
+  q.kv_heads = std::nullopt;
+  q.tensor_parallel = 3;
+  test::expect_error_containing([&] { plan_memory(llama70, load_hardware_profile("h200"), q); },
+                                {"tensor parallelism 3 does not divide the 64 query heads"});
+  q.tensor_parallel = 0;
+  test::expect_error_containing([&] { plan_memory(llama70, load_hardware_profile("h200"), q); },
+                                {"tensor parallelism must be >= 1 GPU, got 0"});
+}
+
 TEST(MemoryPlanner, BadQueriesAreErrors) {
   MemoryPlanQuery q;
   q.prompt_tokens = 4000;

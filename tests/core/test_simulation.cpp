@@ -144,6 +144,53 @@ TEST(CostModel, KernelRegimesTakeOverFromTheirMinRows) {
   EXPECT_EQ(regime_efficiency(p.gemm_regimes, 100, {0.7, 0.8}), std::make_pair(0.25, 0.25));
 }
 
+TEST(CostModel, TensorParallelSplitsTheWorkAndAddsTheAllReduces) {
+  HardwareProfile p = toy_profile();
+  p.allreduce_gb_per_s = 50.0;  // 5e10 B/s
+  p.allreduce_latency_s = 2e-6;
+  const ModelConfig m = toy_model();  // 4 query heads, 2 K/V heads, head_dim 16, hidden 64
+  const CostModel one(m, p), two(m, p, 2), four(m, p, 4);
+  const std::vector<EntryShape> batch{{32, 0, 0}, {1, 99, 0}, {1, 40, 0}};
+  const StepWork w1 = one.work(batch), w2 = two.work(batch), w4 = four.work(batch);
+  EXPECT_DOUBLE_EQ(w2.linear.flops, w1.linear.flops / 2);  // every matrix split in two
+  EXPECT_DOUBLE_EQ(w2.lm_head.flops, w1.lm_head.flops / 2);
+  EXPECT_DOUBLE_EQ(w2.attention_prefill.flops, w1.attention_prefill.flops / 2);
+  // K/V heads: 2 over 2 GPUs is one each; over 4 GPUs one each, replicated (not a half).
+  EXPECT_EQ(two.kv_bytes_per_token_per_gpu() * 2, one.kv_bytes_per_token_per_gpu());
+  EXPECT_EQ(four.kv_bytes_per_token_per_gpu(), two.kv_bytes_per_token_per_gpu());
+  EXPECT_EQ(four.kv_bytes_per_token(), one.kv_bytes_per_token());  // the whole model's
+  // Two all-reduces of (tokens x hidden) per layer and one gather of the logits.
+  EXPECT_EQ(w1.collectives, 0);
+  EXPECT_EQ(w2.collectives, 2 * 2 + 1);
+  const double tokens = 34, hidden = 64, act = 2, vocab = 100, sequences = 3;
+  EXPECT_DOUBLE_EQ(w2.collective_bytes,
+                   2 * 2 * (2 * 0.5 * tokens * hidden * act) + 0.5 * sequences * vocab * 4);
+  EXPECT_DOUBLE_EQ(w4.collective_bytes,
+                   2 * 2 * (2 * 0.75 * tokens * hidden * act) + 0.75 * sequences * vocab * 4);
+  const StepCost c2 = two.cost(w2);
+  EXPECT_NEAR(c2.collectives_s, 5 * 2e-6 + w2.collective_bytes / 5e10, kRel);
+  EXPECT_NEAR(c2.total() - c2.collectives_s,
+              c2.linear_s + c2.lm_head_s + c2.attention_prefill_s + c2.attention_decode_s +
+                  c2.elementwise_s + c2.overhead_s,
+              kRel);
+  EXPECT_LT(two.weight_bytes(), one.weight_bytes() / 2 * 1.2);
+  EXPECT_GT(two.weight_bytes(), one.weight_bytes() / 2);  // norms stay whole on every GPU
+  EXPECT_GT(two.kv_capacity_tokens(), one.kv_capacity_tokens());
+  // A swap moves each GPU's share over its own link at once.
+  EXPECT_NEAR(two.swap_seconds(1 << 20, 1) - p.swap_latency_s,
+              (one.swap_seconds(1 << 20, 1) - p.swap_latency_s) / 2, kRel);
+
+  test::expect_error_containing([&] { CostModel(m, toy_profile(), 2); },
+                                {"tensor parallelism 2 on toy", "[interconnect]"});
+  test::expect_error_containing([&] { CostModel(m, p, 3); },
+                                {"tensor parallelism 3 does not divide the 4 query heads"});
+  ModelConfig three_kv = m;
+  three_kv.num_attention_heads = 12;
+  three_kv.num_key_value_heads = 3;
+  test::expect_error_containing([&] { CostModel(three_kv, p, 4); },
+                                {"tensor parallelism 4 and the 3 K/V heads must divide"});
+}
+
 TEST(CostModel, EmptyStepCostsNothing) {
   const CostModel model(toy_model(), toy_profile());
   EXPECT_EQ(model.step(std::span<const EntryShape>{}).total(), 0.0);
@@ -225,6 +272,8 @@ TEST(HardwareProfiles, RoundTripThroughToml) {
   EXPECT_TRUE(q.gemm_regimes.empty());
   EXPECT_EQ(load_hardware_profile(file.string()).name, "toy");  // a path works too
 
+  p.allreduce_gb_per_s = 360;
+  p.allreduce_latency_s = 8e-6;
   p.gemm_regimes = {{5, 0.3, 0.4}, {65, 0.9, 0.6}};
   p.decode_attention_regimes = {{8, 0.5, 0.2}};
   std::ofstream(file, std::ios::trunc) << hardware_profile_to_toml(p);
@@ -236,6 +285,8 @@ TEST(HardwareProfiles, RoundTripThroughToml) {
   ASSERT_EQ(r.decode_attention_regimes.size(), 1u);
   EXPECT_EQ(r.decode_attention_regimes[0].min_rows, 8);
   EXPECT_DOUBLE_EQ(r.decode_attention_regimes[0].memory, 0.2);
+  EXPECT_DOUBLE_EQ(r.allreduce_gb_per_s, 360);
+  EXPECT_DOUBLE_EQ(r.allreduce_latency_s, 8e-6);
 }
 
 TEST(HardwareProfiles, FileErrorsNameTheLineAndTheKey) {
@@ -262,6 +313,10 @@ TEST(HardwareProfiles, FileErrorsNameTheLineAndTheKey) {
   expect(good + "[memory]\nutilization = 0\n", {"memory.utilization must be > 0"});
   expect(good + "[link]\nswap_gb_per_s = 0\n", {"p.toml:8", "link.swap_gb_per_s must be > 0"});
   expect(good + "[link]\nswap_latency_s = -1\n", {"link.swap_latency_s must be >= 0"});
+  expect(good + "[interconnect]\nallreduce_latency_s = 1e-5\n",
+         {"[interconnect] needs allreduce_gb_per_s"});
+  expect(good + "[interconnect]\nallreduce_gb_per_s = 0\n",
+         {"p.toml:8", "interconnect.allreduce_gb_per_s must be > 0"});
   const std::string regime = "[[gemm_regime]]\nmin_rows = 5\ncompute = 0.5\nmemory = 0.5\n";
   EXPECT_NO_THROW({
     std::ofstream(dir.path() / "ok.toml", std::ios::trunc) << good + regime;

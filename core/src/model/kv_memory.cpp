@@ -49,6 +49,31 @@ double kv_budget_bytes(const HardwareProfile& device, double weight_bytes) {
                            device.activation_reserve_gib * kGiB);
 }
 
+std::int64_t kv_heads_per_gpu(std::int64_t query_heads, std::int64_t kv_heads, std::int64_t tp) {
+  if (tp < 1) throw Error(fmt::format("tensor parallelism must be >= 1 GPU, got {}", tp));
+  if (query_heads % tp != 0)
+    throw Error(
+        fmt::format("tensor parallelism {} does not divide the {} query heads", tp, query_heads));
+  if (kv_heads % tp != 0 && tp % kv_heads != 0)
+    throw Error(fmt::format(
+        "tensor parallelism {} and the {} K/V heads must divide one another (each GPU holds "
+        "kv_heads / tp heads, or one replicated head when tp > kv_heads)",
+        tp, kv_heads));
+  return std::max<std::int64_t>(1, kv_heads / tp);
+}
+
+double parameters_per_gpu(const ModelConfig& c, std::int64_t tp) {
+  const std::int64_t per_gpu_kv =
+      kv_heads_per_gpu(c.num_attention_heads, c.num_key_value_heads, tp);
+  const double kv_projections = static_cast<double>(c.num_hidden_layers) *
+                                static_cast<double>(c.hidden_size) * 2.0 *
+                                static_cast<double>(c.head_dim);  // per K/V head
+  const double norms = static_cast<double>((2 * c.num_hidden_layers + 1) * c.hidden_size);
+  const double split = static_cast<double>(c.parameter_count()) - norms -
+                       kv_projections * static_cast<double>(c.num_key_value_heads);
+  return split / static_cast<double>(tp) + norms + kv_projections * static_cast<double>(per_gpu_kv);
+}
+
 MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
                        const MemoryPlanQuery& q) {
   if (q.prompt_tokens <= 0 || q.output_tokens < 0)
@@ -68,9 +93,13 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
   const KvMemoryReport kv =
       kv_memory(c, {expected, 1, q.kv_dtype, q.weight_dtype, q.kv_heads, std::nullopt});
   p.kv_heads = kv.kv_heads;
-  p.kv_bytes_per_token = kv.bytes_per_token;
+  p.tensor_parallel = q.tensor_parallel;
+  p.kv_heads_per_gpu = kv_heads_per_gpu(c.num_attention_heads, kv.kv_heads, q.tensor_parallel);
+  p.kv_bytes_per_token = kv.bytes_per_token / kv.kv_heads * p.kv_heads_per_gpu;
   p.usable_bytes = device.memory_gib * kGiB * device.memory_utilization;
-  p.weight_bytes = static_cast<double>(kv.weight_bytes);
+  // The checkpoint's weights (whatever K/V heads the cache keeps), one GPU's share.
+  p.weight_bytes =
+      parameters_per_gpu(c, q.tensor_parallel) * static_cast<double>(dtype_size(q.weight_dtype));
   p.reserve_bytes = device.activation_reserve_gib * kGiB;
   p.kv_budget_bytes = kv_budget_bytes(device, p.weight_bytes);
   p.kv_capacity_tokens = static_cast<std::int64_t>(

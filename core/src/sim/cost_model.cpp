@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 
+#include <fmt/format.h>
+
+#include "kvlab/error.hpp"
 #include "kvlab/model/kv_memory.hpp"
 
 namespace kvlab {
@@ -14,8 +17,42 @@ double roofline_seconds(const FlopsAndBytes& work, double peak_flops, double byt
   return std::max(compute, memory);
 }
 
-CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile)
-    : model_(model), profile_(profile) {}
+CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
+                     std::int64_t tensor_parallel)
+    : model_(model),
+      profile_(profile),
+      tp_(tensor_parallel),
+      kv_heads_per_gpu_(
+          kv_heads_per_gpu(model.num_attention_heads, model.num_key_value_heads, tensor_parallel)) {
+  if (tp_ > 1 && !(profile_.allreduce_gb_per_s > 0))
+    throw Error(fmt::format(
+        "tensor parallelism {} on {}: the profile has no [interconnect] (allreduce_gb_per_s) to "
+        "price the all-reduces between its GPUs",
+        tp_, profile_.name));
+}
+
+namespace {
+
+// One GPU's share of a layer's shapes under tensor parallelism.
+struct ShardShapes {
+  double hidden, inter, q, kv, vocab;  // inter, q, vocab split; kv: this GPU's K/V heads
+  double layer_weights;                // W_qkv + W_o + W_gate_up + W_down
+};
+
+ShardShapes shard_shapes(const ModelConfig& m, std::int64_t tp, std::int64_t kv_heads_per_gpu) {
+  const double t = static_cast<double>(tp);
+  ShardShapes s;
+  s.hidden = static_cast<double>(m.hidden_size);
+  s.inter = static_cast<double>(m.intermediate_size) / t;
+  s.q = static_cast<double>(m.q_dim()) / t;
+  s.kv = static_cast<double>(kv_heads_per_gpu * m.head_dim);
+  s.vocab = static_cast<double>(m.vocab_size) / t;
+  // W_qkv (hidden, q + 2kv), W_o (q, hidden), W_gate_up (hidden, 2 inter), W_down (inter, hidden).
+  s.layer_weights = s.hidden * (s.q + 2 * s.kv) + s.q * s.hidden + 3 * s.hidden * s.inter;
+  return s;
+}
+
+}  // namespace
 
 StepWork CostModel::work(std::span<const EntryShape> batch) const {
   const ModelConfig& m = model_;
@@ -23,14 +60,8 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   const double act = weight;  // activations in the compute dtype
   const double kv_element = static_cast<double>(dtype_size(profile_.kv_dtype));
   const double layers = static_cast<double>(m.num_hidden_layers);
-  const double hidden = static_cast<double>(m.hidden_size);
-  const double inter = static_cast<double>(m.intermediate_size);
-  const double q = static_cast<double>(m.q_dim()), kv = static_cast<double>(m.kv_dim());
-  const double vocab = static_cast<double>(m.vocab_size);
-  // Per layer: W_qkv (hidden, q + 2kv), W_o (q, hidden), W_gate_up (hidden, 2 inter),
-  // W_down (inter, hidden).
-  const double layer_weights = hidden * (q + 2 * kv) + q * hidden + 3 * hidden * inter;
-  const double kv_token_bytes = 2 * kv * kv_element;  // one layer, K and V
+  const ShardShapes g = shard_shapes(m, tp_, kv_heads_per_gpu_);  // one GPU's share
+  const double kv_token_bytes = 2 * g.kv * kv_element;            // one layer, K and V
 
   StepWork w;
   w.sequences = static_cast<std::int64_t>(batch.size());
@@ -51,23 +82,30 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   const double sequences = static_cast<double>(w.sequences);
   if (w.tokens == 0) return w;
 
-  w.linear.flops = 2 * tokens * layer_weights * layers;
-  w.linear.bytes =
-      layers * (layer_weights * weight + tokens * (4 * hidden + 2 * q + 2 * kv + 3 * inter) * act);
-  w.lm_head.flops = 2 * sequences * hidden * vocab;
-  w.lm_head.bytes = vocab * hidden * weight + sequences * (hidden * act + vocab * 4);
-  const double pair_flops = 4 * q;  // QK^T and PV over every query head
+  w.linear.flops = 2 * tokens * g.layer_weights * layers;
+  w.linear.bytes = layers * (g.layer_weights * weight +
+                             tokens * (4 * g.hidden + 2 * g.q + 2 * g.kv + 3 * g.inter) * act);
+  w.lm_head.flops = 2 * sequences * g.hidden * g.vocab;
+  w.lm_head.bytes = g.vocab * g.hidden * weight + sequences * (g.hidden * act + g.vocab * 4);
+  const double pair_flops = 4 * g.q;  // QK^T and PV over this GPU's query heads
   w.attention_prefill.flops = layers * pair_flops * prefill_pairs;
   w.attention_prefill.bytes =
-      layers * (prefill_context * kv_token_bytes + prefill_tokens * 2 * q * act);
+      layers * (prefill_context * kv_token_bytes + prefill_tokens * 2 * g.q * act);
   w.attention_decode.flops = layers * pair_flops * decode_context;
   w.attention_decode.bytes =
-      layers * (decode_context * kv_token_bytes + (tokens - prefill_tokens) * 2 * q * act);
+      layers * (decode_context * kv_token_bytes + (tokens - prefill_tokens) * 2 * g.q * act);
   // RMSNorm x2 (read + write hidden), RoPE (q + kv in and out), SwiGLU (2 inter in, inter out),
   // residual x2 (two in, one out), K/V write; then the embedding gather and the final norm.
   w.elementwise.bytes =
-      layers * tokens * ((10 * hidden + 2 * q + 2 * kv + 3 * inter) * act + kv_token_bytes) +
-      tokens * hidden * (weight + act) + sequences * 2 * hidden * act;
+      layers * tokens *
+          ((10 * g.hidden + 2 * g.q + 2 * g.kv + 3 * g.inter) * act + kv_token_bytes) +
+      tokens * g.hidden * (weight + act) + sequences * 2 * g.hidden * act;
+  if (tp_ > 1) {  // all-reduce after O and after down in every layer; the logits gathered
+    const double t = static_cast<double>(tp_);
+    w.collectives = 2 * m.num_hidden_layers + 1;
+    w.collective_bytes = 2 * layers * 2 * (t - 1) / t * tokens * g.hidden * act +
+                         (t - 1) / t * sequences * static_cast<double>(m.vocab_size) * 4;
+  }
   return w;
 }
 
@@ -91,6 +129,9 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
       roofline_seconds(w.attention_decode, peak, bandwidth, decode_compute, decode_memory);
   c.elementwise_s = w.elementwise.bytes / (bandwidth * e.elementwise_memory);
   c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s;
+  if (w.collectives > 0)
+    c.collectives_s = static_cast<double>(w.collectives) * p.allreduce_latency_s +
+                      w.collective_bytes / (p.allreduce_gb_per_s * 1e9);
   return c;
 }
 
@@ -106,13 +147,14 @@ StepWork CostModel::work(std::span<const BatchEntry> batch,
 }
 
 double CostModel::swap_seconds(std::int64_t bytes, std::int64_t transfers) const {
+  const double share = static_cast<double>(kv_bytes_per_token_per_gpu()) /
+                       static_cast<double>(kv_bytes_per_token());  // this GPU's heads
   return static_cast<double>(transfers) * profile_.swap_latency_s +
-         static_cast<double>(bytes) / (profile_.swap_gb_per_s * 1e9);
+         static_cast<double>(bytes) * share / (profile_.swap_gb_per_s * 1e9);
 }
 
 double CostModel::weight_bytes() const {
-  return static_cast<double>(model_.parameter_count()) *
-         static_cast<double>(dtype_size(profile_.compute_dtype));
+  return parameters_per_gpu(model_, tp_) * static_cast<double>(dtype_size(profile_.compute_dtype));
 }
 
 std::int64_t CostModel::kv_bytes_per_token() const {
@@ -120,9 +162,14 @@ std::int64_t CostModel::kv_bytes_per_token() const {
          static_cast<std::int64_t>(dtype_size(profile_.kv_dtype));
 }
 
+std::int64_t CostModel::kv_bytes_per_token_per_gpu() const {
+  return 2 * model_.num_hidden_layers * kv_heads_per_gpu_ * model_.head_dim *
+         static_cast<std::int64_t>(dtype_size(profile_.kv_dtype));
+}
+
 std::int64_t CostModel::kv_capacity_tokens() const {
   return static_cast<std::int64_t>(std::floor(kv_budget_bytes(profile_, weight_bytes()) /
-                                              static_cast<double>(kv_bytes_per_token())));
+                                              static_cast<double>(kv_bytes_per_token_per_gpu())));
 }
 
 }  // namespace kvlab

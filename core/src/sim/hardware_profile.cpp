@@ -147,8 +147,8 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
                             e.source().begin.column, e.description()));
   }
   const std::string where = file.string();
-  const std::vector<std::string> tables{"profile",  "device", "efficiency",
-                                        "overhead", "memory", "link"};
+  const std::vector<std::string> tables{"profile", "device", "efficiency",  "overhead",
+                                        "memory",  "link",   "interconnect"};
   const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime"};
   for (const auto& [key, value] : top) {
     const bool regimes =
@@ -212,6 +212,12 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
     ProfileSection s(top["link"].as_table(), "link", where);
     p.swap_gb_per_s = s.number("swap_gb_per_s", p.swap_gb_per_s);
     p.swap_latency_s = s.number("swap_latency_s", p.swap_latency_s, false, true);
+    s.finish();
+  }
+  {
+    ProfileSection s(top["interconnect"].as_table(), "interconnect", where);
+    p.allreduce_gb_per_s = s.number("allreduce_gb_per_s", 0, top["interconnect"].is_table());
+    p.allreduce_latency_s = s.number("allreduce_latency_s", 0, false, true);
     s.finish();
   }
   return p;
@@ -283,6 +289,9 @@ std::string hardware_profile_to_toml(const HardwareProfile& p) {
                              {"activation_reserve_gib", p.activation_reserve_gib}}},
       {"link",
        toml::table{{"swap_gb_per_s", p.swap_gb_per_s}, {"swap_latency_s", p.swap_latency_s}}}};
+  if (p.allreduce_gb_per_s > 0)
+    top.insert("interconnect", toml::table{{"allreduce_gb_per_s", p.allreduce_gb_per_s},
+                                           {"allreduce_latency_s", p.allreduce_latency_s}});
   auto add_regimes = [&](const char* name, const std::vector<KernelRegime>& regimes) {
     if (regimes.empty()) return;
     toml::array array;

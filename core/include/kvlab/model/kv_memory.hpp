@@ -46,21 +46,33 @@ struct MemoryPlanQuery {
   std::optional<std::int64_t> kv_heads;
   DType weight_dtype = DType::dtype_bf16;
   DType kv_dtype = DType::dtype_bf16;
+  std::int64_t tensor_parallel = 1;  // GPUs sharing each layer: every byte below is one GPU's
 };
 
 struct MemoryPlan {
-  std::int64_t kv_heads = 0;
+  std::int64_t kv_heads = 0;  // of the model
+  std::int64_t tensor_parallel = 1;
+  std::int64_t kv_heads_per_gpu = 0;    // kv_heads / tp, or 1 replicated when tp > kv_heads
   double usable_bytes = 0;              // memory_gib x utilization
-  double weight_bytes = 0;              // parameters x weight dtype
+  double weight_bytes = 0;              // parameters x weight dtype, one GPU's share
   double reserve_bytes = 0;             // activations
   double kv_budget_bytes = 0;           // usable - weights - reserve (0 when negative)
-  std::int64_t kv_bytes_per_token = 0;  // 2 x layers x kv_heads x head_dim x kv dtype
+  std::int64_t kv_bytes_per_token = 0;  // 2 x layers x kv_heads_per_gpu x head_dim x kv dtype
   std::int64_t kv_capacity_tokens = 0;  // floor(budget / bytes per token)
   std::int64_t static_tokens_per_request = 0;
   std::int64_t paged_tokens_per_request = 0;  // ceil((prompt + output) / block) x block
   std::int64_t max_static_requests = 0;
   std::int64_t max_paged_requests = 0;
 };
+
+// Tensor parallelism over `tp` GPUs splits the query heads evenly and the K/V heads too; with
+// fewer K/V heads than GPUs each GPU keeps one K/V head (replicated, as vLLM does). Returns the
+// K/V heads one GPU holds. Throws kvlab::Error unless tp >= 1 divides the query heads and tp and
+// the K/V heads divide one another.
+std::int64_t kv_heads_per_gpu(std::int64_t query_heads, std::int64_t kv_heads, std::int64_t tp);
+// The parameters one GPU of a tensor-parallel group holds: every matrix split tp ways (the
+// embedding and LM head by vocabulary), norms whole, replicated K/V heads' projections whole.
+double parameters_per_gpu(const ModelConfig& model, std::int64_t tp);
 
 struct HardwareProfile;
 // Bytes left for KV on a device: memory_gib x utilization - weights - activation reserve (>= 0).

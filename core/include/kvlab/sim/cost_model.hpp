@@ -10,6 +10,10 @@
 //                the K/V bytes of the context read once per sequence (memory-bound)
 //   elementwise  RMSNorm, RoPE, SwiGLU, residual adds: bytes only
 //   overhead     step_s + sequences x sequence_s
+//   collectives  tensor parallelism over t GPUs: one GPU's share of all of the above (Megatron:
+//                Q/K/V and gate/up split by columns, O and down by rows, the LM head by
+//                vocabulary, K/V heads split or one replicated), plus two all-reduces of the
+//                hidden states per layer and a gather of the logits over [interconnect]
 #include <cstdint>
 #include <span>
 
@@ -38,15 +42,19 @@ struct StepWork {
   FlopsAndBytes linear, lm_head, attention_prefill, attention_decode, elementwise;
   std::int64_t sequences = 0;
   std::int64_t tokens = 0;
+  // Tensor parallelism: collectives this step, and the bytes each GPU moves in them (ring
+  // all-reduce: 2 (t - 1) / t of the message; gather: (t - 1) / t).
+  std::int64_t collectives = 0;
+  double collective_bytes = 0;
 };
 
 // Seconds per group; total() is the step's latency.
 struct StepCost {
   double linear_s = 0, lm_head_s = 0, attention_prefill_s = 0, attention_decode_s = 0,
-         elementwise_s = 0, overhead_s = 0;
+         elementwise_s = 0, overhead_s = 0, collectives_s = 0;
   double total() const {
     return linear_s + lm_head_s + attention_prefill_s + attention_decode_s + elementwise_s +
-           overhead_s;
+           overhead_s + collectives_s;
   }
 };
 
@@ -55,8 +63,11 @@ StepCost step_cost(const StepWork& work, const HardwareProfile& profile);
 
 class CostModel {
  public:
-  // `model` as served (its K/V heads after the attention variant's conversion).
-  CostModel(const ModelConfig& model, const HardwareProfile& profile);
+  // `model` as served (its K/V heads after the attention variant's conversion), on
+  // `tensor_parallel` GPUs of `profile` (> 1 needs the profile's [interconnect]; kvlab::Error
+  // otherwise, or when the GPUs do not divide the heads: kv_heads_per_gpu).
+  CostModel(const ModelConfig& model, const HardwareProfile& profile,
+            std::int64_t tensor_parallel = 1);
 
   StepWork work(std::span<const EntryShape> batch) const;
   StepCost cost(const StepWork& work) const { return step_cost(work, profile_); }
@@ -67,21 +78,27 @@ class CostModel {
   StepCost step(std::span<const BatchEntry> batch, std::span<const EntryShape> padding = {}) const {
     return cost(work(batch, padding));
   }
-  // `transfers` copies of `bytes` in all over the profile's swap link.
+  // `transfers` copies of `bytes` in all over the profile's swap link (with tensor parallelism
+  // each GPU moves its heads' share over its own link, at once).
   double swap_seconds(std::int64_t bytes, std::int64_t transfers) const;
 
-  // Memory: parameters x compute dtype; K and V of one token in every layer; and the tokens of
-  // KV that fit in memory_gib x utilization - weights - activation reserve (0 when nothing fits).
+  // Memory, one GPU's: its parameters x compute dtype; K and V of one token in every layer for
+  // its K/V heads; and the tokens of KV that fit in memory_gib x utilization - weights -
+  // activation reserve (0 when nothing fits). kv_bytes_per_token: every GPU's together.
   double weight_bytes() const;
   std::int64_t kv_bytes_per_token() const;
+  std::int64_t kv_bytes_per_token_per_gpu() const;
   std::int64_t kv_capacity_tokens() const;
 
   const HardwareProfile& profile() const { return profile_; }
   const ModelConfig& model() const { return model_; }
+  std::int64_t tensor_parallel() const { return tp_; }
 
  private:
   ModelConfig model_;
   HardwareProfile profile_;
+  std::int64_t tp_ = 1;
+  std::int64_t kv_heads_per_gpu_ = 0;
 };
 
 // The roofline time of one group: max(flops / (peak x e_c), bytes / (bandwidth x e_m)).

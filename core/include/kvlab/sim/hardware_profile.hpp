@@ -57,6 +57,11 @@ struct HardwareProfile {
   // between two DRAM buffers (kvlab calibrate --backend cpu measures both).
   double swap_gb_per_s = 16.0;
   double swap_latency_s = 1e-5;
+  // The link between the GPUs of a tensor-parallel group: an all-reduce of B bytes over t GPUs
+  // takes allreduce_latency_s + 2 (t - 1) / t x B / (allreduce_gb_per_s x 10^9), the ring
+  // algorithm's traffic at its bus bandwidth (NCCL's "busbw"). 0: no interconnect (tp 1 only).
+  double allreduce_gb_per_s = 0;
+  double allreduce_latency_s = 0;
   std::string source;  // the file it was read from ("" when built in code)
 };
 

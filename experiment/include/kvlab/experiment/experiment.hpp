@@ -37,6 +37,9 @@ struct ExperimentConfig {
   // and offline clocks (and sits next to the measured clock's times): the simulated backend's
   // device; kDefaultCpuProfile for the cpu backend when not given.
   std::string profile;
+  // The simulated backend: GPUs of `profile` that share each layer (tensor parallelism; the
+  // profile's [interconnect] prices the all-reduces). 1 for every other backend.
+  std::int64_t tensor_parallel = 1;
   std::int64_t threads = 0;
   // The cpu backend's weight format: "stored" (a GGUF file's own types; f32 for presets and
   // folders), f32, f16, bf16, q8_0, q4_0, q4_1 (cpu::select_compute_weights).
