@@ -24,6 +24,7 @@
 #include "kvlab/model_config.hpp"
 #include "kvlab/plugin_abi.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 
 namespace kvlab {
@@ -32,9 +33,11 @@ enum class PluginKind : std::uint32_t {
   kv_allocator = 1,
   attention_variant = 2,
   scheduler = 3,
-  backend = 4
+  backend = 4,
+  router = 5
 };
-const char* plugin_kind_name(PluginKind kind);  // "allocator", "attention", "scheduler", "backend"
+// "allocator", "attention", "scheduler", "backend", "router"
+const char* plugin_kind_name(PluginKind kind);
 
 namespace cpu {
 struct LlamaWeights;  // cpu_reference: the host weights a compute backend uploads
@@ -85,6 +88,10 @@ struct PluginInterface<PluginKind::scheduler> {
 template <>
 struct PluginInterface<PluginKind::backend> {
   using type = Backend;
+};
+template <>
+struct PluginInterface<PluginKind::router> {
+  using type = Router;
 };
 
 namespace detail {

@@ -12,14 +12,15 @@
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 
 namespace kvlab {
 
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
 // 3: the request table's plan shape and the layout fingerprint; 4: KvAllocator plans exactly
-// (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone.
-inline constexpr std::uint32_t kPluginAbiVersion = 4;
+// (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone; 5: the router kind.
+inline constexpr std::uint32_t kPluginAbiVersion = 5;
 
 namespace detail {
 
@@ -54,6 +55,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<AllocateRequest>().type<AllocateResult>().type<KvAllocatorStats>();
   h.type<RequestState>().type<SwapBuffer>().type<SchedulerInput>().type<StepPlan>();
   h.type<Preemption>().type<Work>().type<Deferral>();
+  h.type<ReplicaLoad>().type<RouteRequest>().type<RouteDecision>();
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);

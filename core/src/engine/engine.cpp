@@ -74,6 +74,35 @@ EngineResult Engine::take_result() {
   return std::move(result_);
 }
 
+RequestId Engine::submit(const WorkloadRequest& request) {
+  if (!table_) throw Error("engine: submit() before start()");
+  return table_->submit(request);
+}
+
+double Engine::now() const { return clock_ ? clock_->now() : 0.0; }
+
+bool Engine::has_work() const { return table_ && !table_->all_done(); }
+
+ReplicaLoad Engine::load() const {
+  ReplicaLoad load;
+  const KvAllocatorStats kv = allocator_.stats();
+  load.kv_used = kv.used;
+  load.kv_capacity = kv.capacity;
+  if (!table_) return load;
+  auto pending = [](const RequestState& r) {
+    return std::max<std::int64_t>(0, r.length() - r.computed) + r.remaining_output();
+  };
+  for (const RequestState* r : table_->waiting()) load.queued_tokens += pending(*r);
+  for (const RequestState* r : table_->running()) load.queued_tokens += pending(*r);
+  for (const RequestId id : table_->not_arrived()) {  // routed here, not arrived yet
+    const RequestState& r = table_->at(id);
+    load.queued_tokens += r.prompt_tokens + r.max_new_tokens;
+  }
+  load.waiting = static_cast<std::int64_t>(table_->waiting().size() + table_->not_arrived().size());
+  load.running = static_cast<std::int64_t>(table_->running().size());
+  return load;
+}
+
 // Why a request can never run here, or "" when it can. With a sliding window a sequence holds
 // at most its prompt or the window (+1 for the new token), whichever is longer.
 std::string Engine::never_fits(const RequestState& r) const {

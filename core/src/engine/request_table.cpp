@@ -6,33 +6,46 @@
 namespace kvlab {
 
 RequestTable::RequestTable(std::span<const WorkloadRequest> submitted, bool arrivals_at_zero)
-    : submitted_(submitted) {
-  states_.resize(submitted.size());
-  timelines_.resize(submitted.size());
-  samplers_.resize(submitted.size());
-  sampling_.resize(submitted.size());
-  ignore_eos_.resize(submitted.size());
-  for (std::size_t i = 0; i < submitted.size(); ++i) {
-    const WorkloadRequest& w = submitted[i];
-    RequestState& r = states_[i];
-    r.id = static_cast<RequestId>(i);
-    r.arrival_s = arrivals_at_zero ? 0.0 : w.arrival_s;
-    r.priority = w.priority;
-    r.prompt_tokens = static_cast<std::int64_t>(w.prompt.size());
-    r.max_new_tokens = w.output_tokens;
-    RequestTimeline& timeline = timelines_[i];
-    timeline.id = r.id;
-    timeline.priority = w.priority;
-    timeline.prompt_tokens = r.prompt_tokens;
-    timeline.arrival_s = r.arrival_s;
-    sampling_[i] = w.sampling;
-    sampling_[i].max_tokens = static_cast<std::int32_t>(w.output_tokens);
-    ignore_eos_[i] = w.sampling.ignore_eos;
-    arrival_order_.push_back(r.id);
-  }
+    : arrivals_at_zero_(arrivals_at_zero) {
+  for (const WorkloadRequest& w : submitted) add(w);
   std::stable_sort(arrival_order_.begin(), arrival_order_.end(), [&](RequestId a, RequestId b) {
     return states_[index(a)].arrival_s < states_[index(b)].arrival_s;
   });
+}
+
+RequestId RequestTable::add(const WorkloadRequest& w) {
+  const auto id = static_cast<RequestId>(states_.size());
+  RequestState& r = states_.emplace_back();
+  r.id = id;
+  r.arrival_s = arrivals_at_zero_ ? 0.0 : w.arrival_s;
+  r.priority = w.priority;
+  r.prompt_tokens = static_cast<std::int64_t>(w.prompt.size());
+  r.max_new_tokens = w.output_tokens;
+  RequestTimeline& timeline = timelines_.emplace_back();
+  timeline.id = r.id;
+  timeline.priority = w.priority;
+  timeline.prompt_tokens = r.prompt_tokens;
+  timeline.arrival_s = r.arrival_s;
+  SamplingParams& sampling = sampling_.emplace_back(w.sampling);
+  sampling.max_tokens = static_cast<std::int32_t>(w.output_tokens);
+  ignore_eos_.push_back(w.sampling.ignore_eos);
+  samplers_.emplace_back();
+  submitted_.push_back(&w);
+  arrival_order_.push_back(id);
+  return id;
+}
+
+RequestId RequestTable::submit(const WorkloadRequest& request) {
+  const RequestId id = add(request);
+  // Among the requests not arrived yet, in (arrival, id) order: after every equal arrival.
+  const double arrival = states_[index(id)].arrival_s;
+  arrival_order_.pop_back();
+  const auto first = arrival_order_.begin() + static_cast<std::ptrdiff_t>(arrived_);
+  arrival_order_.insert(
+      std::upper_bound(first, arrival_order_.end(), arrival,
+                       [&](double t, RequestId other) { return t < states_[index(other)].arrival_s; }),
+      id);
+  return id;
 }
 
 std::optional<RequestId> RequestTable::next_arrival() const {
@@ -43,7 +56,7 @@ std::optional<RequestId> RequestTable::next_arrival() const {
 RequestId RequestTable::arrive() {
   const RequestId id = arrival_order_.at(arrived_++);
   RequestState& r = at(id);
-  r.tokens = submitted_[index(id)].prompt;
+  r.tokens = submitted_[index(id)]->prompt;
   samplers_[index(id)].emplace(sampling_[index(id)]);
   // Arrivals come in (arrival, id) order, after everyone already waiting.
   waiting();

@@ -29,6 +29,8 @@ const char* plugin_kind_name(PluginKind kind) {
       return "scheduler";
     case PluginKind::backend:
       return "backend";
+    case PluginKind::router:
+      return "router";
   }
   return "unknown";
 }
@@ -120,9 +122,10 @@ std::string descriptor_problem(const PluginDescriptor& d) {
     case PluginKind::attention_variant:
     case PluginKind::scheduler:
     case PluginKind::backend:
+    case PluginKind::router:
       return "";
   }
-  return fmt::format("its kind {} is not one kvlab knows (1-4)",
+  return fmt::format("its kind {} is not one kvlab knows (1-5)",
                      static_cast<std::uint32_t>(d.kind));
 }
 }  // namespace

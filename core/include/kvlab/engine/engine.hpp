@@ -22,6 +22,7 @@
 #include "kvlab/engine/sequence_rules.hpp"
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/kv_allocator.hpp"
+#include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 #include "kvlab/sim/cost_model.hpp"
 
@@ -86,6 +87,13 @@ class Engine {
   void start(const std::vector<WorkloadRequest>& requests);
   bool step();  // receive arrivals, then idle or plan, apply, run, sample, update
   EngineResult take_result();
+
+  // While a run goes on (after start()): one more request, arriving at its arrival_s (a
+  // cluster's router hands it over); its id in this engine. `request` must outlive the run.
+  RequestId submit(const WorkloadRequest& request);
+  double now() const;
+  bool has_work() const;     // a request waits, runs or is still to arrive
+  ReplicaLoad load() const;  // what a router sees of this engine now
 
  private:
   void receive_arrivals();

@@ -3,6 +3,7 @@
 // tokens, how many have KV, its status, its swap buffer, its sampler and its timeline.
 // Schedulers read it through SchedulerInput (waiting(), running()); apply_plan and
 // apply_tokens (apply.hpp) are the only code that changes it.
+#include <deque>
 #include <optional>
 #include <span>
 #include <string>
@@ -21,6 +22,10 @@ class RequestTable {
   // arrives at t = 0; otherwise at its arrival_s. Arrivals are taken in time order, ties by id.
   // `submitted` must outlive the table: prompts are copied in as requests arrive.
   RequestTable(std::span<const WorkloadRequest> submitted, bool arrivals_at_zero);
+  // One more request, while the run goes on (a cluster's router hands it to this replica): the
+  // next id, arriving at its arrival_s (at 0 with arrivals_at_zero), which must not be earlier
+  // than requests that already arrived. `request` must outlive the table.
+  RequestId submit(const WorkloadRequest& request);
 
   std::size_t size() const { return states_.size(); }
   const RequestState& at(RequestId id) const { return states_[index(id)]; }
@@ -33,8 +38,11 @@ class RequestTable {
   // Waiting and swapped requests by (arrival, id); running requests by admission.
   std::span<const RequestState* const> waiting() const;
   std::span<const RequestState* const> running() const { return running_; }
-  // The next request not yet arrived, if any.
+  // The next request not yet arrived, if any; all of them, in arrival order.
   std::optional<RequestId> next_arrival() const;
+  std::span<const RequestId> not_arrived() const {
+    return std::span<const RequestId>(arrival_order_).subspan(arrived_);
+  }
   bool all_done() const { return done_ == states_.size(); }
   // Tokens of KV held in the host swap pool by swapped requests.
   std::int64_t swap_used_tokens() const { return swap_used_; }
@@ -54,9 +62,11 @@ class RequestTable {
  private:
   std::size_t index(RequestId id) const { return static_cast<std::size_t>(id); }
   void insert_waiting(const RequestState* r);
+  RequestId add(const WorkloadRequest& request);  // appended to arrival_order_, unsorted
 
-  std::span<const WorkloadRequest> submitted_;
-  std::vector<RequestState> states_;
+  bool arrivals_at_zero_ = false;
+  std::vector<const WorkloadRequest*> submitted_;
+  std::deque<RequestState> states_;  // a deque: waiting_ and running_ point into it as it grows
   std::vector<RequestTimeline> timelines_;
   std::vector<std::optional<Sampler>> samplers_;  // made on arrival, dropped when done
   std::vector<SamplingParams> sampling_;

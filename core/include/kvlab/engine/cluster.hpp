@@ -1,0 +1,40 @@
+#pragma once
+// A cluster of replicas behind a router (what Vidur, LLMServingSim, Llumnix and Preble study):
+// each replica is a whole engine — its allocator, scheduler, backend and clock — and every
+// request is routed when it arrives, by what each replica holds at that moment. The replicas
+// advance in time order (the one furthest behind steps first), so a route sees every busy
+// replica as of the arrival (a replica in the middle of a step shows its state after it).
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "kvlab/engine/engine.hpp"
+#include "kvlab/router.hpp"
+
+namespace kvlab {
+
+struct RouteRecord {
+  std::size_t replica = 0;
+  RequestId id_in_replica = 0;
+  double time_s = 0;   // when it was routed (its arrival)
+  std::string reason;  // the router's
+};
+
+struct ClusterResult {
+  std::vector<EngineResult> replicas;  // each replica's own run, its requests by local id
+  std::vector<RouteRecord> routes;     // one per request, in workload order
+  double duration_s = 0;               // the last replica's clock at the end
+};
+
+// Runs `requests` (which must outlive the call) on `replicas` (not started; each is started
+// empty here) behind `router`. Throws kvlab::Error when the router names a replica that does
+// not exist; every request ends finished or rejected by the replica that got it.
+ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
+                          const std::vector<WorkloadRequest>& requests);
+
+// Every request's timeline in workload order (id = its index in the workload), from the
+// replica that served it.
+std::vector<RequestTimeline> cluster_timelines(const ClusterResult& result);
+
+}  // namespace kvlab

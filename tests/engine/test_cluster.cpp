@@ -1,0 +1,195 @@
+// A cluster of simulated replicas behind the shipped routers: every request served once, routes
+// that follow each router's rule, deterministic runs.
+#include <gtest/gtest.h>
+
+#include <map>
+#include <memory>
+#include <set>
+
+#include "kvlab/engine/cluster.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/sim/simulated_backend.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+const PluginRegistry& registry() {
+  static const PluginRegistry r({KVLAB_PLUGIN_DIR});
+  return r;
+}
+
+// One simulated Llama-2-7B replica on an H200 profile: pool, plugins, backend, engine.
+struct Replica {
+  Replica(const ModelConfig& model, const CostModel& cost, std::int64_t slots)
+      : pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
+             KvStorage::none),
+        backend(model.vocab_size, model.eos_token_ids) {
+    PluginContext context;
+    context.pool = &pool;
+    context.model = &model;
+    context.max_seq_len = model.max_position_embeddings;
+    allocator = registry().create<PluginKind::kv_allocator>(
+        "paged", {{"block_size", std::int64_t{16}}, {"prefix_caching", true}}, context);
+    scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
+    EngineOptions options;
+    options.rules.context = model.max_position_embeddings;
+    options.rules.eos_token_ids = model.eos_token_ids;
+    options.pool = &pool;
+    options.cost_model = &cost;
+    engine = std::make_unique<Engine>(backend, *allocator, *scheduler, options);
+  }
+  KvPool pool;
+  SimulatedBackend backend;
+  PluginObject<KvAllocator> allocator;
+  PluginObject<Scheduler> scheduler;
+  std::unique_ptr<Engine> engine;
+};
+
+struct Cluster {
+  explicit Cluster(std::size_t n, std::int64_t slots = 1 << 16)
+      : model(model_preset("llama2-7b")), cost(model, load_hardware_profile("h200")) {
+    for (std::size_t i = 0; i < n; ++i)
+      replicas.push_back(std::make_unique<Replica>(model, cost, slots));
+  }
+  ClusterResult run(Router& router, const std::vector<WorkloadRequest>& requests) {
+    std::vector<Engine*> engines;
+    for (auto& r : replicas) engines.push_back(r->engine.get());
+    return run_cluster(engines, router, requests);
+  }
+  ModelConfig model;
+  CostModel cost;
+  std::vector<std::unique_ptr<Replica>> replicas;
+};
+
+std::vector<WorkloadRequest> workload(std::int64_t n, std::int64_t prefix_groups = 0) {
+  SyntheticWorkload spec;
+  spec.requests = n;
+  spec.seed = 5;
+  spec.arrival = {ArrivalKind::poisson, 40.0, 1.0, 1};
+  spec.prompt_tokens = {.kind = LengthKind::uniform, .min = 64, .max = 512};
+  spec.output_tokens = {.kind = LengthKind::uniform, .min = 8, .max = 256};
+  spec.prefix_groups = prefix_groups;
+  spec.prefix_tokens = prefix_groups > 0 ? 48 : 0;
+  return generate_workload(spec);
+}
+
+PluginObject<Router> router(const std::string& name,
+                            std::map<std::string, ParamValue, std::less<>> params = {}) {
+  return registry().create<PluginKind::router>(name, params, PluginContext{});
+}
+
+TEST(Cluster, RoundRobinServesEveryRequestOnceInTurn) {
+  Cluster cluster(3);
+  const auto requests = workload(60);
+  auto rr = router("round_robin");
+  const ClusterResult result = cluster.run(*rr, requests);
+  ASSERT_EQ(result.replicas.size(), 3u);
+  ASSERT_EQ(result.routes.size(), requests.size());
+  std::vector<std::size_t> served(3, 0);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(result.routes[i].replica, i % 3) << i;  // Poisson arrivals are in index order
+    ++served[result.routes[i].replica];
+  }
+  for (std::size_t r = 0; r < 3; ++r) EXPECT_EQ(result.replicas[r].requests.size(), served[r]);
+  const auto timelines = cluster_timelines(result);
+  ASSERT_EQ(timelines.size(), requests.size());
+  for (std::size_t i = 0; i < timelines.size(); ++i) {
+    EXPECT_EQ(timelines[i].id, static_cast<RequestId>(i));
+    EXPECT_FALSE(timelines[i].rejected) << timelines[i].reject_reason;
+    EXPECT_DOUBLE_EQ(timelines[i].arrival_s, requests[i].arrival_s);
+    ASSERT_TRUE(timelines[i].ttft_s() && timelines[i].finish_s) << i;
+    EXPECT_GT(*timelines[i].ttft_s(), 0);
+    EXPECT_GT(*timelines[i].finish_s, requests[i].arrival_s + *timelines[i].ttft_s());
+    const auto& tokens = result.replicas[result.routes[i].replica]
+                             .tokens[static_cast<std::size_t>(result.routes[i].id_in_replica)];
+    EXPECT_EQ(static_cast<std::int64_t>(tokens.size()), requests[i].output_tokens) << i;
+  }
+  double latest = 0;
+  for (const auto& t : timelines) latest = std::max(latest, *t.finish_s);
+  EXPECT_DOUBLE_EQ(result.duration_s, latest);
+}
+
+TEST(Cluster, RunsAreDeterministic) {
+  const auto requests = workload(40, 4);
+  Cluster a(2), b(2);
+  auto ra = router("prefix_affinity"), rb = router("prefix_affinity");
+  const ClusterResult x = a.run(*ra, requests), y = b.run(*rb, requests);
+  ASSERT_EQ(x.routes.size(), y.routes.size());
+  for (std::size_t i = 0; i < x.routes.size(); ++i) {
+    EXPECT_EQ(x.routes[i].replica, y.routes[i].replica);
+    EXPECT_EQ(x.routes[i].reason, y.routes[i].reason);
+  }
+  EXPECT_EQ(x.duration_s, y.duration_s);
+  EXPECT_EQ(x.replicas[0].events, y.replicas[0].events);
+}
+
+TEST(Cluster, PrefixAffinityKeepsEachSystemPromptOnOneReplica) {
+  const auto requests = workload(80, 4);  // 4 groups sharing a 48-token system prompt
+  Cluster cluster(4);
+  auto affinity = router("prefix_affinity", {{"max_imbalance_tokens", std::int64_t{1000000000000}}});
+  const ClusterResult result = cluster.run(*affinity, requests);
+  std::map<std::int64_t, std::set<std::size_t>> replicas_of_group;
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    replicas_of_group[requests[i].prefix_group].insert(result.routes[i].replica);
+  ASSERT_EQ(replicas_of_group.size(), 4u);
+  for (const auto& [group, replicas] : replicas_of_group)
+    EXPECT_EQ(replicas.size(), 1u) << "group " << group;  // never split: no imbalance limit
+  // The first of each group found no prefix; the others followed it.
+  std::size_t followed = 0;
+  for (const auto& route : result.routes)
+    followed += route.reason.rfind("prefix affinity:", 0) == 0 ? 1 : 0;
+  EXPECT_EQ(followed, requests.size() - 4);
+}
+
+TEST(Routers, LeastLoadedPicksTheSmallestLoadByItsMeasure) {
+  std::vector<ReplicaLoad> loads(3);
+  loads[0] = {.waiting = 1, .running = 4, .queued_tokens = 900, .kv_used = 10, .kv_capacity = 100};
+  loads[1] = {.waiting = 0, .running = 9, .queued_tokens = 300, .kv_used = 80, .kv_capacity = 100};
+  loads[2] = {.waiting = 2, .running = 1, .queued_tokens = 600, .kv_used = 50, .kv_capacity = 100};
+  const RouteRequest request;
+  EXPECT_EQ(router("least_loaded")->route(request, loads).replica, 1u);  // queued tokens
+  EXPECT_EQ(router("least_loaded", {{"by", std::string("kv")}})->route(request, loads).replica, 0u);
+  EXPECT_EQ(
+      router("least_loaded", {{"by", std::string("requests")}})->route(request, loads).replica, 2u);
+  test::expect_error_containing(
+      [&] {
+        router("least_loaded", {{"by", std::string("gpu")}});
+      },
+      {"by = \"gpu\"", "queued_tokens"});
+}
+
+TEST(Routers, PrefixAffinityYieldsToTheLeastLoadedBeyondItsImbalance) {
+  auto affinity = router("prefix_affinity", {{"max_imbalance_tokens", std::int64_t{100}},
+                                             {"block_size", std::int64_t{4}}});
+  const std::vector<std::int32_t> prompt{1, 2, 3, 4, 5, 6, 7, 8, 9};
+  std::vector<ReplicaLoad> loads(2);
+  loads[1].queued_tokens = 50;
+  RouteRequest request;
+  request.prompt = prompt;
+  const RouteDecision first = affinity->route(request, loads);  // no prefix yet: least loaded
+  EXPECT_EQ(first.replica, 0u);
+  loads[0].queued_tokens = 140;  // 90 more than replica 1: within 100, the prefix wins
+  EXPECT_EQ(affinity->route(request, loads).replica, 0u);
+  loads[0].queued_tokens = 151;  // 101 more: too far, least loaded
+  const RouteDecision yielded = affinity->route(request, loads);
+  EXPECT_EQ(yielded.replica, 1u);
+  EXPECT_NE(yielded.reason.find("least loaded"), std::string::npos) << yielded.reason;
+}
+
+struct OutOfRange final : Router {
+  RouteDecision route(const RouteRequest&, std::span<const ReplicaLoad> replicas) override {
+    return {replicas.size(), "nowhere"};
+  }
+};
+
+TEST(Cluster, ARouterNamingNoReplicaIsAnError) {
+  Cluster cluster(2);
+  OutOfRange bad;
+  test::expect_error_containing([&] { cluster.run(bad, workload(3)); },
+                                {"router sent request 0 to replica 2, but the cluster has 2"});
+}
+
+}  // namespace
+}  // namespace kvlab
