@@ -366,6 +366,13 @@ void parse_output(Section& s, ExperimentConfig& c) {
   }
 }
 
+// [cluster]: replicas of the whole serving stack behind a router plugin.
+void parse_cluster(Section& s, ExperimentConfig& c) {
+  c.replicas = s.get_int<std::int64_t>("replicas", 1, 1024).value_or(1);
+  c.router = s.get<std::string>("router").value_or(c.router);
+  c.router_params = plugin_params(s, "params");
+}
+
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {
   ExperimentConfig c;
   Section top(&root, "top level", file);
@@ -385,6 +392,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   section("scheduler", [&](Section& s) { parse_scheduler(s, c); });
   section("workload", [&](Section& s) { parse_workload(s, c); });
   section("slo", [&](Section& s) { parse_slo(s, c); });
+  section("cluster", [&](Section& s) { parse_cluster(s, c); });
   if (const toml::node* gone = root.get("time_model"))
     top.fail(*gone,
              "[time_model] is gone: the virtual clock prices each step with the roofline cost "

@@ -11,6 +11,7 @@
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/engine/cluster.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/model_source.hpp"
@@ -104,6 +105,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         fmt::format("model \"{}\" is a size-only preset: it runs only on backend "
                     "\"simulated\" (no weights exist for it)",
                     c.model));
+  if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (!c.profile.empty()) {
     const HardwareProfile profile = load_hardware_profile(c.profile);
     // Tensor parallelism: the GPUs divide the heads, the profile prices their all-reduces.
@@ -382,6 +384,103 @@ double seconds_since(std::chrono::steady_clock::time_point start) {
 
 }  // namespace
 
+namespace {
+
+// One serving stack: its KV pool, allocator, scheduler, backend and engine (a cluster has one per
+// replica). Members are destroyed in reverse: the device backend detaches before its pool goes.
+struct ReplicaStack {
+  std::unique_ptr<KvPool> pool;
+  PluginObject<KvAllocator> allocator;
+  PluginObject<Scheduler> scheduler;
+  std::unique_ptr<Backend> inner;
+  PluginObject<Backend> device_backend;
+  std::unique_ptr<TimedBackend> backend;
+  std::unique_ptr<Engine> engine;
+  std::string weights_description;  // cpu backend: the formats its products read
+};
+
+std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
+                                           const PluginRegistry& registry,
+                                           const ServedModel& served,
+                                           const std::optional<CostModel>& cost_model,
+                                           std::int64_t slots, const SequenceRules& rules) {
+  const bool simulated = c.backend == "simulated";
+  const bool plugin_backend = c.backend != "cpu" && !simulated;  // e.g. cuda
+  const ModelConfig& model = served.config;
+  auto r = std::make_unique<ReplicaStack>();
+  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool; the
+  // simulated device's pool has no storage, its dtype (the profile's) sizes swaps.
+  r->pool = std::make_unique<KvPool>(
+      KvPoolShape{model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
+                  simulated ? cost_model->profile().kv_dtype : c.kv_dtype},
+      simulated || plugin_backend ? KvStorage::none : KvStorage::host);
+  PluginContext context;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
+  context.pool = r->pool.get();
+  r->allocator =
+      registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
+  r->scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
+  if (simulated) {
+    r->inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
+  } else if (plugin_backend) {
+    context.weights = &*served.weights;
+    context.window = rules.window.value_or(0);
+    r->device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
+  } else {
+    auto cpu_backend = std::make_unique<cpu::CpuBackend>(
+        *served.weights, *r->pool, rules.window,
+        cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights));
+    r->weights_description = cpu_backend->matrices().description;
+    r->inner = std::move(cpu_backend);
+  }
+  r->backend = std::make_unique<TimedBackend>(plugin_backend ? *r->device_backend : *r->inner);
+  r->engine = std::make_unique<Engine>(*r->backend, *r->allocator, *r->scheduler,
+                                       engine_options(c, rules, cost_model, *r->pool));
+  return r;
+}
+
+// The mean share of the pool live KV held over `steps`, and the prefix cache's hit rate by the
+// last step's cumulative counters.
+std::pair<double, double> kv_use_and_prefix_hits(const std::vector<StepRecord>& steps) {
+  if (steps.empty()) return {0.0, 0.0};
+  double used = 0;
+  for (const auto& s : steps)
+    used += static_cast<double>(s.kv.used - s.padding_slots) / static_cast<double>(s.kv.capacity);
+  const KvAllocatorStats& kv = steps.back().kv;
+  return {used / static_cast<double>(steps.size()),
+          kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
+                                       static_cast<double>(kv.prefix_query_tokens)
+                                 : 0.0};
+}
+
+// [cluster]: every replica's stack behind the router; the merged run in out.engine, each
+// replica's summary in out.replicas.
+void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
+                  std::vector<std::unique_ptr<ReplicaStack>>& stacks,
+                  const std::vector<WorkloadRequest>& requests, RunOutput& out) {
+  auto router = registry.create<PluginKind::router>(c.router, c.router_params, PluginContext{});
+  std::vector<Engine*> engines;
+  for (auto& stack : stacks) engines.push_back(stack->engine.get());
+  ClusterResult cluster = run_cluster(engines, *router, requests);
+  double hit_tokens = 0, query_tokens = 0;
+  for (const EngineResult& replica : cluster.replicas) {
+    RunOutput::Replica r;
+    r.summary = summarize_run(replica.requests, cluster.duration_s, c.slo);
+    r.requests = static_cast<std::int64_t>(replica.requests.size());
+    std::tie(r.mean_kv_used, r.prefix_hit_rate) = kv_use_and_prefix_hits(replica.steps);
+    if (!replica.steps.empty()) {
+      hit_tokens += static_cast<double>(replica.steps.back().kv.prefix_hit_tokens);
+      query_tokens += static_cast<double>(replica.steps.back().kv.prefix_query_tokens);
+    }
+    out.replicas.push_back(r);
+  }
+  out.engine = merged_result(cluster);
+  out.prefix_hit_rate = query_tokens > 0 ? hit_tokens / query_tokens : 0.0;
+}
+
+}  // namespace
+
 RunOutput run_experiment(const ExperimentConfig& c, bool check,
                          std::vector<std::string>* mismatches) {
   const auto wall_start = std::chrono::steady_clock::now();
@@ -398,51 +497,27 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   const ModelConfig& model = served.config;
   std::optional<CostModel> cost_model = run_cost_model(c, model);
   const std::int64_t slots = pool_slots(c, model, simulated, cost_model);
-  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool; the
-  // simulated device's pool has no storage, its dtype (the profile's) sizes swaps.
-  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
-               simulated ? cost_model->profile().kv_dtype : c.kv_dtype},
-              simulated || plugin_backend ? KvStorage::none : KvStorage::host);
-  PluginContext context;
-  context.model = &model;
-  context.max_seq_len = model.max_position_embeddings;
-  context.pool = &pool;
-  auto allocator =
-      registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
-  auto scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
   // Context, EOS and window from one place: the backend, the engine's KV release and the
   // reference check all use these, so `check` compares one model.
   const SequenceRules rules = sequence_rules(model, *served.attention);
-  std::unique_ptr<Backend> inner;
-  std::string weights_description;
-  PluginObject<Backend> device_backend;  // declared after pool: destroyed (detaching) first
-  if (simulated) {
-    inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
-  } else if (plugin_backend) {
-    context.weights = &*served.weights;
-    context.window = rules.window.value_or(0);
-    device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
-  } else {
-    auto cpu_backend = std::make_unique<cpu::CpuBackend>(
-        *served.weights, pool, rules.window,
-        cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights));
-    weights_description = cpu_backend->matrices().description;
-    inner = std::move(cpu_backend);
-  }
-  TimedBackend backend(plugin_backend ? *device_backend : *inner);
+  std::vector<std::unique_ptr<ReplicaStack>> stacks;
+  for (std::int64_t r = 0; r < c.replicas; ++r)
+    stacks.push_back(make_replica(c, registry, served, cost_model, slots, rules));
   std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers
   const RealWorkload workload = make_requests(c, model, check, tokenizer);
   const std::vector<WorkloadRequest>& requests = workload.requests;
-  Engine engine(backend, *allocator, *scheduler, engine_options(c, rules, cost_model, pool));
 
   RunOutput out;
   out.model_name = model.name;
   out.kv_slots = slots;
   out.workload_description = workload.description;
-  out.weights_description = weights_description;
+  out.weights_description = stacks.front()->weights_description;
   out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();
-  out.engine = engine.run(requests);
+  if (c.replicas == 1)
+    out.engine = stacks.front()->engine->run(requests);
+  else
+    run_replicas(c, registry, stacks, requests, out);
   out.engine_wall_s = seconds_since(engine_start);
   out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
   for (const auto& r : requests) out.prompts.push_back(r.prompt);
@@ -451,8 +526,10 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);
     out.answer_texts.push_back(tokenizer->decode(answer));  // without the stop token
   }
-  out.forward_wall_s = backend.seconds();
+  for (const auto& stack : stacks) out.forward_wall_s += stack->backend->seconds();
+  const double cluster_hit_rate = out.prefix_hit_rate;
   summarize_memory_and_predictions(out, cost_model && c.clock == "measured");
+  if (c.replicas > 1) out.prefix_hit_rate = cluster_hit_rate;  // every replica's, not the last
   if (check) check_against_reference(served, rules.window, requests, out, *mismatches);
   out.wall_s = seconds_since(wall_start);
   return out;
@@ -505,12 +582,15 @@ void write_requests_csv(std::ostream& f, const RunOutput& out) {
 // Measured times only where they are the clock's (measured, wall): virtual runs stay
 // byte-identical and carry no columns of zeros.
 void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
-  f << "step,start_s,duration_s," << (measured ? "measured_forward_s,measured_step_s," : "")
+  const bool cluster = !out.replicas.empty();  // each step is one replica's
+  f << (cluster ? "replica," : "") << "step,start_s,duration_s,"
+    << (measured ? "measured_forward_s,measured_step_s," : "")
     << "predicted_s,batch,prefill_tokens,decode_tokens,preempted,waiting,running,padding,"
        "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
        "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
        "prefix_query_tokens\n";
   for (const auto& s : out.engine.steps) {
+    if (cluster) f << s.replica << ",";
     f << fmt::format("{},{:.6f},{:.6f},", s.step, s.start_s, s.duration_s);
     if (measured) f << fmt::format("{:.6f},{:.6f},", s.measured_forward_s, s.measured_step_s);
     f << fmt::format("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
@@ -587,6 +667,18 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
   if (!out.workload_description.empty()) j["workload"] = out.workload_description;
   if (!out.weights_description.empty()) j["weights"] = out.weights_description;
   j["kv_dtype"] = dtype_short_name(c.kv_dtype);
+  if (!out.replicas.empty()) {  // a cluster: the router and every replica's own figures
+    j["router"] = c.router;
+    for (const RunOutput::Replica& r : out.replicas)
+      j["replicas"].push_back({{"requests", r.requests},
+                               {"finished", r.summary.finished},
+                               {"rejected", r.summary.rejected},
+                               {"output_tokens_per_s", r.summary.output_tokens_per_s},
+                               {"ttft_s", latency_json(r.summary.ttft_s)},
+                               {"tpot_s", latency_json(r.summary.tpot_s)},
+                               {"mean_kv_used_fraction", r.mean_kv_used},
+                               {"prefix_hit_rate", r.prefix_hit_rate}});
+  }
   return j;
 }
 

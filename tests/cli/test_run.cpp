@@ -466,6 +466,49 @@ TEST(KvlabMemory, PlannerPrintsStaticVersusPaged) {
   EXPECT_NE(bad.err.find("--prompt-len"), std::string::npos) << bad.err;
 }
 
+TEST(KvlabCluster, CpuReplicasPassCheckAndTheOutputsSayWhereEachRequestWent) {
+  test::TempDir dir;
+  const auto file =
+      write_experiment(dir, kSmall + "[cluster]\nreplicas = 3\nrouter = \"least_loaded\"\n");
+  const Result check = kvlab("check " + file);
+  EXPECT_EQ(check.exit_code, 0) << check.err;
+  EXPECT_NE(check.out.find("every finished request's tokens equal the reference's"),
+            std::string::npos)
+      << check.out;
+  const Result run = kvlab("run " + file + " --out " + (dir / "o").string());
+  ASSERT_EQ(run.exit_code, 0) << run.err;
+  const auto s = nlohmann::json::parse(test::read_file(dir / "o" / "000" / "summary.json"));
+  EXPECT_EQ(s["router"], "least_loaded");
+  ASSERT_EQ(s["replicas"].size(), 3u);
+  std::int64_t served = 0;
+  for (const auto& r : s["replicas"]) served += r["finished"].get<std::int64_t>();
+  EXPECT_EQ(served, s["finished"].get<std::int64_t>());
+  const std::string events = test::read_file(dir / "o" / "000" / "events.jsonl");
+  std::size_t routes = 0;
+  for (std::size_t at = events.find("\"event\":\"route\""); at != std::string::npos;
+       at = events.find("\"event\":\"route\"", at + 1))
+    ++routes;
+  EXPECT_EQ(routes, s["submitted"].get<std::size_t>());
+  EXPECT_NE(events.find("least loaded by prefill_tokens"), std::string::npos);
+  EXPECT_EQ(test::read_file(dir / "o" / "000" / "steps.csv").rfind("replica,step,", 0), 0u);
+
+  const Result zero = kvlab("run " + write_experiment(dir, kSmall + "[cluster]\nreplicas = 0\n"));
+  EXPECT_NE(zero.exit_code, 0);
+  EXPECT_NE(zero.err.find("cluster.replicas"), std::string::npos) << zero.err;
+  const Result unknown = kvlab(
+      "run " + write_experiment(dir, kSmall + "[cluster]\nreplicas = 2\nrouter = \"random\"\n"));
+  EXPECT_NE(unknown.exit_code, 0);
+  EXPECT_NE(unknown.err.find("random"), std::string::npos) << unknown.err;
+  EXPECT_NE(unknown.err.find("round_robin"), std::string::npos) << unknown.err;
+  const Result bad_param =
+      kvlab("run " + write_experiment(dir, kSmall + "[cluster]\nreplicas = 2\n"
+                                                    "router = \"round_robin\"\n"
+                                                    "[cluster.params]\nby = 1\n"));
+  EXPECT_NE(bad_param.exit_code, 0);
+  EXPECT_NE(bad_param.err.find("round_robin\" has no parameter \"by\""), std::string::npos)
+      << bad_param.err;
+}
+
 TEST(KvlabMemory, TensorParallelPlansOneGpusShare) {
   // bf16 Llama-2-70B does not fit one H200; on 8 it leaves each ~108 GiB of KV.
   const Result one =

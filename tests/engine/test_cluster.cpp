@@ -128,7 +128,8 @@ TEST(Cluster, RunsAreDeterministic) {
 TEST(Cluster, PrefixAffinityKeepsEachSystemPromptOnOneReplica) {
   const auto requests = workload(80, 4);  // 4 groups sharing a 48-token system prompt
   Cluster cluster(4);
-  auto affinity = router("prefix_affinity", {{"max_imbalance_tokens", std::int64_t{1000000000000}}});
+  auto affinity =
+      router("prefix_affinity", {{"max_imbalance_tokens", std::int64_t{1000000000000}}});
   const ClusterResult result = cluster.run(*affinity, requests);
   std::map<std::int64_t, std::set<std::size_t>> replicas_of_group;
   for (std::size_t i = 0; i < requests.size(); ++i)
@@ -145,19 +146,45 @@ TEST(Cluster, PrefixAffinityKeepsEachSystemPromptOnOneReplica) {
 
 TEST(Routers, LeastLoadedPicksTheSmallestLoadByItsMeasure) {
   std::vector<ReplicaLoad> loads(3);
-  loads[0] = {.waiting = 1, .running = 4, .queued_tokens = 900, .kv_used = 10, .kv_capacity = 100};
-  loads[1] = {.waiting = 0, .running = 9, .queued_tokens = 300, .kv_used = 80, .kv_capacity = 100};
-  loads[2] = {.waiting = 2, .running = 1, .queued_tokens = 600, .kv_used = 50, .kv_capacity = 100};
+  loads[0] = {.waiting = 1,
+              .running = 4,
+              .queued_tokens = 900,
+              .queued_prefill_tokens = 500,
+              .kv_used = 10,
+              .kv_capacity = 100};
+  loads[1] = {.waiting = 0,
+              .running = 9,
+              .queued_tokens = 300,
+              .queued_prefill_tokens = 0,
+              .kv_used = 80,
+              .kv_capacity = 100};
+  loads[2] = {.waiting = 2,
+              .running = 1,
+              .queued_tokens = 600,
+              .queued_prefill_tokens = 400,
+              .kv_used = 50,
+              .kv_capacity = 100};
   const RouteRequest request;
-  EXPECT_EQ(router("least_loaded")->route(request, loads).replica, 1u);  // queued tokens
-  EXPECT_EQ(router("least_loaded", {{"by", std::string("kv")}})->route(request, loads).replica, 0u);
-  EXPECT_EQ(
-      router("least_loaded", {{"by", std::string("requests")}})->route(request, loads).replica, 2u);
+  auto by = [&](const char* measure) {
+    return router("least_loaded", {{"by", std::string(measure)}})->route(request, loads).replica;
+  };
+  EXPECT_EQ(router("least_loaded")->route(request, loads).replica, 1u);  // prefill tokens
+  EXPECT_EQ(by("queued_tokens"), 1u);
+  EXPECT_EQ(by("kv"), 0u);
+  EXPECT_EQ(by("requests"), 2u);
+  loads[1].queued_prefill_tokens = 400;  // ties with replica 2: ties go round
+  auto tied = router("least_loaded");
+  EXPECT_EQ(tied->route(request, loads).replica, 1u);
+  EXPECT_EQ(tied->route(request, loads).replica, 2u);
+  EXPECT_EQ(tied->route(request, loads).replica, 1u);
+  const std::vector<ReplicaLoad> idle(4);  // all equal: round robin, not a pile on replica 0
+  auto spread = router("least_loaded");
+  for (std::size_t i = 0; i < 8; ++i) EXPECT_EQ(spread->route(request, idle).replica, i % 4);
   test::expect_error_containing(
       [&] {
         router("least_loaded", {{"by", std::string("gpu")}});
       },
-      {"by = \"gpu\"", "queued_tokens"});
+      {"by = \"gpu\"", "prefill_tokens"});
 }
 
 TEST(Routers, PrefixAffinityYieldsToTheLeastLoadedBeyondItsImbalance) {

@@ -15,6 +15,9 @@ struct ReplicaLoad {
   // Tokens still to compute: prompts not yet in KV and outputs not yet generated, of every
   // request it holds (the work its queue stands for).
   std::int64_t queued_tokens = 0;
+  // Of those, the prompt tokens of waiting requests: the prefill work ahead of a new arrival's
+  // first token.
+  std::int64_t queued_prefill_tokens = 0;
   std::int64_t kv_used = 0, kv_capacity = 0;  // slots of its KV pool
 };
 

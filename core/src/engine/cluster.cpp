@@ -79,4 +79,38 @@ std::vector<RequestTimeline> cluster_timelines(const ClusterResult& result) {
   return timelines;
 }
 
+EngineResult merged_result(const ClusterResult& result) {
+  EngineResult merged;
+  merged.requests = cluster_timelines(result);
+  merged.duration_s = result.duration_s;
+  std::vector<std::vector<RequestId>> global(result.replicas.size());  // local id -> workload
+  for (std::size_t r = 0; r < result.replicas.size(); ++r)
+    global[r].resize(result.replicas[r].requests.size());
+  for (std::size_t i = 0; i < result.routes.size(); ++i) {
+    const RouteRecord& route = result.routes[i];
+    global[route.replica][static_cast<std::size_t>(route.id_in_replica)] =
+        static_cast<RequestId>(i);
+    merged.tokens.push_back(
+        result.replicas[route.replica].tokens[static_cast<std::size_t>(route.id_in_replica)]);
+    merged.events.push_back({-1, route.time_s, EventKind::event_route, static_cast<RequestId>(i),
+                             route.reason, 0, static_cast<std::int64_t>(route.replica)});
+  }
+  for (std::size_t r = 0; r < result.replicas.size(); ++r) {
+    for (StepRecord step : result.replicas[r].steps) {
+      step.replica = static_cast<std::int64_t>(r);
+      merged.steps.push_back(step);
+    }
+    for (EngineEvent event : result.replicas[r].events) {
+      if (event.request >= 0) event.request = global[r][static_cast<std::size_t>(event.request)];
+      event.replica = static_cast<std::int64_t>(r);
+      merged.events.push_back(std::move(event));
+    }
+  }
+  std::stable_sort(merged.steps.begin(), merged.steps.end(),
+                   [](const StepRecord& a, const StepRecord& b) { return a.start_s < b.start_s; });
+  std::stable_sort(merged.events.begin(), merged.events.end(),
+                   [](const EngineEvent& a, const EngineEvent& b) { return a.t < b.t; });
+  return merged;
+}
+
 }  // namespace kvlab

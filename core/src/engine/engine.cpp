@@ -79,9 +79,13 @@ RequestId Engine::submit(const WorkloadRequest& request) {
   return table_->submit(request);
 }
 
-double Engine::now() const { return clock_ ? clock_->now() : 0.0; }
+double Engine::now() const {
+  return clock_ ? clock_->now() : 0.0;
+}
 
-bool Engine::has_work() const { return table_ && !table_->all_done(); }
+bool Engine::has_work() const {
+  return table_ && !table_->all_done();
+}
 
 ReplicaLoad Engine::load() const {
   ReplicaLoad load;
@@ -92,11 +96,15 @@ ReplicaLoad Engine::load() const {
   auto pending = [](const RequestState& r) {
     return std::max<std::int64_t>(0, r.length() - r.computed) + r.remaining_output();
   };
-  for (const RequestState* r : table_->waiting()) load.queued_tokens += pending(*r);
+  for (const RequestState* r : table_->waiting()) {
+    load.queued_tokens += pending(*r);
+    load.queued_prefill_tokens += std::max<std::int64_t>(0, r->length() - r->computed);
+  }
   for (const RequestState* r : table_->running()) load.queued_tokens += pending(*r);
   for (const RequestId id : table_->not_arrived()) {  // routed here, not arrived yet
     const RequestState& r = table_->at(id);
     load.queued_tokens += r.prompt_tokens + r.max_new_tokens;
+    load.queued_prefill_tokens += r.prompt_tokens;
   }
   load.waiting = static_cast<std::int64_t>(table_->waiting().size() + table_->not_arrived().size());
   load.running = static_cast<std::int64_t>(table_->running().size());

@@ -24,6 +24,8 @@ const char* event_kind_name(EventKind kind) {
       return "reject";
     case EventKind::event_evict:
       return "evict";
+    case EventKind::event_route:
+      return "route";
   }
   return "unknown";
 }
@@ -35,6 +37,7 @@ std::string event_json(const EngineEvent& event) {
   else
     j["request"] = event.request;
   if (!event.reason.empty()) j["reason"] = event.reason;
+  if (event.replica >= 0) j["replica"] = event.replica;
   return j.dump();
 }
 

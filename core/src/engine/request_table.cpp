@@ -41,10 +41,11 @@ RequestId RequestTable::submit(const WorkloadRequest& request) {
   const double arrival = states_[index(id)].arrival_s;
   arrival_order_.pop_back();
   const auto first = arrival_order_.begin() + static_cast<std::ptrdiff_t>(arrived_);
-  arrival_order_.insert(
-      std::upper_bound(first, arrival_order_.end(), arrival,
-                       [&](double t, RequestId other) { return t < states_[index(other)].arrival_s; }),
-      id);
+  arrival_order_.insert(std::upper_bound(first, arrival_order_.end(), arrival,
+                                         [&](double t, RequestId other) {
+                                           return t < states_[index(other)].arrival_s;
+                                         }),
+                        id);
   return id;
 }
 

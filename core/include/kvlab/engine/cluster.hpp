@@ -37,4 +37,9 @@ ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
 // replica that served it.
 std::vector<RequestTimeline> cluster_timelines(const ClusterResult& result);
 
+// The whole cluster as one run: timelines and tokens in workload order, every replica's steps
+// (tagged with their replica) and events (request ids remapped to the workload's, tagged) in
+// time order, a route event per request; the duration is the last replica's.
+EngineResult merged_result(const ClusterResult& result);
+
 }  // namespace kvlab

@@ -49,6 +49,7 @@ struct EngineOptions {
 
 struct StepRecord {
   std::int64_t step = 0;
+  std::int64_t replica = 0;  // in a cluster: the replica that ran it
   double start_s = 0, duration_s = 0, measured_forward_s = 0;
   double measured_step_s = 0;  // plan + apply + forward, as it really took
   double predicted_s = 0;      // the cost model's prediction (0 without one)

@@ -20,6 +20,7 @@ enum class EventKind : std::uint8_t {
   event_finish,     // eos | max_tokens | context_full
   event_reject,     // can never run (reason)
   event_evict,      // cached prefix blocks reused for other data (blocks, no request)
+  event_route,      // a cluster's router sent the request to a replica (reason: the router's)
 };
 const char* event_kind_name(EventKind kind);  // "admit", "defer", ...
 
@@ -27,13 +28,15 @@ struct EngineEvent {
   std::int64_t step = 0;
   double t = 0;  // the clock's time
   EventKind kind = EventKind::event_admit;
-  RequestId request = -1;   // -1 for evict
-  std::string reason;       // "" when there is none
-  std::int64_t blocks = 0;  // evict only
+  RequestId request = -1;     // -1 for evict
+  std::string reason;         // "" when there is none
+  std::int64_t blocks = 0;    // evict only
+  std::int64_t replica = -1;  // in a cluster: the replica it happened on; -1: one engine
   bool operator==(const EngineEvent&) const = default;
 };
 
-// {"event": ..., "request": ..., "reason": ..., "step": ..., "t": ...} (keys sorted).
+// {"event": ..., "request": ..., "reason": ..., "replica": ..., "step": ..., "t": ...} (keys
+// sorted; replica only in a cluster).
 std::string event_json(const EngineEvent& event);
 
 // Collects events stamped with the current step and time.
@@ -44,10 +47,10 @@ class EventLog {
     t_ = t;
   }
   void add(EventKind kind, RequestId request, std::string reason = {}) {
-    events_.push_back({step_, t_, kind, request, std::move(reason), 0});
+    events_.push_back({step_, t_, kind, request, std::move(reason), 0, -1});
   }
   void add_evictions(std::int64_t blocks) {
-    events_.push_back({step_, t_, EventKind::event_evict, -1, {}, blocks});
+    events_.push_back({step_, t_, EventKind::event_evict, -1, {}, blocks, -1});
   }
   double time() const { return t_; }
   const std::vector<EngineEvent>& events() const { return events_; }

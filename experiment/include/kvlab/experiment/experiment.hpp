@@ -65,6 +65,11 @@ struct ExperimentConfig {
   std::int32_t prompt_max_tokens = 256;
   std::int64_t prompt_requests = 0;  // 0 = one per prompt
   ServiceLevelObjectives slo;
+  // [cluster]: `replicas` copies of the serving stack (allocator, scheduler, backend, KV pool
+  // each), every request routed at its arrival by the `router` plugin.
+  std::int64_t replicas = 1;
+  std::string router = "round_robin";
+  ParamMap router_params;
   std::string output_dir;  // empty: results/<name>
   // [output] columns: what the summary table adds for this experiment (kExtraColumns,
   // kvlab/experiment/summary_table.hpp).
@@ -110,6 +115,14 @@ struct RunOutput {
   std::string weights_description;   // cpu backend: the formats its products read
   // A prompt set's texts and the answers decoded by the model's tokenizer (outputs.jsonl).
   std::vector<std::string> prompt_texts, answer_texts;
+  // A cluster ([cluster] replicas > 1): each replica's own summary, requests and KV use.
+  struct Replica {
+    RunSummary summary;
+    std::int64_t requests = 0;
+    double mean_kv_used = 0;
+    double prefix_hit_rate = 0;
+  };
+  std::vector<Replica> replicas;
 };
 
 // Runs one expanded config. `check`: compare every finished request's greedy tokens with the
