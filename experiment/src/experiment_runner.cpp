@@ -64,6 +64,10 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
     throw Error(
         "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
         "\"simulated\" (which computes nothing)");
+  if (c.replicas > 1 && c.clock == "wall")
+    throw Error(
+        "[cluster]: the replicas step one at a time on one timeline, so real time would add "
+        "every replica's steps together: use the virtual, offline or measured clock");
   if (c.kv_dtype != DType::dtype_f32 && c.backend != "cpu")
     throw Error(
         fmt::format("kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" "

@@ -507,6 +507,11 @@ TEST(KvlabCluster, CpuReplicasPassCheckAndTheOutputsSayWhereEachRequestWent) {
   EXPECT_NE(bad_param.exit_code, 0);
   EXPECT_NE(bad_param.err.find("round_robin\" has no parameter \"by\""), std::string::npos)
       << bad_param.err;
+  const Result wall = kvlab("run " + write_experiment(dir, kSmall + "[cluster]\nreplicas = 2\n") +
+                            " --set experiment.clock='\"wall\"'");
+  EXPECT_NE(wall.exit_code, 0);
+  EXPECT_NE(wall.err.find("use the virtual, offline or measured clock"), std::string::npos)
+      << wall.err;
 }
 
 TEST(KvlabMemory, TensorParallelPlansOneGpusShare) {
