@@ -49,6 +49,41 @@ std::vector<std::pair<std::string, std::int64_t>> attention_variants(const Model
   return variants;
 }
 
+// The planner's figures as JSON: one device (one GPU's share under --tp) and every variant.
+template <typename PlanFor>
+void print_plan_json(const ModelConfig& c, const HardwareProfile& device, const MemoryPlanQuery& q,
+                     const MemoryPlan& p,
+                     const std::vector<std::pair<std::string, std::int64_t>>& variants,
+                     PlanFor&& plan_for) {
+  nlohmann::json out = {{"model", c.name},
+                        {"gpu", device.name},
+                        {"kv_dtype", dtype_short_name(q.kv_dtype)},
+                        {"weight_dtype", dtype_short_name(q.weight_dtype)},
+                        {"usable_bytes", p.usable_bytes},
+                        {"weight_bytes", p.weight_bytes},
+                        {"reserve_bytes", p.reserve_bytes},
+                        {"kv_budget_bytes", p.kv_budget_bytes},
+                        {"kv_heads", p.kv_heads},
+                        {"tensor_parallel", p.tensor_parallel},
+                        {"kv_heads_per_gpu", p.kv_heads_per_gpu},
+                        {"kv_bytes_per_token", p.kv_bytes_per_token},
+                        {"kv_capacity_tokens", p.kv_capacity_tokens},
+                        {"static_tokens_per_request", p.static_tokens_per_request},
+                        {"paged_tokens_per_request", p.paged_tokens_per_request},
+                        {"max_static_requests", p.max_static_requests},
+                        {"max_paged_requests", p.max_paged_requests}};
+  for (const auto& [name, heads] : variants) {
+    const MemoryPlan v = plan_for(heads);
+    out["variants"].push_back({{"variant", name},
+                               {"kv_heads", heads},
+                               {"kv_bytes_per_token", v.kv_bytes_per_token},
+                               {"kv_capacity_tokens", v.kv_capacity_tokens},
+                               {"max_static_requests", v.max_static_requests},
+                               {"max_paged_requests", v.max_paged_requests}});
+  }
+  fmt::print("{}\n", out.dump(2));
+}
+
 // Static vs paged on one device, for each attention variant the model's heads allow.
 void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   const HardwareProfile device = load_hardware_profile(o.gpu);
@@ -71,33 +106,7 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
     return plan_memory(c, device, v);
   };
   if (o.json) {
-    nlohmann::json out = {{"model", c.name},
-                          {"gpu", device.name},
-                          {"kv_dtype", dtype_short_name(q.kv_dtype)},
-                          {"weight_dtype", dtype_short_name(q.weight_dtype)},
-                          {"usable_bytes", p.usable_bytes},
-                          {"weight_bytes", p.weight_bytes},
-                          {"reserve_bytes", p.reserve_bytes},
-                          {"kv_budget_bytes", p.kv_budget_bytes},
-                          {"kv_heads", p.kv_heads},
-                          {"tensor_parallel", p.tensor_parallel},
-                          {"kv_heads_per_gpu", p.kv_heads_per_gpu},
-                          {"kv_bytes_per_token", p.kv_bytes_per_token},
-                          {"kv_capacity_tokens", p.kv_capacity_tokens},
-                          {"static_tokens_per_request", p.static_tokens_per_request},
-                          {"paged_tokens_per_request", p.paged_tokens_per_request},
-                          {"max_static_requests", p.max_static_requests},
-                          {"max_paged_requests", p.max_paged_requests}};
-    for (const auto& [name, heads] : variants) {
-      const MemoryPlan v = plan_for(heads);
-      out["variants"].push_back({{"variant", name},
-                                 {"kv_heads", heads},
-                                 {"kv_bytes_per_token", v.kv_bytes_per_token},
-                                 {"kv_capacity_tokens", v.kv_capacity_tokens},
-                                 {"max_static_requests", v.max_static_requests},
-                                 {"max_paged_requests", v.max_paged_requests}});
-    }
-    fmt::print("{}\n", out.dump(2));
+    print_plan_json(c, device, q, p, variants, plan_for);
     return;
   }
   const bool sharded = p.tensor_parallel > 1;
@@ -142,6 +151,35 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   }
 }
 
+// The KV arithmetic as JSON: the query's figures and every attention variant's.
+void print_kv_json(const MemoryOptions& o, const ModelConfig& c, const KvMemoryQuery& query,
+                   const KvMemoryReport& r,
+                   const std::vector<std::pair<std::string, std::int64_t>>& variants,
+                   const KvMemoryReport& mha) {
+  nlohmann::json out = {{"model", c.name},
+                        {"seq_len", o.seq_len},
+                        {"batch", o.batch},
+                        {"kv_dtype", dtype_short_name(query.kv_dtype)},
+                        {"kv_heads", r.kv_heads},
+                        {"bytes_per_token", r.bytes_per_token},
+                        {"bytes_per_request", r.bytes_per_request},
+                        {"bytes_total", r.bytes_total},
+                        {"weight_bytes", r.weight_bytes}};
+  if (r.max_batch) out["max_batch"] = *r.max_batch;
+  for (const auto& [name, heads] : variants) {
+    const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
+                                 heads, query.gpu_memory_gib});
+    nlohmann::json row = {{"variant", name},
+                          {"kv_heads", heads},
+                          {"bytes_per_request", v.bytes_per_request},
+                          {"ratio_to_mha", static_cast<double>(v.bytes_per_token) /
+                                               static_cast<double>(mha.bytes_per_token)}};
+    if (v.max_batch) row["max_batch"] = *v.max_batch;
+    out["variants"].push_back(row);
+  }
+  fmt::print("{}\n", out.dump(2));
+}
+
 void run_memory(const MemoryOptions& o) {
   const ModelSource source = resolve_model(o.model);
   const ModelConfig& c = source.config;
@@ -171,28 +209,7 @@ void run_memory(const MemoryOptions& o) {
                     c.num_attention_heads, query.gpu_memory_gib});
 
   if (o.json) {
-    nlohmann::json out = {{"model", c.name},
-                          {"seq_len", o.seq_len},
-                          {"batch", o.batch},
-                          {"kv_dtype", dtype_short_name(query.kv_dtype)},
-                          {"kv_heads", r.kv_heads},
-                          {"bytes_per_token", r.bytes_per_token},
-                          {"bytes_per_request", r.bytes_per_request},
-                          {"bytes_total", r.bytes_total},
-                          {"weight_bytes", r.weight_bytes}};
-    if (r.max_batch) out["max_batch"] = *r.max_batch;
-    for (const auto& [name, heads] : variants) {
-      const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
-                                   heads, query.gpu_memory_gib});
-      nlohmann::json row = {{"variant", name},
-                            {"kv_heads", heads},
-                            {"bytes_per_request", v.bytes_per_request},
-                            {"ratio_to_mha", static_cast<double>(v.bytes_per_token) /
-                                                 static_cast<double>(mha.bytes_per_token)}};
-      if (v.max_batch) row["max_batch"] = *v.max_batch;
-      out["variants"].push_back(row);
-    }
-    fmt::print("{}\n", out.dump(2));
+    print_kv_json(o, c, query, r, variants, mha);
     return;
   }
   const auto element = dtype_size(query.kv_dtype);

@@ -123,6 +123,28 @@ std::vector<KernelRegime> read_regimes(const toml::array* regimes, const std::st
   return out;
 }
 
+// Every top-level key is a known table ([[...]] for the kernel regimes), or an error naming it.
+void check_top_level(const toml::table& top, const std::string& where) {
+  const std::vector<std::string> tables{"profile", "device", "efficiency",  "overhead",
+                                        "memory",  "link",   "interconnect"};
+  const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime"};
+  for (const auto& [key, value] : top) {
+    const bool regimes =
+        std::find(regime_arrays.begin(), regime_arrays.end(), key.str()) != regime_arrays.end();
+    const bool known =
+        regimes || std::find(tables.begin(), tables.end(), key.str()) != tables.end();
+    if (!known || (regimes ? !value.is_array_of_tables() : !value.is_table())) {
+      std::string why = regimes ? fmt::format("{0} must be an array of tables ([[{0}]])", key.str())
+                        : known ? fmt::format("[{}] must be a table", key.str())
+                                : fmt::format("unknown table [{}]", key.str());
+      if (!known)
+        if (const auto near = nearest_name(key.str(), tables))
+          why += fmt::format(" (did you mean [{}]?)", *near);
+      throw Error(fmt::format("{}:{}: {}", where, value.source().begin.line, why));
+    }
+  }
+}
+
 }  // namespace
 
 std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regimes,
@@ -147,24 +169,7 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
                             e.source().begin.column, e.description()));
   }
   const std::string where = file.string();
-  const std::vector<std::string> tables{"profile", "device", "efficiency",  "overhead",
-                                        "memory",  "link",   "interconnect"};
-  const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime"};
-  for (const auto& [key, value] : top) {
-    const bool regimes =
-        std::find(regime_arrays.begin(), regime_arrays.end(), key.str()) != regime_arrays.end();
-    const bool known =
-        regimes || std::find(tables.begin(), tables.end(), key.str()) != tables.end();
-    if (!known || (regimes ? !value.is_array_of_tables() : !value.is_table())) {
-      std::string why = regimes ? fmt::format("{0} must be an array of tables ([[{0}]])", key.str())
-                        : known ? fmt::format("[{}] must be a table", key.str())
-                                : fmt::format("unknown table [{}]", key.str());
-      if (!known)
-        if (const auto near = nearest_name(key.str(), tables))
-          why += fmt::format(" (did you mean [{}]?)", *near);
-      throw Error(fmt::format("{}:{}: {}", where, value.source().begin.line, why));
-    }
-  }
+  check_top_level(top, where);
   HardwareProfile p;
   p.source = where;
   {
