@@ -36,7 +36,8 @@ struct GenerateOptions {
   bool json = false;
   bool stream = false;
   std::string compute;  // "reference" | "engine"; empty: engine with --chat, else reference
-  std::string weights = "stored";  // the engine's weight format (cpu::select_compute_weights)
+  std::string weights = "stored";   // the engine's weight format (cpu::select_compute_weights)
+  std::string activations = "f32";  // "q8": the engine's Q products take 8-bit activations
   int threads = 0;
 };
 
@@ -130,6 +131,7 @@ cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
   const PluginRegistry registry(PluginRegistry::default_search_path());
   cpu::BatchSetup setup;  // paged blocks of 16, the checkpoint's own K/V heads
   setup.weights = o.weights;
+  setup.activations = o.activations;
   setup.source = source.directory;
   const auto needed = static_cast<std::int64_t>(prompt.size()) + sampling.max_tokens;
   setup.pool_slots = std::min(needed, weights.config.max_position_embeddings) / 16 * 16 + 16;
@@ -170,6 +172,9 @@ void run_generate(const GenerateOptions& o) {
   if (!engine && o.weights != "stored")
     throw Error(fmt::format("--weights {} needs --compute engine: the reference computes in fp32",
                             o.weights));
+  if (!engine && o.activations != "f32")
+    throw Error(fmt::format(
+        "--activations {} needs --compute engine: the reference computes in fp32", o.activations));
   const auto load_start = std::chrono::steady_clock::now();
   cpu::LlamaWeights weights = source.is_preset()
                                   ? cpu::random_llama_weights(source.config, o.weights_seed)
@@ -266,6 +271,13 @@ void register_generate(CLI::App& app) {
       "types; f32 otherwise), f32, f16, bf16, q8_0, q4_0, q4_1");
   weights->capture_default_str()->check(CLI::IsMember(
       std::vector<std::string>(cpu::kWeightChoices.begin(), cpu::kWeightChoices.end())));
+  sub->add_option("--activations", options->activations,
+                  "With --compute engine: f32, or q8 (Q4/Q8 weights multiplied with activations "
+                  "rounded to 8-bit blocks, as llama.cpp does: faster, no longer the reference's "
+                  "function)")
+      ->capture_default_str()
+      ->check(CLI::IsMember(std::vector<std::string>(cpu::kActivationChoices.begin(),
+                                                     cpu::kActivationChoices.end())));
   sub->add_option("--threads", options->threads, "CPU threads (0 = all cores)")
       ->capture_default_str();
   sub->callback([options, model, preset, ids, text, chat, system]() {

@@ -68,7 +68,7 @@ BatchGenerator::BatchGenerator(const LlamaWeights& checkpoint, const PluginRegis
       pool_(pool_shape(weights_.config, setup.pool_slots)),
       rules_(rules_for(weights_.config, *attention_, setup.max_seq_len)),
       backend_(weights_, pool_, rules_.window,
-               select_compute_weights(weights_, setup.source, setup.weights)) {
+               select_compute_weights(weights_, setup.source, setup.weights, setup.activations)) {
   PluginContext context;
   context.pool = &pool_;
   context.model = &weights_.config;

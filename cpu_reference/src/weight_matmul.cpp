@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "q8_layout.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -438,6 +439,7 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
                             bool accumulate) {
   const std::int64_t rows = x.rows(), outputs = w.rows(), depth = w.cols();
   if (!accumulate) y.resize(rows, outputs);
+  if (w.interleaved()) return q8::multiply(x, w, y, accumulate);
   if (w.format() == WeightFormat::f32 && rows > kBlasRows) {
     const Eigen::Map<const RowMatrix> weights(reinterpret_cast<const float*>(w.row(0)), outputs,
                                               depth);

@@ -14,6 +14,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf.hpp"
 #include "kvlab/model/gguf_model.hpp"
+#include "q8_layout.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -117,6 +118,16 @@ void check_columns(WeightFormat format, std::int64_t cols) {
 
 }  // namespace
 
+std::string_view activation_format_name(ActivationFormat format) {
+  return kActivationChoices[static_cast<std::size_t>(format)];
+}
+
+std::optional<ActivationFormat> activation_format_from_name(std::string_view name) {
+  for (std::size_t i = 0; i < kActivationChoices.size(); ++i)
+    if (kActivationChoices[i] == name) return static_cast<ActivationFormat>(i);
+  return std::nullopt;
+}
+
 std::string_view weight_format_name(WeightFormat format) {
   return info(format).name;
 }
@@ -191,7 +202,7 @@ WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
   m.cols_ = parts[0].cols_;
   auto storage = std::make_shared<std::vector<std::byte>>();
   for (const auto& part : parts) {
-    if (part.format_ != m.format_ || part.cols_ != m.cols_)
+    if (part.format_ != m.format_ || part.cols_ != m.cols_ || part.interleaved_)
       throw Error("internal: stacked weight matrices differ in format or columns");
     storage->insert(storage->end(), part.data_, part.data_ + part.bytes());
     m.rows_ += part.rows_;
@@ -201,7 +212,14 @@ WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
   return m;
 }
 
+std::int64_t WeightMatrix::bytes() const {
+  if (!interleaved_) return rows_ * row_bytes();
+  return q8::group_count(rows_) * (cols_ / q8::kBlockValues) *
+         q8::group_block_layout(format_).bytes;
+}
+
 void WeightMatrix::dequantize_rows(std::int64_t first, std::int64_t count, float* out) const {
+  if (interleaved_) return q8::dequantize_interleaved_rows(*this, first, count, out);
   const auto values = static_cast<std::size_t>(count * cols_);
   gguf_dequantize(static_cast<std::uint32_t>(info(format_).gguf_type),
                   {row(first), static_cast<std::size_t>(count * row_bytes())}, {out, values});
@@ -331,17 +349,43 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   return out;
 }
 
+ComputeWeights with_q8_activations(ComputeWeights weights) {
+  std::int64_t interleaved = 0;
+  auto convert = [&](WeightMatrix& m) {
+    m = m.interleaved_for_q8();
+    interleaved += m.interleaved();
+  };
+  for (auto& l : weights.layers) {
+    convert(l.w_qkv);
+    convert(l.wo);
+    convert(l.w_gate_up);
+    convert(l.w_down);
+  }
+  convert(weights.output_projection);
+  weights.activations = ActivationFormat::q8;
+  weights.description += fmt::format(", 8-bit activations ({} Q matrices)", interleaved);
+  return weights;
+}
+
 ComputeWeights select_compute_weights(const LlamaWeights& weights,
-                                      const std::filesystem::path& source,
-                                      std::string_view choice) {
+                                      const std::filesystem::path& source, std::string_view choice,
+                                      std::string_view activations) {
+  const auto activation_format = activation_format_from_name(activations);
+  if (!activation_format)
+    throw Error(fmt::format("unknown activation format \"{}\": {}", activations,
+                            fmt::join(kActivationChoices, ", ")));
+  ComputeWeights out;
   if (choice == "stored")
-    return source.extension() == ".gguf" ? gguf_compute_weights(source, weights)
-                                         : compute_weights(weights, WeightFormat::f32);
-  if (const auto format = weight_format_from_name(choice)) return compute_weights(weights, *format);
-  throw Error(
-      fmt::format("unknown weight format \"{}\": {} (stored: a GGUF file's own types, "
-                  "f32 otherwise)",
-                  choice, fmt::join(kWeightChoices, ", ")));
+    out = source.extension() == ".gguf" ? gguf_compute_weights(source, weights)
+                                        : compute_weights(weights, WeightFormat::f32);
+  else if (const auto format = weight_format_from_name(choice))
+    out = compute_weights(weights, *format);
+  else
+    throw Error(
+        fmt::format("unknown weight format \"{}\": {} (stored: a GGUF file's own types, "
+                    "f32 otherwise)",
+                    choice, fmt::join(kWeightChoices, ", ")));
+  return *activation_format == ActivationFormat::q8 ? with_q8_activations(std::move(out)) : out;
 }
 
 }  // namespace kvlab::cpu

@@ -222,6 +222,17 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
       s.fail(*weights, fmt::format("backend.weights must be one of {}, not \"{}\"",
                                    fmt::join(choices, ", "), c.cpu_weights));
   }
+  if (const toml::node* activations = s.node("activations")) {
+    c.cpu_activations = s.get<std::string>("activations").value_or("");
+    if (c.backend != "cpu")
+      s.fail(*activations, fmt::format("backend.activations is the cpu backend's; backend "
+                                       "\"{}\" takes its own parameters",
+                                       c.backend));
+    const auto& choices = cpu::kActivationChoices;
+    if (std::find(choices.begin(), choices.end(), c.cpu_activations) == choices.end())
+      s.fail(*activations, fmt::format("backend.activations must be one of {}, not \"{}\"",
+                                       fmt::join(choices, ", "), c.cpu_activations));
+  }
   if (c.backend == "cpu" && c.profile.empty()) c.profile = kDefaultCpuProfile;
   if (c.backend == "simulated" && c.profile.empty())
     s.fail(where,

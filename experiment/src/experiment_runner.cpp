@@ -78,6 +78,11 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
         "kvlab check holds tokens equal to the reference over the checkpoint's own values; "
         "backend.weights = \"{}\" rounds them first: check with \"stored\" (the default)",
         c.cpu_weights));
+  if (c.cpu_activations != "f32" && check)
+    throw Error(fmt::format(
+        "kvlab check holds tokens equal to the reference's fp32 products; backend.activations = "
+        "\"{}\" rounds the activations of every Q4/Q8 product: check with \"f32\" (the default)",
+        c.cpu_activations));
   if (c.kv_dtype != DType::dtype_f32 && check)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the fp32 reference; a {} KV pool rounds every K and V, "
@@ -434,7 +439,8 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   } else {
     auto cpu_backend = std::make_unique<cpu::CpuBackend>(
         *served.weights, *r->pool, rules.window,
-        cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights));
+        cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights,
+                                    c.cpu_activations));
     r->weights_description = cpu_backend->matrices().description;
     r->inner = std::move(cpu_backend);
   }

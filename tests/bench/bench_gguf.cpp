@@ -5,7 +5,8 @@
 //   decode/64     64 sequences at 128-255 cached tokens     (llama-batched-bench -npp 128
 //                                                            -ntg 128 -npl 64)
 // Weights are multiplied in the file's stored types ("stored"), or in KVLAB_BENCH_WEIGHTS; the KV
-// pool holds KVLAB_BENCH_KV (f32, f16 or bf16; default f16, llama.cpp's default cache type).
+// pool holds KVLAB_BENCH_KV (f32, f16 or bf16; default f16, llama.cpp's default cache type);
+// KVLAB_BENCH_ACTIVATIONS=q8 multiplies the Q matrices with 8-bit activations (default f32).
 //   KVLAB_BENCH_GGUF=models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ./build/bin/kvlab_bench_gguf
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
@@ -33,10 +34,12 @@ const Model& model() {
   static const std::unique_ptr<Model> loaded = [] {
     const char* path = std::getenv("KVLAB_BENCH_GGUF");
     const char* format = std::getenv("KVLAB_BENCH_WEIGHTS");
+    const char* activations = std::getenv("KVLAB_BENCH_ACTIVATIONS");
     auto m = std::make_unique<Model>();
     m->path = path;
     m->weights = cpu::load_llama_weights(m->path);
-    m->matrices = cpu::select_compute_weights(m->weights, m->path, format ? format : "stored");
+    m->matrices = cpu::select_compute_weights(m->weights, m->path, format ? format : "stored",
+                                              activations ? activations : "f32");
     return m;
   }();
   return *loaded;

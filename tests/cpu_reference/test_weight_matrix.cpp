@@ -150,6 +150,75 @@ TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
         }
 }
 
+constexpr WeightFormat kQFormats[] = {WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1};
+
+TEST(WeightMatrix, InterleavedForQ8KeepsEveryValueAndItsBytes) {
+  const RowMatrix source = random_matrix(37, 96, 8);  // 37 rows: the last group of 16 is padded
+  for (WeightFormat f : kQFormats) {
+    const WeightMatrix rows = WeightMatrix::quantize(source, f);
+    const WeightMatrix interleaved = rows.interleaved_for_q8();
+    ASSERT_TRUE(interleaved.interleaved());
+    EXPECT_EQ(interleaved.dequantize(), rows.dequantize()) << weight_format_name(f);
+    // Q4: the bytes of the row-major blocks over 48 rows; Q8_0 adds a 2-byte sum per block.
+    const std::int64_t per_block = f == WeightFormat::q8_0 ? 36 : weight_format_block_bytes(f);
+    EXPECT_EQ(interleaved.bytes(), 48 * 3 * per_block) << weight_format_name(f);
+  }
+  const WeightMatrix f16 = WeightMatrix::quantize(source, WeightFormat::f16);
+  EXPECT_FALSE(f16.interleaved_for_q8().interleaved());  // not a Q format: unchanged
+}
+
+// x rounded per 32-value block as the q8 path does (scale max|x| / 127, nearest, ties to even).
+RowMatrix rounded_activations(const RowMatrix& x) {
+  RowMatrix out(x.rows(), x.cols());
+  for (Eigen::Index m = 0; m < x.rows(); ++m)
+    for (Eigen::Index b = 0; b < x.cols() / 32; ++b) {
+      const float d = x.row(m).segment(b * 32, 32).cwiseAbs().maxCoeff() / 127.0f;
+      for (Eigen::Index k = b * 32; k < b * 32 + 32; ++k)
+        out(m, k) = d == 0 ? 0.0f : d * std::nearbyint(x(m, k) * (1.0f / d));
+    }
+  return out;
+}
+
+// With 8-bit activations the product is that of the rounded activations and the dequantized
+// weights (integer block sums, then fp32 scales: the bound below is fp32 summation), for every
+// tile edge: rows of x around the 8-row tile and the 128-row pass, outputs around the 16-row
+// group. And it stays within the activations' rounding (half a step of each block's scale) of
+// the fp32 product.
+TEST(WeightMatrix, Q8ActivationProductIsTheProductOfTheRoundedBlocks) {
+  for (WeightFormat f : kQFormats)
+    for (std::int64_t outputs : {1, 16, 37})
+      for (std::int64_t rows : {1, 2, 7, 8, 9, 17, 64, 130}) {
+        const WeightMatrix w =
+            WeightMatrix::quantize(random_matrix(outputs, 96, 9, 0.1f), f).interleaved_for_q8();
+        const RowMatrix x = random_matrix(rows, 96, 10), dense = w.dequantize();
+        const RowMatrix rounded = rounded_activations(x);
+        const RowMatrix expected = rounded * dense.transpose();
+        const RowMatrix bound =
+            (rounded.cwiseAbs() * dense.cwiseAbs().transpose()) * (96 * 1.2e-7f);
+        // |x - rounded| <= half a step; the step is each block's scale.
+        RowMatrix half_step(rows, 96);
+        for (Eigen::Index m = 0; m < rows; ++m)
+          for (Eigen::Index b = 0; b < 3; ++b)
+            half_step.row(m)
+                .segment(b * 32, 32)
+                .setConstant(x.row(m).segment(b * 32, 32).cwiseAbs().maxCoeff() / 254.0f);
+        const RowMatrix rounding = half_step * dense.cwiseAbs().transpose();
+        const RowMatrix fp32 = x * dense.transpose();
+        RowMatrix y;
+        multiply_by_transposed(x, w, y, false);
+        RowMatrix accumulated = RowMatrix::Ones(rows, outputs);
+        multiply_by_transposed(x, w, accumulated, true);
+        for (Eigen::Index i = 0; i < rows; ++i)
+          for (Eigen::Index j = 0; j < outputs; ++j) {
+            ASSERT_LE(std::abs(y(i, j) - expected(i, j)), bound(i, j) + 1e-6f)
+                << weight_format_name(f) << " rows " << rows << " outputs " << outputs << " at "
+                << i << "," << j;
+            ASSERT_NEAR(accumulated(i, j), 1.0f + expected(i, j), bound(i, j) + 1e-5f);
+            ASSERT_LE(std::abs(y(i, j) - fp32(i, j)), rounding(i, j) * 1.001f + 1e-5f);
+          }
+      }
+}
+
 TEST(WeightMatrix, F32ViewSharesStorageAndStackConcatenatesRows) {
   const RowMatrix a = random_matrix(3, 64, 4), b = random_matrix(2, 64, 5);
   const WeightMatrix view = WeightMatrix::view(a);

@@ -47,7 +47,8 @@ struct BatchSetup {
   std::int64_t max_seq_len = 0;    // 0 = the model's context
   // The format the backend multiplies in (select_compute_weights), and the checkpoint's file.
   std::string weights = "stored";
-  std::filesystem::path source;  // a .gguf keeps its stored types under "stored"
+  std::string activations = "f32";  // "q8": 8-bit activations for Q weights (ActivationFormat)
+  std::filesystem::path source;     // a .gguf keeps its stored types under "stored"
 };
 
 class BatchGenerator {

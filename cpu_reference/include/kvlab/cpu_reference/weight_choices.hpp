@@ -11,4 +11,7 @@ namespace kvlab::cpu {
 inline constexpr std::array<std::string_view, 7> kWeightChoices{"stored", "f32",  "f16", "bf16",
                                                                 "q8_0",   "q4_0", "q4_1"};
 
+// `[backend] activations` and `--activations`: ActivationFormat's names in enum order.
+inline constexpr std::array<std::string_view, 2> kActivationChoices{"f32", "q8"};
+
 }  // namespace kvlab::cpu

@@ -4,7 +4,8 @@
 // in that format: each thread widens a panel of rows to fp32 in cache right before its FMAs, so
 // no fp32 copy of the matrix exists and every byte of it is read once per product. The math is
 // the fp32 reference's over the dequantized values (gguf_dequantize), only summed in another
-// order; activations stay fp32 (no activation quantization, unlike llama.cpp's q8_1 dots).
+// order; activations stay fp32 unless 8-bit activations are chosen (ActivationFormat::q8: the
+// Q formats' integer dot products, as llama.cpp's; see interleaved_for_q8).
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cstddef>
@@ -23,6 +24,15 @@
 namespace kvlab::cpu {
 
 enum class WeightFormat : std::uint8_t { f32, f16, bf16, q8_0, q4_0, q4_1 };
+
+// What the Q formats' products take as the other operand: fp32 activations (the reference's
+// function over the dequantized weights; the default), or activations rounded per 32-value
+// block to 8-bit integers (scale = max|x| / 127) and multiplied in integers, llama.cpp's
+// q8_0/q8_1 dot products: faster, and no longer the reference's function (kvlab check refuses
+// it). Other formats ignore it.
+enum class ActivationFormat : std::uint8_t { f32, q8 };
+std::string_view activation_format_name(ActivationFormat format);  // "f32", "q8"
+std::optional<ActivationFormat> activation_format_from_name(std::string_view name);
 
 // "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1".
 std::string_view weight_format_name(WeightFormat format);
@@ -53,8 +63,18 @@ class WeightMatrix {
   std::int64_t rows() const { return rows_; }
   std::int64_t cols() const { return cols_; }
   std::int64_t row_bytes() const { return weight_row_bytes(format_, cols_); }
-  std::int64_t bytes() const { return rows_ * row_bytes(); }
+  std::int64_t bytes() const;  // of the storage, in its layout
+  // Row r's bytes; rows of an interleaved matrix are not stored one after another (use
+  // dequantize_rows).
   const std::byte* row(std::int64_t r) const { return data_ + r * row_bytes(); }
+  const std::byte* data() const { return data_; }  // the storage, in its layout
+
+  // The same values regrouped for products with 8-bit activations (Q8_0, Q4_0, Q4_1; any other
+  // format is returned as it is): 16 rows interleaved per 32-value block so that one AVX-512
+  // VNNI instruction sums 4 values for 16 outputs (src/q8_layout.hpp). Packed once, at load;
+  // the row-major bytes are not kept. Every product with the result takes 8-bit activations.
+  WeightMatrix interleaved_for_q8() const;
+  bool interleaved() const { return interleaved_; }
 
   // Rows [first, first + count) widened to fp32 into `out` (count, cols) row-major.
   void dequantize_rows(std::int64_t first, std::int64_t count, float* out) const;
@@ -63,11 +83,13 @@ class WeightMatrix {
  private:
   WeightFormat format_ = WeightFormat::f32;
   std::int64_t rows_ = 0, cols_ = 0;
+  bool interleaved_ = false;
   std::shared_ptr<const std::vector<std::byte>> owned_;  // null for a view
   const std::byte* data_ = nullptr;
 };
 
-// y (+)= x w^T: x (M, K) fp32, w (N, K) in its format, y (M, N). Threads split w's rows. Up to
+// y (+)= x w^T: x (M, K) fp32, w (N, K) in its format, y (M, N). Threads split w's rows. An
+// interleaved w rounds x to 8-bit blocks and multiplies in integers (q8_matmul.cpp). Up to
 // 4 rows of x, each weight row is widened in registers and used at once; more, each thread
 // widens a panel of rows into cache and runs every row of x against it in register tiles
 // (AVX2 + FMA + F16C, AVX-512 where compiled for it; Eigen dot products otherwise).
@@ -91,6 +113,7 @@ struct LayerComputeWeights {
 // What CpuBackend multiplies with; norms and the embedding lookup stay in LlamaWeights (fp32).
 struct ComputeWeights {
   std::string description;  // "f32", "q4_1", "gguf native (Q4_1, Q8_0)" ...
+  ActivationFormat activations = ActivationFormat::f32;
   std::vector<LayerComputeWeights> layers;
   WeightMatrix output_projection;  // (vocab, dim)
   std::int64_t bytes() const;      // of every matrix above
@@ -107,9 +130,15 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights);
 
+// Every Q matrix of `weights` interleaved for 8-bit activations (interleaved_for_q8); the
+// description says so.
+ComputeWeights with_q8_activations(ComputeWeights weights);
+
 // `choice`: "stored" (gguf_compute_weights for a .gguf `source`, f32 otherwise: presets and
-// safetensors folders are held in fp32) or a format name. Throws kvlab::Error for another name.
+// safetensors folders are held in fp32) or a format name; `activations`: "f32" or "q8" (with
+// Q weights: with_q8_activations). Throws kvlab::Error for another name.
 ComputeWeights select_compute_weights(const LlamaWeights& weights,
-                                      const std::filesystem::path& source, std::string_view choice);
+                                      const std::filesystem::path& source, std::string_view choice,
+                                      std::string_view activations = "f32");
 
 }  // namespace kvlab::cpu

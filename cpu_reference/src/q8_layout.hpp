@@ -1,0 +1,55 @@
+#pragma once
+// The interleaved layout of Q weights multiplied with 8-bit activations (q8_matmul.cpp), shared
+// by the packer, the kernels and dequantize_rows.
+//
+// Rows are taken 16 at a time (a group; the last one padded with zero rows). For each group and
+// each 32-value block, in this order (groups outer, blocks inner, so a group's bytes stream):
+//   d[16]     f16 scales, one per row
+//   m[16]     f16 minimums (Q4_1 only)
+//   wsum[16]  int16 sums of the block's 32 values (Q8_0 only: the +128 activation offset's
+//             correction)
+//   values    8 slices of 64 bytes, slice t holding, for row j, values 4t..4t+3 at bytes
+//             4j..4j+3: one 512-bit register per slice, whose 32-bit lanes are the 16 rows, so a
+//             VNNI dot product of a slice with 4 broadcast activation bytes sums 4 values for
+//             16 outputs at once. Q8_0: int8 values, 512 bytes. Q4_0/Q4_1: 4 slices of 64 bytes
+//             (256 bytes), the low nibbles holding slices 0-3 and the high nibbles slices 4-7.
+#include <cstdint>
+
+#include "kvlab/cpu_reference/weight_matrix.hpp"
+
+namespace kvlab::cpu::q8 {
+
+constexpr std::int64_t kGroupRows = 16;
+constexpr std::int64_t kBlockValues = 32;
+
+struct GroupBlockLayout {
+  std::int64_t minimums = -1;  // byte offset of m[16], -1 when absent
+  std::int64_t sums = -1;      // byte offset of wsum[16], -1 when absent
+  std::int64_t values = 0;     // byte offset of the value slices
+  std::int64_t bytes = 0;      // of one group's block
+};
+
+constexpr GroupBlockLayout group_block_layout(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::q8_0:
+      return {-1, 32, 64, 64 + 512};
+    case WeightFormat::q4_1:
+      return {32, -1, 64, 64 + 256};
+    default:  // q4_0
+      return {-1, -1, 32, 32 + 256};
+  }
+}
+
+constexpr std::int64_t group_count(std::int64_t rows) {
+  return (rows + kGroupRows - 1) / kGroupRows;
+}
+
+// True when built with the AVX-512 VNNI kernels (plain integer loops otherwise).
+bool vnni_kernels();
+// Rows [first, first + count) of an interleaved matrix widened to fp32 (count, cols).
+void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
+                                 float* out);
+// y (+)= x w^T, w interleaved, x rounded to 8-bit blocks first. y sized by the caller.
+void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate);
+
+}  // namespace kvlab::cpu::q8

@@ -1,0 +1,343 @@
+// y (+)= x w^T for Q8_0/Q4_0/Q4_1 weights in the interleaved layout (q8_layout.hpp), with x
+// rounded per 32-value block to 8-bit integers first (llama.cpp's q8_0/q8_1 activations):
+//   x_b ~ dx_b * qx_b,  qx_b = round(x_b / dx_b) in [-127, 127],  dx_b = max|x_b| / 127
+// and each block's dot product taken in integers:
+//   Q4_0/Q4_1  w_b = d * u + m (u the nibbles, Q4_0: m = -8 d)
+//              w_b . x_b ~ d dx (u . qx) + m (dx sum(qx))
+//   Q8_0       w_b = d * v (v int8); VNNI multiplies unsigned by signed bytes, so qx + 128 is
+//              the unsigned side:  v . qx = v . (qx + 128) - 128 sum(v)
+// With AVX-512 VNNI, one vpdpbusd sums 4 values for 16 outputs; register tiles of up to 8 rows
+// of x share each block's widened nibbles. Elsewhere the same integer sums in plain loops.
+#include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
+
+#include <omp.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define KVLAB_Q8_VNNI 1
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "kvlab/dtype.hpp"
+#include "q8_layout.hpp"
+
+namespace kvlab::cpu {
+namespace {
+
+using q8::group_block_layout;
+using q8::GroupBlockLayout;
+using q8::kBlockValues;
+using q8::kGroupRows;
+
+float f16_at(const std::byte* p) {
+  float value = 0;
+  convert_to_f32(DType::dtype_f16, {p, 2}, {&value, 1});
+  return value;
+}
+
+bool is_q(WeightFormat format) {
+  return format == WeightFormat::q8_0 || format == WeightFormat::q4_0 ||
+         format == WeightFormat::q4_1;
+}
+
+// Value k (0-31) of a row-major Q block, as an integer: Q8_0 signed, Q4 the unsigned nibble.
+int block_value(WeightFormat format, const std::byte* block, int k) {
+  if (format == WeightFormat::q8_0) return static_cast<std::int8_t>(block[2 + k]);
+  const std::byte* qs = block + (format == WeightFormat::q4_1 ? 4 : 2);
+  const auto byte = std::to_integer<int>(qs[k % 16]);
+  return k < 16 ? byte & 0x0F : byte >> 4;
+}
+
+// One row's block (row-major Q bytes) into row j of a group's block.
+void pack_row_block(WeightFormat format, const std::byte* block, int j, std::byte* out) {
+  const GroupBlockLayout layout = group_block_layout(format);
+  std::memcpy(out + 2 * j, block, 2);  // d
+  if (layout.minimums >= 0) std::memcpy(out + layout.minimums + 2 * j, block + 2, 2);
+  std::int16_t sum = 0;
+  for (int k = 0; k < kBlockValues; ++k) {
+    const int v = block_value(format, block, k), t = k / 4, i = k % 4;
+    if (format == WeightFormat::q8_0) {
+      out[layout.values + 64 * t + 4 * j + i] = static_cast<std::byte>(v);
+      sum = static_cast<std::int16_t>(sum + v);
+    } else {
+      std::byte& target = out[layout.values + 64 * (t % 4) + 4 * j + i];
+      target |= static_cast<std::byte>(t < 4 ? v : v << 4);
+    }
+  }
+  if (layout.sums >= 0) std::memcpy(out + layout.sums + 2 * j, &sum, 2);
+}
+
+// Value k of row j of a group's block (the layout's inverse), with the row's d and m applied.
+float interleaved_value(WeightFormat format, const std::byte* group_block, int j, int k) {
+  const GroupBlockLayout layout = group_block_layout(format);
+  const float d = f16_at(group_block + 2 * j);
+  const int t = k / 4, i = k % 4;
+  if (format == WeightFormat::q8_0)
+    return d * static_cast<float>(
+                   static_cast<std::int8_t>(group_block[layout.values + 64 * t + 4 * j + i]));
+  const auto byte = std::to_integer<int>(group_block[layout.values + 64 * (t % 4) + 4 * j + i]);
+  const int u = t < 4 ? byte & 0x0F : byte >> 4;
+  if (format == WeightFormat::q4_0) return d * static_cast<float>(u - 8);
+  return d * static_cast<float>(u) + f16_at(group_block + layout.minimums + 2 * j);
+}
+
+// x (M, K) rounded per block: q (M, K) int8 (+128 as unsigned bytes for Q8_0 weights), and per
+// (row, block) the scale dx and dx * sum(q).
+struct QuantizedRows {
+  std::vector<std::int8_t> q;
+  std::vector<float> scale, scaled_sum;
+  std::int64_t cols = 0, blocks = 0;
+};
+
+void quantize_rows(const RowMatrix& x, bool unsigned_bytes, QuantizedRows& out) {
+  out.cols = x.cols();
+  out.blocks = x.cols() / kBlockValues;
+  out.q.resize(static_cast<std::size_t>(x.rows() * x.cols()));
+  out.scale.resize(static_cast<std::size_t>(x.rows() * out.blocks));
+  out.scaled_sum.resize(out.scale.size());
+#pragma omp parallel for schedule(static) if (x.rows() > 16)
+  for (std::int64_t m = 0; m < x.rows(); ++m)
+    for (std::int64_t b = 0; b < out.blocks; ++b) {
+      const float* v = x.row(m).data() + b * kBlockValues;
+      float amax = 0;
+      for (int k = 0; k < kBlockValues; ++k) amax = std::max(amax, std::fabs(v[k]));
+      const float d = amax / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
+      int sum = 0;
+      std::int8_t* q = out.q.data() + m * out.cols + b * kBlockValues;
+      for (int k = 0; k < kBlockValues; ++k) {
+        const int value = static_cast<int>(std::nearbyint(v[k] * inverse));
+        sum += value;
+        // Q8_0 weights: the unsigned byte value + 128, kept in the same int8 storage.
+        q[k] = unsigned_bytes ? static_cast<std::int8_t>(static_cast<std::uint8_t>(value + 128))
+                              : static_cast<std::int8_t>(value);
+      }
+      out.scale[static_cast<std::size_t>(m * out.blocks + b)] = d;
+      out.scaled_sum[static_cast<std::size_t>(m * out.blocks + b)] = d * static_cast<float>(sum);
+    }
+}
+
+#if !KVLAB_Q8_VNNI
+void store_outputs(const float* values, std::int64_t count, bool accumulate, float* y) {
+  for (std::int64_t j = 0; j < count; ++j) y[j] = accumulate ? y[j] + values[j] : values[j];
+}
+
+// The plain loops: one group against rows [m0, m0 + rows) of x.
+void group_rows_plain(WeightFormat format, const std::byte* group, const QuantizedRows& x,
+                      std::int64_t m0, std::int64_t rows, float* out /* (rows, 16) */) {
+  const GroupBlockLayout layout = group_block_layout(format);
+  std::fill(out, out + rows * kGroupRows, 0.0f);
+  for (std::int64_t b = 0; b < x.blocks; ++b) {
+    const std::byte* gb = group + b * layout.bytes;
+    for (std::int64_t r = 0; r < rows; ++r) {
+      const std::int64_t xb = (m0 + r) * x.blocks + b;
+      const std::int8_t* qx = x.q.data() + (m0 + r) * x.cols + b * kBlockValues;
+      for (int j = 0; j < kGroupRows; ++j) {
+        std::int32_t dot = 0;
+        for (int k = 0; k < kBlockValues; ++k) {
+          const int t = k / 4, i = k % 4;
+          const auto byte = gb[layout.values + 64 * (t % 4) + 4 * j + i];
+          if (format == WeightFormat::q8_0) {
+            const auto v = static_cast<std::int8_t>(gb[layout.values + 64 * t + 4 * j + i]);
+            dot += v * static_cast<int>(static_cast<std::uint8_t>(qx[k]));
+          } else {
+            const auto u = std::to_integer<int>(t < 4 ? byte & std::byte{0x0F} : byte >> 4);
+            dot += u * qx[k];
+          }
+        }
+        const float d = f16_at(gb + 2 * j);
+        float& o = out[r * kGroupRows + j];
+        if (format == WeightFormat::q8_0) {
+          std::int16_t wsum = 0;
+          std::memcpy(&wsum, gb + layout.sums + 2 * j, 2);
+          dot -= 128 * wsum;
+        }
+        o = std::fma(static_cast<float>(dot), d * x.scale[static_cast<std::size_t>(xb)], o);
+        if (format != WeightFormat::q8_0) {
+          const float m =
+              format == WeightFormat::q4_0 ? -8.0f * d : f16_at(gb + layout.minimums + 2 * j);
+          o = std::fma(m, x.scaled_sum[static_cast<std::size_t>(xb)], o);
+        }
+      }
+    }
+  }
+}
+
+#endif
+
+#if KVLAB_Q8_VNNI
+// Rows [m0, m0 + Rows) of x against one group: out row r = y + (m0 + r) * ldy, 16 outputs
+// (`mask`: those that exist). Per block: the group's 8 value slices in registers (Q4: 4 loads
+// and their nibbles split), then per row of x 8 vpdpbusd with 4 broadcast activation bytes
+// each (two sums in flight), one conversion and one or two FMAs with the block's scales.
+template <WeightFormat Format, int Rows>
+void group_tile_vnni(const std::byte* group, const QuantizedRows& x, std::int64_t m0,
+                     __mmask16 mask, bool accumulate, float* y, std::int64_t ldy) {
+  constexpr GroupBlockLayout layout = group_block_layout(Format);
+  __m512 acc[Rows];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+  const __m512i low_nibbles = _mm512_set1_epi8(0x0F);
+  for (std::int64_t b = 0; b < x.blocks; ++b) {
+    const std::byte* gb = group + b * layout.bytes;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb)));
+    __m512 m = _mm512_setzero_ps();
+    __m512i w[8], correction = _mm512_setzero_si512();
+    if constexpr (Format == WeightFormat::q8_0) {
+      for (int t = 0; t < 8; ++t) w[t] = _mm512_loadu_si512(gb + layout.values + 64 * t);
+      correction = _mm512_slli_epi32(_mm512_cvtepi16_epi32(_mm256_loadu_si256(
+                                         reinterpret_cast<const __m256i*>(gb + layout.sums))),
+                                     7);
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i packed = _mm512_loadu_si512(gb + layout.values + 64 * p);
+        w[p] = _mm512_and_si512(packed, low_nibbles);
+        w[p + 4] = _mm512_and_si512(_mm512_srli_epi16(packed, 4), low_nibbles);
+      }
+      m = Format == WeightFormat::q4_1
+              ? _mm512_cvtph_ps(
+                    _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + layout.minimums)))
+              : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const std::int8_t* qx = x.q.data() + (m0 + r) * x.cols + b * kBlockValues;
+      __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+      for (int t = 0; t < 8; ++t) {
+        std::int32_t four = 0;
+        std::memcpy(&four, qx + 4 * t, 4);
+        const __m512i a = _mm512_set1_epi32(four);
+        sums[t % 2] = Format == WeightFormat::q8_0 ? _mm512_dpbusd_epi32(sums[t % 2], a, w[t])
+                                                   : _mm512_dpbusd_epi32(sums[t % 2], w[t], a);
+      }
+      __m512i dot = _mm512_add_epi32(sums[0], sums[1]);
+      if constexpr (Format == WeightFormat::q8_0) dot = _mm512_sub_epi32(dot, correction);
+      const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                               _mm512_mul_ps(d, _mm512_set1_ps(x.scale[xb])), acc[r]);
+      if constexpr (Format != WeightFormat::q8_0)
+        acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.scaled_sum[xb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    float* out = y + (m0 + r) * ldy;
+    if (accumulate) acc[r] = _mm512_add_ps(acc[r], _mm512_maskz_loadu_ps(mask, out));
+    _mm512_mask_storeu_ps(out, mask, acc[r]);
+  }
+}
+
+constexpr int kTileRows = 8;  // 8 accumulators + 8 value slices + temporaries: 32 registers
+
+// The tile for `rows` (1 to kTileRows) rows: Rows counts down to the one needed.
+template <WeightFormat Format, int Rows = kTileRows>
+void group_tile_rows(int rows, const std::byte* group, const QuantizedRows& x, std::int64_t m0,
+                     __mmask16 mask, bool accumulate, float* y, std::int64_t ldy) {
+  if constexpr (Rows > 1) {
+    if (rows < Rows)
+      return group_tile_rows<Format, Rows - 1>(rows, group, x, m0, mask, accumulate, y, ldy);
+  }
+  group_tile_vnni<Format, Rows>(group, x, m0, mask, accumulate, y, ldy);
+}
+#endif
+
+// Rows [m_begin, m_end) of x against group g: y's columns 16 g ... (fewer in the last group).
+void group_product(WeightFormat format, const std::byte* group, std::int64_t g,
+                   std::int64_t outputs, const QuantizedRows& x, std::int64_t m_begin,
+                   std::int64_t m_end, bool accumulate, RowMatrix& y) {
+  const std::int64_t n0 = g * kGroupRows, count = std::min(kGroupRows, outputs - n0);
+#if KVLAB_Q8_VNNI
+  const auto mask = static_cast<__mmask16>((1u << count) - 1);
+  for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+    const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0));
+    float* target = y.data() + n0;
+    switch (format) {
+      case WeightFormat::q8_0:
+        group_tile_rows<WeightFormat::q8_0>(rows, group, x, m0, mask, accumulate, target, y.cols());
+        break;
+      case WeightFormat::q4_0:
+        group_tile_rows<WeightFormat::q4_0>(rows, group, x, m0, mask, accumulate, target, y.cols());
+        break;
+      default:
+        group_tile_rows<WeightFormat::q4_1>(rows, group, x, m0, mask, accumulate, target, y.cols());
+        break;
+    }
+  }
+#else
+  float out[kGroupRows];
+  for (std::int64_t m = m_begin; m < m_end; ++m) {
+    group_rows_plain(format, group, x, m, 1, out);
+    store_outputs(out, count, accumulate, y.data() + m * y.cols() + n0);
+  }
+#endif
+}
+
+// Rows of x per pass over the weights: their 8-bit copy (rows x depth bytes) stays in L2 while
+// each group's blocks are read once per pass.
+constexpr std::int64_t kRowsPerPass = 128;
+
+}  // namespace
+
+namespace q8 {
+
+bool vnni_kernels() {
+#if KVLAB_Q8_VNNI
+  return true;
+#else
+  return false;
+#endif
+}
+
+void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
+                                 float* out) {
+  const GroupBlockLayout layout = group_block_layout(w.format());
+  const std::int64_t blocks = w.cols() / kBlockValues;
+  for (std::int64_t r = first; r < first + count; ++r) {
+    const std::byte* group = w.data() + (r / kGroupRows) * blocks * layout.bytes;
+    const int j = static_cast<int>(r % kGroupRows);
+    for (std::int64_t b = 0; b < blocks; ++b)
+      for (int k = 0; k < kBlockValues; ++k)
+        *out++ = interleaved_value(w.format(), group + b * layout.bytes, j, k);
+  }
+}
+
+void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
+  const std::int64_t rows = x.rows(), outputs = w.rows();
+  const std::int64_t group_bytes = w.cols() / kBlockValues * group_block_layout(w.format()).bytes;
+  thread_local QuantizedRows kept;  // between products: no allocation per call
+  QuantizedRows& quantized = kept;  // the caller's, shared by the threads below
+  quantize_rows(x, w.format() == WeightFormat::q8_0, quantized);
+#pragma omp parallel
+  for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
+    const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
+#pragma omp for schedule(static)
+    for (std::int64_t g = 0; g < group_count(outputs); ++g)
+      group_product(w.format(), w.data() + g * group_bytes, g, outputs, quantized, m_begin, m_end,
+                    accumulate, y);
+  }
+}
+
+}  // namespace q8
+
+WeightMatrix WeightMatrix::interleaved_for_q8() const {
+  if (!is_q(format_) || interleaved_) return *this;
+  const GroupBlockLayout layout = group_block_layout(format_);
+  const std::int64_t blocks = cols_ / kBlockValues, groups = q8::group_count(rows_);
+  const std::int64_t block_bytes = weight_format_block_bytes(format_);
+  auto storage = std::make_shared<std::vector<std::byte>>(
+      static_cast<std::size_t>(groups * blocks * layout.bytes));
+#pragma omp parallel for schedule(static)
+  for (std::int64_t r = 0; r < rows_; ++r) {
+    std::byte* group = storage->data() + (r / kGroupRows) * blocks * layout.bytes;
+    for (std::int64_t b = 0; b < blocks; ++b)
+      pack_row_block(format_, row(r) + b * block_bytes, static_cast<int>(r % kGroupRows),
+                     group + b * layout.bytes);
+  }
+  WeightMatrix m = *this;
+  m.data_ = storage->data();
+  m.owned_ = std::move(storage);
+  m.interleaved_ = true;
+  return m;
+}
+
+}  // namespace kvlab::cpu
