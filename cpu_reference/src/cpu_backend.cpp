@@ -250,30 +250,48 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   RowMatrix scores(heads, task.keys());                                     // (heads, keys)
   const float* queries = q.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
-  auto chunks = [&](auto&& body) {
-    task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
-      for (std::int64_t j = 0; j < length; j += kChunk)
-        body(column + j, slot + j, std::min(kChunk, length - j));
-    });
+  struct Chunk {
+    std::int64_t column, slot, count;
   };
-  // A whole-entry task reads whole slot rows: ask for the chunk's consecutive bytes first, so
-  // memory streams them in order instead of head slice by head slice.
+  thread_local std::vector<Chunk> chunks;  // the task's runs in chunks, in order
+  chunks.clear();
+  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
+    for (std::int64_t j = 0; j < length; j += kChunk)
+      chunks.push_back({column + j, slot + j, std::min(kChunk, length - j)});
+  });
+  // A whole-entry task reads whole slot rows: while each head works on one chunk, it asks for
+  // its share of the next chunk's consecutive bytes (K's, then V's), so memory streams them in
+  // order and ahead of use, spread over the heads' work (a burst of prefetches would wait on the
+  // core's miss buffers), instead of head slice by head slice.
   const bool whole_rows = task.kv_count == shape.kv_heads;
-  chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
-    if (whole_rows) prefetch_bytes(pool_.key_bytes(layer, slot), count * stride);
-    for (std::int64_t h = 0; h < heads; ++h)
+  auto fetch_share = [&](bool value, std::size_t i, std::int64_t h) {
+    if (!whole_rows || i >= chunks.size()) return;
+    const std::int64_t bytes = chunks[i].count * stride, share = (bytes + heads - 1) / heads;
+    const std::int64_t begin = std::min(bytes, h * share), end = std::min(bytes, begin + share);
+    const std::int64_t slot = chunks[i].slot;
+    prefetch_bytes((value ? pool_.value_bytes(layer, slot) : pool_.key_bytes(layer, slot)) + begin,
+                   end - begin);
+  };
+  for (std::int64_t h = 0; h < heads; ++h) fetch_share(false, 0, h);
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const auto [column, slot, count] = chunks[i];
+    for (std::int64_t h = 0; h < heads; ++h) {
+      fetch_share(i + 1 < chunks.size() ? false : true, i + 1 < chunks.size() ? i + 1 : 0, h);
       score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride, count,
                  hd, scale, &scores(h, column));
-  });
+    }
+  }
   masked_softmax(task, scores);
   float* o = out.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
   std::fill(o, o + heads * hd, 0.0f);
-  chunks([&](std::int64_t column, std::int64_t slot, std::int64_t count) {
-    if (whole_rows) prefetch_bytes(pool_.value_bytes(layer, slot), count * stride);
-    for (std::int64_t h = 0; h < heads; ++h)
+  for (std::size_t i = 0; i < chunks.size(); ++i) {
+    const auto [column, slot, count] = chunks[i];
+    for (std::int64_t h = 0; h < heads; ++h) {
+      fetch_share(true, i + 1, h);
       add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset(h),
                         stride, count, hd, o + h * hd);
-  });
+    }
+  }
 }
 
 // Head `kv_head` of `length` consecutive slots as (length, hd) fp32: the pool rows in place

@@ -201,9 +201,11 @@ void group_tile_vnni(const std::byte* group, const QuantizedRows& x, std::int64_
                     _mm256_loadu_si256(reinterpret_cast<const __m256i*>(gb + layout.minimums)))
               : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
     }
+#pragma GCC unroll 8  // every accumulator stays in a register
     for (int r = 0; r < Rows; ++r) {
       const std::int8_t* qx = x.q.data() + (m0 + r) * x.cols + b * kBlockValues;
       __m512i sums[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+#pragma GCC unroll 8
       for (int t = 0; t < 8; ++t) {
         std::int32_t four = 0;
         std::memcpy(&four, qx + 4 * t, 4);

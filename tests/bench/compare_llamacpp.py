@@ -5,7 +5,8 @@ For each round and each model file, in turn: llama-bench (pp512, tg128), llama-b
 (64 sequences of 128 prompt tokens, 32 new tokens each: decode at 64 x 128-160 cached tokens),
 then kvlab_bench_gguf (prefill 512, decode 1 at 64 cached tokens, decode 64 at 128-255), both
 with an f16 KV cache (llama.cpp's default; KVLAB_BENCH_KV is passed through). Both
-use 2 threads. Medians over the rounds, and their ratios, are printed as a Markdown table and
+use 2 threads. kvlab runs once per --activations choice (f32: the reference's products; q8:
+8-bit activations, llama.cpp's kind of product; q8 only for files whose matrices are Q4/Q8). Medians over the rounds, and their ratios, are printed as a Markdown table and
 every measurement is written to a CSV.
 
 llama.cpp is built outside the repository (docs/benchmarks.md says how); pass its bin folder:
@@ -49,8 +50,8 @@ def llama_cpp(bin_dir, model):
     return result
 
 
-def kvlab(bin_dir, model):
-    env = dict(os.environ, KVLAB_BENCH_GGUF=model)
+def kvlab(bin_dir, model, activations):
+    env = dict(os.environ, KVLAB_BENCH_GGUF=model, KVLAB_BENCH_ACTIVATIONS=activations)
     out = run([f"{bin_dir}/kvlab_bench_gguf", "--benchmark_min_time=1",
                "--benchmark_format=json"], env)
     names = {"BM_Prefill512": "prefill512", "BM_Decode1": "decode1", "BM_Decode64": "decode64"}
@@ -67,16 +68,31 @@ def main():
     parser.add_argument("--kvlab-bin", default="build/bin")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="results/llamacpp_compare.csv")
+    parser.add_argument("--activations", default="f32,q8",
+                        help="kvlab's activation formats, comma-separated (default f32,q8)")
     parser.add_argument("models", nargs="+")
     args = parser.parse_args()
+    activations = args.activations.split(",")
+
+    def label(model, act):  # a file's row in the table; kvlab's q8 runs get their own
+        name = os.path.basename(model)
+        return name if act == "f32" else f"{name}, kvlab q8 activations"
+
+    def quantized(model):  # q8 activations change only Q4/Q8 matrices
+        return any(t in os.path.basename(model).lower() for t in ("q4_0", "q4_1", "q8_0"))
+
     rows = []
     for r in range(args.rounds):
         for model in args.models:
-            for tool, measure in (("llama.cpp", llama_cpp), ("kvlab", kvlab)):
-                for shape, value in measure(args.llama_bin if tool == "llama.cpp"
-                                            else args.kvlab_bin, model).items():
-                    rows.append({"round": r, "model": os.path.basename(model), "tool": tool,
-                                 "shape": shape, "tok_s": value})
+            llama = llama_cpp(args.llama_bin, model)
+            for act in activations:
+                if act != "f32" and not quantized(model):
+                    continue
+                for tool, result in (("llama.cpp", llama),
+                                     ("kvlab", kvlab(args.kvlab_bin, model, act))):
+                    for shape, value in result.items():
+                        rows.append({"round": r, "model": label(model, act), "tool": tool,
+                                     "shape": shape, "tok_s": value})
             print(f"round {r + 1}/{args.rounds}: {os.path.basename(model)}", file=sys.stderr)
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out, "w", newline="") as f:
@@ -93,7 +109,7 @@ def main():
           "(kvlab / llama.cpp)\n")
     print("| model | prefill 512 | decode B=1 | decode B=64 | B=64 / compute ceiling |")
     print("|---|---|---|---|---|")
-    for model in dict.fromkeys(os.path.basename(m) for m in args.models):
+    for model in dict.fromkeys(x["model"] for x in rows):
         cells = []
         for shape in ("prefill512", "decode1", "decode64"):
             k, l = median(model, "kvlab", shape), median(model, "llama.cpp", shape)

@@ -3,6 +3,7 @@
 #include <sentencepiece_trainer.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <nlohmann/json.hpp>
 #include <sstream>
@@ -124,6 +125,20 @@ TEST(Cli, EngineComputeGivesTheReferencesTokens) {
   }
   EXPECT_EQ(count, 24);
   expect_failure("generate --preset tiny --prompt-ids 1 --compute fast", "--compute");
+}
+
+// --activations q8 (with Q weights) runs the engine's products on 8-bit activations: it says
+// so, and it needs the engine; an unknown format is refused by name.
+TEST(Cli, Q8ActivationsRunThroughTheEngineOnly) {
+  const RunResult r =
+      run("generate --preset stories15m --prompt-ids 1,450,4996 --max-tokens 8 --ignore-eos "
+          "--compute engine --weights q4_0 --activations q8 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(std::count(r.stdout_only.begin(), r.stdout_only.end(), '\n'), 8) << r.output;
+  expect_failure("generate --preset tiny --prompt-ids 1 --activations q8",
+                 "--activations q8 needs --compute engine");
+  expect_failure("generate --preset tiny --prompt-ids 1 --compute engine --activations q4",
+                 "--activations");
 }
 
 TEST(Cli, JsonOutputHasOneObjectPerPosition) {

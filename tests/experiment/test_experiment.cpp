@@ -201,14 +201,23 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
             std::string::npos);
   EXPECT_NE(load_error({"backend.weights=\"q4_0\""}, true).find("rounds them first"),
             std::string::npos);
-  const auto runs =
-      load_experiment(kQuickstart, small({"backend.weights=\"q8_0\"", "kv_cache.dtype=\"bf16\""}));
+  EXPECT_NE(load_error({"backend.activations=\"int4\""})
+                .find("backend.activations must be one of f32, q8"),
+            std::string::npos);
+  EXPECT_NE(load_error({"backend.activations=\"q8\""}, true).find("rounds the activations"),
+            std::string::npos);
+  const auto runs = load_experiment(
+      kQuickstart,
+      small({"backend.weights=\"q8_0\"", "kv_cache.dtype=\"bf16\"", "backend.activations=\"q8\""}));
   EXPECT_EQ(runs[1].config.cpu_weights, "q8_0");
+  EXPECT_EQ(runs[1].config.cpu_activations, "q8");
   EXPECT_EQ(runs[1].config.kv_dtype, DType::dtype_bf16);
   validate_experiment(runs, false);
   const RunOutput out = run_experiment(runs[1].config, false, nullptr);
   EXPECT_EQ(out.summary.finished + out.summary.rejected, out.summary.submitted);
   EXPECT_GT(out.summary.finished, 0);
+  EXPECT_NE(out.weights_description.find("8-bit activations"), std::string::npos)
+      << out.weights_description;
 }
 
 }  // namespace
