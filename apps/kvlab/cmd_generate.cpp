@@ -37,7 +37,7 @@ struct GenerateOptions {
   bool stream = false;
   std::string compute;  // "reference" | "engine"; empty: engine with --chat, else reference
   std::string weights = "stored";   // the engine's weight format (cpu::select_compute_weights)
-  std::string activations = "f32";  // "q8": the engine's Q products take 8-bit activations
+  std::string activations = "f32";  // q8/bf16: reduced-precision activations (ActivationFormat)
   int threads = 0;
 };
 
@@ -272,9 +272,9 @@ void register_generate(CLI::App& app) {
   weights->capture_default_str()->check(CLI::IsMember(
       std::vector<std::string>(cpu::kWeightChoices.begin(), cpu::kWeightChoices.end())));
   sub->add_option("--activations", options->activations,
-                  "With --compute engine: f32, or q8 (Q4/Q8 weights multiplied with activations "
-                  "rounded to 8-bit blocks, as llama.cpp does: faster, no longer the reference's "
-                  "function)")
+                  "With --compute engine: f32; q8 (Q4/Q8 weights multiplied with activations "
+                  "rounded to 8-bit blocks) or bf16 (bf16 weights with bf16 activations), as "
+                  "llama.cpp does: faster, no longer the reference's function")
       ->capture_default_str()
       ->check(CLI::IsMember(std::vector<std::string>(cpu::kActivationChoices.begin(),
                                                      cpu::kActivationChoices.end())));

@@ -1,4 +1,4 @@
-// y (+)= x w^T for Q8_0/Q4_0/Q4_1 weights in the interleaved layout (q8_layout.hpp), with x
+// y (+)= x w^T for Q8_0/Q4_0/Q4_1 weights in the interleaved layout (interleaved.hpp), with x
 // rounded per 32-value block to 8-bit integers first (llama.cpp's q8_0/q8_1 activations):
 //   x_b ~ dx_b * qx_b,  qx_b = round(x_b / dx_b) in [-127, 127],  dx_b = max|x_b| / 127
 // and each block's dot product taken in integers:
@@ -22,8 +22,8 @@
 #include <cstring>
 #include <vector>
 
+#include "interleaved.hpp"
 #include "kvlab/dtype.hpp"
-#include "q8_layout.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -37,11 +37,6 @@ float f16_at(const std::byte* p) {
   float value = 0;
   convert_to_f32(DType::dtype_f16, {p, 2}, {&value, 1});
   return value;
-}
-
-bool is_q(WeightFormat format) {
-  return format == WeightFormat::q8_0 || format == WeightFormat::q4_0 ||
-         format == WeightFormat::q4_1;
 }
 
 // Value k (0-31) of a row-major Q block, as an integer: Q8_0 signed, Q4 the unsigned nibble.
@@ -319,27 +314,21 @@ void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accu
   }
 }
 
-}  // namespace q8
-
-WeightMatrix WeightMatrix::interleaved_for_q8() const {
-  if (!is_q(format_) || interleaved_) return *this;
-  const GroupBlockLayout layout = group_block_layout(format_);
-  const std::int64_t blocks = cols_ / kBlockValues, groups = q8::group_count(rows_);
-  const std::int64_t block_bytes = weight_format_block_bytes(format_);
-  auto storage = std::make_shared<std::vector<std::byte>>(
-      static_cast<std::size_t>(groups * blocks * layout.bytes));
+std::vector<std::byte> interleave(const WeightMatrix& w) {
+  const GroupBlockLayout layout = group_block_layout(w.format());
+  const std::int64_t blocks = w.cols() / kBlockValues;
+  const std::int64_t block_bytes = weight_format_block_bytes(w.format());
+  std::vector<std::byte> out(
+      static_cast<std::size_t>(group_count(w.rows()) * blocks * layout.bytes));
 #pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < rows_; ++r) {
-    std::byte* group = storage->data() + (r / kGroupRows) * blocks * layout.bytes;
+  for (std::int64_t r = 0; r < w.rows(); ++r) {
+    std::byte* group = out.data() + (r / kGroupRows) * blocks * layout.bytes;
     for (std::int64_t b = 0; b < blocks; ++b)
-      pack_row_block(format_, row(r) + b * block_bytes, static_cast<int>(r % kGroupRows),
+      pack_row_block(w.format(), w.row(r) + b * block_bytes, static_cast<int>(r % kGroupRows),
                      group + b * layout.bytes);
   }
-  WeightMatrix m = *this;
-  m.data_ = storage->data();
-  m.owned_ = std::move(storage);
-  m.interleaved_ = true;
-  return m;
+  return out;
 }
 
+}  // namespace q8
 }  // namespace kvlab::cpu

@@ -21,8 +21,8 @@
 #include <cstring>
 #include <vector>
 
+#include "interleaved.hpp"
 #include "kvlab/cpu_reference/weight_matrix.hpp"
-#include "q8_layout.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -379,7 +379,17 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
     for (std::int64_t p = 0; p < panels; ++p) {
       const std::int64_t n0 = p * kPackWidth, count = std::min(kPackWidth, outputs - n0);
       pack_panel(w, n0, count, rows_buffer.data(), panel.data());
+      // The next panel's weight rows (this thread's, under a static schedule) are asked for in
+      // slices while the tiles compute, so that packing it does not wait on memory.
+      const std::int64_t next = std::min(outputs, n0 + kPackWidth);
+      const std::int64_t next_bytes = std::min(kPackWidth, outputs - next) * w.row_bytes();
+      const std::int64_t tiles = (rows + kPackedRows - 1) / kPackedRows;
+      const std::int64_t slice = (next_bytes + tiles - 1) / tiles;
       for (std::int64_t m0 = 0; m0 < rows; m0 += kPackedRows) {
+        const std::int64_t begin = std::min(next_bytes, m0 / kPackedRows * slice);
+        const std::byte* ahead = next < outputs ? w.row(next) + begin : nullptr;
+        for (std::int64_t b = 0; ahead && b < std::min(slice, next_bytes - begin); b += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(ahead + b), _MM_HINT_T1);
         const int tile_rows = static_cast<int>(std::min<std::int64_t>(kPackedRows, rows - m0));
         float out[kPackedRows * kPackWidth];
         packed_tile_rows<kPackedRows>(tile_rows, x_tiles.data() + m0 * depth, panel.data(), depth,
@@ -439,6 +449,8 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
                             bool accumulate) {
   const std::int64_t rows = x.rows(), outputs = w.rows(), depth = w.cols();
   if (!accumulate) y.resize(rows, outputs);
+  if (w.interleaved() && w.format() == WeightFormat::bf16)
+    return bf16::multiply(x, w, y, accumulate);
   if (w.interleaved()) return q8::multiply(x, w, y, accumulate);
   if (w.format() == WeightFormat::f32 && rows > kBlasRows) {
     const Eigen::Map<const RowMatrix> weights(reinterpret_cast<const float*>(w.row(0)), outputs,

@@ -10,11 +10,11 @@
 #include <cmath>
 #include <cstring>
 
+#include "interleaved.hpp"
 #include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf.hpp"
 #include "kvlab/model/gguf_model.hpp"
-#include "q8_layout.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -214,11 +214,33 @@ WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
 
 std::int64_t WeightMatrix::bytes() const {
   if (!interleaved_) return rows_ * row_bytes();
+  if (format_ == WeightFormat::bf16) return bf16::group_count(rows_) * bf16::kGroupRows * cols_ * 2;
   return q8::group_count(rows_) * (cols_ / q8::kBlockValues) *
          q8::group_block_layout(format_).bytes;
 }
 
+WeightMatrix WeightMatrix::interleaved_for(ActivationFormat activations) const {
+  const bool q = format_ == WeightFormat::q8_0 || format_ == WeightFormat::q4_0 ||
+                 format_ == WeightFormat::q4_1;
+  std::vector<std::byte> bytes;
+  if (interleaved_) return *this;
+  if (activations == ActivationFormat::q8 && q)
+    bytes = q8::interleave(*this);
+  else if (activations == ActivationFormat::bf16 && format_ == WeightFormat::bf16 && cols_ % 4 == 0)
+    bytes = bf16::interleave(*this);
+  else
+    return *this;
+  WeightMatrix m = *this;
+  auto storage = std::make_shared<std::vector<std::byte>>(std::move(bytes));
+  m.data_ = storage->data();
+  m.owned_ = std::move(storage);
+  m.interleaved_ = true;
+  return m;
+}
+
 void WeightMatrix::dequantize_rows(std::int64_t first, std::int64_t count, float* out) const {
+  if (interleaved_ && format_ == WeightFormat::bf16)
+    return bf16::dequantize_interleaved_rows(*this, first, count, out);
   if (interleaved_) return q8::dequantize_interleaved_rows(*this, first, count, out);
   const auto values = static_cast<std::size_t>(count * cols_);
   gguf_dequantize(static_cast<std::uint32_t>(info(format_).gguf_type),
@@ -349,10 +371,10 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   return out;
 }
 
-ComputeWeights with_q8_activations(ComputeWeights weights) {
+ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations) {
   std::int64_t interleaved = 0;
   auto convert = [&](WeightMatrix& m) {
-    m = m.interleaved_for_q8();
+    m = m.interleaved_for(activations);
     interleaved += m.interleaved();
   };
   for (auto& l : weights.layers) {
@@ -362,8 +384,11 @@ ComputeWeights with_q8_activations(ComputeWeights weights) {
     convert(l.w_down);
   }
   convert(weights.output_projection);
-  weights.activations = ActivationFormat::q8;
-  weights.description += fmt::format(", 8-bit activations ({} Q matrices)", interleaved);
+  weights.activations = activations;
+  if (activations != ActivationFormat::f32)
+    weights.description +=
+        fmt::format(", {} activations ({} matrices)",
+                    activations == ActivationFormat::q8 ? "8-bit" : "bf16", interleaved);
   return weights;
 }
 
@@ -385,7 +410,7 @@ ComputeWeights select_compute_weights(const LlamaWeights& weights,
         fmt::format("unknown weight format \"{}\": {} (stored: a GGUF file's own types, "
                     "f32 otherwise)",
                     choice, fmt::join(kWeightChoices, ", ")));
-  return *activation_format == ActivationFormat::q8 ? with_q8_activations(std::move(out)) : out;
+  return with_activations(std::move(out), *activation_format);
 }
 
 }  // namespace kvlab::cpu

@@ -81,7 +81,8 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
   if (c.cpu_activations != "f32" && check)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the reference's fp32 products; backend.activations = "
-        "\"{}\" rounds the activations of every Q4/Q8 product: check with \"f32\" (the default)",
+        "\"{}\" rounds the activations of the products it applies to: check with \"f32\" (the "
+        "default)",
         c.cpu_activations));
   if (c.kv_dtype != DType::dtype_f32 && check)
     throw Error(fmt::format(

@@ -12,6 +12,7 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf_model.hpp"
 #include "test_util.hpp"
@@ -150,59 +151,76 @@ TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
         }
 }
 
-constexpr WeightFormat kQFormats[] = {WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1};
+// The formats each reduced-precision activation format applies to.
+struct Interleaving {
+  WeightFormat weights;
+  ActivationFormat activations;
+};
+constexpr Interleaving kInterleavings[] = {{WeightFormat::q8_0, ActivationFormat::q8},
+                                           {WeightFormat::q4_0, ActivationFormat::q8},
+                                           {WeightFormat::q4_1, ActivationFormat::q8},
+                                           {WeightFormat::bf16, ActivationFormat::bf16}};
 
-TEST(WeightMatrix, InterleavedForQ8KeepsEveryValueAndItsBytes) {
+TEST(WeightMatrix, InterleavedKeepsEveryValueAndItsBytes) {
   const RowMatrix source = random_matrix(37, 96, 8);  // 37 rows: the last group of 16 is padded
-  for (WeightFormat f : kQFormats) {
+  for (const auto [f, activations] : kInterleavings) {
     const WeightMatrix rows = WeightMatrix::quantize(source, f);
-    const WeightMatrix interleaved = rows.interleaved_for_q8();
+    const WeightMatrix interleaved = rows.interleaved_for(activations);
     ASSERT_TRUE(interleaved.interleaved());
     EXPECT_EQ(interleaved.dequantize(), rows.dequantize()) << weight_format_name(f);
-    // Q4: the bytes of the row-major blocks over 48 rows; Q8_0 adds a 2-byte sum per block.
+    // The bytes of the row-major blocks over 48 rows; Q8_0 adds a 2-byte sum per block.
     const std::int64_t per_block = f == WeightFormat::q8_0 ? 36 : weight_format_block_bytes(f);
-    EXPECT_EQ(interleaved.bytes(), 48 * 3 * per_block) << weight_format_name(f);
+    EXPECT_EQ(interleaved.bytes(), 48 * 96 / weight_format_block_values(f) * per_block)
+        << weight_format_name(f);
   }
   const WeightMatrix f16 = WeightMatrix::quantize(source, WeightFormat::f16);
-  EXPECT_FALSE(f16.interleaved_for_q8().interleaved());  // not a Q format: unchanged
+  const WeightMatrix q4 = WeightMatrix::quantize(source, WeightFormat::q4_0);
+  for (auto a : {ActivationFormat::f32, ActivationFormat::q8, ActivationFormat::bf16})
+    EXPECT_FALSE(f16.interleaved_for(a).interleaved());  // no reduced-precision kernel: as it is
+  EXPECT_FALSE(q4.interleaved_for(ActivationFormat::bf16).interleaved());
+  EXPECT_FALSE(q4.interleaved_for(ActivationFormat::f32).interleaved());
 }
 
-// x rounded per 32-value block as the q8 path does (scale max|x| / 127, nearest, ties to even).
-RowMatrix rounded_activations(const RowMatrix& x) {
-  RowMatrix out(x.rows(), x.cols());
+// x as the reduced-precision products see it, and how far each value may have moved:
+// q8: per 32-value block, scale max|x| / 127, nearest (ties to even), half a step;
+// bf16: each value to nearest even, 2^-9 of it.
+std::pair<RowMatrix, RowMatrix> rounded_activations(const RowMatrix& x, ActivationFormat a) {
+  RowMatrix out(x.rows(), x.cols()), moved(x.rows(), x.cols());
   for (Eigen::Index m = 0; m < x.rows(); ++m)
     for (Eigen::Index b = 0; b < x.cols() / 32; ++b) {
       const float d = x.row(m).segment(b * 32, 32).cwiseAbs().maxCoeff() / 127.0f;
-      for (Eigen::Index k = b * 32; k < b * 32 + 32; ++k)
-        out(m, k) = d == 0 ? 0.0f : d * std::nearbyint(x(m, k) * (1.0f / d));
+      for (Eigen::Index k = b * 32; k < b * 32 + 32; ++k) {
+        if (a == ActivationFormat::q8) {
+          out(m, k) = d == 0 ? 0.0f : d * std::nearbyint(x(m, k) * (1.0f / d));
+          moved(m, k) = d / 2;
+        } else {
+          std::byte bits[2];
+          convert_from_f32(DType::dtype_bf16, {&x(m, k), 1}, bits);
+          convert_to_f32(DType::dtype_bf16, bits, {&out(m, k), 1});
+          moved(m, k) = std::abs(x(m, k)) * 0x1p-9f;
+        }
+      }
     }
-  return out;
+  return {out, moved};
 }
 
-// With 8-bit activations the product is that of the rounded activations and the dequantized
-// weights (integer block sums, then fp32 scales: the bound below is fp32 summation), for every
-// tile edge: rows of x around the 8-row tile and the 128-row pass, outputs around the 16-row
-// group. And it stays within the activations' rounding (half a step of each block's scale) of
-// the fp32 product.
-TEST(WeightMatrix, Q8ActivationProductIsTheProductOfTheRoundedBlocks) {
-  for (WeightFormat f : kQFormats)
+// With reduced-precision activations the product is that of the rounded activations and the
+// dequantized weights (integer block sums or bf16 pair products, then fp32: the bound below is
+// fp32 summation), for every tile edge: rows of x around the 8-row tile and the 128-row pass,
+// outputs around the 16-row group. And it stays within the activations' rounding of the fp32
+// product.
+TEST(WeightMatrix, ReducedActivationProductIsTheProductOfTheRoundedActivations) {
+  for (const auto [f, activations] : kInterleavings)
     for (std::int64_t outputs : {1, 16, 37})
-      for (std::int64_t rows : {1, 2, 7, 8, 9, 17, 64, 130}) {
-        const WeightMatrix w =
-            WeightMatrix::quantize(random_matrix(outputs, 96, 9, 0.1f), f).interleaved_for_q8();
+      for (std::int64_t rows : {1, 2, 3, 7, 8, 9, 17, 64, 130}) {
+        const WeightMatrix w = WeightMatrix::quantize(random_matrix(outputs, 96, 9, 0.1f), f)
+                                   .interleaved_for(activations);
         const RowMatrix x = random_matrix(rows, 96, 10), dense = w.dequantize();
-        const RowMatrix rounded = rounded_activations(x);
+        const auto [rounded, moved] = rounded_activations(x, activations);
         const RowMatrix expected = rounded * dense.transpose();
         const RowMatrix bound =
             (rounded.cwiseAbs() * dense.cwiseAbs().transpose()) * (96 * 1.2e-7f);
-        // |x - rounded| <= half a step; the step is each block's scale.
-        RowMatrix half_step(rows, 96);
-        for (Eigen::Index m = 0; m < rows; ++m)
-          for (Eigen::Index b = 0; b < 3; ++b)
-            half_step.row(m)
-                .segment(b * 32, 32)
-                .setConstant(x.row(m).segment(b * 32, 32).cwiseAbs().maxCoeff() / 254.0f);
-        const RowMatrix rounding = half_step * dense.cwiseAbs().transpose();
+        const RowMatrix rounding = moved * dense.cwiseAbs().transpose();
         const RowMatrix fp32 = x * dense.transpose();
         RowMatrix y;
         multiply_by_transposed(x, w, y, false);

@@ -202,7 +202,7 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   EXPECT_NE(load_error({"backend.weights=\"q4_0\""}, true).find("rounds them first"),
             std::string::npos);
   EXPECT_NE(load_error({"backend.activations=\"int4\""})
-                .find("backend.activations must be one of f32, q8"),
+                .find("backend.activations must be one of f32, q8, bf16"),
             std::string::npos);
   EXPECT_NE(load_error({"backend.activations=\"q8\""}, true).find("rounds the activations"),
             std::string::npos);

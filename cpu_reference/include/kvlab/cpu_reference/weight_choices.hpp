@@ -12,6 +12,6 @@ inline constexpr std::array<std::string_view, 7> kWeightChoices{"stored", "f32",
                                                                 "q8_0",   "q4_0", "q4_1"};
 
 // `[backend] activations` and `--activations`: ActivationFormat's names in enum order.
-inline constexpr std::array<std::string_view, 2> kActivationChoices{"f32", "q8"};
+inline constexpr std::array<std::string_view, 3> kActivationChoices{"f32", "q8", "bf16"};
 
 }  // namespace kvlab::cpu

@@ -4,8 +4,8 @@
 // in that format: each thread widens a panel of rows to fp32 in cache right before its FMAs, so
 // no fp32 copy of the matrix exists and every byte of it is read once per product. The math is
 // the fp32 reference's over the dequantized values (gguf_dequantize), only summed in another
-// order; activations stay fp32 unless 8-bit activations are chosen (ActivationFormat::q8: the
-// Q formats' integer dot products, as llama.cpp's; see interleaved_for_q8).
+// order; activations stay fp32 unless reduced-precision activations are chosen
+// (ActivationFormat: llama.cpp's kinds of dot product; see interleaved_for).
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cstddef>
@@ -25,13 +25,16 @@ namespace kvlab::cpu {
 
 enum class WeightFormat : std::uint8_t { f32, f16, bf16, q8_0, q4_0, q4_1 };
 
-// What the Q formats' products take as the other operand: fp32 activations (the reference's
-// function over the dequantized weights; the default), or activations rounded per 32-value
-// block to 8-bit integers (scale = max|x| / 127) and multiplied in integers, llama.cpp's
-// q8_0/q8_1 dot products: faster, and no longer the reference's function (kvlab check refuses
-// it). Other formats ignore it.
-enum class ActivationFormat : std::uint8_t { f32, q8 };
-std::string_view activation_format_name(ActivationFormat format);  // "f32", "q8"
+// What a product takes as the other operand: fp32 activations (the reference's function over the
+// dequantized weights; the default), or, as llama.cpp does, activations rounded to the weights'
+// own dot-product type, which is faster and no longer the reference's function (kvlab check
+// refuses it):
+//   q8    Q8_0/Q4_0/Q4_1 matrices: activations rounded per 32-value block to 8-bit integers
+//         (scale = max|x| / 127), integer dot products (llama.cpp's q8_0/q8_1)
+//   bf16  bf16 matrices: activations rounded to bf16, bf16 pair products summed in fp32
+// Matrices in the other formats keep fp32 activations.
+enum class ActivationFormat : std::uint8_t { f32, q8, bf16 };
+std::string_view activation_format_name(ActivationFormat format);  // "f32", "q8", "bf16"
 std::optional<ActivationFormat> activation_format_from_name(std::string_view name);
 
 // "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1".
@@ -69,11 +72,12 @@ class WeightMatrix {
   const std::byte* row(std::int64_t r) const { return data_ + r * row_bytes(); }
   const std::byte* data() const { return data_; }  // the storage, in its layout
 
-  // The same values regrouped for products with 8-bit activations (Q8_0, Q4_0, Q4_1; any other
-  // format is returned as it is): 16 rows interleaved per 32-value block so that one AVX-512
-  // VNNI instruction sums 4 values for 16 outputs (src/q8_layout.hpp). Packed once, at load;
-  // the row-major bytes are not kept. Every product with the result takes 8-bit activations.
-  WeightMatrix interleaved_for_q8() const;
+  // The same values regrouped for products with `activations` (q8 for Q8_0/Q4_0/Q4_1, bf16 for
+  // bf16 with an even number of column pairs; anything else is returned as it is): 16 rows
+  // interleaved so that one AVX-512 VNNI (BF16) instruction sums 4 (2) values for 16 outputs
+  // (src/interleaved.hpp). Packed once, at load; the row-major bytes are not kept. Every
+  // product with the result rounds its activations so.
+  WeightMatrix interleaved_for(ActivationFormat activations) const;
   bool interleaved() const { return interleaved_; }
 
   // Rows [first, first + count) widened to fp32 into `out` (count, cols) row-major.
@@ -130,13 +134,13 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights);
 
-// Every Q matrix of `weights` interleaved for 8-bit activations (interleaved_for_q8); the
-// description says so.
-ComputeWeights with_q8_activations(ComputeWeights weights);
+// Every matrix of `weights` that `activations` applies to interleaved for it (interleaved_for);
+// the description says how many.
+ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations);
 
 // `choice`: "stored" (gguf_compute_weights for a .gguf `source`, f32 otherwise: presets and
-// safetensors folders are held in fp32) or a format name; `activations`: "f32" or "q8" (with
-// Q weights: with_q8_activations). Throws kvlab::Error for another name.
+// safetensors folders are held in fp32) or a format name; `activations`: an ActivationFormat's
+// name (with_activations). Throws kvlab::Error for another name.
 ComputeWeights select_compute_weights(const LlamaWeights& weights,
                                       const std::filesystem::path& source, std::string_view choice,
                                       std::string_view activations = "f32");

@@ -44,8 +44,8 @@ struct ExperimentConfig {
   // The cpu backend's weight format: "stored" (a GGUF file's own types; f32 for presets and
   // folders), f32, f16, bf16, q8_0, q4_0, q4_1 (cpu::select_compute_weights).
   std::string cpu_weights = "stored";
-  // "q8": the cpu backend's Q4/Q8 products take activations rounded to 8-bit blocks
-  // (cpu::ActivationFormat); "f32" (default) keeps the reference's function.
+  // "q8" / "bf16": the cpu backend's Q4/Q8 (bf16) products take activations rounded to 8-bit
+  // blocks (bf16) (cpu::ActivationFormat); "f32" (default) keeps the reference's function.
   std::string cpu_activations = "f32";
   std::string allocator = "paged";
   ParamMap allocator_params;

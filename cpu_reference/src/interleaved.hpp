@@ -1,7 +1,9 @@
 #pragma once
-// The interleaved layout of Q weights multiplied with 8-bit activations (q8_matmul.cpp), shared
-// by the packer, the kernels and dequantize_rows.
+// The interleaved layouts of weights multiplied with reduced-precision activations
+// (WeightMatrix::interleaved_for): Q8_0/Q4_0/Q4_1 with 8-bit activations (q8_matmul.cpp) and
+// bf16 with bf16 activations (bf16_matmul.cpp). Each namespace packs, widens back and multiplies.
 //
+// q8:
 // Rows are taken 16 at a time (a group; the last one padded with zero rows). For each group and
 // each 32-value block, in this order (groups outer, blocks inner, so a group's bytes stream):
 //   d[16]     f16 scales, one per row
@@ -13,7 +15,9 @@
 //             VNNI dot product of a slice with 4 broadcast activation bytes sums 4 values for
 //             16 outputs at once. Q8_0: int8 values, 512 bytes. Q4_0/Q4_1: 4 slices of 64 bytes
 //             (256 bytes), the low nibbles holding slices 0-3 and the high nibbles slices 4-7.
+#include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
 
@@ -51,5 +55,28 @@ void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std:
                                  float* out);
 // y (+)= x w^T, w interleaved, x rounded to 8-bit blocks first. y sized by the caller.
 void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate);
+// The rows of `w` (row-major Q8_0/Q4_0/Q4_1) in the layout above.
+std::vector<std::byte> interleave(const WeightMatrix& w);
 
 }  // namespace kvlab::cpu::q8
+
+// bf16: rows taken 16 at a time (the last group padded with zero rows); a group stores, for each
+// pair of values (k = 2p, 2p + 1), 64 bytes: row j's two bf16 values at bytes 4j..4j+3. One
+// AVX-512 BF16 instruction (vdpbf16ps) multiplies such a slice with 2 broadcast activations and
+// adds both products into 16 fp32 outputs. A group's pairs follow one another.
+namespace kvlab::cpu::bf16 {
+
+constexpr std::int64_t kGroupRows = 16;
+
+constexpr std::int64_t group_count(std::int64_t rows) {
+  return (rows + kGroupRows - 1) / kGroupRows;
+}
+
+bool dot_kernels();  // true when built with the AVX-512 BF16 kernels
+void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
+                                 float* out);
+// y (+)= x w^T, w interleaved, x rounded to bf16 (nearest even) first. y sized by the caller.
+void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate);
+std::vector<std::byte> interleave(const WeightMatrix& w);  // w: row-major bf16
+
+}  // namespace kvlab::cpu::bf16
