@@ -53,6 +53,9 @@ RunRecord record_from_header(const nlohmann::json& h) {
   r.finished = h.at("finished").get<std::int64_t>();
   r.all_rejected = h.at("all_rejected").get<std::string>();
   r.mismatches = h.at("mismatches").get<std::vector<std::string>>();
+  r.checked_tokens = h.at("checked_tokens").get<std::int64_t>();
+  r.off_argmax = h.at("off_argmax").get<std::int64_t>();
+  r.max_gap = h.at("max_gap").get<double>();
   r.wall_s = h.at("wall_s").get<double>();
   r.engine_wall_s = h.at("engine_wall_s").get<double>();
   r.forward_wall_s = h.at("forward_wall_s").get<double>();
@@ -102,6 +105,9 @@ std::string encode_run_record(const RunRecord& r) {
                                  {"finished", r.finished},
                                  {"all_rejected", r.all_rejected},
                                  {"mismatches", r.mismatches},
+                                 {"checked_tokens", r.checked_tokens},
+                                 {"off_argmax", r.off_argmax},
+                                 {"max_gap", r.max_gap},
                                  {"wall_s", r.wall_s},
                                  {"engine_wall_s", r.engine_wall_s},
                                  {"forward_wall_s", r.forward_wall_s},

@@ -24,28 +24,32 @@ LoadedCheckpoint load_checkpoint(const ModelSource& source, std::uint64_t weight
   return last;
 }
 
-std::vector<std::int32_t> reference_argmax(
+std::vector<ReferenceChoice> reference_choices(
     const std::function<const cpu::ReferenceModel&()>& reference, const std::string& weights_key,
     std::optional<std::int64_t> window, std::span<const std::int32_t> sequence) {
   using Key = std::tuple<std::string, std::optional<std::int64_t>, std::vector<std::int32_t>>;
   static std::mutex mutex;
-  static std::map<Key, std::vector<std::int32_t>> memo;
+  static std::map<Key, std::vector<ReferenceChoice>> memo;
   Key key{weights_key, window, {sequence.begin(), sequence.end()}};
   {
     std::lock_guard lock(mutex);
     if (const auto found = memo.find(key); found != memo.end()) return found->second;
   }
-  cpu::ForwardOptions forward;
-  forward.sliding_window = window;
-  const cpu::RowMatrix logits = reference().forward(sequence, forward);  // (positions, vocab)
-  std::vector<std::int32_t> argmax(sequence.size());
-  for (Eigen::Index t = 0; t < logits.rows(); ++t) {
-    Eigen::Index best = 0;
-    logits.row(t).maxCoeff(&best);
-    argmax[static_cast<std::size_t>(t)] = static_cast<std::int32_t>(best);
+  std::vector<ReferenceChoice> choices;
+  if (sequence.size() > 1) {
+    cpu::ForwardOptions forward;
+    forward.sliding_window = window;
+    // (positions, vocab)
+    const cpu::RowMatrix logits = reference().forward(sequence.first(sequence.size() - 1), forward);
+    for (Eigen::Index t = 0; t < logits.rows(); ++t) {
+      Eigen::Index best = 0;
+      const float max = logits.row(t).maxCoeff(&best);
+      const float next = logits(t, sequence[static_cast<std::size_t>(t) + 1]);
+      choices.push_back({static_cast<std::int32_t>(best), max - next});
+    }
   }
   std::lock_guard lock(mutex);
-  return memo.emplace(std::move(key), std::move(argmax)).first->second;
+  return memo.emplace(std::move(key), std::move(choices)).first->second;
 }
 
 }  // namespace kvlab

@@ -25,10 +25,16 @@ struct LoadedCheckpoint {
 };
 LoadedCheckpoint load_checkpoint(const ModelSource& source, std::uint64_t weights_seed);
 
-// Argmax of the reference's logits at every position of `sequence` (the full-recompute forward
-// with `window`); `reference` gives the model when the answer is not known yet. `weights_key`
-// must name its weights exactly (checkpoint key and K/V head conversion).
-std::vector<std::int32_t> reference_argmax(
+// What the reference makes of the token that follows position t of `sequence`, for t < size - 1
+// (the full-recompute forward over all but the last token, with `window`): its argmax, and the
+// gap between its largest logit and the logit of sequence[t + 1] (0 when that token is the
+// argmax). `reference` gives the model when the answer is not known yet; `weights_key` must
+// name its weights exactly (checkpoint key and K/V head conversion).
+struct ReferenceChoice {
+  std::int32_t argmax = 0;
+  float gap = 0;
+};
+std::vector<ReferenceChoice> reference_choices(
     const std::function<const cpu::ReferenceModel&()>& reference, const std::string& weights_key,
     std::optional<std::int64_t> window, std::span<const std::int32_t> sequence);
 

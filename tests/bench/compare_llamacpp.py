@@ -5,8 +5,9 @@ For each round and each model file, in turn: llama-bench (pp512, tg128), llama-b
 (64 sequences of 128 prompt tokens, 32 new tokens each: decode at 64 x 128-160 cached tokens),
 then kvlab_bench_gguf (prefill 512, decode 1 at 64 cached tokens, decode 64 at 128-255), both
 with an f16 KV cache (llama.cpp's default; KVLAB_BENCH_KV is passed through). Both
-use 2 threads. kvlab runs once per --activations choice (f32: the reference's products; q8:
-8-bit activations, llama.cpp's kind of product; q8 only for files whose matrices are Q4/Q8). Medians over the rounds, and their ratios, are printed as a Markdown table and
+use 2 threads. kvlab runs once per --activations choice that applies to the file (f32: the
+reference's products, always; q8: 8-bit activations, for Q4/Q8 files; bf16: bf16 activations,
+for bf16 files), q8 and bf16 being llama.cpp's own kinds of product for those formats. Medians over the rounds, and their ratios, are printed as a Markdown table and
 every measurement is written to a CSV.
 
 llama.cpp is built outside the repository (docs/benchmarks.md says how); pass its bin folder:
@@ -68,25 +69,27 @@ def main():
     parser.add_argument("--kvlab-bin", default="build/bin")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default="results/llamacpp_compare.csv")
-    parser.add_argument("--activations", default="f32,q8",
-                        help="kvlab's activation formats, comma-separated (default f32,q8)")
+    parser.add_argument("--activations", default="f32,q8,bf16",
+                        help="kvlab's activation formats, comma-separated (default f32,q8,bf16)")
     parser.add_argument("models", nargs="+")
     args = parser.parse_args()
     activations = args.activations.split(",")
 
-    def label(model, act):  # a file's row in the table; kvlab's q8 runs get their own
+    def label(model, act):  # a file's row in the table; kvlab's reduced-precision runs get theirs
         name = os.path.basename(model)
-        return name if act == "f32" else f"{name}, kvlab q8 activations"
+        return name if act == "f32" else f"{name}, kvlab {act} activations"
 
-    def quantized(model):  # q8 activations change only Q4/Q8 matrices
-        return any(t in os.path.basename(model).lower() for t in ("q4_0", "q4_1", "q8_0"))
+    def applies(model, act):  # q8 changes only Q4/Q8 matrices, bf16 only bf16 ones
+        name = os.path.basename(model).lower()
+        kinds = {"f32": ("",), "q8": ("q4_0", "q4_1", "q8_0"), "bf16": ("bf16",)}[act]
+        return any(k in name for k in kinds)
 
     rows = []
     for r in range(args.rounds):
         for model in args.models:
             llama = llama_cpp(args.llama_bin, model)
             for act in activations:
-                if act != "f32" and not quantized(model):
+                if not applies(model, act):
                     continue
                 for tool, result in (("llama.cpp", llama),
                                      ("kvlab", kvlab(args.kvlab_bin, model, act))):

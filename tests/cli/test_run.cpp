@@ -312,6 +312,30 @@ TEST(KvlabCheck, HonoursTheModelsOwnSlidingWindow) {
   }
 }
 
+// --tolerance TAU checks rounded settings: a token passes when its reference logit is within TAU
+// of the best. Without it they are refused (and say where to go); with a tolerance too small
+// for 4-bit weights the check fails naming the gap; a broken allocator still fails at any
+// sensible tolerance (its tokens come from other sequences' K/V).
+TEST(KvlabCheck, ToleranceAcceptsNearTiesOfRoundedSettingsOnly) {
+  const std::string quickstart = std::string("check ") + KVLAB_SOURCE_DIR +
+                                 "/experiments/quickstart.toml --set workload.requests=12 ";
+  const Result refused = kvlab(quickstart + "--set 'kv_cache.dtype=\"f16\"'");
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_NE(refused.err.find("--tolerance TAU"), std::string::npos) << refused.err;
+  const Result f16 = kvlab(quickstart + "--set 'kv_cache.dtype=\"f16\"' --tolerance 0.01");
+  EXPECT_EQ(f16.exit_code, 0) << f16.err;
+  EXPECT_NE(f16.out.find("within 0.01 of the reference's best logit"), std::string::npos)
+      << f16.out;
+  const Result q4 =
+      kvlab(quickstart + "--set 'backend.weights=\"q4_0\"' --set 'backend.activations=\"q8\"' " +
+            "--tolerance 1e-9");
+  EXPECT_EQ(q4.exit_code, 1) << q4.out;
+  EXPECT_NE(q4.err.find("beyond the tolerance 1e-09"), std::string::npos) << q4.err;
+  const Result negative = kvlab(quickstart + "--tolerance -1");
+  EXPECT_EQ(negative.exit_code, 2);
+  EXPECT_NE(negative.err.find("--tolerance"), std::string::npos) << negative.err;
+}
+
 TEST(KvlabCheck, CatchesABrokenAllocator) {
   test::TempDir dir;
   const auto file = write_experiment(dir, kSmall);
@@ -319,13 +343,19 @@ TEST(KvlabCheck, CatchesABrokenAllocator) {
   std::filesystem::copy_file(
       std::filesystem::path(KVLAB_TEST_PLUGIN_DIR) / "kvlab_plugin_test_broken_allocator.so",
       dir / "plugins" / "kvlab_plugin_test_broken_allocator.so");
-  const Result r =
-      kvlab("check " + file +
-            " --set kv_cache.allocator=broken_shared_slots --set 'experiment.plugin_paths=[\"" +
-            (dir / "plugins").string() + "\"]'");
+  const std::string command =
+      "check " + file +
+      " --set kv_cache.allocator=broken_shared_slots --set 'experiment.plugin_paths=[\"" +
+      (dir / "plugins").string() + "\"]'";
+  const Result r = kvlab(command);
   EXPECT_EQ(r.exit_code, 1) << r.out << r.err;
   EXPECT_NE(r.err.find("mismatch"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("differ from the reference"), std::string::npos) << r.err;
+  // The tolerance that covers 16-bit KV pools does not hide it. (A random model's logits are
+  // nearly flat: its wrong tokens are within 0.35 of the best, so a tolerance of 1 would.)
+  const Result tolerant = kvlab(command + " --tolerance 0.01");
+  EXPECT_EQ(tolerant.exit_code, 1) << tolerant.out << tolerant.err;
+  EXPECT_NE(tolerant.err.find("beyond the tolerance 0.01"), std::string::npos) << tolerant.err;
 }
 
 }  // namespace

@@ -71,6 +71,9 @@ RunRecord sample_record() {
   r.finished = 40;
   r.all_rejected = "";
   r.mismatches = {"request 3: token 7 differs"};
+  r.checked_tokens = 96;
+  r.off_argmax = 3;
+  r.max_gap = 0.0625;
   r.wall_s = 0.25;
   r.engine_wall_s = 0.125;
   r.forward_wall_s = 0.0625;
@@ -86,6 +89,9 @@ TEST(RunRecord, RoundTripsExactlyFilesAndDoubles) {
   EXPECT_EQ(back.row, r.row);  // bit for bit: the table rank 0 prints must not move
   EXPECT_EQ(back.finished, r.finished);
   EXPECT_EQ(back.mismatches, r.mismatches);
+  EXPECT_EQ(back.checked_tokens, r.checked_tokens);
+  EXPECT_EQ(back.off_argmax, r.off_argmax);
+  EXPECT_EQ(back.max_gap, r.max_gap);
   EXPECT_EQ(back.forward_wall_s, r.forward_wall_s);
   RunRecord failed;
   failed.index = 3;

@@ -33,6 +33,8 @@ struct RunRecord {
   std::int64_t finished = 0;
   std::string all_rejected;             // all_rejected_reasons: set when no request finished
   std::vector<std::string> mismatches;  // kvlab check
+  std::int64_t checked_tokens = 0, off_argmax = 0;  // kvlab check (RunOutput::Check)
+  double max_gap = 0;
   double wall_s = 0, engine_wall_s = 0, forward_wall_s = 0;
 };
 

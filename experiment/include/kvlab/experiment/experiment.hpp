@@ -47,6 +47,9 @@ struct ExperimentConfig {
   // "q8" / "bf16": the cpu backend's Q4/Q8 (bf16) products take activations rounded to 8-bit
   // blocks (bf16) (cpu::ActivationFormat); "f32" (default) keeps the reference's function.
   std::string cpu_activations = "f32";
+  // kvlab check --tolerance: a token passes when the reference's logit for it is within this of
+  // the reference's largest (0: it must be the reference's argmax). Not read from the file.
+  double check_tolerance = 0;
   std::string allocator = "paged";
   ParamMap allocator_params;
   std::optional<std::int64_t> kv_slots;  // default: 4096 (cpu), the profile's capacity (simulated)
@@ -126,6 +129,13 @@ struct RunOutput {
     double prefix_hit_rate = 0;
   };
   std::vector<Replica> replicas;
+  // kvlab check: generated tokens compared with the reference, how many were not its argmax
+  // (passed within check_tolerance), and the largest logit gap among them.
+  struct Check {
+    std::int64_t tokens = 0, off_argmax = 0;
+    double max_gap = 0;
+  };
+  Check check;
 };
 
 // Runs one expanded config. `check`: compare every finished request's greedy tokens with the
