@@ -281,7 +281,9 @@ void pack_panel(const WeightMatrix& w, std::int64_t n0, std::int64_t count, floa
   const std::int64_t depth = w.cols();
   const float* rows = reinterpret_cast<const float*>(w.row(n0));
   std::int64_t stride = depth;
-  if (w.format() != WeightFormat::f32 || count < kPackWidth) {
+  // f32 rows a multiple of 4 KiB apart would all fall in one L1 set while 8 are transposed at
+  // once: copied to the padded buffer first, like the widened formats.
+  if (w.format() != WeightFormat::f32 || count < kPackWidth || (depth * 4) % 4096 == 0) {
     stride = depth + 16;
     for (std::int64_t r = 0; r < kPackWidth; ++r) {
       float* row = rows_buffer + r * stride;

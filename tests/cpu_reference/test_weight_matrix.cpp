@@ -123,10 +123,11 @@ TEST(WeightMatrix, BadShapesAreClearErrors) {
 
 // x w^T with w in its format equals x (dequantized w)^T in fp32, for every tile edge: rows of x
 // around the register tile and BLAS thresholds, outputs around the 4-row tile and 16-row panel,
-// depths with and without an 8-wide tail (f32/f16/bf16 only: Q rows are whole blocks).
+// depths with and without an 8-wide tail (f32/f16/bf16 only: Q rows are whole blocks), and rows
+// a multiple of 4 KiB apart (copied to a padded buffer before the transposes).
 TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
   for (WeightFormat f : kAllFormats)
-    for (std::int64_t depth : {32, 96, 44})
+    for (std::int64_t depth : {32, 96, 44, 1024})  // 1024: rows 4 KiB apart (L1 set aliasing)
       for (std::int64_t outputs : {1, 7, 16, 37})
         for (std::int64_t rows : {1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 65}) {  // fused, packed, BLAS
           if (depth % weight_format_block_values(f) != 0) continue;
