@@ -30,17 +30,41 @@ const std::filesystem::path kModel = std::filesystem::path(KVLAB_SOURCE_DIR) / "
   GTEST_SKIP() << kModel << " is not here: scripts/get_model.sh smollm2 could not fetch it " \
                << "(its output is in the models.get_smollm2 test)"
 
+// transformers' logits over 320 positions of chat text (tests/fixtures/real).
+struct LogitsFixture {
+  std::vector<std::int32_t> prompt, argmax;
+  std::vector<double> argmax_logprob, next_logprob;
+};
+
+LogitsFixture load_logits_fixture() {
+  const auto json = nlohmann::json::parse(
+      test::read_file(std::filesystem::path(KVLAB_FIXTURES_DIR) / "real" / "smollm2_logits.json"));
+  return {json["prompt"].get<std::vector<std::int32_t>>(),
+          json["argmax"].get<std::vector<std::int32_t>>(),
+          json["argmax_logprob"].get<std::vector<double>>(),
+          json["next_logprob"].get<std::vector<double>>()};
+}
+
+// log softmax(row)[token] for every token asked, from one log-sum-exp of the row.
+class RowLogprobs {
+ public:
+  explicit RowLogprobs(Eigen::Ref<const Eigen::RowVectorXf> row) : row_(row) {
+    const float max = row.maxCoeff();
+    log_sum_ = max + std::log((row.array() - max).exp().sum());
+  }
+  double operator()(std::int32_t token) const { return row_(token) - log_sum_; }
+
+ private:
+  Eigen::Ref<const Eigen::RowVectorXf> row_;
+  double log_sum_ = 0;
+};
+
 // Tolerances: |delta logprob| <= 1e-3 at every position for transformers' argmax token and for
 // the next prompt token (fp32 both sides; what is left is summation order over 30 layers), and
 // the same argmax wherever transformers' top token leads by more than 1e-3.
 TEST(RealModel, SmolLm2LogitsAgreeWithTransformersOverTheSameFile) {
   SKIP_WITHOUT_MODEL();
-  const auto fixture = nlohmann::json::parse(
-      test::read_file(std::filesystem::path(KVLAB_FIXTURES_DIR) / "real" / "smollm2_logits.json"));
-  const auto prompt = fixture["prompt"].get<std::vector<std::int32_t>>();
-  const auto argmax = fixture["argmax"].get<std::vector<std::int32_t>>();
-  const auto argmax_logprob = fixture["argmax_logprob"].get<std::vector<double>>();
-  const auto next_logprob = fixture["next_logprob"].get<std::vector<double>>();
+  const auto [prompt, argmax, argmax_logprob, next_logprob] = load_logits_fixture();
   const ReferenceModel model(load_llama_weights(kModel));
   EXPECT_EQ(model.config().num_hidden_layers, 30);
   EXPECT_TRUE(model.config().tie_word_embeddings);
@@ -51,8 +75,7 @@ TEST(RealModel, SmolLm2LogitsAgreeWithTransformersOverTheSameFile) {
     const auto row = logits.row(static_cast<Eigen::Index>(t));
     ASSERT_TRUE(row.allFinite()) << t;
     const double max = row.maxCoeff();
-    const double log_sum = max + std::log((row.array() - static_cast<float>(max)).exp().sum());
-    auto logprob = [&](std::int32_t token) { return static_cast<double>(row(token)) - log_sum; };
+    const RowLogprobs logprob(row);
     worst = std::max(worst, std::abs(logprob(argmax[t]) - argmax_logprob[t]));
     if (t + 1 < prompt.size())
       worst = std::max(worst, std::abs(logprob(prompt[t + 1]) - next_logprob[t]));
@@ -96,12 +119,7 @@ RowMatrix stepwise_logits(const LlamaWeights& weights, ComputeWeights compute,
 // (measured: 232 of 232 such positions). For scale: fp32 activations agree to 3e-5.
 TEST(RealModel, SmolLm2WithQ8ActivationsStaysCloseToTransformers) {
   SKIP_WITHOUT_MODEL();
-  const auto fixture = nlohmann::json::parse(
-      test::read_file(std::filesystem::path(KVLAB_FIXTURES_DIR) / "real" / "smollm2_logits.json"));
-  const auto prompt = fixture["prompt"].get<std::vector<std::int32_t>>();
-  const auto argmax = fixture["argmax"].get<std::vector<std::int32_t>>();
-  const auto argmax_logprob = fixture["argmax_logprob"].get<std::vector<double>>();
-  const auto next_logprob = fixture["next_logprob"].get<std::vector<double>>();
+  const auto [prompt, argmax, argmax_logprob, next_logprob] = load_logits_fixture();
   const LlamaWeights weights = load_llama_weights(kModel);
   const RowMatrix reference = ReferenceModel(weights).forward(prompt);  // (positions, vocab)
   const RowMatrix logits =
@@ -111,9 +129,7 @@ TEST(RealModel, SmolLm2WithQ8ActivationsStaysCloseToTransformers) {
   for (std::size_t t = 0; t < prompt.size(); ++t) {
     const auto row = logits.row(static_cast<Eigen::Index>(t));
     ASSERT_TRUE(row.allFinite()) << t;
-    const double max = row.maxCoeff();
-    const double log_sum = max + std::log((row.array() - static_cast<float>(max)).exp().sum());
-    auto logprob = [&](std::int32_t token) { return static_cast<double>(row(token)) - log_sum; };
+    const RowLogprobs logprob(row);
     worst_argmax = std::max(worst_argmax, std::abs(logprob(argmax[t]) - argmax_logprob[t]));
     if (t + 1 < prompt.size()) next_sum += std::abs(logprob(prompt[t + 1]) - next_logprob[t]);
     float first = -INFINITY, second = -INFINITY;  // the reference's two largest logits
