@@ -9,8 +9,22 @@
 #      a 1B-class model; kvlab calibrate --backend cuda (the simulated backend's H200 fit)
 #   5. a summary of all of it
 # Usage: scripts/gpu_check.sh        (build dir: build-gpu, or $KVLAB_BUILD_DIR)
+#        scripts/gpu_check.sh --prebuilt   (the build dir is there already: no setup, no build;
+#                                           a machine without Debian's packages runs the pack
+#                                           scripts/gpu_pack.sh made: bash gpu-pack/run.sh)
+#        scripts/gpu_check.sh --targets    (prints the build targets the checks need)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+targets=(kvlab kvlab_cuda_tests kvlab_bench_cuda kvlab_plugin_backend_cuda
+         kvlab_plugin_allocator_static kvlab_plugin_allocator_dynamic kvlab_plugin_allocator_paged
+         kvlab_plugin_attention_mha kvlab_plugin_attention_gqa kvlab_plugin_attention_mqa
+         kvlab_plugin_attention_sliding_window kvlab_plugin_attention_recompute
+         kvlab_plugin_scheduler_fcfs kvlab_plugin_scheduler_static)
+if [ "${1:-}" = --targets ]; then echo "${targets[@]}"; exit 0; fi
+prebuilt=0
+if [ "${1:-}" = --prebuilt ]; then prebuilt=1; elif [ $# -gt 0 ]; then
+  echo "usage: scripts/gpu_check.sh [--prebuilt | --targets]" >&2; exit 2
+fi
 export PATH="/usr/local/cuda/bin:$PATH"
 build="${KVLAB_BUILD_DIR:-build-gpu}"
 archs="${KVLAB_CUDA_ARCHS:-90}"
@@ -20,18 +34,18 @@ start=$(date +%s)
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || note "nvidia-smi: no GPU visible"
 
-KVLAB_SETUP_PACKAGES_ONLY=1 scripts/setup.sh > "/tmp/kvlab_gpu_setup.log" 2>&1 ||
-  note "setup: installing packages failed (see /tmp/kvlab_gpu_setup.log); trying to build anyway"
-cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$archs" >/dev/null || { note "configure FAILED"; exit 1; }
-targets=(kvlab kvlab_cuda_tests kvlab_bench_cuda kvlab_plugin_backend_cuda
-         kvlab_plugin_allocator_static kvlab_plugin_allocator_dynamic kvlab_plugin_allocator_paged
-         kvlab_plugin_attention_mha kvlab_plugin_attention_gqa kvlab_plugin_attention_mqa
-         kvlab_plugin_attention_sliding_window kvlab_plugin_attention_recompute
-         kvlab_plugin_scheduler_fcfs kvlab_plugin_scheduler_static)
-if cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" 2>&1 | tail -3; then
-  note "build: ok in $(( $(date +%s) - start )) s (sm_$archs)"
+if [ $prebuilt = 1 ]; then
+  [ -x "$build/bin/kvlab" ] || { note "--prebuilt: no $build/bin/kvlab"; exit 1; }
+  note "build: prebuilt ($build)"
 else
-  note "build FAILED"; exit 1
+  KVLAB_SETUP_PACKAGES_ONLY=1 scripts/setup.sh > "/tmp/kvlab_gpu_setup.log" 2>&1 ||
+    note "setup: installing packages failed (see /tmp/kvlab_gpu_setup.log); trying to build anyway"
+  cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$archs" >/dev/null || { note "configure FAILED"; exit 1; }
+  if cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" 2>&1 | tail -3; then
+    note "build: ok in $(( $(date +%s) - start )) s (sm_$archs)"
+  else
+    note "build FAILED"; exit 1
+  fi
 fi
 
 status=0
