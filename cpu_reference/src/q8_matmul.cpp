@@ -20,6 +20,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "interleaved.hpp"
@@ -99,8 +100,15 @@ void quantize_rows(const RowMatrix& x, bool unsigned_bytes, QuantizedRows& out) 
     for (std::int64_t b = 0; b < out.blocks; ++b) {
       const float* v = x.row(m).data() + b * kBlockValues;
       float amax = 0;
-      for (int k = 0; k < kBlockValues; ++k) amax = std::max(amax, std::fabs(v[k]));
-      const float d = amax / 127.0f, inverse = d != 0 ? 1.0f / d : 0.0f;
+      bool finite = true;
+      for (int k = 0; k < kBlockValues; ++k) {
+        amax = std::max(amax, std::fabs(v[k]));
+        finite = finite && std::isfinite(v[k]);
+      }
+      // A NaN or infinite activation makes the block's scale NaN (and its integers 0), so every
+      // output it reaches is NaN, as in fp32, and the engine reports it.
+      const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+      const float inverse = finite && d != 0 ? 1.0f / d : 0.0f;
       int sum = 0;
       std::int8_t* q = out.q.data() + m * out.cols + b * kBlockValues;
       for (int k = 0; k < kBlockValues; ++k) {

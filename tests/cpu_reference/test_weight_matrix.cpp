@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <limits>
 #include <nlohmann/json.hpp>
 #include <random>
 
@@ -236,6 +237,25 @@ TEST(WeightMatrix, ReducedActivationProductIsTheProductOfTheRoundedActivations) 
             ASSERT_LE(std::abs(y(i, j) - fp32(i, j)), rounding(i, j) * 1.001f + 1e-5f);
           }
       }
+}
+
+// A NaN or infinite activation is not rounded away: every output of its row is NaN, as in
+// fp32 (the engine reports non-finite logits), and the other rows are untouched.
+TEST(WeightMatrix, NonFiniteActivationsStayNonFiniteWhenRounded) {
+  for (const auto [f, activations] : kInterleavings)
+    for (const float bad :
+         {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
+      const WeightMatrix w =
+          WeightMatrix::quantize(random_matrix(20, 64, 11, 0.1f), f).interleaved_for(activations);
+      RowMatrix x = random_matrix(3, 64, 12);
+      x(1, 40) = bad;
+      RowMatrix y;
+      multiply_by_transposed(x, w, y, false);
+      for (Eigen::Index j = 0; j < y.cols(); ++j) {
+        EXPECT_FALSE(std::isfinite(y(1, j))) << weight_format_name(f) << " " << bad << " " << j;
+        EXPECT_TRUE(std::isfinite(y(0, j)) && std::isfinite(y(2, j))) << weight_format_name(f);
+      }
+    }
 }
 
 TEST(WeightMatrix, F32ViewSharesStorageAndStackConcatenatesRows) {
