@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <ctime>
 #include <exception>
 #include <fstream>
@@ -390,7 +391,14 @@ void register_run(CLI::App& app, int& exit_code) {
                       "largest (teacher forcing goes on with the engine's token); 0 (default): "
                       "it must be the argmax. Lets rounded weights, KV dtypes and activations be "
                       "checked")
-          ->check(CLI::NonNegativeNumber);
+          ->check(CLI::Validator(
+              [](const std::string& text) -> std::string {
+                double value = 0;  // NonNegativeNumber alone lets "nan" and "inf" through
+                if (!CLI::detail::lexical_cast(text, value) || !std::isfinite(value) || value < 0)
+                  return "must be a finite number >= 0, not " + text;
+                return {};
+              },
+              "TAU >= 0"));
     if (!check) {
       sub->add_option("--out", o->out, "Results folder (default: [output] dir, or results/<name>)");
       sub->add_flag("--force", o->force,

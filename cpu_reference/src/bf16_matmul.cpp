@@ -25,15 +25,6 @@ namespace {
 using bf16::group_count;
 using bf16::kGroupRows;
 
-float bf16_value(const std::byte* p) {
-  std::uint16_t bits = 0;
-  std::memcpy(&bits, p, 2);
-  const std::uint32_t widened = static_cast<std::uint32_t>(bits) << 16;
-  float value = 0;
-  std::memcpy(&value, &widened, 4);
-  return value;
-}
-
 // x (M, K) as bf16 bits, rounded to nearest even (convert_from_f32).
 void round_rows(const RowMatrix& x, std::vector<std::uint16_t>& out) {
   out.resize(static_cast<std::size_t>(x.size()));
@@ -104,7 +95,8 @@ void group_product(const std::byte* group, std::int64_t g, std::int64_t outputs,
       for (std::int64_t p = 0; p < depth / 2; ++p)
         for (int i = 0; i < 2; ++i) {
           const auto* xv = reinterpret_cast<const std::byte*>(x + m * depth + 2 * p + i);
-          sum += bf16_value(group + 64 * p + 4 * j + 2 * i) * bf16_value(xv);
+          sum += stored_value(DType::dtype_bf16, group + 64 * p + 4 * j + 2 * i) *
+                 stored_value(DType::dtype_bf16, xv);
         }
       float& target = y(m, n0 + j);
       target = accumulate ? target + sum : sum;
@@ -112,19 +104,9 @@ void group_product(const std::byte* group, std::int64_t g, std::int64_t outputs,
 #endif
 }
 
-constexpr std::int64_t kRowsPerPass = 128;  // rows of x per pass over the weights (L2)
-
 }  // namespace
 
 namespace bf16 {
-
-bool dot_kernels() {
-#if KVLAB_BF16_DOT
-  return true;
-#else
-  return false;
-#endif
-}
 
 std::vector<std::byte> interleave(const WeightMatrix& w) {
   const std::int64_t depth = w.cols(), group_bytes = kGroupRows * depth * 2;
@@ -146,7 +128,7 @@ void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std:
     const std::byte* group = w.data() + (r / kGroupRows) * group_bytes;
     const std::int64_t j = r % kGroupRows;
     for (std::int64_t k = 0; k < depth; ++k)
-      *out++ = bf16_value(group + 64 * (k / 2) + 4 * j + 2 * (k % 2));
+      *out++ = stored_value(DType::dtype_bf16, group + 64 * (k / 2) + 4 * j + 2 * (k % 2));
   }
 }
 
@@ -156,14 +138,11 @@ void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accu
   thread_local std::vector<std::uint16_t> kept;  // between products: no allocation per call
   std::vector<std::uint16_t>& rounded = kept;    // the caller's, shared by the threads below
   round_rows(x, rounded);
-#pragma omp parallel
-  for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
-    const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
-#pragma omp for schedule(static)
-    for (std::int64_t g = 0; g < group_count(outputs); ++g)
-      group_product(w.data() + g * group_bytes, g, outputs, rounded.data(), depth, m_begin, m_end,
-                    accumulate, y);
-  }
+  for_each_group_pass(rows, group_count(outputs),
+                      [&](std::int64_t g, std::int64_t m_begin, std::int64_t m_end) {
+                        group_product(w.data() + g * group_bytes, g, outputs, rounded.data(), depth,
+                                      m_begin, m_end, accumulate, y);
+                      });
 }
 
 }  // namespace bf16

@@ -15,11 +15,40 @@
 //             VNNI dot product of a slice with 4 broadcast activation bytes sums 4 values for
 //             16 outputs at once. Q8_0: int8 values, 512 bytes. Q4_0/Q4_1: 4 slices of 64 bytes
 //             (256 bytes), the low nibbles holding slices 0-3 and the high nibbles slices 4-7.
+#include <omp.h>
+
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "kvlab/dtype.hpp"
+
+namespace kvlab::cpu {
+
+// One stored f16 or bf16 value (a scale, a minimum, a weight) as fp32.
+inline float stored_value(DType dtype, const std::byte* p) {
+  float value = 0;
+  convert_to_f32(dtype, {p, 2}, {&value, 1});
+  return value;
+}
+
+// The product of both layouts: the threads split the groups of 16 outputs, and the rows of x go
+// in passes of 128 (their rounded copy stays in L2 while each group's bytes are read once per
+// pass). `group_product(g, m_begin, m_end)` does rows [m_begin, m_end) against group g.
+template <typename GroupProduct>
+void for_each_group_pass(std::int64_t rows, std::int64_t groups, GroupProduct&& group_product) {
+  constexpr std::int64_t kRowsPerPass = 128;
+#pragma omp parallel
+  for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
+    const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
+#pragma omp for schedule(static)
+    for (std::int64_t g = 0; g < groups; ++g) group_product(g, m_begin, m_end);
+  }
+}
+
+}  // namespace kvlab::cpu
 
 namespace kvlab::cpu::q8 {
 
@@ -48,8 +77,6 @@ constexpr std::int64_t group_count(std::int64_t rows) {
   return (rows + kGroupRows - 1) / kGroupRows;
 }
 
-// True when built with the AVX-512 VNNI kernels (plain integer loops otherwise).
-bool vnni_kernels();
 // Rows [first, first + count) of an interleaved matrix widened to fp32 (count, cols).
 void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
                                  float* out);
@@ -72,7 +99,6 @@ constexpr std::int64_t group_count(std::int64_t rows) {
   return (rows + kGroupRows - 1) / kGroupRows;
 }
 
-bool dot_kernels();  // true when built with the AVX-512 BF16 kernels
 void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
                                  float* out);
 // y (+)= x w^T, w interleaved, x rounded to bf16 (nearest even) first. y sized by the caller.

@@ -34,12 +34,6 @@ using q8::GroupBlockLayout;
 using q8::kBlockValues;
 using q8::kGroupRows;
 
-float f16_at(const std::byte* p) {
-  float value = 0;
-  convert_to_f32(DType::dtype_f16, {p, 2}, {&value, 1});
-  return value;
-}
-
 // Value k (0-31) of a row-major Q block, as an integer: Q8_0 signed, Q4 the unsigned nibble.
 int block_value(WeightFormat format, const std::byte* block, int k) {
   if (format == WeightFormat::q8_0) return static_cast<std::int8_t>(block[2 + k]);
@@ -70,7 +64,7 @@ void pack_row_block(WeightFormat format, const std::byte* block, int j, std::byt
 // Value k of row j of a group's block (the layout's inverse), with the row's d and m applied.
 float interleaved_value(WeightFormat format, const std::byte* group_block, int j, int k) {
   const GroupBlockLayout layout = group_block_layout(format);
-  const float d = f16_at(group_block + 2 * j);
+  const float d = stored_value(DType::dtype_f16, group_block + 2 * j);
   const int t = k / 4, i = k % 4;
   if (format == WeightFormat::q8_0)
     return d * static_cast<float>(
@@ -78,7 +72,8 @@ float interleaved_value(WeightFormat format, const std::byte* group_block, int j
   const auto byte = std::to_integer<int>(group_block[layout.values + 64 * (t % 4) + 4 * j + i]);
   const int u = t < 4 ? byte & 0x0F : byte >> 4;
   if (format == WeightFormat::q4_0) return d * static_cast<float>(u - 8);
-  return d * static_cast<float>(u) + f16_at(group_block + layout.minimums + 2 * j);
+  return d * static_cast<float>(u) +
+         stored_value(DType::dtype_f16, group_block + layout.minimums + 2 * j);
 }
 
 // x (M, K) rounded per block: q (M, K) int8 (+128 as unsigned bytes for Q8_0 weights), and per
@@ -151,7 +146,7 @@ void group_rows_plain(WeightFormat format, const std::byte* group, const Quantiz
             dot += u * qx[k];
           }
         }
-        const float d = f16_at(gb + 2 * j);
+        const float d = stored_value(DType::dtype_f16, gb + 2 * j);
         float& o = out[r * kGroupRows + j];
         if (format == WeightFormat::q8_0) {
           std::int16_t wsum = 0;
@@ -160,8 +155,9 @@ void group_rows_plain(WeightFormat format, const std::byte* group, const Quantiz
         }
         o = std::fma(static_cast<float>(dot), d * x.scale[static_cast<std::size_t>(xb)], o);
         if (format != WeightFormat::q8_0) {
-          const float m =
-              format == WeightFormat::q4_0 ? -8.0f * d : f16_at(gb + layout.minimums + 2 * j);
+          const float m = format == WeightFormat::q4_0
+                              ? -8.0f * d
+                              : stored_value(DType::dtype_f16, gb + layout.minimums + 2 * j);
           o = std::fma(m, x.scaled_sum[static_cast<std::size_t>(xb)], o);
         }
       }
@@ -277,21 +273,9 @@ void group_product(WeightFormat format, const std::byte* group, std::int64_t g,
 #endif
 }
 
-// Rows of x per pass over the weights: their 8-bit copy (rows x depth bytes) stays in L2 while
-// each group's blocks are read once per pass.
-constexpr std::int64_t kRowsPerPass = 128;
-
 }  // namespace
 
 namespace q8 {
-
-bool vnni_kernels() {
-#if KVLAB_Q8_VNNI
-  return true;
-#else
-  return false;
-#endif
-}
 
 void dequantize_interleaved_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
                                  float* out) {
@@ -312,14 +296,11 @@ void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accu
   thread_local QuantizedRows kept;  // between products: no allocation per call
   QuantizedRows& quantized = kept;  // the caller's, shared by the threads below
   quantize_rows(x, w.format() == WeightFormat::q8_0, quantized);
-#pragma omp parallel
-  for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
-    const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
-#pragma omp for schedule(static)
-    for (std::int64_t g = 0; g < group_count(outputs); ++g)
-      group_product(w.format(), w.data() + g * group_bytes, g, outputs, quantized, m_begin, m_end,
-                    accumulate, y);
-  }
+  for_each_group_pass(rows, group_count(outputs),
+                      [&](std::int64_t g, std::int64_t m_begin, std::int64_t m_end) {
+                        group_product(w.format(), w.data() + g * group_bytes, g, outputs, quantized,
+                                      m_begin, m_end, accumulate, y);
+                      });
 }
 
 std::vector<std::byte> interleave(const WeightMatrix& w) {

@@ -331,9 +331,11 @@ TEST(KvlabCheck, ToleranceAcceptsNearTiesOfRoundedSettingsOnly) {
             "--tolerance 1e-9");
   EXPECT_EQ(q4.exit_code, 1) << q4.out;
   EXPECT_NE(q4.err.find("beyond the tolerance 1e-09"), std::string::npos) << q4.err;
-  const Result negative = kvlab(quickstart + "--tolerance -1");
-  EXPECT_EQ(negative.exit_code, 2);
-  EXPECT_NE(negative.err.find("--tolerance"), std::string::npos) << negative.err;
+  for (const char* bad : {"-1", "nan", "inf"}) {
+    const Result refused_value = kvlab(quickstart + "--tolerance " + bad);
+    EXPECT_EQ(refused_value.exit_code, 2) << bad;
+    EXPECT_NE(refused_value.err.find("--tolerance"), std::string::npos) << refused_value.err;
+  }
 }
 
 TEST(KvlabCheck, CatchesABrokenAllocator) {
