@@ -1,6 +1,6 @@
 #pragma once
 // The interleaved layouts of weights multiplied with reduced-precision activations
-// (WeightMatrix::interleaved_for): Q8_0/Q4_0/Q4_1 with 8-bit activations (q8_matmul.cpp) and
+// (WeightMatrix::packed_for): Q8_0/Q4_0/Q4_1 with 8-bit activations (q8_matmul.cpp) and
 // bf16 with bf16 activations (bf16_matmul.cpp). Each namespace packs, widens back and multiplies.
 //
 // q8:

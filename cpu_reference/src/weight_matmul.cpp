@@ -1,12 +1,14 @@
-// y (+)= x w^T with w in any WeightFormat, in three ways by the rows of x (AVX2 + FMA + F16C):
+// y (+)= x w^T: the kernel for w's layout (panels: panel_matmul.cpp; interleaved: q8_matmul.cpp,
+// bf16_matmul.cpp) or, for w row by row (Q formats with fp32 activations, and any matrix not
+// packed for its products), in three ways by the rows of x (AVX2 + FMA + F16C):
 //   up to 4 rows    each thread streams w row by row, widening it in registers (fused_rows);
 //   more rows       each thread packs 32 (AVX-512) or 16 rows of w, widened, into a
 //                   (depth, 32 or 16) panel in cache and multiplies x, packed in tiles of 8 or 6
-//                   rows, with it (multiply_packed); f32 beyond 64 rows goes to BLAS instead;
+//                   rows, with it (multiply_packed);
 //   no AVX2, or depths that are not multiples of 8: Eigen dot products over dequantized
 //                   panels (multiply_plain).
-// Weights are read from memory once per product whatever the batch; the math is fp32 on the
-// dequantized values throughout.
+// Weights are read from memory once per product whatever the batch; with fp32 activations the
+// math is fp32 on the dequantized values throughout.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <omp.h>
@@ -23,15 +25,12 @@
 
 #include "interleaved.hpp"
 #include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "panels.hpp"
 
 namespace kvlab::cpu {
 namespace {
 
 constexpr std::int64_t kPanelRows = 16;
-// Above this many rows an f32 product goes to BLAS (prefill): at 512 x 768 x 2304 it and the
-// packed kernel below were within a few percent of each other (~200 GFLOP/s on 2 cores), and
-// BLAS needs no panel buffers.
-constexpr std::int64_t kBlasRows = 64;
 
 #if KVLAB_WEIGHT_SIMD
 float horizontal_sum(__m256 v) {
@@ -351,28 +350,18 @@ void packed_tile_rows(int rows, const float* x, const float* panel, std::int64_t
   packed_tile<Rows>(x, panel, depth, out);
 }
 
-// x (M, depth) as tiles of kPackedRows rows, each (depth, kPackedRows); missing rows are zero.
-const std::vector<float>& pack_rows(const RowMatrix& x) {
-  thread_local std::vector<float> packed;
-  const std::int64_t depth = x.cols(), tiles = (x.rows() + kPackedRows - 1) / kPackedRows;
-  packed.resize(static_cast<std::size_t>(tiles * depth * kPackedRows));
-  for (std::int64_t m = x.rows(); m < tiles * kPackedRows; ++m)  // the last tile's missing rows
-    for (std::int64_t k = 0; k < depth; ++k)
-      packed[static_cast<std::size_t>((tiles - 1) * depth * kPackedRows + k * kPackedRows +
-                                      m % kPackedRows)] = 0.0f;
-  for (std::int64_t m = 0; m < x.rows(); ++m) {
-    float* tile = packed.data() + (m / kPackedRows) * depth * kPackedRows + m % kPackedRows;
-    for (std::int64_t k = 0; k < depth; ++k) tile[k * kPackedRows] = x(m, k);
-  }
-  return packed;
-}
-
 void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
   const std::int64_t rows = x.rows(), outputs = w.rows(), depth = w.cols();
   const std::int64_t panels = (outputs + kPackWidth - 1) / kPackWidth;
-  const std::vector<float>& x_tiles = pack_rows(x);
+  thread_local std::vector<float> kept;  // between products: no allocation per call
+  std::vector<float>& x_tiles = kept;    // the caller's, shared by the threads below
+  const std::int64_t tiles = panels::row_tile_count(rows, kPackedRows);
+  x_tiles.resize(static_cast<std::size_t>(tiles * kPackedRows * depth));
 #pragma omp parallel
   {
+#pragma omp for schedule(static)
+    for (std::int64_t t = 0; t < tiles; ++t)
+      panels::pack_row_tile(x, kPackedRows, t, x_tiles.data());
     thread_local std::vector<float> rows_buffer, panel;  // kept between products
     const auto size = static_cast<std::size_t>(kPackWidth * (depth + 16));
     if (rows_buffer.size() < size) rows_buffer.resize(size);
@@ -385,7 +374,6 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
       // slices while the tiles compute, so that packing it does not wait on memory.
       const std::int64_t next = std::min(outputs, n0 + kPackWidth);
       const std::int64_t next_bytes = std::min(kPackWidth, outputs - next) * w.row_bytes();
-      const std::int64_t tiles = (rows + kPackedRows - 1) / kPackedRows;
       const std::int64_t slice = (next_bytes + tiles - 1) / tiles;
       for (std::int64_t m0 = 0; m0 < rows; m0 += kPackedRows) {
         const std::int64_t begin = std::min(next_bytes, m0 / kPackedRows * slice);
@@ -441,9 +429,11 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
 std::vector<std::int64_t> gemm_kernel_switch_rows(WeightFormat format) {
   std::vector<std::int64_t> rows;
 #if KVLAB_WEIGHT_SIMD
-  rows.push_back(kFusedRows + 1);  // fused dot products -> packed panels
+  if (format == WeightFormat::f32 || format == WeightFormat::f16 || format == WeightFormat::bf16)
+    rows.push_back(panels::tile_rows() + 1);  // one tile streaming the panels -> tiles from cache
+  else
+    rows.push_back(kFusedRows + 1);  // fused dot products -> packed panels
 #endif
-  if (format == WeightFormat::f32) rows.push_back(kBlasRows + 1);  // -> BLAS
   return rows;
 }
 
@@ -451,18 +441,10 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
                             bool accumulate) {
   const std::int64_t rows = x.rows(), outputs = w.rows(), depth = w.cols();
   if (!accumulate) y.resize(rows, outputs);
+  if (w.layout() == WeightLayout::panels) return panels::multiply(x, w, y, accumulate);
   if (w.interleaved() && w.format() == WeightFormat::bf16)
     return bf16::multiply(x, w, y, accumulate);
   if (w.interleaved()) return q8::multiply(x, w, y, accumulate);
-  if (w.format() == WeightFormat::f32 && rows > kBlasRows) {
-    const Eigen::Map<const RowMatrix> weights(reinterpret_cast<const float*>(w.row(0)), outputs,
-                                              depth);
-    if (accumulate)
-      y.noalias() += x * weights.transpose();
-    else
-      y.noalias() = x * weights.transpose();
-    return;
-  }
 #if KVLAB_WEIGHT_SIMD
   if (multiply_fused(x, w, y, accumulate)) return;
   if (rows > kFusedRows && depth % 8 == 0) return multiply_packed(x, w, y, accumulate);

@@ -15,6 +15,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf.hpp"
 #include "kvlab/model/gguf_model.hpp"
+#include "panels.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -202,7 +203,7 @@ WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
   m.cols_ = parts[0].cols_;
   auto storage = std::make_shared<std::vector<std::byte>>();
   for (const auto& part : parts) {
-    if (part.format_ != m.format_ || part.cols_ != m.cols_ || part.interleaved_)
+    if (part.format_ != m.format_ || part.cols_ != m.cols_ || part.layout_ != WeightLayout::rows)
       throw Error("internal: stacked weight matrices differ in format or columns");
     storage->insert(storage->end(), part.data_, part.data_ + part.bytes());
     m.rows_ += part.rows_;
@@ -213,35 +214,45 @@ WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
 }
 
 std::int64_t WeightMatrix::bytes() const {
-  if (!interleaved_) return rows_ * row_bytes();
+  if (layout_ == WeightLayout::rows) return rows_ * row_bytes();
+  if (layout_ == WeightLayout::panels)
+    return panels::panel_count(rows_) * panels::kPanelRows * cols_ * panels::element_bytes(format_);
   if (format_ == WeightFormat::bf16) return bf16::group_count(rows_) * bf16::kGroupRows * cols_ * 2;
   return q8::group_count(rows_) * (cols_ / q8::kBlockValues) *
          q8::group_block_layout(format_).bytes;
 }
 
-WeightMatrix WeightMatrix::interleaved_for(ActivationFormat activations) const {
+WeightMatrix WeightMatrix::packed_for(ActivationFormat activations) const {
   const bool q = format_ == WeightFormat::q8_0 || format_ == WeightFormat::q4_0 ||
                  format_ == WeightFormat::q4_1;
-  std::vector<std::byte> bytes;
-  if (interleaved_) return *this;
-  if (activations == ActivationFormat::q8 && q)
-    bytes = q8::interleave(*this);
-  else if (activations == ActivationFormat::bf16 && format_ == WeightFormat::bf16 && cols_ % 4 == 0)
-    bytes = bf16::interleave(*this);
-  else
-    return *this;
+  if (layout_ != WeightLayout::rows) return *this;
   WeightMatrix m = *this;
+  std::vector<std::byte> bytes;
+  if (activations == ActivationFormat::q8 && q) {
+    bytes = q8::interleave(*this);
+    m.layout_ = WeightLayout::interleaved;
+  } else if (activations == ActivationFormat::bf16 && format_ == WeightFormat::bf16 &&
+             cols_ % 4 == 0) {
+    bytes = bf16::interleave(*this);
+    m.layout_ = WeightLayout::interleaved;
+  } else if (!q) {
+    bytes = panels::pack(*this);
+    m.layout_ = WeightLayout::panels;
+  } else {
+    return *this;
+  }
   auto storage = std::make_shared<std::vector<std::byte>>(std::move(bytes));
   m.data_ = storage->data();
   m.owned_ = std::move(storage);
-  m.interleaved_ = true;
   return m;
 }
 
 void WeightMatrix::dequantize_rows(std::int64_t first, std::int64_t count, float* out) const {
-  if (interleaved_ && format_ == WeightFormat::bf16)
+  if (layout_ == WeightLayout::panels)
+    return panels::dequantize_panel_rows(*this, first, count, out);
+  if (interleaved() && format_ == WeightFormat::bf16)
     return bf16::dequantize_interleaved_rows(*this, first, count, out);
-  if (interleaved_) return q8::dequantize_interleaved_rows(*this, first, count, out);
+  if (interleaved()) return q8::dequantize_interleaved_rows(*this, first, count, out);
   const auto values = static_cast<std::size_t>(count * cols_);
   gguf_dequantize(static_cast<std::uint32_t>(info(format_).gguf_type),
                   {row(first), static_cast<std::size_t>(count * row_bytes())}, {out, values});
@@ -374,7 +385,7 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
 ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations) {
   std::int64_t interleaved = 0;
   auto convert = [&](WeightMatrix& m) {
-    m = m.interleaved_for(activations);
+    m = m.packed_for(activations);
     interleaved += m.interleaved();
   };
   for (auto& l : weights.layers) {

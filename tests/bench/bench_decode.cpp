@@ -58,7 +58,9 @@ void BM_Decode(benchmark::State& state, const std::string& preset, cpu::WeightFo
     allocator->allocate({s, t, length + 1});
     entries.push_back({std::span<const std::int32_t>(t).last(1), length, allocator->view(s)});
   }
-  cpu::CpuBackend backend(weights, pool, std::nullopt, cpu::compute_weights(weights, format));
+  cpu::CpuBackend backend(
+      weights, pool, std::nullopt,
+      cpu::with_activations(cpu::compute_weights(weights, format), cpu::ActivationFormat::f32));
   for (auto _ : state) benchmark::DoNotOptimize(backend.run(entries));  // rewrites the same slots
   const auto weight_bytes = static_cast<double>(backend.matrices().bytes());
   const double bandwidth = measured_read_bandwidth_gbs(kThreads) * 1e9;

@@ -122,35 +122,41 @@ TEST(WeightMatrix, BadShapesAreClearErrors) {
       {"10 bytes", "q8_0"});
 }
 
-// x w^T with w in its format equals x (dequantized w)^T in fp32, for every tile edge: rows of x
-// around the register tile and BLAS thresholds, outputs around the 4-row tile and 16-row panel,
-// depths with and without an 8-wide tail (f32/f16/bf16 only: Q rows are whole blocks), and rows
-// a multiple of 4 KiB apart (copied to a padded buffer before the transposes).
+// x w^T with w in its format equals x (dequantized w)^T in fp32, for w row by row and packed for
+// fp32 activations (panels for f32/f16/bf16), for every tile edge: rows of x around the fused,
+// AVX2 (6) and AVX-512 (8) register tiles, outputs around the 4-row tile, the 16-wide half panel
+// and the 32-row panel, depths with and without an 8-wide tail (f32/f16/bf16 only: Q rows are
+// whole blocks), and rows a multiple of 4 KiB apart (copied to a padded buffer before the
+// transposes).
 TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
   for (WeightFormat f : kAllFormats)
     for (std::int64_t depth : {32, 96, 44, 1024})  // 1024: rows 4 KiB apart (L1 set aliasing)
-      for (std::int64_t outputs : {1, 7, 16, 37})
-        for (std::int64_t rows : {1, 2, 3, 4, 5, 7, 8, 9, 17, 64, 65}) {  // fused, packed, BLAS
-          if (depth % weight_format_block_values(f) != 0) continue;
-          const WeightMatrix w = WeightMatrix::quantize(random_matrix(outputs, depth, 2, 0.1f), f);
-          const RowMatrix x = random_matrix(rows, depth, 3);
-          const RowMatrix dense = w.dequantize();
-          const RowMatrix expected = x * dense.transpose();
-          // |error| <= depth * eps * sum |x_k w_k|: fp32 sums in any order.
-          const RowMatrix bound =
-              (x.cwiseAbs() * dense.cwiseAbs().transpose()) * (static_cast<float>(depth) * 1.2e-7f);
-          RowMatrix y;
-          multiply_by_transposed(x, w, y, false);
-          RowMatrix accumulated = RowMatrix::Ones(rows, outputs);
-          multiply_by_transposed(x, w, accumulated, true);
-          for (Eigen::Index i = 0; i < expected.rows(); ++i)
-            for (Eigen::Index j = 0; j < expected.cols(); ++j) {
-              ASSERT_LE(std::abs(y(i, j) - expected(i, j)), bound(i, j) + 1e-6f)
-                  << weight_format_name(f) << " rows " << rows << " outputs " << outputs
-                  << " depth " << depth << " at " << i << "," << j;
-              ASSERT_NEAR(accumulated(i, j), 1.0f + expected(i, j), bound(i, j) + 1e-5f);
-            }
-        }
+      for (std::int64_t outputs : {1, 7, 16, 37, 48})
+        for (std::int64_t rows : {1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65})
+          for (bool packed : {false, true}) {
+            if (depth % weight_format_block_values(f) != 0) continue;
+            const WeightMatrix rows_layout =
+                WeightMatrix::quantize(random_matrix(outputs, depth, 2, 0.1f), f);
+            const WeightMatrix w =
+                packed ? rows_layout.packed_for(ActivationFormat::f32) : rows_layout;
+            const RowMatrix x = random_matrix(rows, depth, 3);
+            const RowMatrix dense = w.dequantize();
+            const RowMatrix expected = x * dense.transpose();
+            // |error| <= depth * eps * sum |x_k w_k|: fp32 sums in any order.
+            const RowMatrix bound = (x.cwiseAbs() * dense.cwiseAbs().transpose()) *
+                                    (static_cast<float>(depth) * 1.2e-7f);
+            RowMatrix y;
+            multiply_by_transposed(x, w, y, false);
+            RowMatrix accumulated = RowMatrix::Ones(rows, outputs);
+            multiply_by_transposed(x, w, accumulated, true);
+            for (Eigen::Index i = 0; i < expected.rows(); ++i)
+              for (Eigen::Index j = 0; j < expected.cols(); ++j) {
+                ASSERT_LE(std::abs(y(i, j) - expected(i, j)), bound(i, j) + 1e-6f)
+                    << weight_format_name(f) << (packed ? " packed" : "") << " rows " << rows
+                    << " outputs " << outputs << " depth " << depth << " at " << i << "," << j;
+                ASSERT_NEAR(accumulated(i, j), 1.0f + expected(i, j), bound(i, j) + 1e-5f);
+              }
+          }
 }
 
 // The formats each reduced-precision activation format applies to.
@@ -167,7 +173,7 @@ TEST(WeightMatrix, InterleavedKeepsEveryValueAndItsBytes) {
   const RowMatrix source = random_matrix(37, 96, 8);  // 37 rows: the last group of 16 is padded
   for (const auto [f, activations] : kInterleavings) {
     const WeightMatrix rows = WeightMatrix::quantize(source, f);
-    const WeightMatrix interleaved = rows.interleaved_for(activations);
+    const WeightMatrix interleaved = rows.packed_for(activations);
     ASSERT_TRUE(interleaved.interleaved());
     EXPECT_EQ(interleaved.dequantize(), rows.dequantize()) << weight_format_name(f);
     // The bytes of the row-major blocks over 48 rows; Q8_0 adds a 2-byte sum per block.
@@ -178,9 +184,34 @@ TEST(WeightMatrix, InterleavedKeepsEveryValueAndItsBytes) {
   const WeightMatrix f16 = WeightMatrix::quantize(source, WeightFormat::f16);
   const WeightMatrix q4 = WeightMatrix::quantize(source, WeightFormat::q4_0);
   for (auto a : {ActivationFormat::f32, ActivationFormat::q8, ActivationFormat::bf16})
-    EXPECT_FALSE(f16.interleaved_for(a).interleaved());  // no reduced-precision kernel: as it is
-  EXPECT_FALSE(q4.interleaved_for(ActivationFormat::bf16).interleaved());
-  EXPECT_FALSE(q4.interleaved_for(ActivationFormat::f32).interleaved());
+    EXPECT_EQ(f16.packed_for(a).layout(), WeightLayout::panels);  // no reduced-precision kernel
+  EXPECT_EQ(q4.packed_for(ActivationFormat::bf16).layout(), WeightLayout::rows);
+  EXPECT_EQ(q4.packed_for(ActivationFormat::f32).layout(), WeightLayout::rows);
+}
+
+// Panels (f32/f16/bf16 with fp32 activations) keep every value; 37 rows take two panels of 32
+// (the second padded with zero rows); packing twice changes nothing; a packed matrix is not
+// stacked (stacks are made from rows).
+TEST(WeightMatrix, PanelsKeepEveryValueAndTheirBytes) {
+  const RowMatrix source = random_matrix(37, 44, 9);
+  for (WeightFormat f : {WeightFormat::f32, WeightFormat::f16, WeightFormat::bf16}) {
+    const WeightMatrix rows = WeightMatrix::quantize(source, f);
+    const WeightMatrix panels = rows.packed_for(ActivationFormat::f32);
+    ASSERT_EQ(panels.layout(), WeightLayout::panels);
+    EXPECT_EQ(panels.dequantize(), rows.dequantize()) << weight_format_name(f);
+    EXPECT_EQ(panels.bytes(), 64 * 44 * (f == WeightFormat::f32 ? 4 : 2)) << weight_format_name(f);
+    EXPECT_EQ(panels.packed_for(ActivationFormat::f32).data(), panels.data());
+    RowMatrix middle(5, 44);
+    panels.dequantize_rows(30, 5, middle.data());  // across the panel boundary
+    EXPECT_EQ(middle, rows.dequantize().middleRows(30, 5)) << weight_format_name(f);
+    test::expect_error_containing(
+        [&] {
+          WeightMatrix::stack(std::vector<WeightMatrix>{rows, panels});
+        },
+        {"internal"});
+  }
+  const WeightMatrix view = WeightMatrix::view(source);
+  EXPECT_EQ(view.packed_for(ActivationFormat::f32).dequantize(), source);  // a packed copy
 }
 
 // x as the reduced-precision products see it, and how far each value may have moved:
@@ -215,8 +246,8 @@ TEST(WeightMatrix, ReducedActivationProductIsTheProductOfTheRoundedActivations) 
   for (const auto [f, activations] : kInterleavings)
     for (std::int64_t outputs : {1, 16, 37})
       for (std::int64_t rows : {1, 2, 3, 7, 8, 9, 17, 64, 130}) {
-        const WeightMatrix w = WeightMatrix::quantize(random_matrix(outputs, 96, 9, 0.1f), f)
-                                   .interleaved_for(activations);
+        const WeightMatrix w =
+            WeightMatrix::quantize(random_matrix(outputs, 96, 9, 0.1f), f).packed_for(activations);
         const RowMatrix x = random_matrix(rows, 96, 10), dense = w.dequantize();
         const auto [rounded, moved] = rounded_activations(x, activations);
         const RowMatrix expected = rounded * dense.transpose();
@@ -246,7 +277,7 @@ TEST(WeightMatrix, NonFiniteActivationsStayNonFiniteWhenRounded) {
     for (const float bad :
          {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity()}) {
       const WeightMatrix w =
-          WeightMatrix::quantize(random_matrix(20, 64, 11, 0.1f), f).interleaved_for(activations);
+          WeightMatrix::quantize(random_matrix(20, 64, 11, 0.1f), f).packed_for(activations);
       RowMatrix x = random_matrix(3, 64, 12);
       x(1, 40) = bad;
       RowMatrix y;

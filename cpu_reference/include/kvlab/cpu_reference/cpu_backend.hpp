@@ -26,12 +26,15 @@ class CpuBackend final : public Backend {
  public:
   // `weights` must have the pool's KV head count and head_dim. `window`: attend to the last W
   // positions only.
-  // Multiplies with `compute` (compute_weights / gguf_compute_weights of the same model);
-  // without it, with the fp32 matrices of `weights` in place.
+  // Multiplies with `compute` (select_compute_weights, or compute_weights /
+  // gguf_compute_weights of the same model, packed by with_activations or not); without it, with
+  // the fp32 matrices of `weights` packed in panels.
   CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window,
              ComputeWeights compute);
   CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window)
-      : CpuBackend(weights, pool, window, cpu::compute_weights(weights, WeightFormat::f32)) {}
+      : CpuBackend(
+            weights, pool, window,
+            with_activations(compute_weights(weights, WeightFormat::f32), ActivationFormat::f32)) {}
 
   // Runs the batch, writing each new token's K/V into its slot. Returns logits (entries, vocab)
   // for the last token of each entry, valid until the next forward.

@@ -1,11 +1,12 @@
 #pragma once
-// Weights as the CPU backend multiplies them: a (rows, cols) matrix whose rows are stored in one
+// Weights as the CPU backend multiplies them: a (rows, cols) matrix whose values are stored in one
 // of GGUF's formats — f32, f16, bf16, or the 32-value blocks Q8_0, Q4_0, Q4_1 — and multiplied
-// in that format: each thread widens a panel of rows to fp32 in cache right before its FMAs, so
-// no fp32 copy of the matrix exists and every byte of it is read once per product. The math is
-// the fp32 reference's over the dequantized values (gguf_dequantize), only summed in another
-// order; activations stay fp32 unless reduced-precision activations are chosen
-// (ActivationFormat: llama.cpp's kinds of dot product; see interleaved_for).
+// in that format, widened to fp32 in registers or cache right before the FMAs: no fp32 copy of
+// the matrix exists and every byte of it is read once per product. The math is the fp32
+// reference's over the dequantized values (gguf_dequantize), only summed in another order;
+// activations stay fp32 unless reduced-precision activations are chosen (ActivationFormat:
+// llama.cpp's kinds of dot product). Matrices are stored row by row, or, once packed for their
+// products at load (packed_for), in the layout their kernel reads.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cstddef>
@@ -48,6 +49,11 @@ std::int64_t weight_format_block_bytes(WeightFormat format);
 // Bytes of one row of `cols` values (cols a multiple of the block values).
 std::int64_t weight_row_bytes(WeightFormat format, std::int64_t cols);
 
+// How a matrix's values are laid out: row by row (the file's order), interleaved for products
+// with reduced-precision activations (src/interleaved.hpp), or in panels of 32 rows for products
+// with fp32 activations (src/panels.hpp).
+enum class WeightLayout : std::uint8_t { rows, interleaved, panels };
+
 class WeightMatrix {
  public:
   WeightMatrix() = default;
@@ -67,18 +73,23 @@ class WeightMatrix {
   std::int64_t cols() const { return cols_; }
   std::int64_t row_bytes() const { return weight_row_bytes(format_, cols_); }
   std::int64_t bytes() const;  // of the storage, in its layout
-  // Row r's bytes; rows of an interleaved matrix are not stored one after another (use
+  // Row r's bytes (layout rows only: the other layouts do not store rows one after another; use
   // dequantize_rows).
   const std::byte* row(std::int64_t r) const { return data_ + r * row_bytes(); }
   const std::byte* data() const { return data_; }  // the storage, in its layout
 
-  // The same values regrouped for products with `activations` (q8 for Q8_0/Q4_0/Q4_1, bf16 for
-  // bf16 with an even number of column pairs; anything else is returned as it is): 16 rows
-  // interleaved so that one AVX-512 VNNI (BF16) instruction sums 4 (2) values for 16 outputs
-  // (src/interleaved.hpp). Packed once, at load; the row-major bytes are not kept. Every
-  // product with the result rounds its activations so.
-  WeightMatrix interleaved_for(ActivationFormat activations) const;
-  bool interleaved() const { return interleaved_; }
+  // The same values laid out once, at load, for products with `activations` (the row-major bytes
+  // are not kept):
+  //   q8 and a Q8_0/Q4_0/Q4_1 matrix, or bf16 and a bf16 matrix with an even number of column
+  //     pairs: interleaved, 16 rows at a time, so that one AVX-512 VNNI (BF16) instruction sums
+  //     4 (2) values for 16 outputs (src/interleaved.hpp); every product rounds its activations;
+  //   otherwise an f32/f16/bf16 matrix: panels of 32 rows, (cols, 32) each, which the register
+  //     tiles of the fp32-activation product read as they are (src/panels.hpp);
+  //   otherwise (Q formats with fp32 activations) as it is: those kernels widen rows.
+  // A matrix already packed is returned as it is.
+  WeightMatrix packed_for(ActivationFormat activations) const;
+  WeightLayout layout() const { return layout_; }
+  bool interleaved() const { return layout_ == WeightLayout::interleaved; }
 
   // Rows [first, first + count) widened to fp32 into `out` (count, cols) row-major.
   void dequantize_rows(std::int64_t first, std::int64_t count, float* out) const;
@@ -87,23 +98,23 @@ class WeightMatrix {
  private:
   WeightFormat format_ = WeightFormat::f32;
   std::int64_t rows_ = 0, cols_ = 0;
-  bool interleaved_ = false;
+  WeightLayout layout_ = WeightLayout::rows;
   std::shared_ptr<const std::vector<std::byte>> owned_;  // null for a view
   const std::byte* data_ = nullptr;
 };
 
-// y (+)= x w^T: x (M, K) fp32, w (N, K) in its format, y (M, N). Threads split w's rows. An
-// interleaved w rounds x to 8-bit blocks and multiplies in integers (q8_matmul.cpp). Up to
-// 4 rows of x, each weight row is widened in registers and used at once; more, each thread
-// widens a panel of rows into cache and runs every row of x against it in register tiles
-// (AVX2 + FMA + F16C, AVX-512 where compiled for it; Eigen dot products otherwise).
-// weight_matmul.cpp.
+// y (+)= x w^T: x (M, K) fp32, w (N, K) in its format and layout, y (M, N). Threads split w's
+// rows. Panels: register tiles of x read them in place (panel_matmul.cpp); interleaved: x rounded
+// to 8-bit blocks or bf16 first (q8_matmul.cpp, bf16_matmul.cpp); rows: up to 4 rows of x, each
+// weight row is widened in registers and used at once, more, each thread widens and transposes a
+// panel of rows into cache and runs every row of x against it in register tiles (AVX2 + FMA +
+// F16C, AVX-512 where compiled for it; Eigen dot products otherwise). weight_matmul.cpp.
 void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
                             bool accumulate);
 
 // The row counts of x at which multiply_by_transposed switches to another kernel for weights
-// in `format` (ascending): what a cost model's gemm regimes should start at
-// (kvlab calibrate --backend cpu fits one efficiency per kernel).
+// in `format` packed for fp32 activations (ascending): what a cost model's gemm regimes should
+// start at (kvlab calibrate --backend cpu fits one efficiency per kernel).
 std::vector<std::int64_t> gemm_kernel_switch_rows(WeightFormat format);
 
 // The matrices of a LLaMA layer in a compute format (same stacking as LayerWeights).
@@ -123,7 +134,8 @@ struct ComputeWeights {
   std::int64_t bytes() const;      // of every matrix above
 };
 
-// Views of the fp32 matrices (format f32: nothing copied) or a rounded copy in `format`.
+// Views of the fp32 matrices (format f32: nothing copied) or a rounded copy in `format`, row by
+// row; with_activations packs them for their products (a view becomes a packed copy).
 ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format);
 
 // The matrices of a GGUF file in their stored formats, no fp32 copy (Q and K rows put back in
@@ -134,8 +146,8 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights);
 
-// Every matrix of `weights` that `activations` applies to interleaved for it (interleaved_for);
-// the description says how many.
+// Every matrix of `weights` packed for its products with `activations` (WeightMatrix::packed_for);
+// the description says how many were interleaved.
 ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations);
 
 // `choice`: "stored" (gguf_compute_weights for a .gguf `source`, f32 otherwise: presets and

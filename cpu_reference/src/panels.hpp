@@ -1,0 +1,52 @@
+#pragma once
+// The panel layout of f32/f16/bf16 weights multiplied with fp32 activations
+// (WeightMatrix::packed_for, panel_matmul.cpp): the layout the register tiles of the product read,
+// packed once at load so that no product transposes weights.
+//
+// Rows are taken 32 at a time (a panel; the last one padded with zero rows). A panel stores, for
+// each column k in order, the 32 rows' values side by side in the matrix's format:
+//   panel p, column k, row j  ->  element (p * cols + k) * 32 + j
+// so a panel is (cols, 32): one row of it is 32 outputs' weights for one input value, which two
+// 512-bit registers (fp32) hold. Panels follow one another: the matrix's bytes are a single
+// stream, each thread's share of panels a contiguous range of it.
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "kvlab/cpu_reference/weight_matrix.hpp"
+
+namespace kvlab::cpu::panels {
+
+constexpr std::int64_t kPanelRows = 32;
+
+constexpr std::int64_t panel_count(std::int64_t rows) {
+  return (rows + kPanelRows - 1) / kPanelRows;
+}
+
+// Bytes of one value of an f32/f16/bf16 matrix.
+inline std::int64_t element_bytes(WeightFormat format) {
+  return format == WeightFormat::f32 ? 4 : 2;
+}
+
+// x (M, K) as tiles of t = `tile_rows` rows, each (K, t): out[(m / t) * K * t + k * t + m % t]
+// = x(m, k), the last tile's missing rows zero. A register tile's broadcasts then read
+// consecutive floats (rows of x a multiple of 4 KiB apart would all fall in one L1 set).
+// row_tile_count(M, t) tiles of K * t floats; pack_row_tile writes tile `tile` of them (the
+// threads of a product share the tiles out).
+inline std::int64_t row_tile_count(std::int64_t rows, int tile_rows) {
+  return (rows + tile_rows - 1) / tile_rows;
+}
+void pack_row_tile(const RowMatrix& x, int tile_rows, std::int64_t tile, float* out);
+// The rows of `w` (row-major f32, f16 or bf16) in the layout above.
+std::vector<std::byte> pack(const WeightMatrix& w);
+// Rows [first, first + count) of a panel matrix as fp32 (count, cols).
+void dequantize_panel_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
+                           float* out);
+// Rows of x in one register tile of multiply (8 with AVX-512, 6 with AVX2; 1 without): up to
+// this many, the panels stream from memory through one tile; more, several tiles read each panel
+// from cache.
+int tile_rows();
+// y (+)= x w^T, w in panels, x fp32. y sized by the caller.
+void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate);
+
+}  // namespace kvlab::cpu::panels
