@@ -426,7 +426,7 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
 
 }  // namespace
 
-std::vector<std::int64_t> gemm_kernel_switch_rows(WeightFormat format) {
+std::vector<std::int64_t> gemm_kernel_switch_rows([[maybe_unused]] WeightFormat format) {
   std::vector<std::int64_t> rows;
 #if KVLAB_WEIGHT_SIMD
   if (format == WeightFormat::f32 || format == WeightFormat::f16 || format == WeightFormat::bf16)
@@ -439,7 +439,7 @@ std::vector<std::int64_t> gemm_kernel_switch_rows(WeightFormat format) {
 
 void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
                             bool accumulate) {
-  const std::int64_t rows = x.rows(), outputs = w.rows(), depth = w.cols();
+  const std::int64_t rows = x.rows(), outputs = w.rows();
   if (!accumulate) y.resize(rows, outputs);
   if (w.layout() == WeightLayout::panels) return panels::multiply(x, w, y, accumulate);
   if (w.interleaved() && w.format() == WeightFormat::bf16)
@@ -447,7 +447,7 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
   if (w.interleaved()) return q8::multiply(x, w, y, accumulate);
 #if KVLAB_WEIGHT_SIMD
   if (multiply_fused(x, w, y, accumulate)) return;
-  if (rows > kFusedRows && depth % 8 == 0) return multiply_packed(x, w, y, accumulate);
+  if (rows > kFusedRows && w.cols() % 8 == 0) return multiply_packed(x, w, y, accumulate);
 #endif
   multiply_plain(x, w, y, accumulate);
 }
