@@ -111,7 +111,8 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
     k = qkv.middleCols(q_dim, kv_dim);                           // (N, kv_dim)
     rope_.apply(q, positions, c.num_attention_heads);
     rope_.apply(k, positions, c.num_key_value_heads);
-    // Write the new tokens' K and V into their slots.
+    // Write the new tokens' K and V into their slots (each row its own slot).
+#pragma omp parallel for if (batch.size() > 16)
     for (std::size_t e = 0; e < batch.size(); ++e)
       for (std::size_t j = 0; j < batch[e].tokens.size(); ++j) {
         const std::int64_t row = first_rows[e] + static_cast<std::int64_t>(j);

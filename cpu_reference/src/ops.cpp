@@ -143,16 +143,21 @@ RopeTable::RopeTable(std::span<const double> inverse_frequencies, std::int64_t m
 
 void RopeTable::apply(RowMatrix& rows, std::span<const std::int32_t> positions,
                       std::int64_t n_heads) const {
+#pragma omp parallel for if (rows.rows() > 16)
+  for (std::int64_t t = 0; t < rows.rows(); ++t)
+    apply_row(rows.row(t).data(), positions[static_cast<std::size_t>(t)], n_heads);
+}
+
+void RopeTable::apply_row(float* row, std::int32_t position, std::int64_t n_heads) const {
   const std::int64_t half = head_dim_ / 2;
-  for (std::int64_t t = 0; t < rows.rows(); ++t) {
-    const auto cos_row = cos_.row(positions[static_cast<std::size_t>(t)]).array();  // (half)
-    const auto sin_row = sin_.row(positions[static_cast<std::size_t>(t)]).array();  // (half)
-    for (std::int64_t h = 0; h < n_heads; ++h) {
-      auto first = rows.row(t).segment(h * head_dim_, half).array();          // x[0 : d/2]
-      auto second = rows.row(t).segment(h * head_dim_ + half, half).array();  // x[d/2 : d]
-      const Eigen::ArrayXXf x1 = first;
-      first = x1 * cos_row - second * sin_row;
-      second = second * cos_row + x1 * sin_row;
+  const float* cos_row = cos_.row(position).data();  // (half)
+  const float* sin_row = sin_.row(position).data();  // (half)
+  for (std::int64_t h = 0; h < n_heads; ++h) {
+    float* first = row + h * head_dim_;  // x[0 : d/2]; x[d/2 : d] follows
+    for (std::int64_t i = 0; i < half; ++i) {
+      const float x1 = first[i], x2 = first[i + half];
+      first[i] = x1 * cos_row[i] - x2 * sin_row[i];
+      first[i + half] = x2 * cos_row[i] + x1 * sin_row[i];
     }
   }
 }

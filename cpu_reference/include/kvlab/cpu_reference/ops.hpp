@@ -39,8 +39,11 @@ class RopeTable {
   RopeTable(std::int64_t head_dim, double theta, std::int64_t max_positions);
   // inverse_frequencies: (head_dim / 2).
   RopeTable(std::span<const double> inverse_frequencies, std::int64_t max_positions);
-  // rows: (T, n_heads * head_dim), positions: (T). Rotates every head of every row in place.
+  // rows: (T, n_heads * head_dim), positions: (T). Rotates every head of every row in place
+  // (rows split over the threads when there are many).
   void apply(RowMatrix& rows, std::span<const std::int32_t> positions, std::int64_t n_heads) const;
+  // row: (n_heads * head_dim) at `position`, rotated in place.
+  void apply_row(float* row, std::int32_t position, std::int64_t n_heads) const;
   std::int64_t head_dim() const { return head_dim_; }
   std::int64_t max_positions() const { return cos_.rows(); }
   float cos(std::int64_t position, std::int64_t i) const { return cos_(position, i); }
