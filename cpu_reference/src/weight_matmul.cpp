@@ -441,6 +441,7 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
                             bool accumulate) {
   const std::int64_t rows = x.rows(), outputs = w.rows();
   if (!accumulate) y.resize(rows, outputs);
+  if (rows == 0 || outputs == 0) return;  // nothing to sum (the kernels assume a row of x)
   if (w.layout() == WeightLayout::panels) return panels::multiply(x, w, y, accumulate);
   if (w.interleaved() && w.format() == WeightFormat::bf16)
     return bf16::multiply(x, w, y, accumulate);
