@@ -13,6 +13,7 @@
 #include "interleaved.hpp"
 #include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/memory_limit.hpp"
 #include "kvlab/model/gguf.hpp"
 #include "kvlab/model/gguf_model.hpp"
 #include "panels.hpp"
@@ -382,24 +383,34 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   return out;
 }
 
-ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations) {
-  std::int64_t interleaved = 0;
-  auto convert = [&](WeightMatrix& m) {
-    m = m.packed_for(activations);
-    interleaved += m.interleaved();
-  };
-  for (auto& l : weights.layers) {
-    convert(l.w_qkv);
-    convert(l.wo);
-    convert(l.w_gate_up);
-    convert(l.w_down);
+ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations,
+                                std::optional<std::uint64_t> memory_bytes) {
+  std::vector<WeightMatrix*> matrices{&weights.output_projection};
+  for (auto& l : weights.layers)
+    for (WeightMatrix* m : {&l.w_qkv, &l.wo, &l.w_gate_up, &l.w_down}) matrices.push_back(m);
+  std::uint64_t view_bytes = 0;
+  for (const WeightMatrix* m : matrices)
+    if (m->is_view()) view_bytes += static_cast<std::uint64_t>(m->bytes());
+  const bool pack_views = 2 * view_bytes <= memory_bytes.value_or(allocatable_bytes());
+  std::int64_t interleaved = 0, kept_views = 0;
+  for (WeightMatrix* m : matrices) {
+    if (m->is_view() && !pack_views) {
+      ++kept_views;
+      continue;
+    }
+    *m = m->packed_for(activations);
+    interleaved += m->interleaved();
   }
-  convert(weights.output_projection);
   weights.activations = activations;
   if (activations != ActivationFormat::f32)
     weights.description +=
         fmt::format(", {} activations ({} matrices)",
                     activations == ActivationFormat::q8 ? "8-bit" : "bf16", interleaved);
+  if (kept_views > 0)
+    weights.description += fmt::format(
+        "; {} fp32 matrices multiplied as row-major views (no memory for packed copies beside "
+        "the reference's values)",
+        kept_views);
   return weights;
 }
 

@@ -344,6 +344,28 @@ TEST(ComputeWeights, BackendEqualsTheReferenceOverTheDequantizedValues) {
   }
 }
 
+// Views of the reference's fp32 values are packed into panels when memory holds the copies, and
+// stay row-major views (same logits within fp32 summation order) when it does not.
+TEST(ComputeWeights, ViewsStayViewsWhenMemoryCannotHoldPackedCopies) {
+  const LlamaWeights weights = random_llama_weights(model_preset("tiny"), 7);
+  const std::vector<std::int32_t> prompt{1, 5, 9, 200, 3, 77, 12, 8};
+  const ComputeWeights views = compute_weights(weights, WeightFormat::f32);
+  ASSERT_TRUE(views.layers[0].w_qkv.is_view());
+  const ComputeWeights packed = with_activations(views, ActivationFormat::f32);
+  EXPECT_EQ(packed.layers[0].w_qkv.layout(), WeightLayout::panels);
+  EXPECT_FALSE(packed.layers[0].w_qkv.is_view());
+  const ComputeWeights kept =
+      with_activations(views, ActivationFormat::f32, 2 * views.bytes() - 1);  // one byte short
+  EXPECT_EQ(kept.layers[0].w_qkv.layout(), WeightLayout::rows);
+  EXPECT_TRUE(kept.output_projection.is_view());
+  EXPECT_NE(kept.description.find("row-major views"), std::string::npos) << kept.description;
+  const RowMatrix a = backend_logits(weights, packed, prompt);
+  const RowMatrix b = backend_logits(weights, kept, prompt);
+  const auto closeness = test::compare({a.data(), static_cast<std::size_t>(a.size())},
+                                       {b.data(), static_cast<std::size_t>(b.size())});
+  EXPECT_LT(closeness.max_abs, 1e-4);
+}
+
 // A GGUF file's matrices keep their stored types (here Q8_0, and F32 where a row is not whole
 // blocks) and dequantize to exactly what the fp32 loader reads, Q/K row order included.
 TEST(ComputeWeights, GgufMatricesStayInTheirStoredTypes) {

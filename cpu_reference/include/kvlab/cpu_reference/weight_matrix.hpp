@@ -77,6 +77,7 @@ class WeightMatrix {
   // dequantize_rows).
   const std::byte* row(std::int64_t r) const { return data_ + r * row_bytes(); }
   const std::byte* data() const { return data_; }  // the storage, in its layout
+  bool is_view() const { return data_ != nullptr && owned_ == nullptr; }  // of another's storage
 
   // The same values laid out once, at load, for products with `activations` (the row-major bytes
   // are not kept):
@@ -147,8 +148,12 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const LlamaWeights& weights);
 
 // Every matrix of `weights` packed for its products with `activations` (WeightMatrix::packed_for);
-// the description says how many were interleaved.
-ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations);
+// the description says how many were interleaved. Views of the reference's fp32 values become
+// packed copies only while `memory_bytes` (default: allocatable_bytes()) holds twice their bytes
+// (the values and the copies); otherwise they stay row-major views, multiplied by the row kernels
+// (the same math, slower), and the description says so.
+ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations,
+                                std::optional<std::uint64_t> memory_bytes = std::nullopt);
 
 // `choice`: "stored" (gguf_compute_weights for a .gguf `source`, f32 otherwise: presets and
 // safetensors folders are held in fp32) or a format name; `activations`: an ActivationFormat's
