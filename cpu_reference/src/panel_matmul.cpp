@@ -32,18 +32,11 @@
 namespace kvlab::cpu {
 namespace {
 
-using panels::element_bytes;
 using panels::kPanelRows;
 using panels::panel_count;
 
-DType dtype_of(WeightFormat format) {
-  return format == WeightFormat::f32   ? DType::dtype_f32
-         : format == WeightFormat::f16 ? DType::dtype_f16
-                                       : DType::dtype_bf16;
-}
-
 std::int64_t panel_bytes(const WeightMatrix& w) {
-  return kPanelRows * w.cols() * element_bytes(w.format());
+  return kPanelRows * w.cols() * weight_format_block_bytes(w.format());
 }
 
 #if KVLAB_PANEL_SIMD
@@ -266,8 +259,8 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
     widened.resize(static_cast<std::size_t>(depth * kPanelRows));
 #pragma omp for schedule(static)
     for (std::int64_t p = 0; p < panel_count(outputs); ++p) {
-      convert_to_f32(dtype_of(w.format()), {w.data() + p * bytes, static_cast<std::size_t>(bytes)},
-                     widened);
+      convert_to_f32(panels::float_dtype(w.format()),
+                     {w.data() + p * bytes, static_cast<std::size_t>(bytes)}, widened);
       const Eigen::Map<const PanelMatrix> panel(widened.data(), depth, kPanelRows);
       const std::int64_t n0 = p * kPanelRows, count = std::min(kPanelRows, outputs - n0);
       auto block = y.middleCols(n0, count);  // (rows, count)
@@ -298,7 +291,8 @@ void pack_row_tile(const RowMatrix& x, int tile_rows, std::int64_t tile, float* 
 }
 
 std::vector<std::byte> pack(const WeightMatrix& w) {
-  const std::int64_t depth = w.cols(), size = element_bytes(w.format()), bytes = panel_bytes(w);
+  const std::int64_t depth = w.cols(), size = weight_format_block_bytes(w.format()),
+                     bytes = panel_bytes(w);
   std::vector<std::byte> out(static_cast<std::size_t>(panel_count(w.rows()) * bytes));
 #pragma omp parallel for schedule(static)
   for (std::int64_t r = 0; r < w.rows(); ++r) {
@@ -312,8 +306,9 @@ std::vector<std::byte> pack(const WeightMatrix& w) {
 
 void dequantize_panel_rows(const WeightMatrix& w, std::int64_t first, std::int64_t count,
                            float* out) {
-  const std::int64_t depth = w.cols(), size = element_bytes(w.format()), bytes = panel_bytes(w);
-  const DType dtype = dtype_of(w.format());
+  const std::int64_t depth = w.cols(), size = weight_format_block_bytes(w.format()),
+                     bytes = panel_bytes(w);
+  const DType dtype = panels::float_dtype(w.format());
   for (std::int64_t r = first; r < first + count; ++r) {
     const std::byte* column = w.data() + (r / kPanelRows) * bytes + (r % kPanelRows) * size;
     for (std::int64_t k = 0; k < depth; ++k)

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "kvlab/dtype.hpp"
 
 namespace kvlab::cpu::panels {
 
@@ -23,9 +24,11 @@ constexpr std::int64_t panel_count(std::int64_t rows) {
   return (rows + kPanelRows - 1) / kPanelRows;
 }
 
-// Bytes of one value of an f32/f16/bf16 matrix.
-inline std::int64_t element_bytes(WeightFormat format) {
-  return format == WeightFormat::f32 ? 4 : 2;
+// The DType of an f32/f16/bf16 matrix's values (their bytes: weight_format_block_bytes).
+inline DType float_dtype(WeightFormat format) {
+  return format == WeightFormat::f32   ? DType::dtype_f32
+         : format == WeightFormat::f16 ? DType::dtype_f16
+                                       : DType::dtype_bf16;
 }
 
 // x (M, K) as tiles of t = `tile_rows` rows, each (K, t): out[(m / t) * K * t + k * t + m % t]

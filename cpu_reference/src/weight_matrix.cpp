@@ -95,9 +95,7 @@ void quantize_row(WeightFormat format, std::span<const float> x, std::byte* out)
     case WeightFormat::f32:
     case WeightFormat::f16:
     case WeightFormat::bf16: {
-      const DType dtype = format == WeightFormat::f32   ? DType::dtype_f32
-                          : format == WeightFormat::f16 ? DType::dtype_f16
-                                                        : DType::dtype_bf16;
+      const DType dtype = panels::float_dtype(format);
       convert_from_f32(dtype, x, {out, x.size() * dtype_size(dtype)});
       return;
     }
@@ -217,7 +215,8 @@ WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
 std::int64_t WeightMatrix::bytes() const {
   if (layout_ == WeightLayout::rows) return rows_ * row_bytes();
   if (layout_ == WeightLayout::panels)
-    return panels::panel_count(rows_) * panels::kPanelRows * cols_ * panels::element_bytes(format_);
+    return panels::panel_count(rows_) * panels::kPanelRows * cols_ *
+           weight_format_block_bytes(format_);
   if (format_ == WeightFormat::bf16) return bf16::group_count(rows_) * bf16::kGroupRows * cols_ * 2;
   return q8::group_count(rows_) * (cols_ / q8::kBlockValues) *
          q8::group_block_layout(format_).bytes;

@@ -1,7 +1,8 @@
 // The two inner loops of decode attention (cpu_reference/src/attention_rows.hpp) against plain
 // loops over the same widened rows, for every head_dim path (8-wide AVX2 in 64-column blocks and
 // 8-column tails, plain loops where head_dim is not a multiple of 8), key counts around the 8-key
-// groups, rows a slot apart and each pool dtype. Tolerance: fp32 sums in another order, |error| <= hd * 1.2e-7 * sum |terms|.
+// groups, rows a slot apart and each pool dtype. Tolerance: fp32 sums in another order, |error| <=
+// hd * 1.2e-7 * sum |terms|.
 #include <gtest/gtest.h>
 
 #include <cmath>
