@@ -7,7 +7,7 @@
 #   build-portable/  portable, no sanitizer: the CUDA emulator under valgrind (emulated.memcheck),
 #                    which cannot decode the AVX-512 a native build contains on some machines
 #   build-fuzz/      clang, libFuzzer + ASan + UBSan: every input parser fuzzed for
-#                    KVLAB_FUZZ_SECONDS (30) each, from the seed corpora in tests/fuzz/corpus/
+#                    KVLAB_FUZZ_SECONDS (20) each, from the seed corpora in tests/fuzz/corpus/
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVLAB_WERROR=ON
@@ -41,7 +41,7 @@ fi
 fuzz_dir="${build_dir}-fuzz"
 CC=clang CXX=clang++ cmake -S . -B "$fuzz_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_FUZZ=ON \
   -DKVLAB_WITH_CUDA=OFF -DKVLAB_BUILD_TESTS=OFF -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF \
-  -DKVLAB_WERROR=ON -DKVLAB_FUZZ_SECONDS="${KVLAB_FUZZ_SECONDS:-30}"
+  -DKVLAB_WERROR=ON -DKVLAB_FUZZ_SECONDS="${KVLAB_FUZZ_SECONDS:-20}"
 cmake --build "$fuzz_dir" -j "$(nproc)" --target fuzz_safetensors fuzz_model_config fuzz_trace \
   fuzz_experiment fuzz_gguf fuzz_tokenizer_json fuzz_bpe_encode fuzz_hardware_profile fuzz_run_record
 ctest --test-dir "$fuzz_dir" -L fuzz --output-on-failure -j "$(nproc)"
