@@ -41,12 +41,14 @@ __m256 load_row8(const std::byte* row, std::int64_t d) {
 
 template <DType Type>
 void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, std::int64_t count,
-                     std::int64_t hd, float scale, float* scores) {
+                     std::int64_t readable, std::int64_t hd, float scale, float* scores) {
   std::int64_t j = 0;
   const std::int64_t row_bytes = hd * (Type == DType::dtype_f32 ? 4 : 2);
   for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
-    for (int r = 0; r < 8; ++r)     // the next 8 rows, ahead of use (x86 prefetches never fault)
-      prefetch_row(k + (j + 8 + r) * stride, row_bytes);
+    // The next 8 rows, ahead of use, while they belong to the run: the slots after a paged
+    // block are another sequence's, and fetching them cost a third more memory traffic.
+    for (std::int64_t r = j + 8; r < std::min(j + 16, readable); ++r)
+      prefetch_row(k + r * stride, row_bytes);
     __m256 acc[8];
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (std::int64_t d = 0; d < hd; d += 8) {
@@ -76,12 +78,13 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
 // o[0 : 8 Vectors] += sum_j p[j] * v_j[0 : 8 Vectors]: the accumulators stay in registers.
 template <DType Type, int Vectors>
 void add_weighted_columns(const float* p, const std::byte* v, std::int64_t stride,
-                          std::int64_t count, float* o) {
+                          std::int64_t count, std::int64_t readable, float* o) {
   constexpr std::int64_t element = Type == DType::dtype_f32 ? 4 : 2;
   __m256 acc[Vectors];
   for (int s = 0; s < Vectors; ++s) acc[s] = _mm256_loadu_ps(o + 8 * s);
   for (std::int64_t j = 0; j < count; ++j) {
-    if (Vectors == 8 || j % 8 == 0) prefetch_row(v + (j + 4) * stride, 8 * Vectors * element);
+    if ((Vectors == 8 || j % 8 == 0) && j + 4 < readable)
+      prefetch_row(v + (j + 4) * stride, 8 * Vectors * element);
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int s = 0; s < Vectors; ++s)
       acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(v + j * stride, 8 * s), acc[s]);
@@ -91,13 +94,13 @@ void add_weighted_columns(const float* p, const std::byte* v, std::int64_t strid
 
 template <DType Type>
 void add_weighted_rows_simd(const float* p, const std::byte* v, std::int64_t stride,
-                            std::int64_t count, std::int64_t hd, float* o) {
+                            std::int64_t count, std::int64_t readable, std::int64_t hd, float* o) {
   const std::int64_t element = Type == DType::dtype_f32 ? 4 : 2;
   std::int64_t c0 = 0;
   for (; c0 + 64 <= hd; c0 += 64)
-    add_weighted_columns<Type, 8>(p, v + c0 * element, stride, count, o + c0);
+    add_weighted_columns<Type, 8>(p, v + c0 * element, stride, count, readable, o + c0);
   for (; c0 < hd; c0 += 8)
-    add_weighted_columns<Type, 1>(p, v + c0 * element, stride, count, o + c0);
+    add_weighted_columns<Type, 1>(p, v + c0 * element, stride, count, readable, o + c0);
 }
 #endif
 
@@ -119,16 +122,20 @@ inline void widen_attention_row(DType dtype, const std::byte* row, std::int64_t 
 }
 
 // scores[j] = scale * (q . k_j), k_j = k + j * stride bytes, for j in [0, count); q: (hd).
+// Rows [0, readable) (readable >= count) are the run's: the ones that may be fetched ahead.
 inline void score_rows(DType dtype, const float* q, const std::byte* k, std::int64_t stride,
-                       std::int64_t count, std::int64_t hd, float scale, float* scores) {
+                       std::int64_t count, std::int64_t readable, std::int64_t hd, float scale,
+                       float* scores) {
 #if KVLAB_ATTENTION_SIMD
   if (hd % 8 == 0) {
     if (dtype == DType::dtype_f32)
-      return score_rows_simd<DType::dtype_f32>(q, k, stride, count, hd, scale, scores);
+      return score_rows_simd<DType::dtype_f32>(q, k, stride, count, readable, hd, scale, scores);
     if (dtype == DType::dtype_f16)
-      return score_rows_simd<DType::dtype_f16>(q, k, stride, count, hd, scale, scores);
-    return score_rows_simd<DType::dtype_bf16>(q, k, stride, count, hd, scale, scores);
+      return score_rows_simd<DType::dtype_f16>(q, k, stride, count, readable, hd, scale, scores);
+    return score_rows_simd<DType::dtype_bf16>(q, k, stride, count, readable, hd, scale, scores);
   }
+#else
+  (void)readable;
 #endif
   std::vector<float> row(static_cast<std::size_t>(hd));
   for (std::int64_t j = 0; j < count; ++j) {
@@ -139,17 +146,21 @@ inline void score_rows(DType dtype, const float* q, const std::byte* k, std::int
   }
 }
 
-// o += sum_j p[j] * v_j, v_j = v + j * stride bytes, for j in [0, count); o: (hd).
+// o += sum_j p[j] * v_j, v_j = v + j * stride bytes, for j in [0, count); o: (hd). Rows
+// [0, readable) may be fetched ahead, as in score_rows.
 inline void add_weighted_rows(DType dtype, const float* p, const std::byte* v, std::int64_t stride,
-                              std::int64_t count, std::int64_t hd, float* o) {
+                              std::int64_t count, std::int64_t readable, std::int64_t hd,
+                              float* o) {
 #if KVLAB_ATTENTION_SIMD
   if (hd % 8 == 0) {
     if (dtype == DType::dtype_f32)
-      return add_weighted_rows_simd<DType::dtype_f32>(p, v, stride, count, hd, o);
+      return add_weighted_rows_simd<DType::dtype_f32>(p, v, stride, count, readable, hd, o);
     if (dtype == DType::dtype_f16)
-      return add_weighted_rows_simd<DType::dtype_f16>(p, v, stride, count, hd, o);
-    return add_weighted_rows_simd<DType::dtype_bf16>(p, v, stride, count, hd, o);
+      return add_weighted_rows_simd<DType::dtype_f16>(p, v, stride, count, readable, hd, o);
+    return add_weighted_rows_simd<DType::dtype_bf16>(p, v, stride, count, readable, hd, o);
   }
+#else
+  (void)readable;
 #endif
   std::vector<float> row(static_cast<std::size_t>(hd));
   for (std::int64_t j = 0; j < count; ++j) {

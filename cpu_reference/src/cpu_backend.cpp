@@ -251,20 +251,23 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   RowMatrix scores(heads, task.keys());                                     // (heads, keys)
   const float* queries = q.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
+  // A whole-entry task reads whole slot rows: while each head works on one chunk, it asks for
+  // its share of the next chunk's consecutive bytes (K's, then V's), so memory streams them in
+  // order and ahead of use, spread over the heads' work (a burst of prefetches would wait on the
+  // core's miss buffers), instead of head slice by head slice. The row kernels then fetch ahead
+  // only within the chunk; for a single head they fetch ahead within the run.
+  const bool whole_rows = task.kv_count == shape.kv_heads;
   struct Chunk {
-    std::int64_t column, slot, count;
+    std::int64_t column, slot, count, readable;  // readable: rows the kernels may fetch ahead
   };
   thread_local std::vector<Chunk> chunks;  // the task's runs in chunks, in order
   chunks.clear();
   task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
-    for (std::int64_t j = 0; j < length; j += kChunk)
-      chunks.push_back({column + j, slot + j, std::min(kChunk, length - j)});
+    for (std::int64_t j = 0; j < length; j += kChunk) {
+      const std::int64_t count = std::min(kChunk, length - j);
+      chunks.push_back({column + j, slot + j, count, whole_rows ? count : length - j});
+    }
   });
-  // A whole-entry task reads whole slot rows: while each head works on one chunk, it asks for
-  // its share of the next chunk's consecutive bytes (K's, then V's), so memory streams them in
-  // order and ahead of use, spread over the heads' work (a burst of prefetches would wait on the
-  // core's miss buffers), instead of head slice by head slice.
-  const bool whole_rows = task.kv_count == shape.kv_heads;
   auto fetch_share = [&](bool value, std::size_t i, std::int64_t h) {
     if (!whole_rows || i >= chunks.size()) return;
     const std::int64_t bytes = chunks[i].count * stride, share = (bytes + heads - 1) / heads;
@@ -275,22 +278,22 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   };
   for (std::int64_t h = 0; h < heads; ++h) fetch_share(false, 0, h);
   for (std::size_t i = 0; i < chunks.size(); ++i) {
-    const auto [column, slot, count] = chunks[i];
+    const auto [column, slot, count, readable] = chunks[i];
     for (std::int64_t h = 0; h < heads; ++h) {
       fetch_share(i + 1 < chunks.size() ? false : true, i + 1 < chunks.size() ? i + 1 : 0, h);
       score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride, count,
-                 hd, scale, &scores(h, column));
+                 readable, hd, scale, &scores(h, column));
     }
   }
   masked_softmax(task, scores);
   float* o = out.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
   std::fill(o, o + heads * hd, 0.0f);
   for (std::size_t i = 0; i < chunks.size(); ++i) {
-    const auto [column, slot, count] = chunks[i];
+    const auto [column, slot, count, readable] = chunks[i];
     for (std::int64_t h = 0; h < heads; ++h) {
       fetch_share(true, i + 1, h);
       add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset(h),
-                        stride, count, hd, o + h * hd);
+                        stride, count, readable, hd, o + h * hd);
     }
   }
 }

@@ -1,6 +1,11 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstring>
 #include <limits>
+#include <span>
+
+#include "kvlab/eigen_core.hpp"
 
 #include "kvlab/error.hpp"
 #include "kvlab/kv_pool.hpp"
@@ -206,6 +211,91 @@ TEST(MemoryPlanner, BadQueriesAreErrors) {
 
 namespace kvlab {
 namespace {
+
+// convert_from_f32 / convert_to_f32 convert eight values at a time where the CPU allows (F16C,
+// AVX2) and the rest one by one: every value, at every position of a run, must come out bit for
+// bit as Eigen's scalar conversion gives it (round to nearest even, ties, overflow to infinity,
+// subnormals, signed zeros, NaNs of both signs). Widening: every 16-bit pattern as Eigen widens
+// it, except that a NaN only keeps its sign (F16C quiets signalling NaNs).
+TEST(KvPoolDtype, RunConversionsEqualEigensScalarConversionsBitForBit) {
+  std::vector<float> values{0.0f,
+                            -0.0f,
+                            1.0f,
+                            -1.0f,
+                            0.1f,
+                            65504.0f,
+                            65520.0f,
+                            -65520.0f,
+                            1e-8f,
+                            6e-8f,
+                            -3e-5f,
+                            1e-40f,
+                            3.4e38f,
+                            -3.4e38f,
+                            std::numeric_limits<float>::infinity(),
+                            -std::numeric_limits<float>::infinity(),
+                            std::numeric_limits<float>::quiet_NaN(),
+                            -std::numeric_limits<float>::quiet_NaN(),
+                            std::numeric_limits<float>::signaling_NaN()};
+  for (std::uint32_t bits : {0x3f808000u, 0x3f818000u, 0x3f80ffffu, 0x7f7fffffu, 0xff7f8000u,
+                             0x00008000u, 0x7f800001u, 0xffc00001u})
+    values.push_back(Eigen::numext::bit_cast<float>(bits));  // bf16 ties and edges, NaN payloads
+  std::uint32_t state = 12345;                               // and values of every exponent
+  for (int i = 0; i < 2000; ++i) {
+    state = state * 1664525u + 1013904223u;
+    values.push_back(Eigen::numext::bit_cast<float>(state));
+  }
+  for (DType dtype : {DType::dtype_f16, DType::dtype_bf16})
+    for (std::size_t offset : {0, 1, 5}) {  // the 8-wide runs start at every alignment
+      const std::span<const float> run = std::span<const float>(values).subspan(offset);
+      std::vector<std::byte> bytes(run.size() * 2);
+      convert_from_f32(dtype, run, bytes);
+      std::vector<float> back(run.size());
+      convert_to_f32(dtype, bytes, back);
+      for (std::size_t i = 0; i < run.size(); ++i) {
+        std::uint16_t stored;
+        std::memcpy(&stored, bytes.data() + 2 * i, 2);
+        const std::uint16_t expected =
+            dtype == DType::dtype_f16
+                ? Eigen::numext::bit_cast<std::uint16_t>(Eigen::half(run[i]))
+                : Eigen::numext::bit_cast<std::uint16_t>(Eigen::bfloat16(run[i]));
+        ASSERT_EQ(stored, expected)
+            << dtype_short_name(dtype) << " value " << run[i] << " at " << i << " (bits "
+            << std::hex << Eigen::numext::bit_cast<std::uint32_t>(run[i]) << ")";
+        const float widened =
+            dtype == DType::dtype_f16
+                ? static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(stored))
+                : static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(stored));
+        ASSERT_EQ(Eigen::numext::bit_cast<std::uint32_t>(back[i]),
+                  Eigen::numext::bit_cast<std::uint32_t>(widened))
+            << dtype_short_name(dtype) << " at " << i;
+      }
+    }
+  std::vector<std::byte> every_pattern(2 * 65536);  // widening: all 16-bit values, NaNs included
+  for (std::uint32_t b = 0; b < 65536; ++b) {
+    const auto bits = static_cast<std::uint16_t>(b);
+    std::memcpy(every_pattern.data() + 2 * b, &bits, 2);
+  }
+  for (DType dtype : {DType::dtype_f16, DType::dtype_bf16}) {
+    std::vector<float> widened(65536);
+    convert_to_f32(dtype, every_pattern, widened);
+    for (std::uint32_t b = 0; b < 65536; ++b) {
+      const auto bits = static_cast<std::uint16_t>(b);
+      const float expected =
+          dtype == DType::dtype_f16
+              ? static_cast<float>(Eigen::numext::bit_cast<Eigen::half>(bits))
+              : static_cast<float>(Eigen::numext::bit_cast<Eigen::bfloat16>(bits));
+      if (std::isnan(expected)) {  // F16C sets a signalling NaN's quiet bit; Eigen keeps it
+        ASSERT_TRUE(std::isnan(widened[b])) << std::hex << b;
+        ASSERT_EQ(std::signbit(widened[b]), std::signbit(expected)) << std::hex << b;
+        continue;
+      }
+      ASSERT_EQ(Eigen::numext::bit_cast<std::uint32_t>(widened[b]),
+                Eigen::numext::bit_cast<std::uint32_t>(expected))
+          << dtype_short_name(dtype) << " bits " << std::hex << b;
+    }
+  }
+}
 
 // A pool sized from input is checked before it is allocated: overflow and "more than this
 // machine holds" are errors naming the pool's shape, not std::bad_alloc.

@@ -32,8 +32,8 @@ TEST(AttentionRows, ScoresAndWeightedSumsEqualPlainLoops) {
         const std::byte* first = rows.data() + hd * element;  // the second head of each row
         std::vector<float> scores(static_cast<std::size_t>(count)),
             o(static_cast<std::size_t>(hd), 0.5f);
-        score_rows(dtype, q.data(), first, stride, count, hd, 0.25f, scores.data());
-        add_weighted_rows(dtype, p.data(), first, stride, count, hd, o.data());
+        score_rows(dtype, q.data(), first, stride, count, count, hd, 0.25f, scores.data());
+        add_weighted_rows(dtype, p.data(), first, stride, count, count, hd, o.data());
         std::vector<float> row(static_cast<std::size_t>(hd));
         std::vector<double> expected_o(static_cast<std::size_t>(hd), 0.5), o_bound(row.size(), 0);
         for (std::int64_t j = 0; j < count; ++j) {

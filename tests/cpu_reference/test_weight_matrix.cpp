@@ -126,13 +126,14 @@ TEST(WeightMatrix, BadShapesAreClearErrors) {
 // fp32 activations (panels for f32/f16/bf16), for every tile edge: no rows of x, rows around the
 // fused, AVX2 (6) and AVX-512 (8) register tiles, outputs around the 4-row tile, the 16-wide half
 // panel and the 32-row panel, depths with and without an 8-wide tail (f32/f16/bf16 only: Q rows are
-// whole blocks), and rows a multiple of 4 KiB apart (copied to a padded buffer before the
-// transposes).
+// whole blocks), rows a multiple of 4 KiB apart (copied to a padded buffer before the
+// transposes), and for f16/bf16 panels against several tiles, larger batches (137 rows: 18 and
+// 23 tiles) and a depth of 160.
 TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
   for (WeightFormat f : kAllFormats)
-    for (std::int64_t depth : {32, 96, 44, 1024})  // 1024: rows 4 KiB apart (L1 set aliasing)
+    for (std::int64_t depth : {32, 96, 44, 160, 1024})  // 1024: rows 4 KiB apart (L1 aliasing)
       for (std::int64_t outputs : {1, 7, 16, 37, 48})
-        for (std::int64_t rows : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65})
+        for (std::int64_t rows : {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 17, 65, 137})
           for (bool packed : {false, true}) {
             if (depth % weight_format_block_values(f) != 0) continue;
             const WeightMatrix rows_layout =
