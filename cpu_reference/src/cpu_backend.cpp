@@ -77,7 +77,8 @@ CpuBackend::CpuBackend(const LlamaWeights& weights, KvPool& pool,
 const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   const ModelConfig& c = weights_.config;
   std::vector<std::int64_t> first_rows;  // batch row of each entry's first token
-  std::vector<std::int32_t> positions;
+  std::vector<std::int32_t> positions;   // of each batch row
+  std::vector<std::int64_t> slots;       // each batch row's K/V slot
   std::int64_t rows = 0;
   for (const auto& e : batch) {
     first_rows.push_back(rows);
@@ -86,6 +87,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
       if (position >= c.max_position_embeddings)
         throw Error(fmt::format("position {} is beyond the context of {}", position, c.name));
       positions.push_back(static_cast<std::int32_t>(position));
+      slots.push_back(e.view.slot_of(position));
     }
     rows += static_cast<std::int64_t>(e.tokens.size());
   }
@@ -100,28 +102,26 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
       x.row(first_rows[e] + static_cast<std::int64_t>(j)) =
           weights_.embedding.row(batch[e].tokens[j]);
 
-  RowMatrix &normed = normed_, &qkv = qkv_, &q = q_, &k = k_, &attention = attention_,
-            &gate_up = gate_up_, &hidden = hidden_;
+  RowMatrix &normed = normed_, &qkv = qkv_, &attention = attention_, &gate_up = gate_up_,
+            &hidden = hidden_;
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
     const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
-    multiply_by_transposed(normed, matrices.w_qkv, qkv, false);  // (N, q_dim + 2 kv_dim)
-    q = qkv.leftCols(q_dim);                                     // (N, q_dim)
-    k = qkv.middleCols(q_dim, kv_dim);                           // (N, kv_dim)
-    rope_.apply(q, positions, c.num_attention_heads);
-    rope_.apply(k, positions, c.num_key_value_heads);
-    // Write the new tokens' K and V into their slots (each row its own slot).
-#pragma omp parallel for if (batch.size() > 16)
-    for (std::size_t e = 0; e < batch.size(); ++e)
-      for (std::size_t j = 0; j < batch[e].tokens.size(); ++j) {
-        const std::int64_t row = first_rows[e] + static_cast<std::int64_t>(j);
-        const std::int64_t slot =
-            batch[e].view.slot_of(batch[e].start_position + static_cast<std::int64_t>(j));
-        pool_.write_row(l, slot, false, k.row(row).data());  // rounded to the pool's dtype
-        pool_.write_row(l, slot, true, qkv.row(row).data() + q_dim + kv_dim);
-      }
-    attend(l, batch, first_rows, q, attention);
+    // (N, q_dim + 2 kv_dim): row t is token t's Q | K | V. RoPE rotates Q and K in place and the
+    // new tokens' K and V go to their slots (rounded to the pool's dtype), in one pass over the
+    // rows: no copies of Q and K, one join of the threads.
+    multiply_by_transposed(normed, matrices.w_qkv, qkv, false);
+#pragma omp parallel for if (rows > 16)
+    for (std::int64_t t = 0; t < rows; ++t) {
+      float* values = qkv.row(t).data();
+      const auto row = static_cast<std::size_t>(t);
+      rope_.apply_row(values, positions[row], c.num_attention_heads);
+      rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
+      pool_.write_row(l, slots[row], false, values + q_dim);
+      pool_.write_row(l, slots[row], true, values + q_dim + kv_dim);
+    }
+    attend(l, batch, first_rows, qkv, attention);
     multiply_by_transposed(attention, matrices.wo, x, true);
 
     rms_norm(x, layer.mlp_norm, eps, normed);
@@ -207,7 +207,7 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
                         RowMatrix& out) const {
   const ModelConfig& c = weights_.config;
   const std::int64_t kv_heads = c.num_key_value_heads, group = c.group_size();
-  out.resize(q.rows(), q.cols());
+  out.resize(q.rows(), c.q_dim());
   // A decode task takes a whole entry when there are entries enough for every thread: it then
   // reads the entry's slot rows whole, in order. Otherwise (and for prompt chunks) one task per
   // (entry, K/V head), so that few sequences still spread over the threads.

@@ -74,7 +74,7 @@ class CpuBackend final : public Backend {
   std::optional<std::int64_t> window_;
   RopeTable rope_;
   // Activations, kept between steps so a decode step allocates (and page-faults) nothing.
-  RowMatrix x_, normed_, qkv_, q_, k_, attention_, gate_up_, hidden_, last_, logits_;
+  RowMatrix x_, normed_, qkv_, attention_, gate_up_, hidden_, last_, logits_;
 };
 
 }  // namespace kvlab::cpu
