@@ -46,7 +46,8 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
   const std::int64_t row_bytes = hd * (Type == DType::dtype_f32 ? 4 : 2);
   for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
     // The next 8 rows, ahead of use, while they belong to the run: the slots after a paged
-    // block are another sequence's, and fetching them cost a third more memory traffic.
+    // block may be another sequence's (blocks grown in lockstep), and fetching 8 of them per
+    // 16-row block would read half as much again of this head's K.
     for (std::int64_t r = j + 8; r < std::min(j + 16, readable); ++r)
       prefetch_row(k + r * stride, row_bytes);
     __m256 acc[8];
