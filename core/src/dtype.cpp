@@ -49,7 +49,8 @@ T load_unaligned(const std::byte* p) {
 
 #if KVLAB_DTYPE_SIMD
 // Eight values at a time, bit for bit what Eigen's scalar conversions give (F16C rounds to
-// nearest even as Eigen::half does; bf16 uses Eigen's rounding and its quiet NaNs). The first
+// nearest even as Eigen::half does; bf16 uses Eigen's rounding and its quiet NaNs), except that
+// widening a signalling f16 NaN sets its quiet bit (Eigen's keeps it: still a NaN). The first
 // n / 8 * 8 values; the caller converts the rest one by one. (A KV write is one row of a few
 // thousand values: the scalar loops cost 1.3% of a batch-64 decode step.)
 std::size_t f16_from_f32(const float* source, std::size_t n, std::byte* target) {
