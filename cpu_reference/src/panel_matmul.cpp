@@ -277,30 +277,6 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
 
 namespace panels {
 
-#if KVLAB_PANEL_SIMD
-namespace {
-// Columns [k, k + 8) of 8 rows (missing rows read as zeros) into packed[(k + j) * 8 + i]: one
-// 8x8 transpose in registers instead of 64 scalar stores 32 bytes apart.
-void transpose_8x8(const float* const* rows, std::int64_t k, float* packed) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = rows[i] ? _mm256_loadu_ps(rows[i] + k) : _mm256_setzero_ps();
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);  // a0 b0 a1 b1 | a4 b4 a5 b5
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4)
-    for (int h = 0; h < 2; ++h) {  // a0 b0 c0 d0 | a4 b4 c4 d4, then the other columns
-      r[i + 2 * h] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0x44);
-      r[i + 2 * h + 1] = _mm256_shuffle_ps(t[i + h], t[i + h + 2], 0xEE);
-    }
-  for (int j = 0; j < 4; ++j) {  // column j from rows 0-3 and 4-7, and column j + 4
-    _mm256_storeu_ps(packed + (k + j) * 8, _mm256_permute2f128_ps(r[j], r[j + 4], 0x20));
-    _mm256_storeu_ps(packed + (k + j + 4) * 8, _mm256_permute2f128_ps(r[j], r[j + 4], 0x31));
-  }
-}
-}  // namespace
-#endif
-
 void pack_row_tile(const RowMatrix& x, int tile_rows, std::int64_t tile, float* out) {
   const std::int64_t depth = x.cols(), m0 = tile * tile_rows;
   float* packed = out + m0 * depth;  // (depth, tile_rows)
@@ -308,7 +284,7 @@ void pack_row_tile(const RowMatrix& x, int tile_rows, std::int64_t tile, float* 
   if (tile_rows == 8 && depth % 8 == 0) {
     const float* rows[8];
     for (int i = 0; i < 8; ++i) rows[i] = m0 + i < x.rows() ? x.row(m0 + i).data() : nullptr;
-    for (std::int64_t k = 0; k < depth; k += 8) transpose_8x8(rows, k, packed);
+    for (std::int64_t k = 0; k < depth; k += 8) transpose_8x8(rows, k, packed + k * 8, 8);
     return;
   }
 #endif

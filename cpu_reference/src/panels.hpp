@@ -13,8 +13,12 @@
 #include <cstdint>
 #include <vector>
 
-#include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "kvlab/cpu_reference/weight_matrix.hpp"  // first: it includes eigen_core.hpp
 #include "kvlab/dtype.hpp"
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
 
 namespace kvlab::cpu::panels {
 
@@ -36,6 +40,30 @@ inline DType float_dtype(WeightFormat format) {
 // consecutive floats (rows of x a multiple of 4 KiB apart would all fall in one L1 set).
 // row_tile_count(M, t) tiles of K * t floats; pack_row_tile writes tile `tile` of them (the
 // threads of a product share the tiles out).
+#if defined(__AVX__)
+// Columns [k, k + 8) of 8 rows, transposed in registers: out[c * out_stride + i] = rows[i][k + c];
+// a null row reads as zeros. (Activation tiles and the Q kernels' widened weight panels.)
+inline void transpose_8x8(const float* const* rows, std::int64_t k, float* out,
+                          std::int64_t out_stride) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = rows[i] ? _mm256_loadu_ps(rows[i] + k) : _mm256_setzero_ps();
+  for (int i = 0; i < 8; i += 2) {  // pairs of rows: a0 b0 a1 b1 | a4 b4 a5 b5
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {  // pairs of pairs: a0 b0 c0 d0 | a4 b4 c4 d4, ...
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {  // the 128-bit halves: column c of rows 0-3 and 4-7, and c + 4
+    _mm256_storeu_ps(out + c * out_stride, _mm256_permute2f128_ps(r[c], r[c + 4], 0x20));
+    _mm256_storeu_ps(out + (c + 4) * out_stride, _mm256_permute2f128_ps(r[c], r[c + 4], 0x31));
+  }
+}
+#endif
+
 inline std::int64_t row_tile_count(std::int64_t rows, int tile_rows) {
   return (rows + tile_rows - 1) / tile_rows;
 }

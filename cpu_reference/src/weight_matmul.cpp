@@ -252,26 +252,6 @@ constexpr std::int64_t kPackWidth = 16;
 constexpr int kPackedRows = 6;  // 12 accumulators: AVX2's 16
 #endif
 
-// 8 rows of 8 floats (rows `stride` apart) stored transposed: out[c * 16 + i] = row i's c.
-void transpose_8x8(const float* rows, std::int64_t stride, float* out) {
-  __m256 r[8], t[8];
-  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(rows + i * stride);
-  for (int i = 0; i < 8; i += 2) {  // interleave pairs of rows
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {  // then pairs of pairs
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-  }
-  for (int i = 0; i < 4; ++i) {  // then the 128-bit halves
-    _mm256_storeu_ps(out + i * kPackWidth, _mm256_permute2f128_ps(r[i], r[i + 4], 0x20));
-    _mm256_storeu_ps(out + (i + 4) * kPackWidth, _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-  }
-}
-
 // Rows [n0, n0 + count) of w (count <= 16; depth a multiple of 8) as the (depth, 16) panel,
 // zero past count. Q/f16/bf16 rows are widened into `rows_buffer` first (rows 16 floats longer
 // than depth, so that they do not all fall in one L1 set).
@@ -295,9 +275,11 @@ void pack_panel(const WeightMatrix& w, std::int64_t n0, std::int64_t count, floa
     }
     rows = rows_buffer;
   }
+  const float* row_of[kPackWidth];
+  for (std::int64_t r = 0; r < kPackWidth; ++r) row_of[r] = rows + r * stride;
   for (std::int64_t k = 0; k < depth; k += 8)
     for (std::int64_t r0 = 0; r0 < kPackWidth; r0 += 8)
-      transpose_8x8(rows + r0 * stride + k, stride, panel + k * kPackWidth + r0);
+      panels::transpose_8x8(row_of + r0, k, panel + k * kPackWidth + r0, kPackWidth);
 }
 
 // out (Rows, 16) = x tile . panel (depth, 16); the x tile is packed (depth, kPackedRows):
