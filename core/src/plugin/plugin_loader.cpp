@@ -189,8 +189,10 @@ void PluginRegistry::load_file(const std::filesystem::path& file) {
     throw Error(fmt::format(
         "{} is not a kvlab plugin: it exports no \"{}\" (build it with KVLAB_PLUGIN(...))",
         file.string(), kDescriptorSymbol));
+  // The symbol's address, taken as a byte's: a function's address need not be aligned like the
+  // pointer the symbol should be (binding a `const void*&` to it is undefined; UBSan says so).
   if (const std::string problem =
-          descriptor_symbol_problem(&library->get<const void*>(kDescriptorSymbol));
+          descriptor_symbol_problem(&library->get<const char>(kDescriptorSymbol));
       !problem.empty())
     throw Error(fmt::format("{} is not a kvlab plugin: \"{}\" {}", file.string(), kDescriptorSymbol,
                             problem));
