@@ -227,7 +227,9 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
       for (std::int64_t h = 0; h < kv_heads; ++h)
         tasks.push_back({entry, h, 1, group, first_rows[e], key_begin, last_position, window_});
   }
-#pragma omp parallel for schedule(static)
+  // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
+  // the threads' speeds on a shared machine).
+#pragma omp parallel for schedule(guided)
   for (std::size_t t = 0; t < tasks.size(); ++t) {
     if (tasks[t].queries() == 1)
       attend_decode(layer, tasks[t], q, out);

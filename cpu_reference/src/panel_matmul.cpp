@@ -2,7 +2,9 @@
 // reference's function over the stored values, each output summed over k in order. The panels
 // were packed once at load, so a product only reads them. x is packed in tiles of kTileRows rows
 // ((depth, kTileRows): a tile's broadcasts read consecutive floats), and the threads take
-// contiguous ranges of panels, i.e. of the matrix's bytes:
+// contiguous ranges of panels, i.e. of the matrix's bytes, in guided chunks (half the panels, a
+// quarter, ... then one at a time): when one thread runs behind, the other takes the last panels
+// instead of waiting at the join (f16 and f32 at batch 64: +1-3% over equal static halves):
 //   up to kTileRows rows of x   one tile per panel, whose values are widened in registers as they
 //                               stream from memory (decode at small batches: every weight byte
 //                               read once, nothing written);
@@ -223,7 +225,7 @@ void multiply_tiled(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
     thread_local std::vector<float> widened;
     if (rows > kTileRows && w.format() != WeightFormat::f32)
       widened.resize(static_cast<std::size_t>(depth * kPanelRows));
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (std::int64_t p = 0; p < count; ++p) {
       const std::byte* panel = w.data() + p * bytes;
       const std::byte* next = p + 1 < count ? panel + bytes : nullptr;

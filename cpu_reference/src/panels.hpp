@@ -8,7 +8,7 @@
 //   panel p, column k, row j  ->  element (p * cols + k) * 32 + j
 // so a panel is (cols, 32): one row of it is 32 outputs' weights for one input value, which two
 // 512-bit registers (fp32) hold. Panels follow one another: the matrix's bytes are a single
-// stream, each thread's share of panels a contiguous range of it.
+// stream, each thread's share of panels a few contiguous ranges of it.
 #include <cstddef>
 #include <cstdint>
 #include <vector>
