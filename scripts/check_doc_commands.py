@@ -7,9 +7,12 @@ A command is a line of a ```sh block that starts with ./build/bin/kvlab, kvlab o
 python3 experiments/. Each distinct command runs once, in document order, from a scratch
 folder that links build/, data/, experiments/, profiles/ and tests/ of this checkout (results/ and
 models/ land there, not in the checkout). It must exit 0. Where the command is pure arithmetic
-(kvlab memory, or a run on the simulated backend) and the page shows what it printed (the next
-```text block, or the markdown table rows after it), every shown line must appear in the
-output: those pages cannot drift from the code.
+and the page shows what it printed (the next ```text block, or the markdown table rows after
+it), every shown line must appear in the output: those pages cannot drift from the code or from
+the shipped hardware profiles. Pure arithmetic: kvlab memory, a run on the simulated backend, and
+a kvlab run of an experiment on the virtual or offline clock (each step priced by a profile)
+whose preset model runs a synthetic workload (lengths from the workload, not from the tokens a
+machine's kernels happen to produce), with no other arguments and no clock in a sweep.
 
 Shown but not run, with the reason printed: the README's ./scripts/*.sh (they are the CI job
 itself), the install-and-build lines of docs/writing-a-plugin.md (ctest's
@@ -23,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -67,6 +71,20 @@ def shown_output(path, after_line):
             i += 1
         return rows
     return []
+
+
+def priced_run(line):
+    """True for a kvlab run whose table is arithmetic (see the module's docstring)."""
+    match = re.fullmatch(r"\./build/bin/kvlab run (experiments/[\w.-]+\.toml)", line)
+    if not match:
+        return False
+    with open(ROOT / match.group(1), "rb") as f:
+        config = tomllib.load(f)
+    clock = config.get("experiment", {}).get("clock", "virtual")
+    swept = {sweep.get("key") for sweep in config.get("sweep", [])}
+    model = config.get("model", {}).get("name", "")
+    return (clock in ("virtual", "offline") and "experiment.clock" not in swept
+            and "/" not in model and "prompts" not in config.get("workload", {}))
 
 
 def commands(docs):
@@ -121,7 +139,7 @@ def main():
         if result.returncode != 0:
             failures.append(f"{where}: exit {result.returncode}: {line}\n{result.stderr[-2000:]}")
             continue
-        deterministic = " memory " in line or "simulated" in line
+        deterministic = " memory " in line or "simulated" in line or priced_run(line)
         if deterministic:
             output = result.stdout.splitlines()
             for shown in shown_output(path, block_end):
