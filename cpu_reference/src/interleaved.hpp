@@ -34,16 +34,17 @@ inline float stored_value(DType dtype, const std::byte* p) {
   return value;
 }
 
-// The product of both layouts: the threads split the groups of 16 outputs, and the rows of x go
-// in passes of 128 (their rounded copy stays in L2 while each group's bytes are read once per
-// pass). `group_product(g, m_begin, m_end)` does rows [m_begin, m_end) against group g.
+// The product of both layouts: the threads split the groups of 16 outputs in guided chunks (as the
+// panels: the thread ahead takes the last groups instead of waiting at the join), and the rows of
+// x go in passes of 128 (their rounded copy stays in L2 while each group's bytes are read once
+// per pass). `group_product(g, m_begin, m_end)` does rows [m_begin, m_end) against group g.
 template <typename GroupProduct>
 void for_each_group_pass(std::int64_t rows, std::int64_t groups, GroupProduct&& group_product) {
   constexpr std::int64_t kRowsPerPass = 128;
 #pragma omp parallel
   for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
     const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
-#pragma omp for schedule(static)
+#pragma omp for schedule(guided)
     for (std::int64_t g = 0; g < groups; ++g) group_product(g, m_begin, m_end);
   }
 }
