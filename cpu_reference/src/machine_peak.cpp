@@ -53,6 +53,10 @@ double measured_fp32_peak_gflops(int threads) {
   static std::map<int, double> cache;
   std::lock_guard lock(mutex);
   if (auto it = cache.find(threads); it != cache.end()) return it->second;
+  return cache[threads] = probe_fp32_peak_gflops(threads);
+}
+
+double probe_fp32_peak_gflops(int threads) {
   double best = 0;
   for (int attempt = 0; attempt < 5; ++attempt) {  // best of 5 x ~0.1 s
     double flops = 0;
@@ -63,7 +67,7 @@ double measured_fp32_peak_gflops(int threads) {
         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     best = std::max(best, flops / seconds / 1e9);
   }
-  return cache[threads] = best;
+  return best;
 }
 
 double measured_read_bandwidth_gbs(int threads) {

@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 #include <sys/wait.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <nlohmann/json.hpp>
 
 #include "test_util.hpp"
@@ -437,6 +439,20 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   ASSERT_NE(attention, std::string::npos) << fitted;
   EXPECT_NE(fitted.find("min_rows = 4", attention), std::string::npos) << fitted;
   EXPECT_NE(fitted.find("engine steps"), std::string::npos) << fitted;
+  // The FMA probe runs before and after the measurements; the profile keeps the larger as its
+  // peak (a ceiling the fit does not raise). The printout rounds to 0.1 GFLOP/s.
+  double before = 0, after = 0, peak_tflops = 0;
+  const auto probe = r.err.find("FMA probe: ");
+  ASSERT_NE(probe, std::string::npos) << r.err;
+  ASSERT_EQ(
+      std::sscanf(r.err.c_str() + probe,
+                  "FMA probe: %lf GFLOP/s before the measurements, %lf after", &before, &after),
+      2)
+      << r.err;
+  const auto peak = fitted.find("peak_tflops = ");
+  ASSERT_NE(peak, std::string::npos) << fitted;
+  ASSERT_EQ(std::sscanf(fitted.c_str() + peak, "peak_tflops = %lf", &peak_tflops), 1);
+  EXPECT_NEAR(peak_tflops * 1e3, std::max(before, after), 0.051) << r.err;
   test::write_file(dir / "e.toml",
                    kSmall + "[backend]\nname = \"simulated\"\nprofile = \"" + profile + "\"\n");
   const Result run = kvlab("run " + (dir / "e.toml").string() + " --out " + (dir / "o").string());

@@ -365,6 +365,35 @@ TEST(Calibration, RecoversTheLatenciesOfAKnownProfile) {
   EXPECT_NEAR(fit.profile.step_overhead_s, truth.step_overhead_s, 0.1 * truth.step_overhead_s);
 }
 
+TEST(Calibration, KeepsTheStartPeakAsACeilingAndFoldsBandwidthAboveItsStart) {
+  // The device computes at 0.5 TFLOP/s (toy: 1.0 x gemm 0.5) and reads at 50 GB/s, but the start
+  // profile states 0.4 TFLOP/s and 25 GB/s. The FMA peak is a ceiling: the fit keeps it and every
+  // compute efficiency within (0, 1]. A bandwidth is not (caches beat DRAM): the fit raises it.
+  const HardwareProfile truth = toy_profile();
+  const CostModel model(toy_model(), truth);
+  std::vector<CalibrationSample> samples;
+  for (std::int64_t n : {1, 8, 64, 512, 2048, 4000}) {
+    const EntryShape prefill{n, 0, 0};
+    samples.push_back({model.work(std::span(&prefill, 1)), 0});
+  }
+  for (std::int64_t batch : {1, 4, 16})
+    for (std::int64_t context : {16, 4000}) {
+      std::vector<EntryShape> decodes(static_cast<std::size_t>(batch), {1, context, 0});
+      samples.push_back({model.work(decodes), 0});
+    }
+  for (auto& s : samples) s.measured_s = model.cost(s.work).total();
+  HardwareProfile start = truth;
+  start.peak_tflops = 0.4;
+  start.memory_gb_per_s = 25.0;
+  const CalibrationFit fit = fit_hardware_profile(start, samples);
+  EXPECT_EQ(fit.profile.peak_tflops, start.peak_tflops);
+  for (const double e :
+       {fit.profile.efficiency.gemm_compute, fit.profile.efficiency.attention_compute})
+    EXPECT_LE(e, 1.0);
+  EXPECT_GT(fit.profile.memory_gb_per_s, start.memory_gb_per_s);
+  EXPECT_LE(fit.profile.efficiency.gemm_memory, 1.0);
+}
+
 TEST(Calibration, FitsEachKernelRegimeOfTheStartProfile) {
   // A device whose products get 3x slower from 4 rows on and whose decode attention is slower
   // from 8 sequences: one efficiency for all could not fit both sides of either switch.

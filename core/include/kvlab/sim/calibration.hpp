@@ -4,10 +4,10 @@
 // Each sample is a step's work (CostModel::work) and its measured latency. The device peaks
 // (measured or datasheet) are the scale; the five efficiencies, two overheads and each kernel
 // regime's two efficiencies (the start profile's regimes) are fitted by Levenberg-Marquardt (Eigen)
-// on weighted relative errors. Memory efficiencies stay positive, compute efficiencies below 2; one
-// above 1 is folded into its peak (the peak rises, the efficiency becomes 1, every prediction is
-// unchanged): a working set that lives in cache beats the DRAM bandwidth the profile states, and a
-// probe that ran while a shared machine was busy may measure half the FMA peak.
+// on weighted relative errors. Compute efficiencies stay in (0, 1): the start peak is a ceiling
+// (the fitted profile keeps it). Memory efficiencies stay positive; one above 1 is folded into the
+// bandwidth (it rises, the efficiency becomes 1, every prediction is unchanged): a working set
+// that lives in cache beats the DRAM bandwidth the profile states.
 #include <span>
 
 #include "kvlab/sim/cost_model.hpp"
