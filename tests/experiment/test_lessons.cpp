@@ -109,9 +109,10 @@ TEST(Lesson, PagedWasteAmongHeldSlotsIsSmallOnLongSequences) {
 // The waste columns by their definitions, recomputed from the steps: waste/held over the slots
 // sequences hold; waste/pool adds free holes only on steps where a refused request would have
 // fitted in the free slots in all (dynamic's growing extents fragment the pool). Every request
-// arrives at once, so the pool is under pressure whatever the profile prices a step at: at the
-// experiment's Poisson rate, a CPU profile fitted to faster kernels served the requests before
-// dynamic's holes ever blocked an admission, and the test had nothing to check.
+// arrives at once, so the pool is under pressure whatever the profile prices a step at (the
+// file's Poisson rate suits one profile: at its old 60 req/s, a CPU profile fitted to faster
+// kernels served the requests before dynamic's holes ever blocked an admission, and the test had
+// nothing to check).
 TEST(Lesson, WasteCountsHolesOnlyWhenTheyBlockAnAdmission) {
   auto runs = run_points("allocator_waste.toml", 1,
                          {"backend.profile=\"cpu\"", "workload.arrival=\"all_at_once\""});
