@@ -6,9 +6,12 @@
 Runs are paired by their sweep label without `backend.name` and `experiment.clock`: the run on
 the measured (or wall) clock is the truth, the one on the virtual clock the prediction. With
 `experiment.repeats` > 1 both sides are the mean over their repeats (seeds). Prints a Markdown
-table of output tok/s, TTFT p50 and TPOT mean with the prediction's relative error, and how many
-of the output tok/s and TTFT p50 predictions land within --max-error percent (the simulator's
-validation, docs/concepts/simulated-backend.md). Exit status 0 with a report; 2 when the folder
+table of output tok/s, TTFT p50 and TPOT mean with the prediction's relative error, the measured
+runs' median step time over the profile's price for the same step (summary.json
+step_time_ratio: near 1, the per-step model held and any error is the engine's dynamics; far
+from 1 in every workload, the machine ran at another speed than when it was calibrated), and how
+many of the output tok/s and TTFT p50 predictions land within --max-error percent (the
+simulator's validation, docs/concepts/simulated-backend.md). Exit status 0 with a report; 2 when the folder
 holds no measured/predicted pair. Standard library only.
 """
 import argparse
@@ -69,7 +72,7 @@ def main():
         print(f"compare_calibration: {args.folder} has no workload run both on a measured and on "
               "a virtual clock", file=sys.stderr)
         return 2
-    header = ["workload", "runs"] + [m[0] for m in METRICS]
+    header = ["workload", "runs"] + [m[0] for m in METRICS] + ["steps measured / predicted"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     within, total = 0, 0
@@ -84,6 +87,8 @@ def main():
             if name in VALIDATED:
                 total += 1
                 within += abs(error) <= args.max_error
+        ratios = [s["step_time_ratio"]["p50"] for s in group["measured"] if "step_time_ratio" in s]
+        cells.append(f"{statistics.mean(ratios):.2f} (median step)" if ratios else "-")
         print("| " + " | ".join(cells) + " |")
     print(f"\n{within} of {total} predictions of {' and '.join(VALIDATED)} within "
           f"{args.max_error:g}% of the measured runs")

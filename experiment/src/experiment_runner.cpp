@@ -359,10 +359,13 @@ void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
                                                  : 0.0;
   }
   if (!predictions) return;
-  std::vector<double> errors;
-  for (const auto& s : out.engine.steps)
+  std::vector<double> errors, ratios;
+  for (const auto& s : out.engine.steps) {
     errors.push_back(std::abs(s.predicted_s - s.measured_forward_s) / s.measured_forward_s);
+    if (s.predicted_s > 0) ratios.push_back(s.measured_forward_s / s.predicted_s);
+  }
   out.step_prediction_error = summarize_latencies(std::move(errors));
+  out.step_time_ratio = summarize_latencies(std::move(ratios));
 }
 
 // Teacher forcing: one reference forward over prompt + output checks every generated token
@@ -691,6 +694,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
                       {"kv_slots", out.kv_slots}};
   if (out.step_prediction_error)
     j["step_prediction_error"] = latency_json(*out.step_prediction_error);
+  if (out.step_time_ratio) j["step_time_ratio"] = latency_json(*out.step_time_ratio);
   if (!out.workload_description.empty()) j["workload"] = out.workload_description;
   if (!out.weights_description.empty()) j["weights"] = out.weights_description;
   j["kv_dtype"] = dtype_short_name(c.kv_dtype);

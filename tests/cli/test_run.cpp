@@ -498,6 +498,15 @@ TEST(KvlabCalibrate, MeasuredClockRecordsPredictionErrors) {
   ASSERT_TRUE(s.contains("step_prediction_error")) << s.dump();
   EXPECT_EQ(s["step_prediction_error"]["count"], s["steps"]);
   EXPECT_GE(s["step_prediction_error"]["mean"].get<double>(), 0);
+  // measured / predicted per step, signed: a step's error is |1 - 1 / ratio|, so every ratio
+  // lies in [1 / (1 + the largest error), 1 / (1 - it)].
+  ASSERT_TRUE(s.contains("step_time_ratio")) << s.dump();
+  EXPECT_EQ(s["step_time_ratio"]["count"], s["steps"]);
+  const double max_error = s["step_prediction_error"]["max"].get<double>();
+  EXPECT_GE(s["step_time_ratio"]["p50"].get<double>(), 1 / (1 + max_error) - 1e-12);
+  if (max_error < 1) {
+    EXPECT_LE(s["step_time_ratio"]["max"].get<double>(), 1 / (1 - max_error) + 1e-9);
+  }
 }
 
 TEST(KvlabMemory, PlannerPrintsStaticVersusPaged) {

@@ -26,6 +26,12 @@ foreach(workload "workload.arrival=poisson, workload.rate=40.0" "workload.arriva
     message(FATAL_ERROR "workload ${workload} missing:\n${out}")
   endif()
 endforeach()
+# The measured runs' median step over its predicted price, one per workload.
+string(REGEX MATCHALL "\\| [0-9]+\\.[0-9][0-9] \\(median step\\) \\|" steps "${out}")
+list(LENGTH steps count)
+if(NOT count EQUAL 3)
+  message(FATAL_ERROR "expected the median step ratio of 3 workloads:\n${out}")
+endif()
 if(NOT out MATCHES "[0-6] of 6 predictions of output tok/s and TTFT p50 within 10% of the measured runs")
   message(FATAL_ERROR "no validation line:\n${out}")
 endif()

@@ -114,8 +114,10 @@ struct RunOutput {
   double kv_waste_of_held = 0;  // waste among the slots sequences held, over all steps (vLLM's)
   double prefix_hit_rate = 0;   // prompt tokens found in the prefix cache / tokens looked up
   std::int64_t kv_slots = 0;    // the pool's capacity in tokens
-  // With a cost model and the measured clock: |predicted - measured| / measured per step.
-  std::optional<LatencySummary> step_prediction_error;
+  // With a cost model and the measured clock, per step: |predicted - measured| / measured, and
+  // measured / predicted (signed: above 1, the steps ran slower than the profile prices them;
+  // a whole run's median far from 1 means the machine or the profile, not the engine, is off).
+  std::optional<LatencySummary> step_prediction_error, step_time_ratio;
   std::string model_name;
   std::string workload_description;  // a real workload's: what was read, what was clipped
   std::string weights_description;   // cpu backend: the formats its products read
