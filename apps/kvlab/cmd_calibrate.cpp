@@ -23,6 +23,7 @@
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/calibration.hpp"
+#include "kvlab/sim/swap_link.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -83,7 +84,7 @@ double median(std::vector<double> v) {
   return v[v.size() / 2];
 }
 
-// This machine's measured peaks (FMA, DRAM read, memcpy for swaps) to fit the CPU backend against.
+// This machine's measured peaks (FMA, DRAM read) to fit the CPU backend against.
 HardwareProfile cpu_start_profile(const CalibrateOptions& o, const ModelConfig& model) {
   fmt::print(stderr, "measuring this machine's peaks ({} threads)...\n", o.threads);
   HardwareProfile start;
@@ -96,9 +97,6 @@ HardwareProfile cpu_start_profile(const CalibrateOptions& o, const ModelConfig& 
   start.kv_dtype = DType::dtype_f32;
   start.memory_utilization = 1.0;
   start.activation_reserve_gib = 0;
-  const cpu::HostCopyLink link = cpu::measured_host_copy_link();  // a swap is a host memcpy
-  start.swap_gb_per_s = link.gb_per_s;
-  start.swap_latency_s = link.latency_s;
   // One pair of efficiencies per kernel the backend switches to (calibrate runs f32 weights).
   const Efficiency& e = start.efficiency;
   for (const std::int64_t rows : cpu::gemm_kernel_switch_rows(cpu::WeightFormat::f32))
@@ -117,6 +115,25 @@ void recheck_fma_peak(int threads, HardwareProfile& start) {
   fmt::print(stderr, "FMA probe: {:.1f} GFLOP/s before the measurements, {:.1f} after\n", before,
              after);
   start.peak_tflops = std::max(before, after) / 1e3;
+}
+
+// The [link]: the engine's own swap copy timed on `pool` (its host rows on the cpu backend, the
+// device's download and upload with a GPU backend attached), so the virtual clock prices a swap
+// as the measured clock times one; up to a whole context, the largest swap the engine makes
+// (copies beyond the caches run slower: stories15m's 1,024-token copies, 14 MB, took 5-6x the
+// line fitted to 1-256 tokens).
+void measure_link(KvPool& pool, std::int64_t context, int repeats, HardwareProfile& start) {
+  const std::int64_t tokens = std::min<std::int64_t>(context, 1024);
+  fmt::print(stderr, "timing the engine's swap copy (out and in, 1-{} tokens)...\n", tokens);
+  const SwapLink link = measure_swap_link(pool, tokens, std::max(repeats, 3));
+  start.swap_gb_per_s = link.gb_per_s;
+  start.swap_latency_s = link.latency_s;
+  fmt::print("{:<24} {:>12} {:>12} {:>12}\n", "swap copy", "bytes", "measured us", "fitted us");
+  for (const LinkSample& s : link.samples)
+    fmt::print("{:<24} {:>12.0f} {:>12.1f} {:>12.1f}\n",
+               fmt::format("{} {} tokens", s.to_host ? "out" : "in", s.tokens), s.bytes,
+               s.seconds * 1e6, (link.latency_s + s.bytes / (link.gb_per_s * 1e9)) * 1e6);
+  fmt::print("\n");
 }
 
 void check_options(const CalibrateOptions& o) {
@@ -426,6 +443,7 @@ void run_calibrate(const CalibrateOptions& o) {
     start = cpu_start_profile(o, model);
   }
   Backend& backend = cuda ? *cuda_backend : static_cast<Backend&>(*cpu_backend);
+  measure_link(pool, model.max_position_embeddings, o.repeats, start);
   start.step_overhead_s = 1e-4;
   start.sequence_overhead_s = 1e-5;
   const CostModel shapes_model(model, start);

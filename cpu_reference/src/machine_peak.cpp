@@ -5,10 +5,8 @@
 #include <omp.h>
 
 #include <chrono>
-#include <cstring>
 #include <map>
 #include <mutex>
-#include <optional>
 #include <vector>
 
 #if defined(__FMA__) && defined(__AVX__)
@@ -105,43 +103,6 @@ double measured_read_bandwidth_gbs(int threads) {
     best = std::max(best, static_cast<double>(count * sizeof(float)) / seconds / 1e9);
   }
   return cache[threads] = best;
-}
-
-namespace {
-
-// Best seconds of one memcpy of `bytes` from `from` to `to`, over `rounds`.
-double best_copy_seconds(const std::byte* from, std::byte* to, std::size_t bytes, int rounds) {
-  double best = 1e30;
-  for (int r = 0; r < rounds; ++r) {
-    const auto start = std::chrono::steady_clock::now();
-    std::memcpy(to, from, bytes);
-    const double seconds =
-        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    best = std::min(best, seconds);
-  }
-  return best;
-}
-
-}  // namespace
-
-HostCopyLink measured_host_copy_link() {
-  static std::mutex mutex;
-  static std::optional<HostCopyLink> cached;
-  std::lock_guard lock(mutex);
-  if (cached) return *cached;
-  const std::size_t large = std::size_t{256} << 20, small = 4096;
-  std::vector<std::byte> from(large, std::byte{1}), to(large, std::byte{0});  // pages touched
-  HostCopyLink link;
-  link.gb_per_s =
-      static_cast<double>(large) / best_copy_seconds(from.data(), to.data(), large, 5) / 1e9;
-  // Small copies to ever new places (not the last one's cache lines): the per-call cost.
-  double small_best = 1e30;
-  for (std::size_t offset = 0; offset + small <= large; offset += large / 64)
-    small_best =
-        std::min(small_best, best_copy_seconds(from.data() + offset, to.data() + offset, small, 1));
-  link.latency_s = std::max(0.0, small_best - static_cast<double>(small) / (link.gb_per_s * 1e9));
-  cached = link;
-  return link;
 }
 
 }  // namespace kvlab::cpu

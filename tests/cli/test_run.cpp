@@ -428,6 +428,9 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("grid shapes mean |error|"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("decode 8 x ctx 128"), std::string::npos) << r.out;
+  // The [link] from the engine's own swap copy, out and in, by size.
+  EXPECT_NE(r.out.find("out 1 tokens"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("in 64 tokens"), std::string::npos) << r.out;
   // The engine replay's steps join the fit, reported by kind; the kernel regimes are fitted.
   EXPECT_NE(r.err.find("replaying 96 requests on the engine"), std::string::npos) << r.err;
   EXPECT_NE(r.out.find("engine steps mean |error|"), std::string::npos) << r.out;

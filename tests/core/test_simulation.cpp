@@ -12,6 +12,7 @@
 #include "kvlab/sim/cost_model.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "kvlab/sim/swap_link.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -459,6 +460,69 @@ TEST(Calibration, RejectsTooFewSamplesAndBadLatencies) {
   bad[3].measured_s = 0;
   test::expect_error_containing([&] { fit_hardware_profile(toy_profile(), bad); },
                                 {"measured latency of 0"});
+}
+
+TEST(SwapLink, FitRecoversLatencyAndBandwidth) {
+  // Copies of a link with 3 us per copy and 12 GB/s: the fit gives both back.
+  std::vector<LinkSample> samples;
+  for (const double bytes : {1e4, 5e4, 2e5, 1e6, 4e6})
+    for (const bool out : {true, false}) samples.push_back({1, bytes, 3e-6 + bytes / 12e9, out});
+  const SwapLink link = fit_swap_link(samples);
+  EXPECT_NEAR(link.gb_per_s, 12.0, 12.0 * 1e-9);
+  EXPECT_NEAR(link.latency_s, 3e-6, 3e-6 * 1e-6);
+  EXPECT_EQ(link.samples.size(), samples.size());
+}
+
+TEST(SwapLink, ANegativeLatencyFitsThroughTheOrigin) {
+  // Small copies faster than the large ones' line (cache): no negative per-copy cost.
+  const std::vector<LinkSample> samples{
+      {1, 1e4, 0.5e-6, true}, {1, 1e5, 8e-6, true}, {1, 1e6, 90e-6, true}};
+  const SwapLink link = fit_swap_link(samples);
+  EXPECT_EQ(link.latency_s, 0.0);
+  EXPECT_GT(link.gb_per_s, 10.0);  // 1e6 B in 90 us is 11.1 GB/s; the smaller copies pull up
+  EXPECT_LT(link.gb_per_s, 20.0);
+}
+
+TEST(SwapLink, RefusesOneSizeAndSamplesThatAreNotPositive) {
+  const std::vector<LinkSample> one_size{{1, 1e4, 1e-6, true}, {1, 1e4, 2e-6, false}};
+  test::expect_error_containing([&] { fit_swap_link(one_size); }, {"1 copy size", "needs two"});
+  const std::vector<LinkSample> zero{{1, 1e4, 0, true}, {4, 4e4, 2e-6, true}};
+  test::expect_error_containing([&] { fit_swap_link(zero); }, {"in 0 s"});
+  const std::vector<LinkSample> shrinking{{1, 1e4, 5e-6, true}, {4, 4e4, 1e-6, true}};
+  test::expect_error_containing([&] { fit_swap_link(shrinking); }, {"did not take longer"});
+}
+
+TEST(SwapLink, TimesTheEnginesSwapCopyAndLeavesThePoolAsItWas) {
+  // f16: the copy widens to the fp32 buffer and rounds back; values f16 holds exactly.
+  KvPool pool({2, 2, 8, 128, DType::dtype_f16});
+  for (std::int64_t l = 0; l < 2; ++l)
+    for (std::int64_t s = 0; s < 128; ++s) {
+      std::vector<float> row(16);
+      for (std::size_t i = 0; i < row.size(); ++i)
+        row[i] = static_cast<float>(l * 100 + s % 64) + 0.25f * static_cast<float>(i);  // exact
+      pool.write_row(l, s, false, row.data());
+      pool.write_row(l, s, true, row.data());
+    }
+  const SwapLink link = measure_swap_link(pool, 64, 3);
+  ASSERT_EQ(link.samples.size(), 8u);       // 1, 4, 16, 64 tokens, out and in
+  for (const LinkSample& s : link.samples)  // K and V, 2 layers, 16 values of 2 bytes a token
+    EXPECT_EQ(s.bytes, static_cast<double>(2 * 2 * 16 * 2 * s.tokens));
+  EXPECT_GT(link.gb_per_s, 0);
+  EXPECT_GE(link.latency_s, 0);
+  for (std::int64_t l = 0; l < 2; ++l)
+    for (std::int64_t s = 0; s < 128; ++s) {
+      std::vector<float> k(16), v(16);
+      pool.read_row(l, s, false, k.data());
+      pool.read_row(l, s, true, v.data());
+      for (std::size_t i = 0; i < k.size(); ++i) {
+        const float expected = static_cast<float>(l * 100 + s % 64) + 0.25f * static_cast<float>(i);
+        ASSERT_EQ(k[i], expected) << l << " " << s;
+        ASSERT_EQ(v[i], k[i]);
+      }
+    }
+  KvPool bookkeeping({2, 2, 8, 128}, KvStorage::none);
+  test::expect_error_containing([&] { measure_swap_link(bookkeeping, 64, 3); },
+                                {"no K/V", "no storage, no device"});
 }
 
 TEST(SimulatedBackend, TokensAreDeterministicAndNeverEos) {

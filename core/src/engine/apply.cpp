@@ -17,8 +17,8 @@ std::int64_t kv_bytes(const KvPoolShape& shape, std::int64_t tokens) {
   return 2 * shape.layers * tokens * shape.slot_width() * shape.element_bytes();
 }
 
-// Copies the KV of positions [first, end) between the pool (through `view`) and a host buffer
-// laid out (layers, K then V, positions, width). Returns the bytes moved.
+}  // namespace
+
 std::int64_t copy_kv_rows(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
                           std::vector<float>& buffer, bool to_host) {
   const KvPoolShape& shape = pool.shape();
@@ -49,6 +49,8 @@ std::int64_t copy_kv_rows(KvPool& pool, const KvView& view, std::int64_t first, 
   }  // else: bookkeeping only (the simulated backend's pool has no storage)
   return kv_bytes(shape, tokens);
 }
+
+namespace {
 
 // copy_kv_rows as one transfer of the applied plan: its bytes, count and measured time.
 void copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,

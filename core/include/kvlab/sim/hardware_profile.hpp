@@ -53,8 +53,9 @@ struct HardwareProfile {
   double memory_utilization = 0.9;
   double activation_reserve_gib = 1.0;
   // The link swapped KV crosses (device <-> host memory): one copy of B bytes takes
-  // swap_latency_s + B / (swap_gb_per_s x 10^9). GPUs: PCIe, pinned host buffers; CPUs: memcpy
-  // between two DRAM buffers (kvlab calibrate --backend cpu measures both).
+  // swap_latency_s + B / (swap_gb_per_s x 10^9). GPUs: PCIe to host buffers; CPUs: the host
+  // pool's rows copied to a host buffer (kvlab calibrate times the engine's own swap copy on
+  // either backend and fits both).
   double swap_gb_per_s = 16.0;
   double swap_latency_s = 1e-5;
   // The link between the GPUs of a tensor-parallel group: an all-reduce of B bytes over t GPUs

@@ -15,13 +15,4 @@ double probe_fp32_peak_gflops(int threads);
 // Measured once per process.
 double measured_read_bandwidth_gbs(int threads);
 
-// One thread's memcpy between two DRAM buffers, as a swap to host memory runs: bytes copied per
-// second over 256 MiB (10^9 bytes/s), and the fixed cost of one copy (a 4 KiB memcpy's time
-// minus its bytes at that bandwidth, never below 0). Measured once per process.
-struct HostCopyLink {
-  double gb_per_s = 0;
-  double latency_s = 0;
-};
-HostCopyLink measured_host_copy_link();
-
 }  // namespace kvlab::cpu
