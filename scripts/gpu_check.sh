@@ -102,11 +102,21 @@ fi
 
 if "$build/bin/kvlab" calibrate --backend cuda --profile h200 --model tinyllama-1.1b --repeats 3 \
      --out "$build/h200-calibrated.toml" > "$build/calibrate.log" 2>&1; then
-  note "kvlab calibrate --backend cuda: $(grep -E '^fit:' "$build/calibrate.log")"
+  note "kvlab calibrate --backend cuda: $(grep -E '^fit ' "$build/calibrate.log")"
   note "  $(grep -E '^peaks:' "$build/calibrate.log")"
+  grep -E '^(swap copy|out|in) ' "$build/calibrate.log"
 else
   status=1
   note "kvlab calibrate --backend cuda FAILED"; tail -3 "$build/calibrate.log"
+fi
+
+# The device tool brings back what lands in $OUT: the logs, the benchmark's JSON and the fitted
+# profile (to commit as profiles/h200-measured.toml).
+if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
+  for f in cuda_ctest.log memcheck.log bench_cuda.json bench_cuda.log e2e.log calibrate.log \
+           h200-calibrated.toml; do
+    [ -f "$build/$f" ] && cp "$build/$f" "$OUT/"
+  done
 fi
 
 echo

@@ -3,7 +3,8 @@
 // hand out (the host KvPool keeps only the bookkeeping and forwards copies here); every step
 // uploads its tokens, positions, slots and the per-token slot table once and reuses them in
 // every layer. Projections and the MLP are cuBLAS GEMMs with fp32 accumulation; the residual
-// stream stays fp32; logits come back to the host so sampling is the CPU path's.
+// stream stays fp32; logits come back to the host for the engine's sampler, or on greedy steps
+// (Backend::choose_greedy_tokens) only each entry's argmax, taken on the device.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cublas_v2.h>
@@ -200,9 +201,15 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   }
 
   std::int64_t vocab_size() const override { return config_.vocab_size; }
+  std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
+  bool choose_greedy_tokens(bool enable) override {
+    greedy_ = enable;
+    return true;
+  }
 
   std::span<const float> forward(std::span<const kvlab::BatchEntry> batch) override {
     const kvlab::ModelConfig& c = config_;
+    chosen_ = {};
     // 1. The step's metadata, staged and uploaded once.
     tokens_.clear();
     positions_.clear();
@@ -345,6 +352,20 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
           "final norm");
     gemm(normed_.get(), count, dim, c.tie_word_embeddings ? embedding_.get() : lm_head_.get(),
          c.vocab_size, logits_.get(), CUDA_R_32F);
+    if (greedy_) {  // greedy on the device: count token ids come back, not count x vocab floats
+      const std::size_t id_bytes = static_cast<std::size_t>(count) * sizeof(std::int32_t);
+      d_chosen_.resize(id_bytes);
+      host_chosen_.resize(id_bytes);
+      check(kvlab::cuda::launch_argmax_rows(logits_.get<float>(), count, c.vocab_size,
+                                            d_chosen_.get<std::int32_t>(), stream_),
+            "argmax");
+      check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
+                            cudaMemcpyDeviceToHost, stream_),
+            "download chosen tokens");
+      check(cudaStreamSynchronize(stream_), "forward");
+      chosen_ = {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(count)};
+      return {};
+    }
     const std::size_t logit_bytes = static_cast<std::size_t>(count * c.vocab_size) * sizeof(float);
     host_logits_.resize(logit_bytes);
     check(cudaMemcpyAsync(host_logits_.get<float>(), logits_.get(), logit_bytes,
@@ -460,7 +481,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       workspace_, scratch_, staging_floats_;
   DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_slot_table_, d_entries_, d_last_rows_,
       d_transfer_slots_;
-  PinnedBuffer host_logits_;
+  PinnedBuffer host_logits_, host_chosen_;
+  DeviceBuffer d_chosen_;
+  bool greedy_ = false;                   // choose_greedy_tokens: argmax on the device
+  std::span<const std::int32_t> chosen_;  // this step's, when greedy_
   std::vector<std::int32_t> tokens_, positions_, last_rows_;
   std::vector<std::int64_t> new_slots_, slot_table_;
   std::vector<kvlab::cuda::AttentionEntry> entries_;

@@ -30,6 +30,14 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);  // round to nearest even
 }
 
+__device__ __forceinline__ bool is_finite(float x) {
+#if defined(KVLAB_CUDA_EMULATION)
+  return std::isfinite(x);
+#else
+  return isfinite(x);
+#endif
+}
+
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;

@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <numeric>
 #include <random>
 
@@ -72,6 +73,47 @@ TEST(CudaKernels, EmbeddingGathersRowsExactly) {
     expect_close(d_out.read(rows * dim, Dtype::f32), expected, 0.0, dtype_name(dtype));
     EXPECT_TRUE(d_out.guards_intact());
   }
+}
+
+// Greedy sampling on the device: each row's argmax, the lowest index on ties (the host
+// Sampler's rule), -1 for a row holding NaN or inf; rows longer than the block, ties split
+// across threads, a maximum in the last column.
+TEST(CudaKernels, ArgmaxRowsPicksTheLowestIndexOfTheMaximumAndFlagsNonFinite) {
+  KVLAB_REQUIRE_CUDA();
+  const std::int64_t rows = 6, vocab = 1000;
+  std::vector<float> logits = random_values(rows * vocab, 7);
+  auto at = [&](std::int64_t r, std::int64_t i) -> float& { return logits[r * vocab + i]; };
+  at(1, 700) = at(1, 300) = at(1, 301) = 5.0f;  // a tie: 300 wins, held by another thread
+  at(2, vocab - 1) = 3.0f;                      // the last column
+  at(3, 10) = std::numeric_limits<float>::quiet_NaN();
+  at(4, 999) = std::numeric_limits<float>::infinity();
+  for (std::int64_t i = 0; i < vocab; ++i) at(5, i) = -2.0f;  // all equal: index 0
+  std::vector<std::int32_t> expected;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    std::int32_t best = 0;
+    for (std::int64_t i = 0; i < vocab; ++i) {
+      if (!std::isfinite(at(r, i))) {
+        best = -1;
+        break;
+      }
+      if (at(r, i) > at(r, best)) best = static_cast<std::int32_t>(i);
+    }
+    expected.push_back(best);
+  }
+  ASSERT_EQ(expected[1], 300);
+  GuardedBuffer d_logits(logits.size(), 4), d_out(rows, 4);
+  d_logits.write(logits, Dtype::f32);
+  ASSERT_EQ(cuda::launch_argmax_rows(d_logits.as<float>(), rows, vocab, d_out.as<std::int32_t>(),
+                                     nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<std::int32_t> actual(rows);
+  d_out.read_bytes(actual.data(), actual.size() * 4);
+  EXPECT_EQ(actual, expected);
+  EXPECT_TRUE(d_out.guards_intact());
+  EXPECT_EQ(
+      cuda::launch_argmax_rows(d_logits.as<float>(), rows, 0, d_out.as<std::int32_t>(), nullptr),
+      cudaErrorInvalidValue);
 }
 
 TEST(CudaKernels, RmsNormMatchesTheReference) {

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cmath>
 #include <limits>
 
 #include "cpu_reference/test_models.hpp"
@@ -93,6 +94,133 @@ TEST(Engine, NonFiniteLogitsAreAnErrorNamingRequestAndStep) {
   const std::string message = test::error_of<Error>([&] { engine.run(requests); });
   EXPECT_NE(message.find("request 0, step 0"), std::string::npos) << message;
   EXPECT_NE(message.find("nan"), std::string::npos) << message;
+}
+
+// A backend that takes greedy argmaxes "on its device" (here: after the CPU backend's forward)
+// when the engine asks: what the engine decides per step, and what it gets back, are visible.
+class DeviceGreedyBackend final : public Backend {
+ public:
+  DeviceGreedyBackend(cpu::CpuBackend& inner, bool accepts) : inner_(inner), accepts_(accepts) {}
+  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+    const std::span<const float> logits = inner_.forward(batch);
+    modes.push_back(greedy_);
+    chosen_.clear();
+    if (!greedy_) return logits;
+    const auto vocab = static_cast<std::size_t>(vocab_size());
+    for (std::size_t e = 0; e < batch.size(); ++e) {
+      const auto row = logits.subspan(e * vocab, vocab);
+      std::int32_t best = 0;
+      for (std::size_t i = 0; i < vocab; ++i) {
+        if (!std::isfinite(row[i])) {
+          best = -1;
+          break;
+        }
+        if (row[i] > row[static_cast<std::size_t>(best)]) best = static_cast<std::int32_t>(i);
+      }
+      chosen_.push_back(best);
+    }
+    return {};
+  }
+  std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+  std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
+  bool choose_greedy_tokens(bool enable) override {
+    ++requests;
+    greedy_ = enable && accepts_;
+    return accepts_;
+  }
+  bool greedy() const { return greedy_; }
+  std::vector<bool> modes;  // per forward: whether it returned argmaxes
+  int requests = 0;         // choose_greedy_tokens calls
+
+ private:
+  cpu::CpuBackend& inner_;
+  bool accepts_;
+  bool greedy_ = false;
+  std::vector<std::int32_t> chosen_;
+};
+
+struct GreedyRun {
+  EngineResult result;
+  std::vector<bool> modes;
+  int requests = 0;
+  bool greedy_after = false;  // the backend's mode once the engine is gone
+};
+
+GreedyRun run_device_greedy(const cpu::LlamaWeights& w,
+                            const std::vector<WorkloadRequest>& requests, bool accepts,
+                            bool read_logits) {
+  const ModelConfig& c = w.config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
+  PluginContext context;
+  context.pool = &pool;
+  context.model = &c;
+  context.max_seq_len = 64;
+  auto allocator = registry().create<PluginKind::kv_allocator>("paged", {}, context);
+  auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
+  cpu::CpuBackend cpu(w, pool, std::nullopt);
+  DeviceGreedyBackend backend(cpu, accepts);
+  EngineOptions options;
+  options.clock = EngineClock::steps;
+  options.rules.context = 64;
+  options.rules.eos_token_ids = c.eos_token_ids;
+  options.pool = &pool;
+  if (read_logits) options.on_logits = [](RequestId, std::span<const float>) {};
+  GreedyRun run;
+  {
+    Engine engine(backend, *allocator, *scheduler, options);
+    run.result = engine.run(requests);
+  }
+  run.modes = backend.modes;
+  run.requests = backend.requests;
+  run.greedy_after = backend.greedy();
+  return run;
+}
+
+std::vector<WorkloadRequest> greedy_requests(double sampled_temperature) {
+  std::vector<WorkloadRequest> requests(3);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    requests[i].id = static_cast<std::int64_t>(i);
+    requests[i].prompt = {1, static_cast<std::int32_t>(5 + i), 9, 2};
+    requests[i].output_tokens = 6;
+    requests[i].sampling.ignore_eos = true;
+    requests[i].sampling.seed = 11 + i;
+  }
+  requests[2].arrival_s = 1e9;  // joins after the others finished (steps clock: when idle)
+  requests[2].sampling.temperature = sampled_temperature;
+  return requests;
+}
+
+// Greedy steps whose logits nobody reads take the argmax where the logits are; the tokens are
+// the host sampler's; a step with a sampled (temperature > 0) entry, or a run that reads the
+// logits, gets logits; a backend that declines is asked once.
+TEST(Engine, GreedyStepsTakeTheArgmaxOnTheBackendWhenItCan) {
+  const auto requests = greedy_requests(0.8);
+  const GreedyRun host = run_device_greedy(weights(), requests, false, false);
+  EXPECT_EQ(host.requests, 1);  // declined once, never asked again
+  for (const bool mode : host.modes) EXPECT_FALSE(mode);
+  const GreedyRun device = run_device_greedy(weights(), requests, true, false);
+  EXPECT_EQ(device.result.tokens, host.result.tokens);
+  ASSERT_EQ(device.modes.size(), host.modes.size());
+  // Requests 0 and 1 (greedy) run first, request 2 (temperature 0.8) alone after them.
+  EXPECT_TRUE(device.modes.front());
+  EXPECT_FALSE(device.modes.back());
+  EXPECT_EQ(device.requests, 2);  // on for the greedy steps, off for the sampled ones
+  const GreedyRun all_greedy = run_device_greedy(weights(), greedy_requests(0.0), true, false);
+  for (const bool mode : all_greedy.modes) EXPECT_TRUE(mode);
+  EXPECT_FALSE(all_greedy.greedy_after);  // the engine turns it off when it goes
+  EXPECT_EQ(all_greedy.requests, 2);
+  const GreedyRun reading = run_device_greedy(weights(), greedy_requests(0.0), true, true);
+  for (const bool mode : reading.modes) EXPECT_FALSE(mode);
+  EXPECT_EQ(reading.requests, 0);
+}
+
+TEST(Engine, ADeviceArgmaxOverNonFiniteLogitsIsAnError) {
+  cpu::LlamaWeights broken = weights();
+  broken.final_norm(3) = std::numeric_limits<float>::quiet_NaN();  // every logit turns NaN
+  const std::string message =
+      test::error_of<Error>([&] { run_device_greedy(broken, greedy_requests(0.0), true, false); });
+  EXPECT_NE(message.find("request 0, step 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("non-finite"), std::string::npos) << message;
 }
 
 std::vector<WorkloadRequest> small_workload(std::uint64_t seed, std::int64_t count) {

@@ -29,6 +29,15 @@ class BOOST_SYMBOL_VISIBLE Backend {
   // after forward() they return one token per entry here and forward() returns no logits.
   // Empty (the default): the engine samples the logits.
   virtual std::span<const std::int32_t> chosen_tokens() const { return {}; }
+  // Greedy sampling where the logits are (a GPU): while enabled, forward() returns no logits
+  // and chosen_tokens() each entry's argmax (the lowest id on ties, as the host Sampler picks;
+  // -1 for a row holding NaN or +-inf), so token ids cross to the host instead of (entries x
+  // vocab) floats. The engine enables it on steps whose sampling entries are all greedy and
+  // whose logits nobody reads. Returns whether the backend does as asked (the default: no).
+  virtual bool choose_greedy_tokens(bool enable) {
+    (void)enable;
+    return false;
+  }
 };
 
 }  // namespace kvlab

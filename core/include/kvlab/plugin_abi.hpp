@@ -19,8 +19,9 @@ namespace kvlab {
 
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
 // 3: the request table's plan shape and the layout fingerprint; 4: KvAllocator plans exactly
-// (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone; 5: the router kind.
-inline constexpr std::uint32_t kPluginAbiVersion = 5;
+// (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone; 5: the router kind;
+// 6: Backend::choose_greedy_tokens.
+inline constexpr std::uint32_t kPluginAbiVersion = 6;
 
 namespace detail {
 

@@ -37,7 +37,10 @@ Engine::Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
       options_(std::move(options)),
       apply_options_{options_.rules, options_.pool, options_.swap_slots} {}
 
-Engine::~Engine() = default;
+// The backend is left as found: a later engine on it (kvlab check after a run) may read logits.
+Engine::~Engine() {
+  if (device_greedy_) (void)backend_.choose_greedy_tokens(false);
+}
 
 EngineResult Engine::run(const std::vector<WorkloadRequest>& requests) {
   start(requests);
@@ -228,6 +231,7 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
     entry.view = allocator_.view(work.id);
     batch.push_back(std::move(entry));
   }
+  choose_greedy_on_device(applied);
   const auto start = SteadyClock::now();
   const std::span<const float> logits = backend_.forward(batch);
   const auto end = SteadyClock::now();
@@ -240,6 +244,18 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
   record.measured_step_s = seconds_between(step_start_, end);
   record.duration_s = clock_->advance(price_step(applied, batch, record));
   return logits;
+}
+
+// Steps whose sampling entries are all greedy, with nobody reading the logits, take the argmax
+// where the logits are (Backend::choose_greedy_tokens): token ids cross to the host, not rows.
+void Engine::choose_greedy_on_device(const AppliedPlan& applied) {
+  bool greedy = !options_.on_logits;
+  for (const ScheduledWork& work : applied.batch)
+    greedy = greedy && (!work.samples || table_->sampler(work.id).params().temperature == 0);
+  if (greedy == device_greedy_ || (greedy && !device_greedy_possible_)) return;
+  const bool accepted = backend_.choose_greedy_tokens(greedy);
+  if (greedy && !accepted) device_greedy_possible_ = false;
+  device_greedy_ = greedy && accepted;
 }
 
 // The step as each clock prices it: the cost model's roofline over the batch and the static
@@ -301,6 +317,11 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
     if (!work.samples) continue;
     if (!chosen.empty()) {
       sampled[e] = chosen[e];
+      if (sampled[e] < 0)  // a device argmax over a row with NaN or +-inf
+        throw Error(fmt::format(
+            "request {}, step {}: the backend's logits hold a non-finite value; the model's "
+            "weights or the backend produced non-finite values, so no token can be sampled",
+            work.id, step_));
     } else {
       const auto row = logits.subspan(e * vocab, vocab);
       throw_if_non_finite(row, work.id, step_);

@@ -148,6 +148,12 @@ struct SlotRowsParams {
 };
 cudaError_t launch_copy_slot_rows(const SlotRowsParams& p, cudaStream_t stream);
 
+// Greedy sampling on the device: out[r] = the index of the largest value of logits row r
+// (rows, vocab) fp32, the lowest index on ties (the host Sampler's rule); -1 for a row that
+// holds NaN or +-inf (the engine reports it as it reports such logits on the host).
+cudaError_t launch_argmax_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
+                               std::int32_t* out, cudaStream_t stream);
+
 // Gathers rows: out[i] (dim) = in[index[i]] (fp32).
 cudaError_t launch_gather_rows(const float* in, const std::int32_t* index, float* out,
                                std::int64_t rows, std::int64_t dim, cudaStream_t stream);
