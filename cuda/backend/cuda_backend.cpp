@@ -210,7 +210,57 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   std::span<const float> forward(std::span<const kvlab::BatchEntry> batch) override {
     const kvlab::ModelConfig& c = config_;
     chosen_ = {};
-    // 1. The step's metadata, staged and uploaded once.
+    const StepShape step = stage_step(batch);  // 1. metadata, uploaded once
+    if (step.rows == 0) return {};
+    grow_activations(step);  // 2.
+    // 3. The layers.
+    check(kvlab::cuda::launch_embedding(
+              {d_tokens_.get<std::int32_t>(), embedding_.get(), x_.get<float>(), step.rows,
+               c.hidden_size, c.vocab_size, dtype_},
+              stream_),
+          "embedding");
+    for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) run_layer(l, step);
+    return read_out(step.count);  // 4.
+  }
+
+  // KvDeviceStorage: the allocator's slot copies and the engine's swaps.
+  void copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) override {
+    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
+    const std::size_t bytes = static_cast<std::size_t>(count * config_.kv_dim()) * e;
+    scratch_.resize(bytes);
+    for (char* base : {k_pool_.get<char>(), v_pool_.get<char>()})
+      for (std::int64_t l = 0; l < config_.num_hidden_layers; ++l) {
+        char* layer = base + static_cast<std::size_t>(l * layer_elements_) * e;
+        const std::size_t from = static_cast<std::size_t>(source * config_.kv_dim()) * e;
+        const std::size_t to = static_cast<std::size_t>(destination * config_.kv_dim()) * e;
+        // Through scratch: the ranges may overlap.
+        check(
+            cudaMemcpyAsync(scratch_.get(), layer + from, bytes, cudaMemcpyDeviceToDevice, stream_),
+            "copy slots");
+        check(cudaMemcpyAsync(layer + to, scratch_.get(), bytes, cudaMemcpyDeviceToDevice, stream_),
+              "copy slots");
+      }
+    check(cudaStreamSynchronize(stream_), "copy slots");
+  }
+
+  void download(const std::vector<std::int64_t>& slots, float* host) override {
+    transfer(slots, host, true);
+  }
+  void upload(const std::vector<std::int64_t>& slots, const float* host) override {
+    transfer(slots, const_cast<float*>(host), false);
+  }
+
+ private:
+  // Rows (new tokens) and sequences of one step, and the attention launch's bounds.
+  struct StepShape {
+    std::int64_t rows = 0, count = 0;
+    std::int32_t max_keys = 0, max_queries = 0;
+  };
+
+  // The step's metadata (tokens, positions, each new token's slot, the per-token slot table,
+  // one AttentionEntry per sequence, each sequence's last row), staged and uploaded once.
+  StepShape stage_step(std::span<const kvlab::BatchEntry> batch) {
+    const kvlab::ModelConfig& c = config_;
     tokens_.clear();
     positions_.clear();
     new_slots_.clear();
@@ -243,24 +293,31 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       max_queries = std::max(max_queries, a.queries);
       entries_.push_back(a);
     }
-    const auto rows = static_cast<std::int64_t>(tokens_.size());
-    const auto count = static_cast<std::int64_t>(batch.size());
-    if (rows == 0) return {};
-    if (count > 65535)
+    StepShape step;
+    step.rows = static_cast<std::int64_t>(tokens_.size());
+    step.count = static_cast<std::int64_t>(batch.size());
+    step.max_keys = max_keys;
+    step.max_queries = max_queries;
+    if (step.rows == 0) return step;
+    if (step.count > 65535)
       throw Error(fmt::format(
           "cuda backend: a step of {} sequences; attention takes at most 65,535 per launch",
-          count));
+          step.count));
     to_device(tokens_, d_tokens_);
     to_device(positions_, d_positions_);
     to_device(new_slots_, d_new_slots_);
     to_device(slot_table_, d_slot_table_);
     to_device(entries_, d_entries_);
     to_device(last_rows_, d_last_rows_);
+    return step;
+  }
 
-    // 2. Activations (grow only).
+  // The step's activations and attention workspace (buffers grow only).
+  void grow_activations(const StepShape& step) {
+    const kvlab::ModelConfig& c = config_;
     const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
-    const std::int64_t dim = c.hidden_size, q_dim = c.q_dim(), kv_dim = c.kv_dim(),
-                       qkv_dim = q_dim + 2 * kv_dim, ffn = c.intermediate_size;
+    const std::int64_t rows = step.rows, count = step.count, dim = c.hidden_size, q_dim = c.q_dim(),
+                       qkv_dim = q_dim + 2 * c.kv_dim(), ffn = c.intermediate_size;
     x_.resize(static_cast<std::size_t>(rows * dim) * sizeof(float));
     normed_.resize(static_cast<std::size_t>(rows * dim) * e);
     qkv_.resize(static_cast<std::size_t>(rows * qkv_dim) * e);
@@ -272,77 +329,84 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     logits_.resize(static_cast<std::size_t>(count * c.vocab_size) * sizeof(float));
     workspace_.resize(
         static_cast<std::size_t>(kvlab::cuda::attention_workspace_floats(
-            count, c.num_attention_heads, c.head_dim, std::max(max_keys, 1), split_keys_)) *
+            count, c.num_attention_heads, c.head_dim, std::max(step.max_keys, 1), split_keys_)) *
         sizeof(float));
+  }
 
-    // 3. The layers.
-    check(kvlab::cuda::launch_embedding({d_tokens_.get<std::int32_t>(), embedding_.get(),
-                                         x_.get<float>(), rows, dim, c.vocab_size, dtype_},
-                                        stream_),
-          "embedding");
+  // One decoder layer over the step's rows, in place on the fp32 residual stream x_.
+  void run_layer(std::int64_t l, const StepShape& step) {
+    const kvlab::ModelConfig& c = config_;
+    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
+    const std::int64_t rows = step.rows, dim = c.hidden_size, q_dim = c.q_dim(),
+                       kv_dim = c.kv_dim(), qkv_dim = q_dim + 2 * kv_dim, ffn = c.intermediate_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
-    for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
-      const DeviceLayer& layer = layers_[static_cast<std::size_t>(l)];
-      char* qkv = qkv_.get<char>();
-      check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.attention_norm.get<float>(),
-                                          normed_.get(), rows, dim, eps, dtype_},
-                                         stream_),
-            "rms_norm");
-      gemm(normed_.get(), rows, dim, layer.w_qkv.get(), qkv_dim, qkv, cuda_type(dtype_));
-      check(kvlab::cuda::launch_rope(
-                {qkv, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
-                 rope_sin_.get<float>(), rows, c.num_attention_heads, c.head_dim, dtype_},
-                stream_),
-            "rope q");
-      check(kvlab::cuda::launch_rope(
-                {qkv + q_dim * e, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
-                 rope_sin_.get<float>(), rows, c.num_key_value_heads, c.head_dim, dtype_},
-                stream_),
-            "rope k");
-      char* k_layer = k_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
-      char* v_layer = v_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
-      check(kvlab::cuda::launch_kv_write(
-                {qkv + q_dim * e, qkv + (q_dim + kv_dim) * e, qkv_dim,
-                 d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows, kv_dim, dtype_},
-                stream_),
-            "kv_write");
-      kvlab::cuda::AttentionParams a;
-      a.q = qkv;
-      a.q_row_stride = qkv_dim;
-      a.k_pool = k_layer;
-      a.v_pool = v_layer;
-      a.slot_table = d_slot_table_.get<std::int64_t>();
-      a.entries = d_entries_.get<kvlab::cuda::AttentionEntry>();
-      a.entry_count = static_cast<std::int32_t>(count);
-      a.max_keys = max_keys;
-      a.max_queries = max_queries;
-      a.out = attention_.get();
-      a.heads = c.num_attention_heads;
-      a.kv_heads = c.num_key_value_heads;
-      a.head_dim = c.head_dim;
-      a.window = window_;
-      a.split_keys = split_keys_;
-      a.workspace = workspace_.get<float>();
-      a.dtype = dtype_;
-      check(kvlab::cuda::launch_attention(a, stream_), "attention");
-      gemm(attention_.get(), rows, q_dim, layer.wo.get(), dim, projected_.get(), cuda_type(dtype_));
-      check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
-                                             stream_),
-            "residual");
-      check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.mlp_norm.get<float>(),
-                                          normed_.get(), rows, dim, eps, dtype_},
-                                         stream_),
-            "rms_norm");
-      gemm(normed_.get(), rows, dim, layer.w_gate_up.get(), 2 * ffn, gate_up_.get(),
-           cuda_type(dtype_));
-      check(kvlab::cuda::launch_swiglu({gate_up_.get(), hidden_.get(), rows, ffn, dtype_}, stream_),
-            "swiglu");
-      gemm(hidden_.get(), rows, ffn, layer.w_down.get(), dim, projected_.get(), cuda_type(dtype_));
-      check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
-                                             stream_),
-            "residual");
-    }
-    // 4. Logits of each entry's last token, fp32, back to the host.
+    const DeviceLayer& layer = layers_[static_cast<std::size_t>(l)];
+    char* qkv = qkv_.get<char>();
+    check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.attention_norm.get<float>(),
+                                        normed_.get(), rows, dim, eps, dtype_},
+                                       stream_),
+          "rms_norm");
+    gemm(normed_.get(), rows, dim, layer.w_qkv.get(), qkv_dim, qkv, cuda_type(dtype_));
+    check(kvlab::cuda::launch_rope(
+              {qkv, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
+               rope_sin_.get<float>(), rows, c.num_attention_heads, c.head_dim, dtype_},
+              stream_),
+          "rope q");
+    check(kvlab::cuda::launch_rope(
+              {qkv + q_dim * e, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
+               rope_sin_.get<float>(), rows, c.num_key_value_heads, c.head_dim, dtype_},
+              stream_),
+          "rope k");
+    char* k_layer = k_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
+    char* v_layer = v_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
+    check(kvlab::cuda::launch_kv_write(
+              {qkv + q_dim * e, qkv + (q_dim + kv_dim) * e, qkv_dim,
+               d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows, kv_dim, dtype_},
+              stream_),
+          "kv_write");
+    kvlab::cuda::AttentionParams a;
+    a.q = qkv;
+    a.q_row_stride = qkv_dim;
+    a.k_pool = k_layer;
+    a.v_pool = v_layer;
+    a.slot_table = d_slot_table_.get<std::int64_t>();
+    a.entries = d_entries_.get<kvlab::cuda::AttentionEntry>();
+    a.entry_count = static_cast<std::int32_t>(step.count);
+    a.max_keys = step.max_keys;
+    a.max_queries = step.max_queries;
+    a.out = attention_.get();
+    a.heads = c.num_attention_heads;
+    a.kv_heads = c.num_key_value_heads;
+    a.head_dim = c.head_dim;
+    a.window = window_;
+    a.split_keys = split_keys_;
+    a.workspace = workspace_.get<float>();
+    a.dtype = dtype_;
+    check(kvlab::cuda::launch_attention(a, stream_), "attention");
+    gemm(attention_.get(), rows, q_dim, layer.wo.get(), dim, projected_.get(), cuda_type(dtype_));
+    check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
+                                           stream_),
+          "residual");
+    check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.mlp_norm.get<float>(),
+                                        normed_.get(), rows, dim, eps, dtype_},
+                                       stream_),
+          "rms_norm");
+    gemm(normed_.get(), rows, dim, layer.w_gate_up.get(), 2 * ffn, gate_up_.get(),
+         cuda_type(dtype_));
+    check(kvlab::cuda::launch_swiglu({gate_up_.get(), hidden_.get(), rows, ffn, dtype_}, stream_),
+          "swiglu");
+    gemm(hidden_.get(), rows, ffn, layer.w_down.get(), dim, projected_.get(), cuda_type(dtype_));
+    check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
+                                           stream_),
+          "residual");
+  }
+
+  // Each entry's last row: final norm and LM head (fp32 logits); then the logits to the host,
+  // or on greedy steps only each row's argmax, taken on the device.
+  std::span<const float> read_out(std::int64_t count) {
+    const kvlab::ModelConfig& c = config_;
+    const std::int64_t dim = c.hidden_size;
+    const float eps = static_cast<float>(c.rms_norm_eps);
     check(kvlab::cuda::launch_gather_rows(x_.get<float>(), d_last_rows_.get<std::int32_t>(),
                                           last_.get<float>(), count, dim, stream_),
           "gather");
@@ -375,34 +439,6 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     return {host_logits_.get<float>(), static_cast<std::size_t>(count * c.vocab_size)};
   }
 
-  // KvDeviceStorage: the allocator's slot copies and the engine's swaps.
-  void copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) override {
-    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
-    const std::size_t bytes = static_cast<std::size_t>(count * config_.kv_dim()) * e;
-    scratch_.resize(bytes);
-    for (char* base : {k_pool_.get<char>(), v_pool_.get<char>()})
-      for (std::int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-        char* layer = base + static_cast<std::size_t>(l * layer_elements_) * e;
-        const std::size_t from = static_cast<std::size_t>(source * config_.kv_dim()) * e;
-        const std::size_t to = static_cast<std::size_t>(destination * config_.kv_dim()) * e;
-        // Through scratch: the ranges may overlap.
-        check(
-            cudaMemcpyAsync(scratch_.get(), layer + from, bytes, cudaMemcpyDeviceToDevice, stream_),
-            "copy slots");
-        check(cudaMemcpyAsync(layer + to, scratch_.get(), bytes, cudaMemcpyDeviceToDevice, stream_),
-              "copy slots");
-      }
-    check(cudaStreamSynchronize(stream_), "copy slots");
-  }
-
-  void download(const std::vector<std::int64_t>& slots, float* host) override {
-    transfer(slots, host, true);
-  }
-  void upload(const std::vector<std::int64_t>& slots, const float* host) override {
-    transfer(slots, const_cast<float*>(host), false);
-  }
-
- private:
   // Pageable source: cudaMemcpyAsync has copied it out when it returns.
   template <typename T>
   void to_device(const std::vector<T>& values, DeviceBuffer& buffer) {

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "kvlab/engine/apply.hpp"
+#include "kvlab/engine/metrics.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab {
@@ -15,11 +16,6 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-}
-
-double median(std::vector<double> v) {
-  std::nth_element(v.begin(), v.begin() + static_cast<std::ptrdiff_t>(v.size() / 2), v.end());
-  return v[v.size() / 2];
 }
 
 }  // namespace
@@ -79,8 +75,10 @@ SwapLink measure_swap_link(KvPool& pool, std::int64_t max_tokens, int repeats) {
       copy_kv_rows(pool, view, 0, tokens, buffer, false);
       in_s.push_back(seconds_since(start));
     }
-    medians.push_back({tokens, static_cast<double>(bytes), median(out_s), true});
-    medians.push_back({tokens, static_cast<double>(bytes), median(in_s), false});
+    medians.push_back(
+        {tokens, static_cast<double>(bytes), summarize_latencies(std::move(out_s)).p50, true});
+    medians.push_back(
+        {tokens, static_cast<double>(bytes), summarize_latencies(std::move(in_s)).p50, false});
     if (tokens == max_tokens) break;
   }
   return fit_swap_link(medians);
