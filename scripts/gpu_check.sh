@@ -7,7 +7,8 @@
 #   3. compute-sanitizer memcheck on a small subset (the kernels and one engine run)
 #   4. benchmarks: decode attention bandwidth vs the device's peak; fcfs vs static end to end on
 #      a 1B-class model; kvlab calibrate --backend cuda (the simulated backend's H200 fit)
-#   5. a summary of all of it
+#   5. kvlab check of the cuda backend in bf16 with its stated tolerance (and its logit error)
+#   6. a summary of all of it
 # Usage: scripts/gpu_check.sh        (build dir: build-gpu, or $KVLAB_BUILD_DIR)
 #        scripts/gpu_check.sh --prebuilt   (the build dir is there already: no setup, no build;
 #                                           a machine without Debian's packages runs the pack
@@ -100,6 +101,20 @@ else
   note "end to end FAILED"; tail -5 "$build/e2e.log"
 fi
 
+# bf16 on the GPU checked against the fp32 reference with the TAU docs/experiments.md states for
+# it (twice the largest logit error measured on the CPU emulator); the verdict's logits line is
+# the GPU's own measurement of that error.
+tau_bf16=0.03
+bf16_check=(check experiments/quickstart.toml --set workload.requests=100 --set 'backend.name="cuda"'
+            --set 'backend.params={dtype="bf16"}' --set 'backend.profile="h200"' --tolerance "$tau_bf16")
+if "$build/bin/kvlab" "${bf16_check[@]}" > "$build/check_bf16.log" 2>&1; then
+  note "kvlab check, cuda bf16, TAU $tau_bf16: $(grep -E '^kvlab check' "$build/check_bf16.log")"
+else
+  status=1
+  note "kvlab check, cuda bf16, TAU $tau_bf16 FAILED: $(grep -E '^kvlab check|error' "$build/check_bf16.log" | head -3)"
+fi
+note "  $(grep -m1 -E '^logits' "$build/check_bf16.log")"
+
 if "$build/bin/kvlab" calibrate --backend cuda --profile h200 --model tinyllama-1.1b --repeats 3 \
      --out "$build/h200-calibrated.toml" > "$build/calibrate.log" 2>&1; then
   note "kvlab calibrate --backend cuda: $(grep -E '^fit ' "$build/calibrate.log")"
@@ -113,8 +128,8 @@ fi
 # The device tool brings back what lands in $OUT: the logs, the benchmark's JSON and the fitted
 # profile (to commit as profiles/h200-measured.toml).
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  for f in cuda_ctest.log memcheck.log bench_cuda.json bench_cuda.log e2e.log calibrate.log \
-           h200-calibrated.toml; do
+  for f in cuda_ctest.log memcheck.log bench_cuda.json bench_cuda.log e2e.log check_bf16.log \
+           calibrate.log h200-calibrated.toml; do
     [ -f "$build/$f" ] && cp "$build/$f" "$OUT/"
   done
 fi

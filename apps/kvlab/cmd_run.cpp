@@ -191,6 +191,7 @@ RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, boo
     r.checked_tokens = out.check.tokens;
     r.off_argmax = out.check.off_argmax;
     r.max_gap = out.check.max_gap;
+    r.logits = out.check.logits;
     if (const std::string reasons = all_rejected_reasons(out); !reasons.empty())
       r.all_rejected =
           fmt::format("all {} requests were rejected:{}", out.summary.rejected, reasons);
@@ -287,12 +288,29 @@ int check_verdict(const CheckTotals& t, bool any_all_rejected, double tolerance)
   return 0;
 }
 
+// kvlab check --tolerance, one run: how far its logits were from the reference's.
+std::string logit_agreement_line(const std::string& label, const LogitAgreement& a) {
+  if (a.top_positions == 0) return {};
+  const std::string rows =
+      a.rows == a.top_positions
+          ? fmt::format("{} positions", a.rows)
+          : fmt::format("the first {} of {} positions (the rows that fit the memory kept)", a.rows,
+                        a.top_positions);
+  return fmt::format(
+      "logits [{}]: max |engine - reference| {:.3g} over {} (each position's max: mean {:.3g}); "
+      "top-5 overlap {:.1f}% over {} tokens. An argmax of logits within {:.3g} of the "
+      "reference's is within {:.3g} of its best\n",
+      label, a.max_abs_delta, rows, a.mean_row_max_delta(), 100.0 * a.top_overlap(),
+      a.top_positions, a.max_abs_delta, 2 * a.max_abs_delta);
+}
+
 // What rank 0 prints and writes once every run is in: the table, the errors, runs.json.
 int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
            std::vector<RunRecord> records, const std::filesystem::path& out_dir) {
   std::sort(records.begin(), records.end(),
             [](const RunRecord& a, const RunRecord& b) { return a.index < b.index; });
   std::vector<std::string> errors;  // runs that failed, or in which no request finished
+  std::string logit_lines;          // kvlab check --tolerance: each run's logit agreement
   CheckTotals totals;
   std::vector<SummaryRow> rows;
   nlohmann::json index = nlohmann::json::array();
@@ -316,11 +334,13 @@ int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
                      {"label", run.config.label},
                      {"repeat", run.repeat}});
     for (const auto& m : r.mismatches) fmt::print(stderr, "mismatch [{}]: {}\n", label, m);
+    if (check) logit_lines += logit_agreement_line(label, r.logits);
   }
   const std::string name = runs.front().config.name;
   const std::string table = summary_table(summary_columns(runs.front().config), rows);
   fmt::print("{} ({} run{}; {})\n\n{}", name, runs.size(), runs.size() > 1 ? "s" : "",
              clock_description(runs), table);
+  if (!logit_lines.empty()) fmt::print("\n{}", logit_lines);
   fmt::print(stderr,
              "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward)\n",
              wall, engine_wall,

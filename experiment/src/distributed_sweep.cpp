@@ -56,6 +56,12 @@ RunRecord record_from_header(const nlohmann::json& h) {
   r.checked_tokens = h.at("checked_tokens").get<std::int64_t>();
   r.off_argmax = h.at("off_argmax").get<std::int64_t>();
   r.max_gap = h.at("max_gap").get<double>();
+  const nlohmann::json& logits = h.at("logits");
+  r.logits.rows = logits.at("rows").get<std::int64_t>();
+  r.logits.max_abs_delta = logits.at("max_abs_delta").get<double>();
+  r.logits.sum_row_max_delta = logits.at("sum_row_max_delta").get<double>();
+  r.logits.top_positions = logits.at("top_positions").get<std::int64_t>();
+  r.logits.top_shared = logits.at("top_shared").get<std::int64_t>();
   r.wall_s = h.at("wall_s").get<double>();
   r.engine_wall_s = h.at("engine_wall_s").get<double>();
   r.forward_wall_s = h.at("forward_wall_s").get<double>();
@@ -108,6 +114,12 @@ std::string encode_run_record(const RunRecord& r) {
                                  {"checked_tokens", r.checked_tokens},
                                  {"off_argmax", r.off_argmax},
                                  {"max_gap", r.max_gap},
+                                 {"logits",
+                                  {{"rows", r.logits.rows},
+                                   {"max_abs_delta", r.logits.max_abs_delta},
+                                   {"sum_row_max_delta", r.logits.sum_row_max_delta},
+                                   {"top_positions", r.logits.top_positions},
+                                   {"top_shared", r.logits.top_shared}}},
                                  {"wall_s", r.wall_s},
                                  {"engine_wall_s", r.engine_wall_s},
                                  {"forward_wall_s", r.forward_wall_s},

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "engine_logit_log.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/engine/cluster.hpp"
@@ -368,12 +369,51 @@ void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
   out.step_time_ratio = summarize_latencies(std::move(ratios));
 }
 
+// Where each request of a run was served: its replica and its id in that replica's engine.
+using EngineSlots = std::vector<std::pair<std::size_t, RequestId>>;
+
+// Rows of engine logits kvlab check --tolerance keeps to compare with the reference's over the
+// whole vocabulary (beyond it, each token's top 5 only): 512 MiB, ~4,000 rows of a 32k vocabulary.
+constexpr std::size_t kComparedLogitBytes = std::size_t{512} << 20;
+
+// The reference's choices for the generated tokens of `sequence` (from position `first`), and,
+// with the engine's logits `logged`, how close those were to the reference's: whole rows where
+// kept (one reference forward, not memoized), the top 5 of every token.
+std::vector<ReferenceChoice> compared_choices(
+    const std::function<const cpu::ReferenceModel&()>& reference, const std::string& weights_key,
+    std::optional<std::int64_t> window, std::span<const std::int32_t> sequence, std::size_t first,
+    const EngineLogitLog* log, const EngineLogitLog::Request* logged, LogitAgreement& agreement) {
+  if (log == nullptr) return reference_choices(reference, weights_key, window, sequence, first);
+  const std::size_t generated = sequence.size() - 1 - first;
+  if (logged->top.size() != generated)
+    throw Error(
+        fmt::format("the engine sampled {} rows of logits for a request that generated {} "
+                    "tokens",
+                    logged->top.size(), generated));
+  const std::size_t kept = logged->kept_rows(log->vocab());
+  std::vector<ReferenceChoice> choices;
+  if (kept == 0) {
+    choices = reference_choices(reference, weights_key, window, sequence, first);
+  } else {
+    const cpu::RowMatrix logits = reference_logits(reference(), window, sequence);  // (pos, vocab)
+    choices = choices_from_logits(logits, sequence, first);
+    const auto vocab = static_cast<std::size_t>(log->vocab());
+    for (std::size_t t = 0; t < kept; ++t)
+      agreement.add_row(std::span(logged->rows).subspan(t * vocab, vocab),
+                        std::span(logits.row(static_cast<Eigen::Index>(first + t)).data(), vocab));
+  }
+  for (std::size_t t = 0; t < generated; ++t) agreement.add_top(logged->top[t], choices[t].top);
+  return choices;
+}
+
 // Teacher forcing: one reference forward over prompt + output checks every generated token
 // (memoized per sequence: other sweep points asking for the same sequence share it). A token
 // passes when it is the reference's argmax, or its logit is within `tolerance` of the argmax's.
+// With the engine's logits `log` (kvlab check --tolerance), out.check.logits measures them.
 void check_against_reference(const ServedModel& served, std::optional<std::int64_t> window,
                              const std::vector<WorkloadRequest>& requests, double tolerance,
-                             RunOutput& out, std::vector<std::string>& mismatches) {
+                             const EngineLogitLog* log, const EngineSlots& slots, RunOutput& out,
+                             std::vector<std::string>& mismatches) {
   std::optional<cpu::ReferenceModel> model;  // built on the first sequence not seen before
   auto reference = [&]() -> const cpu::ReferenceModel& {
     if (!model) model.emplace(*served.weights);
@@ -384,9 +424,11 @@ void check_against_reference(const ServedModel& served, std::optional<std::int64
     if (out.engine.requests[i].rejected || tokens.empty()) continue;
     std::vector<std::int32_t> sequence = requests[i].prompt;
     sequence.insert(sequence.end(), tokens.begin(), tokens.end());
-    const auto choices = reference_choices(reference, served.weights_key, window, sequence);
+    const auto choices = compared_choices(
+        reference, served.weights_key, window, sequence, requests[i].prompt.size() - 1, log,
+        log ? &log->request(slots[i].first, slots[i].second) : nullptr, out.check.logits);
     for (std::size_t t = 0; t < tokens.size(); ++t) {
-      const ReferenceChoice& expected = choices[requests[i].prompt.size() - 1 + t];
+      const ReferenceChoice& expected = choices[t];
       ++out.check.tokens;
       if (tokens[t] == expected.argmax) continue;
       if (tolerance > 0 && expected.gap <= tolerance) {  // 0: even exact ties must be argmax
@@ -431,7 +473,8 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                                            const PluginRegistry& registry,
                                            const ServedModel& served,
                                            const std::optional<CostModel>& cost_model,
-                                           std::int64_t slots, const SequenceRules& rules) {
+                                           std::int64_t slots, const SequenceRules& rules,
+                                           EngineLogitLog* log, std::size_t replica) {
   const bool simulated = c.backend == "simulated";
   const bool plugin_backend = c.backend != "cpu" && !simulated;  // e.g. cuda
   const ModelConfig& model = served.config;
@@ -464,8 +507,12 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
     r->inner = std::move(cpu_backend);
   }
   r->backend = std::make_unique<TimedBackend>(plugin_backend ? *r->device_backend : *r->inner);
-  r->engine = std::make_unique<Engine>(*r->backend, *r->allocator, *r->scheduler,
-                                       engine_options(c, rules, cost_model, *r->pool));
+  EngineOptions options = engine_options(c, rules, cost_model, *r->pool);
+  if (log != nullptr)
+    options.on_logits = [log, replica](RequestId id, std::span<const float> row) {
+      log->record(replica, id, row);
+    };
+  r->engine = std::make_unique<Engine>(*r->backend, *r->allocator, *r->scheduler, options);
   return r;
 }
 
@@ -487,7 +534,8 @@ std::pair<double, double> kv_use_and_prefix_hits(const std::vector<StepRecord>& 
 // replica's summary in out.replicas.
 void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
                   std::vector<std::unique_ptr<ReplicaStack>>& stacks,
-                  const std::vector<WorkloadRequest>& requests, RunOutput& out) {
+                  const std::vector<WorkloadRequest>& requests, RunOutput& out,
+                  EngineSlots& slots) {
   auto router = registry.create<PluginKind::router>(c.router, c.router_params, PluginContext{});
   std::vector<Engine*> engines;
   for (auto& stack : stacks) engines.push_back(stack->engine.get());
@@ -505,6 +553,8 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
     out.replicas.push_back(r);
   }
   out.engine = merged_result(cluster);
+  for (const RouteRecord& route : cluster.routes)
+    slots.emplace_back(route.replica, route.id_in_replica);
   out.prefix_hit_rate = query_tokens > 0 ? hit_tokens / query_tokens : 0.0;
 }
 
@@ -529,9 +579,13 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   // Context, EOS and window from one place: the backend, the engine's KV release and the
   // reference check all use these, so `check` compares one model.
   const SequenceRules rules = sequence_rules(model, *served.attention);
+  // kvlab check --tolerance measures the engine's logits against the reference's.
+  std::optional<EngineLogitLog> log;
+  if (check && c.check_tolerance > 0) log.emplace(model.vocab_size, kComparedLogitBytes);
   std::vector<std::unique_ptr<ReplicaStack>> stacks;
   for (std::int64_t r = 0; r < c.replicas; ++r)
-    stacks.push_back(make_replica(c, registry, served, cost_model, slots, rules));
+    stacks.push_back(make_replica(c, registry, served, cost_model, slots, rules,
+                                  log ? &*log : nullptr, static_cast<std::size_t>(r)));
   std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers
   const RealWorkload workload = make_requests(c, model, check, tokenizer);
   const std::vector<WorkloadRequest>& requests = workload.requests;
@@ -543,10 +597,14 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   out.weights_description = stacks.front()->weights_description;
   out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();
-  if (c.replicas == 1)
+  EngineSlots served_by;  // request i: (replica, id in its engine)
+  if (c.replicas == 1) {
     out.engine = stacks.front()->engine->run(requests);
-  else
-    run_replicas(c, registry, stacks, requests, out);
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      served_by.emplace_back(0, static_cast<RequestId>(i));
+  } else {
+    run_replicas(c, registry, stacks, requests, out, served_by);
+  }
   out.engine_wall_s = seconds_since(engine_start);
   out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
   for (const auto& r : requests) out.prompts.push_back(r.prompt);
@@ -560,7 +618,8 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   summarize_memory_and_predictions(out, cost_model && c.clock == "measured");
   if (c.replicas > 1) out.prefix_hit_rate = cluster_hit_rate;  // every replica's, not the last
   if (check)
-    check_against_reference(served, rules.window, requests, c.check_tolerance, out, *mismatches);
+    check_against_reference(served, rules.window, requests, c.check_tolerance,
+                            log ? &*log : nullptr, served_by, out, *mismatches);
   out.wall_s = seconds_since(wall_start);
   return out;
 }

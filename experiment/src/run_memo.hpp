@@ -13,6 +13,7 @@
 
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/experiment/logit_agreement.hpp"
 #include "kvlab/experiment/model_source.hpp"
 
 namespace kvlab {
@@ -25,17 +26,28 @@ struct LoadedCheckpoint {
 };
 LoadedCheckpoint load_checkpoint(const ModelSource& source, std::uint64_t weights_seed);
 
-// What the reference makes of the token that follows position t of `sequence`, for t < size - 1
-// (the full-recompute forward over all but the last token, with `window`): its argmax, and the
+// The reference's (positions, vocab) logits over all but the last token of `sequence`: the
+// full-recompute forward with `window`; row t scores the token after position t.
+cpu::RowMatrix reference_logits(const cpu::ReferenceModel& reference,
+                                std::optional<std::int64_t> window,
+                                std::span<const std::int32_t> sequence);
+
+// What the reference makes of the token that follows position t of `sequence`: its argmax, the
 // gap between its largest logit and the logit of sequence[t + 1] (0 when that token is the
-// argmax). `reference` gives the model when the answer is not known yet; `weights_key` must
-// name its weights exactly (checkpoint key and K/V head conversion).
+// argmax), and its five most likely tokens.
 struct ReferenceChoice {
   std::int32_t argmax = 0;
   float gap = 0;
+  TopTokens top{};
 };
+// For positions first <= t < size - 1 of `sequence`, from its reference_logits.
+std::vector<ReferenceChoice> choices_from_logits(const cpu::RowMatrix& logits,
+                                                 std::span<const std::int32_t> sequence,
+                                                 std::size_t first);
+// The same, memoized: `reference` gives the model when the answer is not known yet;
+// `weights_key` must name its weights exactly (checkpoint key and K/V head conversion).
 std::vector<ReferenceChoice> reference_choices(
     const std::function<const cpu::ReferenceModel&()>& reference, const std::string& weights_key,
-    std::optional<std::int64_t> window, std::span<const std::int32_t> sequence);
+    std::optional<std::int64_t> window, std::span<const std::int32_t> sequence, std::size_t first);
 
 }  // namespace kvlab

@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <nlohmann/json.hpp>
 
 #include "test_util.hpp"
@@ -314,6 +316,14 @@ TEST(KvlabCheck, HonoursTheModelsOwnSlidingWindow) {
   }
 }
 
+// The number printed right after `label` in `text` (NaN when it is not there).
+double number_after(const std::string& text, const std::string& label) {
+  const auto at = text.find(label);
+  if (at == std::string::npos) return std::nan("");
+  return std::strtod(text.c_str() + at + label.size(), nullptr);
+}
+const std::string kMaxLogitDelta = "max |engine - reference| ";
+
 // --tolerance TAU checks rounded settings: a token passes when its reference logit is within TAU
 // of the best. Without it they are refused (and say where to go); with a tolerance too small
 // for 4-bit weights the check fails naming the gap; a broken allocator still fails at any
@@ -328,6 +338,26 @@ TEST(KvlabCheck, ToleranceAcceptsNearTiesOfRoundedSettingsOnly) {
   EXPECT_EQ(f16.exit_code, 0) << f16.err;
   EXPECT_NE(f16.out.find("within 0.01 of the reference's best logit"), std::string::npos)
       << f16.out;
+  // The logits are measured too: f16 K/V move them (> 0), by less than half of TAU (so any
+  // argmax of them is within TAU of the reference's best), every top 5 stays.
+  const double f16_delta = number_after(f16.out, kMaxLogitDelta);
+  EXPECT_GT(f16_delta, 0) << f16.out;
+  EXPECT_LT(2 * f16_delta, 0.01) << f16.out;
+  EXPECT_NE(f16.out.find("top-5 overlap 100.0%"), std::string::npos) << f16.out;
+  const Result exact = kvlab(quickstart);
+  EXPECT_EQ(exact.exit_code, 0) << exact.err;
+  EXPECT_EQ(exact.out.find(kMaxLogitDelta), std::string::npos) << exact.out;  // tokens only
+  // 4-bit weights, every token accepted: each gap is at most twice the largest logit error
+  // (engine argmax c, reference argmax a: e_c >= e_a, so r_a - r_c <= (r_a - e_a) + (e_c - r_c)).
+  const Result q4_all =
+      kvlab(quickstart + "--set 'backend.weights=\"q4_0\"' --set 'backend.activations=\"q8\"' " +
+            "--tolerance 100");
+  EXPECT_EQ(q4_all.exit_code, 0) << q4_all.err;
+  const double q4_delta = number_after(q4_all.out, kMaxLogitDelta);
+  const double q4_gap = number_after(q4_all.out, "largest gap ");
+  EXPECT_GT(q4_gap, 0) << q4_all.out;
+  EXPECT_LE(q4_gap, 2 * q4_delta) << q4_all.out;
+  EXPECT_GT(q4_delta, 10 * f16_delta) << q4_all.out;
   const Result q4 =
       kvlab(quickstart + "--set 'backend.weights=\"q4_0\"' --set 'backend.activations=\"q8\"' " +
             "--tolerance 1e-9");
@@ -360,6 +390,11 @@ TEST(KvlabCheck, CatchesABrokenAllocator) {
   const Result tolerant = kvlab(command + " --tolerance 0.01");
   EXPECT_EQ(tolerant.exit_code, 1) << tolerant.out << tolerant.err;
   EXPECT_NE(tolerant.err.find("beyond the tolerance 0.01"), std::string::npos) << tolerant.err;
+  // Its logits are off by orders of magnitude more than a 16-bit KV pool's on the same requests.
+  const Result f16 = kvlab("check " + file + " --set 'kv_cache.dtype=\"f16\"' --tolerance 0.01");
+  EXPECT_EQ(f16.exit_code, 0) << f16.out << f16.err;
+  EXPECT_GT(number_after(tolerant.out, kMaxLogitDelta), 100 * number_after(f16.out, kMaxLogitDelta))
+      << tolerant.out << f16.out;
 }
 
 }  // namespace

@@ -74,6 +74,7 @@ RunRecord sample_record() {
   r.checked_tokens = 96;
   r.off_argmax = 3;
   r.max_gap = 0.0625;
+  r.logits = {12, 1.0 / 7.0, 0.75, 40, 183};
   r.wall_s = 0.25;
   r.engine_wall_s = 0.125;
   r.forward_wall_s = 0.0625;
@@ -92,6 +93,11 @@ TEST(RunRecord, RoundTripsExactlyFilesAndDoubles) {
   EXPECT_EQ(back.checked_tokens, r.checked_tokens);
   EXPECT_EQ(back.off_argmax, r.off_argmax);
   EXPECT_EQ(back.max_gap, r.max_gap);
+  EXPECT_EQ(back.logits.rows, r.logits.rows);
+  EXPECT_EQ(back.logits.max_abs_delta, r.logits.max_abs_delta);
+  EXPECT_EQ(back.logits.sum_row_max_delta, r.logits.sum_row_max_delta);
+  EXPECT_EQ(back.logits.top_positions, r.logits.top_positions);
+  EXPECT_EQ(back.logits.top_shared, r.logits.top_shared);
   EXPECT_EQ(back.forward_wall_s, r.forward_wall_s);
   RunRecord failed;
   failed.index = 3;

@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/logit_agreement.hpp"
 
 namespace kvlab {
 
@@ -35,6 +36,7 @@ struct RunRecord {
   std::vector<std::string> mismatches;  // kvlab check
   std::int64_t checked_tokens = 0, off_argmax = 0;  // kvlab check (RunOutput::Check)
   double max_gap = 0;
+  LogitAgreement logits;  // kvlab check --tolerance
   double wall_s = 0, engine_wall_s = 0, forward_wall_s = 0;
 };
 

@@ -13,6 +13,7 @@
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
+#include "kvlab/experiment/logit_agreement.hpp"
 #include "kvlab/plugin_params.hpp"
 
 namespace kvlab {
@@ -132,10 +133,12 @@ struct RunOutput {
   };
   std::vector<Replica> replicas;
   // kvlab check: generated tokens compared with the reference, how many were not its argmax
-  // (passed within check_tolerance), and the largest logit gap among them.
+  // (passed within check_tolerance), and the largest logit gap among them; with a tolerance,
+  // how close the engine's logits were to the reference's.
   struct Check {
     std::int64_t tokens = 0, off_argmax = 0;
     double max_gap = 0;
+    LogitAgreement logits;
   };
   Check check;
 };
