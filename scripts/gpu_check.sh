@@ -4,7 +4,8 @@
 #      checks need, with every core
 #   2. the CUDA tests: every kernel against the Eigen reference, the engine on the GPU against the
 #      CPU backend (ctest -L '^cuda$'; the same tests on the CPU emulator run in CI everywhere)
-#   3. compute-sanitizer memcheck on a small subset (the kernels and one engine run)
+#   3. compute-sanitizer memcheck on a small subset (the kernels and one engine run), racecheck
+#      on the token-choice kernel
 #   4. benchmarks: decode attention bandwidth vs the device's peak; fcfs vs static end to end on
 #      a 1B-class model; kvlab calibrate --backend cuda (the simulated backend's H200 fit)
 #   5. kvlab check of the cuda backend in bf16 with its stated tolerance (and its logit error)
@@ -67,6 +68,16 @@ if command -v compute-sanitizer >/dev/null; then
     status=1
     note "compute-sanitizer memcheck FAILED"; grep -E "Invalid|ERROR|FAILED" "$build/memcheck.log" | head -20
   fi
+  # racecheck (shared-memory hazards) on the kernels that share memory across a block's threads
+  # through atomics and reductions: the token choice (sampling.cu).
+  if compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/kvlab_cuda_tests" \
+       --gtest_filter='CudaKernels.SampleRows*:CudaKernels.ArgmaxRows*' \
+       > "$build/racecheck.log" 2>&1; then
+    note "compute-sanitizer racecheck (token choice): clean"
+  else
+    status=1
+    note "compute-sanitizer racecheck FAILED"; grep -E "hazard|ERROR|FAILED" "$build/racecheck.log" | head -20
+  fi
 else
   note "compute-sanitizer: not found"
 fi
@@ -128,7 +139,7 @@ fi
 # The device tool brings back what lands in $OUT: the logs, the benchmark's JSON and the fitted
 # profile (to commit as profiles/h200-measured.toml).
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  for f in cuda_ctest.log memcheck.log bench_cuda.json bench_cuda.log e2e.log check_bf16.log \
+  for f in cuda_ctest.log memcheck.log racecheck.log bench_cuda.json bench_cuda.log e2e.log check_bf16.log \
            calibrate.log h200-calibrated.toml; do
     [ -f "$build/$f" ] && cp "$build/$f" "$OUT/"
   done

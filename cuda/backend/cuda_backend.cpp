@@ -1,10 +1,11 @@
 // The `cuda` backend plugin: the LLaMA forward on one GPU. Weights are uploaded once (fp32 or
 // bf16); the KV cache lives in device memory indexed by the same slots the allocator plugins
 // hand out (the host KvPool keeps only the bookkeeping and forwards copies here); every step
-// uploads its tokens, positions, slots and the per-token slot table once and reuses them in
-// every layer. Projections and the MLP are cuBLAS GEMMs with fp32 accumulation; the residual
-// stream stays fp32; logits come back to the host for the engine's sampler, or on greedy steps
-// (Backend::choose_greedy_tokens) only each entry's argmax, taken on the device.
+// uploads its tokens, positions, slots and each sequence's block table (block_table.hpp: a paged
+// view's blocks, a contiguous one's single run) once and reuses them in every layer. Projections
+// and the MLP are cuBLAS GEMMs with fp32 accumulation; the residual stream stays fp32; logits come
+// back to the host for the engine's sampler, or, when the engine asks (Backend::choose_tokens),
+// only each entry's token, chosen on the device.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cublas_v2.h>
@@ -17,6 +18,7 @@
 
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/cuda/block_table.hpp"
 #include "kvlab/cuda/device.hpp"
 #include "kvlab/cuda/kernels.hpp"
 #include "kvlab/error.hpp"
@@ -202,14 +204,18 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
 
   std::int64_t vocab_size() const override { return config_.vocab_size; }
   std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
-  bool choose_greedy_tokens(bool enable) override {
-    greedy_ = enable;
+  bool choose_tokens(std::span<const kvlab::TokenChoice> choices) override {
+    choices_.clear();
+    for (const kvlab::TokenChoice& c : choices)
+      choices_.push_back({c.temperature, c.top_p, c.uniform, c.top_k});
     return true;
   }
 
   std::span<const float> forward(std::span<const kvlab::BatchEntry> batch) override {
     const kvlab::ModelConfig& c = config_;
     chosen_ = {};
+    step_choices_.swap(choices_);  // choose_tokens applies to this forward only
+    choices_.clear();
     const StepShape step = stage_step(batch);  // 1. metadata, uploaded once
     if (step.rows == 0) return {};
     grow_activations(step);  // 2.
@@ -257,14 +263,33 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     std::int32_t max_keys = 0, max_queries = 0;
   };
 
-  // The step's metadata (tokens, positions, each new token's slot, the per-token slot table,
-  // one AttentionEntry per sequence, each sequence's last row), staged and uploaded once.
+  // One entry's new tokens, their positions and the slots their K/V go to (walking its extents).
+  void stage_new_tokens(const kvlab::BatchEntry& e) {
+    std::int64_t position = e.view.first_position;
+    std::size_t j = 0;
+    for (const kvlab::KvExtent& extent : e.view.extents) {
+      for (; j < e.tokens.size(); ++j) {
+        const std::int64_t p = e.start_position + static_cast<std::int64_t>(j);
+        if (p >= position + extent.length) break;
+        tokens_.push_back(e.tokens[j]);
+        positions_.push_back(static_cast<std::int32_t>(p));
+        new_slots_.push_back(extent.start_slot + (p - position));
+      }
+      position += extent.length;
+    }
+    if (j != e.tokens.size())
+      throw Error(fmt::format("cuda backend: position {} has no slot in its sequence's view",
+                              e.start_position + static_cast<std::int64_t>(j)));
+  }
+
+  // The step's metadata (tokens, positions, each new token's slot, each sequence's block table
+  // and AttentionEntry, each sequence's last row), staged and uploaded once.
   StepShape stage_step(std::span<const kvlab::BatchEntry> batch) {
     const kvlab::ModelConfig& c = config_;
     tokens_.clear();
     positions_.clear();
     new_slots_.clear();
-    slot_table_.clear();
+    block_table_.clear();
     entries_.clear();
     last_rows_.clear();
     std::int32_t max_keys = 0, max_queries = 0;
@@ -274,20 +299,15 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       a.queries = static_cast<std::int32_t>(e.tokens.size());
       a.start_position = static_cast<std::int32_t>(e.start_position);
       a.first_position = static_cast<std::int32_t>(e.view.first_position);
-      a.slot_offset = static_cast<std::int64_t>(slot_table_.size());
       const std::int64_t end = e.start_position + static_cast<std::int64_t>(e.tokens.size());
       if (end > c.max_position_embeddings)
         throw Error(fmt::format("position {} is beyond the context of {}", end - 1, c.name));
-      for (const auto& extent : e.view.extents)
-        for (std::int64_t s = 0; s < extent.length; ++s)
-          slot_table_.push_back(extent.start_slot + s);
-      for (std::size_t j = 0; j < e.tokens.size(); ++j) {
-        const std::int64_t position = e.start_position + static_cast<std::int64_t>(j);
-        tokens_.push_back(e.tokens[j]);
-        positions_.push_back(static_cast<std::int32_t>(position));
-        new_slots_.push_back(slot_table_[static_cast<std::size_t>(a.slot_offset + position -
-                                                                  e.view.first_position)]);
-      }
+      const kvlab::cuda::BlockLayout layout = kvlab::cuda::block_layout(e.view);
+      a.block_shift = layout.shift;
+      a.lead = layout.lead;
+      a.table_offset = static_cast<std::int64_t>(block_table_.size());
+      kvlab::cuda::append_block_table(e.view, layout, block_table_);
+      stage_new_tokens(e);
       last_rows_.push_back(static_cast<std::int32_t>(tokens_.size() - 1));
       if (a.queries == 1) max_keys = std::max(max_keys, a.start_position - a.first_position + 1);
       max_queries = std::max(max_queries, a.queries);
@@ -306,7 +326,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     to_device(tokens_, d_tokens_);
     to_device(positions_, d_positions_);
     to_device(new_slots_, d_new_slots_);
-    to_device(slot_table_, d_slot_table_);
+    to_device(block_table_, d_block_table_);
     to_device(entries_, d_entries_);
     to_device(last_rows_, d_last_rows_);
     return step;
@@ -369,7 +389,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     a.q_row_stride = qkv_dim;
     a.k_pool = k_layer;
     a.v_pool = v_layer;
-    a.slot_table = d_slot_table_.get<std::int64_t>();
+    a.block_table = d_block_table_.get<std::int64_t>();
     a.entries = d_entries_.get<kvlab::cuda::AttentionEntry>();
     a.entry_count = static_cast<std::int32_t>(step.count);
     a.max_keys = step.max_keys;
@@ -401,8 +421,30 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
           "residual");
   }
 
+  // The tokens of this step's `count` rows of logits, chosen on the device as the engine asked
+  // (choose_tokens): count token ids come back to the host, not count x vocab floats.
+  void choose_on_device(std::int64_t count) {
+    const std::size_t choice_bytes = step_choices_.size() * sizeof(kvlab::cuda::RowSampling);
+    const std::size_t id_bytes = static_cast<std::size_t>(count) * sizeof(std::int32_t);
+    d_choices_.resize(choice_bytes);
+    d_chosen_.resize(id_bytes);
+    host_chosen_.resize(id_bytes);
+    check(cudaMemcpyAsync(d_choices_.get(), step_choices_.data(), choice_bytes,
+                          cudaMemcpyHostToDevice, stream_),
+          "upload token choices");
+    check(kvlab::cuda::launch_sample_rows(logits_.get<float>(), count, config_.vocab_size,
+                                          d_choices_.get<kvlab::cuda::RowSampling>(),
+                                          d_chosen_.get<std::int32_t>(), stream_),
+          "sample");
+    check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
+                          cudaMemcpyDeviceToHost, stream_),
+          "download chosen tokens");
+    check(cudaStreamSynchronize(stream_), "forward");
+    chosen_ = {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(count)};
+  }
+
   // Each entry's last row: final norm and LM head (fp32 logits); then the logits to the host,
-  // or on greedy steps only each row's argmax, taken on the device.
+  // or only each row's token, chosen on the device (choose_tokens).
   std::span<const float> read_out(std::int64_t count) {
     const kvlab::ModelConfig& c = config_;
     const std::int64_t dim = c.hidden_size;
@@ -416,18 +458,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
           "final norm");
     gemm(normed_.get(), count, dim, c.tie_word_embeddings ? embedding_.get() : lm_head_.get(),
          c.vocab_size, logits_.get(), CUDA_R_32F);
-    if (greedy_) {  // greedy on the device: count token ids come back, not count x vocab floats
-      const std::size_t id_bytes = static_cast<std::size_t>(count) * sizeof(std::int32_t);
-      d_chosen_.resize(id_bytes);
-      host_chosen_.resize(id_bytes);
-      check(kvlab::cuda::launch_argmax_rows(logits_.get<float>(), count, c.vocab_size,
-                                            d_chosen_.get<std::int32_t>(), stream_),
-            "argmax");
-      check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
-                            cudaMemcpyDeviceToHost, stream_),
-            "download chosen tokens");
-      check(cudaStreamSynchronize(stream_), "forward");
-      chosen_ = {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(count)};
+    if (step_choices_.size() == static_cast<std::size_t>(count)) {
+      choose_on_device(count);
       return {};
     }
     const std::size_t logit_bytes = static_cast<std::size_t>(count * c.vocab_size) * sizeof(float);
@@ -515,14 +547,16 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   DeviceBuffer k_pool_, v_pool_;     // (layers, slots, kv_heads, head_dim) each
   DeviceBuffer x_, normed_, qkv_, attention_, projected_, gate_up_, hidden_, last_, logits_,
       workspace_, scratch_, staging_floats_;
-  DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_slot_table_, d_entries_, d_last_rows_,
+  DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_block_table_, d_entries_, d_last_rows_,
       d_transfer_slots_;
   PinnedBuffer host_logits_, host_chosen_;
-  DeviceBuffer d_chosen_;
-  bool greedy_ = false;                   // choose_greedy_tokens: argmax on the device
-  std::span<const std::int32_t> chosen_;  // this step's, when greedy_
+  DeviceBuffer d_chosen_, d_choices_;
+  // choose_tokens: the next forward's choices, the running forward's, and its tokens when it
+  // chose them.
+  std::vector<kvlab::cuda::RowSampling> choices_, step_choices_;
+  std::span<const std::int32_t> chosen_;
   std::vector<std::int32_t> tokens_, positions_, last_rows_;
-  std::vector<std::int64_t> new_slots_, slot_table_;
+  std::vector<std::int64_t> new_slots_, block_table_;
   std::vector<kvlab::cuda::AttentionEntry> entries_;
 };
 

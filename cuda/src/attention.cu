@@ -1,5 +1,6 @@
-// Attention over the device KV pool, read through a per-token slot table (any allocator:
-// contiguous extents or paged blocks), with GQA/MQA head mapping and a sliding window.
+// Attention over the device KV pool, read through each sequence's block table (any allocator:
+// paged blocks, or contiguous extents as one large block; block_table.hpp), with GQA/MQA head
+// mapping and a sliding window.
 //   decode  (one query): split-K flash-decoding, one block per (query-head chunk of a K/V
 //           head, entry, key split), partials combined by a second kernel. Where a K/V row is a
 //           power of two 16-byte chunks and the pool is 16-byte aligned (every fp32/bf16 head_dim
@@ -38,6 +39,14 @@ struct VectorLayout {
 }  // namespace detail
 
 namespace {
+
+// The slot holding `position` of entry e's sequence (AttentionEntry): its block's start slot
+// plus the offset in the block.
+__device__ __forceinline__ std::int64_t slot_of(const AttentionParams& p, const AttentionEntry& e,
+                                                int position) {
+  const int v = position - e.first_position + e.lead;
+  return p.block_table[e.table_offset + (v >> e.block_shift)] + (v & ((1 << e.block_shift) - 1));
+}
 
 using detail::VectorLayout;
 
@@ -148,7 +157,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
   const T* k_pool = static_cast<const T*>(p.k_pool);
   const T* v_pool = static_cast<const T*>(p.v_pool);
   for (int key = begin + warp; key < end; key += kDecodeWarps) {
-    const std::int64_t slot = p.slot_table[e.slot_offset + (key - e.first_position)];
+    const std::int64_t slot = slot_of(p, e, key);
     const std::int64_t offset = (slot * p.kv_heads + kv_head) * HD;
     float k[PER_LANE], v[PER_LANE];
     load_row<T, HD>(k_pool + offset, k, lane);
@@ -250,7 +259,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       const int key = step + (warp * kUnroll + u) * L::kKeysPerWarp + key_group;
       valid[u] = key < end;
       if (valid[u]) {
-        const std::int64_t slot = p.slot_table[e.slot_offset + (key - e.first_position)];
+        const std::int64_t slot = slot_of(p, e, key);
         const std::int64_t offset = (slot * p.kv_heads + kv_head) * HD;
         load_chunks<T, HD>(k_pool + offset, k[u], sub);
         load_chunks<T, HD>(v_pool + offset, v[u], sub);
@@ -396,7 +405,7 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionPa
     const int tile_keys = min(KEY_TILE, last_position + 1 - tile);
     for (int index = threadIdx.x; index < tile_keys * HD; index += blockDim.x) {
       const int j = index / HD, d = index % HD;
-      const std::int64_t slot = p.slot_table[e.slot_offset + (tile + j - e.first_position)];
+      const std::int64_t slot = slot_of(p, e, tile + j);
       const std::int64_t offset = (slot * p.kv_heads + kv_head) * HD + d;
       s_k[j][d] = to_float(k_pool[offset]);
       s_v[j][d] = to_float(v_pool[offset]);

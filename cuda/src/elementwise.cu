@@ -118,48 +118,6 @@ __global__ void gather_rows_kernel(const float* in, const std::int32_t* index, f
     out[static_cast<std::int64_t>(blockIdx.x) * dim + i] = source[i];
 }
 
-// One block per row: each thread keeps the largest value of its strided share (the first on
-// ties, since its indices rise), then the block reduces (value, index) pairs, lower index first
-// on ties. Any non-finite value in the row makes the result -1.
-__global__ void argmax_rows_kernel(const float* logits, std::int64_t vocab, std::int32_t* out) {
-  const float* row = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
-  float best = 0.0f;
-  std::int32_t best_index = -1;
-  bool finite = true;
-  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const float v = row[i];
-    if (!is_finite(v)) {
-      finite = false;
-    } else if (best_index < 0 || v > best) {
-      best = v;
-      best_index = static_cast<std::int32_t>(i);
-    }
-  }
-  __shared__ float values[kThreads];
-  __shared__ std::int32_t indices[kThreads];
-  __shared__ int non_finite;
-  if (threadIdx.x == 0) non_finite = 0;
-  __syncthreads();
-  if (!finite) non_finite = 1;
-  values[threadIdx.x] = best;
-  indices[threadIdx.x] = best_index;
-  __syncthreads();
-  for (unsigned stride = blockDim.x / 2; stride > 0; stride /= 2) {
-    if (threadIdx.x < stride) {
-      const float v = values[threadIdx.x + stride];
-      const std::int32_t j = indices[threadIdx.x + stride];
-      const std::int32_t mine = indices[threadIdx.x];
-      if (j >= 0 &&
-          (mine < 0 || v > values[threadIdx.x] || (v == values[threadIdx.x] && j < mine))) {
-        values[threadIdx.x] = v;
-        indices[threadIdx.x] = j;
-      }
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) out[blockIdx.x] = non_finite ? -1 : indices[0];
-}
-
 }  // namespace
 
 cudaError_t launch_embedding(const EmbeddingParams& p, cudaStream_t stream) {
@@ -232,14 +190,6 @@ cudaError_t launch_convert_to_f32(const void* in, float* out, std::int64_t n, Dt
     return launch_kernel(to_f32_kernel<T>, blocks_for(n, kThreads), kThreads, stream,
                          static_cast<const T*>(in), out, n);
   });
-}
-
-cudaError_t launch_argmax_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
-                               std::int32_t* out, cudaStream_t stream) {
-  if (rows <= 0) return cudaSuccess;
-  if (vocab <= 0 || vocab > 0x7fffffff || rows > 0x7fffffff) return cudaErrorInvalidValue;
-  return launch_kernel(argmax_rows_kernel, static_cast<unsigned>(rows), kThreads, stream, logits,
-                       vocab, out);
 }
 
 cudaError_t launch_gather_rows(const float* in, const std::int32_t* index, float* out,

@@ -12,6 +12,7 @@
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <bit>
 #include <numeric>
 #include <random>
 #include <vector>
@@ -47,15 +48,16 @@ void DecodeAttention(benchmark::State& state) {
   std::vector<std::int64_t> blocks(slots / block);
   std::iota(blocks.begin(), blocks.end(), 0);
   std::shuffle(blocks.begin(), blocks.end(), std::mt19937(1));
-  std::vector<std::int64_t> table(slots);
-  for (std::int64_t t = 0; t < slots; ++t) table[t] = blocks[t / block] * block + t % block;
+  std::vector<std::int64_t> table(slots / block);  // each sequence's block table, in turn
+  for (std::int64_t b = 0; b < slots / block; ++b) table[b] = blocks[b] * block;
   std::vector<kvlab::cuda::AttentionEntry> entries(batch);
   for (std::int64_t e = 0; e < batch; ++e) {
     entries[e].first_row = static_cast<std::int32_t>(e);
     entries[e].queries = 1;
     entries[e].start_position = static_cast<std::int32_t>(context - 1);
     entries[e].first_position = 0;
-    entries[e].slot_offset = e * context;
+    entries[e].block_shift = std::countr_zero(static_cast<std::uint64_t>(block));
+    entries[e].table_offset = e * context / block;
   }
   void *k = nullptr, *v = nullptr, *q = nullptr, *out = nullptr, *d_table = nullptr,
        *d_entries = nullptr, *workspace = nullptr;
@@ -80,7 +82,7 @@ void DecodeAttention(benchmark::State& state) {
   p.q_row_stride = heads * head_dim;
   p.k_pool = static_cast<char*>(k) + shift;
   p.v_pool = static_cast<char*>(v) + shift;
-  p.slot_table = static_cast<const std::int64_t*>(d_table);
+  p.block_table = static_cast<const std::int64_t*>(d_table);
   p.entries = static_cast<const kvlab::cuda::AttentionEntry*>(d_entries);
   p.entry_count = static_cast<std::int32_t>(batch);
   p.max_keys = static_cast<std::int32_t>(context);

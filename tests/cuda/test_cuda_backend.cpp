@@ -139,6 +139,31 @@ INSTANTIATE_TEST_SUITE_P(AllocatorsVariants, CudaEngine,
                                   std::get<2>(info.param);
                          });
 
+// Sampled requests (temperature, top-k, top-p, each with its seed) get the CPU backend's tokens
+// although the cuda backend picks them on the device (Backend::choose_tokens) and the CPU
+// backend's engine picks them on the host: the draws are the requests' own either way.
+TEST(CudaBackend, SampledTokensEqualTheCpuBackend) {
+  KVLAB_REQUIRE_CUDA();
+  std::vector<WorkloadRequest> requests = workload();
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    SamplingParams& p = requests[i].sampling;
+    p.temperature = i % 3 == 0 ? 0.0 : 0.6 + 0.2 * static_cast<double>(i % 4);
+    p.top_k = i % 2 == 0 ? 40 : 0;
+    p.top_p = i % 4 == 1 ? 0.9 : 1.0;
+    p.seed = 100 + i;
+  }
+  const Params paged{{"block_size", std::int64_t{4}}};
+  const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 72, requests);
+  const EngineRun gpu = run_engine(true, "paged", paged, "gqa", {}, "swap", 72, requests);
+  ASSERT_EQ(gpu.tokens.size(), cpu.tokens.size());
+  for (std::size_t i = 0; i < cpu.tokens.size(); ++i)
+    EXPECT_EQ(gpu.tokens[i], cpu.tokens[i]) << "request " << i;
+  // The draws matter: greedy decoding of the same requests gives other tokens.
+  std::vector<WorkloadRequest> greedy = requests;
+  for (auto& r : greedy) r.sampling.temperature = 0;
+  EXPECT_NE(run_engine(false, "paged", paged, "gqa", {}, "swap", 72, greedy).tokens, cpu.tokens);
+}
+
 TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
   KVLAB_REQUIRE_CUDA();
   const ModelConfig& c = checkpoint().config;

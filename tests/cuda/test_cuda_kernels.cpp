@@ -17,6 +17,8 @@
 
 #include "cuda_test_util.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/cuda/block_table.hpp"
+#include "kvlab/engine/sampling.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -114,6 +116,134 @@ TEST(CudaKernels, ArgmaxRowsPicksTheLowestIndexOfTheMaximumAndFlagsNonFinite) {
   EXPECT_EQ(
       cuda::launch_argmax_rows(d_logits.as<float>(), rows, 0, d_out.as<std::int32_t>(), nullptr),
       cudaErrorInvalidValue);
+}
+
+// A block table maps every position of a view to the view's own slot, whatever its extents: one
+// contiguous run, paged blocks with the first released in part (a window), interior runs whose
+// lengths share only a small power of two, two runs, single slots. And it stays small: at most
+// one entry per block the positions span plus one per extent.
+TEST(BlockTable, EveryPositionFindsItsSlotInBlocksOfThePowerOfTwoTheExtentsShare) {
+  struct Case {
+    std::int64_t first_position;
+    std::vector<KvExtent> extents;
+    std::int32_t shift;  // the block the layout should choose
+  };
+  const std::vector<Case> cases = {
+      {5, {{100, 37}}, 6},                                       // one run: one block
+      {23, {{169, 9}, {32, 16}, {480, 16}, {64, 5}}, 4},         // paged 16, window-released
+      {0, {{7, 3}, {200, 8}, {96, 24}, {40, 8}, {300, 30}}, 3},  // interior gcd 8
+      {2, {{10, 5}, {60, 12}, {120, 12}, {500, 1}}, 2},          // interior 12: blocks of 4
+      {0, {{50, 7}, {300, 100}}, 7},                             // two runs: one block each
+      {9, {{4, 1}, {8, 1}, {2, 1}, {6, 1}}, 0},                  // single slots
+  };
+  for (const Case& c : cases) {
+    KvView view;
+    view.first_position = c.first_position;
+    view.extents = c.extents;
+    const cuda::BlockLayout layout = cuda::block_layout(view);
+    EXPECT_EQ(layout.shift, c.shift) << "first position " << c.first_position;
+    std::vector<std::int64_t> table = {-7};  // an earlier sequence's entry: offsets are relative
+    cuda::append_block_table(view, layout, table);
+    const std::int64_t block = std::int64_t{1} << layout.shift;
+    for (std::int64_t p = view.first_position; p < view.end_position(); ++p) {
+      const std::int64_t v = p - view.first_position + layout.lead;
+      ASSERT_EQ(table[1 + static_cast<std::size_t>(v >> layout.shift)] + (v & (block - 1)),
+                view.slot_of(p))
+          << "position " << p << " of the view starting at " << c.first_position;
+    }
+    const auto blocks = static_cast<std::size_t>((layout.lead + view.length() + block - 1) / block);
+    EXPECT_LE(table.size() - 1, blocks + c.extents.size());
+  }
+}
+
+// One sampled row's setting and the host's pick for it.
+struct SampleCase {
+  SamplingParams params;
+  double uniform = 0;
+};
+
+// The settings a row is sampled with: temperatures from near-greedy to flat, top-k and top-p
+// each alone and together, draws at 0, mid-range, just below 1 and between the host
+// distribution's cumulative boundaries (not on one: there the order of a sum decides).
+std::vector<SampleCase> sample_cases(std::span<const float> row) {
+  std::vector<SampleCase> cases;
+  auto add = [&](double t, std::int32_t k, double p, double u) {
+    SampleCase c;
+    c.params.temperature = t;
+    c.params.top_k = k;
+    c.params.top_p = p;
+    c.uniform = u;
+    cases.push_back(c);
+  };
+  for (double t : {0.0, 1e-3, 0.7, 1.8})
+    for (std::int32_t k : {0, 1, 50})
+      for (double p : {1.0, 0.9, 1e-6})
+        for (double u : {0.0, 0.37, 0.999999}) add(t, k, p, u);
+  // Between consecutive boundaries of a spread-out distribution: every kept token gets drawn.
+  SamplingParams spread;
+  spread.temperature = 1.5;
+  spread.top_k = 12;
+  const std::vector<double> d = sampling_distribution(row, spread);
+  std::vector<double> kept;
+  for (double v : d)
+    if (v > 0) kept.push_back(v);
+  std::sort(kept.begin(), kept.end(), std::greater<>());
+  double cumulative = 0;
+  for (double v : kept) {
+    add(spread.temperature, spread.top_k, 1.0, cumulative + v / 2);
+    cumulative += v;
+  }
+  return cases;
+}
+
+// Sampling on the device picks the host's token (kvlab::pick_token) for every setting and draw,
+// on rows longer than the block with ties split across threads, a flat row, and a row whose
+// logits are far apart; greedy rows in the same launch take the argmax; a NaN row gives -1.
+TEST(CudaKernels, SampleRowsPicksTheHostsTokenForEverySettingAndDraw) {
+  KVLAB_REQUIRE_CUDA();
+  constexpr std::int64_t kVocab = 2000;
+  std::vector<std::vector<float>> rows;
+  rows.push_back(random_values(kVocab, 11, 3.0f));
+  rows.push_back(random_values(kVocab, 12, 3.0f));
+  rows[1][700] = rows[1][300] = rows[1][1999] = 9.0f;  // a three-way tie at the top
+  rows[1][5] = rows[1][6] = 8.5f;
+  rows.push_back(std::vector<float>(kVocab, 0.25f));  // flat: ties everywhere
+  rows.push_back(random_values(kVocab, 13, 40.0f));   // near one-hot at temperature 1
+  std::vector<float> logits;
+  std::vector<cuda::RowSampling> choices;
+  std::vector<std::int32_t> expected;
+  for (const auto& row : rows)
+    for (const SampleCase& c : sample_cases(row)) {
+      logits.insert(logits.end(), row.begin(), row.end());
+      choices.push_back({c.params.temperature, c.params.top_p, c.uniform, c.params.top_k});
+      expected.push_back(pick_token(row, c.params, c.uniform));
+    }
+  logits.insert(logits.end(), rows[0].begin(), rows[0].end());
+  logits[logits.size() - 17] = std::numeric_limits<float>::quiet_NaN();
+  choices.push_back({1.0, 0.9, 0.5, 0});
+  expected.push_back(-1);
+  const auto count = static_cast<std::int64_t>(choices.size());
+  GuardedBuffer d_logits(logits.size(), 4),
+      d_choices(choices.size() * sizeof(cuda::RowSampling), 1),
+      d_out(static_cast<std::size_t>(count), 4);
+  d_logits.write(logits, Dtype::f32);
+  d_choices.write_bytes(choices.data(), choices.size() * sizeof(cuda::RowSampling));
+  ASSERT_EQ(cuda::launch_sample_rows(d_logits.as<float>(), count, kVocab,
+                                     d_choices.as<cuda::RowSampling>(), d_out.as<std::int32_t>(),
+                                     nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<std::int32_t> actual(static_cast<std::size_t>(count));
+  d_out.read_bytes(actual.data(), actual.size() * 4);
+  for (std::size_t r = 0; r < actual.size(); ++r)
+    ASSERT_EQ(actual[r], expected[r])
+        << "row " << r << ": temperature " << choices[r].temperature << ", top_k "
+        << choices[r].top_k << ", top_p " << choices[r].top_p << ", draw " << choices[r].uniform;
+  EXPECT_TRUE(d_out.guards_intact());
+  // The cases reach far into the distribution: more than a handful of distinct tokens.
+  std::vector<std::int32_t> distinct = expected;
+  std::sort(distinct.begin(), distinct.end());
+  EXPECT_GT(std::unique(distinct.begin(), distinct.end()) - distinct.begin(), 20);
 }
 
 TEST(CudaKernels, RmsNormMatchesTheReference) {
@@ -437,7 +567,7 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   const std::int64_t slots = total_blocks * c.block;
 
   std::vector<float> k_pool(slots * kv_width, 0.0f), v_pool(slots * kv_width, 0.0f), q_rows;
-  std::vector<std::int64_t> slot_table;
+  std::vector<std::int64_t> block_table;
   std::vector<cuda::AttentionEntry> entries;
   std::vector<std::vector<double>> expected;
   std::int64_t next_block = 0, rows = 0, max_keys = 0, max_queries = 0;
@@ -457,11 +587,19 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
     a.queries = static_cast<std::int32_t>(s.queries);
     a.start_position = static_cast<std::int32_t>(s.start);
     a.first_position = static_cast<std::int32_t>(first);
-    a.slot_offset = static_cast<std::int64_t>(slot_table.size());
     const std::int64_t blocks = (length + c.block - 1) / c.block;
+    KvView view;  // as a paged allocator of block c.block hands it out
+    view.first_position = first;
+    for (std::int64_t b = first / c.block; b < blocks; ++b)
+      view.extents.push_back(
+          {physical[next_block + b] * c.block, std::min(c.block, length - b * c.block)});
+    const cuda::BlockLayout layout = cuda::block_layout(view);
+    a.block_shift = layout.shift;
+    a.lead = layout.lead;
+    a.table_offset = static_cast<std::int64_t>(block_table.size());
+    cuda::append_block_table(view, layout, block_table);
     for (std::int64_t p = 0; p < length; ++p) {
       const std::int64_t slot = physical[next_block + p / c.block] * c.block + p % c.block;
-      if (p >= first) slot_table.push_back(slot);
       std::copy_n(k.begin() + p * kv_width, kv_width, k_pool.begin() + slot * kv_width);
       std::copy_n(v.begin() + p * kv_width, kv_width, v_pool.begin() + slot * kv_width);
     }
@@ -483,7 +621,7 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   k_pool.insert(k_pool.begin(), shift, 0.0f);
   v_pool.insert(v_pool.begin(), shift, 0.0f);
   GuardedBuffer d_q(q_rows.size(), e_bytes), d_k(k_pool.size(), e_bytes),
-      d_v(v_pool.size(), e_bytes), d_table(slot_table.size(), 8),
+      d_v(v_pool.size(), e_bytes), d_table(block_table.size(), 8),
       d_entries(entries.size(), sizeof(cuda::AttentionEntry)), d_out(rows * q_width, e_bytes),
       d_workspace(cuda::attention_workspace_floats(entries.size(), heads, hd,
                                                    std::max<std::int64_t>(max_keys, 1), split_keys),
@@ -491,14 +629,14 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   d_q.write(q_rows, c.dtype);
   d_k.write(k_pool, c.dtype);
   d_v.write(v_pool, c.dtype);
-  d_table.write_bytes(slot_table.data(), slot_table.size() * 8);
+  d_table.write_bytes(block_table.data(), block_table.size() * 8);
   d_entries.write_bytes(entries.data(), entries.size() * sizeof(cuda::AttentionEntry));
   cuda::AttentionParams p;
   p.q = d_q.get();
   p.q_row_stride = q_stride;
   p.k_pool = d_k.as<char>() + shift * e_bytes;
   p.v_pool = d_v.as<char>() + shift * e_bytes;
-  p.slot_table = d_table.as<std::int64_t>();
+  p.block_table = d_table.as<std::int64_t>();
   p.entries = d_entries.as<cuda::AttentionEntry>();
   p.entry_count = static_cast<std::int32_t>(entries.size());
   p.max_keys = static_cast<std::int32_t>(max_keys);

@@ -5,6 +5,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -68,59 +69,63 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   return engine.run(requests);
 }
 
-// A backend that takes greedy argmaxes "on its device" (here: after the CPU backend's forward)
-// when the engine asks: what the engine decides per step, and what it gets back, are visible.
-class DeviceGreedyBackend final : public Backend {
+// A backend that picks tokens "on its device" (here: after the CPU backend's forward, with
+// kvlab::pick_token, or the argmax's -1 for a non-finite row) when the engine asks: what the
+// engine offers per step, and what it gets back, are visible.
+class DeviceSamplingBackend final : public Backend {
  public:
-  DeviceGreedyBackend(cpu::CpuBackend& inner, bool accepts) : inner_(inner), accepts_(accepts) {}
+  DeviceSamplingBackend(cpu::CpuBackend& inner, bool accepts) : inner_(inner), accepts_(accepts) {}
   std::span<const float> forward(std::span<const BatchEntry> batch) override {
     const std::span<const float> logits = inner_.forward(batch);
-    modes.push_back(greedy_);
+    std::vector<TokenChoice> choices;
+    choices.swap(choices_);  // for this forward only
+    modes.push_back(!choices.empty());
     chosen_.clear();
-    if (!greedy_) return logits;
+    if (choices.empty()) return logits;
+    EXPECT_EQ(choices.size(), batch.size());
     const auto vocab = static_cast<std::size_t>(vocab_size());
     for (std::size_t e = 0; e < batch.size(); ++e) {
       const auto row = logits.subspan(e * vocab, vocab);
-      std::int32_t best = 0;
-      for (std::size_t i = 0; i < vocab; ++i) {
-        if (!std::isfinite(row[i])) {
-          best = -1;
-          break;
-        }
-        if (row[i] > row[static_cast<std::size_t>(best)]) best = static_cast<std::int32_t>(i);
+      if (std::any_of(row.begin(), row.end(), [](float v) { return !std::isfinite(v); })) {
+        chosen_.push_back(-1);
+        continue;
       }
-      chosen_.push_back(best);
+      SamplingParams p;
+      p.temperature = choices[e].temperature;
+      p.top_k = choices[e].top_k;
+      p.top_p = choices[e].top_p;
+      if (p.temperature > 0) ++sampled_rows;
+      chosen_.push_back(pick_token(row, p, choices[e].uniform));
     }
     return {};
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
   std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
-  bool choose_greedy_tokens(bool enable) override {
+  bool choose_tokens(std::span<const TokenChoice> choices) override {
     ++requests;
-    greedy_ = enable && accepts_;
+    if (accepts_) choices_.assign(choices.begin(), choices.end());
     return accepts_;
   }
-  bool greedy() const { return greedy_; }
-  std::vector<bool> modes;  // per forward: whether it returned argmaxes
-  int requests = 0;         // choose_greedy_tokens calls
+  std::vector<bool> modes;  // per forward: whether it chose the tokens
+  int requests = 0;         // choose_tokens calls
+  int sampled_rows = 0;     // rows it drew from (temperature > 0)
 
  private:
   cpu::CpuBackend& inner_;
   bool accepts_;
-  bool greedy_ = false;
+  std::vector<TokenChoice> choices_;
   std::vector<std::int32_t> chosen_;
 };
 
-struct GreedyRun {
+struct DeviceSamplingRun {
   EngineResult result;
   std::vector<bool> modes;
-  int requests = 0;
-  bool greedy_after = false;  // the backend's mode once the engine is gone
+  int requests = 0, sampled_rows = 0;
 };
 
-GreedyRun run_device_greedy(const cpu::LlamaWeights& w,
-                            const std::vector<WorkloadRequest>& requests, bool accepts,
-                            bool read_logits) {
+DeviceSamplingRun run_device_sampling(const cpu::LlamaWeights& w,
+                                      const std::vector<WorkloadRequest>& requests, bool accepts,
+                                      bool read_logits) {
   const ModelConfig& c = w.config;
   KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
   PluginContext context;
@@ -130,74 +135,78 @@ GreedyRun run_device_greedy(const cpu::LlamaWeights& w,
   auto allocator = registry().create<PluginKind::kv_allocator>("paged", {}, context);
   auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
   cpu::CpuBackend cpu(w, pool, std::nullopt);
-  DeviceGreedyBackend backend(cpu, accepts);
+  DeviceSamplingBackend backend(cpu, accepts);
   EngineOptions options;
   options.clock = EngineClock::steps;
   options.rules.context = 64;
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
   if (read_logits) options.on_logits = [](RequestId, std::span<const float>) {};
-  GreedyRun run;
-  {
-    Engine engine(backend, *allocator, *scheduler, options);
-    run.result = engine.run(requests);
-  }
+  DeviceSamplingRun run;
+  Engine engine(backend, *allocator, *scheduler, options);
+  run.result = engine.run(requests);
   run.modes = backend.modes;
   run.requests = backend.requests;
-  run.greedy_after = backend.greedy();
+  run.sampled_rows = backend.sampled_rows;
   return run;
 }
 
-std::vector<WorkloadRequest> greedy_requests(double sampled_temperature) {
-  std::vector<WorkloadRequest> requests(3);
+// Three requests sharing steps: greedy, temperature 0.8 with top-k, temperature 1.2 with top-p;
+// a fourth, greedy, arrives alone after them.
+std::vector<WorkloadRequest> mixed_sampling_requests() {
+  std::vector<WorkloadRequest> requests(4);
   for (std::size_t i = 0; i < requests.size(); ++i) {
     requests[i].id = static_cast<std::int64_t>(i);
     requests[i].prompt = {1, static_cast<std::int32_t>(5 + i), 9, 2};
-    requests[i].output_tokens = 6;
+    requests[i].output_tokens = 8;
     requests[i].sampling.ignore_eos = true;
     requests[i].sampling.seed = 11 + i;
   }
-  requests[2].arrival_s = 1e9;  // joins after the others finished (steps clock: when idle)
-  requests[2].sampling.temperature = sampled_temperature;
+  requests[1].sampling.temperature = 0.8;
+  requests[1].sampling.top_k = 20;
+  requests[2].sampling.temperature = 1.2;
+  requests[2].sampling.top_p = 0.9;
+  requests[3].arrival_s = 1e9;  // joins after the others finished (steps clock: when idle)
   return requests;
 }
 
-// Greedy steps whose logits nobody reads take the argmax where the logits are; the tokens are
-// the host sampler's; a step with a sampled (temperature > 0) entry, or a run that reads the
-// logits, gets logits; a backend that declines is asked once.
-TEST(Engine, GreedyStepsTakeTheArgmaxOnTheBackendWhenItCan) {
-  const auto requests = greedy_requests(0.8);
-  const GreedyRun host = run_device_greedy(weights(), requests, false, false);
+// Every step whose logits nobody reads is offered to the backend with each entry's choice and
+// draw: the tokens are the host sampler's, greedy and sampled alike (the draws are taken
+// before the forward either way); a run that reads the logits never offers; a backend that
+// declines is asked once and the host picks with the same draws.
+TEST(Engine, TokensArePickedOnTheBackendWhenItCanWithTheHostsDraws) {
+  const auto requests = mixed_sampling_requests();
+  const DeviceSamplingRun host = run_device_sampling(weights(), requests, false, false);
   EXPECT_EQ(host.requests, 1);  // declined once, never asked again
   for (const bool mode : host.modes) EXPECT_FALSE(mode);
-  const GreedyRun device = run_device_greedy(weights(), requests, true, false);
+  const DeviceSamplingRun device = run_device_sampling(weights(), requests, true, false);
   EXPECT_EQ(device.result.tokens, host.result.tokens);
-  ASSERT_EQ(device.modes.size(), host.modes.size());
-  // Requests 0 and 1 (greedy) run first, request 2 (temperature 0.8) alone after them.
-  EXPECT_TRUE(device.modes.front());
-  EXPECT_FALSE(device.modes.back());
-  EXPECT_EQ(device.requests, 2);  // on for the greedy steps, off for the sampled ones
-  const GreedyRun all_greedy = run_device_greedy(weights(), greedy_requests(0.0), true, false);
-  for (const bool mode : all_greedy.modes) EXPECT_TRUE(mode);
-  EXPECT_FALSE(all_greedy.greedy_after);  // the engine turns it off when it goes
-  EXPECT_EQ(all_greedy.requests, 2);
-  const GreedyRun reading = run_device_greedy(weights(), greedy_requests(0.0), true, true);
+  EXPECT_EQ(device.requests, static_cast<int>(device.modes.size()));  // every step offered
+  for (const bool mode : device.modes) EXPECT_TRUE(mode);
+  EXPECT_EQ(device.sampled_rows, 16);  // requests 1 and 2, 8 tokens each
+  // Sampled tokens are not all the argmax's: the draws matter (request 2 at temperature 1.2).
+  std::vector<WorkloadRequest> greedy = requests;
+  for (auto& r : greedy) r.sampling = requests[0].sampling;
+  const DeviceSamplingRun argmax = run_device_sampling(weights(), greedy, true, false);
+  EXPECT_NE(argmax.result.tokens[2], device.result.tokens[2]);
+  const DeviceSamplingRun reading = run_device_sampling(weights(), requests, true, true);
   for (const bool mode : reading.modes) EXPECT_FALSE(mode);
   EXPECT_EQ(reading.requests, 0);
+  EXPECT_EQ(reading.result.tokens, host.result.tokens);
 }
 
 // Logits with NaN (broken weights, a broken backend) stop the run with the request and the
 // step; they used to become token 0 with a null logprob and exit 0. The same when the backend
-// takes the argmax (-1 for the row).
+// picks the tokens (-1 for the row).
 TEST(Engine, NonFiniteLogitsAreAnErrorNamingRequestAndStep) {
   cpu::LlamaWeights broken = weights();
   broken.final_norm(3) = std::numeric_limits<float>::quiet_NaN();  // every logit turns NaN
-  const std::string message =
-      test::error_of<Error>([&] { run_device_greedy(broken, greedy_requests(0.0), false, false); });
+  const std::string message = test::error_of<Error>(
+      [&] { run_device_sampling(broken, mixed_sampling_requests(), false, false); });
   EXPECT_NE(message.find("request 0, step 0"), std::string::npos) << message;
   EXPECT_NE(message.find("nan"), std::string::npos) << message;
-  const std::string device =
-      test::error_of<Error>([&] { run_device_greedy(broken, greedy_requests(0.0), true, false); });
+  const std::string device = test::error_of<Error>(
+      [&] { run_device_sampling(broken, mixed_sampling_requests(), true, false); });
   EXPECT_NE(device.find("request 0, step 0"), std::string::npos) << device;
   EXPECT_NE(device.find("non-finite"), std::string::npos) << device;
 }

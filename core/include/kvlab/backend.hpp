@@ -18,6 +18,15 @@ struct BatchEntry {
   KvView view;
 };
 
+// How one batch entry's next token is picked (Backend::choose_tokens): the request's
+// SamplingParams filters and this step's draw from its RNG.
+struct TokenChoice {
+  double temperature = 0;  // 0: the argmax, lowest id on ties (uniform unused)
+  double top_p = 1;        // 1: off
+  double uniform = 0;      // the draw, in [0, 1)
+  std::int32_t top_k = 0;  // 0: off
+};
+
 class BOOST_SYMBOL_VISIBLE Backend {
  public:
   virtual ~Backend() = default;
@@ -29,13 +38,14 @@ class BOOST_SYMBOL_VISIBLE Backend {
   // after forward() they return one token per entry here and forward() returns no logits.
   // Empty (the default): the engine samples the logits.
   virtual std::span<const std::int32_t> chosen_tokens() const { return {}; }
-  // Greedy sampling where the logits are (a GPU): while enabled, forward() returns no logits
-  // and chosen_tokens() each entry's argmax (the lowest id on ties, as the host Sampler picks;
-  // -1 for a row holding NaN or +-inf), so token ids cross to the host instead of (entries x
-  // vocab) floats. The engine enables it on steps whose sampling entries are all greedy and
-  // whose logits nobody reads. Returns whether the backend does as asked (the default: no).
-  virtual bool choose_greedy_tokens(bool enable) {
-    (void)enable;
+  // Sampling where the logits are (a GPU): given one choice per entry of the next forward(), in
+  // batch order, that forward() returns no logits and chosen_tokens() each entry's token, picked
+  // as kvlab::pick_token picks it from the same row (kvlab/engine/sampling.hpp), or -1 for a row
+  // holding NaN or +-inf. Token ids cross to the host instead of (entries x vocab) floats. The
+  // engine offers it before every forward whose logits nobody reads. Applies to that forward
+  // only; returns whether the backend does as asked (the default: no, and it is not asked again).
+  virtual bool choose_tokens(std::span<const TokenChoice> choices) {
+    (void)choices;
     return false;
   }
 };

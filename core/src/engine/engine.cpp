@@ -37,10 +37,7 @@ Engine::Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
       options_(std::move(options)),
       apply_options_{options_.rules, options_.pool, options_.swap_slots} {}
 
-// The backend is left as found: a later engine on it (kvlab check after a run) may read logits.
-Engine::~Engine() {
-  if (device_greedy_) (void)backend_.choose_greedy_tokens(false);
-}
+Engine::~Engine() = default;
 
 EngineResult Engine::run(const std::vector<WorkloadRequest>& requests) {
   start(requests);
@@ -231,7 +228,7 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
     entry.view = allocator_.view(work.id);
     batch.push_back(std::move(entry));
   }
-  choose_greedy_on_device(applied);
+  draw_token_choices(applied);
   const auto start = SteadyClock::now();
   const std::span<const float> logits = backend_.forward(batch);
   const auto end = SteadyClock::now();
@@ -246,16 +243,21 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
   return logits;
 }
 
-// Steps whose sampling entries are all greedy, with nobody reading the logits, take the argmax
-// where the logits are (Backend::choose_greedy_tokens): token ids cross to the host, not rows.
-void Engine::choose_greedy_on_device(const AppliedPlan& applied) {
-  bool greedy = !options_.on_logits;
-  for (const ScheduledWork& work : applied.batch)
-    greedy = greedy && (!work.samples || table_->sampler(work.id).params().temperature == 0);
-  if (greedy == device_greedy_ || (greedy && !device_greedy_possible_)) return;
-  const bool accepted = backend_.choose_greedy_tokens(greedy);
-  if (greedy && !accepted) device_greedy_possible_ = false;
-  device_greedy_ = greedy && accepted;
+// Each sampling entry's choice for this step, its draw taken from the request's RNG now (one per
+// non-greedy token, as Sampler::sample draws). Offered to the backend (Backend::choose_tokens)
+// when nobody reads the logits, so that only token ids cross to the host; when it declines, the
+// host picks with the same draws, and the backend is not asked again.
+void Engine::draw_token_choices(const AppliedPlan& applied) {
+  choices_.assign(applied.batch.size(), TokenChoice{});
+  for (std::size_t e = 0; e < applied.batch.size(); ++e) {
+    if (!applied.batch[e].samples) continue;
+    Sampler& sampler = table_->sampler(applied.batch[e].id);
+    const SamplingParams& p = sampler.params();
+    choices_[e] = {p.temperature, p.top_p, p.temperature > 0 ? sampler.next_uniform() : 0.0,
+                   p.top_k};
+  }
+  if (options_.on_logits || !device_choice_possible_) return;
+  device_choice_possible_ = backend_.choose_tokens(choices_);
 }
 
 // The step as each clock prices it: the cost model's roofline over the batch and the static
@@ -317,7 +319,7 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
     if (!work.samples) continue;
     if (!chosen.empty()) {
       sampled[e] = chosen[e];
-      if (sampled[e] < 0)  // a device argmax over a row with NaN or +-inf
+      if (sampled[e] < 0)  // the device's choice over a row with NaN or +-inf
         throw Error(fmt::format(
             "request {}, step {}: the backend's logits hold a non-finite value; the model's "
             "weights or the backend produced non-finite values, so no token can be sampled",
@@ -326,7 +328,7 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
       const auto row = logits.subspan(e * vocab, vocab);
       throw_if_non_finite(row, work.id, step_);
       if (options_.on_logits) options_.on_logits(work.id, row);
-      sampled[e] = table_->sampler(work.id).sample(row);
+      sampled[e] = pick_token(row, table_->sampler(work.id).params(), choices_[e].uniform);
     }
     if (options_.on_token) options_.on_token(work.id, sampled[e]);
   }

@@ -156,16 +156,25 @@ Sampler::Sampler(const SamplingParams& params) : params_(params), rng_(params.se
   validate_sampling_params(params);
 }
 
-std::int32_t Sampler::sample(std::span<const float> logits) {
-  if (params_.temperature == 0) return argmax(logits);
-  const auto candidates = kept_candidates(logits, params_);
-  const double u = static_cast<double>(rng_() >> 11) * 0x1.0p-53;  // uniform [0, 1), 53 bits
+std::int32_t pick_token(std::span<const float> logits, const SamplingParams& params,
+                        double uniform) {
+  if (params.temperature == 0) return argmax(logits);
+  const auto candidates = kept_candidates(logits, params);
   double cumulative = 0;
   for (const auto& [token, probability] : candidates) {
     cumulative += probability;
-    if (u < cumulative) return token;
+    if (uniform < cumulative) return token;
   }
-  return candidates.back().first;  // u landed in the rounding slack at the top
+  return candidates.back().first;  // the draw landed in the rounding slack at the top
+}
+
+double Sampler::next_uniform() {
+  return static_cast<double>(rng_() >> 11) * 0x1.0p-53;
+}
+
+std::int32_t Sampler::sample(std::span<const float> logits) {
+  if (params_.temperature == 0) return argmax(logits);
+  return pick_token(logits, params_, next_uniform());
 }
 
 }  // namespace kvlab

@@ -101,7 +101,7 @@ class Engine {
   std::string never_fits(const RequestState& r) const;
   void idle_step();
   std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
-  void choose_greedy_on_device(const AppliedPlan& applied);
+  void draw_token_choices(const AppliedPlan& applied);
   std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
   void record_step(StepRecord record, bool fragmentation_blocked);
   StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
@@ -126,8 +126,10 @@ class Engine {
   std::vector<EntryShape> padding_shapes_;
   std::vector<RequestId> padding_ids_;
   std::int64_t padding_slots_ = 0;  // the KV slots their views hold
-  // Whether the backend takes greedy argmaxes on its device now; false once it has declined.
-  bool device_greedy_ = false, device_greedy_possible_ = true;
+  // This step's token choices, one per batch entry (draws taken), and whether the backend may
+  // still be asked to pick tokens itself (false once it has declined).
+  std::vector<TokenChoice> choices_;
+  bool device_choice_possible_ = true;
 };
 
 }  // namespace kvlab

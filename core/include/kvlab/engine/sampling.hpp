@@ -42,12 +42,22 @@ float token_logprob(std::span<const float> logits, std::int32_t token);
 std::vector<double> sampling_distribution(std::span<const float> logits,
                                           const SamplingParams& params);
 
+// The token `params` picks from one position's logits (vocab) with the draw `uniform` in [0, 1):
+// greedy takes the argmax (uniform unused); otherwise the first token, most likely first, whose
+// cumulative probability in sampling_distribution exceeds `uniform` (the last kept token when
+// rounding leaves it short). A backend that samples on the device picks the same token.
+std::int32_t pick_token(std::span<const float> logits, const SamplingParams& params,
+                        double uniform);
+
 class Sampler {
  public:
   explicit Sampler(const SamplingParams& params);
-  // Picks the next token from one position's logits (vocab). Greedy draws no random number;
-  // otherwise exactly one draw from this sampler's RNG per call.
+  // Picks the next token from one position's logits (vocab): pick_token with next_uniform().
+  // Greedy draws no random number; otherwise exactly one draw from this sampler's RNG per call.
   std::int32_t sample(std::span<const float> logits);
+  // This request's next draw, uniform in [0, 1) with 53 random bits: the engine draws it before
+  // the forward pass, so the device or the host can pick the token with it.
+  double next_uniform();
   const SamplingParams& params() const { return params_; }
 
  private:

@@ -108,6 +108,19 @@ T __shfl_down_sync(unsigned mask, T value, unsigned delta, int width = 32) {
                                            source / width == lane / width ? source : lane);
 }
 
+// Atomics: the threads of a block are fibers that switch only at barriers and shuffles, so a
+// read-modify-write is atomic among them; blocks run one after another, so between blocks too.
+inline unsigned atomicAdd(unsigned* address, unsigned value) {
+  const unsigned old = *address;
+  *address = old + value;
+  return old;
+}
+inline double atomicAdd(double* address, double value) {
+  const double old = *address;
+  *address = old + value;
+  return old;
+}
+
 // Device math the kernels use, as their host equivalents.
 inline float __expf(float x) {
   return std::exp(x);

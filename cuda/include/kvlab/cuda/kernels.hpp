@@ -84,13 +84,16 @@ cudaError_t launch_kv_write(const KvWriteParams& p, cudaStream_t stream);
 
 // One sequence of an attention launch. Its queries are rows [first_row, + queries) at positions
 // [start_position, + queries); its cached keys are positions [first_position, start_position +
-// queries), whose slots are slot_table[slot_offset + (position - first_position)].
+// queries). Position p's slot: with v = p - first_position + lead,
+// block_table[table_offset + (v >> block_shift)] + (v & (2^block_shift - 1)).
 struct AttentionEntry {
   std::int32_t first_row = 0;
   std::int32_t queries = 0;
   std::int32_t start_position = 0;
   std::int32_t first_position = 0;
-  std::int64_t slot_offset = 0;
+  std::int32_t block_shift = 0;   // its K/V in blocks of 2^block_shift slots (block_table.hpp)
+  std::int32_t lead = 0;          // first_position's offset in its first block
+  std::int64_t table_offset = 0;  // its first block in AttentionParams::block_table
 };
 
 // out (rows, heads x head_dim) [dtype] = softmax(q k^T / sqrt(hd), causal, window) v per head;
@@ -104,9 +107,9 @@ struct AttentionParams {
   std::int64_t q_row_stride = 0;
   const void* k_pool = nullptr;
   const void* v_pool = nullptr;
-  const std::int64_t* slot_table = nullptr;
-  const AttentionEntry* entries = nullptr;  // device array
-  std::int32_t entry_count = 0;             // at most 65,535 sequences per launch
+  const std::int64_t* block_table = nullptr;  // block start slots (block_table.hpp)
+  const AttentionEntry* entries = nullptr;    // device array
+  std::int32_t entry_count = 0;               // at most 65,535 sequences per launch
   std::int32_t max_keys = 0;     // the longest key range of any decode entry (split grid)
   std::int32_t max_queries = 0;  // the most queries of any entry (prefill grid)
   void* out = nullptr;
@@ -148,9 +151,24 @@ struct SlotRowsParams {
 };
 cudaError_t launch_copy_slot_rows(const SlotRowsParams& p, cudaStream_t stream);
 
-// Greedy sampling on the device: out[r] = the index of the largest value of logits row r
-// (rows, vocab) fp32, the lowest index on ties (the host Sampler's rule); -1 for a row that
-// holds NaN or +-inf (the engine reports it as it reports such logits on the host).
+// How one row's token is chosen (kvlab::TokenChoice, laid out for the device): temperature 0
+// takes the argmax; otherwise softmax(logits / temperature) cut to the top_k (0: off), then to
+// the top_p nucleus (1: off), renormalised, and the token whose cumulative probability first
+// exceeds `uniform` (this step's draw from the request's RNG, in [0, 1)).
+struct RowSampling {
+  double temperature = 0;
+  double top_p = 1;
+  double uniform = 0;
+  std::int32_t top_k = 0;
+};
+
+// Token choice on the device: out[r] = row r's token of logits (rows, vocab) fp32 as
+// kvlab::pick_token chooses it from the same row and choices[r] (device memory); the argmax
+// takes the lowest index on ties. -1 for a row that holds NaN or +-inf (the engine reports it as
+// it reports such logits on the host).
+cudaError_t launch_sample_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
+                               const RowSampling* choices, std::int32_t* out, cudaStream_t stream);
+// launch_sample_rows with every row greedy.
 cudaError_t launch_argmax_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
                                std::int32_t* out, cudaStream_t stream);
 
