@@ -8,6 +8,7 @@
 #      on the token-choice kernel
 #   4. benchmarks: decode attention bandwidth vs the device's peak; fcfs vs static end to end on
 #      a 1B-class model; kvlab calibrate --backend cuda (the simulated backend's H200 fit)
+#      and Hugging Face generate() on the same requests (kvlab's output tok/s as a ratio to it)
 #   5. kvlab check of the cuda backend in bf16 with its stated tolerance (and its logit error)
 #   6. a summary of all of it
 # Usage: scripts/gpu_check.sh        (build dir: build-gpu, or $KVLAB_BUILD_DIR)
@@ -112,6 +113,16 @@ else
   note "end to end FAILED"; tail -5 "$build/e2e.log"
 fi
 
+# The same requests through Hugging Face generate() on this GPU (static batches of 128, as the
+# experiment's max_batch): kvlab's output tok/s as a ratio to it.
+if [ -d "$build/cuda_fcfs_vs_static" ] &&
+   python3 scripts/hf_generate_baseline.py "$build/cuda_fcfs_vs_static" --batch 128 \
+     > "$build/hf_baseline.log" 2>&1; then
+  while IFS= read -r line; do note "$line"; done < <(grep -E '^(hf generate|kvlab \[)' "$build/hf_baseline.log")
+else
+  note "hf generate baseline: not measured"; tail -3 "$build/hf_baseline.log" 2>/dev/null
+fi
+
 # bf16 on the GPU checked against the fp32 reference with the TAU docs/experiments.md states for
 # it (twice the largest logit error measured on the CPU emulator); the verdict's logits line is
 # the GPU's own measurement of that error.
@@ -139,7 +150,7 @@ fi
 # The device tool brings back what lands in $OUT: the logs, the benchmark's JSON and the fitted
 # profile (to commit as profiles/h200-measured.toml).
 if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  for f in cuda_ctest.log memcheck.log racecheck.log bench_cuda.json bench_cuda.log e2e.log check_bf16.log \
+  for f in cuda_ctest.log memcheck.log racecheck.log bench_cuda.json bench_cuda.log e2e.log hf_baseline.log check_bf16.log \
            calibrate.log h200-calibrated.toml; do
     [ -f "$build/$f" ] && cp "$build/$f" "$OUT/"
   done

@@ -225,6 +225,11 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
                c.hidden_size, c.vocab_size, dtype_},
               stream_),
           "embedding");
+    check(kvlab::cuda::launch_rms_norm(
+              {x_.get<float>(), c.hidden_size, layers_.front().attention_norm.get<float>(),
+               normed_.get(), step.rows, c.hidden_size, static_cast<float>(c.rms_norm_eps), dtype_},
+              stream_),
+          "rms_norm");
     for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) run_layer(l, step);
     return read_out(step.count);  // 4.
   }
@@ -353,7 +358,9 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
         sizeof(float));
   }
 
-  // One decoder layer over the step's rows, in place on the fp32 residual stream x_.
+  // One decoder layer over the step's rows, in place on the fp32 residual stream x_. normed_
+  // holds the layer's attention-normed input (the previous layer's last launch); the layer ends
+  // with its residual add fused into the next layer's attention norm.
   void run_layer(std::int64_t l, const StepShape& step) {
     const kvlab::ModelConfig& c = config_;
     const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
@@ -362,31 +369,47 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     const float eps = static_cast<float>(c.rms_norm_eps);
     const DeviceLayer& layer = layers_[static_cast<std::size_t>(l)];
     char* qkv = qkv_.get<char>();
-    check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.attention_norm.get<float>(),
-                                        normed_.get(), rows, dim, eps, dtype_},
-                                       stream_),
-          "rms_norm");
     gemm(normed_.get(), rows, dim, layer.w_qkv.get(), qkv_dim, qkv, cuda_type(dtype_));
-    check(kvlab::cuda::launch_rope(
-              {qkv, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
-               rope_sin_.get<float>(), rows, c.num_attention_heads, c.head_dim, dtype_},
-              stream_),
-          "rope q");
-    check(kvlab::cuda::launch_rope(
-              {qkv + q_dim * e, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
-               rope_sin_.get<float>(), rows, c.num_key_value_heads, c.head_dim, dtype_},
-              stream_),
-          "rope k");
     char* k_layer = k_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
     char* v_layer = v_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
-    check(kvlab::cuda::launch_kv_write(
-              {qkv + q_dim * e, qkv + (q_dim + kv_dim) * e, qkv_dim,
-               d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows, kv_dim, dtype_},
+    check(kvlab::cuda::launch_rope_kv_write(
+              {qkv, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
+               rope_sin_.get<float>(), d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows,
+               c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype_},
               stream_),
-          "kv_write");
+          "rope + kv_write");
+    attend(qkv, k_layer, v_layer, step);
+    gemm(attention_.get(), rows, q_dim, layer.wo.get(), dim, projected_.get(), cuda_type(dtype_));
+    check(kvlab::cuda::launch_add_rms_norm(
+              {x_.get<float>(), projected_.get(), layer.mlp_norm.get<float>(), normed_.get(), rows,
+               dim, eps, dtype_},
+              stream_),
+          "residual + rms_norm");
+    gemm(normed_.get(), rows, dim, layer.w_gate_up.get(), 2 * ffn, gate_up_.get(),
+         cuda_type(dtype_));
+    check(kvlab::cuda::launch_swiglu({gate_up_.get(), hidden_.get(), rows, ffn, dtype_}, stream_),
+          "swiglu");
+    gemm(hidden_.get(), rows, ffn, layer.w_down.get(), dim, projected_.get(), cuda_type(dtype_));
+    if (l + 1 == c.num_hidden_layers) {  // the final norm reads only each sequence's last row
+      check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
+                                             stream_),
+            "residual");
+      return;
+    }
+    check(kvlab::cuda::launch_add_rms_norm(
+              {x_.get<float>(), projected_.get(),
+               layers_[static_cast<std::size_t>(l + 1)].attention_norm.get<float>(), normed_.get(),
+               rows, dim, eps, dtype_},
+              stream_),
+          "residual + rms_norm");
+  }
+
+  // Attention of the step's queries (rotated in qkv) over one layer's K/V pool.
+  void attend(char* qkv, char* k_layer, char* v_layer, const StepShape& step) {
+    const kvlab::ModelConfig& c = config_;
     kvlab::cuda::AttentionParams a;
     a.q = qkv;
-    a.q_row_stride = qkv_dim;
+    a.q_row_stride = c.q_dim() + 2 * c.kv_dim();
     a.k_pool = k_layer;
     a.v_pool = v_layer;
     a.block_table = d_block_table_.get<std::int64_t>();
@@ -403,22 +426,6 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     a.workspace = workspace_.get<float>();
     a.dtype = dtype_;
     check(kvlab::cuda::launch_attention(a, stream_), "attention");
-    gemm(attention_.get(), rows, q_dim, layer.wo.get(), dim, projected_.get(), cuda_type(dtype_));
-    check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
-                                           stream_),
-          "residual");
-    check(kvlab::cuda::launch_rms_norm({x_.get<float>(), dim, layer.mlp_norm.get<float>(),
-                                        normed_.get(), rows, dim, eps, dtype_},
-                                       stream_),
-          "rms_norm");
-    gemm(normed_.get(), rows, dim, layer.w_gate_up.get(), 2 * ffn, gate_up_.get(),
-         cuda_type(dtype_));
-    check(kvlab::cuda::launch_swiglu({gate_up_.get(), hidden_.get(), rows, ffn, dtype_}, stream_),
-          "swiglu");
-    gemm(hidden_.get(), rows, ffn, layer.w_down.get(), dim, projected_.get(), cuda_type(dtype_));
-    check(kvlab::cuda::launch_residual_add({x_.get<float>(), projected_.get(), rows, dim, dtype_},
-                                           stream_),
-          "residual");
   }
 
   // The tokens of this step's `count` rows of logits, chosen on the device as the engine asked

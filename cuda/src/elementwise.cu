@@ -1,4 +1,5 @@
-// Embedding gather, RMSNorm, RoPE, SwiGLU, residual add, K/V write, conversions.
+// Embedding gather, RMSNorm (with the residual add before it), RoPE with the K/V write, SwiGLU,
+// residual add, slot-row copies, conversions.
 #include "common.cuh"
 
 namespace kvlab::cuda {
@@ -16,13 +17,8 @@ __global__ void embedding_kernel(EmbeddingParams p) {
     p.out[row * p.dim + i] = to_float(source[i]);
 }
 
-// One block per row: out = x * rsqrt(mean(x^2) + eps) * weight.
-template <typename T>
-__global__ void rms_norm_kernel(RmsNormParams p) {
-  const float* x = p.x + static_cast<std::int64_t>(blockIdx.x) * p.x_row_stride;
-  T* out = static_cast<T*>(p.out) + static_cast<std::int64_t>(blockIdx.x) * p.dim;
-  float sum = 0.0f;
-  for (std::int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) sum += x[i] * x[i];
+// rsqrt(sum / dim + eps) of the block's per-thread sums of squares, to every thread.
+__device__ float block_inverse_rms(float sum, std::int64_t dim, float eps) {
   __shared__ float partial[kThreads / 32];
   sum = warp_sum(sum);
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = sum;
@@ -30,28 +26,70 @@ __global__ void rms_norm_kernel(RmsNormParams p) {
   if (threadIdx.x < 32) {
     sum = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
     sum = warp_sum(sum);
-    if (threadIdx.x == 0) partial[0] = rsqrtf(sum / static_cast<float>(p.dim) + p.eps);
+    if (threadIdx.x == 0) partial[0] = rsqrtf(sum / static_cast<float>(dim) + eps);
   }
   __syncthreads();
   const float inverse_rms = partial[0];
+  __syncthreads();  // read before another call writes partial
+  return inverse_rms;
+}
+
+// One block per row: out = x * rsqrt(mean(x^2) + eps) * weight.
+template <typename T>
+__global__ void rms_norm_kernel(RmsNormParams p) {
+  const float* x = p.x + static_cast<std::int64_t>(blockIdx.x) * p.x_row_stride;
+  T* out = static_cast<T*>(p.out) + static_cast<std::int64_t>(blockIdx.x) * p.dim;
+  float sum = 0.0f;
+  for (std::int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) sum += x[i] * x[i];
+  const float inverse_rms = block_inverse_rms(sum, p.dim, p.eps);
   for (std::int64_t i = threadIdx.x; i < p.dim; i += blockDim.x)
     out[i] = from_float<T>(x[i] * inverse_rms * p.weight[i]);
 }
 
-// One thread per (row, head, i < head_dim / 2).
+// One block per row: x += y, then out = x * rsqrt(mean(x^2) + eps) * weight. Each thread reads
+// back only the elements it wrote.
 template <typename T>
-__global__ void rope_kernel(RopeParams p) {
-  const std::int64_t half = p.head_dim / 2;
-  const std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (index >= p.rows * p.heads * half) return;
-  const std::int64_t i = index % half, head = (index / half) % p.heads,
-                     row = index / (half * p.heads);
-  const std::int64_t position = p.positions[row];
-  const float c = p.cos[position * half + i], s = p.sin[position * half + i];
-  T* x = static_cast<T*>(p.x) + row * p.row_stride + head * p.head_dim;
-  const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
-  x[i] = from_float<T>(x1 * c - x2 * s);
-  x[i + half] = from_float<T>(x2 * c + x1 * s);
+__global__ void add_rms_norm_kernel(AddRmsNormParams p) {
+  const std::int64_t row = blockIdx.x;
+  float* x = p.x + row * p.dim;
+  const T* y = static_cast<const T*>(p.y) + row * p.dim;
+  T* out = static_cast<T*>(p.out) + row * p.dim;
+  float sum = 0.0f;
+  for (std::int64_t i = threadIdx.x; i < p.dim; i += blockDim.x) {
+    x[i] += to_float(y[i]);
+    sum += x[i] * x[i];
+  }
+  const float inverse_rms = block_inverse_rms(sum, p.dim, p.eps);
+  for (std::int64_t i = threadIdx.x; i < p.dim; i += blockDim.x)
+    out[i] = from_float<T>(x[i] * inverse_rms * p.weight[i]);
+}
+
+// One block per row: (head, i < head_dim / 2) pairs of the Q and K heads, then the V row.
+template <typename T>
+__global__ void rope_kv_write_kernel(RopeKvWriteParams p) {
+  const std::int64_t row = blockIdx.x, half = p.head_dim / 2;
+  const std::int64_t position = p.positions[row], slot = p.slots[row];
+  const std::int64_t q_dim = p.heads * p.head_dim, kv_dim = p.kv_heads * p.head_dim;
+  T* qkv = static_cast<T*>(p.qkv) + row * p.row_stride;
+  T* k_out = static_cast<T*>(p.k_pool) + slot * kv_dim;
+  for (std::int64_t pair = threadIdx.x; pair < (p.heads + p.kv_heads) * half; pair += blockDim.x) {
+    const std::int64_t head = pair / half, i = pair % half;
+    const float c = p.cos[position * half + i], s = p.sin[position * half + i];
+    T* x = qkv + head * p.head_dim;  // a Q head, or (head >= heads) a K head
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    const T r1 = from_float<T>(x1 * c - x2 * s), r2 = from_float<T>(x2 * c + x1 * s);
+    if (head < p.heads) {
+      x[i] = r1;
+      x[i + half] = r2;
+    } else {
+      T* k = k_out + (head - p.heads) * p.head_dim;
+      k[i] = r1;
+      k[i + half] = r2;
+    }
+  }
+  const T* v = qkv + q_dim + kv_dim;
+  T* v_out = static_cast<T*>(p.v_pool) + slot * kv_dim;
+  for (std::int64_t i = threadIdx.x; i < kv_dim; i += blockDim.x) v_out[i] = v[i];
 }
 
 template <typename T>
@@ -69,21 +107,6 @@ __global__ void residual_add_kernel(ResidualAddParams p) {
   const std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (index >= p.rows * p.dim) return;
   p.x[index] += to_float(static_cast<const T*>(p.y)[index]);
-}
-
-// One block per row.
-template <typename T>
-__global__ void kv_write_kernel(KvWriteParams p) {
-  const std::int64_t row = blockIdx.x;
-  const std::int64_t slot = p.slots[row];
-  const T* k = static_cast<const T*>(p.k) + row * p.row_stride;
-  const T* v = static_cast<const T*>(p.v) + row * p.row_stride;
-  T* k_out = static_cast<T*>(p.k_pool) + slot * p.kv_dim;
-  T* v_out = static_cast<T*>(p.v_pool) + slot * p.kv_dim;
-  for (std::int64_t i = threadIdx.x; i < p.kv_dim; i += blockDim.x) {
-    k_out[i] = k[i];
-    v_out[i] = v[i];
-  }
 }
 
 // One block per (slot i, layer x K/V).
@@ -134,12 +157,22 @@ cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   });
 }
 
-cudaError_t launch_rope(const RopeParams& p, cudaStream_t stream) {
-  const std::int64_t n = p.rows * p.heads * (p.head_dim / 2);
-  if (n <= 0) return cudaSuccess;
-  if (p.head_dim % 2 != 0) return cudaErrorInvalidValue;
+cudaError_t launch_add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream) {
+  if (p.rows <= 0) return cudaSuccess;
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
-    return launch_kernel(rope_kernel<T>, blocks_for(n, kThreads), kThreads, stream, p);
+    return launch_kernel(add_rms_norm_kernel<T>, static_cast<unsigned>(p.rows), kThreads, stream,
+                         p);
+  });
+}
+
+cudaError_t launch_rope_kv_write(const RopeKvWriteParams& p, cudaStream_t stream) {
+  if (p.rows <= 0) return cudaSuccess;
+  if (p.head_dim % 2 != 0 || p.rows > 0x7fffffff ||
+      p.row_stride < (p.heads + 2 * p.kv_heads) * p.head_dim)
+    return cudaErrorInvalidValue;
+  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
+    return launch_kernel(rope_kv_write_kernel<T>, static_cast<unsigned>(p.rows), kThreads, stream,
+                         p);
   });
 }
 
@@ -156,13 +189,6 @@ cudaError_t launch_residual_add(const ResidualAddParams& p, cudaStream_t stream)
   if (n <= 0) return cudaSuccess;
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
     return launch_kernel(residual_add_kernel<T>, blocks_for(n, kThreads), kThreads, stream, p);
-  });
-}
-
-cudaError_t launch_kv_write(const KvWriteParams& p, cudaStream_t stream) {
-  if (p.rows <= 0) return cudaSuccess;
-  KVLAB_DISPATCH_DTYPE(p.dtype, T, {
-    return launch_kernel(kv_write_kernel<T>, static_cast<unsigned>(p.rows), 128, stream, p);
   });
 }
 

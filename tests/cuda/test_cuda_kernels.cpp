@@ -276,12 +276,16 @@ TEST(CudaKernels, RmsNormMatchesTheReference) {
     }
 }
 
-TEST(CudaKernels, RopeMatchesTheReferenceAndLeavesOtherColumns) {
+// RoPE on Q in place and on K into the pool, V into the pool, in one launch: Q and K rotated as
+// the CPU reference rotates them, V copied exactly into each row's slot, every other slot and
+// qkv's K/V and padding columns left alone.
+TEST(CudaKernels, RopeKvWriteRotatesQInPlaceAndWritesRotatedKAndVIntoTheirSlots) {
   KVLAB_REQUIRE_CUDA();
   for (Dtype dtype : kDtypes)
     for (std::int64_t head_dim : {64, 128}) {
-      const std::int64_t rows = 9, heads = 4, width = heads * head_dim, stride = width + 32,
-                         max_positions = 512;
+      const std::int64_t rows = 9, heads = 4, kv_heads = 2, q_dim = heads * head_dim,
+                         kv_dim = kv_heads * head_dim, stride = q_dim + 2 * kv_dim + 32,
+                         max_positions = 512, slots = 20;
       const cpu::RopeTable rope(head_dim, 10000.0, max_positions);
       std::vector<float> cos, sin;
       for (std::int64_t p = 0; p < max_positions; ++p)
@@ -292,36 +296,107 @@ TEST(CudaKernels, RopeMatchesTheReferenceAndLeavesOtherColumns) {
       std::vector<std::int32_t> positions(rows);
       for (std::int64_t r = 0; r < rows; ++r)
         positions[r] = static_cast<std::int32_t>((r * 97 + 5) % max_positions);
+      const std::vector<std::int64_t> where{7, 0, 19, 3, 12, 8, 15, 1, 10};
       auto values = random_values(rows * stride, 4);
       for (auto& v : values) v = stored(v, dtype);
-      cpu::RowMatrix x(rows, width);
-      for (std::int64_t r = 0; r < rows; ++r)
-        for (std::int64_t i = 0; i < width; ++i) x(r, i) = values[r * stride + i];
-      rope.apply(x, positions, heads);
-      GuardedBuffer d_x(values.size(), cuda::dtype_bytes(dtype)), d_pos(rows, 4),
-          d_cos(cos.size(), 4), d_sin(sin.size(), 4);
+      cpu::RowMatrix q(rows, q_dim), k(rows, kv_dim);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        for (std::int64_t i = 0; i < q_dim; ++i) q(r, i) = values[r * stride + i];
+        for (std::int64_t i = 0; i < kv_dim; ++i) k(r, i) = values[r * stride + q_dim + i];
+      }
+      rope.apply(q, positions, heads);
+      rope.apply(k, positions, kv_heads);
+      const std::size_t e = cuda::dtype_bytes(dtype);
+      GuardedBuffer d_x(values.size(), e), d_pos(rows, 4), d_cos(cos.size(), 4),
+          d_sin(sin.size(), 4), d_slots(rows, 8), k_pool(slots * kv_dim, e),
+          v_pool(slots * kv_dim, e);
       d_x.write(values, dtype);
       d_pos.write_bytes(positions.data(), positions.size() * 4);
       d_cos.write(cos, Dtype::f32);
       d_sin.write(sin, Dtype::f32);
-      ASSERT_EQ(cuda::launch_rope({d_x.get(), stride, d_pos.as<std::int32_t>(), d_cos.as<float>(),
-                                   d_sin.as<float>(), rows, heads, head_dim, dtype},
-                                  nullptr),
+      d_slots.write_bytes(where.data(), where.size() * 8);
+      const std::vector<float> zeros(slots * kv_dim, 0.0f);
+      k_pool.write(zeros, dtype);
+      v_pool.write(zeros, dtype);
+      ASSERT_EQ(cuda::launch_rope_kv_write(
+                    {d_x.get(), stride, d_pos.as<std::int32_t>(), d_cos.as<float>(),
+                     d_sin.as<float>(), d_slots.as<std::int64_t>(), k_pool.get(), v_pool.get(),
+                     rows, heads, kv_heads, head_dim, dtype},
+                    nullptr),
                 cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto out = d_x.read(values.size(), dtype);
+      const auto kp = k_pool.read(slots * kv_dim, dtype), vp = v_pool.read(slots * kv_dim, dtype);
       std::vector<float> got, want;
       for (std::int64_t r = 0; r < rows; ++r) {
-        for (std::int64_t i = 0; i < width; ++i) {
+        for (std::int64_t i = 0; i < q_dim; ++i) {
           got.push_back(out[r * stride + i]);
-          want.push_back(x(r, i));
+          want.push_back(q(r, i));
         }
-        for (std::int64_t i = width; i < stride; ++i)  // padding columns: untouched
-          EXPECT_EQ(out[r * stride + i], values[r * stride + i]);
+        for (std::int64_t i = 0; i < kv_dim; ++i) {
+          got.push_back(kp[where[r] * kv_dim + i]);
+          want.push_back(k(r, i));
+          ASSERT_EQ(vp[where[r] * kv_dim + i], values[r * stride + q_dim + kv_dim + i]);
+        }
+        for (std::int64_t i = q_dim; i < stride; ++i)  // K, V and padding columns: untouched
+          ASSERT_EQ(out[r * stride + i], values[r * stride + i]) << "column " << i;
       }
       expect_close(got, want, abs_tolerance(dtype),
                    std::string(dtype_name(dtype)) + " hd " + std::to_string(head_dim));
+      for (std::int64_t s = 0; s < slots; ++s)
+        if (std::find(where.begin(), where.end(), s) == where.end())
+          for (std::int64_t i = 0; i < kv_dim; ++i) {
+            ASSERT_EQ(kp[s * kv_dim + i], 0.0f) << "slot " << s;
+            ASSERT_EQ(vp[s * kv_dim + i], 0.0f) << "slot " << s;
+          }
       EXPECT_TRUE(d_x.guards_intact());
+      EXPECT_TRUE(k_pool.guards_intact());
+      EXPECT_TRUE(v_pool.guards_intact());
+      EXPECT_EQ(
+          cuda::launch_rope_kv_write({d_x.get(), q_dim, d_pos.as<std::int32_t>(), d_cos.as<float>(),
+                                      d_sin.as<float>(), d_slots.as<std::int64_t>(), k_pool.get(),
+                                      v_pool.get(), rows, heads, kv_heads, head_dim, dtype},
+                                     nullptr),
+          cudaErrorInvalidValue);  // rows too narrow for Q, K and V
+    }
+}
+
+// The residual add fused into the next RMSNorm computes what the two launches compute, bit for
+// bit: the residual stream and the normed rows.
+TEST(CudaKernels, AddRmsNormEqualsTheResidualAddThenTheRmsNorm) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes)
+    for (std::int64_t dim : {64, 288, 4096}) {
+      const std::int64_t rows = 5;
+      const auto x = random_values(rows * dim, 21, 3.0f), weight = random_values(dim, 22);
+      auto y = random_values(rows * dim, 23, 2.0f);
+      for (auto& v : y) v = stored(v, dtype);
+      const std::size_t e = cuda::dtype_bytes(dtype);
+      GuardedBuffer x_fused(x.size(), 4), x_apart(x.size(), 4), d_y(y.size(), e), d_w(dim, 4),
+          out_fused(rows * dim, e), out_apart(rows * dim, e);
+      x_fused.write(x, Dtype::f32);
+      x_apart.write(x, Dtype::f32);
+      d_y.write(y, dtype);
+      d_w.write(weight, Dtype::f32);
+      ASSERT_EQ(cuda::launch_add_rms_norm({x_fused.as<float>(), d_y.get(), d_w.as<float>(),
+                                           out_fused.get(), rows, dim, 1e-5f, dtype},
+                                          nullptr),
+                cudaSuccess);
+      ASSERT_EQ(
+          cuda::launch_residual_add({x_apart.as<float>(), d_y.get(), rows, dim, dtype}, nullptr),
+          cudaSuccess);
+      ASSERT_EQ(cuda::launch_rms_norm({x_apart.as<float>(), dim, d_w.as<float>(), out_apart.get(),
+                                       rows, dim, 1e-5f, dtype},
+                                      nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const std::string what = std::string(dtype_name(dtype)) + " dim " + std::to_string(dim);
+      const auto fused = x_fused.read(x.size(), Dtype::f32);
+      EXPECT_EQ(fused, x_apart.read(x.size(), Dtype::f32)) << what;
+      for (std::size_t i = 0; i < x.size(); ++i) ASSERT_EQ(fused[i], x[i] + y[i]) << what;
+      EXPECT_EQ(out_fused.read(rows * dim, dtype), out_apart.read(rows * dim, dtype)) << what;
+      EXPECT_TRUE(x_fused.guards_intact());
+      EXPECT_TRUE(out_fused.guards_intact());
     }
 }
 
@@ -361,43 +436,6 @@ TEST(CudaKernels, SwiGluAndResidualAddMatchTheFormula) {
     for (std::size_t i = 0; i < x.size(); ++i) sum[i] = x[i] + y[i];
     expect_close(d_x.read(x.size(), Dtype::f32), sum, 0.0, "residual add");  // the same fp32 add
     EXPECT_TRUE(d_x.guards_intact());
-  }
-}
-
-TEST(CudaKernels, KvWriteFillsExactlyTheGivenSlots) {
-  KVLAB_REQUIRE_CUDA();
-  for (Dtype dtype : kDtypes) {
-    const std::int64_t rows = 6, kv_dim = 32, stride = 96, slots = 20;
-    auto k = random_values(rows * stride, 8), v = random_values(rows * stride, 9);
-    for (auto& x : k) x = stored(x, dtype);
-    for (auto& x : v) x = stored(x, dtype);
-    const std::vector<std::int64_t> where{7, 0, 19, 3, 12, 8};
-    GuardedBuffer d_k(k.size(), cuda::dtype_bytes(dtype)), d_v(v.size(), cuda::dtype_bytes(dtype)),
-        d_slots(rows, 8), k_pool(slots * kv_dim, cuda::dtype_bytes(dtype)),
-        v_pool(slots * kv_dim, cuda::dtype_bytes(dtype));
-    d_k.write(k, dtype);
-    d_v.write(v, dtype);
-    d_slots.write_bytes(where.data(), where.size() * 8);
-    const std::vector<float> zeros(slots * kv_dim, 0.0f);
-    k_pool.write(zeros, dtype);
-    v_pool.write(zeros, dtype);
-    ASSERT_EQ(cuda::launch_kv_write({d_k.get(), d_v.get(), stride, d_slots.as<std::int64_t>(),
-                                     k_pool.get(), v_pool.get(), rows, kv_dim, dtype},
-                                    nullptr),
-              cudaSuccess);
-    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    const auto kp = k_pool.read(slots * kv_dim, dtype), vp = v_pool.read(slots * kv_dim, dtype);
-    for (std::int64_t s = 0; s < slots; ++s) {
-      const auto it = std::find(where.begin(), where.end(), s);
-      for (std::int64_t i = 0; i < kv_dim; ++i) {
-        const float want_k = it == where.end() ? 0.0f : k[(it - where.begin()) * stride + i];
-        const float want_v = it == where.end() ? 0.0f : v[(it - where.begin()) * stride + i];
-        ASSERT_EQ(kp[s * kv_dim + i], want_k) << "slot " << s;
-        ASSERT_EQ(vp[s * kv_dim + i], want_v) << "slot " << s;
-      }
-    }
-    EXPECT_TRUE(k_pool.guards_intact());
-    EXPECT_TRUE(v_pool.guards_intact());
   }
 }
 

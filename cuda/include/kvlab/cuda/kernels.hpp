@@ -36,19 +36,19 @@ struct RmsNormParams {
 };
 cudaError_t launch_rms_norm(const RmsNormParams& p, cudaStream_t stream);
 
-// Rotates `heads` heads of head_dim in every row of x in place, HF rotate-half convention:
-// for i < head_dim/2: (x_i, x_{i+hd/2}) <- (x_i cos - x_{i+hd/2} sin, x_{i+hd/2} cos + x_i sin),
-// angle = position x theta^(-2i/hd), cos/sin read from a table (max_positions, head_dim/2).
-struct RopeParams {
-  void* x = nullptr;
-  std::int64_t row_stride = 0;  // elements between rows
-  const std::int32_t* positions = nullptr;
-  const float* cos = nullptr;
-  const float* sin = nullptr;
-  std::int64_t rows = 0, heads = 0, head_dim = 0;
+// The residual add and the next RMSNorm in one launch: x (rows, dim) fp32 += y (rows, dim)
+// [dtype], then out (rows, dim) [dtype] = x / rms(x) * weight, with the arithmetic of
+// launch_residual_add followed by launch_rms_norm (the same values, bit for bit).
+struct AddRmsNormParams {
+  float* x = nullptr;
+  const void* y = nullptr;
+  const float* weight = nullptr;
+  void* out = nullptr;
+  std::int64_t rows = 0, dim = 0;
+  float eps = 1e-5f;
   Dtype dtype = Dtype::f32;
 };
-cudaError_t launch_rope(const RopeParams& p, cudaStream_t stream);
+cudaError_t launch_add_rms_norm(const AddRmsNormParams& p, cudaStream_t stream);
 
 // out (rows, ffn) [dtype] = silu(gate_up[:, :ffn]) * gate_up[:, ffn:]; gate_up (rows, 2 ffn).
 struct SwiGluParams {
@@ -68,19 +68,26 @@ struct ResidualAddParams {
 };
 cudaError_t launch_residual_add(const ResidualAddParams& p, cudaStream_t stream);
 
-// Writes K and V of each row into its slot of one layer of the device pool:
-// k_pool[slot[r]] (kv_dim) = k[r], v_pool[slot[r]] = v[r]; k, v rows of `row_stride` elements.
-struct KvWriteParams {
-  const void* k = nullptr;
-  const void* v = nullptr;
-  std::int64_t row_stride = 0;
+// Per row r of the fused QKV projection qkv (rows, row_stride) [dtype] = [Q heads | K heads | V],
+// at position positions[r]: rotates the Q heads in place and writes the rotated K heads and the V
+// row into slot slots[r] of one layer of the device pool (slots, kv_heads x head_dim) [dtype]
+// each; qkv's K columns are left as they were (attention reads K from the pool). RoPE is HF's
+// rotate-half: for i < head_dim/2, (x_i, x_{i+hd/2}) <- (x_i cos - x_{i+hd/2} sin,
+// x_{i+hd/2} cos + x_i sin), angle = position x theta^(-2i/hd), cos/sin from a table
+// (max_positions, head_dim/2). One launch for what were RoPE on Q, RoPE on K and the K/V write.
+struct RopeKvWriteParams {
+  void* qkv = nullptr;
+  std::int64_t row_stride = 0;  // elements between rows (>= (heads + 2 kv_heads) x head_dim)
+  const std::int32_t* positions = nullptr;
+  const float* cos = nullptr;
+  const float* sin = nullptr;
   const std::int64_t* slots = nullptr;
   void* k_pool = nullptr;
   void* v_pool = nullptr;
-  std::int64_t rows = 0, kv_dim = 0;
+  std::int64_t rows = 0, heads = 0, kv_heads = 0, head_dim = 0;
   Dtype dtype = Dtype::f32;
 };
-cudaError_t launch_kv_write(const KvWriteParams& p, cudaStream_t stream);
+cudaError_t launch_rope_kv_write(const RopeKvWriteParams& p, cudaStream_t stream);
 
 // One sequence of an attention launch. Its queries are rows [first_row, + queries) at positions
 // [start_position, + queries); its cached keys are positions [first_position, start_position +
