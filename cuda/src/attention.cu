@@ -8,12 +8,15 @@
 //           of up to 32 lanes per key, each lane loads whole 16-byte chunks, and every warp keeps
 //           several keys' K and V in flight; otherwise the scalar kernel (a key per warp, a lane
 //           per element) runs.
-//   prefill (a chunk of queries): one warp per query, key tiles staged in shared memory,
-//           causal, online softmax; earlier chunks' keys come from the cache like any other
+//   prefill (a chunk of queries): bf16 on tensor cores (FlashAttention-2 on mma.sync
+//           m16n8k16, 64 queries x 64-key tiles per block); otherwise one warp per query, key
+//           tiles staged in shared memory; causal, online softmax; earlier chunks' keys come
+//           from the cache like any other
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "common.cuh"
 
@@ -445,6 +448,254 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionPa
   }
 }
 
+// ---- Tensor-core prefill (bf16): FlashAttention-2's loop on mma.sync m16n8k16 ----
+constexpr int kMmaWarps = 4;
+constexpr int kMmaQueries = 16 * kMmaWarps;  // a block's query tile: 16 rows per warp
+constexpr int kMmaKeys = 64;                 // keys per shared-memory tile
+constexpr int kMmaPad = 8;  // bf16 per shared row beyond HD: a warp's fragment loads hit 32 banks
+
+// Two bf16 (their bits) as one 32-bit operand register, `low` in the low half.
+__device__ __forceinline__ unsigned pack_bf16(unsigned short low, unsigned short high) {
+  return static_cast<unsigned>(low) | (static_cast<unsigned>(high) << 16);
+}
+__device__ __forceinline__ unsigned short bf16_bits(float value) {
+  const __nv_bfloat16 rounded = __float2bfloat16(value);  // round to nearest even
+  unsigned short bits = 0;
+  std::memcpy(&bits, &rounded, sizeof bits);
+  return bits;
+}
+__device__ __forceinline__ unsigned pack_bf16(float low, float high) {
+  return pack_bf16(bf16_bits(low), bf16_bits(high));
+}
+
+// d (16 x 8) fp32 += a (16 x 16) bf16 x b (16 x 8) bf16: PTX mma.sync.aligned.m16n8k16.row.col.
+// Lane l (g = l / 4, t = l % 4) holds a = {A[g][2t, 2t+1], A[g+8][2t, 2t+1], A[g][2t+8, 2t+9],
+// A[g+8][2t+8, 2t+9]}, b = {B[2t, 2t+1][g], B[2t+8, 2t+9][g]} (the lower index in the low half)
+// and d = {D[g][2t], D[g][2t+1], D[g+8][2t], D[g+8][2t+1]}.
+__device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
+                                          const unsigned (&b)[2]) {
+#if defined(KVLAB_CUDA_EMULATION)
+  // The warp's operands meet in shared memory; each lane computes its four outputs from them.
+  struct Operands {
+    unsigned a[4], b[2];
+  };
+  __shared__ Operands staged[32][32];  // (warp, lane)
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  staged[warp][lane] = {{a[0], a[1], a[2], a[3]}, {b[0], b[1]}};
+  __syncwarp();
+  auto half = [](unsigned reg, int k) {
+    const unsigned bits = (k % 2 == 0 ? reg & 0xffffu : reg >> 16) << 16;
+    float value = 0;
+    std::memcpy(&value, &bits, sizeof value);
+    return value;
+  };
+  auto a_at = [&](int row, int k) {
+    return half(staged[warp][(row % 8) * 4 + (k % 8) / 2].a[(row >= 8) + 2 * (k >= 8)], k);
+  };
+  auto b_at = [&](int k, int n) { return half(staged[warp][n * 4 + (k % 8) / 2].b[k >= 8], k); };
+  const int g = lane / 4, t = lane % 4;
+  for (int i = 0; i < 4; ++i) {
+    float sum = 0.0f;
+    for (int k = 0; k < 16; ++k) sum += a_at(g + 8 * (i / 2), k) * b_at(k, 2 * t + i % 2);
+    d[i] += sum;
+  }
+  __syncwarp();
+#else
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#endif
+}
+
+// Loads keys [tile, tile + kMmaKeys) of the entry's K and V head into shared memory through its
+// block table, 2 bf16 per load (pools 4-byte aligned); keys beyond `last` are zeros.
+template <int HD>
+__device__ void load_key_tile(const AttentionParams& p, const AttentionEntry& e, int kv_head,
+                              int tile, int last, unsigned short (*s_k)[HD + kMmaPad],
+                              unsigned short (*s_v)[HD + kMmaPad]) {
+  const auto* k_pool = static_cast<const unsigned*>(p.k_pool);
+  const auto* v_pool = static_cast<const unsigned*>(p.v_pool);
+  for (int index = threadIdx.x; index < kMmaKeys * HD / 2; index += blockDim.x) {
+    const int j = index / (HD / 2), pair = index % (HD / 2);
+    unsigned k = 0, v = 0;
+    if (tile + j <= last) {
+      const std::int64_t offset = ((slot_of(p, e, tile + j) * p.kv_heads + kv_head) * HD) / 2;
+      k = k_pool[offset + pair];
+      v = v_pool[offset + pair];
+    }
+    std::memcpy(&s_k[j][2 * pair], &k, sizeof k);
+    std::memcpy(&s_v[j][2 * pair], &v, sizeof v);
+  }
+}
+
+// Row max over the 4 lanes that share a row (lanes g*4 .. g*4+3).
+__device__ __forceinline__ float quad_max(float v) {
+  v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 1));
+  return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
+}
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// One warp's share of the tensor-core prefill: 16 query rows as A fragments, and this lane's
+// two rows (g and g + 8 of the 16): their query index, running max and partial sum (base 2),
+// and the output accumulators (16 x HD over the warp).
+template <int HD>
+struct MmaRows {
+  unsigned q[HD / 16][4];
+  float o[HD / 8][4] = {};
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  int rows[2] = {0, 0};
+};
+constexpr int kKeyTiles = kMmaKeys / 8;  // n-tiles of Q K^T over a key tile
+using Scores = float[kKeyTiles][4];      // a warp's S tile: 16 rows x kMmaKeys keys
+
+template <int HD>
+__device__ void load_queries(const AttentionParams& p, const AttentionEntry& e, int head,
+                             MmaRows<HD>& w) {
+  const int t = threadIdx.x % 4;
+  const auto* q_rows = static_cast<const unsigned*>(p.q);
+  for (int s = 0; s < HD / 16; ++s)
+    for (int r = 0; r < 4; ++r) {
+      const int row = w.rows[r % 2], d = 16 * s + 2 * t + 8 * (r / 2);
+      w.q[s][r] =
+          row < e.queries ? q_rows[((e.first_row + row) * p.q_row_stride + head * HD + d) / 2] : 0u;
+    }
+}
+
+// S = Q K^T for the tile in s_k, scaled to base 2, -inf where the causal/window mask or the
+// entry's end hides a key; `tile_max` gets each of the lane's rows' largest.
+template <int HD>
+__device__ void tile_scores(const AttentionParams& p, const AttentionEntry& e, int tile,
+                            const MmaRows<HD>& w, const unsigned short (*s_k)[HD + kMmaPad],
+                            Scores& c, float (&tile_max)[2]) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  const float scale = rsqrtf(static_cast<float>(HD)) * 1.4426950408889634f;  // and log2(e)
+  for (int j = 0; j < kKeyTiles; ++j) {
+    for (int i = 0; i < 4; ++i) c[j][i] = 0.0f;
+    for (int s = 0; s < HD / 16; ++s) {
+      unsigned b[2];
+      std::memcpy(&b[0], &s_k[8 * j + g][16 * s + 2 * t], sizeof(unsigned));
+      std::memcpy(&b[1], &s_k[8 * j + g][16 * s + 2 * t + 8], sizeof(unsigned));
+      mma_16816(c[j], w.q[s], b);
+    }
+  }
+  tile_max[0] = tile_max[1] = -INFINITY;
+  for (int j = 0; j < kKeyTiles; ++j)
+    for (int i = 0; i < 4; ++i) {
+      const int row = w.rows[i / 2], position = e.start_position + row;
+      const int key = tile + 8 * j + 2 * t + i % 2;
+      const bool seen =
+          row < e.queries && key <= position && key >= first_key(e, position, p.window);
+      c[j][i] = seen ? c[j][i] * scale : -INFINITY;
+      tile_max[i / 2] = fmaxf(tile_max[i / 2], c[j][i]);
+    }
+}
+
+// Online softmax over the tile (c becomes P), then O = O x correction + P V with P in bf16.
+template <int HD>
+__device__ void accumulate_tile(Scores& c, const float (&tile_max)[2],
+                                const unsigned short (*s_v)[HD + kMmaPad], MmaRows<HD>& w) {
+  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  float correction[2];
+  for (int r = 0; r < 2; ++r) {
+    const float m_new = fmaxf(w.m[r], quad_max(tile_max[r]));
+    const float base = m_new == -INFINITY ? 0.0f : m_new;  // a row with nothing seen yet
+    correction[r] = exp2f(w.m[r] - base);
+    w.m[r] = m_new;
+    w.l[r] *= correction[r];
+    for (int j = 0; j < kKeyTiles; ++j)
+      for (int i = 2 * r; i < 2 * r + 2; ++i) {
+        c[j][i] = exp2f(c[j][i] - base);
+        w.l[r] += c[j][i];
+      }
+  }
+  for (int n = 0; n < HD / 8; ++n)
+    for (int i = 0; i < 4; ++i) w.o[n][i] *= correction[i / 2];
+  for (int s = 0; s < kMmaKeys / 16; ++s) {  // S's accumulators are P's A fragments
+    const unsigned a[4] = {pack_bf16(c[2 * s][0], c[2 * s][1]), pack_bf16(c[2 * s][2], c[2 * s][3]),
+                           pack_bf16(c[2 * s + 1][0], c[2 * s + 1][1]),
+                           pack_bf16(c[2 * s + 1][2], c[2 * s + 1][3])};
+    for (int n = 0; n < HD / 8; ++n) {
+      const int key = 16 * s + 2 * t, dim = 8 * n + g;
+      const unsigned b[2] = {pack_bf16(s_v[key][dim], s_v[key + 1][dim]),
+                             pack_bf16(s_v[key + 8][dim], s_v[key + 9][dim])};
+      mma_16816(w.o[n], a, b);
+    }
+  }
+}
+
+template <int HD>
+__device__ void store_rows(const AttentionParams& p, const AttentionEntry& e, int head,
+                           const MmaRows<HD>& w) {
+  const int t = threadIdx.x % 4;
+  auto* out = static_cast<unsigned*>(p.out);
+  for (int r = 0; r < 2; ++r) {
+    const float total = quad_sum(w.l[r]);  // every lane of the quad takes part
+    if (w.rows[r] >= e.queries) continue;
+    for (int n = 0; n < HD / 8; ++n) {
+      const std::int64_t element =
+          static_cast<std::int64_t>(e.first_row + w.rows[r]) * p.heads * HD + head * HD + 8 * n +
+          2 * t;
+      out[element / 2] = pack_bf16(w.o[n][2 * r] / total, w.o[n][2 * r + 1] / total);
+    }
+  }
+}
+
+// One block per (entry, query head, tile of kMmaQueries queries); warp w owns 16 query rows.
+// Per key tile: S = Q K^T on tensor cores (fp32), causal/window mask, online softmax in base 2,
+// O += P V with P rounded to bf16 (FlashAttention-2). Rows beyond the entry's queries compute
+// (every lane takes part in each mma) but are never written.
+template <int HD>
+__global__ void __launch_bounds__(kMmaWarps * 32) prefill_mma_kernel(AttentionParams p) {
+  const AttentionEntry e = p.entries[blockIdx.x];
+  if (e.queries <= 1) return;
+  const int first_query = static_cast<int>(blockIdx.z) * kMmaQueries;
+  if (first_query >= e.queries) return;  // uniform over the block
+  const int head = blockIdx.y;
+  const int kv_head = head / static_cast<int>(p.heads / p.kv_heads);
+  const int warp_rows = first_query + static_cast<int>(threadIdx.x / 32) * 16;
+  MmaRows<HD> w;
+  w.rows[0] = warp_rows + static_cast<int>(threadIdx.x % 32 / 4);
+  w.rows[1] = w.rows[0] + 8;
+  load_queries<HD>(p, e, head, w);
+  const int last = e.start_position + min(e.queries, first_query + kMmaQueries) - 1;
+  __shared__ unsigned short s_k[kMmaKeys][HD + kMmaPad], s_v[kMmaKeys][HD + kMmaPad];  // bf16
+  for (int tile = first_key(e, e.start_position + first_query, p.window); tile <= last;
+       tile += kMmaKeys) {
+    load_key_tile<HD>(p, e, kv_head, tile, last, s_k, s_v);
+    __syncthreads();
+    Scores c;
+    float tile_max[2];
+    tile_scores<HD>(p, e, tile, w, s_k, c, tile_max);
+    accumulate_tile<HD>(c, tile_max, s_v, w);
+    __syncthreads();  // before the next tile overwrites s_k and s_v
+  }
+  store_rows<HD>(p, e, head, w);
+}
+
+// The prefill launch: on tensor cores for bf16 with head_dim a multiple of 16 up to 128 and
+// every operand 4-byte aligned (paired loads and stores); the warp-per-query kernel otherwise
+// (fp32, the check path; other head sizes; unaligned pools).
+template <typename T, int HD>
+cudaError_t launch_prefill(const AttentionParams& p, cudaStream_t stream) {
+  const auto tiles = [&](int queries_per_block) {
+    return dim3(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads),
+                static_cast<unsigned>((p.max_queries + queries_per_block - 1) / queries_per_block));
+  };
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && HD % 16 == 0 && HD <= 128) {
+    const std::uintptr_t pointers =
+        reinterpret_cast<std::uintptr_t>(p.q) | reinterpret_cast<std::uintptr_t>(p.k_pool) |
+        reinterpret_cast<std::uintptr_t>(p.v_pool) | reinterpret_cast<std::uintptr_t>(p.out);
+    if (pointers % 4 == 0 && p.q_row_stride % 2 == 0)
+      return launch_kernel(prefill_mma_kernel<HD>, tiles(kMmaQueries), kMmaWarps * 32, stream, p);
+  }
+  return launch_kernel(prefill_kernel<T, HD>, tiles(kPrefillWarps), kPrefillWarps * 32, stream, p);
+}
+
 // The largest power of two <= limit dividing the group size.
 int queries_per_block(std::int64_t group, int limit) {
   for (int candidate : {8, 4, 2})
@@ -507,10 +758,7 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
       !attention_supports(p.head_dim) || p.entry_count > kMaxEntries)
     return cudaErrorInvalidValue;
   const int max_splits = std::max(1, (p.max_keys + p.split_keys - 1) / p.split_keys);
-  const int max_queries = std::max(p.max_queries, 1);
   const dim3 combine_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads));
-  const dim3 prefill_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads),
-                          static_cast<unsigned>((max_queries + kPrefillWarps - 1) / kPrefillWarps));
   cudaError_t status = cudaSuccess;
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
     KVLAB_DISPATCH_HEAD_DIM(p.head_dim, HD, {
@@ -519,8 +767,7 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
       if (status == cudaSuccess)
         status = launch_kernel(combine_kernel<T, HD>, combine_grid, kCombineThreads, stream, p,
                                max_splits);
-      if (status == cudaSuccess && p.max_queries > 1)
-        status = launch_kernel(prefill_kernel<T, HD>, prefill_grid, kPrefillWarps * 32, stream, p);
+      if (status == cudaSuccess && p.max_queries > 1) status = launch_prefill<T, HD>(p, stream);
     });
   });
   return status;

@@ -1,7 +1,9 @@
 // CUDA benchmarks (run by scripts/gpu_check.sh on a GPU machine; they report an error and
 // measure nothing where no device is present).
 //   DecodeAttention: flash-decoding over the paged device pool, 8 K/V heads, block 16 scattered
-//   across the pool: batch 64 x 4096 and 256 x 1024 context, head_dim 128 and 64, GQA 8 and 4.
+//   across the pool: batch 64 x 4096 and 256 x 1024 context, head_dim 128 and 64, GQA 8 and 4;
+//   prefill:1 rows run each sequence's context as one causal prompt (4 x 4,096 tokens) and
+//   report TFLOP/s instead.
 //   Achieved bandwidth = K/V bytes read / kernel time (CUDA events), and its fraction of the
 //   device's peak (memory clock x bus width x 2, from the driver). scalar:1 shifts the pools one
 //   element off 16-byte alignment, which makes launch_attention take the scalar decode kernel:
@@ -31,6 +33,58 @@ double peak_bandwidth_bytes_per_s() {
   return 2.0 * clock_khz * 1e3 * bus_bits / 8.0;
 }
 
+// The blocks of every sequence scattered across the pool, as a paged allocator leaves them:
+// each sequence's block table in turn.
+std::vector<std::int64_t> scattered_block_table(std::int64_t slots, std::int64_t block) {
+  std::vector<std::int64_t> blocks(slots / block);
+  std::iota(blocks.begin(), blocks.end(), 0);
+  std::shuffle(blocks.begin(), blocks.end(), std::mt19937(1));
+  for (auto& b : blocks) b *= block;
+  return blocks;
+}
+
+// One entry per sequence of `context` tokens: its last token decoding, or (prefill) all of it
+// as one prompt.
+std::vector<kvlab::cuda::AttentionEntry> whole_context_entries(std::int64_t batch,
+                                                               std::int64_t context,
+                                                               std::int64_t block, bool prefill) {
+  std::vector<kvlab::cuda::AttentionEntry> entries(batch);
+  for (std::int64_t e = 0; e < batch; ++e) {
+    entries[e].first_row = static_cast<std::int32_t>(prefill ? e * context : e);
+    entries[e].queries = static_cast<std::int32_t>(prefill ? context : 1);
+    entries[e].start_position = static_cast<std::int32_t>(prefill ? 0 : context - 1);
+    entries[e].first_position = 0;
+    entries[e].block_shift = std::countr_zero(static_cast<std::uint64_t>(block));
+    entries[e].table_offset = e * context / block;
+  }
+  return entries;
+}
+
+// Times launch_attention(p) per iteration with CUDA events (after one checked launch); false,
+// with the benchmark marked as failed, when that launch fails.
+bool time_launches(benchmark::State& state, const kvlab::cuda::AttentionParams& p) {
+  if (kvlab::cuda::launch_attention(p, nullptr) != cudaSuccess ||
+      cudaDeviceSynchronize() != cudaSuccess) {
+    state.SkipWithError("attention launch failed");
+    return false;
+  }
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  for (auto _ : state) {
+    cudaEventRecord(start);
+    kvlab::cuda::launch_attention(p, nullptr);
+    cudaEventRecord(stop);
+    cudaEventSynchronize(stop);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, start, stop);
+    state.SetIterationTime(ms / 1e3);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  return true;
+}
+
 void DecodeAttention(benchmark::State& state) {
   const kvlab::cuda::DeviceProbe probe = kvlab::cuda::probe_device();
   if (!probe.available) {
@@ -42,23 +96,12 @@ void DecodeAttention(benchmark::State& state) {
   const bool scalar = state.range(2) != 0;
   const std::int64_t batch = state.range(3), context = state.range(4), head_dim = state.range(5),
                      kv_heads = 8, heads = kv_heads * state.range(6), block = 16;
+  const bool prefill = state.range(7) != 0;  // each sequence's whole context as one prompt
+  const std::int64_t rows = prefill ? batch * context : batch;
   const std::int64_t slots = batch * context, kv_width = kv_heads * head_dim;
   const std::size_t element = kvlab::cuda::dtype_bytes(dtype);
-  // Blocks of every sequence scattered across the pool, as a paged allocator leaves them.
-  std::vector<std::int64_t> blocks(slots / block);
-  std::iota(blocks.begin(), blocks.end(), 0);
-  std::shuffle(blocks.begin(), blocks.end(), std::mt19937(1));
-  std::vector<std::int64_t> table(slots / block);  // each sequence's block table, in turn
-  for (std::int64_t b = 0; b < slots / block; ++b) table[b] = blocks[b] * block;
-  std::vector<kvlab::cuda::AttentionEntry> entries(batch);
-  for (std::int64_t e = 0; e < batch; ++e) {
-    entries[e].first_row = static_cast<std::int32_t>(e);
-    entries[e].queries = 1;
-    entries[e].start_position = static_cast<std::int32_t>(context - 1);
-    entries[e].first_position = 0;
-    entries[e].block_shift = std::countr_zero(static_cast<std::uint64_t>(block));
-    entries[e].table_offset = e * context / block;
-  }
+  const std::vector<std::int64_t> table = scattered_block_table(slots, block);
+  const auto entries = whole_context_entries(batch, context, block, prefill);
   void *k = nullptr, *v = nullptr, *q = nullptr, *out = nullptr, *d_table = nullptr,
        *d_entries = nullptr, *workspace = nullptr;
   const std::int64_t workspace_floats =
@@ -66,14 +109,14 @@ void DecodeAttention(benchmark::State& state) {
   const std::size_t shift = scalar ? element : 0;  // bytes before the first slot
   cudaMalloc(&k, slots * kv_width * element + shift);
   cudaMalloc(&v, slots * kv_width * element + shift);
-  cudaMalloc(&q, batch * heads * head_dim * element);
-  cudaMalloc(&out, batch * heads * head_dim * element);
+  cudaMalloc(&q, rows * heads * head_dim * element);
+  cudaMalloc(&out, rows * heads * head_dim * element);
   cudaMalloc(&d_table, table.size() * sizeof(std::int64_t));
   cudaMalloc(&d_entries, entries.size() * sizeof(entries[0]));
   cudaMalloc(&workspace, workspace_floats * sizeof(float));
   cudaMemset(k, 0, slots * kv_width * element + shift);
   cudaMemset(v, 0, slots * kv_width * element + shift);
-  cudaMemset(q, 0, batch * heads * head_dim * element);
+  cudaMemset(q, 0, rows * heads * head_dim * element);
   cudaMemcpy(d_table, table.data(), table.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice);
   cudaMemcpy(d_entries, entries.data(), entries.size() * sizeof(entries[0]),
              cudaMemcpyHostToDevice);
@@ -85,8 +128,8 @@ void DecodeAttention(benchmark::State& state) {
   p.block_table = static_cast<const std::int64_t*>(d_table);
   p.entries = static_cast<const kvlab::cuda::AttentionEntry*>(d_entries);
   p.entry_count = static_cast<std::int32_t>(batch);
-  p.max_keys = static_cast<std::int32_t>(context);
-  p.max_queries = 1;
+  p.max_keys = static_cast<std::int32_t>(prefill ? 1 : context);
+  p.max_queries = static_cast<std::int32_t>(prefill ? context : 1);
   p.out = out;
   p.heads = heads;
   p.kv_heads = kv_heads;
@@ -94,44 +137,38 @@ void DecodeAttention(benchmark::State& state) {
   p.split_keys = split_keys;
   p.workspace = static_cast<float*>(workspace);
   p.dtype = dtype;
-  cudaEvent_t start, stop;
-  cudaEventCreate(&start);
-  cudaEventCreate(&stop);
-  if (kvlab::cuda::launch_attention(p, nullptr) != cudaSuccess ||
-      cudaDeviceSynchronize() != cudaSuccess) {
-    state.SkipWithError("attention launch failed");
-  } else {
-    for (auto _ : state) {
-      cudaEventRecord(start);
-      kvlab::cuda::launch_attention(p, nullptr);
-      cudaEventRecord(stop);
-      cudaEventSynchronize(stop);
-      float ms = 0;
-      cudaEventElapsedTime(&ms, start, stop);
-      state.SetIterationTime(ms / 1e3);
+  if (time_launches(state, p)) {
+    if (prefill) {  // causal: query i attends to i + 1 keys, 2 FLOPs per MAC, Q K^T and P V
+      const double flops = 4.0 * static_cast<double>(batch * heads * head_dim) *
+                           static_cast<double>(context) * static_cast<double>(context + 1) / 2.0;
+      state.counters["TFLOP_per_s"] =
+          benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
+    } else {
+      const double bytes = 2.0 * static_cast<double>(slots * kv_width * element);  // K and V
+      state.counters["kv_GB_per_s"] =
+          benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
+      state.counters["peak_GB_per_s"] = peak_bandwidth_bytes_per_s() / 1e9;
     }
-    const double bytes = 2.0 * static_cast<double>(slots * kv_width * element);  // K and V
-    state.counters["kv_GB_per_s"] =
-        benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
-    state.counters["peak_GB_per_s"] = peak_bandwidth_bytes_per_s() / 1e9;
     state.SetLabel(probe.name);
   }
   for (void* ptr : {k, v, q, out, d_table, d_entries, workspace}) cudaFree(ptr);
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
 }
 // The shapes issue 15 sets its target on (>= 80% of HBM peak in bf16): batch 64 x 4096 and
 // 256 x 1024 context, head_dim 128 and 64, GQA 8 and 4; then splits, fp32 and the scalar kernel
 // at the first shape.
 void DecodeShapes(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"f32", "split", "scalar", "batch", "context", "hd", "group"});
+  b->ArgNames({"f32", "split", "scalar", "batch", "context", "hd", "group", "prefill"});
   for (const auto& [batch, context] : {std::pair{64, 4096}, std::pair{256, 1024}})
     for (const int head_dim : {128, 64})
-      for (const int group : {8, 4}) b->Args({0, 512, 0, batch, context, head_dim, group});
-  for (const int split : {256, 1024}) b->Args({0, split, 0, 64, 4096, 128, 8});
-  b->Args({1, 512, 0, 64, 4096, 128, 8});
-  b->Args({0, 512, 1, 64, 4096, 128, 8});
-  b->Args({1, 512, 1, 64, 4096, 128, 8});
+      for (const int group : {8, 4}) b->Args({0, 512, 0, batch, context, head_dim, group, 0});
+  for (const int split : {256, 1024}) b->Args({0, split, 0, 64, 4096, 128, 8, 0});
+  b->Args({1, 512, 0, 64, 4096, 128, 8, 0});
+  b->Args({0, 512, 1, 64, 4096, 128, 8, 0});
+  b->Args({1, 512, 1, 64, 4096, 128, 8, 0});
+  // Prefill (issue 15's tensor-core target: >= 300 TFLOP/s at 4k-token prompts, head_dim 128):
+  // 4 prompts of 4,096 tokens, 32 query heads over 8 K/V heads; bf16 on tensor cores, f32 not.
+  b->Args({0, 512, 0, 4, 4096, 128, 4, 1});
+  b->Args({1, 512, 0, 4, 4096, 128, 4, 1});
 }
 BENCHMARK(DecodeAttention)->Apply(DecodeShapes)->UseManualTime()->Unit(benchmark::kMicrosecond);
 

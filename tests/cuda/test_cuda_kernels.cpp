@@ -276,6 +276,19 @@ TEST(CudaKernels, RmsNormMatchesTheReference) {
     }
 }
 
+// The CPU reference's cos and sin as the kernels read them: (max_positions, head_dim / 2) each.
+std::pair<std::vector<float>, std::vector<float>> rope_tables(const cpu::RopeTable& rope,
+                                                              std::int64_t head_dim,
+                                                              std::int64_t max_positions) {
+  std::vector<float> cos, sin;
+  for (std::int64_t p = 0; p < max_positions; ++p)
+    for (std::int64_t i = 0; i < head_dim / 2; ++i) {
+      cos.push_back(rope.cos(p, i));
+      sin.push_back(rope.sin(p, i));
+    }
+  return {cos, sin};
+}
+
 // RoPE on Q in place and on K into the pool, V into the pool, in one launch: Q and K rotated as
 // the CPU reference rotates them, V copied exactly into each row's slot, every other slot and
 // qkv's K/V and padding columns left alone.
@@ -287,12 +300,7 @@ TEST(CudaKernels, RopeKvWriteRotatesQInPlaceAndWritesRotatedKAndVIntoTheirSlots)
                          kv_dim = kv_heads * head_dim, stride = q_dim + 2 * kv_dim + 32,
                          max_positions = 512, slots = 20;
       const cpu::RopeTable rope(head_dim, 10000.0, max_positions);
-      std::vector<float> cos, sin;
-      for (std::int64_t p = 0; p < max_positions; ++p)
-        for (std::int64_t i = 0; i < head_dim / 2; ++i) {
-          cos.push_back(rope.cos(p, i));
-          sin.push_back(rope.sin(p, i));
-        }
+      const auto [cos, sin] = rope_tables(rope, head_dim, max_positions);
       std::vector<std::int32_t> positions(rows);
       for (std::int64_t r = 0; r < rows; ++r)
         positions[r] = static_cast<std::int32_t>((r * 97 + 5) % max_positions);
@@ -590,25 +598,54 @@ struct AttentionCase {
   bool unaligned_pools = false;  // K/V pools one element off 16 bytes: the scalar decode kernel
 };
 
-void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>& sequences) {
-  const std::int64_t kv_heads = 2, heads = kv_heads * c.group, hd = c.head_dim;
-  const std::int64_t q_width = heads * hd, kv_width = kv_heads * hd;
-  const std::int64_t q_stride = q_width + 2 * kv_width;  // as inside the fused QKV rows
-  std::mt19937 rng(static_cast<std::uint32_t>(hd * 131 + c.group * 17 + c.block * 3 + c.window));
-  // Physical blocks of every sequence, shuffled across the pool.
-  std::int64_t total_blocks = 0;
-  for (const auto& s : sequences) total_blocks += (s.start + s.queries + c.block - 1) / c.block;
-  total_blocks += 3;  // never used: attention must not read them
-  std::vector<std::int64_t> physical(total_blocks);
-  std::iota(physical.begin(), physical.end(), 0);
-  std::shuffle(physical.begin(), physical.end(), rng);
-  const std::int64_t slots = total_blocks * c.block;
-
-  std::vector<float> k_pool(slots * kv_width, 0.0f), v_pool(slots * kv_width, 0.0f), q_rows;
+// The host side of an attention case: pools holding every sequence's K/V in blocks shuffled
+// across them, the fused QKV rows of the queries, one entry (and block table) per sequence, and
+// the double-precision reference outputs.
+struct AttentionInputs {
+  std::int64_t heads = 0, kv_heads = 2;
+  std::vector<float> k_pool, v_pool, q_rows;
   std::vector<std::int64_t> block_table;
   std::vector<cuda::AttentionEntry> entries;
   std::vector<std::vector<double>> expected;
-  std::int64_t next_block = 0, rows = 0, max_keys = 0, max_queries = 0;
+  std::int64_t rows = 0, max_keys = 0, max_queries = 0;
+};
+
+// Sequence s's entry: its view as a paged allocator of block c.block hands it out (from
+// `first`, whole blocks released before it), blocks physical[0..), block table appended.
+cuda::AttentionEntry paged_entry(const AttentionCase& c, const SequenceCase& s, std::int64_t first,
+                                 const std::int64_t* physical, AttentionInputs& in) {
+  const std::int64_t length = s.start + s.queries;
+  cuda::AttentionEntry a;
+  a.first_row = static_cast<std::int32_t>(in.rows);
+  a.queries = static_cast<std::int32_t>(s.queries);
+  a.start_position = static_cast<std::int32_t>(s.start);
+  a.first_position = static_cast<std::int32_t>(first);
+  KvView view;
+  view.first_position = first;
+  for (std::int64_t b = first / c.block; b < (length + c.block - 1) / c.block; ++b)
+    view.extents.push_back({physical[b] * c.block, std::min(c.block, length - b * c.block)});
+  const cuda::BlockLayout layout = cuda::block_layout(view);
+  a.block_shift = layout.shift;
+  a.lead = layout.lead;
+  a.table_offset = static_cast<std::int64_t>(in.block_table.size());
+  cuda::append_block_table(view, layout, in.block_table);
+  return a;
+}
+
+AttentionInputs attention_inputs(const AttentionCase& c,
+                                 const std::vector<SequenceCase>& sequences) {
+  AttentionInputs in;
+  in.heads = in.kv_heads * c.group;
+  const std::int64_t hd = c.head_dim, q_width = in.heads * hd, kv_width = in.kv_heads * hd;
+  std::mt19937 rng(static_cast<std::uint32_t>(hd * 131 + c.group * 17 + c.block * 3 + c.window));
+  std::int64_t total_blocks = 3;  // 3 never used: attention must not read them
+  for (const auto& s : sequences) total_blocks += (s.start + s.queries + c.block - 1) / c.block;
+  std::vector<std::int64_t> physical(total_blocks);  // shuffled across the pool
+  std::iota(physical.begin(), physical.end(), 0);
+  std::shuffle(physical.begin(), physical.end(), rng);
+  in.k_pool.assign(total_blocks * c.block * kv_width, 0.0f);
+  in.v_pool = in.k_pool;
+  std::int64_t next_block = 0;
   for (std::size_t e = 0; e < sequences.size(); ++e) {
     const auto& s = sequences[e];
     const std::int64_t length = s.start + s.queries;
@@ -620,55 +657,47 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
     // A window lets the allocator release whole blocks no query of this step still sees.
     std::int64_t first = 0;
     if (c.window > 0) first = std::max<std::int64_t>(0, s.start - c.window + 1) / c.block * c.block;
-    cuda::AttentionEntry a;
-    a.first_row = static_cast<std::int32_t>(rows);
-    a.queries = static_cast<std::int32_t>(s.queries);
-    a.start_position = static_cast<std::int32_t>(s.start);
-    a.first_position = static_cast<std::int32_t>(first);
-    const std::int64_t blocks = (length + c.block - 1) / c.block;
-    KvView view;  // as a paged allocator of block c.block hands it out
-    view.first_position = first;
-    for (std::int64_t b = first / c.block; b < blocks; ++b)
-      view.extents.push_back(
-          {physical[next_block + b] * c.block, std::min(c.block, length - b * c.block)});
-    const cuda::BlockLayout layout = cuda::block_layout(view);
-    a.block_shift = layout.shift;
-    a.lead = layout.lead;
-    a.table_offset = static_cast<std::int64_t>(block_table.size());
-    cuda::append_block_table(view, layout, block_table);
+    in.entries.push_back(paged_entry(c, s, first, physical.data() + next_block, in));
     for (std::int64_t p = 0; p < length; ++p) {
       const std::int64_t slot = physical[next_block + p / c.block] * c.block + p % c.block;
-      std::copy_n(k.begin() + p * kv_width, kv_width, k_pool.begin() + slot * kv_width);
-      std::copy_n(v.begin() + p * kv_width, kv_width, v_pool.begin() + slot * kv_width);
+      std::copy_n(k.begin() + p * kv_width, kv_width, in.k_pool.begin() + slot * kv_width);
+      std::copy_n(v.begin() + p * kv_width, kv_width, in.v_pool.begin() + slot * kv_width);
     }
-    next_block += blocks;
+    next_block += (length + c.block - 1) / c.block;
     for (std::int64_t i = 0; i < s.queries; ++i) {
-      q_rows.insert(q_rows.end(), q.begin() + i * q_width, q.begin() + (i + 1) * q_width);
-      q_rows.insert(q_rows.end(), 2 * kv_width, 7.0f);  // K/V columns of the fused rows: unread
+      in.q_rows.insert(in.q_rows.end(), q.begin() + i * q_width, q.begin() + (i + 1) * q_width);
+      in.q_rows.insert(in.q_rows.end(), 2 * kv_width, 7.0f);  // K/V columns of the fused rows
     }
-    rows += s.queries;
-    if (s.queries == 1) max_keys = std::max(max_keys, s.start - first + 1);
-    max_queries = std::max(max_queries, s.queries);
-    entries.push_back(a);
-    expected.push_back(
-        reference_attention(q, k, v, heads, kv_heads, hd, s.start, s.queries, c.window));
+    in.rows += s.queries;
+    if (s.queries == 1) in.max_keys = std::max(in.max_keys, s.start - first + 1);
+    in.max_queries = std::max(in.max_queries, s.queries);
+    in.expected.push_back(
+        reference_attention(q, k, v, in.heads, in.kv_heads, hd, s.start, s.queries, c.window));
   }
+  return in;
+}
+
+void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>& sequences) {
+  AttentionInputs in = attention_inputs(c, sequences);
+  const std::int64_t heads = in.heads, kv_heads = in.kv_heads, hd = c.head_dim;
+  const std::int64_t q_width = heads * hd, q_stride = q_width + 2 * kv_heads * hd;
   const std::size_t e_bytes = cuda::dtype_bytes(c.dtype);
   const std::int32_t split_keys = 256;
   const std::size_t shift = c.unaligned_pools ? 1 : 0;  // elements before the pools' first slot
-  k_pool.insert(k_pool.begin(), shift, 0.0f);
-  v_pool.insert(v_pool.begin(), shift, 0.0f);
-  GuardedBuffer d_q(q_rows.size(), e_bytes), d_k(k_pool.size(), e_bytes),
-      d_v(v_pool.size(), e_bytes), d_table(block_table.size(), 8),
-      d_entries(entries.size(), sizeof(cuda::AttentionEntry)), d_out(rows * q_width, e_bytes),
-      d_workspace(cuda::attention_workspace_floats(entries.size(), heads, hd,
-                                                   std::max<std::int64_t>(max_keys, 1), split_keys),
-                  4);
-  d_q.write(q_rows, c.dtype);
-  d_k.write(k_pool, c.dtype);
-  d_v.write(v_pool, c.dtype);
-  d_table.write_bytes(block_table.data(), block_table.size() * 8);
-  d_entries.write_bytes(entries.data(), entries.size() * sizeof(cuda::AttentionEntry));
+  in.k_pool.insert(in.k_pool.begin(), shift, 0.0f);
+  in.v_pool.insert(in.v_pool.begin(), shift, 0.0f);
+  GuardedBuffer d_q(in.q_rows.size(), e_bytes), d_k(in.k_pool.size(), e_bytes),
+      d_v(in.v_pool.size(), e_bytes), d_table(in.block_table.size(), 8),
+      d_entries(in.entries.size(), sizeof(cuda::AttentionEntry)), d_out(in.rows * q_width, e_bytes),
+      d_workspace(
+          cuda::attention_workspace_floats(in.entries.size(), heads, hd,
+                                           std::max<std::int64_t>(in.max_keys, 1), split_keys),
+          4);
+  d_q.write(in.q_rows, c.dtype);
+  d_k.write(in.k_pool, c.dtype);
+  d_v.write(in.v_pool, c.dtype);
+  d_table.write_bytes(in.block_table.data(), in.block_table.size() * 8);
+  d_entries.write_bytes(in.entries.data(), in.entries.size() * sizeof(cuda::AttentionEntry));
   cuda::AttentionParams p;
   p.q = d_q.get();
   p.q_row_stride = q_stride;
@@ -676,9 +705,9 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   p.v_pool = d_v.as<char>() + shift * e_bytes;
   p.block_table = d_table.as<std::int64_t>();
   p.entries = d_entries.as<cuda::AttentionEntry>();
-  p.entry_count = static_cast<std::int32_t>(entries.size());
-  p.max_keys = static_cast<std::int32_t>(max_keys);
-  p.max_queries = static_cast<std::int32_t>(max_queries);
+  p.entry_count = static_cast<std::int32_t>(in.entries.size());
+  p.max_keys = static_cast<std::int32_t>(in.max_keys);
+  p.max_queries = static_cast<std::int32_t>(in.max_queries);
   p.out = d_out.get();
   p.heads = heads;
   p.kv_heads = kv_heads;
@@ -689,14 +718,15 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   p.dtype = c.dtype;
   ASSERT_EQ(cuda::launch_attention(p, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  const auto out = d_out.read(rows * q_width, c.dtype);
+  const auto out = d_out.read(in.rows * q_width, c.dtype);
   const std::string what = std::string(dtype_name(c.dtype)) + " hd " + std::to_string(hd) +
                            " group " + std::to_string(c.group) + " block " +
                            std::to_string(c.block) + " window " + std::to_string(c.window);
   for (std::size_t e = 0; e < sequences.size(); ++e) {
-    std::vector<float> got(out.begin() + entries[e].first_row * q_width,
-                           out.begin() + (entries[e].first_row + sequences[e].queries) * q_width);
-    std::vector<float> want(expected[e].begin(), expected[e].end());
+    std::vector<float> got(
+        out.begin() + in.entries[e].first_row * q_width,
+        out.begin() + (in.entries[e].first_row + sequences[e].queries) * q_width);
+    std::vector<float> want(in.expected[e].begin(), in.expected[e].end());
     const double tolerance = c.dtype == Dtype::f32 ? 5e-5 : 1e-2;
     expect_close(got, want, tolerance,
                  what + " sequence start " + std::to_string(sequences[e].start) + " queries " +
@@ -731,6 +761,17 @@ INSTANTIATE_TEST_SUITE_P(HeadDimGroupBlockDtype, CudaAttentionGrid,
                                   std::to_string(std::get<2>(info.param)) + "_" +
                                   dtype_name(std::get<3>(info.param));
                          });
+
+// Prefill chunks longer than one tensor-core query tile (64) and key tile (64): 150 queries
+// after 40 cached tokens spread over three query tiles and up to four key tiles, with the
+// causal diagonal inside tiles; beside them a prompt of 65 (one row into a second tile) and a
+// decode. Both dtypes (bf16 takes the tensor-core kernel), with and without a window.
+TEST(CudaAttention, LongPrefillChunksSpanSeveralQueryAndKeyTiles) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes)
+    for (std::int64_t window : {0, 48})
+      run_attention_case({128, 4, 16, window, dtype}, {{40, 150}, {0, 65}, {200, 1}});
+}
 
 TEST(CudaAttention, SlidingWindowMatchesTheReference) {
   KVLAB_REQUIRE_CUDA();
