@@ -187,6 +187,8 @@ RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, boo
     r.wall_s = out.wall_s;
     r.engine_wall_s = out.engine_wall_s;
     r.forward_wall_s = out.forward_wall_s;
+    r.forwards = out.forwards;
+    r.forwards_with_chosen_tokens = out.forwards_with_chosen_tokens;
     r.finished = out.summary.finished;
     r.checked_tokens = out.check.tokens;
     r.off_argmax = out.check.off_argmax;
@@ -304,6 +306,27 @@ std::string logit_agreement_line(const std::string& label, const LogitAgreement&
       a.top_positions, a.max_abs_delta, 2 * a.max_abs_delta);
 }
 
+// Where the runs' time went: wall, engine, the share outside Backend::forward, and how many
+// forwards returned the tokens the backend picked (Backend::choose_tokens) instead of logits.
+std::string wall_line(const std::vector<RunRecord>& records) {
+  double wall = 0, engine = 0, forward = 0;
+  std::int64_t forwards = 0, chosen = 0;
+  for (const RunRecord& r : records) {
+    if (!r.error.empty()) continue;
+    wall += r.wall_s;
+    engine += r.engine_wall_s;
+    forward += r.forward_wall_s;
+    forwards += r.forwards;
+    chosen += r.forwards_with_chosen_tokens;
+  }
+  return fmt::format(
+      "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward{})", wall,
+      engine, engine > 0 ? 100.0 * (engine - forward) / engine : 0.0,
+      chosen > 0
+          ? fmt::format("; the backend picked the tokens in {} of {} forwards", chosen, forwards)
+          : "");
+}
+
 // What rank 0 prints and writes once every run is in: the table, the errors, runs.json.
 int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
            std::vector<RunRecord> records, const std::filesystem::path& out_dir) {
@@ -314,7 +337,6 @@ int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
   CheckTotals totals;
   std::vector<SummaryRow> rows;
   nlohmann::json index = nlohmann::json::array();
-  double wall = 0, engine_wall = 0, forward_wall = 0;
   for (const RunRecord& r : records) {
     const ExperimentRun& run = runs[r.index];
     const std::string label = run.config.label.empty() ? "base" : run.config.label;
@@ -323,9 +345,6 @@ int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
                                    ranks > 1 ? fmt::format(" on rank {}", r.rank) : "", r.error));
       continue;
     }
-    wall += r.wall_s;
-    engine_wall += r.engine_wall_s;
-    forward_wall += r.forward_wall_s;
     totals.add(r);
     if (!r.all_rejected.empty())
       errors.push_back(fmt::format("run {} ({}): {}", r.index + 1, label, r.all_rejected));
@@ -341,10 +360,7 @@ int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
   fmt::print("{} ({} run{}; {})\n\n{}", name, runs.size(), runs.size() > 1 ? "s" : "",
              clock_description(runs), table);
   if (!logit_lines.empty()) fmt::print("\n{}", logit_lines);
-  fmt::print(stderr,
-             "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward)\n",
-             wall, engine_wall,
-             engine_wall > 0 ? 100.0 * (engine_wall - forward_wall) / engine_wall : 0.0);
+  fmt::print(stderr, "{}\n", wall_line(records));
   for (const auto& message : errors) fmt::print(stderr, "kvlab: error: {}\n", message);
   if (check) return check_verdict(totals, !errors.empty(), runs.front().config.check_tolerance);
   std::ofstream(out_dir / "summary.md") << "# " << name << "\n\n" << table;

@@ -65,6 +65,8 @@ RunRecord record_from_header(const nlohmann::json& h) {
   r.wall_s = h.at("wall_s").get<double>();
   r.engine_wall_s = h.at("engine_wall_s").get<double>();
   r.forward_wall_s = h.at("forward_wall_s").get<double>();
+  r.forwards = h.at("forwards").get<std::int64_t>();
+  r.forwards_with_chosen_tokens = h.at("forwards_with_chosen_tokens").get<std::int64_t>();
   return r;
 }
 
@@ -123,6 +125,8 @@ std::string encode_run_record(const RunRecord& r) {
                                  {"wall_s", r.wall_s},
                                  {"engine_wall_s", r.engine_wall_s},
                                  {"forward_wall_s", r.forward_wall_s},
+                                 {"forwards", r.forwards},
+                                 {"forwards_with_chosen_tokens", r.forwards_with_chosen_tokens},
                                  {"files", files}};
   const std::string text = header.dump();
   std::string out;

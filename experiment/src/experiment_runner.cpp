@@ -24,30 +24,9 @@
 #include "kvlab/sim/simulated_backend.hpp"
 #include "kvlab/suggest.hpp"
 #include "run_memo.hpp"
+#include "timed_backend.hpp"
 
 namespace kvlab {
-namespace {
-
-// Times Backend::forward, to report how much of a run is spent outside it.
-class TimedBackend final : public Backend {
- public:
-  explicit TimedBackend(Backend& inner) : inner_(inner) {}
-  std::span<const float> forward(std::span<const BatchEntry> batch) override {
-    const auto start = std::chrono::steady_clock::now();
-    const auto logits = inner_.forward(batch);
-    seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return logits;
-  }
-  std::int64_t vocab_size() const override { return inner_.vocab_size(); }
-  std::span<const std::int32_t> chosen_tokens() const override { return inner_.chosen_tokens(); }
-  double seconds() const { return seconds_; }
-
- private:
-  Backend& inner_;
-  double seconds_ = 0;
-};
-
-}  // namespace
 
 namespace {
 
@@ -613,7 +592,11 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);
     out.answer_texts.push_back(tokenizer->decode(answer));  // without the stop token
   }
-  for (const auto& stack : stacks) out.forward_wall_s += stack->backend->seconds();
+  for (const auto& stack : stacks) {
+    out.forward_wall_s += stack->backend->seconds();
+    out.forwards += stack->backend->forwards();
+    out.forwards_with_chosen_tokens += stack->backend->forwards_with_chosen_tokens();
+  }
   const double cluster_hit_rate = out.prefix_hit_rate;
   summarize_memory_and_predictions(out, cost_model && c.clock == "measured");
   if (c.replicas > 1) out.prefix_hit_rate = cluster_hit_rate;  // every replica's, not the last

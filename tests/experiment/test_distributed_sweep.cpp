@@ -78,6 +78,8 @@ RunRecord sample_record() {
   r.wall_s = 0.25;
   r.engine_wall_s = 0.125;
   r.forward_wall_s = 0.0625;
+  r.forwards = 640;
+  r.forwards_with_chosen_tokens = 639;
   return r;
 }
 
@@ -99,6 +101,8 @@ TEST(RunRecord, RoundTripsExactlyFilesAndDoubles) {
   EXPECT_EQ(back.logits.top_positions, r.logits.top_positions);
   EXPECT_EQ(back.logits.top_shared, r.logits.top_shared);
   EXPECT_EQ(back.forward_wall_s, r.forward_wall_s);
+  EXPECT_EQ(back.forwards, r.forwards);
+  EXPECT_EQ(back.forwards_with_chosen_tokens, r.forwards_with_chosen_tokens);
   RunRecord failed;
   failed.index = 3;
   failed.error = "bad safetensors file x";

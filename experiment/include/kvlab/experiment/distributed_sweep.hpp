@@ -38,6 +38,7 @@ struct RunRecord {
   double max_gap = 0;
   LogitAgreement logits;  // kvlab check --tolerance
   double wall_s = 0, engine_wall_s = 0, forward_wall_s = 0;
+  std::int64_t forwards = 0, forwards_with_chosen_tokens = 0;  // RunOutput's
 };
 
 // Bytes: an 8-byte little-endian header length, a JSON header, then every file's contents.

@@ -109,6 +109,9 @@ struct RunOutput {
   double wall_s = 0;          // the whole run, model setup included
   double engine_wall_s = 0;   // Engine::run
   double forward_wall_s = 0;  // of which inside Backend::forward
+  // Backend::forward calls, and those after which the backend returned the tokens it picked
+  // (Backend::choose_tokens: a GPU samples where the logits are) instead of logits.
+  std::int64_t forwards = 0, forwards_with_chosen_tokens = 0;
   // Fractions of the pool averaged over steps: live KV (not a static batch's padding), and
   // waste (reserved ahead, unfilled last blocks, padding, holes that blocked an admission).
   double mean_kv_used = 0, mean_kv_waste = 0;
