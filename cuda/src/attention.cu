@@ -219,6 +219,67 @@ __device__ __forceinline__ int element_of(int local, int sub) {
   return ((local / L::kVec) * L::kLanesPerKey + sub) * L::kVec + local % L::kVec;
 }
 
+// One query head's online softmax over a step's keys (kUnroll per lane group): scores by dot
+// products summed inside each key's lane group (every lane shuffles, invalid keys too), then
+// the running max, sum and accumulator absorb the valid keys.
+template <typename L, int kUnroll>
+__device__ __forceinline__ void absorb_keys(const float (&q)[L::kElements],
+                                            const float (&k)[kUnroll][L::kElements],
+                                            const float (&v)[kUnroll][L::kElements],
+                                            const bool (&valid)[kUnroll], float& m, float& l,
+                                            float (&acc)[L::kElements]) {
+  constexpr int E = L::kElements;
+  float score[kUnroll];
+  float m_new = m;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < E; ++i) dot += q[i] * k[u][i];
+#pragma unroll
+    for (int offset = L::kLanesPerKey / 2; offset > 0; offset /= 2)
+      dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+    score[u] = dot;
+    if (valid[u]) m_new = fmaxf(m_new, dot);
+  }
+  if (!valid[0]) return;  // no key for this group this step (valid[u] implies valid[0])
+  const float correction = __expf(m - m_new);
+  l *= correction;
+#pragma unroll
+  for (int i = 0; i < E; ++i) acc[i] *= correction;
+#pragma unroll
+  for (int u = 0; u < kUnroll; ++u) {
+    if (!valid[u]) continue;
+    const float weight = __expf(score[u] - m_new);
+    l += weight;
+#pragma unroll
+    for (int i = 0; i < E; ++i) acc[i] += weight * v[u][i];
+  }
+  m = m_new;
+}
+
+// Merges the lane groups of each warp: they hold the same elements for different keys.
+template <typename L, int QPB>
+__device__ __forceinline__ void merge_lane_groups(float (&m)[QPB], float (&l)[QPB],
+                                                  float (&acc)[QPB][L::kElements]) {
+#pragma unroll
+  for (int offset = L::kLanesPerKey; offset < 32; offset *= 2) {
+#pragma unroll
+    for (int h = 0; h < QPB; ++h) {
+      const float m_other = __shfl_xor_sync(0xffffffffu, m[h], offset);
+      const float l_other = __shfl_xor_sync(0xffffffffu, l[h], offset);
+      const float m_new = fmaxf(m[h], m_other);
+      const float mine = l[h] > 0.0f ? __expf(m[h] - m_new) : 0.0f;
+      const float theirs = l_other > 0.0f ? __expf(m_other - m_new) : 0.0f;
+#pragma unroll
+      for (int i = 0; i < L::kElements; ++i)
+        acc[h][i] = acc[h][i] * mine + __shfl_xor_sync(0xffffffffu, acc[h][i], offset) * theirs;
+      l[h] = l[h] * mine + l_other * theirs;
+      m[h] = m_new;
+    }
+  }
+}
+
 // Same grid and workspace as the scalar kernel. A warp's lanes form kKeysPerWarp groups of
 // kLanesPerKey lanes; each step a group takes kUnroll keys, so a warp has kKeysPerWarp x kUnroll
 // K and V rows in flight. Each group keeps its own online softmax; groups merge by shuffles,
@@ -272,54 +333,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       }
     }
 #pragma unroll
-    for (int h = 0; h < QPB; ++h) {
-      float score[kUnroll];
-      float m_new = m[h];
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < E; ++i) dot += q[h][i] * k[u][i];
-          // Every lane shuffles, invalid keys too; the sum stays inside the key's lane group.
-#pragma unroll
-        for (int offset = L::kLanesPerKey / 2; offset > 0; offset /= 2)
-          dot += __shfl_xor_sync(0xffffffffu, dot, offset);
-        score[u] = dot;
-        if (valid[u]) m_new = fmaxf(m_new, dot);
-      }
-      if (!valid[0]) continue;  // no key for this group this step (valid[u] implies valid[0])
-      const float correction = __expf(m[h] - m_new);
-      l[h] *= correction;
-#pragma unroll
-      for (int i = 0; i < E; ++i) acc[h][i] *= correction;
-#pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        if (!valid[u]) continue;
-        const float weight = __expf(score[u] - m_new);
-        l[h] += weight;
-#pragma unroll
-        for (int i = 0; i < E; ++i) acc[h][i] += weight * v[u][i];
-      }
-      m[h] = m_new;
-    }
+    for (int h = 0; h < QPB; ++h) absorb_keys<L, kUnroll>(q[h], k, v, valid, m[h], l[h], acc[h]);
   }
-  // Merge the lane groups of each warp: they hold the same elements for different keys.
-#pragma unroll
-  for (int offset = L::kLanesPerKey; offset < 32; offset *= 2) {
-#pragma unroll
-    for (int h = 0; h < QPB; ++h) {
-      const float m_other = __shfl_xor_sync(0xffffffffu, m[h], offset);
-      const float l_other = __shfl_xor_sync(0xffffffffu, l[h], offset);
-      const float m_new = fmaxf(m[h], m_other);
-      const float mine = l[h] > 0.0f ? __expf(m[h] - m_new) : 0.0f;
-      const float theirs = l_other > 0.0f ? __expf(m_other - m_new) : 0.0f;
-#pragma unroll
-      for (int i = 0; i < E; ++i)
-        acc[h][i] = acc[h][i] * mine + __shfl_xor_sync(0xffffffffu, acc[h][i], offset) * theirs;
-      l[h] = l[h] * mine + l_other * theirs;
-      m[h] = m_new;
-    }
-  }
+  merge_lane_groups<L, QPB>(m, l, acc);
   // Merge the warps through shared memory; lane group 0 of each warp holds its result.
   __shared__ float s_m[kDecodeWarps][QPB], s_l[kDecodeWarps][QPB];
   __shared__ float s_acc[kDecodeWarps][QPB][HD];
