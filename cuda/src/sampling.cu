@@ -214,13 +214,9 @@ __device__ std::int32_t sample_row(const float* row, int vocab, const RowSamplin
     mine += probability(row[i], s);         // exp(scaled): the normaliser is still 0
   s.log_normaliser = log(block_sum(mine));  // log(sum(exp(scaled))), as the host's
   Key kept{};                               // the last kept key: every key >= it is kept
-  double kept_mass = 0;
-  if (c.top_k > 0 && c.top_k < vocab) {
+  if (c.top_k > 0 && c.top_k < vocab)
     (void)select_key(row, vocab, s, Measure::count, c.top_k, true, kept);
-    kept_mass = mass_from(row, vocab, s, kept);
-  } else {
-    kept_mass = mass_from(row, vocab, s, kept);
-  }
+  double kept_mass = mass_from(row, vocab, s, kept);
   Key nucleus;
   if (c.top_p < 1.0 &&
       select_key(row, vocab, s, Measure::mass, c.top_p * kept_mass, true, nucleus) &&
@@ -253,11 +249,6 @@ cudaError_t launch_sample_rows(const float* logits, std::int64_t rows, std::int6
   if (vocab <= 0 || vocab > 0x7fffffff || rows > 0x7fffffff) return cudaErrorInvalidValue;
   return launch_kernel(sample_rows_kernel, static_cast<unsigned>(rows), kThreads, stream, logits,
                        vocab, choices, out);
-}
-
-cudaError_t launch_argmax_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
-                               std::int32_t* out, cudaStream_t stream) {
-  return launch_sample_rows(logits, rows, vocab, nullptr, out, stream);
 }
 
 }  // namespace kvlab::cuda

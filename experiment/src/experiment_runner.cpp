@@ -356,13 +356,16 @@ using EngineSlots = std::vector<std::pair<std::size_t, RequestId>>;
 constexpr std::size_t kComparedLogitBytes = std::size_t{512} << 20;
 
 // The reference's choices for the generated tokens of `sequence` (from position `first`), and,
-// with the engine's logits `logged`, how close those were to the reference's: whole rows where
-// kept (one reference forward, not memoized), the top 5 of every token.
+// with the engine's logits `log` (the request's, at `slot`), how close those were to the
+// reference's: whole rows where kept (one reference forward, not memoized), the top 5 of every
+// token.
 std::vector<ReferenceChoice> compared_choices(
     const std::function<const cpu::ReferenceModel&()>& reference, const std::string& weights_key,
     std::optional<std::int64_t> window, std::span<const std::int32_t> sequence, std::size_t first,
-    const EngineLogitLog* log, const EngineLogitLog::Request* logged, LogitAgreement& agreement) {
+    const EngineLogitLog* log, const std::pair<std::size_t, RequestId>& slot,
+    LogitAgreement& agreement) {
   if (log == nullptr) return reference_choices(reference, weights_key, window, sequence, first);
+  const EngineLogitLog::Request* logged = &log->request(slot.first, slot.second);
   const std::size_t generated = sequence.size() - 1 - first;
   if (logged->top.size() != generated)
     throw Error(
@@ -403,9 +406,9 @@ void check_against_reference(const ServedModel& served, std::optional<std::int64
     if (out.engine.requests[i].rejected || tokens.empty()) continue;
     std::vector<std::int32_t> sequence = requests[i].prompt;
     sequence.insert(sequence.end(), tokens.begin(), tokens.end());
-    const auto choices = compared_choices(
-        reference, served.weights_key, window, sequence, requests[i].prompt.size() - 1, log,
-        log ? &log->request(slots[i].first, slots[i].second) : nullptr, out.check.logits);
+    const auto choices =
+        compared_choices(reference, served.weights_key, window, sequence,
+                         requests[i].prompt.size() - 1, log, slots[i], out.check.logits);
     for (std::size_t t = 0; t < tokens.size(); ++t) {
       const ReferenceChoice& expected = choices[t];
       ++out.check.tokens;

@@ -29,14 +29,6 @@ TopTokens top_tokens(std::span<const float> row) {
   return ids;
 }
 
-void LogitAgreement::merge(const LogitAgreement& other) {
-  rows += other.rows;
-  max_abs_delta = std::max(max_abs_delta, other.max_abs_delta);
-  sum_row_max_delta += other.sum_row_max_delta;
-  top_positions += other.top_positions;
-  top_shared += other.top_shared;
-}
-
 double LogitAgreement::mean_row_max_delta() const {
   return rows > 0 ? sum_row_max_delta / static_cast<double>(rows) : 0.0;
 }

@@ -105,17 +105,17 @@ TEST(CudaKernels, ArgmaxRowsPicksTheLowestIndexOfTheMaximumAndFlagsNonFinite) {
   ASSERT_EQ(expected[1], 300);
   GuardedBuffer d_logits(logits.size(), 4), d_out(rows, 4);
   d_logits.write(logits, Dtype::f32);
-  ASSERT_EQ(cuda::launch_argmax_rows(d_logits.as<float>(), rows, vocab, d_out.as<std::int32_t>(),
-                                     nullptr),
+  ASSERT_EQ(cuda::launch_sample_rows(d_logits.as<float>(), rows, vocab, nullptr,
+                                     d_out.as<std::int32_t>(), nullptr),
             cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   std::vector<std::int32_t> actual(rows);
   d_out.read_bytes(actual.data(), actual.size() * 4);
   EXPECT_EQ(actual, expected);
   EXPECT_TRUE(d_out.guards_intact());
-  EXPECT_EQ(
-      cuda::launch_argmax_rows(d_logits.as<float>(), rows, 0, d_out.as<std::int32_t>(), nullptr),
-      cudaErrorInvalidValue);
+  EXPECT_EQ(cuda::launch_sample_rows(d_logits.as<float>(), rows, 0, nullptr,
+                                     d_out.as<std::int32_t>(), nullptr),
+            cudaErrorInvalidValue);
 }
 
 // A block table maps every position of a view to the view's own slot, whatever its extents: one

@@ -170,14 +170,11 @@ struct RowSampling {
 };
 
 // Token choice on the device: out[r] = row r's token of logits (rows, vocab) fp32 as
-// kvlab::pick_token chooses it from the same row and choices[r] (device memory); the argmax
-// takes the lowest index on ties. -1 for a row that holds NaN or +-inf (the engine reports it as
-// it reports such logits on the host).
+// kvlab::pick_token chooses it from the same row and choices[r] (device memory; nullptr: every
+// row greedy); the argmax takes the lowest index on ties. -1 for a row that holds NaN or +-inf (the
+// engine reports it as it reports such logits on the host).
 cudaError_t launch_sample_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
                                const RowSampling* choices, std::int32_t* out, cudaStream_t stream);
-// launch_sample_rows with every row greedy.
-cudaError_t launch_argmax_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
-                               std::int32_t* out, cudaStream_t stream);
 
 // Gathers rows: out[i] (dim) = in[index[i]] (fp32).
 cudaError_t launch_gather_rows(const float* in, const std::int32_t* index, float* out,

@@ -24,7 +24,6 @@ struct LogitAgreement {
   std::int64_t top_positions = 0;  // positions whose top-5 sets were compared: every token
   std::int64_t top_shared = 0;     // over them, |engine top 5 and reference top 5 in common|
 
-  void merge(const LogitAgreement& other);
   double mean_row_max_delta() const;  // 0 when no row was compared
   double top_overlap() const;         // top_shared / (5 x top_positions); 1 when none
   // Adds one position: `engine` and `reference` are its (vocab) rows.
