@@ -70,11 +70,12 @@ if command -v compute-sanitizer >/dev/null; then
     note "compute-sanitizer memcheck FAILED"; grep -E "Invalid|ERROR|FAILED" "$build/memcheck.log" | head -20
   fi
   # racecheck (shared-memory hazards) on the kernels that share memory across a block's threads
-  # through atomics and reductions (the token choice) and tiles (the tensor-core prefill).
+  # through atomics and reductions (the token choice) and tiles staged by asynchronous copies
+  # (the tensor-core prefill and decode).
   if compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/kvlab_cuda_tests" \
-       --gtest_filter='CudaKernels.SampleRows*:CudaKernels.ArgmaxRows*:CudaAttention.LongPrefill*' \
+       --gtest_filter='CudaKernels.SampleRows*:CudaKernels.ArgmaxRows*:CudaAttention.LongPrefill*:CudaAttention.DecodeGroups*:CudaAttention.PeakedScores*' \
        > "$build/racecheck.log" 2>&1; then
-    note "compute-sanitizer racecheck (token choice, tensor-core prefill): clean"
+    note "compute-sanitizer racecheck (token choice, tensor-core prefill and decode): clean"
   else
     status=1
     note "compute-sanitizer racecheck FAILED"; grep -E "hazard|ERROR|FAILED" "$build/racecheck.log" | head -20

@@ -145,6 +145,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       throw Error(fmt::format("cuda backend: dtype \"{}\": choose f32 or bf16", dtype));
     dtype_ = dtype == "f32" ? Dtype::f32 : Dtype::bf16;
     split_keys_ = static_cast<std::int32_t>(params.integer("split_keys"));
+    tensor_cores_ = params.boolean("tensor_cores");
     const kvlab::cpu::LlamaWeights& w = *context.weights;
     config_ = w.config;
     const kvlab::ModelConfig& c = config_;
@@ -425,6 +426,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     a.split_keys = split_keys_;
     a.workspace = workspace_.get<float>();
     a.dtype = dtype_;
+    a.tensor_cores = tensor_cores_;
     check(kvlab::cuda::launch_attention(a, stream_), "attention");
   }
 
@@ -546,6 +548,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   kvlab::ModelConfig config_;
   Dtype dtype_ = Dtype::f32;
   std::int32_t split_keys_ = 256;
+  bool tensor_cores_ = true;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   DeviceBuffer embedding_, lm_head_, final_norm_, rope_cos_, rope_sin_;
@@ -574,6 +577,9 @@ const kvlab::ParamSpec kParams[] = {
     {"device", kvlab::ParamType::param_integer, "CUDA device index", "0", 0, 1024},
     {"split_keys", kvlab::ParamType::param_integer,
      "keys per split of decode attention (flash-decoding)", "256", 16, 1 << 20},
+    {"tensor_cores", kvlab::ParamType::param_boolean,
+     "bf16 attention on tensor cores (mma.sync) where head_dim allows; false: CUDA cores", "true",
+     0, 1},
 };
 
 }  // namespace

@@ -1,13 +1,16 @@
 // Attention over the device KV pool, read through each sequence's block table (any allocator:
 // paged blocks, or contiguous extents as one large block; block_table.hpp), with GQA/MQA head
 // mapping and a sliding window.
-//   decode  (one query): split-K flash-decoding, one block per (query-head chunk of a K/V
-//           head, entry, key split), partials combined by a second kernel. Where a K/V row is a
-//           power of two 16-byte chunks and the pool is 16-byte aligned (every fp32/bf16 head_dim
-//           of 16, 32, 64, 128, 256), the vectorized kernel runs: lanes of a warp split into groups
-//           of up to 32 lanes per key, each lane loads whole 16-byte chunks, and every warp keeps
-//           several keys' K and V in flight; otherwise the scalar kernel (a key per warp, a lane
-//           per element) runs.
+//   decode  (one query): split-K flash-decoding, one block per (query heads of a K/V head, entry,
+//           key split), partials combined by a second kernel. bf16 on tensor cores: the up to 16
+//           query heads sharing a K/V head are the rows of mma.sync m16n8k16, so each K/V row is
+//           read once for its whole group, and 32-key tiles stream through shared memory with
+//           asynchronous copies, the next in flight while one is computed. Otherwise (fp32, the
+//           check path; head_dim 256; unaligned pools; tensor_cores off) on CUDA cores: where a
+//           K/V row is a power of two 16-byte chunks and the pool is 16-byte aligned, the
+//           vectorized kernel (lanes of a warp split into groups of up to 32 lanes per key, each
+//           lane loads whole 16-byte chunks, every warp keeps several keys in flight); else the
+//           scalar kernel (a key per warp, a lane per element).
 //   prefill (a chunk of queries): bf16 on tensor cores (FlashAttention-2 on mma.sync
 //           m16n8k16, 64 queries x 64-key tiles per block); otherwise one warp per query, key
 //           tiles staged in shared memory; causal, online softmax; earlier chunks' keys come
@@ -95,7 +98,7 @@ __device__ __forceinline__ bool decode_split(const AttentionParams& p, int queri
   d.e = p.entries[d.entry];
   if (d.e.queries != 1) return false;
   const int group = static_cast<int>(p.heads / p.kv_heads);
-  const int chunks = group / queries_per_block;
+  const int chunks = (group + queries_per_block - 1) / queries_per_block;
   d.kv_head = blockIdx.x / chunks;
   d.head0 = d.kv_head * group + (blockIdx.x % chunks) * queries_per_block;
   const int position = d.e.start_position;
@@ -484,6 +487,46 @@ __device__ __forceinline__ unsigned pack_bf16(float low, float high) {
   return pack_bf16(bf16_bits(low), bf16_bits(high));
 }
 
+// kCount (2 or 4) 8 x 8 matrices of b16 from shared memory, one 32-bit register per matrix
+// (PTX ldmatrix): lane i gives the address of row i % 8 of matrix i / 8 (16-byte aligned).
+// Lane l (g = l / 4, t = l % 4) receives elements (g, 2t) and (g, 2t + 1) of each matrix, or
+// transposed, (2t, g) and (2t + 1, g): an mma.sync B fragment of K rows, or of V rows.
+template <int kCount, bool kTransposed>
+__device__ __forceinline__ void load_matrices(unsigned (&r)[kCount], const unsigned short* row) {
+  static_assert(kCount == 2 || kCount == 4);
+#if defined(KVLAB_CUDA_EMULATION)
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  for (int m = 0; m < kCount; ++m) {
+    if constexpr (kTransposed) {
+      const unsigned short* low = emulation::shuffle(0xffffffffu, row, 8 * m + 2 * t);
+      const unsigned short* high = emulation::shuffle(0xffffffffu, row, 8 * m + 2 * t + 1);
+      r[m] = pack_bf16(low[g], high[g]);
+    } else {
+      const unsigned short* source = emulation::shuffle(0xffffffffu, row, 8 * m + g);
+      std::memcpy(&r[m], source + 2 * t, sizeof(unsigned));
+    }
+  }
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(row));
+  if constexpr (kCount == 4 && kTransposed)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  else if constexpr (kCount == 4)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(address));
+  else if constexpr (kTransposed)
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.trans.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(address));
+  else
+    asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+                 : "=r"(r[0]), "=r"(r[1])
+                 : "r"(address));
+#endif
+}
+
 // d (16 x 8) fp32 += a (16 x 16) bf16 x b (16 x 8) bf16: PTX mma.sync.aligned.m16n8k16.row.col.
 // Lane l (g = l / 4, t = l % 4) holds a = {A[g][2t, 2t+1], A[g+8][2t, 2t+1], A[g][2t+8, 2t+9],
 // A[g+8][2t+8, 2t+9]}, b = {B[2t, 2t+1][g], B[2t+8, 2t+9][g]} (the lower index in the low half)
@@ -525,24 +568,20 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], const unsigned (&a)[4],
 #endif
 }
 
-// Loads keys [tile, tile + kMmaKeys) of the entry's K and V head into shared memory through its
-// block table, 2 bf16 per load (pools 4-byte aligned); keys beyond `last` are zeros.
-template <int HD>
-__device__ void load_key_tile(const AttentionParams& p, const AttentionEntry& e, int kv_head,
-                              int tile, int last, unsigned short (*s_k)[HD + kMmaPad],
-                              unsigned short (*s_v)[HD + kMmaPad]) {
-  const auto* k_pool = static_cast<const unsigned*>(p.k_pool);
-  const auto* v_pool = static_cast<const unsigned*>(p.v_pool);
-  for (int index = threadIdx.x; index < kMmaKeys * HD / 2; index += blockDim.x) {
-    const int j = index / (HD / 2), pair = index % (HD / 2);
-    unsigned k = 0, v = 0;
-    if (tile + j <= last) {
-      const std::int64_t offset = ((slot_of(p, e, tile + j) * p.kv_heads + kv_head) * HD) / 2;
-      k = k_pool[offset + pair];
-      v = v_pool[offset + pair];
-    }
-    std::memcpy(&s_k[j][2 * pair], &k, sizeof k);
-    std::memcpy(&s_v[j][2 * pair], &v, sizeof v);
+// Stages keys [tile, tile + KEYS) of the entry's K/V head `kv_head` of `pool` (K or V) in shared
+// memory through its block table with 16-byte asynchronous copies (pools 16-byte aligned); keys
+// at or beyond `end` are zeros. The caller commits and waits (copy_async_*).
+template <int HD, int KEYS>
+__device__ void stage_rows(const AttentionParams& p, const AttentionEntry& e, const void* pool,
+                           int kv_head, int tile, int end, unsigned short (*rows)[HD + kMmaPad]) {
+  constexpr int kChunks = HD / 8;  // 16-byte chunks per row
+  const auto* elements = static_cast<const unsigned short*>(pool);
+  for (int index = threadIdx.x; index < KEYS * kChunks; index += blockDim.x) {
+    const int j = index / kChunks, chunk = index % kChunks;
+    const bool valid = tile + j < end;
+    const std::int64_t offset =
+        valid ? (slot_of(p, e, tile + j) * p.kv_heads + kv_head) * HD + 8 * chunk : 0;
+    copy_async_16(&rows[j][8 * chunk], elements + offset, valid);
   }
 }
 
@@ -556,9 +595,10 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// One warp's share of the tensor-core prefill: 16 query rows as A fragments, and this lane's
-// two rows (g and g + 8 of the 16): their query index, running max and partial sum (base 2),
-// and the output accumulators (16 x HD over the warp).
+// One warp's 16 rows on tensor cores (prefill: 16 queries of one head; decode: up to 16 query
+// heads of one K/V head at one position): the queries as A fragments, and this lane's two rows
+// (g and g + 8 of the 16): their index, running max and partial sum (base 2), and the output
+// accumulators (16 x HD over the warp).
 template <int HD>
 struct MmaRows {
   unsigned q[HD / 16][4];
@@ -566,56 +606,73 @@ struct MmaRows {
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   int rows[2] = {0, 0};
 };
-constexpr int kKeyTiles = kMmaKeys / 8;  // n-tiles of Q K^T over a key tile
-using Scores = float[kKeyTiles][4];      // a warp's S tile: 16 rows x kMmaKeys keys
+// A warp's S tile: 16 rows x 8 NT keys (NT n-tiles of the mma).
+template <int NT>
+using Scores = float[NT][4];
 
-template <int HD>
-__device__ void load_queries(const AttentionParams& p, const AttentionEntry& e, int head,
-                             MmaRows<HD>& w) {
+// Loads this lane's A fragments of 16 query rows: row r < rows_here is the HD elements of q
+// from element first_of(r); rows beyond are zeros.
+template <int HD, typename FirstOf>
+__device__ void load_query_fragments(const AttentionParams& p, int rows_here, FirstOf first_of,
+                                     MmaRows<HD>& w) {
   const int t = threadIdx.x % 4;
-  const auto* q_rows = static_cast<const unsigned*>(p.q);
+  const auto* q_pairs = static_cast<const unsigned*>(p.q);
   for (int s = 0; s < HD / 16; ++s)
     for (int r = 0; r < 4; ++r) {
       const int row = w.rows[r % 2], d = 16 * s + 2 * t + 8 * (r / 2);
-      w.q[s][r] =
-          row < e.queries ? q_rows[((e.first_row + row) * p.q_row_stride + head * HD + d) / 2] : 0u;
+      w.q[s][r] = row < rows_here ? q_pairs[(first_of(row) + d) / 2] : 0u;
     }
 }
 
-// S = Q K^T for the tile in s_k, scaled to base 2, -inf where the causal/window mask or the
-// entry's end hides a key; `tile_max` gets each of the lane's rows' largest.
-template <int HD>
-__device__ void tile_scores(const AttentionParams& p, const AttentionEntry& e, int tile,
-                            const MmaRows<HD>& w, const unsigned short (*s_k)[HD + kMmaPad],
-                            Scores& c, float (&tile_max)[2]) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  const float scale = rsqrtf(static_cast<float>(HD)) * 1.4426950408889634f;  // and log2(e)
-  for (int j = 0; j < kKeyTiles; ++j) {
+// S = Q K^T over 8 NT keys staged at s_k (fp32 accumulators, unscaled). One ldmatrix gives the
+// B fragments of two k-steps of an n-tile (the rows are keys: K^T's columns).
+template <int HD, int NT>
+__device__ void score_keys(const MmaRows<HD>& w, const unsigned short (*s_k)[HD + kMmaPad],
+                           Scores<NT>& c) {
+  constexpr int kSteps = HD / 16;
+  const int lane = threadIdx.x % 32;
+  for (int j = 0; j < NT; ++j) {
     for (int i = 0; i < 4; ++i) c[j][i] = 0.0f;
-    for (int s = 0; s < HD / 16; ++s) {
+    const unsigned short* key_row = s_k[8 * j + lane % 8];
+    for (int s = 0; s + 1 < kSteps; s += 2) {
+      unsigned b[4];
+      load_matrices<4, false>(b, key_row + 16 * s + 8 * (lane / 8));
+      mma_16816(c[j], w.q[s], {b[0], b[1]});
+      mma_16816(c[j], w.q[s + 1], {b[2], b[3]});
+    }
+    if constexpr (kSteps % 2 == 1) {
       unsigned b[2];
-      std::memcpy(&b[0], &s_k[8 * j + g][16 * s + 2 * t], sizeof(unsigned));
-      std::memcpy(&b[1], &s_k[8 * j + g][16 * s + 2 * t + 8], sizeof(unsigned));
-      mma_16816(c[j], w.q[s], b);
+      load_matrices<2, false>(b, key_row + 16 * (kSteps - 1) + 8 * (lane / 8 % 2));
+      mma_16816(c[j], w.q[kSteps - 1], b);
     }
   }
+}
+
+// Scales S to base 2 (1/sqrt(HD) and log2(e)) where seen(row, key) and sets -inf elsewhere
+// (all_seen: the caller knows every key of the tile is seen by every row);`tile_max` gets the
+// largest of each of the lane's two rows. Element i of n-tile j is key first_key + 8 j + 2 t +
+// i % 2 of row rows[i / 2].
+template <int HD, int NT, typename Seen>
+__device__ void mask_scores(const MmaRows<HD>& w, int first_key, bool all_seen, Seen seen,
+                            Scores<NT>& c, float (&tile_max)[2]) {
+  const int t = threadIdx.x % 4;
+  const float scale = rsqrtf(static_cast<float>(HD)) * 1.4426950408889634f;
   tile_max[0] = tile_max[1] = -INFINITY;
-  for (int j = 0; j < kKeyTiles; ++j)
+  for (int j = 0; j < NT; ++j)
     for (int i = 0; i < 4; ++i) {
-      const int row = w.rows[i / 2], position = e.start_position + row;
-      const int key = tile + 8 * j + 2 * t + i % 2;
-      const bool seen =
-          row < e.queries && key <= position && key >= first_key(e, position, p.window);
-      c[j][i] = seen ? c[j][i] * scale : -INFINITY;
+      const int key = first_key + 8 * j + 2 * t + i % 2;
+      c[j][i] = all_seen || seen(w.rows[i / 2], key) ? c[j][i] * scale : -INFINITY;
       tile_max[i / 2] = fmaxf(tile_max[i / 2], c[j][i]);
     }
 }
 
-// Online softmax over the tile (c becomes P), then O = O x correction + P V with P in bf16.
-template <int HD>
-__device__ void accumulate_tile(Scores& c, const float (&tile_max)[2],
+// Online softmax over the tile (c becomes P), then O = O x correction + P V with P in bf16;
+// the 8 NT keys' V rows are staged at s_v.
+template <int HD, int NT>
+__device__ void accumulate_tile(Scores<NT>& c, const float (&tile_max)[2],
                                 const unsigned short (*s_v)[HD + kMmaPad], MmaRows<HD>& w) {
-  const int g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  static_assert(NT % 2 == 0, "P V takes keys 16 at a time");
+  const int lane = threadIdx.x % 32;
   float correction[2];
   for (int r = 0; r < 2; ++r) {
     const float m_new = fmaxf(w.m[r], quad_max(tile_max[r]));
@@ -623,7 +680,7 @@ __device__ void accumulate_tile(Scores& c, const float (&tile_max)[2],
     correction[r] = exp2f(w.m[r] - base);
     w.m[r] = m_new;
     w.l[r] *= correction[r];
-    for (int j = 0; j < kKeyTiles; ++j)
+    for (int j = 0; j < NT; ++j)
       for (int i = 2 * r; i < 2 * r + 2; ++i) {
         c[j][i] = exp2f(c[j][i] - base);
         w.l[r] += c[j][i];
@@ -631,15 +688,17 @@ __device__ void accumulate_tile(Scores& c, const float (&tile_max)[2],
   }
   for (int n = 0; n < HD / 8; ++n)
     for (int i = 0; i < 4; ++i) w.o[n][i] *= correction[i / 2];
-  for (int s = 0; s < kMmaKeys / 16; ++s) {  // S's accumulators are P's A fragments
+  for (int s = 0; s < NT / 2; ++s) {  // S's accumulators are P's A fragments
     const unsigned a[4] = {pack_bf16(c[2 * s][0], c[2 * s][1]), pack_bf16(c[2 * s][2], c[2 * s][3]),
                            pack_bf16(c[2 * s + 1][0], c[2 * s + 1][1]),
                            pack_bf16(c[2 * s + 1][2], c[2 * s + 1][3])};
-    for (int n = 0; n < HD / 8; ++n) {
-      const int key = 16 * s + 2 * t, dim = 8 * n + g;
-      const unsigned b[2] = {pack_bf16(s_v[key][dim], s_v[key + 1][dim]),
-                             pack_bf16(s_v[key + 8][dim], s_v[key + 9][dim])};
-      mma_16816(w.o[n], a, b);
+    // One transposed ldmatrix: the B fragments of two n-tiles (8 dims each) over the 16 keys.
+    const unsigned short* value_row = s_v[16 * s + 8 * (lane / 8 % 2) + lane % 8];
+    for (int n = 0; n < HD / 8; n += 2) {
+      unsigned b[4];
+      load_matrices<4, true>(b, value_row + 8 * (n + lane / 16));
+      mma_16816(w.o[n], a, {b[0], b[1]});
+      mma_16816(w.o[n + 1], a, {b[2], b[3]});
     }
   }
 }
@@ -661,6 +720,16 @@ __device__ void store_rows(const AttentionParams& p, const AttentionEntry& e, in
   }
 }
 
+constexpr int kKeyTiles = kMmaKeys / 8;  // n-tiles of Q K^T over a prefill key tile
+
+// KEYS rows of K and of V in shared memory (bf16 bits, rows padded; ldmatrix and cp.async need
+// 16-byte aligned rows).
+template <int HD, int KEYS>
+struct alignas(16) KeyTile {
+  unsigned short k[KEYS][HD + kMmaPad];
+  unsigned short v[KEYS][HD + kMmaPad];
+};
+
 // One block per (entry, query head, tile of kMmaQueries queries); warp w owns 16 query rows.
 // Per key tile: S = Q K^T on tensor cores (fp32), causal/window mask, online softmax in base 2,
 // O += P V with P rounded to bf16 (FlashAttention-2). Rows beyond the entry's queries compute
@@ -677,25 +746,159 @@ __global__ void __launch_bounds__(kMmaWarps * 32) prefill_mma_kernel(AttentionPa
   MmaRows<HD> w;
   w.rows[0] = warp_rows + static_cast<int>(threadIdx.x % 32 / 4);
   w.rows[1] = w.rows[0] + 8;
-  load_queries<HD>(p, e, head, w);
+  load_query_fragments<HD>(
+      p, e.queries,
+      [&](int row) { return (std::int64_t{e.first_row} + row) * p.q_row_stride + head * HD; }, w);
   const int last = e.start_position + min(e.queries, first_query + kMmaQueries) - 1;
-  __shared__ unsigned short s_k[kMmaKeys][HD + kMmaPad], s_v[kMmaKeys][HD + kMmaPad];  // bf16
-  for (int tile = first_key(e, e.start_position + first_query, p.window); tile <= last;
-       tile += kMmaKeys) {
-    load_key_tile<HD>(p, e, kv_head, tile, last, s_k, s_v);
-    __syncthreads();
-    Scores c;
+  const auto seen = [&](int row, int key) {
+    const int position = e.start_position + row;
+    return row < e.queries && key <= position && key >= first_key(e, position, p.window);
+  };
+  // The warp's rows with queries: a tile every one of them sees whole needs no mask.
+  const int lowest = e.start_position + warp_rows;
+  const int highest = e.start_position + min(warp_rows + 15, e.queries - 1);
+  __shared__ KeyTile<HD, kMmaKeys> staged;
+  auto& s_k = staged.k;
+  auto& s_v = staged.v;
+  // FlashAttention-2's overlap with one buffer each: V's copies fly while S = Q K^T is computed,
+  // the next tile's K's while the softmax and P V are.
+  int tile = first_key(e, e.start_position + first_query, p.window);
+  stage_rows<HD, kMmaKeys>(p, e, p.k_pool, kv_head, tile, last + 1, s_k);
+  copy_async_commit();
+  for (; tile <= last; tile += kMmaKeys) {
+    copy_async_wait<0>();
+    __syncthreads();  // K staged; every warp done with the last tile's V
+    stage_rows<HD, kMmaKeys>(p, e, p.v_pool, kv_head, tile, last + 1, s_v);
+    copy_async_commit();
+    Scores<kKeyTiles> c;
+    score_keys<HD, kKeyTiles>(w, s_k, c);
+    __syncthreads();  // every warp done with K
+    if (tile + kMmaKeys <= last)
+      stage_rows<HD, kMmaKeys>(p, e, p.k_pool, kv_head, tile + kMmaKeys, last + 1, s_k);
+    copy_async_commit();  // possibly empty: the wait below always leaves the newest group
+    const bool all_seen =
+        tile + kMmaKeys - 1 <= lowest && (p.window == 0 || tile >= first_key(e, highest, p.window));
     float tile_max[2];
-    tile_scores<HD>(p, e, tile, w, s_k, c, tile_max);
-    accumulate_tile<HD>(c, tile_max, s_v, w);
-    __syncthreads();  // before the next tile overwrites s_k and s_v
+    mask_scores<HD, kKeyTiles>(w, tile, all_seen, seen, c, tile_max);
+    copy_async_wait<1>();
+    __syncthreads();  // V staged
+    accumulate_tile<HD, kKeyTiles>(c, tile_max, s_v, w);
   }
   store_rows<HD>(p, e, head, w);
 }
 
-// The prefill launch: on tensor cores for bf16 with head_dim a multiple of 16 up to 128 and
-// every operand 4-byte aligned (paired loads and stores); the warp-per-query kernel otherwise
-// (fp32, the check path; other head sizes; unaligned pools).
+// ---- Decode on tensor cores (bf16): the query heads that share a K/V head are the rows ----
+// A K/V row read once serves every query head of its group (GQA 8: 8 of the tile's 16 rows; MHA
+// 1), so the math is cheap on tensor cores and the kernel streams K/V: two warps take 16 keys
+// each of a 32-key tile, and the next tile's copies are in flight while one is computed.
+constexpr int kDecodeMmaWarps = 2;
+constexpr int kDecodeMmaKeys = 16 * kDecodeMmaWarps;
+constexpr int kMmaRows = 16;  // query heads per block
+
+// Merges warp 1's rows into warp 0's (through shared memory) and writes the block's workspace
+// partial [m, l, acc[HD]] of each of its `rows_here` query heads; m in natural-log units, as the
+// combine kernel reads it.
+template <int HD>
+__device__ void write_mma_partial(const AttentionParams& p, int max_splits, const DecodeSplit& d,
+                                  int rows_here, const MmaRows<HD>& w) {
+  static_assert(kDecodeMmaWarps == 2, "one warp merges into the other");
+  __shared__ float s_o[kMmaRows][HD], s_m[kMmaRows], s_l[kMmaRows];
+  const int warp = threadIdx.x / 32, t = threadIdx.x % 4;
+  const float l_row[2] = {quad_sum(w.l[0]), quad_sum(w.l[1])};
+  if (warp == 1) {
+    for (int r = 0; r < 2; ++r) {
+      for (int n = 0; n < HD / 8; ++n) {
+        s_o[w.rows[r]][8 * n + 2 * t] = w.o[n][2 * r];
+        s_o[w.rows[r]][8 * n + 2 * t + 1] = w.o[n][2 * r + 1];
+      }
+      if (t == 0) {
+        s_m[w.rows[r]] = w.m[r];
+        s_l[w.rows[r]] = l_row[r];
+      }
+    }
+  }
+  __syncthreads();
+  if (warp != 0) return;
+  for (int r = 0; r < 2; ++r) {
+    const int row = w.rows[r];
+    if (row >= rows_here) continue;
+    const float m_new = fmaxf(w.m[r], s_m[row]);
+    const float mine = l_row[r] > 0.0f ? exp2f(w.m[r] - m_new) : 0.0f;
+    const float theirs = s_l[row] > 0.0f ? exp2f(s_m[row] - m_new) : 0.0f;
+    float* part = partial_of(p.workspace, d.entry, d.head0 + row, blockIdx.z,
+                             static_cast<int>(p.heads), max_splits, HD);
+    if (t == 0) {
+      part[0] = m_new * 0.6931471805599453f;  // base 2 to natural
+      part[1] = l_row[r] * mine + s_l[row] * theirs;
+    }
+    for (int n = 0; n < HD / 8; ++n)
+      for (int i = 0; i < 2; ++i) {
+        const int dim = 8 * n + 2 * t + i;
+        part[2 + dim] = w.o[n][2 * r + i] * mine + s_o[row][dim] * theirs;
+      }
+  }
+}
+
+// Grid as the CUDA-core decode kernels with 16 query heads per block (x: row tile of a K/V
+// head's group, y: entry, z: key split); the same workspace partials and combine kernel. Rows
+// beyond the group compute (every lane takes part in each mma) but are never written.
+template <int HD>
+__global__ void __launch_bounds__(kDecodeMmaWarps * 32)
+    decode_mma_kernel(AttentionParams p, int max_splits) {
+  DecodeSplit d;
+  if (!decode_split(p, kMmaRows, d)) return;
+  const int group = static_cast<int>(p.heads / p.kv_heads);
+  const int rows_here = min(kMmaRows, d.kv_head * group + group - d.head0);
+  const int warp = threadIdx.x / 32;
+  MmaRows<HD> w;
+  w.rows[0] = static_cast<int>(threadIdx.x % 32 / 4);
+  w.rows[1] = w.rows[0] + 8;
+  load_query_fragments<HD>(
+      p, rows_here,
+      [&](int row) { return std::int64_t{d.e.first_row} * p.q_row_stride + (d.head0 + row) * HD; },
+      w);
+  __shared__ KeyTile<HD, kDecodeMmaKeys> stages[2];
+  const auto stage_tile = [&](int tile, int stage) {
+    stage_rows<HD, kDecodeMmaKeys>(p, d.e, p.k_pool, d.kv_head, tile, d.end, stages[stage].k);
+    stage_rows<HD, kDecodeMmaKeys>(p, d.e, p.v_pool, d.kv_head, tile, d.end, stages[stage].v);
+  };
+  stage_tile(d.begin, 0);
+  copy_async_commit();
+  const int end = d.end;
+  const auto seen = [end](int, int key) { return key < end; };
+  for (int tile = d.begin, stage = 0; tile < end; tile += kDecodeMmaKeys, stage ^= 1) {
+    if (tile + kDecodeMmaKeys < end) stage_tile(tile + kDecodeMmaKeys, stage ^ 1);
+    copy_async_commit();  // possibly empty: the wait below always leaves the newest group
+    copy_async_wait<1>();
+    __syncthreads();
+    const int first = 16 * warp;  // this warp's keys of the tile
+    Scores<2> c;
+    float tile_max[2];
+    score_keys<HD, 2>(w, stages[stage].k + first, c);
+    mask_scores<HD, 2>(w, tile + first, tile + kDecodeMmaKeys <= end, seen, c, tile_max);
+    accumulate_tile<HD, 2>(c, tile_max, stages[stage].v + first, w);
+    __syncthreads();  // before the next iteration's copies overwrite the other stage
+  }
+  write_mma_partial<HD>(p, max_splits, d, rows_here, w);
+}
+
+// Whether the bf16 tensor-core kernels can take this launch: asked for (tensor_cores), K/V rows
+// in 16-byte chunks (asynchronous copies), queries and outputs in bf16 pairs.
+template <typename T, int HD>
+bool tensor_cores_take(const AttentionParams& p) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && HD % 16 == 0 && HD <= 128) {
+    const auto address = [](const void* pointer) {
+      return reinterpret_cast<std::uintptr_t>(pointer);
+    };
+    return p.tensor_cores && (address(p.k_pool) | address(p.v_pool)) % 16 == 0 &&
+           (address(p.q) | address(p.out)) % 4 == 0 && p.q_row_stride % 2 == 0;
+  }
+  return false;
+}
+
+// The prefill launch: on tensor cores where they take it (bf16, head_dim a multiple of 16 up to
+// 128); the warp-per-query kernel otherwise (fp32, the check path; other head sizes; unaligned
+// pools).
 template <typename T, int HD>
 cudaError_t launch_prefill(const AttentionParams& p, cudaStream_t stream) {
   const auto tiles = [&](int queries_per_block) {
@@ -703,10 +906,7 @@ cudaError_t launch_prefill(const AttentionParams& p, cudaStream_t stream) {
                 static_cast<unsigned>((p.max_queries + queries_per_block - 1) / queries_per_block));
   };
   if constexpr (std::is_same_v<T, __nv_bfloat16> && HD % 16 == 0 && HD <= 128) {
-    const std::uintptr_t pointers =
-        reinterpret_cast<std::uintptr_t>(p.q) | reinterpret_cast<std::uintptr_t>(p.k_pool) |
-        reinterpret_cast<std::uintptr_t>(p.v_pool) | reinterpret_cast<std::uintptr_t>(p.out);
-    if (pointers % 4 == 0 && p.q_row_stride % 2 == 0)
+    if (tensor_cores_take<T, HD>(p))
       return launch_kernel(prefill_mma_kernel<HD>, tiles(kMmaQueries), kMmaWarps * 32, stream, p);
   }
   return launch_kernel(prefill_kernel<T, HD>, tiles(kPrefillWarps), kPrefillWarps * 32, stream, p);
@@ -719,11 +919,21 @@ int queries_per_block(std::int64_t group, int limit) {
   return 1;
 }
 
-// The decode launch for one dtype and head size: vectorized where it applies.
+// The decode launch for one dtype and head size: on tensor cores where they take it, else
+// vectorized where it applies, else scalar.
 template <typename T, int HD>
 cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t stream) {
   using L = VectorLayout<T, HD>;
   const std::int64_t group = p.heads / p.kv_heads;
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && HD % 16 == 0 && HD <= 128) {
+    if (tensor_cores_take<T, HD>(p)) {
+      const std::int64_t row_tiles = (group + kMmaRows - 1) / kMmaRows;
+      const dim3 grid(static_cast<unsigned>(p.kv_heads * row_tiles),
+                      static_cast<unsigned>(p.entry_count), static_cast<unsigned>(max_splits));
+      return launch_kernel(decode_mma_kernel<HD>, grid, kDecodeMmaWarps * 32, stream, p,
+                           max_splits);
+    }
+  }
   const std::uintptr_t pools =
       reinterpret_cast<std::uintptr_t>(p.k_pool) | reinterpret_cast<std::uintptr_t>(p.v_pool);
   const bool vectorized = L::kApplies && pools % 16 == 0;

@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <cstring>
+
 #include "kvlab/cuda/kernels.hpp"
 
 namespace kvlab::cuda {
@@ -41,6 +43,34 @@ __device__ __forceinline__ bool is_finite(float x) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+
+// Asynchronous 16-byte copies from global to shared memory (cp.async.cg, sm_80+): issue, then
+// commit the issued copies as a group, then wait until at most `pending` groups are still in
+// flight (and __syncthreads before other threads read them). `valid` false fills 16 zero
+// bytes and reads nothing. The emulator copies at issue: waiting is then free.
+__device__ __forceinline__ void copy_async_16(void* shared, const void* global, bool valid) {
+#if defined(KVLAB_CUDA_EMULATION)
+  if (valid)
+    std::memcpy(shared, global, 16);
+  else
+    std::memset(shared, 0, 16);
+#else
+  const unsigned address = static_cast<unsigned>(__cvta_generic_to_shared(shared));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(address), "l"(global),
+               "r"(valid ? 16 : 0));
+#endif
+}
+__device__ __forceinline__ void copy_async_commit() {
+#if !defined(KVLAB_CUDA_EMULATION)
+  asm volatile("cp.async.commit_group;\n" ::);
+#endif
+}
+template <int pending>
+__device__ __forceinline__ void copy_async_wait() {
+#if !defined(KVLAB_CUDA_EMULATION)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(pending));
+#endif
 }
 
 // Launches kernel<<<grid, block, 0, stream>>>(args...) and returns the launch status; under

@@ -5,9 +5,11 @@
 //   prefill:1 rows run each sequence's context as one causal prompt (4 x 4,096 tokens) and
 //   report TFLOP/s instead.
 //   Achieved bandwidth = K/V bytes read / kernel time (CUDA events), and its fraction of the
-//   device's peak (memory clock x bus width x 2, from the driver). scalar:1 shifts the pools one
-//   element off 16-byte alignment, which makes launch_attention take the scalar decode kernel:
-//   the row to compare the vectorized kernel against.
+//   device's peak (memory clock x bus width x 2, from the driver). kernel: 0 what
+//   launch_attention picks (bf16: tensor cores); 1 the CUDA-core kernels (tensor_cores off: the
+//   vectorized decode, the warp-per-query prefill); 2 pools one element off 16-byte alignment,
+//   which leaves only the scalar decode kernel. Rows 0 and 1 at the same shape say which bf16
+//   decode kernel to keep.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <benchmark/benchmark.h>
@@ -93,7 +95,8 @@ void DecodeAttention(benchmark::State& state) {
   }
   const Dtype dtype = state.range(0) == 0 ? Dtype::bf16 : Dtype::f32;
   const int split_keys = static_cast<int>(state.range(1));
-  const bool scalar = state.range(2) != 0;
+  const int kernel = static_cast<int>(state.range(2));
+  const bool scalar = kernel == 2;
   const std::int64_t batch = state.range(3), context = state.range(4), head_dim = state.range(5),
                      kv_heads = 8, heads = kv_heads * state.range(6), block = 16;
   const bool prefill = state.range(7) != 0;  // each sequence's whole context as one prompt
@@ -137,6 +140,7 @@ void DecodeAttention(benchmark::State& state) {
   p.split_keys = split_keys;
   p.workspace = static_cast<float*>(workspace);
   p.dtype = dtype;
+  p.tensor_cores = kernel == 0;
   if (time_launches(state, p)) {
     if (prefill) {  // causal: query i attends to i + 1 keys, 2 FLOPs per MAC, Q K^T and P V
       const double flops = 4.0 * static_cast<double>(batch * heads * head_dim) *
@@ -154,20 +158,24 @@ void DecodeAttention(benchmark::State& state) {
   for (void* ptr : {k, v, q, out, d_table, d_entries, workspace}) cudaFree(ptr);
 }
 // The shapes issue 15 sets its target on (>= 80% of HBM peak in bf16): batch 64 x 4096 and
-// 256 x 1024 context, head_dim 128 and 64, GQA 8 and 4; then splits, fp32 and the scalar kernel
-// at the first shape.
+// 256 x 1024 context, head_dim 128 and 64, GQA 8 and 4, on tensor cores and on CUDA cores; then
+// splits, fp32 and the scalar kernel at the first shape.
 void DecodeShapes(benchmark::internal::Benchmark* b) {
-  b->ArgNames({"f32", "split", "scalar", "batch", "context", "hd", "group", "prefill"});
-  for (const auto& [batch, context] : {std::pair{64, 4096}, std::pair{256, 1024}})
-    for (const int head_dim : {128, 64})
-      for (const int group : {8, 4}) b->Args({0, 512, 0, batch, context, head_dim, group, 0});
+  b->ArgNames({"f32", "split", "kernel", "batch", "context", "hd", "group", "prefill"});
+  for (const int kernel : {0, 1})
+    for (const auto& [batch, context] : {std::pair{64, 4096}, std::pair{256, 1024}})
+      for (const int head_dim : {128, 64})
+        for (const int group : {8, 4})
+          b->Args({0, 512, kernel, batch, context, head_dim, group, 0});
   for (const int split : {256, 1024}) b->Args({0, split, 0, 64, 4096, 128, 8, 0});
+  b->Args({0, 512, 0, 64, 4096, 128, 1, 0});  // MHA: one row of the tensor-core tile
   b->Args({1, 512, 0, 64, 4096, 128, 8, 0});
-  b->Args({0, 512, 1, 64, 4096, 128, 8, 0});
-  b->Args({1, 512, 1, 64, 4096, 128, 8, 0});
+  b->Args({0, 512, 2, 64, 4096, 128, 8, 0});
+  b->Args({1, 512, 2, 64, 4096, 128, 8, 0});
   // Prefill (issue 15's tensor-core target: >= 300 TFLOP/s at 4k-token prompts, head_dim 128):
-  // 4 prompts of 4,096 tokens, 32 query heads over 8 K/V heads; bf16 on tensor cores, f32 not.
-  b->Args({0, 512, 0, 4, 4096, 128, 4, 1});
+  // 4 prompts of 4,096 tokens, 32 query heads over 8 K/V heads; bf16 on tensor cores, on CUDA
+  // cores, and f32.
+  for (const int kernel : {0, 1}) b->Args({0, 512, kernel, 4, 4096, 128, 4, 1});
   b->Args({1, 512, 0, 4, 4096, 128, 4, 1});
 }
 BENCHMARK(DecodeAttention)->Apply(DecodeShapes)->UseManualTime()->Unit(benchmark::kMicrosecond);

@@ -596,6 +596,8 @@ struct AttentionCase {
   std::int64_t head_dim, group, block, window;
   Dtype dtype;
   bool unaligned_pools = false;  // K/V pools one element off 16 bytes: the scalar decode kernel
+  bool tensor_cores = true;      // AttentionParams::tensor_cores
+  float query_scale = 1.0f;      // > 1: peaked softmax, whose splits' maxima differ widely
 };
 
 // The host side of an attention case: pools holding every sequence's K/V in blocks shuffled
@@ -649,7 +651,7 @@ AttentionInputs attention_inputs(const AttentionCase& c,
   for (std::size_t e = 0; e < sequences.size(); ++e) {
     const auto& s = sequences[e];
     const std::int64_t length = s.start + s.queries;
-    auto q = random_values(s.queries * q_width, 100 + e),
+    auto q = random_values(s.queries * q_width, 100 + e, c.query_scale),
          k = random_values(length * kv_width, 200 + e),
          v = random_values(length * kv_width, 300 + e);
     for (auto* values : {&q, &k, &v})
@@ -716,10 +718,12 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   p.split_keys = split_keys;
   p.workspace = d_workspace.as<float>();
   p.dtype = c.dtype;
+  p.tensor_cores = c.tensor_cores;
   ASSERT_EQ(cuda::launch_attention(p, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto out = d_out.read(in.rows * q_width, c.dtype);
-  const std::string what = std::string(dtype_name(c.dtype)) + " hd " + std::to_string(hd) +
+  const std::string what = std::string(dtype_name(c.dtype)) +
+                           (c.tensor_cores ? "" : " (CUDA cores)") + " hd " + std::to_string(hd) +
                            " group " + std::to_string(c.group) + " block " +
                            std::to_string(c.block) + " window " + std::to_string(c.window);
   for (std::size_t e = 0; e < sequences.size(); ++e) {
@@ -771,6 +775,42 @@ TEST(CudaAttention, LongPrefillChunksSpanSeveralQueryAndKeyTiles) {
   for (Dtype dtype : kDtypes)
     for (std::int64_t window : {0, 48})
       run_attention_case({128, 4, 16, window, dtype}, {{40, 150}, {0, 65}, {200, 1}});
+}
+
+// Decode on tensor cores with more query heads per K/V head than one row tile (16) holds (MQA
+// with 32 heads: two tiles; 24: a full and a half one) and exactly 16; keys over two warps'
+// halves of a tile, several tiles, a split boundary (256) and four splits.
+TEST(CudaAttention, DecodeGroupsBeyondOneTensorCoreRowTile) {
+  KVLAB_REQUIRE_CUDA();
+  for (std::int64_t group : {16, 24, 32})
+    run_attention_case({64, group, 16, 0, Dtype::bf16}, {{0, 1}, {40, 1}, {300, 1}, {999, 1}});
+}
+
+// Scores spread wide (queries x 6): each split's softmax is dominated by its own few largest
+// keys and the splits' maxima differ by several units, so combining them with a wrong base or
+// merging a block's warps with the wrong weight shows (with flat scores it hides within bf16's
+// tolerance). Both decode paths, and fp32.
+TEST(CudaAttention, PeakedScoresCombineSplitsAndWarpsByTheirMaxima) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes)
+    for (bool tensor_cores : {true, false}) {
+      AttentionCase c{128, 8, 16, 0, dtype};
+      c.tensor_cores = tensor_cores;
+      c.query_scale = 6.0f;
+      run_attention_case(c, {{20, 1}, {600, 1}, {999, 1}, {0, 40}});
+    }
+}
+
+// The CUDA-core kernels for bf16 (tensor_cores off), which bench_cuda compares the tensor-core
+// ones against: the vectorized decode and warp-per-query prefill.
+TEST(CudaAttention, CudaCoreKernelsMatchTheReferenceInBf16) {
+  KVLAB_REQUIRE_CUDA();
+  for (std::int64_t head_dim : {64, 128})
+    for (std::int64_t group : {1, 8}) {
+      AttentionCase c{head_dim, group, 16, 0, Dtype::bf16};
+      c.tensor_cores = false;
+      run_attention_case(c, kSequences);
+    }
 }
 
 TEST(CudaAttention, SlidingWindowMatchesTheReference) {

@@ -13,8 +13,9 @@
 // `static thread_local`: one copy per OS thread, shared by the fibers of the running block.
 //
 // What it cannot show: timing, memory coalescing, bank conflicts, races between threads that
-// the hardware would interleave differently, and fast-math differences (__expf is std::exp
-// here). Those need a GPU: scripts/gpu_check.sh.
+// the hardware would interleave differently, fast-math differences (__expf is std::exp here),
+// and a missing wait for asynchronous copies (copy_async_16 copies at issue here). Those need a
+// GPU: scripts/gpu_check.sh (racecheck).
 #ifndef KVLAB_CUDA_EMULATION
 #error "kvlab/cuda/emulation.hpp is only for the emulated build (KVLAB_CUDA_EMULATION)"
 #endif

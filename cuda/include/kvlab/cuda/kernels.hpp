@@ -125,6 +125,9 @@ struct AttentionParams {
   std::int32_t split_keys = 256;
   float* workspace = nullptr;  // attention_workspace_floats(...) floats
   Dtype dtype = Dtype::f32;
+  // bf16 decode and prefill on tensor cores (mma.sync) where head_dim is a multiple of 16 up to
+  // 128 and the pools are 16-byte aligned; false: the CUDA-core kernels (a comparison).
+  bool tensor_cores = true;
 };
 // Floats of workspace a launch with these sizes needs.
 std::int64_t attention_workspace_floats(std::int64_t entries, std::int64_t heads,
