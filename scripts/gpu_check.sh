@@ -111,6 +111,7 @@ if "$build/bin/kvlab" run experiments/cuda_fcfs_vs_static.toml --force --out "$b
      > "$build/e2e.log" 2>&1; then
   note "end to end (tinyllama-1.1b bf16, 256 requests, measured clock):"
   grep -E "^\|" "$build/e2e.log"
+  note "  $(grep -E '^wall' "$build/e2e.log")"  # share outside forward, device picks, graphs
   summary+=("$(grep -E '^\| scheduler' "$build/e2e.log")")
 else
   status=1

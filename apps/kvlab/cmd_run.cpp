@@ -189,6 +189,8 @@ RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, boo
     r.forward_wall_s = out.forward_wall_s;
     r.forwards = out.forwards;
     r.forwards_with_chosen_tokens = out.forwards_with_chosen_tokens;
+    r.graph_replays = out.graph_replays;
+    r.graph_captures = out.graph_captures;
     r.finished = out.summary.finished;
     r.checked_tokens = out.check.tokens;
     r.off_argmax = out.check.off_argmax;
@@ -307,10 +309,11 @@ std::string logit_agreement_line(const std::string& label, const LogitAgreement&
 }
 
 // Where the runs' time went: wall, engine, the share outside Backend::forward, and how many
-// forwards returned the tokens the backend picked (Backend::choose_tokens) instead of logits.
+// forwards returned the tokens the backend picked (Backend::choose_tokens) instead of logits, and
+// how many replayed a CUDA graph.
 std::string wall_line(const std::vector<RunRecord>& records) {
   double wall = 0, engine = 0, forward = 0;
-  std::int64_t forwards = 0, chosen = 0;
+  std::int64_t forwards = 0, chosen = 0, replays = 0, captures = 0;
   for (const RunRecord& r : records) {
     if (!r.error.empty()) continue;
     wall += r.wall_s;
@@ -318,13 +321,17 @@ std::string wall_line(const std::vector<RunRecord>& records) {
     forward += r.forward_wall_s;
     forwards += r.forwards;
     chosen += r.forwards_with_chosen_tokens;
+    replays += r.graph_replays;
+    captures += r.graph_captures;
   }
   return fmt::format(
-      "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward{})", wall,
+      "wall {:.1f} s ({:.1f} s in the engine, {:.1f}% of that outside Backend::forward{}{})", wall,
       engine, engine > 0 ? 100.0 * (engine - forward) / engine : 0.0,
       chosen > 0
           ? fmt::format("; the backend picked the tokens in {} of {} forwards", chosen, forwards)
-          : "");
+          : "",
+      captures > 0 ? fmt::format("; {} replayed a CUDA graph ({} captured)", replays, captures)
+                   : "");
 }
 
 // What rank 0 prints and writes once every run is in: the table, the errors, runs.json.

@@ -13,6 +13,9 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <bit>
+#include <cstdio>
+#include <map>
 #include <utility>
 #include <vector>
 
@@ -55,13 +58,17 @@ class DeviceBuffer {
     return *this;
   }
   ~DeviceBuffer() { cudaFree(data_); }
-  void resize(std::size_t bytes) {  // grows only; contents are not kept
-    if (bytes <= bytes_) return;
+  // Grows only, contents not kept; true when the allocation moved (a captured graph that
+  // reads it is stale).
+  bool resize(std::size_t bytes) {
+    if (bytes <= bytes_) return false;
     cudaFree(data_);
     data_ = nullptr;
     check(cudaMalloc(&data_, bytes), "cudaMalloc");
     bytes_ = bytes;
+    return true;
   }
+  std::size_t bytes() const { return bytes_; }
   template <typename T = void>
   T* get() const {
     return static_cast<T*>(data_);
@@ -71,6 +78,30 @@ class DeviceBuffer {
   void* data_ = nullptr;
   std::size_t bytes_ = 0;
 };
+
+// An instantiated CUDA graph that destroys itself.
+class GraphExec {
+ public:
+  explicit GraphExec(cudaGraphExec_t exec) : exec_(exec) {}
+  GraphExec(const GraphExec&) = delete;
+  GraphExec& operator=(const GraphExec&) = delete;
+  GraphExec(GraphExec&& other) noexcept : exec_(std::exchange(other.exec_, nullptr)) {}
+  ~GraphExec() {
+    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
+  }
+  cudaGraphExec_t get() const { return exec_; }
+
+ private:
+  cudaGraphExec_t exec_ = nullptr;
+};
+
+// The batch sizes decode steps are captured as graphs for (a step pads up to one): 1, 2, 4,
+// then multiples of 8 up to 512, as vLLM does; 0 (no graph) beyond.
+std::int64_t graph_batch_bucket(std::int64_t count) {
+  if (count <= 4)
+    return static_cast<std::int64_t>(std::bit_ceil(static_cast<std::uint64_t>(count)));
+  return count <= 512 ? (count + 7) / 8 * 8 : 0;
+}
 
 // Pinned host staging for one step's uploads and the logits download.
 class PinnedBuffer {
@@ -146,6 +177,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     dtype_ = dtype == "f32" ? Dtype::f32 : Dtype::bf16;
     split_keys_ = static_cast<std::int32_t>(params.integer("split_keys"));
     tensor_cores_ = params.boolean("tensor_cores");
+    graphs_enabled_ = params.boolean("cuda_graphs");
     const kvlab::cpu::LlamaWeights& w = *context.weights;
     config_ = w.config;
     const kvlab::ModelConfig& c = config_;
@@ -162,6 +194,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     check(cudaStreamCreate(&stream_), "cudaStreamCreate");
     check(cublasCreate(&cublas_), "cublasCreate");
     check(cublasSetStream(cublas_, stream_), "cublasSetStream");
+    // cuBLAS's own workspace, so that a GEMM inside a graph capture never allocates.
+    cublas_workspace_.resize(std::size_t{32} << 20);
+    check(cublasSetWorkspace(cublas_, cublas_workspace_.get(), cublas_workspace_.bytes()),
+          "cublasSetWorkspace");
 
     embedding_ = upload_matrix(w.embedding.data(), w.embedding.size(), dtype_);
     if (!c.tie_word_embeddings)
@@ -187,7 +223,9 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     rope_cos_ = upload_floats(cos.data(), static_cast<std::int64_t>(cos.size()));
     rope_sin_ = upload_floats(sin.data(), static_cast<std::int64_t>(sin.size()));
 
-    layer_elements_ = shape.slots * c.kv_dim();
+    // One slot beyond the allocator's: where the padding rows of a graphed step write K/V.
+    spare_slot_ = shape.slots;
+    layer_elements_ = (shape.slots + 1) * c.kv_dim();
     const std::size_t pool_bytes =
         static_cast<std::size_t>(shape.layers * layer_elements_) * kvlab::cuda::dtype_bytes(dtype_);
     k_pool_.resize(pool_bytes);
@@ -212,27 +250,20 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     return true;
   }
 
+  kvlab::BackendCounters counters() const override { return {graph_captures_, graph_replays_}; }
+
   std::span<const float> forward(std::span<const kvlab::BatchEntry> batch) override {
-    const kvlab::ModelConfig& c = config_;
     chosen_ = {};
     step_choices_.swap(choices_);  // choose_tokens applies to this forward only
     choices_.clear();
-    const StepShape step = stage_step(batch);  // 1. metadata, uploaded once
+    StepShape step = stage_step(batch);  // 1. metadata
     if (step.rows == 0) return {};
-    grow_activations(step);  // 2.
-    // 3. The layers.
-    check(kvlab::cuda::launch_embedding(
-              {d_tokens_.get<std::int32_t>(), embedding_.get(), x_.get<float>(), step.rows,
-               c.hidden_size, c.vocab_size, dtype_},
-              stream_),
-          "embedding");
-    check(kvlab::cuda::launch_rms_norm(
-              {x_.get<float>(), c.hidden_size, layers_.front().attention_norm.get<float>(),
-               normed_.get(), step.rows, c.hidden_size, static_cast<float>(c.rms_norm_eps), dtype_},
-              stream_),
-          "rms_norm");
-    for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) run_layer(l, step);
-    return read_out(step.count);  // 4.
+    step.choosing = step_choices_.size() == batch.size();
+    const bool graphed = graphs_enabled_ && pad_for_graph(step);
+    upload_step(step);  // 2. uploaded once
+    grow_activations(step);
+    if (!graphed || !replay_graph(step)) compute(step);  // 3.
+    return read_out(step);                               // 4.
   }
 
   // KvDeviceStorage: the allocator's slot copies and the engine's swaps.
@@ -265,8 +296,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
  private:
   // Rows (new tokens) and sequences of one step, and the attention launch's bounds.
   struct StepShape {
-    std::int64_t rows = 0, count = 0;
+    std::int64_t rows = 0, count = 0;  // count: entries, padding included
+    std::int64_t sequences = 0;        // the batch's entries
     std::int32_t max_keys = 0, max_queries = 0;
+    bool choosing = false;  // the device picks the tokens (choose_tokens)
   };
 
   // One entry's new tokens, their positions and the slots their K/V go to (walking its extents).
@@ -321,21 +354,55 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     }
     StepShape step;
     step.rows = static_cast<std::int64_t>(tokens_.size());
-    step.count = static_cast<std::int64_t>(batch.size());
+    step.count = step.sequences = static_cast<std::int64_t>(batch.size());
     step.max_keys = max_keys;
     step.max_queries = max_queries;
-    if (step.rows == 0) return step;
     if (step.count > 65535)
       throw Error(fmt::format(
           "cuda backend: a step of {} sequences; attention takes at most 65,535 per launch",
           step.count));
+    return step;
+  }
+
+  // A decode step whose tokens the device picks runs as a CUDA graph captured for its batch
+  // bucket (graph_batch_bucket) and split bucket: the step is padded to the bucket with rows
+  // that write K/V to the spare slot and whose attention entries have no query (every kernel
+  // skips them; their rows' values are never read), and its decode grid covers a power of two
+  // splits (empty splits return at once). False (nothing changed) when the step does not
+  // qualify.
+  bool pad_for_graph(StepShape& step) {
+    const std::int64_t bucket = graph_batch_bucket(step.count);
+    if (!step.choosing || step.max_queries != 1 || bucket == 0) return false;
+    for (std::int64_t r = step.count; r < bucket; ++r) {
+      kvlab::cuda::AttentionEntry padding;
+      padding.first_row = static_cast<std::int32_t>(r);
+      padding.queries = 0;
+      entries_.push_back(padding);
+      tokens_.push_back(0);
+      positions_.push_back(0);
+      new_slots_.push_back(spare_slot_);
+      last_rows_.push_back(static_cast<std::int32_t>(r));
+      step_choices_.push_back({});  // greedy
+    }
+    step.rows = step.count = bucket;
+    const auto splits = static_cast<std::uint64_t>((step.max_keys + split_keys_ - 1) / split_keys_);
+    step.max_keys = static_cast<std::int32_t>(std::bit_ceil(splits)) * split_keys_;
+    return true;
+  }
+
+  // The step's metadata and token choices to the device. A buffer that must grow takes twice
+  // what it needs, so graphs are not invalidated step after step.
+  void upload_step(const StepShape& step) {
     to_device(tokens_, d_tokens_);
     to_device(positions_, d_positions_);
     to_device(new_slots_, d_new_slots_);
     to_device(block_table_, d_block_table_);
     to_device(entries_, d_entries_);
     to_device(last_rows_, d_last_rows_);
-    return step;
+    if (!step.choosing) return;
+    to_device(step_choices_, d_choices_);
+    grow(d_chosen_, static_cast<std::size_t>(step.count) * sizeof(std::int32_t));
+    host_chosen_.resize(static_cast<std::size_t>(step.count) * sizeof(std::int32_t));
   }
 
   // The step's activations and attention workspace (buffers grow only).
@@ -344,19 +411,90 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
     const std::int64_t rows = step.rows, count = step.count, dim = c.hidden_size, q_dim = c.q_dim(),
                        qkv_dim = q_dim + 2 * c.kv_dim(), ffn = c.intermediate_size;
-    x_.resize(static_cast<std::size_t>(rows * dim) * sizeof(float));
-    normed_.resize(static_cast<std::size_t>(rows * dim) * e);
-    qkv_.resize(static_cast<std::size_t>(rows * qkv_dim) * e);
-    attention_.resize(static_cast<std::size_t>(rows * q_dim) * e);
-    projected_.resize(static_cast<std::size_t>(rows * dim) * e);
-    gate_up_.resize(static_cast<std::size_t>(rows * 2 * ffn) * e);
-    hidden_.resize(static_cast<std::size_t>(rows * ffn) * e);
-    last_.resize(static_cast<std::size_t>(count * dim) * sizeof(float));
-    logits_.resize(static_cast<std::size_t>(count * c.vocab_size) * sizeof(float));
-    workspace_.resize(
-        static_cast<std::size_t>(kvlab::cuda::attention_workspace_floats(
-            count, c.num_attention_heads, c.head_dim, std::max(step.max_keys, 1), split_keys_)) *
-        sizeof(float));
+    grow(x_, static_cast<std::size_t>(rows * dim) * sizeof(float));
+    grow(normed_, static_cast<std::size_t>(rows * dim) * e);
+    grow(qkv_, static_cast<std::size_t>(rows * qkv_dim) * e);
+    grow(attention_, static_cast<std::size_t>(rows * q_dim) * e);
+    grow(projected_, static_cast<std::size_t>(rows * dim) * e);
+    grow(gate_up_, static_cast<std::size_t>(rows * 2 * ffn) * e);
+    grow(hidden_, static_cast<std::size_t>(rows * ffn) * e);
+    grow(last_, static_cast<std::size_t>(count * dim) * sizeof(float));
+    grow(logits_, static_cast<std::size_t>(count * c.vocab_size) * sizeof(float));
+    grow(workspace_,
+         static_cast<std::size_t>(kvlab::cuda::attention_workspace_floats(
+             count, c.num_attention_heads, c.head_dim, std::max(step.max_keys, 1), split_keys_)) *
+             sizeof(float));
+  }
+
+  // Grows a buffer the forward reads or writes; if it moves, every captured graph is stale.
+  void grow(DeviceBuffer& buffer, std::size_t bytes) {
+    if (buffer.resize(bytes)) graphs_.clear();
+  }
+
+  // The forward's launches from the embedding to the logits (and the device's token choice).
+  void compute(const StepShape& step) {
+    const kvlab::ModelConfig& c = config_;
+    check(kvlab::cuda::launch_embedding(
+              {d_tokens_.get<std::int32_t>(), embedding_.get(), x_.get<float>(), step.rows,
+               c.hidden_size, c.vocab_size, dtype_},
+              stream_),
+          "embedding");
+    check(kvlab::cuda::launch_rms_norm(
+              {x_.get<float>(), c.hidden_size, layers_.front().attention_norm.get<float>(),
+               normed_.get(), step.rows, c.hidden_size, static_cast<float>(c.rms_norm_eps), dtype_},
+              stream_),
+          "rms_norm");
+    for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) run_layer(l, step);
+    final_logits(step.count);
+    if (step.choosing)
+      check(kvlab::cuda::launch_sample_rows(logits_.get<float>(), step.count, c.vocab_size,
+                                            d_choices_.get<kvlab::cuda::RowSampling>(),
+                                            d_chosen_.get<std::int32_t>(), stream_),
+            "sample");
+  }
+
+  // Launches the graph captured for this step's (batch, split) bucket, capturing it first if
+  // there is none. False when capture fails: graphs are then off for this backend (said once on
+  // stderr) and the caller launches the step directly; nothing ran meanwhile.
+  bool replay_graph(const StepShape& step) {
+    const auto key = std::pair{step.count, step.max_keys};
+    auto found = graphs_.find(key);
+    if (found == graphs_.end()) {
+      cudaGraphExec_t exec = capture_graph(step);
+      if (exec == nullptr) return false;
+      found = graphs_.emplace(key, GraphExec(exec)).first;
+      ++graph_captures_;
+    }
+    check(cudaGraphLaunch(found->second.get(), stream_), "cudaGraphLaunch");
+    ++graph_replays_;
+    return true;
+  }
+
+  cudaGraphExec_t capture_graph(const StepShape& step) {
+    cudaGraph_t graph = nullptr;
+    std::string failure;
+    if (cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal) != cudaSuccess) {
+      failure = "cudaStreamBeginCapture";
+    } else {
+      try {
+        compute(step);
+      } catch (const Error& e) {
+        failure = e.what();
+      }
+      if (cudaStreamEndCapture(stream_, &graph) != cudaSuccess && failure.empty())
+        failure = "cudaStreamEndCapture";
+    }
+    cudaGraphExec_t exec = nullptr;
+    if (failure.empty() && cudaGraphInstantiate(&exec, graph, 0) != cudaSuccess)
+      failure = "cudaGraphInstantiate";
+    if (graph != nullptr) cudaGraphDestroy(graph);
+    if (failure.empty()) return exec;
+    (void)cudaGetLastError();  // the failed capture's error is not the next launch's
+    graphs_enabled_ = false;
+    graphs_.clear();
+    std::fprintf(stderr, "kvlab: cuda backend: CUDA graph capture failed (%s); steps run without\n",
+                 failure.c_str());
+    return nullptr;
   }
 
   // One decoder layer over the step's rows, in place on the fp32 residual stream x_. normed_
@@ -430,31 +568,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     check(kvlab::cuda::launch_attention(a, stream_), "attention");
   }
 
-  // The tokens of this step's `count` rows of logits, chosen on the device as the engine asked
-  // (choose_tokens): count token ids come back to the host, not count x vocab floats.
-  void choose_on_device(std::int64_t count) {
-    const std::size_t choice_bytes = step_choices_.size() * sizeof(kvlab::cuda::RowSampling);
-    const std::size_t id_bytes = static_cast<std::size_t>(count) * sizeof(std::int32_t);
-    d_choices_.resize(choice_bytes);
-    d_chosen_.resize(id_bytes);
-    host_chosen_.resize(id_bytes);
-    check(cudaMemcpyAsync(d_choices_.get(), step_choices_.data(), choice_bytes,
-                          cudaMemcpyHostToDevice, stream_),
-          "upload token choices");
-    check(kvlab::cuda::launch_sample_rows(logits_.get<float>(), count, config_.vocab_size,
-                                          d_choices_.get<kvlab::cuda::RowSampling>(),
-                                          d_chosen_.get<std::int32_t>(), stream_),
-          "sample");
-    check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
-                          cudaMemcpyDeviceToHost, stream_),
-          "download chosen tokens");
-    check(cudaStreamSynchronize(stream_), "forward");
-    chosen_ = {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(count)};
-  }
-
-  // Each entry's last row: final norm and LM head (fp32 logits); then the logits to the host,
-  // or only each row's token, chosen on the device (choose_tokens).
-  std::span<const float> read_out(std::int64_t count) {
+  // Each entry's last row: final norm and LM head (fp32 logits).
+  void final_logits(std::int64_t count) {
     const kvlab::ModelConfig& c = config_;
     const std::int64_t dim = c.hidden_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
@@ -467,24 +582,41 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
           "final norm");
     gemm(normed_.get(), count, dim, c.tie_word_embeddings ? embedding_.get() : lm_head_.get(),
          c.vocab_size, logits_.get(), CUDA_R_32F);
-    if (step_choices_.size() == static_cast<std::size_t>(count)) {
-      choose_on_device(count);
+  }
+
+  // The step's result to the host: each sequence's token when the device chose them
+  // (choose_tokens: 4 bytes per sequence, not 4 x vocab), else its logits.
+  std::span<const float> read_out(const StepShape& step) {
+    if (step.choosing) {
+      const std::size_t id_bytes = static_cast<std::size_t>(step.sequences) * sizeof(std::int32_t);
+      check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
+                            cudaMemcpyDeviceToHost, stream_),
+            "download chosen tokens");
+      check(cudaStreamSynchronize(stream_), "forward");
+      chosen_ = {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.sequences)};
       return {};
     }
-    const std::size_t logit_bytes = static_cast<std::size_t>(count * c.vocab_size) * sizeof(float);
+    const std::int64_t values = step.sequences * config_.vocab_size;
+    const std::size_t logit_bytes = static_cast<std::size_t>(values) * sizeof(float);
     host_logits_.resize(logit_bytes);
     check(cudaMemcpyAsync(host_logits_.get<float>(), logits_.get(), logit_bytes,
                           cudaMemcpyDeviceToHost, stream_),
           "download logits");
     check(cudaStreamSynchronize(stream_), "forward");
-    return {host_logits_.get<float>(), static_cast<std::size_t>(count * c.vocab_size)};
+    return {host_logits_.get<float>(), static_cast<std::size_t>(values)};
   }
 
   // Pageable source: cudaMemcpyAsync has copied it out when it returns.
+  // graphs_read_it: the buffer is one a captured graph reads (its moving makes them stale).
   template <typename T>
-  void to_device(const std::vector<T>& values, DeviceBuffer& buffer) {
+  void to_device(const std::vector<T>& values, DeviceBuffer& buffer, bool graphs_read_it = true) {
     const std::size_t bytes = values.size() * sizeof(T);
-    buffer.resize(std::max<std::size_t>(bytes, 1));
+    if (bytes > buffer.bytes()) {
+      if (graphs_read_it)
+        grow(buffer, 2 * bytes);
+      else
+        buffer.resize(2 * bytes);
+    }
     if (bytes == 0) return;
     check(cudaMemcpyAsync(buffer.get(), values.data(), bytes, cudaMemcpyHostToDevice, stream_),
           "upload step metadata");
@@ -510,7 +642,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     const std::size_t float_bytes = static_cast<std::size_t>(elements) * sizeof(float);
     scratch_.resize(static_cast<std::size_t>(elements) * kvlab::cuda::dtype_bytes(dtype_));
     staging_floats_.resize(float_bytes);
-    to_device(slots, d_transfer_slots_);
+    to_device(slots, d_transfer_slots_, false);
     kvlab::cuda::SlotRowsParams rows;
     rows.k_pool = k_pool_.get();
     rows.v_pool = v_pool_.get();
@@ -549,6 +681,13 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   Dtype dtype_ = Dtype::f32;
   std::int32_t split_keys_ = 256;
   bool tensor_cores_ = true;
+  // CUDA graphs of decode steps, by (padded batch, max_keys of the split bucket); a buffer that
+  // moves clears them (grow). graphs_enabled_ turns off for good if a capture fails.
+  bool graphs_enabled_ = true;
+  std::map<std::pair<std::int64_t, std::int32_t>, GraphExec> graphs_;
+  std::int64_t graph_captures_ = 0, graph_replays_ = 0;
+  std::int64_t spare_slot_ = 0;  // the pool's slot beyond the allocator's
+  DeviceBuffer cublas_workspace_;
   cudaStream_t stream_ = nullptr;
   cublasHandle_t cublas_ = nullptr;
   DeviceBuffer embedding_, lm_head_, final_norm_, rope_cos_, rope_sin_;
@@ -577,6 +716,10 @@ const kvlab::ParamSpec kParams[] = {
     {"device", kvlab::ParamType::param_integer, "CUDA device index", "0", 0, 1024},
     {"split_keys", kvlab::ParamType::param_integer,
      "keys per split of decode attention (flash-decoding)", "256", 16, 1 << 20},
+    {"cuda_graphs", kvlab::ParamType::param_boolean,
+     "decode steps whose tokens the device picks replay a CUDA graph captured per batch-size "
+     "bucket",
+     "true", 0, 1},
     {"tensor_cores", kvlab::ParamType::param_boolean,
      "bf16 attention on tensor cores (mma.sync) where head_dim allows; false: CUDA cores", "true",
      0, 1},

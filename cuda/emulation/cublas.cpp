@@ -1,10 +1,13 @@
-// The cuBLAS subset the cuda backend calls (handle, stream, GemmEx), on the CPU for the
-// emulated build: column-major C = alpha op(A) op(B) + beta C with fp32 accumulation, inputs and
-// outputs fp32 or bf16 (outputs rounded to nearest even), like CUBLAS_COMPUTE_32F.
+// The cuBLAS subset the cuda backend calls (handle, stream, workspace, GemmEx), on the CPU for
+// the emulated build (a GemmEx inside a stream capture is recorded for the graph): column-major C =
+// alpha op(A) op(B) + beta C with fp32 accumulation, inputs and outputs fp32 or bf16 (outputs
+// rounded to nearest even), like CUBLAS_COMPUTE_32F.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cublas_v2.h>
 #include <cuda_bf16.h>
+
+#include "kvlab/cuda/emulated_capture.hpp"
 
 struct cublasContext {
   cudaStream_t stream = nullptr;
@@ -54,6 +57,10 @@ cublasStatus_t cublasSetStream_v2(cublasHandle_t handle, cudaStream_t stream) {
   return CUBLAS_STATUS_SUCCESS;
 }
 
+cublasStatus_t cublasSetWorkspace_v2(cublasHandle_t handle, void*, size_t) {
+  return handle == nullptr ? CUBLAS_STATUS_NOT_INITIALIZED : CUBLAS_STATUS_SUCCESS;
+}
+
 cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
                             cublasOperation_t transb, int m, int n, int k, const void* alpha,
                             const void* A, cudaDataType Atype, int lda, const void* B,
@@ -71,18 +78,21 @@ cublasStatus_t cublasGemmEx(cublasHandle_t handle, cublasOperation_t transa,
     return CUBLAS_STATUS_INVALID_VALUE;
   if (m == 0 || n == 0) return CUBLAS_STATUS_SUCCESS;
   const float a = *static_cast<const float*>(alpha), b = *static_cast<const float*>(beta);
-  Matrix product =
-      a * (operand(A, Atype, lda, transa, m, k) * operand(B, Btype, ldb, transb, k, n));
-  for (int c = 0; c < n; ++c)
-    for (int r = 0; r < m; ++r) {
-      const std::int64_t index = std::int64_t{c} * ldc + r;
-      float value = product(r, c);
-      if (b != 0.0f) value += b * element(C, Ctype, index);
-      if (Ctype == CUDA_R_32F)
-        static_cast<float*>(C)[index] = value;
-      else
-        static_cast<__nv_bfloat16*>(C)[index] = __float2bfloat16(value);
-    }
+  auto multiply = [=] {
+    Matrix product =
+        a * (operand(A, Atype, lda, transa, m, k) * operand(B, Btype, ldb, transb, k, n));
+    for (int c = 0; c < n; ++c)
+      for (int r = 0; r < m; ++r) {
+        const std::int64_t index = std::int64_t{c} * ldc + r;
+        float value = product(r, c);
+        if (b != 0.0f) value += b * element(C, Ctype, index);
+        if (Ctype == CUDA_R_32F)
+          static_cast<float*>(C)[index] = value;
+        else
+          static_cast<__nv_bfloat16*>(C)[index] = __float2bfloat16(value);
+      }
+  };
+  if (!kvlab::cuda::emulation::record(multiply)) multiply();
   return CUBLAS_STATUS_SUCCESS;
 }
 

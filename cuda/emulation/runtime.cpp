@@ -79,6 +79,10 @@ struct BlockRun {
   EmulatedThread* running = nullptr;
 };
 
+// Stream capture (CUDA graphs): while a capture is open on this thread, launches and cuBLAS
+// calls are recorded as work instead of run; a launched graph runs its work in order.
+thread_local std::vector<std::function<void()>>* capture = nullptr;
+
 thread_local BlockRun* active_block = nullptr;
 thread_local StackPool stacks;
 thread_local std::string last_failure;
@@ -230,7 +234,17 @@ std::uint64_t warp_exchange(unsigned mask, std::uint64_t value, int source_lane)
   return t.received;
 }
 
+bool record(std::function<void()> work) {
+  if (capture == nullptr) return false;
+  capture->push_back(std::move(work));
+  return true;
+}
+bool capturing() {
+  return capture != nullptr;
+}
+
 cudaError_t launch(dim3 grid, dim3 block, const std::function<void()>& thread_body) {
+  if (record([grid, block, thread_body] { launch(grid, block, thread_body); })) return cudaSuccess;
   last_failure.clear();
   const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
   if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 || block.z > 64 ||
@@ -352,11 +366,15 @@ cudaError_t cudaStreamDestroy(cudaStream_t stream) {
   return cudaSuccess;
 }
 
+// Copies and synchronization inside a capture: the emulator refuses them (a GPU refuses the
+// synchronizing ones and would record the rest; the backend keeps all of them outside).
 cudaError_t cudaMemcpy(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind) {
+  if (kvlab::cuda::emulation::capturing()) return cudaErrorStreamCaptureUnsupported;
   return copy(dst, src, count, kind);
 }
 cudaError_t cudaMemcpyAsync(void* dst, const void* src, size_t count, enum cudaMemcpyKind kind,
                             cudaStream_t) {
+  if (kvlab::cuda::emulation::capturing()) return cudaErrorStreamCaptureUnsupported;
   return copy(dst, src, count, kind);
 }
 cudaError_t cudaMemset(void* pointer, int value, size_t count) {
@@ -369,10 +387,45 @@ cudaError_t cudaMemsetAsync(void* pointer, int value, size_t count, cudaStream_t
 }
 
 cudaError_t cudaDeviceSynchronize(void) {
+  if (kvlab::cuda::emulation::capturing()) return cudaErrorStreamCaptureUnsupported;
   return sticky_error;
 }
 cudaError_t cudaStreamSynchronize(cudaStream_t) {
+  if (kvlab::cuda::emulation::capturing()) return cudaErrorStreamCaptureUnsupported;
   return sticky_error;
+}
+
+cudaError_t cudaStreamBeginCapture(cudaStream_t, enum cudaStreamCaptureMode) {
+  using kvlab::cuda::emulation::capture;
+  if (capture != nullptr) return cudaErrorIllegalState;
+  capture = new std::vector<std::function<void()>>();
+  return cudaSuccess;
+}
+cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* graph) {
+  using kvlab::cuda::emulation::capture;
+  if (capture == nullptr) return cudaErrorIllegalState;
+  *graph = reinterpret_cast<cudaGraph_t>(capture);
+  capture = nullptr;
+  return cudaSuccess;
+}
+cudaError_t cudaGraphInstantiate(cudaGraphExec_t* exec, cudaGraph_t graph, unsigned long long) {
+  const auto* work = reinterpret_cast<const std::vector<std::function<void()>>*>(graph);
+  *exec = reinterpret_cast<cudaGraphExec_t>(new std::vector<std::function<void()>>(*work));
+  return cudaSuccess;
+}
+cudaError_t cudaGraphLaunch(cudaGraphExec_t exec, cudaStream_t) {
+  if (kvlab::cuda::emulation::capturing()) return cudaErrorStreamCaptureUnsupported;
+  for (const auto& work : *reinterpret_cast<const std::vector<std::function<void()>>*>(exec))
+    work();
+  return sticky_error;
+}
+cudaError_t cudaGraphDestroy(cudaGraph_t graph) {
+  delete reinterpret_cast<std::vector<std::function<void()>>*>(graph);
+  return cudaSuccess;
+}
+cudaError_t cudaGraphExecDestroy(cudaGraphExec_t exec) {
+  delete reinterpret_cast<std::vector<std::function<void()>>*>(exec);
+  return cudaSuccess;
 }
 cudaError_t cudaGetLastError(void) {
   const cudaError_t error = sticky_error;

@@ -80,7 +80,8 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, cuda
                           const Args&... args) {
 #if defined(KVLAB_CUDA_EMULATION)
   (void)stream;
-  return emulation::launch(grid, block, [&] { kernel(args...); });
+  // By value: a captured launch (CUDA graph) runs after this returns.
+  return emulation::launch(grid, block, [kernel, args...] { kernel(args...); });
 #else
   // clang-format off
   kernel<<<grid, block, 0, stream>>>(args...);

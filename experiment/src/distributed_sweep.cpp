@@ -67,6 +67,8 @@ RunRecord record_from_header(const nlohmann::json& h) {
   r.forward_wall_s = h.at("forward_wall_s").get<double>();
   r.forwards = h.at("forwards").get<std::int64_t>();
   r.forwards_with_chosen_tokens = h.at("forwards_with_chosen_tokens").get<std::int64_t>();
+  r.graph_replays = h.at("graph_replays").get<std::int64_t>();
+  r.graph_captures = h.at("graph_captures").get<std::int64_t>();
   return r;
 }
 
@@ -127,6 +129,8 @@ std::string encode_run_record(const RunRecord& r) {
                                  {"forward_wall_s", r.forward_wall_s},
                                  {"forwards", r.forwards},
                                  {"forwards_with_chosen_tokens", r.forwards_with_chosen_tokens},
+                                 {"graph_replays", r.graph_replays},
+                                 {"graph_captures", r.graph_captures},
                                  {"files", files}};
   const std::string text = header.dump();
   std::string out;

@@ -599,6 +599,9 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     out.forward_wall_s += stack->backend->seconds();
     out.forwards += stack->backend->forwards();
     out.forwards_with_chosen_tokens += stack->backend->forwards_with_chosen_tokens();
+    const BackendCounters counters = stack->backend->counters();
+    out.graph_replays += counters.graph_replays;
+    out.graph_captures += counters.graph_captures;
   }
   const double cluster_hit_rate = out.prefix_hit_rate;
   summarize_memory_and_predictions(out, cost_model && c.clock == "measured");

@@ -1,7 +1,7 @@
 #pragma once
 // The backend every run wraps its own in: times Backend::forward (to report how much of a run is
 // spent outside it) and counts the forwards whose tokens the backend picked itself
-// (Backend::choose_tokens), passing everything else through unchanged.
+// (Backend::choose_tokens), passing everything else (counters included) through unchanged.
 #include <chrono>
 #include <cstdint>
 #include <span>
@@ -26,6 +26,7 @@ class TimedBackend final : public Backend {
   bool choose_tokens(std::span<const TokenChoice> choices) override {
     return inner_.choose_tokens(choices);
   }
+  BackendCounters counters() const override { return inner_.counters(); }
   double seconds() const { return seconds_; }
   std::int64_t forwards() const { return forwards_; }
   // Forwards after which the backend returned token ids instead of logits.

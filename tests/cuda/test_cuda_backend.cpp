@@ -48,12 +48,14 @@ PluginObject<Backend> create_cuda_backend(KvPool& pool, const std::string& dtype
 struct EngineRun {
   std::vector<std::vector<std::int32_t>> tokens;
   std::int64_t preemptions = 0;
+  BackendCounters counters;
 };
 
 EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& allocator_params,
                      const std::string& attention, const Params& attention_params,
                      const std::string& preemption, std::int64_t slots,
-                     const std::vector<WorkloadRequest>& requests) {
+                     const std::vector<WorkloadRequest>& requests,
+                     const Params& backend_params = {}) {
   PluginContext context;
   context.model = &checkpoint().config;
   context.max_seq_len = 64;
@@ -74,7 +76,7 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   std::unique_ptr<cpu::CpuBackend> cpu_backend;
   PluginObject<Backend> gpu_backend;
   if (on_gpu)
-    gpu_backend = backend_registry().create<PluginKind::backend>("cuda", {}, context);
+    gpu_backend = backend_registry().create<PluginKind::backend>("cuda", backend_params, context);
   else
     cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, variant->window());
   EngineOptions options;
@@ -88,6 +90,7 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   const EngineResult result = engine.run(requests);
   EngineRun run;
   run.tokens = result.tokens;
+  if (on_gpu) run.counters = gpu_backend->counters();
   for (const auto& r : result.requests) {
     EXPECT_FALSE(r.rejected) << r.reject_reason;
     run.preemptions += r.preemptions;
@@ -162,6 +165,55 @@ TEST(CudaBackend, SampledTokensEqualTheCpuBackend) {
   std::vector<WorkloadRequest> greedy = requests;
   for (auto& r : greedy) r.sampling.temperature = 0;
   EXPECT_NE(run_engine(false, "paged", paged, "gqa", {}, "swap", 72, greedy).tokens, cpu.tokens);
+}
+
+// Two waves (steps clock): 5 short prompts at step 0 with long outputs, then at step 8 five
+// longer prompts, whose prefill makes the step-metadata buffers move; then decode steps of 10, 9,
+// .. 1 sequences as requests finish.
+std::vector<WorkloadRequest> two_waves() {
+  std::vector<WorkloadRequest> requests;
+  const auto vocab = static_cast<std::int32_t>(checkpoint().config.vocab_size);
+  for (std::int64_t i = 0; i < 10; ++i) {
+    const bool late = i >= 5;
+    WorkloadRequest r;
+    r.id = i;
+    r.arrival_s = late ? 8.0 : 0.0;
+    const std::int64_t prompt = late ? 20 + i % 5 : 4 + i;
+    for (std::int64_t k = 0; k < prompt; ++k)
+      r.prompt.push_back(static_cast<std::int32_t>((i * 131 + k * 7 + 3) % vocab));
+    r.output_tokens = late ? 10 + 2 * (i % 5) : 20 + 2 * i;
+    r.sampling.ignore_eos = true;
+    r.sampling.temperature = i % 2 == 0 ? 0.0 : 0.8;
+    r.sampling.top_k = i % 3 == 0 ? 20 : 0;
+    r.sampling.seed = 7 + static_cast<std::uint64_t>(i);
+    requests.push_back(std::move(r));
+  }
+  return requests;
+}
+
+// Decode steps whose tokens the device picks replay CUDA graphs captured per (batch bucket,
+// split bucket): padded to 8 or 16 rows whose K/V go to the spare slot (not to a slot a
+// sequence holds), a decode grid of a power of two splits of 16 keys (contexts up to 44 need 1
+// to 3), and graphs dropped when a buffer they read moves (the second wave's prefill) and
+// captured again. Greedy and sampled requests get the tokens of direct launches and of the CPU
+// backend, and graphs were replayed.
+TEST(CudaBackend, GraphedDecodeStepsGiveTheTokensOfDirectLaunches) {
+  KVLAB_REQUIRE_CUDA();
+  const std::vector<WorkloadRequest> requests = two_waves();
+  const Params paged{{"block_size", std::int64_t{4}}};
+  const Params graphed_params{{"split_keys", std::int64_t{16}}};
+  const Params direct_params{{"split_keys", std::int64_t{16}}, {"cuda_graphs", false}};
+  const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 512, requests);
+  const EngineRun graphed =
+      run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, graphed_params);
+  const EngineRun direct =
+      run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, direct_params);
+  EXPECT_EQ(graphed.tokens, cpu.tokens);
+  EXPECT_EQ(direct.tokens, cpu.tokens);
+  EXPECT_GE(graphed.counters.graph_captures, 4);  // (8 and 16 rows) x (1, 2, 4 splits), again
+  EXPECT_GT(graphed.counters.graph_replays, 20);
+  EXPECT_EQ(direct.counters.graph_replays, 0);
+  EXPECT_EQ(direct.counters.graph_captures, 0);
 }
 
 TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {

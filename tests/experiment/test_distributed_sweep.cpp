@@ -80,6 +80,8 @@ RunRecord sample_record() {
   r.forward_wall_s = 0.0625;
   r.forwards = 640;
   r.forwards_with_chosen_tokens = 639;
+  r.graph_replays = 600;
+  r.graph_captures = 9;
   return r;
 }
 
@@ -103,6 +105,8 @@ TEST(RunRecord, RoundTripsExactlyFilesAndDoubles) {
   EXPECT_EQ(back.forward_wall_s, r.forward_wall_s);
   EXPECT_EQ(back.forwards, r.forwards);
   EXPECT_EQ(back.forwards_with_chosen_tokens, r.forwards_with_chosen_tokens);
+  EXPECT_EQ(back.graph_replays, r.graph_replays);
+  EXPECT_EQ(back.graph_captures, r.graph_captures);
   RunRecord failed;
   failed.index = 3;
   failed.error = "bad safetensors file x";

@@ -1,6 +1,6 @@
 // The backend every run wraps its own in passes Backend::choose_tokens through (a run's cuda
 // backend picked no token on the device while the wrapper dropped it) and counts the forwards
-// whose tokens came back picked.
+// whose tokens came back picked; its counters are the inner backend's.
 #include <gtest/gtest.h>
 
 #include <vector>
@@ -28,6 +28,7 @@ class PickingBackend final : public Backend {
     if (accepts_) asked_.assign(choices.begin(), choices.end());
     return accepts_;
   }
+  BackendCounters counters() const override { return {2, 5}; }
 
  private:
   bool accepts_;
@@ -53,6 +54,8 @@ TEST(TimedBackend, PassesTokenChoicesThroughAndCountsTheForwardsThatPicked) {
   EXPECT_EQ(timed.forwards(), 2);
   EXPECT_EQ(timed.forwards_with_chosen_tokens(), 1);
   EXPECT_GE(timed.seconds(), 0.0);
+  EXPECT_EQ(timed.counters().graph_captures, 2);  // the inner backend's, passed through
+  EXPECT_EQ(timed.counters().graph_replays, 5);
 
   PickingBackend declining(false);
   TimedBackend timed_declining(declining);

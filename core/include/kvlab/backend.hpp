@@ -27,6 +27,12 @@ struct TokenChoice {
   std::int32_t top_k = 0;  // 0: off
 };
 
+// How a backend's forwards ran so far (Backend::counters), for a run's report.
+struct BackendCounters {
+  std::int64_t graph_captures = 0;  // CUDA graphs captured (the cuda backend's decode steps)
+  std::int64_t graph_replays = 0;   // forwards that replayed one instead of launching each kernel
+};
+
 class BOOST_SYMBOL_VISIBLE Backend {
  public:
   virtual ~Backend() = default;
@@ -48,6 +54,8 @@ class BOOST_SYMBOL_VISIBLE Backend {
     (void)choices;
     return false;
   }
+  // Totals since the backend was made (zeros where a backend has nothing to count).
+  virtual BackendCounters counters() const { return {}; }
 };
 
 }  // namespace kvlab

@@ -37,6 +37,8 @@
 #include <string>
 #include <type_traits>
 
+#include "kvlab/cuda/emulated_capture.hpp"
+
 namespace kvlab::cuda::emulation {
 
 // Built-in variables of the emulated thread that is running.

@@ -39,6 +39,7 @@ struct RunRecord {
   LogitAgreement logits;  // kvlab check --tolerance
   double wall_s = 0, engine_wall_s = 0, forward_wall_s = 0;
   std::int64_t forwards = 0, forwards_with_chosen_tokens = 0;  // RunOutput's
+  std::int64_t graph_replays = 0, graph_captures = 0;          // RunOutput's
 };
 
 // Bytes: an 8-byte little-endian header length, a JSON header, then every file's contents.

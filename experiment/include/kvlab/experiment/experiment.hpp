@@ -112,6 +112,7 @@ struct RunOutput {
   // Backend::forward calls, and those after which the backend returned the tokens it picked
   // (Backend::choose_tokens: a GPU samples where the logits are) instead of logits.
   std::int64_t forwards = 0, forwards_with_chosen_tokens = 0;
+  std::int64_t graph_replays = 0, graph_captures = 0;  // Backend::counters, every replica's
   // Fractions of the pool averaged over steps: live KV (not a static batch's padding), and
   // waste (reserved ahead, unfilled last blocks, padding, holes that blocked an admission).
   double mean_kv_used = 0, mean_kv_waste = 0;
