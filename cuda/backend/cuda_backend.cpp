@@ -3,9 +3,10 @@
 // hand out (the host KvPool keeps only the bookkeeping and forwards copies here); every step
 // uploads its tokens, positions, slots and each sequence's block table (block_table.hpp: a paged
 // view's blocks, a contiguous one's single run) once and reuses them in every layer. Projections
-// and the MLP are cuBLAS GEMMs with fp32 accumulation; the residual stream stays fp32; logits come
-// back to the host for the engine's sampler, or, when the engine asks (Backend::choose_tokens),
-// only each entry's token, chosen on the device.
+// and the MLP are cuBLASLt GEMMs (lt_gemm.hpp) with fp32 accumulation; the residual stream stays
+// fp32; logits come back to the host for the engine's sampler, or, when the engine asks
+// (Backend::choose_tokens), only each entry's token, chosen on the device. Decode steps whose
+// tokens the device picks replay a CUDA graph per batch bucket (replay_graph).
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cublas_v2.h>
@@ -19,6 +20,7 @@
 #include <utility>
 #include <vector>
 
+#include "device_buffers.hpp"
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cuda/block_table.hpp"
@@ -26,74 +28,21 @@
 #include "kvlab/cuda/kernels.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/plugin.hpp"
+#include "lt_gemm.hpp"
 
 namespace {
 
 using kvlab::Error;
+using kvlab::cuda::check;
+using kvlab::cuda::DeviceBuffer;
 using kvlab::cuda::Dtype;
+using kvlab::cuda::GraphExec;
+using kvlab::cuda::PinnedBuffer;
 
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess)
-    throw Error(fmt::format("cuda backend: {}: {}", what, cudaGetErrorString(status)));
-}
 void check(cublasStatus_t status, const char* what) {
   if (status != CUBLAS_STATUS_SUCCESS)
     throw Error(fmt::format("cuda backend: {}: cuBLAS status {}", what, static_cast<int>(status)));
 }
-
-// A device allocation that frees itself.
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  explicit DeviceBuffer(std::size_t bytes) { resize(bytes); }
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  DeviceBuffer(DeviceBuffer&& other) noexcept { *this = std::move(other); }
-  DeviceBuffer& operator=(DeviceBuffer&& other) noexcept {
-    if (this != &other) {
-      cudaFree(data_);
-      data_ = std::exchange(other.data_, nullptr);
-      bytes_ = std::exchange(other.bytes_, 0);
-    }
-    return *this;
-  }
-  ~DeviceBuffer() { cudaFree(data_); }
-  // Grows only, contents not kept; true when the allocation moved (a captured graph that
-  // reads it is stale).
-  bool resize(std::size_t bytes) {
-    if (bytes <= bytes_) return false;
-    cudaFree(data_);
-    data_ = nullptr;
-    check(cudaMalloc(&data_, bytes), "cudaMalloc");
-    bytes_ = bytes;
-    return true;
-  }
-  std::size_t bytes() const { return bytes_; }
-  template <typename T = void>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-
- private:
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
-
-// An instantiated CUDA graph that destroys itself.
-class GraphExec {
- public:
-  explicit GraphExec(cudaGraphExec_t exec) : exec_(exec) {}
-  GraphExec(const GraphExec&) = delete;
-  GraphExec& operator=(const GraphExec&) = delete;
-  GraphExec(GraphExec&& other) noexcept : exec_(std::exchange(other.exec_, nullptr)) {}
-  ~GraphExec() {
-    if (exec_ != nullptr) cudaGraphExecDestroy(exec_);
-  }
-  cudaGraphExec_t get() const { return exec_; }
-
- private:
-  cudaGraphExec_t exec_ = nullptr;
-};
 
 // The batch sizes decode steps are captured as graphs for (a step pads up to one): 1, 2, 4,
 // then multiples of 8 up to 512, as vLLM does; 0 (no graph) beyond.
@@ -102,30 +51,6 @@ std::int64_t graph_batch_bucket(std::int64_t count) {
     return static_cast<std::int64_t>(std::bit_ceil(static_cast<std::uint64_t>(count)));
   return count <= 512 ? (count + 7) / 8 * 8 : 0;
 }
-
-// Pinned host staging for one step's uploads and the logits download.
-class PinnedBuffer {
- public:
-  PinnedBuffer() = default;
-  PinnedBuffer(const PinnedBuffer&) = delete;
-  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
-  ~PinnedBuffer() { cudaFreeHost(data_); }
-  void resize(std::size_t bytes) {
-    if (bytes <= bytes_) return;
-    cudaFreeHost(data_);
-    data_ = nullptr;
-    check(cudaMallocHost(&data_, bytes), "cudaMallocHost");
-    bytes_ = bytes;
-  }
-  template <typename T>
-  T* get() const {
-    return static_cast<T*>(data_);
-  }
-
- private:
-  void* data_ = nullptr;
-  std::size_t bytes_ = 0;
-};
 
 cudaDataType_t cuda_type(Dtype d) {
   return d == Dtype::f32 ? CUDA_R_32F : CUDA_R_16BF;
@@ -171,13 +96,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
         kvlab::cuda::probe_device(static_cast<int>(params.integer("device")));
     if (!probe.available) throw Error(fmt::format("cuda backend: {}", probe.reason));
     check(cudaSetDevice(static_cast<int>(params.integer("device"))), "cudaSetDevice");
-    const std::string& dtype = params.string("dtype");
-    if (dtype != "f32" && dtype != "bf16")
-      throw Error(fmt::format("cuda backend: dtype \"{}\": choose f32 or bf16", dtype));
-    dtype_ = dtype == "f32" ? Dtype::f32 : Dtype::bf16;
-    split_keys_ = static_cast<std::int32_t>(params.integer("split_keys"));
-    tensor_cores_ = params.boolean("tensor_cores");
-    graphs_enabled_ = params.boolean("cuda_graphs");
+    read_params(params);
     const kvlab::cpu::LlamaWeights& w = *context.weights;
     config_ = w.config;
     const kvlab::ModelConfig& c = config_;
@@ -198,30 +117,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     cublas_workspace_.resize(std::size_t{32} << 20);
     check(cublasSetWorkspace(cublas_, cublas_workspace_.get(), cublas_workspace_.bytes()),
           "cublasSetWorkspace");
-
-    embedding_ = upload_matrix(w.embedding.data(), w.embedding.size(), dtype_);
-    if (!c.tie_word_embeddings)
-      lm_head_ = upload_matrix(w.lm_head.data(), w.lm_head.size(), dtype_);
-    final_norm_ = upload_floats(w.final_norm.data(), w.final_norm.size());
-    for (const auto& layer : w.layers) {
-      DeviceLayer d;
-      d.attention_norm = upload_floats(layer.attention_norm.data(), layer.attention_norm.size());
-      d.w_qkv = upload_matrix(layer.w_qkv.data(), layer.w_qkv.size(), dtype_);
-      d.wo = upload_matrix(layer.wo.data(), layer.wo.size(), dtype_);
-      d.mlp_norm = upload_floats(layer.mlp_norm.data(), layer.mlp_norm.size());
-      d.w_gate_up = upload_matrix(layer.w_gate_up.data(), layer.w_gate_up.size(), dtype_);
-      d.w_down = upload_matrix(layer.w_down.data(), layer.w_down.size(), dtype_);
-      layers_.push_back(std::move(d));
-    }
-    const kvlab::cpu::RopeTable rope(c);
-    std::vector<float> cos, sin;
-    for (std::int64_t p = 0; p < c.max_position_embeddings; ++p)
-      for (std::int64_t i = 0; i < c.head_dim / 2; ++i) {
-        cos.push_back(rope.cos(p, i));
-        sin.push_back(rope.sin(p, i));
-      }
-    rope_cos_ = upload_floats(cos.data(), static_cast<std::int64_t>(cos.size()));
-    rope_sin_ = upload_floats(sin.data(), static_cast<std::int64_t>(sin.size()));
+    upload_model(w);
 
     // One slot beyond the allocator's: where the padding rows of a graphed step write K/V.
     spare_slot_ = shape.slots;
@@ -294,6 +190,48 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   }
 
  private:
+  void read_params(const kvlab::PluginParams& params) {
+    const std::string& dtype = params.string("dtype");
+    if (dtype != "f32" && dtype != "bf16")
+      throw Error(fmt::format("cuda backend: dtype \"{}\": choose f32 or bf16", dtype));
+    dtype_ = dtype == "f32" ? Dtype::f32 : Dtype::bf16;
+    split_keys_ = static_cast<std::int32_t>(params.integer("split_keys"));
+    tensor_cores_ = params.boolean("tensor_cores");
+    graphs_enabled_ = params.boolean("cuda_graphs");
+    const std::string& gemm = params.string("gemm");
+    if (gemm != "cublaslt" && gemm != "cublas")
+      throw Error(fmt::format("cuda backend: gemm \"{}\": choose cublaslt or cublas", gemm));
+    use_lt_ = gemm == "cublaslt";
+  }
+
+  // The weights in the compute dtype (norms fp32) and RoPE's cos/sin tables (fp32).
+  void upload_model(const kvlab::cpu::LlamaWeights& w) {
+    const kvlab::ModelConfig& c = config_;
+    embedding_ = upload_matrix(w.embedding.data(), w.embedding.size(), dtype_);
+    if (!c.tie_word_embeddings)
+      lm_head_ = upload_matrix(w.lm_head.data(), w.lm_head.size(), dtype_);
+    final_norm_ = upload_floats(w.final_norm.data(), w.final_norm.size());
+    for (const auto& layer : w.layers) {
+      DeviceLayer d;
+      d.attention_norm = upload_floats(layer.attention_norm.data(), layer.attention_norm.size());
+      d.w_qkv = upload_matrix(layer.w_qkv.data(), layer.w_qkv.size(), dtype_);
+      d.wo = upload_matrix(layer.wo.data(), layer.wo.size(), dtype_);
+      d.mlp_norm = upload_floats(layer.mlp_norm.data(), layer.mlp_norm.size());
+      d.w_gate_up = upload_matrix(layer.w_gate_up.data(), layer.w_gate_up.size(), dtype_);
+      d.w_down = upload_matrix(layer.w_down.data(), layer.w_down.size(), dtype_);
+      layers_.push_back(std::move(d));
+    }
+    const kvlab::cpu::RopeTable rope(c);
+    std::vector<float> cos, sin;  // (max_positions, head_dim / 2) each
+    for (std::int64_t p = 0; p < c.max_position_embeddings; ++p)
+      for (std::int64_t i = 0; i < c.head_dim / 2; ++i) {
+        cos.push_back(rope.cos(p, i));
+        sin.push_back(rope.sin(p, i));
+      }
+    rope_cos_ = upload_floats(cos.data(), static_cast<std::int64_t>(cos.size()));
+    rope_sin_ = upload_floats(sin.data(), static_cast<std::int64_t>(sin.size()));
+  }
+
   // Rows (new tokens) and sequences of one step, and the attention launch's bounds.
   struct StepShape {
     std::int64_t rows = 0, count = 0;  // count: entries, padding included
@@ -622,9 +560,18 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
           "upload step metadata");
   }
 
-  // Y (rows, out) = X (rows, in) W^T, W (out, in) row-major: column-major Y^T = W^T^T X^T.
+  // Y (rows, out) = X (rows, in) W^T, W (out, in) row-major: column-major Y^T = W^T^T X^T. On
+  // cuBLASLt (lt_gemm.hpp), or cublasGemmEx (`gemm = "cublas"`, or a shape Lt has no algorithm
+  // for); fp32 accumulation either way.
   void gemm(const void* x, std::int64_t rows, std::int64_t in, const void* w, std::int64_t out,
             void* y, cudaDataType_t y_type) {
+    if (use_lt_) {
+      const cublasStatus_t status =
+          lt_.run({rows, in, out, cuda_type(dtype_), y_type}, x, w, y, cublas_workspace_.get(),
+                  cublas_workspace_.bytes(), stream_);
+      if (status == CUBLAS_STATUS_SUCCESS) return;
+      if (status != CUBLAS_STATUS_NOT_SUPPORTED) check(status, "cublasLtMatmul");
+    }
     const float alpha = 1.0f, beta = 0.0f;
     check(cublasGemmEx(cublas_, CUBLAS_OP_T, CUBLAS_OP_N, static_cast<int>(out),
                        static_cast<int>(rows), static_cast<int>(in), &alpha, w, cuda_type(dtype_),
@@ -681,6 +628,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   Dtype dtype_ = Dtype::f32;
   std::int32_t split_keys_ = 256;
   bool tensor_cores_ = true;
+  bool use_lt_ = true;  // GEMMs on cuBLASLt (gemm = "cublaslt")
+  kvlab::cuda::LtGemm lt_;
   // CUDA graphs of decode steps, by (padded batch, max_keys of the split bucket); a buffer that
   // moves clears them (grow). graphs_enabled_ turns off for good if a capture fails.
   bool graphs_enabled_ = true;
@@ -716,6 +665,9 @@ const kvlab::ParamSpec kParams[] = {
     {"device", kvlab::ParamType::param_integer, "CUDA device index", "0", 0, 1024},
     {"split_keys", kvlab::ParamType::param_integer,
      "keys per split of decode attention (flash-decoding)", "256", 16, 1 << 20},
+    {"gemm", kvlab::ParamType::param_string,
+     "GEMM library: cublaslt (a plan per shape from its heuristic) or cublas (cublasGemmEx)",
+     "\"cublaslt\"", 0, 0},
     {"cuda_graphs", kvlab::ParamType::param_boolean,
      "decode steps whose tokens the device picks replay a CUDA graph captured per batch-size "
      "bucket",

@@ -308,6 +308,34 @@ TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
   }
 }
 
+// The GEMMs on cuBLASLt (the default: a plan per shape from Lt's heuristic) and on
+// cublasGemmEx give the CPU backend's tokens; a library the backend does not know is refused
+// by name.
+TEST(CudaBackend, CublasLtAndGemmExGiveTheCpuTokens) {
+  KVLAB_REQUIRE_CUDA();
+  const std::vector<WorkloadRequest> requests = workload();
+  const Params paged{{"block_size", std::int64_t{4}}};
+  const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 72, requests);
+  for (const char* gemm : {"cublaslt", "cublas"})
+    EXPECT_EQ(
+        run_engine(true, "paged", paged, "gqa", {}, "swap", 72, requests, {{"gemm", gemm}}).tokens,
+        cpu.tokens)
+        << gemm;
+  const ModelConfig& c = checkpoint().config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64}, KvStorage::none);
+  PluginContext context;
+  context.model = &c;
+  context.pool = &pool;
+  context.weights = &checkpoint();
+  try {
+    (void)backend_registry().create<PluginKind::backend>("cuda", {{"gemm", "cutlass"}}, context);
+    FAIL() << "created a cuda backend with gemm = cutlass";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("choose cublaslt or cublas"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(CudaBackend, WithoutADeviceTheErrorSaysWhy) {
   const cuda::DeviceProbe probe = cuda::probe_device();
   if (probe.available) GTEST_SKIP() << "a device is present: " << probe.name;

@@ -1,0 +1,100 @@
+#pragma once
+// The backend's GEMMs on cuBLASLt: Y (rows, out) = X (rows, in) W^T with W (out, in) row-major,
+// operands fp32 or bf16, fp32 accumulation (CUBLAS_COMPUTE_32F), Y fp32 or bf16. In cuBLAS's
+// column-major terms Y^T (out x rows) = op_T(W) X^T: A = W as an (in x out) matrix transposed,
+// B = X^T (in x rows), D = Y^T (out x rows). One plan per shape (descriptors and the
+// heuristic's first algorithm for the workspace given), made on first use and kept: a decode
+// step of a given batch size always runs the same kernel, inside a CUDA graph or not.
+#include <cublasLt.h>
+
+#include <cstdint>
+#include <map>
+#include <tuple>
+
+namespace kvlab::cuda {
+
+class LtGemm {
+ public:
+  LtGemm() = default;
+  LtGemm(const LtGemm&) = delete;
+  LtGemm& operator=(const LtGemm&) = delete;
+  ~LtGemm() {
+    for (auto& [key, plan] : plans_) destroy(plan);
+    if (handle_ != nullptr) cublasLtDestroy(handle_);
+  }
+
+  struct Shape {
+    std::int64_t rows = 0, in = 0, out = 0;
+    cudaDataType_t operands = CUDA_R_32F, result = CUDA_R_32F;
+  };
+
+  // Enqueues Y = X W^T on `stream`. CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt offers no
+  // algorithm for the shape (the caller may fall back to cublasGemmEx).
+  cublasStatus_t run(const Shape& s, const void* x, const void* w, void* y, void* workspace,
+                     std::size_t workspace_bytes, cudaStream_t stream) {
+    if (handle_ == nullptr) {
+      const cublasStatus_t status = cublasLtCreate(&handle_);
+      if (status != CUBLAS_STATUS_SUCCESS) return status;
+    }
+    const auto key = std::tuple{s.rows, s.in, s.out, s.operands, s.result, workspace_bytes};
+    auto found = plans_.find(key);
+    if (found == plans_.end()) found = plans_.emplace(key, make_plan(s, workspace_bytes)).first;
+    const Plan& p = found->second;
+    if (p.status != CUBLAS_STATUS_SUCCESS) return p.status;
+    const float alpha = 1.0f, beta = 0.0f;
+    return cublasLtMatmul(handle_, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.d, y, p.d, &p.algo,
+                          workspace, workspace_bytes, stream);
+  }
+
+ private:
+  struct Plan {
+    cublasLtMatmulDesc_t desc = nullptr;
+    cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;
+    cublasLtMatmulAlgo_t algo{};
+    cublasStatus_t status = CUBLAS_STATUS_NOT_INITIALIZED;
+  };
+
+  Plan make_plan(const Shape& s, std::size_t workspace_bytes) {
+    Plan p;
+    const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
+    const auto in = static_cast<std::uint64_t>(s.in), out = static_cast<std::uint64_t>(s.out),
+               rows = static_cast<std::uint64_t>(s.rows);
+    if ((p.status = cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F)) ||
+        (p.status = cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSA, &transpose,
+                                                   sizeof transpose)) ||
+        (p.status = cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &keep,
+                                                   sizeof keep)) ||
+        (p.status = cublasLtMatrixLayoutCreate(&p.a, s.operands, in, out, s.in)) ||
+        (p.status = cublasLtMatrixLayoutCreate(&p.b, s.operands, in, rows, s.in)) ||
+        (p.status = cublasLtMatrixLayoutCreate(&p.d, s.result, out, rows, s.out)))
+      return p;
+    cublasLtMatmulPreference_t preference = nullptr;
+    if ((p.status = cublasLtMatmulPreferenceCreate(&preference))) return p;
+    p.status =
+        cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                             &workspace_bytes, sizeof workspace_bytes);
+    cublasLtMatmulHeuristicResult_t best{};
+    int found = 0;
+    if (p.status == CUBLAS_STATUS_SUCCESS)
+      p.status = cublasLtMatmulAlgoGetHeuristic(handle_, p.desc, p.a, p.b, p.d, p.d, preference, 1,
+                                                &best, &found);
+    cublasLtMatmulPreferenceDestroy(preference);
+    if (p.status == CUBLAS_STATUS_SUCCESS && found == 0) p.status = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (p.status == CUBLAS_STATUS_SUCCESS) p.algo = best.algo;
+    return p;
+  }
+
+  static void destroy(Plan& p) {
+    if (p.desc != nullptr) cublasLtMatmulDescDestroy(p.desc);
+    for (cublasLtMatrixLayout_t layout : {p.a, p.b, p.d})
+      if (layout != nullptr) cublasLtMatrixLayoutDestroy(layout);
+  }
+
+  cublasLtHandle_t handle_ = nullptr;
+  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, cudaDataType_t, cudaDataType_t,
+                      std::size_t>,
+           Plan>
+      plans_;
+};
+
+}  // namespace kvlab::cuda
