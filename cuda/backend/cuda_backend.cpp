@@ -117,6 +117,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     cublas_workspace_.resize(std::size_t{32} << 20);
     check(cublasSetWorkspace(cublas_, cublas_workspace_.get(), cublas_workspace_.bytes()),
           "cublasSetWorkspace");
+    if (use_lt_) check(lt_.init(), "cublasLtCreate");
     upload_model(w);
 
     // One slot beyond the allocator's: where the padding rows of a graphed step write K/V.

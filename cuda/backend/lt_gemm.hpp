@@ -23,6 +23,11 @@ class LtGemm {
     if (handle_ != nullptr) cublasLtDestroy(handle_);
   }
 
+  // Makes the cuBLASLt handle (before any capture: the first GEMM may be inside one).
+  cublasStatus_t init() {
+    return handle_ != nullptr ? CUBLAS_STATUS_SUCCESS : cublasLtCreate(&handle_);
+  }
+
   struct Shape {
     std::int64_t rows = 0, in = 0, out = 0;
     cudaDataType_t operands = CUDA_R_32F, result = CUDA_R_32F;
@@ -32,10 +37,7 @@ class LtGemm {
   // algorithm for the shape (the caller may fall back to cublasGemmEx).
   cublasStatus_t run(const Shape& s, const void* x, const void* w, void* y, void* workspace,
                      std::size_t workspace_bytes, cudaStream_t stream) {
-    if (handle_ == nullptr) {
-      const cublasStatus_t status = cublasLtCreate(&handle_);
-      if (status != CUBLAS_STATUS_SUCCESS) return status;
-    }
+    if (const cublasStatus_t status = init(); status != CUBLAS_STATUS_SUCCESS) return status;
     const auto key = std::tuple{s.rows, s.in, s.out, s.operands, s.result, workspace_bytes};
     auto found = plans_.find(key);
     if (found == plans_.end()) found = plans_.emplace(key, make_plan(s, workspace_bytes)).first;
