@@ -117,7 +117,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     cublas_workspace_.resize(std::size_t{32} << 20);
     check(cublasSetWorkspace(cublas_, cublas_workspace_.get(), cublas_workspace_.bytes()),
           "cublasSetWorkspace");
-    if (use_lt_) check(lt_.init(), "cublasLtCreate");
+    if (use_lt_)
+      check(lt_.init(cublas_workspace_.get(), cublas_workspace_.bytes()), "cublasLtCreate");
     upload_model(w);
 
     // One slot beyond the allocator's: where the padding rows of a graphed step write K/V.
@@ -568,8 +569,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
             void* y, cudaDataType_t y_type) {
     if (use_lt_) {
       const cublasStatus_t status =
-          lt_.run({rows, in, out, cuda_type(dtype_), y_type}, x, w, y, cublas_workspace_.get(),
-                  cublas_workspace_.bytes(), stream_);
+          lt_.run({rows, in, out, cuda_type(dtype_), y_type}, x, w, y, stream_);
       if (status == CUBLAS_STATUS_SUCCESS) return;
       if (status != CUBLAS_STATUS_NOT_SUPPORTED) check(status, "cublasLtMatmul");
     }

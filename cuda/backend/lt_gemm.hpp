@@ -3,8 +3,8 @@
 // operands fp32 or bf16, fp32 accumulation (CUBLAS_COMPUTE_32F), Y fp32 or bf16. In cuBLAS's
 // column-major terms Y^T (out x rows) = op_T(W) X^T: A = W as an (in x out) matrix transposed,
 // B = X^T (in x rows), D = Y^T (out x rows). One plan per shape (descriptors and the
-// heuristic's first algorithm for the workspace given), made on first use and kept: a decode
-// step of a given batch size always runs the same kernel, inside a CUDA graph or not.
+// heuristic's first algorithm for the workspace init() was given), made on first use and kept: a
+// decode step of a given batch size always runs the same kernel, inside a CUDA graph or not.
 #include <cublasLt.h>
 
 #include <cstdint>
@@ -23,8 +23,11 @@ class LtGemm {
     if (handle_ != nullptr) cublasLtDestroy(handle_);
   }
 
-  // Makes the cuBLASLt handle (before any capture: the first GEMM may be inside one).
-  cublasStatus_t init() {
+  // Makes the cuBLASLt handle (before any capture: the first GEMM may be inside one) and keeps
+  // the device workspace every matmul may use.
+  cublasStatus_t init(void* workspace, std::size_t workspace_bytes) {
+    workspace_ = workspace;
+    workspace_bytes_ = workspace_bytes;
     return handle_ != nullptr ? CUBLAS_STATUS_SUCCESS : cublasLtCreate(&handle_);
   }
 
@@ -33,19 +36,18 @@ class LtGemm {
     cudaDataType_t operands = CUDA_R_32F, result = CUDA_R_32F;
   };
 
-  // Enqueues Y = X W^T on `stream`. CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt offers no
-  // algorithm for the shape (the caller may fall back to cublasGemmEx).
-  cublasStatus_t run(const Shape& s, const void* x, const void* w, void* y, void* workspace,
-                     std::size_t workspace_bytes, cudaStream_t stream) {
-    if (const cublasStatus_t status = init(); status != CUBLAS_STATUS_SUCCESS) return status;
-    const auto key = std::tuple{s.rows, s.in, s.out, s.operands, s.result, workspace_bytes};
+  // Enqueues Y = X W^T on `stream` (after init()). CUBLAS_STATUS_NOT_SUPPORTED when cuBLASLt
+  // offers no algorithm for the shape (the caller may fall back to cublasGemmEx).
+  cublasStatus_t run(const Shape& s, const void* x, const void* w, void* y, cudaStream_t stream) {
+    if (handle_ == nullptr) return CUBLAS_STATUS_NOT_INITIALIZED;
+    const auto key = std::tuple{s.rows, s.in, s.out, s.operands, s.result};
     auto found = plans_.find(key);
-    if (found == plans_.end()) found = plans_.emplace(key, make_plan(s, workspace_bytes)).first;
+    if (found == plans_.end()) found = plans_.emplace(key, make_plan(s)).first;
     const Plan& p = found->second;
     if (p.status != CUBLAS_STATUS_SUCCESS) return p.status;
     const float alpha = 1.0f, beta = 0.0f;
     return cublasLtMatmul(handle_, p.desc, &alpha, w, p.a, x, p.b, &beta, y, p.d, y, p.d, &p.algo,
-                          workspace, workspace_bytes, stream);
+                          workspace_, workspace_bytes_, stream);
   }
 
  private:
@@ -56,7 +58,7 @@ class LtGemm {
     cublasStatus_t status = CUBLAS_STATUS_NOT_INITIALIZED;
   };
 
-  Plan make_plan(const Shape& s, std::size_t workspace_bytes) {
+  Plan make_plan(const Shape& s) {
     Plan p;
     const cublasOperation_t transpose = CUBLAS_OP_T, keep = CUBLAS_OP_N;
     const auto in = static_cast<std::uint64_t>(s.in), out = static_cast<std::uint64_t>(s.out),
@@ -74,7 +76,7 @@ class LtGemm {
     if ((p.status = cublasLtMatmulPreferenceCreate(&preference))) return p;
     p.status =
         cublasLtMatmulPreferenceSetAttribute(preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                             &workspace_bytes, sizeof workspace_bytes);
+                                             &workspace_bytes_, sizeof workspace_bytes_);
     cublasLtMatmulHeuristicResult_t best{};
     int found = 0;
     if (p.status == CUBLAS_STATUS_SUCCESS)
@@ -93,8 +95,9 @@ class LtGemm {
   }
 
   cublasLtHandle_t handle_ = nullptr;
-  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, cudaDataType_t, cudaDataType_t,
-                      std::size_t>,
+  void* workspace_ = nullptr;
+  std::size_t workspace_bytes_ = 0;
+  std::map<std::tuple<std::int64_t, std::int64_t, std::int64_t, cudaDataType_t, cudaDataType_t>,
            Plan>
       plans_;
 };

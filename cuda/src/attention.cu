@@ -882,18 +882,17 @@ __global__ void __launch_bounds__(kDecodeMmaWarps * 32)
   write_mma_partial<HD>(p, max_splits, d, rows_here, w);
 }
 
-// Whether the bf16 tensor-core kernels can take this launch: asked for (tensor_cores), K/V rows
+// The shapes the bf16 tensor-core kernels are instantiated for (head_dim a multiple of 16 up to
+// 128), and whether they can take a launch of such a shape: asked for (tensor_cores), K/V rows
 // in 16-byte chunks (asynchronous copies), queries and outputs in bf16 pairs.
 template <typename T, int HD>
+constexpr bool kMmaShape = std::is_same_v<T, __nv_bfloat16>&& HD % 16 == 0 && HD <= 128;
 bool tensor_cores_take(const AttentionParams& p) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && HD % 16 == 0 && HD <= 128) {
-    const auto address = [](const void* pointer) {
-      return reinterpret_cast<std::uintptr_t>(pointer);
-    };
-    return p.tensor_cores && (address(p.k_pool) | address(p.v_pool)) % 16 == 0 &&
-           (address(p.q) | address(p.out)) % 4 == 0 && p.q_row_stride % 2 == 0;
-  }
-  return false;
+  const auto address = [](const void* pointer) {
+    return reinterpret_cast<std::uintptr_t>(pointer);
+  };
+  return p.tensor_cores && (address(p.k_pool) | address(p.v_pool)) % 16 == 0 &&
+         (address(p.q) | address(p.out)) % 4 == 0 && p.q_row_stride % 2 == 0;
 }
 
 // The prefill launch: on tensor cores where they take it (bf16, head_dim a multiple of 16 up to
@@ -905,8 +904,8 @@ cudaError_t launch_prefill(const AttentionParams& p, cudaStream_t stream) {
     return dim3(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads),
                 static_cast<unsigned>((p.max_queries + queries_per_block - 1) / queries_per_block));
   };
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && HD % 16 == 0 && HD <= 128) {
-    if (tensor_cores_take<T, HD>(p))
+  if constexpr (kMmaShape<T, HD>) {
+    if (tensor_cores_take(p))
       return launch_kernel(prefill_mma_kernel<HD>, tiles(kMmaQueries), kMmaWarps * 32, stream, p);
   }
   return launch_kernel(prefill_kernel<T, HD>, tiles(kPrefillWarps), kPrefillWarps * 32, stream, p);
@@ -925,8 +924,8 @@ template <typename T, int HD>
 cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t stream) {
   using L = VectorLayout<T, HD>;
   const std::int64_t group = p.heads / p.kv_heads;
-  if constexpr (std::is_same_v<T, __nv_bfloat16> && HD % 16 == 0 && HD <= 128) {
-    if (tensor_cores_take<T, HD>(p)) {
+  if constexpr (kMmaShape<T, HD>) {
+    if (tensor_cores_take(p)) {
       const std::int64_t row_tiles = (group + kMmaRows - 1) / kMmaRows;
       const dim3 grid(static_cast<unsigned>(p.kv_heads * row_tiles),
                       static_cast<unsigned>(p.entry_count), static_cast<unsigned>(max_splits));
