@@ -95,7 +95,10 @@ class PagedAllocator final : public KvAllocator {
     const auto hits = lookup(r.prompt);
     for (std::int32_t b : hits) {
       Block& block = blocks_[static_cast<std::size_t>(b)];
-      if (block.ref_count == 0) free_cached_.erase(block.lru_position);
+      if (block.ref_count == 0) {  // a free cached block comes back to life
+        free_cached_.erase(block.lru_position);
+        live_fill_ += block.fill;
+      }
       ++block.ref_count;
       s.table.push_back(b);
       s.hashes.push_back(block.hash);
@@ -104,6 +107,8 @@ class PagedAllocator final : public KvAllocator {
     while (static_cast<std::int64_t>(s.table.size()) < blocks_for(length))
       s.table.push_back(take_free_block());
     s.length = length;
+    fill_blocks_from(s, static_cast<std::int64_t>(hits.size()));
+    rebuild_view(s);
     prefix_query_tokens_ += caching_ ? length : 0;
     prefix_hit_tokens_ += static_cast<std::int64_t>(hits.size()) * block_size_;
     sequences_.emplace(r.sequence, std::move(s));
@@ -116,21 +121,27 @@ class PagedAllocator final : public KvAllocator {
     Sequence& s = it->second;
     const auto n = static_cast<std::int64_t>(tokens.size());
     if (new_blocks_for_append(s, n) > free_blocks()) return false;
-    if (s.length % block_size_ != 0 && n > 0) {  // the last block gets written: make it ours
+    if (n == 0) return true;
+    const std::int64_t last_fill = s.length % block_size_;
+    if (last_fill != 0) {  // the last block gets written: make it ours
+      trim_view(s, last_fill);
       const std::int32_t last = s.table.back();
       if (blocks_[static_cast<std::size_t>(last)].ref_count > 1) {
         const std::int32_t copy = take_free_block();
-        bytes_copied_ += pool_->copy_slots(static_cast<std::int64_t>(last) * block_size_,
-                                           static_cast<std::int64_t>(copy) * block_size_,
-                                           s.length % block_size_);
+        bytes_copied_ +=
+            pool_->copy_slots(static_cast<std::int64_t>(last) * block_size_,
+                              static_cast<std::int64_t>(copy) * block_size_, last_fill);
         --blocks_[static_cast<std::size_t>(last)].ref_count;
         s.table.back() = copy;
       }
     }
+    const std::int64_t first_written = s.length / block_size_;
     s.length += n;
     s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
     while (static_cast<std::int64_t>(s.table.size()) < blocks_for(s.length))
       s.table.push_back(take_free_block());
+    fill_blocks_from(s, first_written);
+    extend_view(s, first_written);
     return true;
   }
 
@@ -162,10 +173,12 @@ class PagedAllocator final : public KvAllocator {
     if (it == sequences_.end()) return;
     Sequence& s = it->second;
     const std::int64_t whole_blocks = std::min(position, s.length) / block_size_;
+    if (s.first_block >= whole_blocks) return;
     for (; s.first_block < whole_blocks; ++s.first_block) {
       release_block(s.table[static_cast<std::size_t>(s.first_block)]);
       s.table[static_cast<std::size_t>(s.first_block)] = -1;
     }
+    rebuild_view(s);
   }
 
   bool fork(SequenceId parent, SequenceId child) override {
@@ -187,46 +200,17 @@ class PagedAllocator final : public KvAllocator {
     sequences_.erase(it);
   }
 
-  KvView view(SequenceId id) const override {
-    const Sequence& s = sequences_.at(id);
-    KvView view;
-    view.first_position = s.first_block * block_size_;
-    view.extents.reserve(s.table.size() - static_cast<std::size_t>(s.first_block));
-    for (std::int64_t i = s.first_block; i < static_cast<std::int64_t>(s.table.size()); ++i) {
-      const std::int64_t start =
-          static_cast<std::int64_t>(s.table[static_cast<std::size_t>(i)]) * block_size_;
-      const std::int64_t length = std::min(block_size_, s.length - i * block_size_);
-      if (!view.extents.empty() &&
-          view.extents.back().start_slot + view.extents.back().length == start)
-        view.extents.back().length += length;  // physically adjacent blocks merge into one extent
-      else
-        view.extents.push_back({start, length});
-    }
-    return view;
-  }
+  // Kept up to date by every change of the sequence: O(1) per step instead of O(its blocks).
+  KvView view(SequenceId id) const override { return sequences_.at(id).view; }
 
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;
     st.capacity = pool_->shape().slots;
-    // Filled slots of each live block (shared blocks count once, at their fullest sharer):
-    // O(live blocks); the scratch array holds -1 (untouched) between calls.
-    fill_.resize(blocks_.size(), -1);
-    touched_.clear();
-    for (const auto& [id, s] : sequences_)
-      for (std::int64_t i = s.first_block; i < static_cast<std::int64_t>(s.table.size()); ++i) {
-        const auto block = static_cast<std::size_t>(s.table[static_cast<std::size_t>(i)]);
-        auto& f = fill_[block];
-        if (f < 0) {
-          touched_.push_back(block);
-          f = 0;
-        }
-        f = std::max(f, std::min(block_size_, s.length - i * block_size_));
-      }
-    for (const std::size_t b : touched_) {
-      st.used += fill_[b];
-      st.last_block_slack += block_size_ - fill_[b];
-      fill_[b] = -1;
-    }
+    // Kept as the blocks change (O(1); a shared block counts once): every holder of a block
+    // sees the same filled slots, since only a block held once is written.
+    const auto live_blocks = static_cast<std::int64_t>(blocks_.size()) - free_blocks();
+    st.used = live_fill_;
+    st.last_block_slack = live_blocks * block_size_ - live_fill_;
     st.free = free_blocks() * block_size_;
     st.cached_free = static_cast<std::int64_t>(free_cached_.size()) * block_size_;
     st.unusable_free = 0;  // any free block serves any sequence
@@ -239,10 +223,9 @@ class PagedAllocator final : public KvAllocator {
   }
 
  private:
-  mutable std::vector<std::int64_t> fill_;    // stats() scratch, -1 between calls
-  mutable std::vector<std::size_t> touched_;  // stats() scratch
   struct Block {
     std::int32_t ref_count = 0;
+    std::int64_t fill = 0;   // slots holding tokens (a cached block keeps block_size when freed)
     std::uint64_t hash = 0;  // 0: holds no registered prefix
     std::vector<std::int32_t>
         tokens;  // the block's tokens, checked on every hit (no false sharing)
@@ -255,6 +238,7 @@ class PagedAllocator final : public KvAllocator {
     std::int64_t length = 0;
     std::int64_t computed_blocks = 0;
     std::int64_t first_block = 0;  // blocks before it were released
+    KvView view;                   // table[first_block..] as merged slot extents
     // Planning: the plan (epoch) that last touched it, and whether that plan freed it.
     mutable std::uint64_t plan_epoch = 0;
     mutable bool plan_freed = false;
@@ -337,6 +321,40 @@ class PagedAllocator final : public KvAllocator {
     return hits;
   }
 
+  // Blocks [from, end) of s hold the tokens its length says: their fills (and live_fill_).
+  void fill_blocks_from(const Sequence& s, std::int64_t from) {
+    for (auto i = from; i < static_cast<std::int64_t>(s.table.size()); ++i) {
+      Block& block = blocks_[static_cast<std::size_t>(s.table[static_cast<std::size_t>(i)])];
+      const std::int64_t fill = std::min(block_size_, s.length - i * block_size_);
+      live_fill_ += fill - block.fill;
+      block.fill = fill;
+    }
+  }
+  // Blocks [from, end) of s's table added to its view's end (physically adjacent blocks merge).
+  void extend_view(Sequence& s, std::int64_t from) const {
+    auto& extents = s.view.extents;
+    for (auto i = from; i < static_cast<std::int64_t>(s.table.size()); ++i) {
+      const std::int64_t start =
+          static_cast<std::int64_t>(s.table[static_cast<std::size_t>(i)]) * block_size_;
+      const std::int64_t length = std::min(block_size_, s.length - i * block_size_);
+      if (!extents.empty() && extents.back().start_slot + extents.back().length == start)
+        extents.back().length += length;
+      else
+        extents.push_back({start, length});
+    }
+  }
+  // The view's last `slots` slots (its last block's) taken off its end.
+  static void trim_view(Sequence& s, std::int64_t slots) {
+    auto& extents = s.view.extents;
+    extents.back().length -= slots;
+    if (extents.back().length == 0) extents.pop_back();
+  }
+  void rebuild_view(Sequence& s) const {
+    s.view.extents.clear();
+    s.view.first_position = s.first_block * block_size_;
+    extend_view(s, s.first_block);
+  }
+
   std::int32_t take_free_block() {
     std::int32_t b;
     if (!free_plain_.empty()) {
@@ -352,12 +370,14 @@ class PagedAllocator final : public KvAllocator {
       ++evictions_;
     }
     blocks_[static_cast<std::size_t>(b)].ref_count = 1;
+    blocks_[static_cast<std::size_t>(b)].fill = 0;  // (a free block's fill is not in live_fill_)
     return b;
   }
 
   void release_block(std::int32_t b) {
     Block& block = blocks_[static_cast<std::size_t>(b)];
     if (--block.ref_count > 0) return;
+    live_fill_ -= block.fill;
     if (block.hash != 0) {
       block.lru_position = free_cached_.insert(free_cached_.end(), b);
     } else {
@@ -382,6 +402,7 @@ class PagedAllocator final : public KvAllocator {
   std::int64_t prefix_query_tokens_ = 0;
   std::int64_t prefix_hit_tokens_ = 0;
   std::int64_t evictions_ = 0;
+  std::int64_t live_fill_ = 0;  // filled slots of all held blocks (stats().used)
 };
 
 const ParamSpec kParams[] = {
