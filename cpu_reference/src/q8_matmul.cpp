@@ -7,13 +7,20 @@
 //   Q8_0       w_b = d * v (v int8); VNNI multiplies unsigned by signed bytes, so qx + 128 is
 //              the unsigned side:  v . qx = v . (qx + 128) - 128 sum(v)
 // With AVX-512 VNNI, one vpdpbusd sums 4 values for 16 outputs; register tiles of up to 8 rows
-// of x share each block's widened nibbles. Elsewhere the same integer sums in plain loops.
+// of x share each block's widened nibbles. With AVX2, vpmaddubsw + vpmaddwd do the same for 8
+// outputs (half a group); Q8_0 takes the signs of the weights onto the activations there
+// (|v| . sign(qx, v)), so the 16-bit pair sums stay below 2 * 128 * 127 and cannot saturate.
+// Elsewhere the same integer sums in plain loops. Every path sums the same integers and rounds
+// in the same order: their outputs are identical.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVLAB_Q8_VNNI 1
+#include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define KVLAB_Q8_AVX2 1
 #include <immintrin.h>
 #endif
 
@@ -33,6 +40,13 @@ using q8::group_block_layout;
 using q8::GroupBlockLayout;
 using q8::kBlockValues;
 using q8::kGroupRows;
+
+// VNNI multiplies unsigned by signed bytes: there Q8_0's activations are stored + 128.
+#if KVLAB_Q8_VNNI
+constexpr bool kUnsignedQ8Activations = true;
+#else
+constexpr bool kUnsignedQ8Activations = false;
+#endif
 
 // Value k (0-31) of a row-major Q block, as an integer: Q8_0 signed, Q4 the unsigned nibble.
 int block_value(WeightFormat format, const std::byte* block, int k) {
@@ -76,8 +90,8 @@ float interleaved_value(WeightFormat format, const std::byte* group_block, int j
          stored_value(DType::dtype_f16, group_block + layout.minimums + 2 * j);
 }
 
-// x (M, K) rounded per block: q (M, K) int8 (+128 as unsigned bytes for Q8_0 weights), and per
-// (row, block) the scale dx and dx * sum(q).
+// x (M, K) rounded per block: q (M, K) int8 (+128 as unsigned bytes for Q8_0 weights on VNNI),
+// and per (row, block) the scale dx and dx * sum(q).
 struct QuantizedRows {
   std::vector<std::int8_t> q;
   std::vector<float> scale, scaled_sum;
@@ -118,7 +132,7 @@ void quantize_rows(const RowMatrix& x, bool unsigned_bytes, QuantizedRows& out) 
     }
 }
 
-#if !KVLAB_Q8_VNNI
+#if !KVLAB_Q8_VNNI && !KVLAB_Q8_AVX2
 void store_outputs(const float* values, std::int64_t count, bool accumulate, float* y) {
   for (std::int64_t j = 0; j < count; ++j) y[j] = accumulate ? y[j] + values[j] : values[j];
 }
@@ -139,8 +153,7 @@ void group_rows_plain(WeightFormat format, const std::byte* group, const Quantiz
           const int t = k / 4, i = k % 4;
           const auto byte = gb[layout.values + 64 * (t % 4) + 4 * j + i];
           if (format == WeightFormat::q8_0) {
-            const auto v = static_cast<std::int8_t>(gb[layout.values + 64 * t + 4 * j + i]);
-            dot += v * static_cast<int>(static_cast<std::uint8_t>(qx[k]));
+            dot += static_cast<std::int8_t>(gb[layout.values + 64 * t + 4 * j + i]) * qx[k];
           } else {
             const auto u = std::to_integer<int>(t < 4 ? byte & std::byte{0x0F} : byte >> 4);
             dot += u * qx[k];
@@ -148,11 +161,6 @@ void group_rows_plain(WeightFormat format, const std::byte* group, const Quantiz
         }
         const float d = stored_value(DType::dtype_f16, gb + 2 * j);
         float& o = out[r * kGroupRows + j];
-        if (format == WeightFormat::q8_0) {
-          std::int16_t wsum = 0;
-          std::memcpy(&wsum, gb + layout.sums + 2 * j, 2);
-          dot -= 128 * wsum;
-        }
         o = std::fma(static_cast<float>(dot), d * x.scale[static_cast<std::size_t>(xb)], o);
         if (format != WeightFormat::q8_0) {
           const float m = format == WeightFormat::q4_0
@@ -242,6 +250,99 @@ void group_tile_rows(int rows, const std::byte* group, const QuantizedRows& x, s
 }
 #endif
 
+#if KVLAB_Q8_AVX2
+// Rows [m0, m0 + Rows) of x against outputs 8 h ... 8 h + 7 of one group (half h): out row r =
+// y + (m0 + r) * ldy (`mask`: the outputs that exist). Per block: the half's 8 value slices
+// (32 bytes each; Q4: 4 loads and their nibbles split), then per row of x and slice one
+// vpmaddubsw (pairs of byte products) and one vpmaddwd (pairs of those: 4 values per output),
+// one conversion and one or two FMAs with the block's scales.
+template <WeightFormat Format, int Rows>
+void half_group_tile_avx2(const std::byte* group, int h, const QuantizedRows& x, std::int64_t m0,
+                          __m256i mask, bool accumulate, float* y, std::int64_t ldy) {
+  constexpr GroupBlockLayout layout = group_block_layout(Format);
+  __m256 acc[Rows];
+  for (auto& a : acc) a = _mm256_setzero_ps();
+  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (std::int64_t b = 0; b < x.blocks; ++b) {
+    const std::byte* gb = group + b * layout.bytes;
+    const auto half = [&](std::int64_t offset) {
+      return reinterpret_cast<const __m128i*>(gb + offset + 16 * h);
+    };
+    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(half(0)));
+    __m256 m = _mm256_setzero_ps();
+    __m256i w[8];  // Q8_0: |v|; Q4: the nibbles u
+    __m256i sign[8];
+    if constexpr (Format == WeightFormat::q8_0) {
+      for (int t = 0; t < 8; ++t) {
+        sign[t] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(gb + layout.values + 64 * t + 32 * h));
+        w[t] = _mm256_abs_epi8(sign[t]);
+      }
+    } else {
+      for (int p = 0; p < 4; ++p) {
+        const __m256i packed = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(gb + layout.values + 64 * p + 32 * h));
+        w[p] = _mm256_and_si256(packed, low_nibbles);
+        w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
+      }
+      m = Format == WeightFormat::q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(half(layout.minimums)))
+                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+    }
+    for (int r = 0; r < Rows; ++r) {
+      const std::int8_t* qx = x.q.data() + (m0 + r) * x.cols + b * kBlockValues;
+      __m256i dot = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        std::int32_t four = 0;
+        std::memcpy(&four, qx + 4 * t, 4);
+        __m256i a = _mm256_set1_epi32(four);
+        if constexpr (Format == WeightFormat::q8_0) a = _mm256_sign_epi8(a, sign[t]);
+        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w[t], a), ones));
+      }
+      const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+                               _mm256_mul_ps(d, _mm256_set1_ps(x.scale[xb])), acc[r]);
+      if constexpr (Format != WeightFormat::q8_0)
+        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[xb]), acc[r]);
+    }
+  }
+  for (int r = 0; r < Rows; ++r) {
+    float* out = y + (m0 + r) * ldy + 8 * h;
+    if (accumulate) acc[r] = _mm256_add_ps(acc[r], _mm256_maskload_ps(out, mask));
+    _mm256_maskstore_ps(out, mask, acc[r]);
+  }
+}
+
+constexpr int kTileRows = 4;  // 4 accumulators beside 8 (Q8_0: 16) value registers
+
+template <WeightFormat Format, int Rows = kTileRows>
+void half_group_tile_rows(int rows, const std::byte* group, int h, const QuantizedRows& x,
+                          std::int64_t m0, __m256i mask, bool accumulate, float* y,
+                          std::int64_t ldy) {
+  if constexpr (Rows > 1) {
+    if (rows < Rows)
+      return half_group_tile_rows<Format, Rows - 1>(rows, group, h, x, m0, mask, accumulate, y,
+                                                    ldy);
+  }
+  half_group_tile_avx2<Format, Rows>(group, h, x, m0, mask, accumulate, y, ldy);
+}
+
+// Rows [m_begin, m_end) against both halves of one group.
+template <WeightFormat Format>
+void group_product_avx2(const std::byte* group, std::int64_t count, const QuantizedRows& x,
+                        std::int64_t m_begin, std::int64_t m_end, bool accumulate, float* y,
+                        std::int64_t ldy) {
+  for (int h = 0; h < 2 && 8 * h < count; ++h) {
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8 * h)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
+      const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0));
+      half_group_tile_rows<Format>(rows, group, h, x, m0, mask, accumulate, y, ldy);
+    }
+  }
+}
+#endif
+
 // Rows [m_begin, m_end) of x against group g: y's columns 16 g ... (fewer in the last group).
 void group_product(WeightFormat format, const std::byte* group, std::int64_t g,
                    std::int64_t outputs, const QuantizedRows& x, std::int64_t m_begin,
@@ -263,6 +364,19 @@ void group_product(WeightFormat format, const std::byte* group, std::int64_t g,
         group_tile_rows<WeightFormat::q4_1>(rows, group, x, m0, mask, accumulate, target, y.cols());
         break;
     }
+  }
+#elif KVLAB_Q8_AVX2
+  float* target = y.data() + n0;
+  switch (format) {
+    case WeightFormat::q8_0:
+      return group_product_avx2<WeightFormat::q8_0>(group, count, x, m_begin, m_end, accumulate,
+                                                    target, y.cols());
+    case WeightFormat::q4_0:
+      return group_product_avx2<WeightFormat::q4_0>(group, count, x, m_begin, m_end, accumulate,
+                                                    target, y.cols());
+    default:
+      return group_product_avx2<WeightFormat::q4_1>(group, count, x, m_begin, m_end, accumulate,
+                                                    target, y.cols());
   }
 #else
   float out[kGroupRows];
@@ -295,7 +409,7 @@ void multiply(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accu
   const std::int64_t group_bytes = w.cols() / kBlockValues * group_block_layout(w.format()).bytes;
   thread_local QuantizedRows kept;  // between products: no allocation per call
   QuantizedRows& quantized = kept;  // the caller's, shared by the threads below
-  quantize_rows(x, w.format() == WeightFormat::q8_0, quantized);
+  quantize_rows(x, kUnsignedQ8Activations && w.format() == WeightFormat::q8_0, quantized);
   for_each_group_pass(rows, group_count(outputs),
                       [&](std::int64_t g, std::int64_t m_begin, std::int64_t m_end) {
                         group_product(w.format(), w.data() + g * group_bytes, g, outputs, quantized,
