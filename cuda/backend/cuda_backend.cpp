@@ -141,10 +141,14 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
 
   std::int64_t vocab_size() const override { return config_.vocab_size; }
   std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
+  std::span<const kvlab::TokenLogprob> chosen_logprobs() const override { return chosen_logprobs_; }
   bool choose_tokens(std::span<const kvlab::TokenChoice> choices) override {
     choices_.clear();
-    for (const kvlab::TokenChoice& c : choices)
+    logprob_counts_.clear();
+    for (const kvlab::TokenChoice& c : choices) {
       choices_.push_back({c.temperature, c.top_p, c.uniform, c.top_k});
+      logprob_counts_.push_back(c.logprobs);
+    }
     return true;
   }
 
@@ -152,8 +156,11 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
 
   std::span<const float> forward(std::span<const kvlab::BatchEntry> batch) override {
     chosen_ = {};
+    chosen_logprobs_.clear();
     step_choices_.swap(choices_);  // choose_tokens applies to this forward only
+    step_logprob_counts_.swap(logprob_counts_);
     choices_.clear();
+    logprob_counts_.clear();
     StepShape step = stage_step(batch);  // 1. metadata
     if (step.rows == 0) return {};
     step.choosing = step_choices_.size() == batch.size();
@@ -161,6 +168,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     upload_step(step);  // 2. uploaded once
     grow_activations(step);
     if (!graphed || !replay_graph(step)) compute(step);  // 3.
+    if (step.choosing) compute_logprobs(step);           // (outside the graphs: when asked)
     return read_out(step);                               // 4.
   }
 
@@ -393,6 +401,25 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
             "sample");
   }
 
+  // The log-probabilities the step's choices ask for (TokenChoice::logprobs >= 0), from the
+  // logits and the chosen tokens still on the device: (sequences, 1 + K) entries, K the most
+  // asked. Nothing when none asks.
+  void compute_logprobs(const StepShape& step) {
+    const std::int32_t most =
+        *std::max_element(step_logprob_counts_.begin(), step_logprob_counts_.end());
+    logprob_width_ = most < 0 ? 0 : 1 + most;
+    if (logprob_width_ == 0) return;
+    to_device(step_logprob_counts_, d_logprob_counts_, false);
+    const auto entries = static_cast<std::size_t>(step.sequences * logprob_width_);
+    if (d_logprobs_.bytes() < entries * sizeof(kvlab::cuda::LogprobEntry))
+      d_logprobs_.resize(2 * entries * sizeof(kvlab::cuda::LogprobEntry));
+    check(kvlab::cuda::launch_row_logprobs(logits_.get<float>(), step.sequences, config_.vocab_size,
+                                           d_chosen_.get<std::int32_t>(),
+                                           d_logprob_counts_.get<std::int32_t>(), logprob_width_,
+                                           d_logprobs_.get<kvlab::cuda::LogprobEntry>(), stream_),
+          "logprobs");
+  }
+
   // Launches the graph captured for this step's (batch, split) bucket, capturing it first if
   // there is none. False when capture fails: graphs are then off for this backend (said once on
   // stderr) and the caller launches the step directly; nothing ran meanwhile.
@@ -532,8 +559,16 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
                             cudaMemcpyDeviceToHost, stream_),
             "download chosen tokens");
+      std::vector<kvlab::cuda::LogprobEntry> logprobs(
+          static_cast<std::size_t>(step.sequences * logprob_width_));
+      if (!logprobs.empty())
+        check(cudaMemcpyAsync(logprobs.data(), d_logprobs_.get(),
+                              logprobs.size() * sizeof(kvlab::cuda::LogprobEntry),
+                              cudaMemcpyDeviceToHost, stream_),
+              "download logprobs");
       check(cudaStreamSynchronize(stream_), "forward");
       chosen_ = {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.sequences)};
+      for (const auto& [token, logprob] : logprobs) chosen_logprobs_.push_back({token, logprob});
       return {};
     }
     const std::int64_t values = step.sequences * config_.vocab_size;
@@ -654,6 +689,12 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   // chose them.
   std::vector<kvlab::cuda::RowSampling> choices_, step_choices_;
   std::span<const std::int32_t> chosen_;
+  // Their log-probabilities: how many each choice asks for (-1: none), this forward's width
+  // (1 + the most asked; 0: none) and the result on the host.
+  std::vector<std::int32_t> logprob_counts_, step_logprob_counts_;
+  std::int64_t logprob_width_ = 0;
+  DeviceBuffer d_logprob_counts_, d_logprobs_;
+  std::vector<kvlab::TokenLogprob> chosen_logprobs_;
   std::vector<std::int32_t> tokens_, positions_, last_rows_;
   std::vector<std::int64_t> new_slots_, block_table_;
   std::vector<kvlab::cuda::AttentionEntry> entries_;

@@ -10,6 +10,7 @@
 #endif
 
 #include <cstring>
+#include <limits>
 
 #include "kvlab/cuda/kernels.hpp"
 
@@ -32,6 +33,13 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16(x);  // round to nearest even
 }
 
+__device__ __forceinline__ float quiet_nan() {
+#if defined(KVLAB_CUDA_EMULATION)
+  return std::numeric_limits<float>::quiet_NaN();
+#else
+  return __int_as_float(0x7fc00000);
+#endif
+}
 __device__ __forceinline__ bool is_finite(float x) {
 #if defined(KVLAB_CUDA_EMULATION)
   return std::isfinite(x);

@@ -85,23 +85,12 @@ struct RowMax {
   std::int32_t index = -1;
   bool finite = true;
 };
-__device__ RowMax row_max(const float* row, std::int64_t vocab) {
-  RowMax mine;
-  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
-    const float v = row[i];
-    if (!is_finite(v)) {
-      mine.finite = false;
-    } else if (mine.index < 0 || v > mine.value) {
-      mine.value = v;
-      mine.index = static_cast<std::int32_t>(i);
-    }
-  }
+// Each thread's best (value, index) to the block's: the largest value, the lowest index on ties
+// (index -1: none). Every thread gets the result.
+__device__ RowMax block_best(const RowMax& mine) {
   __shared__ float values[kThreads];
   __shared__ std::int32_t indices[kThreads];
-  __shared__ int non_finite;
-  if (threadIdx.x == 0) non_finite = 0;
-  __syncthreads();
-  if (!mine.finite) non_finite = 1;
+  __syncthreads();  // a previous call's readers are done
   values[threadIdx.x] = mine.value;
   indices[threadIdx.x] = mine.index;
   __syncthreads();
@@ -117,9 +106,44 @@ __device__ RowMax row_max(const float* row, std::int64_t vocab) {
     }
     __syncthreads();
   }
-  RowMax result{values[0], indices[0], non_finite == 0};
-  __syncthreads();  // before another call overwrites the arrays
+  return {values[0], indices[0], true};
+}
+
+__device__ RowMax row_max(const float* row, std::int64_t vocab) {
+  RowMax mine;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float v = row[i];
+    if (!is_finite(v)) {
+      mine.finite = false;
+    } else if (mine.index < 0 || v > mine.value) {
+      mine.value = v;
+      mine.index = static_cast<std::int32_t>(i);
+    }
+  }
+  __shared__ int non_finite;
+  if (threadIdx.x == 0) non_finite = 0;
+  __syncthreads();
+  if (!mine.finite) non_finite = 1;
+  RowMax result = block_best(mine);  // (its syncs publish non_finite)
+  result.finite = non_finite == 0;
+  __syncthreads();  // before another call resets non_finite
   return result;
+}
+
+// The row's first token after `after` in the candidate order (larger logit first, the lower id
+// first among equals; every token when after.index < 0), over finite rows: the next of a top-k.
+// index -1 when none is left.
+__device__ RowMax best_after(const float* row, std::int64_t vocab, const RowMax& after) {
+  RowMax mine;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x) {
+    const float v = row[i];
+    const bool later = after.index < 0 || v < after.value || (v == after.value && i > after.index);
+    if (later && (mine.index < 0 || v > mine.value)) {
+      mine.value = v;
+      mine.index = static_cast<std::int32_t>(i);
+    }
+  }
+  return block_best(mine);
 }
 
 // What a radix select accumulates along the candidate order.
@@ -241,7 +265,52 @@ __global__ void sample_rows_kernel(const float* logits, std::int64_t vocab,
   if (threadIdx.x == 0) out[blockIdx.x] = m.finite ? token : -1;
 }
 
+// Row r's log-probabilities under softmax(logits) as kvlab::token_logprob and kvlab::top_logprobs
+// compute them on the host (the max, then log(sum(exp(logit - max))) in double): out row r
+// (width) = {chosen token, its logprob}, then counts[r] most likely tokens, then {-1, NaN}.
+__global__ void row_logprobs_kernel(const float* logits, std::int64_t vocab,
+                                    const std::int32_t* chosen, const std::int32_t* counts,
+                                    int width, LogprobEntry* out) {
+  const float* row = logits + static_cast<std::int64_t>(blockIdx.x) * vocab;
+  LogprobEntry* o = out + static_cast<std::int64_t>(blockIdx.x) * width;
+  const RowMax m = row_max(row, vocab);
+  const int count = counts[blockIdx.x];
+  const std::int32_t token = chosen[blockIdx.x];
+  if (count < 0 || !m.finite || token < 0 || token >= vocab) {  // none asked, or no choice
+    for (int j = threadIdx.x; j < width; j += blockDim.x) o[j] = {-1, quiet_nan()};
+    return;
+  }
+  double mine = 0;
+  for (std::int64_t i = threadIdx.x; i < vocab; i += blockDim.x)
+    mine += row[i] == m.value ? 1.0 : exp(static_cast<double>(row[i]) - m.value);
+  const double log_sum = log(block_sum(mine));
+  const double normaliser = static_cast<double>(m.value) + log_sum;
+  if (threadIdx.x == 0)
+    o[0] = {token, static_cast<float>(static_cast<double>(row[token]) -
+                                      static_cast<double>(m.value) - log_sum)};
+  RowMax previous;
+  for (int j = 1; j < width; ++j) {
+    if (j <= count && (j == 1 || previous.index >= 0)) previous = best_after(row, vocab, previous);
+    const bool kept = j <= count && previous.index >= 0;
+    if (threadIdx.x == 0)
+      o[j] =
+          kept ? LogprobEntry{previous.index,
+                              static_cast<float>(static_cast<double>(previous.value) - normaliser)}
+               : LogprobEntry{-1, quiet_nan()};
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_row_logprobs(const float* logits, std::int64_t rows, std::int64_t vocab,
+                                const std::int32_t* chosen, const std::int32_t* counts, int width,
+                                LogprobEntry* out, cudaStream_t stream) {
+  if (rows <= 0) return cudaSuccess;
+  if (vocab <= 0 || vocab > 0x7fffffff || rows > 0x7fffffff || width < 1)
+    return cudaErrorInvalidValue;
+  return launch_kernel(row_logprobs_kernel, static_cast<unsigned>(rows), kThreads, stream, logits,
+                       vocab, chosen, counts, width, out);
+}
 
 cudaError_t launch_sample_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
                                const RowSampling* choices, std::int32_t* out, cudaStream_t stream) {

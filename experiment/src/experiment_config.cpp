@@ -342,6 +342,11 @@ void parse_workload(Section& s, ExperimentConfig& c) {
   w.top_p = s.get<double>("top_p").value_or(1.0);
   w.top_k =
       s.get_int<std::int32_t>("top_k", 0, std::numeric_limits<std::int32_t>::max()).value_or(0);
+  w.logprobs = s.get_int<std::int32_t>("logprobs", 0, kMaxLogprobs).value_or(-1);
+  if (w.logprobs >= 0 && c.backend == "simulated")
+    s.fail(*s.node("logprobs"),
+           "workload.logprobs needs a backend with logits (cpu, or a plugin such as cuda): the "
+           "simulated backend picks its tokens without any");
   w.ignore_eos = s.get<bool>("ignore_eos").value_or(true);
   c.trace = s.get<std::string>("trace").value_or("");
   parse_azure_trace(s, c);

@@ -243,9 +243,7 @@ RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model
   options.context = model.max_position_embeddings;
   options.arrival = c.workload.arrival;
   options.seed = c.seed;
-  options.sampling.temperature = c.workload.temperature;
-  options.sampling.top_p = c.workload.top_p;
-  options.sampling.top_k = c.workload.top_k;
+  options.sampling = workload_sampling(c.workload);
   auto encode = [&](const std::string& text) {
     if (!chat) return tokenizer.encode_prompt(text);
     const std::vector<ChatMessage> messages = {{"user", text}};
@@ -265,9 +263,7 @@ RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, 
     TraceOptions options;
     options.vocab_size = model.vocab_size;
     options.seed = c.seed;
-    options.sampling.temperature = c.workload.temperature;
-    options.sampling.top_p = c.workload.top_p;
-    options.sampling.top_k = c.workload.top_k;
+    options.sampling = workload_sampling(c.workload);
     options.sampling.ignore_eos = c.workload.ignore_eos;
     w.requests = load_trace(c.trace, options);
   } else if (!c.azure_trace.empty()) {
@@ -275,9 +271,7 @@ RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, 
     options.context = model.max_position_embeddings;
     options.vocab_size = model.vocab_size;
     options.seed = c.seed;
-    options.sampling.temperature = c.workload.temperature;
-    options.sampling.top_p = c.workload.top_p;
-    options.sampling.top_k = c.workload.top_k;
+    options.sampling = workload_sampling(c.workload);
     w = load_azure_trace(c.azure_trace, options);
   } else if (!c.prompt_set.empty()) {
     w = prompt_requests(c, model, tokenizer);
@@ -700,6 +694,26 @@ void write_outputs_jsonl(std::ostream& f, const RunOutput& out) {
   }
 }
 
+// Each request that asked for log-probabilities (workload.logprobs): its generated tokens, each
+// one's log-probability, and the k most likely tokens at each position as [token, logprob].
+void write_logprobs_jsonl(std::ostream& f, const RunOutput& out) {
+  const auto& all = out.engine.logprobs;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (all[i].empty()) continue;
+    nlohmann::json token_logprobs = nlohmann::json::array(), top = nlohmann::json::array();
+    for (const GeneratedLogprobs& token : all[i]) {
+      token_logprobs.push_back(token.logprob);
+      auto& alternatives = top.emplace_back(nlohmann::json::array());
+      for (const TokenLogprob& t : token.top) alternatives.push_back({t.token, t.logprob});
+    }
+    f << nlohmann::json{{"id", out.engine.requests[i].id},
+                        {"tokens", out.engine.tokens[i]},
+                        {"token_logprobs", std::move(token_logprobs)},
+                        {"top_logprobs", std::move(top)}}
+      << "\n";
+  }
+}
+
 nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
   const RunSummary& s = out.summary;
   const KvAllocatorStats kv =
@@ -791,6 +805,10 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   if (!out.answer_texts.empty()) {
     auto f = open("outputs.jsonl");
     write_outputs_jsonl(f, out);
+  }
+  if (c.workload.logprobs >= 0) {
+    auto f = open("logprobs.jsonl");
+    write_logprobs_jsonl(f, out);
   }
 }
 

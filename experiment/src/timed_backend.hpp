@@ -23,6 +23,9 @@ class TimedBackend final : public Backend {
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
   std::span<const std::int32_t> chosen_tokens() const override { return inner_.chosen_tokens(); }
+  std::span<const TokenLogprob> chosen_logprobs() const override {
+    return inner_.chosen_logprobs();
+  }
   bool choose_tokens(std::span<const TokenChoice> choices) override {
     return inner_.choose_tokens(choices);
   }

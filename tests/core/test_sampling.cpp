@@ -195,6 +195,14 @@ TEST(Sampling, InvalidParametersAreNamed) {
   p = {};
   p.max_tokens = 0;
   EXPECT_NE(message(p).find("max_tokens"), std::string::npos);
+  for (const std::int32_t bad : {-2, kMaxLogprobs + 1}) {
+    p = {};
+    p.logprobs = bad;
+    EXPECT_NE(message(p).find("logprobs must be in [0, 20]"), std::string::npos) << bad;
+  }
+  p = {};
+  p.logprobs = kMaxLogprobs;
+  EXPECT_NO_THROW(validate_sampling_params(p));
 }
 
 }  // namespace

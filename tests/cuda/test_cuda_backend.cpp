@@ -47,6 +47,7 @@ PluginObject<Backend> create_cuda_backend(KvPool& pool, const std::string& dtype
 
 struct EngineRun {
   std::vector<std::vector<std::int32_t>> tokens;
+  std::vector<std::vector<GeneratedLogprobs>> logprobs;
   std::int64_t preemptions = 0;
   BackendCounters counters;
 };
@@ -90,6 +91,7 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   const EngineResult result = engine.run(requests);
   EngineRun run;
   run.tokens = result.tokens;
+  run.logprobs = result.logprobs;
   if (on_gpu) run.counters = gpu_backend->counters();
   for (const auto& r : result.requests) {
     EXPECT_FALSE(r.rejected) << r.reject_reason;
@@ -218,6 +220,46 @@ TEST(CudaBackend, GraphedDecodeStepsGiveTheTokensOfDirectLaunches) {
   EXPECT_GT(graphed.counters.graph_replays, 20);
   EXPECT_EQ(direct.counters.graph_replays, 0);
   EXPECT_EQ(direct.counters.graph_captures, 0);
+}
+
+// Requests that ask for log-probabilities get them from the device with the tokens it picked (a
+// kernel after the step's graph or launches; (1 + k) pairs per sequence cross, not its logits):
+// within 1e-4 of the CPU backend's host values (f32; its logits agree to ~1e-5), and the same
+// top tokens except where the host's own ranks are within that of each other.
+TEST(CudaBackend, DeviceLogprobsEqualTheHostsFromTheCpuBackend) {
+  KVLAB_REQUIRE_CUDA();
+  std::vector<WorkloadRequest> requests = two_waves();
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    requests[i].sampling.logprobs = i % 3 == 2 ? -1 : static_cast<std::int32_t>(i % 6);
+  const Params paged{{"block_size", std::int64_t{4}}};
+  const Params split{{"split_keys", std::int64_t{16}}};
+  const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 512, requests);
+  const EngineRun gpu = run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, split);
+  ASSERT_EQ(gpu.tokens, cpu.tokens);
+  EXPECT_GT(gpu.counters.graph_replays, 20);  // the graphed decode steps computed them too
+  std::size_t tops = 0, asked = 0;
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    asked +=
+        cpu.tokens[i].size() * static_cast<std::size_t>(std::max(requests[i].sampling.logprobs, 0));
+    ASSERT_EQ(gpu.logprobs[i].size(), cpu.logprobs[i].size()) << i;
+    EXPECT_EQ(gpu.logprobs[i].empty(), requests[i].sampling.logprobs < 0) << i;
+    for (std::size_t t = 0; t < cpu.logprobs[i].size(); ++t) {
+      const GeneratedLogprobs &device = gpu.logprobs[i][t], &host = cpu.logprobs[i][t];
+      EXPECT_NEAR(device.logprob, host.logprob, 1e-4) << "request " << i << " token " << t;
+      ASSERT_EQ(device.top.size(), host.top.size());
+      for (std::size_t k = 0; k < host.top.size(); ++k, ++tops) {
+        EXPECT_NEAR(device.top[k].logprob, host.top[k].logprob, 1e-4);
+        const bool near_tie =
+            (k > 0 && host.top[k - 1].logprob - host.top[k].logprob < 1e-4) ||
+            (k + 1 < host.top.size() && host.top[k].logprob - host.top[k + 1].logprob < 1e-4);
+        if (!near_tie) {
+          EXPECT_EQ(device.top[k].token, host.top[k].token) << i << " " << t;
+        }
+      }
+    }
+  }
+  EXPECT_EQ(tops, asked);
+  EXPECT_GT(tops, 200u);
 }
 
 TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {

@@ -246,6 +246,87 @@ TEST(CudaKernels, SampleRowsPicksTheHostsTokenForEverySettingAndDraw) {
   EXPECT_GT(std::unique(distinct.begin(), distinct.end()) - distinct.begin(), 20);
 }
 
+// Log-probabilities on the device are the host's (kvlab::token_logprob / top_logprobs over the
+// same row, to 1e-6: both sum exp in double, the device's exp may differ in its last bit): on
+// rows longer than the block, with a three-way tie at the top (the lower ids first), a flat row
+// (ids in order), counts of 0, 1, 20 and -1 (none asked), a NaN row, and a vocabulary smaller
+// than the count (the rest {-1, NaN}).
+TEST(CudaKernels, RowLogprobsAreTheHostsForTheChosenAndTheTopTokens) {
+  KVLAB_REQUIRE_CUDA();
+  constexpr std::int64_t kVocab = 2000;
+  constexpr int kWidth = 1 + kMaxLogprobs;
+  std::vector<std::vector<float>> rows;
+  rows.push_back(random_values(kVocab, 21, 3.0f));
+  rows.push_back(random_values(kVocab, 22, 3.0f));
+  rows[1][700] = rows[1][300] = rows[1][1999] = 9.0f;
+  rows.push_back(std::vector<float>(kVocab, 0.25f));
+  rows.push_back(random_values(kVocab, 23, 40.0f));
+  rows.push_back(random_values(kVocab, 24, 3.0f));
+  rows.push_back(random_values(kVocab, 25, 3.0f));
+  rows[5][17] = std::numeric_limits<float>::quiet_NaN();
+  const std::vector<std::int32_t> counts = {20, 5, 3, 1, -1, 4};
+  const std::vector<std::int32_t> chosen = {1234, 1999, 0, 77, 5, 6};
+  std::vector<float> logits;
+  for (const auto& row : rows) logits.insert(logits.end(), row.begin(), row.end());
+  const auto count = static_cast<std::int64_t>(rows.size());
+  GuardedBuffer d_logits(logits.size(), 4), d_chosen(chosen.size(), 4), d_counts(counts.size(), 4),
+      d_out(static_cast<std::size_t>(count * kWidth), sizeof(cuda::LogprobEntry));
+  d_logits.write(logits, Dtype::f32);
+  d_chosen.write_bytes(chosen.data(), chosen.size() * 4);
+  d_counts.write_bytes(counts.data(), counts.size() * 4);
+  ASSERT_EQ(cuda::launch_row_logprobs(d_logits.as<float>(), count, kVocab,
+                                      d_chosen.as<std::int32_t>(), d_counts.as<std::int32_t>(),
+                                      kWidth, d_out.as<cuda::LogprobEntry>(), nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<cuda::LogprobEntry> out(static_cast<std::size_t>(count * kWidth));
+  d_out.read_bytes(out.data(), out.size() * sizeof(cuda::LogprobEntry));
+  EXPECT_TRUE(d_out.guards_intact());
+  for (std::size_t r = 0; r < rows.size(); ++r) {
+    const cuda::LogprobEntry* o = out.data() + r * kWidth;
+    if (counts[r] < 0 || r == 5) {  // none asked; a NaN row
+      for (int j = 0; j < kWidth; ++j) {
+        EXPECT_EQ(o[j].token, -1) << "row " << r;
+        EXPECT_TRUE(std::isnan(o[j].logprob)) << "row " << r;
+      }
+      continue;
+    }
+    EXPECT_EQ(o[0].token, chosen[r]);
+    EXPECT_NEAR(o[0].logprob, token_logprob(rows[r], chosen[r]), 1e-6) << "row " << r;
+    const auto top = top_logprobs(rows[r], counts[r]);
+    for (int j = 1; j < kWidth; ++j) {
+      if (j > counts[r]) {
+        EXPECT_EQ(o[j].token, -1) << "row " << r << " rank " << j;
+        continue;
+      }
+      EXPECT_EQ(o[j].token, top[static_cast<std::size_t>(j - 1)].token) << "row " << r;
+      EXPECT_NEAR(o[j].logprob, top[static_cast<std::size_t>(j - 1)].logprob, 1e-6);
+    }
+  }
+  EXPECT_EQ(out[kWidth + 1].token, 300);  // the tie: lower ids first
+  EXPECT_EQ(out[kWidth + 2].token, 700);
+  EXPECT_EQ(out[kWidth + 3].token, 1999);
+  EXPECT_EQ(out[2 * kWidth + 3].token, 2);  // flat: ids in order
+  // A 5-token vocabulary asked for 8: five, then {-1, NaN}.
+  const std::vector<float> tiny = {0.5f, -1.0f, 2.0f, 2.0f, 0.0f};
+  const std::int32_t eight = 8, two = 2;
+  GuardedBuffer d_tiny(tiny.size(), 4), d_eight(1, 4), d_two(1, 4), d_few(9, 8);
+  d_tiny.write(tiny, Dtype::f32);
+  d_eight.write_bytes(&eight, 4);
+  d_two.write_bytes(&two, 4);
+  ASSERT_EQ(cuda::launch_row_logprobs(d_tiny.as<float>(), 1, 5, d_two.as<std::int32_t>(),
+                                      d_eight.as<std::int32_t>(), 9, d_few.as<cuda::LogprobEntry>(),
+                                      nullptr),
+            cudaSuccess);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  std::vector<cuda::LogprobEntry> few(9);
+  d_few.read_bytes(few.data(), few.size() * sizeof(cuda::LogprobEntry));
+  const std::vector<std::int32_t> order = {2, 2, 3, 0, 4, 1, -1, -1, -1};
+  for (std::size_t j = 0; j < few.size(); ++j) EXPECT_EQ(few[j].token, order[j]) << j;
+  EXPECT_NEAR(few[0].logprob, token_logprob(tiny, 2), 1e-6);
+  EXPECT_TRUE(std::isnan(few[8].logprob));
+}
+
 TEST(CudaKernels, RmsNormMatchesTheReference) {
   KVLAB_REQUIRE_CUDA();
   for (Dtype dtype : kDtypes)

@@ -81,13 +81,17 @@ class DeviceSamplingBackend final : public Backend {
     choices.swap(choices_);  // for this forward only
     modes.push_back(!choices.empty());
     chosen_.clear();
+    logprobs_.clear();
     if (choices.empty()) return logits;
     EXPECT_EQ(choices.size(), batch.size());
     const auto vocab = static_cast<std::size_t>(vocab_size());
+    std::int32_t width = 0;  // 1 + the most logprobs asked, as Backend::chosen_logprobs says
+    for (const TokenChoice& c : choices) width = std::max(width, c.logprobs + 1);
     for (std::size_t e = 0; e < batch.size(); ++e) {
       const auto row = logits.subspan(e * vocab, vocab);
       if (std::any_of(row.begin(), row.end(), [](float v) { return !std::isfinite(v); })) {
         chosen_.push_back(-1);
+        logprobs_.insert(logprobs_.end(), static_cast<std::size_t>(width), {-1, NAN});
         continue;
       }
       SamplingParams p;
@@ -96,11 +100,20 @@ class DeviceSamplingBackend final : public Backend {
       p.top_p = choices[e].top_p;
       if (p.temperature > 0) ++sampled_rows;
       chosen_.push_back(pick_token(row, p, choices[e].uniform));
+      if (width == 0) continue;
+      const auto top = top_logprobs(row, std::max(choices[e].logprobs, 0));
+      logprobs_.push_back({chosen_.back(), token_logprob(row, chosen_.back()) + logprob_error});
+      logprobs_.insert(logprobs_.end(), top.begin(), top.end());
+      logprobs_.resize(logprobs_.size() + static_cast<std::size_t>(width) - 1 - top.size(),
+                       {-1, NAN});
     }
     return {};
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
   std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
+  std::span<const TokenLogprob> chosen_logprobs() const override {
+    return without_logprobs ? std::span<const TokenLogprob>{} : logprobs_;
+  }
   bool choose_tokens(std::span<const TokenChoice> choices) override {
     ++requests;
     if (accepts_) choices_.assign(choices.begin(), choices.end());
@@ -109,12 +122,15 @@ class DeviceSamplingBackend final : public Backend {
   std::vector<bool> modes;  // per forward: whether it chose the tokens
   int requests = 0;         // choose_tokens calls
   int sampled_rows = 0;     // rows it drew from (temperature > 0)
+  float logprob_error = 0;  // added to each chosen token's log-probability
+  bool without_logprobs = false;
 
  private:
   cpu::CpuBackend& inner_;
   bool accepts_;
   std::vector<TokenChoice> choices_;
   std::vector<std::int32_t> chosen_;
+  std::vector<TokenLogprob> logprobs_;
 };
 
 struct DeviceSamplingRun {
@@ -123,9 +139,16 @@ struct DeviceSamplingRun {
   int requests = 0, sampled_rows = 0;
 };
 
+struct DeviceFaults {
+  float logprob_error = 0;
+  bool without_logprobs = false;
+};
+
 DeviceSamplingRun run_device_sampling(const cpu::LlamaWeights& w,
                                       const std::vector<WorkloadRequest>& requests, bool accepts,
-                                      bool read_logits) {
+                                      bool read_logits,
+                                      std::vector<std::vector<float>>* logits_read = nullptr,
+                                      DeviceFaults faults = {}) {
   const ModelConfig& c = w.config;
   KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
   PluginContext context;
@@ -136,12 +159,17 @@ DeviceSamplingRun run_device_sampling(const cpu::LlamaWeights& w,
   auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
   cpu::CpuBackend cpu(w, pool, std::nullopt);
   DeviceSamplingBackend backend(cpu, accepts);
+  backend.logprob_error = faults.logprob_error;
+  backend.without_logprobs = faults.without_logprobs;
   EngineOptions options;
   options.clock = EngineClock::steps;
   options.rules.context = 64;
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
-  if (read_logits) options.on_logits = [](RequestId, std::span<const float>) {};
+  if (read_logits)
+    options.on_logits = [logits_read](RequestId, std::span<const float> row) {
+      if (logits_read != nullptr) logits_read->emplace_back(row.begin(), row.end());
+    };
   DeviceSamplingRun run;
   Engine engine(backend, *allocator, *scheduler, options);
   run.result = engine.run(requests);
@@ -193,6 +221,66 @@ TEST(Engine, TokensArePickedOnTheBackendWhenItCanWithTheHostsDraws) {
   for (const bool mode : reading.modes) EXPECT_FALSE(mode);
   EXPECT_EQ(reading.requests, 0);
   EXPECT_EQ(reading.result.tokens, host.result.tokens);
+}
+
+// Requests that ask for log-probabilities get, per generated token, its log-probability and the
+// k most likely tokens: from the logits on the host, or from the backend that picked the tokens
+// (only they cross), the same values either way; others get none. A backend that picked tokens
+// but gave no log-probabilities is an error naming the request.
+TEST(Engine, LogprobsComeWithEachTokenWhereverItWasPicked) {
+  auto requests = mixed_sampling_requests();
+  requests[0].sampling.logprobs = 3;
+  requests[1].sampling.logprobs = 0;
+  requests[2].sampling.logprobs = kMaxLogprobs;  // request 3: none
+  std::vector<std::vector<float>> rows;  // every sampled row, in the order the engine read them
+  const DeviceSamplingRun reading = run_device_sampling(weights(), requests, true, true, &rows);
+  const DeviceSamplingRun device = run_device_sampling(weights(), requests, true, false);
+  ASSERT_EQ(reading.result.logprobs.size(), 4u);
+  EXPECT_TRUE(reading.result.logprobs[3].empty());
+  // The host's values are those of the rows it read (token by token, request by request).
+  std::size_t checked = 0;
+  for (const auto& row : rows)
+    for (std::size_t i = 0; i < 3; ++i)
+      for (std::size_t t = 0; t < reading.result.tokens[i].size(); ++t) {
+        const GeneratedLogprobs& g = reading.result.logprobs[i][t];
+        const std::int32_t token = reading.result.tokens[i][t];
+        if (g.logprob != token_logprob(row, token)) continue;
+        const auto top = top_logprobs(row, requests[i].sampling.logprobs);
+        if (g.top.size() != top.size() ||
+            !std::equal(top.begin(), top.end(), g.top.begin(), [](auto a, auto b) {
+              return a.token == b.token && a.logprob == b.logprob;
+            }))
+          continue;
+        ++checked;
+      }
+  EXPECT_GE(checked, 24u);  // 3 requests x 8 tokens each found their row
+  for (std::size_t i = 0; i < 3; ++i) {
+    ASSERT_EQ(reading.result.logprobs[i].size(), reading.result.tokens[i].size()) << i;
+    EXPECT_EQ(reading.result.logprobs[i][0].top.size(),
+              static_cast<std::size_t>(requests[i].sampling.logprobs))
+        << i;
+    for (const GeneratedLogprobs& g : reading.result.logprobs[i]) EXPECT_LE(g.logprob, 0.0f);
+  }
+  // The device's: every value equal to the host's.
+  EXPECT_EQ(device.result.tokens, reading.result.tokens);
+  for (std::size_t i = 0; i < 4; ++i) {
+    ASSERT_EQ(device.result.logprobs[i].size(), reading.result.logprobs[i].size()) << i;
+    for (std::size_t t = 0; t < device.result.logprobs[i].size(); ++t) {
+      EXPECT_EQ(device.result.logprobs[i][t].logprob, reading.result.logprobs[i][t].logprob);
+      ASSERT_EQ(device.result.logprobs[i][t].top.size(), reading.result.logprobs[i][t].top.size());
+      for (std::size_t k = 0; k < device.result.logprobs[i][t].top.size(); ++k)
+        EXPECT_EQ(device.result.logprobs[i][t].top[k].token,
+                  reading.result.logprobs[i][t].top[k].token);
+    }
+  }
+  // What the device gives is what the results hold (not recomputed on the host).
+  const DeviceSamplingRun shifted =
+      run_device_sampling(weights(), requests, true, false, nullptr, {0.5f, false});
+  EXPECT_EQ(shifted.result.logprobs[0][0].logprob, device.result.logprobs[0][0].logprob + 0.5f);
+  const std::string message = test::error_of<Error>([&] {
+    run_device_sampling(weights(), requests, true, false, nullptr, {0, true});
+  });
+  EXPECT_NE(message.find("request 0 asks for log-probabilities"), std::string::npos) << message;
 }
 
 // Logits with NaN (broken weights, a broken backend) stop the run with the request and the

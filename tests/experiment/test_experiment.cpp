@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <sstream>
+
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/summary_table.hpp"
@@ -64,6 +66,47 @@ TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
   EXPECT_EQ(summary["clock"], "virtual");  // and what priced it
   EXPECT_EQ(summary["profile"], "cpu");
   EXPECT_DOUBLE_EQ(summary["kv_waste_of_held_fraction"].get<double>(), out.kv_waste_of_held);
+}
+
+// workload.logprobs = k: logprobs.jsonl holds, per request, each generated token's
+// log-probability and its position's k most likely tokens; out of range, or on the simulated
+// backend (no logits), the file is refused by name.
+TEST(ExperimentLibrary, LogprobsAreWrittenPerGeneratedToken) {
+  const auto runs = load_experiment(
+      kQuickstart, small({"workload.logprobs=4", "workload.temperature=0.7", "workload.top_k=5"}));
+  EXPECT_EQ(runs[1].config.workload.logprobs, 4);
+  const RunOutput out = run_experiment(runs[1].config, false, nullptr);
+  test::TempDir dir;
+  write_run_outputs(dir.path(), runs[1].config, out);
+  std::istringstream lines(test::read_file(dir / "logprobs.jsonl"));
+  std::string line;
+  std::size_t requests = 0;
+  while (std::getline(lines, line)) {
+    const auto j = nlohmann::json::parse(line);
+    const auto& tokens = out.engine.tokens[j["id"].get<std::size_t>()];
+    ASSERT_EQ(j["tokens"].get<std::vector<std::int32_t>>(), tokens);
+    ASSERT_EQ(j["token_logprobs"].size(), tokens.size());
+    for (std::size_t t = 0; t < tokens.size(); ++t) {
+      const auto& top = j["top_logprobs"][t];
+      ASSERT_EQ(top.size(), 4u);
+      EXPECT_LE(j["token_logprobs"][t].get<float>(), 0.0f);
+      // Most likely first; the sampled token (top_k 5) is no likelier than the first.
+      for (std::size_t k = 1; k < 4; ++k)
+        EXPECT_GE(top[k - 1][1].get<float>(), top[k][1].get<float>());
+      EXPECT_LE(j["token_logprobs"][t].get<float>(), top[0][1].get<float>());
+    }
+    ++requests;
+  }
+  EXPECT_EQ(static_cast<std::int64_t>(requests), out.summary.finished);
+  auto load_error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  EXPECT_NE(load_error({"workload.logprobs=21"}).find("logprobs"), std::string::npos);
+  EXPECT_NE(
+      load_error({"workload.logprobs=2", "backend.name=\"simulated\"", "backend.profile=\"h200\""})
+          .find("needs a backend with logits"),
+      std::string::npos);
 }
 
 TEST(ExperimentLibrary, SameFileSameBytes) {

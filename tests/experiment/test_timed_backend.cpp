@@ -1,5 +1,6 @@
-// The backend every run wraps its own in passes Backend::choose_tokens through (a run's cuda
-// backend picked no token on the device while the wrapper dropped it) and counts the forwards
+// The backend every run wraps its own in passes Backend::choose_tokens and chosen_logprobs
+// through (a run's cuda backend picked no token on the device while the wrapper dropped it) and
+// counts the forwards
 // whose tokens came back picked; its counters are the inner backend's.
 #include <gtest/gtest.h>
 
@@ -17,6 +18,8 @@ class PickingBackend final : public Backend {
   std::span<const float> forward(std::span<const BatchEntry> batch) override {
     chosen_.clear();
     for (const TokenChoice& c : asked_) chosen_.push_back(c.top_k);  // a token it can check
+    logprobs_.clear();
+    for (const TokenChoice& c : asked_) logprobs_.push_back({c.top_k, -0.25f * c.logprobs});
     const bool picked = !asked_.empty();
     asked_.clear();
     logits_.assign(batch.size() * 4, 0.5f);
@@ -24,6 +27,7 @@ class PickingBackend final : public Backend {
   }
   std::int64_t vocab_size() const override { return 4; }
   std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
+  std::span<const TokenLogprob> chosen_logprobs() const override { return logprobs_; }
   bool choose_tokens(std::span<const TokenChoice> choices) override {
     if (accepts_) asked_.assign(choices.begin(), choices.end());
     return accepts_;
@@ -35,6 +39,7 @@ class PickingBackend final : public Backend {
   std::vector<TokenChoice> asked_;
   std::vector<float> logits_;
   std::vector<std::int32_t> chosen_;
+  std::vector<TokenLogprob> logprobs_;
 };
 
 TEST(TimedBackend, PassesTokenChoicesThroughAndCountsTheForwardsThatPicked) {
@@ -46,11 +51,14 @@ TEST(TimedBackend, PassesTokenChoicesThroughAndCountsTheForwardsThatPicked) {
   TokenChoice first, second;
   first.top_k = 3;
   second.top_k = 1;
+  second.logprobs = 2;
   const std::vector<TokenChoice> choices = {first, second};
   EXPECT_TRUE(timed.choose_tokens(choices));
   EXPECT_TRUE(timed.forward(batch).empty());
   EXPECT_EQ(std::vector<std::int32_t>(timed.chosen_tokens().begin(), timed.chosen_tokens().end()),
             (std::vector<std::int32_t>{3, 1}));
+  ASSERT_EQ(timed.chosen_logprobs().size(), 2u);  // the inner backend's, passed through
+  EXPECT_EQ(timed.chosen_logprobs()[1].logprob, -0.5f);
   EXPECT_EQ(timed.forwards(), 2);
   EXPECT_EQ(timed.forwards_with_chosen_tokens(), 1);
   EXPECT_GE(timed.seconds(), 0.0);

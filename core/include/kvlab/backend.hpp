@@ -25,6 +25,14 @@ struct TokenChoice {
   double top_p = 1;        // 1: off
   double uniform = 0;      // the draw, in [0, 1)
   std::int32_t top_k = 0;  // 0: off
+  // -1: no log-probabilities; k >= 0: the chosen token's and the k most likely tokens'
+  // (Backend::chosen_logprobs), as kvlab::token_logprob and kvlab::top_logprobs compute them.
+  std::int32_t logprobs = -1;
+};
+
+struct TokenLogprob {
+  std::int32_t token = 0;
+  float logprob = 0;  // natural log of the model's probability (softmax of the raw logits)
 };
 
 // How a backend's forwards ran so far (Backend::counters), for a run's report.
@@ -54,6 +62,13 @@ class BOOST_SYMBOL_VISIBLE Backend {
     (void)choices;
     return false;
   }
+  // After a forward whose choices (choose_tokens) asked for log-probabilities (some logprobs
+  // >= 0): (entries, 1 + K) row-major, K the largest logprobs asked. Row e: the chosen token and
+  // its log-probability under softmax(logits) (temperature 1, before any filtering), then the
+  // k_e most likely tokens, most likely first, the lower id first among equals; {-1, NaN} fill
+  // the rest (and the whole row of a non-finite row). Empty when none was asked. A backend that
+  // cannot compute them declines choose_tokens for such a step.
+  virtual std::span<const TokenLogprob> chosen_logprobs() const { return {}; }
   // Totals since the backend was made (zeros where a backend has nothing to count).
   virtual BackendCounters counters() const { return {}; }
 };

@@ -20,8 +20,9 @@ namespace kvlab {
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
 // 3: the request table's plan shape and the layout fingerprint; 4: KvAllocator plans exactly
 // (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone; 5: the router kind;
-// 6: Backend::choose_greedy_tokens; 7: Backend::choose_tokens (any sampling) replaces it.
-inline constexpr std::uint32_t kPluginAbiVersion = 8;
+// 6: Backend::choose_greedy_tokens; 7: Backend::choose_tokens (any sampling) replaces it;
+// 8: Backend::counters; 9: Backend::chosen_logprobs.
+inline constexpr std::uint32_t kPluginAbiVersion = 9;
 
 namespace detail {
 
@@ -57,7 +58,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<RequestState>().type<SwapBuffer>().type<SchedulerInput>().type<StepPlan>();
   h.type<Preemption>().type<Work>().type<Deferral>();
   h.type<ReplicaLoad>().type<RouteRequest>().type<RouteDecision>().type<TokenChoice>();
-  h.type<BackendCounters>();
+  h.type<BackendCounters>().type<TokenLogprob>();
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
@@ -67,6 +68,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(SchedulerInput, running).KVLAB_ABI_MEMBER(SchedulerInput, kv);
   h.KVLAB_ABI_MEMBER(StepPlan, deferred).KVLAB_ABI_MEMBER(StepPlan, pad_finished);
   h.KVLAB_ABI_MEMBER(TokenChoice, uniform).KVLAB_ABI_MEMBER(TokenChoice, top_k);
+  h.KVLAB_ABI_MEMBER(TokenChoice, logprobs).KVLAB_ABI_MEMBER(TokenLogprob, logprob);
   h.KVLAB_ABI_MEMBER(BackendCounters, graph_replays);
   return h.hash;
 }

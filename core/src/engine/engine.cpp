@@ -69,6 +69,7 @@ EngineResult Engine::take_result() {
   result_.duration_s = clock_->now();
   result_.tokens = table_->generated_tokens();
   result_.requests = table_->take_timelines();
+  result_.logprobs = table_->take_logprobs();
   result_.events = log_.take();
   table_.reset();
   return std::move(result_);
@@ -254,7 +255,7 @@ void Engine::draw_token_choices(const AppliedPlan& applied) {
     Sampler& sampler = table_->sampler(applied.batch[e].id);
     const SamplingParams& p = sampler.params();
     choices_[e] = {p.temperature, p.top_p, p.temperature > 0 ? sampler.next_uniform() : 0.0,
-                   p.top_k};
+                   p.top_k, p.logprobs};
   }
   if (options_.on_logits || !device_choice_possible_) return;
   device_choice_possible_ = backend_.choose_tokens(choices_);
@@ -317,6 +318,7 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
   for (std::size_t e = 0; e < entries; ++e) {
     const ScheduledWork& work = applied.batch[e];
     if (!work.samples) continue;
+    const SamplingParams& params = table_->sampler(work.id).params();
     if (!chosen.empty()) {
       sampled[e] = chosen[e];
       if (sampled[e] < 0)  // the device's choice over a row with NaN or +-inf
@@ -324,15 +326,43 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
             "request {}, step {}: the backend's logits hold a non-finite value; the model's "
             "weights or the backend produced non-finite values, so no token can be sampled",
             work.id, step_));
+      if (params.logprobs >= 0)
+        table_->logprobs(work.id).push_back(device_logprobs(work, e, sampled[e]));
     } else {
       const auto row = logits.subspan(e * vocab, vocab);
       throw_if_non_finite(row, work.id, step_);
       if (options_.on_logits) options_.on_logits(work.id, row);
-      sampled[e] = pick_token(row, table_->sampler(work.id).params(), choices_[e].uniform);
+      sampled[e] = pick_token(row, params, choices_[e].uniform);
+      if (params.logprobs >= 0)
+        table_->logprobs(work.id).push_back(
+            {token_logprob(row, sampled[e]), top_logprobs(row, params.logprobs)});
     }
     if (options_.on_token) options_.on_token(work.id, sampled[e]);
   }
   return sampled;
+}
+
+// Entry `entry`'s log-probabilities as the backend computed them with its token choice
+// (Backend::chosen_logprobs): a backend that picks tokens without logits (the simulated one) has
+// none to give.
+GeneratedLogprobs Engine::device_logprobs(const ScheduledWork& work, std::size_t entry,
+                                          std::int32_t token) const {
+  const std::span<const TokenLogprob> all = backend_.chosen_logprobs();
+  const std::size_t entries = choices_.size();
+  if (all.empty() || all.size() % entries != 0 || all.size() / entries < 1)
+    throw Error(fmt::format(
+        "request {} asks for log-probabilities (logprobs = {}), but the backend chose its tokens "
+        "without them ({} values for a batch of {}): use a backend with logits (cpu, cuda)",
+        work.id, choices_[entry].logprobs, all.size(), entries));
+  const std::size_t width = all.size() / entries;
+  const auto row = all.subspan(entry * width, width);
+  const auto asked = static_cast<std::size_t>(choices_[entry].logprobs);
+  if (row[0].token != token || asked + 1 > width)
+    throw Error(
+        fmt::format("request {}, step {}: the backend's log-probabilities are for token "
+                    "{} with {} alternatives; it chose token {} and {} were asked",
+                    work.id, step_, row[0].token, width - 1, token, asked));
+  return {row[0].logprob, std::vector<TokenLogprob>(row.begin() + 1, row.begin() + 1 + asked)};
 }
 
 // The step's record: queue lengths and the allocator's numbers after the update.

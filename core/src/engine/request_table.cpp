@@ -26,6 +26,7 @@ RequestId RequestTable::add(const WorkloadRequest& w) {
   timeline.priority = w.priority;
   timeline.prompt_tokens = r.prompt_tokens;
   timeline.arrival_s = r.arrival_s;
+  logprobs_.emplace_back();
   SamplingParams& sampling = sampling_.emplace_back(w.sampling);
   sampling.max_tokens = static_cast<std::int32_t>(w.output_tokens);
   ignore_eos_.push_back(w.sampling.ignore_eos);

@@ -99,6 +99,9 @@ void validate_sampling_params(const SamplingParams& p) {
   if (!(p.top_p > 0 && p.top_p <= 1))
     throw Error(fmt::format("top_p must be in (0, 1] (1 = off), got {}", p.top_p));
   if (p.max_tokens < 1) throw Error(fmt::format("max_tokens must be >= 1, got {}", p.max_tokens));
+  if (p.logprobs < -1 || p.logprobs > kMaxLogprobs)
+    throw Error(
+        fmt::format("logprobs must be in [0, {}] (or -1 = off), got {}", kMaxLogprobs, p.logprobs));
 }
 
 // Blocks checked with an integer test the compiler vectorises (exponent bits all ones = inf or

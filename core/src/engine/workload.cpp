@@ -187,6 +187,15 @@ std::vector<std::int32_t> random_tokens(std::int64_t count, std::int64_t vocab, 
 
 }  // namespace
 
+SamplingParams workload_sampling(const SyntheticWorkload& spec) {
+  SamplingParams sampling;
+  sampling.temperature = spec.temperature;
+  sampling.top_p = spec.top_p;
+  sampling.top_k = spec.top_k;
+  sampling.logprobs = spec.logprobs;
+  return sampling;
+}
+
 std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec) {
   if (spec.requests < 0) throw Error("workload requests must be >= 0");
   if (spec.vocab_size < 1) throw Error("workload vocab_size must be >= 1");
@@ -252,9 +261,7 @@ std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec) {
         break;
       }
     }
-    r.sampling.temperature = spec.temperature;
-    r.sampling.top_p = spec.top_p;
-    r.sampling.top_k = spec.top_k;
+    r.sampling = workload_sampling(spec);
     r.sampling.max_tokens = static_cast<std::int32_t>(r.output_tokens);
     r.sampling.ignore_eos = spec.ignore_eos;
     r.sampling.seed = spec.seed * 1000003ULL + static_cast<std::uint64_t>(i);

@@ -70,6 +70,10 @@ struct StepRecord {
 struct EngineResult {
   std::vector<RequestTimeline> requests;          // in submission order
   std::vector<std::vector<std::int32_t>> tokens;  // generated tokens per request
+  // Per request, one entry per generated token when its sampling asked for log-probabilities
+  // (SamplingParams::logprobs >= 0), computed by the backend where it picks the tokens (only
+  // they cross to the host), else from the logits on the host; empty for the other requests.
+  std::vector<std::vector<GeneratedLogprobs>> logprobs;
   std::vector<StepRecord> steps;
   std::vector<EngineEvent> events;  // admit / defer / preempt / swap / finish / reject / evict
   double duration_s = 0;
@@ -103,6 +107,8 @@ class Engine {
   std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
   void draw_token_choices(const AppliedPlan& applied);
   std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
+  GeneratedLogprobs device_logprobs(const ScheduledWork& work, std::size_t entry,
+                                    std::int32_t token) const;
   void record_step(StepRecord record, bool fragmentation_blocked);
   StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
                         StepRecord& record) const;

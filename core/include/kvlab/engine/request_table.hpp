@@ -2,7 +2,8 @@
 // The request table: every submitted request's state for the whole run, in one place — its
 // tokens, how many have KV, its status, its swap buffer, its sampler and its timeline.
 // Schedulers read it through SchedulerInput (waiting(), running()); apply_plan and
-// apply_tokens (apply.hpp) are the only code that changes it.
+// apply_tokens (apply.hpp) are the only code that changes it, but for the sampled tokens'
+// log-probabilities, which the engine records as it samples.
 #include <deque>
 #include <optional>
 #include <span>
@@ -33,6 +34,9 @@ class RequestTable {
   RequestTimeline& timeline(RequestId id) { return timelines_[index(id)]; }
   const RequestTimeline& timeline(RequestId id) const { return timelines_[index(id)]; }
   Sampler& sampler(RequestId id) { return *samplers_[index(id)]; }
+  // Each generated token's log-probabilities, for a request whose sampling asks for them
+  // (SamplingParams::logprobs >= 0); empty for the others.
+  std::vector<GeneratedLogprobs>& logprobs(RequestId id) { return logprobs_[index(id)]; }
   bool ignores_eos(RequestId id) const { return ignore_eos_[index(id)]; }
 
   // Waiting and swapped requests by (arrival, id); running requests by admission.
@@ -57,6 +61,7 @@ class RequestTable {
 
   // The run's record: timelines and generated tokens, in submission order.
   std::vector<RequestTimeline> take_timelines() { return std::move(timelines_); }
+  std::vector<std::vector<GeneratedLogprobs>> take_logprobs() { return std::move(logprobs_); }
   std::vector<std::vector<std::int32_t>> generated_tokens() const;
 
  private:
@@ -68,6 +73,7 @@ class RequestTable {
   std::vector<const WorkloadRequest*> submitted_;
   std::deque<RequestState> states_;  // a deque: waiting_ and running_ point into it as it grows
   std::vector<RequestTimeline> timelines_;
+  std::vector<std::vector<GeneratedLogprobs>> logprobs_;
   std::vector<std::optional<Sampler>> samplers_;  // made on arrival, dropped when done
   std::vector<SamplingParams> sampling_;
   std::vector<bool> ignore_eos_;

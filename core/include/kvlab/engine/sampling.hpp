@@ -8,6 +8,8 @@
 #include <string>
 #include <vector>
 
+#include "kvlab/backend.hpp"  // TokenLogprob
+
 namespace kvlab {
 
 struct SamplingParams {
@@ -17,7 +19,12 @@ struct SamplingParams {
   std::uint64_t seed = 0;    // this request's RNG seed
   std::int32_t max_tokens = 16;
   bool ignore_eos = false;  // keep generating past EOS (benchmarks with fixed output lengths)
+  // -1: off; k in [0, kMaxLogprobs]: each generated token's log-probability and the k most
+  // likely tokens at its position (EngineResult::logprobs), computed where the logits are.
+  std::int32_t logprobs = -1;
 };
+
+inline constexpr std::int32_t kMaxLogprobs = 20;  // as vLLM's default max_logprobs
 
 // Throws kvlab::Error naming the bad field (negative temperature, top_p outside (0, 1], ...).
 void validate_sampling_params(const SamplingParams& params);
@@ -26,9 +33,11 @@ void validate_sampling_params(const SamplingParams& params);
 // callers check first and report the request and step (a backend that produced NaN is broken).
 std::optional<std::size_t> first_non_finite(std::span<const float> logits);
 
-struct TokenLogprob {
-  std::int32_t token = 0;
-  float logprob = 0;  // natural log of the model's probability (softmax of the raw logits)
+// A generated token's log-probability and the k most likely tokens at its position
+// (SamplingParams::logprobs = k).
+struct GeneratedLogprobs {
+  float logprob = 0;
+  std::vector<TokenLogprob> top;
 };
 
 // The k most likely tokens under log_softmax(logits) (temperature 1, before any filtering),

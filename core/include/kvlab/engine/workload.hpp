@@ -58,8 +58,13 @@ struct SyntheticWorkload {
   double temperature = 0.0;
   double top_p = 1.0;
   std::int32_t top_k = 0;
-  bool ignore_eos = true;  // fixed output lengths (random-weight models emit EOS at random)
+  std::int32_t logprobs = -1;  // SamplingParams::logprobs
+  bool ignore_eos = true;      // fixed output lengths (random-weight models emit EOS at random)
 };
+
+// The workload's sampling settings (temperature, top_p, top_k, logprobs) for one request; the
+// seed, max_tokens and ignore_eos are each workload source's own.
+SamplingParams workload_sampling(const SyntheticWorkload& spec);
 
 // Throws kvlab::Error naming the bad field (non-positive rate, min > max, ...).
 std::vector<WorkloadRequest> generate_workload(const SyntheticWorkload& spec);

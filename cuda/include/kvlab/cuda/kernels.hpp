@@ -179,6 +179,21 @@ struct RowSampling {
 cudaError_t launch_sample_rows(const float* logits, std::int64_t rows, std::int64_t vocab,
                                const RowSampling* choices, std::int32_t* out, cudaStream_t stream);
 
+// A token and its log-probability (kvlab::TokenLogprob's layout).
+struct LogprobEntry {
+  std::int32_t token = -1;
+  float logprob = 0;
+};
+
+// Log-probabilities of rows of logits (rows, vocab) fp32 under softmax (temperature 1, before
+// any filtering), as kvlab::token_logprob / kvlab::top_logprobs compute them: out row r (width,
+// device memory) = {chosen[r], its logprob}, then the counts[r] (< width) most likely tokens,
+// most likely first, the lower id first among equals, then {-1, NaN}. A row with counts[r] < 0,
+// a chosen token of -1 or a non-finite logit is all {-1, NaN}.
+cudaError_t launch_row_logprobs(const float* logits, std::int64_t rows, std::int64_t vocab,
+                                const std::int32_t* chosen, const std::int32_t* counts, int width,
+                                LogprobEntry* out, cudaStream_t stream);
+
 // Gathers rows: out[i] (dim) = in[index[i]] (fp32).
 cudaError_t launch_gather_rows(const float* in, const std::int32_t* index, float* out,
                                std::int64_t rows, std::int64_t dim, cudaStream_t stream);
