@@ -37,10 +37,11 @@ fi
 # tests, and the libFuzzer harnesses (kvlab_core is compiled once for both, where two builds
 # compiled it twice: ~5 of CI's minutes). -O1, as AddressSanitizer's documentation advises: half
 # -O3's compile time, and UBSan keeps checks that -O3 folded away (it found a misaligned
-# reference in the plugin loader that -O3 hid).
+# reference in the plugin loader that -O3 hid). clang does not vectorise at -O1, so every
+# `#pragma omp simd` loop would warn that it was not (-Wpass-failed): not a finding here.
 sanitize_dir="${build_dir}-sanitize"
 CC=clang CXX=clang++ cmake -S . -B "$sanitize_dir" -DCMAKE_BUILD_TYPE=Release \
-  -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG" -DKVLAB_FUZZ=ON -DKVLAB_WITH_CUDA=OFF \
+  -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG -Wno-pass-failed" -DKVLAB_FUZZ=ON -DKVLAB_WITH_CUDA=OFF \
   -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON \
   -DKVLAB_FUZZ_SECONDS="${KVLAB_FUZZ_SECONDS:-20}"
 cmake --build "$sanitize_dir" -j "$(nproc)" --target kvlab_core_tests kvlab_plugin_tests \

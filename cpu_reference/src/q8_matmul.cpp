@@ -121,7 +121,9 @@ void quantize_rows(const RowMatrix& x, bool unsigned_bytes, QuantizedRows& out) 
       int sum = 0;
       std::int8_t* q = out.q.data() + m * out.cols + b * kBlockValues;
       for (int k = 0; k < kBlockValues; ++k) {
-        const int value = static_cast<int>(std::nearbyint(v[k] * inverse));
+        // (not NaN * 0 cast to int for a non-finite block: undefined behaviour, which clang's
+        // UBSan reports)
+        const int value = finite ? static_cast<int>(std::nearbyint(v[k] * inverse)) : 0;
         sum += value;
         // Q8_0 weights: the unsigned byte value + 128, kept in the same int8 storage.
         q[k] = unsigned_bytes ? static_cast<std::int8_t>(static_cast<std::uint8_t>(value + 128))
