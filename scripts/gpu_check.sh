@@ -62,7 +62,7 @@ fi
 
 if command -v compute-sanitizer >/dev/null; then
   if compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/kvlab_cuda_tests" \
-       --gtest_filter='CudaKernels.*:CudaAttention.*:*CudaAttentionGrid.*hd128_group8_block16*:*CudaEngine.*paged_gqa_swap' \
+       --gtest_filter='CudaKernels.*:CudaAttention.*:*CudaAttentionGrid.*hd128_group8_block16*:*CudaEngine.*paged_gqa_swap:CudaBackend.DeviceLogprobs*' \
        > "$build/memcheck.log" 2>&1; then
     note "compute-sanitizer memcheck: clean ($(grep -cE '^\[       OK' "$build/memcheck.log") tests)"
   else
@@ -73,9 +73,9 @@ if command -v compute-sanitizer >/dev/null; then
   # through atomics and reductions (the token choice) and tiles staged by asynchronous copies
   # (the tensor-core prefill and decode).
   if compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/kvlab_cuda_tests" \
-       --gtest_filter='CudaKernels.SampleRows*:CudaKernels.ArgmaxRows*:CudaAttention.LongPrefill*:CudaAttention.DecodeGroups*' \
+       --gtest_filter='CudaKernels.SampleRows*:CudaKernels.RowLogprobs*:CudaKernels.ArgmaxRows*:CudaAttention.LongPrefill*:CudaAttention.DecodeGroups*' \
        > "$build/racecheck.log" 2>&1; then
-    note "compute-sanitizer racecheck (token choice, tensor-core prefill and decode): clean"
+    note "compute-sanitizer racecheck (token choice and logprobs, tensor-core prefill and decode): clean"
   else
     status=1
     note "compute-sanitizer racecheck FAILED"; grep -E "hazard|ERROR|FAILED" "$build/racecheck.log" | head -20
