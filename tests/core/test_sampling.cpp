@@ -4,6 +4,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <random>
 
 #include "kvlab/engine/sampling.hpp"
 #include "kvlab/error.hpp"
@@ -133,6 +134,30 @@ TEST(Sampling, LogprobsAreLogSoftmax) {
     EXPECT_NEAR(t.logprob, std::log(p[static_cast<std::size_t>(t.token)]), 1e-6);
   EXPECT_NEAR(token_logprob(kLogits, 4), std::log(p[4]), 1e-6);
   EXPECT_EQ(top_logprobs(kLogits, 100).size(), kLogits.size());
+}
+
+// The k first tokens are those of a full sort by (logit desc, id asc), ties across the k-th
+// place included; generated_logprobs is token_logprob and top_logprobs at once, bit for bit.
+TEST(Sampling, TopLogprobsAreTheFullSortsFirstTokens) {
+  std::mt19937 rng(5);
+  std::vector<float> logits(3000);
+  for (float& v : logits) v = static_cast<float>(rng() % 40) * 0.25f;  // ~75 ties per value
+  std::vector<std::int32_t> sorted(logits.size());
+  std::iota(sorted.begin(), sorted.end(), 0);
+  std::stable_sort(sorted.begin(), sorted.end(),
+                   [&](std::int32_t a, std::int32_t b) { return logits[a] > logits[b]; });
+  for (const std::int32_t k : {0, 1, 7, 20}) {
+    const auto top = top_logprobs(logits, k);
+    ASSERT_EQ(top.size(), static_cast<std::size_t>(k));
+    for (std::int32_t i = 0; i < k; ++i) EXPECT_EQ(top[i].token, sorted[i]) << k << " " << i;
+    const GeneratedLogprobs both = generated_logprobs(logits, 17, k);
+    EXPECT_EQ(both.logprob, token_logprob(logits, 17));
+    ASSERT_EQ(both.top.size(), top.size());
+    for (std::size_t i = 0; i < top.size(); ++i) {
+      EXPECT_EQ(both.top[i].token, top[i].token);
+      EXPECT_EQ(both.top[i].logprob, top[i].logprob);
+    }
+  }
 }
 
 // As the temperature goes to 0 the sampled token converges to the argmax (the first of tied

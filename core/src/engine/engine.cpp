@@ -334,8 +334,7 @@ std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
       if (options_.on_logits) options_.on_logits(work.id, row);
       sampled[e] = pick_token(row, params, choices_[e].uniform);
       if (params.logprobs >= 0)
-        table_->logprobs(work.id).push_back(
-            {token_logprob(row, sampled[e]), top_logprobs(row, params.logprobs)});
+        table_->logprobs(work.id).push_back(generated_logprobs(row, sampled[e], params.logprobs));
     }
     if (options_.on_token) options_.on_token(work.id, sampled[e]);
   }

@@ -122,20 +122,47 @@ std::optional<std::size_t> first_non_finite(std::span<const float> logits) {
   return std::nullopt;
 }
 
+namespace {
+
+// The k tokens that come first in the candidate order (larger logit first, the lower id first
+// among equals), in that order: one pass keeping them sorted (k is at most kMaxLogprobs).
+std::vector<std::int32_t> first_tokens(std::span<const float> logits, std::size_t k) {
+  std::vector<std::int32_t> best;
+  if (k == 0) return best;
+  best.reserve(k + 1);
+  for (std::size_t i = 0; i < logits.size(); ++i) {
+    if (best.size() == k && !(logits[i] > logits[best.back()])) continue;
+    const auto at = std::upper_bound(best.begin(), best.end(), logits[i],
+                                     [&](float v, std::int32_t b) { return v > logits[b]; });
+    best.insert(at, static_cast<std::int32_t>(i));  // after its equals: they have lower ids
+    if (best.size() > k) best.pop_back();
+  }
+  return best;
+}
+
+std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, std::int32_t k,
+                                       double normaliser) {
+  std::vector<TokenLogprob> out;
+  for (const std::int32_t id : first_tokens(logits, static_cast<std::size_t>(std::max(k, 0))))
+    out.push_back({id, static_cast<float>(static_cast<double>(logits[id]) - normaliser)});
+  return out;
+}
+
+}  // namespace
+
 std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, std::int32_t k) {
   const float max_logit = *std::max_element(logits.begin(), logits.end());
-  const double normaliser = static_cast<double>(max_logit) + log_sum_exp(logits, max_logit, 1.0);
-  std::vector<std::int32_t> ids(logits.size());
-  std::iota(ids.begin(), ids.end(), 0);
-  const auto count = std::min<std::size_t>(static_cast<std::size_t>(std::max(k, 0)), ids.size());
-  std::partial_sort(ids.begin(), ids.begin() + static_cast<std::ptrdiff_t>(count), ids.end(),
-                    [&](std::int32_t a, std::int32_t b) {
-                      return logits[a] > logits[b] || (logits[a] == logits[b] && a < b);
-                    });
-  std::vector<TokenLogprob> out;
-  for (std::size_t i = 0; i < count; ++i)
-    out.push_back({ids[i], static_cast<float>(static_cast<double>(logits[ids[i]]) - normaliser)});
-  return out;
+  return top_logprobs(logits, k,
+                      static_cast<double>(max_logit) + log_sum_exp(logits, max_logit, 1.0));
+}
+
+GeneratedLogprobs generated_logprobs(std::span<const float> logits, std::int32_t token,
+                                     std::int32_t k) {
+  const float max_logit = *std::max_element(logits.begin(), logits.end());
+  const double log_sum = log_sum_exp(logits, max_logit, 1.0);
+  return {static_cast<float>(static_cast<double>(logits[token]) - static_cast<double>(max_logit) -
+                             log_sum),
+          top_logprobs(logits, k, static_cast<double>(max_logit) + log_sum)};
 }
 
 float token_logprob(std::span<const float> logits, std::int32_t token) {

@@ -45,6 +45,9 @@ struct GeneratedLogprobs {
 std::vector<TokenLogprob> top_logprobs(std::span<const float> logits, std::int32_t k);
 // log_softmax(logits)[token].
 float token_logprob(std::span<const float> logits, std::int32_t token);
+// Both at once (one max and one log-sum-exp): {token_logprob(token), top_logprobs(k)}.
+GeneratedLogprobs generated_logprobs(std::span<const float> logits, std::int32_t token,
+                                     std::int32_t k);
 
 // The distribution `Sampler::sample` draws from: softmax(logits / temperature), cut to the top
 // k, then to the top-p nucleus, renormalised. Zero outside the kept set. Greedy: one-hot.
