@@ -284,14 +284,6 @@ TEST(KvlabRun, EvictionsAreLogged) {
   EXPECT_NE(events.find("\"event\":\"finish\""), std::string::npos);
 }
 
-TEST(KvlabCheck, ShippedQuickstartMatchesTheReference) {
-  const Result r = kvlab(std::string("check ") + KVLAB_SOURCE_DIR +
-                         "/experiments/quickstart.toml --set workload.requests=12");
-  EXPECT_EQ(r.exit_code, 0) << r.err;
-  EXPECT_NE(r.out.find("every finished request's tokens equal the reference's"), std::string::npos)
-      << r.out;
-}
-
 // A Hugging Face folder that declares its own sliding window (Mistral-style) runs with that
 // window under any attention variant, and `check` compares the same model: the engine used to
 // drop the window unless the variant was sliding_window, while the reference kept it (10 of 12
@@ -329,8 +321,10 @@ const std::string kMaxLogitDelta = "max |engine - reference| ";
 // for 4-bit weights the check fails naming the gap; a broken allocator still fails at any
 // sensible tolerance (its tokens come from other sequences' K/V).
 TEST(KvlabCheck, ToleranceAcceptsNearTiesOfRoundedSettingsOnly) {
+  // One thread: two OpenMP threads per process under ctest -j2 took 2-3x as long.
   const std::string quickstart = std::string("check ") + KVLAB_SOURCE_DIR +
-                                 "/experiments/quickstart.toml --set workload.requests=12 ";
+                                 "/experiments/quickstart.toml --set workload.requests=12 " +
+                                 "--set backend.threads=1 ";
   const Result refused = kvlab(quickstart + "--set 'kv_cache.dtype=\"f16\"'");
   EXPECT_EQ(refused.exit_code, 1);
   EXPECT_NE(refused.err.find("--tolerance TAU"), std::string::npos) << refused.err;
