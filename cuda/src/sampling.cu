@@ -288,7 +288,7 @@ __global__ void row_logprobs_kernel(const float* logits, std::int64_t vocab,
   if (threadIdx.x == 0)
     o[0] = {token, static_cast<float>(static_cast<double>(row[token]) -
                                       static_cast<double>(m.value) - log_sum)};
-  RowMax previous;
+  RowMax previous;  // index -1: best_after starts from the top, so only before the first pass
   for (int j = 1; j < width; ++j) {
     if (j <= count && (j == 1 || previous.index >= 0)) previous = best_after(row, vocab, previous);
     const bool kept = j <= count && previous.index >= 0;

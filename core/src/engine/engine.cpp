@@ -348,7 +348,7 @@ GeneratedLogprobs Engine::device_logprobs(const ScheduledWork& work, std::size_t
                                           std::int32_t token) const {
   const std::span<const TokenLogprob> all = backend_.chosen_logprobs();
   const std::size_t entries = choices_.size();
-  if (all.empty() || all.size() % entries != 0 || all.size() / entries < 1)
+  if (all.empty() || all.size() % entries != 0)
     throw Error(fmt::format(
         "request {} asks for log-probabilities (logprobs = {}), but the backend chose its tokens "
         "without them ({} values for a batch of {}): use a backend with logits (cpu, cuda)",

@@ -166,9 +166,7 @@ GeneratedLogprobs generated_logprobs(std::span<const float> logits, std::int32_t
 }
 
 float token_logprob(std::span<const float> logits, std::int32_t token) {
-  const float max_logit = *std::max_element(logits.begin(), logits.end());
-  return static_cast<float>(static_cast<double>(logits[token]) - static_cast<double>(max_logit) -
-                            log_sum_exp(logits, max_logit, 1.0));
+  return generated_logprobs(logits, token, 0).logprob;
 }
 
 std::vector<double> sampling_distribution(std::span<const float> logits, const SamplingParams& p) {
