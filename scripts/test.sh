@@ -42,11 +42,11 @@ fi
 sanitize_dir="${build_dir}-sanitize"
 CC=clang CXX=clang++ cmake -S . -B "$sanitize_dir" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG -Wno-pass-failed" -DKVLAB_FUZZ=ON -DKVLAB_WITH_CUDA=OFF \
-  -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON \
+  -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON -DKVLAB_UNITY_BUILD=OFF \
   -DKVLAB_FUZZ_SECONDS="${KVLAB_FUZZ_SECONDS:-20}"
-cmake --build "$sanitize_dir" -j "$(nproc)" --target kvlab_core_tests kvlab_plugin_tests \
-  kvlab_cpu_reference_tests fuzz_safetensors fuzz_model_config fuzz_trace fuzz_experiment \
-  fuzz_gguf fuzz_tokenizer_json fuzz_bpe_encode fuzz_hardware_profile fuzz_run_record
+# kvlab_sanitizer_suite: the core, plugin and cpu_reference tests and every fuzzer (one target,
+# built in parallel; tests/fuzz/CMakeLists.txt).
+cmake --build "$sanitize_dir" -j "$(nproc)" --target kvlab_sanitizer_suite
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir "$sanitize_dir" -L "core|plugins|cpu_reference" --output-on-failure \
   -j "$(nproc)"

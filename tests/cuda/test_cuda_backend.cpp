@@ -12,6 +12,7 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "plugin_registry.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -26,10 +27,6 @@ const cpu::LlamaWeights& checkpoint() {
 #ifndef KVLAB_CUDA_BACKEND_PLUGIN_DIR
 #define KVLAB_CUDA_BACKEND_PLUGIN_DIR KVLAB_PLUGIN_DIR
 #endif
-const PluginRegistry& registry() {
-  static const PluginRegistry r({KVLAB_PLUGIN_DIR});
-  return r;
-}
 const PluginRegistry& backend_registry() {
   static const PluginRegistry r({KVLAB_CUDA_BACKEND_PLUGIN_DIR});
   return r;
@@ -60,8 +57,8 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   PluginContext context;
   context.model = &checkpoint().config;
   context.max_seq_len = 64;
-  auto variant =
-      registry().create<PluginKind::attention_variant>(attention, attention_params, context);
+  auto variant = test::plugin_registry().create<PluginKind::attention_variant>(
+      attention, attention_params, context);
   const cpu::LlamaWeights weights =
       cpu::convert_kv_heads(checkpoint(), variant->kv_heads(checkpoint().config));
   const ModelConfig& c = weights.config;
@@ -71,9 +68,10 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   context.model = &c;
   context.weights = &weights;
   context.window = variant->window().value_or(0);
-  auto kv = registry().create<PluginKind::kv_allocator>(allocator, allocator_params, context);
-  auto scheduler =
-      registry().create<PluginKind::scheduler>("fcfs", {{"preemption", preemption}}, context);
+  auto kv = test::plugin_registry().create<PluginKind::kv_allocator>(allocator, allocator_params,
+                                                                     context);
+  auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(
+      "fcfs", {{"preemption", preemption}}, context);
   std::unique_ptr<cpu::CpuBackend> cpu_backend;
   PluginObject<Backend> gpu_backend;
   if (on_gpu)

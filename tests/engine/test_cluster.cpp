@@ -10,15 +10,11 @@
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "plugin_registry.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
 namespace {
-
-const PluginRegistry& registry() {
-  static const PluginRegistry r({KVLAB_PLUGIN_DIR});
-  return r;
-}
 
 // One simulated Llama-2-7B replica on an H200 profile: pool, plugins, backend, engine.
 struct Replica {
@@ -30,9 +26,9 @@ struct Replica {
     context.pool = &pool;
     context.model = &model;
     context.max_seq_len = model.max_position_embeddings;
-    allocator = registry().create<PluginKind::kv_allocator>(
+    allocator = test::plugin_registry().create<PluginKind::kv_allocator>(
         "paged", {{"block_size", std::int64_t{16}}, {"prefix_caching", true}}, context);
-    scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
+    scheduler = test::plugin_registry().create<PluginKind::scheduler>("fcfs", {}, context);
     EngineOptions options;
     options.rules.context = model.max_position_embeddings;
     options.rules.eos_token_ids = model.eos_token_ids;
@@ -77,7 +73,7 @@ std::vector<WorkloadRequest> workload(std::int64_t n, std::int64_t prefix_groups
 
 PluginObject<Router> router(const std::string& name,
                             std::map<std::string, ParamValue, std::less<>> params = {}) {
-  return registry().create<PluginKind::router>(name, params, PluginContext{});
+  return test::plugin_registry().create<PluginKind::router>(name, params, PluginContext{});
 }
 
 TEST(Cluster, RoundRobinServesEveryRequestOnceInTurn) {

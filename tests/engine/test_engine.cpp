@@ -16,6 +16,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "plugin_registry.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -24,11 +25,6 @@ namespace {
 const cpu::LlamaWeights& weights() {
   static const cpu::LlamaWeights w = test::scaled_random_weights(model_preset("tiny"), 99);
   return w;
-}
-
-const PluginRegistry& registry() {
-  static const PluginRegistry r({KVLAB_PLUGIN_DIR});
-  return r;
 }
 
 struct EngineSetup {
@@ -52,10 +48,10 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   context.pool = &pool;
   context.model = &c;
   context.max_seq_len = setup.max_seq_len;
-  auto allocator =
-      registry().create<PluginKind::kv_allocator>(setup.allocator, setup.allocator_params, context);
-  auto scheduler =
-      registry().create<PluginKind::scheduler>(setup.scheduler, setup.scheduler_params, context);
+  auto allocator = test::plugin_registry().create<PluginKind::kv_allocator>(
+      setup.allocator, setup.allocator_params, context);
+  auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(
+      setup.scheduler, setup.scheduler_params, context);
   cpu::CpuBackend backend(weights(), pool, std::nullopt);
   const CostModel cost(c, load_hardware_profile("cpu"));  // prices the virtual clock's steps
   EngineOptions options;
@@ -155,8 +151,8 @@ DeviceSamplingRun run_device_sampling(const cpu::LlamaWeights& w,
   context.pool = &pool;
   context.model = &c;
   context.max_seq_len = 64;
-  auto allocator = registry().create<PluginKind::kv_allocator>("paged", {}, context);
-  auto scheduler = registry().create<PluginKind::scheduler>("fcfs", {}, context);
+  auto allocator = test::plugin_registry().create<PluginKind::kv_allocator>("paged", {}, context);
+  auto scheduler = test::plugin_registry().create<PluginKind::scheduler>("fcfs", {}, context);
   cpu::CpuBackend cpu(w, pool, std::nullopt);
   DeviceSamplingBackend backend(cpu, accepts);
   backend.logprob_error = faults.logprob_error;
@@ -605,9 +601,9 @@ EngineResult run_simulated(std::int64_t slots, const std::vector<WorkloadRequest
   context.pool = &pool;
   context.model = &model;
   context.max_seq_len = model.max_position_embeddings;
-  auto allocator = registry().create<PluginKind::kv_allocator>(
+  auto allocator = test::plugin_registry().create<PluginKind::kv_allocator>(
       "paged", {{"block_size", std::int64_t{16}}}, context);
-  auto scheduler = registry().create<PluginKind::scheduler>(
+  auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(
       "fcfs", {{"preemption", std::string("swap")}}, context);
   SimulatedBackend backend(model.vocab_size, model.eos_token_ids);
   EngineOptions options;
