@@ -16,6 +16,7 @@ scripts/setup.sh
 build_dir="${KVLAB_BUILD_DIR:-build}"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
 
+memcheck_pid=""
 if grep -q "emulated.memcheck" "$build_dir/tests/CTestTestfile.cmake"; then
   echo "kvlab test: emulated.memcheck ran in $build_dir (no AVX-512 here): no portable build"
 elif command -v valgrind >/dev/null 2>&1; then
@@ -26,7 +27,12 @@ elif command -v valgrind >/dev/null 2>&1; then
   # broken pipe of an early grep exit made the check fail and the stage silently skip)
   if grep -q "emulated.memcheck" "$portable_dir/tests/CTestTestfile.cmake"; then
     cmake --build "$portable_dir" -j "$(nproc)" --target kvlab_cuda_emulated_tests
-    ctest --test-dir "$portable_dir" -L memcheck --output-on-failure
+    # valgrind is one thread for ~3 minutes: it runs beside the sanitizer stage below (its own
+    # process group, stopped if that stage fails), not alone on a 2-core machine.
+    setsid ctest --test-dir "$portable_dir" -L memcheck --output-on-failure \
+      > "$portable_dir/memcheck.log" 2>&1 &
+    memcheck_pid=$!
+    trap '[ -z "$memcheck_pid" ] || kill -- "-$memcheck_pid" 2>/dev/null || true' EXIT
   else
     echo "kvlab test: this build has no CUDA emulation (no CUDA headers or Boost.Context):" \
       "no valgrind run"
@@ -50,4 +56,15 @@ cmake --build "$sanitize_dir" -j "$(nproc)" --target kvlab_sanitizer_suite
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir "$sanitize_dir" -L "core|plugins|cpu_reference" --output-on-failure \
   -j "$(nproc)"
+# valgrind done before the fuzzers start: they run for a fixed time, which it would share.
+if [ -n "$memcheck_pid" ]; then
+  memcheck_status=0
+  wait "$memcheck_pid" || memcheck_status=$?
+  memcheck_pid=""
+  cat "$portable_dir/memcheck.log"
+  if [ "$memcheck_status" -ne 0 ]; then
+    echo "kvlab test: emulated.memcheck in $portable_dir failed (exit $memcheck_status)"
+    exit "$memcheck_status"
+  fi
+fi
 ctest --test-dir "$sanitize_dir" -L fuzz --output-on-failure -j "$(nproc)"
