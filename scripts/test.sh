@@ -4,8 +4,10 @@
 #   build/           native (-march=native), warnings as errors: every test
 #   build-portable/  portable, no sanitizer: the CUDA emulator under valgrind (emulated.memcheck),
 #                    which cannot decode the AVX-512 a native build contains on some machines
-#                    (only there: elsewhere the native build runs emulated.memcheck itself)
-#   build-sanitize/  clang, portable, -O1, AddressSanitizer + UBSan: the core, plugin and
+#                    (only there: elsewhere the native build runs emulated.memcheck itself),
+#                    in the background beside the sanitizer build
+#   build-sanitize/  clang, portable, -O1, AddressSanitizer + UBSan, one file per compile (no
+#                    unity batches: every source compiles on its own): the core, plugin and
 #                    cpu_reference tests (the plain-loop kernels that machines without AVX2 run),
 #                    and libFuzzer: every input parser fuzzed for KVLAB_FUZZ_SECONDS (20) each,
 #                    from the seed corpora in tests/fuzz/corpus/
