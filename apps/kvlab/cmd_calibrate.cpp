@@ -51,7 +51,26 @@ struct Shape {
   std::vector<EntryShape> entries;
 };
 
-std::vector<Shape> calibration_grid(std::int64_t max_context) {
+// The GPU-sized shapes (calibration_grid): `add(label, entries)`, `repeat(count, entry)`.
+template <typename Add, typename Repeat>
+void add_gpu_shapes(std::int64_t max_context, Add& add, Repeat& repeat) {
+  for (std::int64_t n : {1024, 2048}) add(fmt::format("prefill 1 x {}", n), {{n, 0, 0}});
+  add("prefill 4 x 512", repeat(4, {512, 0, 0}));
+  std::vector<std::int64_t> contexts{128, 511, std::min<std::int64_t>(max_context - 1, 1023)};
+  contexts.erase(std::unique(contexts.begin(), contexts.end()), contexts.end());
+  for (std::int64_t context : contexts)
+    for (std::int64_t batch : {64, 128, 256})
+      add(fmt::format("decode {} x ctx {}", batch, context), repeat(batch, {1, context, 0}));
+  for (std::int64_t batch : {128, 240}) {
+    auto entries = repeat(batch, {1, 511, 0});
+    entries.push_back({512, 0, 0});
+    add(fmt::format("mixed {} decodes ctx 511 + prefill 512", batch), entries);
+  }
+}
+
+// `gpu`: also the batches a GPU serves (decodes of 64-256 sequences, prefills of 1-2k tokens,
+// 128-240 decodes beside a prompt), too slow to time on a CPU.
+std::vector<Shape> calibration_grid(std::int64_t max_context, bool gpu) {
   std::vector<Shape> grid;
   auto add = [&](std::string label, std::vector<EntryShape> entries) {
     for (const auto& e : entries)
@@ -76,6 +95,7 @@ std::vector<Shape> calibration_grid(std::int64_t max_context) {
     }
   for (std::int64_t n : {32, 64})  // chunked prefill: a later chunk of a long prompt
     add(fmt::format("prefill chunk {} after 128", n), {{n, 128, 0}});
+  if (gpu) add_gpu_shapes(max_context, add, repeat);
   return grid;
 }
 
@@ -290,15 +310,22 @@ std::vector<std::vector<BatchEntry>> grid_batches(
 // machine's drift (frequency, other load) spreads over every shape instead of biasing a few.
 // Each timed run follows an untimed run of the same shape: an engine's consecutive steps are
 // alike, so its caches are as warm as that (timing cold shapes overestimated steps by ~15%).
+// Greedy choices are offered before each forward, as the engine offers them: a GPU picks the
+// tokens on the device and downloads one id per sequence, not a (sequences x vocab) row of
+// logits per step (32 MB at 256 x 32k, ~1 ms over PCIe: most of a decode step's roofline).
 std::vector<double> median_forward_seconds(Backend& backend,
                                            const std::vector<std::vector<BatchEntry>>& batches,
                                            int repeats) {
   std::vector<std::vector<double>> times(batches.size());
+  const auto forward = [&backend](const std::vector<BatchEntry>& batch) {
+    (void)backend.choose_tokens(std::vector<TokenChoice>(batch.size()));
+    (void)backend.forward(batch);
+  };
   for (int round = 0; round < repeats; ++round)
     for (std::size_t s = 0; s < batches.size(); ++s) {
-      (void)backend.forward(batches[s]);
+      forward(batches[s]);
       const auto t0 = std::chrono::steady_clock::now();
-      (void)backend.forward(batches[s]);
+      forward(batches[s]);
       times[s].push_back(
           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     }
@@ -320,14 +347,42 @@ std::pair<double, double> error_summary(const HardwareProfile& profile,
   return {sum / static_cast<double>(errors.size()), errors[p90]};
 }
 
-// The grid's shapes one per line.
+// The grid's shapes one per line: measured, the fit's prediction and its error, and the
+// measured time over the shape's roofline on the start profile's peaks (roofline_step_cost).
 void print_grid_fit(const std::vector<Shape>& grid, std::span<const CalibrationSample> samples,
-                    const HardwareProfile& profile) {
-  fmt::print("{:<40} {:>12} {:>12} {:>8}\n", "shape", "measured ms", "predicted ms", "error");
+                    const HardwareProfile& profile, const HardwareProfile& start) {
+  fmt::print("{:<40} {:>12} {:>12} {:>8} {:>12} {:>10}\n", "shape", "measured ms", "predicted ms",
+             "error", "roofline ms", "x roofline");
   for (std::size_t i = 0; i < grid.size(); ++i) {
+    const double measured = samples[i].measured_s;
     const double predicted = step_cost(samples[i].work, profile).total();
-    fmt::print("{:<40} {:>12.3f} {:>12.3f} {:>7.1f}%\n", grid[i].label, samples[i].measured_s * 1e3,
-               predicted * 1e3, 100 * (predicted - samples[i].measured_s) / samples[i].measured_s);
+    const double roofline = roofline_step_cost(samples[i].work, start).total();
+    fmt::print("{:<40} {:>12.3f} {:>12.3f} {:>7.1f}% {:>12.4f} {:>9.2f}x\n", grid[i].label,
+               measured * 1e3, predicted * 1e3, 100 * (predicted - measured) / measured,
+               roofline * 1e3, measured / roofline);
+  }
+}
+
+// The decodes of the grid's largest batch against their roofline (issue 15 aims at 1.5x for
+// 256 sequences on a GPU).
+void print_decode_rooflines(const std::vector<Shape>& grid,
+                            std::span<const CalibrationSample> samples,
+                            const HardwareProfile& start) {
+  std::size_t largest = 0;
+  const auto decode = [](const Shape& shape) {
+    return std::all_of(shape.entries.begin(), shape.entries.end(),
+                       [](const EntryShape& e) { return e.new_tokens == 1; });
+  };
+  for (const Shape& shape : grid)
+    if (decode(shape)) largest = std::max(largest, shape.entries.size());
+  for (std::size_t i = 0; i < grid.size(); ++i) {
+    if (!decode(grid[i]) || grid[i].entries.size() != largest) continue;
+    const double roofline = roofline_step_cost(samples[i].work, start).total();
+    fmt::print(
+        "roofline: {} took {:.3f} ms = {:.2f}x its roofline ({:.3f} ms at {:.4g} TFLOP/s "
+        "and {:.4g} GB/s, kernels one after another)\n",
+        grid[i].label, samples[i].measured_s * 1e3, samples[i].measured_s / roofline,
+        roofline * 1e3, start.peak_tflops, start.memory_gb_per_s);
   }
 }
 
@@ -357,7 +412,7 @@ void print_fit(const std::vector<Shape>& grid, const EngineSteps& engine,
                std::span<const CalibrationSample> samples, const CalibrationFit& fit,
                const HardwareProfile& start) {
   const HardwareProfile& profile = fit.profile;
-  print_grid_fit(grid, samples, profile);
+  print_grid_fit(grid, samples, profile, start);
   if (!engine.samples.empty()) print_engine_fit(engine, profile);
   const auto [grid_mean, grid_p90] = error_summary(profile, samples.first(grid.size()));
   fmt::print("\nfit ({} iterations): grid shapes mean |error| {:.1f}%, p90 {:.1f}%", fit.iterations,
@@ -382,6 +437,7 @@ void print_fit(const std::vector<Shape>& grid, const EngineSteps& engine,
   for (const KernelRegime& r : profile.decode_attention_regimes)
     fmt::print("decode attention from {} sequences: {:.2f}/{:.2f}\n", r.min_rows, r.compute,
                r.memory);
+  print_decode_rooflines(grid, samples, start);
 }
 
 void write_profile(const std::string& out, const HardwareProfile& profile,
@@ -414,7 +470,7 @@ void run_calibrate(const CalibrateOptions& o) {
   const cpu::LlamaWeights weights = source.is_preset() ? cpu::random_llama_weights(source.config, 0)
                                                        : cpu::load_llama_weights(source.directory);
   const ModelConfig& model = weights.config;
-  const auto grid = calibration_grid(model.max_position_embeddings);
+  const auto grid = calibration_grid(model.max_position_embeddings, cuda);
   std::int64_t slots = 0;
   for (const auto& shape : grid) {
     std::int64_t total = 0;

@@ -457,6 +457,19 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("grid shapes mean |error|"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("decode 8 x ctx 128"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("x roofline"), std::string::npos) << r.out;
+  // The largest decode batch of the CPU grid against its roofline on the measured peaks: the
+  // ratio printed is the time printed over the roofline printed (rounded to 3 digits).
+  const auto line = r.out.find("roofline: decode 32 x ctx 128 took ");
+  ASSERT_NE(line, std::string::npos) << r.out;
+  double took_ms = 0, ratio = 0, roofline_ms = 0;
+  ASSERT_EQ(std::sscanf(r.out.c_str() + line,
+                        "roofline: decode 32 x ctx 128 took %lf ms = %lfx its roofline (%lf ms",
+                        &took_ms, &ratio, &roofline_ms),
+            3)
+      << r.out;
+  ASSERT_GT(roofline_ms, 0);
+  EXPECT_NEAR(ratio, took_ms / roofline_ms, 0.01 * ratio + 0.01) << r.out;
   // The [link] from the engine's own swap copy, out and in, by size.
   EXPECT_NE(r.out.find("out 1 tokens"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("in 64 tokens"), std::string::npos) << r.out;

@@ -98,6 +98,40 @@ TEST(CostModel, LargePrefillTurnsComputeBoundAndCountsCausalPairs) {
                    2 * 4.0 * 64 * (8 * 40.0 + 8 * 9 / 2.0));
 }
 
+// The roofline a measured step is set against (kvlab calibrate): every group at the peaks,
+// whatever the profile's efficiencies, regimes and overheads say.
+TEST(CostModel, RooflineIsEveryGroupAtThePeaksWithoutOverheads) {
+  const CostModel model(toy_model(), toy_profile());
+  const std::vector<EntryShape> decodes(64, EntryShape{1, 511, 0});
+  const StepWork w = model.work(decodes);
+  const StepCost r = roofline_step_cost(w, toy_profile());
+  // The balance point is 1e12 / 1e11 = 10 FLOP per byte. The products do 2 x 64 FLOPs per
+  // 2-byte weight (64 FLOP/B): compute-bound at the peak. Decode attention does 4 x 64 FLOPs per
+  // key against its 2 x 32 f32 K/V elements (256 B): 1 FLOP/B, memory-bound.
+  EXPECT_NEAR(r.linear_s, w.linear.flops / 1e12, kRel);
+  EXPECT_NEAR(r.lm_head_s, w.lm_head.flops / 1e12, kRel);
+  EXPECT_NEAR(r.attention_decode_s, w.attention_decode.bytes / 1e11, kRel);
+  EXPECT_NEAR(r.elementwise_s, w.elementwise.bytes / 1e11, kRel);
+  EXPECT_EQ(r.overhead_s, 0);
+  EXPECT_NEAR(r.total(),
+              (w.linear.flops + w.lm_head.flops) / 1e12 +
+                  (w.attention_decode.bytes + w.elementwise.bytes) / 1e11,
+              kRel);
+  // The fitted step is slower (efficiencies <= 1, overheads >= 0) and the roofline ignores what
+  // the fit changes.
+  EXPECT_GT(model.cost(w).total(), r.total());
+  HardwareProfile fitted = toy_profile();
+  fitted.efficiency = {0.1, 0.2, 0.3, 0.4, 0.5};
+  fitted.gemm_regimes = {{2, 0.05, 0.05}};
+  fitted.step_overhead_s = 1;
+  EXPECT_DOUBLE_EQ(roofline_step_cost(w, fitted).total(), r.total());
+  // A long prefill is compute-bound on the same peaks: FLOPs / 1e12.
+  const EntryShape prefill{4096, 0, 0};
+  const StepWork p = model.work(std::span(&prefill, 1));
+  EXPECT_NEAR(roofline_step_cost(p, toy_profile()).attention_prefill_s,
+              p.attention_prefill.flops / 1e12, kRel);
+}
+
 TEST(CostModel, SwapIsLatencyPerCopyPlusBytesOverTheLink) {
   const CostModel cost(toy_model(), toy_profile());
   EXPECT_EQ(cost.swap_seconds(0, 0), 0.0);

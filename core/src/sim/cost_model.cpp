@@ -135,6 +135,16 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
   return c;
 }
 
+StepCost roofline_step_cost(const StepWork& w, const HardwareProfile& p) {
+  HardwareProfile peaks;
+  peaks.peak_tflops = p.peak_tflops;
+  peaks.memory_gb_per_s = p.memory_gb_per_s;
+  peaks.efficiency = {1, 1, 1, 1, 1};
+  StepWork without_collectives = w;
+  without_collectives.collectives = 0;
+  return step_cost(without_collectives, peaks);
+}
+
 StepWork CostModel::work(std::span<const BatchEntry> batch,
                          std::span<const EntryShape> padding) const {
   std::vector<EntryShape> shapes;

@@ -61,6 +61,12 @@ struct StepCost {
 // A step's latency on a device: needs only the profile (CostModel::cost; calibration fits it).
 StepCost step_cost(const StepWork& work, const HardwareProfile& profile);
 
+// The step's roofline on the profile's peaks: every group at efficiency 1 (no kernel regimes),
+// no overheads, no collectives; the groups run one after another, as a backend's kernels do,
+// so it is the sum of each group's max(FLOPs / peak, bytes / bandwidth). A measured step's
+// time over it says how far the backend is from what the hardware allows.
+StepCost roofline_step_cost(const StepWork& work, const HardwareProfile& profile);
+
 class CostModel {
  public:
   // `model` as served (its K/V heads after the attention variant's conversion), on
