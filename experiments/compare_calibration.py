@@ -2,8 +2,10 @@
 """Compares a results folder's measured runs with the simulated runs of the same workload.
 
     python3 experiments/compare_calibration.py results/calibration [--max-error 10]
+    python3 experiments/compare_calibration.py MEASURED_FOLDER SIMULATED_FOLDER
 
-Runs are paired by their sweep label without `backend.name` and `experiment.clock`: the run on
+Runs are paired by their sweep label without `backend.name` and `experiment.clock` (across
+every folder given: a GPU run and its simulated replay may be two `kvlab run`s): the run on
 the measured (or wall) clock is the truth, the one on the virtual clock the prediction. With
 `experiment.repeats` > 1 both sides are the mean over their repeats (seeds). Prints a Markdown
 table of output tok/s, TTFT p50 and TPOT mean with the prediction's relative error, the measured
@@ -48,28 +50,34 @@ def split_label(label):
     return [tuple(p.split("=", 1)) if "=" in p else (p, "") for p in parts]
 
 
-def load_pairs(folder):
+def load_pairs(folders):
+    groups = {}  # workload label -> {"measured": [summary], "predicted": [summary]}
+    for folder in folders:
+        add_runs(folder, groups)
+    return {w: g for w, g in groups.items() if g["measured"] and g["predicted"]}
+
+
+def add_runs(folder, groups):
     runs_file = folder / "runs.json"
     if not runs_file.is_file():
         sys.exit(f"compare_calibration: {runs_file} not found (give a kvlab run results folder)")
-    groups = {}  # workload label -> {"measured": [summary], "predicted": [summary]}
     for run in json.loads(runs_file.read_text()):
         summary = json.loads((folder / run["dir"] / "summary.json").read_text())
         pairs = split_label(run["label"])
         workload = ", ".join(f"{k}={v}" for k, v in pairs if k not in IGNORED_KEYS) or "(one run)"
         side = "predicted" if summary.get("clock") in ("virtual", "offline") else "measured"
         groups.setdefault(workload, {"measured": [], "predicted": []})[side].append(summary)
-    return {w: g for w, g in groups.items() if g["measured"] and g["predicted"]}
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("folder", type=Path)
+    parser.add_argument("folders", type=Path, nargs="+", metavar="folder")
     parser.add_argument("--max-error", type=float, default=10.0, help="percent (default 10)")
     args = parser.parse_args()
-    pairs = load_pairs(args.folder)
+    pairs = load_pairs(args.folders)
     if not pairs:
-        print(f"compare_calibration: {args.folder} has no workload run both on a measured and on "
+        names = " + ".join(str(f) for f in args.folders)
+        print(f"compare_calibration: {names} has no workload run both on a measured and on "
               "a virtual clock", file=sys.stderr)
         return 2
     header = ["workload", "runs"] + [m[0] for m in METRICS] + ["steps measured / predicted"]

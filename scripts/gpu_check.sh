@@ -4,20 +4,28 @@
 #      checks need, with every core
 #   2. the CUDA tests: every kernel against the Eigen reference, the engine on the GPU against the
 #      CPU backend (ctest -L '^cuda$'; the same tests on the CPU emulator run in CI everywhere)
-#   3. compute-sanitizer memcheck on a small subset (the kernels and one engine run), racecheck
-#      on the token-choice kernel
-#   4. benchmarks: decode attention bandwidth vs the device's peak; fcfs vs static end to end on
-#      a 1B-class model; kvlab calibrate --backend cuda (the simulated backend's H200 fit)
-#      and Hugging Face generate() on the same requests (kvlab's output tok/s as a ratio to it)
-#   5. kvlab check of the cuda backend in bf16 with its stated tolerance (and its logit error)
-#   6. a summary of all of it
+#   3. the decode-attention and prefill benchmarks (bandwidth and TFLOP/s against the peaks)
+#   4. kvlab calibrate --backend cuda: every shape against its roofline (the B=256 decode step
+#      among them) and the fitted H200 profile (to commit as profiles/h200-measured.toml)
+#   5. end to end: experiments/cuda_fcfs_vs_static.toml (fcfs vs static, 1,024 requests) on the
+#      measured clock, each step priced by that profile as it runs; the same workload on the
+#      simulated backend with it (the simulator's prediction error); Hugging Face generate() on
+#      the same requests (kvlab's output tok/s as a ratio to it)
+#   6. kvlab check of the cuda backend in bf16 with its stated tolerance (and its logit error)
+#   7. compute-sanitizer memcheck on the kernels and one engine run, racecheck on the kernels
+#      that share memory
+#   8. a summary of all of it
+# Every stage runs under a time limit (what is left of KVLAB_GPU_CHECK_BUDGET_S, default 480 s,
+# or its own cap if smaller): a stage that hangs costs its cap, not the run. With $OUT set (the
+# device tool's folder), each stage's log and results land there as soon as it ends, and
+# summary.txt grows line by line: a run cut short still brings back what it measured.
 # Usage: scripts/gpu_check.sh        (build dir: build-gpu, or $KVLAB_BUILD_DIR)
 #        scripts/gpu_check.sh --prebuilt   (the build dir is there already: no setup, no build;
 #                                           a machine without Debian's packages runs the pack
 #                                           scripts/gpu_pack.sh made: bash gpu-pack/run.sh)
 #        scripts/gpu_check.sh --targets    (prints the build targets the checks need)
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 targets=(kvlab kvlab_cuda_tests kvlab_bench_cuda kvlab_plugin_backend_cuda
          kvlab_plugin_allocator_static kvlab_plugin_allocator_dynamic kvlab_plugin_allocator_paged
          kvlab_plugin_attention_mha kvlab_plugin_attention_gqa kvlab_plugin_attention_mqa
@@ -31,10 +39,46 @@ fi
 export PATH="/usr/local/cuda/bin:$PATH"
 build="${KVLAB_BUILD_DIR:-build-gpu}"
 archs="${KVLAB_CUDA_ARCHS:-90}"
+budget="${KVLAB_GPU_CHECK_BUDGET_S:-480}"
+out="${OUT:-}"
+[ -n "$out" ] && [ ! -d "$out" ] && out=""
 summary=()
-note() { summary+=("$1"); echo "== $1"; }
 start=$(date +%s)
+status=0
+note() {
+  summary+=("$1"); echo "== $1"
+  if [ -n "$out" ]; then echo "$1" >>"$out/summary.txt"; fi
+}
+keep() {  # files of the build dir (or folders, as .tar.gz) into $OUT
+  [ -n "$out" ] || return 0
+  local f
+  for f in "$@"; do
+    if [ -d "$build/$f" ]; then tar -czf "$out/$f.tar.gz" -C "$build" "$f"
+    elif [ -f "$build/$f" ]; then cp "$build/$f" "$out/"; fi
+  done
+}
+# stage NAME CAP LOG COMMAND...: runs COMMAND (output to $build/LOG) for at most CAP seconds or
+# what is left of the budget; 0 when it passed, 124 when time ran out, its status otherwise.
+stage() {
+  local name=$1 cap=$2 log=$3 left t0 rc
+  shift 3
+  left=$(( budget - ($(date +%s) - start) ))
+  if [ "$left" -lt 15 ]; then
+    note "$name: SKIPPED (the ${budget}-s budget is spent)"; status=1; return 125
+  fi
+  [ "$left" -lt "$cap" ] && cap=$left
+  t0=$(date +%s)
+  timeout --kill-after=10 "$cap" "$@" >"$build/$log" 2>&1
+  rc=$?
+  keep "$log"
+  echo "-- $name: status $rc in $(( $(date +%s) - t0 )) s"
+  if [ $rc = 124 ] || [ $rc = 137 ]; then
+    note "$name: TIMED OUT after $cap s (log: $log)"; status=1; return 124
+  fi
+  return $rc
+}
 
+[ -n "$out" ] && : >"$out/summary.txt"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || note "nvidia-smi: no GPU visible"
 
 if [ $prebuilt = 1 ]; then
@@ -46,13 +90,16 @@ else
   cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES="$archs" >/dev/null || { note "configure FAILED"; exit 1; }
   if cmake --build "$build" -j "$(nproc)" --target "${targets[@]}" 2>&1 | tail -3; then
     note "build: ok in $(( $(date +%s) - start )) s (sm_$archs)"
+    start=$(date +%s)  # the budget is for the checks
   else
     note "build FAILED"; exit 1
   fi
 fi
+kvlab="$build/bin/kvlab"
 
-status=0
-if OMP_NUM_THREADS=4 ctest --test-dir "$build" -L '^cuda$' --output-on-failure -j 4 > "$build/cuda_ctest.log" 2>&1; then
+# --- 2. the CUDA tests
+if OMP_NUM_THREADS=4 stage "CUDA tests" 150 cuda_ctest.log \
+     ctest --test-dir "$build" -L '^cuda$' --no-tests=error --output-on-failure -j 4; then
   note "CUDA tests: $(grep -E 'tests passed' "$build/cuda_ctest.log")"
 else
   status=1
@@ -60,32 +107,10 @@ else
   grep -E "Failed|\*\*\*" "$build/cuda_ctest.log" | head -20
 fi
 
-if command -v compute-sanitizer >/dev/null; then
-  if compute-sanitizer --tool memcheck --error-exitcode 9 "$build/tests/kvlab_cuda_tests" \
-       --gtest_filter='CudaKernels.*:CudaAttention.*:*CudaAttentionGrid.*hd128_group8_block16*:*CudaEngine.*paged_gqa_swap:CudaBackend.DeviceLogprobs*' \
-       > "$build/memcheck.log" 2>&1; then
-    note "compute-sanitizer memcheck: clean ($(grep -cE '^\[       OK' "$build/memcheck.log") tests)"
-  else
-    status=1
-    note "compute-sanitizer memcheck FAILED"; grep -E "Invalid|ERROR|FAILED" "$build/memcheck.log" | head -20
-  fi
-  # racecheck (shared-memory hazards) on the kernels that share memory across a block's threads
-  # through atomics and reductions (the token choice) and tiles staged by asynchronous copies
-  # (the tensor-core prefill and decode).
-  if compute-sanitizer --tool racecheck --error-exitcode 9 "$build/tests/kvlab_cuda_tests" \
-       --gtest_filter='CudaKernels.SampleRows*:CudaKernels.RowLogprobs*:CudaKernels.ArgmaxRows*:CudaAttention.LongPrefill*:CudaAttention.DecodeGroups*' \
-       > "$build/racecheck.log" 2>&1; then
-    note "compute-sanitizer racecheck (token choice and logprobs, tensor-core prefill and decode): clean"
-  else
-    status=1
-    note "compute-sanitizer racecheck FAILED"; grep -E "hazard|ERROR|FAILED" "$build/racecheck.log" | head -20
-  fi
-else
-  note "compute-sanitizer: not found"
-fi
-
-"$build/bin/kvlab_bench_cuda" --benchmark_min_time=0.2 --benchmark_out="$build/bench_cuda.json" \
-  --benchmark_out_format=json > "$build/bench_cuda.log" 2>&1 || true
+# --- 3. decode attention bandwidth and prefill TFLOP/s
+stage "benchmarks" 90 bench_cuda.log "$build/bin/kvlab_bench_cuda" --benchmark_min_time=0.2 \
+  --benchmark_out="$build/bench_cuda.json" --benchmark_out_format=json
+keep bench_cuda.json
 while IFS= read -r line; do note "$line"; done < <(python3 - "$build/bench_cuda.json" <<'PY'
 import json, sys
 try:
@@ -107,34 +132,73 @@ for r in runs:
 PY
 )
 
-if "$build/bin/kvlab" run experiments/cuda_fcfs_vs_static.toml --force --out "$build/cuda_fcfs_vs_static" \
-     > "$build/e2e.log" 2>&1; then
-  note "end to end (tinyllama-1.1b bf16, 256 requests, measured clock):"
+# --- 4. calibrate: every shape against its roofline, and the measured profile
+profile=h200  # the datasheet profile, if the calibration fails
+if stage "kvlab calibrate --backend cuda" 90 calibrate.log "$kvlab" calibrate --backend cuda \
+     --profile h200 --model tinyllama-1.1b --repeats 3 --name h200-measured \
+     --out "$build/h200-calibrated.toml"; then
+  profile="$(realpath "$build/h200-calibrated.toml")"  # a relative one is the experiment file's
+  keep h200-calibrated.toml
+  note "kvlab calibrate --backend cuda: $(grep -E '^fit ' "$build/calibrate.log")"
+  note "  $(grep -E '^peaks:' "$build/calibrate.log")"
+  while IFS= read -r line; do note "  $line"; done < <(grep -E '^roofline: ' "$build/calibrate.log")
+else
+  status=1
+  note "kvlab calibrate --backend cuda FAILED"; tail -3 "$build/calibrate.log"
+fi
+
+# --- 5. end to end, the simulator's prediction of it, and Hugging Face generate()
+e2e_out="$build/cuda_fcfs_vs_static"
+if stage "end to end" 180 e2e.log "$kvlab" run experiments/cuda_fcfs_vs_static.toml --force \
+     --out "$e2e_out" --set "backend.profile=\"$profile\""; then
+  keep cuda_fcfs_vs_static
+  note "end to end (tinyllama-1.1b bf16, 1,024 requests, max_batch 256, measured clock):"
   grep -E "^\|" "$build/e2e.log"
   note "  $(grep -E '^wall' "$build/e2e.log")"  # share outside forward, device picks, graphs
-  summary+=("$(grep -E '^\| scheduler' "$build/e2e.log")")
+  while IFS= read -r line; do summary+=("$line"); done < <(grep -E '^\| scheduler' "$build/e2e.log")
+  while IFS= read -r line; do note "  $line"; done < <(python3 - "$e2e_out" <<'PY'
+import json, pathlib, sys
+folder = pathlib.Path(sys.argv[1])
+for run in json.loads((folder / "runs.json").read_text()):
+    s = json.loads((folder / run["dir"] / "summary.json").read_text())
+    if "step_time_ratio" in s:
+        r, e = s["step_time_ratio"], s["step_prediction_error"]
+        print(f"[{run['label']}] measured step / profile's price: p50 {r['p50']:.2f}, mean |error| "
+              f"{100 * e['mean']:.1f}% over {e['count']} steps")
+PY
+)
+  if stage "simulated replay" 60 e2e_simulated.log "$kvlab" run experiments/cuda_fcfs_vs_static.toml \
+       --force --out "$build/cuda_fcfs_vs_static_simulated" --set 'backend.name="simulated"' \
+       --set 'backend.params={}' --set 'experiment.clock="virtual"' \
+       --set "backend.profile=\"$profile\"" &&
+     python3 experiments/compare_calibration.py "$e2e_out" "$build/cuda_fcfs_vs_static_simulated" \
+       > "$build/e2e_prediction.log" 2>&1; then
+    keep e2e_prediction.log
+    note "simulated backend with $(basename "$profile") vs the measured runs:"
+    while IFS= read -r line; do note "  $line"; done < <(grep -E '^\| scheduler|predictions' "$build/e2e_prediction.log")
+  else
+    note "simulated replay of the end-to-end run FAILED"; tail -3 "$build/e2e_simulated.log"
+  fi
+  # The same requests' lengths through generate() (a static batch of 256, as the experiment's
+  # max_batch; its first 256 requests, to keep the check within its budget).
+  if stage "hf generate baseline" 120 hf_baseline.log python3 scripts/hf_generate_baseline.py \
+       "$e2e_out" --batch 256 --max-requests 256; then
+    while IFS= read -r line; do note "$line"; done < <(grep -E '^(hf generate|kvlab \[)' "$build/hf_baseline.log")
+  else
+    note "hf generate baseline: not measured"; tail -3 "$build/hf_baseline.log"
+  fi
 else
   status=1
   note "end to end FAILED"; tail -5 "$build/e2e.log"
 fi
 
-# The same requests through Hugging Face generate() on this GPU (static batches of 128, as the
-# experiment's max_batch): kvlab's output tok/s as a ratio to it.
-if [ -d "$build/cuda_fcfs_vs_static" ] &&
-   python3 scripts/hf_generate_baseline.py "$build/cuda_fcfs_vs_static" --batch 128 \
-     > "$build/hf_baseline.log" 2>&1; then
-  while IFS= read -r line; do note "$line"; done < <(grep -E '^(hf generate|kvlab \[)' "$build/hf_baseline.log")
-else
-  note "hf generate baseline: not measured"; tail -3 "$build/hf_baseline.log" 2>/dev/null
-fi
-
-# bf16 on the GPU checked against the fp32 reference with the TAU docs/experiments.md states for
-# it (twice the largest logit error measured on the CPU emulator); the verdict's logits line is
-# the GPU's own measurement of that error.
+# --- 6. bf16 on the GPU checked against the fp32 reference with the TAU docs/experiments.md
+# states for it (twice the largest logit error measured on the CPU emulator); the verdict's
+# logits line is the GPU's own measurement of that error.
 tau_bf16=0.03
-bf16_check=(check experiments/quickstart.toml --set workload.requests=100 --set 'backend.name="cuda"'
-            --set 'backend.params={dtype="bf16"}' --set 'backend.profile="h200"' --tolerance "$tau_bf16")
-if "$build/bin/kvlab" "${bf16_check[@]}" > "$build/check_bf16.log" 2>&1; then
+if stage "kvlab check bf16" 90 check_bf16.log "$kvlab" check experiments/quickstart.toml \
+     --set workload.requests=100 --set 'backend.name="cuda"' --set 'backend.params={dtype="bf16"}' \
+     --set 'backend.profile="h200"' --tolerance "$tau_bf16"; then
   note "kvlab check, cuda bf16, TAU $tau_bf16: $(grep -E '^kvlab check' "$build/check_bf16.log")"
 else
   status=1
@@ -142,26 +206,33 @@ else
 fi
 note "  $(grep -m1 -E '^logits' "$build/check_bf16.log")"
 
-if "$build/bin/kvlab" calibrate --backend cuda --profile h200 --model tinyllama-1.1b --repeats 3 \
-     --out "$build/h200-calibrated.toml" > "$build/calibrate.log" 2>&1; then
-  note "kvlab calibrate --backend cuda: $(grep -E '^fit ' "$build/calibrate.log")"
-  note "  $(grep -E '^peaks:' "$build/calibrate.log")"
-  grep -E '^(swap copy|out|in) ' "$build/calibrate.log"
+# --- 7. compute-sanitizer
+if command -v compute-sanitizer >/dev/null; then
+  if stage "memcheck" 120 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 \
+       "$build/tests/kvlab_cuda_tests" \
+       --gtest_filter='CudaKernels.*:CudaAttention.*:*CudaAttentionGrid.*hd128_group8_block16*:*CudaEngine.*paged_gqa_swap:CudaBackend.DeviceLogprobs*'; then
+    note "compute-sanitizer memcheck: clean ($(grep -cE '^\[       OK' "$build/memcheck.log") tests)"
+  else
+    status=1
+    note "compute-sanitizer memcheck FAILED"; grep -E "Invalid|ERROR|FAILED" "$build/memcheck.log" | head -20
+  fi
+  # racecheck (shared-memory hazards) on the kernels that share memory across a block's threads
+  # through atomics and reductions (the token choice) and tiles staged by asynchronous copies
+  # (the tensor-core prefill and decode).
+  if stage "racecheck" 90 racecheck.log compute-sanitizer --tool racecheck --error-exitcode 9 \
+       "$build/tests/kvlab_cuda_tests" \
+       --gtest_filter='CudaKernels.SampleRows*:CudaKernels.RowLogprobs*:CudaKernels.ArgmaxRows*:CudaAttention.LongPrefill*:CudaAttention.DecodeGroups*'; then
+    note "compute-sanitizer racecheck (token choice and logprobs, tensor-core prefill and decode): clean"
+  else
+    status=1
+    note "compute-sanitizer racecheck FAILED"; grep -E "hazard|ERROR|FAILED" "$build/racecheck.log" | head -20
+  fi
 else
-  status=1
-  note "kvlab calibrate --backend cuda FAILED"; tail -3 "$build/calibrate.log"
+  note "compute-sanitizer: not found"
 fi
 
-# The device tool brings back what lands in $OUT: the logs, the benchmark's JSON and the fitted
-# profile (to commit as profiles/h200-measured.toml).
-if [ -n "${OUT:-}" ] && [ -d "$OUT" ]; then
-  for f in cuda_ctest.log memcheck.log racecheck.log bench_cuda.json bench_cuda.log e2e.log hf_baseline.log check_bf16.log \
-           calibrate.log h200-calibrated.toml; do
-    [ -f "$build/$f" ] && cp "$build/$f" "$OUT/"
-  done
-fi
-
+note "gpu_check: $(( $(date +%s) - start )) s of checks (budget $budget s), status $status"
 echo
-echo "===== gpu_check summary ($(( $(date +%s) - start )) s) ====="
+echo "===== gpu_check summary ====="
 printf '%s\n' "${summary[@]}"
 exit $status

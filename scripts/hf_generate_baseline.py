@@ -10,7 +10,7 @@ left-padded, greedy, each batch generating its longest output (EOS ignored, as t
 workload's ignore_eos), and counts only each request's own output tokens as useful: what a
 padded static batch delivers. Prints the baseline and each kvlab run's ratio to it.
 
-    python3 scripts/hf_generate_baseline.py build-gpu/cuda_fcfs_vs_static --batch 128
+    python3 scripts/hf_generate_baseline.py build-gpu/cuda_fcfs_vs_static --batch 256 --max-requests 256
 
 Needs torch and transformers (the GPU machine has both). --device cpu --small runs a 2-layer
 model of the same code path on a CPU (a smoke test of this script, not a measurement).

@@ -35,6 +35,31 @@ endif()
 if(NOT out MATCHES "[0-6] of 6 predictions of output tok/s and TTFT p50 within 10% of the measured runs")
   message(FATAL_ERROR "no validation line:\n${out}")
 endif()
+# Two folders (a GPU's measured run and its simulated replay are two kvlab runs): the quickstart
+# measured on the cpu backend, then simulated; its two schedulers pair across the folders.
+set(small --set workload.requests=8 --set model.name=tiny --set backend.threads=1
+          --set workload.ignore_eos=true --set backend.profile=\"cpu\")
+foreach(side "measured;experiment.clock=\"measured\"" "simulated;backend.name=\"simulated\"")
+  list(GET side 0 folder)
+  list(GET side 1 setting)
+  execute_process(COMMAND ${KVLAB} run ${SOURCE_DIR}/experiments/quickstart.toml ${small}
+                          --set ${setting} --out ${WORK_DIR}/${folder}
+                  RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "kvlab run (${folder}) failed: ${out}${err}")
+  endif()
+endforeach()
+execute_process(COMMAND ${python} ${SOURCE_DIR}/experiments/compare_calibration.py
+                        ${WORK_DIR}/measured ${WORK_DIR}/simulated
+                RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
+string(REGEX MATCHALL "\\| scheduler.name=(static|fcfs) \\| 1 \\+ 1 \\|" pairs "${out}")
+list(LENGTH pairs count)
+if(NOT result EQUAL 0 OR NOT count EQUAL 2)
+  message(FATAL_ERROR "expected static and fcfs paired across two folders: ${out}${err}")
+endif()
+if(NOT out MATCHES "[0-4] of 4 predictions of output tok/s and TTFT p50 within 10%")
+  message(FATAL_ERROR "no validation line for two folders:\n${out}")
+endif()
 file(WRITE ${WORK_DIR}/empty/runs.json "[]")
 execute_process(COMMAND ${python} ${SOURCE_DIR}/experiments/compare_calibration.py ${WORK_DIR}/empty
                 RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
