@@ -121,13 +121,14 @@ TokenCallback streamer(StreamingDecoder& decoder, const ModelConfig& config,
 }
 
 // The same generation through the engine: a paged KV cache and the batched CPU backend (the
-// tokens kvlab check holds equal to the reference's), with logprobs from the recorded logits.
+// tokens kvlab check holds equal to the reference's), with the engine's logprobs (computed as
+// each token is picked; no row of logits is kept).
 cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
                                            const GenerateOptions& o, const ModelSource& source,
                                            const std::vector<std::int32_t>& prompt,
                                            const TokenCallback& on_token) {
-  const SamplingParams& sampling = o.sampling;
-  const std::int32_t logprobs = o.logprobs;
+  SamplingParams sampling = o.sampling;
+  sampling.logprobs = o.logprobs;  // the chosen token's always; the top o.logprobs when > 0
   const PluginRegistry registry(PluginRegistry::default_search_path());
   cpu::BatchSetup setup;  // paged blocks of 16, the checkpoint's own K/V heads
   setup.weights = o.weights;
@@ -137,16 +138,16 @@ cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
   setup.pool_slots = std::min(needed, weights.config.max_position_embeddings) / 16 * 16 + 16;
   cpu::BatchGenerator generator(weights, registry, setup);
   cpu::BatchOptions options;
-  options.record_logits = true;
   if (on_token) options.on_token = [&](std::size_t, std::int32_t token) { on_token(token); };
   const cpu::BatchResult batch = generator.run({{prompt, sampling, 0}}, options).front();
   cpu::GenerationResult result;
   result.finish_reason = batch.finish_reason;
+  if (batch.logprobs.size() != batch.tokens.size())
+    throw Error(fmt::format("the engine returned {} logprobs for {} tokens", batch.logprobs.size(),
+                            batch.tokens.size()));
   for (std::size_t i = 0; i < batch.tokens.size(); ++i) {
-    const std::span<const float> row = batch.logits[i];
-    cpu::GeneratedToken token{batch.tokens[i], token_logprob(row, batch.tokens[i]), {}};
-    if (logprobs > 0) token.top = top_logprobs(row, logprobs);
-    result.tokens.push_back(std::move(token));
+    GeneratedLogprobs chosen = batch.logprobs[i];
+    result.tokens.push_back({batch.tokens[i], chosen.logprob, std::move(chosen.top)});
   }
   return result;
 }
@@ -175,6 +176,11 @@ void run_generate(const GenerateOptions& o) {
   if (!engine && o.activations != "f32")
     throw Error(fmt::format(
         "--activations {} needs --compute engine: the reference computes in fp32", o.activations));
+  if (engine && o.logprobs > kMaxLogprobs)
+    throw Error(
+        fmt::format("--logprobs {}: the engine returns at most {} (vLLM's max_logprobs); --compute "
+                    "reference returns any number",
+                    o.logprobs, kMaxLogprobs));
   const auto load_start = std::chrono::steady_clock::now();
   cpu::LlamaWeights weights = source.is_preset()
                                   ? cpu::random_llama_weights(source.config, o.weights_seed)

@@ -111,6 +111,7 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
     const RequestTimeline& timeline = run.requests[i];
     if (timeline.rejected) throw Error(fmt::format("request {}: {}", i, timeline.reject_reason));
     results[i].tokens = run.tokens[i];
+    results[i].logprobs = run.logprobs[i];
     results[i].cached_prompt_tokens = timeline.prefix_hit_tokens;
     results[i].finish_reason = timeline.finish_reason == "eos" ? FinishReason::eos
                                : timeline.finish_reason == "context_full"

@@ -121,10 +121,20 @@ TEST(Cli, EngineComputeGivesTheReferencesTokens) {
     const auto want = nlohmann::json::parse(x), got = nlohmann::json::parse(y);
     EXPECT_EQ(got["token"], want["token"]) << count;
     EXPECT_NEAR(got["logprob"].get<double>(), want["logprob"].get<double>(), 1e-4) << count;
-    EXPECT_EQ(got["top_logprobs"].size(), 3u);
+    ASSERT_EQ(got["top_logprobs"].size(), 3u);
+    ASSERT_EQ(want["top_logprobs"].size(), 3u);
+    for (std::size_t k = 0; k < 3; ++k) {
+      const auto &g = got["top_logprobs"][k], &w = want["top_logprobs"][k];
+      EXPECT_EQ(g["token"], w["token"]) << count << " top " << k;
+      EXPECT_NEAR(g["logprob"].get<double>(), w["logprob"].get<double>(), 1e-4) << count;
+    }
   }
   EXPECT_EQ(count, 24);
   expect_failure("generate --preset tiny --prompt-ids 1 --compute fast", "--compute");
+  // The engine computes logprobs as it picks each token, up to vLLM's 20; the reference any.
+  expect_failure("generate --preset tiny --prompt-ids 1 --compute engine --logprobs 21",
+                 "--logprobs 21: the engine returns at most 20");
+  EXPECT_EQ(run("generate --preset tiny --prompt-ids 1 --max-tokens 2 --logprobs 21").exit_code, 0);
 }
 
 // --activations q8 (with Q weights) runs the engine's products on 8-bit activations: it says

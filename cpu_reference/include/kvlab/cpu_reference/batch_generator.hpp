@@ -34,6 +34,9 @@ struct BatchOptions {
 struct BatchResult {
   std::vector<std::int32_t> tokens;
   std::vector<std::vector<float>> logits;  // (generated tokens, vocab), when recorded
+  // One per generated token when the request's SamplingParams::logprobs >= 0 (the engine's own,
+  // computed where the token was picked; nothing else is kept per step).
+  std::vector<GeneratedLogprobs> logprobs;
   FinishReason finish_reason = FinishReason::max_tokens;
   std::int64_t cached_prompt_tokens = 0;  // prompt tokens served by the prefix cache
 };
