@@ -109,6 +109,31 @@ TEST(ExperimentLibrary, LogprobsAreWrittenPerGeneratedToken) {
       std::string::npos);
 }
 
+// Behind a router each replica computes its requests' logprobs; the merged run keeps them by
+// request, as one engine would (greedy: the same tokens; the CPU backend's rows agree to 1e-4
+// whatever the batch, as kvlab check's logit line measures).
+TEST(ExperimentLibrary, ClusterRunsKeepEachRequestsLogprobs) {
+  const std::vector<std::string> greedy{"workload.logprobs=3", "workload.temperature=0"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), greedy.begin(), greedy.end());
+    return run_experiment(load_experiment(kQuickstart, small(std::move(more)))[1].config, false,
+                          nullptr);
+  };
+  const RunOutput one = with({});
+  const RunOutput two = with({"cluster.replicas=2", "cluster.router=\"round_robin\""});
+  ASSERT_EQ(two.engine.logprobs.size(), one.engine.logprobs.size());
+  for (std::size_t i = 0; i < one.engine.tokens.size(); ++i) {
+    ASSERT_EQ(two.engine.tokens[i], one.engine.tokens[i]) << i;
+    ASSERT_EQ(two.engine.logprobs[i].size(), one.engine.tokens[i].size()) << i;
+    for (std::size_t t = 0; t < one.engine.tokens[i].size(); ++t) {
+      const GeneratedLogprobs &a = one.engine.logprobs[i][t], &b = two.engine.logprobs[i][t];
+      EXPECT_NEAR(b.logprob, a.logprob, 1e-4) << i << " " << t;
+      ASSERT_EQ(b.top.size(), 3u);
+      for (std::size_t k = 0; k < 3; ++k) EXPECT_EQ(b.top[k].token, a.top[k].token) << i;
+    }
+  }
+}
+
 TEST(ExperimentLibrary, SameFileSameBytes) {
   const auto runs = load_experiment(kQuickstart, small());
   test::TempDir a, b;

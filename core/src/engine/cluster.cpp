@@ -90,8 +90,10 @@ EngineResult merged_result(const ClusterResult& result) {
     const RouteRecord& route = result.routes[i];
     global[route.replica][static_cast<std::size_t>(route.id_in_replica)] =
         static_cast<RequestId>(i);
-    merged.tokens.push_back(
-        result.replicas[route.replica].tokens[static_cast<std::size_t>(route.id_in_replica)]);
+    const EngineResult& replica = result.replicas[route.replica];
+    const auto local = static_cast<std::size_t>(route.id_in_replica);
+    merged.tokens.push_back(replica.tokens[local]);
+    merged.logprobs.push_back(replica.logprobs.at(local));  // empty unless asked for
     merged.events.push_back({-1, route.time_s, EventKind::event_route, static_cast<RequestId>(i),
                              route.reason, 0, static_cast<std::int64_t>(route.replica)});
   }
