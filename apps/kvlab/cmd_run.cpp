@@ -196,6 +196,7 @@ RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, boo
     r.off_argmax = out.check.off_argmax;
     r.max_gap = out.check.max_gap;
     r.logits = out.check.logits;
+    r.logprobs = out.check.logprobs;
     if (const std::string reasons = all_rejected_reasons(out); !reasons.empty())
       r.all_rejected =
           fmt::format("all {} requests were rejected:{}", out.summary.rejected, reasons);
@@ -259,14 +260,25 @@ void write_carried_files(const std::vector<ExperimentRun>& runs,
 struct CheckTotals {
   std::int64_t finished = 0, mismatches = 0, tokens = 0, off_argmax = 0;
   double max_gap = 0;
+  LogprobAgreement logprobs;
   void add(const RunRecord& r) {
     finished += r.finished;
     mismatches += static_cast<std::int64_t>(r.mismatches.size());
     tokens += r.checked_tokens;
     off_argmax += r.off_argmax;
     max_gap = std::max(max_gap, r.max_gap);
+    logprobs.merge(r.logprobs);
   }
 };
+
+// kvlab check of requests that asked for log-probabilities: how many were compared, how closely.
+void print_logprob_agreement(const LogprobAgreement& a, double tolerance) {
+  if (a.tokens == 0) return;
+  fmt::print(
+      "kvlab check: log-probabilities of {} tokens and {} top entries beside them within {} of "
+      "the reference's (max |engine - reference| {:.3g})\n",
+      a.tokens, a.entries, logprob_tolerance(tolerance), a.max_abs_delta);
+}
 
 // kvlab check's verdict: exit 1 when nothing finished, a run rejected everything, or a token
 // differs from the reference (beyond the tolerance).
@@ -281,6 +293,7 @@ int check_verdict(const CheckTotals& t, bool any_all_rejected, double tolerance)
                tolerance > 0 ? fmt::format(" beyond the tolerance {}", tolerance) : "");
     return 1;
   }
+  print_logprob_agreement(t.logprobs, tolerance);
   if (tolerance == 0) {
     fmt::print("kvlab check: every finished request's tokens equal the reference's\n");
     return 0;

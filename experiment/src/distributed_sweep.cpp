@@ -62,6 +62,10 @@ RunRecord record_from_header(const nlohmann::json& h) {
   r.logits.sum_row_max_delta = logits.at("sum_row_max_delta").get<double>();
   r.logits.top_positions = logits.at("top_positions").get<std::int64_t>();
   r.logits.top_shared = logits.at("top_shared").get<std::int64_t>();
+  const nlohmann::json& logprobs = h.at("logprobs");
+  r.logprobs.tokens = logprobs.at("tokens").get<std::int64_t>();
+  r.logprobs.entries = logprobs.at("entries").get<std::int64_t>();
+  r.logprobs.max_abs_delta = logprobs.at("max_abs_delta").get<double>();
   r.wall_s = h.at("wall_s").get<double>();
   r.engine_wall_s = h.at("engine_wall_s").get<double>();
   r.forward_wall_s = h.at("forward_wall_s").get<double>();
@@ -124,6 +128,10 @@ std::string encode_run_record(const RunRecord& r) {
                                    {"sum_row_max_delta", r.logits.sum_row_max_delta},
                                    {"top_positions", r.logits.top_positions},
                                    {"top_shared", r.logits.top_shared}}},
+                                 {"logprobs",
+                                  {{"tokens", r.logprobs.tokens},
+                                   {"entries", r.logprobs.entries},
+                                   {"max_abs_delta", r.logprobs.max_abs_delta}}},
                                  {"wall_s", r.wall_s},
                                  {"engine_wall_s", r.engine_wall_s},
                                  {"forward_wall_s", r.forward_wall_s},

@@ -382,10 +382,30 @@ std::vector<ReferenceChoice> compared_choices(
   return choices;
 }
 
+// One generated token against the reference's choice at its position: "" when it passes (the
+// argmax, or within `tolerance` of it), else why not. Counts it in `check`.
+std::string check_token(std::int32_t token, const ReferenceChoice& expected, double tolerance,
+                        RunOutput::Check& check) {
+  ++check.tokens;
+  if (token == expected.argmax) return {};
+  if (tolerance > 0 && expected.gap <= tolerance) {  // 0: even exact ties must be argmax
+    ++check.off_argmax;
+    check.max_gap = std::max(check.max_gap, static_cast<double>(expected.gap));
+    return {};
+  }
+  return tolerance > 0 ? fmt::format(
+                             "is {}, whose reference logit is {:.4g} below the best ({}), "
+                             "beyond the tolerance {}",
+                             token, expected.gap, expected.argmax, tolerance)
+                       : fmt::format("is {}, the reference gives {}", token, expected.argmax);
+}
+
 // Teacher forcing: one reference forward over prompt + output checks every generated token
 // (memoized per sequence: other sweep points asking for the same sequence share it). A token
-// passes when it is the reference's argmax, or its logit is within `tolerance` of the argmax's.
-// With the engine's logits `log` (kvlab check --tolerance), out.check.logits measures them.
+// passes when it is the reference's argmax, or its logit is within `tolerance` of the argmax's;
+// a request that asked for log-probabilities also needs them within logprob_tolerance of the
+// reference's. With the engine's logits `log` (kvlab check --tolerance), out.check.logits
+// measures them.
 void check_against_reference(const ServedModel& served, std::optional<std::int64_t> window,
                              const std::vector<WorkloadRequest>& requests, double tolerance,
                              const EngineLogitLog* log, const EngineSlots& slots, RunOutput& out,
@@ -398,28 +418,27 @@ void check_against_reference(const ServedModel& served, std::optional<std::int64
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const std::vector<std::int32_t>& tokens = out.engine.tokens[i];
     if (out.engine.requests[i].rejected || tokens.empty()) continue;
+    const std::vector<GeneratedLogprobs>& logprobs = out.engine.logprobs[i];  // empty: not asked
     std::vector<std::int32_t> sequence = requests[i].prompt;
     sequence.insert(sequence.end(), tokens.begin(), tokens.end());
     const auto choices =
         compared_choices(reference, served.weights_key, window, sequence,
                          requests[i].prompt.size() - 1, log, slots[i], out.check.logits);
     for (std::size_t t = 0; t < tokens.size(); ++t) {
-      const ReferenceChoice& expected = choices[t];
-      ++out.check.tokens;
-      if (tokens[t] == expected.argmax) continue;
-      if (tolerance > 0 && expected.gap <= tolerance) {  // 0: even exact ties must be argmax
-        ++out.check.off_argmax;
-        out.check.max_gap = std::max(out.check.max_gap, static_cast<double>(expected.gap));
-        continue;
+      if (const std::string problem = check_token(tokens[t], choices[t], tolerance, out.check);
+          !problem.empty()) {
+        mismatches.push_back(fmt::format("request {}: token {} {}", i, t, problem));
+        break;
       }
-      mismatches.push_back(
-          tolerance > 0
-              ? fmt::format("request {}: token {} is {}, whose reference logit is {:.4g} below "
-                            "the best ({}), beyond the tolerance {}",
-                            i, t, tokens[t], expected.gap, expected.argmax, tolerance)
-              : fmt::format("request {}: token {} is {}, the reference gives {}", i, t, tokens[t],
-                            expected.argmax));
-      break;
+      if (t >= logprobs.size()) continue;
+      const double logprob_tol = logprob_tolerance(tolerance);
+      if (const std::string problem =
+              out.check.logprobs.add(logprobs[t], choices[t].logprobs, logprob_tol);
+          !problem.empty()) {
+        mismatches.push_back(fmt::format("request {}: token {} ({}): {} (beyond {})", i, t,
+                                         tokens[t], problem, logprob_tol));
+        break;
+      }
     }
   }
 }

@@ -40,9 +40,10 @@ std::vector<ReferenceChoice> choices_from_logits(const cpu::RowMatrix& logits,
   for (auto t = static_cast<Eigen::Index>(first); t < logits.rows(); ++t) {
     Eigen::Index best = 0;
     const float max = logits.row(t).maxCoeff(&best);
-    const float next = logits(t, sequence[static_cast<std::size_t>(t) + 1]);
+    const std::int32_t token = sequence[static_cast<std::size_t>(t) + 1];
     const std::span<const float> row(logits.row(t).data(), static_cast<std::size_t>(logits.cols()));
-    choices.push_back({static_cast<std::int32_t>(best), max - next, top_tokens(row)});
+    choices.push_back({static_cast<std::int32_t>(best), max - logits(t, token), top_tokens(row),
+                       generated_logprobs(row, token, kMaxLogprobs)});
   }
   return choices;
 }

@@ -13,6 +13,7 @@
 
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/engine/sampling.hpp"
 #include "kvlab/experiment/logit_agreement.hpp"
 #include "kvlab/experiment/model_source.hpp"
 
@@ -34,11 +35,12 @@ cpu::RowMatrix reference_logits(const cpu::ReferenceModel& reference,
 
 // What the reference makes of the token that follows position t of `sequence`: its argmax, the
 // gap between its largest logit and the logit of sequence[t + 1] (0 when that token is the
-// argmax), and its five most likely tokens.
+// argmax), its five most likely tokens, and log-probabilities (kvlab check of workload.logprobs).
 struct ReferenceChoice {
   std::int32_t argmax = 0;
   float gap = 0;
   TopTokens top{};
+  GeneratedLogprobs logprobs;  // sequence[t + 1]'s log-probability and the top kMaxLogprobs
 };
 // For positions first <= t < size - 1 of `sequence`, from its reference_logits.
 std::vector<ReferenceChoice> choices_from_logits(const cpu::RowMatrix& logits,

@@ -75,6 +75,7 @@ RunRecord sample_record() {
   r.off_argmax = 3;
   r.max_gap = 0.0625;
   r.logits = {12, 1.0 / 7.0, 0.75, 40, 183};
+  r.logprobs = {33, 165, 1.0 / 3e5};
   r.wall_s = 0.25;
   r.engine_wall_s = 0.125;
   r.forward_wall_s = 0.0625;
@@ -102,6 +103,9 @@ TEST(RunRecord, RoundTripsExactlyFilesAndDoubles) {
   EXPECT_EQ(back.logits.sum_row_max_delta, r.logits.sum_row_max_delta);
   EXPECT_EQ(back.logits.top_positions, r.logits.top_positions);
   EXPECT_EQ(back.logits.top_shared, r.logits.top_shared);
+  EXPECT_EQ(back.logprobs.tokens, r.logprobs.tokens);
+  EXPECT_EQ(back.logprobs.entries, r.logprobs.entries);
+  EXPECT_EQ(back.logprobs.max_abs_delta, r.logprobs.max_abs_delta);
   EXPECT_EQ(back.forward_wall_s, r.forward_wall_s);
   EXPECT_EQ(back.forwards, r.forwards);
   EXPECT_EQ(back.forwards_with_chosen_tokens, r.forwards_with_chosen_tokens);

@@ -68,6 +68,22 @@ TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
   EXPECT_DOUBLE_EQ(summary["kv_waste_of_held_fraction"].get<double>(), out.kv_waste_of_held);
 }
 
+// A check of requests that ask for log-probabilities holds every token's, and its top k, to the
+// reference's at the same position (within logprob_tolerance: 1e-3 here, exact settings).
+TEST(ExperimentLibrary, CheckComparesLogprobsWhenTheRequestsAskForThem) {
+  const auto runs = load_experiment(kQuickstart, small({"workload.logprobs=3"}));
+  std::vector<std::string> mismatches;
+  const RunOutput out = run_experiment(runs[1].config, true, &mismatches);
+  EXPECT_TRUE(mismatches.empty()) << mismatches.front();
+  ASSERT_GT(out.check.tokens, 0);
+  EXPECT_EQ(out.check.logprobs.tokens, out.check.tokens);
+  EXPECT_EQ(out.check.logprobs.entries, 3 * out.check.tokens);
+  EXPECT_LT(out.check.logprobs.max_abs_delta, logprob_tolerance(0));
+  const RunOutput without =
+      run_experiment(load_experiment(kQuickstart, small())[1].config, true, &mismatches);
+  EXPECT_EQ(without.check.logprobs.tokens, 0);  // nobody asked
+}
+
 // workload.logprobs = k: logprobs.jsonl holds, per request, each generated token's
 // log-probability and its position's k most likely tokens; out of range, or on the simulated
 // backend (no logits), the file is refused by name.

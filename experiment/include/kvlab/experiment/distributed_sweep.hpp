@@ -12,6 +12,7 @@
 
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/logit_agreement.hpp"
+#include "kvlab/experiment/logprob_agreement.hpp"
 
 namespace kvlab {
 
@@ -36,7 +37,8 @@ struct RunRecord {
   std::vector<std::string> mismatches;  // kvlab check
   std::int64_t checked_tokens = 0, off_argmax = 0;  // kvlab check (RunOutput::Check)
   double max_gap = 0;
-  LogitAgreement logits;  // kvlab check --tolerance
+  LogitAgreement logits;      // kvlab check --tolerance
+  LogprobAgreement logprobs;  // kvlab check of workload.logprobs
   double wall_s = 0, engine_wall_s = 0, forward_wall_s = 0;
   std::int64_t forwards = 0, forwards_with_chosen_tokens = 0;  // RunOutput's
   std::int64_t graph_replays = 0, graph_captures = 0;          // RunOutput's

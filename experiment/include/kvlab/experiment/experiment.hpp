@@ -14,6 +14,7 @@
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/experiment/logit_agreement.hpp"
+#include "kvlab/experiment/logprob_agreement.hpp"
 #include "kvlab/plugin_params.hpp"
 
 namespace kvlab {
@@ -138,11 +139,13 @@ struct RunOutput {
   std::vector<Replica> replicas;
   // kvlab check: generated tokens compared with the reference, how many were not its argmax
   // (passed within check_tolerance), and the largest logit gap among them; with a tolerance,
-  // how close the engine's logits were to the reference's.
+  // how close the engine's logits were to the reference's; for requests that asked for them,
+  // how close its log-probabilities were.
   struct Check {
     std::int64_t tokens = 0, off_argmax = 0;
     double max_gap = 0;
     LogitAgreement logits;
+    LogprobAgreement logprobs;
   };
   Check check;
 };
