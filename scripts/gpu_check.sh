@@ -26,11 +26,7 @@
 #        scripts/gpu_check.sh --targets    (prints the build targets the checks need)
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
-targets=(kvlab kvlab_cuda_tests kvlab_bench_cuda kvlab_plugin_backend_cuda
-         kvlab_plugin_allocator_static kvlab_plugin_allocator_dynamic kvlab_plugin_allocator_paged
-         kvlab_plugin_attention_mha kvlab_plugin_attention_gqa kvlab_plugin_attention_mqa
-         kvlab_plugin_attention_sliding_window kvlab_plugin_attention_recompute
-         kvlab_plugin_scheduler_fcfs kvlab_plugin_scheduler_static)
+targets=(kvlab_gpu_check_suite)  # CMakeLists.txt: the programs, tests and plugins run below
 if [ "${1:-}" = --targets ]; then echo "${targets[@]}"; exit 0; fi
 prebuilt=0
 if [ "${1:-}" = --prebuilt ]; then prebuilt=1; elif [ $# -gt 0 ]; then
