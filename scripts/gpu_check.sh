@@ -163,18 +163,25 @@ for run in json.loads((folder / "runs.json").read_text()):
               f"{100 * e['mean']:.1f}% over {e['count']} steps")
 PY
 )
-  if stage "simulated replay" 60 e2e_simulated.log "$kvlab" run experiments/cuda_fcfs_vs_static.toml \
-       --force --out "$build/cuda_fcfs_vs_static_simulated" --set 'backend.name="simulated"' \
-       --set 'backend.params={}' --set 'experiment.clock="virtual"' \
-       --set "backend.profile=\"$profile\"" &&
-     python3 experiments/compare_calibration.py "$e2e_out" "$build/cuda_fcfs_vs_static_simulated" \
-       > "$build/e2e_prediction.log" 2>&1; then
-    keep e2e_prediction.log
-    note "simulated backend with $(basename "$profile") vs the measured runs:"
-    while IFS= read -r line; do note "  $line"; done < <(grep -E '^\| scheduler|predictions' "$build/e2e_prediction.log")
-  else
-    note "simulated replay of the end-to-end run FAILED"; tail -3 "$build/e2e_simulated.log"
-  fi
+  # The simulator's prediction of the same runs: with the fitted profile, and with the
+  # datasheet's (what calibrating bought).
+  replays=("$profile")
+  [ "$profile" != h200 ] && replays+=(h200)
+  for replay in "${replays[@]}"; do
+    name=$(basename "$replay" .toml)
+    if stage "simulated replay ($name)" 60 "e2e_simulated_$name.log" "$kvlab" run \
+         experiments/cuda_fcfs_vs_static.toml --force --out "$build/e2e_simulated_$name" \
+         --set 'backend.name="simulated"' --set 'backend.params={}' \
+         --set 'experiment.clock="virtual"' --set "backend.profile=\"$replay\"" &&
+       python3 experiments/compare_calibration.py "$e2e_out" "$build/e2e_simulated_$name" \
+         > "$build/e2e_prediction_$name.log" 2>&1; then
+      keep "e2e_prediction_$name.log"
+      note "simulated backend with profile $name vs the measured runs:"
+      while IFS= read -r line; do note "  $line"; done < <(grep -E '^\| scheduler|predictions' "$build/e2e_prediction_$name.log")
+    else
+      note "simulated replay ($name) of the end-to-end run FAILED"; tail -3 "$build/e2e_simulated_$name.log"
+    fi
+  done
   # The same requests' lengths through generate() (a static batch of 256, as the experiment's
   # max_batch; its first 256 requests, to keep the check within its budget).
   if stage "hf generate baseline" 120 hf_baseline.log python3 scripts/hf_generate_baseline.py \

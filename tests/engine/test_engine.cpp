@@ -526,6 +526,87 @@ TEST(Engine, PaddedStaticBatchHoldsFinishedRowsUntilTheBatchEnds) {
   EXPECT_EQ(a.steps.back().padding_slots, 0);
 }
 
+// Counts what each forward received (entries, and each entry's tokens and start position).
+class RecordingBackend final : public Backend {
+ public:
+  explicit RecordingBackend(cpu::CpuBackend& inner) : inner_(inner) {}
+  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+    auto& forward = forwards.emplace_back();
+    for (const BatchEntry& e : batch)
+      forward.push_back({e.start_position, static_cast<std::int64_t>(e.tokens.size())});
+    return inner_.forward(batch);
+  }
+  std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> forwards;  // (start, tokens)
+
+ private:
+  cpu::CpuBackend& inner_;
+};
+
+// A padded static batch of 4 on the tiny model's CPU backend, every forward recorded.
+struct PaddedStaticRun {
+  PaddedStaticRun(EngineClock clock, const std::vector<WorkloadRequest>& requests)
+      : pool({weights().config.num_hidden_layers, weights().config.num_key_value_heads,
+              weights().config.head_dim, 512}),
+        inner(weights(), pool, std::nullopt),
+        recorder(inner) {
+    const ModelConfig& c = weights().config;
+    PluginContext context;
+    context.pool = &pool;
+    context.model = &c;
+    context.max_seq_len = 64;
+    auto allocator = test::plugin_registry().create<PluginKind::kv_allocator>(
+        "paged", {{"block_size", std::int64_t{4}}}, context);
+    auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(
+        "static", {{"max_batch", std::int64_t{4}}, {"padding", true}}, context);
+    const CostModel cost(c, load_hardware_profile("cpu"));
+    EngineOptions options;
+    options.clock = clock;
+    options.cost_model = &cost;
+    options.rules.context = 64;
+    options.pool = &pool;
+    result = Engine(recorder, *allocator, *scheduler, options).run(requests);
+  }
+  KvPool pool;
+  cpu::CpuBackend inner;
+  RecordingBackend recorder;
+  EngineResult result;
+};
+
+// On a clock that times the backend (measured), a padded static batch's finished rows are
+// computed too, as the cost model prices them on every clock: each step's forward gets the batch
+// and then one 1-token row per padding request, re-decoding its last cached token. The requests'
+// own tokens are those of a virtual-clock run, where the backend gets the batch alone.
+TEST(Engine, MeasuredClockComputesThePaddingRows) {
+  std::vector<WorkloadRequest> requests = small_workload(5, 12);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    requests[i].arrival_s = 0;
+    requests[i].output_tokens = requests[i].sampling.max_tokens = i % 3 == 0 ? 20 : 2;
+    requests[i].sampling.ignore_eos = true;
+  }
+  PaddedStaticRun measured_run(EngineClock::measured, requests);
+  PaddedStaticRun priced_run(EngineClock::virtual_clock, requests);
+  const EngineResult &measured = measured_run.result, &priced = priced_run.result;
+  const RecordingBackend *measured_backend = &measured_run.recorder,
+                         *virtual_backend = &priced_run.recorder;
+  EXPECT_EQ(measured.tokens, priced.tokens);
+  ASSERT_EQ(measured_backend->forwards.size(), measured.steps.size());
+  std::int64_t padding_rows = 0;
+  for (std::size_t i = 0; i < measured.steps.size(); ++i) {
+    const StepRecord& step = measured.steps[i];
+    const auto& forward = measured_backend->forwards[i];
+    ASSERT_EQ(static_cast<std::int64_t>(forward.size()), step.batch + step.padding) << i;
+    for (auto e = static_cast<std::size_t>(step.batch); e < forward.size(); ++e)
+      EXPECT_EQ(forward[e].second, 1) << "step " << i << ": a padding row decodes one token";
+    padding_rows += step.padding;
+  }
+  EXPECT_GT(padding_rows, 0);
+  for (std::size_t i = 0; i < priced.steps.size(); ++i)
+    EXPECT_EQ(static_cast<std::int64_t>(virtual_backend->forwards[i].size()),
+              priced.steps[i].batch);
+  EXPECT_EQ(measured.steps.back().kv.used, 0);
+}
+
 // Padding holds KV, so a padded static batch in a tight pool preempts; when preemption empties
 // the batch, its padding is freed and the batch forms again: nothing is rejected (it once was:
 // "not admitted even with nothing running" while padding still held the pool).

@@ -216,10 +216,11 @@ void Engine::idle_step() {
   ++step_;
 }
 
-// The forward over the applied batch; the clock prices the step.
+// The forward over the applied batch (and a static batch's padding rows, on a measured clock);
+// the clock prices the step.
 std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord& record) {
   std::vector<BatchEntry> batch;
-  batch.reserve(applied.batch.size());
+  batch.reserve(applied.batch.size() + padding_ids_.size());
   for (const ScheduledWork& work : applied.batch) {
     const RequestState& r = table_->at(work.id);
     BatchEntry entry;
@@ -229,27 +230,54 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
     entry.view = allocator_.view(work.id);
     batch.push_back(std::move(entry));
   }
-  draw_token_choices(applied);
+  if (computes_padding())
+    for (const RequestId id : padding_ids_) batch.push_back(padding_entry(id));
+  forwarded_entries_ = batch.size();
+  draw_token_choices(applied, batch.size());
   const auto start = SteadyClock::now();
   const std::span<const float> logits = backend_.forward(batch);
   const auto end = SteadyClock::now();
   record.step = step_;
   record.start_s = clock_->now();
-  record.batch = static_cast<std::int64_t>(batch.size());
+  record.batch = static_cast<std::int64_t>(applied.batch.size());
   record.prefill_tokens = applied.prefill_tokens;
   record.decode_tokens = applied.decode_tokens;
   record.measured_forward_s = seconds_between(start, end);
   record.measured_step_s = seconds_between(step_start_, end);
-  record.duration_s = clock_->advance(price_step(applied, batch, record));
+  record.duration_s =
+      clock_->advance(price_step(applied, std::span(batch).first(applied.batch.size()), record));
   return logits;
 }
 
+// A static batch's finished rows cost a padded batch (Hugging Face generate()) a row of every
+// step until the batch ends. The cost model prices them on every clock; on a clock that times
+// the backend (measured, wall) the backend must also compute them, or static batching would be
+// timed without the padding the simulator charges it.
+bool Engine::computes_padding() const {
+  return options_.clock == EngineClock::measured || options_.clock == EngineClock::wall;
+}
+
+// A padding row for the backend: the request's last cached token decoded again at its position
+// (reading its whole context, every layer and the LM head, as a pad token does); its K/V slot
+// is rewritten with what it holds, and its logits are discarded. The context does not grow, as
+// a pad token's would (the cost model's padding rows: at most the batch's longest output more).
+BatchEntry Engine::padding_entry(RequestId id) const {
+  const RequestState& r = table_->at(id);
+  BatchEntry entry;
+  entry.start_position = r.computed - 1;
+  entry.tokens =
+      std::span<const std::int32_t>(r.tokens).subspan(static_cast<std::size_t>(r.computed - 1), 1);
+  entry.view = allocator_.view(id);
+  return entry;
+}
+
 // Each sampling entry's choice for this step, its draw taken from the request's RNG now (one per
-// non-greedy token, as Sampler::sample draws). Offered to the backend (Backend::choose_tokens)
-// when nobody reads the logits, so that only token ids cross to the host; when it declines, the
-// host picks with the same draws, and the backend is not asked again.
-void Engine::draw_token_choices(const AppliedPlan& applied) {
-  choices_.assign(applied.batch.size(), TokenChoice{});
+// non-greedy token, as Sampler::sample draws); the `entries` forwarded beyond the batch (padding)
+// are greedy and discarded. Offered to the backend (Backend::choose_tokens) when nobody reads the
+// logits, so that only token ids cross to the host; when it declines, the host picks with the
+// same draws, and the backend is not asked again.
+void Engine::draw_token_choices(const AppliedPlan& applied, std::size_t entries) {
+  choices_.assign(entries, TokenChoice{});
   for (std::size_t e = 0; e < applied.batch.size(); ++e) {
     if (!applied.batch[e].samples) continue;
     Sampler& sampler = table_->sampler(applied.batch[e].id);
@@ -306,14 +334,15 @@ bool Engine::release_padding_after_batch() {
 // The next token of every entry that ends its sequence (the backend's choice when it makes one).
 std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
                                          std::span<const float> logits) {
-  const std::size_t entries = applied.batch.size();
+  const std::size_t entries = applied.batch.size();  // the padding rows after them: discarded
   const auto vocab = static_cast<std::size_t>(backend_.vocab_size());
   const std::span<const std::int32_t> chosen = backend_.chosen_tokens();
-  if (chosen.empty() ? logits.size() != entries * vocab : chosen.size() != entries)
+  if (chosen.empty() ? logits.size() != forwarded_entries_ * vocab
+                     : chosen.size() != forwarded_entries_)
     throw Error(fmt::format(
         "backend returned {} logits and {} tokens for a batch of {} (vocab {}): it must return "
         "one row of logits or one chosen token per entry",
-        logits.size(), chosen.size(), entries, vocab));
+        logits.size(), chosen.size(), forwarded_entries_, vocab));
   std::vector<std::int32_t> sampled(entries, -1);
   for (std::size_t e = 0; e < entries; ++e) {
     const ScheduledWork& work = applied.batch[e];

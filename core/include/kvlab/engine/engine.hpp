@@ -105,7 +105,9 @@ class Engine {
   std::string never_fits(const RequestState& r) const;
   void idle_step();
   std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
-  void draw_token_choices(const AppliedPlan& applied);
+  bool computes_padding() const;
+  BatchEntry padding_entry(RequestId id) const;
+  void draw_token_choices(const AppliedPlan& applied, std::size_t entries);
   std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
   GeneratedLogprobs device_logprobs(const ScheduledWork& work, std::size_t entry,
                                     std::int32_t token) const;
@@ -136,6 +138,7 @@ class Engine {
   // still be asked to pick tokens itself (false once it has declined).
   std::vector<TokenChoice> choices_;
   bool device_choice_possible_ = true;
+  std::size_t forwarded_entries_ = 0;  // this step's forward: the batch, then padding rows
 };
 
 }  // namespace kvlab
