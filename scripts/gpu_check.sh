@@ -155,12 +155,19 @@ if stage "end to end" 180 e2e.log "$kvlab" run experiments/cuda_fcfs_vs_static.t
   while IFS= read -r line; do note "  $line"; done < <(python3 - "$e2e_out" <<'PY'
 import json, pathlib, sys
 folder = pathlib.Path(sys.argv[1])
+by_scheduler = {}
 for run in json.loads((folder / "runs.json").read_text()):
     s = json.loads((folder / run["dir"] / "summary.json").read_text())
+    by_scheduler[s["scheduler"]] = s
     if "step_time_ratio" in s:
         r, e = s["step_time_ratio"], s["step_prediction_error"]
         print(f"[{run['label']}] measured step / profile's price: p50 {r['p50']:.2f}, mean |error| "
               f"{100 * e['mean']:.1f}% over {e['count']} steps")
+if "fcfs" in by_scheduler and "static" in by_scheduler:  # issue 15's target
+    f, st = by_scheduler["fcfs"], by_scheduler["static"]
+    print(f"fcfs / static output tok/s = {f['output_tokens_per_s'] / st['output_tokens_per_s']:.2f}"
+          f" (aim >= 1.2); TTFT p50 fcfs {f['ttft_s']['p50']:.3f} s vs static "
+          f"{st['ttft_s']['p50']:.3f} s (aim lower)")
 PY
 )
   # The simulator's prediction of the same runs: with the fitted profile, and with the
