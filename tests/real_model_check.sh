@@ -2,7 +2,8 @@
 # kvlab check on SmolLM2 (experiments/real_model_check.toml) over a pairwise cover of
 # allocator x attention variant x scheduler: 20 points (variant v x scheduler s, allocator
 # (v + s) mod 3) hold every allocator-variant, allocator-scheduler and variant-scheduler pair;
-# the file's own full 3 x 5 x 4 sweep (60 points, ~3 min on 2 cores) is the by-hand run.
+# the file's own full 3 x 5 x 4 sweep (60 points, ~70 s on 2 cores) is the by-hand run. The
+# file's requests ask for 5 logprobs: each token's are held to the reference's too.
 # Exit 77 (ctest: skipped) when the model could not be fetched.
 # Usage: tests/real_model_check.sh KVLAB_BINARY
 set -eu
