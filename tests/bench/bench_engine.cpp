@@ -13,6 +13,9 @@
 #include <benchmark/benchmark.h>
 
 #include <chrono>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/engine.hpp"
@@ -119,27 +122,36 @@ BENCHMARK_CAPTURE(BM_PlanApply, priority, std::string("priority"))
     ->Unit(benchmark::kMicrosecond)
     ->Iterations(4000);
 
-// range(0): output tokens per request; range(1): the vocabulary; range(2): 1 when the backend
-// picks the tokens (Backend::choose_tokens), 0 when the engine samples its logits on the host.
-// us/step counts the engine's time outside Backend::forward.
-void BM_EngineStep(benchmark::State& state) {
-  const std::int64_t output_tokens = state.range(0), vocab = state.range(1);
-  const bool device_choice = state.range(2) != 0;
-  const auto workload = requests(output_tokens);
+// How one engine run of a benchmark is set up.
+struct EngineRunSetup {
+  std::int64_t slots = 0, context = 4096;
+  std::map<std::string, ParamValue, std::less<>> allocator_params;  // of "paged"
+  std::string scheduler = "fcfs";
+  std::map<std::string, ParamValue, std::less<>> scheduler_params;
+  std::int64_t vocab = kVocab;
+  bool device_choice = false;
+};
+
+// Whole runs of `workload` through Engine::run, one per iteration: us/step is the engine's time
+// outside Backend::forward per step, steps the steps of one run.
+void time_engine_runs(benchmark::State& state, const std::vector<WorkloadRequest>& workload,
+                      const EngineRunSetup& setup) {
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   std::int64_t steps = 0;
   double seconds = 0;
   for (auto _ : state) {
-    KvPool pool({1, 1, 1, kRunning * (512 + output_tokens + 16)});
+    KvPool pool({1, 1, 1, setup.slots});
     PluginContext context;
     context.pool = &pool;
-    context.max_seq_len = 4096;
-    auto allocator = registry.create<PluginKind::kv_allocator>("paged", {}, context);
-    auto scheduler = registry.create<PluginKind::scheduler>("fcfs", {}, context);
-    FixedLogitsBackend backend(vocab, device_choice);
+    context.max_seq_len = setup.context;
+    auto allocator =
+        registry.create<PluginKind::kv_allocator>("paged", setup.allocator_params, context);
+    auto scheduler =
+        registry.create<PluginKind::scheduler>(setup.scheduler, setup.scheduler_params, context);
+    FixedLogitsBackend backend(setup.vocab, setup.device_choice);
     EngineOptions options;
     options.clock = EngineClock::steps;  // the engine's own cost, no pricing
-    options.rules.context = 4096;
+    options.rules.context = setup.context;
     Engine engine(backend, *allocator, *scheduler, options);
     const auto start = std::chrono::steady_clock::now();
     const EngineResult result = engine.run(workload);
@@ -150,6 +162,17 @@ void BM_EngineStep(benchmark::State& state) {
   }
   state.counters["us/step"] = 1e6 * seconds / static_cast<double>(steps);
   state.counters["steps"] = static_cast<double>(steps) / static_cast<double>(state.iterations());
+}
+
+// range(0): output tokens per request; range(1): the vocabulary; range(2): 1 when the backend
+// picks the tokens (Backend::choose_tokens), 0 when the engine samples its logits on the host.
+void BM_EngineStep(benchmark::State& state) {
+  const std::int64_t output_tokens = state.range(0);
+  EngineRunSetup setup;
+  setup.slots = kRunning * (512 + output_tokens + 16);
+  setup.vocab = state.range(1);
+  setup.device_choice = state.range(2) != 0;
+  time_engine_runs(state, requests(output_tokens), setup);
 }
 BENCHMARK(BM_EngineStep)
     ->Args({16, kVocab, 0})
@@ -170,33 +193,15 @@ void BM_EngineStepGpuWorkload(benchmark::State& state, const std::string& schedu
   spec.arrival = {ArrivalKind::all_at_once};
   spec.prompt_tokens = {.kind = LengthKind::uniform, .min = 64, .max = 512};
   spec.output_tokens = {.kind = LengthKind::uniform, .min = 32, .max = 256};
-  const auto workload = generate_workload(spec);
-  const PluginRegistry registry({KVLAB_PLUGIN_DIR});
-  std::int64_t steps = 0;
-  double seconds = 0;
-  for (auto _ : state) {
-    KvPool pool({1, 1, 1, 262144});
-    PluginContext context;
-    context.pool = &pool;
-    context.max_seq_len = 2048;
-    auto allocator = registry.create<PluginKind::kv_allocator>(
-        "paged", {{"block_size", std::int64_t{16}}}, context);
-    auto scheduler = registry.create<PluginKind::scheduler>(
-        scheduler_name, {{"max_batch", std::int64_t{256}}}, context);
-    FixedLogitsBackend backend(32000, true);
-    EngineOptions options;
-    options.clock = EngineClock::steps;
-    options.rules.context = 2048;
-    Engine engine(backend, *allocator, *scheduler, options);
-    const auto start = std::chrono::steady_clock::now();
-    const EngineResult result = engine.run(workload);
-    seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() -
-               backend.forward_s;
-    steps += static_cast<std::int64_t>(result.steps.size());
-    benchmark::DoNotOptimize(result);
-  }
-  state.counters["us/step"] = 1e6 * seconds / static_cast<double>(steps);
-  state.counters["steps"] = static_cast<double>(steps) / static_cast<double>(state.iterations());
+  EngineRunSetup setup;
+  setup.slots = 262144;  // the experiment's pool
+  setup.context = 2048;
+  setup.allocator_params = {{"block_size", std::int64_t{16}}};
+  setup.scheduler = scheduler_name;
+  setup.scheduler_params = {{"max_batch", std::int64_t{256}}};
+  setup.vocab = 32000;
+  setup.device_choice = true;
+  time_engine_runs(state, generate_workload(spec), setup);
 }
 BENCHMARK_CAPTURE(BM_EngineStepGpuWorkload, fcfs, std::string("fcfs"))
     ->Unit(benchmark::kMillisecond)

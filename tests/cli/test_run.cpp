@@ -449,6 +449,21 @@ TEST(KvlabSimulated, BackendAndProfileErrorsAreClear) {
   EXPECT_NE(r.err.find("llama-65b does not fit on a100-80gb"), std::string::npos) << r.err;
 }
 
+// kvlab calibrate's "roofline: SHAPE took T ms = Rx its roofline (L ms ..." line for `shape`:
+// the ratio printed is the time printed over the roofline printed (each rounded to 3 digits).
+void expect_roofline_line(const std::string& out, const std::string& shape) {
+  const std::string start = "roofline: " + shape + " took ";
+  const auto line = out.find(start);
+  ASSERT_NE(line, std::string::npos) << out;
+  double took_ms = 0, ratio = 0, roofline_ms = 0;
+  ASSERT_EQ(std::sscanf(out.c_str() + line + start.size(), "%lf ms = %lfx its roofline (%lf ms",
+                        &took_ms, &ratio, &roofline_ms),
+            3)
+      << out;
+  ASSERT_GT(roofline_ms, 0);
+  EXPECT_NEAR(ratio, took_ms / roofline_ms, 0.01 * ratio + 0.01) << out;
+}
+
 TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   test::TempDir dir;
   const auto profile = (dir / "new_folder" / "cpu.toml").string();  // --out creates the folder
@@ -458,18 +473,7 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
   EXPECT_NE(r.out.find("grid shapes mean |error|"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("decode 8 x ctx 128"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("x roofline"), std::string::npos) << r.out;
-  // The largest decode batch of the CPU grid against its roofline on the measured peaks: the
-  // ratio printed is the time printed over the roofline printed (rounded to 3 digits).
-  const auto line = r.out.find("roofline: decode 32 x ctx 128 took ");
-  ASSERT_NE(line, std::string::npos) << r.out;
-  double took_ms = 0, ratio = 0, roofline_ms = 0;
-  ASSERT_EQ(std::sscanf(r.out.c_str() + line,
-                        "roofline: decode 32 x ctx 128 took %lf ms = %lfx its roofline (%lf ms",
-                        &took_ms, &ratio, &roofline_ms),
-            3)
-      << r.out;
-  ASSERT_GT(roofline_ms, 0);
-  EXPECT_NEAR(ratio, took_ms / roofline_ms, 0.01 * ratio + 0.01) << r.out;
+  expect_roofline_line(r.out, "decode 32 x ctx 128");  // the CPU grid's largest decode batch
   // The [link] from the engine's own swap copy, out and in, by size.
   EXPECT_NE(r.out.find("out 1 tokens"), std::string::npos) << r.out;
   EXPECT_NE(r.out.find("in 64 tokens"), std::string::npos) << r.out;
