@@ -78,7 +78,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   const ModelConfig& c = weights_.config;
   std::vector<std::int64_t> first_rows;  // batch row of each entry's first token
   std::vector<std::int32_t> positions;   // of each batch row
-  std::vector<std::int64_t> slots;       // each batch row's K/V slot
+  std::vector<std::int64_t> slots;       // each batch row's K/V slot; -1: not written
   std::int64_t rows = 0;
   for (const auto& e : batch) {
     first_rows.push_back(rows);
@@ -87,7 +87,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
       if (position >= c.max_position_embeddings)
         throw Error(fmt::format("position {} is beyond the context of {}", position, c.name));
       positions.push_back(static_cast<std::int32_t>(position));
-      slots.push_back(e.view.slot_of(position));
+      slots.push_back(e.writes_kv ? e.view.slot_of(position) : -1);
     }
     rows += static_cast<std::int64_t>(e.tokens.size());
   }
@@ -118,6 +118,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
       const auto row = static_cast<std::size_t>(t);
       rope_.apply_row(values, positions[row], c.num_attention_heads);
       rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
+      if (slots[row] < 0) continue;
       pool_.write_row(l, slots[row], false, values + q_dim);
       pool_.write_row(l, slots[row], true, values + q_dim + kv_dim);
     }

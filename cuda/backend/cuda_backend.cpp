@@ -121,7 +121,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       check(lt_.init(cublas_workspace_.get(), cublas_workspace_.bytes()), "cublasLtCreate");
     upload_model(w);
 
-    // One slot beyond the allocator's: where the padding rows of a graphed step write K/V.
+    // One slot beyond the allocator's: where the padding rows of a graphed step, and entries that
+    // do not write K/V (BatchEntry::writes_kv), write theirs.
     spare_slot_ = shape.slots;
     layer_elements_ = (shape.slots + 1) * c.kv_dim();
     const std::size_t pool_bytes =
@@ -250,7 +251,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     bool choosing = false;  // the device picks the tokens (choose_tokens)
   };
 
-  // One entry's new tokens, their positions and the slots their K/V go to (walking its extents).
+  // One entry's new tokens, their positions and the slots their K/V go to (walking its extents;
+  // the spare slot for an entry that does not write K/V).
   void stage_new_tokens(const kvlab::BatchEntry& e) {
     std::int64_t position = e.view.first_position;
     std::size_t j = 0;
@@ -260,7 +262,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
         if (p >= position + extent.length) break;
         tokens_.push_back(e.tokens[j]);
         positions_.push_back(static_cast<std::int32_t>(p));
-        new_slots_.push_back(extent.start_slot + (p - position));
+        new_slots_.push_back(e.writes_kv ? extent.start_slot + (p - position) : spare_slot_);
       }
       position += extent.length;
     }

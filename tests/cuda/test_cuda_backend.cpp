@@ -5,6 +5,7 @@
 // in bf16, within 0.25 (about 2% of the logit range). Skips without a GPU.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "cpu_reference/test_models.hpp"
@@ -305,6 +306,22 @@ TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
   }
 }
 
+std::vector<std::int32_t> prompt_13() {
+  std::vector<std::int32_t> prompt(13);
+  for (std::size_t i = 0; i < prompt.size(); ++i)
+    prompt[i] = static_cast<std::int32_t>((i * 29 + 3) % checkpoint().config.vocab_size);
+  return prompt;
+}
+
+// One sequence's prompt forwarded with its K/V in slots [0, size); the batch, for the next step.
+std::vector<BatchEntry> prefill(Backend& backend, std::span<const std::int32_t> prompt) {
+  std::vector<BatchEntry> batch(1);
+  batch[0].tokens = prompt;
+  batch[0].view.extents = {{0, static_cast<std::int64_t>(prompt.size())}};
+  (void)backend.forward(batch);
+  return batch;
+}
+
 // The device pool's side of swaps and allocator copies, directly: K/V written by a prompt,
 // downloaded, uploaded into other slots (a swap) or copied there (a dynamic move), must read
 // back bit for bit and give the decode step the same logits as the original slots.
@@ -315,13 +332,8 @@ TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
     KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 128}, KvStorage::none);
     auto gpu = create_cuda_backend(pool, dtype);
     ASSERT_NE(pool.device(), nullptr) << "the backend attaches its device pool";
-    std::vector<std::int32_t> prompt(13), next{5};
-    for (std::size_t i = 0; i < prompt.size(); ++i)
-      prompt[i] = static_cast<std::int32_t>((i * 29 + 3) % c.vocab_size);
-    std::vector<BatchEntry> batch(1);
-    batch[0].tokens = prompt;
-    batch[0].view.extents = {{0, 13}};
-    (void)gpu->forward(batch);  // K/V of 13 positions in slots [0, 13)
+    const std::vector<std::int32_t> prompt = prompt_13(), next{5};
+    std::vector<BatchEntry> batch = prefill(*gpu, prompt);
 
     // Decode the next token reading the 13 positions from `first_slot` on.
     const auto decode_from = [&](std::int64_t first_slot) {
@@ -349,6 +361,36 @@ TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
     pool.device()->copy_slots(0, 80, 13);
     const auto after_copy = test::compare(decode_from(80), reference);
     EXPECT_EQ(after_copy.max_abs, 0.0) << dtype << ": copied slots";
+  }
+}
+
+// An entry that re-decodes a cached position without writing K/V (BatchEntry::writes_kv: a
+// static batch's padding rows) leaves the device slot bit for bit as it was; the same entry that
+// writes changes it (another token's K/V), so the check can fail.
+TEST(CudaBackend, EntriesThatDoNotWriteKvLeaveTheirSlots) {
+  KVLAB_REQUIRE_CUDA();
+  const ModelConfig& c = checkpoint().config;
+  for (const char* dtype : {"f32", "bf16"}) {
+    KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 32}, KvStorage::none);
+    auto gpu = create_cuda_backend(pool, dtype);
+    const std::vector<std::int32_t> prompt = prompt_13(), other{100};
+    std::vector<BatchEntry> batch = prefill(*gpu, prompt);
+    const auto floats = static_cast<std::size_t>(c.num_hidden_layers * 2 * c.kv_dim());
+    const auto slot_12 = [&] {
+      std::vector<float> kv(floats);
+      pool.device()->download({12}, kv.data());
+      return kv;
+    };
+    const std::vector<float> cached = slot_12();
+
+    batch[0].tokens = other;  // position 12 again, another token than the one cached there
+    batch[0].start_position = 12;
+    batch[0].writes_kv = false;
+    for (const float logit : gpu->forward(batch)) ASSERT_TRUE(std::isfinite(logit)) << dtype;
+    EXPECT_EQ(slot_12(), cached) << dtype;
+    batch[0].writes_kv = true;
+    (void)gpu->forward(batch);
+    EXPECT_NE(slot_12(), cached) << dtype << ": a writing entry stores its token's K/V";
   }
 }
 

@@ -526,18 +526,24 @@ TEST(Engine, PaddedStaticBatchHoldsFinishedRowsUntilTheBatchEnds) {
   EXPECT_EQ(a.steps.back().padding_slots, 0);
 }
 
-// Counts what each forward received (entries, and each entry's tokens and start position).
+// Counts what each forward received (entries, and each entry's tokens, start position and
+// whether it writes K/V).
 class RecordingBackend final : public Backend {
  public:
+  struct Entry {
+    std::int64_t start = 0, tokens = 0;
+    bool writes_kv = true;
+  };
   explicit RecordingBackend(cpu::CpuBackend& inner) : inner_(inner) {}
   std::span<const float> forward(std::span<const BatchEntry> batch) override {
     auto& forward = forwards.emplace_back();
     for (const BatchEntry& e : batch)
-      forward.push_back({e.start_position, static_cast<std::int64_t>(e.tokens.size())});
+      forward.push_back(
+          {e.start_position, static_cast<std::int64_t>(e.tokens.size()), e.writes_kv});
     return inner_.forward(batch);
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
-  std::vector<std::vector<std::pair<std::int64_t, std::int64_t>>> forwards;  // (start, tokens)
+  std::vector<std::vector<Entry>> forwards;
 
  private:
   cpu::CpuBackend& inner_;
@@ -575,8 +581,9 @@ struct PaddedStaticRun {
 
 // On a clock that times the backend (measured), a padded static batch's finished rows are
 // computed too, as the cost model prices them on every clock: each step's forward gets the batch
-// and then one 1-token row per padding request, re-decoding its last cached token. The requests'
-// own tokens are those of a virtual-clock run, where the backend gets the batch alone.
+// and then one 1-token row per padding request, re-decoding its last cached token without
+// writing K/V (its slot keeps what it holds). The requests' own tokens are those of a
+// virtual-clock run, where the backend gets the batch alone.
 TEST(Engine, MeasuredClockComputesThePaddingRows) {
   std::vector<WorkloadRequest> requests = small_workload(5, 12);
   for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -596,8 +603,13 @@ TEST(Engine, MeasuredClockComputesThePaddingRows) {
     const StepRecord& step = measured.steps[i];
     const auto& forward = measured_backend->forwards[i];
     ASSERT_EQ(static_cast<std::int64_t>(forward.size()), step.batch + step.padding) << i;
-    for (auto e = static_cast<std::size_t>(step.batch); e < forward.size(); ++e)
-      EXPECT_EQ(forward[e].second, 1) << "step " << i << ": a padding row decodes one token";
+    for (std::size_t e = 0; e < forward.size(); ++e) {
+      const bool padding = e >= static_cast<std::size_t>(step.batch);
+      EXPECT_EQ(forward[e].writes_kv, !padding) << "step " << i << " entry " << e;
+      if (padding) {
+        EXPECT_EQ(forward[e].tokens, 1) << "step " << i << ": a padding row decodes one";
+      }
+    }
     padding_rows += step.padding;
   }
   EXPECT_GT(padding_rows, 0);

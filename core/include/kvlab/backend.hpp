@@ -16,6 +16,11 @@ struct BatchEntry {
   std::span<const std::int32_t> tokens;
   std::int64_t start_position = 0;
   KvView view;
+  // false: the tokens are cached at these positions already (a static batch's padding rows,
+  // re-decoding their last token): the backend computes them, attending to the cache as it is,
+  // and leaves their slots as they are (vLLM's padding slot), so a recomputation that rounds
+  // differently (another batch size, another GEMM path) never reaches the cache.
+  bool writes_kv = true;
 };
 
 // How one batch entry's next token is picked (Backend::choose_tokens): the request's

@@ -259,8 +259,9 @@ bool Engine::computes_padding() const {
 
 // A padding row for the backend: the request's last cached token decoded again at its position
 // (reading its whole context, every layer and the LM head, as a pad token does); its K/V slot
-// is rewritten with what it holds, and its logits are discarded. The context does not grow, as
-// a pad token's would (the cost model's padding rows: at most the batch's longest output more).
+// keeps what it holds (writes_kv false), and its logits are discarded. The context does not
+// grow, as a pad token's would (the cost model's padding rows: at most the batch's longest
+// output more).
 BatchEntry Engine::padding_entry(RequestId id) const {
   const RequestState& r = table_->at(id);
   BatchEntry entry;
@@ -268,6 +269,7 @@ BatchEntry Engine::padding_entry(RequestId id) const {
   entry.tokens =
       std::span<const std::int32_t>(r.tokens).subspan(static_cast<std::size_t>(r.computed - 1), 1);
   entry.view = allocator_.view(id);
+  entry.writes_kv = false;
   return entry;
 }
 
