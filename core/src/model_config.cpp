@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <numbers>
 #include <sstream>
@@ -250,38 +251,28 @@ double approximate_parameter_count(const ModelConfig& c) {
   return d(c.num_hidden_layers) * layer + 2 * d(c.vocab_size) * d(c.hidden_size);
 }
 
-// Every problem with `c`, skipping fields whose reading already failed (`already_reported`).
-std::vector<std::string> config_problems(const ModelConfig& c,
-                                         const std::vector<std::string>& already_reported) {
-  std::vector<std::string> problems;
-  auto reported = [&](const char* key) {
-    const std::string quoted = fmt::format("\"{}\"", key);
-    return std::any_of(already_reported.begin(), already_reported.end(),
-                       [&](const std::string& p) { return p.find(quoted) != std::string::npos; });
-  };
-  auto positive = [&](const char* key, std::int64_t value) {
+using Reported = std::function<bool(const char* key)>;  // the key's reading already failed
+
+// The dimensions: positive, each and their product within what 64-bit sizes hold, heads that
+// group evenly, a head_dim RoPE can rotate.
+void dimension_problems(const ModelConfig& c, const Reported& reported,
+                        std::vector<std::string>& problems) {
+  const std::pair<const char*, std::int64_t> dims[] = {
+      {"vocab_size", c.vocab_size},
+      {"hidden_size", c.hidden_size},
+      {"intermediate_size", c.intermediate_size},
+      {"num_hidden_layers", c.num_hidden_layers},
+      {"num_attention_heads", c.num_attention_heads},
+      {"num_key_value_heads", c.num_key_value_heads},
+      {"head_dim", c.head_dim},
+      {"max_position_embeddings", c.max_position_embeddings}};
+  for (auto [key, value] : dims)
     if (value <= 0 && !reported(key))
       problems.push_back(fmt::format("\"{}\" must be positive, got {}", key, value));
-  };
-  positive("vocab_size", c.vocab_size);
-  positive("hidden_size", c.hidden_size);
-  positive("intermediate_size", c.intermediate_size);
-  positive("num_hidden_layers", c.num_hidden_layers);
-  positive("num_attention_heads", c.num_attention_heads);
-  positive("num_key_value_heads", c.num_key_value_heads);
-  positive("head_dim", c.head_dim);
-  positive("max_position_embeddings", c.max_position_embeddings);
   // Every size kvlab derives from a config (parameter and FLOP counts, KV bytes per token, pool
   // offsets) is a product of these dims in 64-bit integers: bound each dim, and the total.
   constexpr std::int64_t kMaxDim = std::int64_t{1} << 31;
-  for (auto [key, value] : {std::pair{"vocab_size", c.vocab_size},
-                            {"hidden_size", c.hidden_size},
-                            {"intermediate_size", c.intermediate_size},
-                            {"num_hidden_layers", c.num_hidden_layers},
-                            {"num_attention_heads", c.num_attention_heads},
-                            {"num_key_value_heads", c.num_key_value_heads},
-                            {"head_dim", c.head_dim},
-                            {"max_position_embeddings", c.max_position_embeddings}})
+  for (auto [key, value] : dims)
     if (value > kMaxDim)
       problems.push_back(
           fmt::format("\"{}\" = {} is larger than kvlab's limit of 2^31", key, value));
@@ -298,6 +289,11 @@ std::vector<std::string> config_problems(const ModelConfig& c,
   if (c.head_dim > 0 && c.head_dim % 2 != 0)
     problems.push_back(
         fmt::format("head_dim ({}) must be even: RoPE rotates pairs of dimensions", c.head_dim));
+}
+
+// RMSNorm's epsilon, RoPE's base and its scaling.
+void norm_and_rope_problems(const ModelConfig& c, const Reported& reported,
+                            std::vector<std::string>& problems) {
   if (!(c.rms_norm_eps > 0) && !reported("rms_norm_eps"))
     problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
   if (!(c.rope_theta > 0) && !reported("rope_theta"))
@@ -317,6 +313,19 @@ std::vector<std::string> config_problems(const ModelConfig& c,
                       "positive, got {}",
                       rope.original_max_position_embeddings));
   }
+}
+
+// Every problem with `c`, skipping fields whose reading already failed (`already_reported`).
+std::vector<std::string> config_problems(const ModelConfig& c,
+                                         const std::vector<std::string>& already_reported) {
+  std::vector<std::string> problems;
+  const Reported reported = [&](const char* key) {
+    const std::string quoted = fmt::format("\"{}\"", key);
+    return std::any_of(already_reported.begin(), already_reported.end(),
+                       [&](const std::string& p) { return p.find(quoted) != std::string::npos; });
+  };
+  dimension_problems(c, reported, problems);
+  norm_and_rope_problems(c, reported, problems);
   if (c.vocab_size > 0) {
     if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
       problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})",

@@ -12,6 +12,37 @@
 namespace kvlab::cpu {
 namespace {
 
+// Position t's attention output (heads x head_dim) over positions <= t (within `window`): q, k
+// and v hold every position's roped query, key and value rows.
+std::vector<double> naive_attention(const ModelConfig& c, const std::vector<std::vector<double>>& q,
+                                    const std::vector<std::vector<double>>& k,
+                                    const std::vector<std::vector<double>>& v, std::size_t t,
+                                    std::optional<std::int64_t> window) {
+  const auto hd = static_cast<std::size_t>(c.head_dim);
+  const auto heads = static_cast<std::size_t>(c.num_attention_heads);
+  const auto kv_heads = static_cast<std::size_t>(c.num_key_value_heads);
+  std::vector<double> attention(heads * hd, 0.0);
+  for (std::size_t h = 0; h < heads; ++h) {
+    const std::size_t kvh = h / (heads / kv_heads);
+    std::vector<double> scores;
+    std::vector<std::size_t> keys;
+    for (std::size_t j = 0; j <= t; ++j) {
+      if (window && t - j >= static_cast<std::size_t>(*window)) continue;
+      double s = 0;
+      for (std::size_t i = 0; i < hd; ++i) s += q[t][h * hd + i] * k[j][kvh * hd + i];
+      scores.push_back(s / std::sqrt(static_cast<double>(hd)));
+      keys.push_back(j);
+    }
+    const double m = *std::max_element(scores.begin(), scores.end());
+    double sum = 0;
+    for (auto& s : scores) sum += s = std::exp(s - m);
+    for (std::size_t n = 0; n < keys.size(); ++n)
+      for (std::size_t i = 0; i < hd; ++i)
+        attention[h * hd + i] += scores[n] / sum * v[keys[n]][kvh * hd + i];
+  }
+  return attention;
+}
+
 // An independent forward written as plain scalar loops in double precision, straight from the
 // formulas (llama2.c style), sharing no code with the Eigen reference.
 std::vector<std::vector<double>> naive_forward(const LlamaWeights& w,
@@ -65,26 +96,7 @@ std::vector<std::vector<double>> naive_forward(const LlamaWeights& w,
       rope(k[t], kv_heads, t);
     }
     for (std::size_t t = 0; t < T; ++t) {
-      std::vector<double> attention(heads * hd, 0.0);
-      for (std::size_t h = 0; h < heads; ++h) {
-        const std::size_t kvh = h / (heads / kv_heads);
-        std::vector<double> scores;
-        std::vector<std::size_t> keys;
-        for (std::size_t j = 0; j <= t; ++j) {
-          if (window && t - j >= static_cast<std::size_t>(*window)) continue;
-          double s = 0;
-          for (std::size_t i = 0; i < hd; ++i) s += q[t][h * hd + i] * k[j][kvh * hd + i];
-          scores.push_back(s / std::sqrt(static_cast<double>(hd)));
-          keys.push_back(j);
-        }
-        const double m = *std::max_element(scores.begin(), scores.end());
-        double sum = 0;
-        for (auto& s : scores) sum += s = std::exp(s - m);
-        for (std::size_t n = 0; n < keys.size(); ++n)
-          for (std::size_t i = 0; i < hd; ++i)
-            attention[h * hd + i] += scores[n] / sum * v[keys[n]][kvh * hd + i];
-      }
-      const auto projected = matvec(layer.wo, attention);
+      const auto projected = matvec(layer.wo, naive_attention(c, q, k, v, t, window));
       for (std::size_t i = 0; i < dim; ++i) x[t][i] += projected[i];
     }
     for (std::size_t t = 0; t < T; ++t) {

@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cstring>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <sstream>
 
@@ -18,11 +19,6 @@ namespace kvlab {
 
 using nlohmann::json;
 
-namespace {
-// The reference implementation refuses headers over 100 MB; so do we.
-constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
-}  // namespace
-
 std::int64_t TensorInfo::element_count() const {
   std::int64_t n = 1;
   for (auto d : shape) n *= d;
@@ -34,6 +30,143 @@ std::string shape_to_string(std::span<const std::int64_t> shape) {
   for (std::size_t i = 0; i < shape.size(); ++i) out += (i ? ", " : "") + std::to_string(shape[i]);
   return out + "]";
 }
+
+namespace {
+// The reference implementation refuses headers over 100 MB; so do we.
+constexpr std::uint64_t kMaxHeaderBytes = 100'000'000;
+
+using Fail = std::function<Error(const std::string&)>;
+
+// The little-endian u64 that opens the file: the JSON header's length, within the file and limit.
+std::uint64_t read_header_length(std::span<const std::byte> file, const Fail& fail) {
+  const auto file_size = static_cast<std::uint64_t>(file.size());
+  if (file_size < 8)
+    throw fail(fmt::format(
+        "truncated: {} bytes, but the file must start with an 8-byte header length", file_size));
+  std::uint64_t header_length = 0;
+  for (int i = 7; i >= 0; --i)
+    header_length = (header_length << 8) | std::to_integer<std::uint64_t>(file[i]);
+  if (header_length > file_size - 8)
+    throw fail(
+        fmt::format("header length {} runs past the end of the file ({} bytes): truncated or not a "
+                    "safetensors file",
+                    header_length, file_size));
+  if (header_length > kMaxHeaderBytes)
+    throw fail(
+        fmt::format("header length {} exceeds the {}-byte limit", header_length, kMaxHeaderBytes));
+  return header_length;
+}
+
+json parse_header(std::span<const std::byte> text, const Fail& fail) {
+  json header;
+  try {
+    const auto* begin = reinterpret_cast<const char*>(text.data());
+    header = json::parse(begin, begin + text.size());
+  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
+    throw fail(fmt::format("header is not valid JSON: {}", e.what()));
+  }
+  if (!header.is_object()) throw fail("header must be a JSON object");
+  return header;
+}
+
+void read_metadata(const json& entry, std::map<std::string, std::string>& metadata,
+                   const Fail& fail) {
+  if (!entry.is_object()) throw fail("\"__metadata__\" must be an object of strings");
+  for (const auto& [key, value] : entry.items()) {
+    if (!value.is_string())
+      throw fail(fmt::format("\"__metadata__\" value for \"{}\" must be a string", key));
+    metadata[key] = value.get<std::string>();
+  }
+}
+
+// The "shape" field: non-negative dimensions whose product a 63-bit count holds.
+std::vector<std::int64_t> read_shape(const json& entry, const Fail& tensor_fail) {
+  const auto shape_it = entry.find("shape");
+  if (shape_it == entry.end() || !shape_it->is_array())
+    throw tensor_fail("missing array field \"shape\"");
+  std::vector<std::int64_t> shape;
+  std::optional<std::uint64_t> elements = 1;  // checked: a shape from input may overflow
+  for (const auto& d : *shape_it) {
+    if (!d.is_number_unsigned())
+      throw tensor_fail(fmt::format("shape {} must hold non-negative integers", shape_it->dump()));
+    const auto dim = narrow_integer<std::int64_t>(d.get<std::uint64_t>());
+    if (dim && elements) elements = checked_mul<std::uint64_t>(*elements, *dim);
+    if (!dim || !elements || !narrow_integer<std::int64_t>(*elements))
+      throw tensor_fail(
+          fmt::format("shape {} has more elements than a 63-bit count can hold", shape_it->dump()));
+    shape.push_back(*dim);
+  }
+  return shape;
+}
+
+// The "data_offsets" field: [begin, end) inside the data section, exactly the bytes that the
+// dtype and shape need.
+void read_data_offsets(const json& entry, TensorInfo& info, std::uint64_t data_bytes,
+                       const Fail& tensor_fail) {
+  const auto offsets_it = entry.find("data_offsets");
+  if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2 ||
+      !(*offsets_it)[0].is_number_unsigned() || !(*offsets_it)[1].is_number_unsigned())
+    throw tensor_fail("\"data_offsets\" must be [begin, end] with non-negative integers");
+  info.data_begin = (*offsets_it)[0].get<std::uint64_t>();
+  info.data_end = (*offsets_it)[1].get<std::uint64_t>();
+  if (info.data_end < info.data_begin)
+    throw tensor_fail(
+        fmt::format("data_offsets [{}, {}] end before they begin", info.data_begin, info.data_end));
+  const std::string dtype = entry.at("dtype").get<std::string>();
+  const auto needed = checked_mul<std::uint64_t>(static_cast<std::uint64_t>(info.element_count()),
+                                                 dtype_size(info.dtype));
+  if (!needed)
+    throw tensor_fail(fmt::format("{} x {} needs more bytes than 64 bits can count", dtype,
+                                  shape_to_string(info.shape)));
+  if (info.data_end - info.data_begin != *needed)
+    throw tensor_fail(fmt::format("data_offsets [{}, {}] hold {} bytes but {} x {} needs {}",
+                                  info.data_begin, info.data_end, info.data_end - info.data_begin,
+                                  dtype, shape_to_string(info.shape), *needed));
+  if (info.data_end > data_bytes)
+    throw tensor_fail(
+        fmt::format("data_offsets [{}, {}] are out of bounds: the data section has {} bytes "
+                    "(truncated file?)",
+                    info.data_begin, info.data_end, data_bytes));
+}
+
+// One tensor's header entry: {"dtype": ..., "shape": [...], "data_offsets": [begin, end]}.
+TensorInfo read_tensor_entry(const std::string& name, const json& entry, std::uint64_t data_bytes,
+                             const std::string& where) {
+  const Fail tensor_fail = [&](const std::string& why) -> Error {
+    return Error(fmt::format("bad safetensors file {}: tensor \"{}\": {}", where, name, why));
+  };
+  if (!entry.is_object())
+    throw tensor_fail("entry must be an object with dtype, shape, data_offsets");
+  TensorInfo info;
+  info.name = name;
+  const auto dtype_it = entry.find("dtype");
+  if (dtype_it == entry.end() || !dtype_it->is_string())
+    throw tensor_fail("missing string field \"dtype\"");
+  const auto dtype = dtype_from_safetensors_name(dtype_it->get<std::string>());
+  if (!dtype) throw tensor_fail(fmt::format("unknown dtype \"{}\"", dtype_it->get<std::string>()));
+  info.dtype = *dtype;
+  info.shape = read_shape(entry, tensor_fail);
+  read_data_offsets(entry, info, data_bytes, tensor_fail);
+  return info;
+}
+
+// No two tensors may share bytes.
+void check_no_overlap(const std::vector<TensorInfo>& tensors, const Fail& fail) {
+  std::vector<const TensorInfo*> by_offset;
+  for (const auto& t : tensors) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const TensorInfo* a, const TensorInfo* b) { return a->data_begin < b->data_begin; });
+  const TensorInfo* furthest = nullptr;  // the tensor reaching furthest so far
+  for (const TensorInfo* current : by_offset) {
+    if (current->data_end == current->data_begin) continue;  // empty tensors own no bytes
+    if (furthest != nullptr && current->data_begin < furthest->data_end)
+      throw fail(fmt::format("tensors \"{}\" [{}, {}] and \"{}\" [{}, {}] overlap", furthest->name,
+                             furthest->data_begin, furthest->data_end, current->name,
+                             current->data_begin, current->data_end));
+    if (furthest == nullptr || current->data_end > furthest->data_end) furthest = current;
+  }
+}
+}  // namespace
 
 struct SafetensorsFile::Mapping : MappedFile {
   using MappedFile::MappedFile;
@@ -52,115 +185,18 @@ SafetensorsFile SafetensorsFile::open(const std::filesystem::path& path) {
   SafetensorsFile file;
   file.path_ = path;
   file.mapping_ = std::make_unique<Mapping>(path, "safetensors");
-  const auto file_size = static_cast<std::uint64_t>(file.mapping_->bytes().size());
-  const std::byte* base = file.mapping_->bytes().data();
-
-  if (file_size < 8)
-    throw fail(fmt::format(
-        "truncated: {} bytes, but the file must start with an 8-byte header length", file_size));
-  std::uint64_t header_length = 0;
-  for (int i = 7; i >= 0; --i)
-    header_length = (header_length << 8) | std::to_integer<std::uint64_t>(base[i]);
-  if (header_length > file_size - 8)
-    throw fail(
-        fmt::format("header length {} runs past the end of the file ({} bytes): truncated or not a "
-                    "safetensors file",
-                    header_length, file_size));
-  if (header_length > kMaxHeaderBytes)
-    throw fail(
-        fmt::format("header length {} exceeds the {}-byte limit", header_length, kMaxHeaderBytes));
-
-  json header;
-  try {
-    header = json::parse(reinterpret_cast<const char*>(base + 8),
-                         reinterpret_cast<const char*>(base + 8 + header_length));
-  } catch (const json::exception& e) {  // parse_error, or out_of_range for 1e999
-    throw fail(fmt::format("header is not valid JSON: {}", e.what()));
-  }
-  if (!header.is_object()) throw fail("header must be a JSON object");
-
-  file.data_ = std::span<const std::byte>(base + 8 + header_length, file_size - 8 - header_length);
+  const std::span<const std::byte> bytes = file.mapping_->bytes();
+  const std::uint64_t header_length = read_header_length(bytes, fail);
+  const json header = parse_header(bytes.subspan(8, header_length), fail);
+  file.data_ = bytes.subspan(8 + header_length);
   for (const auto& item : header.items()) {
-    const std::string& name = item.key();  // a plain reference: lambdas below capture it
-    const json& entry = item.value();
-    if (name == "__metadata__") {
-      if (!entry.is_object()) throw fail("\"__metadata__\" must be an object of strings");
-      for (const auto& [key, value] : entry.items()) {
-        if (!value.is_string())
-          throw fail(fmt::format("\"__metadata__\" value for \"{}\" must be a string", key));
-        file.metadata_[key] = value.get<std::string>();
-      }
-      continue;
-    }
-    auto tensor_fail = [&](const std::string& why) -> Error {
-      return Error(fmt::format("bad safetensors file {}: tensor \"{}\": {}", where, name, why));
-    };
-    if (!entry.is_object())
-      throw tensor_fail("entry must be an object with dtype, shape, data_offsets");
-    TensorInfo info;
-    info.name = name;
-    const auto dtype_it = entry.find("dtype");
-    if (dtype_it == entry.end() || !dtype_it->is_string())
-      throw tensor_fail("missing string field \"dtype\"");
-    const auto dtype = dtype_from_safetensors_name(dtype_it->get<std::string>());
-    if (!dtype)
-      throw tensor_fail(fmt::format("unknown dtype \"{}\"", dtype_it->get<std::string>()));
-    info.dtype = *dtype;
-    const auto shape_it = entry.find("shape");
-    if (shape_it == entry.end() || !shape_it->is_array())
-      throw tensor_fail("missing array field \"shape\"");
-    std::optional<std::uint64_t> elements = 1;  // checked: a shape from input may overflow
-    for (const auto& d : *shape_it) {
-      if (!d.is_number_unsigned())
-        throw tensor_fail(
-            fmt::format("shape {} must hold non-negative integers", shape_it->dump()));
-      const auto dim = narrow_integer<std::int64_t>(d.get<std::uint64_t>());
-      if (dim && elements) elements = checked_mul<std::uint64_t>(*elements, *dim);
-      if (!dim || !elements || !narrow_integer<std::int64_t>(*elements))
-        throw tensor_fail(fmt::format("shape {} has more elements than a 63-bit count can hold",
-                                      shape_it->dump()));
-      info.shape.push_back(*dim);
-    }
-    const auto offsets_it = entry.find("data_offsets");
-    if (offsets_it == entry.end() || !offsets_it->is_array() || offsets_it->size() != 2 ||
-        !(*offsets_it)[0].is_number_unsigned() || !(*offsets_it)[1].is_number_unsigned())
-      throw tensor_fail("\"data_offsets\" must be [begin, end] with non-negative integers");
-    info.data_begin = (*offsets_it)[0].get<std::uint64_t>();
-    info.data_end = (*offsets_it)[1].get<std::uint64_t>();
-    if (info.data_end < info.data_begin)
-      throw tensor_fail(fmt::format("data_offsets [{}, {}] end before they begin", info.data_begin,
-                                    info.data_end));
-    const auto needed = checked_mul<std::uint64_t>(*elements, dtype_size(info.dtype));
-    if (!needed)
-      throw tensor_fail(fmt::format("{} x {} needs more bytes than 64 bits can count",
-                                    dtype_it->get<std::string>(), shape_to_string(info.shape)));
-    if (info.data_end - info.data_begin != *needed)
-      throw tensor_fail(fmt::format("data_offsets [{}, {}] hold {} bytes but {} x {} needs {}",
-                                    info.data_begin, info.data_end, info.data_end - info.data_begin,
-                                    dtype_it->get<std::string>(), shape_to_string(info.shape),
-                                    *needed));
-    if (info.data_end > file.data_.size())
-      throw tensor_fail(
-          fmt::format("data_offsets [{}, {}] are out of bounds: the data section has {} bytes "
-                      "(truncated file?)",
-                      info.data_begin, info.data_end, file.data_.size()));
-    file.tensors_.push_back(std::move(info));
+    if (item.key() == "__metadata__")
+      read_metadata(item.value(), file.metadata_, fail);
+    else
+      file.tensors_.push_back(
+          read_tensor_entry(item.key(), item.value(), file.data_.size(), where));
   }
-
-  // No two tensors may share bytes.
-  std::vector<const TensorInfo*> by_offset;
-  for (const auto& t : file.tensors_) by_offset.push_back(&t);
-  std::sort(by_offset.begin(), by_offset.end(),
-            [](const TensorInfo* a, const TensorInfo* b) { return a->data_begin < b->data_begin; });
-  const TensorInfo* furthest = nullptr;  // the tensor reaching furthest so far
-  for (const TensorInfo* current : by_offset) {
-    if (current->data_end == current->data_begin) continue;  // empty tensors own no bytes
-    if (furthest != nullptr && current->data_begin < furthest->data_end)
-      throw fail(fmt::format("tensors \"{}\" [{}, {}] and \"{}\" [{}, {}] overlap", furthest->name,
-                             furthest->data_begin, furthest->data_end, current->name,
-                             current->data_begin, current->data_end));
-    if (furthest == nullptr || current->data_end > furthest->data_end) furthest = current;
-  }
+  check_no_overlap(file.tensors_, fail);
   std::sort(file.tensors_.begin(), file.tensors_.end(),
             [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
   return file;
