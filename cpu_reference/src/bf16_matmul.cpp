@@ -64,9 +64,9 @@ void group_tile(const std::byte* group, const std::uint16_t* x, std::int64_t dep
   }
 }
 
-constexpr int kTileRows = 8;
+constexpr int kGroupTileRows = 8;
 
-template <int Rows = kTileRows>
+template <int Rows = kGroupTileRows>
 void group_tile_rows(int rows, const std::byte* group, const std::uint16_t* x, std::int64_t depth,
                      std::int64_t m0, __mmask16 mask, bool accumulate, float* y, std::int64_t ldy) {
   if constexpr (Rows > 1) {
@@ -84,8 +84,8 @@ void group_product(const std::byte* group, std::int64_t g, std::int64_t outputs,
   const std::int64_t n0 = g * kGroupRows, count = std::min(kGroupRows, outputs - n0);
 #if KVLAB_BF16_DOT
   const auto mask = static_cast<__mmask16>((1u << count) - 1);
-  for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
-    const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0));
+  for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kGroupTileRows) {
+    const int rows = static_cast<int>(std::min<std::int64_t>(kGroupTileRows, m_end - m0));
     group_tile_rows(rows, group, x, depth, m0, mask, accumulate, y.data() + n0, y.cols());
   }
 #else
