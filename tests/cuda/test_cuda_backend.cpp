@@ -50,11 +50,23 @@ struct EngineRun {
   BackendCounters counters;
 };
 
+// How run_engine runs, beyond the strategies: the backend's params, the scheduler, the clock.
+struct RunOptions {
+  Params backend_params;
+  std::string scheduler = "fcfs";
+  Params scheduler_params;
+  EngineClock clock = EngineClock::steps;  // tokens are compared, not times
+};
+RunOptions with_backend_params(Params params) {
+  RunOptions options;
+  options.backend_params = std::move(params);
+  return options;
+}
+
 EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& allocator_params,
                      const std::string& attention, const Params& attention_params,
                      const std::string& preemption, std::int64_t slots,
-                     const std::vector<WorkloadRequest>& requests,
-                     const Params& backend_params = {}) {
+                     const std::vector<WorkloadRequest>& requests, const RunOptions& setup = {}) {
   PluginContext context;
   context.model = &checkpoint().config;
   context.max_seq_len = 64;
@@ -71,16 +83,19 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   context.window = variant->window().value_or(0);
   auto kv = test::plugin_registry().create<PluginKind::kv_allocator>(allocator, allocator_params,
                                                                      context);
-  auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(
-      "fcfs", {{"preemption", preemption}}, context);
+  Params scheduler_params = setup.scheduler_params;
+  if (setup.scheduler == "fcfs") scheduler_params.emplace("preemption", preemption);
+  auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(setup.scheduler,
+                                                                         scheduler_params, context);
   std::unique_ptr<cpu::CpuBackend> cpu_backend;
   PluginObject<Backend> gpu_backend;
   if (on_gpu)
-    gpu_backend = backend_registry().create<PluginKind::backend>("cuda", backend_params, context);
+    gpu_backend =
+        backend_registry().create<PluginKind::backend>("cuda", setup.backend_params, context);
   else
     cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, variant->window());
   EngineOptions options;
-  options.clock = EngineClock::steps;  // tokens are compared, not times
+  options.clock = setup.clock;
   options.rules = sequence_rules(c, *variant);
   options.rules.context = 64;
   options.pool = &pool;
@@ -142,6 +157,30 @@ INSTANTIATE_TEST_SUITE_P(AllocatorsVariants, CudaEngine,
                            return std::get<0>(info.param) + "_" + std::get<1>(info.param) + "_" +
                                   std::get<2>(info.param);
                          });
+
+// A static batch on the measured clock computes its finished rows as padding: a pad token one
+// position further each step, attending to as many keys and writing none, its view reaching past
+// what the request holds by runs of pool slots (Engine::padding_entry), which the device's block
+// table takes at the view's own block size (1 extent: static; blocks of 4: paged). The requests'
+// tokens are the CPU backend's on the steps clock, which computes no padding rows.
+TEST(CudaBackend, StaticBatchPaddingRowsLeaveTheTokens) {
+  KVLAB_REQUIRE_CUDA();
+  const auto requests = workload();
+  RunOptions unpadded;
+  unpadded.scheduler = "static";
+  unpadded.scheduler_params = {{"max_batch", std::int64_t{4}}};
+  RunOptions padded = unpadded;
+  padded.clock = EngineClock::measured;
+  const std::pair<std::string, Params> allocators[] = {
+      {"static", {}}, {"paged", {{"block_size", std::int64_t{4}}}}};
+  for (const auto& [allocator, params] : allocators) {
+    const EngineRun cpu =
+        run_engine(false, allocator, params, "gqa", {}, "recompute", 512, requests, unpadded);
+    const EngineRun gpu =
+        run_engine(true, allocator, params, "gqa", {}, "recompute", 512, requests, padded);
+    EXPECT_EQ(gpu.tokens, cpu.tokens) << allocator;
+  }
+}
 
 // Sampled requests (temperature, top-k, top-p, each with its seed) get the CPU backend's tokens
 // although the cuda backend picks them on the device (Backend::choose_tokens) and the CPU
@@ -209,10 +248,10 @@ TEST(CudaBackend, GraphedDecodeStepsGiveTheTokensOfDirectLaunches) {
   const Params graphed_params{{"split_keys", std::int64_t{16}}};
   const Params direct_params{{"split_keys", std::int64_t{16}}, {"cuda_graphs", false}};
   const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 512, requests);
-  const EngineRun graphed =
-      run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, graphed_params);
-  const EngineRun direct =
-      run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, direct_params);
+  const EngineRun graphed = run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests,
+                                       with_backend_params(graphed_params));
+  const EngineRun direct = run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests,
+                                      with_backend_params(direct_params));
   EXPECT_EQ(graphed.tokens, cpu.tokens);
   EXPECT_EQ(direct.tokens, cpu.tokens);
   EXPECT_GE(graphed.counters.graph_captures, 4);  // (8 and 16 rows) x (1, 2, 4 splits), again
@@ -233,7 +272,8 @@ TEST(CudaBackend, DeviceLogprobsEqualTheHostsFromTheCpuBackend) {
   const Params paged{{"block_size", std::int64_t{4}}};
   const Params split{{"split_keys", std::int64_t{16}}};
   const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 512, requests);
-  const EngineRun gpu = run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, split);
+  const EngineRun gpu = run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests,
+                                   with_backend_params(split));
   ASSERT_EQ(gpu.tokens, cpu.tokens);
   EXPECT_GT(gpu.counters.graph_replays, 20);  // the graphed decode steps computed them too
   std::size_t tops = 0, asked = 0;
@@ -403,9 +443,10 @@ TEST(CudaBackend, CublasLtAndGemmExGiveTheCpuTokens) {
   const Params paged{{"block_size", std::int64_t{4}}};
   const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 72, requests);
   for (const char* gemm : {"cublaslt", "cublas"})
-    EXPECT_EQ(
-        run_engine(true, "paged", paged, "gqa", {}, "swap", 72, requests, {{"gemm", gemm}}).tokens,
-        cpu.tokens)
+    EXPECT_EQ(run_engine(true, "paged", paged, "gqa", {}, "swap", 72, requests,
+                         with_backend_params({{"gemm", gemm}}))
+                  .tokens,
+              cpu.tokens)
         << gemm;
   const ModelConfig& c = checkpoint().config;
   KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 64}, KvStorage::none);

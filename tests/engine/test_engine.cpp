@@ -532,6 +532,7 @@ class RecordingBackend final : public Backend {
  public:
   struct Entry {
     std::int64_t start = 0, tokens = 0;
+    KvView view;
     bool writes_kv = true;
   };
   explicit RecordingBackend(cpu::CpuBackend& inner) : inner_(inner) {}
@@ -539,7 +540,7 @@ class RecordingBackend final : public Backend {
     auto& forward = forwards.emplace_back();
     for (const BatchEntry& e : batch)
       forward.push_back(
-          {e.start_position, static_cast<std::int64_t>(e.tokens.size()), e.writes_kv});
+          {e.start_position, static_cast<std::int64_t>(e.tokens.size()), e.view, e.writes_kv});
     return inner_.forward(batch);
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
@@ -579,11 +580,25 @@ struct PaddedStaticRun {
   EngineResult result;
 };
 
+// What a recorded forward is to the cost model: its entries as BatchEntries (placeholder
+// tokens: the cost model counts them).
+StepWork work_of(const CostModel& cost, const std::vector<RecordingBackend::Entry>& forward) {
+  std::vector<std::vector<std::int32_t>> tokens;
+  std::vector<BatchEntry> batch;
+  for (const auto& e : forward) {
+    tokens.emplace_back(static_cast<std::size_t>(e.tokens), 0);
+    batch.push_back({tokens.back(), e.start, e.view, e.writes_kv});
+  }
+  return cost.work(batch);
+}
+
 // On a clock that times the backend (measured), a padded static batch's finished rows are
 // computed too, as the cost model prices them on every clock: each step's forward gets the batch
-// and then one 1-token row per padding request, re-decoding its last cached token without
-// writing K/V (its slot keeps what it holds). The requests' own tokens are those of a
-// virtual-clock run, where the backend gets the batch alone.
+// and then one 1-token row per padding request, a pad token one position further each step
+// (attending to one more key each step, as Hugging Face generate()'s pad tokens), writing no
+// K/V. Its forwards hold exactly the work the cost model priced for the batch and its padding.
+// The requests' own tokens are those of a virtual-clock run, where the backend gets the batch
+// alone.
 TEST(Engine, MeasuredClockComputesThePaddingRows) {
   std::vector<WorkloadRequest> requests = small_workload(5, 12);
   for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -591,6 +606,10 @@ TEST(Engine, MeasuredClockComputesThePaddingRows) {
     requests[i].output_tokens = requests[i].sampling.max_tokens = i % 3 == 0 ? 20 : 2;
     requests[i].sampling.ignore_eos = true;
   }
+  // Request 1's pad tokens reach the model's last position (63) while request 0 runs on: they
+  // stay there, in the price and in the forward.
+  requests[0].output_tokens = requests[0].sampling.max_tokens = 40;
+  requests[1].prompt.resize(50, requests[1].prompt.back());
   PaddedStaticRun measured_run(EngineClock::measured, requests);
   PaddedStaticRun priced_run(EngineClock::virtual_clock, requests);
   const EngineResult &measured = measured_run.result, &priced = priced_run.result;
@@ -598,7 +617,8 @@ TEST(Engine, MeasuredClockComputesThePaddingRows) {
                          *virtual_backend = &priced_run.recorder;
   EXPECT_EQ(measured.tokens, priced.tokens);
   ASSERT_EQ(measured_backend->forwards.size(), measured.steps.size());
-  std::int64_t padding_rows = 0;
+  const CostModel cost(weights().config, load_hardware_profile("cpu"));
+  std::int64_t padding_rows = 0, rows_at_the_last_position = 0;
   for (std::size_t i = 0; i < measured.steps.size(); ++i) {
     const StepRecord& step = measured.steps[i];
     const auto& forward = measured_backend->forwards[i];
@@ -606,13 +626,22 @@ TEST(Engine, MeasuredClockComputesThePaddingRows) {
     for (std::size_t e = 0; e < forward.size(); ++e) {
       const bool padding = e >= static_cast<std::size_t>(step.batch);
       EXPECT_EQ(forward[e].writes_kv, !padding) << "step " << i << " entry " << e;
+      EXPECT_GT(forward[e].view.end_position(), forward[e].start + forward[e].tokens - 1)
+          << "step " << i << " entry " << e << ": the view maps the row's positions";
       if (padding) {
         EXPECT_EQ(forward[e].tokens, 1) << "step " << i << ": a padding row decodes one";
+        EXPECT_LE(forward[e].start, 63) << "step " << i << ": within the model's context";
+        rows_at_the_last_position += forward[e].start == 63;
       }
     }
+    const StepWork computed = work_of(cost, forward);
+    EXPECT_EQ(computed.attention_decode.bytes, step.work.attention_decode.bytes) << "step " << i;
+    EXPECT_EQ(computed.attention_decode.flops, step.work.attention_decode.flops) << "step " << i;
+    EXPECT_EQ(computed.tokens, step.work.tokens) << "step " << i;
     padding_rows += step.padding;
   }
   EXPECT_GT(padding_rows, 0);
+  EXPECT_GT(rows_at_the_last_position, 1);
   for (std::size_t i = 0; i < priced.steps.size(); ++i)
     EXPECT_EQ(static_cast<std::int64_t>(virtual_backend->forwards[i].size()),
               priced.steps[i].batch);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <limits>
 #include <optional>
 
 #include "kvlab/error.hpp"
@@ -25,6 +26,28 @@ void throw_if_non_finite(std::span<const float> row, RequestId id, std::int64_t 
         "request {}, step {}: the backend's logits hold {} at token id {}; the model's weights or "
         "the backend produced non-finite values, so no token can be sampled",
         id, step, row[*bad], *bad));
+}
+
+// The view of a padding row whose pad token sits at `end_position - 1`: the request's own view,
+// extended when its pad tokens have gone past what it holds by runs of pool slots from slot 0,
+// whole multiples of 16 slots, placed before its last extent (after its only one), so that a
+// block-table backend keeps the view's block size. The row writes no K/V and its output is
+// discarded: which slots the extra keys come from does not matter, only that attention reads as
+// many keys as a pad token's would. `pool_slots` 0: no pool bounds the runs.
+KvView padding_view(KvView view, std::int64_t end_position, std::int64_t pool_slots) {
+  constexpr std::int64_t kQuantum = 16;
+  std::int64_t missing = end_position - view.end_position();
+  if (missing <= 0 || view.extents.empty()) return view;
+  missing = (missing + kQuantum - 1) / kQuantum * kQuantum;
+  const std::int64_t longest_run =
+      pool_slots <= 0 ? missing : std::max<std::int64_t>(pool_slots / kQuantum * kQuantum, 1);
+  std::vector<KvExtent> filler;
+  for (; missing > 0; missing -= filler.back().length)
+    filler.push_back({0, std::min(missing, longest_run)});
+  auto& extents = view.extents;
+  const auto at = extents.size() == 1 ? extents.end() : extents.end() - 1;
+  extents.insert(at, filler.begin(), filler.end());
+  return view;
 }
 
 }  // namespace
@@ -231,7 +254,7 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
     batch.push_back(std::move(entry));
   }
   if (computes_padding())
-    for (const RequestId id : padding_ids_) batch.push_back(padding_entry(id));
+    for (std::size_t i = 0; i < padding_ids_.size(); ++i) batch.push_back(padding_entry(i));
   forwarded_entries_ = batch.size();
   draw_token_choices(applied, batch.size());
   const auto start = SteadyClock::now();
@@ -257,18 +280,17 @@ bool Engine::computes_padding() const {
   return options_.clock == EngineClock::measured || options_.clock == EngineClock::wall;
 }
 
-// A padding row for the backend: the request's last cached token decoded again at its position
-// (reading its whole context, every layer and the LM head, as a pad token does); its K/V slot
-// keeps what it holds (writes_kv false), and its logits are discarded. The context does not
-// grow, as a pad token's would (the cost model's padding rows: at most the batch's longest
-// output more).
-BatchEntry Engine::padding_entry(RequestId id) const {
-  const RequestState& r = table_->at(id);
+// A padding row for the backend: a pad token (the request's last token) decoded at the position
+// the cost model prices for it this step (one further each step, as Hugging Face generate()'s
+// pad tokens), attending to as many keys (padding_view), every layer and the LM head; it writes
+// no K/V (its slots keep what they hold) and its logits are discarded.
+BatchEntry Engine::padding_entry(std::size_t index) const {
+  const RequestState& r = table_->at(padding_ids_[index]);
   BatchEntry entry;
-  entry.start_position = r.computed - 1;
-  entry.tokens =
-      std::span<const std::int32_t>(r.tokens).subspan(static_cast<std::size_t>(r.computed - 1), 1);
-  entry.view = allocator_.view(id);
+  entry.start_position = padding_shapes_[index].start_position;
+  entry.tokens = std::span<const std::int32_t>(r.tokens).last(1);
+  entry.view = padding_view(allocator_.view(r.id), entry.start_position + 1,
+                            options_.pool != nullptr ? options_.pool->shape().slots : 0);
   entry.writes_kv = false;
   return entry;
 }
@@ -314,7 +336,13 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
 // Finished requests of a padded static batch keep their KV and add a discarded token per step
 // until the batch has no running request left; then all of it is freed at once.
 void Engine::hold_padding(const std::vector<RequestId>& finished) {
-  for (EntryShape& shape : padding_shapes_) ++shape.start_position;  // this step's pad token
+  // This step's pad token, one position further (at most the model's last position: both the
+  // cost model and the backend's padding row see that one).
+  const std::int64_t last_position = options_.rules.context > 0
+                                         ? options_.rules.context - 1
+                                         : std::numeric_limits<std::int64_t>::max();
+  for (EntryShape& shape : padding_shapes_)
+    shape.start_position = std::min(shape.start_position + 1, last_position);
   for (const RequestId id : finished) {
     const KvView view = allocator_.view(id);  // held unchanged until the batch ends
     padding_ids_.push_back(id);               // its last token's row, then one pad token per step
