@@ -16,10 +16,11 @@ struct BatchEntry {
   std::span<const std::int32_t> tokens;
   std::int64_t start_position = 0;
   KvView view;
-  // false: the tokens are cached at these positions already (a static batch's padding rows,
-  // re-decoding their last token): the backend computes them, attending to the cache as it is,
-  // and leaves their slots as they are (vLLM's padding slot), so a recomputation that rounds
-  // differently (another batch size, another GEMM path) never reaches the cache.
+  // false: the entry's K/V are computed but not stored (a static batch's padding rows: pad
+  // tokens whose logits are discarded, their views mapping the request's own cached slots and,
+  // past what it holds, any pool slots): the backend attends to the cache as it is and leaves
+  // every slot of the view as it is (vLLM's padding slot), so a discarded row never reaches a
+  // cached block, nor another sequence's.
   bool writes_kv = true;
 };
 
