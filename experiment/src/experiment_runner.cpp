@@ -415,6 +415,7 @@ void check_against_reference(const ServedModel& served, std::optional<std::int64
     if (!model) model.emplace(*served.weights);
     return *model;
   };
+  const double logprob_tol = logprob_tolerance(tolerance);
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const std::vector<std::int32_t>& tokens = out.engine.tokens[i];
     if (out.engine.requests[i].rejected || tokens.empty()) continue;
@@ -431,7 +432,6 @@ void check_against_reference(const ServedModel& served, std::optional<std::int64
         break;
       }
       if (t >= logprobs.size()) continue;
-      const double logprob_tol = logprob_tolerance(tolerance);
       if (const std::string problem =
               out.check.logprobs.add(logprobs[t], choices[t].logprobs, logprob_tol);
           !problem.empty()) {

@@ -33,14 +33,13 @@ void throw_if_non_finite(std::span<const float> row, RequestId id, std::int64_t 
 // whole multiples of 16 slots, placed before its last extent (after its only one), so that a
 // block-table backend keeps the view's block size. The row writes no K/V and its output is
 // discarded: which slots the extra keys come from does not matter, only that attention reads as
-// many keys as a pad token's would. `pool_slots` 0: no pool bounds the runs.
+// many keys as a pad token's would. Runs stay within the pool's `pool_slots`.
 KvView padding_view(KvView view, std::int64_t end_position, std::int64_t pool_slots) {
   constexpr std::int64_t kQuantum = 16;
   std::int64_t missing = end_position - view.end_position();
   if (missing <= 0 || view.extents.empty()) return view;
   missing = (missing + kQuantum - 1) / kQuantum * kQuantum;
-  const std::int64_t longest_run =
-      pool_slots <= 0 ? missing : std::max<std::int64_t>(pool_slots / kQuantum * kQuantum, 1);
+  const std::int64_t longest_run = std::max<std::int64_t>(pool_slots / kQuantum * kQuantum, 1);
   std::vector<KvExtent> filler;
   for (; missing > 0; missing -= filler.back().length)
     filler.push_back({0, std::min(missing, longest_run)});
@@ -253,8 +252,11 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
     entry.view = allocator_.view(work.id);
     batch.push_back(std::move(entry));
   }
-  if (computes_padding())
-    for (std::size_t i = 0; i < padding_ids_.size(); ++i) batch.push_back(padding_entry(i));
+  if (computes_padding() && !padding_ids_.empty()) {
+    const std::int64_t pool_slots = allocator_.stats().capacity;  // bounds the padding views
+    for (std::size_t i = 0; i < padding_ids_.size(); ++i)
+      batch.push_back(padding_entry(i, pool_slots));
+  }
   forwarded_entries_ = batch.size();
   draw_token_choices(applied, batch.size());
   const auto start = SteadyClock::now();
@@ -284,13 +286,12 @@ bool Engine::computes_padding() const {
 // the cost model prices for it this step (one further each step, as Hugging Face generate()'s
 // pad tokens), attending to as many keys (padding_view), every layer and the LM head; it writes
 // no K/V (its slots keep what they hold) and its logits are discarded.
-BatchEntry Engine::padding_entry(std::size_t index) const {
+BatchEntry Engine::padding_entry(std::size_t index, std::int64_t pool_slots) const {
   const RequestState& r = table_->at(padding_ids_[index]);
   BatchEntry entry;
   entry.start_position = padding_shapes_[index].start_position;
   entry.tokens = std::span<const std::int32_t>(r.tokens).last(1);
-  entry.view = padding_view(allocator_.view(r.id), entry.start_position + 1,
-                            options_.pool != nullptr ? options_.pool->shape().slots : 0);
+  entry.view = padding_view(allocator_.view(r.id), entry.start_position + 1, pool_slots);
   entry.writes_kv = false;
   return entry;
 }

@@ -106,7 +106,7 @@ class Engine {
   void idle_step();
   std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
   bool computes_padding() const;
-  BatchEntry padding_entry(std::size_t index) const;  // of padding_ids_
+  BatchEntry padding_entry(std::size_t index, std::int64_t pool_slots) const;  // of padding_ids_
   void draw_token_choices(const AppliedPlan& applied, std::size_t entries);
   std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
   GeneratedLogprobs device_logprobs(const ScheduledWork& work, std::size_t entry,
