@@ -18,7 +18,22 @@ struct InitOptions {
   std::uint64_t seed = 0;
   std::string out;
   std::string dtype = "f32";
+  bool force = false;
 };
+
+// A model folder is written over only with --force: its files may be a real checkpoint.
+void check_model_folder(const std::filesystem::path& out, bool force) {
+  std::error_code ec;
+  if (std::filesystem::exists(out, ec) && !std::filesystem::is_directory(out, ec))
+    throw Error(fmt::format("--out {} is a file, not a folder", out.string()));
+  if (force) return;
+  for (const char* name : {"config.json", "model.safetensors"})
+    if (std::filesystem::exists(out / name, ec))
+      throw Error(fmt::format(
+          "{} exists: pass --force to overwrite config.json and model.safetensors in {}, or "
+          "--out another folder",
+          (out / name).string(), out.string()));
+}
 
 void run_init(const InitOptions& o) {
   const ModelConfig config = model_preset(o.preset);
@@ -27,6 +42,7 @@ void run_init(const InitOptions& o) {
       (*dtype != DType::dtype_f32 && *dtype != DType::dtype_f16 && *dtype != DType::dtype_bf16))
     throw Error(fmt::format(
         "--dtype \"{}\" is not a weight dtype kvlab writes: choose f32, f16 or bf16", o.dtype));
+  check_model_folder(o.out, o.force);
   write_random_model(config, o.seed, *dtype, o.out);
   fmt::print("wrote {} ({} weights, seed {}, {:.1f}M parameters) to {}\n", o.preset, o.dtype,
              o.seed, static_cast<double>(config.parameter_count()) / 1e6, o.out);
@@ -104,6 +120,8 @@ void register_model(CLI::App& app) {
   init_cmd->add_option("--out", init->out, "Output folder (config.json + model.safetensors)")
       ->required();
   init_cmd->add_option("--dtype", init->dtype, "f32, f16 or bf16")->capture_default_str();
+  init_cmd->add_flag("--force", init->force,
+                     "Overwrite config.json and model.safetensors already in --out");
   init_cmd->callback([init]() { run_init(*init); });
 
   auto name = std::make_shared<std::string>();

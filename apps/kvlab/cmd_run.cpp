@@ -13,12 +13,15 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
 #include <thread>
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/distributed_sweep.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/results_folder.hpp"
 #include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab_commit.hpp"
@@ -35,38 +38,6 @@ struct RunOptions {
   double tolerance = 0;  // kvlab check --tolerance (ExperimentConfig::check_tolerance)
 };
 
-// What a results folder holds besides its runs; anything else in it is not kvlab's.
-constexpr const char* kManifest = "manifest.json";
-
-// An empty (or new) results folder. A folder with a previous run is cleared only with
-// --force; one with files kvlab did not write (no manifest) is never cleared.
-void prepare_results_folder(const std::filesystem::path& folder, bool force) {
-  std::error_code ec;
-  if (!std::filesystem::exists(folder, ec) || std::filesystem::is_empty(folder, ec)) {
-    std::filesystem::create_directories(folder, ec);
-    if (ec)
-      throw Error(
-          fmt::format("cannot create results folder {}: {}", folder.string(), ec.message()));
-    return;
-  }
-  if (!std::filesystem::is_directory(folder))
-    throw Error(fmt::format("results folder {} is a file", folder.string()));
-  // runs.json: what kvlab wrote before results folders had a manifest.
-  if (!std::filesystem::exists(folder / kManifest) &&
-      !std::filesystem::exists(folder / "runs.json"))
-    throw Error(
-        fmt::format("results folder {} is not empty and holds no {} (it is not a kvlab "
-                    "results folder): choose another with --out",
-                    folder.string(), kManifest));
-  if (!force)
-    throw Error(
-        fmt::format("results folder {} holds an earlier run: pass --force to replace it, "
-                    "or --out another folder",
-                    folder.string()));
-  for (const auto& entry : std::filesystem::directory_iterator(folder))
-    std::filesystem::remove_all(entry.path());
-}
-
 std::string machine_description() {
   std::string cpu;
   std::ifstream cpuinfo("/proc/cpuinfo");
@@ -81,23 +52,25 @@ std::string machine_description() {
 }
 
 // The folder describes itself: the experiment file as given, how it was run, by which kvlab,
-// on which machine. Each run's folder gets its resolved config (config.toml).
-void write_manifest(const std::filesystem::path& folder, const RunOptions& o, std::size_t runs,
-                    int ranks) {
-  std::filesystem::copy_file(o.file, folder / "experiment.toml",
-                             std::filesystem::copy_options::overwrite_existing);
+// on which machine, and which runs failed. Each run's folder gets its resolved config
+// (config.toml).
+void write_manifest(const std::filesystem::path& folder, const RunOptions& o,
+                    const std::string& experiment_text, std::size_t runs, int ranks,
+                    const nlohmann::json& failed_runs) {
+  write_file(folder / "experiment.toml", experiment_text);
   const auto now = std::chrono::system_clock::to_time_t(std::chrono::system_clock::now());
   char when[32] = {};
   std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   const nlohmann::json manifest = {{"experiment_file", o.file},
                                    {"overrides", o.overrides},
                                    {"runs", runs},
+                                   {"failed_runs", failed_runs},
                                    {"kvlab_version", KVLAB_VERSION},
                                    {"kvlab_commit", KVLAB_COMMIT},
-                                   {"started_utc", when},
+                                   {"finished_utc", when},
                                    {"machine", machine_description()},
                                    {"ranks", ranks}};
-  std::ofstream(folder / kManifest) << manifest.dump(2) << "\n";
+  write_file(folder / "manifest.json", manifest.dump(2) + "\n");
 }
 
 // "N of M requests rejected: reason (xK), ..." from a run's events; empty when any finished.
@@ -182,7 +155,7 @@ RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, boo
     const RunOutput out = run_experiment(run.config, check, &r.mismatches);
     if (!folder.empty()) {
       write_run_outputs(folder, run.config, out);
-      std::ofstream(folder / "config.toml") << run.config.resolved_toml << "\n";
+      write_file(folder / "config.toml", run.config.resolved_toml + "\n");
     }
     r.wall_s = out.wall_s;
     r.engine_wall_s = out.engine_wall_s;
@@ -201,6 +174,8 @@ RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, boo
       r.all_rejected =
           fmt::format("all {} requests were rejected:{}", out.summary.rejected, reasons);
     r.row = summary_values(runs.front().config, out);  // one column set
+  } catch (const WriteError&) {
+    throw;  // the disk, not the run: the whole job stops
   } catch (const Error& e) {
     r = RunRecord{};
     r.index = i;
@@ -249,9 +224,7 @@ void write_carried_files(const std::vector<ExperimentRun>& runs,
     const std::filesystem::path folder = out_dir / run_directory_name(runs[r.index], r.index);
     for (const auto& [path, contents] : r.files) {
       std::filesystem::create_directories((folder / path).parent_path());
-      std::ofstream file(folder / path, std::ios::binary | std::ios::trunc);
-      file << contents;
-      if (!file) throw Error(fmt::format("cannot write {}", (folder / path).string()));
+      write_file(folder / path, contents);
     }
   }
 }
@@ -347,31 +320,40 @@ std::string wall_line(const std::vector<RunRecord>& records) {
                    : "");
 }
 
-// What rank 0 prints and writes once every run is in: the table, the errors, runs.json.
-int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
-           std::vector<RunRecord> records, const std::filesystem::path& out_dir) {
+// What rank 0 reports once every run is in, and the files that index the results folder.
+struct Report {
+  int exit_code = 0;
+  std::string summary_md;
+  nlohmann::json index = nlohmann::json::array();   // runs.json: the runs that finished
+  nlohmann::json failed = nlohmann::json::array();  // manifest.json: the runs that failed
+};
+
+// Prints the table, the errors and kvlab check's verdict.
+Report report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
+              std::vector<RunRecord> records) {
   std::sort(records.begin(), records.end(),
             [](const RunRecord& a, const RunRecord& b) { return a.index < b.index; });
+  Report out;
   std::vector<std::string> errors;  // runs that failed, or in which no request finished
   std::string logit_lines;          // kvlab check --tolerance: each run's logit agreement
   CheckTotals totals;
   std::vector<SummaryRow> rows;
-  nlohmann::json index = nlohmann::json::array();
   for (const RunRecord& r : records) {
     const ExperimentRun& run = runs[r.index];
     const std::string label = run.config.label.empty() ? "base" : run.config.label;
     if (!r.error.empty()) {
       errors.push_back(fmt::format("run {} ({}) failed{}: {}", r.index + 1, label,
                                    ranks > 1 ? fmt::format(" on rank {}", r.rank) : "", r.error));
+      out.failed.push_back({{"run", r.index + 1}, {"label", run.config.label}, {"error", r.error}});
       continue;
     }
     totals.add(r);
     if (!r.all_rejected.empty())
       errors.push_back(fmt::format("run {} ({}): {}", r.index + 1, label, r.all_rejected));
     rows.push_back({run.config.label, r.row});
-    index.push_back({{"dir", run_directory_name(run, r.index)},
-                     {"label", run.config.label},
-                     {"repeat", run.repeat}});
+    out.index.push_back({{"dir", run_directory_name(run, r.index)},
+                         {"label", run.config.label},
+                         {"repeat", run.repeat}});
     for (const auto& m : r.mismatches) fmt::print(stderr, "mismatch [{}]: {}\n", label, m);
     if (check) logit_lines += logit_agreement_line(label, r.logits);
   }
@@ -382,29 +364,53 @@ int report(bool check, int ranks, const std::vector<ExperimentRun>& runs,
   if (!logit_lines.empty()) fmt::print("\n{}", logit_lines);
   fmt::print(stderr, "{}\n", wall_line(records));
   for (const auto& message : errors) fmt::print(stderr, "kvlab: error: {}\n", message);
-  if (check) return check_verdict(totals, !errors.empty(), runs.front().config.check_tolerance);
-  std::ofstream(out_dir / "summary.md") << "# " << name << "\n\n" << table;
-  std::ofstream(out_dir / "runs.json") << index.dump(2) << "\n";
-  fmt::print("\nresults: {}\n", out_dir.string());
-  return errors.empty() ? 0 : 1;
+  out.summary_md = "# " + name + "\n\n" + table;
+  out.exit_code = check
+                      ? check_verdict(totals, !errors.empty(), runs.front().config.check_tolerance)
+                  : errors.empty() ? 0
+                                   : 1;
+  return out;
 }
 
-// Every rank loads and validates the file; rank 0 prepares the results folder, and no rank
-// starts unless all of that worked everywhere. Each rank runs its share (balance_runs by
-// estimated cost); rank 0 gathers the outcomes, writes what the others carried and reports.
+// The index files into the staging folder, then the folder into place.
+void finish_results(ResultsFolder& folder, const Report& r, const RunOptions& o,
+                    const std::string& experiment_text, std::size_t runs, int ranks) {
+  write_file(folder.staging() / "summary.md", r.summary_md);
+  write_file(folder.staging() / "runs.json", r.index.dump(2) + "\n");
+  write_manifest(folder.staging(), o, experiment_text, runs, ranks, r.failed);
+  folder.commit();
+  for (const std::string& note : folder.notes()) fmt::print(stderr, "kvlab: {}\n", note);
+  fmt::print("\nresults: {}\n", folder.path().string());
+}
+
+std::string read_experiment_text(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) throw Error(fmt::format("cannot read {}", file));
+  return text.str();
+}
+
+// Every rank loads and validates the file; rank 0 takes the results folder (its lock and a
+// staging folder), and no rank starts unless all of that worked everywhere. Each rank runs its
+// share (balance_runs by estimated cost); rank 0 gathers the outcomes, writes what the others
+// carried, reports, and moves the results into place only when every file is written.
 int run_all(const RunOptions& o, bool check) {
   SweepRanks ranks;
   std::vector<ExperimentRun> runs;
-  std::filesystem::path out_dir;
+  std::optional<ResultsFolder> folder;
+  std::filesystem::path out_dir;  // where this rank writes: the staging folder on rank 0
+  std::string experiment_text;
   std::exception_ptr not_ready;
   try {
     runs = load_experiment(o.file, o.overrides);  // every error before anything runs
     for (auto& run : runs) run.config.check_tolerance = o.tolerance;
     validate_experiment(runs, check);
-    out_dir = results_folder(o, runs.front().config);
     if (!check && ranks.rank() == 0) {
-      prepare_results_folder(out_dir, o.force);
-      write_manifest(out_dir, o, runs.size(), ranks.size());
+      experiment_text = read_experiment_text(o.file);
+      folder.emplace(results_folder(o, runs.front().config),
+                     ResultsFolder::Options{o.force, {o.file}});
+      out_dir = folder->staging();
     }
   } catch (const Error&) {
     not_ready = std::current_exception();
@@ -421,7 +427,9 @@ int run_all(const RunOptions& o, bool check) {
         run_share(runs, shares[static_cast<std::size_t>(ranks.rank())], check, out_dir, ranks));
     if (ranks.rank() != 0) return 0;
     if (!check) write_carried_files(runs, records, out_dir);
-    return report(check, ranks.size(), runs, std::move(records), out_dir);
+    const Report r = report(check, ranks.size(), runs, std::move(records));
+    if (!check) finish_results(*folder, r, o, experiment_text, runs.size(), ranks.size());
+    return r.exit_code;
   } catch (const std::exception& e) {  // not one run's error: the job cannot finish
     if (ranks.size() == 1) throw;
     fmt::print(stderr, "kvlab: error on rank {}: {}\n", ranks.rank(), e.what());

@@ -3,6 +3,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <csignal>
 #include <cstdio>
 #include <exception>
 #include <new>
@@ -12,6 +13,9 @@
 #include "kvlab/suggest.hpp"
 
 int main(int argc, char** argv) {
+  // A file-size limit (ulimit -f) makes a write fail with EFBIG, reported like a full disk,
+  // instead of killing kvlab with SIGXFSZ halfway through a results folder.
+  std::signal(SIGXFSZ, SIG_IGN);
   CLI::App app{"kvlab: a testbed for the KV cache and continuous batching"};
   app.set_version_flag("--version", std::string(KVLAB_VERSION));
   app.require_subcommand(1);
@@ -55,6 +59,9 @@ int main(int argc, char** argv) {
     return 1;
   } catch (const std::exception& e) {
     fmt::print(stderr, "kvlab: internal error: {}\n", e.what());
+    return 3;
+  } catch (...) {  // a plugin's throw that no boundary caught: still one message, no abort
+    fmt::print(stderr, "kvlab: internal error: an exception that is not a std::exception\n");
     return 3;
   }
   return exit_code;

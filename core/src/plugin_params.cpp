@@ -2,7 +2,10 @@
 
 #include <fmt/format.h>
 
+#include <cerrno>
+#include <cmath>
 #include <cstdlib>
+#include <optional>
 
 #include "kvlab/error.hpp"
 #include "kvlab/suggest.hpp"
@@ -47,22 +50,72 @@ const T& get(const std::map<std::string, ParamValue, std::less<>>& values, std::
   return std::get<T>(it->second);
 }
 
-ParamValue parse_default(const ParamSpec& spec) {
+// A schema's default read strictly for its type: the whole text, finite, no silent zero.
+std::optional<ParamValue> read_default(const ParamSpec& spec) {
   const std::string text = spec.default_value;
+  char* end = nullptr;
+  errno = 0;
   switch (spec.type) {
-    case ParamType::param_integer:
-      return static_cast<std::int64_t>(std::strtoll(text.c_str(), nullptr, 10));
-    case ParamType::param_real:
-      return std::strtod(text.c_str(), nullptr);
+    case ParamType::param_integer: {
+      const long long value = std::strtoll(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0' || errno == ERANGE) return std::nullopt;
+      return static_cast<std::int64_t>(value);
+    }
+    case ParamType::param_real: {
+      const double value = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0' || !std::isfinite(value)) return std::nullopt;
+      return value;
+    }
     case ParamType::param_boolean:
+      if (text != "true" && text != "false") return std::nullopt;
       return text == "true";
     case ParamType::param_string:
-      return text.size() >= 2 && text.front() == '"' ? text.substr(1, text.size() - 2) : text;
+      return text.size() >= 2 && text.front() == '"' && text.back() == '"'
+                 ? text.substr(1, text.size() - 2)
+                 : text;
   }
-  return text;
+  return std::nullopt;
+}
+
+double as_number(const ParamValue& value) {
+  return std::holds_alternative<std::int64_t>(value)
+             ? static_cast<double>(std::get<std::int64_t>(value))
+             : std::get<double>(value);
+}
+
+ParamValue parse_default(const ParamSpec& spec) {
+  const auto value = read_default(spec);
+  if (!value)  // param_spec_problem refused such a schema at load
+    throw Error(fmt::format("internal: parameter \"{}\" has an unreadable default", spec.name));
+  return *value;
 }
 
 }  // namespace
+
+std::string param_spec_problem(const ParamSpec& spec) {
+  if (spec.name == nullptr || spec.name[0] == '\0') return "a parameter has a null or empty name";
+  const std::string name = spec.name;
+  if (spec.type != ParamType::param_integer && spec.type != ParamType::param_real &&
+      spec.type != ParamType::param_boolean && spec.type != ParamType::param_string)
+    return fmt::format("parameter \"{}\" has type {}, not one kvlab knows (0-3)", name,
+                       static_cast<std::uint32_t>(spec.type));
+  if (spec.description == nullptr)
+    return fmt::format("parameter \"{}\" has a null description", name);
+  if (spec.default_value == nullptr)
+    return fmt::format("parameter \"{}\" has a null default", name);
+  const auto value = read_default(spec);
+  if (!value)
+    return fmt::format("parameter \"{}\"'s default \"{}\" is not a {}", name, spec.default_value,
+                       param_type_name(spec.type));
+  if (spec.type != ParamType::param_integer && spec.type != ParamType::param_real) return "";
+  if (std::isnan(spec.min_value) || std::isnan(spec.max_value) || spec.min_value > spec.max_value)
+    return fmt::format("parameter \"{}\" has the range [{}, {}]: not a range", name, spec.min_value,
+                       spec.max_value);
+  if (as_number(*value) < spec.min_value || as_number(*value) > spec.max_value)
+    return fmt::format("parameter \"{}\"'s default {} is outside its range [{}, {}]", name,
+                       spec.default_value, spec.min_value, spec.max_value);
+  return "";
+}
 
 std::int64_t PluginParams::integer(std::string_view name) const {
   return get<std::int64_t>(values_, name);
@@ -108,9 +161,7 @@ PluginParams validate_plugin_params(std::string_view plugin, const std::vector<P
                               spec->type == ParamType::param_integer ? "an" : "a",
                               param_type_name(spec->type), param_value_to_string(value)));
     if (spec->type == ParamType::param_integer || spec->type == ParamType::param_real) {
-      const double number = std::holds_alternative<std::int64_t>(converted)
-                                ? static_cast<double>(std::get<std::int64_t>(converted))
-                                : std::get<double>(converted);
+      const double number = as_number(converted);
       if (number < spec->min_value || number > spec->max_value)
         throw Error(fmt::format("plugin \"{}\" parameter \"{}\" = {} is out of range [{}, {}]",
                                 plugin, name, param_value_to_string(value), spec->min_value,

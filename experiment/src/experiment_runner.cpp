@@ -8,6 +8,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <sstream>
 
 #include "engine_logit_log.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
@@ -16,6 +17,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/model_source.hpp"
+#include "kvlab/experiment/results_folder.hpp"
 #include "kvlab/model/chat_template.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/model/tokenizer.hpp"
@@ -464,6 +466,12 @@ struct ReplicaStack {
   std::string weights_description;  // cpu backend: the formats its products read
 };
 
+// `scheduler plugin "fcfs" (/path/kvlab_plugin_fcfs.so)`: how engine errors name a plugin.
+std::string plugin_label(const PluginRegistry& registry, PluginKind kind, const std::string& name) {
+  return fmt::format("{} plugin \"{}\" ({})", plugin_kind_name(kind), name,
+                     registry.find(kind, name).file.string());
+}
+
 std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                                            const PluginRegistry& registry,
                                            const ServedModel& served,
@@ -503,6 +511,10 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   }
   r->backend = std::make_unique<TimedBackend>(plugin_backend ? *r->device_backend : *r->inner);
   EngineOptions options = engine_options(c, rules, cost_model, *r->pool);
+  options.names = {plugin_label(registry, PluginKind::scheduler, c.scheduler),
+                   plugin_label(registry, PluginKind::kv_allocator, c.allocator),
+                   plugin_backend ? plugin_label(registry, PluginKind::backend, c.backend)
+                                  : c.backend + " backend"};
   if (log != nullptr)
     options.on_logits = [log, replica](RequestId id, std::span<const float> row) {
       log->record(replica, id, row);
@@ -801,34 +813,26 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   std::error_code ec;
   std::filesystem::create_directories(directory, ec);
   if (ec)
-    throw Error(
+    throw WriteError(
         fmt::format("cannot create output folder {}: {}", directory.string(), ec.message()));
-  auto open = [&](const char* name) {
-    std::ofstream file(directory / name, std::ios::trunc);
-    if (!file) throw Error(fmt::format("cannot write {}", (directory / name).string()));
-    return file;
+  // Each file is made in memory and written at once: write_file checks every byte reached it.
+  auto write = [&](const char* name, const auto& fill) {
+    std::ostringstream text;
+    fill(text);
+    write_file(directory / name, text.str());
   };
-  {
-    auto f = open("requests.csv");
-    write_requests_csv(f, out);
-  }
-  {
-    auto f = open("steps.csv");
+  write("requests.csv", [&](std::ostream& f) { write_requests_csv(f, out); });
+  write("steps.csv", [&](std::ostream& f) {
     write_steps_csv(f, out, c.clock == "measured" || c.clock == "wall");
-  }
-  {
-    auto f = open("events.jsonl");
+  });
+  write("events.jsonl", [&](std::ostream& f) {
     for (const auto& event : out.engine.events) f << event_json(event) << "\n";
-  }
-  open("summary.json") << summary_json(c, out).dump(2) << "\n";
-  if (!out.answer_texts.empty()) {
-    auto f = open("outputs.jsonl");
-    write_outputs_jsonl(f, out);
-  }
-  if (c.workload.logprobs >= 0) {
-    auto f = open("logprobs.jsonl");
-    write_logprobs_jsonl(f, out);
-  }
+  });
+  write("summary.json", [&](std::ostream& f) { f << summary_json(c, out).dump(2) << "\n"; });
+  if (!out.answer_texts.empty())
+    write("outputs.jsonl", [&](std::ostream& f) { write_outputs_jsonl(f, out); });
+  if (c.workload.logprobs >= 0)
+    write("logprobs.jsonl", [&](std::ostream& f) { write_logprobs_jsonl(f, out); });
 }
 
 }  // namespace kvlab

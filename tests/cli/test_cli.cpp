@@ -83,7 +83,8 @@ TEST(Cli, BrokenModelFolder) {
   test::TempDir dir;
   test::write_file(dir / "config.json", "{\"vocab_size\": ");
   expect_failure("generate --model " + dir.path().string() + " --prompt-ids 1", "not valid JSON");
-  const RunResult init = run("model init --preset tiny --seed 1 --out " + dir.path().string());
+  const RunResult init =
+      run("model init --preset tiny --seed 1 --force --out " + dir.path().string());
   ASSERT_EQ(init.exit_code, 0) << init.output;
   test::write_file(dir / "model.safetensors", "garbage!garbage!");
   expect_failure("generate --model " + dir.path().string() + " --prompt-ids 1",

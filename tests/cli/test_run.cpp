@@ -1,9 +1,12 @@
 // kvlab run / kvlab check as a user runs them: bad files fail before anything runs, with
 // file:line:column and a suggestion; same file and seed give the same bytes; check catches a
 // broken allocator.
+#include <fcntl.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -165,34 +168,199 @@ TEST(KvlabRun, RequestsThatCannotFitAreRejectedAndCounted) {
   EXPECT_EQ(check.out.find("every finished request's tokens equal"), std::string::npos);
 }
 
-// A results folder says what made it; an earlier run is replaced only with --force; a folder
-// kvlab did not write is never cleared.
+// A results folder says what made it; an earlier run is replaced only with --force, and then
+// only the files kvlab wrote: the user's notes stay.
 TEST(KvlabRun, ResultsFolderDescribesItselfAndIsNotOverwritten) {
   test::TempDir dir;
-  const auto file = write_experiment(dir, kSmall);
+  const auto file =
+      write_experiment(dir, kSmall + "\n[[sweep]]\nkey = \"workload.requests\"\nvalues = [3, 4]\n");
   const std::string out = (dir / "o").string();
-  ASSERT_EQ(kvlab("run " + file + " --set workload.requests=3 --out " + out).exit_code, 0);
+  ASSERT_EQ(kvlab("run " + file + " --set experiment.seed=4 --out " + out).exit_code, 0);
   const auto manifest = nlohmann::json::parse(test::read_file(dir / "o" / "manifest.json"));
   EXPECT_EQ(manifest["experiment_file"], file);
-  EXPECT_EQ(manifest["overrides"][0], "workload.requests=3");
+  EXPECT_EQ(manifest["overrides"][0], "experiment.seed=4");
+  EXPECT_TRUE(manifest["failed_runs"].empty());
   EXPECT_FALSE(manifest["kvlab_commit"].get<std::string>().empty());
   EXPECT_NE(manifest["machine"].get<std::string>().find("processors"), std::string::npos);
-  EXPECT_EQ(test::read_file(dir / "o" / "experiment.toml"), kSmall);
-  EXPECT_NE(test::read_file(dir / "o" / "000" / "config.toml").find("requests = 3"),
-            std::string::npos);
+  EXPECT_NE(
+      test::read_file(dir / "o" / "000_workload.requests=3" / "config.toml").find("requests = 3"),
+      std::string::npos);
+  const auto marker = nlohmann::json::parse(test::read_file(dir / "o" / ".kvlab-results.json"));
+  EXPECT_TRUE(marker["complete"].get<bool>());
+  EXPECT_TRUE(std::any_of(marker["files"].begin(), marker["files"].end(), [](const auto& f) {
+    return f["path"] == "001_workload.requests=4/requests.csv" && f["stamp"]["bytes"] > 0;
+  }));
 
   const Result again = kvlab("run " + file + " --out " + out);
   EXPECT_EQ(again.exit_code, 1);
   EXPECT_NE(again.err.find("holds an earlier run: pass --force"), std::string::npos) << again.err;
-  test::write_file(dir / "o" / "stale.txt", "from before");
-  ASSERT_EQ(kvlab("run " + file + " --force --out " + out).exit_code, 0);
-  EXPECT_FALSE(std::filesystem::exists(dir / "o" / "stale.txt"));
+  test::write_file(dir / "o" / "NOTES.md", "my notes");
+  test::write_file(dir / "o" / "000_workload.requests=3" / "plot.png", "mine too");
+  // The rerun sweeps one point only: the earlier 001_ folder was kvlab's and goes.
+  const auto one_point = write_experiment(
+      dir, kSmall + "\n[[sweep]]\nkey = \"workload.requests\"\nvalues = [3]\n", "one.toml");
+  const Result forced = kvlab("run " + one_point + " --force --out " + out);
+  ASSERT_EQ(forced.exit_code, 0) << forced.err;
+  EXPECT_EQ(test::read_file(dir / "o" / "NOTES.md"), "my notes");
+  EXPECT_EQ(test::read_file(dir / "o" / "000_workload.requests=3" / "plot.png"), "mine too");
+  EXPECT_NE(forced.err.find("kept NOTES.md (not written by kvlab)"), std::string::npos)
+      << forced.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "o" / "001_workload.requests=4"));
+  EXPECT_TRUE(std::filesystem::exists(dir / "o" / "000_workload.requests=3" / "requests.csv"));
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_EQ(entry.path().filename().string().find(".o.kvlab"), std::string::npos)
+        << "left behind: " << entry.path();
+}
 
-  test::write_file(dir / "mine" / "notes.txt", "not kvlab's");
-  const Result foreign = kvlab("run " + file + " --force --out " + (dir / "mine").string());
-  EXPECT_EQ(foreign.exit_code, 1);
-  EXPECT_NE(foreign.err.find("not a kvlab results folder"), std::string::npos) << foreign.err;
-  EXPECT_TRUE(std::filesystem::exists(dir / "mine" / "notes.txt"));
+// Folders kvlab did not write are never cleared, whatever they hold (a web app with a
+// manifest.json, a thesis beside a runs.json), --force or not.
+TEST(KvlabRun, ForceNeverClearsAFolderWithoutTheMarker) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  test::write_file(dir / "app" / "manifest.json", "{\"name\": \"my app\"}");
+  test::write_file(dir / "app" / "index.html", "<html></html>");
+  test::write_file(dir / "thesis" / "runs.json", "[]");
+  test::write_file(dir / "thesis" / "thesis.tex", "\\documentclass{book}");
+  for (const char* folder : {"app", "thesis"}) {
+    const Result r = kvlab("run " + file + " --force --out " + (dir / folder).string());
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("holds no .kvlab-results.json (it is not a kvlab results folder"),
+              std::string::npos)
+        << r.err;
+    EXPECT_NE(r.err.find("nothing was changed"), std::string::npos) << r.err;
+  }
+  EXPECT_EQ(test::read_file(dir / "app" / "index.html"), "<html></html>");
+  EXPECT_EQ(test::read_file(dir / "thesis" / "thesis.tex"), "\\documentclass{book}");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir / "app"), {}), 2);
+}
+
+// Re-running the experiment.toml a results folder holds, into that folder: the input is read
+// before anything is replaced and is still there, byte for byte, afterwards.
+TEST(KvlabRun, ForceKeepsTheInputBeingRun) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::string out = (dir / "o").string();
+  ASSERT_EQ(kvlab("run " + file + " --out " + out).exit_code, 0);
+  const std::string input = (dir / "o" / "experiment.toml").string();
+  const Result rerun = kvlab("run " + input + " --force --out " + out);
+  ASSERT_EQ(rerun.exit_code, 0) << rerun.err;
+  EXPECT_EQ(test::read_file(input), kSmall);
+  EXPECT_NE(rerun.out.find("results: "), std::string::npos);
+  // An edited copy is the user's now (its size or time differs from what the marker lists):
+  // never replaced, and the run says where its own results went instead.
+  test::write_file(dir / "o" / "experiment.toml", kSmall + "\n# edited\n");
+  const Result edited = kvlab("run " + file + " --force --out " + out);
+  EXPECT_EQ(edited.exit_code, 1);
+  EXPECT_NE(edited.err.find("holds experiment.toml, which kvlab did not write"), std::string::npos)
+      << edited.err;
+  EXPECT_NE(edited.err.find("this run's results are in"), std::string::npos) << edited.err;
+  EXPECT_EQ(test::read_file(dir / "o" / "experiment.toml"), kSmall + "\n# edited\n");
+}
+
+// One writer per folder: a second kvlab run on a folder being written stops at once.
+TEST(KvlabRun, ASecondWriterOfAResultsFolderIsRefused) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const auto lock_path = dir / ".o.kvlab-lock";
+  const int fd = open(lock_path.c_str(), O_RDWR | O_CREAT, 0644);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(flock(fd, LOCK_EX | LOCK_NB), 0);
+  ASSERT_EQ(write(fd, "4242", 4), 4);
+  const Result second = kvlab("run " + file + " --force --out " + (dir / "o").string());
+  EXPECT_EQ(second.exit_code, 1);
+  EXPECT_NE(second.err.find("is being written by another kvlab run (pid 4242)"), std::string::npos)
+      << second.err;
+  EXPECT_EQ(second.out.find("results:"), std::string::npos);
+  EXPECT_FALSE(std::filesystem::exists(dir / "o"));
+  close(fd);
+  EXPECT_EQ(kvlab("run " + file + " --out " + (dir / "o").string()).exit_code, 0);
+  EXPECT_FALSE(std::filesystem::exists(lock_path)) << "the lock is removed with its writer";
+}
+
+// Two runs started together on one folder: one writes it, the other is refused or replaces it
+// whole (never a folder holding a mix of both, never two "results:" for one set of files).
+TEST(KvlabRun, TwoForcedRunsAtOnceLeaveOneWholeFolder) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::string out = (dir / "o").string();
+  const std::string both = fmt::format(
+      "( {0} run {1} --force --out {2} --set experiment.seed=1 > {3}/a 2>&1; echo $? > {3}/ra ) & "
+      "( {0} run {1} --force --out {2} --set experiment.seed=2 > {3}/b 2>&1; echo $? > {3}/rb ) & "
+      "wait",
+      KVLAB_BINARY, file, out, dir.path().string());
+  ASSERT_EQ(std::system(both.c_str()), 0);
+  const int a = std::stoi(test::read_file(dir / "ra")), b = std::stoi(test::read_file(dir / "rb"));
+  const std::string seed_line = test::read_file(dir / "o" / "000" / "config.toml");
+  for (const auto& [code, log] : {std::pair{a, "a"}, std::pair{b, "b"}}) {
+    const std::string text = test::read_file(dir / log);
+    if (code != 0)
+      EXPECT_NE(text.find("is being written by another kvlab run"), std::string::npos) << text;
+    else
+      EXPECT_NE(text.find("results: "), std::string::npos) << text;
+  }
+  EXPECT_TRUE(a == 0 || b == 0);
+  const auto manifest = nlohmann::json::parse(test::read_file(dir / "o" / "manifest.json"));
+  const std::string seed = manifest["overrides"][0];
+  EXPECT_NE(seed_line.find(seed.substr(seed.find('=') + 1) == "1" ? "seed = 1" : "seed = 2"),
+            std::string::npos)
+      << "the run's config and the manifest come from one run";
+}
+
+// A disk that fills (a file-size limit stands in for it on every machine): a non-zero exit with
+// the system's reason, no "results:", and the earlier results as they were.
+TEST(KvlabRun, AFullDiskLeavesTheEarlierResultsAndExitsNonZero) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::string out = (dir / "o").string();
+  ASSERT_EQ(kvlab("run " + file + " --out " + out).exit_code, 0);
+  const std::string before = test::read_file(dir / "o" / "000" / "requests.csv");
+  // dash's ulimit -f counts 512-byte blocks: 2 KiB per file, less than this requests.csv.
+  const std::string command = fmt::format(
+      "ulimit -f 4; {} run {} --set workload.requests=300 "
+      "--force --out {} > {}/out 2> {}/err",
+      KVLAB_BINARY, file, out, dir.path().string(), dir.path().string());
+  const int status = std::system(command.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  const std::string err = test::read_file(dir / "err");
+  EXPECT_NE(err.find("File too large"), std::string::npos) << err;
+  EXPECT_EQ(test::read_file(dir / "out").find("results:"), std::string::npos);
+  EXPECT_EQ(test::read_file(dir / "o" / "000" / "requests.csv"), before);
+  for (const auto& entry : std::filesystem::directory_iterator(dir.path()))
+    EXPECT_EQ(entry.path().filename().string().find(".o.kvlab"), std::string::npos)
+        << "left behind: " << entry.path();
+}
+
+// The same on a real full filesystem: a 64 KiB tmpfs (needs mount rights: root in CI).
+TEST(KvlabRun, AFullFilesystemIsAnErrorNotResults) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const auto mount_point = dir / "small";
+  std::filesystem::create_directories(mount_point);
+  const std::string mount =
+      fmt::format("mount -t tmpfs -o size=64k kvlab-test {} 2>/dev/null", mount_point.string());
+  if (std::system(mount.c_str()) != 0)
+    GTEST_SKIP() << "cannot mount a tmpfs here (needs root or CAP_SYS_ADMIN); "
+                    "AFullDiskLeavesTheEarlierResultsAndExitsNonZero covers the same path";
+  const Result r =
+      kvlab("run " + file + " --set workload.requests=2000 --out " + (mount_point / "o").string());
+  const int unmounted = std::system(("umount " + mount_point.string()).c_str());
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.err.find("No space left on device"), std::string::npos) << r.err;
+  EXPECT_EQ(r.out.find("results:"), std::string::npos);
+  EXPECT_EQ(unmounted, 0);
+}
+
+// kvlab model init writes over a model folder only with --force.
+TEST(KvlabRun, ModelInitDoesNotOverwriteWithoutForce) {
+  test::TempDir dir;
+  test::write_file(dir / "m" / "config.json", "{\"mine\": true}");
+  const Result r = kvlab("model init --preset tiny --out " + (dir / "m").string());
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("config.json exists: pass --force"), std::string::npos) << r.err;
+  EXPECT_EQ(test::read_file(dir / "m" / "config.json"), "{\"mine\": true}");
+  EXPECT_EQ(kvlab("model init --preset tiny --force --out " + (dir / "m").string()).exit_code, 0);
+  EXPECT_NE(test::read_file(dir / "m" / "config.json").find("hidden_size"), std::string::npos);
 }
 
 TEST(KvlabRun, EveryPointIsValidatedBeforeTheFirstRuns) {

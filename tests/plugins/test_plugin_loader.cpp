@@ -97,6 +97,69 @@ TEST(PluginLoader, BrokenDescriptorsAreNamed) {
   }
 }
 
+// Parameter schemas are checked at load: a plugin cannot hand the host a default it cannot read.
+TEST(PluginLoader, BrokenParameterSchemasAreNamed) {
+  const std::vector<std::string> expected{
+      "parameter \"block\"'s default 5000 is outside its range [1, 4096]",
+      "parameter \"block\"'s default \"sixteen\" is not a integer",
+      "parameter \"rate\" has the range [1, nan]: not a range",
+      "parameter \"what\" has type 9, not one kvlab knows",
+      "parameter \"name\" has a null default",
+      "it declares parameter \"ok\" twice"};
+  for (std::size_t i = 0; i < expected.size(); ++i) {
+    const std::string message =
+        load_error(kTestPlugins / fmt::format("kvlab_plugin_test_bad_descriptor_{}.so", i + 5));
+    EXPECT_NE(message.find("broken descriptor: " + expected[i]), std::string::npos) << message;
+  }
+}
+
+// A hand-written create that throws an int: one error naming the plugin, no std::terminate.
+TEST(PluginLoader, CreateThatThrowsANonStdExceptionIsReported) {
+  PluginRegistry registry({});
+  registry.load_file(kTestPlugins / "kvlab_plugin_test_bad_descriptor_11.so");
+  const std::string message = error_of<Error>(
+      [&] { (void)registry.create<PluginKind::attention_variant>("bad_descriptor", {}, {}); });
+  EXPECT_NE(message.find("attention plugin \"bad_descriptor\""), std::string::npos) << message;
+  EXPECT_NE(message.find("threw something that is not a std::exception from create"),
+            std::string::npos)
+      << message;
+}
+
+// The descriptor alias is a pointer, but null or pointing to data: calling it would crash.
+TEST(PluginLoader, DescriptorAliasThatIsNullOrPointsToDataIsRefused) {
+  EXPECT_NE(load_error(kTestPlugins / "kvlab_plugin_test_bad_alias_1.so")
+                .find("\"kvlab_plugin_descriptor\" is null"),
+            std::string::npos);
+  EXPECT_NE(load_error(kTestPlugins / "kvlab_plugin_test_bad_alias_2.so")
+                .find("points to data, not to the function KVLAB_PLUGIN exports"),
+            std::string::npos);
+}
+
+// A shipped plugin with flipped bits (every byte of its code after the ELF headers, one at a
+// time in a few places): loading it is refused with a reason or works, and never crashes kvlab.
+TEST(PluginLoader, FlippedBitsNeverCrashTheHost) {
+  test::TempDir dir;
+  const auto original = kPlugins / "kvlab_plugin_allocator_paged.so";
+  const std::string bytes = test::read_file(original);
+  ASSERT_GT(bytes.size(), 4096u);
+  int refused = 0;
+  for (std::size_t k = 0; k < 24; ++k) {
+    std::string damaged = bytes;
+    const std::size_t at = 64 + (k * 7919 * 131) % (bytes.size() - 64);
+    damaged[at] = static_cast<char>(damaged[at] ^ (1 << (k % 8)));
+    const auto file = dir / fmt::format("kvlab_plugin_damaged_{}.so", k);
+    test::write_file(file, damaged);
+    try {
+      PluginRegistry registry({});
+      registry.load_file(file);
+    } catch (const Error& e) {
+      ++refused;
+      EXPECT_NE(std::string(e.what()).find(file.string()), std::string::npos) << e.what();
+    }
+  }
+  SUCCEED() << refused << " of 24 damaged copies refused";
+}
+
 TEST(PluginLoader, AbiMismatchReportsBothVersions) {
   const std::string message = load_error(kTestPlugins / "kvlab_plugin_test_wrong_abi.so");
   EXPECT_NE(message.find("ABI version " + std::to_string(kPluginAbiVersion + 98)),

@@ -43,6 +43,11 @@ class PluginParams {
   std::map<std::string, ParamValue, std::less<>> values_;
 };
 
+// "" when the host can use `spec`; otherwise what is wrong: a null or empty name, a null
+// description or default, a type kvlab does not know, a default that does not read as its type
+// (whole text, finite), an inverted or NaN range, a default outside the range.
+std::string param_spec_problem(const ParamSpec& spec);
+
 // Checks user-given values against a schema and fills defaults. `plugin` names the plugin in
 // messages. Throws kvlab::Error: unknown parameter (with the nearest name and the list), wrong
 // type, value out of range. An integer is accepted where a real is declared.

@@ -6,6 +6,7 @@
 #include <limits>
 #include <numeric>
 
+#include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab {
@@ -24,8 +25,12 @@ RouteRecord route_one(std::span<Engine* const> replicas, Router& router, const W
   std::vector<ReplicaLoad> loads;
   loads.reserve(replicas.size());
   for (const Engine* e : replicas) loads.push_back(e->load());
-  const RouteDecision d =
-      router.route({index, w.arrival_s, w.prompt, w.output_tokens, w.priority}, loads);
+  const RouteDecision d = plugin_call(
+      "the router", index,
+      [&] {
+        return router.route({index, w.arrival_s, w.prompt, w.output_tokens, w.priority}, loads);
+      },
+      "request");
   if (d.replica >= replicas.size())
     throw Error(fmt::format("router sent request {} to replica {}, but the cluster has {}", index,
                             d.replica, replicas.size()));

@@ -7,6 +7,8 @@
 #include <limits>
 #include <optional>
 
+#include "kvlab/engine/plan_check.hpp"
+#include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab {
@@ -176,9 +178,15 @@ bool Engine::step() {
   // 1. plan, 2. apply
   (void)release_padding_after_batch();
   step_start_ = SteadyClock::now();
-  const StepPlan plan =
-      scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
-  const AppliedPlan applied = apply_plan(plan, step_, *table_, allocator_, apply_options_, log_);
+  const StepPlan plan = plugin_call(options_.names.scheduler, step_, [&] {
+    return scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
+  });
+  if (const std::string problem = plan_problem(plan, *table_); !problem.empty())
+    throw Error(fmt::format("step {}: {} returned a plan that {}", step_, options_.names.scheduler,
+                            problem));
+  const AppliedPlan applied = plugin_call<PluginErrors::non_kvlab>(
+      options_.names.allocator, step_,
+      [&] { return apply_plan(plan, step_, *table_, allocator_, apply_options_, log_); });
   const bool fragmentation_blocked = admission_blocked_by_fragmentation(plan);
   if (applied.batch.empty()) {
     // Preemption emptied a padded static batch: free its padding and plan again.
@@ -260,7 +268,8 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
   forwarded_entries_ = batch.size();
   draw_token_choices(applied, batch.size());
   const auto start = SteadyClock::now();
-  const std::span<const float> logits = backend_.forward(batch);
+  const std::span<const float> logits = plugin_call<PluginErrors::non_kvlab>(
+      options_.names.backend, step_, [&] { return backend_.forward(batch); });
   const auto end = SteadyClock::now();
   record.step = step_;
   record.start_s = clock_->now();

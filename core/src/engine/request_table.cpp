@@ -30,6 +30,7 @@ RequestId RequestTable::add(const WorkloadRequest& w) {
   SamplingParams& sampling = sampling_.emplace_back(w.sampling);
   sampling.max_tokens = static_cast<std::int32_t>(w.output_tokens);
   ignore_eos_.push_back(w.sampling.ignore_eos);
+  arrived_flags_.push_back(false);
   samplers_.emplace_back();
   submitted_.push_back(&w);
   arrival_order_.push_back(id);
@@ -57,6 +58,7 @@ std::optional<RequestId> RequestTable::next_arrival() const {
 
 RequestId RequestTable::arrive() {
   const RequestId id = arrival_order_.at(arrived_++);
+  arrived_flags_[index(id)] = true;
   RequestState& r = at(id);
   r.tokens = submitted_[index(id)]->prompt;
   samplers_[index(id)].emplace(sampling_[index(id)]);

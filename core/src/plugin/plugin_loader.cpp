@@ -4,7 +4,12 @@
 
 #include <dlfcn.h>
 #include <elf.h>
+#include <fcntl.h>
 #include <link.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <boost/dll/runtime_symbol_info.hpp>
@@ -108,15 +113,136 @@ std::string descriptor_symbol_problem(const void* address) {
   return "";
 }
 
-// Every field the host reads, checked before it reads them.
+std::string descriptor_problem(const PluginDescriptor& d);
+
+// Whether `address` lies in an executable segment of the loaded object based at `base`.
+bool in_executable_segment(const void* base, const void* address) {
+  struct Query {
+    std::uintptr_t base, address;
+    bool found = false, executable = false;
+  } query{reinterpret_cast<std::uintptr_t>(base), reinterpret_cast<std::uintptr_t>(address)};
+  dl_iterate_phdr(
+      [](dl_phdr_info* info, std::size_t, void* data) {
+        auto* q = static_cast<Query*>(data);
+        for (int i = 0; i < info->dlpi_phnum; ++i) {
+          const ElfW(Phdr)& segment = info->dlpi_phdr[i];
+          const std::uintptr_t start = info->dlpi_addr + segment.p_vaddr;
+          if (segment.p_type != PT_LOAD || q->address < start ||
+              q->address >= start + segment.p_memsz)
+            continue;
+          q->found = true;
+          q->executable =
+              (segment.p_flags & PF_X) != 0 && (info->dlpi_addr == q->base || start == q->base);
+          return 1;
+        }
+        return 0;
+      },
+      &query);
+  return query.found && query.executable;
+}
+
+// The function the descriptor alias points to, or why it cannot be called: it must be code of
+// the same library (a null alias, or one pointing to data, would crash the call).
+std::string alias_target_problem(const void* alias_address, const void* target) {
+  if (target == nullptr) return "is null";
+  Dl_info alias_info{};
+  if (dladdr(alias_address, &alias_info) == 0) return "cannot be inspected";
+  if (!in_executable_segment(alias_info.dli_fbase, target))
+    return "points to data, not to the function KVLAB_PLUGIN exports";
+  return "";
+}
+
+// In a child process: loads `file` and reads its descriptor as load_file will.
+void probe_one(const std::filesystem::path& file) {
+  void* handle = dlopen(file.c_str(), RTLD_LAZY | RTLD_LOCAL);
+  if (handle == nullptr) return;  // the parent reports dlopen's reason
+  const void* alias = dlsym(handle, kDescriptorSymbol);
+  if (alias == nullptr || !descriptor_symbol_problem(alias).empty()) return;
+  const void* target = nullptr;
+  std::memcpy(&target, alias, sizeof(target));
+  if (!alias_target_problem(alias, target).empty()) return;
+  using DescriptorFunction = const PluginDescriptor*();
+  const PluginDescriptor* d = reinterpret_cast<DescriptorFunction*>(const_cast<void*>(target))();
+  if (d == nullptr || d->abi_version != kPluginAbiVersion ||
+      d->abi_fingerprint != kPluginAbiFingerprint)
+    return;
+  (void)descriptor_problem(*d);  // reads every field and string the host reads
+}
+
+// Loads each file in a child process first, one child for all of them: a damaged library
+// (flipped bits, a crashing or hanging static initializer, a descriptor whose strings point
+// nowhere) kills the child, not kvlab. The child says which file it starts on through a pipe;
+// after a crash the files left are probed by a new child. Returns each file's problem ("" for
+// none; a file that cannot be probed at all gets "", and the in-process checks still run).
+std::vector<std::string> probe_in_child(const std::vector<std::filesystem::path>& files,
+                                        std::size_t first = 0) {
+  std::vector<std::string> problems(files.size());
+  if (first >= files.size()) return problems;
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return problems;
+  std::fflush(nullptr);
+  const pid_t child = fork();
+  if (child < 0) {
+    close(fds[0]);
+    close(fds[1]);
+    return problems;
+  }
+  if (child == 0) {
+    close(fds[0]);
+    for (std::size_t i = first; i < files.size(); ++i) {
+      if (write(fds[1], &i, sizeof(i)) != sizeof(i)) _exit(1);
+      probe_one(files[i]);
+    }
+    _exit(0);
+  }
+  close(fds[1]);
+  constexpr int kTimeoutMs = 20000;  // per file
+  std::size_t started = first;
+  bool hung = false;
+  for (pollfd p{fds[0], POLLIN, 0};;) {
+    const int ready = poll(&p, 1, kTimeoutMs);
+    if (ready == 0) {
+      hung = true;
+      kill(child, SIGKILL);
+      break;
+    }
+    std::size_t index = 0;
+    if (ready < 0 || read(fds[0], &index, sizeof(index)) != sizeof(index)) break;  // done
+    started = index;
+  }
+  close(fds[0]);
+  int status = 0;
+  waitpid(child, &status, 0);
+  if (!hung && !WIFSIGNALED(status)) return problems;
+  problems[started] =
+      hung ? fmt::format(
+                 "loading it did not finish within {} s (a static initializer that "
+                 "hangs?)",
+                 kTimeoutMs / 1000)
+           : fmt::format(
+                 "loading it crashed a test process (signal {}: {}): the file is damaged "
+                 "or its descriptor points to memory it does not own",
+                 WTERMSIG(status), strsignal(WTERMSIG(status)));
+  std::vector<std::string> rest = probe_in_child(files, started + 1);
+  for (std::size_t i = started + 1; i < files.size(); ++i) problems[i] = std::move(rest[i]);
+  return problems;
+}
+
 std::string descriptor_problem(const PluginDescriptor& d) {
   if (d.name == nullptr || d.name[0] == '\0') return "its name is null or empty";
   if (d.description == nullptr) return "its description is null";
   if (d.create == nullptr || d.destroy == nullptr) return "its create or destroy function is null";
   if (d.param_count > 0 && d.params == nullptr)
     return fmt::format("its params are null but param_count is {}", d.param_count);
-  for (std::size_t i = 0; i < d.param_count; ++i)
+  if (d.param_count > 1024)
+    return fmt::format("its param_count is {} (at most 1024)", d.param_count);
+  for (std::size_t i = 0; i < d.param_count; ++i) {
     if (d.params[i].name == nullptr) return fmt::format("its parameter {} has no name", i);
+    if (std::string problem = param_spec_problem(d.params[i]); !problem.empty()) return problem;
+    for (std::size_t j = 0; j < i; ++j)
+      if (std::strcmp(d.params[i].name, d.params[j].name) == 0)
+        return fmt::format("it declares parameter \"{}\" twice", d.params[i].name);
+  }
   switch (d.kind) {
     case PluginKind::kv_allocator:
     case PluginKind::attention_variant:
@@ -142,7 +268,8 @@ PluginRegistry::PluginRegistry(const std::vector<std::filesystem::path>& directo
         files.push_back(entry.path());
     }
     std::sort(files.begin(), files.end());
-    for (const auto& file : files) load_file(file);
+    const std::vector<std::string> problems = probe_in_child(files);
+    for (std::size_t i = 0; i < files.size(); ++i) load_probed_file(files[i], problems[i]);
   }
 }
 
@@ -170,6 +297,13 @@ std::vector<std::filesystem::path> PluginRegistry::default_search_path() {
 
 void PluginRegistry::load_file(const std::filesystem::path& file) {
   std::error_code ec;
+  const auto canonical = std::filesystem::canonical(file, ec);
+  load_probed_file(file, ec ? "" : probe_in_child({canonical}).front());
+}
+
+void PluginRegistry::load_probed_file(const std::filesystem::path& file,
+                                      const std::string& probe_problem) {
+  std::error_code ec;
   if (!std::filesystem::exists(file, ec))
     throw Error(fmt::format("plugin file {} does not exist", file.string()));
   const auto canonical = std::filesystem::canonical(file, ec);
@@ -179,6 +313,8 @@ void PluginRegistry::load_file(const std::filesystem::path& file) {
 
   if (const std::string problem = elf_problem(canonical); !problem.empty())
     throw Error(fmt::format("cannot load plugin {}: {}", file.string(), problem));
+  if (!probe_problem.empty())
+    throw Error(fmt::format("cannot load plugin {}: {}", file.string(), probe_problem));
   auto library = std::make_shared<boost::dll::shared_library>();
   boost::dll::fs::error_code load_error;
   library->load(canonical, boost::dll::load_mode::rtld_lazy | boost::dll::load_mode::rtld_local,
@@ -196,8 +332,15 @@ void PluginRegistry::load_file(const std::filesystem::path& file) {
       !problem.empty())
     throw Error(fmt::format("{} is not a kvlab plugin: \"{}\" {}", file.string(), kDescriptorSymbol,
                             problem));
+  const void* alias = &library->get<const char>(kDescriptorSymbol);
+  const void* target = nullptr;
+  std::memcpy(&target, alias, sizeof(target));
+  if (const std::string problem = alias_target_problem(alias, target); !problem.empty())
+    throw Error(fmt::format("{} is not a kvlab plugin: \"{}\" {}", file.string(), kDescriptorSymbol,
+                            problem));
   using DescriptorFunction = const PluginDescriptor*();
-  const PluginDescriptor* descriptor = library->get_alias<DescriptorFunction>(kDescriptorSymbol)();
+  const PluginDescriptor* descriptor =
+      reinterpret_cast<DescriptorFunction*>(const_cast<void*>(target))();
   if (descriptor == nullptr)
     throw Error(fmt::format("plugin {}: descriptor is null", file.string()));
   if (descriptor->abi_version != kPluginAbiVersion)
@@ -252,7 +395,17 @@ void* PluginRegistry::create_raw(const PluginInfo& info,
                                  const PluginContext& context) const {
   const PluginParams validated = validate_plugin_params(info.name, info.params, params);
   char error[1024] = {};
-  void* object = info.descriptor->create(validated, context, error, sizeof(error));
+  void* object = nullptr;
+  try {  // KVLAB_PLUGIN's create catches everything; a hand-written descriptor may not
+    object = info.descriptor->create(validated, context, error, sizeof(error) - 1);
+  } catch (const std::exception& e) {
+    throw Error(fmt::format("{} plugin \"{}\" ({}) threw from create: {}",
+                            plugin_kind_name(info.kind), info.name, info.file.string(), e.what()));
+  } catch (...) {
+    throw Error(fmt::format(
+        "{} plugin \"{}\" ({}) threw something that is not a std::exception from create",
+        plugin_kind_name(info.kind), info.name, info.file.string()));
+  }
   if (object == nullptr)
     throw Error(fmt::format("{} plugin \"{}\" ({}) could not be created: {}",
                             plugin_kind_name(info.kind), info.name, info.file.string(),

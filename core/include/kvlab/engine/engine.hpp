@@ -45,6 +45,11 @@ struct EngineOptions {
   std::function<void(RequestId, std::span<const float>)> on_logits;
   // Called with each token as soon as it is chosen (streaming), before the stop rules apply.
   std::function<void(RequestId, std::int32_t)> on_token;
+  // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
+  struct PluginNames {
+    std::string scheduler = "the scheduler", allocator = "the KV allocator",
+                backend = "the backend";
+  } names;
 };
 
 struct StepRecord {

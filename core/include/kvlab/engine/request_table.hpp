@@ -38,6 +38,8 @@ class RequestTable {
   // (SamplingParams::logprobs >= 0); empty for the others.
   std::vector<GeneratedLogprobs>& logprobs(RequestId id) { return logprobs_[index(id)]; }
   bool ignores_eos(RequestId id) const { return ignore_eos_[index(id)]; }
+  // Arrived (a scheduler has been shown it), whatever its state now.
+  bool has_arrived(RequestId id) const { return arrived_flags_[index(id)]; }
 
   // Waiting and swapped requests by (arrival, id); running requests by admission.
   std::span<const RequestState* const> waiting() const;
@@ -77,6 +79,7 @@ class RequestTable {
   std::vector<std::optional<Sampler>> samplers_;  // made on arrival, dropped when done
   std::vector<SamplingParams> sampling_;
   std::vector<bool> ignore_eos_;
+  std::vector<bool> arrived_flags_;
   std::vector<RequestId> arrival_order_;
   std::size_t arrived_ = 0, done_ = 0;
   // Admissions leave their entries in waiting_ until the next read (one pass per step instead of

@@ -87,6 +87,8 @@ class PluginRegistry {
   }
 
  private:
+  // load_file, with what loading the file in a child process showed ("" for nothing wrong).
+  void load_probed_file(const std::filesystem::path& file, const std::string& probe_problem);
   void* create_raw(const PluginInfo& info,
                    const std::map<std::string, ParamValue, std::less<>>& params,
                    const PluginContext& context) const;

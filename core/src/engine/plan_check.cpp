@@ -1,0 +1,108 @@
+#include "kvlab/engine/plan_check.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace kvlab {
+namespace {
+
+const char* status_name(const RequestState& r) {
+  switch (r.status) {
+    case RequestStatus::waiting:
+      return "waiting";
+    case RequestStatus::running:
+      return "running";
+    case RequestStatus::swapped:
+      return "swapped";
+    case RequestStatus::finished:
+      return "finished";
+    case RequestStatus::rejected:
+      return "rejected";
+  }
+  return "in an unknown state";
+}
+
+// Why `id` cannot be named by a plan, or "" with `r` set to its state.
+std::string lookup(const RequestTable& table, RequestId id, const RequestState*& r) {
+  if (id < 0 || static_cast<std::size_t>(id) >= table.size())
+    return fmt::format("request {} does not exist (ids are 0 .. {})", id,
+                       static_cast<std::int64_t>(table.size()) - 1);
+  r = &table.at(id);
+  if (r->is_waiting() && !table.has_arrived(id))
+    return fmt::format("request {} has not arrived yet", id);
+  return "";
+}
+
+// The first id listed twice, if any.
+std::string duplicate(std::vector<RequestId> ids, const char* list) {
+  std::sort(ids.begin(), ids.end());
+  const auto twice = std::adjacent_find(ids.begin(), ids.end());
+  return twice == ids.end() ? "" : fmt::format("lists request {} twice in {}", *twice, list);
+}
+
+std::string preemption_problem(const Preemption& p, const RequestTable& table) {
+  const RequestState* r = nullptr;
+  if (std::string problem = lookup(table, p.id, r); !problem.empty()) return "preempts " + problem;
+  if (r->status != RequestStatus::running)
+    return fmt::format("preempts request {}, which is {}, not running", p.id, status_name(*r));
+  if (p.mode != PreemptMode::recompute && p.mode != PreemptMode::swap)
+    return fmt::format("preempts request {} with mode {}, neither recompute (0) nor swap (1)", p.id,
+                       static_cast<int>(p.mode));
+  return "";
+}
+
+std::string work_problem(const Work& w, const RequestTable& table,
+                         const std::vector<RequestId>& preempted) {
+  const RequestState* r = nullptr;
+  if (std::string problem = lookup(table, w.id, r); !problem.empty())
+    return "gives work to " + problem;
+  if (!r->is_waiting() && r->status != RequestStatus::running)
+    return fmt::format("gives work to request {}, which is {}", w.id, status_name(*r));
+  if (std::binary_search(preempted.begin(), preempted.end(), w.id))
+    return fmt::format("gives work to request {}, which it preempts in the same plan", w.id);
+  if (w.new_tokens < 1 || w.new_tokens > r->new_tokens())
+    return fmt::format("gives request {} {} new tokens; it has {} without KV (1 .. {} allowed)",
+                       w.id, w.new_tokens, r->new_tokens(), r->new_tokens());
+  return "";
+}
+
+std::string deferral_problem(const Deferral& d, const RequestTable& table,
+                             const std::vector<RequestId>& worked) {
+  const RequestState* r = nullptr;
+  if (std::string problem = lookup(table, d.id, r); !problem.empty()) return "defers " + problem;
+  if (!r->is_waiting())
+    return fmt::format("defers request {}, which is {}, not waiting", d.id, status_name(*r));
+  if (std::binary_search(worked.begin(), worked.end(), d.id))
+    return fmt::format("defers request {} and gives it work in the same plan", d.id);
+  if (d.reason.size() > kMaxDeferralReason || (d.reason.data() == nullptr && !d.reason.empty()))
+    return fmt::format("defers request {} with a reason of {} bytes (at most {})", d.id,
+                       d.reason.size(), kMaxDeferralReason);
+  return "";
+}
+
+}  // namespace
+
+std::string plan_problem(const StepPlan& plan, const RequestTable& table) {
+  std::vector<RequestId> preempted, worked, deferred;
+  for (const Preemption& p : plan.preempt) {
+    if (std::string problem = preemption_problem(p, table); !problem.empty()) return problem;
+    preempted.push_back(p.id);
+  }
+  if (std::string problem = duplicate(preempted, "preempt"); !problem.empty()) return problem;
+  std::sort(preempted.begin(), preempted.end());
+  for (const Work& w : plan.work) {
+    if (std::string problem = work_problem(w, table, preempted); !problem.empty()) return problem;
+    worked.push_back(w.id);
+  }
+  if (std::string problem = duplicate(worked, "work"); !problem.empty()) return problem;
+  std::sort(worked.begin(), worked.end());
+  for (const Deferral& d : plan.deferred) {
+    if (std::string problem = deferral_problem(d, table, worked); !problem.empty()) return problem;
+    deferred.push_back(d.id);
+  }
+  return duplicate(deferred, "deferred");
+}
+
+}  // namespace kvlab
