@@ -164,7 +164,7 @@ void run_generate(const GenerateOptions& o) {
     throw Error(
         fmt::format("--preset takes a preset name; \"{}\" is a folder (use --model)", o.preset));
   TokenizerLookup lookup;
-  if (!source.is_preset()) lookup = find_tokenizer(source.directory);
+  if (!source.is_preset()) lookup = find_tokenizer(source.directory, source.config.vocab_size);
   const Tokenizer* tokenizer = lookup.tokenizer.get();
   const Prompt prompt = build_prompt(o, source, lookup);
   check_prompt(prompt.ids, source.config);

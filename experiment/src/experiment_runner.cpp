@@ -234,7 +234,7 @@ RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model
         fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "
                     "preset (random weights, no tokenizer)",
                     c.model));
-  TokenizerLookup lookup = find_tokenizer(source.directory);
+  TokenizerLookup lookup = find_tokenizer(source.directory, model.vocab_size);
   if (!lookup.tokenizer) throw Error(fmt::format("workload.prompts: {}", lookup.why_not));
   const Tokenizer& tokenizer = *lookup.tokenizer;
   std::optional<ChatTemplate> chat;

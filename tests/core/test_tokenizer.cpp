@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 #include <sentencepiece_trainer.h>
 
+#include <map>
 #include <nlohmann/json.hpp>
+#include <random>
 
 #include "kvlab/error.hpp"
 #include "kvlab/model/chat_template.hpp"
@@ -100,6 +102,75 @@ TEST_P(BpeFamily, GgufMetadataEqualsHuggingFaceTokenizers) {
 
 INSTANTIATE_TEST_SUITE_P(Families, BpeFamily,
                          ::testing::Values("gpt2", "smollm", "llama3", "qwen2"));
+
+// The merge rule as written: rescan every adjacent pair, merge the lowest rank (leftmost among
+// equals), repeat. O(n^2); kvlab's heap must give exactly its result on any piece.
+std::vector<std::int32_t> quadratic_bpe(const nlohmann::json& model, const std::string& piece) {
+  std::map<std::string, int> rank;
+  for (std::size_t r = 0; r < model["merges"].size(); ++r) {
+    const auto& m = model["merges"][r];
+    rank.emplace(m.is_array() ? m[0].get<std::string>() + " " + m[1].get<std::string>()
+                              : m.get<std::string>(),
+                 static_cast<int>(r));
+  }
+  std::vector<std::string> symbols;
+  for (char c : piece) symbols.emplace_back(1, c);  // ASCII letters map to themselves
+  while (symbols.size() > 1) {
+    int best = -1;
+    std::size_t at = 0;
+    for (std::size_t i = 0; i + 1 < symbols.size(); ++i)
+      if (auto it = rank.find(symbols[i] + " " + symbols[i + 1]);
+          it != rank.end() && (best < 0 || it->second < best))
+        best = it->second, at = i;
+    if (best < 0) break;
+    symbols[at] += symbols[at + 1];
+    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+  }
+  std::vector<std::int32_t> ids;
+  for (const auto& symbol : symbols) ids.push_back(model["vocab"][symbol].get<std::int32_t>());
+  return ids;
+}
+
+TEST(Tokenizer, LongPiecesMergeAsTheRuleSays) {
+  const auto file = kTokenizerFixtures / "gpt2.tokenizer.json";
+  const auto json = nlohmann::json::parse(test::read_file(file));
+  const auto tokenizer = open_tokenizer_json(file);
+  std::mt19937 rng(5);
+  const std::string letters = "thequickbrownfoxjumpsoverlazydgaeiou";
+  std::vector<std::string> pieces{std::string(5000, 'a'), std::string(4001, 'e')};
+  for (int n : {1, 2, 7, 300, 3000}) {
+    std::string piece;
+    for (int i = 0; i < n; ++i) piece += letters[rng() % letters.size()];
+    pieces.push_back(piece);
+  }
+  for (const auto& piece : pieces) {
+    const auto ids = tokenizer->encode(piece);
+    EXPECT_EQ(ids, quadratic_bpe(json["model"], piece)) << piece.substr(0, 40);
+    EXPECT_EQ(tokenizer->decode(ids), piece);
+  }
+}
+
+// An added token past the model's embedding (16,777,000 for 1,000 rows crashed the forward):
+// refused when the tokenizer is found for that model, with both numbers.
+TEST(Tokenizer, IdsPastTheEmbeddingAreRefusedAtLoad) {
+  test::TempDir dir;
+  auto json = nlohmann::json::parse(test::read_file(kTokenizerFixtures / "gpt2.tokenizer.json"));
+  json["added_tokens"].push_back({{"id", 16777000},
+                                  {"content", "<|far|>"},
+                                  {"single_word", false},
+                                  {"lstrip", false},
+                                  {"rstrip", false},
+                                  {"normalized", false},
+                                  {"special", true}});
+  test::write_file(dir / "tokenizer.json", json.dump());
+  EXPECT_NE(find_tokenizer(dir.path()).tokenizer, nullptr);  // no model to hold it to
+  test::expect_error_containing(
+      [&] { find_tokenizer(dir.path(), 1001); },
+      {dir.path().string(), "ids go up to 16777000 (its vocabulary)", "embedding has 1001 rows"});
+  json["added_tokens"].back()["id"] = 1000;  // the last row of a 1,001-row embedding
+  test::write_file(dir / "tokenizer.json", json.dump());
+  EXPECT_EQ(find_tokenizer(dir.path(), 1001).tokenizer->vocab_size(), 1001);
+}
 
 TEST(Tokenizer, BosComesFromThePostProcessorOrTheGgufFlag) {
   const auto json = open_tokenizer_json(kTokenizerFixtures / "llama3.tokenizer.json");

@@ -11,7 +11,9 @@
 #include <algorithm>
 #include <array>
 #include <cstdlib>
+#include <functional>
 #include <limits>
+#include <queue>
 #include <string_view>
 #include <unordered_map>
 
@@ -242,36 +244,70 @@ std::int32_t ByteLevelBpe::vocabulary_id(const std::string& symbol) const {
       "{}: the piece \"{}\" has no token and the tokenizer has no unknown token", origin_, symbol));
 }
 
-// One pre-tokenized piece: bytes -> alphabet symbols -> merges -> ids.
+// One pre-tokenized piece: bytes -> alphabet symbols -> merges -> ids. Merges go lowest rank
+// first, leftmost first among equal ranks, as a linked list of symbols (each a range of the
+// mapped piece) and a min-heap of adjacent pairs: O(n log n) in the piece's length, where
+// rescanning every pair after each merge was O(n^2) (llama.cpp's llm_tokenizer_bpe and HF
+// tokenizers' word merges work the same way). A popped pair whose symbols changed is stale.
 void ByteLevelBpe::encode_piece(std::string_view piece, std::vector<std::int32_t>& ids) const {
-  std::vector<std::string> symbols;
+  std::string mapped;  // the piece in the byte alphabet: symbols are ranges of it
+  mapped.reserve(2 * piece.size());
+  struct Symbol {
+    std::size_t start = 0, length = 0;
+    std::ptrdiff_t prev = -1, next = -1;
+  };
+  std::vector<Symbol> symbols;
   symbols.reserve(piece.size());
-  for (unsigned char byte : piece) symbols.push_back(alphabet_[byte]);
-  if (ignore_merges_) {
-    std::string whole;
-    for (const auto& s : symbols) whole += s;
-    if (const auto found = vocab_.find(whole); found != vocab_.end()) {
+  for (unsigned char byte : piece) {
+    const auto n = static_cast<std::ptrdiff_t>(symbols.size());
+    symbols.push_back({mapped.size(), alphabet_[byte].size(), n - 1,
+                       n + 1 < static_cast<std::ptrdiff_t>(piece.size()) ? n + 1 : -1});
+    mapped += alphabet_[byte];
+  }
+  auto text = [&](const Symbol& s) { return std::string_view(mapped).substr(s.start, s.length); };
+  if (ignore_merges_)
+    if (const auto found = vocab_.find(mapped); found != vocab_.end()) {
       ids.push_back(found->second);
       return;
     }
-  }
+  struct Pair {
+    std::int32_t rank;
+    std::size_t left;    // index of the left symbol (its start orders equal ranks, left first)
+    std::size_t length;  // left + right length when pushed: differs once either merged again
+    bool operator>(const Pair& o) const { return rank != o.rank ? rank > o.rank : left > o.left; }
+  };
+  std::priority_queue<Pair, std::vector<Pair>, std::greater<>> heap;
   std::string key;
-  while (symbols.size() > 1) {
-    std::int32_t best_rank = std::numeric_limits<std::int32_t>::max();
-    std::size_t best = 0;
-    for (std::size_t i = 0; i + 1 < symbols.size(); ++i) {
-      key.assign(symbols[i]).append(" ").append(symbols[i + 1]);
-      const auto rank = merge_rank_.find(key);
-      if (rank != merge_rank_.end() && rank->second < best_rank) {
-        best_rank = rank->second;
-        best = i;
-      }
-    }
-    if (best_rank == std::numeric_limits<std::int32_t>::max()) break;
-    symbols[best] += symbols[best + 1];
-    symbols.erase(symbols.begin() + static_cast<std::ptrdiff_t>(best) + 1);
+  auto push_pair = [&](std::ptrdiff_t left) {
+    if (left < 0 || symbols[static_cast<std::size_t>(left)].next < 0) return;
+    const Symbol& l = symbols[static_cast<std::size_t>(left)];
+    const Symbol& r = symbols[static_cast<std::size_t>(l.next)];
+    key.assign(text(l)).append(" ").append(text(r));
+    if (const auto rank = merge_rank_.find(key); rank != merge_rank_.end())
+      heap.push({rank->second, static_cast<std::size_t>(left), l.length + r.length});
+  };
+  for (std::size_t i = 0; i + 1 < symbols.size(); ++i) push_pair(static_cast<std::ptrdiff_t>(i));
+  while (!heap.empty()) {
+    const Pair pair = heap.top();
+    heap.pop();
+    Symbol& left = symbols[pair.left];
+    if (left.length == 0 || left.next < 0) continue;  // merged into its left neighbour, or last
+    Symbol& right = symbols[static_cast<std::size_t>(left.next)];
+    if (left.length + right.length != pair.length) continue;  // either grew since: stale
+    left.length += right.length;                              // the ranges are adjacent in `mapped`
+    right.length = 0;
+    left.next = right.next;
+    if (left.next >= 0)
+      symbols[static_cast<std::size_t>(left.next)].prev = static_cast<std::ptrdiff_t>(pair.left);
+    push_pair(left.prev);
+    push_pair(static_cast<std::ptrdiff_t>(pair.left));
   }
-  for (const auto& symbol : symbols) ids.push_back(vocabulary_id(symbol));
+  std::string symbol;
+  for (std::ptrdiff_t i = symbols.empty() ? -1 : 0; i >= 0;
+       i = symbols[static_cast<std::size_t>(i)].next) {
+    symbol.assign(text(symbols[static_cast<std::size_t>(i)]));
+    ids.push_back(vocabulary_id(symbol));
+  }
 }
 
 std::vector<std::int32_t> ByteLevelBpe::encode(std::string_view text) const {

@@ -136,7 +136,26 @@ std::string folder_chat_template(const std::filesystem::path& folder) {
 
 }  // namespace
 
-TokenizerLookup find_tokenizer(const std::filesystem::path& model_path) {
+namespace {
+
+void check_fits_embedding(const Tokenizer& tokenizer, std::int64_t rows,
+                          const std::filesystem::path& model_path) {
+  std::string what;
+  std::int64_t id = -1;
+  if (tokenizer.vocab_size() > rows)
+    what = "its vocabulary", id = tokenizer.vocab_size() - 1;
+  else if (tokenizer.bos_id() && *tokenizer.bos_id() >= rows)
+    what = "its BOS token", id = *tokenizer.bos_id();
+  else if (tokenizer.eos_id() && *tokenizer.eos_id() >= rows)
+    what = "its EOS token", id = *tokenizer.eos_id();
+  if (!what.empty())
+    throw Error(fmt::format(
+        "{}: the tokenizer's ids go up to {} ({}), but the model's embedding has {} rows "
+        "(vocab_size): a tokenizer for another model?",
+        model_path.string(), id, what, rows));
+}
+
+TokenizerLookup find_any_tokenizer(const std::filesystem::path& model_path) {
   namespace fs = std::filesystem;
   if (model_path.extension() == ".gguf") return find_gguf_tokenizer(model_path);
   TokenizerLookup lookup;
@@ -148,6 +167,16 @@ TokenizerLookup find_tokenizer(const std::filesystem::path& model_path) {
   else
     lookup.why_not =
         fmt::format("{} has no tokenizer.model or tokenizer.json", model_path.string());
+  return lookup;
+}
+
+}  // namespace
+
+TokenizerLookup find_tokenizer(const std::filesystem::path& model_path,
+                               std::int64_t embedding_rows) {
+  TokenizerLookup lookup = find_any_tokenizer(model_path);
+  if (lookup.tokenizer && embedding_rows > 0)
+    check_fits_embedding(*lookup.tokenizer, embedding_rows, model_path);
   return lookup;
 }
 

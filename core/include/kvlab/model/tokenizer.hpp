@@ -61,7 +61,11 @@ struct TokenizerLookup {
   // chat_template), empty when it has none; see chat_template.hpp.
   std::string chat_template;
 };
-TokenizerLookup find_tokenizer(const std::filesystem::path& model_path);
+// With `embedding_rows` > 0 (the model's vocab_size), a tokenizer that can produce an id the
+// embedding has no row for (its vocabulary, an added token, BOS or EOS) is a kvlab::Error
+// naming both numbers: the forward would read past the embedding.
+TokenizerLookup find_tokenizer(const std::filesystem::path& model_path,
+                               std::int64_t embedding_rows = 0);
 
 std::unique_ptr<Tokenizer> open_sentencepiece_tokenizer(const std::filesystem::path& file);
 // A Hugging Face tokenizer.json whose model is byte-level BPE. Throws kvlab::Error naming the
