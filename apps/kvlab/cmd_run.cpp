@@ -428,7 +428,8 @@ int run_all(const RunOptions& o, bool check) {
     if (ranks.rank() != 0) return 0;
     if (!check) write_carried_files(runs, records, out_dir);
     const Report r = report(check, ranks.size(), runs, std::move(records));
-    if (!check) finish_results(*folder, r, o, experiment_text, runs.size(), ranks.size());
+    if (!check && !r.index.empty())  // a folder of failed runs only is not written at all
+      finish_results(*folder, r, o, experiment_text, runs.size(), ranks.size());
     return r.exit_code;
   } catch (const std::exception& e) {  // not one run's error: the job cannot finish
     if (ranks.size() == 1) throw;

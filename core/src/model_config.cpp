@@ -294,10 +294,12 @@ void dimension_problems(const ModelConfig& c, const Reported& reported,
 // RMSNorm's epsilon, RoPE's base and its scaling.
 void norm_and_rope_problems(const ModelConfig& c, const Reported& reported,
                             std::vector<std::string>& problems) {
-  if (!(c.rms_norm_eps > 0) && !reported("rms_norm_eps"))
-    problems.push_back(fmt::format("\"rms_norm_eps\" must be positive, got {}", c.rms_norm_eps));
-  if (!(c.rope_theta > 0) && !reported("rope_theta"))
-    problems.push_back(fmt::format("\"rope_theta\" must be positive, got {}", c.rope_theta));
+  if (!(c.rms_norm_eps > 0 && std::isfinite(c.rms_norm_eps)) && !reported("rms_norm_eps"))
+    problems.push_back(
+        fmt::format("\"rms_norm_eps\" must be positive and finite, got {}", c.rms_norm_eps));
+  if (!(c.rope_theta > 0 && std::isfinite(c.rope_theta)) && !reported("rope_theta"))
+    problems.push_back(
+        fmt::format("\"rope_theta\" must be positive and finite, got {}", c.rope_theta));
   const RopeScaling& rope = c.rope_scaling;
   if (rope.type != RopeScaling::Type::none && !(rope.factor > 0 && std::isfinite(rope.factor)))
     problems.push_back(fmt::format("RoPE scaling factor must be positive, got {}", rope.factor));

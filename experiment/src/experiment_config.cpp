@@ -1,7 +1,9 @@
 // Parsing and validating experiment files (toml++): every key is known, every value typed,
 // every problem reported as file:line:column with a suggestion, before anything runs.
 #include <fmt/format.h>
+
 #include <fmt/ranges.h>
+#include <cmath>
 
 #include <toml++/toml.h>
 #include <algorithm>
@@ -287,8 +289,9 @@ void parse_azure_trace(Section& workload, ExperimentConfig& c) {
   a.duration_s = s.get<double>("duration_s").value_or(0);
   a.rate_scale = s.get<double>("rate_scale").value_or(1.0);
   a.max_requests = s.get_int<std::int64_t>("max_requests", 0, kMaxRequests).value_or(0);
-  if (!(a.start_s >= 0) || !(a.duration_s >= 0) || !(a.rate_scale > 0))
-    s.fail(*table, "workload.azure_trace: start_s, duration_s >= 0 and rate_scale > 0");
+  if (!(a.start_s >= 0) || !(a.duration_s >= 0) || !(a.rate_scale > 0) ||
+      !std::isfinite(a.start_s) || !std::isfinite(a.duration_s) || !std::isfinite(a.rate_scale))
+    s.fail(*table, "workload.azure_trace: start_s, duration_s >= 0 and rate_scale > 0, finite");
   s.finish();
 }
 

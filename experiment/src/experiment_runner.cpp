@@ -282,6 +282,10 @@ RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, 
     spec.vocab_size = model.vocab_size;
     w.requests = generate_workload(spec);
   }
+  check_arrival_times(w.requests, !c.trace.empty()         ? c.trace
+                                  : !c.azure_trace.empty() ? c.azure_trace
+                                  : !c.prompt_set.empty()  ? std::string("workload.prompts")
+                                                           : "the workload's arrival process");
   if (check)
     for (auto& r : w.requests) r.sampling.temperature = 0;  // check compares greedy tokens
   return w;

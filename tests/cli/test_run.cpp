@@ -363,6 +363,28 @@ TEST(KvlabRun, ModelInitDoesNotOverwriteWithoutForce) {
   EXPECT_NE(test::read_file(dir / "m" / "config.json").find("hidden_size"), std::string::npos);
 }
 
+// Arrivals so late that a step's duration vanishes in the clock (a rate of 1e-300 or 1e-320,
+// a trace row at 1e308 s) are an error naming the request, never a table of zero latencies.
+TEST(KvlabRun, ArrivalsPastDoublePrecisionTimeAreRefused) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  for (const char* rate : {"1e-300", "1e-320"}) {
+    const Result r = kvlab("run " + file + " --set workload.rate=" + rate + " --out " +
+                           (dir / "o").string());
+    EXPECT_EQ(r.exit_code, 1) << rate;
+    EXPECT_NE(r.err.find("request 0 arrives at"), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find("outside [0, 1e+09] s"), std::string::npos) << r.err;
+    EXPECT_FALSE(std::filesystem::exists(dir / "o")) << "no run finished: no results folder";
+  }
+  test::write_file(dir / "late.csv", "arrival_s,prompt_len,output_len\n0,5,3\n1e308,5,3\n");
+  const Result trace =
+      kvlab("run " + file + " --set 'workload.trace=\"late.csv\"' --out " + (dir / "t").string());
+  EXPECT_EQ(trace.exit_code, 1);
+  EXPECT_NE(trace.err.find("arrival_s must be in [0, 1e+09] seconds, got 1e+308"),
+            std::string::npos)
+      << trace.err;
+}
+
 TEST(KvlabRun, EveryPointIsValidatedBeforeTheFirstRuns) {
   test::TempDir dir;
   const auto file = write_experiment(

@@ -6,11 +6,14 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <functional>
+#include <limits>
 #include <string>
 #include <vector>
 
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf.hpp"
+#include "kvlab/model/gguf_model.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -196,6 +199,14 @@ TEST(Gguf, MalformedFilesAreClearErrors) {
            .zeros(64)
            .text(),
        "tensor \"w\" appears twice"},
+      {GgufBytes()  // 16 floats at 0 and 16 at 32: bytes 32..64 belong to both
+           .header(3, 2, 0)
+           .tensor("a", {16}, 0, 0)
+           .tensor("b", {16}, 0, 32)
+           .pad_to(32)
+           .zeros(96)
+           .text(),
+       "tensors \"a\" (data bytes 0..64) and \"b\" (from 32) overlap"},
   };
   for (std::size_t i = 0; i < cases.size(); ++i) {
     const std::string message = open_error(dir, cases[i].first);
@@ -210,6 +221,70 @@ TEST(Gguf, MalformedFilesAreClearErrors) {
   EXPECT_NE(error_of<Error>([] {
               GgufFile::open("/nonexistent/m.gguf");
             }).find("cannot open GGUF file /nonexistent/m.gguf"),
+            std::string::npos);
+}
+
+// A llama GGUF's hyperparameters and `extra` keys (each written by `write`), no tensors.
+std::string llama_metadata(int extra, const std::function<void(GgufBytes&)>& write) {
+  GgufBytes b;
+  b.header(3, 0, 8 + static_cast<std::uint64_t>(extra));
+  b.str("general.architecture").u32(8).str("llama");
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, std::uint32_t>>{{"llama.embedding_length", 32},
+                                                          {"llama.feed_forward_length", 64},
+                                                          {"llama.block_count", 1},
+                                                          {"llama.attention.head_count", 4},
+                                                          {"llama.context_length", 64},
+                                                          {"llama.vocab_size", 100}})
+    b.str(key).u32(4).u32(value);
+  const float eps = 1e-5f;
+  std::uint32_t bits;
+  std::memcpy(&bits, &eps, 4);
+  b.str("llama.attention.layer_norm_rms_epsilon").u32(6).u32(bits);
+  write(b);
+  return b.text();
+}
+
+GgufBytes& f32_value(GgufBytes& b, const std::string& key, float value) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &value, 4);
+  return b.str(key).u32(6).u32(bits);
+}
+
+// GGUF metadata is held to what config.json is: RoPE scaling that would change RoPE refused by
+// name (never computed as plain RoPE), non-finite numbers and ids past 32 bits refused.
+TEST(Gguf, ModelMetadataIsCheckedLikeConfigJson) {
+  test::TempDir dir;
+  auto config_error = [&](int extra, const std::function<void(GgufBytes&)>& write) {
+    test::write_file(dir / "m.gguf", llama_metadata(extra, write));
+    const GgufFile file = GgufFile::open(dir / "m.gguf");
+    return error_of<Error>([&] { gguf_model_config(file); });
+  };
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_NE(config_error(1, [](GgufBytes& b) { f32_value(b, "llama.rope.scaling.factor", 4); })
+                .find("\"llama.rope.scaling.factor\" = 4: RoPE scaling is not read from GGUF"),
+            std::string::npos);
+  EXPECT_NE(config_error(1, [](GgufBytes& b) { f32_value(b, "llama.rope.scale_linear", 2); })
+                .find("\"llama.rope.scale_linear\" = 2"),
+            std::string::npos);
+  EXPECT_NE(
+      config_error(1, [](GgufBytes& b) { f32_value(b, "llama.rope.scaling.attn_factor", 0.5f); })
+          .find("\"llama.rope.scaling.attn_factor\" = 0.5"),
+      std::string::npos);
+  // RoPE keys that leave RoPE as it is are fine:
+  test::write_file(dir / "ok.gguf", llama_metadata(2, [](GgufBytes& b) {
+                     b.str("llama.rope.scaling.type").u32(8).str("none");
+                     f32_value(b, "llama.rope.scaling.factor", 1);
+                   }));
+  EXPECT_EQ(gguf_model_config(GgufFile::open(dir / "ok.gguf")).hidden_size, 32);
+  EXPECT_NE(config_error(1, [&](GgufBytes& b) { f32_value(b, "llama.rope.freq_base", inf); })
+                .find("\"rope_theta\" must be positive and finite, got inf"),
+            std::string::npos);
+  EXPECT_NE(config_error(1,
+                         [](GgufBytes& b) {
+                           b.str("tokenizer.ggml.bos_token_id").u32(10).u64((1ULL << 32) + 1);
+                         })
+                .find("\"tokenizer.ggml.bos_token_id\" = 4294967297 is not a token id"),
             std::string::npos);
 }
 

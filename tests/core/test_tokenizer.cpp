@@ -345,10 +345,35 @@ TEST(ChatTemplate, QwenStyleTemplateWithEscapesAndAnExpression) {
   const std::string qwen =
       "{%- if messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
       "messages[0]['content'] + '<|im_end|>\\n' }}{%- else %}{{- '<|im_start|>system\\nYou are "
-      "a helpful assistant.<|im_end|>\\n' }}{%- endif %}";
+      "a helpful assistant.<|im_end|>\\n' }}{%- endif %}"
+      "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}";
   const ChatTemplate chat = ChatTemplate::detect(qwen, "test");
   EXPECT_EQ(chat.format(), ChatFormat::chatml);
   EXPECT_EQ(chat.default_system(), "You are a helpful assistant.");
+}
+
+// A template that uses ChatML's tokens in another layout would be rendered wrongly as ChatML:
+// refused, naming what the standard layout has and it lacks.
+TEST(ChatTemplate, ChatMlTokensInAnotherLayoutAreRefused) {
+  test::expect_error_containing(
+      [] {
+        ChatTemplate::detect(
+            "{{ '<|im_start|>' + message['role'] + ': ' + message['content'] }}"
+            "{{ '<|im_start|>bot: ' }}",
+            "odd.gguf");
+      },
+      {"odd.gguf", "looks like ChatML but lacks \"<|im_end|>\""});
+  test::expect_error_containing(
+      [] {
+        ChatTemplate::detect(
+            "{{ '<|im_start|>' + role + content + '<|im_end|>' }}{{ "
+            "'<|im_start|>assistant: ' }}",
+            "odd.gguf");
+      },
+      {"lacks \"<|im_start|>assistant\" and a newline"});
+  test::expect_error_containing(
+      [] { ChatTemplate::detect("{{ '<|start_header_id|>' + role }}", "x"); },
+      {"looks like Llama-3 but lacks \"<|end_header_id|>\""});
 }
 
 TEST(ChatTemplate, Llama2RendersInstBlocksWithBos) {
@@ -369,7 +394,9 @@ TEST(ChatTemplate, Llama2RendersInstBlocksWithBos) {
 
 TEST(ChatTemplate, Llama3NeedsItsHeaderTokens) {
   const ChatTemplate chat = ChatTemplate::detect(
-      "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>' }}", "test");
+      "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' + "
+      "message['content'] + '<|eot_id|>' }}",
+      "test");
   EXPECT_EQ(chat.format(), ChatFormat::llama3);
   // The small llama3 fixture has <|begin_of_text|> but no header tokens: a clear error.
   const auto t = open_tokenizer_json(kTokenizerFixtures / "llama3.tokenizer.json");

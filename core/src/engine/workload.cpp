@@ -76,10 +76,11 @@ double next_arrival(const ArrivalProcess& arrival, std::int64_t i, double clock,
 }
 
 void check_arrival(const ArrivalProcess& arrival) {
-  if (arrival.kind != ArrivalKind::all_at_once && !(arrival.rate_per_s > 0))
-    throw Error(
-        fmt::format("workload arrival rate must be > 0 requests/s, got {}", arrival.rate_per_s));
-  if (arrival.kind == ArrivalKind::gamma && !(arrival.cv > 0))
+  if (arrival.kind != ArrivalKind::all_at_once &&
+      !(arrival.rate_per_s > 0 && std::isfinite(arrival.rate_per_s)))
+    throw Error(fmt::format("workload arrival rate must be a finite number > 0 requests/s, got {}",
+                            arrival.rate_per_s));
+  if (arrival.kind == ArrivalKind::gamma && !(arrival.cv > 0 && std::isfinite(arrival.cv)))
     throw Error(fmt::format("workload gamma arrival cv must be > 0, got {}", arrival.cv));
   if (arrival.kind == ArrivalKind::bursts && arrival.burst_size < 1)
     throw Error("workload burst_size must be >= 1");
@@ -297,8 +298,9 @@ std::string unknown_field(const std::string& name) {
 WorkloadRequest finish_row(const TraceRow& row, std::int64_t index, const TraceOptions& options,
                            Draw& draw) {
   if (!row.arrival_s) throw Error("missing arrival_s");
-  if (!(*row.arrival_s >= 0) || !std::isfinite(*row.arrival_s))
-    throw Error(fmt::format("arrival_s must be >= 0, got {}", *row.arrival_s));
+  if (!(*row.arrival_s >= 0) || !(*row.arrival_s <= kMaxArrivalSeconds))
+    throw Error(fmt::format("arrival_s must be in [0, {:g}] seconds, got {}", kMaxArrivalSeconds,
+                            *row.arrival_s));
   if (!row.output_len) throw Error("missing output_len");
   if (*row.output_len < 1 || *row.output_len > kMaxRequestTokens)
     throw Error(
@@ -471,6 +473,17 @@ std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
       requests.begin(), requests.end(),
       [](const WorkloadRequest& a, const WorkloadRequest& b) { return a.arrival_s < b.arrival_s; });
   return requests;
+}
+
+void check_arrival_times(const std::vector<WorkloadRequest>& requests, const std::string& source) {
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const double t = requests[i].arrival_s;
+    if (!(t >= 0 && t <= kMaxArrivalSeconds))
+      throw Error(fmt::format(
+          "{}: request {} arrives at {:g} s, outside [0, {:g}] s (latencies past that would "
+          "vanish in double-precision time); raise the rate or shorten the trace",
+          source, i, t, kMaxArrivalSeconds));
+  }
 }
 
 }  // namespace kvlab

@@ -85,6 +85,35 @@ const char* chat_format_name(ChatFormat format) {
   return "?";
 }
 
+namespace {
+
+// What a template of `format` must contain to have the layout kvlab renders: each message
+// closed as the standard template closes it, and the generation prompt it opens. "" when all is
+// there. Jinja writes a newline as an escape ("\\n") or as itself: both count.
+std::string missing_layout(ChatFormat format, std::string_view text) {
+  auto has = [&](std::string_view part) { return text.find(part) != std::string_view::npos; };
+  auto has_line = [&](std::string_view part) {
+    return has(std::string(part) + "\n") || has(std::string(part) + "\\n");
+  };
+  switch (format) {
+    case ChatFormat::chatml:
+      if (!has("<|im_end|>")) return "\"<|im_end|>\" (the end of each message)";
+      if (!has_line("<|im_start|>assistant"))
+        return "\"<|im_start|>assistant\" and a newline (the generation prompt)";
+      return "";
+    case ChatFormat::llama3:
+      if (!has("<|end_header_id|>")) return "\"<|end_header_id|>\" (the end of each header)";
+      if (!has("<|eot_id|>")) return "\"<|eot_id|>\" (the end of each message)";
+      return "";
+    case ChatFormat::llama2:
+      if (!has("[/INST]")) return "\"[/INST]\" (the end of each instruction)";
+      return "";
+  }
+  return "a known layout";
+}
+
+}  // namespace
+
 ChatTemplate ChatTemplate::detect(std::string_view text, std::string_view source) {
   ChatTemplate t;
   if (text.find("<|im_start|>") != std::string_view::npos) {
@@ -102,6 +131,12 @@ ChatTemplate ChatTemplate::detect(std::string_view text, std::string_view source
         "(it begins \"{}\"); use --prompt with the text the model expects",
         source, text.substr(0, 60)));
   }
+  if (const std::string missing = missing_layout(t.format_, text); !missing.empty())
+    throw Error(fmt::format(
+        "{}: the chat template looks like {} but lacks {}, so its layout is not the one kvlab "
+        "renders (kvlab renders the standard layouts, not arbitrary Jinja); use --prompt with "
+        "the text the model expects",
+        source, chat_format_name(t.format_), missing));
   return t;
 }
 

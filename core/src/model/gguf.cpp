@@ -189,6 +189,25 @@ GgufTensorInfo read_tensor_info(Cursor& in) {
   return t;
 }
 
+// Two tensors whose bytes share the data section would alias each other's weights (the
+// safetensors reader refuses the same); sorted by offset, each must end where the next begins
+// or before.
+template <typename Reader>
+void check_no_overlap(const std::vector<GgufTensorInfo>& tensors, Reader& in) {
+  std::vector<const GgufTensorInfo*> by_offset;
+  for (const auto& t : tensors)
+    if (t.bytes > 0) by_offset.push_back(&t);
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const auto* a, const auto* b) { return a->offset < b->offset; });
+  for (std::size_t i = 1; i < by_offset.size(); ++i) {
+    const GgufTensorInfo& a = *by_offset[i - 1];
+    const GgufTensorInfo& b = *by_offset[i];
+    if (a.offset + a.bytes > b.offset)
+      throw in.fail(fmt::format("tensors \"{}\" (data bytes {}..{}) and \"{}\" (from {}) overlap",
+                                a.name, a.offset, a.offset + a.bytes, b.name, b.offset));
+  }
+}
+
 }  // namespace
 
 std::optional<GgufBlockLayout> gguf_block_layout(std::uint32_t type) {
@@ -327,6 +346,7 @@ GgufFile GgufFile::open(const std::filesystem::path& path) {
                       "the file (the data section has {} bytes: truncated?)",
                       t.name, t.bytes, t.offset, file.data_.size()));
   }
+  check_no_overlap(file.tensors_, in);
   return file;
 }
 

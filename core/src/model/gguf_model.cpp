@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <cstdio>
+#include <limits>
+#include <optional>
 #include <vector>
 
 #include "kvlab/error.hpp"
@@ -32,6 +34,8 @@ class MetadataReader {
     return std::nullopt;
   }
 
+  void problem(std::string text) { problems_.push_back(std::move(text)); }
+
  private:
   std::nullopt_t missing(const std::string& key, bool required) {
     if (required) problems_.push_back(fmt::format("missing metadata key \"{}\"", key));
@@ -48,6 +52,42 @@ std::int64_t vocabulary_size(const GgufFile& file, MetadataReader& read) {
   if (const GgufTensorInfo* embedding = file.find_tensor("token_embd.weight"))
     if (embedding->dims.size() == 2) return embedding->dims[1];
   return 0;
+}
+
+// RoPE scaling is not read from GGUF: every key that would change RoPE in llama.cpp
+// (llama.rope.scaling.type/factor/attn_factor/original_context_length, the older
+// llama.rope.scale_linear, a rope_freqs tensor) is refused by name unless its value leaves RoPE
+// as it is (type "none", a factor of 0 or 1, attn_factor 1).
+void rope_scaling_problems(const GgufFile& file, std::vector<std::string>& problems) {
+  for (const auto& [key, value] : file.metadata()) {
+    if (!key.starts_with("llama.rope.scal")) continue;
+    const std::string* text = value.as_string();
+    const std::optional<double> number = value.as_double();
+    const bool identity = key == "llama.rope.scaling.type" ? text != nullptr && *text == "none"
+                          : key == "llama.rope.scaling.attn_factor" ? number && *number == 1.0
+                          : key == "llama.rope.scaling.factor" || key == "llama.rope.scale_linear"
+                              ? number && (*number == 0.0 || *number == 1.0)
+                              : false;
+    if (!identity)
+      problems.push_back(fmt::format(
+          "\"{}\" = {}: RoPE scaling is not read from GGUF (kvlab would compute plain RoPE "
+          "where llama.cpp scales it); convert the model's config.json instead, where linear and "
+          "llama3 scaling are read",
+          key, value.to_string()));
+  }
+  if (file.find_tensor("rope_freqs.weight") != nullptr)
+    problems.push_back("the rope_freqs.weight tensor (per-frequency RoPE factors) is not applied");
+}
+
+// A token id: an integer in [0, 2^31), never truncated to 32 bits.
+std::optional<std::int32_t> token_id(MetadataReader& read, const std::string& key) {
+  const auto id = read.integer(key, false);
+  if (!id) return std::nullopt;
+  if (*id < 0 || *id > std::numeric_limits<std::int32_t>::max()) {
+    read.problem(fmt::format("\"{}\" = {} is not a token id (0 .. 2^31 - 1)", key, *id));
+    return std::nullopt;
+  }
+  return static_cast<std::int32_t>(*id);
 }
 
 }  // namespace
@@ -83,16 +123,10 @@ ModelConfig gguf_model_config(const GgufFile& file) {
         fmt::format("llama.rope.dimension_count {} differs from head_dim {}: "
                     "partial RoPE is not supported",
                     *rope_dims, c.head_dim));
-  if (file.find_metadata("llama.rope.scaling.type") != nullptr ||
-      file.find_tensor("rope_freqs.weight") != nullptr)
-    problems.push_back(
-        "RoPE scaling (llama.rope.scaling.* or a rope_freqs tensor) is not read "
-        "from GGUF yet; kvlab would compute plain RoPE");
+  rope_scaling_problems(file, problems);
   c.vocab_size = vocabulary_size(file, read);
-  if (auto bos = read.integer("tokenizer.ggml.bos_token_id", false))
-    c.bos_token_id = static_cast<std::int32_t>(*bos);
-  if (auto eos = read.integer("tokenizer.ggml.eos_token_id", false))
-    c.eos_token_ids = {static_cast<std::int32_t>(*eos)};
+  if (auto bos = token_id(read, "tokenizer.ggml.bos_token_id")) c.bos_token_id = *bos;
+  if (auto eos = token_id(read, "tokenizer.ggml.eos_token_id")) c.eos_token_ids = {*eos};
   c.tie_word_embeddings = file.find_tensor("output.weight") == nullptr;
   if (!problems.empty()) {
     std::string message = fmt::format("invalid GGUF model {}:", source);

@@ -102,9 +102,12 @@ std::unique_ptr<Tokenizer> gguf_tokenizer(const GgufFile& file) {
     }
   }
   const GgufValue* pre_value = file.find_metadata("tokenizer.ggml.pre");
-  const std::string pre_name = pre_value != nullptr && pre_value->as_string() != nullptr
-                                   ? *pre_value->as_string()
-                                   : std::string("default");
+  if (pre_value != nullptr && pre_value->as_string() == nullptr)
+    throw Error(
+        fmt::format("{}: tokenizer.ggml.pre must be a string naming the pre-tokenizer, "
+                    "got {}",
+                    origin, pre_value->to_string()));
+  const std::string pre_name = pre_value != nullptr ? *pre_value->as_string() : "default";
   const auto pre = pre_tokenizer(pre_name);
   if (!pre)
     throw Error(fmt::format(

@@ -32,6 +32,13 @@ struct ArrivalProcess {
 // Limits on what a workload may ask for, far beyond any model: a request of more tokens than
 // this (prompt or output) is an input error, and so are more shared-prefix groups.
 inline constexpr std::int64_t kMaxRequestTokens = std::int64_t{1} << 24;
+// The latest arrival a workload may have: 1e9 s (31.7 years). Times are doubles; at 1e9 s one
+// ulp is 1.2e-7 s, so a latency of a microsecond still shows. At 1e308 s a step's duration
+// vanishes in the sum and every latency reads 0.
+inline constexpr double kMaxArrivalSeconds = 1e9;
+// Throws kvlab::Error when a request arrives later than kMaxArrivalSeconds (or at a non-finite
+// or negative time), naming it, its time and `source` (a synthetic rate, a trace file).
+void check_arrival_times(const std::vector<WorkloadRequest>& requests, const std::string& source);
 inline constexpr std::int64_t kMaxPrefixGroups = 1'000'000;
 
 enum class LengthKind { fixed, uniform, normal, lognormal, zipf };
