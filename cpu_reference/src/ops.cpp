@@ -12,6 +12,10 @@
 #include <algorithm>
 #include <cmath>
 
+#include <fmt/format.h>
+
+#include "kvlab/memory_limit.hpp"
+
 extern "C" void openblas_set_num_threads(int threads);  // OpenBLAS's own API (cblas.h)
 
 namespace kvlab::cpu {
@@ -127,9 +131,20 @@ RopeTable::RopeTable(const ModelConfig& config)
 RopeTable::RopeTable(std::int64_t head_dim, double theta, std::int64_t max_positions)
     : RopeTable(rope_inverse_frequencies(plain_rope_config(head_dim, theta)), max_positions) {}
 
+namespace {
+// The table's rows, checked first: a legal 2^31-position context asks for 2^31 rows.
+std::int64_t checked_rope_rows(std::int64_t positions, std::size_t frequencies) {
+  check_allocation(2 * static_cast<std::uint64_t>(positions) * frequencies * sizeof(float),
+                   fmt::format("the RoPE cos/sin table for max_position_embeddings = {} ({} "
+                               "frequencies)",
+                               positions, frequencies));
+  return positions;
+}
+}  // namespace
+
 RopeTable::RopeTable(std::span<const double> inverse_frequencies, std::int64_t max_positions)
     : head_dim_(2 * static_cast<std::int64_t>(inverse_frequencies.size())),
-      cos_(max_positions, head_dim_ / 2),
+      cos_(checked_rope_rows(max_positions, inverse_frequencies.size()), head_dim_ / 2),
       sin_(max_positions, head_dim_ / 2) {
   for (std::int64_t i = 0; i < head_dim_ / 2; ++i) {
     const double inverse_frequency = inverse_frequencies[static_cast<std::size_t>(i)];

@@ -18,6 +18,7 @@
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/experiment/results_folder.hpp"
+#include "kvlab/memory_limit.hpp"
 #include "kvlab/model/chat_template.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/model/tokenizer.hpp"
@@ -571,6 +572,58 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
 
 }  // namespace
 
+// Every replica's stack. Each holds its own KV pool: their sum is checked against the machine
+// first, and running out of memory while building them names [cluster] replicas and the pool.
+std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
+    const ExperimentConfig& c, const PluginRegistry& registry, const ServedModel& served,
+    const std::optional<CostModel>& cost_model, std::int64_t slots, const SequenceRules& rules,
+    EngineLogitLog* log) {
+  const ModelConfig& m = served.config;
+  const double pool_bytes = 2.0 * static_cast<double>(slots) *
+                            static_cast<double>(m.num_hidden_layers) *
+                            static_cast<double>(m.num_key_value_heads * m.head_dim) *
+                            static_cast<double>(dtype_size(c.kv_dtype));
+  const std::string what = fmt::format(
+      "{} replica{} ([cluster] replicas), each with its own KV pool of {} slots ({:.2f} GiB) and "
+      "backend",
+      c.replicas, c.replicas > 1 ? "s" : "", slots, pool_bytes / (1 << 30));
+  if (c.backend != "simulated" && c.replicas > 1)
+    check_allocation(static_cast<std::uint64_t>(pool_bytes * static_cast<double>(c.replicas)),
+                     what);
+  std::vector<std::unique_ptr<ReplicaStack>> stacks;
+  try {
+    for (std::int64_t r = 0; r < c.replicas; ++r)
+      stacks.push_back(make_replica(c, registry, served, cost_model, slots, rules, log,
+                                    static_cast<std::size_t>(r)));
+  } catch (const std::bad_alloc&) {
+    throw Error(
+        fmt::format("out of memory building replica {} of {}: lower cluster.replicas or "
+                    "kv_cache.slots",
+                    stacks.size() + 1, what));
+  }
+  return stacks;
+}
+
+// make_requests, with running out of memory reported as the workload's: which input, how big.
+RealWorkload make_requests_or_say_why(const ExperimentConfig& c, const ModelConfig& model,
+                                      bool check, std::unique_ptr<Tokenizer>& tokenizer) {
+  try {
+    return make_requests(c, model, check, tokenizer);
+  } catch (const std::bad_alloc&) {
+    const std::string file = !c.trace.empty() ? c.trace : c.azure_trace;
+    std::error_code ec;
+    throw Error(
+        file.empty()
+            ? fmt::format("out of memory making the workload: workload.requests {} (prompts of "
+                          "up to {} tokens); lower them",
+                          c.workload.requests, c.workload.prompt_tokens.max)
+            : fmt::format("out of memory reading the trace {} ({:.1f} MiB): replay a part of it "
+                          "(workload.requests, or the Azure trace's duration_s)",
+                          file,
+                          static_cast<double>(std::filesystem::file_size(file, ec)) / (1 << 20)));
+  }
+}
+
 RunOutput run_experiment(const ExperimentConfig& c, bool check,
                          std::vector<std::string>* mismatches) {
   const auto wall_start = std::chrono::steady_clock::now();
@@ -593,12 +646,10 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   // kvlab check --tolerance measures the engine's logits against the reference's.
   std::optional<EngineLogitLog> log;
   if (check && c.check_tolerance > 0) log.emplace(model.vocab_size, kComparedLogitBytes);
-  std::vector<std::unique_ptr<ReplicaStack>> stacks;
-  for (std::int64_t r = 0; r < c.replicas; ++r)
-    stacks.push_back(make_replica(c, registry, served, cost_model, slots, rules,
-                                  log ? &*log : nullptr, static_cast<std::size_t>(r)));
+  std::vector<std::unique_ptr<ReplicaStack>> stacks =
+      make_replicas(c, registry, served, cost_model, slots, rules, log ? &*log : nullptr);
   std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers
-  const RealWorkload workload = make_requests(c, model, check, tokenizer);
+  const RealWorkload workload = make_requests_or_say_why(c, model, check, tokenizer);
   const std::vector<WorkloadRequest>& requests = workload.requests;
 
   RunOutput out;

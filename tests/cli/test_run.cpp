@@ -385,6 +385,37 @@ TEST(KvlabRun, ArrivalsPastDoublePrecisionTimeAreRefused) {
       << trace.err;
 }
 
+// Sizes no machine holds name the input that asked and how much: a legal 2^31-position
+// context (its RoPE table), 1,024 replicas each with its own KV pool (under an 8 GB limit).
+TEST(KvlabRun, OutOfMemoryNamesTheInputAndTheSize) {
+  test::TempDir dir;
+  ASSERT_EQ(kvlab("model init --preset tiny --out " + (dir / "m").string()).exit_code, 0);
+  auto config = nlohmann::json::parse(test::read_file(dir / "m" / "config.json"));
+  config["max_position_embeddings"] = std::int64_t{1} << 31;
+  test::write_file(dir / "m" / "config.json", config.dump());
+  const Result rope =
+      kvlab("generate --model " + (dir / "m").string() + " --prompt-ids 1,2,3 --max-tokens 2");
+  EXPECT_EQ(rope.exit_code, 1);
+  EXPECT_NE(rope.err.find("the RoPE cos/sin table for max_position_embeddings = 2147483648"),
+            std::string::npos)
+      << rope.err;
+  EXPECT_NE(rope.err.find("needs 128.0 GiB"), std::string::npos) << rope.err;
+
+  const auto file = write_experiment(dir, kSmall + "\n[cluster]\nreplicas = 1024\n");
+  const std::string command = fmt::format(
+      "ulimit -v 8000000; {} check {} --set kv_cache.slots=65536 > {}/out 2> {}/err", KVLAB_BINARY,
+      file, dir.path().string(), dir.path().string());
+  const int status = std::system(command.c_str());
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 1);
+  const std::string err = test::read_file(dir / "err");
+  EXPECT_NE(err.find("1024 replicas ([cluster] replicas), each with its own KV pool of 65536 "
+                     "slots"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("out of memory: the input asks"), std::string::npos) << err;
+}
+
 TEST(KvlabRun, EveryPointIsValidatedBeforeTheFirstRuns) {
   test::TempDir dir;
   const auto file = write_experiment(

@@ -9,6 +9,7 @@
 #include "kvlab/checked_math.hpp"
 #include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/memory_limit.hpp"
 #include "kvlab/model/mapped_file.hpp"
 
 namespace kvlab {
@@ -51,6 +52,10 @@ class Cursor {
           fmt::format("{} claims {} items, more than the {} bytes left", what, count, remaining()));
   }
   std::uint64_t position() const { return position_; }
+  // "GGUF file F, at byte N: <what>", for messages that are not about a malformed file.
+  std::string where(const std::string& what) const {
+    return fmt::format("GGUF file {}, at byte {}: {}", file_, position_, what);
+  }
   std::uint64_t remaining() const { return bytes_.size() - position_; }
   Error fail(const std::string& why) const {
     return Error(fmt::format("bad GGUF file {}: at byte {}: {}", file_, position_, why));
@@ -143,6 +148,9 @@ GgufValue read_value(Cursor& in, std::uint32_t raw_type, std::uint32_t depth) {
         throw in.fail(fmt::format("unknown array element type {}", element_type));
       const auto count = in.read<std::uint64_t>("an array's length");
       in.need_items(count, min_value_bytes(static_cast<GgufValueType>(element_type)), "an array");
+      check_allocation(count * sizeof(GgufValue),
+                       in.where(fmt::format("a metadata array of {} items (held as {} bytes each)",
+                                            count, sizeof(GgufValue))));
       GgufArray elements;
       elements.reserve(static_cast<std::size_t>(count));
       for (std::uint64_t i = 0; i < count; ++i)
