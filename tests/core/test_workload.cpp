@@ -195,7 +195,8 @@ TEST(Trace, EveryBadRowNamesFileAndLine) {
   EXPECT_NE(error_for("c.csv", "arival_s,prompt_len,output_len\n")
                 .find("c.csv:1: unknown field \"arival_s\" (did you mean \"arrival_s\"?)"),
             std::string::npos);
-  EXPECT_NE(error_for("d.csv", csv + "-1,5,3\n").find("d.csv:2: arrival_s must be >= 0"),
+  EXPECT_NE(error_for("d.csv", csv + "-1,5,3\n")
+                .find("d.csv:2: arrival_s must be in [0, 1e+09] seconds, got -1"),
             std::string::npos);
   EXPECT_NE(error_for("e.csv", csv + "0,5,0\n")
                 .find("e.csv:2: output_len must be in [1, 16777216], got 0"),
