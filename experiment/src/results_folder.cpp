@@ -70,6 +70,32 @@ std::set<std::string> marker_files(const fs::path& folder, std::string& problem)
   return files;
 }
 
+// A folder an older kvlab wrote (before the marker): its manifest.json names kvlab's version and
+// commit, its runs.json lists run folders. kvlab's files in it are the ones it always wrote, by
+// name; experiment.toml is left out (without a stamp, an edit cannot be told apart: it is
+// carried over, or must equal the new copy). Empty when the folder is not such a one.
+std::set<std::string> older_kvlab_files(const fs::path& folder) {
+  std::set<std::string> files;
+  try {
+    const auto manifest = nlohmann::json::parse(read_small_file(folder / "manifest.json"));
+    const auto runs = nlohmann::json::parse(read_small_file(folder / "runs.json"));
+    if (!manifest.is_object() || !manifest.contains("kvlab_version") ||
+        !manifest.contains("kvlab_commit") || !runs.is_array())
+      return {};
+    for (const char* name : {"manifest.json", "runs.json", "summary.md"}) files.insert(name);
+    for (const auto& run : runs) {
+      const std::string dir = run.at("dir").get<std::string>();
+      if (dir.empty() || dir.find('/') != std::string::npos || dir == "." || dir == "..") return {};
+      for (const char* name : {"requests.csv", "steps.csv", "events.jsonl", "summary.json",
+                               "outputs.jsonl", "logprobs.jsonl", "config.toml"})
+        if (fs::exists(folder / dir / name)) files.insert(dir + "/" + name);
+    }
+  } catch (const nlohmann::json::exception&) {
+    return {};
+  }
+  return files;
+}
+
 // Every regular file under `folder`, relative, the marker left out.
 std::vector<std::string> files_under(const fs::path& folder) {
   std::vector<std::string> files;
@@ -209,19 +235,17 @@ void ResultsFolder::check_existing(const Options& options) {
   if (!fs::is_directory(folder_, ec))
     throw Error(fmt::format("results folder {} is a file", folder_.string()));
   if (fs::is_empty(folder_, ec)) return;
-  if (!fs::exists(folder_ / kResultsMarker, ec)) {
-    const bool older_kvlab =
-        fs::exists(folder_ / "manifest.json", ec) && fs::exists(folder_ / "runs.json", ec);
-    throw Error(fmt::format(
-        "results folder {} is not empty and holds no {} (it is not a kvlab results folder; it "
-        "holds {}): nothing was changed; choose another with --out{}",
-        folder_.string(), kResultsMarker, first_entries(folder_),
-        older_kvlab ? ". If an older kvlab wrote it (before results folders had the marker), "
-                      "delete it yourself"
-                    : ""));
-  }
   std::string problem;
-  earlier_files_ = marker_files(folder_, problem);
+  if (!fs::exists(folder_ / kResultsMarker, ec)) {
+    earlier_files_ = older_kvlab_files(folder_);
+    if (earlier_files_.empty())
+      throw Error(fmt::format(
+          "results folder {} is not empty and holds no {} (it is not a kvlab results folder; "
+          "it holds {}): nothing was changed; choose another with --out",
+          folder_.string(), kResultsMarker, first_entries(folder_)));
+  } else {
+    earlier_files_ = marker_files(folder_, problem);
+  }
   if (!problem.empty())
     throw Error(fmt::format("results folder {}: {}; nothing was changed: choose another with --out",
                             folder_.string(), problem));

@@ -234,6 +234,28 @@ TEST(KvlabRun, ForceNeverClearsAFolderWithoutTheMarker) {
   EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir / "app"), {}), 2);
 }
 
+// A folder an older kvlab wrote (no marker, but its manifest.json and runs.json) is replaced by
+// --force file by kvlab file name, so scripts/quickstart.sh still reruns; the rest is kept.
+TEST(KvlabRun, ForceReplacesAnOlderKvlabsFolderKeepingTheRest) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::string out = (dir / "o").string();
+  ASSERT_EQ(kvlab("run " + file + " --out " + out).exit_code, 0);
+  std::filesystem::remove(dir / "o" / ".kvlab-results.json");  // as an older kvlab left it
+  test::write_file(dir / "o" / "NOTES.md", "mine");
+  const Result rerun = kvlab("run " + file + " --force --out " + out);
+  ASSERT_EQ(rerun.exit_code, 0) << rerun.err;
+  EXPECT_EQ(test::read_file(dir / "o" / "NOTES.md"), "mine");
+  EXPECT_TRUE(std::filesystem::exists(dir / "o" / ".kvlab-results.json"));
+  std::filesystem::remove(dir / "o" / ".kvlab-results.json");
+  test::write_file(dir / "o" / "experiment.toml", "# edited\n");  // no stamp: never assumed ours
+  const Result edited = kvlab("run " + file + " --force --out " + out);
+  EXPECT_EQ(edited.exit_code, 1);
+  EXPECT_NE(edited.err.find("holds experiment.toml, which kvlab did not write"), std::string::npos)
+      << edited.err;
+  EXPECT_EQ(test::read_file(dir / "o" / "experiment.toml"), "# edited\n");
+}
+
 // Re-running the experiment.toml a results folder holds, into that folder: the input is read
 // before anything is replaced and is still there, byte for byte, afterwards.
 TEST(KvlabRun, ForceKeepsTheInputBeingRun) {
@@ -369,8 +391,8 @@ TEST(KvlabRun, ArrivalsPastDoublePrecisionTimeAreRefused) {
   test::TempDir dir;
   const auto file = write_experiment(dir, kSmall);
   for (const char* rate : {"1e-300", "1e-320"}) {
-    const Result r = kvlab("run " + file + " --set workload.rate=" + rate + " --out " +
-                           (dir / "o").string());
+    const Result r =
+        kvlab("run " + file + " --set workload.rate=" + rate + " --out " + (dir / "o").string());
     EXPECT_EQ(r.exit_code, 1) << rate;
     EXPECT_NE(r.err.find("request 0 arrives at"), std::string::npos) << r.err;
     EXPECT_NE(r.err.find("outside [0, 1e+09] s"), std::string::npos) << r.err;
@@ -402,9 +424,9 @@ TEST(KvlabRun, OutOfMemoryNamesTheInputAndTheSize) {
   EXPECT_NE(rope.err.find("needs 128.0 GiB"), std::string::npos) << rope.err;
 
   const auto file = write_experiment(dir, kSmall + "\n[cluster]\nreplicas = 1024\n");
-  const std::string command = fmt::format(
-      "ulimit -v 8000000; {} check {} --set kv_cache.slots=65536 > {}/out 2> {}/err", KVLAB_BINARY,
-      file, dir.path().string(), dir.path().string());
+  const std::string command =
+      fmt::format("ulimit -v 8000000; {} check {} --set kv_cache.slots=65536 > {}/out 2> {}/err",
+                  KVLAB_BINARY, file, dir.path().string(), dir.path().string());
   const int status = std::system(command.c_str());
   ASSERT_TRUE(WIFEXITED(status));
   EXPECT_EQ(WEXITSTATUS(status), 1);
