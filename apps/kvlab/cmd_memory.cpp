@@ -256,7 +256,8 @@ void register_memory(CLI::App& app) {
                   "KV element type: f32, f16, bf16, fp8 (default: f16, or the GPU profile's)");
   sub->add_option("--weight-dtype", o->weight_dtype, "Weight element type (default: --dtype)");
   sub->add_option("--kv-heads", o->kv_heads, "KV heads (MHA = query heads, GQA = groups, MQA = 1)");
-  sub->add_option("--gpu-mem", o->gpu_mem, "Device memory in GiB: report the max batch that fits");
+  sub->add_option("--gpu-mem", o->gpu_mem, "Device memory in GiB: report the max batch that fits")
+      ->check(CLI::Range(1e-3, 1e6));  // 1e308 GiB made the max batch overflow int64
   sub->add_option("--gpu", o->gpu,
                   "Hardware profile (h200, a100-80gb, ... or a .toml): plan static vs paged");
   sub->add_option("--prompt-len", o->prompt_len, "Planner: expected prompt tokens per request");

@@ -182,6 +182,8 @@ void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
 void parse_experiment(Section& s, ExperimentConfig& c) {
   c.name = s.get<std::string>("name").value_or(c.name);
   c.seed = static_cast<std::uint64_t>(s.get<std::int64_t>("seed").value_or(0));
+  if (s.get<std::int64_t>("seed").value_or(0) < 0)  // -1 would read as 2^64 - 1
+    s.fail(*s.node("seed"), "experiment.seed must be >= 0");
   c.repeats = s.get_int<std::int64_t>("repeats", 1, kMaxRepeats).value_or(1);
   c.clock = s.get<std::string>("clock").value_or(c.clock);
   if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall" && c.clock != "measured")
@@ -200,6 +202,8 @@ void parse_experiment(Section& s, ExperimentConfig& c) {
 void parse_model(Section& s, ExperimentConfig& c) {
   c.model = s.get<std::string>("name").value_or("stories15m");
   c.weights_seed = static_cast<std::uint64_t>(s.get<std::int64_t>("weights_seed").value_or(0));
+  if (s.get<std::int64_t>("weights_seed").value_or(0) < 0)
+    s.fail(*s.node("weights_seed"), "model.weights_seed must be >= 0");
 }
 
 void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
@@ -361,9 +365,12 @@ void parse_workload(Section& s, ExperimentConfig& c) {
 }
 
 void parse_slo(Section& s, ExperimentConfig& c) {
-  c.slo.ttft_s = s.get<double>("ttft_s");
-  c.slo.tpot_s = s.get<double>("tpot_s");
-  c.slo.e2e_s = s.get<double>("e2e_s");
+  for (auto [key, target] : {std::pair{"ttft_s", &c.slo.ttft_s}, std::pair{"tpot_s", &c.slo.tpot_s},
+                             std::pair{"e2e_s", &c.slo.e2e_s}}) {
+    *target = s.get<double>(key);
+    if (*target && !(**target > 0 && std::isfinite(**target)))  // NaN met nothing and said so
+      s.fail(*s.node(key), fmt::format("slo.{} must be a finite number of seconds > 0", key));
+  }
 }
 
 void parse_output(Section& s, ExperimentConfig& c) {
@@ -459,6 +466,9 @@ void apply_overrides(toml::table& root, const std::vector<std::string>& override
     } catch (const toml::parse_error&) {
       parsed = toml::table{{"v", text}};  // a bare word is a string
     }
+    if (parsed.size() != 1)  // "5\nx=1" parses as two keys: the second would vanish
+      throw Error(
+          fmt::format("--set \"{}\": the value is more than one TOML value (a newline?)", o));
     set_dotted(root, key, *parsed.get("v"), fmt::format("--set {}", o));
   }
 }
@@ -492,6 +502,8 @@ std::vector<SweepAxis> sweep_axes(const toml::table& root, const std::string& fi
     SweepAxis axis;
     axis.key = s.get<std::string>("key").value_or("");
     if (axis.key.empty()) s.fail(entry, "[[sweep]] needs key = \"section.field\"");
+    if (axis.key == "sweep" || axis.key.starts_with("sweep."))
+      s.fail(*s.node("key"), "[[sweep]] cannot sweep the sweep itself");
     const toml::node* values = s.node("values");
     if (values == nullptr || !values->is_array() || values->as_array()->empty())
       s.fail(entry, "[[sweep]] needs a non-empty values = [...]");

@@ -438,6 +438,28 @@ TEST(KvlabRun, OutOfMemoryNamesTheInputAndTheSize) {
   EXPECT_EQ(err.find("out of memory: the input asks"), std::string::npos) << err;
 }
 
+// Inputs that used to run with a value nobody gave: each is refused before anything runs.
+TEST(KvlabRun, InputsThatRanSilentlyWrongAreRefused) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"run " + file + " --set 'experiment.seed=-1'", "experiment.seed must be >= 0"},
+      {"run " + file + " --set slo.ttft_s=nan", "slo.ttft_s must be a finite number of seconds"},
+      {"run " + file + " --set 'workload.requests=5\nscheduler.name=\"static\"'",
+       "the value is more than one TOML value"},
+      {"run " +
+           write_experiment(dir, kSmall + "\n[[sweep]]\nkey = \"sweep\"\nvalues = [1]\n", "s.toml"),
+       "[[sweep]] cannot sweep the sweep itself"},
+      {"memory --model llama-7b --seq-len 2048 --gpu-mem 1e308", "--gpu-mem"},
+  };
+  for (const auto& [arguments, expected] : cases) {
+    const Result r = kvlab(arguments + " --out " + (dir / "o").string());
+    EXPECT_NE(r.exit_code, 0) << arguments;
+    EXPECT_NE(r.err.find(expected), std::string::npos) << arguments << ": " << r.err;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir / "o"));
+}
+
 TEST(KvlabRun, EveryPointIsValidatedBeforeTheFirstRuns) {
   test::TempDir dir;
   const auto file = write_experiment(

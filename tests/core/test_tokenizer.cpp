@@ -376,6 +376,14 @@ TEST(ChatTemplate, ChatMlTokensInAnotherLayoutAreRefused) {
       {"looks like Llama-3 but lacks \"<|end_header_id|>\""});
 }
 
+TEST(ChatTemplate, InvalidUtf8IsNamedInItsMessage) {
+  const ChatTemplate chat = ChatTemplate::detect(kSmolLm2Template, "smollm2");
+  const auto t = open_tokenizer_json(kTokenizerFixtures / "smollm.tokenizer.json");
+  const std::vector<ChatMessage> messages = {{"system", "Be brief."}, {"user", "caf\xC3"}};
+  test::expect_error_containing([&] { chat.render(messages, *t); },
+                                {"chat message 2 (user): its text is not valid UTF-8 at byte 3"});
+}
+
 TEST(ChatTemplate, Llama2RendersInstBlocksWithBos) {
   test::TempDir dir;
   train_sentencepiece(dir);

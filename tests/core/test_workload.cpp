@@ -195,6 +195,11 @@ TEST(Trace, EveryBadRowNamesFileAndLine) {
   EXPECT_NE(error_for("c.csv", "arival_s,prompt_len,output_len\n")
                 .find("c.csv:1: unknown field \"arival_s\" (did you mean \"arrival_s\"?)"),
             std::string::npos);
+  EXPECT_NE(error_for("dup.csv", "arrival_s,prompt_len,output_len,prompt_len\n0,5,3,6\n")
+                .find("dup.csv:1: column \"prompt_len\" appears twice in the header"),
+            std::string::npos);
+  test::write_file(dir / "bom.csv", "\xEF\xBB\xBF" + csv + "0,5,3\n");  // Excel's UTF-8 CSV
+  EXPECT_EQ(load_trace(dir / "bom.csv", options).size(), 1u);
   EXPECT_NE(error_for("d.csv", csv + "-1,5,3\n")
                 .find("d.csv:2: arrival_s must be in [0, 1e+09] seconds, got -1"),
             std::string::npos);

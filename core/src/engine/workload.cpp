@@ -399,11 +399,17 @@ TraceRow jsonl_row(const std::string& line) {
 
 // A CSV trace's header: the column names, each a trace field.
 std::vector<std::string> csv_header(std::vector<std::string> cells) {
-  for (auto& name : cells) {
+  if (!cells.empty() && cells.front().starts_with("\xEF\xBB\xBF"))  // a UTF-8 byte order mark
+    cells.front().erase(0, 3);
+  for (std::size_t c = 0; c < cells.size(); ++c) {
+    std::string& name = cells[c];
     name.erase(0, name.find_first_not_of(' '));
     name.erase(name.find_last_not_of(' ') + 1);
     if (std::find(trace_fields().begin(), trace_fields().end(), name) == trace_fields().end())
       throw Error(unknown_field(name));
+    if (std::find(cells.begin(), cells.begin() + static_cast<std::ptrdiff_t>(c), name) !=
+        cells.begin() + static_cast<std::ptrdiff_t>(c))
+      throw Error(fmt::format("column \"{}\" appears twice in the header", name));
   }
   return cells;
 }

@@ -142,6 +142,12 @@ ChatTemplate ChatTemplate::detect(std::string_view text, std::string_view source
 
 std::vector<std::int32_t> ChatTemplate::render(std::span<const ChatMessage> messages,
                                                const Tokenizer& tokenizer) const {
+  for (std::size_t i = 0; i < messages.size(); ++i)  // named here, not by a rendered offset
+    for (const std::string* text : {&messages[i].role, &messages[i].content})
+      if (const std::size_t valid = valid_utf8_prefix(*text); valid != text->size())
+        throw Error(fmt::format("chat message {} ({}): its {} is not valid UTF-8 at byte {}", i + 1,
+                                messages[i].role, text == &messages[i].role ? "role" : "text",
+                                valid));
   const std::vector<ChatMessage> conversation = with_system(messages, default_system_);
   if (format_ == ChatFormat::chatml) {
     special_token(tokenizer, "<|im_start|>");
