@@ -181,7 +181,7 @@ bool Engine::step() {
   const StepPlan plan = plugin_call(options_.names.scheduler, step_, [&] {
     return scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
   });
-  if (const std::string problem = plan_problem(plan, *table_); !problem.empty())
+  if (const std::string problem = plan_checker_.problem(plan, *table_); !problem.empty())
     throw Error(fmt::format("step {}: {} returned a plan that {}", step_, options_.names.scheduler,
                             problem));
   const AppliedPlan applied = plugin_call<PluginErrors::non_kvlab>(

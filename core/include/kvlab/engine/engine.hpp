@@ -18,6 +18,7 @@
 #include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/events.hpp"
 #include "kvlab/engine/metrics.hpp"
+#include "kvlab/engine/plan_check.hpp"
 #include "kvlab/engine/request_table.hpp"
 #include "kvlab/engine/sequence_rules.hpp"
 #include "kvlab/engine/workload.hpp"
@@ -129,6 +130,7 @@ class Engine {
   EngineOptions options_;
   ApplyOptions apply_options_;
   std::unique_ptr<RequestTable> table_;
+  PlanChecker plan_checker_;  // every plan the scheduler returns, before apply_plan
   std::unique_ptr<Clock> clock_;
   EventLog log_;
   EngineResult result_;
