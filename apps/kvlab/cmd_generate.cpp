@@ -31,6 +31,7 @@ struct GenerateOptions {
   std::string chat;
   std::string system;
   bool has_system = false;
+  bool has_chat = false;  // --chat was given (an empty message is a message)
   SamplingParams sampling;
   std::int32_t logprobs = 0;
   bool json = false;
@@ -52,9 +53,9 @@ Prompt build_prompt(const GenerateOptions& o, const ModelSource& source,
   if (!o.prompt_ids.empty()) return {parse_token_ids(o.prompt_ids), std::nullopt};
   if (!lookup.tokenizer)
     throw Error(fmt::format("{} needs the model's tokenizer: {}; use --prompt-ids",
-                            o.chat.empty() ? "--prompt" : "--chat",
+                            o.has_chat ? "--chat" : "--prompt",
                             source.is_preset() ? "a preset has none" : lookup.why_not));
-  if (o.chat.empty()) return {lookup.tokenizer->encode_prompt(o.prompt_text), std::nullopt};
+  if (!o.has_chat) return {lookup.tokenizer->encode_prompt(o.prompt_text), std::nullopt};
   const ChatTemplate chat = ChatTemplate::detect(lookup.chat_template, source.directory.string());
   std::vector<ChatMessage> messages;
   if (o.has_system) messages.push_back({"system", o.system});
@@ -169,7 +170,7 @@ void run_generate(const GenerateOptions& o) {
   const Prompt prompt = build_prompt(o, source, lookup);
   check_prompt(prompt.ids, source.config);
 
-  const bool engine = o.compute == "engine" || (o.compute.empty() && !o.chat.empty());
+  const bool engine = o.compute == "engine" || (o.compute.empty() && o.has_chat);
   if (!engine && o.weights != "stored")
     throw Error(fmt::format("--weights {} needs --compute engine: the reference computes in fp32",
                             o.weights));
@@ -189,7 +190,7 @@ void run_generate(const GenerateOptions& o) {
   if (prompt.end_of_turn && std::find(eos.begin(), eos.end(), *prompt.end_of_turn) == eos.end())
     eos.push_back(*prompt.end_of_turn);
   const ModelConfig config = weights.config;
-  const bool streaming = tokenizer && !o.json && (o.stream || !o.chat.empty());
+  const bool streaming = tokenizer && !o.json && (o.stream || o.has_chat);
   std::optional<StreamingDecoder> decoder;
   if (streaming) decoder.emplace(*tokenizer);
   const TokenCallback on_token = streaming ? streamer(*decoder, config, o.sampling) : nullptr;
@@ -294,6 +295,7 @@ void register_generate(CLI::App& app) {
     if (ids->count() > 0 && options->prompt_ids.empty())
       throw Error("--prompt-ids is empty: give at least one token id");
     options->has_system = system->count() > 0;
+    options->has_chat = chat->count() > 0;
     run_generate(*options);
   });
 }

@@ -71,6 +71,8 @@ TEST(Cli, MissingOrConflictingArguments) {
   }
   expect_failure("generate --preset tiny --prompt text", "needs the model's tokenizer");
   expect_failure("generate --preset tiny --chat hello", "--chat needs the model's tokenizer");
+  // An empty message is still a chat message (it was taken for no --chat at all).
+  expect_failure("generate --preset tiny --chat ''", "--chat needs the model's tokenizer");
   expect_failure("generate --preset tiny --prompt-ids 1 --system hi", "requires --chat");
   expect_failure("generate --preset tiny --prompt hi --chat hello", "excludes");
 }
