@@ -460,6 +460,22 @@ TEST(KvlabRun, InputsThatRanSilentlyWrongAreRefused) {
   EXPECT_FALSE(std::filesystem::exists(dir / "o"));
 }
 
+// A static allocator whose max_seq_len is below a request's length: the reason names the
+// allocator's limit, not a pool that would hold the request many times over.
+TEST(KvlabRun, AStaticAllocatorsLimitIsNotBlamedOnThePool) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const Result r = kvlab("run " + file +
+                         " --set kv_cache.allocator=static --set kv_cache.params.max_seq_len=4 "
+                         "--out " +
+                         (dir / "o").string());
+  EXPECT_NE(r.err.find("fit the pool (1024 slots), but allocator plugin \"static\""),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("the static allocator's max_seq_len"), std::string::npos) << r.err;
+  EXPECT_EQ(r.err.find("need more KV than the pool holds"), std::string::npos) << r.err;
+}
+
 TEST(KvlabRun, EveryPointIsValidatedBeforeTheFirstRuns) {
   test::TempDir dir;
   const auto file = write_experiment(

@@ -149,10 +149,14 @@ std::string Engine::never_fits(const RequestState& r) const {
                             : total;
   const std::vector<std::int32_t> tokens(static_cast<std::size_t>(held), -1);  // no prefix hits
   const std::int64_t capacity = allocator_.stats().capacity;
-  if (allocator_.slots_to_allocate({r.id, tokens, held}) > capacity)
-    return fmt::format("prompt {} + max tokens {} need more KV than the pool holds ({} slots)",
-                       r.prompt_tokens, r.max_new_tokens, capacity);
-  return {};
+  if (allocator_.slots_to_allocate({r.id, tokens, held}) <= capacity) return {};
+  if (held <= capacity)  // the pool would hold them: the allocator's own limit refuses them
+    return fmt::format(
+        "prompt {} + max tokens {} fit the pool ({} slots), but {} refuses a sequence this long "
+        "(its own limit, e.g. the static allocator's max_seq_len)",
+        r.prompt_tokens, r.max_new_tokens, capacity, options_.names.allocator);
+  return fmt::format("prompt {} + max tokens {} need more KV than the pool holds ({} slots)",
+                     r.prompt_tokens, r.max_new_tokens, capacity);
 }
 
 // Requests whose arrival time has come join the waiting queue, or are rejected with the reason.
