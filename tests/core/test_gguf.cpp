@@ -14,6 +14,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf.hpp"
 #include "kvlab/model/gguf_model.hpp"
+#include "kvlab/model/tokenizer.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -285,6 +286,22 @@ TEST(Gguf, ModelMetadataIsCheckedLikeConfigJson) {
                            b.str("tokenizer.ggml.bos_token_id").u32(10).u64((1ULL << 32) + 1);
                          })
                 .find("\"tokenizer.ggml.bos_token_id\" = 4294967297 is not a token id"),
+            std::string::npos);
+}
+
+// tokenizer.ggml.pre of another type than string was read as "default" (GPT-2 splitting).
+TEST(Gguf, APreTokenizerNameOfAnotherTypeIsRefused) {
+  test::TempDir dir;
+  GgufBytes b;
+  b.header(3, 0, 4).str("tokenizer.ggml.model").u32(8).str("gpt2");
+  b.str("tokenizer.ggml.tokens").u32(9).u32(8).u64(2).str("a").str("b");
+  b.str("tokenizer.ggml.merges").u32(9).u32(8).u64(0);
+  b.str("tokenizer.ggml.pre").u32(4).u32(7);  // a uint32 where a name belongs
+  test::write_file(dir / "t.gguf", b.text());
+  const GgufFile file = GgufFile::open(dir / "t.gguf");
+  EXPECT_NE(error_of<Error>([&] {
+              gguf_tokenizer(file);
+            }).find("tokenizer.ggml.pre must be a string naming the pre-tokenizer, got 7"),
             std::string::npos);
 }
 

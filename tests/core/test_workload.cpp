@@ -292,6 +292,9 @@ TEST(AzureTrace, BadRowsAndOptionsAreNamed) {
   };
   const std::string header = "TIMESTAMP,ContextTokens,GeneratedTokens\n";
   EXPECT_NE(error_for("time,in,out\n").find("t.csv:1: the header must be"), std::string::npos);
+  test::write_file(dir / "bom.csv",  // saved by Excel as "CSV UTF-8": a BOM before the header
+                   "\xEF\xBB\xBF" + header + "2023-11-16 18:15:46.68,374,44\n");
+  EXPECT_EQ(load_azure_trace(dir / "bom.csv", options).requests.size(), 1u);
   EXPECT_NE(error_for(header + "2023-11-16 18:15:46.68,374\n").find("t.csv:2: 2 cells"),
             std::string::npos);
   EXPECT_NE(error_for(header + "2023-13-16 18:15:46.68,374,44\n").find("not a valid date"),

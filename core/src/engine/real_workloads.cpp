@@ -49,6 +49,7 @@ std::vector<AzureRow> read_azure_rows(const std::filesystem::path& path) {
   for (std::string line; std::getline(in, line);) {
     ++line_number;
     if (!line.empty() && line.back() == '\r') line.pop_back();
+    if (line_number == 1 && line.starts_with("\xEF\xBB\xBF")) line.erase(0, 3);  // a UTF-8 BOM
     if (line.empty()) continue;
     const auto cells = csv_cells(line);
     try {
