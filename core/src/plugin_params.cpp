@@ -130,6 +130,35 @@ const std::string& PluginParams::string(std::string_view name) const {
   return get<std::string>(values_, name);
 }
 
+namespace {
+
+// `value` as `spec` declares it (an integer widened for a real), or an error naming the plugin,
+// the parameter and what was wrong: its type or its range.
+ParamValue checked_value(std::string_view plugin, const ParamSpec& spec, const ParamValue& value) {
+  ParamValue converted = value;
+  if (spec.type == ParamType::param_real && std::holds_alternative<std::int64_t>(value))
+    converted = static_cast<double>(std::get<std::int64_t>(value));
+  const bool type_ok =
+      (spec.type == ParamType::param_integer && std::holds_alternative<std::int64_t>(converted)) ||
+      (spec.type == ParamType::param_real && std::holds_alternative<double>(converted)) ||
+      (spec.type == ParamType::param_boolean && std::holds_alternative<bool>(converted)) ||
+      (spec.type == ParamType::param_string && std::holds_alternative<std::string>(converted));
+  if (!type_ok)
+    throw Error(fmt::format("plugin \"{}\" parameter \"{}\" must be {} {}, got {}", plugin,
+                            spec.name, spec.type == ParamType::param_integer ? "an" : "a",
+                            param_type_name(spec.type), param_value_to_string(value)));
+  if (spec.type == ParamType::param_integer || spec.type == ParamType::param_real) {
+    const double number = as_number(converted);
+    if (number < spec.min_value || number > spec.max_value)
+      throw Error(fmt::format("plugin \"{}\" parameter \"{}\" = {} is out of range [{}, {}]",
+                              plugin, spec.name, param_value_to_string(value), spec.min_value,
+                              spec.max_value));
+  }
+  return converted;
+}
+
+}  // namespace
+
 PluginParams validate_plugin_params(std::string_view plugin, const std::vector<ParamSpec>& schema,
                                     const std::map<std::string, ParamValue, std::less<>>& given) {
   std::vector<std::string> names;
@@ -147,27 +176,7 @@ PluginParams validate_plugin_params(std::string_view plugin, const std::vector<P
       message += names.empty() ? "; it takes no parameters" : "; parameters: " + join_names(names);
       throw Error(message);
     }
-    ParamValue converted = value;
-    if (spec->type == ParamType::param_real && std::holds_alternative<std::int64_t>(value))
-      converted = static_cast<double>(std::get<std::int64_t>(value));
-    const bool type_ok =
-        (spec->type == ParamType::param_integer &&
-         std::holds_alternative<std::int64_t>(converted)) ||
-        (spec->type == ParamType::param_real && std::holds_alternative<double>(converted)) ||
-        (spec->type == ParamType::param_boolean && std::holds_alternative<bool>(converted)) ||
-        (spec->type == ParamType::param_string && std::holds_alternative<std::string>(converted));
-    if (!type_ok)
-      throw Error(fmt::format("plugin \"{}\" parameter \"{}\" must be {} {}, got {}", plugin, name,
-                              spec->type == ParamType::param_integer ? "an" : "a",
-                              param_type_name(spec->type), param_value_to_string(value)));
-    if (spec->type == ParamType::param_integer || spec->type == ParamType::param_real) {
-      const double number = as_number(converted);
-      if (number < spec->min_value || number > spec->max_value)
-        throw Error(fmt::format("plugin \"{}\" parameter \"{}\" = {} is out of range [{}, {}]",
-                                plugin, name, param_value_to_string(value), spec->min_value,
-                                spec->max_value));
-    }
-    values[name] = converted;
+    values[name] = checked_value(plugin, *spec, value);
   }
   return PluginParams(std::move(values));
 }

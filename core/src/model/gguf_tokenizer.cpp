@@ -75,6 +75,19 @@ std::optional<std::int32_t> token_id_of(const GgufFile& file, std::string_view k
   return static_cast<std::int32_t>(*id);
 }
 
+// tokenizer.ggml.pre, "default" when absent; another type than a string is refused, not read as
+// absent (GPT-2 splitting would tokenize the model's text differently without a word).
+std::string pre_tokenizer_name(const GgufFile& file, const std::string& origin) {
+  const GgufValue* value = file.find_metadata("tokenizer.ggml.pre");
+  if (value == nullptr) return "default";
+  if (value->as_string() == nullptr)
+    throw Error(
+        fmt::format("{}: tokenizer.ggml.pre must be a string naming the pre-tokenizer, "
+                    "got {}",
+                    origin, value->to_string()));
+  return *value->as_string();
+}
+
 }  // namespace
 
 std::unique_ptr<Tokenizer> gguf_tokenizer(const GgufFile& file) {
@@ -101,13 +114,7 @@ std::unique_ptr<Tokenizer> gguf_tokenizer(const GgufFile& file) {
         spec.added.push_back({spec.tokens[id], static_cast<std::int32_t>(id)});
     }
   }
-  const GgufValue* pre_value = file.find_metadata("tokenizer.ggml.pre");
-  if (pre_value != nullptr && pre_value->as_string() == nullptr)
-    throw Error(
-        fmt::format("{}: tokenizer.ggml.pre must be a string naming the pre-tokenizer, "
-                    "got {}",
-                    origin, pre_value->to_string()));
-  const std::string pre_name = pre_value != nullptr ? *pre_value->as_string() : "default";
+  const std::string pre_name = pre_tokenizer_name(file, origin);
   const auto pre = pre_tokenizer(pre_name);
   if (!pre)
     throw Error(fmt::format(
