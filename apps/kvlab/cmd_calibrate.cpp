@@ -321,8 +321,7 @@ std::vector<double> median_forward_seconds(Backend& backend,
   for (const auto& batch : batches) largest = std::max(largest, batch.size());
   const std::vector<TokenChoice> greedy(largest);  // made once, outside the timed forwards
   const auto forward = [&](const std::vector<BatchEntry>& batch) {
-    (void)backend.choose_tokens(std::span(greedy).first(batch.size()));
-    (void)backend.forward(batch);
+    (void)backend.forward(batch, std::span(greedy).first(batch.size()));
   };
   for (int round = 0; round < repeats; ++round)
     for (std::size_t s = 0; s < batches.size(); ++s) {

@@ -97,11 +97,11 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
   engine_options.clock = EngineClock::steps;  // arrival_s counts steps
   engine_options.rules = rules_;
   if (options.record_logits)
-    engine_options.on_logits = [&](RequestId id, std::span<const float> row) {
+    engine_options.observers.on_logits = [&](RequestId id, std::span<const float> row) {
       results[static_cast<std::size_t>(id)].logits.emplace_back(row.begin(), row.end());
     };
   if (options.on_token)
-    engine_options.on_token = [&](RequestId id, std::int32_t token) {
+    engine_options.observers.on_token = [&](RequestId id, std::int32_t token) {
       options.on_token(static_cast<std::size_t>(id), token);
     };
   EveryoneRuns scheduler(options.prefill_chunk);

@@ -5,8 +5,8 @@
 // view's blocks, a contiguous one's single run) once and reuses them in every layer. Projections
 // and the MLP are cuBLASLt GEMMs (lt_gemm.hpp) with fp32 accumulation; the residual stream stays
 // fp32; logits come back to the host for the engine's sampler, or, when the engine asks
-// (Backend::choose_tokens), only each entry's token, chosen on the device. Decode steps whose
-// tokens the device picks replay a CUDA graph per batch bucket (replay_graph).
+// (Backend::forward given choices), only each entry's token, chosen on the device. Decode steps
+// whose tokens the device picks replay a CUDA graph per batch bucket (replay_graph).
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <cublas_v2.h>
@@ -141,30 +141,20 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   }
 
   std::int64_t vocab_size() const override { return config_.vocab_size; }
-  std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
-  std::span<const kvlab::TokenLogprob> chosen_logprobs() const override { return chosen_logprobs_; }
-  bool choose_tokens(std::span<const kvlab::TokenChoice> choices) override {
-    choices_.clear();
-    logprob_counts_.clear();
-    for (const kvlab::TokenChoice& c : choices) {
-      choices_.push_back({c.temperature, c.top_p, c.uniform, c.top_k});
-      logprob_counts_.push_back(c.logprobs);
-    }
-    return true;
-  }
-
   kvlab::BackendCounters counters() const override { return {graph_captures_, graph_replays_}; }
 
-  std::span<const float> forward(std::span<const kvlab::BatchEntry> batch) override {
-    chosen_ = {};
+  kvlab::ForwardResult forward(std::span<const kvlab::BatchEntry> batch,
+                               std::span<const kvlab::TokenChoice> choices) override {
     chosen_logprobs_.clear();
-    step_choices_.swap(choices_);  // choose_tokens applies to this forward only
-    step_logprob_counts_.swap(logprob_counts_);
-    choices_.clear();
-    logprob_counts_.clear();
+    step_choices_.clear();
+    step_logprob_counts_.clear();
+    for (const kvlab::TokenChoice& c : choices) {
+      step_choices_.push_back({c.temperature, c.top_p, c.uniform, c.top_k});
+      step_logprob_counts_.push_back(c.logprobs);
+    }
     StepShape step = stage_step(batch);  // 1. metadata
     if (step.rows == 0) return {};
-    step.choosing = step_choices_.size() == batch.size();
+    step.choosing = !choices.empty() && choices.size() == batch.size();
     const bool graphed = graphs_enabled_ && pad_for_graph(step);
     upload_step(step);  // 2. uploaded once
     grow_activations(step);
@@ -248,7 +238,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     std::int64_t rows = 0, count = 0;  // count: entries, padding included
     std::int64_t sequences = 0;        // the batch's entries
     std::int32_t max_keys = 0, max_queries = 0;
-    bool choosing = false;  // the device picks the tokens (choose_tokens)
+    bool choosing = false;  // the device picks the tokens (forward was given choices)
   };
 
   // One entry's new tokens, their positions and the slots their K/V go to (walking its extents;
@@ -554,8 +544,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   }
 
   // The step's result to the host: each sequence's token when the device chose them
-  // (choose_tokens: 4 bytes per sequence, not 4 x vocab), else its logits.
-  std::span<const float> read_out(const StepShape& step) {
+  // (given choices: 4 bytes per sequence, not 4 x vocab), else its logits.
+  kvlab::ForwardResult read_out(const StepShape& step) {
     if (step.choosing) {
       const std::size_t id_bytes = static_cast<std::size_t>(step.sequences) * sizeof(std::int32_t);
       check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
@@ -569,9 +559,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
                               cudaMemcpyDeviceToHost, stream_),
               "download logprobs");
       check(cudaStreamSynchronize(stream_), "forward");
-      chosen_ = {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.sequences)};
       for (const auto& [token, logprob] : logprobs) chosen_logprobs_.push_back({token, logprob});
-      return {};
+      return kvlab::ForwardResult::of_tokens(
+          {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.sequences)},
+          chosen_logprobs_, static_cast<std::size_t>(logprob_width_));
     }
     const std::int64_t values = step.sequences * config_.vocab_size;
     const std::size_t logit_bytes = static_cast<std::size_t>(values) * sizeof(float);
@@ -580,7 +571,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
                           cudaMemcpyDeviceToHost, stream_),
           "download logits");
     check(cudaStreamSynchronize(stream_), "forward");
-    return {host_logits_.get<float>(), static_cast<std::size_t>(values)};
+    return kvlab::ForwardResult::of_logits(
+        {host_logits_.get<float>(), static_cast<std::size_t>(values)});
   }
 
   // Pageable source: cudaMemcpyAsync has copied it out when it returns.
@@ -687,13 +679,11 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       d_transfer_slots_;
   PinnedBuffer host_logits_, host_chosen_;
   DeviceBuffer d_chosen_, d_choices_;
-  // choose_tokens: the next forward's choices, the running forward's, and its tokens when it
-  // chose them.
-  std::vector<kvlab::cuda::RowSampling> choices_, step_choices_;
-  std::span<const std::int32_t> chosen_;
+  // The running forward's token choices (empty: it returns logits).
+  std::vector<kvlab::cuda::RowSampling> step_choices_;
   // Their log-probabilities: how many each choice asks for (-1: none), this forward's width
   // (1 + the most asked; 0: none) and the result on the host.
-  std::vector<std::int32_t> logprob_counts_, step_logprob_counts_;
+  std::vector<std::int32_t> step_logprob_counts_;
   std::int64_t logprob_width_ = 0;
   DeviceBuffer d_logprob_counts_, d_logprobs_;
   std::vector<kvlab::TokenLogprob> chosen_logprobs_;

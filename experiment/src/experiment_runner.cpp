@@ -521,7 +521,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                    plugin_backend ? plugin_label(registry, PluginKind::backend, c.backend)
                                   : c.backend + " backend"};
   if (log != nullptr)
-    options.on_logits = [log, replica](RequestId id, std::span<const float> row) {
+    options.observers.on_logits = [log, replica](RequestId id, std::span<const float> row) {
       log->record(replica, id, row);
     };
   r->engine = std::make_unique<Engine>(*r->backend, *r->allocator, *r->scheduler, options);

@@ -1,7 +1,7 @@
 #pragma once
 // The backend every run wraps its own in: times Backend::forward (to report how much of a run is
 // spent outside it) and counts the forwards whose tokens the backend picked itself
-// (Backend::choose_tokens), passing everything else (counters included) through unchanged.
+// (ForwardResult::tokens), passing everything else (counters included) through unchanged.
 #include <chrono>
 #include <cstdint>
 #include <span>
@@ -13,22 +13,16 @@ namespace kvlab {
 class TimedBackend final : public Backend {
  public:
   explicit TimedBackend(Backend& inner) : inner_(inner) {}
-  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> choices) override {
     const auto start = std::chrono::steady_clock::now();
-    const auto logits = inner_.forward(batch);
+    const ForwardResult result = inner_.forward(batch, choices);
     seconds_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     ++forwards_;
-    if (!inner_.chosen_tokens().empty()) ++chose_tokens_;
-    return logits;
+    if (!result.tokens.empty()) ++chose_tokens_;
+    return result;
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
-  std::span<const std::int32_t> chosen_tokens() const override { return inner_.chosen_tokens(); }
-  std::span<const TokenLogprob> chosen_logprobs() const override {
-    return inner_.chosen_logprobs();
-  }
-  bool choose_tokens(std::span<const TokenChoice> choices) override {
-    return inner_.choose_tokens(choices);
-  }
   BackendCounters counters() const override { return inner_.counters(); }
   double seconds() const { return seconds_; }
   std::int64_t forwards() const { return forwards_; }

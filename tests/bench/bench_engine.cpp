@@ -6,7 +6,7 @@
 //                (admissions, prefix lookups, sampling, events, step records). Reported per
 //                engine step, outside the backend's forward: with a 32-token vocabulary, with
 //                TinyLlama's 32,000 sampled on the host, and with the backend choosing the
-//                tokens (Backend::choose_tokens, as the cuda backend does on the device).
+//                tokens (given token choices, as the cuda backend picks on the device).
 //   EngineStepGpuWorkload  the same on experiments/cuda_fcfs_vs_static.toml's workload (fcfs and
 //                static, 256 at a time, device choice).
 //   ./build/bin/kvlab_bench_engine
@@ -27,16 +27,16 @@ namespace {
 
 constexpr std::int64_t kRunning = 256, kWaiting = 10'000, kVocab = 32;
 
-// Logits that always pick token 1, or (when it accepts choose_tokens, as a GPU backend does)
-// token 1 itself; the time its forward takes is kept apart.
+// Logits that always pick token 1, or (when it is given token choices and picks, as a GPU backend
+// does) token 1 itself; the time its forward takes is kept apart.
 class FixedLogitsBackend final : public Backend {
  public:
   explicit FixedLogitsBackend(std::int64_t vocab = kVocab, bool chooses = false)
       : vocab_(vocab), chooses_(chooses) {}
-  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> choices) override {
     const auto start = std::chrono::steady_clock::now();
-    const bool choose = choosing_;
-    choosing_ = false;
+    const bool choose = chooses_ && !choices.empty();
     chosen_.clear();
     if (choose) {
       chosen_.assign(batch.size(), 1);
@@ -46,19 +46,14 @@ class FixedLogitsBackend final : public Backend {
         logits_[e * static_cast<std::size_t>(vocab_) + 1] = 1.0f;
     }
     forward_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-    return choose ? std::span<const float>() : std::span<const float>(logits_);
+    return choose ? ForwardResult::of_tokens(chosen_) : ForwardResult::of_logits(logits_);
   }
   std::int64_t vocab_size() const override { return vocab_; }
-  std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
-  bool choose_tokens(std::span<const TokenChoice>) override {
-    choosing_ = chooses_;
-    return chooses_;
-  }
   double forward_s = 0;
 
  private:
   std::int64_t vocab_;
-  bool chooses_, choosing_ = false;
+  bool chooses_;
   std::vector<float> logits_;
   std::vector<std::int32_t> chosen_;
 };
@@ -165,7 +160,7 @@ void time_engine_runs(benchmark::State& state, const std::vector<WorkloadRequest
 }
 
 // range(0): output tokens per request; range(1): the vocabulary; range(2): 1 when the backend
-// picks the tokens (Backend::choose_tokens), 0 when the engine samples its logits on the host.
+// picks the tokens (given token choices), 0 when the engine samples its logits on the host.
 void BM_EngineStep(benchmark::State& state) {
   const std::int64_t output_tokens = state.range(0);
   EngineRunSetup setup;

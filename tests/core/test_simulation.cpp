@@ -567,9 +567,10 @@ TEST(SimulatedBackend, TokensAreDeterministicAndNeverEos) {
     batch[i].tokens = prompt;
     batch[i].start_position = static_cast<std::int64_t>(i);
   }
-  EXPECT_TRUE(backend.forward(batch).empty());
-  ASSERT_EQ(backend.chosen_tokens().size(), batch.size());
-  for (std::int32_t t : backend.chosen_tokens()) EXPECT_EQ(t, 2);  // the only non-EOS id
+  const ForwardResult result = backend.forward(batch, {});
+  EXPECT_TRUE(result.logits.empty());
+  ASSERT_EQ(result.tokens.size(), batch.size());
+  for (std::int32_t t : result.tokens) EXPECT_EQ(t, 2);  // the only non-EOS id
 
   SimulatedBackend wide(32000, {2});
   const std::int32_t a = wide.token_after(17, 100);

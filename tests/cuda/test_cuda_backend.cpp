@@ -183,8 +183,8 @@ TEST(CudaBackend, StaticBatchPaddingRowsLeaveTheTokens) {
 }
 
 // Sampled requests (temperature, top-k, top-p, each with its seed) get the CPU backend's tokens
-// although the cuda backend picks them on the device (Backend::choose_tokens) and the CPU
-// backend's engine picks them on the host: the draws are the requests' own either way.
+// although the cuda backend picks them on the device (Backend::forward given token choices) and the
+// CPU backend's engine picks them on the host: the draws are the requests' own either way.
 TEST(CudaBackend, SampledTokensEqualTheCpuBackend) {
   KVLAB_REQUIRE_CUDA();
   std::vector<WorkloadRequest> requests = workload();
@@ -335,9 +335,9 @@ TEST(CudaBackend, MixedStepLogitsMatchTheCpuBackendInBothDtypes) {
         batch = {entry(next_a, 13, {{0, 14}}), entry(next_b, 30, {{100, 30}, {200, 1}}),
                  entry(d, 0, {{50, 5}})};
       }
-      const auto want = cpu.forward(batch);
+      const auto want = cpu.forward(batch, {}).logits;
       const std::vector<float> expected(want.begin(), want.end());
-      const auto got = gpu->forward(batch);
+      const auto got = gpu->forward(batch, {}).logits;
       const auto cmp = test::compare(got, expected);
       EXPECT_FALSE(cmp.has_nan) << dtype;
       EXPECT_LT(cmp.max_abs, std::string(dtype) == "f32" ? 1e-3 : 0.25)
@@ -358,7 +358,7 @@ std::vector<BatchEntry> prefill(Backend& backend, std::span<const std::int32_t> 
   std::vector<BatchEntry> batch(1);
   batch[0].tokens = prompt;
   batch[0].view.extents = {{0, static_cast<std::int64_t>(prompt.size())}};
-  (void)backend.forward(batch);
+  (void)backend.forward(batch, {});
   return batch;
 }
 
@@ -380,7 +380,7 @@ TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
       batch[0].tokens = next;
       batch[0].start_position = 13;
       batch[0].view.extents = {{first_slot, 13}, {first_slot + 13, 1}};
-      const auto logits = gpu->forward(batch);
+      const auto logits = gpu->forward(batch, {}).logits;
       return std::vector<float>(logits.begin(), logits.end());
     };
     const std::vector<float> reference = decode_from(0);
@@ -426,10 +426,11 @@ TEST(CudaBackend, EntriesThatDoNotWriteKvLeaveTheirSlots) {
     batch[0].tokens = other;  // position 12 again, another token than the one cached there
     batch[0].start_position = 12;
     batch[0].writes_kv = false;
-    for (const float logit : gpu->forward(batch)) ASSERT_TRUE(std::isfinite(logit)) << dtype;
+    for (const float logit : gpu->forward(batch, {}).logits)
+      ASSERT_TRUE(std::isfinite(logit)) << dtype;
     EXPECT_EQ(slot_12(), cached) << dtype;
     batch[0].writes_kv = true;
-    (void)gpu->forward(batch);
+    (void)gpu->forward(batch, {});
     EXPECT_NE(slot_12(), cached) << dtype << ": a writing entry stores its token's K/V";
   }
 }

@@ -66,25 +66,25 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
 }
 
 // A backend that picks tokens "on its device" (here: after the CPU backend's forward, with
-// kvlab::pick_token, or the argmax's -1 for a non-finite row) when the engine asks: what the
-// engine offers per step, and what it gets back, are visible.
+// kvlab::pick_token, or the argmax's -1 for a non-finite row) when the engine gives it choices
+// and it accepts them: what the engine offers per step, and what it gets back, are visible.
 class DeviceSamplingBackend final : public Backend {
  public:
   DeviceSamplingBackend(cpu::CpuBackend& inner, bool accepts) : inner_(inner), accepts_(accepts) {}
-  std::span<const float> forward(std::span<const BatchEntry> batch) override {
-    const std::span<const float> logits = inner_.forward(batch);
-    std::vector<TokenChoice> choices;
-    choices.swap(choices_);  // for this forward only
-    modes.push_back(!choices.empty());
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> choices) override {
+    const ForwardResult logits = inner_.forward(batch, {});
+    if (!choices.empty()) ++requests;
+    modes.push_back(accepts_ && !choices.empty());
     chosen_.clear();
     logprobs_.clear();
-    if (choices.empty()) return logits;
+    if (!modes.back()) return logits;
     EXPECT_EQ(choices.size(), batch.size());
     const auto vocab = static_cast<std::size_t>(vocab_size());
-    std::int32_t width = 0;  // 1 + the most logprobs asked, as Backend::chosen_logprobs says
+    std::int32_t width = 0;  // 1 + the most logprobs asked, as ForwardResult::logprobs says
     for (const TokenChoice& c : choices) width = std::max(width, c.logprobs + 1);
     for (std::size_t e = 0; e < batch.size(); ++e) {
-      const auto row = logits.subspan(e * vocab, vocab);
+      const auto row = logits.logits.subspan(e * vocab, vocab);
       if (std::any_of(row.begin(), row.end(), [](float v) { return !std::isfinite(v); })) {
         chosen_.push_back(-1);
         logprobs_.insert(logprobs_.end(), static_cast<std::size_t>(width), {-1, NAN});
@@ -103,20 +103,12 @@ class DeviceSamplingBackend final : public Backend {
       logprobs_.resize(logprobs_.size() + static_cast<std::size_t>(width) - 1 - top.size(),
                        {-1, NAN});
     }
-    return {};
+    if (without_logprobs) return ForwardResult::of_tokens(chosen_);
+    return ForwardResult::of_tokens(chosen_, logprobs_, static_cast<std::size_t>(width));
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
-  std::span<const std::int32_t> chosen_tokens() const override { return chosen_; }
-  std::span<const TokenLogprob> chosen_logprobs() const override {
-    return without_logprobs ? std::span<const TokenLogprob>{} : logprobs_;
-  }
-  bool choose_tokens(std::span<const TokenChoice> choices) override {
-    ++requests;
-    if (accepts_) choices_.assign(choices.begin(), choices.end());
-    return accepts_;
-  }
   std::vector<bool> modes;  // per forward: whether it chose the tokens
-  int requests = 0;         // choose_tokens calls
+  int requests = 0;         // forwards given choices
   int sampled_rows = 0;     // rows it drew from (temperature > 0)
   float logprob_error = 0;  // added to each chosen token's log-probability
   bool without_logprobs = false;
@@ -124,7 +116,6 @@ class DeviceSamplingBackend final : public Backend {
  private:
   cpu::CpuBackend& inner_;
   bool accepts_;
-  std::vector<TokenChoice> choices_;
   std::vector<std::int32_t> chosen_;
   std::vector<TokenLogprob> logprobs_;
 };
@@ -163,7 +154,7 @@ DeviceSamplingRun run_device_sampling(const cpu::LlamaWeights& w,
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
   if (read_logits)
-    options.on_logits = [logits_read](RequestId, std::span<const float> row) {
+    options.observers.on_logits = [logits_read](RequestId, std::span<const float> row) {
       if (logits_read != nullptr) logits_read->emplace_back(row.begin(), row.end());
     };
   DeviceSamplingRun run;
@@ -197,11 +188,12 @@ std::vector<WorkloadRequest> mixed_sampling_requests() {
 // Every step whose logits nobody reads is offered to the backend with each entry's choice and
 // draw: the tokens are the host sampler's, greedy and sampled alike (the draws are taken
 // before the forward either way); a run that reads the logits never offers; a backend that
-// declines is asked once and the host picks with the same draws.
+// returns logits although offered choices gets its tokens picked by the host with the same
+// draws (the offer is per call: nothing of it outlives the forward).
 TEST(Engine, TokensArePickedOnTheBackendWhenItCanWithTheHostsDraws) {
   const auto requests = mixed_sampling_requests();
   const DeviceSamplingRun host = run_device_sampling(weights(), requests, false, false);
-  EXPECT_EQ(host.requests, 1);  // declined once, never asked again
+  EXPECT_EQ(host.requests, static_cast<int>(host.modes.size()));  // offered every step
   for (const bool mode : host.modes) EXPECT_FALSE(mode);
   const DeviceSamplingRun device = run_device_sampling(weights(), requests, true, false);
   EXPECT_EQ(device.result.tokens, host.result.tokens);
@@ -536,12 +528,13 @@ class RecordingBackend final : public Backend {
     bool writes_kv = true;
   };
   explicit RecordingBackend(cpu::CpuBackend& inner) : inner_(inner) {}
-  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> choices) override {
     auto& forward = forwards.emplace_back();
     for (const BatchEntry& e : batch)
       forward.push_back(
           {e.start_position, static_cast<std::int64_t>(e.tokens.size()), e.view, e.writes_kv});
-    return inner_.forward(batch);
+    return inner_.forward(batch, choices);
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
   std::vector<std::vector<Entry>> forwards;

@@ -1,7 +1,9 @@
 #pragma once
-// Backend: runs the forward pass over a mixed batch. Implementations: the CPU backend
-// (cpu_reference/), the simulated backend (core, a cost model), the CUDA backend (a plugin).
+// Backend: runs the forward pass over a mixed batch, one call a step (forward -> ForwardResult).
+// Implementations: the CPU backend (cpu_reference/), the simulated backend (core/sim, a cost
+// model), the CUDA backend (cuda/, a plugin).
 #include <boost/config.hpp>
+#include <cstddef>
 #include <cstdint>
 #include <span>
 
@@ -24,21 +26,56 @@ struct BatchEntry {
   bool writes_kv = true;
 };
 
-// How one batch entry's next token is picked (Backend::choose_tokens): the request's
-// SamplingParams filters and this step's draw from its RNG.
+// How one batch entry's next token is picked: the request's SamplingParams filters and this
+// step's draw from its RNG. A backend that picks where its logits are (a GPU) picks as
+// kvlab::pick_token picks from the same row (kvlab/engine/sampling.hpp).
 struct TokenChoice {
   double temperature = 0;  // 0: the argmax, lowest id on ties (uniform unused)
   double top_p = 1;        // 1: off
   double uniform = 0;      // the draw, in [0, 1)
   std::int32_t top_k = 0;  // 0: off
   // -1: no log-probabilities; k >= 0: the chosen token's and the k most likely tokens'
-  // (Backend::chosen_logprobs), as kvlab::token_logprob and kvlab::top_logprobs compute them.
+  // (ForwardResult::logprobs), as kvlab::token_logprob and kvlab::top_logprobs compute them.
   std::int32_t logprobs = -1;
 };
 
 struct TokenLogprob {
   std::int32_t token = 0;
   float logprob = 0;  // natural log of the model's probability (softmax of the raw logits)
+};
+
+// What one forward returns for its batch, entries in batch order: each entry's logits, or the
+// token the backend chose for it (and, when its choice asked, the log-probabilities). The spans
+// point into the backend's own buffers and stay valid until its next forward; nothing else of the
+// call outlives it.
+struct ForwardResult {
+  // (entries, vocab) row-major: the last token's logits of each entry. Empty when `tokens` is set.
+  std::span<const float> logits;
+  // (entries): the backend's choice for each entry, -1 for a row holding NaN or +-inf. Empty
+  // when `logits` is set.
+  std::span<const std::int32_t> tokens;
+  // (entries, logprob_width) row-major, with `tokens` when some choice asked (logprobs >= 0),
+  // logprob_width = 1 + the most asked. Row e: the chosen token and its log-probability under
+  // softmax(logits) (temperature 1, before any filtering), then the k_e most likely tokens,
+  // most likely first, the lower id first among equals; {-1, NaN} fill the rest (and the whole
+  // row of a non-finite row). Empty when none was asked or the backend has no logits.
+  std::span<const TokenLogprob> logprobs;
+  std::size_t logprob_width = 0;
+
+  static ForwardResult of_logits(std::span<const float> logits) {
+    ForwardResult r;
+    r.logits = logits;
+    return r;
+  }
+  static ForwardResult of_tokens(std::span<const std::int32_t> tokens,
+                                 std::span<const TokenLogprob> logprobs = {},
+                                 std::size_t logprob_width = 0) {
+    ForwardResult r;
+    r.tokens = tokens;
+    r.logprobs = logprobs;
+    r.logprob_width = logprob_width;
+    return r;
+  }
 };
 
 // How a backend's forwards ran so far (Backend::counters), for a run's report.
@@ -50,31 +87,14 @@ struct BackendCounters {
 class BOOST_SYMBOL_VISIBLE Backend {
  public:
   virtual ~Backend() = default;
-  // Writes each new token's K/V into its slot; returns logits (entries, vocab) row-major for
-  // the last token of each entry, valid until the next call.
-  virtual std::span<const float> forward(std::span<const BatchEntry> batch) = 0;
+  // The one call: runs `batch`, writing each new token's K/V into its slot (entries whose
+  // writes_kv is false excepted). `choices`: empty when the caller reads the logits, else one
+  // per entry, which lets the backend pick each entry's token where the logits are (only ids
+  // cross to the host) or return the logits for the caller to pick with the same draws; a
+  // backend without logits (the simulated one) always returns tokens.
+  virtual ForwardResult forward(std::span<const BatchEntry> batch,
+                                std::span<const TokenChoice> choices) = 0;
   virtual std::int64_t vocab_size() const = 0;
-  // Backends without logits (the simulated one) choose each entry's next token themselves:
-  // after forward() they return one token per entry here and forward() returns no logits.
-  // Empty (the default): the engine samples the logits.
-  virtual std::span<const std::int32_t> chosen_tokens() const { return {}; }
-  // Sampling where the logits are (a GPU): given one choice per entry of the next forward(), in
-  // batch order, that forward() returns no logits and chosen_tokens() each entry's token, picked
-  // as kvlab::pick_token picks it from the same row (kvlab/engine/sampling.hpp), or -1 for a row
-  // holding NaN or +-inf. Token ids cross to the host instead of (entries x vocab) floats. The
-  // engine offers it before every forward whose logits nobody reads. Applies to that forward
-  // only; returns whether the backend does as asked (the default: no, and it is not asked again).
-  virtual bool choose_tokens(std::span<const TokenChoice> choices) {
-    (void)choices;
-    return false;
-  }
-  // After a forward whose choices (choose_tokens) asked for log-probabilities (some logprobs
-  // >= 0): (entries, 1 + K) row-major, K the largest logprobs asked. Row e: the chosen token and
-  // its log-probability under softmax(logits) (temperature 1, before any filtering), then the
-  // k_e most likely tokens, most likely first, the lower id first among equals; {-1, NaN} fill
-  // the rest (and the whole row of a non-finite row). Empty when none was asked. A backend that
-  // cannot compute them declines choose_tokens for such a step.
-  virtual std::span<const TokenLogprob> chosen_logprobs() const { return {}; }
   // Totals since the backend was made (zeros where a backend has nothing to count).
   virtual BackendCounters counters() const { return {}; }
 };

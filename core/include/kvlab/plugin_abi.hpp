@@ -21,8 +21,9 @@ namespace kvlab {
 // 3: the request table's plan shape and the layout fingerprint; 4: KvAllocator plans exactly
 // (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone; 5: the router kind;
 // 6: Backend::choose_greedy_tokens; 7: Backend::choose_tokens (any sampling) replaces it;
-// 8: Backend::counters; 9: Backend::chosen_logprobs.
-inline constexpr std::uint32_t kPluginAbiVersion = 9;
+// 8: Backend::counters; 9: Backend::chosen_logprobs; 10: one call, Backend::forward(batch,
+// choices) -> ForwardResult, replaces choose_tokens / chosen_tokens / chosen_logprobs.
+inline constexpr std::uint32_t kPluginAbiVersion = 10;
 
 namespace detail {
 
@@ -58,7 +59,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<RequestState>().type<SwapBuffer>().type<SchedulerInput>().type<StepPlan>();
   h.type<Preemption>().type<Work>().type<Deferral>();
   h.type<ReplicaLoad>().type<RouteRequest>().type<RouteDecision>().type<TokenChoice>();
-  h.type<BackendCounters>().type<TokenLogprob>();
+  h.type<BackendCounters>().type<TokenLogprob>().type<ForwardResult>();
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
@@ -70,6 +71,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(TokenChoice, uniform).KVLAB_ABI_MEMBER(TokenChoice, top_k);
   h.KVLAB_ABI_MEMBER(TokenChoice, logprobs).KVLAB_ABI_MEMBER(TokenLogprob, logprob);
   h.KVLAB_ABI_MEMBER(BackendCounters, graph_replays);
+  h.KVLAB_ABI_MEMBER(ForwardResult, tokens).KVLAB_ABI_MEMBER(ForwardResult, logprob_width);
   return h.hash;
 }
 

@@ -20,37 +20,6 @@ double seconds_between(SteadyClock::time_point a, SteadyClock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
-// Sampling needs finite logits; NaN or inf means the backend (or the weights) broke: stop the run
-// with the request and step rather than emit token 0 with a null logprob.
-void throw_if_non_finite(std::span<const float> row, RequestId id, std::int64_t step) {
-  if (auto bad = first_non_finite(row))
-    throw Error(fmt::format(
-        "request {}, step {}: the backend's logits hold {} at token id {}; the model's weights or "
-        "the backend produced non-finite values, so no token can be sampled",
-        id, step, row[*bad], *bad));
-}
-
-// The view of a padding row whose pad token sits at `end_position - 1`: the request's own view,
-// extended when its pad tokens have gone past what it holds by runs of pool slots from slot 0,
-// whole multiples of 16 slots, placed before its last extent (after its only one), so that a
-// block-table backend keeps the view's block size. The row writes no K/V and its output is
-// discarded: which slots the extra keys come from does not matter, only that attention reads as
-// many keys as a pad token's would. Runs stay within the pool's `pool_slots`.
-KvView padding_view(KvView view, std::int64_t end_position, std::int64_t pool_slots) {
-  constexpr std::int64_t kQuantum = 16;
-  std::int64_t missing = end_position - view.end_position();
-  if (missing <= 0 || view.extents.empty()) return view;
-  missing = (missing + kQuantum - 1) / kQuantum * kQuantum;
-  const std::int64_t longest_run = std::max<std::int64_t>(pool_slots / kQuantum * kQuantum, 1);
-  std::vector<KvExtent> filler;
-  for (; missing > 0; missing -= filler.back().length)
-    filler.push_back({0, std::min(missing, longest_run)});
-  auto& extents = view.extents;
-  const auto at = extents.size() == 1 ? extents.end() : extents.end() - 1;
-  extents.insert(at, filler.begin(), filler.end());
-  return view;
-}
-
 }  // namespace
 
 Engine::Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
@@ -59,7 +28,8 @@ Engine::Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
       allocator_(allocator),
       scheduler_(scheduler),
       options_(std::move(options)),
-      apply_options_{options_.rules, options_.pool, options_.swap_slots} {}
+      apply_options_{options_.rules, options_.pool, options_.swap_slots},
+      padding_(options_.rules.context) {}
 
 Engine::~Engine() = default;
 
@@ -79,9 +49,7 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
         "EngineOptions::cost_model (a hardware profile: profiles/cpu.toml for the CPU backend) or "
         "use the measured clock");
   clock_ = make_clock(options_.clock);
-  padding_shapes_.clear();
-  padding_ids_.clear();
-  padding_slots_ = 0;
+  padding_.clear();
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
   log_ = {};
   result_ = {};
@@ -180,7 +148,7 @@ bool Engine::step() {
     return true;
   }
   // 1. plan, 2. apply
-  (void)release_padding_after_batch();
+  (void)padding_.release_if_batch_ended(*table_, allocator_);
   step_start_ = SteadyClock::now();
   const StepPlan plan = plugin_call(options_.names.scheduler, step_, [&] {
     return scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
@@ -194,7 +162,7 @@ bool Engine::step() {
   const bool fragmentation_blocked = admission_blocked_by_fragmentation(plan);
   if (applied.batch.empty()) {
     // Preemption emptied a padded static batch: free its padding and plan again.
-    if (release_padding_after_batch()) return true;
+    if (padding_.release_if_batch_ended(*table_, allocator_)) return true;
     idle_step();
     return !table_->all_done();
   }
@@ -202,13 +170,12 @@ bool Engine::step() {
   // 3. run, 4. sample, 5. update
   StepRecord record;
   record.preempted = applied.preempted;
-  const std::span<const float> logits = run_batch(applied, record);
-  const std::vector<std::int32_t> sampled = sample(applied, logits);
+  const std::vector<std::int32_t> sampled = run_batch(applied, record);
   log_.set_time(step_, clock_->now());
   std::vector<RequestId> finished_held;
   apply_tokens(applied, sampled, clock_->now(), *table_, allocator_, apply_options_, log_,
                &finished_held);
-  hold_padding(finished_held);
+  padding_.hold(finished_held, *table_, allocator_);
   record_step(record, fragmentation_blocked);
   return !table_->all_done();
 }
@@ -250,11 +217,12 @@ void Engine::idle_step() {
   ++step_;
 }
 
-// The forward over the applied batch (and a static batch's padding rows, on a measured clock);
-// the clock prices the step.
-std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord& record) {
+// The forward over the applied batch (and a static batch's padding rows, on a measured clock),
+// then each sampling entry's token; the clock prices the step. Token choices are offered to the
+// backend unless someone reads the logits (on_logits).
+std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepRecord& record) {
   std::vector<BatchEntry> batch;
-  batch.reserve(applied.batch.size() + padding_ids_.size());
+  batch.reserve(applied.batch.size());
   for (const ScheduledWork& work : applied.batch) {
     const RequestState& r = table_->at(work.id);
     BatchEntry entry;
@@ -264,16 +232,13 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
     entry.view = allocator_.view(work.id);
     batch.push_back(std::move(entry));
   }
-  if (computes_padding() && !padding_ids_.empty()) {
-    const std::int64_t pool_slots = allocator_.stats().capacity;  // bounds the padding views
-    for (std::size_t i = 0; i < padding_ids_.size(); ++i)
-      batch.push_back(padding_entry(i, pool_slots));
-  }
-  forwarded_entries_ = batch.size();
-  draw_token_choices(applied, batch.size());
+  if (computes_padding()) padding_.append_rows(*table_, allocator_, batch);
+  const std::vector<TokenChoice> choices = draw_token_choices(applied, *table_, batch.size());
+  const std::span<const TokenChoice> offered =
+      options_.observers.on_logits ? std::span<const TokenChoice>() : choices;
   const auto start = SteadyClock::now();
-  const std::span<const float> logits = plugin_call<PluginErrors::non_kvlab>(
-      options_.names.backend, step_, [&] { return backend_.forward(batch); });
+  const ForwardResult result = plugin_call<PluginErrors::non_kvlab>(
+      options_.names.backend, step_, [&] { return backend_.forward(batch, offered); });
   const auto end = SteadyClock::now();
   record.step = step_;
   record.start_s = clock_->now();
@@ -284,7 +249,8 @@ std::span<const float> Engine::run_batch(const AppliedPlan& applied, StepRecord&
   record.measured_step_s = seconds_between(step_start_, end);
   record.duration_s =
       clock_->advance(price_step(applied, std::span(batch).first(applied.batch.size()), record));
-  return logits;
+  return pick_tokens(result, choices, applied, *table_, backend_.vocab_size(), step_,
+                     options_.observers);
 }
 
 // A static batch's finished rows cost a padded batch (Hugging Face generate()) a row of every
@@ -295,38 +261,6 @@ bool Engine::computes_padding() const {
   return options_.clock == EngineClock::measured || options_.clock == EngineClock::wall;
 }
 
-// A padding row for the backend: a pad token (the request's last token) decoded at the position
-// the cost model prices for it this step (one further each step, as Hugging Face generate()'s
-// pad tokens), attending to as many keys (padding_view), every layer and the LM head; it writes
-// no K/V (its slots keep what they hold) and its logits are discarded.
-BatchEntry Engine::padding_entry(std::size_t index, std::int64_t pool_slots) const {
-  const RequestState& r = table_->at(padding_ids_[index]);
-  BatchEntry entry;
-  entry.start_position = padding_shapes_[index].start_position;
-  entry.tokens = std::span<const std::int32_t>(r.tokens).last(1);
-  entry.view = padding_view(allocator_.view(r.id), entry.start_position + 1, pool_slots);
-  entry.writes_kv = false;
-  return entry;
-}
-
-// Each sampling entry's choice for this step, its draw taken from the request's RNG now (one per
-// non-greedy token, as Sampler::sample draws); the `entries` forwarded beyond the batch (padding)
-// are greedy and discarded. Offered to the backend (Backend::choose_tokens) when nobody reads the
-// logits, so that only token ids cross to the host; when it declines, the host picks with the
-// same draws, and the backend is not asked again.
-void Engine::draw_token_choices(const AppliedPlan& applied, std::size_t entries) {
-  choices_.assign(entries, TokenChoice{});
-  for (std::size_t e = 0; e < applied.batch.size(); ++e) {
-    if (!applied.batch[e].samples) continue;
-    Sampler& sampler = table_->sampler(applied.batch[e].id);
-    const SamplingParams& p = sampler.params();
-    choices_[e] = {p.temperature, p.top_p, p.temperature > 0 ? sampler.next_uniform() : 0.0,
-                   p.top_k, p.logprobs};
-  }
-  if (options_.on_logits || !device_choice_possible_) return;
-  device_choice_possible_ = backend_.choose_tokens(choices_);
-}
-
 // The step as each clock prices it: the cost model's roofline over the batch and the static
 // batch's padding rows, and the swap copies over its link; the measured forward and copies.
 StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
@@ -334,11 +268,11 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
   StepTiming timing;
   timing.measured_forward_s = record.measured_forward_s;
   timing.measured_swap_s = applied.swap_copy_s;
-  record.padding = static_cast<std::int64_t>(padding_shapes_.size());
+  record.padding = static_cast<std::int64_t>(padding_.shapes().size());
   record.swap_bytes = applied.swap_bytes;
   record.swap_transfers = applied.swap_transfers;
   if (options_.cost_model != nullptr) {
-    record.work = options_.cost_model->work(batch, padding_shapes_);
+    record.work = options_.cost_model->work(batch, padding_.shapes());
     record.predicted_s = options_.cost_model->cost(record.work).total();
     timing.predicted_s = record.predicted_s;
     timing.modelled_swap_s =
@@ -347,103 +281,13 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
   return timing;
 }
 
-// Finished requests of a padded static batch keep their KV and add a discarded token per step
-// until the batch has no running request left; then all of it is freed at once.
-void Engine::hold_padding(const std::vector<RequestId>& finished) {
-  // This step's pad token, one position further (at most the model's last position: both the
-  // cost model and the backend's padding row see that one).
-  const std::int64_t last_position = options_.rules.context > 0
-                                         ? options_.rules.context - 1
-                                         : std::numeric_limits<std::int64_t>::max();
-  for (EntryShape& shape : padding_shapes_)
-    shape.start_position = std::min(shape.start_position + 1, last_position);
-  for (const RequestId id : finished) {
-    const KvView view = allocator_.view(id);  // held unchanged until the batch ends
-    padding_ids_.push_back(id);               // its last token's row, then one pad token per step
-    padding_shapes_.push_back({1, table_->at(id).length() - 1, view.first_position});
-    padding_slots_ += view.length();
-  }
-  (void)release_padding_after_batch();
-}
-
-bool Engine::release_padding_after_batch() {
-  if (!table_->running().empty() || padding_ids_.empty()) return false;
-  for (const RequestId id : padding_ids_) allocator_.free(id);
-  padding_ids_.clear();
-  padding_shapes_.clear();
-  padding_slots_ = 0;
-  return true;
-}
-
-// The next token of every entry that ends its sequence (the backend's choice when it makes one).
-std::vector<std::int32_t> Engine::sample(const AppliedPlan& applied,
-                                         std::span<const float> logits) {
-  const std::size_t entries = applied.batch.size();  // the padding rows after them: discarded
-  const auto vocab = static_cast<std::size_t>(backend_.vocab_size());
-  const std::span<const std::int32_t> chosen = backend_.chosen_tokens();
-  if (chosen.empty() ? logits.size() != forwarded_entries_ * vocab
-                     : chosen.size() != forwarded_entries_)
-    throw Error(fmt::format(
-        "backend returned {} logits and {} tokens for a batch of {} (vocab {}): it must return "
-        "one row of logits or one chosen token per entry",
-        logits.size(), chosen.size(), forwarded_entries_, vocab));
-  std::vector<std::int32_t> sampled(entries, -1);
-  for (std::size_t e = 0; e < entries; ++e) {
-    const ScheduledWork& work = applied.batch[e];
-    if (!work.samples) continue;
-    const SamplingParams& params = table_->sampler(work.id).params();
-    if (!chosen.empty()) {
-      sampled[e] = chosen[e];
-      if (sampled[e] < 0)  // the device's choice over a row with NaN or +-inf
-        throw Error(fmt::format(
-            "request {}, step {}: the backend's logits hold a non-finite value; the model's "
-            "weights or the backend produced non-finite values, so no token can be sampled",
-            work.id, step_));
-      if (params.logprobs >= 0)
-        table_->logprobs(work.id).push_back(device_logprobs(work, e, sampled[e]));
-    } else {
-      const auto row = logits.subspan(e * vocab, vocab);
-      throw_if_non_finite(row, work.id, step_);
-      if (options_.on_logits) options_.on_logits(work.id, row);
-      sampled[e] = pick_token(row, params, choices_[e].uniform);
-      if (params.logprobs >= 0)
-        table_->logprobs(work.id).push_back(generated_logprobs(row, sampled[e], params.logprobs));
-    }
-    if (options_.on_token) options_.on_token(work.id, sampled[e]);
-  }
-  return sampled;
-}
-
-// Entry `entry`'s log-probabilities as the backend computed them with its token choice
-// (Backend::chosen_logprobs): a backend that picks tokens without logits (the simulated one) has
-// none to give.
-GeneratedLogprobs Engine::device_logprobs(const ScheduledWork& work, std::size_t entry,
-                                          std::int32_t token) const {
-  const std::span<const TokenLogprob> all = backend_.chosen_logprobs();
-  const std::size_t entries = choices_.size();
-  if (all.empty() || all.size() % entries != 0)
-    throw Error(fmt::format(
-        "request {} asks for log-probabilities (logprobs = {}), but the backend chose its tokens "
-        "without them ({} values for a batch of {}): use a backend with logits (cpu, cuda)",
-        work.id, choices_[entry].logprobs, all.size(), entries));
-  const std::size_t width = all.size() / entries;
-  const auto row = all.subspan(entry * width, width);
-  const auto asked = static_cast<std::size_t>(choices_[entry].logprobs);
-  if (row[0].token != token || asked + 1 > width)
-    throw Error(
-        fmt::format("request {}, step {}: the backend's log-probabilities are for token "
-                    "{} with {} alternatives; it chose token {} and {} were asked",
-                    work.id, step_, row[0].token, width - 1, token, asked));
-  return {row[0].logprob, std::vector<TokenLogprob>(row.begin() + 1, row.begin() + 1 + asked)};
-}
-
 // The step's record: queue lengths and the allocator's numbers after the update.
 void Engine::record_step(StepRecord record, bool fragmentation_blocked) {
   record.waiting = static_cast<std::int64_t>(table_->waiting().size());
   record.running = static_cast<std::int64_t>(table_->running().size());
   record.kv = allocator_.stats();
   record.blocking_unusable_free = fragmentation_blocked ? record.kv.unusable_free : 0;
-  record.padding_slots = padding_slots_;
+  record.padding_slots = padding_.slots();
   if (record.kv.evictions > evictions_seen_) {  // cached prefix blocks reused for other data
     log_.add_evictions(record.kv.evictions - evictions_seen_);
     evictions_seen_ = record.kv.evictions;

@@ -25,14 +25,15 @@ std::int32_t SimulatedBackend::token_after(std::int32_t last_token, std::int64_t
   return token;
 }
 
-std::span<const float> SimulatedBackend::forward(std::span<const BatchEntry> batch) {
+ForwardResult SimulatedBackend::forward(std::span<const BatchEntry> batch,
+                                        std::span<const TokenChoice> /*choices*/) {
   tokens_.clear();
   for (const BatchEntry& entry : batch) {
     const std::int64_t last =
         entry.start_position + static_cast<std::int64_t>(entry.tokens.size()) - 1;
     tokens_.push_back(token_after(entry.tokens.empty() ? 0 : entry.tokens.back(), last));
   }
-  return {};
+  return ForwardResult::of_tokens(tokens_);
 }
 
 }  // namespace kvlab

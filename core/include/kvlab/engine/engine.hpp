@@ -18,9 +18,11 @@
 #include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/events.hpp"
 #include "kvlab/engine/metrics.hpp"
+#include "kvlab/engine/pick_tokens.hpp"
 #include "kvlab/engine/plan_check.hpp"
 #include "kvlab/engine/request_table.hpp"
 #include "kvlab/engine/sequence_rules.hpp"
+#include "kvlab/engine/static_padding.hpp"
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/router.hpp"
@@ -41,11 +43,11 @@ struct EngineOptions {
   // added to the step (the cost model's link on virtual clocks, as measured otherwise).
   KvPool* pool = nullptr;
   std::int64_t swap_slots = 0;
-  // Called with each sampled row of logits (request, vocab), before the token is drawn: for
-  // tests and tools that keep logits (cpu::BatchGenerator). Never with a backend that samples.
-  std::function<void(RequestId, std::span<const float>)> on_logits;
-  // Called with each token as soon as it is chosen (streaming), before the stop rules apply.
-  std::function<void(RequestId, std::int32_t)> on_token;
+  // on_logits: each sampled row of logits, for tests and tools that keep logits
+  // (cpu::BatchGenerator); with it set the backend is asked for logits (no token choices), and
+  // a backend without logits (the simulated one) never calls it. on_token: each token as soon
+  // as it is chosen (streaming).
+  TokenObservers observers;
   // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
   struct PluginNames {
     std::string scheduler = "the scheduler", allocator = "the KV allocator",
@@ -110,18 +112,11 @@ class Engine {
   void receive_arrivals();
   std::string never_fits(const RequestState& r) const;
   void idle_step();
-  std::span<const float> run_batch(const AppliedPlan& applied, StepRecord& record);
+  std::vector<std::int32_t> run_batch(const AppliedPlan& applied, StepRecord& record);
   bool computes_padding() const;
-  BatchEntry padding_entry(std::size_t index, std::int64_t pool_slots) const;  // of padding_ids_
-  void draw_token_choices(const AppliedPlan& applied, std::size_t entries);
-  std::vector<std::int32_t> sample(const AppliedPlan& applied, std::span<const float> logits);
-  GeneratedLogprobs device_logprobs(const ScheduledWork& work, std::size_t entry,
-                                    std::int32_t token) const;
   void record_step(StepRecord record, bool fragmentation_blocked);
   StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
                         StepRecord& record) const;
-  void hold_padding(const std::vector<RequestId>& finished);
-  bool release_padding_after_batch();  // true when it freed something
   bool admission_blocked_by_fragmentation(const StepPlan& plan) const;
 
   Backend& backend_;
@@ -136,16 +131,7 @@ class Engine {
   EngineResult result_;
   std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
   std::chrono::steady_clock::time_point step_start_;
-  // The finished requests of the running static batch kept as padding: id and the position of
-  // the discarded token each step adds.
-  std::vector<EntryShape> padding_shapes_;
-  std::vector<RequestId> padding_ids_;
-  std::int64_t padding_slots_ = 0;  // the KV slots their views hold
-  // This step's token choices, one per batch entry (draws taken), and whether the backend may
-  // still be asked to pick tokens itself (false once it has declined).
-  std::vector<TokenChoice> choices_;
-  bool device_choice_possible_ = true;
-  std::size_t forwarded_entries_ = 0;  // this step's forward: the batch, then padding rows
+  StaticPadding padding_;  // the finished requests of the running static batch
 };
 
 }  // namespace kvlab

@@ -13,9 +13,10 @@ namespace kvlab {
 class SimulatedBackend final : public Backend {
  public:
   SimulatedBackend(std::int64_t vocab_size, std::vector<std::int32_t> eos_token_ids);
-  std::span<const float> forward(std::span<const BatchEntry> batch) override;
+  // Tokens always (it has no logits): token_after each entry's last token.
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> choices) override;
   std::int64_t vocab_size() const override { return vocab_size_; }
-  std::span<const std::int32_t> chosen_tokens() const override { return tokens_; }
 
   // The synthetic token after `last_token` at `position`: a hash, skipping EOS ids.
   std::int32_t token_after(std::int32_t last_token, std::int64_t position) const;

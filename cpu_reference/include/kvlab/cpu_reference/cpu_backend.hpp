@@ -40,9 +40,11 @@ class CpuBackend final : public Backend {
   // for the last token of each entry, valid until the next forward.
   const RowMatrix& run(std::span<const BatchEntry> batch);
 
-  std::span<const float> forward(std::span<const BatchEntry> batch) override {
+  // Logits always: the host is where they are, so picking here saves no copy.
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> /*choices*/) override {
     const RowMatrix& logits = run(batch);
-    return {logits.data(), static_cast<std::size_t>(logits.size())};
+    return ForwardResult::of_logits({logits.data(), static_cast<std::size_t>(logits.size())});
   }
   std::int64_t vocab_size() const override { return weights_.config.vocab_size; }
 
