@@ -271,9 +271,10 @@ void plan_step_begin(const KvAllocator& kv, std::span<const RequestState* const>
 bool plan_work(const KvAllocator& kv, const RequestState& r) {
   switch (kv_operation(r)) {
     case KvOperation::kv_allocate:
-      return kv.plan_allocate({r.id, r.tokens, r.length() + r.remaining_output()});
+      return kv.plan_allocate(
+          {r.id, r.tokens, r.length() + r.remaining_output(), &r.prefix_hashes});
     case KvOperation::kv_reallocate:
-      return kv.plan_allocate({r.id, r.tokens, r.length()});
+      return kv.plan_allocate({r.id, r.tokens, r.length(), &r.prefix_hashes});
     case KvOperation::kv_append:
       return kv.plan_append(r.id, 1);
     case KvOperation::kv_none:

@@ -12,6 +12,7 @@
 #include <optional>
 #include <span>
 
+#include "kvlab/kv/prefix_hash.hpp"
 #include "kvlab/kv_pool.hpp"
 
 namespace kvlab {
@@ -42,6 +43,10 @@ struct AllocateRequest {
   SequenceId sequence = 0;
   std::span<const std::int32_t> prompt;  // the tokens whose KV the first forward writes
   std::int64_t max_total_tokens = 0;     // prompt + most tokens it may generate
+  // The request's own prompt block hashes (RequestState::prefix_hashes), which a prefix-caching
+  // allocator extends and reads instead of hashing the prompt on every lookup; nullptr: none
+  // kept (the allocator hashes afresh).
+  PrefixHashCache* prefix_hashes = nullptr;
 };
 
 struct AllocateResult {

@@ -22,7 +22,8 @@ namespace kvlab {
 // (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone; 5: the router kind;
 // 6: Backend::choose_greedy_tokens; 7: Backend::choose_tokens (any sampling) replaces it;
 // 8: Backend::counters; 9: Backend::chosen_logprobs; 10: one call, Backend::forward(batch,
-// choices) -> ForwardResult, replaces choose_tokens / chosen_tokens / chosen_logprobs.
+// choices) -> ForwardResult, replaces choose_tokens / chosen_tokens / chosen_logprobs;
+// AllocateRequest::prefix_hashes (a request's block hashes, kept with it).
 inline constexpr std::uint32_t kPluginAbiVersion = 10;
 
 namespace detail {
@@ -65,6 +66,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
   h.KVLAB_ABI_MEMBER(Preemption, id).KVLAB_ABI_MEMBER(Preemption, mode);
   h.KVLAB_ABI_MEMBER(AllocateRequest, prompt).KVLAB_ABI_MEMBER(AllocateRequest, max_total_tokens);
+  h.KVLAB_ABI_MEMBER(AllocateRequest, prefix_hashes).type<PrefixHashCache>();
   h.KVLAB_ABI_MEMBER(KvPoolShape, layers).KVLAB_ABI_MEMBER(KvPoolShape, slots);
   h.KVLAB_ABI_MEMBER(SchedulerInput, running).KVLAB_ABI_MEMBER(SchedulerInput, kv);
   h.KVLAB_ABI_MEMBER(StepPlan, deferred).KVLAB_ABI_MEMBER(StepPlan, pad_finished);

@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "kvlab/kv/prefix_hash.hpp"
+
 namespace kvlab {
 
 using RequestId = std::int64_t;  // the submission index; also the request's SequenceId
@@ -39,6 +41,9 @@ struct RequestState {
   bool recompute_each_step = false;  // the no-cache variant: its KV is rebuilt before each token
   SwapBuffer swap;                   // while swapped
   std::string last_deferral;         // why the scheduler last left it waiting ("" = news)
+  // Its tokens' block hashes as the allocator's prefix cache names them, computed once (tokens
+  // only grow at the end): a cache, filled through a read-only view of the request as well.
+  mutable PrefixHashCache prefix_hashes;
 
   std::int64_t length() const { return static_cast<std::int64_t>(tokens.size()); }
   std::int64_t generated() const { return length() - prompt_tokens; }

@@ -137,7 +137,8 @@ void PlanApplier::log_deferral(const Deferral& deferral) {
 // Allocates the sequence so far (prefix-cache hits come back computed) or copies a swapped
 // request's KV back; the request joins the running queue.
 void PlanApplier::admit(RequestState& r, std::int64_t new_tokens) {
-  const auto allocation = kv_.allocate({r.id, r.tokens, r.length() + r.remaining_output()});
+  const auto allocation =
+      kv_.allocate({r.id, r.tokens, r.length() + r.remaining_output(), &r.prefix_hashes});
   if (!allocation) broken_promise(r, "allocate its sequence");
   r.last_deferral.clear();  // a later deferral (after a preemption) is news again
   r.allocated = r.length();
@@ -190,7 +191,7 @@ void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
 void PlanApplier::continue_running(RequestState& r, std::int64_t new_tokens) {
   switch (kv_operation(r)) {
     case KvOperation::kv_reallocate:
-      if (!kv_.allocate({r.id, r.tokens, r.length()}))
+      if (!kv_.allocate({r.id, r.tokens, r.length(), &r.prefix_hashes}))
         broken_promise(r, "re-allocate its sequence");
       table_.timeline(r.id).recomputed_tokens += r.computed;
       r.computed = 0;

@@ -189,7 +189,8 @@ bool Engine::admission_blocked_by_fragmentation(const StepPlan& plan) const {
     if (d.reason != "kv_full" || !r.is_waiting()) continue;
     if (!stats) stats = allocator_.stats();
     if (stats->unusable_free == 0) return false;
-    const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output()};
+    const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output(),
+                                  &r.prefix_hashes};
     if (allocator_.slots_to_allocate(request) <= stats->free) return true;
   }
   return false;

@@ -1,0 +1,96 @@
+#pragma once
+// The block pool of a paged KV cache (vLLM's BlockPool): fixed-size blocks with reference
+// counts, a free queue, and the prefix cache's map from chain hash to the block holding that
+// prefix. A freed block that holds a registered prefix stays in the cache, reusable, until the
+// free blocks without one run out; then the eviction policy picks which cached block is
+// reused for other data. The policy is the seam for what a cache does with a block it gives
+// up: LRU here; a KV tier would copy the block out before it is reused.
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <unordered_map>
+#include <vector>
+
+namespace kvlab {
+
+using BlockId = std::int32_t;
+
+// Which free cached block is reused first. Holds exactly the blocks that are free and cached.
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual void add(BlockId block) = 0;     // freed, still cached
+  virtual void remove(BlockId block) = 0;  // taken again by a prefix-cache hit
+  virtual BlockId victim() = 0;            // removed: the block to reuse (never when empty)
+  virtual std::int64_t size() const = 0;
+};
+
+// Least recently freed first: an intrusive doubly-linked list over block ids (no allocation).
+class LruEviction final : public EvictionPolicy {
+ public:
+  explicit LruEviction(std::int64_t blocks);
+  void add(BlockId block) override;
+  void remove(BlockId block) override;
+  BlockId victim() override;
+  std::int64_t size() const override { return size_; }
+
+ private:
+  std::vector<BlockId> previous_, next_;  // -1: none
+  BlockId head_ = -1, tail_ = -1;         // head: the least recently freed
+  std::int64_t size_ = 0;
+};
+
+class BlockPool {
+ public:
+  // `blocks` blocks of `block_size` slots; `caching`: blocks may be registered in the prefix
+  // cache (their tokens kept to check every hit). nullptr policy: LRU.
+  BlockPool(std::int64_t blocks, std::int64_t block_size, bool caching,
+            std::unique_ptr<EvictionPolicy> policy = nullptr);
+
+  std::int64_t block_size() const { return block_size_; }
+  std::int64_t blocks() const { return static_cast<std::int64_t>(blocks_.size()); }
+  // Free blocks: plain ones and cached ones the policy may evict.
+  std::int64_t free_blocks() const { return free_plain_count() + policy_->size(); }
+  std::int64_t free_plain_count() const { return static_cast<std::int64_t>(free_plain_.size()); }
+  std::int64_t free_cached_count() const { return policy_->size(); }
+  std::int32_t ref_count(BlockId b) const { return blocks_[index(b)].ref_count; }
+
+  // A free block, held once: a plain one, else the policy's victim (its prefix forgotten).
+  BlockId take();
+  // One more holder of a block; a free cached block leaves the free queue.
+  void hold(BlockId b);
+  // One holder fewer; at none the block is free (cached ones stay findable).
+  void release(BlockId b);
+  // The block holding the prefix named `hash` whose tokens are `tokens`, if any.
+  std::optional<BlockId> cached(std::uint64_t hash, std::span<const std::int32_t> tokens) const;
+  // Registers a held, full block as the one holding prefix `hash` (no-op without caching, or
+  // when the block or the hash is registered already).
+  void register_prefix(BlockId b, std::uint64_t hash, std::span<const std::int32_t> tokens);
+  std::uint64_t hash_of(BlockId b) const { return blocks_[index(b)].hash; }
+
+  // Slots of a held block that hold tokens; the sum over held blocks is live_fill().
+  void set_fill(BlockId b, std::int64_t fill);
+  std::int64_t live_fill() const { return live_fill_; }
+  std::int64_t evictions() const { return evictions_; }
+
+ private:
+  struct Block {
+    std::int32_t ref_count = 0;
+    std::int64_t fill = 0;   // slots holding tokens (a cached block keeps its fill when freed)
+    std::uint64_t hash = 0;  // 0: holds no registered prefix
+  };
+  static std::size_t index(BlockId b) { return static_cast<std::size_t>(b); }
+  std::span<const std::int32_t> tokens_of(BlockId b) const;
+
+  std::int64_t block_size_;
+  bool caching_;
+  std::unique_ptr<EvictionPolicy> policy_;
+  std::vector<Block> blocks_;
+  std::vector<BlockId> free_plain_;                   // free blocks with no registered prefix
+  std::unordered_map<std::uint64_t, BlockId> cache_;  // chain hash -> block
+  std::vector<std::int32_t> tokens_;  // (blocks, block_size): a cached block's tokens
+  std::int64_t live_fill_ = 0, evictions_ = 0;
+};
+
+}  // namespace kvlab

@@ -1,0 +1,40 @@
+#include "kvlab/kv/prefix_hash.hpp"
+
+namespace kvlab {
+namespace {
+
+std::uint64_t mix(std::uint64_t x) {
+  x ^= x >> 33;
+  x *= 0xff51afd7ed558ccdULL;
+  x ^= x >> 33;
+  x *= 0xc4ceb9fe1a85ec53ULL;
+  return x ^ (x >> 33);
+}
+
+}  // namespace
+
+std::uint64_t chain_block_hash(std::uint64_t previous, std::span<const std::int32_t> block) {
+  std::uint64_t h = mix(previous + 0x9e3779b97f4a7c15ULL);
+  for (const std::int32_t token : block) h = mix(h ^ static_cast<std::uint32_t>(token));
+  return h == 0 ? 1 : h;
+}
+
+std::span<const std::uint64_t> prefix_block_hashes(std::span<const std::int32_t> tokens,
+                                                   std::int64_t block_size, std::int64_t blocks,
+                                                   PrefixHashCache* cache,
+                                                   std::vector<std::uint64_t>& scratch) {
+  std::vector<std::uint64_t>* hashes = &scratch;
+  if (cache != nullptr) {
+    if (cache->block_size != block_size) *cache = {block_size, {}};
+    hashes = &cache->hashes;
+  } else {
+    scratch.clear();
+  }
+  const auto size = static_cast<std::size_t>(block_size);
+  for (auto i = static_cast<std::int64_t>(hashes->size()); i < blocks; ++i)
+    hashes->push_back(chain_block_hash(i == 0 ? 0 : hashes->back(),
+                                       tokens.subspan(static_cast<std::size_t>(i) * size, size)));
+  return std::span<const std::uint64_t>(*hashes).first(static_cast<std::size_t>(blocks));
+}
+
+}  // namespace kvlab
