@@ -42,7 +42,6 @@ class PagedPlan {
     free_blocks_ = free_blocks;
     free_plain_ = free_plain;
     taken_ = 0;
-    refs_.clear();
     ++epoch_;
   }
   // Marks the sequence as touched by this plan; false when it already was.
@@ -68,10 +67,12 @@ class PagedPlan {
   // Once the plan has taken more blocks than there were plain free ones, the commits before an
   // allocation may evict cached blocks.
   bool evictions_possible() const { return taken_ > free_plain_; }
+  // The block's reference count as the plan leaves it (the pool's until the plan changes it).
   std::int32_t& ref(BlockId block, const BlockPool& pool) {
-    auto [it, inserted] = refs_.try_emplace(block, 0);
-    if (inserted) it->second = pool.ref_count(block);
-    return it->second;
+    if (refs_.empty()) refs_.resize(static_cast<std::size_t>(pool.blocks()));
+    PlannedRefs& planned = refs_[static_cast<std::size_t>(block)];
+    if (planned.epoch != epoch_) planned = {epoch_, pool.ref_count(block)};
+    return planned.refs;
   }
   std::vector<BlockId> hits;  // plan_allocate's prefix hits (kept: no allocation per call)
 
@@ -80,9 +81,13 @@ class PagedPlan {
     std::uint64_t epoch = 0;
     bool freed = false;
   };
+  struct PlannedRefs {
+    std::uint64_t epoch = 0;  // the plan that set refs; an older one: the pool's count holds
+    std::int32_t refs = 0;
+  };
   std::int64_t free_blocks_ = 0, free_plain_ = 0, taken_ = 0;
-  std::unordered_map<BlockId, std::int32_t> refs_;  // block -> planned reference count
-  std::vector<Mark> marks_;                         // per plan slot
+  std::vector<PlannedRefs> refs_;  // per block
+  std::vector<Mark> marks_;        // per plan slot
   std::uint64_t epoch_ = 0;
 };
 
