@@ -16,6 +16,7 @@
 #include "kvlab/cpu_reference/weight_choices.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
@@ -379,7 +380,7 @@ void parse_output(Section& s, ExperimentConfig& c) {
   if (columns == nullptr) return;
   const toml::array* list = columns->as_array();
   if (list == nullptr) s.fail(*columns, "output.columns must be an array of column names");
-  std::vector<std::string> known(std::begin(kExtraColumns), std::end(kExtraColumns));
+  const std::vector<std::string> known = metric_column_options();
   for (const toml::node& item : *list) {
     const auto name = item.value<std::string>();
     if (!name)

@@ -16,6 +16,7 @@
 #include "kvlab/engine/cluster.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/experiment/results_folder.hpp"
 #include "kvlab/memory_limit.hpp"
@@ -694,25 +695,6 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 }
 
 namespace {
-// Each kind of KV waste as a fraction of capacity, averaged over steps; unusable_free_all is
-// every free hole outside the largest run, blocking or not (not counted as waste).
-nlohmann::json waste_breakdown(const std::vector<StepRecord>& steps) {
-  double reserved = 0, slack = 0, padding = 0, blocking = 0, unusable = 0;
-  for (const auto& s : steps) {
-    const double capacity = static_cast<double>(s.kv.capacity);
-    reserved += static_cast<double>(s.kv.reserved_unused) / capacity;
-    slack += static_cast<double>(s.kv.last_block_slack) / capacity;
-    padding += static_cast<double>(s.padding_slots) / capacity;
-    blocking += static_cast<double>(s.blocking_unusable_free) / capacity;
-    unusable += static_cast<double>(s.kv.unusable_free) / capacity;
-  }
-  const double n = steps.empty() ? 1.0 : static_cast<double>(steps.size());
-  return {{"reserved_unused", reserved / n},
-          {"last_block_slack", slack / n},
-          {"padding", padding / n},
-          {"unusable_free_blocking", blocking / n},
-          {"unusable_free_all", unusable / n}};
-}
 
 std::string csv_number(const std::optional<double>& v) {
   return v ? fmt::format("{:.6f}", *v) : std::string();
@@ -720,20 +702,22 @@ std::string csv_number(const std::optional<double>& v) {
 
 void write_requests_csv(std::ostream& f, const RunOutput& out) {
   f << "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
-       "tokens,ttft_s,tpot_s,"
-       "e2e_s,preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n";
+       "tokens,";
+  for (const RequestMetric& m : request_metrics()) f << m.name << ",";  // the registry's
+  f << "preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n";
   for (const auto& r : out.engine.requests) {
     std::string token_times;  // every output token's time, space-separated
     for (double t : r.token_times_s)
       token_times += fmt::format("{}{:.6f}", token_times.empty() ? "" : " ", t);
     f << fmt::format(
-        "{},{},{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},\"{}\",{}\n", r.id, r.priority,
-        r.arrival_s, csv_number(r.first_scheduled_s),
+        "{},{},{:.6f},{},{},{},{},{},", r.id, r.priority, r.arrival_s,
+        csv_number(r.first_scheduled_s),
         csv_number(r.token_times_s.empty() ? std::nullopt
                                            : std::optional<double>(r.token_times_s.front())),
-        csv_number(r.finish_s), r.prompt_tokens, r.output_tokens(), csv_number(r.ttft_s()),
-        csv_number(r.tpot_s()), csv_number(r.e2e_s()), r.preemptions, r.recomputed_tokens,
-        r.swapped_bytes, r.rejected ? 1 : 0, r.reject_reason, token_times);
+        csv_number(r.finish_s), r.prompt_tokens, r.output_tokens());
+    for (const RequestMetric& m : request_metrics()) f << csv_number(m.extract(r)) << ",";
+    f << fmt::format("{},{},{},{},\"{}\",{}\n", r.preemptions, r.recomputed_tokens, r.swapped_bytes,
+                     r.rejected ? 1 : 0, r.reject_reason, token_times);
   }
 }
 
@@ -758,11 +742,6 @@ void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
                      s.kv.unusable_free, s.blocking_unusable_free, s.kv.cached_free,
                      s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
   }
-}
-
-nlohmann::json latency_json(const LatencySummary& l) {
-  return nlohmann::json{{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
-                        {"p90", l.p90},     {"p99", l.p99},   {"max", l.max}};
 }
 
 // A prompt set's run: each request's question and the model's answer, as text.
@@ -800,49 +779,18 @@ void write_logprobs_jsonl(std::ostream& f, const RunOutput& out) {
   }
 }
 
+// The run's description (what ran, with what), then every metric of the registry
+// (kvlab/experiment/metric_registry.hpp) that it reports.
 nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
-  const RunSummary& s = out.summary;
-  const KvAllocatorStats kv =
-      out.engine.steps.empty() ? KvAllocatorStats{} : out.engine.steps.back().kv;
-  nlohmann::json j = {{"name", c.name},
-                      {"label", c.label},
-                      {"model", out.model_name},
-                      {"allocator", c.allocator},
-                      {"attention", c.attention},
-                      {"scheduler", c.scheduler},
-                      {"seed", c.seed},
-                      {"submitted", s.submitted},
-                      {"finished", s.finished},
-                      {"rejected", s.rejected},
-                      {"duration_s", s.duration_s},
-                      {"requests_per_s", s.requests_per_s},
-                      {"output_tokens_per_s", s.output_tokens_per_s},
-                      {"total_tokens_per_s", s.total_tokens_per_s},
-                      {"ttft_s", latency_json(s.ttft_s)},
-                      {"tpot_s", latency_json(s.tpot_s)},
-                      {"itl_s", latency_json(s.itl_s)},
-                      {"e2e_s", latency_json(s.e2e_s)},
-                      {"queue_delay_s", latency_json(s.queue_delay_s)},
-                      {"slo_met", s.slo_met},
-                      {"goodput_per_s", s.goodput_per_s},
-                      {"preemptions", s.preemptions},
-                      {"recomputed_tokens", s.recomputed_tokens},
-                      {"mean_kv_used_fraction", out.mean_kv_used},
-                      {"mean_kv_waste_fraction", out.mean_kv_waste},
-                      {"kv_waste_of_held_fraction", out.kv_waste_of_held},
-                      {"mean_kv_waste_breakdown", waste_breakdown(out.engine.steps)},
-                      {"prefix_hit_rate", out.prefix_hit_rate},
-                      {"swapped_bytes", s.swapped_bytes},
-                      {"bytes_copied", kv.bytes_copied},
-                      {"steps", out.engine.steps.size()},
-                      {"backend", c.backend},
-                      {"profile", c.profile},
-                      {"tensor_parallel", c.tensor_parallel},
-                      {"clock", c.clock},
-                      {"kv_slots", out.kv_slots}};
-  if (out.step_prediction_error)
-    j["step_prediction_error"] = latency_json(*out.step_prediction_error);
-  if (out.step_time_ratio) j["step_time_ratio"] = latency_json(*out.step_time_ratio);
+  nlohmann::json j = {{"name", c.name},           {"label", c.label},
+                      {"model", out.model_name},  {"allocator", c.allocator},
+                      {"attention", c.attention}, {"scheduler", c.scheduler},
+                      {"seed", c.seed},           {"backend", c.backend},
+                      {"profile", c.profile},     {"tensor_parallel", c.tensor_parallel},
+                      {"clock", c.clock}};
+  for (const RunMetric& m : run_metrics())
+    if (m.in_summary_json)
+      if (nlohmann::json value = m.extract(c, out); !value.is_null()) j[m.name] = std::move(value);
   if (!out.workload_description.empty()) j["workload"] = out.workload_description;
   if (!out.weights_description.empty()) j["weights"] = out.weights_description;
   j["kv_dtype"] = dtype_short_name(c.kv_dtype);

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "kvlab/experiment/metric_registry.hpp"
+
 #include <algorithm>
 #include <boost/math/distributions/students_t.hpp>
 #include <cmath>
@@ -10,56 +12,32 @@
 namespace kvlab {
 namespace {
 
-// The workload's priority levels: 0 .. weights - 1.
-int priority_levels(const ExperimentConfig& c) {
-  return std::max<int>(1, static_cast<int>(c.workload.priority_weights.size()));
+bool per_level(const MetricColumn& column) {
+  return std::string_view(column.header).find("{level}") != std::string_view::npos;
 }
 
-// TTFT p50 and p99 of the finished requests of one priority.
-LatencySummary ttft_of_priority(const RunOutput& out, int priority) {
-  std::vector<double> ttft;
-  for (const auto& r : out.engine.requests)
-    if (r.priority == priority)
-      if (const auto t = r.ttft_s()) ttft.push_back(*t);
-  return summarize_latencies(std::move(ttft));
+// Calls add(metric, columns) for each metric shown, with its columns in the table: every
+// metric's columns shown always (registry order), then those of each [output] columns name
+// (the file's order).
+template <typename Add>
+void for_each_metric_shown(const ExperimentConfig& c, Add&& add) {
+  auto columns_of = [](const RunMetric& m, std::string_view option) {
+    std::vector<const MetricColumn*> columns;
+    for (const MetricColumn& column : m.columns)
+      if (column.option == option) columns.push_back(&column);
+    return columns;
+  };
+  for (const RunMetric& m : run_metrics())
+    if (const auto columns = columns_of(m, ""); !columns.empty()) add(m, columns);
+  for (const std::string& name : c.table_columns)
+    for (const RunMetric& m : run_metrics())
+      if (const auto columns = columns_of(m, name); !columns.empty()) add(m, columns);
 }
 
-void add_extra_columns(const ExperimentConfig& c, std::vector<SummaryColumn>& columns) {
-  for (const std::string& name : c.table_columns) {
-    if (name == "prefix_hit_rate") columns.push_back({"prefix hit", 1, true});
-    if (name == "goodput") columns.push_back({"goodput req/s", 2, false});
-    if (name == "slo_attainment") columns.push_back({"SLO met", 1, true});
-    if (name == "ttft_by_priority")
-      for (int p = 0; p < priority_levels(c); ++p) {
-        columns.push_back({fmt::format("TTFT p50 prio {}", p), 3, false});
-        columns.push_back({fmt::format("TTFT p99 prio {}", p), 3, false});
-      }
-    if (name == "recomputed_tokens") columns.push_back({"recomputed tok", 0, false});
-    if (name == "swapped_mib") columns.push_back({"swapped MiB", 1, false});
-    if (name == "e2e_p50") columns.push_back({"e2e p50 (s)", 3, false});
-    if (name == "queue_p99") columns.push_back({"queue p99 (s)", 3, false});
-  }
-}
-
-void add_extra_values(const ExperimentConfig& c, const RunOutput& out, std::vector<double>& v) {
-  const RunSummary& s = out.summary;
-  for (const std::string& name : c.table_columns) {
-    if (name == "prefix_hit_rate") v.push_back(out.prefix_hit_rate);
-    if (name == "goodput") v.push_back(s.goodput_per_s);
-    if (name == "slo_attainment")
-      v.push_back(s.submitted ? static_cast<double>(s.slo_met) / static_cast<double>(s.submitted)
-                              : 0.0);
-    if (name == "ttft_by_priority")
-      for (int p = 0; p < priority_levels(c); ++p) {
-        const LatencySummary t = ttft_of_priority(out, p);
-        v.push_back(t.p50);
-        v.push_back(t.p99);
-      }
-    if (name == "recomputed_tokens") v.push_back(static_cast<double>(s.recomputed_tokens));
-    if (name == "swapped_mib") v.push_back(static_cast<double>(s.swapped_bytes) / (1 << 20));
-    if (name == "e2e_p50") v.push_back(s.e2e_s.p50);
-    if (name == "queue_p99") v.push_back(s.queue_delay_s.p99);
-  }
+// A column's number from the metric's value: the value, or one statistic of a latency.
+double column_value(const nlohmann::json& value, const MetricColumn& column) {
+  const nlohmann::json& v = column.statistic.empty() ? value : value.at(column.statistic);
+  return v.is_number() ? v.get<double>() * column.scale : 0.0;
 }
 
 std::string format_cell(const SummaryColumn& column, std::span<const double> values) {
@@ -77,34 +55,33 @@ std::string format_cell(const SummaryColumn& column, std::span<const double> val
 }  // namespace
 
 std::vector<SummaryColumn> summary_columns(const ExperimentConfig& config) {
-  std::vector<SummaryColumn> columns = {
-      {"finished", 0, false},     {"rejected", 0, false},     {"req/s", 2, false},
-      {"out tok/s", 1, false},    {"TTFT p50 (s)", 3, false}, {"TTFT p99", 3, false},
-      {"TPOT p50", 4, false},     {"TPOT p99", 4, false},     {"ITL p99", 4, false},
-      {"preempt", 0, false},      {"KV used", 1, true},       {"KV waste/held", 1, true},
-      {"KV waste/pool", 1, true},
-  };
-  add_extra_columns(config, columns);
-  return columns;
+  std::vector<SummaryColumn> table;
+  const RunOutput empty;  // a per-level metric's levels come from the config
+  for_each_metric_shown(config, [&](const RunMetric& m, const auto& columns) {
+    const bool levels = per_level(*columns.front());
+    const std::size_t count = levels ? m.extract(config, empty).size() : 1;
+    for (std::size_t level = 0; level < count; ++level)  // level-major: p50, p99 of level 0, ...
+      for (const MetricColumn* column : columns)
+        table.push_back({levels
+                             ? fmt::format(fmt::runtime(column->header), fmt::arg("level", level))
+                             : std::string(column->header),
+                         column->decimals, column->percent});
+  });
+  return table;
 }
 
 std::vector<double> summary_values(const ExperimentConfig& config, const RunOutput& out) {
-  const RunSummary& s = out.summary;
-  std::vector<double> v = {static_cast<double>(s.finished),
-                           static_cast<double>(s.rejected),
-                           s.requests_per_s,
-                           s.output_tokens_per_s,
-                           s.ttft_s.p50,
-                           s.ttft_s.p99,
-                           s.tpot_s.p50,
-                           s.tpot_s.p99,
-                           s.itl_s.p99,
-                           static_cast<double>(s.preemptions),
-                           out.mean_kv_used,
-                           out.kv_waste_of_held,
-                           out.mean_kv_waste};
-  add_extra_values(config, out, v);
-  return v;
+  std::vector<double> values;
+  for_each_metric_shown(config, [&](const RunMetric& m, const auto& columns) {
+    const nlohmann::json value = m.extract(config, out);
+    if (!per_level(*columns.front())) {
+      for (const MetricColumn* column : columns) values.push_back(column_value(value, *column));
+      return;
+    }
+    for (const nlohmann::json& level : value)
+      for (const MetricColumn* column : columns) values.push_back(column_value(level, *column));
+  });
+  return values;
 }
 
 double confidence_half_width_95(std::span<const double> values) {

@@ -8,6 +8,7 @@
 
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/summary_table.hpp"
 #include "test_util.hpp"
 
@@ -260,6 +261,8 @@ TEST(SummaryTable, ExperimentColumnsAreCheckedAndFilled) {
   const auto base = summary_columns(runs[1].config).size() - 6;  // p50 + p99 x 2 levels + 2
   EXPECT_EQ(columns[base].header, "prefix hit");
   EXPECT_EQ(columns[base + 1].header, "TTFT p50 prio 0");
+  EXPECT_EQ(columns[base + 2].header, "TTFT p99 prio 0");
+  EXPECT_EQ(columns[base + 3].header, "TTFT p50 prio 1");
   EXPECT_EQ(columns[base + 4].header, "TTFT p99 prio 1");
   EXPECT_EQ(columns.back().header, "swapped MiB");
   std::vector<std::string> mismatches;
@@ -273,6 +276,9 @@ TEST(SummaryTable, ExperimentColumnsAreCheckedAndFilled) {
       [&] { load_experiment(kQuickstart, small({"output.columns=[\"goodputt\"]"})); });
   EXPECT_NE(message.find("\"goodputt\" is not a column"), std::string::npos) << message;
   EXPECT_NE(message.find("goodput, slo_attainment"), std::string::npos) << message;
+  for (const std::string& option : metric_column_options())  // every name the registry shows
+    EXPECT_NO_THROW(load_experiment(kQuickstart, small({"output.columns=[\"" + option + "\"]"})))
+        << option;
 }
 
 // [backend] weights and [kv_cache] dtype: what the cpu backend multiplies in and stores K/V as.

@@ -1,6 +1,6 @@
 #pragma once
 // Serving metrics: what happened to each request, and the summaries an experiment reports.
-// Definitions (docs/metrics.md):
+// Definitions (docs/metrics.md, generated from experiment/src/metric_registry.cpp):
 //   TTFT  = first token time - arrival           queue delay = first scheduled - arrival
 //   TPOT  = (finish - first token) / (output tokens - 1), requests with >= 2 output tokens
 //   ITL   = every gap between consecutive output tokens, pooled over requests

@@ -12,26 +12,15 @@
 
 namespace kvlab {
 
-// What [output] columns accepts.
-//   prefix_hit_rate    prompt tokens served from the prefix cache / prompt tokens looked up
-//   goodput            requests per second that met every SLO in [slo]
-//   slo_attainment     share of submitted requests that met every SLO
-//   ttft_by_priority   TTFT p50 and p99 of each priority level of the workload
-//   recomputed_tokens  tokens computed again after recompute preemptions
-//   swapped_mib        KV copied to and from the host swap pool (MiB, in the pool's dtype)
-//   e2e_p50            end-to-end latency, median
-//   queue_p99          queue delay (arrival to first scheduled), p99
-inline constexpr std::string_view kExtraColumns[] = {
-    "prefix_hit_rate",   "goodput",     "slo_attainment", "ttft_by_priority",
-    "recomputed_tokens", "swapped_mib", "e2e_p50",        "queue_p99"};
-
 struct SummaryColumn {
   std::string header;
   int decimals = 0;
   bool percent = false;  // the value is a fraction, shown x 100 with "%"
 };
 
-// The columns of an experiment's table (every sweep point of a file shares them).
+// The columns of an experiment's table (every sweep point of a file shares them): the metric
+// registry's (kvlab/experiment/metric_registry.hpp) shown always, then those the file's
+// [output] columns names add.
 std::vector<SummaryColumn> summary_columns(const ExperimentConfig& config);
 
 // One run's values, in summary_columns(config) order.

@@ -1,0 +1,347 @@
+#include "kvlab/experiment/metric_registry.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+namespace kvlab {
+
+nlohmann::json latency_json(const LatencySummary& l) {
+  return nlohmann::json{{"count", l.count}, {"mean", l.mean}, {"p50", l.p50},
+                        {"p90", l.p90},     {"p99", l.p99},   {"max", l.max}};
+}
+
+namespace {
+
+using json = nlohmann::json;
+
+const KvAllocatorStats& last_kv(const RunOutput& out) {
+  static const KvAllocatorStats none;
+  return out.engine.steps.empty() ? none : out.engine.steps.back().kv;
+}
+
+// Mean fractions of the pool over steps: what the waste is made of.
+json waste_breakdown(const RunOutput& out) {
+  double reserved = 0, slack = 0, padding = 0, blocking = 0, unusable = 0;
+  for (const auto& s : out.engine.steps) {
+    const double capacity = static_cast<double>(s.kv.capacity);
+    reserved += static_cast<double>(s.kv.reserved_unused) / capacity;
+    slack += static_cast<double>(s.kv.last_block_slack) / capacity;
+    padding += static_cast<double>(s.padding_slots) / capacity;
+    blocking += static_cast<double>(s.blocking_unusable_free) / capacity;
+    unusable += static_cast<double>(s.kv.unusable_free) / capacity;
+  }
+  const double n = out.engine.steps.empty() ? 1.0 : static_cast<double>(out.engine.steps.size());
+  return {{"reserved_unused", reserved / n},
+          {"last_block_slack", slack / n},
+          {"padding", padding / n},
+          {"unusable_free_blocking", blocking / n},
+          {"unusable_free_all", unusable / n}};
+}
+
+// TTFT of the finished requests of each priority level of the workload (0 .. weights - 1).
+json ttft_by_priority(const ExperimentConfig& c, const RunOutput& out) {
+  const int levels = std::max<int>(1, static_cast<int>(c.workload.priority_weights.size()));
+  json all = json::array();
+  for (int p = 0; p < levels; ++p) {
+    std::vector<double> ttft;
+    for (const auto& r : out.engine.requests)
+      if (r.priority == p)
+        if (const auto t = r.ttft_s()) ttft.push_back(*t);
+    all.push_back(latency_json(summarize_latencies(std::move(ttft))));
+  }
+  return all;
+}
+
+// e2e / output tokens of each finished request with an output token, averaged (vLLM's paper,
+// section 6: "normalized latency").
+json normalized_latency(const ExperimentConfig&, const RunOutput& out) {
+  double sum = 0;
+  std::int64_t count = 0;
+  for (const auto& r : out.engine.requests)
+    if (const auto e2e = r.e2e_s(); e2e && r.output_tokens() > 0) {
+      sum += *e2e / static_cast<double>(r.output_tokens());
+      ++count;
+    }
+  return count == 0 ? 0.0 : sum / static_cast<double>(count);
+}
+
+json optional_latency(const std::optional<LatencySummary>& l) {
+  return l ? latency_json(*l) : json();
+}
+
+#define SUMMARY(field) [](const ExperimentConfig&, const RunOutput& out) { return json(field); }
+
+const RunMetric kRunMetrics[] = {
+    {"submitted",
+     "requests",
+     "requests the workload submitted",
+     "count",
+     true,
+     SUMMARY(out.summary.submitted),
+     {}},
+    {"finished",
+     "requests",
+     "requests that ended with EOS, max tokens or a full context",
+     "count",
+     true,
+     SUMMARY(out.summary.finished),
+     {{"", "finished", "", 0}}},
+    {"rejected",
+     "requests",
+     "requests that could never run (longer than the context or the KV pool), each with its "
+     "reason in requests.csv",
+     "count",
+     true,
+     SUMMARY(out.summary.rejected),
+     {{"", "rejected", "", 0}}},
+    {"duration_s",
+     "s",
+     "the run's length on its clock: from 0 to the last request's end",
+     "once per run",
+     true,
+     SUMMARY(out.summary.duration_s),
+     {}},
+    {"requests_per_s",
+     "requests/s",
+     "throughput: finished requests per second of the run",
+     "finished / duration",
+     true,
+     SUMMARY(out.summary.requests_per_s),
+     {{"", "req/s", "", 2}}},
+    {"output_tokens_per_s",
+     "tokens/s",
+     "throughput: generated tokens per second of the run",
+     "output tokens / duration",
+     true,
+     SUMMARY(out.summary.output_tokens_per_s),
+     {{"", "out tok/s", "", 1}}},
+    {"total_tokens_per_s",
+     "tokens/s",
+     "throughput: prompt and generated tokens per second",
+     "(prompt + output tokens) / duration",
+     true,
+     SUMMARY(out.summary.total_tokens_per_s),
+     {}},
+    {"ttft_s",
+     "s",
+     "time to first token (TTFT): first output token time - arrival",
+     "over finished requests: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(latency_json(out.summary.ttft_s)),
+     {{"", "TTFT p50 (s)", "p50", 3}, {"", "TTFT p99", "p99", 3}}},
+    {"tpot_s",
+     "s",
+     "time per output token (TPOT): (last token - first token) / (output tokens - 1), requests "
+     "with at least 2 tokens",
+     "over those requests: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(latency_json(out.summary.tpot_s)),
+     {{"", "TPOT p50", "p50", 4}, {"", "TPOT p99", "p99", 4}}},
+    {"itl_s",
+     "s",
+     "inter-token latency (ITL): every gap between consecutive output tokens",
+     "pooled over requests: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(latency_json(out.summary.itl_s)),
+     {{"", "ITL p99", "p99", 4}}},
+    {"e2e_s",
+     "s",
+     "end-to-end latency: finish - arrival",
+     "over finished requests: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(latency_json(out.summary.e2e_s)),
+     {{"e2e_p50", "e2e p50 (s)", "p50", 3}}},
+    {"queue_delay_s",
+     "s",
+     "queueing delay: first scheduled - arrival",
+     "over scheduled requests: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(latency_json(out.summary.queue_delay_s)),
+     {{"queue_p99", "queue p99 (s)", "p99", 3}}},
+    {"normalized_latency_s",
+     "s/token",
+     "normalized latency (vLLM's paper): a request's end-to-end latency / its output tokens",
+     "mean over finished requests with an output token",
+     true,
+     normalized_latency,
+     {{"normalized_latency", "norm. latency (s/tok)", "", 4}}},
+    {"ttft_by_priority",
+     "s",
+     "TTFT of the finished requests of each priority level",
+     "per level: mean, p50, p90, p99, max",
+     false,
+     ttft_by_priority,
+     {{"ttft_by_priority", "TTFT p50 prio {level}", "p50", 3},
+      {"ttft_by_priority", "TTFT p99 prio {level}", "p99", 3}}},
+    {"slo_met",
+     "requests",
+     "finished requests meeting every SLO set ([slo] ttft, tpot, e2e)",
+     "count",
+     true,
+     SUMMARY(out.summary.slo_met),
+     {}},
+    {"goodput_per_s",
+     "requests/s",
+     "goodput (DistServe): finished requests meeting every SLO set, per second of the run",
+     "slo_met / duration",
+     true,
+     SUMMARY(out.summary.goodput_per_s),
+     {{"goodput", "goodput req/s", "", 2}}},
+    {"slo_attainment",
+     "fraction",
+     "SLO attainment: requests meeting every SLO set / submitted",
+     "slo_met / submitted",
+     false,
+     SUMMARY(out.summary.submitted ? static_cast<double>(out.summary.slo_met) /
+                                         static_cast<double>(out.summary.submitted)
+                                   : 0.0),
+     {{"slo_attainment", "SLO met", "", 1, true}}},
+    {"preemptions",
+     "count",
+     "times a running request was preempted (recompute or swap)",
+     "sum over requests",
+     true,
+     SUMMARY(out.summary.preemptions),
+     {{"", "preempt", "", 0}}},
+    {"recomputed_tokens",
+     "tokens",
+     "tokens computed again after recompute preemptions",
+     "sum over requests",
+     true,
+     SUMMARY(out.summary.recomputed_tokens),
+     {{"recomputed_tokens", "recomputed tok", "", 0}}},
+    {"mean_kv_used_fraction",
+     "fraction",
+     "KV slots holding live tokens (not a static batch's padding) / pool capacity",
+     "mean over steps",
+     true,
+     SUMMARY(out.mean_kv_used),
+     {{"", "KV used", "", 1, true}}},
+    {"kv_waste_of_held_fraction",
+     "fraction",
+     "KV waste among held slots (vLLM's): (reserved ahead + unfilled last blocks + a static "
+     "batch's padding) / slots sequences hold",
+     "summed over all steps, then divided",
+     true,
+     SUMMARY(out.kv_waste_of_held),
+     {{"", "KV waste/held", "", 1, true}}},
+    {"mean_kv_waste_fraction",
+     "fraction",
+     "KV waste of the pool: the waste above plus free holes outside the largest free run on steps "
+     "where they blocked an admission (external fragmentation), / capacity",
+     "mean over steps",
+     true,
+     SUMMARY(out.mean_kv_waste),
+     {{"", "KV waste/pool", "", 1, true}}},
+    {"mean_kv_waste_breakdown",
+     "fraction",
+     "the pool's waste by cause: reserved_unused, last_block_slack, padding, "
+     "unusable_free_blocking, and unusable_free_all (every hole, blocking or not)",
+     "mean over steps, each / capacity",
+     true,
+     [](const ExperimentConfig&, const RunOutput& out) { return waste_breakdown(out); },
+     {}},
+    {"prefix_hit_rate",
+     "fraction",
+     "prefix-cache hit rate: prompt tokens served from the prefix cache / prompt tokens looked up",
+     "over the run",
+     true,
+     SUMMARY(out.prefix_hit_rate),
+     {{"prefix_hit_rate", "prefix hit", "", 1, true}}},
+    {"swapped_bytes",
+     "bytes",
+     "KV copied to and from the host swap pool by swap preemptions, in the pool's dtype",
+     "sum over requests",
+     true,
+     SUMMARY(out.summary.swapped_bytes),
+     {{"swapped_mib", "swapped MiB", "", 1, false, 1.0 / (1 << 20)}}},
+    {"bytes_copied",
+     "bytes",
+     "KV bytes the allocator moved (grow-by-copy, copy-on-write)",
+     "over the run",
+     true,
+     SUMMARY(last_kv(out).bytes_copied),
+     {}},
+    {"steps",
+     "steps",
+     "engine steps that ran a batch (steps.csv's rows)",
+     "count",
+     true,
+     SUMMARY(out.engine.steps.size()),
+     {}},
+    {"kv_slots",
+     "tokens",
+     "the KV pool's capacity",
+     "once per run",
+     true,
+     SUMMARY(out.kv_slots),
+     {}},
+    {"step_prediction_error",
+     "fraction",
+     "|predicted - measured| / measured step time, with a cost model on the measured clock",
+     "over steps: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(optional_latency(out.step_prediction_error)),
+     {}},
+    {"step_time_ratio",
+     "ratio",
+     "measured / predicted step time (above 1: slower than the profile prices it)",
+     "over steps: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(optional_latency(out.step_time_ratio)),
+     {}},
+};
+
+#undef SUMMARY
+
+const RequestMetric kRequestMetrics[] = {
+    {"ttft_s", "s", "first output token time - arrival",
+     [](const RequestTimeline& r) { return r.ttft_s(); }},
+    {"tpot_s", "s", "(last token - first token) / (output tokens - 1), with at least 2 tokens",
+     [](const RequestTimeline& r) { return r.tpot_s(); }},
+    {"e2e_s", "s", "finish - arrival", [](const RequestTimeline& r) { return r.e2e_s(); }},
+};
+
+std::string columns_cell(const RunMetric& m) {
+  std::string cell;
+  for (const MetricColumn& c : m.columns) {
+    if (!cell.empty()) cell += ", ";
+    cell += c.option.empty() ? fmt::format("`{}` (always)", c.header)
+                             : fmt::format("`{}` (`{}`)", c.header, c.option);
+  }
+  return cell;
+}
+
+}  // namespace
+
+std::span<const RunMetric> run_metrics() {
+  return kRunMetrics;
+}
+std::span<const RequestMetric> request_metrics() {
+  return kRequestMetrics;
+}
+
+std::vector<std::string> metric_column_options() {
+  std::vector<std::string> options;
+  for (const RunMetric& m : kRunMetrics)
+    for (const MetricColumn& c : m.columns)
+      if (!c.option.empty() && std::find(options.begin(), options.end(), c.option) == options.end())
+        options.emplace_back(c.option);
+  return options;
+}
+
+std::string metrics_markdown() {
+  std::string md =
+      "| metric | unit | definition | aggregated | summary.json | summary table column "
+      "(`[output] columns`) |\n|---|---|---|---|---|---|\n";
+  for (const RunMetric& m : kRunMetrics)
+    md += fmt::format("| `{}` | {} | {} | {} | {} | {} |\n", m.name, m.unit, m.definition,
+                      m.aggregation, m.in_summary_json ? "yes" : "no", columns_cell(m));
+  md += "\nPer request (requests.csv):\n\n| column | unit | definition |\n|---|---|---|\n";
+  for (const RequestMetric& m : kRequestMetrics)
+    md += fmt::format("| `{}` | {} | {} |\n", m.name, m.unit, m.definition);
+  return md;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,106 @@
+// The metric registry: every row is complete and named once, docs/metrics.md is its output,
+// summary.json carries each metric a run has, and the one metric added with the registry
+// (normalized latency) is what its definition says.
+#include <gtest/gtest.h>
+
+#include <fmt/format.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <set>
+#include <sstream>
+
+#include "kvlab/experiment/metric_registry.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+const RunMetric& metric(std::string_view name) {
+  for (const RunMetric& m : run_metrics())
+    if (m.name == name) return m;
+  throw std::runtime_error("no metric " + std::string(name));
+}
+
+RequestTimeline finished(double arrival, std::vector<double> token_times) {
+  RequestTimeline r;
+  r.arrival_s = arrival;
+  r.first_scheduled_s = arrival;
+  r.finish_s = token_times.back();
+  r.token_times_s = std::move(token_times);
+  r.finish_reason = "max_tokens";
+  return r;
+}
+
+TEST(MetricRegistry, EveryRowIsDefinedAndNamedOnce) {
+  std::set<std::string_view> names, headers;
+  for (const RunMetric& m : run_metrics()) {
+    EXPECT_TRUE(names.insert(m.name).second) << m.name;
+    EXPECT_FALSE(m.unit.empty()) << m.name;
+    EXPECT_GT(m.definition.size(), 10u) << m.name;
+    EXPECT_FALSE(m.aggregation.empty()) << m.name;
+    EXPECT_NE(m.extract, nullptr) << m.name;
+    for (const MetricColumn& c : m.columns) EXPECT_TRUE(headers.insert(c.header).second);
+  }
+  for (const RequestMetric& m : request_metrics()) {
+    EXPECT_FALSE(m.definition.empty()) << m.name;
+    EXPECT_NE(m.extract, nullptr) << m.name;
+  }
+}
+
+// docs/metrics.md holds `kvlab metrics`' table between its markers, byte for byte.
+TEST(MetricRegistry, DocsShowTheRegistry) {
+  std::ifstream file(std::string(KVLAB_SOURCE_DIR) + "/docs/metrics.md");
+  std::stringstream text;
+  text << file.rdbuf();
+  const std::string doc = text.str();
+  const std::string begin = "<!-- kvlab metrics: begin -->\n", end = "<!-- kvlab metrics: end -->";
+  const auto from = doc.find(begin), to = doc.find(end);
+  ASSERT_NE(from, std::string::npos);
+  ASSERT_NE(to, std::string::npos);
+  EXPECT_EQ(doc.substr(from + begin.size(), to - from - begin.size()), metrics_markdown())
+      << "docs/metrics.md differs from the registry: paste `kvlab metrics` between its markers";
+}
+
+// vLLM's normalized latency: e2e / output tokens per finished request, averaged; rejected
+// requests and requests without a token are left out.
+TEST(MetricRegistry, NormalizedLatencyIsTheMeanOfEachRequestsLatencyPerToken) {
+  RunOutput out;
+  out.engine.requests = {finished(0, {1, 2, 3}), finished(1, {2, 5})};  // 3 s / 3, 4 s / 2
+  RequestTimeline rejected;
+  rejected.rejected = true;
+  out.engine.requests.push_back(rejected);
+  const ExperimentConfig config;
+  EXPECT_DOUBLE_EQ(metric("normalized_latency_s").extract(config, out).get<double>(), 1.5);
+  out.engine.requests.resize(1);
+  EXPECT_DOUBLE_EQ(metric("normalized_latency_s").extract(config, out).get<double>(), 1.0);
+  out.engine.requests.clear();
+  EXPECT_DOUBLE_EQ(metric("normalized_latency_s").extract(config, out).get<double>(), 0.0);
+}
+
+// summary.json has a key for each metric of the registry a run has (the measured-clock step
+// figures only when set), requests.csv a column for each request metric.
+TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
+  RunOutput out;
+  out.engine.requests = {finished(0, {1, 2, 3})};
+  out.summary = summarize_run(out.engine.requests, 3.0);
+  const ExperimentConfig config;
+  const test::TempDir dir;
+  write_run_outputs(dir.path(), config, out);
+  std::ifstream summary_file(dir / "summary.json");
+  const nlohmann::json summary = nlohmann::json::parse(summary_file);
+  for (const RunMetric& m : run_metrics()) {
+    const bool absent = m.name == "step_prediction_error" || m.name == "step_time_ratio";
+    EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
+  }
+  EXPECT_DOUBLE_EQ(summary.at("normalized_latency_s").get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(summary.at("ttft_s").at("p50").get<double>(), 1.0);
+  std::ifstream requests_file(dir / "requests.csv");
+  std::string header;
+  std::getline(requests_file, header);
+  for (const RequestMetric& m : request_metrics())
+    EXPECT_NE(header.find(fmt::format(",{},", m.name)), std::string::npos) << header;
+}
+
+}  // namespace
+}  // namespace kvlab
