@@ -1,7 +1,7 @@
 #pragma once
 // Scheduler: the iteration-level policy. A plugin kind. Each engine step it reads the request
 // table (read-only) and the allocator (read-only) and returns a plan; it never touches memory:
-// apply_plan (kvlab/engine/apply_plan.hpp) is the only code that does.
+// apply_plan (kvlab/engine/apply.hpp) is the only code that does.
 #include <boost/config.hpp>
 #include <cstdint>
 #include <functional>

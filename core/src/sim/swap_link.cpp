@@ -6,9 +6,8 @@
 #include <chrono>
 #include <set>
 
-#include "kvlab/engine/apply.hpp"
-#include "kvlab/engine/metrics.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv/kv_rows.hpp"
 
 namespace kvlab {
 
@@ -16,6 +15,13 @@ namespace {
 
 double seconds_since(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The median, the two middle values' mean for an even count (numpy's linear interpolation).
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const std::size_t n = values.size();
+  return n % 2 == 1 ? values[n / 2] : (values[n / 2 - 1] + values[n / 2]) / 2;
 }
 
 }  // namespace
@@ -75,10 +81,8 @@ SwapLink measure_swap_link(KvPool& pool, std::int64_t max_tokens, int repeats) {
       copy_kv_rows(pool, view, 0, tokens, buffer, false);
       in_s.push_back(seconds_since(start));
     }
-    medians.push_back(
-        {tokens, static_cast<double>(bytes), summarize_latencies(std::move(out_s)).p50, true});
-    medians.push_back(
-        {tokens, static_cast<double>(bytes), summarize_latencies(std::move(in_s)).p50, false});
+    medians.push_back({tokens, static_cast<double>(bytes), median(std::move(out_s)), true});
+    medians.push_back({tokens, static_cast<double>(bytes), median(std::move(in_s)), false});
     if (tokens == max_tokens) break;
   }
   return fit_swap_link(medians);

@@ -12,6 +12,7 @@
 #include "kvlab/engine/events.hpp"
 #include "kvlab/engine/request_table.hpp"
 #include "kvlab/engine/sequence_rules.hpp"
+#include "kvlab/kv/kv_rows.hpp"  // copy_kv_rows: the swap copies
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/scheduler.hpp"
 
@@ -40,13 +41,6 @@ struct AppliedPlan {
   std::int64_t prefill_tokens = 0, decode_tokens = 0;
   bool pad_finished = false;  // StepPlan::pad_finished
 };
-
-// The engine's swap copy: the KV of positions [first, end) of `view` between the pool (its host
-// storage, or the device it is attached to) and `buffer`, host fp32 laid out (layers, K then V,
-// positions, slot width); to_host: swap-out (the buffer is resized), else swap-in. Returns the
-// bytes a swap moves: K and V of those positions in every layer, in the pool's dtype.
-std::int64_t copy_kv_rows(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
-                          std::vector<float>& buffer, bool to_host);
 
 AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& table,
                        KvAllocator& kv, const ApplyOptions& options, EventLog& log);
