@@ -153,23 +153,17 @@ cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
   return result;
 }
 
-void run_generate(const GenerateOptions& o) {
+// Options that need no model: sampling, --logprobs, --threads.
+void check_options(const GenerateOptions& o) {
   validate_sampling_params(o.sampling);
   if (o.logprobs < 0) throw Error(fmt::format("--logprobs must be >= 0, got {}", o.logprobs));
   if (o.threads < 0)
     throw Error(fmt::format("--threads must be >= 0 (0 = all cores), got {}", o.threads));
-  if (o.threads > 0) cpu::set_num_threads(o.threads);
+}
 
-  const ModelSource source = resolve_model(o.model.empty() ? o.preset : o.model);
-  if (!o.preset.empty() && !source.is_preset())
-    throw Error(
-        fmt::format("--preset takes a preset name; \"{}\" is a folder (use --model)", o.preset));
-  TokenizerLookup lookup;
-  if (!source.is_preset()) lookup = find_tokenizer(source.directory, source.config.vocab_size);
-  const Tokenizer* tokenizer = lookup.tokenizer.get();
-  const Prompt prompt = build_prompt(o, source, lookup);
-  check_prompt(prompt.ids, source.config);
-
+// Whether the engine computes (--compute engine, or a chat by default), with the options only
+// it takes checked.
+bool uses_engine(const GenerateOptions& o) {
   const bool engine = o.compute == "engine" || (o.compute.empty() && o.has_chat);
   if (!engine && o.weights != "stored")
     throw Error(fmt::format("--weights {} needs --compute engine: the reference computes in fp32",
@@ -182,13 +176,37 @@ void run_generate(const GenerateOptions& o) {
         fmt::format("--logprobs {}: the engine returns at most {} (vLLM's max_logprobs); --compute "
                     "reference returns any number",
                     o.logprobs, kMaxLogprobs));
-  const auto load_start = std::chrono::steady_clock::now();
+  return engine;
+}
+
+// The weights to generate with: a preset's random ones or the folder's; a chat answer also ends
+// at its end-of-turn token.
+cpu::LlamaWeights generation_weights(const GenerateOptions& o, const ModelSource& source,
+                                     const Prompt& prompt) {
   cpu::LlamaWeights weights = source.is_preset()
                                   ? cpu::random_llama_weights(source.config, o.weights_seed)
                                   : cpu::load_llama_weights(source.directory);
-  auto& eos = weights.config.eos_token_ids;  // a chat answer also ends at its end-of-turn token
+  auto& eos = weights.config.eos_token_ids;
   if (prompt.end_of_turn && std::find(eos.begin(), eos.end(), *prompt.end_of_turn) == eos.end())
     eos.push_back(*prompt.end_of_turn);
+  return weights;
+}
+
+void run_generate(const GenerateOptions& o) {
+  check_options(o);
+  if (o.threads > 0) cpu::set_num_threads(o.threads);
+  const ModelSource source = resolve_model(o.model.empty() ? o.preset : o.model);
+  if (!o.preset.empty() && !source.is_preset())
+    throw Error(
+        fmt::format("--preset takes a preset name; \"{}\" is a folder (use --model)", o.preset));
+  TokenizerLookup lookup;
+  if (!source.is_preset()) lookup = find_tokenizer(source.directory, source.config.vocab_size);
+  const Tokenizer* tokenizer = lookup.tokenizer.get();
+  const Prompt prompt = build_prompt(o, source, lookup);
+  check_prompt(prompt.ids, source.config);
+  const bool engine = uses_engine(o);
+  const auto load_start = std::chrono::steady_clock::now();
+  cpu::LlamaWeights weights = generation_weights(o, source, prompt);
   const ModelConfig config = weights.config;
   const bool streaming = tokenizer && !o.json && (o.stream || o.has_chat);
   std::optional<StreamingDecoder> decoder;

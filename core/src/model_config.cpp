@@ -347,6 +347,66 @@ std::vector<std::string> config_problems(const ModelConfig& c,
   return problems;
 }
 
+// "architectures": one name; or, without it, the name model_type implies.
+void read_architecture(const json& root, FieldReader& read, ModelConfig& c,
+                       std::vector<std::string>& problems) {
+  if (auto it = root.find("architectures"); it != root.end()) {
+    if (!it->is_array() || it->size() != 1 || !(*it)[0].is_string())
+      problems.push_back(
+          "\"architectures\" must be a list with one name, e.g. [\"LlamaForCausalLM\"]");
+    else
+      c.architecture = (*it)[0].get<std::string>();
+  } else if (auto model_type = read.get<std::string>("model_type", false)) {
+    c.architecture = *model_type == "mistral" ? "MistralForCausalLM"
+                     : *model_type == "llama" ? "LlamaForCausalLM"
+                                              : *model_type;
+  }
+}
+
+// head_dim, or hidden_size / num_attention_heads when it is not set.
+void read_head_dim(FieldReader& read, ModelConfig& c, std::vector<std::string>& problems) {
+  if (auto head_dim = read.get<std::int64_t>("head_dim", false)) {
+    c.head_dim = *head_dim;
+  } else if (c.num_attention_heads > 0) {
+    if (c.hidden_size % c.num_attention_heads != 0)
+      problems.push_back(fmt::format(
+          "hidden_size ({}) must be divisible by num_attention_heads ({}) when head_dim is not set",
+          c.hidden_size, c.num_attention_heads));
+    c.head_dim = c.hidden_size / c.num_attention_heads;
+  }
+}
+
+// eos_token_id: one id or a list of them (null: the default).
+void read_eos(const json& root, FieldReader& read, ModelConfig& c,
+              std::vector<std::string>& problems) {
+  if (auto it = root.find("eos_token_id"); it != root.end() && !it->is_null()) {
+    c.eos_token_ids.clear();
+    if (it->is_number_integer()) {
+      if (auto id = read.convert<std::int32_t>("eos_token_id", *it)) c.eos_token_ids.push_back(*id);
+    } else if (it->is_array() &&
+               std::all_of(it->begin(), it->end(),
+                           [](const json& v) { return v.is_number_integer(); }) &&
+               !it->empty()) {
+      for (const auto& v : *it)
+        if (auto id = read.convert<std::int32_t>("eos_token_id", v)) c.eos_token_ids.push_back(*id);
+    } else {
+      problems.push_back(fmt::format(
+          "\"eos_token_id\" must be an integer or a list of integers, got {}", it->dump()));
+    }
+  }
+}
+
+// Features that would change the math: refuse them rather than compute something else.
+void refuse_other_math(FieldReader& read, std::vector<std::string>& problems) {
+  if (auto act = read.get<std::string>("hidden_act", false); act && *act != "silu")
+    problems.push_back(fmt::format(
+        "hidden_act \"{}\" is not supported (kvlab implements SwiGLU with silu)", *act));
+  for (const char* key : {"attention_bias", "mlp_bias"})
+    if (read.get<bool>(key, false).value_or(false))
+      problems.push_back(
+          fmt::format("\"{}\": true is not supported (LLaMA projections have no bias)", key));
+}
+
 }  // namespace
 
 void validate_model_config(const ModelConfig& c, std::string_view source) {
@@ -367,17 +427,7 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   FieldReader read(root, problems);
   ModelConfig c;
   c.name = std::string(source);
-  if (auto it = root.find("architectures"); it != root.end()) {
-    if (!it->is_array() || it->size() != 1 || !(*it)[0].is_string())
-      problems.push_back(
-          "\"architectures\" must be a list with one name, e.g. [\"LlamaForCausalLM\"]");
-    else
-      c.architecture = (*it)[0].get<std::string>();
-  } else if (auto model_type = read.get<std::string>("model_type", false)) {
-    c.architecture = *model_type == "mistral" ? "MistralForCausalLM"
-                     : *model_type == "llama" ? "LlamaForCausalLM"
-                                              : *model_type;
-  }
+  read_architecture(root, read, c, problems);
   c.vocab_size = read.get<std::int64_t>("vocab_size", true).value_or(0);
   c.hidden_size = read.get<std::int64_t>("hidden_size", true).value_or(0);
   c.intermediate_size = read.get<std::int64_t>("intermediate_size", true).value_or(0);
@@ -390,39 +440,10 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   read_rope(root, c, problems);
   c.tie_word_embeddings = read.get<bool>("tie_word_embeddings", false).value_or(false);
   c.bos_token_id = read.get<std::int32_t>("bos_token_id", false).value_or(1);
-  if (auto head_dim = read.get<std::int64_t>("head_dim", false)) {
-    c.head_dim = *head_dim;
-  } else if (c.num_attention_heads > 0) {
-    if (c.hidden_size % c.num_attention_heads != 0)
-      problems.push_back(fmt::format(
-          "hidden_size ({}) must be divisible by num_attention_heads ({}) when head_dim is not set",
-          c.hidden_size, c.num_attention_heads));
-    c.head_dim = c.hidden_size / c.num_attention_heads;
-  }
-  if (auto it = root.find("eos_token_id"); it != root.end() && !it->is_null()) {
-    c.eos_token_ids.clear();
-    if (it->is_number_integer()) {
-      if (auto id = read.convert<std::int32_t>("eos_token_id", *it)) c.eos_token_ids.push_back(*id);
-    } else if (it->is_array() &&
-               std::all_of(it->begin(), it->end(),
-                           [](const json& v) { return v.is_number_integer(); }) &&
-               !it->empty()) {
-      for (const auto& v : *it)
-        if (auto id = read.convert<std::int32_t>("eos_token_id", v)) c.eos_token_ids.push_back(*id);
-    } else {
-      problems.push_back(fmt::format(
-          "\"eos_token_id\" must be an integer or a list of integers, got {}", it->dump()));
-    }
-  }
+  read_head_dim(read, c, problems);
+  read_eos(root, read, c, problems);
   c.sliding_window = read.get<std::int64_t>("sliding_window", false);
-  // Features that would change the math: refuse them rather than compute something else.
-  if (auto act = read.get<std::string>("hidden_act", false); act && *act != "silu")
-    problems.push_back(fmt::format(
-        "hidden_act \"{}\" is not supported (kvlab implements SwiGLU with silu)", *act));
-  for (const char* key : {"attention_bias", "mlp_bias"})
-    if (read.get<bool>(key, false).value_or(false))
-      problems.push_back(
-          fmt::format("\"{}\": true is not supported (LLaMA projections have no bias)", key));
+  refuse_other_math(read, problems);
   for (auto& problem : config_problems(c, problems)) problems.push_back(std::move(problem));
   throw_problems(source, problems);
   return c;

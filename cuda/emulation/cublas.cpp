@@ -61,32 +61,43 @@ struct GemmCall {
   cublasComputeType_t compute;
 };
 
+// The types and operations the emulator implements (what kvlab calls).
+bool supported_call(const GemmCall& g) {
+  const auto op_ok = [](cublasOperation_t op) { return op == CUBLAS_OP_N || op == CUBLAS_OP_T; };
+  return g.compute == CUBLAS_COMPUTE_32F && supported(g.Atype) && supported(g.Btype) &&
+         supported(g.Ctype) && op_ok(g.transa) && op_ok(g.transb);
+}
+
+// Sizes and leading dimensions as cuBLAS checks them.
+bool valid_dimensions(const GemmCall& g) {
+  return g.m >= 0 && g.n >= 0 && g.k >= 0 && g.ldc >= std::max(1, g.m) &&
+         g.lda >= std::max(1, g.transa == CUBLAS_OP_N ? g.m : g.k) &&
+         g.ldb >= std::max(1, g.transb == CUBLAS_OP_N ? g.k : g.n);
+}
+
+// C = alpha op(A) op(B) + beta C, in fp32, stored in C's type.
+void multiply(const GemmCall& g) {
+  const Matrix product = g.alpha * (operand(g.A, g.Atype, g.lda, g.transa, g.m, g.k) *
+                                    operand(g.B, g.Btype, g.ldb, g.transb, g.k, g.n));
+  for (int c = 0; c < g.n; ++c)
+    for (int r = 0; r < g.m; ++r) {
+      const std::int64_t index = std::int64_t{c} * g.ldc + r;
+      float value = product(r, c);
+      if (g.beta != 0.0f) value += g.beta * element(g.C, g.Ctype, index);
+      if (g.Ctype == CUDA_R_32F)
+        static_cast<float*>(g.C)[index] = value;
+      else
+        static_cast<__nv_bfloat16*>(g.C)[index] = __float2bfloat16(value);
+    }
+}
+
 // Checks the call, then runs it now or records it for the graph being captured.
 cublasStatus_t gemm(const GemmCall& g) {
-  if (g.compute != CUBLAS_COMPUTE_32F || !supported(g.Atype) || !supported(g.Btype) ||
-      !supported(g.Ctype) || (g.transa != CUBLAS_OP_N && g.transa != CUBLAS_OP_T) ||
-      (g.transb != CUBLAS_OP_N && g.transb != CUBLAS_OP_T))
-    return CUBLAS_STATUS_NOT_SUPPORTED;
-  if (g.m < 0 || g.n < 0 || g.k < 0 || g.ldc < std::max(1, g.m) ||
-      g.lda < std::max(1, g.transa == CUBLAS_OP_N ? g.m : g.k) ||
-      g.ldb < std::max(1, g.transb == CUBLAS_OP_N ? g.k : g.n))
-    return CUBLAS_STATUS_INVALID_VALUE;
+  if (!supported_call(g)) return CUBLAS_STATUS_NOT_SUPPORTED;
+  if (!valid_dimensions(g)) return CUBLAS_STATUS_INVALID_VALUE;
   if (g.m == 0 || g.n == 0) return CUBLAS_STATUS_SUCCESS;
-  auto multiply = [g] {
-    Matrix product = g.alpha * (operand(g.A, g.Atype, g.lda, g.transa, g.m, g.k) *
-                                operand(g.B, g.Btype, g.ldb, g.transb, g.k, g.n));
-    for (int c = 0; c < g.n; ++c)
-      for (int r = 0; r < g.m; ++r) {
-        const std::int64_t index = std::int64_t{c} * g.ldc + r;
-        float value = product(r, c);
-        if (g.beta != 0.0f) value += g.beta * element(g.C, g.Ctype, index);
-        if (g.Ctype == CUDA_R_32F)
-          static_cast<float*>(g.C)[index] = value;
-        else
-          static_cast<__nv_bfloat16*>(g.C)[index] = __float2bfloat16(value);
-      }
-  };
-  if (!kvlab::cuda::emulation::record(multiply)) multiply();
+  const auto run = [g] { multiply(g); };
+  if (!kvlab::cuda::emulation::record(run)) run();
   return CUBLAS_STATUS_SUCCESS;
 }
 

@@ -114,8 +114,9 @@ const char* state_name(State s) {
   return "?";
 }
 
-// Releases every barrier that can be released; false when none can (a deadlock).
-bool release_barriers(BlockRun& block, std::string& failure) {
+// The warps whose every lane waits at a shuffle exchange their values and run on. Returns
+// whether one did; a lane whose mask is not its warp's full mask is a failure (`failure` set).
+bool release_warp_exchanges(BlockRun& block, std::string& failure) {
   const int count = static_cast<int>(block.threads.size());
   bool released = false;
   for (int first = 0; first < count; first += kWarpSize) {
@@ -126,15 +127,14 @@ bool release_barriers(BlockRun& block, std::string& failure) {
     if (waiting == 0 || waiting < lanes) continue;
     const unsigned warp_mask = lanes == kWarpSize ? 0xffffffffu : (1u << lanes) - 1u;
     for (int lane = 0; lane < lanes; ++lane) {
-      EmulatedThread& t = block.threads[first + lane];
-      if (t.mask != warp_mask) {
-        std::ostringstream out;
-        out << "warp " << first / kWarpSize << " lane " << lane << ": shuffle mask 0x" << std::hex
-            << t.mask << " is not the warp's full mask 0x" << warp_mask
-            << " (the emulator runs whole warps only)";
-        failure = out.str();
-        return false;
-      }
+      const EmulatedThread& t = block.threads[first + lane];
+      if (t.mask == warp_mask) continue;
+      std::ostringstream out;
+      out << "warp " << first / kWarpSize << " lane " << lane << ": shuffle mask 0x" << std::hex
+          << t.mask << " is not the warp's full mask 0x" << warp_mask
+          << " (the emulator runs whole warps only)";
+      failure = out.str();
+      return false;
     }
     for (int lane = 0; lane < lanes; ++lane) {
       EmulatedThread& t = block.threads[first + lane];
@@ -144,18 +144,26 @@ bool release_barriers(BlockRun& block, std::string& failure) {
     for (int lane = 0; lane < lanes; ++lane) block.threads[first + lane].state = State::runnable;
     released = true;
   }
-  if (released) return true;
+  return released;
+}
+
+// When every thread still running waits at __syncthreads, they all run on; returns whether so.
+bool release_block_barrier(BlockRun& block) {
   bool all_at_block_barrier = true, any_waiting = false;
   for (const EmulatedThread& t : block.threads) {
     if (t.state == State::exited) continue;
     any_waiting = true;
     all_at_block_barrier &= t.state == State::at_block_barrier;
   }
-  if (any_waiting && all_at_block_barrier) {
-    for (EmulatedThread& t : block.threads)
-      if (t.state == State::at_block_barrier) t.state = State::runnable;
-    return true;
-  }
+  if (!any_waiting || !all_at_block_barrier) return false;
+  for (EmulatedThread& t : block.threads)
+    if (t.state == State::at_block_barrier) t.state = State::runnable;
+  return true;
+}
+
+// What the block's threads wait at when none can be released.
+std::string deadlock_message(const BlockRun& block) {
+  const int count = static_cast<int>(block.threads.size());
   std::ostringstream out;
   out << "deadlock: the threads of block (" << block.threads[0].coordinates.block_index.x << ","
       << block.threads[0].coordinates.block_index.y << ","
@@ -167,7 +175,15 @@ bool release_barriers(BlockRun& block, std::string& failure) {
     out << " thread " << i << " " << state_name(s) << ";";
     ++shown;
   }
-  failure = out.str();
+  return out.str();
+}
+
+// Releases every barrier that can be released; false when none can (a deadlock).
+bool release_barriers(BlockRun& block, std::string& failure) {
+  if (release_warp_exchanges(block, failure)) return true;
+  if (!failure.empty()) return false;
+  if (release_block_barrier(block)) return true;
+  failure = deadlock_message(block);
   return false;
 }
 
@@ -243,12 +259,31 @@ bool capturing() {
   return capture != nullptr;
 }
 
+namespace {
+
+// The limits a device enforces (compute capability 9.0).
+bool valid_launch(dim3 grid, dim3 block, std::uint64_t threads) {
+  const bool grid_ok = grid.x > 0 && grid.y > 0 && grid.z > 0 && grid.x <= 0x7fffffffu &&
+                       grid.y <= 65535 && grid.z <= 65535;
+  return grid_ok && threads > 0 && threads <= 1024 && block.z <= 64;
+}
+
+// Each thread of the block at `block_index` gets its coordinates (x fastest).
+void place_threads(BlockRun& run, dim3 block_index, dim3 block, dim3 grid) {
+  std::size_t i = 0;
+  for (unsigned tz = 0; tz < block.z; ++tz)
+    for (unsigned ty = 0; ty < block.y; ++ty)
+      for (unsigned tx = 0; tx < block.x; ++tx, ++i)
+        run.threads[i].coordinates = {{tx, ty, tz}, block_index, block, grid};
+}
+
+}  // namespace
+
 cudaError_t launch(dim3 grid, dim3 block, const std::function<void()>& thread_body) {
   if (record([grid, block, thread_body] { launch(grid, block, thread_body); })) return cudaSuccess;
   last_failure.clear();
   const std::uint64_t threads = std::uint64_t{block.x} * block.y * block.z;
-  if (grid.x == 0 || grid.y == 0 || grid.z == 0 || threads == 0 || threads > 1024 || block.z > 64 ||
-      grid.y > 65535 || grid.z > 65535 || grid.x > 0x7fffffffu) {
+  if (!valid_launch(grid, block, threads)) {
     std::ostringstream out;
     out << "invalid launch configuration: grid (" << grid.x << "," << grid.y << "," << grid.z
         << "), block (" << block.x << "," << block.y << "," << block.z << ")";
@@ -263,11 +298,7 @@ cudaError_t launch(dim3 grid, dim3 block, const std::function<void()>& thread_bo
   for (unsigned z = 0; z < grid.z && ok; ++z)
     for (unsigned y = 0; y < grid.y && ok; ++y)
       for (unsigned x = 0; x < grid.x && ok; ++x) {
-        std::size_t i = 0;
-        for (unsigned tz = 0; tz < block.z; ++tz)
-          for (unsigned ty = 0; ty < block.y; ++ty)
-            for (unsigned tx = 0; tx < block.x; ++tx, ++i)
-              run.threads[i].coordinates = {{tx, ty, tz}, {x, y, z}, block, grid};
+        place_threads(run, {x, y, z}, block, grid);
         ok = run_block(run, thread_body, failure);
       }
   active_block = nullptr;

@@ -387,6 +387,30 @@ __global__ void combine_kernel(AttentionParams p, int max_splits) {
   }
 }
 
+// One key of a warp's query in the online softmax (FlashAttention): the dot product with the key
+// row (shared memory, HD floats), then the running max m, sum l and output acc rescaled.
+template <int HD, int PER_LANE>
+__device__ __forceinline__ void attend_key(const float (&q)[PER_LANE], const float* k_row,
+                                           const float* v_row, int lane, float& m, float& l,
+                                           float (&acc)[PER_LANE]) {
+  float dot = 0.0f;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int d = i * 32 + lane;
+    if (d < HD) dot += q[i] * k_row[d];
+  }
+  dot = warp_sum(dot);
+  const float m_new = fmaxf(m, dot);
+  const float correction = __expf(m - m_new), weight = __expf(dot - m_new);
+  l = l * correction + weight;
+#pragma unroll
+  for (int i = 0; i < PER_LANE; ++i) {
+    const int d = i * 32 + lane;
+    acc[i] = acc[i] * correction + (d < HD ? weight * v_row[d] : 0.0f);
+  }
+  m = m_new;
+}
+
 // One block per (entry, query head, tile of kPrefillWarps queries); warp w serves query
 // tile * kPrefillWarps + w. Keys stream through shared memory in tiles of KEY_TILE.
 template <typename T, int HD>
@@ -437,22 +461,7 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionPa
       for (int j = 0; j < tile_keys; ++j) {
         const int key = tile + j;
         if (key < my_lo || key > position) continue;  // causal and window (warp-uniform)
-        float dot = 0.0f;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-          const int d = i * 32 + lane;
-          if (d < HD) dot += q[i] * s_k[j][d];
-        }
-        dot = warp_sum(dot);
-        const float m_new = fmaxf(m, dot);
-        const float correction = __expf(m - m_new), weight = __expf(dot - m_new);
-        l = l * correction + weight;
-#pragma unroll
-        for (int i = 0; i < PER_LANE; ++i) {
-          const int d = i * 32 + lane;
-          acc[i] = acc[i] * correction + (d < HD ? weight * s_v[j][d] : 0.0f);
-        }
-        m = m_new;
+        attend_key<HD, PER_LANE>(q, s_k[j], s_v[j], lane, m, l, acc);
       }
     }
     __syncthreads();

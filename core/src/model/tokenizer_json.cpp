@@ -27,6 +27,9 @@ class TokenizerJsonReader {
   }
   const json& field(const json& object, const char* key, const char* where) const;
   void read_model(const json& model, ByteLevelBpeSpec& spec) const;
+  void check_model_options(const json& model) const;
+  void read_vocab(const json& vocab, ByteLevelBpeSpec& spec) const;
+  void read_merge(const json& merge, ByteLevelBpeSpec& spec) const;
   void read_added_tokens(const json& added, ByteLevelBpeSpec& spec) const;
   void read_normalizer(const json& normalizer, ByteLevelBpeSpec& spec) const;
   void read_pre_tokenizer(const json& pre, ByteLevelBpeSpec& spec, bool& byte_level) const;
@@ -51,7 +54,8 @@ std::int32_t TokenizerJsonReader::token_id(const json& value, const char* where)
   return value.get<std::int32_t>();
 }
 
-void TokenizerJsonReader::read_model(const json& model, ByteLevelBpeSpec& spec) const {
+// Options of a byte-level BPE model kvlab does not implement are refused, not ignored.
+void TokenizerJsonReader::check_model_options(const json& model) const {
   const json& type = field(model, "type", "model");
   if (type != "BPE")
     fail(fmt::format("model.type {} is not supported (kvlab reads byte-level BPE)", type.dump()));
@@ -62,7 +66,9 @@ void TokenizerJsonReader::read_model(const json& model, ByteLevelBpeSpec& spec) 
       fail(fmt::format("model.{} is not supported for byte-level BPE", key));
   if (model.contains("dropout") && model["dropout"].is_number() && model["dropout"] != 0)
     fail("model.dropout makes encoding random; kvlab encodes deterministically");
-  const json& vocab = field(model, "vocab", "model");
+}
+
+void TokenizerJsonReader::read_vocab(const json& vocab, ByteLevelBpeSpec& spec) const {
   if (!vocab.is_object()) fail("model.vocab is not an object");
   for (const auto& [token, id_value] : vocab.items()) {
     const std::int32_t id = token_id(id_value, "model.vocab");
@@ -73,21 +79,30 @@ void TokenizerJsonReader::read_model(const json& model, ByteLevelBpeSpec& spec) 
                        token));
     spec.tokens[id] = token;
   }
-  for (const json& merge : field(model, "merges", "model")) {
-    if (merge.is_string()) {  // "left right"
-      const std::string text = merge.get<std::string>();
-      const std::size_t space = text.find(' ', 1);
-      if (space == std::string::npos || space + 1 >= text.size())
-        fail(fmt::format("merge {} is not \"left right\"", merge.dump()));
-      spec.merges.emplace_back(text.substr(0, space), text.substr(space + 1));
-    } else if (merge.is_array() && merge.size() == 2 && merge[0].is_string() &&
-               merge[1].is_string()) {  // ["left", "right"]
-      spec.merges.emplace_back(merge[0].get<std::string>(), merge[1].get<std::string>());
-    } else {
-      fail(fmt::format("merge {} is neither \"left right\" nor [left, right]",
-                       merge.dump().substr(0, 80)));
-    }
+}
+
+// One merge: "left right", or ["left", "right"].
+void TokenizerJsonReader::read_merge(const json& merge, ByteLevelBpeSpec& spec) const {
+  if (merge.is_string()) {
+    const std::string text = merge.get<std::string>();
+    const std::size_t space = text.find(' ', 1);
+    if (space == std::string::npos || space + 1 >= text.size())
+      fail(fmt::format("merge {} is not \"left right\"", merge.dump()));
+    spec.merges.emplace_back(text.substr(0, space), text.substr(space + 1));
+  } else if (merge.is_array() && merge.size() == 2 && merge[0].is_string() &&
+             merge[1].is_string()) {
+    spec.merges.emplace_back(merge[0].get<std::string>(), merge[1].get<std::string>());
+  } else {
+    fail(fmt::format("merge {} is neither \"left right\" nor [left, right]",
+                     merge.dump().substr(0, 80)));
   }
+}
+
+void TokenizerJsonReader::read_model(const json& model, ByteLevelBpeSpec& spec) const {
+  check_model_options(model);
+  const json& vocab = field(model, "vocab", "model");
+  read_vocab(vocab, spec);
+  for (const json& merge : field(model, "merges", "model")) read_merge(merge, spec);
   spec.ignore_merges = model.value("ignore_merges", false);
   if (model.contains("unk_token") && model["unk_token"].is_string()) {
     const std::string unk = model["unk_token"].get<std::string>();
