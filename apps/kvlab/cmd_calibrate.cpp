@@ -227,7 +227,7 @@ EngineSteps engine_step_samples(const CalibrateOptions& o, const ModelConfig& mo
                                 const std::vector<double>& seconds) {
   ExperimentConfig c;
   c.name = "calibrate-engine-replay";
-  c.clock = "measured";
+  c.clock = EngineClock::measured;
   c.model = o.model;
   c.profile = kDefaultCpuProfile;  // any cpu profile: StepWork depends on the model and dtypes only
   c.threads = o.threads;

@@ -110,10 +110,11 @@ std::string clock_description(const std::vector<ExperimentRun>& runs) {
     if (run.config.clock != c.clock || run.config.profile != c.profile)
       return "times: each run's own clock (see its summary.json)";
   const std::string model = fmt::format("the roofline cost model of profile {}", c.profile);
-  if (c.clock == "measured")
+  if (c.clock == EngineClock::measured)
     return "measured clock: each step lasts what Backend::forward (and its swap copies) took";
-  if (c.clock == "wall") return "wall clock: arrivals and steps in real time";
-  if (c.clock == "offline") return fmt::format("offline (all at t = 0), steps timed by {}", model);
+  if (c.clock == EngineClock::wall) return "wall clock: arrivals and steps in real time";
+  if (c.clock == EngineClock::offline)
+    return fmt::format("offline (all at t = 0), steps timed by {}", model);
   return fmt::format("virtual clock, steps timed by {}", model);
 }
 

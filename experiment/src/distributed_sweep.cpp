@@ -86,7 +86,7 @@ double estimated_run_cost(const ExperimentConfig& c) {
     requests = static_cast<double>(c.azure.max_requests);
   const double tokens =
       mean_length(c.workload.prompt_tokens) + 2 * mean_length(c.workload.output_tokens);
-  const double per_token = c.backend == "simulated" ? 1.0 : 50.0;
+  const double per_token = c.backend_kind == BackendKind::simulated ? 1.0 : 50.0;
   return std::max(1.0, requests * tokens * per_token);
 }
 

@@ -186,11 +186,13 @@ void parse_experiment(Section& s, ExperimentConfig& c) {
   if (s.get<std::int64_t>("seed").value_or(0) < 0)  // -1 would read as 2^64 - 1
     s.fail(*s.node("seed"), "experiment.seed must be >= 0");
   c.repeats = s.get_int<std::int64_t>("repeats", 1, kMaxRepeats).value_or(1);
-  c.clock = s.get<std::string>("clock").value_or(c.clock);
-  if (c.clock != "virtual" && c.clock != "offline" && c.clock != "wall" && c.clock != "measured")
+  const std::string clock = s.get<std::string>("clock").value_or(clock_name(c.clock));
+  const std::optional<EngineClock> parsed = clock_from_name(clock);
+  if (!parsed || *parsed == EngineClock::steps)
     s.fail(*s.node("clock"),
            fmt::format("experiment.clock \"{}\" is not one of virtual, offline, measured, wall",
-                       c.clock));
+                       clock));
+  c.clock = *parsed;
   if (const toml::node* paths = s.node("plugin_paths")) {
     if (!paths->is_array()) s.fail(*paths, "experiment.plugin_paths must be a list of folders");
     for (const auto& p : *paths->as_array()) {
@@ -207,12 +209,23 @@ void parse_model(Section& s, ExperimentConfig& c) {
     s.fail(*s.node("weights_seed"), "model.weights_seed must be >= 0");
 }
 
+}  // namespace
+
+BackendKind backend_kind_of(std::string_view name) {
+  return name == "cpu"         ? BackendKind::cpu
+         : name == "simulated" ? BackendKind::simulated
+                               : BackendKind::plugin;
+}
+
+namespace {
+
 void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
   c.backend = s.get<std::string>("name").value_or(c.backend);  // cpu, simulated or a plugin
+  c.backend_kind = backend_kind_of(c.backend);
   c.threads = s.get_int<int>("threads", 0, kMaxThreads).value_or(0);
   c.profile = s.get<std::string>("profile").value_or("");
   c.tensor_parallel = s.get_int<std::int64_t>("tensor_parallel", 1, 1024).value_or(1);
-  if (c.tensor_parallel > 1 && c.backend != "simulated")
+  if (c.tensor_parallel > 1 && c.backend_kind != BackendKind::simulated)
     s.fail(*s.node("tensor_parallel"),
            fmt::format("backend.tensor_parallel is the simulated backend's GPUs per model; "
                        "backend \"{}\" computes on one device",
@@ -220,7 +233,7 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
   c.backend_params = plugin_params(s, "params");
   if (const toml::node* weights = s.node("weights")) {
     c.cpu_weights = s.get<std::string>("weights").value_or("");
-    if (c.backend != "cpu")
+    if (c.backend_kind != BackendKind::cpu)
       s.fail(*weights, fmt::format("backend.weights is the cpu backend's weight format; backend "
                                    "\"{}\" takes its own parameters",
                                    c.backend));
@@ -231,7 +244,7 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
   }
   if (const toml::node* activations = s.node("activations")) {
     c.cpu_activations = s.get<std::string>("activations").value_or("");
-    if (c.backend != "cpu")
+    if (c.backend_kind != BackendKind::cpu)
       s.fail(*activations, fmt::format("backend.activations is the cpu backend's; backend "
                                        "\"{}\" takes its own parameters",
                                        c.backend));
@@ -240,8 +253,8 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
       s.fail(*activations, fmt::format("backend.activations must be one of {}, not \"{}\"",
                                        fmt::join(choices, ", "), c.cpu_activations));
   }
-  if (c.backend == "cpu" && c.profile.empty()) c.profile = kDefaultCpuProfile;
-  if (c.backend == "simulated" && c.profile.empty())
+  if (c.backend_kind == BackendKind::cpu && c.profile.empty()) c.profile = kDefaultCpuProfile;
+  if (c.backend_kind == BackendKind::simulated && c.profile.empty())
     s.fail(where,
            fmt::format("backend \"simulated\" needs backend.profile: a name ({}) or a .toml file",
                        join_names(hardware_profile_names())));
@@ -351,7 +364,7 @@ void parse_workload(Section& s, ExperimentConfig& c) {
   w.top_k =
       s.get_int<std::int32_t>("top_k", 0, std::numeric_limits<std::int32_t>::max()).value_or(0);
   w.logprobs = s.get_int<std::int32_t>("logprobs", 0, kMaxLogprobs).value_or(-1);
-  if (w.logprobs >= 0 && c.backend == "simulated")
+  if (w.logprobs >= 0 && c.backend_kind == BackendKind::simulated)
     s.fail(*s.node("logprobs"),
            "workload.logprobs needs a backend with logits (cpu, or a plugin such as cuda): the "
            "simulated backend picks its tokens without any");

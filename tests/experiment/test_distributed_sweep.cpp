@@ -53,12 +53,14 @@ TEST(EstimatedRunCost, GrowsWithRequestsAndLengthsAndComputingBackendsCostMore) 
   c.workload.prompt_tokens = {.kind = LengthKind::uniform, .min = 10, .max = 30};  // mean 20
   c.workload.output_tokens = {.kind = LengthKind::fixed, .value = 40};
   c.backend = "simulated";
+  c.backend_kind = BackendKind::simulated;
   EXPECT_DOUBLE_EQ(estimated_run_cost(c), 100 * (20 + 2 * 40.0));
   ExperimentConfig more = c;
   more.workload.requests = 200;
   EXPECT_DOUBLE_EQ(estimated_run_cost(more), 2 * estimated_run_cost(c));
   ExperimentConfig cpu = c;
   cpu.backend = "cpu";
+  cpu.backend_kind = BackendKind::cpu;
   EXPECT_DOUBLE_EQ(estimated_run_cost(cpu), 50 * estimated_run_cost(c));
 }
 

@@ -61,6 +61,29 @@ class WallClock : public Clock {
 
 }  // namespace
 
+const char* clock_name(EngineClock clock) {
+  switch (clock) {
+    case EngineClock::virtual_clock:
+      return "virtual";
+    case EngineClock::offline:
+      return "offline";
+    case EngineClock::wall:
+      return "wall";
+    case EngineClock::measured:
+      return "measured";
+    case EngineClock::steps:
+      return "steps";
+  }
+  return "?";
+}
+
+std::optional<EngineClock> clock_from_name(std::string_view name) {
+  for (const EngineClock c : {EngineClock::virtual_clock, EngineClock::offline, EngineClock::wall,
+                              EngineClock::measured, EngineClock::steps})
+    if (name == clock_name(c)) return c;
+  return std::nullopt;
+}
+
 std::unique_ptr<Clock> make_clock(EngineClock kind) {
   switch (kind) {
     case EngineClock::offline:

@@ -12,10 +12,16 @@
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
+#include <string_view>
 
 namespace kvlab {
 
 enum class EngineClock { virtual_clock, offline, wall, measured, steps };
+
+// "virtual", "offline", "wall", "measured", "steps" (experiment files and summary.json).
+const char* clock_name(EngineClock clock);
+std::optional<EngineClock> clock_from_name(std::string_view name);
 
 // What a step cost, for the clock to price.
 struct StepTiming {

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "kvlab/dtype.hpp"
+#include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/real_workloads.hpp"
@@ -25,16 +26,21 @@ using ParamMap = std::map<std::string, ParamValue, std::less<>>;
 // profiles/cpu.toml, measured by kvlab calibrate on the build machine (its header says which).
 inline constexpr const char* kDefaultCpuProfile = "cpu";
 
+// The kinds of backend a run can use: the two built in, or a backend plugin (cuda).
+enum class BackendKind { cpu, simulated, plugin };
+BackendKind backend_kind_of(std::string_view name);
+
 struct ExperimentConfig {
   std::string name = "experiment";
   std::uint64_t seed = 0;
   std::int64_t repeats = 1;
-  std::string clock = "virtual";  // virtual | offline | measured | wall
+  EngineClock clock = EngineClock::virtual_clock;  // virtual | offline | measured | wall
   std::vector<std::string> plugin_paths;
   std::string model;  // preset name or model folder
   std::uint64_t weights_seed = 0;
-  std::string backend = "cpu";  // cpu | simulated | a backend plugin (cuda)
-  ParamMap backend_params;      // a plugin backend's parameters
+  std::string backend = "cpu";                  // cpu | simulated | a backend plugin (cuda)
+  BackendKind backend_kind = BackendKind::cpu;  // what `backend` names, parsed with it
+  ParamMap backend_params;                      // a plugin backend's parameters
   // Hardware profile (name or file) whose roofline cost model prices every step on the virtual
   // and offline clocks (and sits next to the measured clock's times): the simulated backend's
   // device; kDefaultCpuProfile for the cpu backend when not given.

@@ -1,0 +1,177 @@
+// Stage 3: one expanded config runs: the serving stack is built, the engine (or a cluster of
+// them behind a router) serves the requests, and the run is summarised; kvlab check then
+// compares its tokens with the reference (stage 4).
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cmath>
+
+#include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/engine/cluster.hpp"
+#include "kvlab/error.hpp"
+#include "stages.hpp"
+
+namespace kvlab {
+namespace {
+
+// KV slots that hold no live token's KV although a sequence holds them (or, for external
+// fragmentation, although a refused request needed them): reservation ahead of use, unfilled
+// last blocks, a static batch's padding rows, and free holes on steps they blocked an admission.
+double wasted_slots(const StepRecord& s) {
+  return static_cast<double>(s.kv.reserved_unused + s.kv.last_block_slack + s.padding_slots +
+                             s.blocking_unusable_free);
+}
+
+// Mean KV use and waste over the steps, and (measured clock with a cost model) how far the
+// model's step predictions were from the measured forwards. Waste among held slots is vLLM's
+// definition: over all steps, the share of the slots sequences held (live + reserved + slack)
+// that held no live KV.
+void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
+  double held = 0, held_waste = 0;
+  for (const auto& s : out.engine.steps) {
+    const double capacity = static_cast<double>(s.kv.capacity);
+    out.mean_kv_used += static_cast<double>(s.kv.used - s.padding_slots) / capacity;
+    out.mean_kv_waste += wasted_slots(s) / capacity;
+    held += static_cast<double>(s.kv.used + s.kv.reserved_unused + s.kv.last_block_slack);
+    held_waste +=
+        static_cast<double>(s.kv.reserved_unused + s.kv.last_block_slack + s.padding_slots);
+  }
+  if (!out.engine.steps.empty()) {
+    out.mean_kv_used /= static_cast<double>(out.engine.steps.size());
+    out.mean_kv_waste /= static_cast<double>(out.engine.steps.size());
+  }
+  out.kv_waste_of_held = held > 0 ? held_waste / held : 0.0;
+  if (!out.engine.steps.empty()) {
+    const KvAllocatorStats& kv = out.engine.steps.back().kv;  // cumulative counters
+    out.prefix_hit_rate = kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
+                                                       static_cast<double>(kv.prefix_query_tokens)
+                                                 : 0.0;
+  }
+  if (!predictions) return;
+  std::vector<double> errors, ratios;
+  for (const auto& s : out.engine.steps) {
+    errors.push_back(std::abs(s.predicted_s - s.measured_forward_s) / s.measured_forward_s);
+    if (s.predicted_s > 0) ratios.push_back(s.measured_forward_s / s.predicted_s);
+  }
+  out.step_prediction_error = summarize_latencies(std::move(errors));
+  out.step_time_ratio = summarize_latencies(std::move(ratios));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// The mean share of the pool live KV held over `steps`, and the prefix cache's hit rate by the
+// last step's cumulative counters.
+std::pair<double, double> kv_use_and_prefix_hits(const std::vector<StepRecord>& steps) {
+  if (steps.empty()) return {0.0, 0.0};
+  double used = 0;
+  for (const auto& s : steps)
+    used += static_cast<double>(s.kv.used - s.padding_slots) / static_cast<double>(s.kv.capacity);
+  const KvAllocatorStats& kv = steps.back().kv;
+  return {used / static_cast<double>(steps.size()),
+          kv.prefix_query_tokens ? static_cast<double>(kv.prefix_hit_tokens) /
+                                       static_cast<double>(kv.prefix_query_tokens)
+                                 : 0.0};
+}
+
+// [cluster]: every replica's stack behind the router; the merged run in out.engine, each
+// replica's summary in out.replicas.
+void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
+                  std::vector<std::unique_ptr<ReplicaStack>>& stacks,
+                  const std::vector<WorkloadRequest>& requests, RunOutput& out,
+                  EngineSlots& slots) {
+  auto router = registry.create<PluginKind::router>(c.router, c.router_params, PluginContext{});
+  std::vector<Engine*> engines;
+  for (auto& stack : stacks) engines.push_back(stack->engine.get());
+  ClusterResult cluster = run_cluster(engines, *router, requests);
+  double hit_tokens = 0, query_tokens = 0;
+  for (const EngineResult& replica : cluster.replicas) {
+    RunOutput::Replica r;
+    r.summary = summarize_run(replica.requests, cluster.duration_s, c.slo);
+    r.requests = static_cast<std::int64_t>(replica.requests.size());
+    std::tie(r.mean_kv_used, r.prefix_hit_rate) = kv_use_and_prefix_hits(replica.steps);
+    if (!replica.steps.empty()) {
+      hit_tokens += static_cast<double>(replica.steps.back().kv.prefix_hit_tokens);
+      query_tokens += static_cast<double>(replica.steps.back().kv.prefix_query_tokens);
+    }
+    out.replicas.push_back(r);
+  }
+  out.engine = merged_result(cluster);
+  for (const RouteRecord& route : cluster.routes)
+    slots.emplace_back(route.replica, route.id_in_replica);
+  out.prefix_hit_rate = query_tokens > 0 ? hit_tokens / query_tokens : 0.0;
+}
+
+}  // namespace
+
+RunOutput run_experiment(const ExperimentConfig& c, bool check,
+                         std::vector<std::string>* mismatches) {
+  const auto wall_start = std::chrono::steady_clock::now();
+  if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
+  auto search = PluginRegistry::default_search_path();
+  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
+  const PluginRegistry registry(search);
+  const bool simulated = c.backend_kind == BackendKind::simulated;
+  const bool plugin_backend = c.backend_kind == BackendKind::plugin;        // e.g. cuda
+  if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
+  check_backend_rules(c, check);
+
+  ServedModel served = load_served_model(c, registry, simulated);
+  const ModelConfig& model = served.config;
+  std::optional<CostModel> cost_model = run_cost_model(c, model);
+  const std::int64_t slots = pool_slots(c, model, simulated, cost_model);
+  // Context, EOS and window from one place: the backend, the engine's KV release and the
+  // reference check all use these, so `check` compares one model.
+  const SequenceRules rules = sequence_rules(model, *served.attention);
+  // kvlab check --tolerance measures the engine's logits against the reference's.
+  std::optional<EngineLogitLog> log;
+  if (check && c.check_tolerance > 0) log.emplace(model.vocab_size, kComparedLogitBytes);
+  std::vector<std::unique_ptr<ReplicaStack>> stacks =
+      make_replicas(c, registry, served, cost_model, slots, rules, log ? &*log : nullptr);
+  std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers
+  const RealWorkload workload = make_requests_or_say_why(c, model, check, tokenizer);
+  const std::vector<WorkloadRequest>& requests = workload.requests;
+
+  RunOutput out;
+  out.model_name = model.name;
+  out.kv_slots = slots;
+  out.workload_description = workload.description;
+  out.weights_description = stacks.front()->weights_description;
+  out.prompt_texts = workload.prompt_texts;
+  const auto engine_start = std::chrono::steady_clock::now();
+  EngineSlots served_by;  // request i: (replica, id in its engine)
+  if (c.replicas == 1) {
+    out.engine = stacks.front()->engine->run(requests);
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      served_by.emplace_back(0, static_cast<RequestId>(i));
+  } else {
+    run_replicas(c, registry, stacks, requests, out, served_by);
+  }
+  out.engine_wall_s = seconds_since(engine_start);
+  out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
+  for (const auto& r : requests) out.prompts.push_back(r.prompt);
+  for (std::size_t i = 0; tokenizer && i < out.engine.tokens.size(); ++i) {
+    std::span<const std::int32_t> answer = out.engine.tokens[i];
+    if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);
+    out.answer_texts.push_back(tokenizer->decode(answer));  // without the stop token
+  }
+  for (const auto& stack : stacks) {
+    out.forward_wall_s += stack->backend->seconds();
+    out.forwards += stack->backend->forwards();
+    out.forwards_with_chosen_tokens += stack->backend->forwards_with_chosen_tokens();
+    const BackendCounters counters = stack->backend->counters();
+    out.graph_replays += counters.graph_replays;
+    out.graph_captures += counters.graph_captures;
+  }
+  const double cluster_hit_rate = out.prefix_hit_rate;
+  summarize_memory_and_predictions(out, cost_model && c.clock == EngineClock::measured);
+  if (c.replicas > 1) out.prefix_hit_rate = cluster_hit_rate;  // every replica's, not the last
+  if (check)
+    check_against_reference(served, rules.window, requests, c.check_tolerance,
+                            log ? &*log : nullptr, served_by, out, *mismatches);
+  out.wall_s = seconds_since(wall_start);
+  return out;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,164 @@
+// Stage 5: one run's files: requests.csv, steps.csv, events.jsonl, summary.json (the metric
+// registry's metrics), and outputs.jsonl / logprobs.jsonl when the workload has them.
+#include <fmt/format.h>
+
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/metric_registry.hpp"
+#include "kvlab/experiment/results_folder.hpp"
+
+namespace kvlab {
+
+namespace {
+
+std::string csv_number(const std::optional<double>& v) {
+  return v ? fmt::format("{:.6f}", *v) : std::string();
+}
+
+void write_requests_csv(std::ostream& f, const RunOutput& out) {
+  f << "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
+       "tokens,";
+  for (const RequestMetric& m : request_metrics()) f << m.name << ",";  // the registry's
+  f << "preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n";
+  for (const auto& r : out.engine.requests) {
+    std::string token_times;  // every output token's time, space-separated
+    for (double t : r.token_times_s)
+      token_times += fmt::format("{}{:.6f}", token_times.empty() ? "" : " ", t);
+    f << fmt::format(
+        "{},{},{:.6f},{},{},{},{},{},", r.id, r.priority, r.arrival_s,
+        csv_number(r.first_scheduled_s),
+        csv_number(r.token_times_s.empty() ? std::nullopt
+                                           : std::optional<double>(r.token_times_s.front())),
+        csv_number(r.finish_s), r.prompt_tokens, r.output_tokens());
+    for (const RequestMetric& m : request_metrics()) f << csv_number(m.extract(r)) << ",";
+    f << fmt::format("{},{},{},{},\"{}\",{}\n", r.preemptions, r.recomputed_tokens, r.swapped_bytes,
+                     r.rejected ? 1 : 0, r.reject_reason, token_times);
+  }
+}
+
+// Measured times only where they are the clock's (measured, wall): virtual runs stay
+// byte-identical and carry no columns of zeros.
+void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
+  const bool cluster = !out.replicas.empty();  // each step is one replica's
+  f << (cluster ? "replica," : "") << "step,start_s,duration_s,"
+    << (measured ? "measured_forward_s,measured_step_s," : "")
+    << "predicted_s,batch,prefill_tokens,decode_tokens,preempted,waiting,running,padding,"
+       "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
+       "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
+       "prefix_query_tokens\n";
+  for (const auto& s : out.engine.steps) {
+    if (cluster) f << s.replica << ",";
+    f << fmt::format("{},{:.6f},{:.6f},", s.step, s.start_s, s.duration_s);
+    if (measured) f << fmt::format("{:.6f},{:.6f},", s.measured_forward_s, s.measured_step_s);
+    f << fmt::format("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+                     s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens, s.preempted,
+                     s.waiting, s.running, s.padding, s.padding_slots, s.swap_bytes, s.kv.capacity,
+                     s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free,
+                     s.kv.unusable_free, s.blocking_unusable_free, s.kv.cached_free,
+                     s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+  }
+}
+
+// A prompt set's run: each request's question and the model's answer, as text.
+void write_outputs_jsonl(std::ostream& f, const RunOutput& out) {
+  for (std::size_t i = 0; i < out.answer_texts.size(); ++i) {
+    const auto& r = out.engine.requests[i];
+    f << nlohmann::json{{"id", r.id},
+                        {"finish_reason", r.rejected ? "rejected" : r.finish_reason},
+                        {"output_tokens", out.engine.tokens[i].size()},
+                        {"prompt", out.prompt_texts[i]},
+                        {"answer", out.answer_texts[i]}}
+             // An answer cut at max_tokens may end inside a UTF-8 character: shown as U+FFFD.
+             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
+      << "\n";
+  }
+}
+
+// Each request that asked for log-probabilities (workload.logprobs): its generated tokens, each
+// one's log-probability, and the k most likely tokens at each position as [token, logprob].
+void write_logprobs_jsonl(std::ostream& f, const RunOutput& out) {
+  const auto& all = out.engine.logprobs;
+  for (std::size_t i = 0; i < all.size(); ++i) {
+    if (all[i].empty()) continue;
+    nlohmann::json token_logprobs = nlohmann::json::array(), top = nlohmann::json::array();
+    for (const GeneratedLogprobs& token : all[i]) {
+      token_logprobs.push_back(token.logprob);
+      auto& alternatives = top.emplace_back(nlohmann::json::array());
+      for (const TokenLogprob& t : token.top) alternatives.push_back({t.token, t.logprob});
+    }
+    f << nlohmann::json{{"id", out.engine.requests[i].id},
+                        {"tokens", out.engine.tokens[i]},
+                        {"token_logprobs", std::move(token_logprobs)},
+                        {"top_logprobs", std::move(top)}}
+      << "\n";
+  }
+}
+
+// The run's description (what ran, with what), then every metric of the registry
+// (kvlab/experiment/metric_registry.hpp) that it reports.
+nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
+  nlohmann::json j = {{"name", c.name},
+                      {"label", c.label},
+                      {"model", out.model_name},
+                      {"allocator", c.allocator},
+                      {"attention", c.attention},
+                      {"scheduler", c.scheduler},
+                      {"seed", c.seed},
+                      {"backend", c.backend},
+                      {"profile", c.profile},
+                      {"tensor_parallel", c.tensor_parallel},
+                      {"clock", clock_name(c.clock)}};
+  for (const RunMetric& m : run_metrics())
+    if (m.in_summary_json)
+      if (nlohmann::json value = m.extract(c, out); !value.is_null()) j[m.name] = std::move(value);
+  if (!out.workload_description.empty()) j["workload"] = out.workload_description;
+  if (!out.weights_description.empty()) j["weights"] = out.weights_description;
+  j["kv_dtype"] = dtype_short_name(c.kv_dtype);
+  if (!out.replicas.empty()) {  // a cluster: the router and every replica's own figures
+    j["router"] = c.router;
+    for (const RunOutput::Replica& r : out.replicas)
+      j["replicas"].push_back({{"requests", r.requests},
+                               {"finished", r.summary.finished},
+                               {"rejected", r.summary.rejected},
+                               {"output_tokens_per_s", r.summary.output_tokens_per_s},
+                               {"ttft_s", latency_json(r.summary.ttft_s)},
+                               {"tpot_s", latency_json(r.summary.tpot_s)},
+                               {"mean_kv_used_fraction", r.mean_kv_used},
+                               {"prefix_hit_rate", r.prefix_hit_rate}});
+  }
+  return j;
+}
+
+}  // namespace
+
+void write_run_outputs(const std::filesystem::path& directory, const ExperimentConfig& c,
+                       const RunOutput& out) {
+  std::error_code ec;
+  std::filesystem::create_directories(directory, ec);
+  if (ec)
+    throw WriteError(
+        fmt::format("cannot create output folder {}: {}", directory.string(), ec.message()));
+  // Each file is made in memory and written at once: write_file checks every byte reached it.
+  auto write = [&](const char* name, const auto& fill) {
+    std::ostringstream text;
+    fill(text);
+    write_file(directory / name, text.str());
+  };
+  write("requests.csv", [&](std::ostream& f) { write_requests_csv(f, out); });
+  write("steps.csv", [&](std::ostream& f) {
+    write_steps_csv(f, out, c.clock == EngineClock::measured || c.clock == EngineClock::wall);
+  });
+  write("events.jsonl", [&](std::ostream& f) {
+    for (const auto& event : out.engine.events) f << event_json(event) << "\n";
+  });
+  write("summary.json", [&](std::ostream& f) { f << summary_json(c, out).dump(2) << "\n"; });
+  if (!out.answer_texts.empty())
+    write("outputs.jsonl", [&](std::ostream& f) { write_outputs_jsonl(f, out); });
+  if (c.workload.logprobs >= 0)
+    write("logprobs.jsonl", [&](std::ostream& f) { write_logprobs_jsonl(f, out); });
+}
+
+}  // namespace kvlab

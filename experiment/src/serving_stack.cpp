@@ -1,0 +1,192 @@
+// Stage 2: the serving stack of a run: the served model (checkpoint converted for the
+// attention variant), the cost model, the KV pool's size, and each replica's pool, allocator,
+// scheduler, backend and engine.
+#include <fmt/format.h>
+
+#include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/experiment/model_source.hpp"
+#include "kvlab/memory_limit.hpp"
+#include "kvlab/model/kv_memory.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
+#include "kvlab/sim/simulated_backend.hpp"
+#include "run_memo.hpp"
+#include "stages.hpp"
+
+namespace kvlab {
+namespace {
+
+EngineOptions engine_options(const ExperimentConfig& c, const SequenceRules& rules,
+                             const std::optional<CostModel>& cost_model, KvPool& pool) {
+  EngineOptions options;
+  options.clock = c.clock;
+  if (cost_model) options.cost_model = &*cost_model;
+  options.rules = rules;
+  options.pool = &pool;
+  options.swap_slots = c.swap_slots;
+  return options;
+}
+
+// `scheduler plugin "fcfs" (/path/kvlab_plugin_fcfs.so)`: how engine errors name a plugin.
+std::string plugin_label(const PluginRegistry& registry, PluginKind kind, const std::string& name) {
+  return fmt::format("{} plugin \"{}\" ({})", plugin_kind_name(kind), name,
+                     registry.find(kind, name).file.string());
+}
+
+std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
+                                           const PluginRegistry& registry,
+                                           const ServedModel& served,
+                                           const std::optional<CostModel>& cost_model,
+                                           std::int64_t slots, const SequenceRules& rules,
+                                           EngineLogitLog* log, std::size_t replica) {
+  const bool simulated = c.backend_kind == BackendKind::simulated;
+  const bool plugin_backend = c.backend_kind == BackendKind::plugin;  // e.g. cuda
+  const ModelConfig& model = served.config;
+  auto r = std::make_unique<ReplicaStack>();
+  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool; the
+  // simulated device's pool has no storage, its dtype (the profile's) sizes swaps.
+  r->pool = std::make_unique<KvPool>(
+      KvPoolShape{model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
+                  simulated ? cost_model->profile().kv_dtype : c.kv_dtype},
+      simulated || plugin_backend ? KvStorage::none : KvStorage::host);
+  PluginContext context;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
+  context.pool = r->pool.get();
+  r->allocator =
+      registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
+  r->scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
+  if (simulated) {
+    r->inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
+  } else if (plugin_backend) {
+    context.weights = &*served.weights;
+    context.window = rules.window.value_or(0);
+    r->device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
+  } else {
+    auto cpu_backend = std::make_unique<cpu::CpuBackend>(
+        *served.weights, *r->pool, rules.window,
+        cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights,
+                                    c.cpu_activations));
+    r->weights_description = cpu_backend->matrices().description;
+    r->inner = std::move(cpu_backend);
+  }
+  r->backend = std::make_unique<TimedBackend>(plugin_backend ? *r->device_backend : *r->inner);
+  EngineOptions options = engine_options(c, rules, cost_model, *r->pool);
+  options.names = {plugin_label(registry, PluginKind::scheduler, c.scheduler),
+                   plugin_label(registry, PluginKind::kv_allocator, c.allocator),
+                   plugin_backend ? plugin_label(registry, PluginKind::backend, c.backend)
+                                  : c.backend + " backend"};
+  if (log != nullptr)
+    options.observers.on_logits = [log, replica](RequestId id, std::span<const float> row) {
+      log->record(replica, id, row);
+    };
+  r->engine = std::make_unique<Engine>(*r->backend, *r->allocator, *r->scheduler, options);
+  return r;
+}
+
+}  // namespace
+
+ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
+                              bool simulated) {
+  const ModelSource source = resolve_model(c.model);
+  ServedModel served;
+  served.config = source.config;
+  served.source = source.directory;
+  LoadedCheckpoint checkpoint;
+  if (!simulated) {  // the simulated backend needs only the config
+    checkpoint = load_checkpoint(source, c.weights_seed);
+    served.config = checkpoint.weights->config;
+  }
+  PluginContext context;
+  context.model = &served.config;
+  context.max_seq_len = served.config.max_position_embeddings;
+  served.attention =
+      registry.create<PluginKind::attention_variant>(c.attention, c.attention_params, context);
+  if (const std::string problem = served.attention->check(served.config); !problem.empty())
+    throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention, served.config.name,
+                            problem));
+  const std::int64_t kv_heads = served.attention->kv_heads(served.config);
+  if (checkpoint.weights) {
+    served.weights = cpu::convert_kv_heads(*checkpoint.weights, kv_heads);
+    served.weights_key = fmt::format("{}, {} K/V heads", checkpoint.key, kv_heads);
+    served.config = served.weights->config;
+  } else {
+    served.config.num_key_value_heads = kv_heads;
+  }
+  return served;
+}
+
+// The cost model that prices the run's steps: the profile's device; the cpu backend's run is
+// priced with its own KV dtype (kv_cache.dtype).
+std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model) {
+  if (c.profile.empty()) return std::nullopt;
+  HardwareProfile profile = load_hardware_profile(c.profile);
+  if (c.backend_kind == BackendKind::cpu) profile.kv_dtype = c.kv_dtype;
+  return CostModel(model, profile, c.tensor_parallel);
+}
+
+// The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
+// KV in the profile's dtype, real KV in kv_cache.dtype), or what the simulated device holds next to
+// the weights.
+std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, bool simulated,
+                        const std::optional<CostModel>& cost_model) {
+  if (c.kv_memory_mib) {
+    const double bytes_per_slot =
+        simulated ? static_cast<double>(cost_model->kv_bytes_per_token_per_gpu())
+                  : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
+                        static_cast<double>(dtype_size(c.kv_dtype));
+    const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;
+    if (!(budget_slots < 0x1p62))
+      throw Error(fmt::format("kv_cache.memory_mib {} is more memory than kvlab can address",
+                              *c.kv_memory_mib));
+    const std::int64_t slots = static_cast<std::int64_t>(budget_slots) / 64 * 64;
+    if (slots < 1)
+      throw Error(
+          fmt::format("kv_cache.memory_mib {} holds no token of {}", *c.kv_memory_mib, model.name));
+    return slots;
+  }
+  if (!simulated || c.kv_slots) return c.kv_slots.value_or(4096);
+  const std::int64_t slots = cost_model->kv_capacity_tokens() / 256 * 256;  // whole blocks
+  if (slots < 1)
+    throw Error(
+        fmt::format("{} does not fit on {}: {:.1f} GiB of weights, {:.1f} GiB usable (memory_gib x "
+                    "utilization - activation reserve)",
+                    model.name, cost_model->profile().name, cost_model->weight_bytes() / kGiB,
+                    cost_model->profile().memory_gib * cost_model->profile().memory_utilization -
+                        cost_model->profile().activation_reserve_gib));
+  return slots;
+}
+
+// Every replica's stack. Each holds its own KV pool: their sum is checked against the machine
+// first, and running out of memory while building them names [cluster] replicas and the pool.
+std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
+    const ExperimentConfig& c, const PluginRegistry& registry, const ServedModel& served,
+    const std::optional<CostModel>& cost_model, std::int64_t slots, const SequenceRules& rules,
+    EngineLogitLog* log) {
+  const ModelConfig& m = served.config;
+  const double pool_bytes = 2.0 * static_cast<double>(slots) *
+                            static_cast<double>(m.num_hidden_layers) *
+                            static_cast<double>(m.num_key_value_heads * m.head_dim) *
+                            static_cast<double>(dtype_size(c.kv_dtype));
+  const std::string what = fmt::format(
+      "{} replica{} ([cluster] replicas), each with its own KV pool of {} slots ({:.2f} GiB) and "
+      "backend",
+      c.replicas, c.replicas > 1 ? "s" : "", slots, pool_bytes / (1 << 30));
+  if (c.backend_kind != BackendKind::simulated && c.replicas > 1)
+    check_allocation(static_cast<std::uint64_t>(pool_bytes * static_cast<double>(c.replicas)),
+                     what);
+  std::vector<std::unique_ptr<ReplicaStack>> stacks;
+  try {
+    for (std::int64_t r = 0; r < c.replicas; ++r)
+      stacks.push_back(make_replica(c, registry, served, cost_model, slots, rules, log,
+                                    static_cast<std::size_t>(r)));
+  } catch (const std::bad_alloc&) {
+    throw Error(
+        fmt::format("out of memory building replica {} of {}: lower cluster.replicas or "
+                    "kv_cache.slots",
+                    stacks.size() + 1, what));
+  }
+  return stacks;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,84 @@
+#pragma once
+// The stages of one experiment run, in order, each in its own file of experiment/src:
+//   1. validate_points.cpp    every sweep point's plugins, model, profile and inputs resolve
+//   2. serving_stack.cpp      the served model, cost model, KV pool and each replica's stack
+//      workload_requests.cpp  the requests (synthetic, a trace, the Azure trace, a prompt set)
+//   3. run_experiment.cpp     the engine (or a cluster of them) over the requests; summaries
+//   4. reference_check.cpp    kvlab check: every generated token against the reference
+//   5. run_outputs.cpp        requests.csv, steps.csv, events.jsonl, summary.json, ...
+// Internal to the experiment library; its interface is kvlab/experiment/experiment.hpp.
+#include <cstdint>
+#include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "engine_logit_log.hpp"
+#include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/engine/engine.hpp"
+#include "kvlab/experiment/experiment.hpp"
+#include "kvlab/model/tokenizer.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/sim/cost_model.hpp"
+#include "timed_backend.hpp"
+
+namespace kvlab {
+
+// 1. Rules across [backend] and the command (kvlab check).
+void check_backend_rules(const ExperimentConfig& c, bool check);
+
+// 2.
+// The model as served: the checkpoint (none for the simulated backend), its config after the
+// attention variant converted its K/V heads, and the variant.
+struct ServedModel {
+  std::optional<cpu::LlamaWeights> weights;  // as converted for the attention variant
+  std::filesystem::path source;              // the checkpoint's folder or .gguf; empty: preset
+  std::string weights_key;                   // names them exactly (checkpoint, K/V heads)
+  ModelConfig config;
+  PluginObject<AttentionVariant> attention;
+};
+
+ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
+                              bool simulated);
+std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model);
+std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, bool simulated,
+                        const std::optional<CostModel>& cost_model);
+
+// One serving stack: its KV pool, allocator, scheduler, backend and engine (a cluster has one per
+// replica). Members are destroyed in reverse: the device backend detaches before its pool goes.
+struct ReplicaStack {
+  std::unique_ptr<KvPool> pool;
+  PluginObject<KvAllocator> allocator;
+  PluginObject<Scheduler> scheduler;
+  std::unique_ptr<Backend> inner;
+  PluginObject<Backend> device_backend;
+  std::unique_ptr<TimedBackend> backend;
+  std::unique_ptr<Engine> engine;
+  std::string weights_description;  // cpu backend: the formats its products read
+};
+
+std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
+    const ExperimentConfig& c, const PluginRegistry& registry, const ServedModel& served,
+    const std::optional<CostModel>& cost_model, std::int64_t slots, const SequenceRules& rules,
+    EngineLogitLog* log);
+
+// The workload's requests; running out of memory is reported as the workload's.
+RealWorkload make_requests_or_say_why(const ExperimentConfig& c, const ModelConfig& model,
+                                      bool check, std::unique_ptr<Tokenizer>& tokenizer);
+
+// 4.
+// Where each request of a run was served: its replica and its id in that replica's engine.
+using EngineSlots = std::vector<std::pair<std::size_t, RequestId>>;
+
+// Rows of engine logits kvlab check --tolerance keeps to compare with the reference's over the
+// whole vocabulary (beyond it, each token's top 5 only): 512 MiB, ~4,000 rows of a 32k vocabulary.
+constexpr std::size_t kComparedLogitBytes = std::size_t{512} << 20;
+
+void check_against_reference(const ServedModel& served, std::optional<std::int64_t> window,
+                             const std::vector<WorkloadRequest>& requests, double tolerance,
+                             const EngineLogitLog* log, const EngineSlots& slots, RunOutput& out,
+                             std::vector<std::string>& mismatches);
+
+}  // namespace kvlab

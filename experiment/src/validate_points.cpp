@@ -1,0 +1,128 @@
+// Stage 1: every sweep point is checked before anything runs: its plugins exist and accept
+// their parameters, the model, profile and inputs resolve, the backend rules hold.
+#include <fmt/format.h>
+
+#include <filesystem>
+#include <map>
+#include <memory>
+
+#include "kvlab/error.hpp"
+#include "kvlab/experiment/model_source.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
+#include "kvlab/suggest.hpp"
+#include "stages.hpp"
+
+namespace kvlab {
+namespace {
+
+// One point's plugins exist and accept their parameters; the model, profile and trace resolve.
+void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
+  const bool simulated = c.backend_kind == BackendKind::simulated;
+  const bool plugin_backend = c.backend_kind == BackendKind::plugin;  // e.g. cuda
+  check_backend_rules(c, check);
+  auto check_plugin = [&](PluginKind kind, const std::string& name, const ParamMap& params) {
+    const PluginInfo& info = registry.find(kind, name);
+    (void)validate_plugin_params(info.name, info.params, params);
+  };
+  check_plugin(PluginKind::attention_variant, c.attention, c.attention_params);
+  check_plugin(PluginKind::kv_allocator, c.allocator, c.allocator_params);
+  check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
+  if (plugin_backend) check_plugin(PluginKind::backend, c.backend, c.backend_params);
+  if (c.profile.empty() &&
+      (c.clock == EngineClock::virtual_clock || c.clock == EngineClock::offline))
+    throw Error(fmt::format(
+        "backend \"{}\" on the {} clock needs backend.profile, the device its steps are priced "
+        "on: a name ({}) or a .toml file; or experiment.clock = \"measured\"",
+        c.backend, clock_name(c.clock), join_names(hardware_profile_names())));
+  const ModelSource source = resolve_model(c.model);
+  if (source.config.size_only && !simulated)
+    throw Error(
+        fmt::format("model \"{}\" is a size-only preset: it runs only on backend "
+                    "\"simulated\" (no weights exist for it)",
+                    c.model));
+  if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
+  if (!c.profile.empty()) {
+    const HardwareProfile profile = load_hardware_profile(c.profile);
+    // Tensor parallelism: the GPUs divide the heads, the profile prices their all-reduces.
+    if (c.tensor_parallel > 1) (void)CostModel(source.config, profile, c.tensor_parallel);
+  }
+  if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
+    throw Error(fmt::format("workload.trace {} is not a file", c.trace));
+  if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
+    throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
+  if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
+    throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
+  if (!c.prompt_set.empty() && source.is_preset())
+    throw Error(
+        fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "
+                    "preset (random weights, no tokenizer)",
+                    c.model));
+}
+
+}  // namespace
+
+// Rules across [backend] and the command: parameters only for plugin backends, no check of a
+// backend that computes nothing.
+void check_backend_rules(const ExperimentConfig& c, bool check) {
+  const bool simulated = c.backend_kind == BackendKind::simulated;
+  const bool plugin_backend = c.backend_kind == BackendKind::plugin;  // e.g. cuda
+  if (!plugin_backend && !c.backend_params.empty())
+    throw Error(fmt::format(
+        "backend.params are for backend plugins (such as cuda); the built-in \"{}\" backend "
+        "takes none",
+        c.backend));
+  if (simulated && check)
+    throw Error(
+        "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
+        "\"simulated\" (which computes nothing)");
+  if (c.replicas > 1 && c.clock == EngineClock::wall)
+    throw Error(
+        "[cluster]: the replicas step one at a time on one timeline, so real time would add "
+        "every replica's steps together: use the virtual, offline or measured clock");
+  if (c.kv_dtype != DType::dtype_f32 && c.backend_kind != BackendKind::cpu)
+    throw Error(
+        fmt::format("kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" "
+                    "keeps K/V its own way",
+                    dtype_short_name(c.kv_dtype), c.backend));
+  // A check with a tolerance accepts tokens chosen from nearly tied logits: the rounded settings.
+  check = check && c.check_tolerance == 0;
+  if (c.cpu_weights != "stored" && c.cpu_weights != "f32" && check)
+    throw Error(fmt::format(
+        "kvlab check holds tokens equal to the reference over the checkpoint's own values; "
+        "backend.weights = \"{}\" rounds them first: check with \"stored\" (the default), or "
+        "with --tolerance TAU to accept tokens whose reference logit is within TAU of the best",
+        c.cpu_weights));
+  if (c.cpu_activations != "f32" && check)
+    throw Error(fmt::format(
+        "kvlab check holds tokens equal to the reference's fp32 products; backend.activations = "
+        "\"{}\" rounds the activations of the products it applies to: check with \"f32\" (the "
+        "default), or with --tolerance TAU",
+        c.cpu_activations));
+  if (c.kv_dtype != DType::dtype_f32 && check)
+    throw Error(fmt::format(
+        "kvlab check holds tokens equal to the fp32 reference; a {} KV pool rounds every K and V, "
+        "so near-tied logits can pick other tokens: check with kv_cache.dtype = \"f32\", or with "
+        "--tolerance TAU",
+        dtype_short_name(c.kv_dtype)));
+}
+
+void validate_experiment(const std::vector<ExperimentRun>& runs, bool check) {
+  std::map<std::vector<std::string>, std::unique_ptr<PluginRegistry>> registries;
+  for (std::size_t i = 0; i < runs.size(); ++i) {
+    const ExperimentConfig& c = runs[i].config;
+    auto& registry = registries[c.plugin_paths];
+    if (!registry) {
+      auto search = PluginRegistry::default_search_path();
+      search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
+      registry = std::make_unique<PluginRegistry>(search);
+    }
+    try {
+      validate_point(c, check, *registry);
+    } catch (const Error& e) {
+      if (c.label.empty()) throw;
+      throw Error(fmt::format("sweep point {} ({}): {}", i + 1, c.label, e.what()));
+    }
+  }
+}
+
+}  // namespace kvlab
