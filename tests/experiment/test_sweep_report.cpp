@@ -1,0 +1,98 @@
+// The sweep library under `kvlab run`, in process (no kvlab binary, no std::system): runs
+// executed into a results folder's staging, the report's table, errors and exit code, and the
+// index files (runs.json, manifest.json, summary.md) of the folder once committed.
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "kvlab/experiment/results_folder.hpp"
+#include "kvlab/experiment/sweep_report.hpp"
+#include "test_util.hpp"
+
+namespace kvlab {
+namespace {
+
+const std::filesystem::path kSweepQuickstart =
+    std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "quickstart.toml";
+
+std::string file_text(const std::filesystem::path& file) {
+  std::ifstream in(file);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+// Two sweep points, the second asking for a scheduler that does not exist: it fails alone.
+std::vector<ExperimentRun> two_points() {
+  auto runs = load_experiment(
+      kSweepQuickstart, {"model.name=\"tiny\"", "workload.requests=4",
+                    "workload.prompt_tokens={dist=\"uniform\", min=4, max=8}",
+                    "workload.output_tokens={dist=\"uniform\", min=2, max=4}",
+                    std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+                    "experiment.repeats=1"});
+  runs.resize(2);
+  runs[1].config.scheduler = "no_such_scheduler";
+  return runs;
+}
+
+TEST(SweepReport, RunsReportAndIndexTheResultsFolderInProcess) {
+  const test::TempDir dir;
+  const std::vector<ExperimentRun> runs = two_points();
+  ResultsFolder folder(dir / "results", ResultsFolder::Options{false, {}});
+  std::vector<RunRecord> records;
+  for (std::size_t i = 0; i < runs.size(); ++i)
+    records.push_back(
+        execute_run(runs, i, false, folder.staging() / run_directory_name(runs[i], i), 0));
+  EXPECT_TRUE(records[0].error.empty()) << records[0].error;
+  EXPECT_NE(records[1].error.find("no_such_scheduler"), std::string::npos) << records[1].error;
+  EXPECT_GT(records[0].finished, 0);
+
+  const SweepReport report = report_sweep(false, 1, runs, records);
+  EXPECT_EQ(report.exit_code, 1);  // a run failed
+  std::string out, err;
+  for (const SweepReport::Line& line : report.lines) (line.to_stderr ? err : out) += line.text;
+  EXPECT_NE(out.find("| run |"), std::string::npos) << out;
+  EXPECT_NE(err.find("kvlab: error: run 2"), std::string::npos) << err;
+  EXPECT_EQ(report.index.size(), 1u);
+  EXPECT_EQ(report.failed.size(), 1u);
+
+  const ManifestInfo info{kSweepQuickstart.string(),
+                          "# the file\n",
+                          {"workload.requests=4"},
+                          "0.1",
+                          "abc123",
+                          machine_description(),
+                          1};
+  write_results_index(folder.staging(), report, info, runs.size());
+  folder.commit();
+  const std::filesystem::path results = dir / "results";
+  const auto index = nlohmann::json::parse(file_text(results / "runs.json"));
+  ASSERT_EQ(index.size(), 1u);
+  const std::string run_dir = index[0].at("dir").get<std::string>();
+  EXPECT_TRUE(std::filesystem::is_regular_file(results / run_dir / "summary.json")) << run_dir;
+  EXPECT_TRUE(std::filesystem::is_regular_file(results / run_dir / "requests.csv"));
+  const auto manifest = nlohmann::json::parse(file_text(results / "manifest.json"));
+  EXPECT_EQ(manifest.at("runs").get<int>(), 2);
+  EXPECT_EQ(manifest.at("kvlab_commit").get<std::string>(), "abc123");
+  EXPECT_EQ(manifest.at("failed_runs").size(), 1u);
+  EXPECT_EQ(file_text(results / "experiment.toml"), "# the file\n");
+  EXPECT_EQ(file_text(results / "summary.md"), report.summary_md);
+  EXPECT_NE(report.summary_md.find("| run |"), std::string::npos);
+}
+
+// kvlab check's verdict comes with the report: every token equal, exit 0.
+TEST(SweepReport, CheckVerdictIsPartOfTheReport) {
+  std::vector<ExperimentRun> runs = two_points();
+  runs.resize(1);
+  std::vector<RunRecord> records = {execute_run(runs, 0, true, {}, 0)};
+  ASSERT_TRUE(records[0].error.empty()) << records[0].error;
+  const SweepReport report = report_sweep(true, 1, runs, records);
+  EXPECT_EQ(report.exit_code, 0);
+  EXPECT_NE(report.lines.back().text.find("equal the reference's"), std::string::npos)
+      << report.lines.back().text;
+}
+
+}  // namespace
+}  // namespace kvlab
