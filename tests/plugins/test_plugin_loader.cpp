@@ -160,6 +160,14 @@ TEST(PluginLoader, FlippedBitsNeverCrashTheHost) {
   SUCCEED() << refused << " of 24 damaged copies refused";
 }
 
+// A library that ends the process loading it (a static initializer calling _Exit, or ld.so's
+// assertion on a damaged file: exit status 127) is refused by the probe in a child process;
+// before, only a child killed by a signal counted, and such a file then ended kvlab.
+TEST(PluginLoader, ALibraryThatEndsTheLoadingProcessIsRefused) {
+  const std::string message = load_error(kTestPlugins / "kvlab_plugin_test_exiting_initializer.so");
+  EXPECT_NE(message.find("ended a test process (exit status 3)"), std::string::npos) << message;
+}
+
 TEST(PluginLoader, AbiMismatchReportsBothVersions) {
   const std::string message = load_error(kTestPlugins / "kvlab_plugin_test_wrong_abi.so");
   EXPECT_NE(message.find("ABI version " + std::to_string(kPluginAbiVersion + 98)),

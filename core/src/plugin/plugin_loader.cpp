@@ -169,6 +169,24 @@ void probe_one(const std::filesystem::path& file) {
   (void)descriptor_problem(*d);  // reads every field and string the host reads
 }
 
+// Why the child probing a file did not finish it: it hung, a signal killed it, or it exited on
+// its own (the dynamic loader's "Inconsistency detected by ld.so" assertion ends the process
+// that called dlopen with status 127: in kvlab it would have ended kvlab).
+std::string probe_failure(bool hung, int status, int timeout_ms) {
+  if (hung)
+    return fmt::format("loading it did not finish within {} s (a static initializer that hangs?)",
+                       timeout_ms / 1000);
+  if (WIFSIGNALED(status))
+    return fmt::format(
+        "loading it crashed a test process (signal {}: {}): the file is damaged or its "
+        "descriptor points to memory it does not own",
+        WTERMSIG(status), strsignal(WTERMSIG(status)));
+  return fmt::format(
+      "loading it ended a test process (exit status {}): the dynamic loader or a static "
+      "initializer gave up on the file, which is damaged",
+      WEXITSTATUS(status));
+}
+
 // Loads each file in a child process first, one child for all of them: a damaged library
 // (flipped bits, a crashing or hanging static initializer, a descriptor whose strings point
 // nowhere) kills the child, not kvlab. The child says which file it starts on through a pipe;
@@ -213,16 +231,8 @@ std::vector<std::string> probe_in_child(const std::vector<std::filesystem::path>
   close(fds[0]);
   int status = 0;
   waitpid(child, &status, 0);
-  if (!hung && !WIFSIGNALED(status)) return problems;
-  problems[started] =
-      hung ? fmt::format(
-                 "loading it did not finish within {} s (a static initializer that "
-                 "hangs?)",
-                 kTimeoutMs / 1000)
-           : fmt::format(
-                 "loading it crashed a test process (signal {}: {}): the file is damaged "
-                 "or its descriptor points to memory it does not own",
-                 WTERMSIG(status), strsignal(WTERMSIG(status)));
+  if (!hung && WIFEXITED(status) && WEXITSTATUS(status) == 0) return problems;
+  problems[started] = probe_failure(hung, status, kTimeoutMs);
   std::vector<std::string> rest = probe_in_child(files, started + 1);
   for (std::size_t i = started + 1; i < files.size(); ++i) problems[i] = std::move(rest[i]);
   return problems;
