@@ -20,7 +20,8 @@ struct PrefixHashCache {
 
 // The chain hashes of the first `blocks` full blocks of `tokens`, extending `cache` (whose
 // hashes must be of a prefix of these tokens: a request's tokens only grow at the end) when
-// given, else computed into `scratch`.
+// given, else computed into `scratch`. The span is into the cache (or scratch): valid until
+// either changes.
 std::span<const std::uint64_t> prefix_block_hashes(std::span<const std::int32_t> tokens,
                                                    std::int64_t block_size, std::int64_t blocks,
                                                    PrefixHashCache* cache,

@@ -1,0 +1,129 @@
+// The block pool under the paged allocator (kvlab/kv/block_pool.hpp): blocks come out in order,
+// a freed block that holds a registered prefix stays findable until plain blocks run out, the
+// eviction policy picks which cached block is reused (LRU: least recently freed first), and a
+// prefix hit is checked against the block's tokens. And a request's prefix hashes are computed
+// once and extended as its tokens grow.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "kvlab/kv/block_pool.hpp"
+#include "kvlab/kv/prefix_hash.hpp"
+
+namespace kvlab {
+namespace {
+
+std::vector<std::int32_t> block_tokens(std::int32_t first, std::int64_t size = 4) {
+  std::vector<std::int32_t> tokens;
+  for (std::int64_t i = 0; i < size; ++i) tokens.push_back(first + static_cast<std::int32_t>(i));
+  return tokens;
+}
+
+TEST(BlockPool, CachedBlocksStayFindableUntilTheLeastRecentlyFreedIsEvicted) {
+  BlockPool pool(3, 4, true);
+  EXPECT_EQ(pool.free_blocks(), 3);
+  const BlockId a = pool.take(), b = pool.take(), c = pool.take();
+  EXPECT_EQ(a, 0);  // in order: fresh sequences get adjacent blocks
+  EXPECT_EQ(b, 1);
+  EXPECT_EQ(c, 2);
+  EXPECT_EQ(pool.free_blocks(), 0);
+  const auto ta = block_tokens(10), tb = block_tokens(20);
+  pool.register_prefix(a, 111, ta);
+  pool.register_prefix(b, 222, tb);
+  pool.set_fill(a, 4);
+  pool.set_fill(b, 4);
+  EXPECT_EQ(pool.live_fill(), 8);
+  pool.release(b);  // freed first: evicted first
+  pool.release(a);
+  pool.release(c);  // no prefix: a plain free block
+  EXPECT_EQ(pool.free_blocks(), 3);
+  EXPECT_EQ(pool.free_cached_count(), 2);
+  EXPECT_EQ(pool.live_fill(), 0);
+  EXPECT_EQ(pool.cached(111, ta), a);
+  EXPECT_EQ(pool.cached(111, tb), std::nullopt) << "a hash hit is checked against the tokens";
+  EXPECT_EQ(pool.take(), c) << "plain free blocks go before cached ones";
+  EXPECT_EQ(pool.take(), b) << "then the least recently freed cached block";
+  EXPECT_EQ(pool.evictions(), 1);
+  EXPECT_EQ(pool.cached(222, tb), std::nullopt) << "its prefix is forgotten";
+  EXPECT_EQ(pool.cached(111, ta), a);
+  pool.hold(a);  // a prefix hit brings a free cached block back
+  EXPECT_EQ(pool.ref_count(a), 1);
+  EXPECT_EQ(pool.free_blocks(), 0);
+  EXPECT_EQ(pool.live_fill(), 4) << "its fill counts again";
+}
+
+TEST(BlockPool, ABlockOrAHashIsRegisteredOnceAndNotWithoutCaching) {
+  BlockPool pool(2, 4, true);
+  const BlockId a = pool.take(), b = pool.take();
+  pool.register_prefix(a, 5, block_tokens(1));
+  pool.register_prefix(b, 5, block_tokens(1));  // the hash already names block a
+  pool.register_prefix(a, 6, block_tokens(2));  // block a already holds a prefix
+  EXPECT_EQ(pool.hash_of(a), 5u);
+  EXPECT_EQ(pool.hash_of(b), 0u);
+  EXPECT_EQ(pool.cached(6, block_tokens(2)), std::nullopt);
+  BlockPool uncached(1, 4, false);
+  const BlockId c = uncached.take();
+  uncached.register_prefix(c, 5, block_tokens(1));
+  EXPECT_EQ(uncached.cached(5, block_tokens(1)), std::nullopt);
+  uncached.release(c);
+  EXPECT_EQ(uncached.free_cached_count(), 0);
+}
+
+// The eviction policy is a seam: another one decides which cached block is reused.
+class MostRecentFirst final : public EvictionPolicy {
+ public:
+  void add(BlockId block) override { blocks_.push_back(block); }
+  void remove(BlockId block) override { std::erase(blocks_, block); }
+  BlockId victim() override {
+    const BlockId b = blocks_.back();
+    blocks_.pop_back();
+    ++victims;
+    return b;
+  }
+  std::int64_t size() const override { return static_cast<std::int64_t>(blocks_.size()); }
+  int victims = 0;
+
+ private:
+  std::vector<BlockId> blocks_;
+};
+
+TEST(BlockPool, TheEvictionPolicyPicksTheVictim) {
+  auto policy = std::make_unique<MostRecentFirst>();
+  MostRecentFirst* seen = policy.get();
+  BlockPool pool(2, 4, true, std::move(policy));
+  const BlockId a = pool.take(), b = pool.take();
+  pool.register_prefix(a, 1, block_tokens(1));
+  pool.register_prefix(b, 2, block_tokens(5));
+  pool.release(a);
+  pool.release(b);
+  EXPECT_EQ(pool.take(), b) << "the policy's choice: the most recently freed";
+  EXPECT_EQ(seen->victims, 1);
+  EXPECT_EQ(pool.cached(1, block_tokens(1)), a);
+}
+
+TEST(PrefixHash, HashesAreChainedComputedOnceAndExtendedAsTheTokensGrow) {
+  const std::vector<std::int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9};
+  std::vector<std::uint64_t> scratch;
+  PrefixHashCache cache;
+  const auto kept = prefix_block_hashes(tokens, 4, 2, &cache, scratch);
+  const std::vector<std::uint64_t> two(kept.begin(), kept.end());  // the span is the cache's
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[0], chain_block_hash(0, std::span(tokens).first(4)));
+  EXPECT_EQ(two[1], chain_block_hash(two[0], std::span(tokens).subspan(4, 4)));
+  EXPECT_EQ(cache.hashes.size(), 2u);
+  EXPECT_TRUE(scratch.empty()) << "with a cache, nothing goes to scratch";
+  cache.hashes[0] = 42;  // computed once: a later lookup reads what is kept
+  EXPECT_EQ(prefix_block_hashes(tokens, 4, 1, &cache, scratch)[0], 42u);
+  const std::vector<std::int32_t> other = {9, 2, 3, 4};
+  EXPECT_NE(chain_block_hash(0, other), chain_block_hash(0, std::span(tokens).first(4)));
+  const auto fresh = prefix_block_hashes(tokens, 2, 3, &cache, scratch);  // another block size
+  EXPECT_EQ(cache.block_size, 2);
+  EXPECT_EQ(fresh.size(), 3u);
+  EXPECT_EQ(fresh[0], chain_block_hash(0, std::span(tokens).first(2)));
+  const auto uncached = prefix_block_hashes(tokens, 4, 2, nullptr, scratch);
+  EXPECT_EQ(uncached[1], two[1]);
+}
+
+}  // namespace
+}  // namespace kvlab
