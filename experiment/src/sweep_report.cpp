@@ -86,7 +86,7 @@ std::string logit_agreement_line(const std::string& label, const LogitAgreement&
 }
 
 // Where the runs' time went: wall, engine, the share outside Backend::forward, and how many
-// forwards returned the tokens the backend picked (Backend::choose_tokens) instead of logits, and
+// forwards returned the tokens the backend picked (ForwardResult::tokens) instead of logits, and
 // how many replayed a CUDA graph.
 std::string wall_line(const std::vector<RunRecord>& records) {
   double wall = 0, engine = 0, forward = 0;

@@ -94,7 +94,8 @@ void BM_PrefixCachingAdmission(benchmark::State& state) {
     hits += result ? result->cached_tokens : 0;
     allocator->free(next++);
   }
-  state.counters["hit_tokens"] = static_cast<double>(hits) / static_cast<double>(state.iterations());
+  state.counters["hit_tokens"] =
+      static_cast<double>(hits) / static_cast<double>(state.iterations());
 }
 BENCHMARK(BM_PrefixCachingAdmission);
 

@@ -28,10 +28,10 @@ std::string file_text(const std::filesystem::path& file) {
 std::vector<ExperimentRun> two_points() {
   auto runs = load_experiment(
       kSweepQuickstart, {"model.name=\"tiny\"", "workload.requests=4",
-                    "workload.prompt_tokens={dist=\"uniform\", min=4, max=8}",
-                    "workload.output_tokens={dist=\"uniform\", min=2, max=4}",
-                    std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
-                    "experiment.repeats=1"});
+                         "workload.prompt_tokens={dist=\"uniform\", min=4, max=8}",
+                         "workload.output_tokens={dist=\"uniform\", min=2, max=4}",
+                         std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+                         "experiment.repeats=1"});
   runs.resize(2);
   runs[1].config.scheduler = "no_such_scheduler";
   return runs;

@@ -85,8 +85,8 @@ struct ExperimentConfig {
   std::string router = "round_robin";
   ParamMap router_params;
   std::string output_dir;  // empty: results/<name>
-  // [output] columns: what the summary table adds for this experiment (kExtraColumns,
-  // kvlab/experiment/summary_table.hpp).
+  // [output] columns: what the summary table adds for this experiment (metric_column_options,
+  // kvlab/experiment/metric_registry.hpp).
   std::vector<std::string> table_columns;
   std::string label;          // "key=value, ..." of the sweep point
   std::string resolved_toml;  // this point's whole table after --set and the sweep (TOML text)
@@ -117,7 +117,7 @@ struct RunOutput {
   double engine_wall_s = 0;   // Engine::run
   double forward_wall_s = 0;  // of which inside Backend::forward
   // Backend::forward calls, and those after which the backend returned the tokens it picked
-  // (Backend::choose_tokens: a GPU samples where the logits are) instead of logits.
+  // (ForwardResult::tokens: a GPU samples where the logits are) instead of logits.
   std::int64_t forwards = 0, forwards_with_chosen_tokens = 0;
   std::int64_t graph_replays = 0, graph_captures = 0;  // Backend::counters, every replica's
   // Fractions of the pool averaged over steps: live KV (not a static batch's padding), and
