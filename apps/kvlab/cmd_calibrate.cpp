@@ -231,7 +231,7 @@ EngineSteps engine_step_samples(const CalibrateOptions& o, const ModelConfig& mo
   c.model = o.model;
   c.profile = kDefaultCpuProfile;  // any cpu profile: StepWork depends on the model and dtypes only
   c.threads = o.threads;
-  c.cpu_weights = "f32";  // as the grid's backend multiplies
+  c.cpu_weights = cpu::WeightFormat::f32;  // as the grid's backend multiplies
   c.allocator = "paged";
   c.allocator_params = {{"block_size", ParamValue{std::int64_t{16}}}};
   c.scheduler = "fcfs";
@@ -479,28 +479,29 @@ void run_calibrate(const CalibrateOptions& o) {
     for (const auto& e : shape.entries) total += e.start_position + e.new_tokens;
     slots = std::max(slots, total);
   }
-  // The backend measured: the CPU backend, or the cuda plugin with its K/V in device memory.
+  // The backend measured, a plugin like every backend: cpu (fp32 products, K/V in this pool's
+  // host storage) or cuda (K/V in device memory).
   KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots},
-              cuda ? KvStorage::none : KvStorage::host);
+              KvStorage::none);
   const PluginRegistry registry(PluginRegistry::default_search_path());
-  std::unique_ptr<cpu::CpuBackend> cpu_backend;
-  PluginObject<Backend> cuda_backend;  // after pool: destroyed (detaching) first
+  const ModelWeightsView view = cpu::weights_view(weights);
+  PluginContext context;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
+  context.pool = &pool;
+  context.weights = &view;
+  const PluginObject<Backend> backend_object = registry.create<PluginKind::backend>(
+      o.backend, cuda ? ParamMap{{"dtype", o.dtype}} : ParamMap{{"weights", std::string("f32")}},
+      context);  // after pool: destroyed (detaching) first
+  Backend& backend = *backend_object;
   HardwareProfile start;
   if (cuda) {
-    PluginContext context;
-    context.model = &model;
-    context.max_seq_len = model.max_position_embeddings;
-    context.pool = &pool;
-    context.weights = &weights;
-    cuda_backend = registry.create<PluginKind::backend>("cuda", {{"dtype", o.dtype}}, context);
     start = load_hardware_profile(o.profile);  // datasheet peaks
     start.name = o.name.empty() ? fmt::format("{}-calibrated-{}", start.name, model.name) : o.name;
     start.compute_dtype = start.kv_dtype = o.dtype == "f32" ? DType::dtype_f32 : DType::dtype_bf16;
   } else {
-    cpu_backend = std::make_unique<cpu::CpuBackend>(weights, pool, std::nullopt);
     start = cpu_start_profile(o, model);
   }
-  Backend& backend = cuda ? *cuda_backend : static_cast<Backend&>(*cpu_backend);
   measure_link(pool, model.max_position_embeddings, o.repeats, start);
   start.step_overhead_s = 1e-4;
   start.sequence_overhead_s = 1e-5;

@@ -22,25 +22,30 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
                     shape.layers, shape.kv_heads, shape.head_dim, shape.slots));
   const auto floats =
       checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads, shape.head_dim});
-  // Without storage the dtype only sizes swaps and memory (a simulated device's fp8 KV).
-  if (storage == KvStorage::host && shape.dtype != DType::dtype_f32 &&
-      shape.dtype != DType::dtype_f16 && shape.dtype != DType::dtype_bf16)
-    throw Error(
-        fmt::format("a KV pool holds f32, f16 or bf16, not {}", dtype_short_name(shape.dtype)));
   const auto bytes =
       floats ? checked_product<std::int64_t>({*floats, 2, shape.element_bytes()}) : std::nullopt;
   if (!bytes)
     throw Error(fmt::format("KV pool of {} slots x {} layers x {} floats overflows 64 bits",
                             shape.slots, shape.layers, shape.kv_heads * shape.head_dim));
-  if (storage == KvStorage::none) return;
-  check_allocation(static_cast<std::uint64_t>(*bytes),
+  // Without storage the dtype only sizes swaps and memory (a simulated device's fp8 KV).
+  if (storage == KvStorage::host) provide_host_storage();
+}
+
+void KvPool::provide_host_storage() {
+  if (has_storage()) return;
+  if (shape_.dtype != DType::dtype_f32 && shape_.dtype != DType::dtype_f16 &&
+      shape_.dtype != DType::dtype_bf16)
+    throw Error(
+        fmt::format("a KV pool holds f32, f16 or bf16, not {}", dtype_short_name(shape_.dtype)));
+  const std::int64_t bytes = bytes_per_slot() * shape_.slots;  // checked in the constructor
+  check_allocation(static_cast<std::uint64_t>(bytes),
                    fmt::format("the KV pool ({} slots x {} layers x {} KV heads x head_dim {}, "
                                "K and V in {}; kv_cache.slots or kv_cache.memory_mib)",
-                               shape.slots, shape.layers, shape.kv_heads, shape.head_dim,
-                               dtype_short_name(shape.dtype)));
-  if (*bytes == 0) return;  // no slots: nothing to hold (has_storage() stays false)
-  keys_ = allocate(*bytes / 2);
-  values_ = allocate(*bytes / 2);
+                               shape_.slots, shape_.layers, shape_.kv_heads, shape_.head_dim,
+                               dtype_short_name(shape_.dtype)));
+  if (bytes == 0) return;  // no slots: nothing to hold (has_storage() stays false)
+  keys_ = allocate(bytes / 2);
+  values_ = allocate(bytes / 2);
 }
 
 float* KvPool::as_floats(std::byte* p) const {

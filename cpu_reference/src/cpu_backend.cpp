@@ -54,15 +54,15 @@ LlamaWeights convert_kv_heads(const LlamaWeights& weights, std::int64_t kv_heads
   return out;
 }
 
-CpuBackend::CpuBackend(const LlamaWeights& weights, KvPool& pool,
-                       std::optional<std::int64_t> window, ComputeWeights compute)
-    : weights_(weights),
+CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std::int64_t> window,
+                       ComputeWeights compute)
+    : weights_(std::move(weights)),
       compute_(std::move(compute)),
       pool_(pool),
       window_(window),
-      rope_(weights.config) {
-  const ModelConfig& c = weights.config;
-  if (compute_.layers.size() != weights.layers.size() ||
+      rope_(weights_.config) {
+  const ModelConfig& c = weights_.config;
+  if (compute_.layers.size() != weights_.layers.size() ||
       compute_.output_projection.rows() != c.vocab_size)
     throw Error(fmt::format("internal: compute weights ({} layers) are not {}'s",
                             compute_.layers.size(), c.name));
@@ -100,14 +100,14 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   for (std::size_t e = 0; e < batch.size(); ++e)
     for (std::size_t j = 0; j < batch[e].tokens.size(); ++j)
       x.row(first_rows[e] + static_cast<std::int64_t>(j)) =
-          weights_.embedding.row(batch[e].tokens[j]);
+          as_vector(weights_.embedding.row(batch[e].tokens[j])).transpose();
 
   RowMatrix &normed = normed_, &qkv = qkv_, &attention = attention_, &gate_up = gate_up_,
             &hidden = hidden_;
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
-    const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
+    const LayerWeightsView& layer = weights_.layers[static_cast<std::size_t>(l)];
     const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
-    rms_norm(x, layer.attention_norm, eps, normed);
+    rms_norm(x, as_vector(layer.attention_norm), eps, normed);
     // (N, q_dim + 2 kv_dim): row t is token t's Q | K | V. RoPE rotates Q and K in place and the
     // new tokens' K and V go to their slots (rounded to the pool's dtype), in one pass over the
     // rows: no copies of Q and K, one join of the threads.
@@ -125,7 +125,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
     attend(l, batch, first_rows, qkv, attention);
     multiply_by_transposed(attention, matrices.wo, x, true);
 
-    rms_norm(x, layer.mlp_norm, eps, normed);
+    rms_norm(x, as_vector(layer.mlp_norm), eps, normed);
     multiply_by_transposed(normed, matrices.w_gate_up, gate_up, false);  // (N, 2 ffn)
     hidden.resize(rows, c.intermediate_size);
 #pragma omp parallel for if (rows > 16)
@@ -140,7 +140,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
   last.resize(static_cast<std::int64_t>(batch.size()), c.hidden_size);
   for (std::size_t e = 0; e < batch.size(); ++e)
     last.row(static_cast<std::int64_t>(e)) = x.row(first_rows[e + 1] - 1);
-  rms_norm(last, weights_.final_norm, eps, normed);
+  rms_norm(last, as_vector(weights_.final_norm), eps, normed);
   multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (entries, vocab)
   return logits_;
 }

@@ -135,4 +135,18 @@ LlamaWeights random_llama_weights(const ModelConfig& config, std::uint64_t seed)
   });
 }
 
+ModelWeightsView weights_view(const LlamaWeights& weights, std::string source) {
+  ModelWeightsView view;
+  view.config = weights.config;
+  view.embedding = matrix_view(weights.embedding);
+  for (const LayerWeights& l : weights.layers)
+    view.layers.push_back({vector_view(l.attention_norm), matrix_view(l.w_qkv), matrix_view(l.wo),
+                           vector_view(l.mlp_norm), matrix_view(l.w_gate_up),
+                           matrix_view(l.w_down)});
+  view.final_norm = vector_view(weights.final_norm);
+  view.output_projection = matrix_view(weights.output_projection());
+  view.source = std::move(source);
+  return view;
+}
+
 }  // namespace kvlab::cpu

@@ -105,7 +105,8 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
   }
 }
 
-void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowMatrix& out) {
+void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, float eps,
+              RowMatrix& out) {
   out.resize(x.rows(), x.cols());
   const auto gain = weight.transpose().array();  // (1, dim)
 #pragma omp parallel for if (x.rows() > 16)

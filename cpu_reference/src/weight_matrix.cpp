@@ -118,24 +118,8 @@ void check_columns(WeightFormat format, std::int64_t cols) {
 
 }  // namespace
 
-std::string_view activation_format_name(ActivationFormat format) {
-  return kActivationChoices[static_cast<std::size_t>(format)];
-}
-
-std::optional<ActivationFormat> activation_format_from_name(std::string_view name) {
-  for (std::size_t i = 0; i < kActivationChoices.size(); ++i)
-    if (kActivationChoices[i] == name) return static_cast<ActivationFormat>(i);
-  return std::nullopt;
-}
-
 std::string_view weight_format_name(WeightFormat format) {
   return info(format).name;
-}
-
-std::optional<WeightFormat> weight_format_from_name(std::string_view name) {
-  for (const auto& f : kFormats)
-    if (f.name == name) return f.format;
-  return std::nullopt;
 }
 
 std::optional<WeightFormat> weight_format_of_gguf_type(std::uint32_t type) {
@@ -154,28 +138,27 @@ std::int64_t weight_row_bytes(WeightFormat format, std::int64_t cols) {
   return cols / info(format).block_values * info(format).block_bytes;
 }
 
-WeightMatrix WeightMatrix::quantize(const RowMatrix& source, WeightFormat format) {
-  check_columns(format, source.cols());
+WeightMatrix WeightMatrix::quantize(const WeightMatrixView& source, WeightFormat format) {
+  check_columns(format, source.cols);
   WeightMatrix m;
   m.format_ = format;
-  m.rows_ = source.rows();
-  m.cols_ = source.cols();
+  m.rows_ = source.rows;
+  m.cols_ = source.cols;
   auto storage = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(m.bytes()));
   const std::int64_t row_bytes = m.row_bytes();
 #pragma omp parallel for schedule(static)
   for (std::int64_t r = 0; r < m.rows_; ++r)
-    quantize_row(format, {source.row(r).data(), static_cast<std::size_t>(m.cols_)},
-                 storage->data() + r * row_bytes);
+    quantize_row(format, source.row(r), storage->data() + r * row_bytes);
   m.data_ = storage->data();
   m.owned_ = std::move(storage);
   return m;
 }
 
-WeightMatrix WeightMatrix::view(const RowMatrix& source) {
+WeightMatrix WeightMatrix::view(const WeightMatrixView& source) {
   WeightMatrix m;
-  m.rows_ = source.rows();
-  m.cols_ = source.cols();
-  m.data_ = reinterpret_cast<const std::byte*>(source.data());
+  m.rows_ = source.rows;
+  m.cols_ = source.cols;
+  m.data_ = reinterpret_cast<const std::byte*>(source.data);
   return m;
 }
 
@@ -271,12 +254,12 @@ std::int64_t ComputeWeights::bytes() const {
   return total;
 }
 
-ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format) {
+ComputeWeights compute_weights(const ModelWeightsView& weights, WeightFormat format) {
   // A matrix whose rows are not whole blocks of `format` stays f32 (as llama.cpp's quantizer
   // leaves such tensors in a wider type).
   std::int64_t kept = 0;
-  auto convert = [&](const RowMatrix& m) {
-    if (format == WeightFormat::f32 || m.cols() % weight_format_block_values(format) != 0) {
+  auto convert = [&](const WeightMatrixView& m) {
+    if (format == WeightFormat::f32 || m.cols % weight_format_block_values(format) != 0) {
       kept += format != WeightFormat::f32;
       return WeightMatrix::view(m);
     }
@@ -286,7 +269,7 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
   for (const auto& l : weights.layers)
     out.layers.push_back(
         {convert(l.w_qkv), convert(l.wo), convert(l.w_gate_up), convert(l.w_down)});
-  out.output_projection = convert(weights.output_projection());
+  out.output_projection = convert(weights.output_projection);
   out.description = std::string(weight_format_name(format));
   if (kept > 0)
     out.description += fmt::format(" ({} matrices kept f32: rows not whole {}-value blocks)", kept,
@@ -326,7 +309,7 @@ std::optional<WeightMatrix> stored_matrix(const GgufFile& file, const ModelConfi
 }  // namespace
 
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
-                                    const LlamaWeights& weights) {
+                                    const ModelWeightsView& weights) {
   const GgufFile file = GgufFile::open(gguf_path);
   ModelConfig config = gguf_model_config(file);
   if (config.hidden_size != weights.config.hidden_size ||
@@ -340,7 +323,7 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
     return m;
   };
   // The stack of `hf_names` as stored, or `fallback` (the fp32 values) multiplied as they are.
-  auto matrix = [&](std::initializer_list<std::string> hf_names, const RowMatrix& fallback) {
+  auto matrix = [&](std::initializer_list<std::string> hf_names, const WeightMatrixView& fallback) {
     std::vector<WeightMatrix> parts;
     std::int64_t rows = 0;
     for (const auto& n : hf_names) {
@@ -351,15 +334,15 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
     }
     // Every part stored in one fast format, and together the shape of the served matrix (K/V
     // heads converted by an attention variant are not what the file holds).
-    if (parts.size() == hf_names.size() && rows == fallback.rows() &&
-        parts[0].cols() == fallback.cols())
+    if (parts.size() == hf_names.size() && rows == fallback.rows &&
+        parts[0].cols() == fallback.cols)
       return note(parts.size() == 1 ? parts[0] : WeightMatrix::stack(parts));
     converted.push_back(*hf_names.begin());
     return note(WeightMatrix::view(fallback));  // the fp32 values the reference uses
   };
   ComputeWeights out;
   for (std::size_t l = 0; l < weights.layers.size(); ++l) {
-    const LayerWeights& w = weights.layers[l];
+    const LayerWeightsView& w = weights.layers[l];
     const std::string p = fmt::format("model.layers.{}.", l);
     out.layers.push_back({
         matrix({p + "self_attn.q_proj.weight", p + "self_attn.k_proj.weight",
@@ -372,7 +355,7 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
   }
   out.output_projection =
       matrix({config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"},
-             weights.output_projection());
+             weights.output_projection);
   out.description = fmt::format("gguf native ({})", fmt::join(formats, ", "));
   if (!converted.empty())
     out.description += fmt::format(
@@ -413,25 +396,30 @@ ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activat
   return weights;
 }
 
-ComputeWeights select_compute_weights(const LlamaWeights& weights,
-                                      const std::filesystem::path& source, std::string_view choice,
+ComputeWeights select_compute_weights(const ModelWeightsView& weights,
+                                      std::optional<WeightFormat> format,
+                                      ActivationFormat activations) {
+  const std::filesystem::path source(weights.source);
+  ComputeWeights out = format ? compute_weights(weights, *format)
+                       : source.extension() == ".gguf"
+                           ? gguf_compute_weights(source, weights)
+                           : compute_weights(weights, WeightFormat::f32);
+  return with_activations(std::move(out), activations);
+}
+
+ComputeWeights select_compute_weights(const ModelWeightsView& weights, std::string_view choice,
                                       std::string_view activations) {
   const auto activation_format = activation_format_from_name(activations);
   if (!activation_format)
     throw Error(fmt::format("unknown activation format \"{}\": {}", activations,
                             fmt::join(kActivationChoices, ", ")));
-  ComputeWeights out;
-  if (choice == "stored")
-    out = source.extension() == ".gguf" ? gguf_compute_weights(source, weights)
-                                        : compute_weights(weights, WeightFormat::f32);
-  else if (const auto format = weight_format_from_name(choice))
-    out = compute_weights(weights, *format);
-  else
+  const auto format = weight_format_from_name(choice);
+  if (!format && choice != "stored")
     throw Error(
         fmt::format("unknown weight format \"{}\": {} (stored: a GGUF file's own types, "
                     "f32 otherwise)",
                     choice, fmt::join(kWeightChoices, ", ")));
-  return with_activations(std::move(out), *activation_format);
+  return select_compute_weights(weights, format, *activation_format);
 }
 
 }  // namespace kvlab::cpu

@@ -21,7 +21,6 @@
 #include <vector>
 
 #include "device_buffers.hpp"
-#include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cuda/block_table.hpp"
 #include "kvlab/cuda/device.hpp"
@@ -57,16 +56,15 @@ cudaDataType_t cuda_type(Dtype d) {
 }
 
 // A weight matrix on the device, converted to the compute dtype.
-DeviceBuffer upload_matrix(const float* data, std::int64_t count, Dtype dtype) {
-  DeviceBuffer buffer(static_cast<std::size_t>(count) * kvlab::cuda::dtype_bytes(dtype));
+DeviceBuffer upload_matrix(const kvlab::WeightMatrixView& matrix, Dtype dtype) {
+  const std::span<const float> values = matrix.values();
+  DeviceBuffer buffer(values.size() * kvlab::cuda::dtype_bytes(dtype));
   if (dtype == Dtype::f32) {
-    check(cudaMemcpy(buffer.get(), data, static_cast<std::size_t>(count) * sizeof(float),
-                     cudaMemcpyHostToDevice),
+    check(cudaMemcpy(buffer.get(), values.data(), values.size_bytes(), cudaMemcpyHostToDevice),
           "upload weights");
   } else {
-    std::vector<Eigen::bfloat16> converted(static_cast<std::size_t>(count));
-    for (std::int64_t i = 0; i < count; ++i)
-      converted[static_cast<std::size_t>(i)] = Eigen::bfloat16(data[i]);
+    std::vector<Eigen::bfloat16> converted(values.size());
+    for (std::size_t i = 0; i < values.size(); ++i) converted[i] = Eigen::bfloat16(values[i]);
     check(cudaMemcpy(buffer.get(), converted.data(), converted.size() * sizeof(Eigen::bfloat16),
                      cudaMemcpyHostToDevice),
           "upload weights");
@@ -74,10 +72,9 @@ DeviceBuffer upload_matrix(const float* data, std::int64_t count, Dtype dtype) {
   return buffer;
 }
 
-DeviceBuffer upload_floats(const float* data, std::int64_t count) {
-  DeviceBuffer buffer(static_cast<std::size_t>(count) * sizeof(float));
-  check(cudaMemcpy(buffer.get(), data, static_cast<std::size_t>(count) * sizeof(float),
-                   cudaMemcpyHostToDevice),
+DeviceBuffer upload_floats(std::span<const float> values) {
+  DeviceBuffer buffer(values.size_bytes());
+  check(cudaMemcpy(buffer.get(), values.data(), values.size_bytes(), cudaMemcpyHostToDevice),
         "upload");
   return buffer;
 }
@@ -97,7 +94,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     if (!probe.available) throw Error(fmt::format("cuda backend: {}", probe.reason));
     check(cudaSetDevice(static_cast<int>(params.integer("device"))), "cudaSetDevice");
     read_params(params);
-    const kvlab::cpu::LlamaWeights& w = *context.weights;
+    const kvlab::ModelWeightsView& w = *context.weights;
     config_ = w.config;
     const kvlab::ModelConfig& c = config_;
     if (!kvlab::cuda::attention_supports(c.head_dim))
@@ -206,20 +203,19 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   }
 
   // The weights in the compute dtype (norms fp32) and RoPE's cos/sin tables (fp32).
-  void upload_model(const kvlab::cpu::LlamaWeights& w) {
+  void upload_model(const kvlab::ModelWeightsView& w) {
     const kvlab::ModelConfig& c = config_;
-    embedding_ = upload_matrix(w.embedding.data(), w.embedding.size(), dtype_);
-    if (!c.tie_word_embeddings)
-      lm_head_ = upload_matrix(w.lm_head.data(), w.lm_head.size(), dtype_);
-    final_norm_ = upload_floats(w.final_norm.data(), w.final_norm.size());
+    embedding_ = upload_matrix(w.embedding, dtype_);
+    if (!c.tie_word_embeddings) lm_head_ = upload_matrix(w.output_projection, dtype_);
+    final_norm_ = upload_floats(w.final_norm);
     for (const auto& layer : w.layers) {
       DeviceLayer d;
-      d.attention_norm = upload_floats(layer.attention_norm.data(), layer.attention_norm.size());
-      d.w_qkv = upload_matrix(layer.w_qkv.data(), layer.w_qkv.size(), dtype_);
-      d.wo = upload_matrix(layer.wo.data(), layer.wo.size(), dtype_);
-      d.mlp_norm = upload_floats(layer.mlp_norm.data(), layer.mlp_norm.size());
-      d.w_gate_up = upload_matrix(layer.w_gate_up.data(), layer.w_gate_up.size(), dtype_);
-      d.w_down = upload_matrix(layer.w_down.data(), layer.w_down.size(), dtype_);
+      d.attention_norm = upload_floats(layer.attention_norm);
+      d.w_qkv = upload_matrix(layer.w_qkv, dtype_);
+      d.wo = upload_matrix(layer.wo, dtype_);
+      d.mlp_norm = upload_floats(layer.mlp_norm);
+      d.w_gate_up = upload_matrix(layer.w_gate_up, dtype_);
+      d.w_down = upload_matrix(layer.w_down, dtype_);
       layers_.push_back(std::move(d));
     }
     const kvlab::cpu::RopeTable rope(c);
@@ -229,8 +225,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
         cos.push_back(rope.cos(p, i));
         sin.push_back(rope.sin(p, i));
       }
-    rope_cos_ = upload_floats(cos.data(), static_cast<std::int64_t>(cos.size()));
-    rope_sin_ = upload_floats(sin.data(), static_cast<std::int64_t>(sin.size()));
+    rope_cos_ = upload_floats(cos);
+    rope_sin_ = upload_floats(sin);
   }
 
   // Rows (new tokens) and sequences of one step, and the attention launch's bounds.

@@ -219,6 +219,45 @@ BackendKind backend_kind_of(std::string_view name) {
 
 namespace {
 
+// The cpu backend's formats: backend.weights / backend.activations, or the same as its plugin
+// parameters (backend.params.weights / .activations), parsed here into the typed fields (and
+// given back to the plugin as parameters by backend_params).
+void parse_cpu_formats(Section& s, ExperimentConfig& c) {
+  auto name_of = [&](const char* key) -> std::optional<std::pair<std::string, const toml::node*>> {
+    const toml::node* node = s.node(key);
+    const auto param = c.backend_params.find(key);
+    const bool in_params = c.backend_kind == BackendKind::cpu && param != c.backend_params.end();
+    if (node != nullptr && c.backend_kind != BackendKind::cpu)
+      s.fail(*node, fmt::format("backend.{} is the cpu backend's; backend \"{}\" takes its own "
+                                "parameters",
+                                key, c.backend));
+    if (node != nullptr && in_params)
+      s.fail(*node, fmt::format("backend.{} and backend.params.{} name one parameter: keep one",
+                                key, key));
+    if (node != nullptr) return std::pair{s.get<std::string>(key).value_or(""), node};
+    if (!in_params) return std::nullopt;
+    const auto* text = std::get_if<std::string>(&param->second);
+    std::pair<std::string, const toml::node*> named{text ? *text : "", s.node("params")};
+    c.backend_params.erase(param);
+    return named;
+  };
+  if (const auto weights = name_of("weights")) {
+    const auto& choices = cpu::kWeightChoices;
+    if (std::find(choices.begin(), choices.end(), weights->first) == choices.end())
+      s.fail(*weights->second, fmt::format("backend.weights must be one of {}, not \"{}\"",
+                                           fmt::join(choices, ", "), weights->first));
+    c.cpu_weights = cpu::weight_format_from_name(weights->first);  // nullopt: "stored"
+  }
+  if (const auto activations = name_of("activations")) {
+    const auto format = cpu::activation_format_from_name(activations->first);
+    if (!format)
+      s.fail(*activations->second,
+             fmt::format("backend.activations must be one of {}, not \"{}\"",
+                         fmt::join(cpu::kActivationChoices, ", "), activations->first));
+    c.cpu_activations = *format;
+  }
+}
+
 void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
   c.backend = s.get<std::string>("name").value_or(c.backend);  // cpu, simulated or a plugin
   c.backend_kind = backend_kind_of(c.backend);
@@ -231,28 +270,7 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
                        "backend \"{}\" computes on one device",
                        c.backend));
   c.backend_params = plugin_params(s, "params");
-  if (const toml::node* weights = s.node("weights")) {
-    c.cpu_weights = s.get<std::string>("weights").value_or("");
-    if (c.backend_kind != BackendKind::cpu)
-      s.fail(*weights, fmt::format("backend.weights is the cpu backend's weight format; backend "
-                                   "\"{}\" takes its own parameters",
-                                   c.backend));
-    const auto& choices = cpu::kWeightChoices;
-    if (std::find(choices.begin(), choices.end(), c.cpu_weights) == choices.end())
-      s.fail(*weights, fmt::format("backend.weights must be one of {}, not \"{}\"",
-                                   fmt::join(choices, ", "), c.cpu_weights));
-  }
-  if (const toml::node* activations = s.node("activations")) {
-    c.cpu_activations = s.get<std::string>("activations").value_or("");
-    if (c.backend_kind != BackendKind::cpu)
-      s.fail(*activations, fmt::format("backend.activations is the cpu backend's; backend "
-                                       "\"{}\" takes its own parameters",
-                                       c.backend));
-    const auto& choices = cpu::kActivationChoices;
-    if (std::find(choices.begin(), choices.end(), c.cpu_activations) == choices.end())
-      s.fail(*activations, fmt::format("backend.activations must be one of {}, not \"{}\"",
-                                       fmt::join(choices, ", "), c.cpu_activations));
-  }
+  parse_cpu_formats(s, c);
   if (c.backend_kind == BackendKind::cpu && c.profile.empty()) c.profile = kDefaultCpuProfile;
   if (c.backend_kind == BackendKind::simulated && c.profile.empty())
     s.fail(where,

@@ -113,8 +113,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
   const PluginRegistry registry(search);
   const bool simulated = c.backend_kind == BackendKind::simulated;
-  const bool plugin_backend = c.backend_kind == BackendKind::plugin;        // e.g. cuda
-  if (plugin_backend) (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
+  (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
   check_backend_rules(c, check);
 
   ServedModel served = load_served_model(c, registry, simulated);
@@ -137,7 +136,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   out.model_name = model.name;
   out.kv_slots = slots;
   out.workload_description = workload.description;
-  out.weights_description = stacks.front()->weights_description;
+  out.weights_description = stacks.front()->backend->description();
   out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();
   EngineSlots served_by;  // request i: (replica, id in its engine)

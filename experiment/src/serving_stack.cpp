@@ -4,12 +4,12 @@
 #include <fmt/format.h>
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/cpu_reference/weight_choices.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
-#include "kvlab/sim/simulated_backend.hpp"
 #include "run_memo.hpp"
 #include "stages.hpp"
 
@@ -39,16 +39,15 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                                            const std::optional<CostModel>& cost_model,
                                            std::int64_t slots, const SequenceRules& rules,
                                            EngineLogitLog* log, std::size_t replica) {
-  const bool simulated = c.backend_kind == BackendKind::simulated;
-  const bool plugin_backend = c.backend_kind == BackendKind::plugin;  // e.g. cuda
   const ModelConfig& model = served.config;
   auto r = std::make_unique<ReplicaStack>();
-  // A plugin backend keeps K/V in its own (device) memory and attaches it to this pool; the
-  // simulated device's pool has no storage, its dtype (the profile's) sizes swaps.
+  // Bookkeeping only: the backend brings where K/V live (cpu: this pool's host storage; cuda:
+  // its device pool, attached). The simulated device's dtype (the profile's) sizes swaps.
+  const bool simulated = c.backend_kind == BackendKind::simulated;
   r->pool = std::make_unique<KvPool>(
       KvPoolShape{model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
                   simulated ? cost_model->profile().kv_dtype : c.kv_dtype},
-      simulated || plugin_backend ? KvStorage::none : KvStorage::host);
+      KvStorage::none);
   PluginContext context;
   context.model = &model;
   context.max_seq_len = model.max_position_embeddings;
@@ -56,26 +55,16 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   r->allocator =
       registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
   r->scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
-  if (simulated) {
-    r->inner = std::make_unique<SimulatedBackend>(model.vocab_size, model.eos_token_ids);
-  } else if (plugin_backend) {
-    context.weights = &*served.weights;
-    context.window = rules.window.value_or(0);
-    r->device_backend = registry.create<PluginKind::backend>(c.backend, c.backend_params, context);
-  } else {
-    auto cpu_backend = std::make_unique<cpu::CpuBackend>(
-        *served.weights, *r->pool, rules.window,
-        cpu::select_compute_weights(*served.weights, served.source, c.cpu_weights,
-                                    c.cpu_activations));
-    r->weights_description = cpu_backend->matrices().description;
-    r->inner = std::move(cpu_backend);
-  }
-  r->backend = std::make_unique<TimedBackend>(plugin_backend ? *r->device_backend : *r->inner);
+  std::optional<ModelWeightsView> weights;  // the simulated backend reads none
+  if (served.weights) weights = cpu::weights_view(*served.weights, served.source.string());
+  context.weights = weights ? &*weights : nullptr;
+  context.window = rules.window.value_or(0);
+  r->device_backend = registry.create<PluginKind::backend>(c.backend, backend_params(c), context);
+  r->backend = std::make_unique<TimedBackend>(*r->device_backend);
   EngineOptions options = engine_options(c, rules, cost_model, *r->pool);
   options.names = {plugin_label(registry, PluginKind::scheduler, c.scheduler),
                    plugin_label(registry, PluginKind::kv_allocator, c.allocator),
-                   plugin_backend ? plugin_label(registry, PluginKind::backend, c.backend)
-                                  : c.backend + " backend"};
+                   plugin_label(registry, PluginKind::backend, c.backend)};
   if (log != nullptr)
     options.observers.on_logits = [log, replica](RequestId id, std::span<const float> row) {
       log->record(replica, id, row);
@@ -85,6 +74,15 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
 }
 
 }  // namespace
+
+ParamMap backend_params(const ExperimentConfig& c) {
+  ParamMap params = c.backend_params;
+  if (c.backend_kind == BackendKind::cpu) {
+    params["weights"] = std::string(cpu::weight_choice_name(c.cpu_weights));
+    params["activations"] = std::string(cpu::activation_format_name(c.cpu_activations));
+  }
+  return params;
+}
 
 ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
                               bool simulated) {
@@ -172,7 +170,9 @@ std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
       "{} replica{} ([cluster] replicas), each with its own KV pool of {} slots ({:.2f} GiB) and "
       "backend",
       c.replicas, c.replicas > 1 ? "s" : "", slots, pool_bytes / (1 << 30));
-  if (c.backend_kind != BackendKind::simulated && c.replicas > 1)
+  // The cpu backend's pools are host memory (the others': device memory, or none).
+  if (c.backend_kind == BackendKind::cpu ||
+      (c.backend_kind != BackendKind::simulated && c.replicas > 1))
     check_allocation(static_cast<std::uint64_t>(pool_bytes * static_cast<double>(c.replicas)),
                      what);
   std::vector<std::unique_ptr<ReplicaStack>> stacks;

@@ -52,12 +52,14 @@ struct ReplicaStack {
   std::unique_ptr<KvPool> pool;
   PluginObject<KvAllocator> allocator;
   PluginObject<Scheduler> scheduler;
-  std::unique_ptr<Backend> inner;
-  PluginObject<Backend> device_backend;
-  std::unique_ptr<TimedBackend> backend;
+  PluginObject<Backend> device_backend;   // the backend plugin's object (cpu, simulated, cuda..)
+  std::unique_ptr<TimedBackend> backend;  // it, timed
   std::unique_ptr<Engine> engine;
-  std::string weights_description;  // cpu backend: the formats its products read
 };
+
+// The backend plugin's parameters: backend.params, and for the cpu backend its formats
+// (backend.weights, backend.activations) as its parameters `weights` and `activations`.
+ParamMap backend_params(const ExperimentConfig& c);
 
 std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
     const ExperimentConfig& c, const PluginRegistry& registry, const ServedModel& served,

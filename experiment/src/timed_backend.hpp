@@ -24,6 +24,7 @@ class TimedBackend final : public Backend {
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
   BackendCounters counters() const override { return inner_.counters(); }
+  std::string description() const override { return inner_.description(); }
   double seconds() const { return seconds_; }
   std::int64_t forwards() const { return forwards_; }
   // Forwards after which the backend returned token ids instead of logits.

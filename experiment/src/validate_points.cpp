@@ -18,7 +18,6 @@ namespace {
 // One point's plugins exist and accept their parameters; the model, profile and trace resolve.
 void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
-  const bool plugin_backend = c.backend_kind == BackendKind::plugin;  // e.g. cuda
   check_backend_rules(c, check);
   auto check_plugin = [&](PluginKind kind, const std::string& name, const ParamMap& params) {
     const PluginInfo& info = registry.find(kind, name);
@@ -27,7 +26,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   check_plugin(PluginKind::attention_variant, c.attention, c.attention_params);
   check_plugin(PluginKind::kv_allocator, c.allocator, c.allocator_params);
   check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
-  if (plugin_backend) check_plugin(PluginKind::backend, c.backend, c.backend_params);
+  check_plugin(PluginKind::backend, c.backend, backend_params(c));
   if (c.profile.empty() &&
       (c.clock == EngineClock::virtual_clock || c.clock == EngineClock::offline))
     throw Error(fmt::format(
@@ -61,16 +60,10 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
 
 }  // namespace
 
-// Rules across [backend] and the command: parameters only for plugin backends, no check of a
-// backend that computes nothing.
+// Rules across [backend] and the command: no check of a backend that computes nothing, nor of
+// rounded weights, activations or KV without a tolerance.
 void check_backend_rules(const ExperimentConfig& c, bool check) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
-  const bool plugin_backend = c.backend_kind == BackendKind::plugin;  // e.g. cuda
-  if (!plugin_backend && !c.backend_params.empty())
-    throw Error(fmt::format(
-        "backend.params are for backend plugins (such as cuda); the built-in \"{}\" backend "
-        "takes none",
-        c.backend));
   if (simulated && check)
     throw Error(
         "kvlab check compares computed tokens with the reference: it needs backend \"cpu\", not "
@@ -86,18 +79,18 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
                     dtype_short_name(c.kv_dtype), c.backend));
   // A check with a tolerance accepts tokens chosen from nearly tied logits: the rounded settings.
   check = check && c.check_tolerance == 0;
-  if (c.cpu_weights != "stored" && c.cpu_weights != "f32" && check)
+  if (c.cpu_weights && c.cpu_weights != cpu::WeightFormat::f32 && check)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the reference over the checkpoint's own values; "
         "backend.weights = \"{}\" rounds them first: check with \"stored\" (the default), or "
         "with --tolerance TAU to accept tokens whose reference logit is within TAU of the best",
-        c.cpu_weights));
-  if (c.cpu_activations != "f32" && check)
+        cpu::weight_choice_name(c.cpu_weights)));
+  if (c.cpu_activations != cpu::ActivationFormat::f32 && check)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the reference's fp32 products; backend.activations = "
         "\"{}\" rounds the activations of the products it applies to: check with \"f32\" (the "
         "default), or with --tolerance TAU",
-        c.cpu_activations));
+        cpu::activation_format_name(c.cpu_activations)));
   if (c.kv_dtype != DType::dtype_f32 && check)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the fp32 reference; a {} KV pool rounds every K and V, "

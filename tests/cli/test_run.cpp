@@ -716,7 +716,10 @@ TEST(KvlabSimulated, BackendAndProfileErrorsAreClear) {
   r = run(base +
           "[backend]\nname = \"simulated\"\nprofile = \"h200\"\n[backend.params]\ndtype = "
           "\"bf16\"\n");
-  EXPECT_NE(r.err.find("backend.params are for backend plugins"), std::string::npos) << r.err;
+  // Checked against the backend plugin's parameters, as every plugin's are.
+  EXPECT_NE(r.err.find("plugin \"simulated\" has no parameter \"dtype\"; it takes no parameters"),
+            std::string::npos)
+      << r.err;
   r = run(base + "[backend]\nname = \"tpu\"\n");
   EXPECT_NE(r.err.find("unknown backend plugin \"tpu\""), std::string::npos) << r.err;
   r = run(base + "[backend]\nname = \"simulated\"\nprofile = \"h200\"\n", "check");

@@ -331,6 +331,26 @@ TEST(KvPoolDtype, HalfPoolsRoundOnWriteAndHoldHalfTheBytes) {
       {"f32, f16 or bf16", "i8"});
 }
 
+// How a host backend (the cpu plugin) brings K/V to the pool the serving stack made for
+// bookkeeping: zeroed storage once, kept on a second call; the dtypes a host pool holds only.
+TEST(KvPoolStorage, HostStorageIsProvidedOnDemand) {
+  KvPool pool({2, 1, 8, 4, DType::dtype_bf16}, KvStorage::none);
+  EXPECT_FALSE(pool.has_storage());
+  pool.provide_host_storage();
+  ASSERT_TRUE(pool.has_storage());
+  std::vector<float> row(8, 1.0f);
+  pool.read_row(1, 3, true, row.data());
+  EXPECT_EQ(row, std::vector<float>(8, 0.0f));  // zeroed
+  const std::vector<float> written{1, 2, 3, 4, 5, 6, 7, 8};
+  pool.write_row(1, 3, true, written.data());
+  pool.provide_host_storage();  // already there: kept, not reallocated
+  pool.read_row(1, 3, true, row.data());
+  EXPECT_EQ(row, written);                                     // small integers: exact in bf16
+  KvPool fp8({1, 1, 8, 4, DType::dtype_i8}, KvStorage::none);  // a simulated device's dtype
+  test::expect_error_containing([&] { fp8.provide_host_storage(); }, {"f32, f16 or bf16", "i8"});
+  EXPECT_FALSE(fp8.has_storage());
+}
+
 TEST(KvPoolSize, OverflowAndMachineLimitAreErrors) {
   const std::string overflow = test::error_of<Error>([] {
     KvPool pool({32, 32, 128, std::int64_t{1} << 50});
@@ -341,7 +361,11 @@ TEST(KvPoolSize, OverflowAndMachineLimitAreErrors) {
   const std::string too_big = test::error_of<Error>([&] { KvPool pool({1, 1, 64, slots}); });
   EXPECT_NE(too_big.find("more than this machine can hold"), std::string::npos) << too_big;
   EXPECT_NE(too_big.find("kv_cache.slots"), std::string::npos) << too_big;
-  const KvPool bookkeeping({1, 1, 64, slots}, KvStorage::none);  // no storage: nothing to hold
+  KvPool bookkeeping({1, 1, 64, slots}, KvStorage::none);  // no storage: nothing to hold
+  EXPECT_FALSE(bookkeeping.has_storage());
+  // A backend that asks the bookkeeping pool for host storage gets the same error.
+  const std::string provided = test::error_of<Error>([&] { bookkeeping.provide_host_storage(); });
+  EXPECT_NE(provided.find("more than this machine can hold"), std::string::npos) << provided;
   EXPECT_FALSE(bookkeeping.has_storage());
   const std::string negative = test::error_of<Error>([] { KvPool pool({1, 1, 64, -5}); });
   EXPECT_NE(negative.find("non-negative"), std::string::npos) << negative;

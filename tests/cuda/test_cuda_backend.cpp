@@ -23,6 +23,11 @@ const cpu::LlamaWeights& checkpoint() {
   static const cpu::LlamaWeights w = test::scaled_random_weights(model_preset("tiny"), 99);
   return w;
 }
+// What a backend plugin is given (PluginContext::weights).
+const ModelWeightsView& checkpoint_view() {
+  static const ModelWeightsView view = cpu::weights_view(checkpoint());
+  return view;
+}
 // The `cuda` backend comes from the GPU build's plugin directory, or, in the emulated test
 // binary, from the directory of the same plugin built on the CPU emulator.
 #ifndef KVLAB_CUDA_BACKEND_PLUGIN_DIR
@@ -39,7 +44,7 @@ PluginObject<Backend> create_cuda_backend(KvPool& pool, const std::string& dtype
   PluginContext context;
   context.model = &checkpoint().config;
   context.pool = &pool;
-  context.weights = &checkpoint();
+  context.weights = &checkpoint_view();
   return backend_registry().create<PluginKind::backend>("cuda", {{"dtype", dtype}}, context);
 }
 
@@ -77,9 +82,10 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   const ModelConfig& c = weights.config;
   KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, slots},
               on_gpu ? KvStorage::none : KvStorage::host);
+  const ModelWeightsView view = cpu::weights_view(weights);
   context.pool = &pool;
   context.model = &c;
-  context.weights = &weights;
+  context.weights = &view;
   context.window = variant->window().value_or(0);
   auto kv = test::plugin_registry().create<PluginKind::kv_allocator>(allocator, allocator_params,
                                                                      context);
@@ -454,7 +460,7 @@ TEST(CudaBackend, CublasLtAndGemmExGiveTheCpuTokens) {
   PluginContext context;
   context.model = &c;
   context.pool = &pool;
-  context.weights = &checkpoint();
+  context.weights = &checkpoint_view();
   try {
     (void)backend_registry().create<PluginKind::backend>("cuda", {{"gemm", "cutlass"}}, context);
     FAIL() << "created a cuda backend with gemm = cutlass";

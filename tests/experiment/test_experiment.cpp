@@ -303,8 +303,21 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   const auto runs = load_experiment(
       kQuickstart,
       small({"backend.weights=\"q8_0\"", "kv_cache.dtype=\"bf16\"", "backend.activations=\"q8\""}));
-  EXPECT_EQ(runs[1].config.cpu_weights, "q8_0");
-  EXPECT_EQ(runs[1].config.cpu_activations, "q8");
+  EXPECT_EQ(runs[1].config.cpu_weights, cpu::WeightFormat::q8_0);
+  EXPECT_EQ(runs[1].config.cpu_activations, cpu::ActivationFormat::q8);
+  // The same as the cpu plugin's parameters: parsed once into the same fields; both ways at once
+  // is refused.
+  const auto as_params = load_experiment(
+      kQuickstart,
+      small({"backend.params.weights=\"q4_0\"", "backend.params.activations=\"bf16\""}));
+  EXPECT_EQ(as_params[1].config.cpu_weights, cpu::WeightFormat::q4_0);
+  EXPECT_EQ(as_params[1].config.cpu_activations, cpu::ActivationFormat::bf16);
+  EXPECT_TRUE(as_params[1].config.backend_params.empty());
+  EXPECT_NE(load_error({"backend.weights=\"q8_0\"", "backend.params.weights=\"q4_0\""})
+                .find("backend.weights and backend.params.weights name one parameter"),
+            std::string::npos);
+  EXPECT_NE(load_error({"backend.params.weights=\"q5_k\""}).find("backend.weights must be one of"),
+            std::string::npos);
   EXPECT_EQ(runs[1].config.kv_dtype, DType::dtype_bf16);
   validate_experiment(runs, false);
   const RunOutput out = run_experiment(runs[1].config, false, nullptr);

@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <span>
+#include <string>
 
 #include "kvlab/kv_pool.hpp"
 
@@ -97,6 +98,9 @@ class BOOST_SYMBOL_VISIBLE Backend {
   virtual std::int64_t vocab_size() const = 0;
   // Totals since the backend was made (zeros where a backend has nothing to count).
   virtual BackendCounters counters() const { return {}; }
+  // What it computes with, for a run's report (the cpu backend: the formats its products read);
+  // "" for nothing to say.
+  virtual std::string description() const { return {}; }
 };
 
 }  // namespace kvlab

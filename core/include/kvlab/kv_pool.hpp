@@ -44,6 +44,11 @@ class KvPool {
  public:
   explicit KvPool(const KvPoolShape& shape, KvStorage storage = KvStorage::host);
   bool has_storage() const { return keys_ != nullptr; }
+  // Allocates the host storage a pool made with KvStorage::none lacks (zeroed): how a backend
+  // that computes on the host (cpu) brings K/V to the bookkeeping pool a serving stack made
+  // before it. Nothing when it has storage. Throws kvlab::Error for a dtype the host pool cannot
+  // hold (f32, f16, bf16) or more memory than the machine has.
+  void provide_host_storage();
   // A device that holds this pool's K/V (the pool itself then has KvStorage::none); nullptr
   // to detach. Not owned.
   void attach_device(KvDeviceStorage* device) { device_ = device; }

@@ -22,6 +22,7 @@
 #include "kvlab/backend.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
+#include "kvlab/model_weights.hpp"
 #include "kvlab/plugin_abi.hpp"
 #include "kvlab/plugin_params.hpp"
 #include "kvlab/router.hpp"
@@ -39,17 +40,13 @@ enum class PluginKind : std::uint32_t {
 // "allocator", "attention", "scheduler", "backend", "router"
 const char* plugin_kind_name(PluginKind kind);
 
-namespace cpu {
-struct LlamaWeights;  // cpu_reference: the host weights a compute backend uploads
-}
-
 // What a plugin object may need from the host when it is created.
 struct PluginContext {
   KvPool* pool = nullptr;              // allocators: the pool whose slots they hand out
   const ModelConfig* model = nullptr;  // the model being served
   std::int64_t max_seq_len = 0;        // longest sequence (prompt + output) a request may reach
-  const cpu::LlamaWeights* weights = nullptr;  // backends: the checkpoint (K/V heads converted)
-  std::int64_t window = 0;                     // backends: sliding-window size, 0 for none
+  const ModelWeightsView* weights = nullptr;  // backends: the checkpoint (K/V heads converted)
+  std::int64_t window = 0;                    // backends: sliding-window size, 0 for none
 };
 
 struct PluginDescriptor {

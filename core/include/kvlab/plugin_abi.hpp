@@ -11,6 +11,7 @@
 #include "kvlab/backend.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
+#include "kvlab/model_weights.hpp"
 #include "kvlab/plugin_params.hpp"
 #include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
@@ -23,8 +24,10 @@ namespace kvlab {
 // 6: Backend::choose_greedy_tokens; 7: Backend::choose_tokens (any sampling) replaces it;
 // 8: Backend::counters; 9: Backend::chosen_logprobs; 10: one call, Backend::forward(batch,
 // choices) -> ForwardResult, replaces choose_tokens / chosen_tokens / chosen_logprobs;
-// AllocateRequest::prefix_hashes (a request's block hashes, kept with it).
-inline constexpr std::uint32_t kPluginAbiVersion = 10;
+// AllocateRequest::prefix_hashes (a request's block hashes, kept with it); 11: backends get
+// the core's ModelWeightsView (PluginContext::weights), Backend::description; cpu and simulated
+// are backend plugins like cuda.
+inline constexpr std::uint32_t kPluginAbiVersion = 11;
 
 namespace detail {
 
@@ -61,6 +64,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<Preemption>().type<Work>().type<Deferral>();
   h.type<ReplicaLoad>().type<RouteRequest>().type<RouteDecision>().type<TokenChoice>();
   h.type<BackendCounters>().type<TokenLogprob>().type<ForwardResult>();
+  h.type<WeightMatrixView>().type<LayerWeightsView>().type<ModelWeightsView>();
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
@@ -74,6 +78,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(TokenChoice, logprobs).KVLAB_ABI_MEMBER(TokenLogprob, logprob);
   h.KVLAB_ABI_MEMBER(BackendCounters, graph_replays);
   h.KVLAB_ABI_MEMBER(ForwardResult, tokens).KVLAB_ABI_MEMBER(ForwardResult, logprob_width);
+  h.KVLAB_ABI_MEMBER(LayerWeightsView, w_down).KVLAB_ABI_MEMBER(ModelWeightsView, source);
   return h.hash;
 }
 

@@ -10,7 +10,7 @@
 
 namespace kvlab {
 
-class SimulatedBackend final : public Backend {
+class SimulatedBackend : public Backend {
  public:
   SimulatedBackend(std::int64_t vocab_size, std::vector<std::int32_t> eos_token_ids);
   // Tokens always (it has no logits): token_after each entry's last token.

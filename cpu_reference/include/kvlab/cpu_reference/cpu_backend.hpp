@@ -24,13 +24,16 @@ struct AttentionGroup;  // one entry's queries of one KV head's group (cpu_backe
 
 class CpuBackend final : public Backend {
  public:
-  // `weights` must have the pool's KV head count and head_dim. `window`: attend to the last W
-  // positions only.
+  // `weights` (the host's view: it must outlive the backend) must have the pool's KV head count
+  // and head_dim. `window`: attend to the last W positions only.
   // Multiplies with `compute` (select_compute_weights, or compute_weights /
   // gguf_compute_weights of the same model, packed by with_activations or not); without it, with
   // the fp32 matrices of `weights` packed in panels.
-  CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window,
+  CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std::int64_t> window,
              ComputeWeights compute);
+  CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window,
+             ComputeWeights compute)
+      : CpuBackend(weights_view(weights), pool, window, std::move(compute)) {}
   CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window)
       : CpuBackend(
             weights, pool, window,
@@ -47,6 +50,8 @@ class CpuBackend final : public Backend {
     return ForwardResult::of_logits({logits.data(), static_cast<std::size_t>(logits.size())});
   }
   std::int64_t vocab_size() const override { return weights_.config.vocab_size; }
+  // The formats its products read (ComputeWeights::description).
+  std::string description() const override { return compute_.description; }
 
   // From this many sequences in a batch on, decode attention runs one task per sequence (its
   // slot rows read whole, in order); below, one task per (sequence, K/V head) so that a few
@@ -56,7 +61,6 @@ class CpuBackend final : public Backend {
     return 4 * static_cast<std::int64_t>(threads);
   }
 
-  const LlamaWeights& weights() const { return weights_; }
   const ComputeWeights& matrices() const { return compute_; }
 
  private:
@@ -70,7 +74,7 @@ class CpuBackend final : public Backend {
   StridedMap head_rows(std::int64_t layer, std::int64_t slot, std::int64_t length,
                        std::int64_t kv_head, bool value) const;
 
-  const LlamaWeights& weights_;
+  ModelWeightsView weights_;
   ComputeWeights compute_;
   KvPool& pool_;
   std::optional<std::int64_t> window_;

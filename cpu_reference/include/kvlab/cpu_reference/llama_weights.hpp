@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "kvlab/model_config.hpp"
+#include "kvlab/model_weights.hpp"
 
 namespace kvlab::cpu {
 
@@ -52,6 +53,24 @@ struct LlamaWeights {
     return config.tie_word_embeddings ? embedding : lm_head;
   }
 };
+
+// (rows, cols) of a row-major matrix's storage, and back: no copies.
+inline WeightMatrixView matrix_view(const RowMatrix& m) {
+  return {m.data(), m.rows(), m.cols()};
+}
+inline std::span<const float> vector_view(const Eigen::VectorXf& v) {
+  return {v.data(), static_cast<std::size_t>(v.size())};
+}
+inline Eigen::Map<const RowMatrix> as_matrix(const WeightMatrixView& m) {
+  return {m.data, m.rows, m.cols};
+}
+inline Eigen::Map<const Eigen::VectorXf> as_vector(std::span<const float> v) {
+  return {v.data(), static_cast<Eigen::Index>(v.size())};
+}
+
+// The checkpoint as the core's view a backend is given (PluginContext::weights): pointers into
+// `weights`, which must outlive it. `source`: the file or folder it was read from, "" for none.
+ModelWeightsView weights_view(const LlamaWeights& weights, std::string source = "");
 
 // Reads <directory>/config.json and its safetensors weights (single file or sharded), checking
 // every tensor's presence and shape against the config. Throws kvlab::Error.

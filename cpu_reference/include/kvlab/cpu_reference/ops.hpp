@@ -23,7 +23,8 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
 
 // out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * weight, for every row t.
 // x: (T, dim), weight: (dim), out: (T, dim); out may alias x.
-void rms_norm(const RowMatrix& x, const Eigen::VectorXf& weight, float eps, RowMatrix& out);
+void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, float eps,
+              RowMatrix& out);
 
 // Rotary position embedding in the Hugging Face convention ("rotate half"): within a head of
 // size d, dimension i (< d/2) pairs with i + d/2, rotated by angle pos * theta^(-2i/d):

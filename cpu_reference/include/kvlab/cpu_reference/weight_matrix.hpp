@@ -24,23 +24,8 @@
 
 namespace kvlab::cpu {
 
-enum class WeightFormat : std::uint8_t { f32, f16, bf16, q8_0, q4_0, q4_1 };
-
-// What a product takes as the other operand: fp32 activations (the reference's function over the
-// dequantized weights; the default), or, as llama.cpp does, activations rounded to the weights'
-// own dot-product type, which is faster and no longer the reference's function (kvlab check
-// refuses it):
-//   q8    Q8_0/Q4_0/Q4_1 matrices: activations rounded per 32-value block to 8-bit integers
-//         (scale = max|x| / 127), integer dot products (llama.cpp's q8_0/q8_1)
-//   bf16  bf16 matrices: activations rounded to bf16, bf16 pair products summed in fp32
-// Matrices in the other formats keep fp32 activations.
-enum class ActivationFormat : std::uint8_t { f32, q8, bf16 };
-std::string_view activation_format_name(ActivationFormat format);  // "f32", "q8", "bf16"
-std::optional<ActivationFormat> activation_format_from_name(std::string_view name);
-
 // "f32", "f16", "bf16", "q8_0", "q4_0", "q4_1".
 std::string_view weight_format_name(WeightFormat format);
-std::optional<WeightFormat> weight_format_from_name(std::string_view name);
 // The format of GGUF tensor type `type`; nullopt for the types kvlab only dequantizes (Q4_K..).
 std::optional<WeightFormat> weight_format_of_gguf_type(std::uint32_t type);
 // Values per block (32 for the Q formats, 1 otherwise) and bytes per block.
@@ -59,9 +44,13 @@ class WeightMatrix {
   WeightMatrix() = default;
   // Rounds `source` (rows, cols) to `format` as llama.cpp's quantize_row_*_ref does (f16/bf16:
   // round to nearest even). Throws kvlab::Error when cols is not a multiple of the block.
-  static WeightMatrix quantize(const RowMatrix& source, WeightFormat format);
+  static WeightMatrix quantize(const WeightMatrixView& source, WeightFormat format);
+  static WeightMatrix quantize(const RowMatrix& source, WeightFormat format) {
+    return quantize(matrix_view(source), format);
+  }
   // Shares `source`'s storage, no copy (f32): `source` must outlive the result.
-  static WeightMatrix view(const RowMatrix& source);
+  static WeightMatrix view(const WeightMatrixView& source);
+  static WeightMatrix view(const RowMatrix& source) { return view(matrix_view(source)); }
   // Rows already in `format`'s layout: rows * weight_row_bytes(format, cols) bytes, copied.
   static WeightMatrix from_bytes(WeightFormat format, std::int64_t rows, std::int64_t cols,
                                  std::span<const std::byte> bytes);
@@ -137,7 +126,10 @@ struct ComputeWeights {
 
 // Views of the fp32 matrices (format f32: nothing copied) or a rounded copy in `format`, row by
 // row; with_activations packs them for their products (a view becomes a packed copy).
-ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format);
+ComputeWeights compute_weights(const ModelWeightsView& weights, WeightFormat format);
+inline ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format) {
+  return compute_weights(weights_view(weights), format);
+}
 
 // The matrices of a GGUF file in their stored formats, no fp32 copy (Q and K rows put back in
 // Hugging Face's order, as read_gguf_tensor does); a matrix stored in a type kvlab only
@@ -145,7 +137,11 @@ ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat format)
 // attention variant converted, is multiplied in fp32 from `weights` (which must be this file's,
 // converted or not), so the product is always the reference's. Throws kvlab::Error.
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
-                                    const LlamaWeights& weights);
+                                    const ModelWeightsView& weights);
+inline ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
+                                           const LlamaWeights& weights) {
+  return gguf_compute_weights(gguf_path, weights_view(weights));
+}
 
 // Every matrix of `weights` packed for its products with `activations` (WeightMatrix::packed_for);
 // the description says how many were interleaved. Views of the reference's fp32 values become
@@ -155,11 +151,20 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
 ComputeWeights with_activations(ComputeWeights weights, ActivationFormat activations,
                                 std::optional<std::uint64_t> memory_bytes = std::nullopt);
 
-// `choice`: "stored" (gguf_compute_weights for a .gguf `source`, f32 otherwise: presets and
-// safetensors folders are held in fp32) or a format name; `activations`: an ActivationFormat's
-// name (with_activations). Throws kvlab::Error for another name.
-ComputeWeights select_compute_weights(const LlamaWeights& weights,
-                                      const std::filesystem::path& source, std::string_view choice,
+// `format`: nullopt for as stored (gguf_compute_weights when `weights.source` is a .gguf file, f32
+// otherwise: presets and safetensors folders are held in fp32); packed by with_activations.
+ComputeWeights select_compute_weights(const ModelWeightsView& weights,
+                                      std::optional<WeightFormat> format,
+                                      ActivationFormat activations);
+// The same by names: `choice` one of kWeightChoices ("stored" or a format), `activations` one
+// of kActivationChoices. Throws kvlab::Error for another name.
+ComputeWeights select_compute_weights(const ModelWeightsView& weights, std::string_view choice,
                                       std::string_view activations = "f32");
+inline ComputeWeights select_compute_weights(const LlamaWeights& weights,
+                                             const std::filesystem::path& source,
+                                             std::string_view choice,
+                                             std::string_view activations = "f32") {
+  return select_compute_weights(weights_view(weights, source.string()), choice, activations);
+}
 
 }  // namespace kvlab::cpu

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "kvlab/cpu_reference/weight_choices.hpp"
 #include "kvlab/dtype.hpp"
 #include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/engine.hpp"
@@ -27,7 +28,7 @@ using ParamMap = std::map<std::string, ParamValue, std::less<>>;
 inline constexpr const char* kDefaultCpuProfile = "cpu";
 
 // The kinds of backend a run can use: the two built in, or a backend plugin (cuda).
-enum class BackendKind { cpu, simulated, plugin };
+enum class BackendKind { cpu, simulated, plugin };  // plugin: any other backend plugin (cuda)
 BackendKind backend_kind_of(std::string_view name);
 
 struct ExperimentConfig {
@@ -49,12 +50,13 @@ struct ExperimentConfig {
   // profile's [interconnect] prices the all-reduces). 1 for every other backend.
   std::int64_t tensor_parallel = 1;
   std::int64_t threads = 0;
-  // The cpu backend's weight format: "stored" (a GGUF file's own types; f32 for presets and
-  // folders), f32, f16, bf16, q8_0, q4_0, q4_1 (cpu::select_compute_weights).
-  std::string cpu_weights = "stored";
-  // "q8" / "bf16": the cpu backend's Q4/Q8 (bf16) products take activations rounded to 8-bit
-  // blocks (bf16) (cpu::ActivationFormat); "f32" (default) keeps the reference's function.
-  std::string cpu_activations = "f32";
+  // backend.weights, the cpu backend's weight format: nullopt for "stored" (a GGUF file's own
+  // types; f32 for presets and folders), else f32, f16, bf16, q8_0, q4_0, q4_1
+  // (cpu::select_compute_weights). Given to the cpu plugin as its parameter `weights`.
+  std::optional<cpu::WeightFormat> cpu_weights;
+  // backend.activations: q8 / bf16, the cpu backend's Q4/Q8 (bf16) products take activations
+  // rounded to 8-bit blocks (bf16); f32 (default) keeps the reference's function.
+  cpu::ActivationFormat cpu_activations = cpu::ActivationFormat::f32;
   // kvlab check --tolerance: a token passes when the reference's logit for it is within this of
   // the reference's largest (0: it must be the reference's argmax). Not read from the file.
   double check_tolerance = 0;
