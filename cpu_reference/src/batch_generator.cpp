@@ -65,14 +65,17 @@ BatchGenerator::BatchGenerator(const LlamaWeights& checkpoint, const PluginRegis
                                const BatchSetup& setup)
     : attention_(make_attention(registry, setup, checkpoint.config)),
       weights_(convert_kv_heads(checkpoint, attention_->kv_heads(checkpoint.config))),
-      pool_(pool_shape(weights_.config, setup.pool_slots)),
-      rules_(rules_for(weights_.config, *attention_, setup.max_seq_len)),
-      backend_(weights_, pool_, rules_.window,
-               select_compute_weights(weights_, setup.source, setup.weights, setup.activations)) {
+      pool_(pool_shape(weights_.config, setup.pool_slots), KvStorage::none),
+      rules_(rules_for(weights_.config, *attention_, setup.max_seq_len)) {
+  const ModelWeightsView view = weights_view(weights_, setup.source.string());
   PluginContext context;
   context.pool = &pool_;
   context.model = &weights_.config;
   context.max_seq_len = rules_.context;
+  context.weights = &view;
+  context.window = rules_.window.value_or(0);
+  backend_ = registry.create<PluginKind::backend>(
+      "cpu", {{"weights", setup.weights}, {"activations", setup.activations}}, context);
   allocator_ =
       registry.create<PluginKind::kv_allocator>(setup.allocator, setup.allocator_params, context);
 }
@@ -105,7 +108,7 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
       options.on_token(static_cast<std::size_t>(id), token);
     };
   EveryoneRuns scheduler(options.prefill_chunk);
-  Engine engine(backend_, *allocator_, scheduler, engine_options);
+  Engine engine(*backend_, *allocator_, scheduler, engine_options);
   const EngineResult run = engine.run(workload);
   for (std::size_t i = 0; i < requests.size(); ++i) {
     const RequestTimeline& timeline = run.requests[i];

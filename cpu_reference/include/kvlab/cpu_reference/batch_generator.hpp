@@ -48,7 +48,8 @@ struct BatchSetup {
   std::map<std::string, ParamValue, std::less<>> attention_params;
   std::int64_t pool_slots = 4096;  // KV pool capacity in tokens
   std::int64_t max_seq_len = 0;    // 0 = the model's context
-  // The format the backend multiplies in (select_compute_weights), and the checkpoint's file.
+  // The format the backend multiplies in (the cpu backend plugin's `weights` and `activations`:
+  // select_compute_weights), and the checkpoint's file.
   std::string weights = "stored";
   std::string activations = "f32";  // "q8": 8-bit activations for Q weights (ActivationFormat)
   std::filesystem::path source;     // a .gguf keeps its stored types under "stored"
@@ -78,7 +79,7 @@ class BatchGenerator {
   LlamaWeights weights_;
   KvPool pool_;
   SequenceRules rules_;  // context, EOS, window: one source for the backend and the engine
-  CpuBackend backend_;
+  PluginObject<Backend> backend_;  // the `cpu` backend plugin, made as every backend is
   PluginObject<KvAllocator> allocator_;
 };
 
