@@ -506,11 +506,12 @@ struct PresetSpec {
   double eps, theta;
   bool tied, size_only;
   std::optional<std::int64_t> sliding_window;
+  RopeScaling rope_scaling = {};
 };
 
-// Published shapes: LLaMA (Touvron et al. 2023, Table 2), Llama 2 7B/13B/70B and Mistral 7B v0.1
-// config.json, llama2.c's TinyStories models (stories15M/110M), TinyLlama-1.1B (GQA 32/4: the
-// 1B-class model of the GPU benchmarks; runnable with random weights).
+// Published shapes: LLaMA (Touvron et al. 2023, Table 2), Llama 2 7B/13B/70B, Mistral 7B v0.1
+// and Llama 3.1 8B config.json, llama2.c's TinyStories models (stories15M/110M), TinyLlama-1.1B
+// (GQA 32/4: the 1B-class model of the GPU benchmarks; runnable with random weights).
 const PresetSpec kPresets[] = {
     {"tiny", 512, 64, 176, 2, 4, 2, 512, 1e-5, 10000.0, false, false, std::nullopt},
     {"stories15m", 32000, 288, 768, 6, 6, 6, 256, 1e-5, 10000.0, true, false, std::nullopt},
@@ -524,6 +525,9 @@ const PresetSpec kPresets[] = {
     {"llama2-13b", 32000, 5120, 13824, 40, 40, 40, 4096, 1e-5, 10000.0, false, true, std::nullopt},
     {"llama2-70b", 32000, 8192, 28672, 80, 64, 8, 4096, 1e-5, 10000.0, false, true, std::nullopt},
     {"mistral-7b", 32000, 4096, 14336, 32, 32, 8, 32768, 1e-5, 10000.0, false, true, 4096},
+    // Llama 3.1 8B config.json: 128K context through llama3 RoPE scaling (factor 8 over 8192).
+    {"llama3.1-8b", 128256, 4096, 14336, 32, 32, 8, 131072, 1e-5, 500000.0, false, true,
+     std::nullopt, RopeScaling{RopeScaling::Type::llama3, 8.0, 1.0, 4.0, 8192}},
 };
 
 }  // namespace
@@ -553,6 +557,7 @@ ModelConfig model_preset(std::string_view name) {
     c.tie_word_embeddings = p.tied;
     c.size_only = p.size_only;
     c.sliding_window = p.sliding_window;
+    c.rope_scaling = p.rope_scaling;
     return c;
   }
   const auto names = model_preset_names();

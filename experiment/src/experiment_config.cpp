@@ -331,6 +331,29 @@ void parse_azure_trace(Section& workload, ExperimentConfig& c) {
   s.finish();
 }
 
+void parse_trace_replay(Section& workload, ExperimentConfig& c) {
+  const toml::table* table = workload.table("replay");
+  if (table == nullptr) return;
+  Section s(table, "workload.replay", workload.file());
+  if (c.trace.empty())
+    s.fail(*table,
+           "[workload.replay] replays a part of workload.trace (a Mooncake trace): give "
+           "trace = \"...jsonl\"");
+  c.replay_given = true;
+  MooncakeTraceOptions& r = c.replay;
+  r.start_s = s.get<double>("start_s").value_or(0);
+  r.duration_s = s.get<double>("duration_s").value_or(0);
+  r.rate_scale = s.get<double>("rate_scale").value_or(1.0);
+  r.length_scale = s.get<double>("length_scale").value_or(1.0);
+  r.max_requests = s.get_int<std::int64_t>("max_requests", 0, kMaxRequests).value_or(0);
+  if (!(r.start_s >= 0) || !(r.duration_s >= 0) || !(r.rate_scale > 0) ||
+      !std::isfinite(r.start_s) || !std::isfinite(r.duration_s) || !std::isfinite(r.rate_scale))
+    s.fail(*table, "workload.replay: start_s, duration_s >= 0 and rate_scale > 0, finite");
+  if (!(r.length_scale > 0 && r.length_scale <= 1))
+    s.fail(*s.node("length_scale"), "workload.replay.length_scale must be in (0, 1]");
+  s.finish();
+}
+
 void parse_prompt_set(Section& workload, ExperimentConfig& c) {
   const toml::table* table = workload.table("prompts");
   if (table == nullptr) return;
@@ -388,6 +411,7 @@ void parse_workload(Section& s, ExperimentConfig& c) {
            "simulated backend picks its tokens without any");
   w.ignore_eos = s.get<bool>("ignore_eos").value_or(true);
   c.trace = s.get<std::string>("trace").value_or("");
+  parse_trace_replay(s, c);
   parse_azure_trace(s, c);
   parse_prompt_set(s, c);
   const int sources = !c.trace.empty() + !c.azure_trace.empty() + !c.prompt_set.empty();

@@ -249,6 +249,17 @@ const RunMetric kRunMetrics[] = {
      true,
      SUMMARY(out.prefix_hit_rate),
      {{"prefix_hit_rate", "prefix hit", "", 1, true}}},
+    {"ideal_prefix_hit_rate",
+     "fraction",
+     "the ceiling of prefix_hit_rate on a trace that names its prompt blocks (Mooncake's hash "
+     "ids): prompt tokens an infinite cache keeping whole blocks would serve, in arrival order / "
+     "prompt tokens (replayed requests only)",
+     "over the run's requests",
+     true,
+     [](const ExperimentConfig&, const RunOutput& out) {
+       return out.ideal_prefix_hit_rate ? json(*out.ideal_prefix_hit_rate) : json();
+     },
+     {{"ideal_prefix_hit_rate", "ideal prefix hit", "", 1, true}}},
     {"swapped_bytes",
      "bytes",
      "KV copied to and from the host swap pool by swap preemptions, in the pool's dtype",

@@ -136,6 +136,8 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   out.model_name = model.name;
   out.kv_slots = slots;
   out.workload_description = workload.description;
+  if (workload.ideal_prefix_hit_rate >= 0)
+    out.ideal_prefix_hit_rate = workload.ideal_prefix_hit_rate;
   out.weights_description = stacks.front()->backend->description();
   out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();

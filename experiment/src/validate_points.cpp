@@ -47,6 +47,11 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   }
   if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
     throw Error(fmt::format("workload.trace {} is not a file", c.trace));
+  if (c.replay_given && !is_mooncake_trace(c.trace))
+    throw Error(
+        fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
+                    "is not one",
+                    c.trace));
   if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
     throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
   if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))

@@ -49,7 +49,19 @@ RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model
 RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, bool check,
                            std::unique_ptr<Tokenizer>& tokenizer) {
   RealWorkload w;
-  if (!c.trace.empty()) {
+  if (!c.trace.empty() && is_mooncake_trace(c.trace)) {
+    MooncakeTraceOptions options = c.replay;
+    options.context = model.max_position_embeddings;
+    options.vocab_size = model.vocab_size;
+    options.seed = c.seed;
+    options.sampling = workload_sampling(c.workload);
+    w = load_mooncake_trace(c.trace, options);
+  } else if (!c.trace.empty()) {
+    if (c.replay_given)
+      throw Error(
+          fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
+                      "is kvlab's own trace format",
+                      c.trace));
     TraceOptions options;
     options.vocab_size = model.vocab_size;
     options.seed = c.seed;
@@ -94,10 +106,11 @@ RealWorkload make_requests_or_say_why(const ExperimentConfig& c, const ModelConf
             ? fmt::format("out of memory making the workload: workload.requests {} (prompts of "
                           "up to {} tokens); lower them",
                           c.workload.requests, c.workload.prompt_tokens.max)
-            : fmt::format("out of memory reading the trace {} ({:.1f} MiB): replay a part of it "
-                          "(workload.requests, or the Azure trace's duration_s)",
-                          file,
-                          static_cast<double>(std::filesystem::file_size(file, ec)) / (1 << 20)));
+            : fmt::format(
+                  "out of memory reading the trace {} ({:.1f} MiB): replay a part of it "
+                  "(workload.requests, [workload.replay] duration_s or length_scale, or the "
+                  "Azure trace's duration_s)",
+                  file, static_cast<double>(std::filesystem::file_size(file, ec)) / (1 << 20)));
   }
 }
 

@@ -316,6 +316,16 @@ TEST(ModelPresets, ShapesAsPublished) {
   EXPECT_EQ(model_preset("llama2-70b").num_key_value_heads, 8);
   EXPECT_EQ(model_preset("mistral-7b").num_key_value_heads, 8);
   EXPECT_TRUE(model_preset("llama-7b").size_only);
+  const ModelConfig llama31 = model_preset("llama3.1-8b");  // the Mooncake trace's whole replays
+  EXPECT_TRUE(llama31.size_only);
+  EXPECT_EQ(llama31.max_position_embeddings, 131072);
+  EXPECT_EQ(llama31.num_key_value_heads, 8);
+  EXPECT_EQ(llama31.head_dim, 128);
+  EXPECT_EQ(llama31.vocab_size, 128256);
+  EXPECT_EQ(llama31.rope_theta, 500000.0);
+  EXPECT_EQ(llama31.rope_scaling.type, RopeScaling::Type::llama3);
+  EXPECT_EQ(llama31.rope_scaling.factor, 8.0);
+  EXPECT_EQ(llama31.rope_scaling.original_max_position_embeddings, 8192);
   EXPECT_FALSE(model_preset("stories15m").size_only);
 }
 
@@ -325,6 +335,7 @@ TEST(ModelPresets, ParameterCountsMatchThePublishedModels) {
   EXPECT_EQ(model_preset("llama-13b").parameter_count(), 13'015'864'320);
   EXPECT_EQ(model_preset("llama2-70b").parameter_count(), 68'976'648'192);
   EXPECT_EQ(model_preset("mistral-7b").parameter_count(), 7'241'732'096);
+  EXPECT_EQ(model_preset("llama3.1-8b").parameter_count(), 8'030'261'248);
   // llama2.c's stories15M: 15.19M with the classifier shared with the embedding.
   EXPECT_EQ(model_preset("stories15m").parameter_count(), 15'191'712);
 }

@@ -48,6 +48,44 @@ TEST(ExperimentLibrary, ValidateNamesTheSweepPointThatCannotRun) {
   EXPECT_NE(message.find("scheduler.name="), std::string::npos) << message;
 }
 
+// The Mooncake conversation trace on the cpu backend, lengths scaled for the tiny model (512-token
+// blocks become 16, one page): every token equals the reference's, the prefix cache hits what the
+// trace shares and never more than an infinite cache would.
+TEST(ExperimentLibrary, MooncakeTraceReplaysTokenIdenticalOnTheCpuBackend) {
+  const std::string trace =
+      std::string(KVLAB_SOURCE_DIR) + "/data/mooncake-fast25/conversation_trace.jsonl";
+  const auto runs = load_experiment(
+      kQuickstart, small({"workload.trace=\"" + trace + "\"",
+                          "workload.replay={length_scale=0.03125, max_requests=40}"}));
+  validate_experiment(runs, true);
+  std::vector<std::string> mismatches;
+  const RunOutput out = run_experiment(runs[1].config, true, &mismatches);
+  EXPECT_TRUE(mismatches.empty()) << mismatches.front();
+  EXPECT_EQ(out.summary.submitted, 40);
+  EXPECT_EQ(out.summary.finished, 40);
+  ASSERT_TRUE(out.ideal_prefix_hit_rate.has_value());
+  EXPECT_GT(out.prefix_hit_rate, 0.0);
+  EXPECT_LE(out.prefix_hit_rate, *out.ideal_prefix_hit_rate);
+  EXPECT_NE(out.workload_description.find("Mooncake trace conversation_trace.jsonl: 40 requests"),
+            std::string::npos)
+      << out.workload_description;
+  // [workload.replay] is refused without a trace, and on a trace of kvlab's own format.
+  EXPECT_NE(test::error_of<Error>([] {
+              (void)load_experiment(kQuickstart, small({"workload.replay={max_requests=3}"}));
+            }).find("[workload.replay] replays a part of workload.trace"),
+            std::string::npos);
+  const test::TempDir dir;
+  test::write_file(dir.path() / "own.jsonl",
+                   "{\"arrival_s\": 0, \"prompt_len\": 4, \"output_len\": 2}\n");
+  const auto own = load_experiment(
+      kQuickstart, small({"workload.trace=\"" + (dir.path() / "own.jsonl").string() + "\"",
+                          "workload.replay={max_requests=3}"}));
+  EXPECT_NE(test::error_of<Error>([&] {
+              (void)run_experiment(own[1].config, false, nullptr);
+            }).find("[workload.replay] is for a Mooncake trace"),
+            std::string::npos);
+}
+
 TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
   const auto runs = load_experiment(kQuickstart, small());
   validate_experiment(runs, true);

@@ -79,7 +79,8 @@ TEST(MetricRegistry, NormalizedLatencyIsTheMeanOfEachRequestsLatencyPerToken) {
 }
 
 // summary.json has a key for each metric of the registry a run has (the measured-clock step
-// figures only when set), requests.csv a column for each request metric.
+// figures and the trace's ideal prefix hit rate only when set), requests.csv a column for each
+// request metric.
 TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
   RunOutput out;
   out.engine.requests = {finished(0, {1, 2, 3})};
@@ -90,9 +91,14 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
   std::ifstream summary_file(dir / "summary.json");
   const nlohmann::json summary = nlohmann::json::parse(summary_file);
   for (const RunMetric& m : run_metrics()) {
-    const bool absent = m.name == "step_prediction_error" || m.name == "step_time_ratio";
+    const bool absent = m.name == "step_prediction_error" || m.name == "step_time_ratio" ||
+                        m.name == "ideal_prefix_hit_rate";
     EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
   }
+  out.ideal_prefix_hit_rate = 0.25;  // a Mooncake trace's
+  write_run_outputs(dir.path(), config, out);
+  std::ifstream again(dir / "summary.json");
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(again).at("ideal_prefix_hit_rate").get<double>(), 0.25);
   EXPECT_DOUBLE_EQ(summary.at("normalized_latency_s").get<double>(), 1.0);
   EXPECT_DOUBLE_EQ(summary.at("ttft_s").at("p50").get<double>(), 1.0);
   std::ifstream requests_file(dir / "requests.csv");

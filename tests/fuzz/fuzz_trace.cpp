@@ -1,5 +1,6 @@
-// libFuzzer: workload traces: kvlab's CSV and JSONL, the Azure LLM inference trace CSV, and
-// prompt-set JSONL (the first input byte picks which).
+// libFuzzer: workload traces: kvlab's CSV and JSONL, the Azure LLM inference trace CSV,
+// prompt-set JSONL and the Mooncake trace JSONL (the first input byte picks which: 4 is
+// Mooncake, any other byte modulo 4 the rest).
 #include "fuzz_input_file.hpp"
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
@@ -7,9 +8,9 @@
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
-  const int kind = data[0] % 4;
+  const int kind = data[0] == 4 ? 4 : data[0] % 4;
   const auto path = kvlab::fuzz::write_input(kvlab::fuzz::as_text(data + 1, size - 1),
-                                             kind == 1 || kind == 3 ? ".jsonl" : ".csv");
+                                             kind % 2 == 1 || kind == 4 ? ".jsonl" : ".csv");
   try {
     if (kind <= 1) {
       kvlab::TraceOptions options;
@@ -21,8 +22,16 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
       options.context = 2048;
       options.max_requests = 1000;
       (void)kvlab::load_azure_trace(path, options);
-    } else {
+    } else if (kind == 3) {
       (void)kvlab::load_prompt_texts(path);
+    } else {
+      kvlab::MooncakeTraceOptions options;
+      options.vocab_size = 512;
+      options.context = 2048;
+      options.max_requests = 1000;
+      options.length_scale = 1.0 / 64;  // bounded prompts: 2^24 / 64 tokens at most
+      (void)kvlab::is_mooncake_trace(path);
+      (void)kvlab::load_mooncake_trace(path, options);
     }
   } catch (const kvlab::Error&) {
   }

@@ -75,6 +75,10 @@ struct ExperimentConfig {
   // [workload.azure_trace]: the Azure LLM inference trace 2023 replayed (replaces synthetic).
   std::string azure_trace;  // its CSV file
   AzureTraceOptions azure;  // window, rate scale (context, vocab and seed come from the run)
+  // [workload.replay]: the window, rate and length scales of a Mooncake `trace` (context, vocab
+  // and seed come from the run); replay_given: the table was there (any other trace refuses it).
+  MooncakeTraceOptions replay;
+  bool replay_given = false;
   // [workload.prompts]: a prompt-set JSONL file (replaces synthetic); answers end at EOS.
   std::string prompt_set;   // its file
   bool prompt_chat = true;  // through the model's chat template (else the raw text, with BOS)
@@ -127,7 +131,10 @@ struct RunOutput {
   double mean_kv_used = 0, mean_kv_waste = 0;
   double kv_waste_of_held = 0;  // waste among the slots sequences held, over all steps (vLLM's)
   double prefix_hit_rate = 0;   // prompt tokens found in the prefix cache / tokens looked up
-  std::int64_t kv_slots = 0;    // the pool's capacity in tokens
+  // A trace with prefix-sharing information (Mooncake): an infinite cache's hit rate at its block
+  // granularity, the ceiling prefix_hit_rate is read against; nullopt for other workloads.
+  std::optional<double> ideal_prefix_hit_rate;
+  std::int64_t kv_slots = 0;  // the pool's capacity in tokens
   // With a cost model and the measured clock, per step: |predicted - measured| / measured, and
   // measured / predicted (signed: above 1, the steps ran slower than the profile prices them;
   // a whole run's median far from 1 means the machine or the profile, not the engine, is off).
