@@ -25,6 +25,7 @@ struct MemoryOptions {
   std::string gpu;  // hardware profile: the planner
   std::int64_t prompt_len = 0, output_len = 0, max_seq_len = 0, block_size = 16;
   std::int64_t tp = 1;  // planner: GPUs of --gpu sharing each layer
+  std::int64_t cp = 1;  // planner: groups of those sharing each sequence's KV by positions
   bool json = false;
 };
 
@@ -65,6 +66,7 @@ void print_plan_json(const ModelConfig& c, const HardwareProfile& device, const 
                         {"kv_budget_bytes", p.kv_budget_bytes},
                         {"kv_heads", p.kv_heads},
                         {"tensor_parallel", p.tensor_parallel},
+                        {"context_parallel", p.context_parallel},
                         {"kv_heads_per_gpu", p.kv_heads_per_gpu},
                         {"kv_bytes_per_token", p.kv_bytes_per_token},
                         {"kv_capacity_tokens", p.kv_capacity_tokens},
@@ -98,6 +100,7 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
                                            : q.kv_dtype;
   q.kv_heads = o.kv_heads;
   q.tensor_parallel = o.tp;
+  q.context_parallel = o.cp;
   const MemoryPlan p = plan_memory(c, device, q);
   const auto variants = attention_variants(c);
   auto plan_for = [&](std::int64_t heads) {
@@ -110,12 +113,19 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
     return;
   }
   const bool sharded = p.tensor_parallel > 1;
+  const std::int64_t gpus = p.tensor_parallel * p.context_parallel;
   fmt::print("{} on {}{} ({}): {} weights, {} KV\n", c.name,
-             sharded ? fmt::format("{} x ", p.tensor_parallel) : "", device.name,
+             gpus > 1 ? fmt::format("{} x ", gpus) : "", device.name,
              device.description, dtype_short_name(q.weight_dtype), dtype_short_name(q.kv_dtype));
   if (sharded)
     fmt::print("  tensor parallel over {} GPUs: every figure below is one GPU's\n",
                p.tensor_parallel);
+  if (p.context_parallel > 1)
+    fmt::print(
+        "  context parallel over {} groups ({} GPUs): each GPU holds 1/{} of every request's KV, "
+        "so the tokens below are the {} groups' together\n",
+        p.context_parallel, p.tensor_parallel * p.context_parallel, p.context_parallel,
+        p.context_parallel);
   fmt::print("  usable      {:>12}  = {} GiB x utilization {}\n", human_bytes(p.usable_bytes),
              device.memory_gib, device.memory_utilization);
   fmt::print(
@@ -124,10 +134,13 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
       sharded ? fmt::format(" (of {:.2f}B)", static_cast<double>(c.parameter_count()) / 1e9) : "",
       dtype_size(q.weight_dtype));
   fmt::print("  reserve     {:>12}  (activations, workspace)\n", human_bytes(p.reserve_bytes));
-  fmt::print("  KV budget   {:>12}  = {} tokens of {} ({} KV heads{})\n",
+  fmt::print("  KV budget   {:>12}  = {} tokens of {} ({} KV heads{}){}\n",
              human_bytes(p.kv_budget_bytes), p.kv_capacity_tokens,
              human_bytes(static_cast<double>(p.kv_bytes_per_token)), p.kv_heads,
-             sharded ? fmt::format(", {} on each GPU", p.kv_heads_per_gpu) : "");
+             sharded ? fmt::format(", {} on each GPU", p.kv_heads_per_gpu) : "",
+             p.context_parallel > 1
+                 ? fmt::format(" x {} groups, each token on one", p.context_parallel)
+                 : "");
   if (p.kv_capacity_tokens == 0)
     fmt::print(
         "  the weights and the reserve alone exceed the usable memory: shard the model "
@@ -183,8 +196,9 @@ void print_kv_json(const MemoryOptions& o, const ModelConfig& c, const KvMemoryQ
 void run_memory(const MemoryOptions& o) {
   const ModelSource source = resolve_model(o.model);
   const ModelConfig& c = source.config;
-  if (o.tp != 1 && o.gpu.empty())
-    throw Error("--tp shards a model over the GPUs of --gpu: give --gpu (and --prompt-len)");
+  if ((o.tp != 1 || o.cp != 1) && o.gpu.empty())
+    throw Error(
+        "--tp and --cp shard a model over the GPUs of --gpu: give --gpu (and --prompt-len)");
   if (!o.gpu.empty()) {
     if (o.prompt_len <= 0)
       throw Error("--gpu plans for expected lengths: give --prompt-len (and --output-len)");
@@ -269,6 +283,11 @@ void register_memory(CLI::App& app) {
   sub->add_option("--tp", o->tp,
                   "Planner: tensor parallelism, GPUs of --gpu sharing each layer (weights and K/V "
                   "heads split)")
+      ->capture_default_str();
+  sub->add_option("--cp", o->cp,
+                  "Planner: context parallelism, groups of --tp GPUs sharing each sequence's KV "
+                  "by positions (weights replicated)")
+      ->check(CLI::Range(std::int64_t{1}, std::int64_t{1024}))
       ->capture_default_str();
   sub->add_flag("--json", o->json, "Print JSON");
   sub->callback([o]() { run_memory(*o); });

@@ -154,6 +154,9 @@ LengthDistribution length(Section& parent, const char* key, LengthDistribution f
   d.alpha = s.get<double>("alpha").value_or(d.alpha);
   d.min = s.get<std::int64_t>("min").value_or(d.min);
   d.max = s.get<std::int64_t>("max").value_or(d.max);
+  // A fixed length is what it says: the default clamp (max 4096) does not cut it silently.
+  if (d.kind == LengthKind::fixed && !s.node("max") && d.value > static_cast<double>(d.max))
+    d.max = static_cast<std::int64_t>(std::ceil(d.value));
   s.finish();
   return d;
 }
@@ -264,11 +267,13 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
   c.threads = s.get_int<int>("threads", 0, kMaxThreads).value_or(0);
   c.profile = s.get<std::string>("profile").value_or("");
   c.tensor_parallel = s.get_int<std::int64_t>("tensor_parallel", 1, 1024).value_or(1);
-  if (c.tensor_parallel > 1 && c.backend_kind != BackendKind::simulated)
-    s.fail(*s.node("tensor_parallel"),
-           fmt::format("backend.tensor_parallel is the simulated backend's GPUs per model; "
-                       "backend \"{}\" computes on one device",
-                       c.backend));
+  c.context_parallel = s.get_int<std::int64_t>("context_parallel", 1, 1024).value_or(1);
+  for (const auto& [key, value] : {std::pair{"tensor_parallel", c.tensor_parallel},
+                                   std::pair{"context_parallel", c.context_parallel}})
+    if (value > 1 && c.backend_kind != BackendKind::simulated)
+      s.fail(*s.node(key), fmt::format("backend.{} is the simulated backend's GPUs per model; "
+                                       "backend \"{}\" computes on one device",
+                                       key, c.backend));
   c.backend_params = plugin_params(s, "params");
   parse_cpu_formats(s, c);
   if (c.backend_kind == BackendKind::cpu && c.profile.empty()) c.profile = kDefaultCpuProfile;

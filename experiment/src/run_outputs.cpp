@@ -110,6 +110,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
                       {"backend", c.backend},
                       {"profile", c.profile},
                       {"tensor_parallel", c.tensor_parallel},
+                      {"context_parallel", c.context_parallel},
                       {"clock", clock_name(c.clock)}};
   for (const RunMetric& m : run_metrics())
     if (m.in_summary_json)

@@ -120,7 +120,7 @@ std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelCo
   if (c.profile.empty()) return std::nullopt;
   HardwareProfile profile = load_hardware_profile(c.profile);
   if (c.backend_kind == BackendKind::cpu) profile.kv_dtype = c.kv_dtype;
-  return CostModel(model, profile, c.tensor_parallel);
+  return CostModel(model, profile, c.tensor_parallel, c.context_parallel);
 }
 
 // The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
@@ -130,7 +130,7 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
                         const std::optional<CostModel>& cost_model) {
   if (c.kv_memory_mib) {
     const double bytes_per_slot =
-        simulated ? static_cast<double>(cost_model->kv_bytes_per_token_per_gpu())
+        simulated ? cost_model->kv_bytes_per_sequence_token_per_gpu()
                   : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
                         static_cast<double>(dtype_size(c.kv_dtype));
     const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;

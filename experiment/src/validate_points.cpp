@@ -43,7 +43,8 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (!c.profile.empty()) {
     const HardwareProfile profile = load_hardware_profile(c.profile);
     // Tensor parallelism: the GPUs divide the heads, the profile prices their all-reduces.
-    if (c.tensor_parallel > 1) (void)CostModel(source.config, profile, c.tensor_parallel);
+    if (c.tensor_parallel > 1 || c.context_parallel > 1)
+      (void)CostModel(source.config, profile, c.tensor_parallel, c.context_parallel);
   }
   if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
     throw Error(fmt::format("workload.trace {} is not a file", c.trace));

@@ -925,8 +925,22 @@ TEST(KvlabMemory, TensorParallelPlansOneGpusShare) {
   EXPECT_NE(text.out.find("every figure below is one GPU's"), std::string::npos) << text.out;
   const Result no_gpu = kvlab("memory --model llama2-70b --seq-len 100 --tp 8");
   EXPECT_NE(no_gpu.exit_code, 0);
-  EXPECT_NE(no_gpu.err.find("--tp shards a model over the GPUs of --gpu"), std::string::npos)
+  EXPECT_NE(no_gpu.err.find("--tp and --cp shard a model over the GPUs of --gpu"),
+            std::string::npos)
       << no_gpu.err;
+  // Context parallelism: 4 groups hold 4 times one GPU's tokens, and the header says 4 GPUs.
+  const Result cp = kvlab(
+      "memory --model llama3.1-8b --gpu h200 --prompt-len 126195 --output-len 332 --cp 4 --json");
+  const Result single =
+      kvlab("memory --model llama3.1-8b --gpu h200 --prompt-len 126195 --output-len 332 --json");
+  const auto cp_json = nlohmann::json::parse(cp.out), one_json = nlohmann::json::parse(single.out);
+  EXPECT_EQ(cp_json["context_parallel"].get<std::int64_t>(), 4);
+  EXPECT_EQ(cp_json["kv_capacity_tokens"].get<std::int64_t>(),
+            4 * one_json["kv_capacity_tokens"].get<std::int64_t>());
+  EXPECT_NE(kvlab("memory --model llama3.1-8b --gpu h200 --prompt-len 126195 --cp 4")
+                .out.find("llama3.1-8b on 4 x h200"),
+            std::string::npos);
+  EXPECT_NE(kvlab("memory --model llama3.1-8b --gpu h200 --prompt-len 10 --cp 0").exit_code, 0);
   const Result odd =
       kvlab("memory --model llama2-70b --gpu h200 --prompt-len 512 --output-len 256 --tp 3");
   EXPECT_NE(odd.exit_code, 0);

@@ -8,6 +8,8 @@
 #include <set>
 
 #include "kvlab/error.hpp"
+#include "kvlab/model/kv_memory.hpp"
+#include "kvlab/model_config.hpp"
 #include "kvlab/sim/calibration.hpp"
 #include "kvlab/sim/cost_model.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
@@ -224,6 +226,64 @@ TEST(CostModel, TensorParallelSplitsTheWorkAndAddsTheAllReduces) {
   three_kv.num_key_value_heads = 3;
   test::expect_error_containing([&] { CostModel(three_kv, p, 4); },
                                 {"tensor parallelism 4 and the 3 K/V heads must divide"});
+}
+
+// Context parallelism over c groups: a prefill's tokens and pairs split c ways (the K/V it reads
+// not: every chunk passes every GPU), the ring's hops and (c - 1)/c of the context's K/V per
+// layer hidden behind the attention they feed; a decode computed on every group, its context's
+// K/V read 1/c each, partial outputs all-gathered once per layer; c times the tokens fit.
+TEST(CostModel, ContextParallelSplitsSequencesByPositions) {
+  HardwareProfile p = toy_profile();
+  p.allreduce_gb_per_s = 50.0;  // 5e10 B/s
+  p.allreduce_latency_s = 2e-6;
+  const ModelConfig m = toy_model();  // 2 layers, 4 query heads, 2 K/V heads, head_dim 16
+  const CostModel one(m, p), four(m, p, 1, 4);
+  const std::vector<EntryShape> prefill{{64, 0, 0}};
+  const StepWork p1 = one.work(prefill), p4 = four.work(prefill);
+  EXPECT_DOUBLE_EQ(p4.linear.flops, p1.linear.flops / 4);
+  EXPECT_DOUBLE_EQ(p4.attention_prefill.flops, p1.attention_prefill.flops / 4);
+  const double kv_token_bytes = 2 * 2 * 16 * 4;  // one layer: K and V, 2 heads x 16, f32
+  EXPECT_DOUBLE_EQ(p4.attention_prefill.bytes - p1.attention_prefill.bytes,
+                   -2 * 64 * 0.75 * 2 * 64 * 2);  // only the queries' reads shrink
+  EXPECT_EQ(p4.ring_hops, 2 * 3);
+  EXPECT_DOUBLE_EQ(p4.ring_bytes, 2 * 0.75 * 64 * kv_token_bytes);
+  EXPECT_EQ(p1.ring_hops, 0);
+  const StepCost c4 = four.cost(p4);
+  const double ring = 6 * 2e-6 + p4.ring_bytes / 5e10;
+  EXPECT_NEAR(c4.ring_s, std::max(0.0, ring - c4.attention_prefill_s), kRel);
+  const std::vector<EntryShape> decode{{1, 99, 0}, {1, 40, 0}};
+  const StepWork d1 = one.work(decode), d4 = four.work(decode);
+  EXPECT_DOUBLE_EQ(d4.linear.flops, d1.linear.flops);  // every group computes the new token
+  EXPECT_DOUBLE_EQ(d4.attention_decode.flops, d1.attention_decode.flops / 4);
+  EXPECT_EQ(d4.collectives, 2);  // one all-gather per layer
+  EXPECT_DOUBLE_EQ(d4.collective_bytes, 2 * 3 * 2 * (4 * 16 * 2 + 4 * 4));
+  EXPECT_EQ(d4.ring_hops, 0);
+  EXPECT_EQ(four.kv_capacity_tokens(), one.kv_capacity_tokens() * 4);
+  EXPECT_DOUBLE_EQ(four.kv_bytes_per_sequence_token_per_gpu(),
+                   one.kv_bytes_per_token_per_gpu() / 4.0);
+  EXPECT_NEAR(four.swap_seconds(1 << 20, 1) - p.swap_latency_s,
+              (one.swap_seconds(1 << 20, 1) - p.swap_latency_s) / 4, kRel);
+  test::expect_error_containing([&] { CostModel(m, toy_profile(), 1, 2); },
+                                {"context parallelism 2 on toy", "[interconnect]"});
+  test::expect_error_containing([&] { CostModel(m, p, 1, 0); }, {"context parallelism 0"});
+}
+
+// The planner: c groups hold c times the tokens (each GPU 1/c of every request's).
+TEST(MemoryPlanner, ContextParallelHoldsMoreTokensOfEachRequest) {
+  const ModelConfig llama = model_preset("llama3.1-8b");
+  const HardwareProfile h200 = load_hardware_profile("h200");
+  MemoryPlanQuery q;
+  q.prompt_tokens = 126195;
+  q.output_tokens = 332;
+  const MemoryPlan one = plan_memory(llama, h200, q);
+  q.context_parallel = 4;
+  const MemoryPlan four = plan_memory(llama, h200, q);
+  EXPECT_EQ(four.kv_capacity_tokens, one.kv_capacity_tokens * 4);
+  EXPECT_EQ(four.kv_bytes_per_token, one.kv_bytes_per_token);  // of a token on its GPU
+  EXPECT_GE(four.max_paged_requests, 4 * one.max_paged_requests);
+  q.context_parallel = 0;
+  test::expect_error_containing([&] { (void)plan_memory(llama, h200, q); },
+                                {"context parallelism must be >= 1"});
 }
 
 TEST(CostModel, EmptyStepCostsNothing) {

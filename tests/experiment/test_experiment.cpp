@@ -86,6 +86,24 @@ TEST(ExperimentLibrary, MooncakeTraceReplaysTokenIdenticalOnTheCpuBackend) {
             std::string::npos);
 }
 
+// backend.context_parallel is the simulated backend's; a fixed length above the default clamp is
+// kept, not cut to 4096.
+TEST(ExperimentLibrary, ContextParallelAndFixedLengthsAreReadAsWritten) {
+  EXPECT_NE(test::error_of<Error>([] {
+              (void)load_experiment(kQuickstart, small({"backend.context_parallel=2"}));
+            }).find("backend.context_parallel is the simulated backend's GPUs per model"),
+            std::string::npos);
+  const auto runs = load_experiment(
+      kQuickstart,
+      small({"workload.prompt_tokens={dist=\"fixed\", value=126195}", "backend.name=\"simulated\"",
+             "backend.profile=\"h200\"", "backend.context_parallel=4"}));
+  EXPECT_EQ(runs[0].config.context_parallel, 4);
+  EXPECT_EQ(runs[0].config.workload.prompt_tokens.max, 126195);
+  const auto clamped = load_experiment(
+      kQuickstart, small({"workload.prompt_tokens={dist=\"fixed\", value=9000, max=4096}"}));
+  EXPECT_EQ(clamped[0].config.workload.prompt_tokens.max, 4096);  // an explicit max still clamps
+}
+
 TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
   const auto runs = load_experiment(kQuickstart, small());
   validate_experiment(runs, true);

@@ -102,8 +102,12 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
       parameters_per_gpu(c, q.tensor_parallel) * static_cast<double>(dtype_size(q.weight_dtype));
   p.reserve_bytes = device.activation_reserve_gib * kGiB;
   p.kv_budget_bytes = kv_budget_bytes(device, p.weight_bytes);
-  p.kv_capacity_tokens = static_cast<std::int64_t>(
-      std::floor(p.kv_budget_bytes / static_cast<double>(p.kv_bytes_per_token)));
+  if (q.context_parallel < 1)
+    throw Error(fmt::format("context parallelism must be >= 1, got {}", q.context_parallel));
+  p.context_parallel = q.context_parallel;
+  p.kv_capacity_tokens = static_cast<std::int64_t>(std::floor(
+                             p.kv_budget_bytes / static_cast<double>(p.kv_bytes_per_token))) *
+                         q.context_parallel;
   p.paged_tokens_per_request = (expected + q.block_size - 1) / q.block_size * q.block_size;
   p.max_static_requests = p.kv_capacity_tokens / p.static_tokens_per_request;
   // Paged: whole blocks of the pool, each request holding its own.

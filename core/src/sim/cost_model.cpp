@@ -18,17 +18,20 @@ double roofline_seconds(const FlopsAndBytes& work, double peak_flops, double byt
 }
 
 CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
-                     std::int64_t tensor_parallel)
+                     std::int64_t tensor_parallel, std::int64_t context_parallel)
     : model_(model),
       profile_(profile),
       tp_(tensor_parallel),
+      cp_(context_parallel),
       kv_heads_per_gpu_(
           kv_heads_per_gpu(model.num_attention_heads, model.num_key_value_heads, tensor_parallel)) {
-  if (tp_ > 1 && !(profile_.allreduce_gb_per_s > 0))
+  if (cp_ < 1) throw Error(fmt::format("context parallelism {} must be >= 1", cp_));
+  if ((tp_ > 1 || cp_ > 1) && !(profile_.allreduce_gb_per_s > 0))
     throw Error(fmt::format(
-        "tensor parallelism {} on {}: the profile has no [interconnect] (allreduce_gb_per_s) to "
-        "price the all-reduces between its GPUs",
-        tp_, profile_.name));
+        "{} {} on {}: the profile has no [interconnect] (allreduce_gb_per_s) to price the "
+        "transfers between its GPUs",
+        tp_ > 1 ? "tensor parallelism" : "context parallelism", tp_ > 1 ? tp_ : cp_,
+        profile_.name));
 }
 
 namespace {
@@ -78,9 +81,16 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
       prefill_tokens += n;
     }
   }
-  const double tokens = static_cast<double>(w.tokens);
   const double sequences = static_cast<double>(w.sequences);
   if (w.tokens == 0) return w;
+  // Context parallelism: a GPU computes 1/c of the prefill tokens and pairs, every decode token,
+  // and attends over 1/c of each decode's context.
+  const double c = static_cast<double>(cp_);
+  const double decode_tokens = static_cast<double>(w.tokens) - prefill_tokens;
+  const double tokens = prefill_tokens / c + decode_tokens;  // this GPU's
+  prefill_pairs /= c;
+  decode_context /= c;
+  add_context_parallel_work(w, prefill_context, decode_tokens, kv_token_bytes);
 
   w.linear.flops = 2 * tokens * g.layer_weights * layers;
   w.linear.bytes = layers * (g.layer_weights * weight +
@@ -89,11 +99,11 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   w.lm_head.bytes = g.vocab * g.hidden * weight + sequences * (g.hidden * act + g.vocab * 4);
   const double pair_flops = 4 * g.q;  // QK^T and PV over this GPU's query heads
   w.attention_prefill.flops = layers * pair_flops * prefill_pairs;
-  w.attention_prefill.bytes =
-      layers * (prefill_context * kv_token_bytes + prefill_tokens * 2 * g.q * act);
+  w.attention_prefill.bytes =  // every K/V chunk passes every GPU of a ring
+      layers * (prefill_context * kv_token_bytes + prefill_tokens / c * 2 * g.q * act);
   w.attention_decode.flops = layers * pair_flops * decode_context;
   w.attention_decode.bytes =
-      layers * (decode_context * kv_token_bytes + (tokens - prefill_tokens) * 2 * g.q * act);
+      layers * (decode_context * kv_token_bytes + decode_tokens * 2 * g.q * act);
   // RMSNorm x2 (read + write hidden), RoPE (q + kv in and out), SwiGLU (2 inter in, inter out),
   // residual x2 (two in, one out), K/V write; then the embedding gather and the final norm.
   w.elementwise.bytes =
@@ -102,11 +112,31 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
       tokens * g.hidden * (weight + act) + sequences * 2 * g.hidden * act;
   if (tp_ > 1) {  // all-reduce after O and after down in every layer; the logits gathered
     const double t = static_cast<double>(tp_);
-    w.collectives = 2 * m.num_hidden_layers + 1;
-    w.collective_bytes = 2 * layers * 2 * (t - 1) / t * tokens * g.hidden * act +
-                         (t - 1) / t * sequences * static_cast<double>(m.vocab_size) * 4;
+    w.collectives += 2 * m.num_hidden_layers + 1;
+    w.collective_bytes += 2 * layers * 2 * (t - 1) / t * tokens * g.hidden * act +
+                          (t - 1) / t * sequences * static_cast<double>(m.vocab_size) * 4;
   }
   return w;
+}
+
+// The ring's K/V hops of a prefill, and the all-gather of a decode's partial attention outputs
+// (this GPU's query heads' values and their log-sum-exps, from each of the other c - 1 groups).
+void CostModel::add_context_parallel_work(StepWork& w, double prefill_context, double decode_tokens,
+                                          double kv_token_bytes) const {
+  if (cp_ == 1) return;
+  const double c = static_cast<double>(cp_);
+  const double layers = static_cast<double>(model_.num_hidden_layers);
+  const double act = static_cast<double>(dtype_size(profile_.compute_dtype));
+  const double q_heads = static_cast<double>(model_.num_attention_heads) / static_cast<double>(tp_);
+  if (prefill_context > 0) {
+    w.ring_hops = model_.num_hidden_layers * (cp_ - 1);
+    w.ring_bytes = layers * (c - 1) / c * prefill_context * kv_token_bytes;
+  }
+  if (decode_tokens > 0) {
+    w.collectives += model_.num_hidden_layers;
+    w.collective_bytes += layers * (c - 1) * decode_tokens *
+                          (q_heads * static_cast<double>(model_.head_dim) * act + q_heads * 4);
+  }
 }
 
 StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
@@ -132,6 +162,11 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
   if (w.collectives > 0)
     c.collectives_s = static_cast<double>(w.collectives) * p.allreduce_latency_s +
                       w.collective_bytes / (p.allreduce_gb_per_s * 1e9);
+  if (w.ring_hops > 0) {  // ring attention: each hop's transfer hides behind the attention
+    const double ring = static_cast<double>(w.ring_hops) * p.allreduce_latency_s +
+                        w.ring_bytes / (p.allreduce_gb_per_s * 1e9);
+    c.ring_s = std::max(0.0, ring - c.attention_prefill_s);
+  }
   return c;
 }
 
@@ -142,6 +177,7 @@ StepCost roofline_step_cost(const StepWork& w, const HardwareProfile& p) {
   peaks.efficiency = {1, 1, 1, 1, 1};
   StepWork without_collectives = w;
   without_collectives.collectives = 0;
+  without_collectives.ring_hops = 0;
   return step_cost(without_collectives, peaks);
 }
 
@@ -157,8 +193,8 @@ StepWork CostModel::work(std::span<const BatchEntry> batch,
 }
 
 double CostModel::swap_seconds(std::int64_t bytes, std::int64_t transfers) const {
-  const double share = static_cast<double>(kv_bytes_per_token_per_gpu()) /
-                       static_cast<double>(kv_bytes_per_token());  // this GPU's heads
+  const double share = kv_bytes_per_sequence_token_per_gpu() /
+                       static_cast<double>(kv_bytes_per_token());  // this GPU's heads, tokens
   return static_cast<double>(transfers) * profile_.swap_latency_s +
          static_cast<double>(bytes) * share / (profile_.swap_gb_per_s * 1e9);
 }
@@ -177,9 +213,14 @@ std::int64_t CostModel::kv_bytes_per_token_per_gpu() const {
          static_cast<std::int64_t>(dtype_size(profile_.kv_dtype));
 }
 
-std::int64_t CostModel::kv_capacity_tokens() const {
+double CostModel::kv_bytes_per_sequence_token_per_gpu() const {
+  return static_cast<double>(kv_bytes_per_token_per_gpu()) / static_cast<double>(cp_);
+}
+
+std::int64_t CostModel::kv_capacity_tokens() const {  // each group's whole tokens, c groups
   return static_cast<std::int64_t>(std::floor(kv_budget_bytes(profile_, weight_bytes()) /
-                                              static_cast<double>(kv_bytes_per_token_per_gpu())));
+                                              static_cast<double>(kv_bytes_per_token_per_gpu()))) *
+         cp_;
 }
 
 }  // namespace kvlab

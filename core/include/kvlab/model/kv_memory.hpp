@@ -47,18 +47,22 @@ struct MemoryPlanQuery {
   DType weight_dtype = DType::dtype_bf16;
   DType kv_dtype = DType::dtype_bf16;
   std::int64_t tensor_parallel = 1;  // GPUs sharing each layer: every byte below is one GPU's
+  // Groups of those GPUs sharing each sequence's KV by positions (context parallelism): a GPU
+  // holds 1/cp of every request's tokens, so the tokens that fit are cp times more.
+  std::int64_t context_parallel = 1;
 };
 
 struct MemoryPlan {
   std::int64_t kv_heads = 0;  // of the model
   std::int64_t tensor_parallel = 1;
+  std::int64_t context_parallel = 1;
   std::int64_t kv_heads_per_gpu = 0;    // kv_heads / tp, or 1 replicated when tp > kv_heads
   double usable_bytes = 0;              // memory_gib x utilization
   double weight_bytes = 0;              // parameters x weight dtype, one GPU's share
   double reserve_bytes = 0;             // activations
   double kv_budget_bytes = 0;           // usable - weights - reserve (0 when negative)
   std::int64_t kv_bytes_per_token = 0;  // 2 x layers x kv_heads_per_gpu x head_dim x kv dtype
-  std::int64_t kv_capacity_tokens = 0;  // floor(budget / bytes per token)
+  std::int64_t kv_capacity_tokens = 0;  // floor(budget / bytes per token) x context_parallel
   std::int64_t static_tokens_per_request = 0;
   std::int64_t paged_tokens_per_request = 0;  // ceil((prompt + output) / block) x block
   std::int64_t max_static_requests = 0;

@@ -14,6 +14,14 @@
 //                Q/K/V and gate/up split by columns, O and down by rows, the LM head by
 //                vocabulary, K/V heads split or one replicated), plus two all-reduces of the
 //                hidden states per layer and a gather of the logits over [interconnect]
+//   context      context parallelism over c groups of those GPUs: each sequence's KV split by
+//   parallel     positions, weights replicated. Prefill (ring attention): each group computes
+//                1/c of the chunk's tokens and their query-key pairs, reads every K/V chunk as
+//                it passes the ring, and receives (c - 1)/c of the context's K/V per layer over
+//                [interconnect], overlapped with the attention it feeds (the step pays the
+//                larger). Decode: the new token is computed by every group, each attends over
+//                its 1/c of the context, and the partial outputs (and their log-sum-exps) are
+//                all-gathered, one collective per layer.
 #include <cstdint>
 #include <span>
 
@@ -46,15 +54,19 @@ struct StepWork {
   // all-reduce: 2 (t - 1) / t of the message; gather: (t - 1) / t).
   std::int64_t collectives = 0;
   double collective_bytes = 0;
+  // Context parallelism: the ring's hops this step and the K/V bytes each GPU receives in them.
+  std::int64_t ring_hops = 0;
+  double ring_bytes = 0;
 };
 
 // Seconds per group; total() is the step's latency.
 struct StepCost {
   double linear_s = 0, lm_head_s = 0, attention_prefill_s = 0, attention_decode_s = 0,
          elementwise_s = 0, overhead_s = 0, collectives_s = 0;
+  double ring_s = 0;  // the ring's transfers beyond the prefill attention they overlap
   double total() const {
     return linear_s + lm_head_s + attention_prefill_s + attention_decode_s + elementwise_s +
-           overhead_s + collectives_s;
+           overhead_s + collectives_s + ring_s;
   }
 };
 
@@ -70,10 +82,11 @@ StepCost roofline_step_cost(const StepWork& work, const HardwareProfile& profile
 class CostModel {
  public:
   // `model` as served (its K/V heads after the attention variant's conversion), on
-  // `tensor_parallel` GPUs of `profile` (> 1 needs the profile's [interconnect]; kvlab::Error
-  // otherwise, or when the GPUs do not divide the heads: kv_heads_per_gpu).
+  // `tensor_parallel` x `context_parallel` GPUs of `profile` (either > 1 needs the profile's
+  // [interconnect]; kvlab::Error otherwise, or when the GPUs do not divide the heads:
+  // kv_heads_per_gpu).
   CostModel(const ModelConfig& model, const HardwareProfile& profile,
-            std::int64_t tensor_parallel = 1);
+            std::int64_t tensor_parallel = 1, std::int64_t context_parallel = 1);
 
   StepWork work(std::span<const EntryShape> batch) const;
   StepCost cost(const StepWork& work) const { return step_cost(work, profile_); }
@@ -91,19 +104,26 @@ class CostModel {
   // Memory, one GPU's: its parameters x compute dtype; K and V of one token in every layer for
   // its K/V heads; and the tokens of KV that fit in memory_gib x utilization - weights -
   // activation reserve (0 when nothing fits). kv_bytes_per_token: every GPU's together.
+  // With context parallelism a GPU holds 1/c of each sequence's tokens: the per-GPU bytes of a
+  // sequence's token are kv_bytes_per_token_per_gpu() / c, and the tokens that fit c times more.
   double weight_bytes() const;
   std::int64_t kv_bytes_per_token() const;
   std::int64_t kv_bytes_per_token_per_gpu() const;
+  double kv_bytes_per_sequence_token_per_gpu() const;
   std::int64_t kv_capacity_tokens() const;
 
   const HardwareProfile& profile() const { return profile_; }
   const ModelConfig& model() const { return model_; }
   std::int64_t tensor_parallel() const { return tp_; }
+  std::int64_t context_parallel() const { return cp_; }
 
  private:
+  void add_context_parallel_work(StepWork& w, double prefill_context, double decode_sequences,
+                                 double kv_token_bytes) const;
   ModelConfig model_;
   HardwareProfile profile_;
   std::int64_t tp_ = 1;
+  std::int64_t cp_ = 1;
   std::int64_t kv_heads_per_gpu_ = 0;
 };
 

@@ -49,6 +49,10 @@ struct ExperimentConfig {
   // The simulated backend: GPUs of `profile` that share each layer (tensor parallelism; the
   // profile's [interconnect] prices the all-reduces). 1 for every other backend.
   std::int64_t tensor_parallel = 1;
+  // The simulated backend: groups of tensor_parallel GPUs that split each sequence's KV by
+  // positions (context parallelism: ring attention for prefill, partial outputs all-gathered in
+  // decode; CostModel). 1 for every other backend.
+  std::int64_t context_parallel = 1;
   std::int64_t threads = 0;
   // backend.weights, the cpu backend's weight format: nullopt for "stored" (a GGUF file's own
   // types; f32 for presets and folders), else f32, f16, bf16, q8_0, q4_0, q4_1
