@@ -50,7 +50,10 @@ BlockPool::BlockPool(std::int64_t blocks, std::int64_t block_size, bool caching,
   // physically adjacent blocks (their views merge into few extents).
   free_plain_.reserve(blocks_.size());
   for (auto b = static_cast<BlockId>(blocks) - 1; b >= 0; --b) free_plain_.push_back(b);
-  if (caching_) tokens_.resize(static_cast<std::size_t>(blocks * block_size));
+  if (caching_) {
+    tokens_.resize(static_cast<std::size_t>(blocks * block_size));
+    cache_.reserve(blocks_.size());  // at most one entry a block: never rehashed
+  }
 }
 
 BlockId BlockPool::take() {

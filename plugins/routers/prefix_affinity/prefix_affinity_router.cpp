@@ -26,31 +26,32 @@ class PrefixAffinityRouter final : public kvlab::Router {
   kvlab::RouteDecision route(const kvlab::RouteRequest& request,
                              std::span<const kvlab::ReplicaLoad> replicas) override {
     const std::vector<std::uint64_t> blocks = block_hashes(request.prompt);
-    std::vector<std::size_t> matched(replicas.size(), 0);  // leading blocks each replica holds
-    for (std::size_t r = 0; r < replicas.size(); ++r)
-      for (const std::uint64_t h : blocks) {
-        const auto it = owner_.find(h);
-        if (it == owner_.end() || it->second != r) break;
-        ++matched[r];
-      }
-    std::size_t least = 0, best = 0;
-    for (std::size_t r = 1; r < replicas.size(); ++r) {
-      if (replicas[r].queued_tokens < replicas[least].queued_tokens) least = r;
-      if (matched[r] > matched[best]) best = r;
+    // Leading blocks one replica holds: only the first block's owner can hold any, so one pass.
+    std::size_t best = 0, matched = 0;
+    for (const std::uint64_t h : blocks) {
+      const auto it = owner_.find(h);
+      if (it == owner_.end() || (matched > 0 && it->second != best) ||
+          it->second >= replicas.size())
+        break;
+      best = it->second;
+      ++matched;
     }
+    std::size_t least = 0;
+    for (std::size_t r = 1; r < replicas.size(); ++r)
+      if (replicas[r].queued_tokens < replicas[least].queued_tokens) least = r;
     kvlab::RouteDecision decision;
-    if (matched[best] == 0) {
+    if (matched == 0) {
       decision = {least, fmt::format("no cached prefix: least loaded ({} queued tokens)",
                                      replicas[least].queued_tokens)};
     } else if (replicas[best].queued_tokens - replicas[least].queued_tokens > max_imbalance_) {
       decision = {least,
                   fmt::format("prefix of {} blocks on replica {}, but it has {} more "
                               "queued tokens than replica {}: least loaded",
-                              matched[best], best,
+                              matched, best,
                               replicas[best].queued_tokens - replicas[least].queued_tokens, least)};
     } else {
       decision = {best, fmt::format("prefix affinity: {} of {} prompt blocks sent here before",
-                                    matched[best], blocks.size())};
+                                    matched, blocks.size())};
     }
     remember(blocks, decision.replica);
     return decision;
