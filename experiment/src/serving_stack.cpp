@@ -59,8 +59,8 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   if (served.weights) weights = cpu::weights_view(*served.weights, served.source.string());
   context.weights = weights ? &*weights : nullptr;
   context.window = rules.window.value_or(0);
-  r->device_backend = registry.create<PluginKind::backend>(c.backend, backend_params(c), context);
-  r->backend = std::make_unique<TimedBackend>(*r->device_backend);
+  r->plugin_backend = registry.create<PluginKind::backend>(c.backend, backend_params(c), context);
+  r->backend = std::make_unique<TimedBackend>(*r->plugin_backend);
   EngineOptions options = engine_options(c, rules, cost_model, *r->pool);
   options.names = {plugin_label(registry, PluginKind::scheduler, c.scheduler),
                    plugin_label(registry, PluginKind::kv_allocator, c.allocator),

@@ -52,7 +52,7 @@ struct ReplicaStack {
   std::unique_ptr<KvPool> pool;
   PluginObject<KvAllocator> allocator;
   PluginObject<Scheduler> scheduler;
-  PluginObject<Backend> device_backend;   // the backend plugin's object (cpu, simulated, cuda..)
+  PluginObject<Backend> plugin_backend;   // the backend plugin's object: cpu, simulated, cuda, ...
   std::unique_ptr<TimedBackend> backend;  // it, timed
   std::unique_ptr<Engine> engine;
 };
