@@ -6,10 +6,11 @@
 #include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
-#include <unordered_map>
+#include <unordered_set>
 
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/error.hpp"
+#include "trace_replay.hpp"
 
 namespace kvlab {
 namespace {
@@ -24,13 +25,7 @@ std::int64_t count_field(const nlohmann::json& row, const char* key) {
 }
 
 MooncakeRow parse_row(const std::string& line) {
-  nlohmann::json row;
-  try {
-    row = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("not valid JSON: {}", e.what()));
-  }
-  if (!row.is_object()) throw Error("a row must be a JSON object");
+  const nlohmann::json row = detail::parse_json_object(line);
   MooncakeRow out;
   out.time_s = static_cast<double>(count_field(row, "timestamp")) / 1000.0;
   out.input = count_field(row, "input_length");
@@ -54,16 +49,11 @@ MooncakeRow parse_row(const std::string& line) {
 }
 
 void check_options(const MooncakeTraceOptions& o) {
-  if (!(o.start_s >= 0) || !(o.duration_s >= 0) || !std::isfinite(o.start_s + o.duration_s))
-    throw Error(fmt::format("Mooncake trace window: start_s {} and duration_s {} must be >= 0",
-                            o.start_s, o.duration_s));
-  if (!(o.rate_scale > 0) || !std::isfinite(o.rate_scale))
-    throw Error(fmt::format("Mooncake trace rate_scale must be > 0, got {}", o.rate_scale));
+  detail::check_replay_options("Mooncake trace", o.start_s, o.duration_s, o.rate_scale,
+                               o.max_requests, o.context, o.vocab_size);
   if (!(o.length_scale > 0 && o.length_scale <= 1))
     throw Error(
         fmt::format("Mooncake trace length_scale must be in (0, 1], got {}", o.length_scale));
-  if (o.max_requests < 0 || o.context < 0 || o.context == 1 || o.vocab_size < 1)
-    throw Error("Mooncake trace max_requests and context must be >= 0 (context >= 2), vocab >= 1");
 }
 
 std::int64_t scaled(std::int64_t tokens, double scale) {
@@ -133,7 +123,7 @@ PrefixReuse ideal_prefix_reuse(const std::vector<std::vector<std::int64_t>>& has
                                const std::vector<std::int64_t>& prompt_lengths,
                                std::int64_t block_tokens) {
   PrefixReuse reuse;
-  std::unordered_map<std::int64_t, bool> whole;  // ids some earlier request held whole
+  std::unordered_set<std::int64_t> whole;  // ids some earlier request held whole
   for (std::size_t r = 0; r < hash_ids.size(); ++r) {
     const std::int64_t length = prompt_lengths[r];
     reuse.prompt_tokens += length;
@@ -144,7 +134,7 @@ PrefixReuse ideal_prefix_reuse(const std::vector<std::vector<std::int64_t>>& has
       if (hitting) reuse.hit_tokens += block_tokens;
     }
     for (std::size_t b = 0; b < hash_ids[r].size() && b < full_blocks; ++b)
-      whole.emplace(hash_ids[r][b], true);
+      whole.insert(hash_ids[r][b]);
   }
   return reuse;
 }
@@ -167,11 +157,7 @@ RealWorkload load_mooncake_trace(const std::filesystem::path& path, const Moonca
       break;
     std::int64_t prompt = scaled(row.input, o.length_scale);
     std::int64_t output = scaled(row.output, o.length_scale);
-    if (o.context > 0 && prompt + output > o.context) {
-      prompt = std::min(prompt, o.context - 1);
-      output = std::min(output, o.context - prompt);
-      ++out.clipped;
-    }
+    out.clipped += detail::clip_to_context(prompt, output, o.context);
     prompt_tokens += prompt;
     if (prompt_tokens > (std::int64_t{1} << 32))
       throw Error(

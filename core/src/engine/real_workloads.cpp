@@ -13,6 +13,7 @@
 
 #include "csv_fields.hpp"
 #include "kvlab/error.hpp"
+#include "trace_replay.hpp"
 
 namespace kvlab {
 namespace {
@@ -76,24 +77,6 @@ std::vector<AzureRow> read_azure_rows(const std::filesystem::path& path) {
   return rows;
 }
 
-void check_azure_options(const AzureTraceOptions& o) {
-  if (!(o.start_s >= 0) || !(o.duration_s >= 0) || !std::isfinite(o.start_s + o.duration_s))
-    throw Error(fmt::format("Azure trace window: start_s {} and duration_s {} must be >= 0",
-                            o.start_s, o.duration_s));
-  if (!(o.rate_scale > 0) || !std::isfinite(o.rate_scale))
-    throw Error(fmt::format("Azure trace rate_scale must be > 0, got {}", o.rate_scale));
-  if (o.max_requests < 0 || o.context < 0 || o.context == 1 || o.vocab_size < 1)
-    throw Error("Azure trace max_requests and context must be >= 0 (context >= 2), vocab >= 1");
-}
-
-// Prompt + output cut to `context` tokens (prompt first keeps at least one token to generate).
-bool clip_to_context(std::int64_t& prompt, std::int64_t& output, std::int64_t context) {
-  if (context == 0 || prompt + output <= context) return false;
-  prompt = std::min(prompt, context - 1);
-  output = std::min(output, context - prompt);
-  return true;
-}
-
 std::vector<std::int32_t> random_ids(std::int64_t n, std::int64_t vocab, std::mt19937_64& rng) {
   std::vector<std::int32_t> ids(static_cast<std::size_t>(n));
   for (auto& id : ids) id = static_cast<std::int32_t>(rng() % static_cast<std::uint64_t>(vocab));
@@ -102,8 +85,44 @@ std::vector<std::int32_t> random_ids(std::int64_t n, std::int64_t vocab, std::mt
 
 }  // namespace
 
+namespace detail {
+
+void check_replay_options(std::string_view trace, double start_s, double duration_s,
+                          double rate_scale, std::int64_t max_requests, std::int64_t context,
+                          std::int64_t vocab_size) {
+  if (!(start_s >= 0) || !(duration_s >= 0) || !std::isfinite(start_s + duration_s))
+    throw Error(fmt::format("{} window: start_s {} and duration_s {} must be >= 0", trace, start_s,
+                            duration_s));
+  if (!(rate_scale > 0) || !std::isfinite(rate_scale))
+    throw Error(fmt::format("{} rate_scale must be > 0, got {}", trace, rate_scale));
+  if (max_requests < 0 || context < 0 || context == 1 || vocab_size < 1)
+    throw Error(
+        fmt::format("{} max_requests and context must be >= 0 (context >= 2), vocab >= 1", trace));
+}
+
+nlohmann::json parse_json_object(const std::string& line) {
+  nlohmann::json object;
+  try {
+    object = nlohmann::json::parse(line);
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("not valid JSON: {}", e.what()));
+  }
+  if (!object.is_object()) throw Error("each line must be a JSON object");
+  return object;
+}
+
+bool clip_to_context(std::int64_t& prompt, std::int64_t& output, std::int64_t context) {
+  if (context == 0 || prompt + output <= context) return false;
+  prompt = std::min(prompt, context - 1);
+  output = std::min(output, context - prompt);
+  return true;
+}
+
+}  // namespace detail
+
 RealWorkload load_azure_trace(const std::filesystem::path& path, const AzureTraceOptions& o) {
-  check_azure_options(o);
+  detail::check_replay_options("Azure trace", o.start_s, o.duration_s, o.rate_scale, o.max_requests,
+                               o.context, o.vocab_size);
   const std::vector<AzureRow> rows = read_azure_rows(path);
   RealWorkload out;
   if (rows.empty()) throw Error(fmt::format("Azure trace {} has no requests", path.string()));
@@ -117,7 +136,7 @@ RealWorkload load_azure_trace(const std::filesystem::path& path, const AzureTrac
     if (o.max_requests > 0 && static_cast<std::int64_t>(out.requests.size()) >= o.max_requests)
       break;
     std::int64_t prompt = row.prompt, output = row.output;
-    out.clipped += clip_to_context(prompt, output, o.context);
+    out.clipped += detail::clip_to_context(prompt, output, o.context);
     prompt_tokens += prompt;
     if (prompt_tokens > (std::int64_t{1} << 31))
       throw Error("the Azure trace window holds more than 2^31 prompt tokens: use a shorter one");
@@ -155,11 +174,10 @@ std::vector<std::string> load_prompt_texts(const std::filesystem::path& path) {
     };
     nlohmann::json object;
     try {
-      object = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::exception& e) {
-      throw fail(fmt::format("not valid JSON: {}", e.what()));
+      object = detail::parse_json_object(line);
+    } catch (const Error& e) {
+      throw fail(e.what());
     }
-    if (!object.is_object()) throw fail("each line must be a JSON object");
     const nlohmann::json* text = nullptr;
     if (object.contains("turns") && object["turns"].is_array() && !object["turns"].empty())
       text = &object["turns"][0];
@@ -197,7 +215,7 @@ RealWorkload prompt_set_workload(
                       "{}-token context",
                       which, texts[which], prompt, o.context));
     std::int64_t kept_prompt = prompt, cap = o.max_tokens;  // the prompt fits: only cap is cut
-    out.clipped += clip_to_context(kept_prompt, cap, o.context);
+    out.clipped += detail::clip_to_context(kept_prompt, cap, o.context);
     r.output_tokens = cap;
     r.sampling = o.sampling;
     r.sampling.max_tokens = static_cast<std::int32_t>(cap);

@@ -1,0 +1,25 @@
+#pragma once
+// What the recorded workloads (Azure and Mooncake traces, prompt sets) share: the checks of a
+// replay window's options, the clipping of a request to the model's context, a JSONL line.
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <string_view>
+
+namespace kvlab::detail {
+
+// Throws kvlab::Error naming `trace` ("Azure trace", "Mooncake trace") for a window before the
+// start, a rate scale that is not positive and finite, or negative counts.
+void check_replay_options(std::string_view trace, double start_s, double duration_s,
+                          double rate_scale, std::int64_t max_requests, std::int64_t context,
+                          std::int64_t vocab_size);
+
+// Prompt + output cut to `context` tokens (prompt first keeps at least one token to generate);
+// false when they fit (or context is 0: no limit).
+bool clip_to_context(std::int64_t& prompt, std::int64_t& output, std::int64_t context);
+
+// One line of a JSONL file as a JSON object; kvlab::Error "not valid JSON: ..." or "each line
+// must be a JSON object" (the caller adds file:line).
+nlohmann::json parse_json_object(const std::string& line);
+
+}  // namespace kvlab::detail
