@@ -201,6 +201,52 @@ TEST(Routers, PrefixAffinityYieldsToTheLeastLoadedBeyondItsImbalance) {
   EXPECT_NE(yielded.reason.find("least loaded"), std::string::npos) << yielded.reason;
 }
 
+// A system prompt every conversation shares, sent to every replica in turn, does not end a
+// conversation's run: its next turn goes back to the replica that holds the rest of its prefix
+// (the router keeps every replica a block was sent to, not only the last).
+TEST(Routers, PrefixAffinityFollowsAConversationPastASharedSystemPrompt) {
+  auto affinity = router("prefix_affinity", {{"max_imbalance_tokens", std::int64_t{1000}},
+                                             {"block_size", std::int64_t{4}}});
+  std::vector<ReplicaLoad> loads(3);
+  auto send = [&](std::vector<std::int32_t> prompt, std::size_t least_loaded) {
+    for (std::size_t r = 0; r < loads.size(); ++r)
+      loads[r].queued_tokens = r == least_loaded ? 0 : 10;
+    RouteRequest request;
+    request.prompt = prompt;
+    return affinity->route(request, loads);
+  };
+  const std::vector<std::int32_t> system{7, 7, 7, 7};
+  auto turn = [&](std::int32_t conversation, int turns) {
+    std::vector<std::int32_t> prompt = system;
+    for (int t = 0; t < turns; ++t)
+      for (std::int32_t k = 0; k < 4; ++k) prompt.push_back(100 * conversation + 10 * t + k);
+    return prompt;
+  };
+  EXPECT_EQ(send(turn(1, 1), 0).replica, 0u);  // the system prompt is new: least loaded
+  EXPECT_EQ(send(turn(2, 1), 1).replica, 0u);  // it shares the system prompt with replica 0
+  EXPECT_EQ(send(turn(3, 1), 2).replica, 0u);
+  // Conversation 4 lands on replica 2 (the least loaded: no block of it anywhere but the shared
+  // one, and replica 0 is busy beyond the imbalance).
+  loads = std::vector<ReplicaLoad>(3);
+  loads[0].queued_tokens = 5000;
+  RouteRequest fourth;
+  const auto first_turn = turn(4, 1);
+  fourth.prompt = first_turn;
+  ASSERT_EQ(affinity->route(fourth, loads).replica, 1u);
+  // Conversation 5 goes to replica 2, the system prompt with it (0 and 1 are busy).
+  loads[1].queued_tokens = 5000;
+  RouteRequest fifth;
+  const auto other = turn(5, 1);
+  fifth.prompt = other;
+  ASSERT_EQ(affinity->route(fifth, loads).replica, 2u);
+  // Conversation 4's second turn follows it to replica 1, although replica 2 was sent the system
+  // prompt last (a router keeping only the last replica of each block sends it to 2).
+  const RouteDecision second = send(turn(4, 2), 2);
+  EXPECT_EQ(second.replica, 1u);
+  EXPECT_NE(second.reason.find("prefix affinity: 2 of 3 prompt blocks"), std::string::npos)
+      << second.reason;
+}
+
 struct OutOfRange final : Router {
   RouteDecision route(const RouteRequest&, std::span<const ReplicaLoad> replicas) override {
     return {replicas.size(), "nowhere"};

@@ -1,12 +1,15 @@
 // prefix_affinity: send a request where its prompt's prefix was sent before, so that the
 // replica's prefix cache holds it (SGLang's cache-aware router, Preble). The router keeps its
 // own index of prompt blocks — chained hashes of each `block_size` tokens, the way paged prefix
-// caches name blocks — and which replica last received each; a request goes to the replica
-// holding its longest run of leading blocks. Load still counts: when that replica's queued
+// caches name blocks — and every replica each was sent to (SGLang's radix tree keeps a tenant
+// set per node likewise); a request goes to the replica holding its longest run of leading
+// blocks. Load still counts: when that replica's queued
 // tokens exceed the least loaded one's by more than `max_imbalance_tokens`, or no block
 // matches, the request goes to the least loaded replica instead.
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <bit>
 #include <cstdint>
 #include <deque>
 #include <unordered_map>
@@ -25,33 +28,30 @@ class PrefixAffinityRouter final : public kvlab::Router {
 
   kvlab::RouteDecision route(const kvlab::RouteRequest& request,
                              std::span<const kvlab::ReplicaLoad> replicas) override {
+    if (words_ == 0) words_ = (replicas.size() + 63) / 64;  // the cluster's size is fixed
     const std::vector<std::uint64_t> blocks = block_hashes(request.prompt);
-    // Leading blocks one replica holds: only the first block's owner can hold any, so one pass.
-    std::size_t best = 0, matched = 0;
-    for (const std::uint64_t h : blocks) {
-      const auto it = owner_.find(h);
-      if (it == owner_.end() || (matched > 0 && it->second != best) ||
-          it->second >= replicas.size())
-        break;
-      best = it->second;
-      ++matched;
-    }
-    std::size_t least = 0;
-    for (std::size_t r = 1; r < replicas.size(); ++r)
+    const std::vector<std::size_t> matched = leading_blocks(blocks, replicas.size());
+    std::size_t least = 0, best = 0;
+    for (std::size_t r = 1; r < replicas.size(); ++r) {
       if (replicas[r].queued_tokens < replicas[least].queued_tokens) least = r;
+      // The longest run; among equal runs the least loaded (a prefix sent to several).
+      if (matched[r] > matched[best] ||
+          (matched[r] == matched[best] && replicas[r].queued_tokens < replicas[best].queued_tokens))
+        best = r;
+    }
     kvlab::RouteDecision decision;
-    if (matched == 0) {
+    if (matched[best] == 0) {
       decision = {least, fmt::format("no cached prefix: least loaded ({} queued tokens)",
                                      replicas[least].queued_tokens)};
     } else if (replicas[best].queued_tokens - replicas[least].queued_tokens > max_imbalance_) {
       decision = {least,
                   fmt::format("prefix of {} blocks on replica {}, but it has {} more "
                               "queued tokens than replica {}: least loaded",
-                              matched, best,
+                              matched[best], best,
                               replicas[best].queued_tokens - replicas[least].queued_tokens, least)};
     } else {
       decision = {best, fmt::format("prefix affinity: {} of {} prompt blocks sent here before",
-                                    matched, blocks.size())};
+                                    matched[best], blocks.size())};
     }
     remember(blocks, decision.replica);
     return decision;
@@ -72,22 +72,64 @@ class PrefixAffinityRouter final : public kvlab::Router {
     return hashes;
   }
 
-  // Each block now belongs to `replica`; the oldest entries go past max_blocks.
+  // Each replica's run of leading blocks it was sent: one pass, the replicas still running as a
+  // bit set (a prefix every replica shares, a system prompt, does not end anyone's run).
+  std::vector<std::size_t> leading_blocks(const std::vector<std::uint64_t>& blocks,
+                                          std::size_t replicas) const {
+    std::vector<std::size_t> matched(replicas, 0);
+    std::vector<std::uint64_t> running(words_, ~std::uint64_t{0});
+    for (const std::uint64_t h : blocks) {
+      const auto it = slot_.find(h);
+      if (it == slot_.end()) break;
+      bool any = false;
+      for (std::size_t w = 0; w < words_; ++w) {
+        running[w] &= sent_[it->second * words_ + w];
+        for (std::uint64_t bits = running[w]; bits != 0; bits &= bits - 1)
+          ++matched[w * 64 + static_cast<std::size_t>(std::countr_zero(bits))];
+        any = any || running[w] != 0;
+      }
+      if (!any) break;
+    }
+    return matched;
+  }
+
+  // Each block was now sent to `replica` too; the oldest blocks go past max_blocks.
   void remember(const std::vector<std::uint64_t>& blocks, std::size_t replica) {
     for (const std::uint64_t h : blocks) {
-      if (owner_.insert_or_assign(h, replica).second) order_.push_back(h);
+      auto [it, added] = slot_.try_emplace(h, 0);
+      if (added) {
+        it->second = take_slot();
+        order_.push_back(h);
+      }
+      sent_[it->second * words_ + replica / 64] |= std::uint64_t{1} << (replica % 64);
       while (order_.size() > max_blocks_) {
-        owner_.erase(order_.front());
+        const auto oldest = slot_.find(order_.front());
+        free_slots_.push_back(oldest->second);
+        slot_.erase(oldest);
         order_.pop_front();
       }
     }
   }
 
+  std::size_t take_slot() {
+    if (!free_slots_.empty()) {
+      const std::size_t s = free_slots_.back();
+      free_slots_.pop_back();
+      std::fill_n(sent_.begin() + static_cast<std::ptrdiff_t>(s * words_), words_, 0);
+      return s;
+    }
+    sent_.resize(sent_.size() + words_, 0);
+    return sent_.size() / words_ - 1;
+  }
+
   std::size_t block_size_;
   std::int64_t max_imbalance_;
   std::size_t max_blocks_;
-  std::unordered_map<std::uint64_t, std::size_t> owner_;  // block hash -> replica
-  std::deque<std::uint64_t> order_;                       // insertion order, for eviction
+  std::size_t words_ = 0;                                // 64 replicas a word
+  std::unordered_map<std::uint64_t, std::size_t> slot_;  // block hash -> its row of sent_
+  std::vector<std::uint64_t> sent_;  // (slots, words_): the replicas each block was sent to
+  std::vector<std::size_t> free_slots_;
+  std::deque<std::uint64_t> order_;  // insertion order, for forgetting the oldest
 };
 
 const kvlab::ParamSpec kParams[] = {
