@@ -1,6 +1,9 @@
 #include "kvlab/kv/block_pool.hpp"
 
 #include <algorithm>
+#include <bit>
+
+#include "kvlab/error.hpp"
 
 namespace kvlab {
 
@@ -40,6 +43,59 @@ BlockId LruEviction::victim() {
   return block;
 }
 
+BlockHashIndex::BlockHashIndex(std::int64_t max_entries) {
+  std::size_t slots = 16;
+  while (slots < 2 * static_cast<std::size_t>(std::max<std::int64_t>(max_entries, 1))) slots *= 2;
+  keys_.assign(slots, 0);
+  values_.assign(slots, -1);
+  mask_ = slots - 1;
+  shift_ = 64 - std::countr_zero(slots);
+}
+
+std::optional<BlockId> BlockHashIndex::find(std::uint64_t hash) const {
+  if (hash == 0) return std::nullopt;
+  for (std::size_t i = home(hash);; i = (i + 1) & mask_) {
+    if (keys_[i] == hash) return values_[i];
+    if (keys_[i] == 0) return std::nullopt;
+  }
+}
+
+bool BlockHashIndex::insert(std::uint64_t hash, BlockId block) {
+  if (hash == 0) return false;
+  if (static_cast<std::size_t>(2 * (size_ + 1)) > keys_.size())
+    throw Error("internal: the block hash index holds one entry a block, and is full");
+  std::size_t i = home(hash);
+  for (; keys_[i] != 0; i = (i + 1) & mask_)
+    if (keys_[i] == hash) return false;
+  keys_[i] = hash;
+  values_[i] = block;
+  ++size_;
+  return true;
+}
+
+// Backward-shift deletion: each later entry of the probe run that may sit in the hole moves up,
+// so no lookup ever stops early at it.
+void BlockHashIndex::erase(std::uint64_t hash) {
+  if (hash == 0) return;
+  std::size_t hole = home(hash);
+  while (keys_[hole] != hash) {
+    if (keys_[hole] == 0) return;
+    hole = (hole + 1) & mask_;
+  }
+  for (std::size_t next = (hole + 1) & mask_; keys_[next] != 0; next = (next + 1) & mask_) {
+    const std::size_t wanted = home(keys_[next]);
+    // The entry at `next` may fill the hole when its home is not in (hole, next] (cyclically).
+    if (((next - wanted) & mask_) >= ((next - hole) & mask_)) {
+      keys_[hole] = keys_[next];
+      values_[hole] = values_[next];
+      hole = next;
+    }
+  }
+  keys_[hole] = 0;
+  values_[hole] = -1;
+  --size_;
+}
+
 BlockPool::BlockPool(std::int64_t blocks, std::int64_t block_size, bool caching,
                      std::unique_ptr<EvictionPolicy> policy)
     : block_size_(block_size),
@@ -52,7 +108,7 @@ BlockPool::BlockPool(std::int64_t blocks, std::int64_t block_size, bool caching,
   for (auto b = static_cast<BlockId>(blocks) - 1; b >= 0; --b) free_plain_.push_back(b);
   if (caching_) {
     tokens_.resize(static_cast<std::size_t>(blocks * block_size));
-    cache_.reserve(blocks_.size());  // at most one entry a block: never rehashed
+    cache_ = BlockHashIndex(blocks);  // at most one entry a block
   }
 }
 
@@ -98,17 +154,17 @@ std::span<const std::int32_t> BlockPool::tokens_of(BlockId b) const {
 
 std::optional<BlockId> BlockPool::cached(std::uint64_t hash,
                                          std::span<const std::int32_t> tokens) const {
-  const auto it = cache_.find(hash);
-  if (it == cache_.end()) return std::nullopt;
-  const std::span<const std::int32_t> held = tokens_of(it->second);
+  const std::optional<BlockId> found = cache_.find(hash);
+  if (!found) return std::nullopt;
+  const std::span<const std::int32_t> held = tokens_of(*found);
   if (!std::equal(held.begin(), held.end(), tokens.begin(), tokens.end())) return std::nullopt;
-  return it->second;
+  return found;
 }
 
 void BlockPool::register_prefix(BlockId b, std::uint64_t hash,
                                 std::span<const std::int32_t> tokens) {
   Block& block = blocks_[index(b)];
-  if (!caching_ || block.hash != 0 || !cache_.try_emplace(hash, b).second) return;
+  if (!caching_ || block.hash != 0 || !cache_.insert(hash, b)) return;
   block.hash = hash;
   std::copy(tokens.begin(), tokens.end(),
             tokens_.begin() +

@@ -9,7 +9,6 @@
 #include <memory>
 #include <optional>
 #include <span>
-#include <unordered_map>
 #include <vector>
 
 namespace kvlab {
@@ -38,6 +37,28 @@ class LruEviction final : public EvictionPolicy {
  private:
   std::vector<BlockId> previous_, next_;  // -1: none
   BlockId head_ = -1, tail_ = -1;         // head: the least recently freed
+  std::int64_t size_ = 0;
+};
+
+// The prefix cache's map from chain hash to block: open addressing with linear probing in a
+// power-of-two table at most half full, deletion by backward shift (no tombstones). One probe
+// sequence in one array, where a node-based map pays an allocation and a cache miss per entry:
+// the prefix cache registers and evicts a block on almost every prompt block of a long trace.
+// Hash 0 is "no prefix" (BlockPool's marker), never a key.
+class BlockHashIndex {
+ public:
+  explicit BlockHashIndex(std::int64_t max_entries = 0);
+  std::optional<BlockId> find(std::uint64_t hash) const;
+  bool insert(std::uint64_t hash, BlockId block);  // false: the hash is there already
+  void erase(std::uint64_t hash);
+  std::int64_t size() const { return size_; }
+
+ private:
+  std::size_t home(std::uint64_t hash) const { return (hash * 0x9e3779b97f4a7c15ULL) >> shift_; }
+  std::vector<std::uint64_t> keys_;  // 0: empty
+  std::vector<BlockId> values_;
+  std::size_t mask_ = 0;
+  int shift_ = 64;
   std::int64_t size_ = 0;
 };
 
@@ -87,8 +108,8 @@ class BlockPool {
   bool caching_;
   std::unique_ptr<EvictionPolicy> policy_;
   std::vector<Block> blocks_;
-  std::vector<BlockId> free_plain_;                   // free blocks with no registered prefix
-  std::unordered_map<std::uint64_t, BlockId> cache_;  // chain hash -> block
+  std::vector<BlockId> free_plain_;   // free blocks with no registered prefix
+  BlockHashIndex cache_;              // chain hash -> block
   std::vector<std::int32_t> tokens_;  // (blocks, block_size): a cached block's tokens
   std::int64_t live_fill_ = 0, evictions_ = 0;
 };
