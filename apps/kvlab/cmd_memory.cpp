@@ -115,8 +115,8 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   const bool sharded = p.tensor_parallel > 1;
   const std::int64_t gpus = p.tensor_parallel * p.context_parallel;
   fmt::print("{} on {}{} ({}): {} weights, {} KV\n", c.name,
-             gpus > 1 ? fmt::format("{} x ", gpus) : "", device.name,
-             device.description, dtype_short_name(q.weight_dtype), dtype_short_name(q.kv_dtype));
+             gpus > 1 ? fmt::format("{} x ", gpus) : "", device.name, device.description,
+             dtype_short_name(q.weight_dtype), dtype_short_name(q.kv_dtype));
   if (sharded)
     fmt::print("  tensor parallel over {} GPUs: every figure below is one GPU's\n",
                p.tensor_parallel);
@@ -134,13 +134,12 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
       sharded ? fmt::format(" (of {:.2f}B)", static_cast<double>(c.parameter_count()) / 1e9) : "",
       dtype_size(q.weight_dtype));
   fmt::print("  reserve     {:>12}  (activations, workspace)\n", human_bytes(p.reserve_bytes));
-  fmt::print("  KV budget   {:>12}  = {} tokens of {} ({} KV heads{}){}\n",
-             human_bytes(p.kv_budget_bytes), p.kv_capacity_tokens,
-             human_bytes(static_cast<double>(p.kv_bytes_per_token)), p.kv_heads,
-             sharded ? fmt::format(", {} on each GPU", p.kv_heads_per_gpu) : "",
-             p.context_parallel > 1
-                 ? fmt::format(" x {} groups, each token on one", p.context_parallel)
-                 : "");
+  fmt::print(
+      "  KV budget   {:>12}  = {} tokens of {} ({} KV heads{}){}\n", human_bytes(p.kv_budget_bytes),
+      p.kv_capacity_tokens, human_bytes(static_cast<double>(p.kv_bytes_per_token)), p.kv_heads,
+      sharded ? fmt::format(", {} on each GPU", p.kv_heads_per_gpu) : "",
+      p.context_parallel > 1 ? fmt::format(" x {} groups, each token on one", p.context_parallel)
+                             : "");
   if (p.kv_capacity_tokens == 0)
     fmt::print(
         "  the weights and the reserve alone exceed the usable memory: shard the model "

@@ -44,18 +44,25 @@ RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model
   return workload;
 }
 
+// A recorded trace's replay options (window, scales: from the file) with what the run decides:
+// the model's context and vocabulary, the seed, the workload's sampling.
+template <typename TraceReplayOptions>
+TraceReplayOptions for_run(TraceReplayOptions options, const ExperimentConfig& c,
+                           const ModelConfig& model) {
+  options.context = model.max_position_embeddings;
+  options.vocab_size = model.vocab_size;
+  options.seed = c.seed;
+  options.sampling = workload_sampling(c.workload);
+  return options;
+}
+
 // The trace, the Azure trace, the prompt set, or the synthetic workload; greedy everywhere for
 // `check`.
 RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, bool check,
                            std::unique_ptr<Tokenizer>& tokenizer) {
   RealWorkload w;
   if (!c.trace.empty() && is_mooncake_trace(c.trace)) {
-    MooncakeTraceOptions options = c.replay;
-    options.context = model.max_position_embeddings;
-    options.vocab_size = model.vocab_size;
-    options.seed = c.seed;
-    options.sampling = workload_sampling(c.workload);
-    w = load_mooncake_trace(c.trace, options);
+    w = load_mooncake_trace(c.trace, for_run(c.replay, c, model));
   } else if (!c.trace.empty()) {
     if (c.replay_given)
       throw Error(
@@ -69,12 +76,7 @@ RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, 
     options.sampling.ignore_eos = c.workload.ignore_eos;
     w.requests = load_trace(c.trace, options);
   } else if (!c.azure_trace.empty()) {
-    AzureTraceOptions options = c.azure;
-    options.context = model.max_position_embeddings;
-    options.vocab_size = model.vocab_size;
-    options.seed = c.seed;
-    options.sampling = workload_sampling(c.workload);
-    w = load_azure_trace(c.azure_trace, options);
+    w = load_azure_trace(c.azure_trace, for_run(c.azure, c, model));
   } else if (!c.prompt_set.empty()) {
     w = prompt_requests(c, model, tokenizer);
   } else {
