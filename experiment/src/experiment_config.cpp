@@ -178,6 +178,7 @@ void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
   resolve(c.azure_trace);
   resolve(c.prompt_set);
   resolve(c.output_dir);
+  resolve(c.disk_tier_directory);
   for (auto& p : c.plugin_paths) resolve(p);
 }
 
@@ -453,6 +454,26 @@ void parse_output(Section& s, ExperimentConfig& c) {
   }
 }
 
+// [kv_tiers]: host memory and disk below the paged allocator's prefix cache.
+void parse_kv_tiers(Section& s, ExperimentConfig& c) {
+  auto gib = [&](const char* key) {
+    const double value = s.get<double>(key).value_or(0);
+    if (!(value >= 0) || value > 1e6)
+      s.fail(*s.node(key), fmt::format("kv_tiers.{} must be in [0, 1e6] GiB", key));
+    return value;
+  };
+  c.host_tier_gib = gib("host_gib");
+  c.disk_tier_gib = gib("disk_gib");
+  c.tier_policy = s.get<std::string>("policy").value_or(c.tier_policy);
+  c.tier_policy_params = plugin_params(s, "params");
+  c.disk_tier_directory = s.get<std::string>("disk_directory").value_or("");
+  if (c.has_kv_tiers() && c.allocator != "paged")
+    s.fail(*s.node(c.host_tier_gib > 0 ? "host_gib" : "disk_gib"),
+           fmt::format("[kv_tiers] keeps the prefix cache's evicted blocks: it needs "
+                       "kv_cache.allocator = \"paged\" (not \"{}\")",
+                       c.allocator));
+}
+
 // [cluster]: replicas of the whole serving stack behind a router plugin.
 void parse_cluster(Section& s, ExperimentConfig& c) {
   c.replicas = s.get_int<std::int64_t>("replicas", 1, 1024).value_or(1);
@@ -480,6 +501,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   section("workload", [&](Section& s) { parse_workload(s, c); });
   section("slo", [&](Section& s) { parse_slo(s, c); });
   section("cluster", [&](Section& s) { parse_cluster(s, c); });
+  section("kv_tiers", [&](Section& s) { parse_kv_tiers(s, c); });
   if (const toml::node* gone = root.get("time_model"))
     top.fail(*gone,
              "[time_model] is gone: the virtual clock prices each step with the roofline cost "

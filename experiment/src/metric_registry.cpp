@@ -71,6 +71,13 @@ json optional_latency(const std::optional<LatencySummary>& l) {
 }
 
 #define SUMMARY(field) [](const ExperimentConfig&, const RunOutput& out) { return json(field); }
+// A [kv_tiers] total (t: RunOutput::KvTierTotals), null for a run without tiers.
+#define TIER_METRIC(field)                            \
+  [](const ExperimentConfig&, const RunOutput& out) { \
+    if (!out.kv_tiers) return json();                 \
+    const RunOutput::KvTierTotals& t = *out.kv_tiers; \
+    return json(field);                               \
+  }
 
 const RunMetric kRunMetrics[] = {
     {"submitted",
@@ -260,6 +267,54 @@ const RunMetric kRunMetrics[] = {
        return out.ideal_prefix_hit_rate ? json(*out.ideal_prefix_hit_rate) : json();
      },
      {{"ideal_prefix_hit_rate", "ideal prefix hit", "", 1, true}}},
+    {"tier_host_hit_rate",
+     "fraction",
+     "KV tiers ([kv_tiers]): prompt tokens whose KV was loaded back from host memory / prompt "
+     "tokens looked up (a part of prefix_hit_rate)",
+     "over the run, every replica",
+     true,
+     TIER_METRIC(t.host_hit_rate),
+     {{"tier_host_hit_rate", "host-tier hit", "", 1, true}}},
+    {"tier_disk_hit_rate",
+     "fraction",
+     "KV tiers: prompt tokens whose KV was loaded back from disk / prompt tokens looked up (a "
+     "part of prefix_hit_rate)",
+     "over the run, every replica",
+     true,
+     TIER_METRIC(t.disk_hit_rate),
+     {{"tier_disk_hit_rate", "disk-tier hit", "", 1, true}}},
+    {"tier_bytes_stored",
+     "bytes",
+     "KV tiers: bytes of evicted prefix blocks stored down (device to host, host to disk), in the "
+     "pool's dtype",
+     "sum over the run, every replica",
+     true,
+     TIER_METRIC(t.bytes_stored),
+     {{"tier_stored_mib", "tier stored MiB", "", 1, false, 1.0 / (1 << 20)}}},
+    {"tier_bytes_loaded",
+     "bytes",
+     "KV tiers: bytes of prefix blocks loaded back to the device (from host or disk)",
+     "sum over the run, every replica",
+     true,
+     TIER_METRIC(t.bytes_loaded),
+     {{"tier_loaded_mib", "tier loaded MiB", "", 1, false, 1.0 / (1 << 20)}}},
+    {"tier_dropped_blocks",
+     "blocks",
+     "KV tiers: evicted prefix blocks no tier kept (the policy refused them, or the disk gave "
+     "them up)",
+     "sum over the run, every replica",
+     true,
+     TIER_METRIC(t.dropped_blocks),
+     {}},
+    {"tier_time_s",
+     "seconds",
+     "KV tiers: step time charged to the tier copies (virtual clock: their price over the "
+     "profile's links, or its excess over the step's compute when the profile overlaps them; "
+     "measured clock: the copies as they took)",
+     "sum over steps",
+     true,
+     TIER_METRIC(t.time_s),
+     {{"tier_time_s", "tier time (s)", "", 3, false}}},
     {"swapped_bytes",
      "bytes",
      "KV copied to and from the host swap pool by swap preemptions, in the pool's dtype",

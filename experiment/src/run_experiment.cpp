@@ -103,6 +103,26 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
   out.prefix_hit_rate = query_tokens > 0 ? hit_tokens / query_tokens : 0.0;
 }
 
+// The KV tiers' counters summed over the replicas' allocators, and the step time they cost.
+RunOutput::KvTierTotals kv_tier_totals(const std::vector<std::unique_ptr<ReplicaStack>>& stacks,
+                                       const std::vector<StepRecord>& steps) {
+  RunOutput::KvTierTotals t;
+  double host_hits = 0, disk_hits = 0, queried = 0;
+  for (const auto& stack : stacks) {
+    const KvAllocatorStats kv = stack->allocator->stats();
+    host_hits += static_cast<double>(kv.host_hit_tokens);
+    disk_hits += static_cast<double>(kv.disk_hit_tokens);
+    queried += static_cast<double>(kv.prefix_query_tokens);
+    t.bytes_stored += kv.host_bytes_stored + kv.disk_bytes_stored;
+    t.bytes_loaded += kv.host_bytes_loaded + kv.disk_bytes_loaded;
+    t.dropped_blocks += kv.tier_dropped_blocks;
+  }
+  t.host_hit_rate = queried > 0 ? host_hits / queried : 0.0;
+  t.disk_hit_rate = queried > 0 ? disk_hits / queried : 0.0;
+  for (const StepRecord& s : steps) t.time_s += s.tier_s;
+  return t;
+}
+
 }  // namespace
 
 RunOutput run_experiment(const ExperimentConfig& c, bool check,
@@ -165,6 +185,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     out.graph_replays += counters.graph_replays;
     out.graph_captures += counters.graph_captures;
   }
+  if (c.has_kv_tiers()) out.kv_tiers = kv_tier_totals(stacks, out.engine.steps);
   const double cluster_hit_rate = out.prefix_hit_rate;
   summarize_memory_and_predictions(out, cost_model && c.clock == EngineClock::measured);
   if (c.replicas > 1) out.prefix_hit_rate = cluster_hit_rate;  // every replica's, not the last

@@ -43,22 +43,30 @@ void write_requests_csv(std::ostream& f, const RunOutput& out) {
 // byte-identical and carry no columns of zeros.
 void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
   const bool cluster = !out.replicas.empty();  // each step is one replica's
+  const bool tiers = out.kv_tiers.has_value();
   f << (cluster ? "replica," : "") << "step,start_s,duration_s,"
     << (measured ? "measured_forward_s,measured_step_s," : "")
     << "predicted_s,batch,prefill_tokens,decode_tokens,preempted,waiting,running,padding,"
        "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
        "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
-       "prefix_query_tokens\n";
+       "prefix_query_tokens"
+    << (tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "")
+    << "\n";
   for (const auto& s : out.engine.steps) {
     if (cluster) f << s.replica << ",";
     f << fmt::format("{},{:.6f},{:.6f},", s.step, s.start_s, s.duration_s);
     if (measured) f << fmt::format("{:.6f},{:.6f},", s.measured_forward_s, s.measured_step_s);
-    f << fmt::format("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}\n",
+    f << fmt::format("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
                      s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens, s.preempted,
                      s.waiting, s.running, s.padding, s.padding_slots, s.swap_bytes, s.kv.capacity,
                      s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free,
                      s.kv.unusable_free, s.blocking_unusable_free, s.kv.cached_free,
                      s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+    if (tiers)
+      f << fmt::format(",{},{},{},{},{:.6f}", s.kv.host_hit_tokens, s.kv.disk_hit_tokens,
+                       s.kv.host_bytes_stored + s.kv.disk_bytes_stored,
+                       s.kv.host_bytes_loaded + s.kv.disk_bytes_loaded, s.tier_s);
+    f << "\n";
   }
 }
 

@@ -33,6 +33,10 @@ std::string plugin_label(const PluginRegistry& registry, PluginKind kind, const 
                      registry.find(kind, name).file.string());
 }
 
+std::int64_t gib_bytes(double gib) {
+  return static_cast<std::int64_t>(gib * (1 << 30));
+}
+
 std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                                            const PluginRegistry& registry,
                                            const ServedModel& served,
@@ -52,6 +56,13 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   context.model = &model;
   context.max_seq_len = model.max_position_embeddings;
   context.pool = r->pool.get();
+  if (c.has_kv_tiers()) {
+    r->tier_policy =
+        registry.create<PluginKind::tier_policy>(c.tier_policy, c.tier_policy_params, context);
+    r->tiers = {gib_bytes(c.host_tier_gib), gib_bytes(c.disk_tier_gib),
+                c.disk_tier_directory.c_str(), r->tier_policy.get()};
+    context.tiers = &r->tiers;
+  }
   r->allocator =
       registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
   r->scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
@@ -170,11 +181,14 @@ std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
       "{} replica{} ([cluster] replicas), each with its own KV pool of {} slots ({:.2f} GiB) and "
       "backend",
       c.replicas, c.replicas > 1 ? "s" : "", slots, pool_bytes / (1 << 30));
-  // The cpu backend's pools are host memory (the others': device memory, or none).
+  // The cpu backend's pools and host tiers are host memory (the others': device memory, or none).
+  const double host_tier_bytes =
+      c.backend_kind == BackendKind::cpu ? c.host_tier_gib * (1 << 30) : 0;
   if (c.backend_kind == BackendKind::cpu ||
       (c.backend_kind != BackendKind::simulated && c.replicas > 1))
-    check_allocation(static_cast<std::uint64_t>(pool_bytes * static_cast<double>(c.replicas)),
-                     what);
+    check_allocation(static_cast<std::uint64_t>((pool_bytes + host_tier_bytes) *
+                                                static_cast<double>(c.replicas)),
+                     host_tier_bytes > 0 ? what + " and host KV tier ([kv_tiers] host_gib)" : what);
   std::vector<std::unique_ptr<ReplicaStack>> stacks;
   try {
     for (std::int64_t r = 0; r < c.replicas; ++r)

@@ -50,6 +50,8 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
 // replica). Members are destroyed in reverse: the device backend detaches before its pool goes.
 struct ReplicaStack {
   std::unique_ptr<KvPool> pool;
+  PluginObject<KvTierPolicy> tier_policy;  // [kv_tiers], else empty
+  KvTierSpec tiers;                        // what the allocator was given
   PluginObject<KvAllocator> allocator;
   PluginObject<Scheduler> scheduler;
   PluginObject<Backend> plugin_backend;   // the backend plugin's object: cpu, simulated, cuda, ...

@@ -40,6 +40,17 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
                     "\"simulated\" (no weights exist for it)",
                     c.model));
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
+  if (c.has_kv_tiers()) {
+    check_plugin(PluginKind::tier_policy, c.tier_policy, c.tier_policy_params);
+    if (c.backend_kind == BackendKind::plugin)
+      throw Error(fmt::format(
+          "[kv_tiers] runs on the cpu backend (real copies) and the simulated one (priced "
+          "copies), not \"{}\": a GPU pool's blocks the tiers cannot copy yet",
+          c.backend));
+    if (!c.disk_tier_directory.empty() && c.disk_tier_gib > 0 &&
+        !std::filesystem::is_directory(c.disk_tier_directory))
+      throw Error(fmt::format("kv_tiers.disk_directory {} is not a folder", c.disk_tier_directory));
+  }
   if (!c.profile.empty()) {
     const HardwareProfile profile = load_hardware_profile(c.profile);
     // Tensor parallelism: the GPUs divide the heads, the profile prices their all-reduces.

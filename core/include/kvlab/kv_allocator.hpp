@@ -37,6 +37,17 @@ struct KvAllocatorStats {
   std::int64_t prefix_hit_tokens = 0;    // of those, found with KV already in the pool
   std::int64_t evictions = 0;            // cached blocks reused for other data
   std::int64_t live_sequences = 0;
+  // KV tiers below the pool (paged with [kv_tiers], kvlab/kv/kv_tiers.hpp), cumulative: of
+  // prefix_hit_tokens, those loaded back from host memory and from disk; the bytes stored into
+  // and loaded from each tier in the pool's dtype; the block copies over the device-host link
+  // (a disk block loaded back crosses it too) and the disk's reads and writes; the blocks no
+  // tier kept; and what the real copies took here (0 on a pool without storage).
+  std::int64_t host_hit_tokens = 0, disk_hit_tokens = 0;
+  std::int64_t host_bytes_stored = 0, host_bytes_loaded = 0;
+  std::int64_t disk_bytes_stored = 0, disk_bytes_loaded = 0;
+  std::int64_t host_copies = 0, disk_copies = 0;
+  std::int64_t tier_dropped_blocks = 0;
+  double tier_copy_seconds = 0;
 };
 
 struct AllocateRequest {

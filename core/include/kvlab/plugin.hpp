@@ -20,6 +20,7 @@
 
 #include "kvlab/attention_variant.hpp"
 #include "kvlab/backend.hpp"
+#include "kvlab/kv/kv_tiers.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/model_weights.hpp"
@@ -35,9 +36,10 @@ enum class PluginKind : std::uint32_t {
   attention_variant = 2,
   scheduler = 3,
   backend = 4,
-  router = 5
+  router = 5,
+  tier_policy = 6
 };
-// "allocator", "attention", "scheduler", "backend", "router"
+// "allocator", "attention", "scheduler", "backend", "router", "tier_policy"
 const char* plugin_kind_name(PluginKind kind);
 
 // What a plugin object may need from the host when it is created.
@@ -47,6 +49,7 @@ struct PluginContext {
   std::int64_t max_seq_len = 0;        // longest sequence (prompt + output) a request may reach
   const ModelWeightsView* weights = nullptr;  // backends: the checkpoint (K/V heads converted)
   std::int64_t window = 0;                    // backends: sliding-window size, 0 for none
+  const KvTierSpec* tiers = nullptr;  // allocators: KV tiers below the pool ([kv_tiers]), or none
 };
 
 struct PluginDescriptor {
@@ -89,6 +92,10 @@ struct PluginInterface<PluginKind::backend> {
 template <>
 struct PluginInterface<PluginKind::router> {
   using type = Router;
+};
+template <>
+struct PluginInterface<PluginKind::tier_policy> {
+  using type = KvTierPolicy;
 };
 
 namespace detail {

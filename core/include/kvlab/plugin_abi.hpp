@@ -9,6 +9,7 @@
 
 #include "kvlab/attention_variant.hpp"
 #include "kvlab/backend.hpp"
+#include "kvlab/kv/kv_tiers.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/model_weights.hpp"
@@ -26,8 +27,9 @@ namespace kvlab {
 // choices) -> ForwardResult, replaces choose_tokens / chosen_tokens / chosen_logprobs;
 // AllocateRequest::prefix_hashes (a request's block hashes, kept with it); 11: backends get
 // the core's ModelWeightsView (PluginContext::weights), Backend::description; cpu and simulated
-// are backend plugins like cuda.
-inline constexpr std::uint32_t kPluginAbiVersion = 11;
+// are backend plugins like cuda; 12: the tier_policy kind (KvTierPolicy), PluginContext::tiers,
+// KvAllocatorStats' tier counters.
+inline constexpr std::uint32_t kPluginAbiVersion = 12;
 
 namespace detail {
 
@@ -67,6 +69,9 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<WeightMatrixView>().type<LayerWeightsView>().type<ModelWeightsView>();
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);
+  h.KVLAB_ABI_MEMBER(KvAllocatorStats, host_hit_tokens);
+  h.KVLAB_ABI_MEMBER(KvAllocatorStats, tier_copy_seconds);
+  h.type<KvTierSpec>().type<KvTierBlockFacts>().type<KvTierHit>().type<KvTierCounters>();
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
   h.KVLAB_ABI_MEMBER(Preemption, id).KVLAB_ABI_MEMBER(Preemption, mode);
   h.KVLAB_ABI_MEMBER(AllocateRequest, prompt).KVLAB_ABI_MEMBER(AllocateRequest, max_total_tokens);

@@ -1,8 +1,16 @@
 #include "kvlab/engine/clock.hpp"
 
+#include <algorithm>
 #include <thread>
 
 namespace kvlab {
+
+double StepTiming::virtual_step_s() const {
+  const double compute =
+      tier_copies_overlap ? std::max(predicted_s, modelled_tier_s) : predicted_s + modelled_tier_s;
+  return compute + modelled_swap_s;
+}
+
 namespace {
 
 // A step lasts the cost model's price of it.
@@ -11,7 +19,7 @@ class VirtualClock : public Clock {
   explicit VirtualClock(bool arrivals_at_zero) : arrivals_at_zero_(arrivals_at_zero) {}
   bool all_arrive_at_zero() const override { return arrivals_at_zero_; }
   double advance(const StepTiming& cost) override {
-    const double duration = cost.predicted_s + cost.modelled_swap_s;
+    const double duration = cost.virtual_step_s();
     now_ += duration;
     return duration;
   }
@@ -20,11 +28,12 @@ class VirtualClock : public Clock {
   bool arrivals_at_zero_;
 };
 
-// A step lasts what the backend and the swap copies really took.
+// A step lasts what the backend, the swap copies and the KV tier copies really took (the cpu
+// backend's copies run on the cores that compute, one after the other).
 class MeasuredClock : public Clock {
  public:
   double advance(const StepTiming& cost) override {
-    const double duration = cost.measured_forward_s + cost.measured_swap_s;
+    const double duration = cost.measured_forward_s + cost.measured_swap_s + cost.measured_tier_s;
     now_ += duration;
     return duration;
   }

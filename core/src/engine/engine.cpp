@@ -265,7 +265,7 @@ bool Engine::computes_padding() const {
 // The step as each clock prices it: the cost model's roofline over the batch and the static
 // batch's padding rows, and the swap copies over its link; the measured forward and copies.
 StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
-                              StepRecord& record) const {
+                              StepRecord& record) {
   StepTiming timing;
   timing.measured_forward_s = record.measured_forward_s;
   timing.measured_swap_s = applied.swap_copy_s;
@@ -279,7 +279,33 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
     timing.modelled_swap_s =
         options_.cost_model->swap_seconds(applied.swap_bytes, applied.swap_transfers);
   }
+  price_tier_copies(timing, record);
   return timing;
+}
+
+// The KV tier copies the allocator made since the last priced step (they happen as the plan is
+// applied): the host link carries the device <-> host copies and the disk blocks loaded back,
+// the disk its reads and writes.
+void Engine::price_tier_copies(StepTiming& timing, StepRecord& record) {
+  const KvAllocatorStats now = allocator_.stats(), &was = tiers_seen_;
+  if (now.host_copies == was.host_copies && now.disk_copies == was.disk_copies) return;
+  timing.measured_tier_s = now.tier_copy_seconds - was.tier_copy_seconds;
+  if (options_.cost_model != nullptr) {
+    const CostModel& model = *options_.cost_model;
+    const std::int64_t link_bytes = (now.host_bytes_stored - was.host_bytes_stored) +
+                                    (now.host_bytes_loaded - was.host_bytes_loaded) +
+                                    (now.disk_bytes_loaded - was.disk_bytes_loaded);
+    const std::int64_t disk_bytes = (now.disk_bytes_stored - was.disk_bytes_stored) +
+                                    (now.disk_bytes_loaded - was.disk_bytes_loaded);
+    timing.modelled_tier_s = model.swap_seconds(link_bytes, now.host_copies - was.host_copies) +
+                             model.disk_seconds(disk_bytes, now.disk_copies - was.disk_copies);
+    timing.tier_copies_overlap = model.profile().tier_copies_overlap;
+  }
+  record.tier_s = timing.tier_copies_overlap
+                      ? std::max(0.0, timing.modelled_tier_s - timing.predicted_s)
+                      : timing.modelled_tier_s;
+  if (options_.clock == EngineClock::measured) record.tier_s = timing.measured_tier_s;
+  tiers_seen_ = now;
 }
 
 // The step's record: queue lengths and the allocator's numbers after the update.

@@ -119,11 +119,15 @@ BlockId BlockPool::take() {
     free_plain_.pop_back();
   } else {  // reuse a cached block: its prefix is forgotten
     b = policy_->victim();
-    cache_.erase(blocks_[index(b)].hash);
+    const Block& evicted = blocks_[index(b)];
+    if (sink_ != nullptr)
+      sink_->evicted(b, evicted.hash, tokens_of(b), evicted.uses, evicted.position);
+    cache_.erase(evicted.hash);
     blocks_[index(b)].hash = 0;
     ++evictions_;
   }
   blocks_[index(b)].ref_count = 1;
+  blocks_[index(b)].uses = 1;
   blocks_[index(b)].fill = 0;  // (a free block's fill is not in live_fill_)
   return b;
 }
@@ -135,6 +139,7 @@ void BlockPool::hold(BlockId b) {
     live_fill_ += block.fill;
   }
   ++block.ref_count;
+  ++block.uses;
 }
 
 void BlockPool::release(BlockId b) {
@@ -161,11 +166,12 @@ std::optional<BlockId> BlockPool::cached(std::uint64_t hash,
   return found;
 }
 
-void BlockPool::register_prefix(BlockId b, std::uint64_t hash,
-                                std::span<const std::int32_t> tokens) {
+void BlockPool::register_prefix(BlockId b, std::uint64_t hash, std::span<const std::int32_t> tokens,
+                                std::int64_t position) {
   Block& block = blocks_[index(b)];
   if (!caching_ || block.hash != 0 || !cache_.insert(hash, b)) return;
   block.hash = hash;
+  block.position = position;
   std::copy(tokens.begin(), tokens.end(),
             tokens_.begin() +
                 static_cast<std::ptrdiff_t>(index(b) * static_cast<std::size_t>(block_size_)));

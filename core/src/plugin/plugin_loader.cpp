@@ -36,6 +36,8 @@ const char* plugin_kind_name(PluginKind kind) {
       return "backend";
     case PluginKind::router:
       return "router";
+    case PluginKind::tier_policy:
+      return "tier_policy";
   }
   return "unknown";
 }
@@ -259,9 +261,10 @@ std::string descriptor_problem(const PluginDescriptor& d) {
     case PluginKind::scheduler:
     case PluginKind::backend:
     case PluginKind::router:
+    case PluginKind::tier_policy:
       return "";
   }
-  return fmt::format("its kind {} is not one kvlab knows (1-5)",
+  return fmt::format("its kind {} is not one kvlab knows (1-6)",
                      static_cast<std::uint32_t>(d.kind));
 }
 }  // namespace

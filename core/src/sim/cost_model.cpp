@@ -199,6 +199,13 @@ double CostModel::swap_seconds(std::int64_t bytes, std::int64_t transfers) const
          static_cast<double>(bytes) * share / (profile_.swap_gb_per_s * 1e9);
 }
 
+double CostModel::disk_seconds(std::int64_t bytes, std::int64_t transfers) const {
+  const double share =
+      kv_bytes_per_sequence_token_per_gpu() / static_cast<double>(kv_bytes_per_token());
+  return static_cast<double>(transfers) * profile_.disk_latency_s +
+         static_cast<double>(bytes) * share / (profile_.disk_gb_per_s * 1e9);
+}
+
 double CostModel::weight_bytes() const {
   return parameters_per_gpu(model_, tp_) * static_cast<double>(dtype_size(profile_.compute_dtype));
 }

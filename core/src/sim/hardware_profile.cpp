@@ -61,6 +61,13 @@ class ProfileSection {
       fail(n, fmt::format("{}.{} must be {} 0 (got {})", name_, key, allow_zero ? ">=" : ">", *v));
     return *v;
   }
+  bool boolean(std::string_view key, bool fallback) {
+    known_.emplace_back(key);
+    const toml::node* n = node(key);
+    if (n == nullptr) return fallback;
+    if (!n->is_boolean()) fail(n, fmt::format("{}.{} must be true or false", name_, key));
+    return *n->value<bool>();
+  }
   double fraction(std::string_view key, double fallback) {
     const double v = number(key, fallback);
     if (v > 1)
@@ -217,6 +224,9 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
     ProfileSection s(top["link"].as_table(), "link", where);
     p.swap_gb_per_s = s.number("swap_gb_per_s", p.swap_gb_per_s);
     p.swap_latency_s = s.number("swap_latency_s", p.swap_latency_s, false, true);
+    p.disk_gb_per_s = s.number("disk_gb_per_s", p.disk_gb_per_s);
+    p.disk_latency_s = s.number("disk_latency_s", p.disk_latency_s, false, true);
+    p.tier_copies_overlap = s.boolean("tier_copies_overlap", p.tier_copies_overlap);
     s.finish();
   }
   {
@@ -292,8 +302,11 @@ std::string hardware_profile_to_toml(const HardwareProfile& p) {
        toml::table{{"step_s", p.step_overhead_s}, {"sequence_s", p.sequence_overhead_s}}},
       {"memory", toml::table{{"utilization", p.memory_utilization},
                              {"activation_reserve_gib", p.activation_reserve_gib}}},
-      {"link",
-       toml::table{{"swap_gb_per_s", p.swap_gb_per_s}, {"swap_latency_s", p.swap_latency_s}}}};
+      {"link", toml::table{{"swap_gb_per_s", p.swap_gb_per_s},
+                           {"swap_latency_s", p.swap_latency_s},
+                           {"disk_gb_per_s", p.disk_gb_per_s},
+                           {"disk_latency_s", p.disk_latency_s},
+                           {"tier_copies_overlap", p.tier_copies_overlap}}}};
   if (p.allreduce_gb_per_s > 0)
     top.insert("interconnect", toml::table{{"allreduce_gb_per_s", p.allreduce_gb_per_s},
                                            {"allreduce_latency_s", p.allreduce_latency_s}});

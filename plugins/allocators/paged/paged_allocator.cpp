@@ -7,14 +7,20 @@
 // before it (kvlab/kv/prefix_hash.hpp); once the backend has written its KV (mark_computed) the
 // block is registered, and a later prompt that starts with the same tokens reuses it read-only.
 // A request's prompt hashes are computed once and kept with it (AllocateRequest::prefix_hashes).
+// KV tiers (PluginContext::tiers, kvlab/kv/kv_tiers.hpp): a cached block the pool evicts goes
+// down to host memory or disk, and a prompt's hit chain continues through blocks found there,
+// each loaded back into a fresh block. Planning counts only the device's hits (a tier hit takes
+// a block like a miss), so a plan stays a promise whatever the tiers hold by commit time.
 // NOTE: full blocks are never written again; only a sequence's last, partly filled block is
 // written, and it is copied first when shared (fork).
 #include <algorithm>
+#include <memory>
 #include <stdexcept>
 #include <unordered_map>
 #include <vector>
 
 #include "kvlab/kv/block_pool.hpp"
+#include "kvlab/kv/kv_tiers.hpp"
 #include "kvlab/kv/prefix_hash.hpp"
 #include "kvlab/plugin.hpp"
 
@@ -97,7 +103,10 @@ class PagedAllocator final : public KvAllocator {
       : pool_(checked_pool(context.pool, params.integer("block_size"))),
         block_size_(params.integer("block_size")),
         caching_(params.boolean("prefix_caching")),
-        blocks_(pool_->shape().slots / block_size_, block_size_, caching_) {}
+        blocks_(pool_->shape().slots / block_size_, block_size_, caching_),
+        tiers_(make_tiers(context.tiers)) {
+    if (tiers_) blocks_.set_eviction_sink(tiers_.get());
+  }
 
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
     std::int64_t from_free = blocks_for(static_cast<std::int64_t>(r.prompt.size()));
@@ -151,18 +160,12 @@ class PagedAllocator final : public KvAllocator {
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
     if (sequences_.count(r.sequence)) return std::nullopt;
     const auto length = static_cast<std::int64_t>(r.prompt.size());
-    Sequence s;
+    const std::vector<ChainBlock>& chain = hit_chain(r);
     std::int64_t from_free = blocks_for(length);
-    visit_hits(r, [&](BlockId b) {
-      s.table.push_back(b);
-      from_free -= blocks_.ref_count(b) > 0 ? 1 : 0;
-      return true;
-    });
+    for (const ChainBlock& c : chain) from_free -= c.device && blocks_.ref_count(*c.device) > 0;
     if (from_free > blocks_.free_blocks()) return std::nullopt;
-    for (BlockId b : s.table) {
-      blocks_.hold(b);
-      s.hashes.push_back(blocks_.hash_of(b));
-    }
+    Sequence s;
+    take_hits(chain, r.prompt, s);
     const auto hits = static_cast<std::int64_t>(s.table.size());
     s.computed_blocks = hits;
     while (static_cast<std::int64_t>(s.table.size()) < blocks_for(length))
@@ -217,7 +220,7 @@ class PagedAllocator final : public KvAllocator {
       const auto block_tokens = block_of(s.tokens, i);
       s.hashes.push_back(chain_block_hash(i == 0 ? 0 : s.hashes[index(i - 1)], block_tokens));
       const BlockId b = s.table[index(i)];
-      if (b >= 0) blocks_.register_prefix(b, s.hashes.back(), block_tokens);  // -1: released
+      if (b >= 0) blocks_.register_prefix(b, s.hashes.back(), block_tokens, i);  // -1: released
     }
     s.computed_blocks = std::max(s.computed_blocks, full);
   }
@@ -275,6 +278,7 @@ class PagedAllocator final : public KvAllocator {
     st.prefix_hit_tokens = prefix_hit_tokens_;
     st.evictions = blocks_.evictions();
     st.live_sequences = static_cast<std::int64_t>(sequences_.size());
+    if (tiers_) add_tier_stats(tiers_->counters(), st);
     return st;
   }
 
@@ -286,6 +290,27 @@ class PagedAllocator final : public KvAllocator {
                                   ") must be a multiple of block_size (" +
                                   std::to_string(block_size) + ")");
     return pool;
+  }
+  std::unique_ptr<KvTiers> make_tiers(const KvTierSpec* spec) const {
+    if (spec == nullptr || (spec->host_bytes <= 0 && spec->disk_bytes <= 0)) return nullptr;
+    if (!caching_)
+      throw std::invalid_argument(
+          "KV tiers keep prefix-cache blocks: they need prefix_caching = true");
+    return std::make_unique<KvTiers>(*spec, *pool_, block_size_);
+  }
+  void add_tier_stats(const KvTierCounters& c, KvAllocatorStats& st) const {
+    const auto host = static_cast<std::size_t>(KvTier::host),
+               disk = static_cast<std::size_t>(KvTier::disk);
+    st.host_hit_tokens = c.hit_blocks[host] * block_size_;
+    st.disk_hit_tokens = c.hit_blocks[disk] * block_size_;
+    st.host_bytes_stored = c.bytes_stored[host];
+    st.host_bytes_loaded = c.bytes_loaded[host];
+    st.disk_bytes_stored = c.bytes_stored[disk];
+    st.disk_bytes_loaded = c.bytes_loaded[disk];
+    st.host_copies = c.copies[host];
+    st.disk_copies = c.copies[disk];
+    st.tier_dropped_blocks = c.dropped;
+    st.tier_copy_seconds = c.copy_seconds;
   }
   static std::size_t index(std::int64_t i) { return static_cast<std::size_t>(i); }
   std::span<const std::int32_t> block_of(std::span<const std::int32_t> tokens,
@@ -323,6 +348,58 @@ class PagedAllocator final : public KvAllocator {
     }
   }
 
+  // One block of a prompt's hit chain: in the pool (device) or in a tier below it.
+  struct ChainBlock {
+    std::optional<BlockId> device;
+    KvTierHit tier;
+    std::uint64_t hash = 0;
+  };
+  // The prompt's leading full blocks whose KV is in the pool or, with tiers, below it.
+  const std::vector<ChainBlock>& hit_chain(const AllocateRequest& r) const {
+    chain_.clear();
+    if (!caching_) return chain_;
+    const std::int64_t candidates = (static_cast<std::int64_t>(r.prompt.size()) - 1) / block_size_;
+    const auto hashes =
+        prefix_block_hashes(r.prompt, block_size_, candidates, r.prefix_hashes, hash_scratch_);
+    for (std::int64_t i = 0; i < candidates; ++i) {
+      const std::uint64_t hash = hashes[index(i)];
+      if (const auto b = blocks_.cached(hash, block_of(r.prompt, i))) {
+        chain_.push_back({b, {}, hash});
+      } else if (const auto t = tiers_ ? tiers_->find(hash, block_of(r.prompt, i)) : std::nullopt) {
+        chain_.push_back({std::nullopt, *t, hash});
+      } else {
+        break;
+      }
+    }
+    return chain_;
+  }
+  // The chain's blocks become s's first blocks: the pool's are held first (no later take evicts
+  // them), then each tier block is loaded into a fresh one, pinned in its tier until all are in.
+  void take_hits(const std::vector<ChainBlock>& chain, std::span<const std::int32_t> prompt,
+                 Sequence& s) {
+    for (const ChainBlock& c : chain) {
+      if (c.device)
+        blocks_.hold(*c.device);
+      else
+        tiers_->pin(c.tier);
+    }
+    for (std::size_t i = 0; i < chain.size(); ++i) {
+      const ChainBlock& c = chain[i];
+      BlockId b;
+      if (c.device) {
+        b = *c.device;
+      } else {
+        b = blocks_.take();
+        blocks_.set_uses(b, tiers_->load(c.tier, b));
+        blocks_.register_prefix(b, c.hash, block_of(prompt, static_cast<std::int64_t>(i)),
+                                static_cast<std::int64_t>(i));
+      }
+      s.table.push_back(b);
+      s.hashes.push_back(c.hash);
+    }
+    if (tiers_) tiers_->unpin_all();
+  }
+
   // Blocks [from, end) of s hold the tokens its length says.
   void fill_blocks_from(const Sequence& s, std::int64_t from) {
     for (auto i = from; i < static_cast<std::int64_t>(s.table.size()); ++i)
@@ -356,10 +433,12 @@ class PagedAllocator final : public KvAllocator {
   std::int64_t block_size_;
   bool caching_;
   BlockPool blocks_;
+  std::unique_ptr<KvTiers> tiers_;  // below the pool, or none
   std::unordered_map<SequenceId, Sequence> sequences_;
   std::vector<std::size_t> free_plan_slots_;         // plan slots of freed sequences, reused
   mutable PagedPlan plan_;                           // the step being planned (plan_* are const)
   mutable std::vector<std::uint64_t> hash_scratch_;  // a lookup's hashes without a request cache
+  mutable std::vector<ChainBlock> chain_;            // allocate's hit chain (no allocation a call)
   std::int64_t bytes_copied_ = 0;
   std::int64_t prefix_query_tokens_ = 0;
   std::int64_t prefix_hit_tokens_ = 0;

@@ -1,7 +1,7 @@
 #pragma once
 // The engine's clock, a strategy: when requests arrive, how long a step lasts, what idling does.
 //   virtual   a step lasts the cost model's price of it (a hardware profile's roofline) plus
-//             its swap copies over the profile's link: reproducible to the byte
+//             its swap and KV tier copies over the profile's links: reproducible to the byte
 //   offline   every request arrives at t = 0, then as virtual
 //   measured  a step lasts what Backend::forward and the swap copies really took: a real
 //             backend's timeline without sleeping through idle gaps
@@ -25,10 +25,16 @@ std::optional<EngineClock> clock_from_name(std::string_view name);
 
 // What a step cost, for the clock to price.
 struct StepTiming {
-  double predicted_s = 0;         // the cost model's price of the step (virtual clocks)
-  double measured_forward_s = 0;  // what Backend::forward really took (measured clock)
-  double modelled_swap_s = 0;     // host <-> device KV copies over the profile's link
-  double measured_swap_s = 0;     // the same copies as they really took here
+  double predicted_s = 0;            // the cost model's price of the step (virtual clocks)
+  double measured_forward_s = 0;     // what Backend::forward really took (measured clock)
+  double modelled_swap_s = 0;        // host <-> device KV copies over the profile's link
+  double measured_swap_s = 0;        // the same copies as they really took here
+  double modelled_tier_s = 0;        // KV tier copies (host, disk) over the profile's links
+  double measured_tier_s = 0;        // the same copies as they really took here
+  bool tier_copies_overlap = false;  // the profile's: tier copies run beside the compute
+  // The virtual clock's step: the compute and the tier copies (the longer of the two when they
+  // overlap, else both), then the swap copies.
+  double virtual_step_s() const;
 };
 
 class Clock {

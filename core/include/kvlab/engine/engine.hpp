@@ -68,6 +68,9 @@ struct StepRecord {
   // step, and the KV slots their views hold after it (a shared prefix block in each view).
   std::int64_t padding = 0, padding_slots = 0;
   std::int64_t swap_bytes = 0, swap_transfers = 0;  // KV copied to and from the host swap pool
+  // The step's time spent on KV tier copies: what the clock charged beyond the compute (virtual:
+  // the copies' price, or its excess over the compute when they overlap; measured: their time).
+  double tier_s = 0;
   // External fragmentation that cost something: kv.unusable_free on a step where a request was
   // refused for memory although the free slots in all would have held it (0 on every other
   // step: holes that block nobody are not waste).
@@ -116,7 +119,8 @@ class Engine {
   bool computes_padding() const;
   void record_step(StepRecord record, bool fragmentation_blocked);
   StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
-                        StepRecord& record) const;
+                        StepRecord& record);
+  void price_tier_copies(StepTiming& timing, StepRecord& record);
   bool admission_blocked_by_fragmentation(const StepPlan& plan) const;
 
   Backend& backend_;
@@ -130,6 +134,7 @@ class Engine {
   EventLog log_;
   EngineResult result_;
   std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
+  KvAllocatorStats tiers_seen_;  // the allocator's tier counters as the last priced step left them
   std::chrono::steady_clock::time_point step_start_;
   StaticPadding padding_;  // the finished requests of the running static batch
 };

@@ -25,6 +25,15 @@ class EvictionPolicy {
   virtual std::int64_t size() const = 0;
 };
 
+// Told of each cached block the pool evicts, before its slots are reused: its prefix hash and
+// tokens, how many sequences held it (its uses) and its block index in their prompts.
+class BlockEvictionSink {
+ public:
+  virtual ~BlockEvictionSink() = default;
+  virtual void evicted(BlockId block, std::uint64_t hash, std::span<const std::int32_t> tokens,
+                       std::int64_t uses, std::int64_t position) = 0;
+};
+
 // Least recently freed first: an intrusive doubly-linked list over block ids (no allocation).
 class LruEviction final : public EvictionPolicy {
  public:
@@ -77,17 +86,25 @@ class BlockPool {
   std::int64_t free_cached_count() const { return policy_->size(); }
   std::int32_t ref_count(BlockId b) const { return blocks_[index(b)].ref_count; }
 
-  // A free block, held once: a plain one, else the policy's victim (its prefix forgotten).
+  // Told of every eviction from now on (nullptr: nobody). Not owned.
+  void set_eviction_sink(BlockEvictionSink* sink) { sink_ = sink; }
+
+  // A free block, held once: a plain one, else the policy's victim (its prefix forgotten, after
+  // the eviction sink has seen it).
   BlockId take();
-  // One more holder of a block; a free cached block leaves the free queue.
+  // One more holder of a block (one more use); a free cached block leaves the free queue.
   void hold(BlockId b);
+  // Sequences that have held the block since it was taken (and before, when loaded from a tier).
+  std::int64_t uses(BlockId b) const { return blocks_[index(b)].uses; }
+  void set_uses(BlockId b, std::int64_t uses) { blocks_[index(b)].uses = uses; }
   // One holder fewer; at none the block is free (cached ones stay findable).
   void release(BlockId b);
   // The block holding the prefix named `hash` whose tokens are `tokens`, if any.
   std::optional<BlockId> cached(std::uint64_t hash, std::span<const std::int32_t> tokens) const;
-  // Registers a held, full block as the one holding prefix `hash` (no-op without caching, or
-  // when the block or the hash is registered already).
-  void register_prefix(BlockId b, std::uint64_t hash, std::span<const std::int32_t> tokens);
+  // Registers a held, full block as the one holding prefix `hash`, block `position` of its
+  // sequence (no-op without caching, or when the block or the hash is registered already).
+  void register_prefix(BlockId b, std::uint64_t hash, std::span<const std::int32_t> tokens,
+                       std::int64_t position = 0);
   std::uint64_t hash_of(BlockId b) const { return blocks_[index(b)].hash; }
 
   // Slots of a held block that hold tokens; the sum over held blocks is live_fill().
@@ -98,8 +115,10 @@ class BlockPool {
  private:
   struct Block {
     std::int32_t ref_count = 0;
-    std::int64_t fill = 0;   // slots holding tokens (a cached block keeps its fill when freed)
-    std::uint64_t hash = 0;  // 0: holds no registered prefix
+    std::int64_t fill = 0;      // slots holding tokens (a cached block keeps its fill when freed)
+    std::uint64_t hash = 0;     // 0: holds no registered prefix
+    std::int64_t uses = 0;      // holders since taken
+    std::int64_t position = 0;  // block index of the registered prefix
   };
   static std::size_t index(BlockId b) { return static_cast<std::size_t>(b); }
   std::span<const std::int32_t> tokens_of(BlockId b) const;
@@ -107,6 +126,7 @@ class BlockPool {
   std::int64_t block_size_;
   bool caching_;
   std::unique_ptr<EvictionPolicy> policy_;
+  BlockEvictionSink* sink_ = nullptr;
   std::vector<Block> blocks_;
   std::vector<BlockId> free_plain_;   // free blocks with no registered prefix
   BlockHashIndex cache_;              // chain hash -> block

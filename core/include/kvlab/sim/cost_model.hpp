@@ -100,6 +100,8 @@ class CostModel {
   // `transfers` copies of `bytes` in all over the profile's swap link (with tensor parallelism
   // each GPU moves its heads' share over its own link, at once).
   double swap_seconds(std::int64_t bytes, std::int64_t transfers) const;
+  // `transfers` reads or writes of `bytes` in all on the KV disk tier's storage.
+  double disk_seconds(std::int64_t bytes, std::int64_t transfers) const;
 
   // Memory, one GPU's: its parameters x compute dtype; K and V of one token in every layer for
   // its K/V heads; and the tokens of KV that fit in memory_gib x utilization - weights -

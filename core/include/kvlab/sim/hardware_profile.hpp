@@ -58,6 +58,15 @@ struct HardwareProfile {
   // either backend and fits both).
   double swap_gb_per_s = 16.0;
   double swap_latency_s = 1e-5;
+  // The KV disk tier's storage (docs/concepts/kv-tiers.md): one block read or written takes
+  // disk_latency_s + B / (disk_gb_per_s x 10^9); a disk block loaded back also crosses the swap
+  // link. Defaults: one NVMe SSD (PCIe 4.0: ~5 GB/s sequential, ~100 us a request).
+  double disk_gb_per_s = 5.0;
+  double disk_latency_s = 1e-4;
+  // Whether KV tier copies run beside the step's compute (a GPU's copy engines, loads layer by
+  // layer ahead of attention: the step lasts the longer of the two) or before it on the same
+  // cores (a CPU's memcpy: the step lasts both).
+  bool tier_copies_overlap = false;
   // The link between the GPUs of a tensor-parallel group: an all-reduce of B bytes over t GPUs
   // takes allreduce_latency_s + 2 (t - 1) / t x B / (allreduce_gb_per_s x 10^9), the ring
   // algorithm's traffic at its bus bandwidth (NCCL's "busbw"). 0: no interconnect (tp 1 only).

@@ -70,6 +70,14 @@ struct ExperimentConfig {
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
   DType kv_dtype = DType::dtype_f32;     // the cpu backend's KV pool: f32, f16 or bf16
   std::int64_t swap_slots = 0;           // host swap pool for swap preemption, in tokens
+  // [kv_tiers]: KV tiers below each replica's pool (the paged allocator's evicted prefix blocks,
+  // docs/concepts/kv-tiers.md): host memory and disk in GiB (0: none), the tier_policy plugin
+  // and its params, and the folder of the disk tier's file ("": the system's temporary folder).
+  double host_tier_gib = 0, disk_tier_gib = 0;
+  std::string tier_policy = "lru";
+  ParamMap tier_policy_params;
+  std::string disk_tier_directory;
+  bool has_kv_tiers() const { return host_tier_gib > 0 || disk_tier_gib > 0; }
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";
@@ -138,6 +146,15 @@ struct RunOutput {
   // A trace with prefix-sharing information (Mooncake): an infinite cache's hit rate at its block
   // granularity, the ceiling prefix_hit_rate is read against; nullopt for other workloads.
   std::optional<double> ideal_prefix_hit_rate;
+  // [kv_tiers], over every replica: prompt tokens loaded back from host memory and from disk /
+  // prompt tokens looked up; KV bytes stored into the tiers and loaded back (pool dtype); blocks
+  // no tier kept; step time charged to the copies (StepRecord::tier_s). nullopt without tiers.
+  struct KvTierTotals {
+    double host_hit_rate = 0, disk_hit_rate = 0;
+    std::int64_t bytes_stored = 0, bytes_loaded = 0, dropped_blocks = 0;
+    double time_s = 0;
+  };
+  std::optional<KvTierTotals> kv_tiers;
   std::int64_t kv_slots = 0;  // the pool's capacity in tokens
   // With a cost model and the measured clock, per step: |predicted - measured| / measured, and
   // measured / predicted (signed: above 1, the steps ran slower than the profile prices them;
