@@ -27,6 +27,11 @@ class ConformanceRun {
     PluginContext context;
     context.pool = &pool_;
     context.max_seq_len = options.max_seq_len;
+    if (options.host_tier_bytes > 0 || options.disk_tier_bytes > 0) {
+      policy_ = registry.create<PluginKind::tier_policy>(options.tier_policy, {}, context);
+      tiers_ = {options.host_tier_bytes, options.disk_tier_bytes, nullptr, policy_.get()};
+      context.tiers = &tiers_;
+    }
     allocator_ = registry.create<PluginKind::kv_allocator>(name, params, context);
   }
   std::string run(ConformanceReport& report);
@@ -46,6 +51,8 @@ class ConformanceRun {
 
   const ConformanceOptions& options_;
   KvPool pool_;
+  PluginObject<KvTierPolicy> policy_;  // with tiers
+  KvTierSpec tiers_;
   PluginObject<KvAllocator> allocator_;
   std::mt19937 rng_;
   std::map<SequenceId, std::vector<std::int32_t>> tokens_;
@@ -75,6 +82,8 @@ std::string ConformanceRun::run(ConformanceReport& report) {
     if (!failure.empty()) return fmt::format("operation {}: {}", op, failure);
   }
   report.full_pool_refusals += refusals_;
+  const KvAllocatorStats stats = allocator_->stats();
+  report.tier_hit_tokens += stats.host_hit_tokens + stats.disk_hit_tokens;
   if (refusals_ == 0) return "the workload never filled the pool (use fewer slots)";
   for (const auto& [id, tokens] : tokens_) allocator_->free(id);
   tokens_.clear();

@@ -109,12 +109,7 @@ class PagedAllocator final : public KvAllocator {
   }
 
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
-    std::int64_t from_free = blocks_for(static_cast<std::int64_t>(r.prompt.size()));
-    visit_hits(r, [&](BlockId b) {
-      from_free -= blocks_.ref_count(b) > 0 ? 1 : 0;  // a free cached hit leaves the free queue
-      return true;
-    });
-    return from_free * block_size_;
+    return blocks_from_free(r, hit_chain(r)) * block_size_;
   }
 
   // Planning: a freed sequence drops a reference on each of its blocks (a block nobody else
@@ -161,9 +156,7 @@ class PagedAllocator final : public KvAllocator {
     if (sequences_.count(r.sequence)) return std::nullopt;
     const auto length = static_cast<std::int64_t>(r.prompt.size());
     const std::vector<ChainBlock>& chain = hit_chain(r);
-    std::int64_t from_free = blocks_for(length);
-    for (const ChainBlock& c : chain) from_free -= c.device && blocks_.ref_count(*c.device) > 0;
-    if (from_free > blocks_.free_blocks()) return std::nullopt;
+    if (blocks_from_free(r, chain) > blocks_.free_blocks()) return std::nullopt;
     Sequence s;
     take_hits(chain, r.prompt, s);
     const auto hits = static_cast<std::int64_t>(s.table.size());
@@ -373,6 +366,14 @@ class PagedAllocator final : public KvAllocator {
     }
     return chain_;
   }
+  // Free blocks an allocation takes: one a prompt block, but none for a hit on a held block (a
+  // hit on a free cached block takes it from the free queue).
+  std::int64_t blocks_from_free(const AllocateRequest& r,
+                                const std::vector<ChainBlock>& chain) const {
+    std::int64_t blocks = blocks_for(static_cast<std::int64_t>(r.prompt.size()));
+    for (const ChainBlock& c : chain) blocks -= c.device && blocks_.ref_count(*c.device) > 0;
+    return blocks;
+  }
   // The chain's blocks become s's first blocks: the pool's are held first (no later take evicts
   // them), then each tier block is loaded into a fresh one, pinned in its tier until all are in.
   void take_hits(const std::vector<ChainBlock>& chain, std::span<const std::int32_t> prompt,
@@ -391,6 +392,7 @@ class PagedAllocator final : public KvAllocator {
       } else {
         b = blocks_.take();
         blocks_.set_uses(b, tiers_->load(c.tier, b));
+        blocks_.set_fill(b, block_size_);
         blocks_.register_prefix(b, c.hash, block_of(prompt, static_cast<std::int64_t>(i)),
                                 static_cast<std::int64_t>(i));
       }

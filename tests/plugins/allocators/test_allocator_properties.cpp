@@ -19,6 +19,8 @@ struct AllocatorCase {
   std::string name;
   std::map<std::string, ParamValue, std::less<>> params;
   bool releases_window;  // exercise release_before (only the paged allocator frees early)
+  std::int64_t host_tier_bytes = 0, disk_tier_bytes = 0;
+  std::string tier_policy = "lru";
 };
 
 void PrintTo(const AllocatorCase& c, std::ostream* os) {
@@ -33,11 +35,17 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   ConformanceOptions options;
   options.release_window = GetParam().releases_window;
+  options.host_tier_bytes = GetParam().host_tier_bytes;
+  options.disk_tier_bytes = GetParam().disk_tier_bytes;
+  options.tier_policy = GetParam().tier_policy;
   const ConformanceReport report =
       check_allocator_conformance(registry, GetParam().name, GetParam().params, options);
   for (const std::string& failure : report.failures) ADD_FAILURE() << failure;
   EXPECT_EQ(report.operations, 3 * 3000);
   EXPECT_GT(report.full_pool_refusals, 0);
+  if (options.host_tier_bytes > 0) {
+    EXPECT_GT(report.tier_hit_tokens, 0);
+  }
 }
 
 // The suite catches a broken allocator: the test plugin that hands every sequence the same
@@ -61,9 +69,16 @@ INSTANTIATE_TEST_SUITE_P(
         AllocatorCase{"dynamic", {{"growth", 1.0}}, false},
         AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true},
         AllocatorCase{"paged", {{"block_size", std::int64_t{16}}, {"prefix_caching", false}}, true},
-        AllocatorCase{"paged", {{"block_size", std::int64_t{1}}}, false}),
+        AllocatorCase{"paged", {{"block_size", std::int64_t{1}}}, false},
+        // KV tiers (a block is 4 slots x 8 bytes): 8 blocks of host memory, then 16 on disk.
+        AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true, 256, 0, "lru"},
+        AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true, 256, 512, "lru"},
+        AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, false, 256, 512, "shared_first"}),
     [](const auto& info) {
       std::string name = info.param.name;
+      if (info.param.host_tier_bytes > 0)
+        name += "_tiers_" + std::to_string(info.param.host_tier_bytes) + "_" +
+                std::to_string(info.param.disk_tier_bytes) + "_" + info.param.tier_policy;
       for (const auto& [key, value] : info.param.params)
         name += "_" + key + "_" + param_value_to_string(value);
       for (auto& ch : name)

@@ -22,6 +22,10 @@ struct ConformanceOptions {
   int operations = 3000;     // per seed
   std::int64_t slots = 256;  // pool capacity
   std::int64_t max_seq_len = 48;
+  // KV tiers below the pool (PluginContext::tiers) in bytes of the pool (8 a slot), and the
+  // tier_policy plugin: blocks loaded back from a tier must read their prefix values too.
+  std::int64_t host_tier_bytes = 0, disk_tier_bytes = 0;
+  std::string tier_policy = "lru";
   bool release_window = false;  // also call release_before (allocators that free early)
 };
 
@@ -30,6 +34,7 @@ struct ConformanceReport {
       failures;  // empty when the allocator conforms; the first failure ends a seed
   std::int64_t operations = 0;
   std::int64_t full_pool_refusals = 0;  // allocate/append refused for lack of room (must be > 0)
+  std::int64_t tier_hit_tokens = 0;     // prompt tokens loaded back from KV tiers (with tiers)
   bool passed() const { return failures.empty(); }
 };
 
