@@ -42,6 +42,11 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (c.has_kv_tiers()) {
     check_plugin(PluginKind::tier_policy, c.tier_policy, c.tier_policy_params);
+    const auto caching = c.allocator_params.find("prefix_caching");
+    if (caching != c.allocator_params.end() && caching->second == ParamValue{false})
+      throw Error(
+          "[kv_tiers] keeps the blocks the prefix cache evicts: it needs "
+          "kv_cache.params.prefix_caching = true");
     if (c.backend_kind == BackendKind::plugin)
       throw Error(fmt::format(
           "[kv_tiers] runs on the cpu backend (real copies) and the simulated one (priced "

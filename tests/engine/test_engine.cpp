@@ -774,5 +774,77 @@ TEST(SimulatedEngine, DeterministicCompleteAndTimedByTheCostModel) {
   EXPECT_LE(predicted, a.duration_s * (1 + 1e-9));  // idle gaps between arrivals come on top
 }
 
+// KV tiers on the simulated backend: each step's tier copies (the allocator's counters moved
+// since the step before) are priced over the profile's links, the host link for the device <->
+// host copies and the disk blocks loaded back, the disk for its reads and writes; a profile that
+// overlaps them with compute charges only their excess, one that does not charges them all.
+EngineResult run_simulated_tiers(bool overlap, const std::vector<WorkloadRequest>& requests,
+                                 CostModel& cost_out) {
+  const ModelConfig model = model_preset("llama2-7b");
+  HardwareProfile profile = load_hardware_profile("h200");
+  profile.tier_copies_overlap = overlap;
+  cost_out = CostModel(model, profile);
+  KvPool pool({model.num_hidden_layers, model.num_key_value_heads, model.head_dim, 2048},
+              KvStorage::none);
+  const std::int64_t block_bytes = pool.bytes_per_slot() * 16;
+  auto policy = test::plugin_registry().create<PluginKind::tier_policy>("lru", {}, {});
+  const KvTierSpec tiers{64 * block_bytes, 256 * block_bytes, nullptr, policy.get()};
+  PluginContext context;
+  context.pool = &pool;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
+  context.tiers = &tiers;
+  auto allocator = test::plugin_registry().create<PluginKind::kv_allocator>(
+      "paged", {{"block_size", std::int64_t{16}}}, context);
+  auto scheduler = test::plugin_registry().create<PluginKind::scheduler>("fcfs", {}, context);
+  SimulatedBackend backend(model.vocab_size, model.eos_token_ids);
+  EngineOptions options;
+  options.rules.context = model.max_position_embeddings;
+  options.rules.eos_token_ids = model.eos_token_ids;
+  options.pool = &pool;
+  options.cost_model = &cost_out;
+  Engine engine(backend, *allocator, *scheduler, options);
+  return engine.run(requests);
+}
+
+TEST(SimulatedEngine, KvTierCopiesArePricedOverTheProfilesLinks) {
+  SyntheticWorkload spec;
+  spec.requests = 80;
+  spec.seed = 5;
+  spec.arrival = {ArrivalKind::poisson, 20.0, 1.0, 1};
+  spec.prefix_groups = 12;
+  spec.prefix_tokens = 256;
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 260, 400};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 4, 16};
+  const auto requests = generate_workload(spec);
+  for (const bool overlap : {true, false}) {
+    CostModel cost(model_preset("llama2-7b"), load_hardware_profile("h200"));
+    const EngineResult run = run_simulated_tiers(overlap, requests, cost);
+    KvAllocatorStats was;
+    double charged = 0;
+    for (const StepRecord& s : run.steps) {
+      const KvAllocatorStats& now = s.kv;
+      const double link = cost.swap_seconds((now.host_bytes_stored - was.host_bytes_stored) +
+                                                (now.host_bytes_loaded - was.host_bytes_loaded) +
+                                                (now.disk_bytes_loaded - was.disk_bytes_loaded),
+                                            now.host_copies - was.host_copies);
+      const double disk = cost.disk_seconds((now.disk_bytes_stored - was.disk_bytes_stored) +
+                                                (now.disk_bytes_loaded - was.disk_bytes_loaded),
+                                            now.disk_copies - was.disk_copies);
+      const double expected =
+          overlap ? std::max(s.predicted_s, link + disk) : s.predicted_s + link + disk;
+      EXPECT_NEAR(s.duration_s, expected, 1e-12 + 1e-9 * expected) << "step " << s.step;
+      EXPECT_NEAR(s.tier_s, s.duration_s - s.predicted_s, 1e-12 + 1e-9 * expected);
+      charged += s.tier_s;
+      was = now;
+    }
+    EXPECT_GT(was.host_hit_tokens, 0) << "overlap " << overlap;
+    EXPECT_GT(was.disk_hit_tokens, 0) << "overlap " << overlap;
+    EXPECT_GT(was.disk_bytes_stored, 0);
+    EXPECT_GT(charged, 0);
+    for (const auto& r : run.requests) EXPECT_FALSE(r.rejected) << r.reject_reason;
+  }
+}
+
 }  // namespace
 }  // namespace kvlab

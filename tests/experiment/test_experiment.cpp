@@ -104,6 +104,57 @@ TEST(ExperimentLibrary, ContextParallelAndFixedLengthsAreReadAsWritten) {
   EXPECT_EQ(clamped[0].config.workload.prompt_tokens.max, 4096);  // an explicit max still clamps
 }
 
+// experiments/kv_tiers.toml, as `kvlab check` runs it: the cpu backend's tiers really copy the
+// blocks (a host buffer, a file), and every token of every point equals the reference's while
+// blocks come back from host memory and from disk.
+TEST(ExperimentLibrary, KvTiersGiveTheReferencesTokensOnTheCpuBackend) {
+  const auto runs =
+      load_experiment(std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "kv_tiers.toml",
+                      {std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+                       "workload.requests=24"});
+  ASSERT_EQ(runs.size(), 4u);
+  validate_experiment(runs, true);
+  std::vector<RunOutput> outs;
+  for (const auto& run : runs) {
+    std::vector<std::string> mismatches;
+    outs.push_back(run_experiment(run.config, true, &mismatches));
+    EXPECT_TRUE(mismatches.empty()) << run.config.label << ": " << mismatches.front();
+    EXPECT_EQ(outs.back().summary.finished, outs.back().summary.submitted) << run.config.label;
+  }
+  EXPECT_FALSE(outs[0].kv_tiers.has_value());  // no tiers
+  for (std::size_t i = 1; i < outs.size(); ++i) {
+    ASSERT_TRUE(outs[i].kv_tiers.has_value()) << runs[i].config.label;
+    EXPECT_GT(outs[i].kv_tiers->host_hit_rate, 0) << runs[i].config.label;
+    EXPECT_GT(outs[i].prefix_hit_rate, outs[0].prefix_hit_rate) << runs[i].config.label;
+    EXPECT_GT(outs[i].kv_tiers->time_s, 0) << runs[i].config.label;  // the cpu profile's copies
+  }
+  EXPECT_EQ(outs[1].kv_tiers->disk_hit_rate, 0);
+  EXPECT_GT(outs[2].kv_tiers->disk_hit_rate, 0);
+  EXPECT_GT(outs[3].kv_tiers->disk_hit_rate, 0);
+}
+
+// [kv_tiers] mistakes are named before anything runs.
+TEST(ExperimentLibrary, KvTierMistakesAreClearErrors) {
+  auto error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  EXPECT_NE(error({"kv_cache.allocator=\"static\"", "kv_tiers.host_gib=1"})
+                .find("needs kv_cache.allocator = \"paged\""),
+            std::string::npos);
+  EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_tiers.host_gib=1"})
+                .find("needs kv_cache.params.prefix_caching = true"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_tiers.host_gib=-1"}).find("kv_tiers.host_gib must be in [0, 1e6] GiB"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_tiers.host_gib=1", "kv_tiers.policy=\"lfu\""}).find("lfu"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_tiers.disk_gib=1", "kv_tiers.disk_directory=\"/nonexistent/kvlab\""})
+                .find("kv_tiers.disk_directory /nonexistent/kvlab is not a folder"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_tiers.host_gib=1", "kv_tiers.size=1"}).find("size"), std::string::npos);
+}
+
 TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
   const auto runs = load_experiment(kQuickstart, small());
   validate_experiment(runs, true);
