@@ -467,6 +467,10 @@ void parse_kv_tiers(Section& s, ExperimentConfig& c) {
   c.tier_policy = s.get<std::string>("policy").value_or(c.tier_policy);
   c.tier_policy_params = plugin_params(s, "params");
   c.disk_tier_directory = s.get<std::string>("disk_directory").value_or("");
+  if (c.disk_tier_gib > 0 && c.host_tier_gib <= 0)
+    s.fail(*s.node("disk_gib"),
+           "kv_tiers.disk_gib: the disk tier sits below host memory (blocks reach it when host "
+           "memory gives them up): set kv_tiers.host_gib too");
   if (c.has_kv_tiers() && c.allocator != "paged")
     s.fail(*s.node(c.host_tier_gib > 0 ? "host_gib" : "disk_gib"),
            fmt::format("[kv_tiers] keeps the prefix cache's evicted blocks: it needs "

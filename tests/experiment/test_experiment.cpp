@@ -145,11 +145,19 @@ TEST(ExperimentLibrary, KvTierMistakesAreClearErrors) {
   EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_tiers.host_gib=1"})
                 .find("needs kv_cache.params.prefix_caching = true"),
             std::string::npos);
+  EXPECT_NE(error({"kv_tiers.disk_gib=1"}).find("the disk tier sits below host memory"),
+            std::string::npos);
+  const auto tiny_tier = load_experiment(kQuickstart, small({"kv_tiers.host_gib=1e-9"}));
+  EXPECT_NE(test::error_of<Error>([&] {
+              (void)run_experiment(tiny_tier[0].config, false, nullptr);
+            }).find("the host tier's 1 bytes hold no block"),
+            std::string::npos);
   EXPECT_NE(error({"kv_tiers.host_gib=-1"}).find("kv_tiers.host_gib must be in [0, 1e6] GiB"),
             std::string::npos);
   EXPECT_NE(error({"kv_tiers.host_gib=1", "kv_tiers.policy=\"lfu\""}).find("lfu"),
             std::string::npos);
-  EXPECT_NE(error({"kv_tiers.disk_gib=1", "kv_tiers.disk_directory=\"/nonexistent/kvlab\""})
+  EXPECT_NE(error({"kv_tiers.host_gib=1", "kv_tiers.disk_gib=1",
+                   "kv_tiers.disk_directory=\"/nonexistent/kvlab\""})
                 .find("kv_tiers.disk_directory /nonexistent/kvlab is not a folder"),
             std::string::npos);
   EXPECT_NE(error({"kv_tiers.host_gib=1", "kv_tiers.size=1"}).find("size"), std::string::npos);

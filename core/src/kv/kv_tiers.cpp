@@ -52,10 +52,19 @@ KvTiers::KvTiers(const KvTierSpec& spec, KvPool& pool, std::int64_t block_size)
                                      : throw Error("internal: KV tiers need a tier policy")),
       disk_directory_(spec.disk_directory != nullptr ? spec.disk_directory : "") {
   const std::int64_t bytes[kKvTierCount] = {spec.host_bytes, spec.disk_bytes};
+  if (spec.disk_bytes > 0 && spec.host_bytes <= 0)
+    throw Error(
+        "KV tiers: the disk tier sits below host memory (blocks reach it when host memory "
+        "gives them up); give host memory a capacity too");
   std::int64_t capacities[kKvTierCount];
   for (int t = 0; t < kKvTierCount; ++t) {
     Tier& tier = tiers_[t];
     tier.capacity = capacities[t] = std::max<std::int64_t>(bytes[t], 0) / block_bytes_;
+    if (bytes[t] > 0 && tier.capacity == 0)
+      throw Error(fmt::format(
+          "KV tiers: the {} tier's {} bytes hold no block ({} bytes: {} tokens of K and V in "
+          "every layer)",
+          kv_tier_name(static_cast<KvTier>(t)), bytes[t], block_bytes_, block_size));
     tier.index = BlockHashIndex(tier.capacity);
     tier.hashes.assign(static_cast<std::size_t>(tier.capacity), 0);
     tier.tokens.assign(static_cast<std::size_t>(tier.capacity * block_size), 0);
