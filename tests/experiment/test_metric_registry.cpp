@@ -79,8 +79,8 @@ TEST(MetricRegistry, NormalizedLatencyIsTheMeanOfEachRequestsLatencyPerToken) {
 }
 
 // summary.json has a key for each metric of the registry a run has (the measured-clock step
-// figures and the trace's ideal prefix hit rate only when set), requests.csv a column for each
-// request metric.
+// figures, the trace's ideal prefix hit rate and the KV tiers' totals only when set),
+// requests.csv a column for each request metric.
 TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
   RunOutput out;
   out.engine.requests = {finished(0, {1, 2, 3})};
@@ -92,13 +92,21 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
   const nlohmann::json summary = nlohmann::json::parse(summary_file);
   for (const RunMetric& m : run_metrics()) {
     const bool absent = m.name == "step_prediction_error" || m.name == "step_time_ratio" ||
-                        m.name == "ideal_prefix_hit_rate";
+                        m.name == "ideal_prefix_hit_rate" || m.name.starts_with("tier_");
     EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
   }
   out.ideal_prefix_hit_rate = 0.25;  // a Mooncake trace's
+  out.kv_tiers = RunOutput::KvTierTotals{0.125, 0.0625, 4096, 2048, 3, 0.5};  // a run with tiers
   write_run_outputs(dir.path(), config, out);
   std::ifstream again(dir / "summary.json");
-  EXPECT_DOUBLE_EQ(nlohmann::json::parse(again).at("ideal_prefix_hit_rate").get<double>(), 0.25);
+  const nlohmann::json with = nlohmann::json::parse(again);
+  EXPECT_DOUBLE_EQ(with.at("ideal_prefix_hit_rate").get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(with.at("tier_host_hit_rate").get<double>(), 0.125);
+  EXPECT_DOUBLE_EQ(with.at("tier_disk_hit_rate").get<double>(), 0.0625);
+  EXPECT_EQ(with.at("tier_bytes_stored").get<std::int64_t>(), 4096);
+  EXPECT_EQ(with.at("tier_bytes_loaded").get<std::int64_t>(), 2048);
+  EXPECT_EQ(with.at("tier_dropped_blocks").get<std::int64_t>(), 3);
+  EXPECT_DOUBLE_EQ(with.at("tier_time_s").get<double>(), 0.5);
   EXPECT_DOUBLE_EQ(summary.at("normalized_latency_s").get<double>(), 1.0);
   EXPECT_DOUBLE_EQ(summary.at("ttft_s").at("p50").get<double>(), 1.0);
   std::ifstream requests_file(dir / "requests.csv");
