@@ -483,6 +483,15 @@ void parse_cluster(Section& s, ExperimentConfig& c) {
   c.replicas = s.get_int<std::int64_t>("replicas", 1, 1024).value_or(1);
   c.router = s.get<std::string>("router").value_or(c.router);
   c.router_params = plugin_params(s, "params");
+  c.prefill_replicas = s.get_int<std::int64_t>("prefill_replicas", 0, 1023).value_or(0);
+  if (c.prefill_replicas >= c.replicas && c.prefill_replicas > 0)
+    s.fail(*s.node("prefill_replicas"),
+           fmt::format("cluster.prefill_replicas ({}) leaves no decode replica of {}: it must be "
+                       "below cluster.replicas",
+                       c.prefill_replicas, c.replicas));
+  c.decode_router = s.get<std::string>("decode_router").value_or(c.router);
+  c.decode_router_params =
+      s.node("decode_params") != nullptr ? plugin_params(s, "decode_params") : c.router_params;
 }
 
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {

@@ -195,6 +195,41 @@ const RunMetric kRunMetrics[] = {
      true,
      SUMMARY(out.summary.goodput_per_s),
      {{"goodput", "goodput req/s", "", 2}}},
+    {"goodput_per_gpu",
+     "requests/s/GPU",
+     "goodput per GPU: goodput_per_s / the cluster's GPUs (replicas x tensor_parallel x "
+     "context_parallel): how DistServe compares colocated and disaggregated clusters",
+     "goodput_per_s / GPUs",
+     true,
+     [](const ExperimentConfig& c, const RunOutput& out) {
+       return json(out.summary.goodput_per_s /
+                   static_cast<double>(c.replicas * c.tensor_parallel * c.context_parallel));
+     },
+     {{"goodput_per_gpu", "goodput/GPU", "", 3}}},
+    {"kv_transfer_s",
+     "s",
+     "disaggregated prefill and decode: the KV handoff of a request, from its first token on the "
+     "prefill replica to the KV's arrival on its decode replica",
+     "over handed-off requests: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(latency_json(out.summary.kv_transfer_s)),
+     {{"kv_transfer_p50", "KV transfer p50 (s)", "p50", 4}}},
+    {"decode_queue_s",
+     "s",
+     "disaggregated prefill and decode: a handed-off request's wait on its decode replica, from "
+     "its KV's arrival to its first decode step",
+     "over handed-off requests: mean, p50, p90, p99, max",
+     true,
+     SUMMARY(latency_json(out.summary.decode_queue_s)),
+     {{"decode_queue_p99", "decode queue p99 (s)", "p99", 4}}},
+    {"kv_transfer_bytes",
+     "bytes",
+     "disaggregated prefill and decode: KV handed from prefill to decode replicas, in the pool's "
+     "dtype",
+     "sum over requests",
+     true,
+     SUMMARY(out.summary.kv_transfer_bytes),
+     {{"kv_transfer_mib", "KV transfer MiB", "", 1, false, 1.0 / (1 << 20)}}},
     {"slo_attainment",
      "fraction",
      "SLO attainment: requests meeting every SLO set / submitted",
@@ -367,6 +402,19 @@ const RequestMetric kRequestMetrics[] = {
     {"tpot_s", "s", "(last token - first token) / (output tokens - 1), with at least 2 tokens",
      [](const RequestTimeline& r) { return r.tpot_s(); }},
     {"e2e_s", "s", "finish - arrival", [](const RequestTimeline& r) { return r.e2e_s(); }},
+    {"kv_transfer_s", "s",
+     "disaggregated: the KV's arrival on the decode replica - the first token (empty otherwise)",
+     [](const RequestTimeline& r) -> std::optional<double> {
+       if (!r.kv_arrival_s || r.token_times_s.empty()) return std::nullopt;
+       return *r.kv_arrival_s - r.token_times_s.front();
+     }},
+    {"decode_queue_s", "s",
+     "disaggregated: first scheduled on the decode replica - the KV's arrival there (empty "
+     "otherwise)",
+     [](const RequestTimeline& r) -> std::optional<double> {
+       if (!r.kv_arrival_s || !r.decode_scheduled_s) return std::nullopt;
+       return *r.decode_scheduled_s - *r.kv_arrival_s;
+     }},
 };
 
 std::string columns_cell(const RunMetric& m) {

@@ -77,14 +77,38 @@ std::pair<double, double> kv_use_and_prefix_hits(const std::vector<StepRecord>& 
 
 // [cluster]: every replica's stack behind the router; the merged run in out.engine, each
 // replica's summary in out.replicas.
+// A KV handoff's time: on a clock the profile prices, its bytes over the profile's [network];
+// on the measured clock, what copying the KV out really took (the copy in is the decode
+// replica's step); on the steps clock, none.
+std::function<double(std::int64_t, double)> transfer_price(
+    const ExperimentConfig& c, const std::optional<CostModel>& cost_model) {
+  if (c.clock == EngineClock::measured || c.clock == EngineClock::wall)
+    return [](std::int64_t, double copy_out_s) { return copy_out_s; };
+  if (!cost_model) return [](std::int64_t, double) { return 0.0; };
+  const CostModel* model = &*cost_model;
+  return [model](std::int64_t bytes, double) { return model->kv_transfer_seconds(bytes); };
+}
+
 void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
+                  const std::optional<CostModel>& cost_model,
                   std::vector<std::unique_ptr<ReplicaStack>>& stacks,
                   const std::vector<WorkloadRequest>& requests, RunOutput& out,
                   EngineSlots& slots) {
   auto router = registry.create<PluginKind::router>(c.router, c.router_params, PluginContext{});
   std::vector<Engine*> engines;
   for (auto& stack : stacks) engines.push_back(stack->engine.get());
-  ClusterResult cluster = run_cluster(engines, *router, requests);
+  ClusterResult cluster;
+  if (c.disaggregated()) {
+    auto decode_router =
+        registry.create<PluginKind::router>(c.decode_router, c.decode_router_params, {});
+    const auto split = engines.begin() + c.prefill_replicas;
+    Disaggregation d{std::span<Engine* const>(engines.begin(), split),
+                     std::span<Engine* const>(split, engines.end()), router.get(),
+                     decode_router.get(), transfer_price(c, cost_model)};
+    cluster = run_disaggregated(d, requests);
+  } else {
+    cluster = run_cluster(engines, *router, requests);
+  }
   double hit_tokens = 0, query_tokens = 0;
   for (const EngineResult& replica : cluster.replicas) {
     RunOutput::Replica r;
@@ -167,7 +191,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     for (std::size_t i = 0; i < requests.size(); ++i)
       served_by.emplace_back(0, static_cast<RequestId>(i));
   } else {
-    run_replicas(c, registry, stacks, requests, out, served_by);
+    run_replicas(c, registry, cost_model, stacks, requests, out, served_by);
   }
   out.engine_wall_s = seconds_since(engine_start);
   out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);

@@ -40,6 +40,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
                     "\"simulated\" (no weights exist for it)",
                     c.model));
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
+  if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
   if (c.has_kv_tiers()) {
     check_plugin(PluginKind::tier_policy, c.tier_policy, c.tier_policy_params);
     const auto caching = c.allocator_params.find("prefix_caching");
@@ -99,6 +100,15 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
         fmt::format("kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" "
                     "keeps K/V its own way",
                     dtype_short_name(c.kv_dtype), c.backend));
+  if (c.disaggregated() && check && c.check_tolerance > 0)
+    throw Error(
+        "kvlab check --tolerance reads each token's logits from the replica that made it; a "
+        "disaggregated cluster's first token comes from another replica than the rest: check it "
+        "without --tolerance (tokens equal to the reference)");
+  if (c.disaggregated() && c.attention == "recompute")
+    throw Error(
+        "[cluster] prefill_replicas hands each request's KV to a decode replica: attention "
+        "\"recompute\" keeps no KV to hand over");
   // A check with a tolerance accepts tokens chosen from nearly tied logits: the rounded settings.
   check = check && c.check_tolerance == 0;
   if (c.cpu_weights && c.cpu_weights != cpu::WeightFormat::f32 && check)

@@ -22,9 +22,13 @@ enum class RequestStatus : std::uint8_t {
 
 // KV of positions [first, computed) of a swapped request, in host memory:
 // (layers, K then V, positions, kv_heads * head_dim).
+// A buffer `transferred` from another replica (disaggregated prefill and decode) was never in
+// this engine's swap pool: copying it in costs no swap-pool room and no swap-link bytes (the
+// cluster priced its transfer).
 struct SwapBuffer {
   std::int64_t first = 0;
   std::vector<float> data;
+  bool transferred = false;
 };
 
 struct RequestState {

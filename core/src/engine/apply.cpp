@@ -11,6 +11,15 @@
 namespace kvlab {
 namespace {
 
+// copy_kv_rows, timed: returns the seconds it took.
+double timed_copy(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
+                  std::vector<float>& buffer, bool to_host, std::int64_t* bytes = nullptr) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::int64_t copied = copy_kv_rows(pool, view, first, end, buffer, to_host);
+  if (bytes != nullptr) *bytes = copied;
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
 // copy_kv_rows as one transfer of the applied plan: its bytes, count and measured time.
 void copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
              std::vector<float>& buffer, bool to_host, AppliedPlan& applied,
@@ -135,9 +144,12 @@ void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
         std::copy_n(r.swap.data.data() + (half * tokens + (from - first)) * width, keep * width,
                     part.data() + half * keep * width);
     }
-    copy_kv(pool, kv_.view(r.id), from, r.computed, part, false, applied_, table_.timeline(r.id));
+    if (r.swap.transferred)  // its bytes crossed the cluster's link, priced there: time only
+      applied_.swap_copy_s += timed_copy(pool, kv_.view(r.id), from, r.computed, part, false);
+    else
+      copy_kv(pool, kv_.view(r.id), from, r.computed, part, false, applied_, table_.timeline(r.id));
   }
-  table_.add_swap_tokens(-tokens);
+  if (!r.swap.transferred) table_.add_swap_tokens(-tokens);
   r.swap = {};
   kv_.mark_computed(r.id, r.computed);
   if (options_.rules.window) kv_.release_before(r.id, r.length() - *options_.rules.window);
@@ -221,10 +233,26 @@ AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& ta
   return applied;
 }
 
+// A prefill-only request's KV copied out for its decode replica: positions with KV, as a swap
+// buffer holds them (no data on a pool without storage: the bytes are still counted).
+KvHandoff hand_off(const RequestState& r, const KvAllocator& kv, const ApplyOptions& options) {
+  KvHandoff h;
+  h.id = r.id;
+  h.generated.assign(r.tokens.begin() + r.prompt_tokens, r.tokens.end());
+  h.tokens_with_kv = r.computed;
+  if (options.pool != nullptr && options.rules.caches_kv && r.computed > 0) {
+    const KvView view = kv.view(r.id);
+    h.kv.first = view.first_position;
+    h.copy_out_s =
+        timed_copy(*options.pool, view, view.first_position, r.computed, h.kv.data, true, &h.bytes);
+  }
+  return h;
+}
+
 std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32_t> sampled,
                           double now, RequestTable& table, KvAllocator& kv,
-                          const ApplyOptions& options, EventLog& log,
-                          std::vector<RequestId>* held) {
+                          const ApplyOptions& options, EventLog& log, std::vector<RequestId>* held,
+                          std::vector<KvHandoff>* handoffs) {
   const SequenceRules& rules = options.rules;
   std::int64_t finished = 0;
   for (std::size_t e = 0; e < applied.batch.size(); ++e) {
@@ -239,7 +267,17 @@ std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32
     table.timeline(r.id).token_times_s.push_back(now);
     const bool eos = !table.ignores_eos(r.id) && rules.is_eos(token);
     const bool full = r.length() >= rules.context;
-    if (eos || r.generated() >= r.max_new_tokens || full) {
+    const bool done = eos || r.generated() >= r.max_new_tokens || full;
+    if (!done && table.hands_off(r.id) && handoffs != nullptr) {
+      handoffs->push_back(hand_off(r, kv, options));
+      table.timeline(r.id).finish_reason = "handoff";
+      log.add(EventKind::event_finish, r.id, "handoff");
+      kv.free(r.id);
+      table.finish(r.id, now);
+      ++finished;
+      continue;
+    }
+    if (done) {
       std::string& reason = table.timeline(r.id).finish_reason;
       reason = eos ? "eos" : full ? "context_full" : "max_tokens";
       log.add(EventKind::event_finish, r.id, reason);

@@ -3,8 +3,10 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <deque>
 #include <limits>
 #include <numeric>
+#include <queue>
 
 #include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
@@ -37,7 +39,137 @@ RouteRecord route_one(std::span<Engine* const> replicas, Router& router, const W
   return {d.replica, replicas[d.replica]->submit(w), w.arrival_s, d.reason};
 }
 
+std::vector<std::size_t> arrival_order(const std::vector<WorkloadRequest>& requests) {
+  std::vector<std::size_t> order(requests.size());
+  std::iota(order.begin(), order.end(), std::size_t{0});
+  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
+    return requests[a].arrival_s < requests[b].arrival_s;
+  });
+  return order;
+}
+
+// A handoff waiting for its decode route (at the time its prefill replica handed it off).
+struct PendingHandoff {
+  double time_s = 0;
+  std::size_t index = 0;  // in the workload
+  KvHandoff handoff;
+  bool operator>(const PendingHandoff& other) const {
+    return time_s > other.time_s || (time_s == other.time_s && index > other.index);
+  }
+};
+
+// The disaggregated cluster's run: the engines of both sides, the handoffs in time order.
+class DisaggregatedRun {
+ public:
+  DisaggregatedRun(const Disaggregation& c, const std::vector<WorkloadRequest>& requests)
+      : c_(c), requests_(requests), order_(arrival_order(requests)) {
+    engines_.assign(c.prefill.begin(), c.prefill.end());
+    engines_.insert(engines_.end(), c.decode.begin(), c.decode.end());
+    local_to_index_.resize(c.prefill.size());
+    result_.routes.resize(requests.size());
+    result_.decode_routes.resize(requests.size());
+  }
+
+  ClusterResult run() {
+    static const std::vector<WorkloadRequest> kNone;
+    for (Engine* e : engines_) e->start(kNone);
+    while (true) {
+      const double arrival = next_ < order_.size() ? requests_[order_[next_]].arrival_s
+                                                   : std::numeric_limits<double>::infinity();
+      const double handoff =
+          pending_.empty() ? std::numeric_limits<double>::infinity() : pending_.top().time_s;
+      const double event = std::min(arrival, handoff);
+      if (Engine* behind = furthest_behind(engines_); behind != nullptr && behind->now() < event) {
+        step(*behind);
+        continue;
+      }
+      if (next_ == order_.size() && pending_.empty()) break;
+      if (arrival <= handoff)
+        route_prefill(order_[next_++]);
+      else
+        route_decode();
+    }
+    for (Engine* e : engines_) {
+      result_.duration_s = std::max(result_.duration_s, e->now());
+      result_.replicas.push_back(e->take_result());
+    }
+    return std::move(result_);
+  }
+
+ private:
+  void step(Engine& engine) {
+    (void)engine.step();
+    const auto prefill = static_cast<std::size_t>(
+        std::find(c_.prefill.begin(), c_.prefill.end(), &engine) - c_.prefill.begin());
+    if (prefill == c_.prefill.size()) return;
+    for (KvHandoff& h : engine.take_handoffs()) {
+      const std::size_t index = local_to_index_[prefill].at(static_cast<std::size_t>(h.id));
+      pending_.push({h.time_s, index, std::move(h)});
+    }
+  }
+  void route_prefill(std::size_t index) {
+    const WorkloadRequest& w = requests_[index];
+    const RouteRecord route = route_to(c_.prefill, *c_.prefill_router, w, index, w.arrival_s,
+                                       [&](Engine& e) { return e.submit_for_prefill(w); });
+    local_to_index_[route.replica].push_back(index);
+    result_.routes[index] = route;
+  }
+  // At its handoff the decode replica is chosen; the request arrives there when the KV has crossed.
+  void route_decode() {
+    PendingHandoff p = std::move(const_cast<PendingHandoff&>(pending_.top()));
+    pending_.pop();
+    WorkloadRequest& w = decode_requests_.emplace_back(requests_[p.index]);
+    w.arrival_s = p.time_s + c_.transfer_seconds(p.handoff.bytes, p.handoff.copy_out_s);
+    const std::int64_t bytes = p.handoff.bytes;
+    RouteRecord route =
+        route_to(c_.decode, *c_.decode_router, w, p.index, p.time_s,
+                 [&](Engine& e) { return e.submit_with_kv(w, std::move(p.handoff)); });
+    route.replica += c_.prefill.size();
+    route.time_s = w.arrival_s;
+    route.kv_bytes = bytes;
+    result_.decode_routes[p.index] = route;
+  }
+  template <typename Submit>
+  RouteRecord route_to(std::span<Engine* const> side, Router& router, const WorkloadRequest& w,
+                       std::size_t index, double time_s, Submit&& submit) {
+    std::vector<ReplicaLoad> loads;
+    loads.reserve(side.size());
+    for (const Engine* e : side) loads.push_back(e->load());
+    const auto i = static_cast<std::int64_t>(index);
+    const RouteDecision d = plugin_call(
+        "the router", i,
+        [&] {
+          return router.route({i, time_s, w.prompt, w.output_tokens, w.priority}, loads);
+        },
+        "request");
+    if (d.replica >= side.size())
+      throw Error(fmt::format("router sent request {} to replica {}, but that side has {}", index,
+                              d.replica, side.size()));
+    return {d.replica, submit(*side[d.replica]), time_s, d.reason};
+  }
+
+  const Disaggregation& c_;
+  const std::vector<WorkloadRequest>& requests_;
+  std::vector<std::size_t> order_;
+  std::size_t next_ = 0;
+  std::vector<Engine*> engines_;
+  std::vector<std::vector<std::size_t>> local_to_index_;  // per prefill replica: local id -> index
+  std::priority_queue<PendingHandoff, std::vector<PendingHandoff>, std::greater<>> pending_;
+  std::deque<WorkloadRequest> decode_requests_;  // outlive the run (engines keep pointers)
+  ClusterResult result_;
+};
+
 }  // namespace
+
+ClusterResult run_disaggregated(const Disaggregation& cluster,
+                                const std::vector<WorkloadRequest>& requests) {
+  if (cluster.prefill.empty() || cluster.decode.empty())
+    throw Error("a disaggregated cluster needs at least one prefill and one decode replica");
+  if (cluster.prefill_router == nullptr || cluster.decode_router == nullptr ||
+      !cluster.transfer_seconds)
+    throw Error("internal: a disaggregated cluster needs both routers and a transfer price");
+  return DisaggregatedRun(cluster, requests).run();
+}
 
 ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
                           const std::vector<WorkloadRequest>& requests) {
@@ -71,13 +203,39 @@ ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
   return result;
 }
 
+namespace {
+
+// A disaggregated request's whole timeline: its prefill replica's (arrival, first scheduling,
+// first token) and then its decode replica's (the KV's arrival, scheduling, the other tokens).
+void add_decode_side(RequestTimeline& t, const RequestTimeline& d, std::int64_t bytes) {
+  t.kv_transfer_bytes = bytes;
+  t.kv_arrival_s = d.arrival_s;
+  t.decode_scheduled_s = d.first_scheduled_s;
+  t.token_times_s.insert(t.token_times_s.end(), d.token_times_s.begin(), d.token_times_s.end());
+  t.finish_s = d.finish_s;
+  t.finish_reason = d.finish_reason;
+  t.rejected = d.rejected;
+  t.reject_reason = d.reject_reason;
+  t.preemptions += d.preemptions;
+  t.recomputed_tokens += d.recomputed_tokens;
+  t.swapped_bytes += d.swapped_bytes;
+}
+
+const RequestTimeline& local_timeline(const ClusterResult& result, const RouteRecord& route) {
+  return result.replicas.at(route.replica)
+      .requests.at(static_cast<std::size_t>(route.id_in_replica));
+}
+
+}  // namespace
+
 std::vector<RequestTimeline> cluster_timelines(const ClusterResult& result) {
   std::vector<RequestTimeline> timelines;
   timelines.reserve(result.routes.size());
   for (std::size_t i = 0; i < result.routes.size(); ++i) {
-    const RouteRecord& route = result.routes[i];
-    RequestTimeline t = result.replicas.at(route.replica)
-                            .requests.at(static_cast<std::size_t>(route.id_in_replica));
+    RequestTimeline t = local_timeline(result, result.routes[i]);
+    if (i < result.decode_routes.size() && result.decode_routes[i])
+      add_decode_side(t, local_timeline(result, *result.decode_routes[i]),
+                      result.decode_routes[i]->kv_bytes);
     t.id = static_cast<RequestId>(i);
     timelines.push_back(std::move(t));
   }
@@ -91,16 +249,28 @@ EngineResult merged_result(const ClusterResult& result) {
   std::vector<std::vector<RequestId>> global(result.replicas.size());  // local id -> workload
   for (std::size_t r = 0; r < result.replicas.size(); ++r)
     global[r].resize(result.replicas[r].requests.size());
-  for (std::size_t i = 0; i < result.routes.size(); ++i) {
-    const RouteRecord& route = result.routes[i];
+  auto add_route = [&](const RouteRecord& route, std::size_t i) {
     global[route.replica][static_cast<std::size_t>(route.id_in_replica)] =
         static_cast<RequestId>(i);
-    const EngineResult& replica = result.replicas[route.replica];
-    const auto local = static_cast<std::size_t>(route.id_in_replica);
-    merged.tokens.push_back(replica.tokens[local]);
-    merged.logprobs.push_back(replica.logprobs.at(local));  // empty unless asked for
     merged.events.push_back({-1, route.time_s, EventKind::event_route, static_cast<RequestId>(i),
                              route.reason, 0, static_cast<std::int64_t>(route.replica)});
+  };
+  for (std::size_t i = 0; i < result.routes.size(); ++i) {
+    // The tokens of the replica that ran it last (a decode replica holds the first one too).
+    const bool decoded = i < result.decode_routes.size() && result.decode_routes[i].has_value();
+    const RouteRecord& last = decoded ? *result.decode_routes[i] : result.routes[i];
+    const EngineResult& replica = result.replicas[last.replica];
+    const auto local = static_cast<std::size_t>(last.id_in_replica);
+    merged.tokens.push_back(replica.tokens[local]);
+    std::vector<GeneratedLogprobs> logprobs;  // empty unless asked for
+    if (decoded)
+      logprobs = result.replicas[result.routes[i].replica].logprobs.at(
+          static_cast<std::size_t>(result.routes[i].id_in_replica));
+    const auto& rest = replica.logprobs.at(local);
+    logprobs.insert(logprobs.end(), rest.begin(), rest.end());
+    merged.logprobs.push_back(std::move(logprobs));
+    add_route(result.routes[i], i);
+    if (decoded) add_route(*result.decode_routes[i], i);
   }
   for (std::size_t r = 0; r < result.replicas.size(); ++r) {
     for (StepRecord step : result.replicas[r].steps) {

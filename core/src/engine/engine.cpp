@@ -72,6 +72,16 @@ RequestId Engine::submit(const WorkloadRequest& request) {
   return table_->submit(request);
 }
 
+RequestId Engine::submit_for_prefill(const WorkloadRequest& request) {
+  if (!table_) throw Error("engine: submit_for_prefill() before start()");
+  return table_->submit_for_prefill(request);
+}
+
+RequestId Engine::submit_with_kv(const WorkloadRequest& request, KvHandoff handoff) {
+  if (!table_) throw Error("engine: submit_with_kv() before start()");
+  return table_->submit_with_kv(request, std::move(handoff));
+}
+
 double Engine::now() const {
   return clock_ ? clock_->now() : 0.0;
 }
@@ -173,8 +183,10 @@ bool Engine::step() {
   const std::vector<std::int32_t> sampled = run_batch(applied, record);
   log_.set_time(step_, clock_->now());
   std::vector<RequestId> finished_held;
+  const std::size_t handed = handoffs_.size();
   apply_tokens(applied, sampled, clock_->now(), *table_, allocator_, apply_options_, log_,
-               &finished_held);
+               &finished_held, &handoffs_);
+  for (std::size_t h = handed; h < handoffs_.size(); ++h) handoffs_[h].time_s = clock_->now();
   padding_.hold(finished_held, *table_, allocator_);
   record_step(record, fragmentation_blocked);
   return !table_->all_done();

@@ -58,7 +58,7 @@ RunSummary summarize_run(std::span<const RequestTimeline> requests, double durat
   RunSummary summary;
   summary.submitted = static_cast<std::int64_t>(requests.size());
   summary.duration_s = duration_s;
-  std::vector<double> ttft, tpot, itl, e2e, queue;
+  std::vector<double> ttft, tpot, itl, e2e, queue, transfer, decode_queue;
   std::int64_t output_tokens = 0, prompt_tokens = 0;
   for (const auto& r : requests) {
     summary.preemptions += r.preemptions;
@@ -78,6 +78,11 @@ RunSummary summarize_run(std::span<const RequestTimeline> requests, double durat
     if (auto v = r.tpot_s()) tpot.push_back(*v);
     if (auto v = r.e2e_s()) e2e.push_back(*v);
     if (auto v = r.queue_delay_s()) queue.push_back(*v);
+    summary.kv_transfer_bytes += r.kv_transfer_bytes;
+    if (r.kv_arrival_s && !r.token_times_s.empty())
+      transfer.push_back(*r.kv_arrival_s - r.token_times_s.front());
+    if (r.kv_arrival_s && r.decode_scheduled_s)
+      decode_queue.push_back(*r.decode_scheduled_s - *r.kv_arrival_s);
     for (std::size_t i = 1; i < r.token_times_s.size(); ++i)
       itl.push_back(r.token_times_s[i] - r.token_times_s[i - 1]);
     const bool meets = (!slo.ttft_s || (r.ttft_s() && *r.ttft_s() <= *slo.ttft_s)) &&
@@ -98,6 +103,8 @@ RunSummary summarize_run(std::span<const RequestTimeline> requests, double durat
   summary.itl_s = summarize_latencies(std::move(itl));
   summary.e2e_s = summarize_latencies(std::move(e2e));
   summary.queue_delay_s = summarize_latencies(std::move(queue));
+  summary.kv_transfer_s = summarize_latencies(std::move(transfer));
+  summary.decode_queue_s = summarize_latencies(std::move(decode_queue));
   return summary;
 }
 

@@ -31,6 +31,8 @@ RequestId RequestTable::add(const WorkloadRequest& w) {
   sampling.max_tokens = static_cast<std::int32_t>(w.output_tokens);
   ignore_eos_.push_back(w.sampling.ignore_eos);
   arrived_flags_.push_back(false);
+  hands_off_.push_back(false);
+  handed_in_.emplace_back();
   samplers_.emplace_back();
   submitted_.push_back(&w);
   arrival_order_.push_back(id);
@@ -51,6 +53,19 @@ RequestId RequestTable::submit(const WorkloadRequest& request) {
   return id;
 }
 
+RequestId RequestTable::submit_for_prefill(const WorkloadRequest& request) {
+  const RequestId id = submit(request);
+  hands_off_[index(id)] = true;
+  return id;
+}
+
+RequestId RequestTable::submit_with_kv(const WorkloadRequest& request, KvHandoff handoff) {
+  const RequestId id = submit(request);
+  handoff.kv.transferred = true;
+  handed_in_[index(id)] = std::move(handoff);
+  return id;
+}
+
 std::optional<RequestId> RequestTable::next_arrival() const {
   if (arrived_ == arrival_order_.size()) return std::nullopt;
   return arrival_order_[arrived_];
@@ -62,6 +77,16 @@ RequestId RequestTable::arrive() {
   RequestState& r = at(id);
   r.tokens = submitted_[index(id)]->prompt;
   samplers_[index(id)].emplace(sampling_[index(id)]);
+  if (std::optional<KvHandoff>& in = handed_in_[index(id)]) {  // its first tokens, their KV
+    r.tokens.insert(r.tokens.end(), in->generated.begin(), in->generated.end());
+    r.computed = in->tokens_with_kv;
+    r.swap = std::move(in->kv);
+    r.status = RequestStatus::swapped;
+    if (sampling_[index(id)].temperature > 0)  // one draw per token already generated
+      for (std::size_t t = 0; t < in->generated.size(); ++t)
+        (void)samplers_[index(id)]->next_uniform();
+    in.reset();
+  }
   // Arrivals come in (arrival, id) order, after everyone already waiting.
   waiting();
   waiting_.push_back(&r);

@@ -206,6 +206,13 @@ double CostModel::disk_seconds(std::int64_t bytes, std::int64_t transfers) const
          static_cast<double>(bytes) * share / (profile_.disk_gb_per_s * 1e9);
 }
 
+double CostModel::kv_transfer_seconds(std::int64_t bytes) const {
+  const double share =
+      kv_bytes_per_sequence_token_per_gpu() / static_cast<double>(kv_bytes_per_token());
+  return profile_.kv_transfer_latency_s +
+         static_cast<double>(bytes) * share / (profile_.kv_transfer_gb_per_s * 1e9);
+}
+
 double CostModel::weight_bytes() const {
   return parameters_per_gpu(model_, tp_) * static_cast<double>(dtype_size(profile_.compute_dtype));
 }

@@ -132,8 +132,8 @@ std::vector<KernelRegime> read_regimes(const toml::array* regimes, const std::st
 
 // Every top-level key is a known table ([[...]] for the kernel regimes), or an error naming it.
 void check_top_level(const toml::table& top, const std::string& where) {
-  const std::vector<std::string> tables{"profile", "device", "efficiency",  "overhead",
-                                        "memory",  "link",   "interconnect"};
+  const std::vector<std::string> tables{"profile", "device", "efficiency",   "overhead",
+                                        "memory",  "link",   "interconnect", "network"};
   const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime"};
   for (const auto& [key, value] : top) {
     const bool regimes =
@@ -235,6 +235,13 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
     p.allreduce_latency_s = s.number("allreduce_latency_s", 0, false, true);
     s.finish();
   }
+  {
+    ProfileSection s(top["network"].as_table(), "network", where);
+    p.kv_transfer_gb_per_s = s.number("kv_transfer_gb_per_s", p.kv_transfer_gb_per_s);
+    p.kv_transfer_latency_s =
+        s.number("kv_transfer_latency_s", p.kv_transfer_latency_s, false, true);
+    s.finish();
+  }
   return p;
 }
 
@@ -307,6 +314,8 @@ std::string hardware_profile_to_toml(const HardwareProfile& p) {
                            {"disk_gb_per_s", p.disk_gb_per_s},
                            {"disk_latency_s", p.disk_latency_s},
                            {"tier_copies_overlap", p.tier_copies_overlap}}}};
+  top.insert("network", toml::table{{"kv_transfer_gb_per_s", p.kv_transfer_gb_per_s},
+                                    {"kv_transfer_latency_s", p.kv_transfer_latency_s}});
   if (p.allreduce_gb_per_s > 0)
     top.insert("interconnect", toml::table{{"allreduce_gb_per_s", p.allreduce_gb_per_s},
                                            {"allreduce_latency_s", p.allreduce_latency_s}});

@@ -48,10 +48,13 @@ AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& ta
 // `sampled[e]` is the token batch entry e produced (read only when it samples). Returns how
 // many requests finished. A finished request's KV is freed, unless the plan pads finished
 // requests (applied.pad_finished) and `held` is given: then it stays allocated and its id is
-// appended to `held` (the caller frees it when the static batch ends).
+// appended to `held` (the caller frees it when the static batch ends). A request submitted for
+// prefill only (RequestTable::hands_off) that is not done with its first token finishes as
+// "handoff", its KV copied out and appended to `handoffs` (when given) before it is freed.
 std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32_t> sampled,
                           double now, RequestTable& table, KvAllocator& kv,
                           const ApplyOptions& options, EventLog& log,
-                          std::vector<RequestId>* held = nullptr);
+                          std::vector<RequestId>* held = nullptr,
+                          std::vector<KvHandoff>* handoffs = nullptr);
 
 }  // namespace kvlab

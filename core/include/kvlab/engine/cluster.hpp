@@ -5,6 +5,8 @@
 // advance in time order (the one furthest behind steps first), so a route sees every busy
 // replica as of the arrival (a replica in the middle of a step shows its state after it).
 #include <cstdint>
+#include <functional>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -17,15 +19,33 @@ namespace kvlab {
 struct RouteRecord {
   std::size_t replica = 0;
   RequestId id_in_replica = 0;
-  double time_s = 0;   // when it was routed (its arrival)
-  std::string reason;  // the router's
+  double time_s = 0;          // when it was routed (its arrival)
+  std::string reason;         // the router's
+  std::int64_t kv_bytes = 0;  // a decode route: the KV handed over
 };
 
 struct ClusterResult {
   std::vector<EngineResult> replicas;  // each replica's own run, its requests by local id
   std::vector<RouteRecord> routes;     // one per request, in workload order
-  double duration_s = 0;               // the last replica's clock at the end
+  // Disaggregated: where each request's KV went after its prefill (nullopt: it ended there).
+  std::vector<std::optional<RouteRecord>> decode_routes;
+  double duration_s = 0;  // the last replica's clock at the end
 };
+
+// Disaggregated prefill and decode (DistServe, Splitwise): `prefill` replicas compute prompts
+// and first tokens, `decode` replicas the rest. Each request is routed among the prefill
+// replicas at its arrival; when its first token is out, its KV is handed off and crosses the
+// link between them, taking transfer_seconds(bytes, measured copy-out seconds); then it is
+// routed among the decode replicas, arriving there when the transfer ends. The whole request's
+// KV moves in one transfer once the prefill is done (not layer by layer during it).
+struct Disaggregation {
+  std::span<Engine*const> prefill, decode;
+  Router* prefill_router = nullptr;
+  Router* decode_router = nullptr;
+  std::function<double(std::int64_t bytes, double copy_out_s)> transfer_seconds;
+};
+ClusterResult run_disaggregated(const Disaggregation& cluster,
+                                const std::vector<WorkloadRequest>& requests);
 
 // Runs `requests` (which must outlive the call) on `replicas` (not started; each is started
 // empty here) behind `router`. Throws kvlab::Error when the router names a replica that does

@@ -107,6 +107,13 @@ class Engine {
   // While a run goes on (after start()): one more request, arriving at its arrival_s (a
   // cluster's router hands it over); its id in this engine. `request` must outlive the run.
   RequestId submit(const WorkloadRequest& request);
+  // Disaggregated prefill and decode (RequestTable::submit_for_prefill / submit_with_kv): a
+  // request this engine only prefills, handing its KV off with its first token; and one that
+  // arrives with handed-off KV to decode. take_handoffs() returns the handoffs since the last
+  // call, each stamped with this engine's clock at the end of the step that made it.
+  RequestId submit_for_prefill(const WorkloadRequest& request);
+  RequestId submit_with_kv(const WorkloadRequest& request, KvHandoff handoff);
+  std::vector<KvHandoff> take_handoffs() { return std::move(handoffs_); }
   double now() const;
   bool has_work() const;     // a request waits, runs or is still to arrive
   ReplicaLoad load() const;  // what a router sees of this engine now
@@ -136,7 +143,8 @@ class Engine {
   std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
   KvAllocatorStats tiers_seen_;  // the allocator's tier counters as the last priced step left them
   std::chrono::steady_clock::time_point step_start_;
-  StaticPadding padding_;  // the finished requests of the running static batch
+  StaticPadding padding_;            // the finished requests of the running static batch
+  std::vector<KvHandoff> handoffs_;  // not yet taken
 };
 
 }  // namespace kvlab

@@ -30,6 +30,11 @@ struct RequestTimeline {
   std::int64_t swapped_bytes = 0;
   std::int64_t prefix_hit_tokens = 0;  // prompt tokens the prefix cache served at first admission
   std::string finish_reason;           // "eos" | "max_tokens" | "context_full" once finished
+  // Disaggregated prefill and decode: the KV handed from its prefill replica to its decode
+  // replica (bytes in the pool's dtype), when the transfer ended there (the request's arrival
+  // at the decode replica) and when that replica first scheduled it. 0 / nullopt otherwise.
+  std::int64_t kv_transfer_bytes = 0;
+  std::optional<double> kv_arrival_s, decode_scheduled_s;
 
   std::int64_t output_tokens() const { return static_cast<std::int64_t>(token_times_s.size()); }
   std::optional<double> ttft_s() const;
@@ -61,6 +66,10 @@ struct RunSummary {
   std::int64_t slo_met = 0;  // finished requests meeting every SLO set
   double goodput_per_s = 0;  // slo_met / duration
   std::int64_t preemptions = 0, recomputed_tokens = 0, swapped_bytes = 0;
+  // Disaggregated prefill and decode (requests handed to a decode replica): the KV transfer
+  // (first token to the KV's arrival there), the wait there until scheduled, and the bytes.
+  LatencySummary kv_transfer_s, decode_queue_s;
+  std::int64_t kv_transfer_bytes = 0;
 };
 
 // Throws kvlab::Error when a request is neither finished nor rejected (the engine lost it):

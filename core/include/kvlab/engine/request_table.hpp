@@ -17,6 +17,19 @@
 
 namespace kvlab {
 
+// A request's KV handed from a prefill replica to a decode replica (disaggregated prefill and
+// decode): its tokens generated so far (the first), and its KV as a swap buffer holds it
+// (positions [kv.first, tokens_with_kv); no data on a pool without storage).
+struct KvHandoff {
+  RequestId id = 0;  // in the engine that handed it off
+  std::vector<std::int32_t> generated;
+  SwapBuffer kv;
+  std::int64_t tokens_with_kv = 0;
+  std::int64_t bytes = 0;  // K and V of those positions, every layer, in the pool's dtype
+  double copy_out_s = 0;   // what copying them out really took here
+  double time_s = 0;       // the handing engine's clock at the end of the step
+};
+
 class RequestTable {
  public:
   // Request i of `submitted` gets id i. With `arrivals_at_zero` (the offline clock) everyone
@@ -27,6 +40,13 @@ class RequestTable {
   // next id, arriving at its arrival_s (at 0 with arrivals_at_zero), which must not be earlier
   // than requests that already arrived. `request` must outlive the table.
   RequestId submit(const WorkloadRequest& request);
+  // Disaggregated prefill and decode. A request submitted for prefill finishes once it has its
+  // first token (finish reason "handoff", unless that token ends it anyway) and the engine hands
+  // its KV off. One submitted with a handoff arrives (at request.arrival_s) with those tokens
+  // generated, their KV waiting as a transferred swap buffer, and its sampler past their draws.
+  RequestId submit_for_prefill(const WorkloadRequest& request);
+  RequestId submit_with_kv(const WorkloadRequest& request, KvHandoff handoff);
+  bool hands_off(RequestId id) const { return hands_off_[index(id)]; }
 
   std::size_t size() const { return states_.size(); }
   const RequestState& at(RequestId id) const { return states_[index(id)]; }
@@ -80,6 +100,8 @@ class RequestTable {
   std::vector<SamplingParams> sampling_;
   std::vector<bool> ignore_eos_;
   std::vector<bool> arrived_flags_;
+  std::vector<bool> hands_off_;
+  std::vector<std::optional<KvHandoff>> handed_in_;  // until the request arrives
   std::vector<RequestId> arrival_order_;
   std::size_t arrived_ = 0, done_ = 0;
   // Admissions leave their entries in waiting_ until the next read (one pass per step instead of

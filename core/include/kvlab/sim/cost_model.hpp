@@ -102,6 +102,9 @@ class CostModel {
   double swap_seconds(std::int64_t bytes, std::int64_t transfers) const;
   // `transfers` reads or writes of `bytes` in all on the KV disk tier's storage.
   double disk_seconds(std::int64_t bytes, std::int64_t transfers) const;
+  // One KV handoff of `bytes` (all GPUs' share) from a prefill replica to a decode replica over
+  // the profile's [network].
+  double kv_transfer_seconds(std::int64_t bytes) const;
 
   // Memory, one GPU's: its parameters x compute dtype; K and V of one token in every layer for
   // its K/V heads; and the tokens of KV that fit in memory_gib x utilization - weights -

@@ -72,6 +72,12 @@ struct HardwareProfile {
   // algorithm's traffic at its bus bandwidth (NCCL's "busbw"). 0: no interconnect (tp 1 only).
   double allreduce_gb_per_s = 0;
   double allreduce_latency_s = 0;
+  // The network between replicas ([network]): a disaggregated cluster's KV handoff of B bytes
+  // from a prefill GPU to a decode GPU takes kv_transfer_latency_s + B / (kv_transfer_gb_per_s x
+  // 10^9) (with tensor parallelism each GPU sends its heads' share over its own NIC). Default:
+  // one 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE, as DistServe's and Mooncake's clusters).
+  double kv_transfer_gb_per_s = 46.0;
+  double kv_transfer_latency_s = 2e-5;
   std::string source;  // the file it was read from ("" when built in code)
 };
 

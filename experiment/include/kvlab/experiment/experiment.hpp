@@ -102,6 +102,13 @@ struct ExperimentConfig {
   std::int64_t replicas = 1;
   std::string router = "round_robin";
   ParamMap router_params;
+  // Disaggregated prefill and decode: the first `prefill_replicas` replicas prefill (routed by
+  // `router`), the others decode (routed by `decode_router`, default the same plugin, with
+  // `decode_params`); 0: every replica does both (docs/concepts/disaggregation.md).
+  std::int64_t prefill_replicas = 0;
+  std::string decode_router;
+  ParamMap decode_router_params;
+  bool disaggregated() const { return prefill_replicas > 0; }
   std::string output_dir;  // empty: results/<name>
   // [output] columns: what the summary table adds for this experiment (metric_column_options,
   // kvlab/experiment/metric_registry.hpp).
