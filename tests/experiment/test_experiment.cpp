@@ -10,6 +10,9 @@
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/summary_table.hpp"
+#include "kvlab/model_config.hpp"
+#include "kvlab/sim/cost_model.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -133,6 +136,69 @@ TEST(ExperimentLibrary, KvTiersGiveTheReferencesTokensOnTheCpuBackend) {
   EXPECT_GT(outs[3].kv_tiers->disk_hit_rate, 0);
 }
 
+// Disaggregated prefill and decode on the cpu backend: 1 prefill + 2 decode replicas, each
+// request's KV really copied out of the prefill replica's pool and into a decode replica's.
+// `kvlab check` holds every token equal to the reference; with sampling, the tokens equal the
+// same requests' on one colocated replica (the decode side's sampler continues the stream).
+TEST(ExperimentLibrary, DisaggregatedCpuClusterGivesTheSameTokens) {
+  const auto file = std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "prefix_caching.toml";
+  const std::vector<std::string> base{
+      std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+      "workload.requests=12"};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), base.begin(), base.end());
+    return load_experiment(file, more);
+  };
+  const auto split = with({"cluster.replicas=3", "cluster.prefill_replicas=1"});
+  validate_experiment(split, true);
+  std::vector<std::string> mismatches;
+  const RunOutput out = run_experiment(split[1].config, true, &mismatches);
+  EXPECT_TRUE(mismatches.empty()) << mismatches.front();
+  EXPECT_EQ(out.summary.finished, 12);
+  EXPECT_EQ(out.summary.kv_transfer_s.count, 12);  // every request went on to a decode replica
+  std::int64_t expected_bytes = 0;  // stories15m: 6 layers x 6 K/V heads x 48 x 2 x f32
+  for (const auto& r : out.engine.requests) expected_bytes += r.prompt_tokens * 6 * 288 * 2 * 4;
+  EXPECT_EQ(out.summary.kv_transfer_bytes, expected_bytes);
+  for (const auto& r : out.engine.requests)
+    EXPECT_EQ(r.output_tokens(), (int)out.engine.tokens[r.id].size());
+
+  const std::vector<std::string> sampled{"workload.temperature=0.9", "workload.top_p=0.95"};
+  auto sampled_with = [&](std::vector<std::string> more) {
+    more.insert(more.end(), sampled.begin(), sampled.end());
+    return run_experiment(with(more)[1].config, false, nullptr);
+  };
+  const RunOutput colocated = sampled_with({});
+  const RunOutput disaggregated =
+      sampled_with({"cluster.replicas=3", "cluster.prefill_replicas=1"});
+  EXPECT_EQ(disaggregated.engine.tokens, colocated.engine.tokens);
+  EXPECT_EQ(disaggregated.summary.kv_transfer_s.count, 12);
+}
+
+// On the simulated backend each handoff takes what the profile's [network] says for its bytes:
+// latency + bytes / bandwidth, from the first token to the KV's arrival on the decode replica.
+TEST(ExperimentLibrary, DisaggregatedHandoffsArePricedOverTheProfilesNetwork) {
+  const auto runs = load_experiment(
+      std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "disaggregation.toml",
+      {std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+       "workload.requests=60"});
+  const RunOutput out = run_experiment(runs[2].config, false, nullptr);  // 2 prefill, 2 decode
+  const ModelConfig model = model_preset("llama2-7b");
+  const CostModel cost(model, load_hardware_profile("a100-80gb"));
+  ASSERT_EQ(out.summary.finished, 60);
+  for (const auto& r : out.engine.requests) {
+    ASSERT_TRUE(r.kv_arrival_s.has_value()) << r.id;
+    const std::int64_t bytes =
+        r.prompt_tokens * static_cast<std::int64_t>(cost.kv_bytes_per_token());
+    EXPECT_EQ(r.kv_transfer_bytes, bytes) << r.id;
+    EXPECT_NEAR(*r.kv_arrival_s - r.token_times_s.front(), cost.kv_transfer_seconds(bytes), 1e-9)
+        << r.id;
+    EXPECT_GE(*r.decode_scheduled_s, *r.kv_arrival_s) << r.id;
+  }
+  EXPECT_EQ(out.replicas.size(), 4u);
+  EXPECT_EQ(out.replicas[0].requests + out.replicas[1].requests, 60);  // prefill side
+  EXPECT_EQ(out.replicas[2].requests + out.replicas[3].requests, 60);  // decode side
+}
+
 // [kv_tiers] mistakes are named before anything runs.
 TEST(ExperimentLibrary, KvTierMistakesAreClearErrors) {
   auto error = [](std::vector<std::string> more) {
@@ -161,6 +227,24 @@ TEST(ExperimentLibrary, KvTierMistakesAreClearErrors) {
                 .find("kv_tiers.disk_directory /nonexistent/kvlab is not a folder"),
             std::string::npos);
   EXPECT_NE(error({"kv_tiers.host_gib=1", "kv_tiers.size=1"}).find("size"), std::string::npos);
+}
+
+TEST(ExperimentLibrary, DisaggregationMistakesAreClearErrors) {
+  auto error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  EXPECT_NE(error({"cluster.replicas=2", "cluster.prefill_replicas=2"})
+                .find("cluster.prefill_replicas (2) leaves no decode replica of 2"),
+            std::string::npos);
+  EXPECT_NE(error({"cluster.replicas=2", "cluster.prefill_replicas=1",
+                   "cluster.decode_router=\"nearest\""})
+                .find("nearest"),
+            std::string::npos);
+  EXPECT_NE(
+      error({"cluster.replicas=2", "cluster.prefill_replicas=1", "attention.variant=\"recompute\""})
+          .find("keeps no KV to hand over"),
+      std::string::npos);
 }
 
 TEST(ExperimentLibrary, RunChecksEveryTokenAndWritesTheResults) {
