@@ -2,6 +2,8 @@
 // The router plugin interface: a cluster of replicas (each its own engine: allocator, scheduler,
 // backend) takes every request at its arrival time, and a router says which replica serves it
 // (round_robin, least_loaded, prefix_affinity ship as plugins; engine/cluster.hpp runs them).
+// A disaggregated cluster runs two: one over its prefill replicas at each arrival, one over its
+// decode replicas at each KV handoff; each sees only its side's replicas.
 #include <cstdint>
 #include <span>
 #include <string>
