@@ -336,6 +336,13 @@ TEST(ModelPresets, ParameterCountsMatchThePublishedModels) {
   EXPECT_EQ(model_preset("llama2-70b").parameter_count(), 68'976'648'192);
   EXPECT_EQ(model_preset("mistral-7b").parameter_count(), 7'241'732'096);
   EXPECT_EQ(model_preset("llama3.1-8b").parameter_count(), 8'030'261'248);
+  // opt-13b, a LLaMA-shaped stand-in: OPT-13B's 12.85B within 0.1% (no biases, LayerNorm or
+  // learned positions), its matrices' FLOPs a token within 0.01% (8 h^2 MLP + 4 h^2 attention).
+  const ModelConfig opt = model_preset("opt-13b");
+  EXPECT_NEAR(static_cast<double>(opt.parameter_count()), 12.85e9, 0.001 * 12.85e9);
+  const double h = 5120, opt_layer_matmuls = 12 * h * h;
+  EXPECT_NEAR(static_cast<double>(opt.matmul_parameter_count() - opt.vocab_size * opt.hidden_size),
+              40 * opt_layer_matmuls, 1e-4 * 40 * opt_layer_matmuls);
   // llama2.c's stories15M: 15.19M with the classifier shared with the embedding.
   EXPECT_EQ(model_preset("stories15m").parameter_count(), 15'191'712);
 }

@@ -8,6 +8,7 @@
 #include <fmt/format.h>
 
 #include <functional>
+#include <iostream>
 #include <map>
 
 #include <fstream>
@@ -320,6 +321,47 @@ TEST(Lesson, DisaggregationServesMorePerGpuOnlyUnderATightTpotSlo) {
           << "loose TPOT, seed " << seed << ": colocated " << best[1][0] << ", " << p << " prefill";
     EXPECT_GT(best[1][0], best[0][0]) << "seed " << seed;  // the loose SLO admits more
   }
+}
+
+// The DistServe simulator's published example (experiments/distserve_opt13b.toml): OPT-13B on
+// 4 x A100-80GB, 300 ShareGPT-like requests, P90 TTFT <= 200 ms and P90 TPOT <= 100 ms. Its
+// figure: the highest arrival rate per GPU meeting both, by binary search to within 0.25
+// req/s/GPU (its README's settings); DistServe's simulator reports 1.56, disaggregated (prefill
+// TP 2, decode TP 1). kvlab searches the splits it can express (every replica one GPU: colocated,
+// P:D 1:3, 2:2, 3:1; or two: colocated, 1:1). Its roofline A100 is far faster than DistServe's
+// profiled engine (docs/concepts/disaggregation.md), so its figure is far higher; and at a TPOT
+// SLO this loose for its step times, colocation is not beaten, as in the lesson above.
+double distserve_rate_per_gpu(ExperimentConfig c, std::int64_t gpus_per_replica,
+                              std::int64_t prefill_replicas) {
+  c.tensor_parallel = gpus_per_replica;
+  c.replicas = 4 / gpus_per_replica;
+  c.prefill_replicas = prefill_replicas;
+  auto meets = [&](double per_gpu) {
+    c.workload.arrival.rate_per_s = per_gpu * 4;
+    const RunOutput out = run_experiment(c, false, nullptr);
+    return out.summary.rejected == 0 && out.summary.ttft_s.p90 <= 0.2 &&
+           out.summary.tpot_s.p90 <= 0.1;
+  };
+  double lo = 0, hi = 64;
+  while (hi - lo >= 0.25) (meets((lo + hi) / 2) ? lo : hi) = (lo + hi) / 2;
+  return lo;
+}
+
+TEST(Lesson, DistServeOpt13bExampleReplayed) {
+  auto runs =
+      load_experiment(experiment_file("distserve_opt13b.toml"),
+                      {std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]"});
+  const ExperimentConfig base = runs.front().config;  // colocated
+  const double colocated = distserve_rate_per_gpu(base, 1, 0);
+  std::string table = fmt::format("colocated tp1 {:.3f};", colocated);
+  for (const auto& [gpus, prefill] :
+       std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {1, 2}, {1, 3}, {2, 0}, {2, 1}}) {
+    const double rate = distserve_rate_per_gpu(base, gpus, prefill);
+    table += fmt::format(" tp{} prefill {}: {:.3f};", gpus, prefill, rate);
+    EXPECT_GE(colocated, rate) << table;
+  }
+  std::cout << "DistServe example: kvlab " << table << " (DistServe's simulator: 1.56)\n";
+  EXPECT_GT(colocated, 1.56 * 4) << table;
 }
 
 // Load-aware routing on the bursty Azure code trace: sending each request to the replica with
