@@ -15,6 +15,43 @@
 namespace kvlab {
 namespace {
 
+// The workload's files exist and suit it (a Mooncake replay, a prompt set's tokenizer).
+void check_workload_files(const ExperimentConfig& c, const ModelSource& source) {
+  if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
+    throw Error(fmt::format("workload.trace {} is not a file", c.trace));
+  if (c.replay_given && !is_mooncake_trace(c.trace))
+    throw Error(
+        fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
+                    "is not one",
+                    c.trace));
+  if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
+    throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
+  if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
+    throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
+  if (!c.prompt_set.empty() && source.is_preset())
+    throw Error(
+        fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "
+                    "preset (random weights, no tokenizer)",
+                    c.model));
+}
+
+// [kv_tiers] on a point whose allocator, backend and disk folder can hold them.
+void check_kv_tiers(const ExperimentConfig& c) {
+  const auto caching = c.allocator_params.find("prefix_caching");
+  if (caching != c.allocator_params.end() && caching->second == ParamValue{false})
+    throw Error(
+        "[kv_tiers] keeps the blocks the prefix cache evicts: it needs "
+        "kv_cache.params.prefix_caching = true");
+  if (c.backend_kind == BackendKind::plugin)
+    throw Error(fmt::format(
+        "[kv_tiers] runs on the cpu backend (real copies) and the simulated one (priced "
+        "copies), not \"{}\": a GPU pool's blocks the tiers cannot copy yet",
+        c.backend));
+  if (!c.disk_tier_directory.empty() && c.disk_tier_gib > 0 &&
+      !std::filesystem::is_directory(c.disk_tier_directory))
+    throw Error(fmt::format("kv_tiers.disk_directory {} is not a folder", c.disk_tier_directory));
+}
+
 // One point's plugins exist and accept their parameters; the model, profile and trace resolve.
 void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
@@ -43,19 +80,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
   if (c.has_kv_tiers()) {
     check_plugin(PluginKind::tier_policy, c.tier_policy, c.tier_policy_params);
-    const auto caching = c.allocator_params.find("prefix_caching");
-    if (caching != c.allocator_params.end() && caching->second == ParamValue{false})
-      throw Error(
-          "[kv_tiers] keeps the blocks the prefix cache evicts: it needs "
-          "kv_cache.params.prefix_caching = true");
-    if (c.backend_kind == BackendKind::plugin)
-      throw Error(fmt::format(
-          "[kv_tiers] runs on the cpu backend (real copies) and the simulated one (priced "
-          "copies), not \"{}\": a GPU pool's blocks the tiers cannot copy yet",
-          c.backend));
-    if (!c.disk_tier_directory.empty() && c.disk_tier_gib > 0 &&
-        !std::filesystem::is_directory(c.disk_tier_directory))
-      throw Error(fmt::format("kv_tiers.disk_directory {} is not a folder", c.disk_tier_directory));
+    check_kv_tiers(c);
   }
   if (!c.profile.empty()) {
     const HardwareProfile profile = load_hardware_profile(c.profile);
@@ -63,22 +88,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
     if (c.tensor_parallel > 1 || c.context_parallel > 1)
       (void)CostModel(source.config, profile, c.tensor_parallel, c.context_parallel);
   }
-  if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
-    throw Error(fmt::format("workload.trace {} is not a file", c.trace));
-  if (c.replay_given && !is_mooncake_trace(c.trace))
-    throw Error(
-        fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
-                    "is not one",
-                    c.trace));
-  if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
-    throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
-  if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
-    throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
-  if (!c.prompt_set.empty() && source.is_preset())
-    throw Error(
-        fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "
-                    "preset (random weights, no tokenizer)",
-                    c.model));
+  check_workload_files(c, source);
 }
 
 }  // namespace

@@ -53,6 +53,26 @@ LatencySummary summarize_latencies(std::vector<double> values) {
   return s;
 }
 
+namespace {
+
+bool meets_slo(const RequestTimeline& r, const ServiceLevelObjectives& slo) {
+  return (!slo.ttft_s || (r.ttft_s() && *r.ttft_s() <= *slo.ttft_s)) &&
+         (!slo.tpot_s || !r.tpot_s() || *r.tpot_s() <= *slo.tpot_s) &&
+         (!slo.e2e_s || *r.e2e_s() <= *slo.e2e_s);
+}
+
+// A disaggregated request's handoff: its transfer, its wait on the decode replica, its bytes.
+void add_handoff(const RequestTimeline& r, std::vector<double>& transfer,
+                 std::vector<double>& decode_queue, RunSummary& summary) {
+  summary.kv_transfer_bytes += r.kv_transfer_bytes;
+  if (r.kv_arrival_s && !r.token_times_s.empty())
+    transfer.push_back(*r.kv_arrival_s - r.token_times_s.front());
+  if (r.kv_arrival_s && r.decode_scheduled_s)
+    decode_queue.push_back(*r.decode_scheduled_s - *r.kv_arrival_s);
+}
+
+}  // namespace
+
 RunSummary summarize_run(std::span<const RequestTimeline> requests, double duration_s,
                          const ServiceLevelObjectives& slo) {
   RunSummary summary;
@@ -78,17 +98,10 @@ RunSummary summarize_run(std::span<const RequestTimeline> requests, double durat
     if (auto v = r.tpot_s()) tpot.push_back(*v);
     if (auto v = r.e2e_s()) e2e.push_back(*v);
     if (auto v = r.queue_delay_s()) queue.push_back(*v);
-    summary.kv_transfer_bytes += r.kv_transfer_bytes;
-    if (r.kv_arrival_s && !r.token_times_s.empty())
-      transfer.push_back(*r.kv_arrival_s - r.token_times_s.front());
-    if (r.kv_arrival_s && r.decode_scheduled_s)
-      decode_queue.push_back(*r.decode_scheduled_s - *r.kv_arrival_s);
+    add_handoff(r, transfer, decode_queue, summary);
     for (std::size_t i = 1; i < r.token_times_s.size(); ++i)
       itl.push_back(r.token_times_s[i] - r.token_times_s[i - 1]);
-    const bool meets = (!slo.ttft_s || (r.ttft_s() && *r.ttft_s() <= *slo.ttft_s)) &&
-                       (!slo.tpot_s || !r.tpot_s() || *r.tpot_s() <= *slo.tpot_s) &&
-                       (!slo.e2e_s || *r.e2e_s() <= *slo.e2e_s);
-    if (meets) ++summary.slo_met;
+    if (meets_slo(r, slo)) ++summary.slo_met;
   }
   if (summary.finished + summary.rejected != summary.submitted)
     throw Error("internal: submitted != finished + rejected");
