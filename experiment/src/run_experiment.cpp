@@ -121,9 +121,9 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
     }
     out.replicas.push_back(r);
   }
-  out.engine = merged_result(cluster);
   for (const RouteRecord& route : cluster.routes)
     slots.emplace_back(route.replica, route.id_in_replica);
+  out.engine = merged_result(std::move(cluster));
   out.prefix_hit_rate = query_tokens > 0 ? hit_tokens / query_tokens : 0.0;
 }
 

@@ -243,6 +243,11 @@ std::vector<RequestTimeline> cluster_timelines(const ClusterResult& result) {
 }
 
 EngineResult merged_result(const ClusterResult& result) {
+  ClusterResult copy = result;
+  return merged_result(std::move(copy));
+}
+
+EngineResult merged_result(ClusterResult&& result) {
   EngineResult merged;
   merged.requests = cluster_timelines(result);
   merged.duration_s = result.duration_s;
@@ -272,16 +277,20 @@ EngineResult merged_result(const ClusterResult& result) {
     add_route(result.routes[i], i);
     if (decoded) add_route(*result.decode_routes[i], i);
   }
+  std::size_t steps = 0;
+  for (const EngineResult& replica : result.replicas) steps += replica.steps.size();
+  merged.steps.reserve(steps);
   for (std::size_t r = 0; r < result.replicas.size(); ++r) {
-    for (StepRecord step : result.replicas[r].steps) {
+    for (StepRecord& step : result.replicas[r].steps) {
       step.replica = static_cast<std::int64_t>(r);
-      merged.steps.push_back(step);
+      merged.steps.push_back(std::move(step));
     }
-    for (EngineEvent event : result.replicas[r].events) {
+    for (EngineEvent& event : result.replicas[r].events) {
       if (event.request >= 0) event.request = global[r][static_cast<std::size_t>(event.request)];
       event.replica = static_cast<std::int64_t>(r);
       merged.events.push_back(std::move(event));
     }
+    result.replicas[r].steps = {};
   }
   std::stable_sort(merged.steps.begin(), merged.steps.end(),
                    [](const StepRecord& a, const StepRecord& b) { return a.start_s < b.start_s; });

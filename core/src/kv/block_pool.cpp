@@ -73,6 +73,16 @@ bool BlockHashIndex::insert(std::uint64_t hash, BlockId block) {
   return true;
 }
 
+bool BlockHashIndex::insert_growing(std::uint64_t hash, BlockId block) {
+  if (static_cast<std::size_t>(2 * (size_ + 1)) > keys_.size()) {
+    BlockHashIndex bigger(static_cast<std::int64_t>(keys_.size()));  // twice the slots
+    for (std::size_t i = 0; i < keys_.size(); ++i)
+      if (keys_[i] != 0) bigger.insert(keys_[i], values_[i]);
+    *this = std::move(bigger);
+  }
+  return insert(hash, block);
+}
+
 // Backward-shift deletion: each later entry of the probe run that may sit in the hole moves up,
 // so no lookup ever stops early at it.
 void BlockHashIndex::erase(std::uint64_t hash) {

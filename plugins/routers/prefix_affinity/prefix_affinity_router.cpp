@@ -12,9 +12,9 @@
 #include <bit>
 #include <cstdint>
 #include <deque>
-#include <unordered_map>
 #include <vector>
 
+#include "kvlab/kv/block_pool.hpp"
 #include "kvlab/plugin.hpp"
 
 namespace {
@@ -67,7 +67,7 @@ class PrefixAffinityRouter final : public kvlab::Router {
         h ^= static_cast<std::uint32_t>(prompt[i]);
         h *= 1099511628211ull;
       }
-      hashes.push_back(h);
+      hashes.push_back(h == 0 ? 1 : h);  // 0 is the index's empty key
     }
     return hashes;
   }
@@ -79,11 +79,11 @@ class PrefixAffinityRouter final : public kvlab::Router {
     std::vector<std::size_t> matched(replicas, 0);
     std::vector<std::uint64_t> running(words_, ~std::uint64_t{0});
     for (const std::uint64_t h : blocks) {
-      const auto it = slot_.find(h);
-      if (it == slot_.end()) break;
+      const std::optional<kvlab::BlockId> slot = slot_.find(h);
+      if (!slot) break;
       bool any = false;
       for (std::size_t w = 0; w < words_; ++w) {
-        running[w] &= sent_[it->second * words_ + w];
+        running[w] &= sent_[static_cast<std::size_t>(*slot) * words_ + w];
         for (std::uint64_t bits = running[w]; bits != 0; bits &= bits - 1)
           ++matched[w * 64 + static_cast<std::size_t>(std::countr_zero(bits))];
         any = any || running[w] != 0;
@@ -96,16 +96,17 @@ class PrefixAffinityRouter final : public kvlab::Router {
   // Each block was now sent to `replica` too; the oldest blocks go past max_blocks.
   void remember(const std::vector<std::uint64_t>& blocks, std::size_t replica) {
     for (const std::uint64_t h : blocks) {
-      auto [it, added] = slot_.try_emplace(h, 0);
-      if (added) {
-        it->second = take_slot();
+      std::optional<kvlab::BlockId> slot = slot_.find(h);
+      if (!slot) {
+        slot = static_cast<kvlab::BlockId>(take_slot());
+        slot_.insert_growing(h, *slot);
         order_.push_back(h);
       }
-      sent_[it->second * words_ + replica / 64] |= std::uint64_t{1} << (replica % 64);
+      sent_[static_cast<std::size_t>(*slot) * words_ + replica / 64] |= std::uint64_t{1}
+                                                                        << (replica % 64);
       while (order_.size() > max_blocks_) {
-        const auto oldest = slot_.find(order_.front());
-        free_slots_.push_back(oldest->second);
-        slot_.erase(oldest);
+        free_slots_.push_back(static_cast<std::size_t>(*slot_.find(order_.front())));
+        slot_.erase(order_.front());
         order_.pop_front();
       }
     }
@@ -125,8 +126,8 @@ class PrefixAffinityRouter final : public kvlab::Router {
   std::size_t block_size_;
   std::int64_t max_imbalance_;
   std::size_t max_blocks_;
-  std::size_t words_ = 0;                                // 64 replicas a word
-  std::unordered_map<std::uint64_t, std::size_t> slot_;  // block hash -> its row of sent_
+  std::size_t words_ = 0;            // 64 replicas a word
+  kvlab::BlockHashIndex slot_;       // block hash -> its row of sent_ (open addressing, grows)
   std::vector<std::uint64_t> sent_;  // (slots, words_): the replicas each block was sent to
   std::vector<std::size_t> free_slots_;
   std::deque<std::uint64_t> order_;  // insertion order, for forgetting the oldest

@@ -60,6 +60,9 @@ std::vector<RequestTimeline> cluster_timelines(const ClusterResult& result);
 // The whole cluster as one run: timelines and tokens in workload order, every replica's steps
 // (tagged with their replica) and events (request ids remapped to the workload's, tagged) in
 // time order, a route event per request; the duration is the last replica's.
+// The rvalue one moves the replicas' steps and events out instead of copying them (a whole-trace
+// replay holds millions of steps).
 EngineResult merged_result(const ClusterResult& result);
+EngineResult merged_result(ClusterResult&& result);
 
 }  // namespace kvlab

@@ -59,6 +59,9 @@ class BlockHashIndex {
   explicit BlockHashIndex(std::int64_t max_entries = 0);
   std::optional<BlockId> find(std::uint64_t hash) const;
   bool insert(std::uint64_t hash, BlockId block);  // false: the hash is there already
+  // The same, doubling the table instead of refusing when it would be more than half full (an
+  // index whose entries have no fixed bound: a router's blocks).
+  bool insert_growing(std::uint64_t hash, BlockId block);
   void erase(std::uint64_t hash);
   std::int64_t size() const { return size_; }
 
