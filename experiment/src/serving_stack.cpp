@@ -24,6 +24,7 @@ EngineOptions engine_options(const ExperimentConfig& c, const SequenceRules& rul
   options.rules = rules;
   options.pool = &pool;
   options.swap_slots = c.swap_slots;
+  options.kv_tiers = c.has_kv_tiers();
   return options;
 }
 

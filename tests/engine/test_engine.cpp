@@ -803,6 +803,7 @@ EngineResult run_simulated_tiers(bool overlap, const std::vector<WorkloadRequest
   options.rules.eos_token_ids = model.eos_token_ids;
   options.pool = &pool;
   options.cost_model = &cost_out;
+  options.kv_tiers = true;
   Engine engine(backend, *allocator, *scheduler, options);
   return engine.run(requests);
 }

@@ -95,7 +95,7 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
                         m.name == "ideal_prefix_hit_rate" || m.name.starts_with("tier_");
     EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
   }
-  out.ideal_prefix_hit_rate = 0.25;  // a Mooncake trace's
+  out.ideal_prefix_hit_rate = 0.25;                                           // a Mooncake trace's
   out.kv_tiers = RunOutput::KvTierTotals{0.125, 0.0625, 4096, 2048, 3, 0.5};  // a run with tiers
   write_run_outputs(dir.path(), config, out);
   std::ifstream again(dir / "summary.json");

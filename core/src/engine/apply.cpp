@@ -24,10 +24,8 @@ double timed_copy(KvPool& pool, const KvView& view, std::int64_t first, std::int
 void copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
              std::vector<float>& buffer, bool to_host, AppliedPlan& applied,
              RequestTimeline& timeline) {
-  const auto start = std::chrono::steady_clock::now();
-  const std::int64_t bytes = copy_kv_rows(pool, view, first, end, buffer, to_host);
-  applied.swap_copy_s +=
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  std::int64_t bytes = 0;
+  applied.swap_copy_s += timed_copy(pool, view, first, end, buffer, to_host, &bytes);
   applied.swap_bytes += bytes;
   ++applied.swap_transfers;
   timeline.swapped_bytes += bytes;

@@ -299,6 +299,7 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
 // applied): the host link carries the device <-> host copies and the disk blocks loaded back,
 // the disk its reads and writes.
 void Engine::price_tier_copies(StepTiming& timing, StepRecord& record) {
+  if (!options_.kv_tiers) return;
   const KvAllocatorStats now = allocator_.stats(), &was = tiers_seen_;
   if (now.host_copies == was.host_copies && now.disk_copies == was.disk_copies) return;
   timing.measured_tier_s = now.tier_copy_seconds - was.tier_copy_seconds;

@@ -246,10 +246,15 @@ void KvTiers::copy_device_to_host(BlockId block, std::int32_t slot) {
 void KvTiers::copy_host_to_device(std::int32_t slot, BlockId block) {
   if (!real_copies()) return;
   CopyTimer timer(counters_.copy_seconds);
+  scatter_to_device(host_.data() + static_cast<std::ptrdiff_t>(slot) * block_bytes_, block);
+}
+
+// A block as a host slot holds it, (layers, K then V, block_size, slot_width), into device block
+// `block`'s slots of every layer.
+void KvTiers::scatter_to_device(const std::byte* in, BlockId block) {
   const std::int64_t run = block_bytes_ / (2 * pool_.shape().layers);
-  const std::byte* in = host_.data() + static_cast<std::ptrdiff_t>(slot) * block_bytes_;
+  const std::int64_t first = std::int64_t{block} * block_size_;
   for (std::int64_t layer = 0; layer < pool_.shape().layers; ++layer, in += 2 * run) {
-    const std::int64_t first = std::int64_t{block} * block_size_;
     std::copy_n(in, run, pool_.key_bytes(layer, first));
     std::copy_n(in + run, run, pool_.value_bytes(layer, first));
   }
@@ -283,13 +288,7 @@ void KvTiers::copy_disk_to_device(std::int32_t slot, BlockId block) {
                               n < 0 ? std::strerror(errno) : "short file"));
     done += n;
   }
-  const std::int64_t run = block_bytes_ / (2 * pool_.shape().layers);
-  const std::byte* in = scratch_.data();
-  for (std::int64_t layer = 0; layer < pool_.shape().layers; ++layer, in += 2 * run) {
-    const std::int64_t first = std::int64_t{block} * block_size_;
-    std::copy_n(in, run, pool_.key_bytes(layer, first));
-    std::copy_n(in + run, run, pool_.value_bytes(layer, first));
-  }
+  scatter_to_device(scratch_.data(), block);
 }
 
 }  // namespace kvlab

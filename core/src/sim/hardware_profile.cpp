@@ -152,6 +152,32 @@ void check_top_level(const toml::table& top, const std::string& where) {
   }
 }
 
+// [link], [interconnect] and [network]: what moves KV and activations between memories and GPUs.
+void read_links(toml::table& top, const std::string& where, HardwareProfile& p) {
+  {
+    ProfileSection s(top["link"].as_table(), "link", where);
+    p.swap_gb_per_s = s.number("swap_gb_per_s", p.swap_gb_per_s);
+    p.swap_latency_s = s.number("swap_latency_s", p.swap_latency_s, false, true);
+    p.disk_gb_per_s = s.number("disk_gb_per_s", p.disk_gb_per_s);
+    p.disk_latency_s = s.number("disk_latency_s", p.disk_latency_s, false, true);
+    p.tier_copies_overlap = s.boolean("tier_copies_overlap", p.tier_copies_overlap);
+    s.finish();
+  }
+  {
+    ProfileSection s(top["interconnect"].as_table(), "interconnect", where);
+    p.allreduce_gb_per_s = s.number("allreduce_gb_per_s", 0, top["interconnect"].is_table());
+    p.allreduce_latency_s = s.number("allreduce_latency_s", 0, false, true);
+    s.finish();
+  }
+  {
+    ProfileSection s(top["network"].as_table(), "network", where);
+    p.kv_transfer_gb_per_s = s.number("kv_transfer_gb_per_s", p.kv_transfer_gb_per_s);
+    p.kv_transfer_latency_s =
+        s.number("kv_transfer_latency_s", p.kv_transfer_latency_s, false, true);
+    s.finish();
+  }
+}
+
 }  // namespace
 
 std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regimes,
@@ -220,28 +246,7 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
         s.number("activation_reserve_gib", p.activation_reserve_gib, false, true);
     s.finish();
   }
-  {
-    ProfileSection s(top["link"].as_table(), "link", where);
-    p.swap_gb_per_s = s.number("swap_gb_per_s", p.swap_gb_per_s);
-    p.swap_latency_s = s.number("swap_latency_s", p.swap_latency_s, false, true);
-    p.disk_gb_per_s = s.number("disk_gb_per_s", p.disk_gb_per_s);
-    p.disk_latency_s = s.number("disk_latency_s", p.disk_latency_s, false, true);
-    p.tier_copies_overlap = s.boolean("tier_copies_overlap", p.tier_copies_overlap);
-    s.finish();
-  }
-  {
-    ProfileSection s(top["interconnect"].as_table(), "interconnect", where);
-    p.allreduce_gb_per_s = s.number("allreduce_gb_per_s", 0, top["interconnect"].is_table());
-    p.allreduce_latency_s = s.number("allreduce_latency_s", 0, false, true);
-    s.finish();
-  }
-  {
-    ProfileSection s(top["network"].as_table(), "network", where);
-    p.kv_transfer_gb_per_s = s.number("kv_transfer_gb_per_s", p.kv_transfer_gb_per_s);
-    p.kv_transfer_latency_s =
-        s.number("kv_transfer_latency_s", p.kv_transfer_latency_s, false, true);
-    s.finish();
-  }
+  read_links(top, where, p);
   return p;
 }
 

@@ -43,6 +43,10 @@ struct EngineOptions {
   // added to the step (the cost model's link on virtual clocks, as measured otherwise).
   KvPool* pool = nullptr;
   std::int64_t swap_slots = 0;
+  // The allocator keeps KV tiers (PluginContext::tiers): each step's tier copies, read from its
+  // stats, are priced like the swap copies. Off: no stats read for them (static and dynamic
+  // allocators' stats walk their sequences).
+  bool kv_tiers = false;
   // on_logits: each sampled row of logits, for tests and tools that keep logits
   // (cpu::BatchGenerator); with it set the backend is asked for logits (no token choices), and
   // a backend without logits (the simulated one) never calls it. on_token: each token as soon

@@ -128,6 +128,7 @@ class KvTiers final : public BlockEvictionSink {
   void copy_host_to_device(std::int32_t slot, BlockId block);
   void copy_host_to_disk(std::int32_t host_slot, std::int32_t disk_slot);
   void copy_disk_to_device(std::int32_t slot, BlockId block);
+  void scatter_to_device(const std::byte* in, BlockId block);
   bool real_copies();  // the pool has host storage: makes the buffer and the file the first time
 
   KvPool& pool_;
