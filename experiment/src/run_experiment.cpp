@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <thread>
 
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/engine/cluster.hpp"
@@ -89,6 +90,16 @@ std::function<double(std::int64_t, double)> transfer_price(
   return [model](std::int64_t bytes, double) { return model->kv_transfer_seconds(bytes); };
 }
 
+// Threads that step a cluster's replicas at once: the simulated backend's replicas under a
+// clock that does not read the wall (backend.threads of them, 0: every core); one otherwise
+// (the cpu backend's forward has the cores already, and a measured step must run alone).
+int replica_threads(const ExperimentConfig& c) {
+  const bool wall = c.clock == EngineClock::wall || c.clock == EngineClock::measured;
+  if (c.backend_kind != BackendKind::simulated || wall) return 1;
+  if (c.threads > 0) return static_cast<int>(c.threads);
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
 void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
                   const std::optional<CostModel>& cost_model,
                   std::vector<std::unique_ptr<ReplicaStack>>& stacks,
@@ -107,7 +118,7 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
                      decode_router.get(), transfer_price(c, cost_model)};
     cluster = run_disaggregated(d, requests);
   } else {
-    cluster = run_cluster(engines, *router, requests);
+    cluster = run_cluster(engines, *router, requests, replica_threads(c));
   }
   double hit_tokens = 0, query_tokens = 0;
   for (const EngineResult& replica : cluster.replicas) {
@@ -195,7 +206,6 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   }
   out.engine_wall_s = seconds_since(engine_start);
   out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
-  for (const auto& r : requests) out.prompts.push_back(r.prompt);
   for (std::size_t i = 0; tokenizer && i < out.engine.tokens.size(); ++i) {
     std::span<const std::int32_t> answer = out.engine.tokens[i];
     if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);

@@ -2,8 +2,10 @@
 // registry's metrics), and outputs.jsonl / logprobs.jsonl when the workload has them.
 #include <fmt/format.h>
 
+#include <iterator>
 #include <nlohmann/json.hpp>
-#include <sstream>
+#include <string_view>
+#include <utility>
 
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
@@ -14,80 +16,97 @@ namespace kvlab {
 
 namespace {
 
-std::string csv_number(const std::optional<double>& v) {
-  return v ? fmt::format("{:.6f}", *v) : std::string();
+// A file's text, made in memory: formatted straight into it (no string a field or a row).
+using Text = fmt::memory_buffer;
+
+template <typename... Args>
+void put(Text& text, fmt::format_string<Args...> format, Args&&... args) {
+  fmt::format_to(std::back_inserter(text), format, std::forward<Args>(args)...);
+}
+void put(Text& text, std::string_view plain) {
+  text.append(plain);
 }
 
-void write_requests_csv(std::ostream& f, const RunOutput& out) {
-  f << "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
-       "tokens,";
-  for (const RequestMetric& m : request_metrics()) f << m.name << ",";  // the registry's
-  f << "preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n";
+void put_number(Text& text, const std::optional<double>& v) {
+  if (v) put(text, "{:.6f}", *v);
+}
+
+void write_requests_csv(Text& f, const RunOutput& out) {
+  put(f,
+      "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
+      "tokens,");
+  for (const RequestMetric& m : request_metrics()) put(f, "{},", m.name);  // the registry's
+  put(f, "preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n");
   for (const auto& r : out.engine.requests) {
-    std::string token_times;  // every output token's time, space-separated
-    for (double t : r.token_times_s)
-      token_times += fmt::format("{}{:.6f}", token_times.empty() ? "" : " ", t);
-    f << fmt::format(
-        "{},{},{:.6f},{},{},{},{},{},", r.id, r.priority, r.arrival_s,
-        csv_number(r.first_scheduled_s),
-        csv_number(r.token_times_s.empty() ? std::nullopt
-                                           : std::optional<double>(r.token_times_s.front())),
-        csv_number(r.finish_s), r.prompt_tokens, r.output_tokens());
-    for (const RequestMetric& m : request_metrics()) f << csv_number(m.extract(r)) << ",";
-    f << fmt::format("{},{},{},{},\"{}\",{}\n", r.preemptions, r.recomputed_tokens, r.swapped_bytes,
-                     r.rejected ? 1 : 0, r.reject_reason, token_times);
+    put(f, "{},{},{:.6f},", r.id, r.priority, r.arrival_s);
+    put_number(f, r.first_scheduled_s);
+    put(f, ",");
+    if (!r.token_times_s.empty()) put(f, "{:.6f}", r.token_times_s.front());
+    put(f, ",");
+    put_number(f, r.finish_s);
+    put(f, ",{},{},", r.prompt_tokens, r.output_tokens());
+    for (const RequestMetric& m : request_metrics()) {
+      put_number(f, m.extract(r));
+      put(f, ",");
+    }
+    put(f, "{},{},{},{},\"{}\",", r.preemptions, r.recomputed_tokens, r.swapped_bytes,
+        r.rejected ? 1 : 0, r.reject_reason);
+    // every output token's time, space-separated
+    for (std::size_t i = 0; i < r.token_times_s.size(); ++i)
+      put(f, "{}{:.6f}", i == 0 ? "" : " ", r.token_times_s[i]);
+    put(f, "\n");
   }
 }
 
 // Measured times only where they are the clock's (measured, wall): virtual runs stay
 // byte-identical and carry no columns of zeros.
-void write_steps_csv(std::ostream& f, const RunOutput& out, bool measured) {
+void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
   const bool cluster = !out.replicas.empty();  // each step is one replica's
   const bool tiers = out.kv_tiers.has_value();
-  f << (cluster ? "replica," : "") << "step,start_s,duration_s,"
-    << (measured ? "measured_forward_s,measured_step_s," : "")
-    << "predicted_s,batch,prefill_tokens,decode_tokens,preempted,waiting,running,padding,"
-       "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
-       "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
-       "prefix_query_tokens"
-    << (tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "")
-    << "\n";
+  put(f, "{}step,start_s,duration_s,{}", cluster ? "replica," : "",
+      measured ? "measured_forward_s,measured_step_s," : "");
+  put(f,
+      "predicted_s,batch,prefill_tokens,decode_tokens,preempted,waiting,running,padding,"
+      "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
+      "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
+      "prefix_query_tokens");
+  put(f, "{}\n",
+      tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "");
   for (const auto& s : out.engine.steps) {
-    if (cluster) f << s.replica << ",";
-    f << fmt::format("{},{:.6f},{:.6f},", s.step, s.start_s, s.duration_s);
-    if (measured) f << fmt::format("{:.6f},{:.6f},", s.measured_forward_s, s.measured_step_s);
-    f << fmt::format("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}",
-                     s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens, s.preempted,
-                     s.waiting, s.running, s.padding, s.padding_slots, s.swap_bytes, s.kv.capacity,
-                     s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free,
-                     s.kv.unusable_free, s.blocking_unusable_free, s.kv.cached_free,
-                     s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+    if (cluster) put(f, "{},", s.replica);
+    put(f, "{},{:.6f},{:.6f},", s.step, s.start_s, s.duration_s);
+    if (measured) put(f, "{:.6f},{:.6f},", s.measured_forward_s, s.measured_step_s);
+    put(f, "{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", s.predicted_s,
+        s.batch, s.prefill_tokens, s.decode_tokens, s.preempted, s.waiting, s.running, s.padding,
+        s.padding_slots, s.swap_bytes, s.kv.capacity, s.kv.used, s.kv.reserved_unused,
+        s.kv.last_block_slack, s.kv.free, s.kv.unusable_free, s.blocking_unusable_free,
+        s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
     if (tiers)
-      f << fmt::format(",{},{},{},{},{:.6f}", s.kv.host_hit_tokens, s.kv.disk_hit_tokens,
-                       s.kv.host_bytes_stored + s.kv.disk_bytes_stored,
-                       s.kv.host_bytes_loaded + s.kv.disk_bytes_loaded, s.tier_s);
-    f << "\n";
+      put(f, ",{},{},{},{},{:.6f}", s.kv.host_hit_tokens, s.kv.disk_hit_tokens,
+          s.kv.host_bytes_stored + s.kv.disk_bytes_stored,
+          s.kv.host_bytes_loaded + s.kv.disk_bytes_loaded, s.tier_s);
+    put(f, "\n");
   }
 }
 
 // A prompt set's run: each request's question and the model's answer, as text.
-void write_outputs_jsonl(std::ostream& f, const RunOutput& out) {
+void write_outputs_jsonl(Text& f, const RunOutput& out) {
   for (std::size_t i = 0; i < out.answer_texts.size(); ++i) {
     const auto& r = out.engine.requests[i];
-    f << nlohmann::json{{"id", r.id},
-                        {"finish_reason", r.rejected ? "rejected" : r.finish_reason},
-                        {"output_tokens", out.engine.tokens[i].size()},
-                        {"prompt", out.prompt_texts[i]},
-                        {"answer", out.answer_texts[i]}}
-             // An answer cut at max_tokens may end inside a UTF-8 character: shown as U+FFFD.
-             .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace)
-      << "\n";
+    put(f, "{}\n",
+        nlohmann::json{{"id", r.id},
+                       {"finish_reason", r.rejected ? "rejected" : r.finish_reason},
+                       {"output_tokens", out.engine.tokens[i].size()},
+                       {"prompt", out.prompt_texts[i]},
+                       {"answer", out.answer_texts[i]}}
+            // An answer cut at max_tokens may end inside a UTF-8 character: U+FFFD.
+            .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
   }
 }
 
 // Each request that asked for log-probabilities (workload.logprobs): its generated tokens, each
 // one's log-probability, and the k most likely tokens at each position as [token, logprob].
-void write_logprobs_jsonl(std::ostream& f, const RunOutput& out) {
+void write_logprobs_jsonl(Text& f, const RunOutput& out) {
   const auto& all = out.engine.logprobs;
   for (std::size_t i = 0; i < all.size(); ++i) {
     if (all[i].empty()) continue;
@@ -97,11 +116,12 @@ void write_logprobs_jsonl(std::ostream& f, const RunOutput& out) {
       auto& alternatives = top.emplace_back(nlohmann::json::array());
       for (const TokenLogprob& t : token.top) alternatives.push_back({t.token, t.logprob});
     }
-    f << nlohmann::json{{"id", out.engine.requests[i].id},
-                        {"tokens", out.engine.tokens[i]},
-                        {"token_logprobs", std::move(token_logprobs)},
-                        {"top_logprobs", std::move(top)}}
-      << "\n";
+    put(f, "{}\n",
+        nlohmann::json{{"id", out.engine.requests[i].id},
+                       {"tokens", out.engine.tokens[i]},
+                       {"token_logprobs", std::move(token_logprobs)},
+                       {"top_logprobs", std::move(top)}}
+            .dump());
   }
 }
 
@@ -152,22 +172,22 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
         fmt::format("cannot create output folder {}: {}", directory.string(), ec.message()));
   // Each file is made in memory and written at once: write_file checks every byte reached it.
   auto write = [&](const char* name, const auto& fill) {
-    std::ostringstream text;
+    Text text;
     fill(text);
-    write_file(directory / name, text.str());
+    write_file(directory / name, std::string_view(text.data(), text.size()));
   };
-  write("requests.csv", [&](std::ostream& f) { write_requests_csv(f, out); });
-  write("steps.csv", [&](std::ostream& f) {
+  write("requests.csv", [&](Text& f) { write_requests_csv(f, out); });
+  write("steps.csv", [&](Text& f) {
     write_steps_csv(f, out, c.clock == EngineClock::measured || c.clock == EngineClock::wall);
   });
-  write("events.jsonl", [&](std::ostream& f) {
-    for (const auto& event : out.engine.events) f << event_json(event) << "\n";
+  write("events.jsonl", [&](Text& f) {
+    for (const auto& event : out.engine.events) put(f, "{}\n", event_json(event));
   });
-  write("summary.json", [&](std::ostream& f) { f << summary_json(c, out).dump(2) << "\n"; });
+  write("summary.json", [&](Text& f) { put(f, "{}\n", summary_json(c, out).dump(2)); });
   if (!out.answer_texts.empty())
-    write("outputs.jsonl", [&](std::ostream& f) { write_outputs_jsonl(f, out); });
+    write("outputs.jsonl", [&](Text& f) { write_outputs_jsonl(f, out); });
   if (c.workload.logprobs >= 0)
-    write("logprobs.jsonl", [&](std::ostream& f) { write_logprobs_jsonl(f, out); });
+    write("logprobs.jsonl", [&](Text& f) { write_logprobs_jsonl(f, out); });
 }
 
 }  // namespace kvlab

@@ -135,6 +135,26 @@ TEST(BlockHashIndex, AgreesWithAStandardMapUnderRandomInsertsAndErases) {
   EXPECT_EQ(index.find(0), std::nullopt);
 }
 
+// find_or_insert_growing: the block of a hash already there (make_block not called), else the
+// new one; past half full the table doubles and keeps every entry.
+TEST(BlockHashIndex, FindOrInsertGrowingMakesABlockOnlyForANewHash) {
+  BlockHashIndex index(4);  // 16 slots: grows at the 9th entry
+  int made = 0;
+  auto make = [&] { return static_cast<BlockId>(100 + made++); };
+  for (std::uint64_t h = 1; h <= 40; ++h)
+    EXPECT_EQ(index.find_or_insert_growing(h * 977, make), 99 + static_cast<BlockId>(h));
+  EXPECT_EQ(made, 40);
+  EXPECT_EQ(index.size(), 40);
+  for (std::uint64_t h = 1; h <= 40; ++h) {
+    EXPECT_EQ(index.find_or_insert_growing(h * 977, make), 99 + static_cast<BlockId>(h)) << h;
+    EXPECT_EQ(index.find(h * 977), std::optional<BlockId>(99 + static_cast<BlockId>(h)));
+  }
+  EXPECT_EQ(made, 40) << "no block made for a hash the index holds";
+  index.erase(977);
+  EXPECT_EQ(index.find(977), std::nullopt);
+  EXPECT_EQ(index.find_or_insert_growing(977, make), 140);
+}
+
 TEST(PrefixHash, HashesAreChainedComputedOnceAndExtendedAsTheTokensGrow) {
   const std::vector<std::int32_t> tokens = {1, 2, 3, 4, 5, 6, 7, 8, 9};
   std::vector<std::uint64_t> scratch;

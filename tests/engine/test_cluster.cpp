@@ -49,10 +49,10 @@ struct Cluster {
     for (std::size_t i = 0; i < n; ++i)
       replicas.push_back(std::make_unique<Replica>(model, cost, slots));
   }
-  ClusterResult run(Router& router, const std::vector<WorkloadRequest>& requests) {
+  ClusterResult run(Router& router, const std::vector<WorkloadRequest>& requests, int threads = 1) {
     std::vector<Engine*> engines;
     for (auto& r : replicas) engines.push_back(r->engine.get());
-    return run_cluster(engines, router, requests);
+    return run_cluster(engines, router, requests, threads);
   }
   ModelConfig model;
   CostModel cost;
@@ -119,6 +119,54 @@ TEST(Cluster, RunsAreDeterministic) {
   }
   EXPECT_EQ(x.duration_s, y.duration_s);
   EXPECT_EQ(x.replicas[0].events, y.replicas[0].events);
+}
+
+// Replicas stepped on 3 threads between arrivals run exactly as on one: the same routes, every
+// replica's steps, events and tokens (bit-identical times: they share nothing but the router).
+TEST(Cluster, ReplicasSteppedOnThreadsRunAsOnOne) {
+  const auto requests = workload(120, 6);
+  Cluster one(4), three(4);
+  auto r1 = router("prefix_affinity"), r3 = router("prefix_affinity");
+  const ClusterResult x = one.run(*r1, requests, 1), y = three.run(*r3, requests, 3);
+  ASSERT_EQ(x.routes.size(), y.routes.size());
+  for (std::size_t i = 0; i < x.routes.size(); ++i) {
+    EXPECT_EQ(x.routes[i].replica, y.routes[i].replica) << i;
+    EXPECT_EQ(x.routes[i].reason, y.routes[i].reason) << i;
+  }
+  EXPECT_EQ(x.duration_s, y.duration_s);
+  std::set<std::size_t> used;
+  for (const RouteRecord& r : x.routes) used.insert(r.replica);
+  EXPECT_EQ(used.size(), 4u) << "every replica ran, so the threads had work to share";
+  for (std::size_t r = 0; r < 4; ++r) {
+    EXPECT_EQ(x.replicas[r].events, y.replicas[r].events) << r;
+    EXPECT_EQ(x.replicas[r].tokens, y.replicas[r].tokens) << r;
+    ASSERT_EQ(x.replicas[r].steps.size(), y.replicas[r].steps.size()) << r;
+    for (std::size_t s = 0; s < x.replicas[r].steps.size(); ++s)
+      ASSERT_EQ(x.replicas[r].steps[s].start_s, y.replicas[r].steps[s].start_s) << r << " " << s;
+  }
+}
+
+// The merged run's steps are every replica's, in start order, each replica's in its own order.
+TEST(Cluster, MergedStepsAreEveryReplicasInStartOrder) {
+  const auto requests = workload(60, 3);
+  Cluster cluster(3);
+  auto rr = router("round_robin");
+  ClusterResult result = cluster.run(*rr, requests, 2);
+  std::vector<std::vector<std::int64_t>> per_replica(3);
+  for (std::size_t r = 0; r < 3; ++r)
+    for (const StepRecord& s : result.replicas[r].steps) per_replica[r].push_back(s.step);
+  const EngineResult merged = merged_result(std::move(result));
+  std::size_t total = 0;
+  for (const auto& steps : per_replica) total += steps.size();
+  ASSERT_EQ(merged.steps.size(), total);
+  std::vector<std::vector<std::int64_t>> seen(3);
+  for (std::size_t i = 0; i < merged.steps.size(); ++i) {
+    if (i > 0) {
+      EXPECT_LE(merged.steps[i - 1].start_s, merged.steps[i].start_s) << i;
+    }
+    seen[static_cast<std::size_t>(merged.steps[i].replica)].push_back(merged.steps[i].step);
+  }
+  EXPECT_EQ(seen, per_replica);
 }
 
 TEST(Cluster, PrefixAffinityKeepsEachSystemPromptOnOneReplica) {

@@ -72,6 +72,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, host_hit_tokens);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, tier_copy_seconds);
   h.type<KvTierSpec>().type<KvTierBlockFacts>().type<KvTierHit>().type<KvTierCounters>();
+  h.type<BlockHashIndex>().type<BlockPool>();  // the core's paged-cache parts plugins embed
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
   h.KVLAB_ABI_MEMBER(Preemption, id).KVLAB_ABI_MEMBER(Preemption, mode);
   h.KVLAB_ABI_MEMBER(AllocateRequest, prompt).KVLAB_ABI_MEMBER(AllocateRequest, max_total_tokens);

@@ -4,12 +4,14 @@
 
 #include <algorithm>
 #include <deque>
+#include <iterator>
 #include <limits>
 #include <numeric>
 #include <queue>
 
 #include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
+#include "replica_stepper.hpp"
 
 namespace kvlab {
 namespace {
@@ -172,29 +174,21 @@ ClusterResult run_disaggregated(const Disaggregation& cluster,
 }
 
 ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
-                          const std::vector<WorkloadRequest>& requests) {
+                          const std::vector<WorkloadRequest>& requests, int threads) {
   if (replicas.empty()) throw Error("a cluster needs at least one replica");
   static const std::vector<WorkloadRequest> kNone;
   for (Engine* e : replicas) e->start(kNone);
-  std::vector<std::size_t> order(requests.size());
-  std::iota(order.begin(), order.end(), std::size_t{0});
-  std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
-    return requests[a].arrival_s < requests[b].arrival_s;
-  });
   ClusterResult result;
   result.routes.resize(requests.size());
-  std::size_t next = 0;
-  while (true) {
-    const double arrival = next < order.size() ? requests[order[next]].arrival_s
-                                               : std::numeric_limits<double>::infinity();
-    if (Engine* behind = furthest_behind(replicas); behind != nullptr && behind->now() < arrival) {
-      (void)behind->step();
-      continue;
+  {
+    // Every replica reaches a request's arrival before the router sees their loads.
+    ReplicaStepper stepper(replicas, threads);
+    for (const std::size_t index : arrival_order(requests)) {
+      stepper.advance_to(requests[index].arrival_s);
+      result.routes[index] =
+          route_one(replicas, router, requests[index], static_cast<std::int64_t>(index));
     }
-    if (next == order.size()) break;  // nothing to route, no replica busy
-    const std::size_t index = order[next++];
-    result.routes[index] =
-        route_one(replicas, router, requests[index], static_cast<std::int64_t>(index));
+    stepper.advance_to(std::numeric_limits<double>::infinity());
   }
   for (Engine* e : replicas) {
     result.duration_s = std::max(result.duration_s, e->now());
@@ -247,6 +241,57 @@ EngineResult merged_result(const ClusterResult& result) {
   return merged_result(std::move(copy));
 }
 
+namespace {
+
+bool starts_before(const StepRecord& a, const StepRecord& b) {
+  return a.start_s < b.start_s;
+}
+
+// Steps from sorted runs, one a replica, merged (ties: the lower replica first).
+std::vector<StepRecord> merge_sorted_steps(std::vector<EngineResult>& replicas, std::size_t total) {
+  std::vector<StepRecord> merged;
+  merged.reserve(total);
+  std::vector<std::size_t> next(replicas.size(), 0);
+  while (merged.size() < total) {
+    std::size_t pick = replicas.size();
+    for (std::size_t r = 0; r < replicas.size(); ++r) {
+      if (next[r] == replicas[r].steps.size()) continue;
+      if (pick == replicas.size() ||
+          starts_before(replicas[r].steps[next[r]], replicas[pick].steps[next[pick]]))
+        pick = r;
+    }
+    merged.push_back(std::move(replicas[pick].steps[next[pick]++]));
+  }
+  return merged;
+}
+
+// Every replica's steps, tagged, in start order (ties: the lower replica first), moved out of
+// the replicas. Each replica's steps are in start order already (its clock never goes back), so
+// this is a k-way merge: no sort, and no second copy of millions of records.
+std::vector<StepRecord> merge_steps(std::vector<EngineResult>& replicas) {
+  std::size_t total = 0;
+  bool runs_sorted = true;
+  for (std::size_t r = 0; r < replicas.size(); ++r) {
+    for (StepRecord& step : replicas[r].steps) step.replica = static_cast<std::int64_t>(r);
+    total += replicas[r].steps.size();
+    runs_sorted = runs_sorted &&
+                  std::is_sorted(replicas[r].steps.begin(), replicas[r].steps.end(), starts_before);
+  }
+  std::vector<StepRecord> merged;
+  if (runs_sorted) {
+    merged = merge_sorted_steps(replicas, total);
+  } else {  // the same order, the long way
+    merged.reserve(total);
+    for (EngineResult& replica : replicas)
+      std::move(replica.steps.begin(), replica.steps.end(), std::back_inserter(merged));
+    std::stable_sort(merged.begin(), merged.end(), starts_before);
+  }
+  for (EngineResult& replica : replicas) replica.steps = {};
+  return merged;
+}
+
+}  // namespace
+
 EngineResult merged_result(ClusterResult&& result) {
   EngineResult merged;
   merged.requests = cluster_timelines(result);
@@ -277,23 +322,14 @@ EngineResult merged_result(ClusterResult&& result) {
     add_route(result.routes[i], i);
     if (decoded) add_route(*result.decode_routes[i], i);
   }
-  std::size_t steps = 0;
-  for (const EngineResult& replica : result.replicas) steps += replica.steps.size();
-  merged.steps.reserve(steps);
+  merged.steps = merge_steps(result.replicas);
   for (std::size_t r = 0; r < result.replicas.size(); ++r) {
-    for (StepRecord& step : result.replicas[r].steps) {
-      step.replica = static_cast<std::int64_t>(r);
-      merged.steps.push_back(std::move(step));
-    }
     for (EngineEvent& event : result.replicas[r].events) {
       if (event.request >= 0) event.request = global[r][static_cast<std::size_t>(event.request)];
       event.replica = static_cast<std::int64_t>(r);
       merged.events.push_back(std::move(event));
     }
-    result.replicas[r].steps = {};
   }
-  std::stable_sort(merged.steps.begin(), merged.steps.end(),
-                   [](const StepRecord& a, const StepRecord& b) { return a.start_s < b.start_s; });
   std::stable_sort(merged.events.begin(), merged.events.end(),
                    [](const EngineEvent& a, const EngineEvent& b) { return a.t < b.t; });
   return merged;

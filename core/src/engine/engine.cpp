@@ -125,7 +125,10 @@ std::string Engine::never_fits(const RequestState& r) const {
   const std::int64_t held =
       options_.rules.window ? std::min(total, std::max(r.prompt_tokens, *options_.rules.window + 1))
                             : total;
-  const std::vector<std::int32_t> tokens(static_cast<std::size_t>(held), -1);  // no prefix hits
+  if (unmatched_tokens_.size() < static_cast<std::size_t>(held))
+    unmatched_tokens_.resize(static_cast<std::size_t>(held), -1);  // no prefix hits
+  const std::span<const std::int32_t> tokens(unmatched_tokens_.data(),
+                                             static_cast<std::size_t>(held));
   const std::int64_t capacity = allocator_.stats().capacity;
   if (allocator_.slots_to_allocate({r.id, tokens, held}) <= capacity) return {};
   if (held <= capacity)  // the pool would hold them: the allocator's own limit refuses them

@@ -46,40 +46,39 @@ BlockId LruEviction::victim() {
 BlockHashIndex::BlockHashIndex(std::int64_t max_entries) {
   std::size_t slots = 16;
   while (slots < 2 * static_cast<std::size_t>(std::max<std::int64_t>(max_entries, 1))) slots *= 2;
-  keys_.assign(slots, 0);
-  values_.assign(slots, -1);
+  entries_.assign(slots, Entry{});
   mask_ = slots - 1;
   shift_ = 64 - std::countr_zero(slots);
 }
 
 std::optional<BlockId> BlockHashIndex::find(std::uint64_t hash) const {
   if (hash == 0) return std::nullopt;
-  for (std::size_t i = home(hash);; i = (i + 1) & mask_) {
-    if (keys_[i] == hash) return values_[i];
-    if (keys_[i] == 0) return std::nullopt;
-  }
+  const Entry& e = entries_[probe(hash)];
+  if (e.hash == 0) return std::nullopt;
+  return e.block;
 }
 
 bool BlockHashIndex::insert(std::uint64_t hash, BlockId block) {
   if (hash == 0) return false;
-  if (static_cast<std::size_t>(2 * (size_ + 1)) > keys_.size())
+  if (static_cast<std::size_t>(2 * (size_ + 1)) > entries_.size())
     throw Error("internal: the block hash index holds one entry a block, and is full");
-  std::size_t i = home(hash);
-  for (; keys_[i] != 0; i = (i + 1) & mask_)
-    if (keys_[i] == hash) return false;
-  keys_[i] = hash;
-  values_[i] = block;
+  Entry& e = entries_[probe(hash)];
+  if (e.hash == hash) return false;
+  e = {hash, block};
   ++size_;
   return true;
 }
 
+void BlockHashIndex::grow_if_full() {
+  if (static_cast<std::size_t>(2 * (size_ + 1)) <= entries_.size()) return;
+  BlockHashIndex bigger(static_cast<std::int64_t>(entries_.size()));  // twice the slots
+  for (const Entry& e : entries_)
+    if (e.hash != 0) bigger.insert(e.hash, e.block);
+  *this = std::move(bigger);
+}
+
 bool BlockHashIndex::insert_growing(std::uint64_t hash, BlockId block) {
-  if (static_cast<std::size_t>(2 * (size_ + 1)) > keys_.size()) {
-    BlockHashIndex bigger(static_cast<std::int64_t>(keys_.size()));  // twice the slots
-    for (std::size_t i = 0; i < keys_.size(); ++i)
-      if (keys_[i] != 0) bigger.insert(keys_[i], values_[i]);
-    *this = std::move(bigger);
-  }
+  grow_if_full();
   return insert(hash, block);
 }
 
@@ -87,22 +86,17 @@ bool BlockHashIndex::insert_growing(std::uint64_t hash, BlockId block) {
 // so no lookup ever stops early at it.
 void BlockHashIndex::erase(std::uint64_t hash) {
   if (hash == 0) return;
-  std::size_t hole = home(hash);
-  while (keys_[hole] != hash) {
-    if (keys_[hole] == 0) return;
-    hole = (hole + 1) & mask_;
-  }
-  for (std::size_t next = (hole + 1) & mask_; keys_[next] != 0; next = (next + 1) & mask_) {
-    const std::size_t wanted = home(keys_[next]);
+  std::size_t hole = probe(hash);
+  if (entries_[hole].hash == 0) return;
+  for (std::size_t next = (hole + 1) & mask_; entries_[next].hash != 0; next = (next + 1) & mask_) {
+    const std::size_t wanted = home(entries_[next].hash);
     // The entry at `next` may fill the hole when its home is not in (hole, next] (cyclically).
     if (((next - wanted) & mask_) >= ((next - hole) & mask_)) {
-      keys_[hole] = keys_[next];
-      values_[hole] = values_[next];
+      entries_[hole] = entries_[next];
       hole = next;
     }
   }
-  keys_[hole] = 0;
-  values_[hole] = -1;
+  entries_[hole] = Entry{};
   --size_;
 }
 

@@ -96,14 +96,12 @@ class PrefixAffinityRouter final : public kvlab::Router {
   // Each block was now sent to `replica` too; the oldest blocks go past max_blocks.
   void remember(const std::vector<std::uint64_t>& blocks, std::size_t replica) {
     for (const std::uint64_t h : blocks) {
-      std::optional<kvlab::BlockId> slot = slot_.find(h);
-      if (!slot) {
-        slot = static_cast<kvlab::BlockId>(take_slot());
-        slot_.insert_growing(h, *slot);
+      const kvlab::BlockId slot = slot_.find_or_insert_growing(h, [&] {
         order_.push_back(h);
-      }
-      sent_[static_cast<std::size_t>(*slot) * words_ + replica / 64] |= std::uint64_t{1}
-                                                                        << (replica % 64);
+        return static_cast<kvlab::BlockId>(take_slot());
+      });
+      sent_[static_cast<std::size_t>(slot) * words_ + replica / 64] |= std::uint64_t{1}
+                                                                       << (replica % 64);
       while (order_.size() > max_blocks_) {
         free_slots_.push_back(static_cast<std::size_t>(*slot_.find(order_.front())));
         slot_.erase(order_.front());

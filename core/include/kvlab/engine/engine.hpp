@@ -149,6 +149,9 @@ class Engine {
   std::chrono::steady_clock::time_point step_start_;
   StaticPadding padding_;            // the finished requests of the running static batch
   std::vector<KvHandoff> handoffs_;  // not yet taken
+  // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
+  // thousand in a trace replay.
+  mutable std::vector<std::int32_t> unmatched_tokens_;
 };
 
 }  // namespace kvlab

@@ -51,8 +51,9 @@ class LruEviction final : public EvictionPolicy {
 
 // The prefix cache's map from chain hash to block: open addressing with linear probing in a
 // power-of-two table at most half full, deletion by backward shift (no tombstones). One probe
-// sequence in one array, where a node-based map pays an allocation and a cache miss per entry:
-// the prefix cache registers and evicts a block on almost every prompt block of a long trace.
+// sequence in one array of (hash, block) entries, where a node-based map pays an allocation and
+// a cache miss per entry: the prefix cache registers and evicts a block on almost every prompt
+// block of a long trace, and a hit reads its block from the cache line its hash is on.
 // Hash 0 is "no prefix" (BlockPool's marker), never a key.
 class BlockHashIndex {
  public:
@@ -62,17 +63,41 @@ class BlockHashIndex {
   // The same, doubling the table instead of refusing when it would be more than half full (an
   // index whose entries have no fixed bound: a router's blocks).
   bool insert_growing(std::uint64_t hash, BlockId block);
+  // The block of `hash`, inserting make_block() for it first when it is missing (growing):
+  // one probe where find and then insert take two.
+  template <typename MakeBlock>
+  BlockId find_or_insert_growing(std::uint64_t hash, MakeBlock&& make_block);
   void erase(std::uint64_t hash);
   std::int64_t size() const { return size_; }
 
  private:
+  struct Entry {
+    std::uint64_t hash = 0;  // 0: empty
+    BlockId block = -1;
+  };
   std::size_t home(std::uint64_t hash) const { return (hash * 0x9e3779b97f4a7c15ULL) >> shift_; }
-  std::vector<std::uint64_t> keys_;  // 0: empty
-  std::vector<BlockId> values_;
+  // Where `hash` is, or the empty entry ending its probe run.
+  std::size_t probe(std::uint64_t hash) const {
+    std::size_t i = home(hash);
+    while (entries_[i].hash != hash && entries_[i].hash != 0) i = (i + 1) & mask_;
+    return i;
+  }
+  void grow_if_full();
+  std::vector<Entry> entries_;
   std::size_t mask_ = 0;
   int shift_ = 64;
   std::int64_t size_ = 0;
 };
+
+template <typename MakeBlock>
+BlockId BlockHashIndex::find_or_insert_growing(std::uint64_t hash, MakeBlock&& make_block) {
+  grow_if_full();
+  Entry& e = entries_[probe(hash)];
+  if (e.hash == hash) return e.block;
+  e = {hash, make_block()};
+  ++size_;
+  return e.block;
+}
 
 class BlockPool {
  public:

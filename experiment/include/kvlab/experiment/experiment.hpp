@@ -137,7 +137,6 @@ void validate_experiment(const std::vector<ExperimentRun>& runs, bool check);
 struct RunOutput {
   EngineResult engine;
   RunSummary summary;
-  std::vector<std::vector<std::int32_t>> prompts;
   double wall_s = 0;          // the whole run, model setup included
   double engine_wall_s = 0;   // Engine::run
   double forward_wall_s = 0;  // of which inside Backend::forward
