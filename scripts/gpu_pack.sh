@@ -38,6 +38,8 @@ find "$root/$build" -path '*/CMakeFiles' -prune -o -type f -print | while read -
     *) if [ "$(head -c 4 "$f" | od -An -c | tr -d ' ')" = "177ELF" ]; then echo "$f"; fi ;;
   esac
 done >"$files"
+# The sonames the loader asks for (libkvlab_*.so.0 -> libkvlab_*.so.0.1.0) are links: pack them.
+find "$root/$build" -path '*/CMakeFiles' -prune -o -type l -name '*.so*' -print >>"$files"
 for d in experiments profiles data tests/fixtures scripts; do
   [ -d "$root/$d" ] && find "$root/$d" -type f >>"$files"
 done

@@ -266,6 +266,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     new_slots_.clear();
     block_table_.clear();
     entries_.clear();
+    prefill_entries_.clear();
     last_rows_.clear();
     std::int32_t max_keys = 0, max_queries = 0;
     for (const auto& e : batch) {
@@ -286,6 +287,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       last_rows_.push_back(static_cast<std::int32_t>(tokens_.size() - 1));
       if (a.queries == 1) max_keys = std::max(max_keys, a.start_position - a.first_position + 1);
       max_queries = std::max(max_queries, a.queries);
+      if (a.queries > 1) prefill_entries_.push_back(static_cast<std::int32_t>(entries_.size()));
       entries_.push_back(a);
     }
     StepShape step;
@@ -335,6 +337,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     to_device(block_table_, d_block_table_);
     to_device(entries_, d_entries_);
     to_device(last_rows_, d_last_rows_);
+    to_device(prefill_entries_, d_prefill_entries_, false);  // graphs hold decodes only
     if (!step.choosing) return;
     to_device(step_choices_, d_choices_);
     grow(d_chosen_, static_cast<std::size_t>(step.count) * sizeof(std::int32_t));
@@ -511,6 +514,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     a.entry_count = static_cast<std::int32_t>(step.count);
     a.max_keys = step.max_keys;
     a.max_queries = step.max_queries;
+    a.prefill_entries = d_prefill_entries_.get<std::int32_t>();
+    a.prefill_count = static_cast<std::int32_t>(prefill_entries_.size());
     a.out = attention_.get();
     a.heads = c.num_attention_heads;
     a.kv_heads = c.num_key_value_heads;
@@ -672,7 +677,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   DeviceBuffer x_, normed_, qkv_, attention_, projected_, gate_up_, hidden_, last_, logits_,
       workspace_, scratch_, staging_floats_;
   DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_block_table_, d_entries_, d_last_rows_,
-      d_transfer_slots_;
+      d_prefill_entries_, d_transfer_slots_;
   PinnedBuffer host_logits_, host_chosen_;
   DeviceBuffer d_chosen_, d_choices_;
   // The running forward's token choices (empty: it returns logits).
@@ -684,6 +689,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   DeviceBuffer d_logprob_counts_, d_logprobs_;
   std::vector<kvlab::TokenLogprob> chosen_logprobs_;
   std::vector<std::int32_t> tokens_, positions_, last_rows_;
+  std::vector<std::int32_t> prefill_entries_;  // indices into entries_ with more than one query
   std::vector<std::int64_t> new_slots_, block_table_;
   std::vector<kvlab::cuda::AttentionEntry> entries_;
 };

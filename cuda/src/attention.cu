@@ -411,13 +411,18 @@ __device__ __forceinline__ void attend_key(const float (&q)[PER_LANE], const flo
   m = m_new;
 }
 
+// The entry a prefill block serves: blockIdx.x indexes p.prefill_entries when there is one.
+__device__ inline const AttentionEntry& prefill_entry(const AttentionParams& p) {
+  return p.entries[p.prefill_entries ? p.prefill_entries[blockIdx.x] : blockIdx.x];
+}
+
 // One block per (entry, query head, tile of kPrefillWarps queries); warp w serves query
 // tile * kPrefillWarps + w. Keys stream through shared memory in tiles of KEY_TILE.
 template <typename T, int HD>
 __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionParams p) {
   constexpr int PER_LANE = (HD + 31) / 32;
   constexpr int KEY_TILE = HD <= 128 ? 32 : 16;
-  const AttentionEntry e = p.entries[blockIdx.x];
+  const AttentionEntry e = prefill_entry(p);
   if (e.queries <= 1) return;
   const int first_query = static_cast<int>(blockIdx.z) * kPrefillWarps;
   if (first_query >= e.queries) return;  // uniform over the block
@@ -745,7 +750,7 @@ struct alignas(16) KeyTile {
 // (every lane takes part in each mma) but are never written.
 template <int HD>
 __global__ void __launch_bounds__(kMmaWarps * 32) prefill_mma_kernel(AttentionParams p) {
-  const AttentionEntry e = p.entries[blockIdx.x];
+  const AttentionEntry e = prefill_entry(p);
   if (e.queries <= 1) return;
   const int first_query = static_cast<int>(blockIdx.z) * kMmaQueries;
   if (first_query >= e.queries) return;  // uniform over the block
@@ -909,8 +914,10 @@ bool tensor_cores_take(const AttentionParams& p) {
 // pools).
 template <typename T, int HD>
 cudaError_t launch_prefill(const AttentionParams& p, cudaStream_t stream) {
+  const std::int32_t entries = p.prefill_entries ? p.prefill_count : p.entry_count;
+  if (entries <= 0) return cudaSuccess;
   const auto tiles = [&](int queries_per_block) {
-    return dim3(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads),
+    return dim3(static_cast<unsigned>(entries), static_cast<unsigned>(p.heads),
                 static_cast<unsigned>((p.max_queries + queries_per_block - 1) / queries_per_block));
   };
   if constexpr (kMmaShape<T, HD>) {
@@ -989,7 +996,8 @@ bool attention_supports(std::int64_t head_dim) {
 cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   if (p.entry_count <= 0) return cudaSuccess;
   if (p.kv_heads <= 0 || p.heads % p.kv_heads != 0 || p.split_keys <= 0 ||
-      !attention_supports(p.head_dim) || p.entry_count > kMaxEntries)
+      !attention_supports(p.head_dim) || p.entry_count > kMaxEntries || p.prefill_count < 0 ||
+      p.prefill_count > p.entry_count)
     return cudaErrorInvalidValue;
   const int max_splits = std::max(1, (p.max_keys + p.split_keys - 1) / p.split_keys);
   const dim3 combine_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads));

@@ -323,7 +323,8 @@ TEST(CostModel, KvCapacityIsMemoryMinusWeightsAndReserve) {
 }
 
 TEST(HardwareProfiles, ShippedProfilesLoadByNameInAnyCase) {
-  for (const char* name : {"a100-80gb", "h100-sxm", "h200", "l4", "cpu", "H200", "A100-80GB"}) {
+  for (const char* name :
+       {"a100-80gb", "h100-sxm", "h200", "h200-measured", "l4", "cpu", "H200", "A100-80GB"}) {
     const HardwareProfile p = load_hardware_profile(name);
     EXPECT_GT(p.peak_tflops, 0) << name;
     EXPECT_GT(p.memory_gb_per_s, 0) << name;
@@ -332,14 +333,15 @@ TEST(HardwareProfiles, ShippedProfilesLoadByNameInAnyCase) {
     std::ifstream file(p.source);
     const std::string text((std::istreambuf_iterator<char>(file)),
                            std::istreambuf_iterator<char>());
-    EXPECT_NE(text.find("\n[link]\nswap_gb_per_s = "), std::string::npos) << name;
+    EXPECT_NE(text.find("\n[link]\n"), std::string::npos) << name;
+    EXPECT_NE(text.find("\nswap_gb_per_s = "), std::string::npos) << name;
     EXPECT_NE(text.find("\nswap_latency_s = "), std::string::npos) << name;
   }
   EXPECT_EQ(load_hardware_profile("cpu").compute_dtype, DType::dtype_f32);
   EXPECT_DOUBLE_EQ(load_hardware_profile("h200").memory_gb_per_s, 4800);
   EXPECT_DOUBLE_EQ(load_hardware_profile("a100-80gb").peak_tflops, 312);
   const auto names = hardware_profile_names();
-  for (const char* name : {"a100-80gb", "h100-sxm", "h200", "l4"})
+  for (const char* name : {"a100-80gb", "h100-sxm", "h200", "h200-measured", "l4"})
     EXPECT_NE(std::find(names.begin(), names.end(), name), names.end()) << name;
 }
 

@@ -673,13 +673,35 @@ struct SequenceCase {
   std::int64_t queries;  // 1 = decode
 };
 
+// How a case's launch names its prefill entries (AttentionParams::prefill_entries).
+enum class PrefillList {
+  listed,         // the entries with more than one query, as the backend lists them
+  none,           // no list: the prefill grid covers every entry
+  last_left_out,  // the list leaves out the last such entry: its rows must stay unwritten
+};
+
 struct AttentionCase {
   std::int64_t head_dim, group, block, window;
   Dtype dtype;
   bool unaligned_pools = false;  // K/V pools one element off 16 bytes: the scalar decode kernel
   bool tensor_cores = true;      // AttentionParams::tensor_cores
   float query_scale = 1.0f;      // > 1: peaked softmax, whose splits' maxima differ widely
+  PrefillList prefill_list = PrefillList::listed;
 };
+
+// The prefill entries a case's launch lists, and the one it leaves out (-1: none).
+std::pair<std::vector<std::int32_t>, std::int64_t> prefill_list(
+    const AttentionCase& c, const std::vector<cuda::AttentionEntry>& entries) {
+  std::vector<std::int32_t> listed;
+  for (std::size_t e = 0; e < entries.size(); ++e)
+    if (entries[e].queries > 1) listed.push_back(static_cast<std::int32_t>(e));
+  std::int64_t left_out = -1;
+  if (c.prefill_list == PrefillList::last_left_out && !listed.empty()) {
+    left_out = listed.back();
+    listed.pop_back();
+  }
+  return {listed, left_out};
+}
 
 // The host side of an attention case: pools holding every sequence's K/V in blocks shuffled
 // across them, the fused QKV rows of the queries, one entry (and block table) per sequence, and
@@ -781,6 +803,9 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   d_v.write(in.v_pool, c.dtype);
   d_table.write_bytes(in.block_table.data(), in.block_table.size() * 8);
   d_entries.write_bytes(in.entries.data(), in.entries.size() * sizeof(cuda::AttentionEntry));
+  const auto [listed, left_out] = prefill_list(c, in.entries);
+  GuardedBuffer d_listed(std::max<std::size_t>(listed.size(), 1), 4);
+  d_listed.write_bytes(listed.data(), listed.size() * 4);
   cuda::AttentionParams p;
   p.q = d_q.get();
   p.q_row_stride = q_stride;
@@ -791,6 +816,10 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   p.entry_count = static_cast<std::int32_t>(in.entries.size());
   p.max_keys = static_cast<std::int32_t>(in.max_keys);
   p.max_queries = static_cast<std::int32_t>(in.max_queries);
+  if (c.prefill_list != PrefillList::none) {
+    p.prefill_entries = d_listed.as<std::int32_t>();
+    p.prefill_count = static_cast<std::int32_t>(listed.size());
+  }
   p.out = d_out.get();
   p.heads = heads;
   p.kv_heads = kv_heads;
@@ -807,7 +836,16 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
                            (c.tensor_cores ? "" : " (CUDA cores)") + " hd " + std::to_string(hd) +
                            " group " + std::to_string(c.group) + " block " +
                            std::to_string(c.block) + " window " + std::to_string(c.window);
+  std::vector<unsigned char> out_bytes(in.rows * q_width * e_bytes);
+  d_out.read_bytes(out_bytes.data(), out_bytes.size());
   for (std::size_t e = 0; e < sequences.size(); ++e) {
+    if (static_cast<std::int64_t>(e) == left_out) {  // no block of the prefill grid served it
+      const auto first = out_bytes.begin() + in.entries[e].first_row * q_width * e_bytes;
+      EXPECT_TRUE(std::all_of(first, first + sequences[e].queries * q_width * e_bytes,
+                              [](unsigned char b) { return b == GuardedBuffer::kSentinel; }))
+          << what << ": the unlisted prefill entry " << e << " was written";
+      continue;
+    }
     std::vector<float> got(
         out.begin() + in.entries[e].first_row * q_width,
         out.begin() + (in.entries[e].first_row + sequences[e].queries) * q_width);
@@ -851,6 +889,18 @@ INSTANTIATE_TEST_SUITE_P(HeadDimGroupBlockDtype, CudaAttentionGrid,
 // after 40 cached tokens spread over three query tiles and up to four key tiles, with the
 // causal diagonal inside tiles; beside them a prompt of 65 (one row into a second tile) and a
 // decode. Both dtypes (bf16 takes the tensor-core kernel), with and without a window.
+// The prefill grid covers the listed entries only (a mixed step's decodes cost it no blocks):
+// without a list every entry is still served; an entry left off the list is not computed.
+TEST(CudaAttention, PrefillGridCoversTheListedEntries) {
+  KVLAB_REQUIRE_CUDA();
+  for (Dtype dtype : kDtypes)
+    for (PrefillList list : {PrefillList::none, PrefillList::last_left_out}) {
+      AttentionCase c{128, 4, 16, 0, dtype};
+      c.prefill_list = list;
+      run_attention_case(c, kSequences);
+    }
+}
+
 TEST(CudaAttention, LongPrefillChunksSpanSeveralQueryAndKeyTiles) {
   KVLAB_REQUIRE_CUDA();
   for (Dtype dtype : kDtypes)

@@ -119,6 +119,11 @@ struct AttentionParams {
   std::int32_t entry_count = 0;               // at most 65,535 sequences per launch
   std::int32_t max_keys = 0;     // the longest key range of any decode entry (split grid)
   std::int32_t max_queries = 0;  // the most queries of any entry (prefill grid)
+  // The entries with more than one query (device array of prefill_count indices): the prefill
+  // grid covers only these, so a mixed step's decodes cost it no empty blocks. nullptr: every
+  // entry (each with one query or none returns at once).
+  const std::int32_t* prefill_entries = nullptr;
+  std::int32_t prefill_count = 0;
   void* out = nullptr;
   std::int64_t heads = 0, kv_heads = 0, head_dim = 0;
   std::int64_t window = 0;  // 0: none; else a query at p sees keys p - window + 1 .. p
