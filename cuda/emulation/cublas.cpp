@@ -198,6 +198,22 @@ cublasStatus_t cublasLtMatrixLayoutCreate(cublasLtMatrixLayout_t* layout, cudaDa
         LayoutSettings{type, static_cast<int>(rows), static_cast<int>(cols), static_cast<int>(ld)});
   return CUBLAS_STATUS_SUCCESS;
 }
+cublasStatus_t cublasLtMatrixLayoutSetAttribute(cublasLtMatrixLayout_t layout,
+                                                cublasLtMatrixLayoutAttribute_t attribute,
+                                                const void* value, size_t bytes) {
+  LayoutSettings settings = load<LayoutSettings>(layout);
+  std::uint64_t extent = 0;
+  if (bytes != sizeof extent) return CUBLAS_STATUS_INVALID_VALUE;
+  std::memcpy(&extent, value, bytes);
+  if (attribute == CUBLASLT_MATRIX_LAYOUT_ROWS)
+    settings.rows = static_cast<int>(extent);
+  else if (attribute == CUBLASLT_MATRIX_LAYOUT_COLS)
+    settings.cols = static_cast<int>(extent);
+  else
+    return CUBLAS_STATUS_NOT_SUPPORTED;
+  store(layout, settings);
+  return CUBLAS_STATUS_SUCCESS;
+}
 cublasStatus_t cublasLtMatrixLayoutDestroy(cublasLtMatrixLayout_t layout) {
   delete layout;
   return CUBLAS_STATUS_SUCCESS;
