@@ -28,7 +28,7 @@ namespace {
 
 struct RunOptions {
   std::string file;
-  std::vector<std::string> overrides;
+  CommandLineChanges changes;  // --set, --sweep
   std::string out;
   bool force = false;
   double tolerance = 0;  // kvlab check --tolerance (ExperimentConfig::check_tolerance)
@@ -94,7 +94,7 @@ std::vector<RunRecord> run_share(const std::vector<ExperimentRun>& runs,
 // The index files into the staging folder, then the folder into place.
 void finish_results(ResultsFolder& folder, const SweepReport& r, const RunOptions& o,
                     const std::string& experiment_text, std::size_t runs, int ranks) {
-  const ManifestInfo info{o.file,       experiment_text,       o.overrides, KVLAB_VERSION,
+  const ManifestInfo info{o.file,       experiment_text,       o.changes, KVLAB_VERSION,
                           KVLAB_COMMIT, machine_description(), ranks};
   write_results_index(folder.staging(), r, info, runs);
   folder.commit();
@@ -122,7 +122,10 @@ int run_all(const RunOptions& o, bool check) {
   std::string experiment_text;
   std::exception_ptr not_ready;
   try {
-    runs = load_experiment(o.file, o.overrides);  // every error before anything runs
+    std::vector<std::string> notes;
+    runs = load_experiment(o.file, o.changes, &notes);  // every error before anything runs
+    if (ranks.rank() == 0)
+      for (const std::string& note : notes) fmt::print(stderr, "kvlab: {}\n", note);
     for (auto& run : runs) run.config.check_tolerance = o.tolerance;
     validate_experiment(runs, check);
     if (!check && ranks.rank() == 0) {
@@ -169,8 +172,12 @@ void register_run(CLI::App& app, int& exit_code) {
         check ? "Run an experiment and check every greedy token against the reference"
               : "Run an experiment file: sweeps, results, summary table");
     sub->add_option("file", o->file, "Experiment file (TOML)")->required();
-    sub->add_option("--set", o->overrides,
-                    "Override a key: --set scheduler.name=fcfs (repeatable)");
+    sub->add_option("--set", o->changes.set,
+                    "Set a key in every run: --set scheduler.params.max_batch=64 (repeatable; "
+                    "on a key the file sweeps it replaces that axis)");
+    sub->add_option("--sweep", o->changes.sweep,
+                    "Add a sweep axis: --sweep scheduler.name=fcfs,static (repeatable; crossed "
+                    "with the file's axes, replacing one over the same key)");
     if (check)
       sub->add_option("--tolerance", o->tolerance,
                       "Accept a token whose reference logit is within this of the reference's "

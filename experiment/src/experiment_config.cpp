@@ -12,6 +12,7 @@
 #include <set>
 #include <sstream>
 
+#include "experiment_toml.hpp"
 #include "kvlab/checked_math.hpp"
 #include "kvlab/cpu_reference/weight_choices.hpp"
 #include "kvlab/error.hpp"
@@ -28,8 +29,6 @@ namespace kvlab {
 constexpr std::int64_t kMaxRepeats = 10'000;
 constexpr std::int64_t kMaxRequests = 10'000'000;  // per run: the request table stays < ~10 GB
 constexpr std::int64_t kMaxThreads = 1024;
-constexpr std::size_t kMaxSweepPoints = 10'000;
-constexpr std::size_t kMaxRuns = 100'000;  // points x repeats
 namespace {
 
 std::string where(const toml::node& node, const std::string& fallback_file) {
@@ -494,6 +493,8 @@ void parse_cluster(Section& s, ExperimentConfig& c) {
       s.node("decode_params") != nullptr ? plugin_params(s, "decode_params") : c.router_params;
 }
 
+}  // namespace
+
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {
   ExperimentConfig c;
   Section top(&root, "top level", file);
@@ -521,6 +522,13 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
              "model of backend.profile (\"cpu\" by default for the cpu backend; kvlab calibrate "
              "writes one for your machine); delete the table");
   section("output", [&](Section& s) { parse_output(s, c); });
+  if (const toml::table* hardware = top.table("hardware")) {
+    if (c.profile.empty())
+      top.fail(*hardware, "[hardware] changes keys of backend.profile, and this run has none");
+    std::ostringstream text;
+    text << *hardware;
+    c.hardware_changes = text.str();
+  }
   top.node("sweep");
   top.finish();
   c.workload.seed = c.seed;
@@ -551,22 +559,28 @@ void set_dotted(toml::table& root, const std::string& key, const toml::node& val
   }
 }
 
-void apply_overrides(toml::table& root, const std::vector<std::string>& overrides) {
-  for (const auto& o : overrides) {
-    const std::size_t eq = o.find('=');
-    if (eq == std::string::npos) throw Error(fmt::format("--set \"{}\": expected key=value", o));
-    const std::string key = o.substr(0, eq), text = o.substr(eq + 1);
-    toml::table parsed;
-    try {
-      parsed = toml::parse("v = " + text);
-    } catch (const toml::parse_error&) {
-      parsed = toml::table{{"v", text}};  // a bare word is a string
-    }
-    if (parsed.size() != 1)  // "5\nx=1" parses as two keys: the second would vanish
-      throw Error(
-          fmt::format("--set \"{}\": the value is more than one TOML value (a newline?)", o));
-    set_dotted(root, key, *parsed.get("v"), fmt::format("--set {}", o));
+std::vector<SweepTable> read_sweep_tables(const toml::table& root, const std::string& file) {
+  std::vector<SweepTable> tables;
+  const toml::node* sweep = root.get("sweep");
+  if (sweep == nullptr) return tables;
+  if (!sweep->is_array_of_tables())
+    throw Error(fmt::format("{}: [[sweep]] must be an array of tables", where(*sweep, file)));
+  for (const auto& entry : *sweep->as_array()) {
+    Section s(entry.as_table(), "sweep", file);
+    SweepTable t;
+    t.key = s.get<std::string>("key").value_or("");
+    if (t.key.empty()) s.fail(entry, "[[sweep]] needs key = \"section.field\"");
+    if (t.key == "sweep" || t.key.starts_with("sweep."))
+      s.fail(*s.node("key"), "[[sweep]] cannot sweep the sweep itself");
+    const toml::node* values = s.node("values");
+    if (values == nullptr || !values->is_array() || values->as_array()->empty())
+      s.fail(entry, "[[sweep]] needs a non-empty values = [...]");
+    t.values = values->as_array();
+    t.group = s.get<std::string>("zip").value_or("axis:" + t.key);
+    s.finish();
+    tables.push_back(std::move(t));
   }
+  return tables;
 }
 
 std::string value_text(const toml::node& node) {
@@ -574,139 +588,6 @@ std::string value_text(const toml::node& node) {
   std::ostringstream out;
   node.visit([&](const auto& v) { out << v; });
   return out.str();
-}
-
-}  // namespace
-
-namespace {
-
-// One [[sweep]] axis; values point into the parsed file's table.
-struct SweepAxis {
-  std::string key;
-  std::vector<const toml::node*> values;
-  std::string group;  // axes of one group advance together; groups are crossed
-};
-
-std::vector<SweepAxis> sweep_axes(const toml::table& root, const std::string& file) {
-  std::vector<SweepAxis> axes;
-  const toml::node* sweep = root.get("sweep");
-  if (sweep == nullptr) return axes;
-  if (!sweep->is_array_of_tables())
-    throw Error(fmt::format("{}: [[sweep]] must be an array of tables", where(*sweep, file)));
-  for (const auto& entry : *sweep->as_array()) {
-    Section s(entry.as_table(), "sweep", file);
-    SweepAxis axis;
-    axis.key = s.get<std::string>("key").value_or("");
-    if (axis.key.empty()) s.fail(entry, "[[sweep]] needs key = \"section.field\"");
-    if (axis.key == "sweep" || axis.key.starts_with("sweep."))
-      s.fail(*s.node("key"), "[[sweep]] cannot sweep the sweep itself");
-    const toml::node* values = s.node("values");
-    if (values == nullptr || !values->is_array() || values->as_array()->empty())
-      s.fail(entry, "[[sweep]] needs a non-empty values = [...]");
-    for (const auto& v : *values->as_array()) axis.values.push_back(&v);
-    axis.group = s.get<std::string>("zip").value_or("axis:" + axis.key);
-    s.finish();
-    axes.push_back(std::move(axis));
-  }
-  return axes;
-}
-
-// The groups in order of appearance with their sizes, and the number of points they make.
-struct SweepShape {
-  std::vector<std::string> groups;
-  std::map<std::string, std::size_t> size;
-  std::size_t points = 1;
-};
-
-SweepShape sweep_shape(const std::vector<SweepAxis>& axes, const std::string& file) {
-  SweepShape shape;
-  for (const auto& a : axes) {
-    auto [it, inserted] = shape.size.try_emplace(a.group, a.values.size());
-    if (inserted)
-      shape.groups.push_back(a.group);
-    else if (it->second != a.values.size())
-      throw Error(fmt::format(
-          "{}: zipped sweep axes in group \"{}\" need the same number of values", file, a.group));
-  }
-  for (const auto& g : shape.groups) {
-    const auto product = checked_mul<std::size_t>(shape.points, shape.size[g]);
-    if (!product || *product > kMaxSweepPoints)
-      throw Error(
-          fmt::format("{}: the [[sweep]] axes make more than {} points (kvlab's limit per "
-                      "experiment file): split the sweep into several files",
-                      file, kMaxSweepPoints));
-    shape.points = *product;
-  }
-  return shape;
-}
-
-// Sets sweep point `point`'s values into `table`; returns its label ("key=value, ...").
-std::string apply_sweep_point(toml::table& table, const std::vector<SweepAxis>& axes,
-                              const SweepShape& shape, std::size_t point) {
-  std::map<std::string, std::size_t> index;
-  for (auto g = shape.groups.rbegin(); g != shape.groups.rend(); ++g) {
-    index[*g] = point % shape.size.at(*g);
-    point /= shape.size.at(*g);
-  }
-  std::string label;
-  for (const auto& a : axes) {
-    const toml::node* value = a.values[index[a.group]];
-    set_dotted(table, a.key, *value, fmt::format("[[sweep]] {}", a.key));
-    label += (label.empty() ? "" : ", ") + a.key + "=" + value_text(*value);
-  }
-  return label;
-}
-
-}  // namespace
-
-std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
-                                           const std::vector<std::string>& overrides) {
-  if (std::filesystem::is_directory(file))
-    throw Error(
-        fmt::format("{} is a folder: kvlab run and check take an experiment file (TOML), "
-                    "e.g. experiments/quickstart.toml",
-                    file.string()));
-  // Parsed afresh for every sweep point: copies of toml++ nodes lose their source positions.
-  auto parse = [&]() {
-    toml::table table;
-    try {
-      table = toml::parse_file(file.string());
-    } catch (const toml::parse_error& e) {
-      if (!std::filesystem::exists(file))
-        throw Error(fmt::format("cannot read experiment file {}", file.string()));
-      throw Error(fmt::format("{}:{}:{}: {}", file.string(), e.source().begin.line,
-                              e.source().begin.column, e.description()));
-    }
-    apply_overrides(table, overrides);
-    return table;
-  };
-  const toml::table root = parse();
-  const std::vector<SweepAxis> axes = sweep_axes(root, file.string());
-  const SweepShape shape = sweep_shape(axes, file.string());
-
-  std::vector<ExperimentRun> runs;
-  for (std::size_t point = 0; point < shape.points; ++point) {
-    toml::table table = parse();
-    table.erase("sweep");
-    const std::string label = apply_sweep_point(table, axes, shape, point);
-    ExperimentConfig config = parse_config(table, file.string());
-    config.label = label;
-    std::ostringstream resolved;
-    resolved << table;
-    config.resolved_toml = resolved.str();
-    if (runs.size() + static_cast<std::size_t>(config.repeats) > kMaxRuns)
-      throw Error(
-          fmt::format("{}: sweep points x repeats make more than {} runs (kvlab's limit "
-                      "per experiment file)",
-                      file.string(), kMaxRuns));
-    for (std::int64_t r = 0; r < config.repeats; ++r) {
-      ExperimentRun run{config, r};
-      run.config.seed = config.seed + static_cast<std::uint64_t>(r);
-      run.config.workload.seed = run.config.seed;
-      runs.push_back(std::move(run));
-    }
-  }
-  return runs;
 }
 
 }  // namespace kvlab

@@ -130,7 +130,7 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
 // priced with its own KV dtype (kv_cache.dtype).
 std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model) {
   if (c.profile.empty()) return std::nullopt;
-  HardwareProfile profile = load_hardware_profile(c.profile);
+  HardwareProfile profile = load_hardware_profile(c.profile, c.hardware_changes);
   if (c.backend_kind == BackendKind::cpu) profile.kv_dtype = c.kv_dtype;
   return CostModel(model, profile, c.tensor_parallel, c.context_parallel);
 }

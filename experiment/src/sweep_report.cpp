@@ -121,7 +121,8 @@ void write_manifest(const std::filesystem::path& folder, const ManifestInfo& inf
   char when[32] = {};
   std::strftime(when, sizeof(when), "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
   const nlohmann::json manifest = {{"experiment_file", info.experiment_file},
-                                   {"overrides", info.overrides},
+                                   {"overrides", info.changes.set},
+                                   {"sweeps", info.changes.sweep},
                                    {"runs", runs},
                                    {"failed_runs", failed_runs},
                                    {"kvlab_version", info.kvlab_version},

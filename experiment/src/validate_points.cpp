@@ -83,7 +83,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
     check_kv_tiers(c);
   }
   if (!c.profile.empty()) {
-    const HardwareProfile profile = load_hardware_profile(c.profile);
+    const HardwareProfile profile = load_hardware_profile(c.profile, c.hardware_changes);
     // Tensor parallelism: the GPUs divide the heads, the profile prices their all-reduces.
     if (c.tensor_parallel > 1 || c.context_parallel > 1)
       (void)CostModel(source.config, profile, c.tensor_parallel, c.context_parallel);

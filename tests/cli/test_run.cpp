@@ -106,6 +106,30 @@ TEST(KvlabRun, SetOverridesAKey) {
   EXPECT_EQ(summary["scheduler"], "static");
 }
 
+// The friction: --set on a swept key used to run the file's sweep without a word.
+TEST(KvlabRun, SetOnASweptKeySaysItReplacesTheAxisAndSweepAddsOne) {
+  test::TempDir dir;
+  const auto file = write_experiment(
+      dir, kSmall + "\n[[sweep]]\nkey = \"scheduler.name\"\nvalues = [\"static\", \"fcfs\"]\n");
+  const Result r = kvlab("run " + file +
+                         " --set scheduler.name=chunked --sweep kv_cache.allocator=static,paged"
+                         " --out " +
+                         (dir / "o").string());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("kvlab: --set scheduler.name=chunked replaces the file's [[sweep]] over "
+                       "scheduler.name (2 values)"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.out.find("| kv_cache.allocator=static | 12 | 0 |"), std::string::npos) << r.out;
+  const auto runs = nlohmann::json::parse(test::read_file(dir / "o" / "runs.json"));
+  ASSERT_EQ(runs.size(), 2u);
+  const auto summary = nlohmann::json::parse(
+      test::read_file(dir / "o" / runs[1].at("dir").get<std::string>() / "summary.json"));
+  EXPECT_EQ(summary["scheduler"], "chunked");
+  const auto manifest = nlohmann::json::parse(test::read_file(dir / "o" / "manifest.json"));
+  EXPECT_EQ(manifest["sweeps"], nlohmann::json::array({"kv_cache.allocator=static,paged"}));
+}
+
 TEST(KvlabRun, BadFilesFailBeforeAnythingRuns) {
   test::TempDir dir;
   auto error_of = [&](const std::string& text, const std::string& extra = "") {

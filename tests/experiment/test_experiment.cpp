@@ -43,6 +43,149 @@ TEST(ExperimentLibrary, LoadExpandsTheSweepWithLabelsAndOverrides) {
   EXPECT_NO_THROW(validate_experiment(runs, false));
 }
 
+// A file sweeping a zipped scheduler pair (name + params) and a rate.
+const char* kZippedSweep = R"(
+[model]
+name = "tiny"
+[workload]
+requests = 2
+[scheduler]
+name = "static"
+[[sweep]]
+key = "scheduler.name"
+values = ["static", "fcfs"]
+zip = "scheduler"
+[[sweep]]
+key = "scheduler.params"
+values = [{ max_batch = 4 }, { max_batch = 8 }]
+zip = "scheduler"
+[[sweep]]
+key = "workload.rate"
+values = [1.0, 2.0, 4.0]
+)";
+
+std::int64_t max_batch(const ExperimentRun& run) {
+  return std::get<std::int64_t>(run.config.scheduler_params.at("max_batch"));
+}
+
+TEST(ExperimentLibrary, SetOnASweptKeyReplacesItsAxisAndTheAxesZippedWithIt) {
+  const test::TempDir dir;
+  test::write_file(dir / "e.toml", kZippedSweep);
+  std::vector<std::string> notes;
+  const auto runs = load_experiment(dir / "e.toml", {{"scheduler.name=fcfs"}, {}}, &notes);
+  ASSERT_EQ(runs.size(), 3u);  // the rate axis only
+  for (const auto& run : runs) {
+    EXPECT_EQ(run.config.scheduler, "fcfs");
+    EXPECT_FALSE(run.config.scheduler_params.contains("max_batch"));  // its zipped pair went too
+  }
+  EXPECT_EQ(runs[2].config.label, "workload.rate=4.0");
+  ASSERT_EQ(notes.size(), 1u);
+  EXPECT_EQ(notes[0],
+            "--set scheduler.name=fcfs replaces the file's [[sweep]] over scheduler.name (2 "
+            "values) and scheduler.params (2 values)");
+  // A table holding a swept key replaces its axis too.
+  const auto whole =
+      load_experiment(dir / "e.toml", {{"workload={rate=3.0, requests=2}"}, {}}, &notes);
+  EXPECT_EQ(whole.size(), 2u);
+  EXPECT_NE(notes.at(0).find("over workload.rate (3 values)"), std::string::npos) << notes[0];
+}
+
+TEST(ExperimentLibrary, SetInsideASweptTableReachesEveryPoint) {
+  const test::TempDir dir;
+  test::write_file(dir / "e.toml", kZippedSweep);
+  std::vector<std::string> notes;
+  const auto runs = load_experiment(
+      dir / "e.toml", {{"scheduler.params.max_batch=3", "workload.requests=5"}, {}}, &notes);
+  ASSERT_EQ(runs.size(), 6u);
+  EXPECT_TRUE(notes.empty());
+  for (const auto& run : runs) {
+    EXPECT_EQ(max_batch(run), 3) << run.config.label;  // on top of the swept { max_batch = 4 }
+    EXPECT_EQ(run.config.workload.requests, 5);
+  }
+  EXPECT_EQ(runs[3].config.scheduler, "fcfs");
+  // A misspelt key inside the swept table is not lost under the sweep: it fails validation.
+  auto misspelt =
+      load_experiment(dir / "e.toml",
+                      {{std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+                        "scheduler.params.max_batchh=3"},
+                       {}},
+                      nullptr);
+  const std::string message = test::error_of<Error>([&] { validate_experiment(misspelt, false); });
+  EXPECT_NE(message.find("no parameter \"max_batchh\""), std::string::npos) << message;
+}
+
+TEST(ExperimentLibrary, SweepOnTheCommandLineAddsOrReplacesAnAxis) {
+  const test::TempDir dir;
+  test::write_file(dir / "e.toml", kZippedSweep);
+  std::vector<std::string> notes;
+  const auto crossed = load_experiment(dir / "e.toml", {{}, {"workload.requests=1,3"}}, &notes);
+  ASSERT_EQ(crossed.size(), 12u);  // 2 schedulers x 3 rates x 2 request counts
+  EXPECT_TRUE(notes.empty());
+  EXPECT_EQ(crossed[1].config.label,
+            "scheduler.name=static, scheduler.params={ max_batch = 4 }, workload.rate=1.0, "
+            "workload.requests=3");
+  EXPECT_EQ(crossed[1].config.workload.requests, 3);
+  // Words are strings, a TOML list's items keep their types.
+  const auto replaced = load_experiment(
+      dir / "e.toml", {{}, {"scheduler.name=fcfs,static,chunked", "workload.rate=0.5,8"}}, &notes);
+  ASSERT_EQ(replaced.size(), 6u);
+  EXPECT_EQ(replaced[4].config.scheduler, "chunked");
+  EXPECT_DOUBLE_EQ(replaced[5].config.workload.arrival.rate_per_s, 8.0);
+  ASSERT_EQ(notes.size(), 2u);
+  EXPECT_NE(notes[0].find("--sweep scheduler.name=fcfs,static,chunked replaces"),
+            std::string::npos);
+  const auto tables = load_experiment(
+      dir / "e.toml", {{}, {"scheduler.params={max_batch=2},{max_batch=6}"}}, nullptr);
+  ASSERT_EQ(tables.size(), 6u);  // the scheduler pair replaced: 2 tables x 3 rates
+  EXPECT_EQ(max_batch(tables[3]), 6);
+  // What cannot be meant is an error, not a guess.
+  for (const auto& [changes, why] : std::vector<std::pair<CommandLineChanges, std::string>>{
+           {{{"workload.rate=2"}, {"workload.rate=1,2"}}, "set the same key: keep one"},
+           {{{}, {"workload.rate=1,,2"}}, "an empty value"},
+           {{{}, {"workload.rate=1", "workload.rate=2"}}, "swept twice"},
+           {{{"sweep.key=x"}, {}}, "the sweep is replaced whole"},
+           {{{}, {"sweep=[]"}}, "or given an axis (--sweep"},
+           {{{}, {"norate"}}, "expected key=value"}})
+    EXPECT_NE(test::error_of<Error>([&] {
+                (void)load_experiment(dir / "e.toml", changes, nullptr);
+              }).find(why),
+              std::string::npos)
+        << why;
+}
+
+// --set hardware.SECTION.KEY changes one key of the run's profile: a simulated run whose step
+// overhead is 1 s lasts at least a second a step; a misspelt key is refused
+// with the profile's own check; [hardware] needs a profile to change.
+TEST(ExperimentLibrary, HardwareTableChangesOneKeyOfTheProfile) {
+  const std::vector<std::string> simulated{"backend.name=\"simulated\"", "backend.profile=\"h200\"",
+                                           "scheduler.name=fcfs"};
+  auto load = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), simulated.begin(), simulated.end());
+    auto runs = load_experiment(kQuickstart, small(std::move(more)));
+    validate_experiment(runs, false);
+    return runs;
+  };
+  const auto plain = load({}), slow = load({"hardware.overhead.step_s=1.0"});
+  EXPECT_EQ(slow[0].config.hardware_changes, "[overhead]\nstep_s = 1.0");
+  const RunOutput a = run_experiment(plain[0].config, false, nullptr),
+                  b = run_experiment(slow[0].config, false, nullptr);
+  // Every step of the changed run lasts at least its 1 s overhead; the plain H200's take ms.
+  ASSERT_GT(b.engine.steps.size(), 0u);
+  EXPECT_GE(b.summary.duration_s, static_cast<double>(b.engine.steps.size()) * 1.0);
+  EXPECT_LT(a.summary.duration_s, static_cast<double>(a.engine.steps.size()) * 0.1);
+  const std::string misspelt =
+      test::error_of<Error>([&] { (void)load({"hardware.link.swap_gb_per_ss=3.0"}); });
+  EXPECT_NE(misspelt.find("swap_gb_per_s"), std::string::npos) << misspelt;
+  EXPECT_NE(misspelt.find("[hardware] changes"), std::string::npos) << misspelt;
+  const test::TempDir dir;
+  test::write_file(dir / "e.toml",
+                   "[model]\nname = \"tiny\"\n[backend]\nname = \"cuda\"\n"
+                   "[hardware.link]\nswap_gb_per_s = 3.0\n");
+  const std::string none =
+      test::error_of<Error>([&] { (void)load_experiment(dir / "e.toml", {}); });
+  EXPECT_NE(none.find("this run has none"), std::string::npos) << none;
+}
+
 TEST(ExperimentLibrary, ValidateNamesTheSweepPointThatCannotRun) {
   // max_batch 0 is out of fcfs's range; static's own max_batch is untouched and fine.
   const auto runs = load_experiment(kQuickstart, small({"scheduler.params.max_batch=0"}));

@@ -60,7 +60,7 @@ TEST(SweepReport, RunsReportAndIndexTheResultsFolderInProcess) {
 
   const ManifestInfo info{kSweepQuickstart.string(),
                           "# the file\n",
-                          {"workload.requests=4"},
+                          CommandLineChanges{{"workload.requests=4"}, {"seed=1,2"}},
                           "0.1",
                           "abc123",
                           machine_description(),
@@ -76,6 +76,8 @@ TEST(SweepReport, RunsReportAndIndexTheResultsFolderInProcess) {
   const auto manifest = nlohmann::json::parse(file_text(results / "manifest.json"));
   EXPECT_EQ(manifest.at("runs").get<int>(), 2);
   EXPECT_EQ(manifest.at("kvlab_commit").get<std::string>(), "abc123");
+  EXPECT_EQ(manifest.at("overrides"), nlohmann::json::array({"workload.requests=4"}));
+  EXPECT_EQ(manifest.at("sweeps"), nlohmann::json::array({"seed=1,2"}));
   EXPECT_EQ(manifest.at("failed_runs").size(), 1u);
   EXPECT_EQ(file_text(results / "experiment.toml"), "# the file\n");
   EXPECT_EQ(file_text(results / "summary.md"), report.summary_md);

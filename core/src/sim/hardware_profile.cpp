@@ -25,14 +25,20 @@ std::string lower(std::string_view s) {
 
 // One [table] of a profile file: typed reads that remember which keys were used, so leftovers
 // are reported as unknown (with the nearest known key).
+// "file:line", or the file alone for a key with no line (one the experiment's [hardware]
+// changed: merged copies keep no source position).
+std::string located(const std::string& where, std::uint32_t line) {
+  return line == 0 ? where : fmt::format("{}:{}", where, line);
+}
+
 class ProfileSection {
  public:
   ProfileSection(const toml::table* table, std::string name, std::string file)
       : table_(table), name_(std::move(name)), file_(std::move(file)) {}
 
   [[noreturn]] void fail(const toml::node* node, const std::string& why) const {
-    const auto line = node != nullptr ? node->source().begin.line : 0;
-    throw Error(fmt::format("{}:{}: {}", file_, line, why));
+    throw Error(fmt::format("{}: {}",
+                            located(file_, node != nullptr ? node->source().begin.line : 0), why));
   }
   const toml::node* node(std::string_view key) const {
     return table_ == nullptr ? nullptr : table_->get(key);
@@ -147,7 +153,7 @@ void check_top_level(const toml::table& top, const std::string& where) {
       if (!known)
         if (const auto near = nearest_name(key.str(), tables))
           why += fmt::format(" (did you mean [{}]?)", *near);
-      throw Error(fmt::format("{}:{}: {}", where, value.source().begin.line, why));
+      throw Error(fmt::format("{}: {}", located(where, value.source().begin.line), why));
     }
   }
 }
@@ -187,7 +193,24 @@ std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regime
   return base;
 }
 
-HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
+namespace {
+
+// `changes` into `top`: tables merge key by key, anything else (values, arrays of regimes)
+// replaces what was there.
+void merge_changes(toml::table& top, const toml::table& changes) {
+  for (const auto& [key, value] : changes) {
+    toml::node* mine = top.get(key);
+    if (mine != nullptr && mine->is_table() && value.is_table())
+      merge_changes(*mine->as_table(), *value.as_table());
+    else
+      top.insert_or_assign(key, value);
+  }
+}
+
+}  // namespace
+
+HardwareProfile load_hardware_profile_file(const std::filesystem::path& file,
+                                           std::string_view changes) {
   std::error_code ec;
   if (!std::filesystem::is_regular_file(file, ec))
     throw Error(
@@ -201,7 +224,15 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file) {
     throw Error(fmt::format("{}:{}:{}: {}", file.string(), e.source().begin.line,
                             e.source().begin.column, e.description()));
   }
-  const std::string where = file.string();
+  std::string where = file.string();
+  if (!changes.empty()) {
+    try {
+      merge_changes(top, toml::parse(changes));
+    } catch (const toml::parse_error& e) {
+      throw Error(fmt::format("[hardware] changes to {}: {}", where, e.description()));
+    }
+    where += " with the experiment's [hardware] changes";
+  }
   check_top_level(top, where);
   HardwareProfile p;
   p.source = where;
@@ -276,16 +307,16 @@ std::vector<std::string> hardware_profile_names() {
   return {names.begin(), names.end()};
 }
 
-HardwareProfile load_hardware_profile(std::string_view name_or_path) {
+HardwareProfile load_hardware_profile(std::string_view name_or_path, std::string_view changes) {
   const std::string text(name_or_path);
   if (text.find('/') != std::string::npos || text.ends_with(".toml"))
-    return load_hardware_profile_file(text);
+    return load_hardware_profile_file(text, changes);
   const std::string wanted = lower(text);
   for (const auto& dir : hardware_profile_search_path()) {
     std::error_code ec;
     for (const auto& entry : std::filesystem::directory_iterator(dir, ec))
       if (entry.path().extension() == ".toml" && lower(entry.path().stem().string()) == wanted)
-        return load_hardware_profile_file(entry.path());
+        return load_hardware_profile_file(entry.path(), changes);
   }
   const auto names = hardware_profile_names();
   std::string message = fmt::format("unknown hardware profile \"{}\"", text);

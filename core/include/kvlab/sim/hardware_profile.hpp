@@ -87,12 +87,14 @@ std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regime
 
 // Reads and validates a profile file: every problem (missing key, wrong type, unknown key with
 // a suggestion, non-positive value, efficiency outside (0, 1]) is a kvlab::Error naming the
-// file, line and key.
-HardwareProfile load_hardware_profile_file(const std::filesystem::path& file);
+// file, line and key. `changes` (TOML text, the profile's sections: "[link]\nswap_gb_per_s =
+// 10") are merged over the file's tables before the checks, as an experiment's [hardware] asks.
+HardwareProfile load_hardware_profile_file(const std::filesystem::path& file,
+                                           std::string_view changes = {});
 
 // `name_or_path`: a path (contains '/' or ends in ".toml") or a profile name looked up
 // case-insensitively in hardware_profile_search_path(). Unknown names list what exists.
-HardwareProfile load_hardware_profile(std::string_view name_or_path);
+HardwareProfile load_hardware_profile(std::string_view name_or_path, std::string_view changes = {});
 
 // $KVLAB_PROFILE_PATH (colon-separated), <exe>/../share/kvlab/profiles, the source tree's
 // profiles/ folder.

@@ -46,6 +46,9 @@ struct ExperimentConfig {
   // and offline clocks (and sits next to the measured clock's times): the simulated backend's
   // device; kDefaultCpuProfile for the cpu backend when not given.
   std::string profile;
+  // [hardware]: keys of that profile changed for this run, as TOML text in the profile's own
+  // sections ("[link]\nswap_gb_per_s = 10"); --set hardware.link.swap_gb_per_s=10 writes it.
+  std::string hardware_changes;
   // The simulated backend: GPUs of `profile` that share each layer (tensor parallelism; the
   // profile's [interconnect] prices the all-reduces). 1 for every other backend.
   std::int64_t tensor_parallel = 1;
@@ -123,9 +126,26 @@ struct ExperimentRun {
   std::int64_t repeat = 0;
 };
 
-// Parses FILE, applies `overrides` ("dotted.key=toml value"), expands [[sweep]] axes and
-// repeats. Every problem is a kvlab::Error "file:line:column: why" (with a suggestion for
-// unknown keys) before anything runs.
+// What the command line changes in an experiment file.
+struct CommandLineChanges {
+  // --set "dotted.key=toml value" (a bare word is a string): applied to every sweep point on
+  // top of its swept values, so a key inside a swept table reaches each point; a key the file
+  // sweeps (or a table holding one) replaces that axis and the axes zipped with it.
+  std::vector<std::string> set;
+  // --sweep "dotted.key=v1,v2": one more axis, crossed with the file's (a file axis over the
+  // same key is replaced as by --set). The values: a TOML array's items, else comma-separated
+  // words each read as --set reads one.
+  std::vector<std::string> sweep;
+};
+
+// Parses FILE, applies the command line's changes, expands the sweep axes and repeats. Every
+// problem is a kvlab::Error "file:line:column: why" (with a suggestion for unknown keys)
+// before anything runs. `notes` (if given) gets a line for each file axis the command line
+// replaced.
+std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
+                                           const CommandLineChanges& changes,
+                                           std::vector<std::string>* notes);
+// The same with --set only, no notes.
 std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
                                            const std::vector<std::string>& overrides);
 

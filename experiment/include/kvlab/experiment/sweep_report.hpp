@@ -58,7 +58,7 @@ SweepReport report_sweep(bool check, int ranks, const std::vector<ExperimentRun>
 struct ManifestInfo {
   std::string experiment_file;  // as given
   std::string experiment_text;  // its contents (experiment.toml)
-  std::vector<std::string> overrides;
+  CommandLineChanges changes;   // --set and --sweep
   std::string kvlab_version, kvlab_commit;
   std::string machine;  // machine_description()
   int ranks = 1;
