@@ -436,6 +436,12 @@ std::span<const RequestMetric> request_metrics() {
   return kRequestMetrics;
 }
 
+nlohmann::json swept_json(const ExperimentConfig& config) {
+  nlohmann::json swept = nlohmann::json::object();
+  for (const auto& [key, value] : config.swept) swept[key] = nlohmann::json::parse(value);
+  return swept;
+}
+
 std::vector<std::string> metric_column_options() {
   std::vector<std::string> options;
   for (const RunMetric& m : kRunMetrics)

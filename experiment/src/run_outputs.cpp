@@ -130,6 +130,7 @@ void write_logprobs_jsonl(Text& f, const RunOutput& out) {
 nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
   nlohmann::json j = {{"name", c.name},
                       {"label", c.label},
+                      {"swept", swept_json(c)},
                       {"model", out.model_name},
                       {"allocator", c.allocator},
                       {"attention", c.attention},

@@ -156,9 +156,18 @@ SweepShape sweep_shape(const std::vector<SweepAxis>& axes, const std::string& fi
   return shape;
 }
 
-// Sets sweep point `point`'s values into `table`; returns its label ("key=value, ...").
+// A value as JSON text.
+std::string json_text(const toml::node& value) {
+  std::ostringstream out;
+  out << toml::json_formatter{value, toml::format_flags::none};
+  return out.str();
+}
+
+// Sets sweep point `point`'s values into `table` and `swept`; returns its label
+// ("key=value, ...").
 std::string apply_sweep_point(toml::table& table, const std::vector<SweepAxis>& axes,
-                              const SweepShape& shape, std::size_t point) {
+                              const SweepShape& shape, std::size_t point,
+                              std::vector<std::pair<std::string, std::string>>& swept) {
   std::map<std::string, std::size_t> index;
   for (auto g = shape.groups.rbegin(); g != shape.groups.rend(); ++g) {
     index[*g] = point % shape.size.at(*g);
@@ -169,6 +178,7 @@ std::string apply_sweep_point(toml::table& table, const std::vector<SweepAxis>& 
     const toml::node* value = a.values[index[a.group]];
     set_dotted(table, a.key, *value, fmt::format("{} {}", a.origin, a.key));
     label += (label.empty() ? "" : ", ") + a.key + "=" + value_text(*value);
+    swept.emplace_back(a.key, json_text(*value));
   }
   return label;
 }
@@ -252,10 +262,12 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
     // Parsed afresh for every point: copies of toml++ nodes lose their source positions.
     toml::table table = parse_experiment_file(file);
     table.erase("sweep");
-    const std::string label = apply_sweep_point(table, axes, shape, point);
+    std::vector<std::pair<std::string, std::string>> swept;
+    const std::string label = apply_sweep_point(table, axes, shape, point, swept);
     apply_overrides(table, changes.set);  // on top: a key inside a swept table reaches each point
     ExperimentConfig config = parse_config(table, file.string());
     config.label = label;
+    config.swept = std::move(swept);
     std::ostringstream resolved;
     resolved << table;
     config.resolved_toml = resolved.str();

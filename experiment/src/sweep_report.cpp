@@ -10,9 +10,12 @@
 #include <ctime>
 #include <fstream>
 #include <map>
+#include <set>
+#include <sstream>
 #include <thread>
 
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/results_folder.hpp"
 #include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/memory_limit.hpp"
@@ -272,6 +275,7 @@ SweepReport report_sweep(bool check, int ranks, const std::vector<ExperimentRun>
     rows.push_back({run.config.label, r.row});
     out.index.push_back({{"dir", run_directory_name(run, r.index)},
                          {"label", run.config.label},
+                         {"swept", swept_json(run.config)},
                          {"repeat", run.repeat}});
     for (const auto& m : r.mismatches) out.warn(fmt::format("mismatch [{}]: {}\n", label, m));
     if (check) logit_lines += logit_agreement_line(label, r.logits);
@@ -291,9 +295,88 @@ SweepReport report_sweep(bool check, int ranks, const std::vector<ExperimentRun>
   return out;
 }
 
+namespace {
+
+// A run's summary.json, which the run wrote into the folder.
+nlohmann::json read_summary(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) throw Error(fmt::format("results.csv: cannot read {}", file.string()));
+  return nlohmann::json::parse(text.str());
+}
+
+// A CSV field: quoted (quotes doubled) when it holds a comma, quote or line break.
+std::string csv_field(const std::string& text) {
+  if (text.find_first_of(",\"\n\r") == std::string::npos) return text;
+  std::string quoted = "\"";
+  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
+  return quoted + "\"";
+}
+
+// A JSON value as one CSV cell: a string bare, anything else as JSON.
+std::string csv_cell(const nlohmann::json& value) {
+  return csv_field(value.is_string() ? value.get<std::string>() : value.dump());
+}
+
+// A metric's value flattened into columns: "name" for a number, "name.p50" for a latency's
+// statistic, "name.0.p50" for a priority level's.
+void flatten(const std::string& name, const nlohmann::json& value,
+             std::vector<std::pair<std::string, nlohmann::json>>& cells) {
+  if (value.is_object()) {
+    for (const auto& [key, item] : value.items()) flatten(name + "." + key, item, cells);
+  } else if (value.is_array()) {
+    for (std::size_t i = 0; i < value.size(); ++i)
+      flatten(name + "." + std::to_string(i), value[i], cells);
+  } else {
+    cells.emplace_back(name, value);
+  }
+}
+
+// The column names of every row in order of first appearance.
+std::vector<std::string> union_of_columns(
+    const std::vector<std::vector<std::pair<std::string, nlohmann::json>>>& rows) {
+  std::vector<std::string> names;
+  std::set<std::string> seen;
+  for (const auto& row : rows)
+    for (const auto& [name, value] : row)
+      if (seen.insert(name).second) names.push_back(name);
+  return names;
+}
+
+}  // namespace
+
+std::string results_csv(const std::filesystem::path& folder, const nlohmann::json& index) {
+  std::vector<std::vector<std::pair<std::string, nlohmann::json>>> rows;
+  for (const auto& entry : index) {
+    const std::string dir = entry.at("dir").get<std::string>();
+    const nlohmann::json summary = read_summary(folder / dir / "summary.json");
+    std::vector<std::pair<std::string, nlohmann::json>> row{
+        {"dir", dir}, {"repeat", entry.at("repeat")}, {"seed", summary.at("seed")}};
+    for (const auto& [key, value] : entry.at("swept").items()) row.emplace_back(key, value);
+    for (const RunMetric& m : run_metrics())
+      if (summary.contains(m.name)) flatten(std::string(m.name), summary.at(m.name), row);
+    rows.push_back(std::move(row));
+  }
+  const std::vector<std::string> columns = union_of_columns(rows);
+  std::string csv;
+  for (std::size_t i = 0; i < columns.size(); ++i) csv += (i ? "," : "") + csv_field(columns[i]);
+  csv += "\n";
+  for (const auto& row : rows) {
+    const std::map<std::string, nlohmann::json> cells(row.begin(), row.end());
+    for (std::size_t i = 0; i < columns.size(); ++i) {
+      const auto cell = cells.find(columns[i]);
+      csv += (i ? "," : "") + (cell == cells.end() ? std::string() : csv_cell(cell->second));
+    }
+    csv += "\n";
+  }
+  return csv;
+}
+
 void write_results_index(const std::filesystem::path& staging, const SweepReport& report,
                          const ManifestInfo& info, std::size_t runs) {
   write_file(staging / "summary.md", report.summary_md);
+  write_file(staging / "results.csv", results_csv(staging, report.index));
   write_file(staging / "runs.json", report.index.dump(2) + "\n");
   write_manifest(staging, info, runs, report.failed);
 }

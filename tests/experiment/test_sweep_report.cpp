@@ -82,6 +82,32 @@ TEST(SweepReport, RunsReportAndIndexTheResultsFolderInProcess) {
   EXPECT_EQ(file_text(results / "experiment.toml"), "# the file\n");
   EXPECT_EQ(file_text(results / "summary.md"), report.summary_md);
   EXPECT_NE(report.summary_md.find("| run |"), std::string::npos);
+  // A notebook reads the runs without parsing TOML: typed swept values, one tidy CSV.
+  EXPECT_EQ(index[0].at("swept"), nlohmann::json({{"scheduler.name", "static"}}));
+  const std::string csv = file_text(results / "results.csv");
+  const std::string header = csv.substr(0, csv.find('\n'));
+  EXPECT_TRUE(header.starts_with("dir,repeat,seed,scheduler.name,submitted,finished,")) << header;
+  for (const char* column : {",ttft_s.p50,", ",output_tokens_per_s,", ",steps,"})
+    EXPECT_NE(header.find(column), std::string::npos) << column;
+  EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 2) << csv;  // the run that finished
+  EXPECT_NE(csv.find("\n" + run_dir + ",0,"), std::string::npos) << csv;
+}
+
+// results.csv quotes what CSV must quote: a swept table's JSON holds commas and quotes.
+TEST(SweepReport, ResultsCsvQuotesTableValuesAndLeavesMissingCellsEmpty) {
+  const test::TempDir dir;
+  const nlohmann::json index =
+      nlohmann::json::array({{{"dir", "a"},
+                              {"repeat", 0},
+                              {"swept", {{"kv_cache.params", {{"block_size", 16}, {"x", "y"}}}}}},
+                             {{"dir", "b"}, {"repeat", 1}, {"swept", nlohmann::json::object()}}});
+  test::write_file(dir / "a" / "summary.json",
+                   R"({"seed": 1, "finished": 3, "ttft_s": {"p50": 0.5}})");
+  test::write_file(dir / "b" / "summary.json", R"({"seed": 2, "finished": 4})");
+  EXPECT_EQ(results_csv(dir.path(), index),
+            "dir,repeat,seed,kv_cache.params,finished,ttft_s.p50\n"
+            "a,0,1,\"{\"\"block_size\"\":16,\"\"x\"\":\"\"y\"\"}\",3,0.5\n"
+            "b,1,2,,4,\n");
 }
 
 // kvlab check's verdict comes with the report: every token equal, exit 0.

@@ -116,7 +116,10 @@ struct ExperimentConfig {
   // [output] columns: what the summary table adds for this experiment (metric_column_options,
   // kvlab/experiment/metric_registry.hpp).
   std::vector<std::string> table_columns;
-  std::string label;          // "key=value, ..." of the sweep point
+  std::string label;  // "key=value, ..." of the sweep point
+  // The point's swept keys in axis order, each with its value as JSON text: typed values for
+  // summary.json, runs.json and results.csv ("8", "\"fcfs\"", "{\"max_batch\":4}").
+  std::vector<std::pair<std::string, std::string>> swept;
   std::string resolved_toml;  // this point's whole table after --set and the sweep (TOML text)
 };
 

@@ -60,6 +60,9 @@ std::span<const RequestMetric> request_metrics();
 
 nlohmann::json latency_json(const LatencySummary& latency);
 
+// A run's swept keys and their typed values, as summary.json and runs.json record them.
+nlohmann::json swept_json(const ExperimentConfig& config);
+
 // The [output] columns names, in registry order.
 std::vector<std::string> metric_column_options();
 

@@ -64,6 +64,13 @@ struct ManifestInfo {
   int ranks = 1;
 };
 
+// results.csv of a results folder whose run folders `index` (runs.json) lists: a row per run
+// (each repeat its own), columns dir, repeat, seed, each swept key (typed: a string bare,
+// anything else as JSON), then every metric of the registry its summary.json reports (a
+// latency as name.mean, name.p50, ...; an object's fields as name.field, an array's items as
+// name.0, ...); a cell is empty where a run has no such value.
+std::string results_csv(const std::filesystem::path& folder, const nlohmann::json& index);
+
 // "Linux 6.1 x86_64, CPU model, N processors, M GiB".
 std::string machine_description();
 
