@@ -49,7 +49,8 @@ RunRecord record_from_header(const nlohmann::json& h) {
   r.index = h.at("index").get<std::uint64_t>();
   r.rank = h.at("rank").get<int>();
   r.error = h.at("error").get<std::string>();
-  r.row = h.at("row").get<std::vector<double>>();
+  for (const auto& cell : h.at("row"))  // JSON writes a NaN (no value) as null
+    r.row.push_back(cell.is_null() ? std::numeric_limits<double>::quiet_NaN() : cell.get<double>());
   r.finished = h.at("finished").get<std::int64_t>();
   r.all_rejected = h.at("all_rejected").get<std::string>();
   r.mismatches = h.at("mismatches").get<std::vector<std::string>>();

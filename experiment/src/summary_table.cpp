@@ -7,7 +7,9 @@
 #include <algorithm>
 #include <boost/math/distributions/students_t.hpp>
 #include <cmath>
+#include <limits>
 #include <map>
+#include <vector>
 
 namespace kvlab {
 namespace {
@@ -34,13 +36,21 @@ void for_each_metric_shown(const ExperimentConfig& c, Add&& add) {
       if (const auto columns = columns_of(m, name); !columns.empty()) add(m, columns);
 }
 
-// A column's number from the metric's value: the value, or one statistic of a latency.
+// A column's number from the metric's value: the value, or one statistic of a latency; NaN
+// where there is none (a latency over no request: a priority level nobody was in).
 double column_value(const nlohmann::json& value, const MetricColumn& column) {
+  constexpr double none = std::numeric_limits<double>::quiet_NaN();
+  if (!column.statistic.empty() && value.value("count", std::int64_t{1}) == 0) return none;
   const nlohmann::json& v = column.statistic.empty() ? value : value.at(column.statistic);
-  return v.is_number() ? v.get<double>() * column.scale : 0.0;
+  return v.is_number() ? v.get<double>() * column.scale : none;
 }
 
-std::string format_cell(const SummaryColumn& column, std::span<const double> values) {
+// The mean (± the 95% interval over repeats) of the values that exist; "-" when none does.
+std::string format_cell(const SummaryColumn& column, std::span<const double> all) {
+  std::vector<double> values;
+  for (double v : all)
+    if (!std::isnan(v)) values.push_back(v);
+  if (values.empty()) return "-";
   double mean = 0;
   for (double v : values) mean += v;
   mean /= static_cast<double>(values.size());

@@ -28,6 +28,27 @@ void check_workload_files(const ExperimentConfig& c, const ModelSource& source) 
     throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
   if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
     throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
+  const std::string real = !c.trace.empty()         ? c.trace
+                           : !c.azure_trace.empty() ? c.azure_trace
+                           : !c.prompt_set.empty()  ? c.prompt_set
+                                                    : std::string();
+  if (!real.empty() && c.workload.priority_weights != std::vector<double>{1.0})
+    throw Error(fmt::format(
+        "workload.priority_weights draws a priority for each synthetic request; the requests "
+        "of {} are not drawn (a kvlab trace carries its own priority column, the others have "
+        "none): delete priority_weights, or give the trace a priority column",
+        real));
+  const bool timed_by_the_machine =
+      c.clock == EngineClock::measured || c.clock == EngineClock::wall;
+  if (c.repeats > 1 && (!c.trace.empty() || !c.azure_trace.empty()) &&
+      c.backend_kind == BackendKind::simulated && !timed_by_the_machine)
+    throw Error(fmt::format(
+        "experiment.repeats = {} on {}: the simulated backend replays the trace's requests at "
+        "their times with their lengths, and the seed changes only token ids, so every repeat "
+        "is the same run (a \"± 0.000\" that is no confidence): set repeats = 1, and sweep "
+        "time windows of the trace for independent samples (workload.azure_trace.start_s, "
+        "[workload.replay] start_s)",
+        c.repeats, real));
   if (!c.prompt_set.empty() && source.is_preset())
     throw Error(
         fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "

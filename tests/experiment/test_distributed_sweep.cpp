@@ -5,7 +5,9 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <limits>
 #include <numeric>
 
 #include "kvlab/error.hpp"
@@ -69,7 +71,7 @@ RunRecord sample_record() {
   r.index = 17;
   r.rank = 2;
   r.files = {{"summary.json", "{\"a\": 1}\n"}, {"steps.csv", std::string("x\0y", 3)}, {"e", ""}};
-  r.row = {1.0 / 3.0, 2e-300, 12345.678};
+  r.row = {1.0 / 3.0, 2e-300, 12345.678};  // and a cell with no value below
   r.finished = 40;
   r.all_rejected = "";
   r.mismatches = {"request 3: token 7 differs"};
@@ -95,6 +97,11 @@ TEST(RunRecord, RoundTripsExactlyFilesAndDoubles) {
   EXPECT_EQ(back.rank, r.rank);
   EXPECT_EQ(back.files, r.files);
   EXPECT_EQ(back.row, r.row);  // bit for bit: the table rank 0 prints must not move
+  RunRecord empty_cell = r;    // a latency over no request: NaN, "-" in the table
+  empty_cell.row.push_back(std::numeric_limits<double>::quiet_NaN());
+  const auto row = decode_run_record(encode_run_record(empty_cell)).row;
+  ASSERT_EQ(row.size(), 4u);
+  EXPECT_TRUE(std::isnan(row[3]));
   EXPECT_EQ(back.finished, r.finished);
   EXPECT_EQ(back.mismatches, r.mismatches);
   EXPECT_EQ(back.checked_tokens, r.checked_tokens);

@@ -547,6 +547,19 @@ TEST(ExperimentLibrary, RealWorkloadSectionsAreChecked) {
             std::string::npos);
   EXPECT_NE(load_error({"workload.azure_trace={file=\"/no/such.csv\"}"}).find("is not a file"),
             std::string::npos);
+  // A setting the workload cannot honour is an error: the Azure trace draws no priorities.
+  const auto azure = std::filesystem::path(KVLAB_SOURCE_DIR) / "data" / "azure-llm-inference-2023" /
+                     "AzureLLMInferenceTrace_conv.csv";
+  EXPECT_NE(load_error({"workload.azure_trace={file=\"" + azure.string() + "\"}",
+                        "workload.priority_weights=[1.0, 2.0]"})
+                .find("workload.priority_weights draws a priority for each synthetic request"),
+            std::string::npos);
+  // Repeats of a simulated trace replay would be one run N times: refused, with what to do.
+  const std::string repeats = load_error({"workload.azure_trace={file=\"" + azure.string() + "\"}",
+                                          "backend.name=\"simulated\"", "backend.profile=\"h200\"",
+                                          "experiment.repeats=3"});
+  EXPECT_NE(repeats.find("every repeat is the same run"), std::string::npos) << repeats;
+  EXPECT_NE(repeats.find("workload.azure_trace.start_s"), std::string::npos) << repeats;
 }
 
 // Every virtual-clock run is priced by a hardware profile's cost model: the cpu backend's
@@ -590,6 +603,20 @@ TEST(SummaryTable, RepeatsAreAMeanWithA95PercentInterval) {
   EXPECT_NE(table.find("| a (n=3) | 3.0 ± 6.6 | 50.0% ± 0.0 |\n"), std::string::npos) << table;
   EXPECT_NE(table.find("| b | 10.0 | 25.0% |\n"), std::string::npos) << table;
   EXPECT_LT(table.find("| a (n=3)"), table.find("| b |"));  // labels in first-seen order
+}
+
+// A latency over no request (a priority level nobody was drawn into) is "-", not 0.000.
+TEST(SummaryTable, AValueNoRequestHasIsADashNotZero) {
+  const auto runs = load_experiment(
+      kQuickstart, small({"output.columns=[\"ttft_by_priority\"]",
+                          "workload.priority_weights=[1.0, 1.0]", "experiment.repeats=1"}));
+  const ExperimentConfig& c = runs[0].config;
+  const RunOutput nothing;  // no request at either level
+  const std::vector<SummaryRow> rows{{"a", summary_values(c, nothing)},
+                                     {"a", summary_values(c, nothing)}};
+  const std::string table = summary_table(summary_columns(c), rows);
+  EXPECT_EQ(table.find("0.000"), std::string::npos) << table;
+  EXPECT_NE(table.find("| - | - | - | - |\n"), std::string::npos) << table;  // 2 levels x p50, p99
 }
 
 // [output] columns add what an experiment is about; unknown names list the choices.
