@@ -15,19 +15,9 @@
 namespace kvlab {
 namespace {
 
-// The workload's files exist and suit it (a Mooncake replay, a prompt set's tokenizer).
-void check_workload_files(const ExperimentConfig& c, const ModelSource& source) {
-  if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
-    throw Error(fmt::format("workload.trace {} is not a file", c.trace));
-  if (c.replay_given && !is_mooncake_trace(c.trace))
-    throw Error(
-        fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
-                    "is not one",
-                    c.trace));
-  if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
-    throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
-  if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
-    throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
+// Settings the workload cannot honour are errors: priorities drawn for requests a file gives,
+// repeats of a replay that would be one run N times.
+void check_workload_honoured(const ExperimentConfig& c) {
   const std::string real = !c.trace.empty()         ? c.trace
                            : !c.azure_trace.empty() ? c.azure_trace
                            : !c.prompt_set.empty()  ? c.prompt_set
@@ -49,6 +39,21 @@ void check_workload_files(const ExperimentConfig& c, const ModelSource& source) 
         "time windows of the trace for independent samples (workload.azure_trace.start_s, "
         "[workload.replay] start_s)",
         c.repeats, real));
+}
+
+// The workload's files exist and suit it (a Mooncake replay, a prompt set's tokenizer).
+void check_workload_files(const ExperimentConfig& c, const ModelSource& source) {
+  if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
+    throw Error(fmt::format("workload.trace {} is not a file", c.trace));
+  if (c.replay_given && !is_mooncake_trace(c.trace))
+    throw Error(
+        fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
+                    "is not one",
+                    c.trace));
+  if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
+    throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
+  if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
+    throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
   if (!c.prompt_set.empty() && source.is_preset())
     throw Error(
         fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "
@@ -110,6 +115,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
       (void)CostModel(source.config, profile, c.tensor_parallel, c.context_parallel);
   }
   check_workload_files(c, source);
+  check_workload_honoured(c);
 }
 
 }  // namespace
