@@ -31,7 +31,8 @@ struct GenerateOptions {
   std::string chat;
   std::string system;
   bool has_system = false;
-  bool has_chat = false;  // --chat was given (an empty message is a message)
+  bool has_chat = false;          // --chat was given (an empty message is a message)
+  bool max_tokens_given = false;  // --max-tokens was given (else a chat answers up to its stop)
   SamplingParams sampling;
   std::int32_t logprobs = 0;
   bool json = false;
@@ -127,7 +128,8 @@ TokenCallback streamer(StreamingDecoder& decoder, const ModelConfig& config,
 cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
                                            const GenerateOptions& o, const ModelSource& source,
                                            const std::vector<std::int32_t>& prompt,
-                                           const TokenCallback& on_token) {
+                                           const TokenCallback& on_token,
+                                           const std::function<void()>& on_start) {
   SamplingParams sampling = o.sampling;
   sampling.logprobs = o.logprobs;  // the chosen token's always; the top o.logprobs when > 0
   const PluginRegistry registry(PluginRegistry::default_search_path());
@@ -140,6 +142,7 @@ cpu::GenerationResult generate_with_engine(const cpu::LlamaWeights& weights,
   cpu::BatchGenerator generator(weights, registry, setup);
   cpu::BatchOptions options;
   if (on_token) options.on_token = [&](std::size_t, std::int32_t token) { on_token(token); };
+  on_start();  // the engine is set up (plugins loaded, pool allocated): generation starts
   const cpu::BatchResult batch = generator.run({{prompt, sampling, 0}}, options).front();
   cpu::GenerationResult result;
   result.finish_reason = batch.finish_reason;
@@ -192,7 +195,30 @@ cpu::LlamaWeights generation_weights(const GenerateOptions& o, const ModelSource
   return weights;
 }
 
-void run_generate(const GenerateOptions& o) {
+// A chat answer runs to the model's own stop: without --max-tokens its cap is kChatMaxTokens or
+// what the context leaves, whichever is less (the sampling default, 16, would cut it short).
+constexpr std::int32_t kChatMaxTokens = 2048;
+
+void cap_chat_answer(GenerateOptions& o, std::int64_t prompt_tokens, const ModelConfig& config) {
+  if (!o.has_chat || o.max_tokens_given) return;
+  const std::int64_t room = config.max_position_embeddings - prompt_tokens;
+  o.sampling.max_tokens =
+      static_cast<std::int32_t>(std::clamp<std::int64_t>(room, 1, kChatMaxTokens));
+}
+
+// llama.cpp's two lines: the prompt's rate up to the first token (its time to first token),
+// then the decode rate of the tokens after it.
+void print_rates(std::size_t prompt_tokens, std::size_t generated, double first_token_s,
+                 double seconds) {
+  fmt::print(stderr, "prompt: {} tokens in {:.3f} s ({:.1f} tok/s; time to first token)\n",
+             prompt_tokens, first_token_s, static_cast<double>(prompt_tokens) / first_token_s);
+  if (generated > 1)
+    fmt::print(stderr, "decode: {} tokens in {:.3f} s ({:.1f} tok/s)\n", generated - 1,
+               seconds - first_token_s,
+               static_cast<double>(generated - 1) / (seconds - first_token_s));
+}
+
+void run_generate(GenerateOptions o) {
   check_options(o);
   if (o.threads > 0) cpu::set_num_threads(o.threads);
   const ModelSource source = resolve_model(o.model.empty() ? o.preset : o.model);
@@ -205,16 +231,23 @@ void run_generate(const GenerateOptions& o) {
   const Prompt prompt = build_prompt(o, source, lookup);
   check_prompt(prompt.ids, source.config);
   const bool engine = uses_engine(o);
+  cap_chat_answer(o, static_cast<std::int64_t>(prompt.ids.size()), source.config);
   const auto load_start = std::chrono::steady_clock::now();
   cpu::LlamaWeights weights = generation_weights(o, source, prompt);
   const ModelConfig config = weights.config;
   const bool streaming = tokenizer && !o.json && (o.stream || o.has_chat);
   std::optional<StreamingDecoder> decoder;
   if (streaming) decoder.emplace(*tokenizer);
-  const TokenCallback on_token = streaming ? streamer(*decoder, config, o.sampling) : nullptr;
-  const auto start = std::chrono::steady_clock::now();
+  const TokenCallback show = streaming ? streamer(*decoder, config, o.sampling) : nullptr;
+  auto start = std::chrono::steady_clock::now();
+  std::optional<std::chrono::steady_clock::time_point> first_token;
+  const TokenCallback on_token = [&](std::int32_t token) {
+    if (!first_token) first_token = std::chrono::steady_clock::now();
+    if (show) show(token);
+  };
   const cpu::GenerationResult result =
-      engine ? generate_with_engine(weights, o, source, prompt.ids, on_token)
+      engine ? generate_with_engine(weights, o, source, prompt.ids, on_token,
+                                    [&] { start = std::chrono::steady_clock::now(); })
              : cpu::generate(cpu::ReferenceModel(std::move(weights)), prompt.ids, o.sampling,
                              o.logprobs, [&](const cpu::GeneratedToken& t) {
                                if (on_token) on_token(t.token);
@@ -222,6 +255,8 @@ void run_generate(const GenerateOptions& o) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   const double load_seconds = std::chrono::duration<double>(start - load_start).count();
+  const double first_token_s =
+      first_token ? std::chrono::duration<double>(*first_token - start).count() : seconds;
 
   if (streaming)
     fmt::print("{}\n", decoder->finish());
@@ -238,6 +273,7 @@ void run_generate(const GenerateOptions& o) {
              static_cast<double>(result.tokens.size()) / seconds,
              engine ? "engine with a paged KV cache" : "full recompute", cpu::num_threads(),
              load_seconds);
+  print_rates(prompt.ids.size(), result.tokens.size(), first_token_s, seconds);
 }
 
 }  // namespace
@@ -269,8 +305,10 @@ void register_generate(CLI::App& app) {
   for (auto* a : {ids, text, chat})
     for (auto* b : {ids, text, chat})
       if (a != b) a->excludes(b);
-  sub->add_option("--max-tokens", options->sampling.max_tokens, "Tokens to generate at most")
-      ->capture_default_str();
+  auto* max_tokens = sub->add_option("--max-tokens", options->sampling.max_tokens,
+                                     "Tokens to generate at most (with --chat: until the model's "
+                                     "own stop, at most 2048 or what the context leaves)");
+  max_tokens->capture_default_str();
   sub->add_option("--temperature", options->sampling.temperature, "0 = greedy")
       ->capture_default_str();
   sub->add_option("--top-k", options->sampling.top_k, "Keep the k most likely tokens (0 = off)")
@@ -305,7 +343,7 @@ void register_generate(CLI::App& app) {
                                                      cpu::kActivationChoices.end())));
   sub->add_option("--threads", options->threads, "CPU threads (0 = all cores)")
       ->capture_default_str();
-  sub->callback([options, model, preset, ids, text, chat, system]() {
+  sub->callback([options, model, preset, ids, text, chat, system, max_tokens]() {
     if (model->count() == 0 && preset->count() == 0)
       throw CLI::RequiredError("--model or --preset");
     if (ids->count() == 0 && text->count() == 0 && chat->count() == 0)
@@ -314,6 +352,7 @@ void register_generate(CLI::App& app) {
       throw Error("--prompt-ids is empty: give at least one token id");
     options->has_system = system->count() > 0;
     options->has_chat = chat->count() > 0;
+    options->max_tokens_given = max_tokens->count() > 0;
     run_generate(*options);
   });
 }

@@ -173,10 +173,10 @@ TEST(Cli, JsonOutputHasOneObjectPerPosition) {
   EXPECT_EQ(count, 5);
 }
 
-TEST(Cli, TextPromptWithTokenizer) {
-  test::TempDir dir;
+// A tiny preset's folder with a SentencePiece model trained here with the real trainer
+// (vocab 60 < the tiny model's 512).
+void make_tiny_model_with_tokenizer(const test::TempDir& dir) {
   ASSERT_EQ(run("model init --preset tiny --out " + dir.path().string()).exit_code, 0);
-  // A SentencePiece model trained here with the real trainer (vocab 60 < the tiny model's 512).
   std::string corpus;
   for (int i = 0; i < 2000; ++i) corpus += (i % 3 ? "once upon a time " : "there was a cat.\n");
   test::write_file(dir / "corpus.txt", corpus);
@@ -185,6 +185,11 @@ TEST(Cli, TextPromptWithTokenizer) {
       " --model_prefix=" + (dir / "tokenizer").string() +
       " --vocab_size=60 --model_type=bpe --minloglevel=2 --bos_id=1 --eos_id=2 --unk_id=0");
   ASSERT_TRUE(status.ok()) << status.ToString();
+}
+
+TEST(Cli, TextPromptWithTokenizer) {
+  test::TempDir dir;
+  make_tiny_model_with_tokenizer(dir);
   const RunResult r = run("generate --model " + dir.path().string() +
                           " --prompt \"once upon\" --max-tokens 3 --ignore-eos");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -196,6 +201,34 @@ TEST(Cli, TextPromptWithTokenizer) {
   ASSERT_EQ(j.exit_code, 0) << j.output;
   EXPECT_TRUE(
       nlohmann::json::parse(j.stdout_only.substr(0, j.stdout_only.find('\n'))).contains("text"));
+}
+
+// A chat answer runs to the model's own stop, not the 16 tokens of the sampling default (with
+// EOS ignored: to the context's end), and generate prints the prompt's rate up to the first
+// token and the decode rate after it, as llama.cpp does.
+TEST(Cli, ChatAnswersUpToItsStopAndPrintsPromptAndDecodeRates) {
+  test::TempDir dir;
+  make_tiny_model_with_tokenizer(dir);
+  test::write_file(dir / "chat_template.jinja",  // detected as Llama-2's by its [INST]
+                   "{{ bos_token }}[INST] {{ messages[0]['content'] }} [/INST]");
+  const RunResult r = run("generate --model " + dir.path().string() +
+                          " --chat \"once upon\" --ignore-eos --threads 1");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::size_t at = r.output.find(" prompt tokens, ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const std::int64_t prompt = std::stoll(r.output.substr(r.output.rfind(' ', at - 1) + 1));
+  const std::int64_t generated = std::stoll(r.output.substr(at + 16));
+  EXPECT_EQ(prompt + generated, 512) << r.output;  // the tiny preset's context, filled
+  EXPECT_NE(r.output.find("finish=context_full"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("prompt: " + std::to_string(prompt) + " tokens in "), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("tok/s; time to first token)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("decode: " + std::to_string(generated - 1) + " tokens in "),
+            std::string::npos)
+      << r.output;
+  const RunResult capped =
+      run("generate --model " + dir.path().string() + " --chat hi --ignore-eos --max-tokens 5");
+  EXPECT_NE(capped.output.find(" prompt tokens, 5 generated"), std::string::npos) << capped.output;
 }
 
 TEST(Cli, MemorySizesThatOverflowAreErrors) {
