@@ -158,6 +158,17 @@ RunOutput::KvTierTotals kv_tier_totals(const std::vector<std::unique_ptr<Replica
   return t;
 }
 
+// RunOutput::kv_dtype.
+std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model) {
+  if (c.backend_kind == BackendKind::simulated)
+    return std::string(dtype_short_name(cost_model->profile().kv_dtype));
+  if (c.backend_kind == BackendKind::cpu) return std::string(dtype_short_name(c.kv_dtype));
+  const auto dtype = c.backend_params.find("dtype");
+  if (dtype != c.backend_params.end() && std::holds_alternative<std::string>(dtype->second))
+    return std::get<std::string>(dtype->second);
+  return {};
+}
+
 }  // namespace
 
 RunOutput run_experiment(const ExperimentConfig& c, bool check,
@@ -194,6 +205,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   if (workload.ideal_prefix_hit_rate >= 0)
     out.ideal_prefix_hit_rate = workload.ideal_prefix_hit_rate;
   out.weights_description = stacks.front()->backend->description();
+  out.kv_dtype = stored_kv_dtype(c, cost_model);
   out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();
   EngineSlots served_by;  // request i: (replica, id in its engine)

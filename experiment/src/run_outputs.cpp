@@ -146,7 +146,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
       if (nlohmann::json value = m.extract(c, out); !value.is_null()) j[m.name] = std::move(value);
   if (!out.workload_description.empty()) j["workload"] = out.workload_description;
   if (!out.weights_description.empty()) j["weights"] = out.weights_description;
-  j["kv_dtype"] = dtype_short_name(c.kv_dtype);
+  if (!out.kv_dtype.empty()) j["kv_dtype"] = out.kv_dtype;  // as the pool stores it
   if (!out.replicas.empty()) {  // a cluster: the router and every replica's own figures
     j["router"] = c.router;
     for (const RunOutput::Replica& r : out.replicas)

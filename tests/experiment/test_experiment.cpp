@@ -173,6 +173,13 @@ TEST(ExperimentLibrary, HardwareTableChangesOneKeyOfTheProfile) {
   ASSERT_GT(b.engine.steps.size(), 0u);
   EXPECT_GE(b.summary.duration_s, static_cast<double>(b.engine.steps.size()) * 1.0);
   EXPECT_LT(a.summary.duration_s, static_cast<double>(a.engine.steps.size()) * 0.1);
+  // summary.json's kv_dtype is the pool's: the simulated H200 keeps bf16 K/V (the config's
+  // kv_cache.dtype, f32, is the cpu backend's).
+  EXPECT_EQ(a.kv_dtype, "bf16");
+  const test::TempDir outputs;
+  write_run_outputs(outputs.path(), plain[0].config, a);
+  EXPECT_EQ(nlohmann::json::parse(test::read_file(outputs / "summary.json")).at("kv_dtype"),
+            "bf16");
   const std::string misspelt =
       test::error_of<Error>([&] { (void)load({"hardware.link.swap_gb_per_ss=3.0"}); });
   EXPECT_NE(misspelt.find("swap_gb_per_s"), std::string::npos) << misspelt;

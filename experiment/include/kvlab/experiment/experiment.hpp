@@ -191,7 +191,11 @@ struct RunOutput {
   std::optional<LatencySummary> step_prediction_error, step_time_ratio;
   std::string model_name;
   std::string workload_description;  // a real workload's: what was read, what was clipped
-  std::string weights_description;   // cpu backend: the formats its products read
+  // The K/V dtype as the pool stores it: the cpu backend's kv_cache.dtype, the simulated
+  // device's (its profile's kv_dtype), a plugin backend's "dtype" parameter when given; empty
+  // when the plugin did not say.
+  std::string kv_dtype;
+  std::string weights_description;  // cpu backend: the formats its products read
   // A prompt set's texts and the answers decoded by the model's tokenizer (outputs.jsonl).
   std::vector<std::string> prompt_texts, answer_texts;
   // A cluster ([cluster] replicas > 1): each replica's own summary, requests and KV use.
