@@ -73,6 +73,8 @@ RunRecord record_from_header(const nlohmann::json& h) {
   r.forwards = h.at("forwards").get<std::int64_t>();
   r.forwards_with_chosen_tokens = h.at("forwards_with_chosen_tokens").get<std::int64_t>();
   r.graph_replays = h.at("graph_replays").get<std::int64_t>();
+  r.step_time_ratio_p50 = h.at("step_time_ratio_p50").get<double>();
+  r.machine_load_1m = h.at("machine_load_1m").get<double>();
   r.graph_captures = h.at("graph_captures").get<std::int64_t>();
   return r;
 }
@@ -140,6 +142,8 @@ std::string encode_run_record(const RunRecord& r) {
                                  {"forwards_with_chosen_tokens", r.forwards_with_chosen_tokens},
                                  {"graph_replays", r.graph_replays},
                                  {"graph_captures", r.graph_captures},
+                                 {"step_time_ratio_p50", r.step_time_ratio_p50},
+                                 {"machine_load_1m", r.machine_load_1m},
                                  {"files", files}};
   const std::string text = header.dump();
   std::string out;

@@ -10,6 +10,7 @@
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/engine/cluster.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/sweep_report.hpp"
 #include "stages.hpp"
 
 namespace kvlab {
@@ -174,6 +175,8 @@ std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostM
 RunOutput run_experiment(const ExperimentConfig& c, bool check,
                          std::vector<std::string>* mismatches) {
   const auto wall_start = std::chrono::steady_clock::now();
+  const bool machine_timed = c.clock == EngineClock::measured || c.clock == EngineClock::wall;
+  const double load_at_start = machine_timed ? machine_load_1m() : -1;
   if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
   auto search = PluginRegistry::default_search_path();
   search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
@@ -206,6 +209,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     out.ideal_prefix_hit_rate = workload.ideal_prefix_hit_rate;
   out.weights_description = stacks.front()->backend->description();
   out.kv_dtype = stored_kv_dtype(c, cost_model);
+  out.machine_load_1m = load_at_start;
   out.prompt_texts = workload.prompt_texts;
   const auto engine_start = std::chrono::steady_clock::now();
   EngineSlots served_by;  // request i: (replica, id in its engine)

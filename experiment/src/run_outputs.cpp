@@ -147,6 +147,7 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
   if (!out.workload_description.empty()) j["workload"] = out.workload_description;
   if (!out.weights_description.empty()) j["weights"] = out.weights_description;
   if (!out.kv_dtype.empty()) j["kv_dtype"] = out.kv_dtype;  // as the pool stores it
+  if (out.machine_load_1m >= 0) j["machine_load_1m"] = out.machine_load_1m;
   if (!out.replicas.empty()) {  // a cluster: the router and every replica's own figures
     j["router"] = c.router;
     for (const RunOutput::Replica& r : out.replicas)

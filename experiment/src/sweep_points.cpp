@@ -4,6 +4,7 @@
 #include <fmt/ranges.h>
 #include <toml++/toml.h>
 
+#include <algorithm>
 #include <deque>
 #include <filesystem>
 #include <map>
@@ -283,6 +284,15 @@ std::vector<ExperimentRun> load_experiment(const std::filesystem::path& file,
       runs.push_back(std::move(run));
     }
   }
+  // Timed by the machine, repeats go round: every point's first, then every point's second, so
+  // a change in the machine's load hits every point alike.
+  const bool machine_timed = std::any_of(runs.begin(), runs.end(), [](const ExperimentRun& r) {
+    return r.config.clock == EngineClock::measured || r.config.clock == EngineClock::wall;
+  });
+  if (machine_timed)
+    std::stable_sort(runs.begin(), runs.end(), [](const ExperimentRun& a, const ExperimentRun& b) {
+      return a.repeat < b.repeat;
+    });
   return runs;
 }
 

@@ -7,6 +7,7 @@
 #include <sys/utsname.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <ctime>
 #include <fstream>
 #include <map>
@@ -132,6 +133,8 @@ void write_manifest(const std::filesystem::path& folder, const ManifestInfo& inf
                                    {"kvlab_commit", info.kvlab_commit},
                                    {"finished_utc", when},
                                    {"machine", machine_description()},
+                                   {"load_average_1m", machine_load_1m()},
+                                   {"cpu_mhz", mean_cpu_mhz()},
                                    {"ranks", info.ranks}};
   write_file(folder / "manifest.json", manifest.dump(2) + "\n");
 }
@@ -150,6 +153,58 @@ std::string machine_description() {
                      std::thread::hardware_concurrency(),
                      static_cast<double>(allocatable_bytes()) / (1024.0 * 1024.0 * 1024.0));
 }
+
+double machine_load_1m() {
+  std::ifstream loadavg("/proc/loadavg");
+  double load = -1;
+  if (!(loadavg >> load)) return -1;
+  return load;
+}
+
+double mean_cpu_mhz() {
+  std::ifstream cpuinfo("/proc/cpuinfo");
+  double sum = 0;
+  int count = 0;
+  for (std::string line; std::getline(cpuinfo, line);)
+    if (line.rfind("cpu MHz", 0) == 0 && line.find(':') != std::string::npos) {
+      sum += std::strtod(line.c_str() + line.find(':') + 1, nullptr);
+      ++count;
+    }
+  return count > 0 ? sum / count : -1;
+}
+
+namespace {
+
+// False (with a warning) when a measured run's steps took far from the profile's price: the
+// machine was busy, or the profile is another machine's.
+bool measured_steps_trusted(const RunRecord& r, const std::string& label, SweepReport& out) {
+  const double ratio = r.step_time_ratio_p50;
+  if (ratio <= 0 || (ratio <= kUntrustedStepRatio && ratio >= 1 / kUntrustedStepRatio)) return true;
+  out.warn(fmt::format(
+      "kvlab: warning: run {} ({}): its steps took {:.2f}x the profile's price at the median "
+      "(beyond {}x either way; the 1-minute load was {:.2f} as it started): the machine was "
+      "busy or the profile is not this machine's, so its times are not this machine's speed; "
+      "the table marks it (!)\n",
+      r.index + 1, label, ratio, kUntrustedStepRatio, r.machine_load_1m));
+  return false;
+}
+
+// A warning when the runs timed by the machine started under very different loads.
+void warn_about_uneven_load(const std::vector<RunRecord>& records, SweepReport& out) {
+  double low = -1, high = -1;
+  for (const RunRecord& r : records)
+    if (r.error.empty() && r.machine_load_1m >= 0) {
+      low = low < 0 ? r.machine_load_1m : std::min(low, r.machine_load_1m);
+      high = std::max(high, r.machine_load_1m);
+    }
+  if (high > 1 && high > 2 * std::max(low, 0.5))
+    out.warn(fmt::format(
+        "kvlab: warning: the runs started under 1-minute loads from {:.2f} to {:.2f}: a busy "
+        "machine stretches some runs' steps and not others'; compare them on a quiet machine\n",
+        low, high));
+}
+
+}  // namespace
 
 // "N of M requests rejected: reason (xK), ..." from a run's events; empty when any finished.
 std::string all_rejected_reasons(const RunOutput& out) {
@@ -218,6 +273,8 @@ RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, boo
     r.graph_replays = out.graph_replays;
     r.graph_captures = out.graph_captures;
     r.finished = out.summary.finished;
+    if (out.step_time_ratio) r.step_time_ratio_p50 = out.step_time_ratio->p50;
+    r.machine_load_1m = out.machine_load_1m;
     r.checked_tokens = out.check.tokens;
     r.off_argmax = out.check.off_argmax;
     r.max_gap = out.check.max_gap;
@@ -272,7 +329,8 @@ SweepReport report_sweep(bool check, int ranks, const std::vector<ExperimentRun>
     totals.add(r);
     if (!r.all_rejected.empty())
       errors.push_back(fmt::format("run {} ({}): {}", r.index + 1, label, r.all_rejected));
-    rows.push_back({run.config.label, r.row});
+    const bool trusted = measured_steps_trusted(r, label, out);
+    rows.push_back({trusted ? run.config.label : run.config.label + " (!)", r.row});
     out.index.push_back({{"dir", run_directory_name(run, r.index)},
                          {"label", run.config.label},
                          {"swept", swept_json(run.config)},
@@ -280,6 +338,7 @@ SweepReport report_sweep(bool check, int ranks, const std::vector<ExperimentRun>
     for (const auto& m : r.mismatches) out.warn(fmt::format("mismatch [{}]: {}\n", label, m));
     if (check) logit_lines += logit_agreement_line(label, r.logits);
   }
+  warn_about_uneven_load(records, out);
   const std::string name = runs.front().config.name;
   const std::string table = summary_table(summary_columns(runs.front().config), rows);
   out.say(fmt::format("{} ({} run{}; {})\n\n{}", name, runs.size(), runs.size() > 1 ? "s" : "",

@@ -87,6 +87,8 @@ RunRecord sample_record() {
   r.forwards_with_chosen_tokens = 639;
   r.graph_replays = 600;
   r.graph_captures = 9;
+  r.step_time_ratio_p50 = 4.8;
+  r.machine_load_1m = 1.25;
   return r;
 }
 
@@ -103,6 +105,8 @@ TEST(RunRecord, RoundTripsExactlyFilesAndDoubles) {
   ASSERT_EQ(row.size(), 4u);
   EXPECT_TRUE(std::isnan(row[3]));
   EXPECT_EQ(back.finished, r.finished);
+  EXPECT_EQ(back.step_time_ratio_p50, r.step_time_ratio_p50);
+  EXPECT_EQ(back.machine_load_1m, r.machine_load_1m);
   EXPECT_EQ(back.mismatches, r.mismatches);
   EXPECT_EQ(back.checked_tokens, r.checked_tokens);
   EXPECT_EQ(back.off_argmax, r.off_argmax);

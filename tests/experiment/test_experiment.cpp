@@ -193,6 +193,25 @@ TEST(ExperimentLibrary, HardwareTableChangesOneKeyOfTheProfile) {
   EXPECT_NE(none.find("this run has none"), std::string::npos) << none;
 }
 
+// Timed by the machine, a sweep's repeats go round (every point's first, then every point's
+// second) so a load change hits every point alike; such a run records the load it started
+// under. On the virtual clock each point's repeats stay together and no load is read.
+TEST(ExperimentLibrary, MeasuredRepeatsGoRoundAndRecordTheLoad) {
+  auto repeats_in_order = [](const std::vector<ExperimentRun>& runs) {
+    std::vector<std::int64_t> order;
+    for (const auto& r : runs) order.push_back(r.repeat);
+    return order;
+  };
+  const auto measured = load_experiment(
+      kQuickstart, small({"experiment.clock=\"measured\"", "experiment.repeats=2"}));
+  EXPECT_EQ(repeats_in_order(measured), (std::vector<std::int64_t>{0, 0, 1, 1}));
+  EXPECT_EQ(measured[1].config.scheduler, "fcfs");
+  const auto virtual_clock = load_experiment(kQuickstart, small({"experiment.repeats=2"}));
+  EXPECT_EQ(repeats_in_order(virtual_clock), (std::vector<std::int64_t>{0, 1, 0, 1}));
+  EXPECT_GE(run_experiment(measured[0].config, false, nullptr).machine_load_1m, 0);
+  EXPECT_EQ(run_experiment(virtual_clock[0].config, false, nullptr).machine_load_1m, -1);
+}
+
 TEST(ExperimentLibrary, ValidateNamesTheSweepPointThatCannotRun) {
   // max_batch 0 is out of fcfs's range; static's own max_batch is untouched and fine.
   const auto runs = load_experiment(kQuickstart, small({"scheduler.params.max_batch=0"}));

@@ -110,6 +110,33 @@ TEST(SweepReport, ResultsCsvQuotesTableValuesAndLeavesMissingCellsEmpty) {
             "b,1,2,,4,\n");
 }
 
+// A measured run whose steps took far from the profile's price is marked (!) in the table and
+// named in a warning; runs that started under very different loads are warned about.
+TEST(SweepReport, UntrustedMeasuredRunsAreMarkedAndWarned) {
+  std::vector<ExperimentRun> runs = two_points();
+  runs[1] = runs[0];
+  runs[1].config.label = "second";
+  std::vector<RunRecord> records{execute_run(runs, 0, false, {}, 0),
+                                 execute_run(runs, 1, false, {}, 0)};
+  records[0].step_time_ratio_p50 = 4.8;  // as a busy 2-core machine measured (issue 38)
+  records[0].machine_load_1m = 3.5;
+  records[1].step_time_ratio_p50 = 1.1;
+  records[1].machine_load_1m = 0.2;
+  const SweepReport report = report_sweep(false, 1, runs, records);
+  std::string out, err;
+  for (const SweepReport::Line& line : report.lines) (line.to_stderr ? err : out) += line.text;
+  EXPECT_NE(out.find("| " + runs[0].config.label + " (!) |"), std::string::npos) << out;
+  EXPECT_NE(out.find("| second |"), std::string::npos) << out;
+  EXPECT_NE(err.find("run 1 (" + runs[0].config.label +
+                     "): its steps took 4.80x the profile's "
+                     "price at the median"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("run 2 (second): its steps"), std::string::npos) << err;
+  EXPECT_NE(err.find("started under 1-minute loads from 0.20 to 3.50"), std::string::npos) << err;
+  EXPECT_EQ(report.exit_code, 0);  // a warning, not a failure
+}
+
 // kvlab check's verdict comes with the report: every token equal, exit 0.
 TEST(SweepReport, CheckVerdictIsPartOfTheReport) {
   std::vector<ExperimentRun> runs = two_points();

@@ -42,6 +42,10 @@ struct RunRecord {
   double wall_s = 0, engine_wall_s = 0, forward_wall_s = 0;
   std::int64_t forwards = 0, forwards_with_chosen_tokens = 0;  // RunOutput's
   std::int64_t graph_replays = 0, graph_captures = 0;          // RunOutput's
+  // The measured clock's trust: step time over the profile's price at the median (0: not
+  // measured against a profile), and the machine's 1-minute load average as the run started
+  // (-1: not read).
+  double step_time_ratio_p50 = 0, machine_load_1m = -1;
 };
 
 // Bytes: an 8-byte little-endian header length, a JSON header, then every file's contents.

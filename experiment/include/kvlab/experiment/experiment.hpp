@@ -189,6 +189,9 @@ struct RunOutput {
   // measured / predicted (signed: above 1, the steps ran slower than the profile prices them;
   // a whole run's median far from 1 means the machine or the profile, not the engine, is off).
   std::optional<LatencySummary> step_prediction_error, step_time_ratio;
+  // The measured and wall clocks: the machine's 1-minute load average as the run started (a
+  // busy machine stretches their steps); -1 on the other clocks or where unreadable.
+  double machine_load_1m = -1;
   std::string model_name;
   std::string workload_description;  // a real workload's: what was read, what was clipped
   // The K/V dtype as the pool stores it: the cpu backend's kv_cache.dtype, the simulated

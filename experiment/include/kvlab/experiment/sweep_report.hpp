@@ -73,6 +73,14 @@ std::string results_csv(const std::filesystem::path& folder, const nlohmann::jso
 
 // "Linux 6.1 x86_64, CPU model, N processors, M GiB".
 std::string machine_description();
+// The 1-minute load average (/proc/loadavg), and the processors' current clock averaged
+// (/proc/cpuinfo "cpu MHz"); -1 where the system does not say.
+double machine_load_1m();
+double mean_cpu_mhz();
+
+// A measured run's steps took this many times the profile's price at the median, or its
+// inverse: beyond it, kvlab warns that its times are not this machine's speed.
+constexpr double kUntrustedStepRatio = 2.0;
 
 // summary.md, runs.json, manifest.json (with the failed runs) and experiment.toml into `staging`.
 void write_results_index(const std::filesystem::path& staging, const SweepReport& report,
