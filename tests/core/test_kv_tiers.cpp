@@ -4,6 +4,9 @@
 // the block's tokens; and on a pool without storage the tiers only count.
 #include <gtest/gtest.h>
 
+#include <sys/resource.h>
+
+#include <csignal>
 #include <random>
 #include <vector>
 
@@ -156,6 +159,41 @@ TEST(KvTiers, WithoutStorageTheTiersOnlyCount) {
   f.tiers.load(*hit, 2);
   EXPECT_EQ(f.tiers.counters().bytes_loaded[1], f.block_bytes());
   EXPECT_EQ(f.tiers.counters().copy_seconds, 0);
+}
+
+// A disk that cannot take a block (here: ulimit -f at one block) turns the disk tier off with a
+// warning instead of failing the run: the block is dropped (a cache that cannot grow), the
+// block already on disk still loads byte for byte, and nothing more is written.
+TEST(KvTiers, ADiskThatCannotBeWrittenTurnsOffAndDropsInsteadOfFailing) {
+  Fixture f(1, 3);
+  const auto old_handler = std::signal(SIGXFSZ, SIG_IGN);  // EFBIG instead of the signal
+  rlimit old_limit{};
+  ASSERT_EQ(getrlimit(RLIMIT_FSIZE, &old_limit), 0);
+  rlimit limit = old_limit;
+  limit.rlim_cur = static_cast<rlim_t>(f.block_bytes());  // the file holds one block
+  ASSERT_EQ(setrlimit(RLIMIT_FSIZE, &limit), 0);
+  f.fill(0, 1);
+  const std::vector<float> a = f.rows(0);
+  f.tiers.evicted(0, 111, tokens(10), 1, 0);  // host
+  f.fill(0, 2);
+  f.tiers.evicted(0, 222, tokens(20), 1, 1);  // 111 to disk: the file's first block
+  f.fill(0, 3);
+  f.tiers.evicted(0, 333, tokens(30), 1, 2);  // 222 to disk: past the limit
+  setrlimit(RLIMIT_FSIZE, &old_limit);
+  std::signal(SIGXFSZ, old_handler);
+  f.fill(0, 4);
+  f.tiers.evicted(0, 444, tokens(40), 1, 3);  // 333 given up: the disk stays off for good
+  EXPECT_NE(f.tiers.disk_failure().find("File too large"), std::string::npos)
+      << f.tiers.disk_failure();
+  EXPECT_EQ(f.tiers.size(KvTier::disk), 1);
+  EXPECT_EQ(f.tiers.counters().dropped, 2);    // 222, then 333
+  EXPECT_EQ(f.tiers.counters().copies[1], 1);  // one write went through, none after
+  EXPECT_FALSE(f.tiers.find(222, tokens(20)).has_value());
+  const auto hit = f.tiers.find(111, tokens(10));
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->tier, KvTier::disk);
+  f.tiers.load(*hit, 2);
+  EXPECT_EQ(f.rows(2), a);
 }
 
 TEST(KvTiers, ADiskFolderThatCannotHoldTheFileIsAClearError) {

@@ -162,7 +162,7 @@ void KvTiers::evicted(BlockId block, std::uint64_t hash, std::span<const std::in
 
 std::optional<std::int32_t> KvTiers::make_room(KvTier which) {
   Tier& tier = tiers_[index(which)];
-  if (tier.capacity == 0) return std::nullopt;
+  if (tier.capacity == 0 || (which == KvTier::disk && !disk_failure_.empty())) return std::nullopt;
   if (!tier.free_slots.empty()) {
     const std::int32_t slot = tier.free_slots.back();
     tier.free_slots.pop_back();
@@ -202,10 +202,13 @@ void KvTiers::store(KvTier which, std::uint64_t hash, std::span<const std::int32
     return;
   }
   const auto s = static_cast<std::size_t>(*slot);
-  if (which == KvTier::host)
+  if (which == KvTier::host) {
     copy_device_to_host(static_cast<BlockId>(source), *slot);
-  else
-    copy_host_to_disk(static_cast<std::int32_t>(source), *slot);
+  } else if (!copy_host_to_disk(static_cast<std::int32_t>(source), *slot)) {
+    tier.free_slots.push_back(*slot);  // nothing was kept: a cache that cannot grow, not an error
+    ++counters_.dropped;
+    return;
+  }
   counters_.bytes_stored[index(which)] += block_bytes_;
   ++counters_.copies[index(which)];
   tier.hashes[s] = hash;
@@ -260,19 +263,26 @@ void KvTiers::scatter_to_device(const std::byte* in, BlockId block) {
   }
 }
 
-void KvTiers::copy_host_to_disk(std::int32_t host_slot, std::int32_t disk_slot) {
-  if (!real_copies()) return;
+bool KvTiers::copy_host_to_disk(std::int32_t host_slot, std::int32_t disk_slot) {
+  if (!real_copies()) return true;
   CopyTimer timer(counters_.copy_seconds);
   const std::byte* in = host_.data() + static_cast<std::ptrdiff_t>(host_slot) * block_bytes_;
   const off_t offset = static_cast<off_t>(disk_slot) * block_bytes_;
   for (std::int64_t done = 0; done < block_bytes_;) {
     const ssize_t n =
         ::pwrite(disk_fd_, in + done, static_cast<std::size_t>(block_bytes_ - done), offset + done);
-    if (n <= 0)
-      throw Error(fmt::format("KV disk tier: writing {} bytes to {} failed: {}", block_bytes_,
-                              disk_path_, n < 0 ? std::strerror(errno) : "no space"));
+    if (n <= 0) {
+      disk_failure_ = fmt::format("writing {} bytes to {} failed: {}", block_bytes_, disk_path_,
+                                  n < 0 ? std::strerror(errno) : "no space");
+      fmt::print(stderr,
+                 "kvlab: warning: the KV disk tier turned off ({}); the blocks it would keep are "
+                 "dropped from now on (recomputed when needed), those on it still load\n",
+                 disk_failure_);
+      return false;
+    }
     done += n;
   }
+  return true;
 }
 
 void KvTiers::copy_disk_to_device(std::int32_t slot, BlockId block) {

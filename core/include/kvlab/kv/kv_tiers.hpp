@@ -91,6 +91,10 @@ class KvTiers final : public BlockEvictionSink {
   std::int64_t capacity(KvTier tier) const { return tiers_[index(tier)].capacity; }
   std::int64_t size(KvTier tier) const { return tiers_[index(tier)].size; }
   const KvTierCounters& counters() const { return counters_; }
+  // Why the disk tier turned off (a write failed: a full disk, a quota, ulimit -f): from then
+  // on the blocks it would keep are dropped (recomputed when needed), the blocks on it still
+  // load. Empty while it works.
+  const std::string& disk_failure() const { return disk_failure_; }
 
   // The tier holding the prefix block `hash` with these tokens, the host first; nothing moves.
   std::optional<KvTierHit> find(std::uint64_t hash, std::span<const std::int32_t> tokens) const;
@@ -126,7 +130,7 @@ class KvTiers final : public BlockEvictionSink {
   // Byte copies (no-ops without storage): device block <-> host slot, host slot <-> disk slot.
   void copy_device_to_host(BlockId block, std::int32_t slot);
   void copy_host_to_device(std::int32_t slot, BlockId block);
-  void copy_host_to_disk(std::int32_t host_slot, std::int32_t disk_slot);
+  bool copy_host_to_disk(std::int32_t host_slot, std::int32_t disk_slot);  // false: turned off
   void copy_disk_to_device(std::int32_t slot, BlockId block);
   void scatter_to_device(const std::byte* in, BlockId block);
   bool real_copies();  // the pool has host storage: makes the buffer and the file the first time
@@ -142,6 +146,7 @@ class KvTiers final : public BlockEvictionSink {
   std::vector<std::byte> scratch_;  // one block, for disk reads and writes
   int disk_fd_ = -1;
   std::string disk_path_;
+  std::string disk_failure_;
   std::vector<std::pair<KvTier, std::int32_t>> pins_;
   KvTierCounters counters_;
 };
