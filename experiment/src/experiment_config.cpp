@@ -373,6 +373,43 @@ void parse_prompt_set(Section& workload, ExperimentConfig& c) {
   s.finish();
 }
 
+// A latency target in seconds (finite, > 0) from `s`, or none.
+std::optional<double> slo_seconds(Section& s, const char* key, const std::string& table) {
+  const auto seconds = s.get<double>(key);
+  if (seconds && !(*seconds > 0 && std::isfinite(*seconds)))  // NaN met nothing and said so
+    s.fail(*s.node(key), fmt::format("{}.{} must be a finite number of seconds > 0", table, key));
+  return seconds;
+}
+
+// [[workload.tenants]]: name, share, and the tenant's own ttft_s / tpot_s / e2e_s.
+void parse_tenants(Section& workload, ExperimentConfig& c) {
+  const toml::node* list = workload.node("tenants");
+  if (list == nullptr) return;
+  if (!list->is_array_of_tables())
+    workload.fail(*list,
+                  "workload.tenants must be a list of tables ([[workload.tenants]] name = ..., "
+                  "share = ...)");
+  std::size_t i = 0;
+  for (const toml::node& entry : *list->as_array()) {
+    const std::string table = fmt::format("workload.tenants[{}]", i++);
+    Section s(entry.as_table(), table, workload.file());
+    TenantSpec& t = c.tenants.emplace_back();
+    const auto name = s.get<std::string>("name");
+    if (!name) s.fail(entry, table + " needs name = \"...\"");
+    try {
+      t.name = check_tenant_name(*name);
+    } catch (const Error& e) {
+      s.fail(*s.node("name"), e.what());
+    }
+    t.share = s.get<double>("share");
+    if (t.share && !(*t.share >= 0 && std::isfinite(*t.share)))
+      s.fail(*s.node("share"), table + ".share must be a finite number >= 0");
+    t.slo = {slo_seconds(s, "ttft_s", table), slo_seconds(s, "tpot_s", table),
+             slo_seconds(s, "e2e_s", table)};
+    s.finish();
+  }
+}
+
 void parse_workload(Section& s, ExperimentConfig& c) {
   SyntheticWorkload& w = c.workload;
   w.requests = s.get_int<std::int64_t>("requests", 1, kMaxRequests).value_or(w.requests);
@@ -416,6 +453,7 @@ void parse_workload(Section& s, ExperimentConfig& c) {
            "simulated backend picks its tokens without any");
   w.ignore_eos = s.get<bool>("ignore_eos").value_or(true);
   c.trace = s.get<std::string>("trace").value_or("");
+  parse_tenants(s, c);
   parse_trace_replay(s, c);
   parse_azure_trace(s, c);
   parse_prompt_set(s, c);
@@ -426,12 +464,8 @@ void parse_workload(Section& s, ExperimentConfig& c) {
 }
 
 void parse_slo(Section& s, ExperimentConfig& c) {
-  for (auto [key, target] : {std::pair{"ttft_s", &c.slo.ttft_s}, std::pair{"tpot_s", &c.slo.tpot_s},
-                             std::pair{"e2e_s", &c.slo.e2e_s}}) {
-    *target = s.get<double>(key);
-    if (*target && !(**target > 0 && std::isfinite(**target)))  // NaN met nothing and said so
-      s.fail(*s.node(key), fmt::format("slo.{} must be a finite number of seconds > 0", key));
-  }
+  c.slo = {slo_seconds(s, "ttft_s", "slo"), slo_seconds(s, "tpot_s", "slo"),
+           slo_seconds(s, "e2e_s", "slo")};
 }
 
 void parse_output(Section& s, ExperimentConfig& c) {

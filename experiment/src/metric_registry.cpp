@@ -53,6 +53,21 @@ json ttft_by_priority(const ExperimentConfig& c, const RunOutput& out) {
   return all;
 }
 
+// A per-tenant value: {tenant: value(its TenantSummary)}, null for a run without tenants.
+template <typename Value>
+json by_tenant(const ExperimentConfig& c, const RunOutput& out, Value value) {
+  const std::vector<TenantSummary> tenants =
+      summarize_tenants(out.engine.requests, out.engine.duration_s, c.slo);
+  if (tenants.empty()) return json();
+  json all = json::object();
+  for (const TenantSummary& t : tenants) all[t.tenant] = value(t);
+  return all;
+}
+
+json slo_fraction(const RunSummary& s) {
+  return s.submitted ? static_cast<double>(s.slo_met) / static_cast<double>(s.submitted) : 0.0;
+}
+
 // e2e / output tokens of each finished request with an output token, averaged (vLLM's paper,
 // section 6: "normalized latency").
 json normalized_latency(const ExperimentConfig&, const RunOutput& out) {
@@ -71,6 +86,11 @@ json optional_latency(const std::optional<LatencySummary>& l) {
 }
 
 #define SUMMARY(field) [](const ExperimentConfig&, const RunOutput& out) { return json(field); }
+// A per-tenant metric: `field` of each tenant's TenantSummary t.
+#define TENANT_METRIC(field)                                                      \
+  [](const ExperimentConfig& c, const RunOutput& out) {                           \
+    return by_tenant(c, out, [](const TenantSummary& t) { return json(field); }); \
+  }
 // A [kv_tiers] total (t: RunOutput::KvTierTotals), null for a run without tiers.
 #define TIER_METRIC(field)                            \
   [](const ExperimentConfig&, const RunOutput& out) { \
@@ -181,6 +201,65 @@ const RunMetric kRunMetrics[] = {
      ttft_by_priority,
      {{"ttft_by_priority", "TTFT p50 prio {level}", "p50", 3},
       {"ttft_by_priority", "TTFT p99 prio {level}", "p99", 3}}},
+    {"requests_by_tenant",
+     "requests",
+     "requests each tenant submitted ([[workload.tenants]] or the trace's tenant column)",
+     "count per tenant",
+     true,
+     TENANT_METRIC(t.run.submitted),
+     {}},
+    {"ttft_by_tenant",
+     "s",
+     "TTFT of each tenant's finished requests",
+     "per tenant: mean, p50, p90, p99, max",
+     true,
+     TENANT_METRIC(latency_json(t.run.ttft_s)),
+     {{"tenants", "TTFT p50 {tenant}", "p50", 3}, {"tenants", "TTFT p99 {tenant}", "p99", 3}}},
+    {"tpot_by_tenant",
+     "s",
+     "TPOT of each tenant's requests with at least 2 output tokens",
+     "per tenant: mean, p50, p90, p99, max",
+     true,
+     TENANT_METRIC(latency_json(t.run.tpot_s)),
+     {}},
+    {"slo_attainment_by_tenant",
+     "fraction",
+     "each tenant's requests meeting every SLO set (its own [[workload.tenants]] targets, over "
+     "[slo]) / its requests",
+     "per tenant",
+     true,
+     TENANT_METRIC(slo_fraction(t.run)),
+     {{"tenant_slo", "SLO met {tenant}", "", 1, true}}},
+    {"goodput_by_tenant",
+     "requests/s",
+     "each tenant's finished requests meeting every SLO set, per second of the run",
+     "per tenant: its slo_met / the run's duration",
+     true,
+     TENANT_METRIC(t.run.goodput_per_s),
+     {}},
+    {"served_tokens_by_tenant",
+     "tokens",
+     "service each tenant received: prompt tokens prefilled + output tokens generated, of its "
+     "finished requests",
+     "sum per tenant",
+     true,
+     TENANT_METRIC(t.served_tokens),
+     {{"tenants", "served tok {tenant}", "", 0}}},
+    {"max_service_gap_tokens",
+     "tokens",
+     "the fairness gap of the VTC paper (OSDI 2024): the largest difference in service received "
+     "(prompt + output tokens, each counted when its token comes) between two tenants over an "
+     "interval in which both had requests waiting",
+     "over the run; null without tenants",
+     true,
+     [](const ExperimentConfig&, const RunOutput& out) {
+       const auto& requests = out.engine.requests;
+       if (std::none_of(requests.begin(), requests.end(),
+                        [](const RequestTimeline& r) { return !r.tenant.empty(); }))
+         return json();
+       return json(max_service_gap_tokens(out.engine.requests));
+     },
+     {{"tenants", "service gap (tok)", "", 0}}},
     {"slo_met",
      "requests",
      "finished requests meeting every SLO set ([slo] ttft, tpot, e2e)",
@@ -395,6 +474,7 @@ const RunMetric kRunMetrics[] = {
 };
 
 #undef SUMMARY
+#undef TENANT_METRIC
 
 const RequestMetric kRequestMetrics[] = {
     {"ttft_s", "s", "first output token time - arrival",

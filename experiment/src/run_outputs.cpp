@@ -33,12 +33,12 @@ void put_number(Text& text, const std::optional<double>& v) {
 
 void write_requests_csv(Text& f, const RunOutput& out) {
   put(f,
-      "id,priority,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
+      "id,priority,tenant,arrival_s,first_scheduled_s,first_token_s,finish_s,prompt_tokens,output_"
       "tokens,");
   for (const RequestMetric& m : request_metrics()) put(f, "{},", m.name);  // the registry's
   put(f, "preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n");
   for (const auto& r : out.engine.requests) {
-    put(f, "{},{},{:.6f},", r.id, r.priority, r.arrival_s);
+    put(f, "{},{},{},{:.6f},", r.id, r.priority, r.tenant, r.arrival_s);  // names need no quotes
     put_number(f, r.first_scheduled_s);
     put(f, ",");
     if (!r.token_times_s.empty()) put(f, "{:.6f}", r.token_times_s.front());

@@ -17,6 +17,10 @@ namespace {
 bool per_level(const MetricColumn& column) {
   return std::string_view(column.header).find("{level}") != std::string_view::npos;
 }
+// A column per tenant of [[workload.tenants]] (the metric's value: an object by tenant name).
+bool per_tenant(const MetricColumn& column) {
+  return std::string_view(column.header).find("{tenant}") != std::string_view::npos;
+}
 
 // Calls add(metric, columns) for each metric shown, with its columns in the table: every
 // metric's columns shown always (registry order), then those of each [output] columns name
@@ -68,6 +72,14 @@ std::vector<SummaryColumn> summary_columns(const ExperimentConfig& config) {
   std::vector<SummaryColumn> table;
   const RunOutput empty;  // a per-level metric's levels come from the config
   for_each_metric_shown(config, [&](const RunMetric& m, const auto& columns) {
+    if (per_tenant(*columns.front())) {  // tenant-major, as levels
+      for (const TenantSpec& tenant : config.tenants)
+        for (const MetricColumn* column : columns)
+          table.push_back(
+              {fmt::format(fmt::runtime(column->header), fmt::arg("tenant", tenant.name)),
+               column->decimals, column->percent});
+      return;
+    }
     const bool levels = per_level(*columns.front());
     const std::size_t count = levels ? m.extract(config, empty).size() : 1;
     for (std::size_t level = 0; level < count; ++level)  // level-major: p50, p99 of level 0, ...
@@ -84,6 +96,15 @@ std::vector<double> summary_values(const ExperimentConfig& config, const RunOutp
   std::vector<double> values;
   for_each_metric_shown(config, [&](const RunMetric& m, const auto& columns) {
     const nlohmann::json value = m.extract(config, out);
+    if (per_tenant(*columns.front())) {
+      constexpr double none = std::numeric_limits<double>::quiet_NaN();
+      for (const TenantSpec& tenant : config.tenants)
+        for (const MetricColumn* column : columns)
+          values.push_back(value.is_object() && value.contains(tenant.name)
+                               ? column_value(value.at(tenant.name), *column)
+                               : none);
+      return;
+    }
     if (!per_level(*columns.front())) {
       for (const MetricColumn* column : columns) values.push_back(column_value(value, *column));
       return;

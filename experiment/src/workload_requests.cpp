@@ -88,6 +88,7 @@ RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, 
                                   : !c.azure_trace.empty() ? c.azure_trace
                                   : !c.prompt_set.empty()  ? std::string("workload.prompts")
                                                            : "the workload's arrival process");
+  assign_tenants(w.requests, c.tenants, c.slo, c.seed);
   if (check)
     for (auto& r : w.requests) r.sampling.temperature = 0;  // check compares greedy tokens
   return w;

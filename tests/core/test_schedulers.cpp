@@ -9,6 +9,7 @@
 
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/scheduler.hpp"
+#include "plugin_registry.hpp"
 
 namespace kvlab {
 namespace {
@@ -77,6 +78,9 @@ struct Spec {
   std::int64_t prompt, output;
   int priority = 0;
   std::int64_t arrival_step = 0;
+  std::string tenant = "";
+  std::optional<double> ttft_slo_s =
+      std::nullopt;  // its deadline: arrival + this, on a clock of 1 s per step
 };
 
 // One row per step: which requests computed tokens ("run"), and which were preempted.
@@ -106,6 +110,8 @@ std::vector<Row> drive(const std::vector<Spec>& specs, std::int64_t capacity,
     requests[i].priority = specs[i].priority;
     requests[i].prompt.assign(static_cast<std::size_t>(specs[i].prompt), 7);
     requests[i].output_tokens = specs[i].output;
+    requests[i].tenant = specs[i].tenant;
+    requests[i].slo.ttft_s = specs[i].ttft_slo_s;
   }
   RequestTable table(requests, false);
   ApplyOptions options;
@@ -115,7 +121,8 @@ std::vector<Row> drive(const std::vector<Spec>& specs, std::int64_t capacity,
   for (int step = 0; step < max_steps && !table.all_done(); ++step) {
     while (table.next_arrival() && table.at(*table.next_arrival()).arrival_s <= step)
       table.arrive();
-    const StepPlan plan = schedule({table.waiting(), table.running(), &kv, step});
+    const StepPlan plan =
+        schedule({table.waiting(), table.running(), &kv, step, static_cast<double>(step)});
     const AppliedPlan applied = apply_plan(plan, step, table, kv, options, log);
     Row row;
     for (const Preemption& p : plan.preempt) row.preempted.insert(p.id);
@@ -257,6 +264,69 @@ TEST(SchedulerTables, PolicyHooksBringTheirOwnVictimChoice) {
   EXPECT_EQ(with_hook[1].run, (std::set<RequestId>{1, 2}));
   EXPECT_EQ(without[1].preempted, (std::set<RequestId>{1}));
   EXPECT_EQ(without[1].run, (std::set<RequestId>{0, 2}));
+}
+
+// A scheduler plugin of this build, driven like the tables above.
+auto plugin(const std::string& name, std::map<std::string, ParamValue, std::less<>> params) {
+  auto scheduler = std::make_shared<PluginObject<Scheduler>>(
+      test::plugin_registry().create<PluginKind::scheduler>(name, params, PluginContext{}));
+  return [scheduler](const SchedulerInput& in) { return (*scheduler)->schedule(in); };
+}
+
+// edf admits by deadline (arrival + TTFT SLO). 0 runs steps 0-3 alone (max_batch 1) while 1
+// (due at 1 s) and 2 (due at 6 s) wait; at step 4, 1 is late: "last" serves 2 first, which can
+// still make it, "keep" (plain EDF) serves 1.
+TEST(SchedulerTables, EdfAdmitsTheEarliestDeadlineAndTheLateLast) {
+  const std::vector<Spec> specs{
+      {2, 4, 0, 0, "", 0.5}, {2, 2, 0, 0, "", 1.0}, {2, 2, 0, 0, "", 6.0}};
+  const auto late_last = drive(specs, 100, plugin("edf", {{"max_batch", std::int64_t{1}}}));
+  expect_table(late_last, {{{0}, {}},
+                           {{0}, {}},
+                           {{0}, {}},
+                           {{0}, {}},  // 0 first: due at 0.5 s
+                           {{2}, {}},
+                           {{2}, {}},
+                           {{1}, {}},
+                           {{1}, {}}});
+  const auto keep = drive(
+      specs, 100, plugin("edf", {{"max_batch", std::int64_t{1}}, {"late", std::string("keep")}}));
+  expect_table(
+      keep,
+      {{{0}, {}}, {{0}, {}}, {{0}, {}}, {{0}, {}}, {{1}, {}}, {{1}, {}}, {{2}, {}}, {{2}, {}}});
+  // Without deadlines it is fcfs.
+  const std::vector<Spec> none{{2, 1}, {2, 1}, {2, 1}};
+  expect_table(drive(none, 100, plugin("edf", {{"max_batch", std::int64_t{1}}})),
+               {{{0}, {}}, {{1}, {}}, {{2}, {}}});
+}
+
+// vtc admits from the tenant with the least service so far (prompt tokens x 1 + output tokens
+// x 2; ties: the earliest request): a's three requests came first, yet b's two alternate with
+// them. Each request is 2 prompt tokens and 1 output token (4 units of service).
+TEST(SchedulerTables, VtcAlternatesBetweenTenantsWhereFcfsServesArrivalOrder) {
+  const std::vector<Spec> specs{{2, 1, 0, 0, "a"},
+                                {2, 1, 0, 0, "a"},
+                                {2, 1, 0, 0, "a"},
+                                {2, 1, 0, 0, "b"},
+                                {2, 1, 0, 0, "b"}};
+  const auto table = drive(specs, 100, plugin("vtc", {{"max_batch", std::int64_t{1}}}));
+  expect_table(table, {{{0}, {}}, {{3}, {}}, {{1}, {}}, {{4}, {}}, {{2}, {}}});
+  expect_table(drive(specs, 100, plugin("fcfs", {{"max_batch", std::int64_t{1}}})),
+               {{{0}, {}}, {{1}, {}}, {{2}, {}}, {{3}, {}}, {{4}, {}}});
+}
+
+// The counter lift: b was served once (4) and went idle while a reached 12; when b's next three
+// requests arrive at step 4 its counter is lifted to a's, so the two alternate instead of b
+// catching up on the service it did not ask for.
+TEST(SchedulerTables, VtcLiftsATenantThatComesBackToTheBackloggedMinimum) {
+  std::vector<Spec> specs;
+  for (int i = 0; i < 6; ++i) specs.push_back({2, 1, 0, 0, "a"});  // ids 0-5
+  specs.push_back({2, 1, 0, 0, "b"});                              // 6
+  for (int i = 0; i < 3; ++i) specs.push_back({2, 1, 0, 4, "b"});  // ids 7-9, at step 4
+  const auto table = drive(specs, 100, plugin("vtc", {{"max_batch", std::int64_t{1}}}));
+  const std::vector<RequestId> order{0, 6, 1, 2, 3, 7, 4, 8, 5, 9};
+  ASSERT_EQ(table.size(), order.size());
+  for (std::size_t step = 0; step < order.size(); ++step)
+    EXPECT_EQ(table[step].run, (std::set<RequestId>{order[step]})) << "step " << step;
 }
 
 }  // namespace

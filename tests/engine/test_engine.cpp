@@ -3,6 +3,8 @@
 // bytes out (events, tokens, timelines).
 #include <gtest/gtest.h>
 
+#include <functional>
+
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -37,7 +39,23 @@ struct EngineSetup {
   std::int64_t swap_slots = 0;
   DType kv_dtype = DType::dtype_f32;
   EngineClock clock = EngineClock::virtual_clock;
-  bool cost_model = true;  // price steps with the cpu profile
+  bool cost_model = true;                           // price steps with the cpu profile
+  std::function<void(const SchedulerInput&)> sees;  // what the scheduler is shown, each step
+};
+
+// The scheduler plugin, with what it is shown passed on to `sees` first.
+class WatchedScheduler final : public Scheduler {
+ public:
+  WatchedScheduler(Scheduler& inner, std::function<void(const SchedulerInput&)> sees)
+      : inner_(inner), sees_(std::move(sees)) {}
+  StepPlan schedule(const SchedulerInput& input) override {
+    sees_(input);
+    return inner_.schedule(input);
+  }
+
+ private:
+  Scheduler& inner_;
+  std::function<void(const SchedulerInput&)> sees_;
 };
 
 EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequest>& requests) {
@@ -61,7 +79,9 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
   options.swap_slots = setup.swap_slots;
-  Engine engine(backend, *allocator, *scheduler, options);
+  WatchedScheduler watched(
+      *scheduler, setup.sees ? setup.sees : [](const SchedulerInput&) {});
+  Engine engine(backend, *allocator, watched, options);
   return engine.run(requests);
 }
 
@@ -314,8 +334,14 @@ TEST_P(EngineEquivalence, GreedyTokensMatchTheReference) {
           ? std::map<std::string, ParamValue, std::less<>>{{"block_size", std::int64_t{4}}}
           : std::map<std::string, ParamValue, std::less<>>{};
   if (scheduler == "chunked") setup.scheduler_params = {{"max_tokens_per_step", std::int64_t{8}}};
+  if (scheduler == "vtc" || scheduler == "edf")  // with chunks: prompts split as well
+    setup.scheduler_params = {{"max_tokens_per_step", std::int64_t{8}}, {"chunked_prefill", true}};
   setup.slots = allocator == "static" ? 64 * 3 : 72;  // tight: preemptions happen
-  const auto requests = small_workload(5, 8);
+  auto requests = small_workload(5, 8);
+  for (std::size_t i = 0; i < requests.size(); ++i) {  // two tenants, deadlines out of order
+    requests[i].tenant.assign(1, i % 3 ? 'a' : 'b');
+    requests[i].slo.ttft_s = 0.01 * static_cast<double>((i * 5) % 8 + 1);
+  }
   const EngineResult result = run_engine(setup, requests);
   const cpu::ReferenceModel reference(weights());
   std::int64_t preemptions = 0;
@@ -335,9 +361,26 @@ TEST_P(EngineEquivalence, GreedyTokensMatchTheReference) {
 
 INSTANTIATE_TEST_SUITE_P(
     SchedulersByAllocators, EngineEquivalence,
-    ::testing::Combine(::testing::Values("static", "fcfs", "priority", "chunked", "sjf_oracle"),
+    ::testing::Combine(::testing::Values("static", "fcfs", "priority", "chunked", "sjf_oracle",
+                                         "edf", "vtc"),
                        ::testing::Values("static", "dynamic", "paged")),
     [](const auto& info) { return std::get<0>(info.param) + "_" + std::get<1>(info.param); });
+
+// The scheduler is shown the clock: each step's start on the engine's clock (the virtual one
+// here: arrivals spread out, so the clock idles to them as well as advancing by steps).
+TEST(Engine, SchedulersSeeTheClockAtEachStepsStart) {
+  EngineSetup setup;
+  std::vector<double> shown;
+  setup.sees = [&](const SchedulerInput& in) { shown.push_back(in.now_s); };
+  std::vector<WorkloadRequest> requests = small_workload(5, 3);
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    requests[i].arrival_s = 0.5 * static_cast<double>(i);
+  const EngineResult result = run_engine(setup, requests);
+  ASSERT_EQ(shown.size(), result.steps.size());  // every step here ran a batch
+  for (std::size_t i = 0; i < shown.size(); ++i)
+    EXPECT_DOUBLE_EQ(shown[i], result.steps[i].start_s) << "step " << i;
+  EXPECT_GE(shown.back(), 1.0);  // the last arrival came at 1 s
+}
 
 TEST(Engine, PreemptionHappensUnderMemoryPressureAndTokensStillMatch) {
   EngineSetup setup;

@@ -42,4 +42,24 @@ constexpr std::array<ParamSpec, 4> continuous_scheduler_params(
   }};
 }
 
+// A plugin's own parameters after the shared ones.
+template <std::size_t Shared, std::size_t Own>
+constexpr std::array<ParamSpec, Shared + Own> with_own_params(std::array<ParamSpec, Shared> shared,
+                                                              std::array<ParamSpec, Own> own) {
+  std::array<ParamSpec, Shared + Own> all{};
+  for (std::size_t i = 0; i < Shared; ++i) all[i] = shared[i];
+  for (std::size_t i = 0; i < Own; ++i) all[Shared + i] = own[i];
+  return all;
+}
+
+// The chunked_prefill switch the policy plugins (edf, vtc) offer: prompts split over steps
+// within max_tokens_per_step, as the chunked scheduler does.
+inline constexpr ParamSpec kChunkedPrefillParam{
+    "chunked_prefill",
+    ParamType::param_boolean,
+    "split prompts into chunks within max_tokens_per_step (as the chunked scheduler)",
+    "false",
+    0,
+    0};
+
 }  // namespace kvlab

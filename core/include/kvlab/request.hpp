@@ -3,6 +3,7 @@
 // RequestTable (kvlab/engine/request_table.hpp) owns one of these per submitted request for the
 // whole run; nothing copies them per step.
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -35,6 +36,10 @@ struct RequestState {
   RequestId id = 0;
   double arrival_s = 0;  // as the engine's clock sees it (0 for all on the offline clock)
   int priority = 0;      // higher = more important
+  std::string tenant;    // who sent it ("" for none): fairness across tenants (vtc)
+  // When its first token is due on the engine's clock: arrival + its TTFT SLO (the tenant's or
+  // the experiment's [slo] ttft_s); +infinity without one. Deadline-aware schedulers (edf).
+  double ttft_deadline_s = std::numeric_limits<double>::infinity();
   std::int64_t prompt_tokens = 0;
   std::int64_t max_new_tokens = 0;   // generation stops here unless EOS comes first
   std::vector<std::int32_t> tokens;  // prompt + generated

@@ -22,6 +22,9 @@ struct SchedulerInput {
   std::span<const RequestState* const> running;
   const KvAllocator* kv = nullptr;  // read-only: free_slots, slots_* queries
   std::int64_t step = 0;
+  // The engine's clock at the step's start (seconds; the clock arrivals and deadlines are on:
+  // virtual, measured or wall). Offline runs start everyone at 0.
+  double now_s = 0;
 };
 
 enum class PreemptMode : std::uint8_t {

@@ -164,7 +164,8 @@ bool Engine::step() {
   (void)padding_.release_if_batch_ended(*table_, allocator_);
   step_start_ = SteadyClock::now();
   const StepPlan plan = plugin_call(options_.names.scheduler, step_, [&] {
-    return scheduler_.schedule({table_->waiting(), table_->running(), &allocator_, step_});
+    return scheduler_.schedule(
+        {table_->waiting(), table_->running(), &allocator_, step_, clock_->now()});
   });
   if (const std::string problem = plan_checker_.problem(plan, *table_); !problem.empty())
     throw Error(fmt::format("step {}: {} returned a plan that {}", step_, options_.names.scheduler,

@@ -19,11 +19,15 @@ RequestId RequestTable::add(const WorkloadRequest& w) {
   r.id = id;
   r.arrival_s = arrivals_at_zero_ ? 0.0 : w.arrival_s;
   r.priority = w.priority;
+  r.tenant = w.tenant;
+  if (w.slo.ttft_s) r.ttft_deadline_s = r.arrival_s + *w.slo.ttft_s;
   r.prompt_tokens = static_cast<std::int64_t>(w.prompt.size());
   r.max_new_tokens = w.output_tokens;
   RequestTimeline& timeline = timelines_.emplace_back();
   timeline.id = r.id;
   timeline.priority = w.priority;
+  timeline.tenant = w.tenant;
+  timeline.slo = w.slo;
   timeline.prompt_tokens = r.prompt_tokens;
   timeline.arrival_s = r.arrival_s;
   logprobs_.emplace_back();

@@ -280,11 +280,12 @@ struct TraceRow {
   std::optional<std::vector<std::int32_t>> prompt_ids;
   std::optional<std::int64_t> output_len;
   std::optional<std::int64_t> priority;
+  std::string tenant;
 };
 
 const std::vector<std::string>& trace_fields() {
-  static const std::vector<std::string> fields{"arrival_s", "prompt_len", "prompt_ids",
-                                               "output_len", "priority"};
+  static const std::vector<std::string> fields{"arrival_s",  "prompt_len", "prompt_ids",
+                                               "output_len", "priority",   "tenant"};
   return fields;
 }
 
@@ -316,6 +317,7 @@ WorkloadRequest finish_row(const TraceRow& row, std::int64_t index, const TraceO
   const auto priority = narrow_integer<int>(row.priority.value_or(0));
   if (!priority) throw Error(fmt::format("priority {} does not fit in 32 bits", *row.priority));
   r.priority = *priority;
+  r.tenant = row.tenant;
   if (row.prompt_ids) {
     for (auto id : *row.prompt_ids)
       if (id < 0 || id >= options.vocab_size)
@@ -378,6 +380,10 @@ TraceRow jsonl_row(const std::string& line) {
       (key == "prompt_len"   ? row.prompt_len
        : key == "output_len" ? row.output_len
                              : row.priority) = integer(key, value);
+    } else if (key == "tenant") {
+      if (!value.is_string())
+        throw Error(fmt::format("tenant must be a string, got {}", value.dump()));
+      row.tenant = check_tenant_name(value.get<std::string>());
     } else if (key == "prompt_ids") {
       if (!value.is_array() || !std::all_of(value.begin(), value.end(),
                                             [](const auto& v) { return v.is_number_integer(); }))
@@ -429,6 +435,8 @@ TraceRow csv_row(const std::vector<std::string>& cells, const std::vector<std::s
       row.output_len = parse_number<std::int64_t>(cells[c], "output_len");
     } else if (name == "priority") {
       row.priority = parse_number<std::int64_t>(cells[c], "priority");
+    } else if (name == "tenant") {
+      row.tenant = check_tenant_name(cells[c]);
     } else if (name == "prompt_ids") {  // space-separated ids inside the cell
       std::vector<std::int32_t> ids;
       std::stringstream id_stream(cells[c]);

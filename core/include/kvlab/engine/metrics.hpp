@@ -15,9 +15,19 @@
 
 namespace kvlab {
 
+// Latency targets; an unset one is not checked. A request's own (its tenant's) override the
+// run's ([slo]) key by key.
+struct ServiceLevelObjectives {
+  std::optional<double> ttft_s;
+  std::optional<double> tpot_s;
+  std::optional<double> e2e_s;
+};
+
 struct RequestTimeline {
   std::int64_t id = 0;
   int priority = 0;
+  std::string tenant;
+  ServiceLevelObjectives slo;  // its own targets (its tenant's), over the run's
   std::int64_t prompt_tokens = 0;
   double arrival_s = 0;
   std::optional<double> first_scheduled_s;
@@ -52,12 +62,6 @@ struct LatencySummary {
 double percentile_of_sorted(std::span<const double> sorted, double q);
 LatencySummary summarize_latencies(std::vector<double> values);
 
-struct ServiceLevelObjectives {
-  std::optional<double> ttft_s;
-  std::optional<double> tpot_s;
-  std::optional<double> e2e_s;
-};
-
 struct RunSummary {
   std::int64_t submitted = 0, finished = 0, rejected = 0;
   double duration_s = 0;
@@ -73,8 +77,27 @@ struct RunSummary {
 };
 
 // Throws kvlab::Error when a request is neither finished nor rejected (the engine lost it):
-// submitted = finished + rejected must hold.
+// submitted = finished + rejected must hold. `slo`: the run's targets, under each request's own.
 RunSummary summarize_run(std::span<const RequestTimeline> requests, double duration_s,
                          const ServiceLevelObjectives& slo = {});
+// A finished request met every target set (its own, else the run's).
+bool meets_slo(const RequestTimeline& request, const ServiceLevelObjectives& run_slo);
+
+// One tenant's share of a run (requests with that RequestTimeline::tenant).
+struct TenantSummary {
+  std::string tenant;
+  RunSummary run;  // summarize_run over its requests (its throughputs over the run's duration)
+  // Service received: prompt tokens prefilled + output tokens generated, of finished requests.
+  std::int64_t served_tokens = 0;
+};
+// Per tenant, in order of first arrival; empty when no request names a tenant.
+std::vector<TenantSummary> summarize_tenants(std::span<const RequestTimeline> requests,
+                                             double duration_s,
+                                             const ServiceLevelObjectives& slo = {});
+// The fairness gap of "Fairness in Serving LLMs" (VTC, OSDI 2024): the largest difference in
+// service received (prompt tokens when the first token comes, each output token when it
+// comes) between two tenants over any interval in which both are backlogged (each has a
+// request that arrived and was not yet first scheduled). 0 with fewer than two tenants.
+double max_service_gap_tokens(std::span<const RequestTimeline> requests);
 
 }  // namespace kvlab

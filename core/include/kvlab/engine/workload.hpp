@@ -4,9 +4,12 @@
 // trace (CSV or JSONL). Deterministic: the same spec and seed give the same requests.
 #include <cstdint>
 #include <filesystem>
+#include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
+#include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/sampling.hpp"
 
 namespace kvlab {
@@ -19,6 +22,8 @@ struct WorkloadRequest {
   int priority = 0;                  // higher = more important
   std::int64_t prefix_group = -1;    // shared-prefix group, -1 for none
   SamplingParams sampling;           // seed is per request
+  std::string tenant;                // who sent it ("" for none)
+  ServiceLevelObjectives slo;        // its own latency targets (its tenant's); unset: the run's
 };
 
 enum class ArrivalKind { all_at_once, poisson, gamma, bursts };
@@ -87,9 +92,29 @@ struct TraceOptions {
 };
 
 // Reads a trace: CSV with a header row, or JSONL (one object per line), by file extension
-// (.csv / .jsonl). Fields: arrival_s, prompt_len or prompt_ids, output_len, priority
+// (.csv / .jsonl). Fields: arrival_s, prompt_len or prompt_ids, output_len, priority and tenant
 // (optional). Rows are sorted by arrival. Every bad row is a kvlab::Error "file:line: why".
 std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
                                         const TraceOptions& options);
+
+// Tenants: who sends each request, and the latency targets each asked for.
+struct TenantSpec {
+  std::string name;
+  // Its fraction of the requests (relative to the others'): each request's tenant is drawn by
+  // share. Unset for every tenant of a workload whose requests name their own (a trace's
+  // tenant column); 1 for an unset one otherwise.
+  std::optional<double> share;
+  ServiceLevelObjectives slo;  // its requests' targets, over the run's
+};
+// A tenant name kvlab accepts: 1-64 of [A-Za-z0-9_-] (it becomes a results.csv column's part).
+// Returns it; throws kvlab::Error saying what is wrong otherwise.
+const std::string& check_tenant_name(const std::string& name);
+// Gives each request its tenant and its latency targets: with `tenants` whose shares are set or
+// when no request names a tenant, each request's tenant is drawn by share (seeded); when the
+// requests name theirs, each listed tenant must send some (and none may have a share). Every
+// request's SLOs are then its tenant's, key by key over `run_slo`. Throws kvlab::Error for a
+// list that does not fit the requests.
+void assign_tenants(std::vector<WorkloadRequest>& requests, std::span<const TenantSpec> tenants,
+                    const ServiceLevelObjectives& run_slo, std::uint64_t seed);
 
 }  // namespace kvlab

@@ -100,6 +100,9 @@ struct ExperimentConfig {
   std::int32_t prompt_max_tokens = 256;
   std::int64_t prompt_requests = 0;  // 0 = one per prompt
   ServiceLevelObjectives slo;
+  // [[workload.tenants]]: who sends the requests (drawn by share, or the trace's tenant column)
+  // and each tenant's own SLOs over [slo] (docs/concepts/fairness-and-deadlines.md).
+  std::vector<TenantSpec> tenants;
   // [cluster]: `replicas` copies of the serving stack (allocator, scheduler, backend, KV pool
   // each), every request routed at its arrival by the `router` plugin.
   std::int64_t replicas = 1;
