@@ -55,9 +55,9 @@ json ttft_by_priority(const ExperimentConfig& c, const RunOutput& out) {
 
 // A per-tenant value: {tenant: value(its TenantSummary)}, null for a run without tenants.
 template <typename Value>
-json by_tenant(const ExperimentConfig& c, const RunOutput& out, Value value) {
+json by_tenant(const ExperimentConfig&, const RunOutput& out, Value value) {
   const std::vector<TenantSummary> tenants =
-      summarize_tenants(out.engine.requests, out.engine.duration_s, c.slo);
+      summarize_tenants(out.engine.requests, out.engine.duration_s);
   if (tenants.empty()) return json();
   json all = json::object();
   for (const TenantSummary& t : tenants) all[t.tenant] = value(t);

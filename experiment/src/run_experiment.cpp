@@ -124,7 +124,7 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
   double hit_tokens = 0, query_tokens = 0;
   for (const EngineResult& replica : cluster.replicas) {
     RunOutput::Replica r;
-    r.summary = summarize_run(replica.requests, cluster.duration_s, c.slo);
+    r.summary = summarize_run(replica.requests, cluster.duration_s);
     r.requests = static_cast<std::int64_t>(replica.requests.size());
     std::tie(r.mean_kv_used, r.prefix_hit_rate) = kv_use_and_prefix_hits(replica.steps);
     if (!replica.steps.empty()) {
@@ -221,7 +221,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     run_replicas(c, registry, cost_model, stacks, requests, out, served_by);
   }
   out.engine_wall_s = seconds_since(engine_start);
-  out.summary = summarize_run(out.engine.requests, out.engine.duration_s, c.slo);
+  out.summary = summarize_run(out.engine.requests, out.engine.duration_s);
   for (std::size_t i = 0; tokenizer && i < out.engine.tokens.size(); ++i) {
     std::span<const std::int32_t> answer = out.engine.tokens[i];
     if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);

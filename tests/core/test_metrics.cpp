@@ -67,6 +67,57 @@ TEST(Metrics, RunSummaryThroughputItlAndGoodput) {
   EXPECT_DOUBLE_EQ(s.queue_delay_s.mean, 0.5);
 }
 
+// Each request is held to its own targets (its tenant's over [slo]); targets passed to
+// summarize_run replace them, to score the run against others.
+TEST(Metrics, RequestsOwnSlosUnlessReplaced) {
+  std::vector<RequestTimeline> runs{finished(0, 0.0, 0.0, {0.5, 1.0}),
+                                    finished(1, 0.0, 1.0, {2.0, 4.0})};
+  runs[0].slo.ttft_s = 0.25;  // TTFT 0.5: missed
+  runs[1].slo.ttft_s = 3.0;   // TTFT 2.0: met
+  EXPECT_EQ(summarize_run(runs, 4.0).slo_met, 1);
+  EXPECT_FALSE(meets_slo(runs[0], {}));
+  ServiceLevelObjectives instead;
+  instead.ttft_s = 1.0;
+  EXPECT_TRUE(meets_slo(runs[0], instead));
+  EXPECT_FALSE(meets_slo(runs[1], instead));
+}
+
+// Per-tenant summaries in order of first arrival; none without tenant names.
+TEST(Metrics, TenantSummariesSplitTheRun) {
+  std::vector<RequestTimeline> runs{finished(0, 0.0, 0.0, {1.0, 2.0}), finished(1, 0.0, 0.0, {1.0}),
+                                    finished(2, 1.0, 1.0, {3.0})};
+  EXPECT_TRUE(summarize_tenants(runs, 4.0).empty());
+  const std::string a = "a", b = "b";
+  runs[0].tenant = runs[2].tenant = b;
+  runs[1].tenant = a;
+  const auto tenants = summarize_tenants(runs, 4.0);
+  ASSERT_EQ(tenants.size(), 2u);
+  EXPECT_EQ(tenants[0].tenant, "b");
+  EXPECT_EQ(tenants[0].run.finished, 2);
+  EXPECT_EQ(tenants[0].served_tokens, 10 + 2 + 10 + 1);
+  EXPECT_EQ(tenants[1].served_tokens, 10 + 1);
+  EXPECT_DOUBLE_EQ(tenants[1].run.ttft_s.p50, 1.0);
+}
+
+// The VTC paper's service gap, by hand. a and b both wait from 0 until b's second request is
+// first scheduled at 5 (a waits until 6). Service a: 11 at 1 (prompt 10 + token), 1 at 2;
+// b: 11 at 4. Difference a - b over [0, 5]: 0 -> 11 -> 12 -> 1: range 12. b's third request
+// arrives at 7, when a no longer waits: its service after that is outside any shared period.
+TEST(Metrics, ServiceGapIsTheLargestDifferenceWhileBothWait) {
+  RequestTimeline a0 = finished(0, 0.0, 0.5, {1.0, 2.0});
+  RequestTimeline a1 = finished(1, 0.0, 6.0, {6.5});
+  RequestTimeline b0 = finished(2, 0.0, 3.5, {4.0});
+  RequestTimeline b1 = finished(3, 0.0, 5.0, {9.0});
+  RequestTimeline b2 = finished(4, 7.0, 7.0, {8.0, 8.5, 8.7});
+  const std::string a = "a", b = "b";  // assigned as strings: GCC 12 misreads literals here
+  for (RequestTimeline* r : {&a0, &a1}) r->tenant = a;
+  for (RequestTimeline* r : {&b0, &b1, &b2}) r->tenant = b;
+  const std::vector<RequestTimeline> runs{a0, a1, b0, b1, b2};
+  EXPECT_DOUBLE_EQ(max_service_gap_tokens(runs), 12.0);
+  const std::vector<RequestTimeline> one{a0, a1};
+  EXPECT_DOUBLE_EQ(max_service_gap_tokens(one), 0.0);
+}
+
 TEST(Metrics, ALostRequestIsAnError) {
   RequestTimeline lost;
   lost.id = 7;

@@ -1,6 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <map>
+
+#include <cmath>
 #include <numeric>
 
 #include "kvlab/engine/real_workloads.hpp"
@@ -230,6 +233,100 @@ TEST(Trace, EveryBadRowNamesFileAndLine) {
   EXPECT_NE(
       error_of<Error>([&] { load_trace(dir / "missing.csv", options); }).find("cannot read trace"),
       std::string::npos);
+}
+
+// A trace's tenant column (CSV and JSONL), and names kvlab refuses.
+TEST(Trace, TenantColumnNamesEachRequestsTenant) {
+  test::TempDir dir;
+  TraceOptions options;
+  options.vocab_size = 100;
+  test::write_file(dir / "t.csv", "arrival_s,prompt_len,output_len,tenant\n0,3,2,a\n1,3,2,b-2\n");
+  const auto csv = load_trace(dir / "t.csv", options);
+  EXPECT_EQ(csv[0].tenant, "a");
+  EXPECT_EQ(csv[1].tenant, "b-2");
+  test::write_file(dir / "t.jsonl",
+                   R"({"arrival_s": 0, "prompt_len": 3, "output_len": 2, "tenant": "x_1"})"
+                   "\n");
+  EXPECT_EQ(load_trace(dir / "t.jsonl", options)[0].tenant, "x_1");
+  test::write_file(dir / "bad.csv", "arrival_s,prompt_len,output_len,tenant\n0,3,2,a b\n");
+  EXPECT_NE(error_of<Error>([&] {
+              load_trace(dir / "bad.csv", options);
+            }).find("bad.csv:2: tenant name \"a b\" must be 1-64 characters"),
+            std::string::npos);
+  test::write_file(dir / "bad.jsonl",
+                   R"({"arrival_s": 0, "prompt_len": 3, "output_len": 2, "tenant": 7})"
+                   "\n");
+  EXPECT_NE(error_of<Error>([&] {
+              load_trace(dir / "bad.jsonl", options);
+            }).find("bad.jsonl:1: tenant must be a string, got 7"),
+            std::string::npos);
+}
+
+std::vector<WorkloadRequest> unnamed_requests(std::size_t count) {
+  std::vector<WorkloadRequest> requests(count);
+  for (std::size_t i = 0; i < count; ++i) requests[i].id = static_cast<std::int64_t>(i);
+  return requests;
+}
+
+// Tenants drawn by share (within 3 standard deviations over 20,000 requests), the same for the
+// same seed; each request's SLOs are its tenant's over the run's, key by key.
+TEST(Tenants, DrawnByShareWithTheirOwnSlosOverTheRuns) {
+  std::vector<WorkloadRequest> requests = unnamed_requests(20000);
+  ServiceLevelObjectives run;
+  run.ttft_s = 5.0;
+  run.tpot_s = 0.1;
+  std::vector<TenantSpec> tenants{{"heavy", 3.0, {}}, {"light", 1.0, {}}, {"none", 0.0, {}}};
+  tenants[1].slo.ttft_s = 0.5;
+  assign_tenants(requests, tenants, run, 42);
+  std::map<std::string, int> count;
+  for (const WorkloadRequest& r : requests) {
+    ++count[r.tenant];
+    EXPECT_EQ(*r.slo.ttft_s, r.tenant == "light" ? 0.5 : 5.0);
+    EXPECT_EQ(*r.slo.tpot_s, 0.1);
+    EXPECT_FALSE(r.slo.e2e_s);
+  }
+  EXPECT_NEAR(count["heavy"], 15000, 3 * std::sqrt(20000 * 0.75 * 0.25));
+  EXPECT_EQ(count["none"], 0);
+  std::vector<WorkloadRequest> again = unnamed_requests(20000);
+  assign_tenants(again, tenants, run, 42);
+  for (std::size_t i = 0; i < again.size(); ++i) ASSERT_EQ(again[i].tenant, requests[i].tenant);
+  // Without tenants every request gets the run's SLOs and no tenant.
+  std::vector<WorkloadRequest> plain = unnamed_requests(3);
+  assign_tenants(plain, {}, run, 1);
+  EXPECT_EQ(plain[2].tenant, "");
+  EXPECT_EQ(*plain[2].slo.ttft_s, 5.0);
+}
+
+// A workload that names its tenants (a trace column): the list gives SLOs by name; a share, or
+// a listed tenant that sends nothing, is an error; so are bad lists.
+TEST(Tenants, NamedByTheTraceOrRefusedWithTheReason) {
+  std::vector<WorkloadRequest> requests = unnamed_requests(2);
+  requests[0].tenant = "a";
+  requests[1].tenant = "b";
+  std::vector<TenantSpec> slos{{"b", std::nullopt, {}}};
+  slos[0].slo.e2e_s = 9.0;
+  assign_tenants(requests, slos, {}, 1);
+  EXPECT_EQ(requests[0].tenant, "a");
+  EXPECT_FALSE(requests[0].slo.e2e_s);
+  EXPECT_EQ(*requests[1].slo.e2e_s, 9.0);
+  auto error = [&](std::vector<TenantSpec> tenants) {
+    return error_of<Error>([&] { assign_tenants(requests, tenants, {}, 1); });
+  };
+  EXPECT_NE(error({{"a", 1.0, {}}}).find("tenant \"a\" has a share, but the trace names"),
+            std::string::npos);
+  EXPECT_NE(
+      error({{"c", std::nullopt, {}}}).find("tenant \"c\" sends no request: the trace names a, b"),
+      std::string::npos);
+  std::vector<WorkloadRequest> unnamed = unnamed_requests(2);
+  auto draw_error = [&](std::vector<TenantSpec> tenants) {
+    return error_of<Error>([&] { assign_tenants(unnamed, tenants, {}, 1); });
+  };
+  EXPECT_NE(draw_error({{"a", 1.0, {}}, {"a", 1.0, {}}}).find("tenant \"a\" is listed twice"),
+            std::string::npos);
+  EXPECT_NE(draw_error({{"a", -1.0, {}}}).find("share must be a finite number >= 0"),
+            std::string::npos);
+  EXPECT_NE(draw_error({{"a", 0.0, {}}}).find("positive sum"), std::string::npos);
+  EXPECT_NE(draw_error({{"a.b", 1.0, {}}}).find("must be 1-64 characters"), std::string::npos);
 }
 
 const std::filesystem::path kData =

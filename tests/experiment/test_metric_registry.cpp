@@ -5,12 +5,15 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
 
 #include "kvlab/experiment/metric_registry.hpp"
+#include "kvlab/experiment/summary_table.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -92,7 +95,8 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
   const nlohmann::json summary = nlohmann::json::parse(summary_file);
   for (const RunMetric& m : run_metrics()) {
     const bool absent = m.name == "step_prediction_error" || m.name == "step_time_ratio" ||
-                        m.name == "ideal_prefix_hit_rate" || m.name.starts_with("tier_");
+                        m.name == "ideal_prefix_hit_rate" || m.name.starts_with("tier_") ||
+                        m.name.ends_with("_by_tenant") || m.name == "max_service_gap_tokens";
     EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
   }
   out.ideal_prefix_hit_rate = 0.25;                                           // a Mooncake trace's
@@ -114,6 +118,53 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
   std::getline(requests_file, header);
   for (const RequestMetric& m : request_metrics())
     EXPECT_NE(header.find(fmt::format(",{},", m.name)), std::string::npos) << header;
+}
+
+// With tenants, summary.json has each one's figures by name, the table a column per listed
+// tenant ("-" for one that sent nothing), and requests.csv each request's tenant.
+TEST(MetricRegistry, TenantsGetTheirOwnFiguresColumnsAndCsvCells) {
+  RunOutput out;
+  out.engine.requests = {finished(0, {1, 2, 3}), finished(0, {2, 4})};
+  out.engine.requests[0].tenant = "heavy";
+  out.engine.requests[0].prompt_tokens = 10;
+  out.engine.requests[1].tenant = "light";
+  out.engine.requests[1].slo.ttft_s = 1.0;  // its TTFT is 2 s: missed
+  out.engine.duration_s = 4.0;
+  out.summary = summarize_run(out.engine.requests, 4.0);
+  ExperimentConfig config;
+  config.tenants = {{"heavy", 1.0, {}}, {"light", 1.0, {}}, {"absent", 1.0, {}}};
+  config.table_columns = {"tenants", "tenant_slo"};
+  const test::TempDir dir;
+  write_run_outputs(dir.path(), config, out);
+  std::ifstream summary_file(dir / "summary.json");
+  const nlohmann::json summary = nlohmann::json::parse(summary_file);
+  EXPECT_EQ(summary.at("served_tokens_by_tenant").at("heavy").get<std::int64_t>(), 13);
+  EXPECT_EQ(summary.at("served_tokens_by_tenant").at("light").get<std::int64_t>(), 2);
+  EXPECT_DOUBLE_EQ(summary.at("ttft_by_tenant").at("light").at("p50").get<double>(), 2.0);
+  EXPECT_DOUBLE_EQ(summary.at("slo_attainment_by_tenant").at("heavy").get<double>(), 1.0);
+  EXPECT_DOUBLE_EQ(summary.at("slo_attainment_by_tenant").at("light").get<double>(), 0.0);
+  EXPECT_EQ(summary.at("requests_by_tenant").at("light").get<std::int64_t>(), 1);
+  EXPECT_TRUE(summary.contains("max_service_gap_tokens"));
+  std::vector<std::string> headers;
+  for (const SummaryColumn& c : summary_columns(config)) headers.push_back(c.header);
+  for (const char* h : {"TTFT p50 heavy", "TTFT p99 light", "served tok absent", "SLO met light",
+                        "service gap (tok)"})
+    EXPECT_NE(std::find(headers.begin(), headers.end(), h), headers.end()) << h;
+  const std::vector<double> values = summary_values(config, out);
+  ASSERT_EQ(values.size(), headers.size());
+  const auto at = [&](const char* h) {
+    return values[static_cast<std::size_t>(std::find(headers.begin(), headers.end(), h) -
+                                           headers.begin())];
+  };
+  EXPECT_DOUBLE_EQ(at("served tok heavy"), 13);
+  EXPECT_DOUBLE_EQ(at("SLO met light"), 0.0);
+  EXPECT_TRUE(std::isnan(at("TTFT p50 absent")));  // printed "-"
+  std::ifstream requests_file(dir / "requests.csv");
+  std::string header, first;
+  std::getline(requests_file, header);
+  std::getline(requests_file, first);
+  EXPECT_TRUE(header.starts_with("id,priority,tenant,")) << header;
+  EXPECT_TRUE(first.starts_with("0,0,heavy,")) << first;
 }
 
 }  // namespace

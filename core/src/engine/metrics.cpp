@@ -53,10 +53,10 @@ LatencySummary summarize_latencies(std::vector<double> values) {
   return s;
 }
 
-bool meets_slo(const RequestTimeline& r, const ServiceLevelObjectives& run_slo) {
-  const auto ttft = r.slo.ttft_s ? r.slo.ttft_s : run_slo.ttft_s;
-  const auto tpot = r.slo.tpot_s ? r.slo.tpot_s : run_slo.tpot_s;
-  const auto e2e = r.slo.e2e_s ? r.slo.e2e_s : run_slo.e2e_s;
+bool meets_slo(const RequestTimeline& r, const ServiceLevelObjectives& instead) {
+  const auto ttft = instead.ttft_s ? instead.ttft_s : r.slo.ttft_s;
+  const auto tpot = instead.tpot_s ? instead.tpot_s : r.slo.tpot_s;
+  const auto e2e = instead.e2e_s ? instead.e2e_s : r.slo.e2e_s;
   return (!ttft || (r.ttft_s() && *r.ttft_s() <= *ttft)) &&
          (!tpot || !r.tpot_s() || *r.tpot_s() <= *tpot) && (!e2e || *r.e2e_s() <= *e2e);
 }

@@ -8,7 +8,8 @@
 namespace kvlab {
 
 std::vector<TenantSummary> summarize_tenants(std::span<const RequestTimeline> requests,
-                                             double duration_s, const ServiceLevelObjectives& slo) {
+                                             double duration_s,
+                                             const ServiceLevelObjectives& instead) {
   std::vector<std::string> order;  // by first arrival (requests are in submission order)
   std::map<std::string, std::vector<RequestTimeline>> by_tenant;
   bool any_named = false;
@@ -22,7 +23,7 @@ std::vector<TenantSummary> summarize_tenants(std::span<const RequestTimeline> re
   if (!any_named) return tenants;
   for (const std::string& name : order) {
     const std::vector<RequestTimeline>& own = by_tenant[name];
-    TenantSummary t{name, summarize_run(own, duration_s, slo)};
+    TenantSummary t{name, summarize_run(own, duration_s, instead)};
     for (const RequestTimeline& r : own)
       if (r.finish_s) t.served_tokens += r.prompt_tokens + r.output_tokens();
     tenants.push_back(std::move(t));

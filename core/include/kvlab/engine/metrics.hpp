@@ -27,7 +27,7 @@ struct RequestTimeline {
   std::int64_t id = 0;
   int priority = 0;
   std::string tenant;
-  ServiceLevelObjectives slo;  // its own targets (its tenant's), over the run's
+  ServiceLevelObjectives slo;  // its targets: its tenant's over the experiment's [slo]
   std::int64_t prompt_tokens = 0;
   double arrival_s = 0;
   std::optional<double> first_scheduled_s;
@@ -77,11 +77,13 @@ struct RunSummary {
 };
 
 // Throws kvlab::Error when a request is neither finished nor rejected (the engine lost it):
-// submitted = finished + rejected must hold. `slo`: the run's targets, under each request's own.
+// submitted = finished + rejected must hold. Each request is held to its own targets
+// (RequestTimeline::slo: its tenant's over the experiment's [slo]); a target set in `instead`
+// replaces every request's, to score a run against other targets.
 RunSummary summarize_run(std::span<const RequestTimeline> requests, double duration_s,
-                         const ServiceLevelObjectives& slo = {});
-// A finished request met every target set (its own, else the run's).
-bool meets_slo(const RequestTimeline& request, const ServiceLevelObjectives& run_slo);
+                         const ServiceLevelObjectives& instead = {});
+// A finished request met every target set: `instead`'s where set, else its own.
+bool meets_slo(const RequestTimeline& request, const ServiceLevelObjectives& instead);
 
 // One tenant's share of a run (requests with that RequestTimeline::tenant).
 struct TenantSummary {
@@ -93,7 +95,7 @@ struct TenantSummary {
 // Per tenant, in order of first arrival; empty when no request names a tenant.
 std::vector<TenantSummary> summarize_tenants(std::span<const RequestTimeline> requests,
                                              double duration_s,
-                                             const ServiceLevelObjectives& slo = {});
+                                             const ServiceLevelObjectives& instead = {});
 // The fairness gap of "Fairness in Serving LLMs" (VTC, OSDI 2024): the largest difference in
 // service received (prompt tokens when the first token comes, each output token when it
 // comes) between two tenants over any interval in which both are backlogged (each has a

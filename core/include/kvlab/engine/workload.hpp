@@ -23,7 +23,7 @@ struct WorkloadRequest {
   std::int64_t prefix_group = -1;    // shared-prefix group, -1 for none
   SamplingParams sampling;           // seed is per request
   std::string tenant;                // who sent it ("" for none)
-  ServiceLevelObjectives slo;        // its own latency targets (its tenant's); unset: the run's
+  ServiceLevelObjectives slo;        // its latency targets (its tenant's over the run's [slo])
 };
 
 enum class ArrivalKind { all_at_once, poisson, gamma, bursts };
