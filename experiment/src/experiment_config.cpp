@@ -407,7 +407,14 @@ void parse_tenants(Section& workload, ExperimentConfig& c) {
     t.slo = {slo_seconds(s, "ttft_s", table), slo_seconds(s, "tpot_s", table),
              slo_seconds(s, "e2e_s", table)};
     s.finish();
+    for (std::size_t other = 0; other + 1 < c.tenants.size(); ++other)
+      if (c.tenants[other].name == t.name)
+        s.fail(entry, fmt::format("tenant \"{}\" is listed twice in workload.tenants", t.name));
   }
+  double shares = 0;
+  for (const TenantSpec& t : c.tenants) shares += t.share.value_or(1.0);
+  if (!(shares > 0))
+    workload.fail(*list, "the shares of workload.tenants must have a positive sum");
 }
 
 void parse_workload(Section& s, ExperimentConfig& c) {

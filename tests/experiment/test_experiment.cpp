@@ -551,6 +551,42 @@ TEST(ExperimentLibrary, AzureTraceReplaysTheTracesRequests) {
       << out.workload_description;
 }
 
+// [[workload.tenants]]: every key checked where it is written; a trace that names its tenants
+// refuses shares and tenants it never names, when its requests are made.
+TEST(ExperimentLibrary, TenantListsAreChecked) {
+  auto load_error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {"workload.tenants=[{name=\"a\", shares=1}]",
+       "unknown key \"shares\" in [workload.tenants[0]] (did you mean \"share\"?)"},
+      {"workload.tenants={name=\"a\"}", "workload.tenants must be a list of tables"},
+      {"workload.tenants=[{share=1}]", "workload.tenants[0] needs name"},
+      {"workload.tenants=[{name=\"a b\"}]", "tenant name \"a b\" must be 1-64 characters"},
+      {"workload.tenants=[{name=\"a\", ttft_s=-1}]",
+       "workload.tenants[0].ttft_s must be a finite number of seconds > 0"},
+      {"workload.tenants=[{name=\"a\"}, {name=\"a\"}]", "tenant \"a\" is listed twice"},
+      {"workload.tenants=[{name=\"a\", share=0}]", "must have a positive sum"},
+      {"workload.tenants=[{name=\"a\", share=nan}]", "share must be a finite number >= 0"},
+  };
+  for (const auto& [set, expected] : cases)
+    EXPECT_NE(load_error({set}).find(expected), std::string::npos)
+        << set << ": " << load_error({set});
+  test::TempDir dir;
+  test::write_file(dir / "t.csv", "arrival_s,prompt_len,output_len,tenant\n0,8,2,a\n0,8,2,b\n");
+  auto run_error = [&](const std::string& tenants) {
+    auto runs = load_experiment(
+        kQuickstart, small({fmt::format("workload.trace=\"{}\"", (dir / "t.csv").string()),
+                            "workload.tenants=" + tenants}));
+    return test::error_of<Error>([&] { (void)run_experiment(runs[0].config, false, nullptr); });
+  };
+  EXPECT_NE(run_error("[{name=\"a\", share=1}]").find("the trace names each request's tenant"),
+            std::string::npos);
+  EXPECT_NE(run_error("[{name=\"c\"}]").find("tenant \"c\" sends no request: the trace names a, b"),
+            std::string::npos);
+}
+
 TEST(ExperimentLibrary, RealWorkloadSectionsAreChecked) {
   auto load_error = [](std::vector<std::string> more) {
     return test::error_of<Error>(
