@@ -1,8 +1,11 @@
-// Scheduler step overhead: one schedule() call with 256 running and 10,000 waiting requests,
+// Scheduler step overhead: one schedule() call with 256 running and 10,000 waiting requests
+// (of eight tenants, with deadlines),
 // against the paged allocator (the plan is computed, not applied, so every iteration sees the
 // same state). Microseconds per step, each scheduler.
 //   ./build/bin/kvlab_bench_schedulers
 #include <benchmark/benchmark.h>
+
+#include <string>
 
 #include "kvlab/plugin/plugin_loader.hpp"
 
@@ -29,6 +32,8 @@ void BM_SchedulerStep(benchmark::State& state, const std::string& name) {
     r.id = i;
     r.arrival_s = static_cast<double>(i) * 1e-3;
     r.priority = static_cast<int>(i % 3);
+    r.tenant = "tenant" + std::to_string(i % 8);  // eight tenants (vtc), two deadlines (edf)
+    r.ttft_deadline_s = r.arrival_s + (i % 2 ? 1.0 : 30.0);
     r.prompt_tokens = length;
     r.max_new_tokens = 1 + (i * 7) % 128;
     if (i < kRunning) {  // running and decoding: all but the newest token computed
@@ -44,7 +49,7 @@ void BM_SchedulerStep(benchmark::State& state, const std::string& name) {
   }
   std::int64_t planned = 0;
   for (auto _ : state) {
-    const StepPlan plan = scheduler->schedule({waiting, running, allocator.get(), 0});
+    const StepPlan plan = scheduler->schedule({waiting, running, allocator.get(), 0, 5.0});
     planned += static_cast<std::int64_t>(plan.work.size());
     benchmark::DoNotOptimize(plan);
   }
@@ -58,6 +63,8 @@ BENCHMARK_CAPTURE(BM_SchedulerStep, priority, std::string("priority"))
 BENCHMARK_CAPTURE(BM_SchedulerStep, chunked, std::string("chunked"))->Unit(benchmark::kMicrosecond);
 BENCHMARK_CAPTURE(BM_SchedulerStep, sjf_oracle, std::string("sjf_oracle"))
     ->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_SchedulerStep, edf, std::string("edf"))->Unit(benchmark::kMicrosecond);
+BENCHMARK_CAPTURE(BM_SchedulerStep, vtc, std::string("vtc"))->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvlab::bench
