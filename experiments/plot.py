@@ -6,10 +6,16 @@
   throughput_latency.png  TTFT, TPOT and ITL (p50: circles, solid; p99: triangles, dashed)
                           against output tokens/s; a sweep over load (a key ending in `rate`
                           or `rate_scale`) draws one line per policy across the load
-  latency_cdf.png         CDFs of TTFT and end-to-end latency, one curve per run
-  kv_usage.png            KV slots used / reserved-unused / last-block slack / padding over time
-  kv_waste.png            the KV waste breakdown averaged over steps, one bar per run
-Each policy (series) keeps its colour in every plot.
+  latency_cdf.png         CDFs of TTFT and end-to-end latency, one curve per run (a log time
+                          axis where the latencies span more than a decade)
+  kv_usage.png            the KV pool over time: live KV in the run's colour, reserved-unused,
+                          last-block slack and padding in greys; preemptions marked on top
+                          (x: recompute, v: swap out)
+  kv_waste.png            KV waste among held slots (vLLM's definition, the table's
+                          "KV waste/held"), by cause, one bar per run; its waste of the pool
+                          (the table's "KV waste/pool") written above the bar
+Runs are named by their swept values ("fcfs, preemption=swap": keys that do not vary are left
+out), and each policy (series) keeps one colour in every plot.
 """
 import csv
 import json
@@ -25,55 +31,73 @@ except ModuleNotFoundError:
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def dotted(table, key):
-    for part in key.split("."):
-        if not isinstance(table, dict) or part not in table:
-            return None
-        table = table[part]
-    return table
+LOAD_SUFFIXES = ("rate", "rate_scale")
+GREYS = ("0.55", "0.75", "0.88")  # reserved unused, last-block slack, padding
+HATCHES = ("//", "..", "xx", "--")
 
 
-def sweep_keys(results):
-    """The [[sweep]] keys of the experiment file the results came from."""
-    try:
-        import tomllib
-        experiment = tomllib.loads((results / "experiment.toml").read_text())
-    except (ImportError, OSError, ValueError):
-        return []
-    return [axis["key"] for axis in experiment.get("sweep", []) if "key" in axis]
+def flat_items(prefix, value):
+    """A swept value as (dotted key, scalar) pairs: a table sweeps each of its keys."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from flat_items(f"{prefix}.{key}", item)
+    else:
+        yield prefix, value
+
+
+def flat(swept):
+    """A run's swept values ({"scheduler.name": ..., "scheduler.params": {...}}) flattened."""
+    return dict(pair for key, value in swept.items() for pair in flat_items(key, value))
+
+
+def short(key, value):
+    """One swept value as a reader says it: the plugin name bare, other keys by their last part."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool):
+        value = str(value).lower()
+    bare = key.endswith((".name", ".allocator", ".variant", ".router"))  # a plugin's name
+    return f"{value}" if bare else f"{key.split('.')[-1]}={value}"
+
+
+def readable_labels(swept_of_runs, leave_out=()):
+    """Each run's label from its swept values: the keys that differ between runs, in order."""
+    runs = [flat(swept) for swept in swept_of_runs]
+    keys = []
+    for run in runs:
+        keys += [k for k in run if k not in keys and k not in leave_out]
+    varying = [k for k in keys if len({json.dumps(run.get(k)) for run in runs}) > 1]
+    return [", ".join(short(k, run[k]) for k in varying if k in run) or "(base)" for run in runs]
 
 
 def load(results):
     index = json.loads((results / "runs.json").read_text())
-    keys = sweep_keys(results)
-    load_keys = [k for k in keys if k.endswith("rate") or k.endswith("rate_scale")]
+    swept = [entry.get("swept", {}) for entry in index]
+    load_keys = sorted({k for s in swept for k in flat(s) if k.endswith(LOAD_SUFFIXES)})
+    load_key = load_keys[0] if load_keys else None
+    labels = readable_labels(swept)
+    series_names = readable_labels(swept, leave_out=(load_key,)) if load_key else labels
     runs = []
-    for entry in index:
+    for entry, s, label, series in zip(index, swept, labels, series_names):
         folder = results / entry["dir"]
         with open(folder / "requests.csv", newline="") as f:
             requests = list(csv.DictReader(f))
         with open(folder / "steps.csv", newline="") as f:
             steps = list(csv.DictReader(f))
+        events = [json.loads(line) for line in (folder / "events.jsonl").read_text().splitlines()
+                  if line.strip()] if (folder / "events.jsonl").exists() else []
         summary = json.loads((folder / "summary.json").read_text())
-        label = entry["label"] or "(base)"
-        series, load_value = label, None
-        if load_keys and (folder / "config.toml").exists():
-            import tomllib
-            config = tomllib.loads((folder / "config.toml").read_text())
-            load_value = dotted(config, load_keys[0])
-            others = [f"{k.split('.')[-1]}={dotted(config, k)}" for k in keys if k not in load_keys]
-            series = ", ".join(others) or "(base)"
+        load_value = flat(s).get(load_key) if load_key else None
         if entry.get("repeat"):
             label += f" #{entry['repeat']}"
         runs.append({"label": label, "series": series, "load": load_value, "requests": requests,
-                     "steps": steps, "summary": summary})
+                     "steps": steps, "events": events, "summary": summary})
     colours = {}
     for run in runs:  # one colour per series, the same in every plot
         colours.setdefault(run["series"], f"C{len(colours) % 10}")
     for run in runs:
         run["colour"] = colours[run["series"]]
-    return runs, load_keys[0] if load_keys else None
+    return runs, load_key
 
 
 def throughput_latency(runs, load_key, out):
@@ -97,14 +121,124 @@ def throughput_latency(runs, load_key, out):
         ax.set_yscale("log")
         ax.grid(alpha=0.3)
     handles, labels = axes[0].get_legend_handles_labels()
-    fig.legend(handles, labels, fontsize=7, loc="lower center", ncol=min(4, len(labels)))
+    fig.legend(handles, labels, fontsize=8, loc="lower center", ncol=min(4, len(labels)))
     fig.suptitle("throughput vs latency (p50 circles, p99 triangles)")
     fig.tight_layout(rect=(0, 0.08 + 0.03 * (len(labels) // 4), 1, 1))
     fig.savefig(out / "throughput_latency.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def values(rows, key):
     return sorted(float(r[key]) for r in rows if r.get(key) not in (None, ""))
+
+
+def spans_decades(samples):
+    """True when the positive samples span more than a factor of 10: a log axis shows them."""
+    positive = [v for v in samples if v > 0]
+    return len(positive) > 1 and max(positive) > 10 * min(positive)
+
+
+def latency_cdf(runs, out):
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, title in zip(axes, ("ttft_s", "e2e_s"), ("TTFT", "end-to-end latency")):
+        every = []
+        for i, run in enumerate(runs):
+            xs = values(run["requests"], key)
+            every += xs
+            if xs:
+                ax.step(xs, [(k + 1) / len(xs) for k in range(len(xs))], where="post",
+                        label=run["label"], color=run["colour"],
+                        linestyle=("-", "--", ":", "-.")[i // 10 % 4])
+        log = spans_decades(every)
+        if log:
+            ax.set_xscale("log")
+        ax.set_xlabel(f"{title} (s{', log scale' if log else ''})")
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "latency_cdf.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+def preemption_times(run):
+    """Times of recompute preemptions and of swaps out, from the run's event log."""
+    recompute = [e["t"] for e in run["events"] if e.get("event") == "preempt"]
+    swap = [e["t"] for e in run["events"] if e.get("event") == "swap_out"]
+    return recompute, swap
+
+
+def kv_usage(runs, out):
+    fig, axes = plt.subplots(len(runs), 1, figsize=(12, 2.6 * len(runs)), squeeze=False,
+                             sharex=True)  # one clock: a run that ends sooner shows it
+    for ax, run in zip(axes[:, 0], runs):
+        steps = run["steps"]
+        t = [float(s["start_s"]) for s in steps]
+        capacity = max(float(steps[0]["kv_capacity"]), 1.0) if steps else 1.0
+        # used counts a padded static batch's finished rows: shown apart as padding
+        padding = [float(s.get("padding_slots", 0)) / capacity for s in steps]
+        live = [float(s["kv_used"]) / capacity - p for s, p in zip(steps, padding)]
+        parts = [[float(s[k]) / capacity for s in steps]
+                 for k in ("kv_reserved_unused", "kv_last_block_slack")] + [padding]
+        ax.stackplot(t, live, *parts, colors=[run["colour"], *GREYS],
+                     labels=["live", "reserved unused", "last-block slack", "padding"])
+        recompute, swap = preemption_times(run)
+        if recompute:
+            ax.plot(recompute, [0.97] * len(recompute), "x", color="black", markersize=5,
+                    label=f"preempted, recompute ({len(recompute)})")
+        if swap:
+            ax.plot(swap, [0.97] * len(swap), "v", color="black", markersize=4,
+                    label=f"preempted, swap out ({len(swap)})")
+        ax.set_ylim(0, 1)
+        ax.set_ylabel("fraction of KV")
+        ax.set_title(run["label"], fontsize=10, color=run["colour"])
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    axes[-1, 0].set_xlabel("time (s)")
+    fig.tight_layout()
+    fig.savefig(out / "kv_usage.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
+
+
+WASTE_PARTS = (("kv_reserved_unused", "reserved unused"), ("kv_last_block_slack", "last-block slack"),
+               ("padding_slots", "padding"))
+
+
+def waste_of_held(steps):
+    """vLLM's waste among held slots by cause: each part summed over steps / held slots summed
+    (held = used + reserved unused + last-block slack); the parts add up to the summary's
+    kv_waste_of_held_fraction."""
+    held = sum(float(s["kv_used"]) + float(s["kv_reserved_unused"]) + float(s["kv_last_block_slack"])
+               for s in steps)
+    return {name: (sum(float(s.get(part, 0)) for s in steps) / held if held else 0.0)
+            for part, name in WASTE_PARTS}
+
+
+def kv_waste(runs, out):
+    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(runs)), 4.2))
+    bottom = [0.0] * len(runs)
+    x = range(len(runs))
+    for (part, name), hatch in zip(WASTE_PARTS, HATCHES):
+        heights = [100 * waste_of_held(run["steps"])[name] for run in runs]
+        ax.bar(x, heights, bottom=bottom, color=[run["colour"] for run in runs], hatch=hatch,
+               edgecolor="white", label=name)
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    for i, run in enumerate(runs):
+        pool = run["summary"].get("mean_kv_waste_fraction")
+        ax.annotate(f"{bottom[i]:.1f}%" + (f"\n(pool: {100 * pool:.1f}%)" if pool is not None else ""),
+                    (i, bottom[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), [run["label"] for run in runs], fontsize=8, rotation=15, ha="right")
+    for tick, run in zip(ax.get_xticklabels(), runs):
+        tick.set_color(run["colour"])
+    ax.set_ylabel("KV waste among held slots (%)")
+    top = max(bottom + [1.0])
+    ax.set_ylim(0, top * 1.5 if top < 60 else 112)  # room for the labels and the legend
+    ax.set_title("KV waste among held slots (vLLM's definition), by cause", fontsize=10)
+    legend = ax.legend(fontsize=8, loc="upper center", ncol=3)
+    for patch in legend.get_patches():
+        patch.set_facecolor("0.6")
+    fig.tight_layout()
+    fig.savefig(out / "kv_waste.png", dpi=110, bbox_inches="tight")
+    plt.close(fig)
 
 
 def main(argv):
@@ -119,62 +253,9 @@ def main(argv):
     out = results / "plots"
     out.mkdir(exist_ok=True)
     throughput_latency(runs, load_key, out)
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for run in runs:
-        for ax, key in zip(axes, ("ttft_s", "e2e_s")):
-            xs = values(run["requests"], key)
-            if xs:
-                ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                        label=run["label"], color=run["colour"],
-                        linestyle=("-", "--", ":", "-.")[runs.index(run) // 10 % 4])
-    for ax, title in zip(axes, ("TTFT", "end-to-end latency")):
-        ax.set_xlabel(f"{title} (s)")
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(out / "latency_cdf.png", dpi=110, bbox_inches="tight")
-
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.6 * len(runs)), squeeze=False)
-    for ax, run in zip(axes[:, 0], runs):
-        t = [float(s["start_s"]) for s in run["steps"]]
-        capacity = max(float(run["steps"][0]["kv_capacity"]), 1.0) if run["steps"] else 1.0
-        # used counts a padded static batch's finished rows: shown apart as padding
-        padding = [float(s.get("padding_slots", 0)) / capacity for s in run["steps"]]
-        live = [float(s["kv_used"]) / capacity - p for s, p in zip(run["steps"], padding)]
-        series = [live] + [[float(s[k]) / capacity for s in run["steps"]]
-                           for k in ("kv_reserved_unused", "kv_last_block_slack")] + [padding]
-        ax.stackplot(t, *series, labels=["live", "reserved unused", "last-block slack", "padding"],
-                     alpha=0.8)
-        ax.set_ylim(0, 1)
-        ax.set_ylabel("fraction of KV")
-        ax.set_title(run["label"], fontsize=9)
-    axes[0, 0].legend(fontsize=7, loc="upper right")
-    axes[-1, 0].set_xlabel("time (s)")
-    fig.tight_layout()
-    fig.savefig(out / "kv_usage.png", dpi=110, bbox_inches="tight")
-
-    fig, ax = plt.subplots(figsize=(max(6, 1.6 * len(runs)), 4))
-    # The summary's waste/pool: reserved ahead, unfilled last blocks, a static batch's padding,
-    # and free holes only on steps they blocked an admission (docs/experiments.md).
-    parts = ("kv_reserved_unused", "kv_last_block_slack", "padding_slots", "kv_blocking_unusable_free")
-    names = ("reserved unused", "last-block slack", "padding", "holes that blocked an admission")
-    bottom = [0.0] * len(runs)
-    for part, name in zip(parts, names):
-        heights = []
-        for run in runs:
-            steps = run["steps"]
-            heights.append(sum(float(s.get(part, 0)) / float(s["kv_capacity"]) for s in steps) / max(len(steps), 1))
-        ax.bar([r["label"] for r in runs], heights, bottom=bottom, label=name)
-        bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.set_ylabel("mean fraction of the KV pool wasted")
-    ax.tick_params(axis="x", labelsize=7, rotation=20)
-    for tick in ax.get_xticklabels():
-        tick.set_horizontalalignment("right")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "kv_waste.png", dpi=110, bbox_inches="tight")
+    latency_cdf(runs, out)
+    kv_usage(runs, out)
+    kv_waste(runs, out)
     print(f"plots: {out}")
     return 0
 
