@@ -104,6 +104,7 @@ class Section {
     }
   }
   const std::string& file() const { return file_; }
+  const toml::table* table_itself() const { return table_; }
 
  private:
   const toml::table* table_;
@@ -419,6 +420,8 @@ void parse_tenants(Section& workload, ExperimentConfig& c) {
 
 void parse_workload(Section& s, ExperimentConfig& c) {
   SyntheticWorkload& w = c.workload;
+  if (const toml::table* given = s.table_itself())
+    for (const auto& [key, value] : *given) c.workload_keys_given.emplace_back(key.str());
   w.requests = s.get_int<std::int64_t>("requests", 1, kMaxRequests).value_or(w.requests);
   const std::string arrival = s.get<std::string>("arrival").value_or("all_at_once");
   static const std::map<std::string, ArrivalKind> arrivals{

@@ -1,7 +1,9 @@
 // Stage 1: every sweep point is checked before anything runs: its plugins exist and accept
 // their parameters, the model, profile and inputs resolve, the backend rules hold.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <map>
 #include <memory>
@@ -15,13 +17,43 @@
 namespace kvlab {
 namespace {
 
-// Settings the workload cannot honour are errors: priorities drawn for requests a file gives,
-// repeats of a replay that would be one run N times.
+// The synthetic workload's [workload] keys that requests read from `real` would not use: a
+// trace's times and lengths are its own; the Azure and Mooncake traces replay their lengths
+// (EOS ignored); a prompt set's answers end at EOS within [workload.prompts] max_tokens, and
+// it takes its arrivals (arrival, rate, cv, burst_size) from [workload].
+std::vector<std::string> synthetic_keys_ignored(const ExperimentConfig& c) {
+  std::vector<std::string> ignored{"requests", "prompt_tokens", "output_tokens", "prefix_groups",
+                                   "prefix_tokens"};
+  if (c.prompt_set.empty()) ignored.insert(ignored.end(), {"arrival", "rate", "cv", "burst_size"});
+  const bool mooncake =
+      !c.trace.empty() && std::filesystem::is_regular_file(c.trace) && is_mooncake_trace(c.trace);
+  if (!c.azure_trace.empty() || !c.prompt_set.empty() || mooncake)
+    ignored.emplace_back("ignore_eos");
+  std::vector<std::string> given;
+  for (const std::string& key : c.workload_keys_given)
+    if (std::find(ignored.begin(), ignored.end(), key) != ignored.end())
+      given.push_back("workload." + key);
+  return given;
+}
+
+// Settings the workload cannot honour are errors: synthetic settings beside a file's requests,
+// priorities drawn for requests a file gives, repeats of a replay that would be one run N times.
 void check_workload_honoured(const ExperimentConfig& c) {
   const std::string real = !c.trace.empty()         ? c.trace
                            : !c.azure_trace.empty() ? c.azure_trace
                            : !c.prompt_set.empty()  ? c.prompt_set
                                                     : std::string();
+  if (const auto ignored = real.empty() ? std::vector<std::string>{} : synthetic_keys_ignored(c);
+      !ignored.empty())
+    throw Error(fmt::format(
+        "{} {} the synthetic workload's, and the requests of {} would not use {}: delete {} "
+        "from [workload], or replace the whole table from the command line (--set "
+        "'workload={{{}}}')",
+        fmt::join(ignored, ", "), ignored.size() == 1 ? "is" : "are", real,
+        ignored.size() == 1 ? "it" : "them", ignored.size() == 1 ? "it" : "them",
+        !c.trace.empty()         ? "trace=\"FILE\""
+        : !c.azure_trace.empty() ? "azure_trace={file=\"FILE\"}"
+                                 : "prompts={file=\"FILE\"}, arrival=\"poisson\", rate=R"));
   if (!real.empty() && c.workload.priority_weights != std::vector<double>{1.0})
     throw Error(fmt::format(
         "workload.priority_weights draws a priority for each synthetic request; the requests "

@@ -424,7 +424,7 @@ TEST(KvlabRun, ArrivalsPastDoublePrecisionTimeAreRefused) {
   }
   test::write_file(dir / "late.csv", "arrival_s,prompt_len,output_len\n0,5,3\n1e308,5,3\n");
   const Result trace =
-      kvlab("run " + file + " --set 'workload.trace=\"late.csv\"' --out " + (dir / "t").string());
+      kvlab("run " + file + " --set 'workload={trace=\"late.csv\"}' --out " + (dir / "t").string());
   EXPECT_EQ(trace.exit_code, 1);
   EXPECT_NE(trace.err.find("arrival_s must be in [0, 1e+09] seconds, got 1e+308"),
             std::string::npos)
@@ -552,7 +552,9 @@ TEST(KvlabRun, RelativePathsResolveAgainstTheFile) {
   test::TempDir dir;
   test::write_file(dir / "sub" / "trace.csv",
                    "arrival_s,prompt_len,output_len\n0.0,5,3\n0.01,7,2\n");
-  const auto file = write_experiment(dir, kSmall + "trace = \"trace.csv\"\n", "sub/e.toml");
+  const std::string replay = kSmall.substr(0, kSmall.find("[workload]")) +  // a trace's table
+                             "[workload]\ntrace = \"trace.csv\"\n";
+  const auto file = write_experiment(dir, replay, "sub/e.toml");
   const Result r = kvlab("run " + file + " --out " + (dir / "o").string());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("| 2 | 0 |"), std::string::npos) << r.out;

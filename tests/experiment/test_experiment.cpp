@@ -226,9 +226,9 @@ TEST(ExperimentLibrary, ValidateNamesTheSweepPointThatCannotRun) {
 TEST(ExperimentLibrary, MooncakeTraceReplaysTokenIdenticalOnTheCpuBackend) {
   const std::string trace =
       std::string(KVLAB_SOURCE_DIR) + "/data/mooncake-fast25/conversation_trace.jsonl";
-  const auto runs = load_experiment(
-      kQuickstart, small({"workload.trace=\"" + trace + "\"",
-                          "workload.replay={length_scale=0.03125, max_requests=40}"}));
+  const auto runs =
+      load_experiment(kQuickstart, small({"workload={trace=\"" + trace +
+                                          "\", replay={length_scale=0.03125, max_requests=40}}"}));
   validate_experiment(runs, true);
   std::vector<std::string> mismatches;
   const RunOutput out = run_experiment(runs[1].config, true, &mismatches);
@@ -250,8 +250,8 @@ TEST(ExperimentLibrary, MooncakeTraceReplaysTokenIdenticalOnTheCpuBackend) {
   test::write_file(dir.path() / "own.jsonl",
                    "{\"arrival_s\": 0, \"prompt_len\": 4, \"output_len\": 2}\n");
   const auto own = load_experiment(
-      kQuickstart, small({"workload.trace=\"" + (dir.path() / "own.jsonl").string() + "\"",
-                          "workload.replay={max_requests=3}"}));
+      kQuickstart, small({"workload={trace=\"" + (dir.path() / "own.jsonl").string() +
+                          "\", replay={max_requests=3}}"}));
   EXPECT_NE(test::error_of<Error>([&] {
               (void)run_experiment(own[1].config, false, nullptr);
             }).find("[workload.replay] is for a Mooncake trace"),
@@ -576,9 +576,9 @@ TEST(ExperimentLibrary, TenantListsAreChecked) {
   test::TempDir dir;
   test::write_file(dir / "t.csv", "arrival_s,prompt_len,output_len,tenant\n0,8,2,a\n0,8,2,b\n");
   auto run_error = [&](const std::string& tenants) {
-    auto runs = load_experiment(
-        kQuickstart, small({fmt::format("workload.trace=\"{}\"", (dir / "t.csv").string()),
-                            "workload.tenants=" + tenants}));
+    auto runs =
+        load_experiment(kQuickstart, small({fmt::format("workload={{trace=\"{}\", tenants={}}}",
+                                                        (dir / "t.csv").string(), tenants)}));
     return test::error_of<Error>([&] { (void)run_experiment(runs[0].config, false, nullptr); });
   };
   EXPECT_NE(run_error("[{name=\"a\", share=1}]").find("the trace names each request's tenant"),
@@ -612,14 +612,24 @@ TEST(ExperimentLibrary, RealWorkloadSectionsAreChecked) {
   // A setting the workload cannot honour is an error: the Azure trace draws no priorities.
   const auto azure = std::filesystem::path(KVLAB_SOURCE_DIR) / "data" / "azure-llm-inference-2023" /
                      "AzureLLMInferenceTrace_conv.csv";
-  EXPECT_NE(load_error({"workload.azure_trace={file=\"" + azure.string() + "\"}",
-                        "workload.priority_weights=[1.0, 2.0]"})
+  const std::string only_azure = "workload={azure_trace={file=\"" + azure.string() + "\"}}";
+  EXPECT_NE(load_error({only_azure, "workload.priority_weights=[1.0, 2.0]"})
                 .find("workload.priority_weights draws a priority for each synthetic request"),
             std::string::npos);
+  // ... and so are the synthetic workload's settings beside a trace's own requests (the
+  // quickstart's [workload] sets requests, arrival, rate and lengths), with what to do.
+  const std::string synthetic =
+      load_error({"workload.azure_trace={file=\"" + azure.string() + "\"}"});
+  for (const char* part : {"workload.arrival, workload.output_tokens, workload.prompt_tokens, "
+                           "workload.rate, workload.requests are the synthetic workload's",
+                           "--set 'workload={azure_trace={file=\"FILE\"}}'"})
+    EXPECT_NE(synthetic.find(part), std::string::npos) << synthetic;
+  EXPECT_NE(load_error({only_azure, "workload.ignore_eos=false"})
+                .find("workload.ignore_eos is the synthetic workload's"),
+            std::string::npos);
   // Repeats of a simulated trace replay would be one run N times: refused, with what to do.
-  const std::string repeats = load_error({"workload.azure_trace={file=\"" + azure.string() + "\"}",
-                                          "backend.name=\"simulated\"", "backend.profile=\"h200\"",
-                                          "experiment.repeats=3"});
+  const std::string repeats = load_error({only_azure, "backend.name=\"simulated\"",
+                                          "backend.profile=\"h200\"", "experiment.repeats=3"});
   EXPECT_NE(repeats.find("every repeat is the same run"), std::string::npos) << repeats;
   EXPECT_NE(repeats.find("workload.azure_trace.start_s"), std::string::npos) << repeats;
 }

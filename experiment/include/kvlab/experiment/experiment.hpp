@@ -103,6 +103,9 @@ struct ExperimentConfig {
   // [[workload.tenants]]: who sends the requests (drawn by share, or the trace's tenant column)
   // and each tenant's own SLOs over [slo] (docs/concepts/fairness-and-deadlines.md).
   std::vector<TenantSpec> tenants;
+  // The [workload] keys the file (or a --set) gave, for the check that a real workload (a
+  // trace, the Azure trace, a prompt set) is not handed synthetic settings it would ignore.
+  std::vector<std::string> workload_keys_given;
   // [cluster]: `replicas` copies of the serving stack (allocator, scheduler, backend, KV pool
   // each), every request routed at its arrival by the `router` plugin.
   std::int64_t replicas = 1;
