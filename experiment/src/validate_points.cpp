@@ -62,12 +62,19 @@ void check_workload_honoured(const ExperimentConfig& c) {
         real));
   const bool timed_by_the_machine =
       c.clock == EngineClock::measured || c.clock == EngineClock::wall;
-  if (c.repeats > 1 && (!c.trace.empty() || !c.azure_trace.empty()) &&
-      c.backend_kind == BackendKind::simulated && !timed_by_the_machine)
+  // On a priced clock a replay's times come from its lengths alone: fixed by the Azure and
+  // Mooncake traces (EOS ignored), by a kvlab trace with ignore_eos, and by the simulated
+  // backend's tokens whatever the seed.
+  const bool lengths_fixed =
+      c.backend_kind == BackendKind::simulated || !c.azure_trace.empty() ||
+      (!c.trace.empty() && (c.workload.ignore_eos || (std::filesystem::is_regular_file(c.trace) &&
+                                                      is_mooncake_trace(c.trace))));
+  if (c.repeats > 1 && (!c.trace.empty() || !c.azure_trace.empty()) && lengths_fixed &&
+      !timed_by_the_machine)
     throw Error(fmt::format(
-        "experiment.repeats = {} on {}: the simulated backend replays the trace's requests at "
-        "their times with their lengths, and the seed changes only token ids, so every repeat "
-        "is the same run (a \"± 0.000\" that is no confidence): set repeats = 1, and sweep "
+        "experiment.repeats = {} on {}: the run replays the trace's requests at their times "
+        "with their lengths on a priced clock, and the seed changes only token ids, so every "
+        "repeat is the same run (a \"± 0.000\" that is no confidence): set repeats = 1, and sweep "
         "time windows of the trace for independent samples (workload.azure_trace.start_s, "
         "[workload.replay] start_s)",
         c.repeats, real));

@@ -632,6 +632,9 @@ TEST(ExperimentLibrary, RealWorkloadSectionsAreChecked) {
                                           "backend.profile=\"h200\"", "experiment.repeats=3"});
   EXPECT_NE(repeats.find("every repeat is the same run"), std::string::npos) << repeats;
   EXPECT_NE(repeats.find("workload.azure_trace.start_s"), std::string::npos) << repeats;
+  // The cpu backend on the virtual clock prices the same lengths the same way: refused too.
+  EXPECT_NE(load_error({only_azure, "experiment.repeats=3"}).find("every repeat is the same run"),
+            std::string::npos);
 }
 
 // Every virtual-clock run is priced by a hardware profile's cost model: the cpu backend's
