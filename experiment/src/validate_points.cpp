@@ -36,39 +36,30 @@ std::vector<std::string> synthetic_keys_ignored(const ExperimentConfig& c) {
   return given;
 }
 
-// Settings the workload cannot honour are errors: synthetic settings beside a file's requests,
-// priorities drawn for requests a file gives, repeats of a replay that would be one run N times.
-void check_workload_honoured(const ExperimentConfig& c) {
-  const std::string real = !c.trace.empty()         ? c.trace
-                           : !c.azure_trace.empty() ? c.azure_trace
-                           : !c.prompt_set.empty()  ? c.prompt_set
-                                                    : std::string();
-  if (const auto ignored = real.empty() ? std::vector<std::string>{} : synthetic_keys_ignored(c);
-      !ignored.empty())
-    throw Error(fmt::format(
-        "{} {} the synthetic workload's, and the requests of {} would not use {}: delete {} "
-        "from [workload], or replace the whole table from the command line (--set "
-        "'workload={{{}}}')",
-        fmt::join(ignored, ", "), ignored.size() == 1 ? "is" : "are", real,
-        ignored.size() == 1 ? "it" : "them", ignored.size() == 1 ? "it" : "them",
-        !c.trace.empty()         ? "trace=\"FILE\""
-        : !c.azure_trace.empty() ? "azure_trace={file=\"FILE\"}"
-                                 : "prompts={file=\"FILE\"}, arrival=\"poisson\", rate=R"));
-  if (!real.empty() && c.workload.priority_weights != std::vector<double>{1.0})
-    throw Error(fmt::format(
-        "workload.priority_weights draws a priority for each synthetic request; the requests "
-        "of {} are not drawn (a kvlab trace carries its own priority column, the others have "
-        "none): delete priority_weights, or give the trace a priority column",
-        real));
+// Synthetic settings beside the requests of `real` (a file) are errors that say what to do.
+void check_no_synthetic_settings(const ExperimentConfig& c, const std::string& real) {
+  const std::vector<std::string> ignored = synthetic_keys_ignored(c);
+  if (ignored.empty()) return;
+  const bool one = ignored.size() == 1;
+  throw Error(fmt::format(
+      "{} {} the synthetic workload's, and the requests of {} would not use {}: delete {} from "
+      "[workload], or replace the whole table from the command line (--set 'workload={{{}}}')",
+      fmt::join(ignored, ", "), one ? "is" : "are", real, one ? "it" : "them", one ? "it" : "them",
+      !c.trace.empty()         ? "trace=\"FILE\""
+      : !c.azure_trace.empty() ? "azure_trace={file=\"FILE\"}"
+                               : "prompts={file=\"FILE\"}, arrival=\"poisson\", rate=R"));
+}
+
+// Repeats of a replay that would be one run N times are refused. On a priced clock a replay's
+// times come from its lengths alone: fixed by the Azure and Mooncake traces (EOS ignored), by a
+// kvlab trace with ignore_eos, and by the simulated backend's tokens whatever the seed.
+void check_repeats_differ(const ExperimentConfig& c, const std::string& real) {
   const bool timed_by_the_machine =
       c.clock == EngineClock::measured || c.clock == EngineClock::wall;
-  // On a priced clock a replay's times come from its lengths alone: fixed by the Azure and
-  // Mooncake traces (EOS ignored), by a kvlab trace with ignore_eos, and by the simulated
-  // backend's tokens whatever the seed.
-  const bool lengths_fixed =
-      c.backend_kind == BackendKind::simulated || !c.azure_trace.empty() ||
-      (!c.trace.empty() && (c.workload.ignore_eos || (std::filesystem::is_regular_file(c.trace) &&
-                                                      is_mooncake_trace(c.trace))));
+  const bool mooncake =
+      !c.trace.empty() && std::filesystem::is_regular_file(c.trace) && is_mooncake_trace(c.trace);
+  const bool lengths_fixed = c.backend_kind == BackendKind::simulated || !c.azure_trace.empty() ||
+                             (!c.trace.empty() && (c.workload.ignore_eos || mooncake));
   if (c.repeats > 1 && (!c.trace.empty() || !c.azure_trace.empty()) && lengths_fixed &&
       !timed_by_the_machine)
     throw Error(fmt::format(
@@ -78,6 +69,24 @@ void check_workload_honoured(const ExperimentConfig& c) {
         "time windows of the trace for independent samples (workload.azure_trace.start_s, "
         "[workload.replay] start_s)",
         c.repeats, real));
+}
+
+// Settings the workload cannot honour are errors: synthetic settings beside a file's requests,
+// priorities drawn for requests a file gives, repeats of a replay that would be one run N times.
+void check_workload_honoured(const ExperimentConfig& c) {
+  const std::string real = !c.trace.empty()         ? c.trace
+                           : !c.azure_trace.empty() ? c.azure_trace
+                           : !c.prompt_set.empty()  ? c.prompt_set
+                                                    : std::string();
+  if (real.empty()) return;
+  check_no_synthetic_settings(c, real);
+  if (c.workload.priority_weights != std::vector<double>{1.0})
+    throw Error(fmt::format(
+        "workload.priority_weights draws a priority for each synthetic request; the requests "
+        "of {} are not drawn (a kvlab trace carries its own priority column, the others have "
+        "none): delete priority_weights, or give the trace a priority column",
+        real));
+  check_repeats_differ(c, real);
 }
 
 // The workload's files exist and suit it (a Mooncake replay, a prompt set's tokenizer).
