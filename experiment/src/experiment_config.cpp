@@ -535,6 +535,19 @@ void parse_cluster(Section& s, ExperimentConfig& c) {
   c.decode_router = s.get<std::string>("decode_router").value_or(c.router);
   c.decode_router_params =
       s.node("decode_params") != nullptr ? plugin_params(s, "decode_params") : c.router_params;
+  for (auto [key, target] : {std::pair{"prefill_tensor_parallel", &c.prefill_tensor_parallel},
+                             std::pair{"decode_tensor_parallel", &c.decode_tensor_parallel}}) {
+    *target = s.get_int<std::int64_t>(key, 1, 1024);
+    if (!*target) continue;
+    if (!c.disaggregated())
+      s.fail(*s.node(key), fmt::format("cluster.{} is a side's GPUs per replica in a "
+                                       "disaggregated cluster: set cluster.prefill_replicas",
+                                       key));
+    if (**target > 1 && c.backend_kind != BackendKind::simulated)
+      s.fail(*s.node(key), fmt::format("cluster.{} is the simulated backend's GPUs per replica; "
+                                       "backend \"{}\" computes on one device",
+                                       key, c.backend));
+  }
 }
 
 }  // namespace

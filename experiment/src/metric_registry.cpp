@@ -276,13 +276,12 @@ const RunMetric kRunMetrics[] = {
      {{"goodput", "goodput req/s", "", 2}}},
     {"goodput_per_gpu",
      "requests/s/GPU",
-     "goodput per GPU: goodput_per_s / the cluster's GPUs (replicas x tensor_parallel x "
-     "context_parallel): how DistServe compares colocated and disaggregated clusters",
+     "goodput per GPU: goodput_per_s / the cluster's GPUs (each replica's tensor_parallel x "
+     "context_parallel, summed): how DistServe compares colocated and disaggregated clusters",
      "goodput_per_s / GPUs",
      true,
      [](const ExperimentConfig& c, const RunOutput& out) {
-       return json(out.summary.goodput_per_s /
-                   static_cast<double>(c.replicas * c.tensor_parallel * c.context_parallel));
+       return json(out.summary.goodput_per_s / static_cast<double>(c.gpus()));
      },
      {{"goodput_per_gpu", "goodput/GPU", "", 3}}},
     {"kv_transfer_s",

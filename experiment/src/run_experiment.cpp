@@ -82,13 +82,18 @@ std::pair<double, double> kv_use_and_prefix_hits(const std::vector<StepRecord>& 
 // A KV handoff's time: on a clock the profile prices, its bytes over the profile's [network];
 // on the measured clock, what copying the KV out really took (the copy in is the decode
 // replica's step); on the steps clock, none.
-std::function<double(std::int64_t, double)> transfer_price(
-    const ExperimentConfig& c, const std::optional<CostModel>& cost_model) {
+// Sides of different tensor parallelism: each GPU sends (or receives) its heads' share at once,
+// and the side with fewer GPUs moves the larger share.
+std::function<double(std::int64_t, double)> transfer_price(const ExperimentConfig& c,
+                                                           std::span<const ReplicaSizing> sizings) {
   if (c.clock == EngineClock::measured || c.clock == EngineClock::wall)
     return [](std::int64_t, double copy_out_s) { return copy_out_s; };
-  if (!cost_model) return [](std::int64_t, double) { return 0.0; };
-  const CostModel* model = &*cost_model;
-  return [model](std::int64_t bytes, double) { return model->kv_transfer_seconds(bytes); };
+  if (!sizings.front().cost_model) return [](std::int64_t, double) { return 0.0; };
+  const CostModel* prefill = &*sizings.front().cost_model;
+  const CostModel* decode = &*sizings.back().cost_model;
+  return [prefill, decode](std::int64_t bytes, double) {
+    return std::max(prefill->kv_transfer_seconds(bytes), decode->kv_transfer_seconds(bytes));
+  };
 }
 
 // Threads that step a cluster's replicas at once: the simulated backend's replicas under a
@@ -102,7 +107,7 @@ int replica_threads(const ExperimentConfig& c) {
 }
 
 void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
-                  const std::optional<CostModel>& cost_model,
+                  std::span<const ReplicaSizing> sizings,
                   std::vector<std::unique_ptr<ReplicaStack>>& stacks,
                   const std::vector<WorkloadRequest>& requests, RunOutput& out,
                   EngineSlots& slots) {
@@ -116,15 +121,18 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
     const auto split = engines.begin() + c.prefill_replicas;
     Disaggregation d{std::span<Engine* const>(engines.begin(), split),
                      std::span<Engine* const>(split, engines.end()), router.get(),
-                     decode_router.get(), transfer_price(c, cost_model)};
+                     decode_router.get(), transfer_price(c, sizings)};
     cluster = run_disaggregated(d, requests);
   } else {
     cluster = run_cluster(engines, *router, requests, replica_threads(c));
   }
   double hit_tokens = 0, query_tokens = 0;
-  for (const EngineResult& replica : cluster.replicas) {
+  for (std::size_t index = 0; index < cluster.replicas.size(); ++index) {
+    const EngineResult& replica = cluster.replicas[index];
     RunOutput::Replica r;
     r.summary = summarize_run(replica.requests, cluster.duration_s);
+    r.tensor_parallel = c.tensor_parallel_of(static_cast<std::int64_t>(index));
+    r.kv_slots = sizing_of(c, sizings, static_cast<std::int64_t>(index)).slots;
     r.requests = static_cast<std::int64_t>(replica.requests.size());
     std::tie(r.mean_kv_used, r.prefix_hit_rate) = kv_use_and_prefix_hits(replica.steps);
     if (!replica.steps.empty()) {
@@ -187,8 +195,9 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 
   ServedModel served = load_served_model(c, registry, simulated);
   const ModelConfig& model = served.config;
-  std::optional<CostModel> cost_model = run_cost_model(c, model);
-  const std::int64_t slots = pool_slots(c, model, simulated, cost_model);
+  const std::vector<ReplicaSizing> sizings = replica_sizings(c, model, simulated);
+  const std::optional<CostModel>& cost_model = sizings.front().cost_model;  // the prefill side's
+  const std::int64_t slots = sizings.front().slots;
   // Context, EOS and window from one place: the backend, the engine's KV release and the
   // reference check all use these, so `check` compares one model.
   const SequenceRules rules = sequence_rules(model, *served.attention);
@@ -196,7 +205,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   std::optional<EngineLogitLog> log;
   if (check && c.check_tolerance > 0) log.emplace(model.vocab_size, kComparedLogitBytes);
   std::vector<std::unique_ptr<ReplicaStack>> stacks =
-      make_replicas(c, registry, served, cost_model, slots, rules, log ? &*log : nullptr);
+      make_replicas(c, registry, served, sizings, rules, log ? &*log : nullptr);
   std::unique_ptr<Tokenizer> tokenizer;  // a prompt set's, to decode the answers
   const RealWorkload workload = make_requests_or_say_why(c, model, check, tokenizer);
   const std::vector<WorkloadRequest>& requests = workload.requests;
@@ -218,7 +227,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     for (std::size_t i = 0; i < requests.size(); ++i)
       served_by.emplace_back(0, static_cast<RequestId>(i));
   } else {
-    run_replicas(c, registry, cost_model, stacks, requests, out, served_by);
+    run_replicas(c, registry, sizings, stacks, requests, out, served_by);
   }
   out.engine_wall_s = seconds_since(engine_start);
   out.summary = summarize_run(out.engine.requests, out.engine.duration_s);

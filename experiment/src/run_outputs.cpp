@@ -152,6 +152,8 @@ nlohmann::json summary_json(const ExperimentConfig& c, const RunOutput& out) {
     j["router"] = c.router;
     for (const RunOutput::Replica& r : out.replicas)
       j["replicas"].push_back({{"requests", r.requests},
+                               {"tensor_parallel", r.tensor_parallel},
+                               {"kv_slots", r.kv_slots},
                                {"finished", r.summary.finished},
                                {"rejected", r.summary.rejected},
                                {"output_tokens_per_s", r.summary.output_tokens_per_s},

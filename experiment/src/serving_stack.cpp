@@ -40,11 +40,12 @@ std::int64_t gib_bytes(double gib) {
 
 std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                                            const PluginRegistry& registry,
-                                           const ServedModel& served,
-                                           const std::optional<CostModel>& cost_model,
-                                           std::int64_t slots, const SequenceRules& rules,
-                                           EngineLogitLog* log, std::size_t replica) {
+                                           const ServedModel& served, const ReplicaSizing& sizing,
+                                           const SequenceRules& rules, EngineLogitLog* log,
+                                           std::size_t replica) {
   const ModelConfig& model = served.config;
+  const std::optional<CostModel>& cost_model = sizing.cost_model;
+  const std::int64_t slots = sizing.slots;
   auto r = std::make_unique<ReplicaStack>();
   // Bookkeeping only: the backend brings where K/V live (cpu: this pool's host storage; cuda:
   // its device pool, attached). The simulated device's dtype (the profile's) sizes swaps.
@@ -128,11 +129,12 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
 
 // The cost model that prices the run's steps: the profile's device; the cpu backend's run is
 // priced with its own KV dtype (kv_cache.dtype).
-std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model) {
+std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model,
+                                        std::int64_t tensor_parallel) {
   if (c.profile.empty()) return std::nullopt;
   HardwareProfile profile = load_hardware_profile(c.profile, c.hardware_changes);
   if (c.backend_kind == BackendKind::cpu) profile.kv_dtype = c.kv_dtype;
-  return CostModel(model, profile, c.tensor_parallel, c.context_parallel);
+  return CostModel(model, profile, tensor_parallel, c.context_parallel);
 }
 
 // The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
@@ -167,13 +169,32 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
   return slots;
 }
 
+std::vector<ReplicaSizing> replica_sizings(const ExperimentConfig& c, const ModelConfig& model,
+                                           bool simulated) {
+  std::vector<ReplicaSizing> sizings;
+  const std::int64_t sides =
+      c.disaggregated() && c.tensor_parallel_of(0) != c.tensor_parallel_of(c.replicas - 1) ? 2 : 1;
+  sizings.reserve(2);  // no reallocation: engines point at the cost models
+  for (std::int64_t side = 0; side < sides; ++side) {
+    ReplicaSizing& s = sizings.emplace_back();
+    s.cost_model = run_cost_model(c, model, c.tensor_parallel_of(side == 0 ? 0 : c.replicas - 1));
+    s.slots = pool_slots(c, model, simulated, s.cost_model);
+  }
+  return sizings;
+}
+
+const ReplicaSizing& sizing_of(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,
+                               std::int64_t replica) {
+  return sizings.size() > 1 && replica >= c.prefill_replicas ? sizings[1] : sizings[0];
+}
+
 // Every replica's stack. Each holds its own KV pool: their sum is checked against the machine
 // first, and running out of memory while building them names [cluster] replicas and the pool.
 std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
     const ExperimentConfig& c, const PluginRegistry& registry, const ServedModel& served,
-    const std::optional<CostModel>& cost_model, std::int64_t slots, const SequenceRules& rules,
-    EngineLogitLog* log) {
+    std::span<const ReplicaSizing> sizings, const SequenceRules& rules, EngineLogitLog* log) {
   const ModelConfig& m = served.config;
+  const std::int64_t slots = sizings.front().slots;  // the host pools' (one sizing off simulated)
   const double pool_bytes = 2.0 * static_cast<double>(slots) *
                             static_cast<double>(m.num_hidden_layers) *
                             static_cast<double>(m.num_key_value_heads * m.head_dim) *
@@ -193,7 +214,7 @@ std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
   std::vector<std::unique_ptr<ReplicaStack>> stacks;
   try {
     for (std::int64_t r = 0; r < c.replicas; ++r)
-      stacks.push_back(make_replica(c, registry, served, cost_model, slots, rules, log,
+      stacks.push_back(make_replica(c, registry, served, sizing_of(c, sizings, r), rules, log,
                                     static_cast<std::size_t>(r)));
   } catch (const std::bad_alloc&) {
     throw Error(

@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -42,9 +43,23 @@ struct ServedModel {
 
 ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
                               bool simulated);
-std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model);
+std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model,
+                                        std::int64_t tensor_parallel);
 std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, bool simulated,
                         const std::optional<CostModel>& cost_model);
+
+// What prices and sizes a replica: the cost model of its GPUs and its pool's capacity.
+struct ReplicaSizing {
+  std::optional<CostModel> cost_model;
+  std::int64_t slots = 0;
+};
+// One sizing for every replica, or two for a disaggregated cluster whose sides have their own
+// tensor parallelism: [0] the prefill side's, [1] the decode side's. Built once: engines keep
+// pointers to the cost models.
+std::vector<ReplicaSizing> replica_sizings(const ExperimentConfig& c, const ModelConfig& model,
+                                           bool simulated);
+const ReplicaSizing& sizing_of(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,
+                               std::int64_t replica);
 
 // One serving stack: its KV pool, allocator, scheduler, backend and engine (a cluster has one per
 // replica). Members are destroyed in reverse: the device backend detaches before its pool goes.
@@ -65,8 +80,7 @@ ParamMap backend_params(const ExperimentConfig& c);
 
 std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
     const ExperimentConfig& c, const PluginRegistry& registry, const ServedModel& served,
-    const std::optional<CostModel>& cost_model, std::int64_t slots, const SequenceRules& rules,
-    EngineLogitLog* log);
+    std::span<const ReplicaSizing> sizings, const SequenceRules& rules, EngineLogitLog* log);
 
 // The workload's requests; running out of memory is reported as the workload's.
 RealWorkload make_requests_or_say_why(const ExperimentConfig& c, const ModelConfig& model,

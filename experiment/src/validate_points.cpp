@@ -159,8 +159,10 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (!c.profile.empty()) {
     const HardwareProfile profile = load_hardware_profile(c.profile, c.hardware_changes);
     // Tensor parallelism: the GPUs divide the heads, the profile prices their all-reduces.
-    if (c.tensor_parallel > 1 || c.context_parallel > 1)
-      (void)CostModel(source.config, profile, c.tensor_parallel, c.context_parallel);
+    for (const std::int64_t tp :
+         {c.tensor_parallel, c.tensor_parallel_of(0), c.tensor_parallel_of(c.replicas - 1)})
+      if (tp > 1 || c.context_parallel > 1)
+        (void)CostModel(source.config, profile, tp, c.context_parallel);
   }
   check_workload_files(c, source);
   check_workload_honoured(c);

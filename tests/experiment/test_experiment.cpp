@@ -368,6 +368,57 @@ TEST(ExperimentLibrary, DisaggregatedHandoffsArePricedOverTheProfilesNetwork) {
   EXPECT_EQ(out.replicas[2].requests + out.replicas[3].requests, 60);  // decode side
 }
 
+// Each side its own tensor parallelism (DistServe's prefill TP 2 beside decode TP 1): each
+// replica's pool is its GPUs' (a TP-2 replica holds half the weights per GPU: more KV), steps
+// are priced for its GPUs, the handoff at the single decode GPU's share, and goodput per GPU
+// counts 2 + 1 + 1.
+TEST(ExperimentLibrary, DisaggregatedSidesHaveTheirOwnTensorParallelism) {
+  const auto runs = load_experiment(
+      std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "disaggregation.toml",
+      {std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+       "workload.requests=60", "cluster.replicas=3", "cluster.prefill_replicas=1",
+       "cluster.prefill_tensor_parallel=2", "cluster.decode_tensor_parallel=1"});
+  ASSERT_EQ(runs.size(), 1u);  // the file's sweep over prefill_replicas replaced
+  ExperimentConfig c = runs[0].config;
+  ASSERT_EQ(c.prefill_replicas, 1);
+  EXPECT_EQ(c.tensor_parallel_of(0), 2);
+  EXPECT_EQ(c.tensor_parallel_of(2), 1);
+  EXPECT_EQ(c.gpus(), 4);
+  validate_experiment(runs, false);
+  const RunOutput out = run_experiment(c, false, nullptr);
+  ASSERT_EQ(out.summary.finished, 60);
+  const ModelConfig model = model_preset("llama2-7b");
+  const CostModel tp1(model, load_hardware_profile("a100-80gb"));
+  const CostModel tp2(model, load_hardware_profile("a100-80gb"), 2);
+  ASSERT_EQ(out.replicas.size(), 3u);
+  EXPECT_EQ(out.replicas[0].tensor_parallel, 2);
+  EXPECT_EQ(out.replicas[0].kv_slots, tp2.kv_capacity_tokens() / 256 * 256);
+  EXPECT_EQ(out.replicas[1].kv_slots, tp1.kv_capacity_tokens() / 256 * 256);
+  EXPECT_GT(out.replicas[0].kv_slots, 2 * out.replicas[1].kv_slots);  // weights split in two
+  for (const auto& r : out.engine.requests) {
+    const std::int64_t bytes = r.kv_transfer_bytes;
+    EXPECT_NEAR(*r.kv_arrival_s - r.token_times_s.front(), tp1.kv_transfer_seconds(bytes), 1e-9)
+        << r.id;  // the decode GPU takes all of it
+  }
+  const nlohmann::json goodput = [&] {
+    for (const RunMetric& m : run_metrics())
+      if (m.name == "goodput_per_gpu") return m.extract(c, out);
+    return nlohmann::json();
+  }();
+  EXPECT_DOUBLE_EQ(goodput.get<double>(), out.summary.goodput_per_s / 4);
+  // A side's TP needs a disaggregated cluster and the simulated backend.
+  EXPECT_NE(test::error_of<Error>([] {
+              (void)load_experiment(kQuickstart, small({"cluster.prefill_tensor_parallel=2"}));
+            }).find("set cluster.prefill_replicas"),
+            std::string::npos);
+  EXPECT_NE(test::error_of<Error>([] {
+              (void)load_experiment(kQuickstart,
+                                    small({"cluster.replicas=2", "cluster.prefill_replicas=1",
+                                           "cluster.decode_tensor_parallel=2"}));
+            }).find("the simulated backend's GPUs per replica"),
+            std::string::npos);
+}
+
 // [kv_tiers] mistakes are named before anything runs.
 TEST(ExperimentLibrary, KvTierMistakesAreClearErrors) {
   auto error = [](std::vector<std::string> more) {

@@ -327,15 +327,28 @@ TEST(Lesson, DisaggregationServesMorePerGpuOnlyUnderATightTpotSlo) {
 // 4 x A100-80GB, 300 ShareGPT-like requests, P90 TTFT <= 200 ms and P90 TPOT <= 100 ms. Its
 // figure: the highest arrival rate per GPU meeting both, by binary search to within 0.25
 // req/s/GPU (its README's settings); DistServe's simulator reports 1.56, disaggregated (prefill
-// TP 2, decode TP 1). kvlab searches the splits it can express (every replica one GPU: colocated,
-// P:D 1:3, 2:2, 3:1; or two: colocated, 1:1). Its roofline A100 is far faster than DistServe's
-// profiled engine (docs/concepts/disaggregation.md), so its figure is far higher; and at a TPOT
-// SLO this loose for its step times, colocation is not beaten, as in the lesson above.
-double distserve_rate_per_gpu(ExperimentConfig c, std::int64_t gpus_per_replica,
-                              std::int64_t prefill_replicas) {
-  c.tensor_parallel = gpus_per_replica;
-  c.replicas = 4 / gpus_per_replica;
-  c.prefill_replicas = prefill_replicas;
+// TP 2, decode TP 1). kvlab searches every way to split the 4 GPUs (every replica one GPU:
+// colocated, P:D 1:3, 2:2, 3:1; two: colocated, 1:1; and DistServe's own shape, one prefill
+// replica of TP 2 beside two decode replicas of TP 1). Its roofline A100 is far faster than
+// DistServe's profiled engine (docs/concepts/disaggregation.md), so its figure is far higher;
+// and at a TPOT SLO this loose for its step times, colocation is not beaten, as in the lesson
+// above.
+struct GpuSplit {
+  std::int64_t prefill_replicas, prefill_tp, decode_tp;  // a colocated split: prefill_replicas 0
+  std::int64_t replicas() const {
+    const std::int64_t decode_gpus = 4 - prefill_replicas * prefill_tp;
+    return prefill_replicas + decode_gpus / decode_tp;
+  }
+};
+double distserve_rate_per_gpu(ExperimentConfig c, const GpuSplit& split) {
+  c.tensor_parallel = split.decode_tp;
+  c.replicas = split.replicas();
+  c.prefill_replicas = split.prefill_replicas;
+  if (split.prefill_replicas > 0) {
+    c.prefill_tensor_parallel = split.prefill_tp;
+    c.decode_tensor_parallel = split.decode_tp;
+  }
+  EXPECT_EQ(c.gpus(), 4);
   auto meets = [&](double per_gpu) {
     c.workload.arrival.rate_per_s = per_gpu * 4;
     const RunOutput out = run_experiment(c, false, nullptr);
@@ -352,12 +365,14 @@ TEST(Lesson, DistServeOpt13bExampleReplayed) {
       load_experiment(experiment_file("distserve_opt13b.toml"),
                       {std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]"});
   const ExperimentConfig base = runs.front().config;  // colocated
-  const double colocated = distserve_rate_per_gpu(base, 1, 0);
+  const double colocated = distserve_rate_per_gpu(base, {0, 1, 1});
   std::string table = fmt::format("colocated tp1 {:.3f};", colocated);
-  for (const auto& [gpus, prefill] :
-       std::vector<std::pair<std::int64_t, std::int64_t>>{{1, 1}, {1, 2}, {1, 3}, {2, 0}, {2, 1}}) {
-    const double rate = distserve_rate_per_gpu(base, gpus, prefill);
-    table += fmt::format(" tp{} prefill {}: {:.3f};", gpus, prefill, rate);
+  const GpuSplit splits[] = {{1, 1, 1}, {2, 1, 1}, {3, 1, 1}, {0, 2, 2}, {1, 2, 2}, {1, 2, 1}};
+  for (const GpuSplit& split : splits) {
+    const double rate = distserve_rate_per_gpu(base, split);
+    table += fmt::format(" {} prefill x tp{}, {} x tp{}: {:.3f};", split.prefill_replicas,
+                         split.prefill_tp, split.replicas() - split.prefill_replicas,
+                         split.decode_tp, rate);
     EXPECT_GE(colocated, rate) << table;
   }
   std::cout << "DistServe example: kvlab " << table << " (DistServe's simulator: 1.56)\n";

@@ -117,7 +117,22 @@ struct ExperimentConfig {
   std::int64_t prefill_replicas = 0;
   std::string decode_router;
   ParamMap decode_router_params;
+  // Each side's GPUs per replica (tensor parallel; the simulated backend): DistServe's best
+  // OPT-13B shape is prefill TP 2 beside decode TP 1. Unset: backend.tensor_parallel.
+  std::optional<std::int64_t> prefill_tensor_parallel, decode_tensor_parallel;
   bool disaggregated() const { return prefill_replicas > 0; }
+  // The tensor-parallel GPUs of replica `replica` (its side's in a disaggregated cluster).
+  std::int64_t tensor_parallel_of(std::int64_t replica) const {
+    if (!disaggregated()) return tensor_parallel;
+    return (replica < prefill_replicas ? prefill_tensor_parallel : decode_tensor_parallel)
+        .value_or(tensor_parallel);
+  }
+  // Every GPU of the run: each replica's tensor x context parallel GPUs.
+  std::int64_t gpus() const {
+    std::int64_t all = 0;
+    for (std::int64_t r = 0; r < replicas; ++r) all += tensor_parallel_of(r) * context_parallel;
+    return all;
+  }
   std::string output_dir;  // empty: results/<name>
   // [output] columns: what the summary table adds for this experiment (metric_column_options,
   // kvlab/experiment/metric_registry.hpp).
@@ -211,6 +226,7 @@ struct RunOutput {
   struct Replica {
     RunSummary summary;
     std::int64_t requests = 0;
+    std::int64_t tensor_parallel = 1, kv_slots = 0;  // its GPUs and its pool (sides may differ)
     double mean_kv_used = 0;
     double prefix_hit_rate = 0;
   };
