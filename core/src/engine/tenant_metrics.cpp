@@ -10,17 +10,17 @@ namespace kvlab {
 std::vector<TenantSummary> summarize_tenants(std::span<const RequestTimeline> requests,
                                              double duration_s,
                                              const ServiceLevelObjectives& instead) {
+  std::vector<TenantSummary> tenants;
+  if (std::none_of(requests.begin(), requests.end(),
+                   [](const RequestTimeline& r) { return !r.tenant.empty(); }))
+    return tenants;  // before copying anything: every run's metrics ask
   std::vector<std::string> order;  // by first arrival (requests are in submission order)
   std::map<std::string, std::vector<RequestTimeline>> by_tenant;
-  bool any_named = false;
   for (const RequestTimeline& r : requests) {
-    any_named = any_named || !r.tenant.empty();
     auto [it, added] = by_tenant.try_emplace(r.tenant);
     if (added) order.push_back(r.tenant);
     it->second.push_back(r);
   }
-  std::vector<TenantSummary> tenants;
-  if (!any_named) return tenants;
   for (const std::string& name : order) {
     const std::vector<RequestTimeline>& own = by_tenant[name];
     TenantSummary t{name, summarize_run(own, duration_s, instead)};
