@@ -287,7 +287,8 @@ const RunMetric kRunMetrics[] = {
     {"kv_transfer_s",
      "s",
      "disaggregated prefill and decode: the KV handoff of a request, from its first token on the "
-     "prefill replica to the KV's arrival on its decode replica",
+     "prefill replica to the KV's arrival on its decode replica (waiting for a busy link "
+     "included)",
      "over handed-off requests: mean, p50, p90, p99, max",
      true,
      SUMMARY(latency_json(out.summary.kv_transfer_s)),

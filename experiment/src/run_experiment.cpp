@@ -120,8 +120,11 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
         registry.create<PluginKind::router>(c.decode_router, c.decode_router_params, {});
     const auto split = engines.begin() + c.prefill_replicas;
     Disaggregation d{std::span<Engine* const>(engines.begin(), split),
-                     std::span<Engine* const>(split, engines.end()), router.get(),
-                     decode_router.get(), transfer_price(c, sizings)};
+                     std::span<Engine* const>(split, engines.end()),
+                     router.get(),
+                     decode_router.get(),
+                     transfer_price(c, sizings),
+                     c.clock != EngineClock::measured && c.clock != EngineClock::wall};
     cluster = run_disaggregated(d, requests);
   } else {
     cluster = run_cluster(engines, *router, requests, replica_threads(c));

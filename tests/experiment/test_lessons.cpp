@@ -313,6 +313,9 @@ TEST(Lesson, DisaggregationServesMorePerGpuOnlyUnderATightTpotSlo) {
     }
     const std::string at = fmt::format("seed {}: colocated {} / 1:3 {} / 2:2 {} / 3:1 {} req/s/GPU",
                                        seed, best[0][0], best[0][1], best[0][2], best[0][3]);
+    std::cout << "disaggregation lesson, tight TPOT: " << at << "; loose TPOT: colocated "
+              << best[1][0] << " / 1:3 " << best[1][1] << " / 2:2 " << best[1][2] << " / 3:1 "
+              << best[1][3] << "\n";
     EXPECT_GE(best[0][2], 1.4 * best[0][0]) << "tight TPOT, " << at;
     EXPECT_GT(best[0][2], best[0][1]) << "tight TPOT, " << at;
     EXPECT_GT(best[0][2], best[0][3]) << "tight TPOT, " << at;

@@ -68,6 +68,7 @@ class DisaggregatedRun {
     engines_.assign(c.prefill.begin(), c.prefill.end());
     engines_.insert(engines_.end(), c.decode.begin(), c.decode.end());
     local_to_index_.resize(c.prefill.size());
+    link_free_.assign(engines_.size(), 0.0);
     result_.routes.resize(requests.size());
     result_.decode_routes.resize(requests.size());
   }
@@ -111,8 +112,9 @@ class DisaggregatedRun {
   }
   void route_prefill(std::size_t index) {
     const WorkloadRequest& w = requests_[index];
-    const RouteRecord route = route_to(c_.prefill, *c_.prefill_router, w, index, w.arrival_s,
-                                       [&](Engine& e) { return e.submit_for_prefill(w); });
+    const RouteRecord route =
+        route_to(c_.prefill, *c_.prefill_router, w, index, w.arrival_s,
+                 [&](Engine& e, std::size_t) { return e.submit_for_prefill(w); });
     local_to_index_[route.replica].push_back(index);
     result_.routes[index] = route;
   }
@@ -121,11 +123,13 @@ class DisaggregatedRun {
     PendingHandoff p = std::move(const_cast<PendingHandoff&>(pending_.top()));
     pending_.pop();
     WorkloadRequest& w = decode_requests_.emplace_back(requests_[p.index]);
-    w.arrival_s = p.time_s + c_.transfer_seconds(p.handoff.bytes, p.handoff.copy_out_s);
+    const double price = c_.transfer_seconds(p.handoff.bytes, p.handoff.copy_out_s);
     const std::int64_t bytes = p.handoff.bytes;
-    RouteRecord route =
-        route_to(c_.decode, *c_.decode_router, w, p.index, p.time_s,
-                 [&](Engine& e) { return e.submit_with_kv(w, std::move(p.handoff)); });
+    RouteRecord route = route_to(c_.decode, *c_.decode_router, w, p.index, p.time_s,
+                                 [&](Engine& e, std::size_t replica) {
+                                   w.arrival_s = transfer_end(p, replica, price);
+                                   return e.submit_with_kv(w, std::move(p.handoff));
+                                 });
     route.replica += c_.prefill.size();
     route.time_s = w.arrival_s;
     route.kv_bytes = bytes;
@@ -147,7 +151,17 @@ class DisaggregatedRun {
     if (d.replica >= side.size())
       throw Error(fmt::format("router sent request {} to replica {}, but that side has {}", index,
                               d.replica, side.size()));
-    return {d.replica, submit(*side[d.replica]), time_s, d.reason};
+    return {d.replica, submit(*side[d.replica], d.replica), time_s, d.reason};
+  }
+  // When a handoff's KV has crossed to decode replica `replica`: `price` after both links are
+  // free (links_contend), else after its handoff.
+  double transfer_end(const PendingHandoff& p, std::size_t replica, double price) {
+    if (!c_.links_contend) return p.time_s + price;
+    double& from = link_free_[result_.routes[p.index].replica];
+    double& to = link_free_[c_.prefill.size() + replica];
+    const double end = std::max({p.time_s, from, to}) + price;
+    from = to = end;
+    return end;
   }
 
   const Disaggregation& c_;
@@ -158,6 +172,7 @@ class DisaggregatedRun {
   std::vector<std::vector<std::size_t>> local_to_index_;  // per prefill replica: local id -> index
   std::priority_queue<PendingHandoff, std::vector<PendingHandoff>, std::greater<>> pending_;
   std::deque<WorkloadRequest> decode_requests_;  // outlive the run (engines keep pointers)
+  std::vector<double> link_free_;  // by engine (prefill, then decode): its link busy until
   ClusterResult result_;
 };
 

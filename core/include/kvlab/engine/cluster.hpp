@@ -43,6 +43,10 @@ struct Disaggregation {
   Router* prefill_router = nullptr;
   Router* decode_router = nullptr;
   std::function<double(std::int64_t bytes, double copy_out_s)> transfer_seconds;
+  // Whole-request transfers share each replica's link: a handoff starts when its prefill
+  // replica's and its decode replica's links are both free (first come, first served), so
+  // transfers that overlap queue. Off for clocks that time the real copies (measured, wall).
+  bool links_contend = true;
 };
 ClusterResult run_disaggregated(const Disaggregation& cluster,
                                 const std::vector<WorkloadRequest>& requests);
