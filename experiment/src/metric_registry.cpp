@@ -249,7 +249,7 @@ const RunMetric kRunMetrics[] = {
      "tokens",
      "the fairness gap of the VTC paper (OSDI 2024): the largest difference in service received "
      "(prompt + output tokens, each counted when its token comes) between two tenants over an "
-     "interval in which both had requests waiting",
+     "interval in which both had requests waiting (among the 64 busiest tenants)",
      "over the run; null without tenants",
      true,
      [](const ExperimentConfig&, const RunOutput& out) {

@@ -116,6 +116,15 @@ TEST(Metrics, ServiceGapIsTheLargestDifferenceWhileBothWait) {
   EXPECT_DOUBLE_EQ(max_service_gap_tokens(runs), 12.0);
   const std::vector<RequestTimeline> one{a0, a1};
   EXPECT_DOUBLE_EQ(max_service_gap_tokens(one), 0.0);
+  // A trace naming a thousand users: pairs of the 64 busiest only (a and b among them), the
+  // same gap; the others' single requests never wait beside another.
+  std::vector<RequestTimeline> crowd = runs;
+  for (int u = 0; u < 1000; ++u) {
+    RequestTimeline r = finished(5 + u, 100.0 + u, 100.0 + u, {100.5 + u});
+    r.tenant = "user" + std::to_string(u);
+    crowd.push_back(r);
+  }
+  EXPECT_DOUBLE_EQ(max_service_gap_tokens(crowd), 12.0);
 }
 
 TEST(Metrics, ALostRequestIsAnError) {

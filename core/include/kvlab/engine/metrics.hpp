@@ -99,7 +99,9 @@ std::vector<TenantSummary> summarize_tenants(std::span<const RequestTimeline> re
 // The fairness gap of "Fairness in Serving LLMs" (VTC, OSDI 2024): the largest difference in
 // service received (prompt tokens when the first token comes, each output token when it
 // comes) between two tenants over any interval in which both are backlogged (each has a
-// request that arrived and was not yet first scheduled). 0 with fewer than two tenants.
+// request that arrived and was not yet first scheduled). 0 with fewer than two tenants; with
+// more than kMaxGapTenants, among the kMaxGapTenants busiest (most requests and tokens).
+inline constexpr std::size_t kMaxGapTenants = 64;
 double max_service_gap_tokens(std::span<const RequestTimeline> requests);
 
 }  // namespace kvlab
