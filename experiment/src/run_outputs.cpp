@@ -2,6 +2,8 @@
 // registry's metrics), and outputs.jsonl / logprobs.jsonl when the workload has them.
 #include <fmt/format.h>
 
+#include <future>
+
 #include <iterator>
 #include <nlohmann/json.hpp>
 #include <string_view>
@@ -180,14 +182,20 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
     fill(text);
     write_file(directory / name, std::string_view(text.data(), text.size()));
   };
+  // steps.csv and events.jsonl (a long run's largest files) are made on a second thread while
+  // requests.csv and summary.json are made here; its errors surface at get() (and a throw here
+  // waits for it in the future's destructor).
+  auto steps_and_events = std::async(std::launch::async, [&] {
+    write("steps.csv", [&](Text& f) {
+      write_steps_csv(f, out, c.clock == EngineClock::measured || c.clock == EngineClock::wall);
+    });
+    write("events.jsonl", [&](Text& f) {
+      for (const auto& event : out.engine.events) put(f, "{}\n", event_json(event));
+    });
+  });
   write("requests.csv", [&](Text& f) { write_requests_csv(f, out); });
-  write("steps.csv", [&](Text& f) {
-    write_steps_csv(f, out, c.clock == EngineClock::measured || c.clock == EngineClock::wall);
-  });
-  write("events.jsonl", [&](Text& f) {
-    for (const auto& event : out.engine.events) put(f, "{}\n", event_json(event));
-  });
   write("summary.json", [&](Text& f) { put(f, "{}\n", summary_json(c, out).dump(2)); });
+  steps_and_events.get();
   if (!out.answer_texts.empty())
     write("outputs.jsonl", [&](Text& f) { write_outputs_jsonl(f, out); });
   if (c.workload.logprobs >= 0)
