@@ -125,6 +125,14 @@ TEST(Metrics, ServiceGapIsTheLargestDifferenceWhileBothWait) {
     crowd.push_back(r);
   }
   EXPECT_DOUBLE_EQ(max_service_gap_tokens(crowd), 12.0);
+  // Service at one instant counts at once: two tenants served alike at the same times never
+  // differ, whichever of their events comes first in a list.
+  RequestTimeline x = finished(0, 0.0, 1.0, {2.0, 3.0}), y = finished(1, 0.0, 1.0, {2.0, 3.0});
+  RequestTimeline x2 = finished(2, 0.0, 4.0, {5.0}), y2 = finished(3, 0.0, 4.0, {5.0});
+  x.tenant = x2.tenant = a;
+  y.tenant = y2.tenant = b;
+  EXPECT_DOUBLE_EQ(max_service_gap_tokens(std::vector<RequestTimeline>{x, y, x2, y2}), 0.0);
+  EXPECT_DOUBLE_EQ(max_service_gap_tokens(std::vector<RequestTimeline>{y, x, y2, x2}), 0.0);
 }
 
 TEST(Metrics, ALostRequestIsAnError) {

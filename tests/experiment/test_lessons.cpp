@@ -415,7 +415,7 @@ std::map<std::string, TenantSummary> by_tenant(const RunOutput& out) {
 // with the overload: it more than doubles when the run doubles (x2.3 on seeds 1-3; 141k-162k
 // tokens at 600 requests). vtc keeps it under a bound that does not grow with the run: one full
 // batch's work, 2 x (max prompt + max_batch x max output) = 2 x (768 + 64 x 384) = 50,688
-// tokens (3.9k-8.7k measured). The light tenant's median TTFT falls to under half of fcfs's
+// tokens (3.8k-8.3k measured). The light tenant's median TTFT falls to under half of fcfs's
 // (0.34-0.41x): the heavy one can no longer queue it out.
 TEST(Lesson, VtcBoundsTheServiceGapThatFcfsLetsGrow) {
   constexpr double kBound = 2.0 * (768 + 64 * 384);

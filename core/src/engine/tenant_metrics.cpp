@@ -69,15 +69,20 @@ std::vector<std::vector<TenantEvent>> tenant_events(std::span<const RequestTimel
 
 // The largest |service(f) - service(g)| over an interval in which both f and g stay backlogged:
 // the range of the difference of their cumulative service within each such period.
-double pair_gap(std::span<const TenantEvent> events, std::size_t f, std::size_t g) {
+// `events`: f's and another tenant's, merged in time order.
+double pair_gap(std::span<const TenantEvent> events, std::size_t f) {
   double served_f = 0, served_g = 0, gap = 0, low = 0, high = 0;
   std::int64_t queued_f = 0, queued_g = 0;
   bool both = false;
-  for (const TenantEvent& e : events) {
-    if (e.tenant != f && e.tenant != g) continue;
-    const std::int64_t change = e.order == 0 ? 1 : e.order == 2 ? -1 : 0;
-    (e.tenant == f ? queued_f : queued_g) += change;
-    (e.tenant == f ? served_f : served_g) += e.tokens;
+  // Events of one instant and kind apply together (their order among tenants is no order).
+  for (std::size_t i = 0; i < events.size();) {
+    const TenantEvent& first = events[i];
+    for (; i < events.size() && !(first < events[i]); ++i) {
+      const TenantEvent& e = events[i];
+      const std::int64_t change = e.order == 0 ? 1 : e.order == 2 ? -1 : 0;
+      (e.tenant == f ? queued_f : queued_g) += change;
+      (e.tenant == f ? served_f : served_g) += e.tokens;
+    }
     const double difference = served_f - served_g;
     if (both) {
       low = std::min(low, difference);
@@ -110,7 +115,7 @@ double max_service_gap_tokens(std::span<const RequestTimeline> requests) {
       std::merge(events[f].begin(), events[f].end(), events[g].begin(), events[g].end(),
                  std::back_inserter(both));
       if (!events[f].empty() && !events[g].empty())
-        gap = std::max(gap, pair_gap(both, events[f].front().tenant, events[g].front().tenant));
+        gap = std::max(gap, pair_gap(both, events[f].front().tenant));
     }
   return gap;
 }
