@@ -56,14 +56,13 @@ json ttft_by_priority(const ExperimentConfig& c, const RunOutput& out) {
 // A per-tenant value: {tenant: value(its TenantSummary)}, null for a run without tenants.
 template <typename Value>
 json by_tenant(const ExperimentConfig&, const RunOutput& out, Value value) {
-  const std::vector<TenantSummary> tenants =
-      summarize_tenants(out.engine.requests, out.engine.duration_s);
-  if (tenants.empty()) return json();
+  if (out.tenants.empty()) return json();
   json all = json::object();
-  for (const TenantSummary& t : tenants) all[t.tenant] = value(t);
+  for (const TenantSummary& t : out.tenants) all[t.tenant] = value(t);
   return all;
 }
 
+// SLO attainment: requests meeting every SLO set / submitted (the run's, or a tenant's).
 json slo_fraction(const RunSummary& s) {
   return s.submitted ? static_cast<double>(s.slo_met) / static_cast<double>(s.submitted) : 0.0;
 }
@@ -253,11 +252,7 @@ const RunMetric kRunMetrics[] = {
      "over the run; null without tenants",
      true,
      [](const ExperimentConfig&, const RunOutput& out) {
-       const auto& requests = out.engine.requests;
-       if (std::none_of(requests.begin(), requests.end(),
-                        [](const RequestTimeline& r) { return !r.tenant.empty(); }))
-         return json();
-       return json(max_service_gap_tokens(out.engine.requests));
+       return out.service_gap_tokens ? json(*out.service_gap_tokens) : json();
      },
      {{"tenants", "service gap (tok)", "", 0}}},
     {"slo_met",
@@ -314,9 +309,7 @@ const RunMetric kRunMetrics[] = {
      "SLO attainment: requests meeting every SLO set / submitted",
      "slo_met / submitted",
      false,
-     SUMMARY(out.summary.submitted ? static_cast<double>(out.summary.slo_met) /
-                                         static_cast<double>(out.summary.submitted)
-                                   : 0.0),
+     SUMMARY(slo_fraction(out.summary)),
      {{"slo_attainment", "SLO met", "", 1, true}}},
     {"preemptions",
      "count",

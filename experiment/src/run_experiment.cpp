@@ -234,6 +234,8 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   }
   out.engine_wall_s = seconds_since(engine_start);
   out.summary = summarize_run(out.engine.requests, out.engine.duration_s);
+  out.tenants = summarize_tenants(out.engine.requests, out.engine.duration_s);
+  if (!out.tenants.empty()) out.service_gap_tokens = max_service_gap_tokens(out.engine.requests);
   for (std::size_t i = 0; tokenizer && i < out.engine.tokens.size(); ++i) {
     std::span<const std::int32_t> answer = out.engine.tokens[i];
     if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);

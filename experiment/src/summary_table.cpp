@@ -14,6 +14,8 @@
 namespace kvlab {
 namespace {
 
+constexpr double kNone = std::numeric_limits<double>::quiet_NaN();  // a cell with no value: "-"
+
 bool per_level(const MetricColumn& column) {
   return std::string_view(column.header).find("{level}") != std::string_view::npos;
 }
@@ -43,10 +45,9 @@ void for_each_metric_shown(const ExperimentConfig& c, Add&& add) {
 // A column's number from the metric's value: the value, or one statistic of a latency; NaN
 // where there is none (a latency over no request: a priority level nobody was in).
 double column_value(const nlohmann::json& value, const MetricColumn& column) {
-  constexpr double none = std::numeric_limits<double>::quiet_NaN();
-  if (!column.statistic.empty() && value.value("count", std::int64_t{1}) == 0) return none;
+  if (!column.statistic.empty() && value.value("count", std::int64_t{1}) == 0) return kNone;
   const nlohmann::json& v = column.statistic.empty() ? value : value.at(column.statistic);
-  return v.is_number() ? v.get<double>() * column.scale : none;
+  return v.is_number() ? v.get<double>() * column.scale : kNone;
 }
 
 // The mean (± the 95% interval over repeats) of the values that exist; "-" when none does.
@@ -97,12 +98,11 @@ std::vector<double> summary_values(const ExperimentConfig& config, const RunOutp
   for_each_metric_shown(config, [&](const RunMetric& m, const auto& columns) {
     const nlohmann::json value = m.extract(config, out);
     if (per_tenant(*columns.front())) {
-      constexpr double none = std::numeric_limits<double>::quiet_NaN();
       for (const TenantSpec& tenant : config.tenants)
         for (const MetricColumn* column : columns)
           values.push_back(value.is_object() && value.contains(tenant.name)
                                ? column_value(value.at(tenant.name), *column)
-                               : none);
+                               : kNone);
       return;
     }
     if (!per_level(*columns.front())) {

@@ -131,6 +131,8 @@ TEST(MetricRegistry, TenantsGetTheirOwnFiguresColumnsAndCsvCells) {
   out.engine.requests[1].slo.ttft_s = 1.0;  // its TTFT is 2 s: missed
   out.engine.duration_s = 4.0;
   out.summary = summarize_run(out.engine.requests, 4.0);
+  out.tenants = summarize_tenants(out.engine.requests, 4.0);  // as run_experiment fills them
+  out.service_gap_tokens = max_service_gap_tokens(out.engine.requests);
   ExperimentConfig config;
   config.tenants = {{"heavy", 1.0, {}}, {"light", 1.0, {}}, {"absent", 1.0, {}}};
   config.table_columns = {"tenants", "tenant_slo"};

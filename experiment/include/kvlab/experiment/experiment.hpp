@@ -181,6 +181,10 @@ void validate_experiment(const std::vector<ExperimentRun>& runs, bool check);
 struct RunOutput {
   EngineResult engine;
   RunSummary summary;
+  // With tenants: each one's summary (in order of first arrival), and the VTC service gap
+  // (max_service_gap_tokens); empty / nullopt for a run whose requests name none.
+  std::vector<TenantSummary> tenants;
+  std::optional<double> service_gap_tokens;
   double wall_s = 0;          // the whole run, model setup included
   double engine_wall_s = 0;   // Engine::run
   double forward_wall_s = 0;  // of which inside Backend::forward
