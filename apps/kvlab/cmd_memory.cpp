@@ -8,6 +8,7 @@
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv_pool.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 
@@ -28,6 +29,12 @@ struct MemoryOptions {
   std::int64_t cp = 1;  // planner: groups of those sharing each sequence's KV by positions
   bool json = false;
 };
+
+// The weights' dtype when only --dtype is given: the same, unless it is a KV-only format
+// (then `fallback`).
+DType weights_like(DType kv, DType fallback) {
+  return dtype_size(kv) > 0 ? kv : fallback;
+}
 
 DType parse_dtype(const std::string& name, const char* flag) {
   const auto dtype = dtype_from_short_name(name);
@@ -94,10 +101,10 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   q.output_tokens = o.output_len;
   q.max_seq_len = o.max_seq_len;
   q.block_size = o.block_size;
-  q.kv_dtype = o.dtype.empty() ? device.kv_dtype : parse_dtype(o.dtype, "--dtype");
+  q.kv_dtype = o.dtype.empty() ? device.kv_dtype : kv_pool_dtype(o.dtype, "--dtype");
   q.weight_dtype = !o.weight_dtype.empty() ? parse_dtype(o.weight_dtype, "--weight-dtype")
                    : o.dtype.empty()       ? device.compute_dtype
-                                           : q.kv_dtype;
+                                           : weights_like(q.kv_dtype, device.compute_dtype);
   q.kv_heads = o.kv_heads;
   q.tensor_parallel = o.tp;
   q.context_parallel = o.cp;
@@ -209,9 +216,9 @@ void run_memory(const MemoryOptions& o) {
   KvMemoryQuery query;
   query.seq_len = o.seq_len;
   query.batch = o.batch;
-  query.kv_dtype = parse_dtype(o.dtype.empty() ? "f16" : o.dtype, "--dtype");
-  query.weight_dtype =
-      o.weight_dtype.empty() ? query.kv_dtype : parse_dtype(o.weight_dtype, "--weight-dtype");
+  query.kv_dtype = kv_pool_dtype(o.dtype.empty() ? "f16" : o.dtype, "--dtype");
+  query.weight_dtype = o.weight_dtype.empty() ? weights_like(query.kv_dtype, DType::dtype_f16)
+                                              : parse_dtype(o.weight_dtype, "--weight-dtype");
   query.kv_heads = o.kv_heads;
   query.gpu_memory_gib = o.gpu_mem;
   const KvMemoryReport r = kv_memory(c, query);
@@ -225,7 +232,11 @@ void run_memory(const MemoryOptions& o) {
     print_kv_json(o, c, query, r, variants, mha);
     return;
   }
-  const auto element = dtype_size(query.kv_dtype);
+  // Bytes per value: the element's, or a quantized head row's over head_dim (scales included).
+  const std::string element =
+      dtype_size(query.kv_dtype) > 0
+          ? fmt::format("{}", dtype_size(query.kv_dtype))
+          : fmt::format("{}/{}", dtype_row_bytes(query.kv_dtype, c.head_dim), c.head_dim);
   fmt::print("model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters\n",
              c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
              static_cast<double>(c.parameter_count()) / 1e9);
@@ -266,7 +277,8 @@ void register_memory(CLI::App& app) {
   sub->add_option("--seq-len", o->seq_len, "Tokens per request (prompt + output)");
   sub->add_option("--batch", o->batch, "Concurrent requests")->capture_default_str();
   sub->add_option("--dtype", o->dtype,
-                  "KV element type: f32, f16, bf16, fp8 (default: f16, or the GPU profile's)");
+                  "KV dtype: f32, f16, bf16, fp8, or a quantized row format int8, q8_0, q4_0 "
+                  "(scales counted) (default: f16, or the GPU profile's)");
   sub->add_option("--weight-dtype", o->weight_dtype, "Weight element type (default: --dtype)");
   sub->add_option("--kv-heads", o->kv_heads, "KV heads (MHA = query heads, GQA = groups, MQA = 1)");
   sub->add_option("--gpu-mem", o->gpu_mem, "Device memory in GiB: report the max batch that fits")

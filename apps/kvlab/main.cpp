@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   kvlab::cli::register_calibrate(app);
   kvlab::cli::register_plugins(app);
   kvlab::cli::register_metrics(app);
+  kvlab::cli::register_perplexity(app);
   int exit_code = 0;
   kvlab::cli::register_run(app, exit_code);
   if (argc > 1 && argv[1][0] != '-') {  // name an unknown command (CLI11 only says one is required)

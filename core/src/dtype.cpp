@@ -1,5 +1,7 @@
 #include "kvlab/dtype.hpp"
 
+#include "kv_formats.hpp"
+
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <array>
@@ -21,7 +23,7 @@ struct DTypeInfo {
   std::size_t size;
 };
 
-constexpr std::array<DTypeInfo, 12> kDTypes{{
+constexpr std::array<DTypeInfo, 15> kDTypes{{
     {DType::dtype_f64, "F64", "f64", 8},
     {DType::dtype_f32, "F32", "f32", 4},
     {DType::dtype_f16, "F16", "f16", 2},
@@ -34,6 +36,9 @@ constexpr std::array<DTypeInfo, 12> kDTypes{{
     {DType::dtype_i8, "I8", "i8", 1},
     {DType::dtype_u8, "U8", "u8", 1},
     {DType::dtype_bool, "BOOL", "bool", 1},
+    {DType::dtype_kv_int8, "", "int8", 0},
+    {DType::dtype_q8_0, "", "q8_0", 0},
+    {DType::dtype_q4_0, "", "q4_0", 0},
 }};
 
 const DTypeInfo& info(DType dtype) {
@@ -136,7 +141,7 @@ std::string_view dtype_short_name(DType dtype) {
 
 std::optional<DType> dtype_from_safetensors_name(std::string_view name) {
   for (const auto& entry : kDTypes)
-    if (entry.safetensors_name == name) return entry.dtype;
+    if (!entry.safetensors_name.empty() && entry.safetensors_name == name) return entry.dtype;
   return std::nullopt;
 }
 
@@ -153,9 +158,11 @@ bool dtype_converts_to_f32(DType dtype) {
 
 void convert_to_f32(DType dtype, std::span<const std::byte> source, std::span<float> destination) {
   const std::size_t n = destination.size();
-  assert(source.size() == n * dtype_size(dtype));
+  assert(static_cast<std::int64_t>(source.size()) ==
+         dtype_row_bytes(dtype, static_cast<std::int64_t>(n)));
   if (n == 0) return;  // an empty tensor: its spans may be null, which memcpy must not see
   const std::byte* p = source.data();
+  if (is_kv_format(dtype)) return kv_row_to_f32(dtype, p, n, destination.data());
   switch (dtype) {
     case DType::dtype_f32:
       std::memcpy(destination.data(), p, n * sizeof(float));
@@ -182,9 +189,11 @@ void convert_to_f32(DType dtype, std::span<const std::byte> source, std::span<fl
 void convert_from_f32(DType dtype, std::span<const float> source,
                       std::span<std::byte> destination) {
   const std::size_t n = source.size();
-  assert(destination.size() == n * dtype_size(dtype));
+  assert(static_cast<std::int64_t>(destination.size()) ==
+         dtype_row_bytes(dtype, static_cast<std::int64_t>(n)));
   if (n == 0) return;
   std::byte* p = destination.data();
+  if (is_kv_format(dtype)) return kv_row_from_f32(dtype, source.data(), n, p);
   switch (dtype) {
     case DType::dtype_f32:
       std::memcpy(p, source.data(), n * sizeof(float));

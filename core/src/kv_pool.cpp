@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cassert>
 #include <cstring>
+#include <span>
 
 #include <fmt/format.h>
 
@@ -14,16 +15,73 @@
 
 namespace kvlab {
 
+namespace {
+
+constexpr DType kHostPoolDtypes[] = {DType::dtype_f32,     DType::dtype_f16,     DType::dtype_bf16,
+                                     DType::dtype_f8_e4m3, DType::dtype_kv_int8, DType::dtype_q8_0,
+                                     DType::dtype_q4_0};
+
+}  // namespace
+
+bool kv_pool_holds(DType dtype) {
+  return std::find(std::begin(kHostPoolDtypes), std::end(kHostPoolDtypes), dtype) !=
+         std::end(kHostPoolDtypes);
+}
+
+std::string kv_pool_dtype_names() {
+  std::string names;
+  for (DType dtype : kHostPoolDtypes)
+    names += fmt::format("{}{}", names.empty() ? "" : ", ", dtype_short_name(dtype));
+  return names;
+}
+
+DType kv_pool_dtype(std::string_view name, std::string_view what) {
+  const auto dtype = dtype_from_short_name(name);
+  if (!dtype || !kv_pool_holds(*dtype))
+    throw Error(fmt::format("{} must be one of {}, not \"{}\"", what, kv_pool_dtype_names(), name));
+  return *dtype;
+}
+
+bool pairs_key_channels(DType dtype) {
+  return dtype == DType::dtype_q8_0 || dtype == DType::dtype_q4_0;
+}
+
+void key_row_to_f32(DType dtype, const std::byte* row, std::int64_t head_dim, float* out) {
+  const auto n = static_cast<std::size_t>(head_dim);
+  const std::span<const std::byte> bytes{
+      row, static_cast<std::size_t>(dtype_row_bytes(dtype, head_dim))};
+  if (!pairs_key_channels(dtype)) return convert_to_f32(dtype, bytes, {out, n});
+  thread_local std::vector<float> stored;
+  stored.resize(n);
+  convert_to_f32(dtype, bytes, stored);
+  for (std::int64_t d = 0; d < head_dim; ++d)
+    out[d] = stored[static_cast<std::size_t>(paired_key_position(d, head_dim))];
+}
+
+void key_row_from_f32(DType dtype, const float* values, std::int64_t head_dim, std::byte* row) {
+  const auto n = static_cast<std::size_t>(head_dim);
+  const std::span<std::byte> bytes{row, static_cast<std::size_t>(dtype_row_bytes(dtype, head_dim))};
+  if (!pairs_key_channels(dtype)) return convert_from_f32(dtype, {values, n}, bytes);
+  thread_local std::vector<float> stored;
+  stored.resize(n);
+  for (std::int64_t d = 0; d < head_dim; ++d)
+    stored[static_cast<std::size_t>(paired_key_position(d, head_dim))] = values[d];
+  convert_from_f32(dtype, stored, bytes);
+}
+
 KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
   if (shape.layers < 0 || shape.kv_heads < 0 || shape.head_dim < 0 || shape.slots < 0)
     throw Error(
         fmt::format("KV pool shape must be non-negative: {} layers, {} KV heads, head_dim "
                     "{}, {} slots",
                     shape.layers, shape.kv_heads, shape.head_dim, shape.slots));
-  const auto floats =
-      checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads, shape.head_dim});
+  if (!dtype_row_fits(shape.dtype, shape.head_dim))
+    throw Error(
+        fmt::format("a {} KV pool needs head_dim to be a multiple of 32 (its blocks), not {}",
+                    dtype_short_name(shape.dtype), shape.head_dim));
+  const auto rows = checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads});
   const auto bytes =
-      floats ? checked_product<std::int64_t>({*floats, 2, shape.element_bytes()}) : std::nullopt;
+      rows ? checked_product<std::int64_t>({*rows, 2, shape.head_row_bytes()}) : std::nullopt;
   if (!bytes)
     throw Error(fmt::format("KV pool of {} slots x {} layers x {} floats overflows 64 bits",
                             shape.slots, shape.layers, shape.kv_heads * shape.head_dim));
@@ -33,10 +91,9 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
 
 void KvPool::provide_host_storage() {
   if (has_storage()) return;
-  if (shape_.dtype != DType::dtype_f32 && shape_.dtype != DType::dtype_f16 &&
-      shape_.dtype != DType::dtype_bf16)
-    throw Error(
-        fmt::format("a KV pool holds f32, f16 or bf16, not {}", dtype_short_name(shape_.dtype)));
+  if (!kv_pool_holds(shape_.dtype))
+    throw Error(fmt::format("a KV pool holds {}, not {}", kv_pool_dtype_names(),
+                            dtype_short_name(shape_.dtype)));
   const std::int64_t bytes = bytes_per_slot() * shape_.slots;  // checked in the constructor
   check_allocation(static_cast<std::uint64_t>(bytes),
                    fmt::format("the KV pool ({} slots x {} layers x {} KV heads x head_dim {}, "
@@ -56,15 +113,27 @@ float* KvPool::as_floats(std::byte* p) const {
 }
 
 void KvPool::read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const {
-  const auto width = static_cast<std::size_t>(shape_.slot_width());
   const std::byte* row = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
-  convert_to_f32(shape_.dtype, {row, width * dtype_size(shape_.dtype)}, {out, width});
+  const auto hd = static_cast<std::size_t>(shape_.head_dim),
+             head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
+  for (std::int64_t h = 0; h < shape_.kv_heads; ++h, row += head_bytes, out += hd) {
+    if (value)
+      convert_to_f32(shape_.dtype, {row, head_bytes}, {out, hd});
+    else
+      key_row_to_f32(shape_.dtype, row, shape_.head_dim, out);
+  }
 }
 
 void KvPool::write_row(std::int64_t layer, std::int64_t slot, bool value, const float* row) {
-  const auto width = static_cast<std::size_t>(shape_.slot_width());
   std::byte* target = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
-  convert_from_f32(shape_.dtype, {row, width}, {target, width * dtype_size(shape_.dtype)});
+  const auto hd = static_cast<std::size_t>(shape_.head_dim),
+             head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
+  for (std::int64_t h = 0; h < shape_.kv_heads; ++h, target += head_bytes, row += hd) {
+    if (value)
+      convert_from_f32(shape_.dtype, {row, hd}, {target, head_bytes});
+    else
+      key_row_from_f32(shape_.dtype, row, shape_.head_dim, target);
+  }
 }
 
 KvPool::Buffer KvPool::allocate(std::int64_t size) {
@@ -82,7 +151,7 @@ KvPool::Buffer KvPool::allocate(std::int64_t size) {
 }
 
 std::int64_t KvPool::bytes_per_slot() const {
-  return 2 * shape_.layers * shape_.slot_width() * shape_.element_bytes();
+  return 2 * shape_.layers * shape_.slot_row_bytes();
 }
 
 std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) {
@@ -90,7 +159,7 @@ std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, s
          destination + count <= shape_.slots);
   if (device_ != nullptr) device_->copy_slots(source, destination, count);
   if (!has_storage()) return count * bytes_per_slot();
-  const auto bytes = static_cast<std::size_t>(count * shape_.slot_width() * shape_.element_bytes());
+  const auto bytes = static_cast<std::size_t>(count * shape_.slot_row_bytes());
   for (std::int64_t layer = 0; layer < shape_.layers; ++layer) {
     std::memmove(key_bytes(layer, destination), key_bytes(layer, source), bytes);
     std::memmove(value_bytes(layer, destination), value_bytes(layer, source), bytes);

@@ -1,16 +1,21 @@
 #pragma once
 // The two inner loops of decode attention over K/V rows read in place from the pool (rows
-// `stride` bytes apart, values in the pool's dtype: f32, f16 or bf16): scores of one query
-// against a run of keys, and the weighted sum of a run of values. AVX2 + FMA (+ F16C) when
-// head_dim is a multiple of 8; plain loops over rows widened with convert_to_f32 otherwise.
+// `stride` bytes apart, each head's row in the pool's dtype: f32, f16, bf16, fp8 e4m3, or a
+// quantized row (int8 with its scale, q8_0 / q4_0 blocks) dequantized in registers as it is
+// read): scores of one query against a run of keys, and the weighted sum of a run of values.
+// AVX2 + FMA (+ F16C) when head_dim is a multiple of 8; plain loops over rows widened with
+// convert_to_f32 otherwise.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "kvlab/dtype.hpp"
+#include "kvlab/kv_pool.hpp"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVLAB_ATTENTION_SIMD 1
@@ -27,23 +32,87 @@ inline void prefetch_row(const std::byte* row, std::int64_t bytes) {
     _mm_prefetch(reinterpret_cast<const char*>(row + b), _MM_HINT_T0);
 }
 
-// 8 values of a row from value d, widened to fp32.
+// Calls f(std::integral_constant<DType, T>) for the pool dtype T = dtype: one instantiation of
+// the row kernels per dtype.
+template <typename F>
+void with_row_type(DType dtype, F&& f) {
+  switch (dtype) {
+    case DType::dtype_f16:
+      return f(std::integral_constant<DType, DType::dtype_f16>{});
+    case DType::dtype_bf16:
+      return f(std::integral_constant<DType, DType::dtype_bf16>{});
+    case DType::dtype_f8_e4m3:
+      return f(std::integral_constant<DType, DType::dtype_f8_e4m3>{});
+    case DType::dtype_kv_int8:
+      return f(std::integral_constant<DType, DType::dtype_kv_int8>{});
+    case DType::dtype_q8_0:
+      return f(std::integral_constant<DType, DType::dtype_q8_0>{});
+    case DType::dtype_q4_0:
+      return f(std::integral_constant<DType, DType::dtype_q4_0>{});
+    default:
+      return f(std::integral_constant<DType, DType::dtype_f32>{});
+  }
+}
+
+inline float half_scale(const std::byte* p) {
+  std::uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return _cvtsh_ss(bits);
+}
+
+// 8 int8 values from p, widened to fp32 and multiplied by `scale`.
+inline __m256 int8x8(const std::byte* p, float scale) {
+  const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(scale));
+}
+
+// 8 values of a head's row from stored position d (a multiple of 8), widened to fp32: what
+// convert_to_f32 gives for them, bit for bit.
 template <DType Type>
 __m256 load_row8(const std::byte* row, std::int64_t d) {
   if constexpr (Type == DType::dtype_f32) {
     return _mm256_loadu_ps(reinterpret_cast<const float*>(row) + d);
-  } else {
+  } else if constexpr (Type == DType::dtype_f16 || Type == DType::dtype_bf16) {
     const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 2 * d));
     if constexpr (Type == DType::dtype_f16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  } else if constexpr (Type == DType::dtype_f8_e4m3) {
+    static const float* const table = fp8_e4m3_values();
+    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+    return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(codes), 4);
+  } else if constexpr (Type == DType::dtype_kv_int8) {  // [fp32 scale][head_dim int8]
+    float scale;
+    std::memcpy(&scale, row, 4);
+    return int8x8(row + 4 + d, scale);
+  } else if constexpr (Type == DType::dtype_q8_0) {  // blocks of [fp16 scale][32 int8]
+    const std::byte* block = row + d / 32 * 34;
+    return int8x8(block + 2 + d % 32, half_scale(block));
+  } else {  // q4_0: blocks of [fp16 scale][16 bytes]: value j < 16 low nibble, else high
+    static_assert(Type == DType::dtype_q4_0);
+    const std::byte* block = row + d / 32 * 18;
+    const std::int64_t within = d % 32;
+    const __m256i bytes = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + within % 16)));
+    const __m256i nibbles =
+        within < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xf)) : _mm256_srli_epi32(bytes, 4);
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles, _mm256_set1_epi32(8))),
+                         _mm256_set1_ps(half_scale(block)));
   }
+}
+
+// Where key channel d sits in a stored key row (pairs_key_channels).
+template <DType Type>
+std::int64_t stored_key_position(std::int64_t d, std::int64_t hd) {
+  if constexpr (Type == DType::dtype_q8_0 || Type == DType::dtype_q4_0)
+    return paired_key_position(d, hd);
+  return d;
 }
 
 template <DType Type>
 void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, std::int64_t count,
                      std::int64_t readable, std::int64_t hd, float scale, float* scores) {
   std::int64_t j = 0;
-  const std::int64_t row_bytes = hd * (Type == DType::dtype_f32 ? 4 : 2);
+  const std::int64_t row_bytes = dtype_row_bytes(Type, hd);
   for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
     // The next 8 rows, ahead of use, while they belong to the run: the slots after a paged
     // block may be another sequence's (blocks grown in lockstep), and fetching 8 of them per
@@ -54,8 +123,9 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (std::int64_t d = 0; d < hd; d += 8) {
       const __m256 qv = _mm256_loadu_ps(q + d);
+      const std::int64_t at = stored_key_position<Type>(d, hd);
       for (int r = 0; r < 8; ++r)
-        acc[r] = _mm256_fmadd_ps(qv, load_row8<Type>(k + (j + r) * stride, d), acc[r]);
+        acc[r] = _mm256_fmadd_ps(qv, load_row8<Type>(k + (j + r) * stride, at), acc[r]);
     }
     // Lane sums: hadd pairs, then the 128-bit halves of keys 0-3 and 4-7 added.
     const __m256 t0 =
@@ -69,7 +139,8 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
   for (; j < count; ++j) {  // the last keys, one at a time
     __m256 acc = _mm256_setzero_ps();
     for (std::int64_t d = 0; d < hd; d += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load_row8<Type>(k + j * stride, d), acc);
+      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d),
+                            load_row8<Type>(k + j * stride, stored_key_position<Type>(d, hd)), acc);
     const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
     scores[j] = _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1))) * scale;
@@ -79,16 +150,16 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
 // o[0 : 8 Vectors] += sum_j p[j] * v_j[0 : 8 Vectors]: the accumulators stay in registers.
 template <DType Type, int Vectors>
 void add_weighted_columns(const float* p, const std::byte* v, std::int64_t stride,
-                          std::int64_t count, std::int64_t readable, float* o) {
-  constexpr std::int64_t element = Type == DType::dtype_f32 ? 4 : 2;
+                          std::int64_t count, std::int64_t readable, std::int64_t c0,
+                          std::int64_t row_bytes, float* o) {
   __m256 acc[Vectors];
   for (int s = 0; s < Vectors; ++s) acc[s] = _mm256_loadu_ps(o + 8 * s);
   for (std::int64_t j = 0; j < count; ++j) {
-    if ((Vectors == 8 || j % 8 == 0) && j + 4 < readable)
-      prefetch_row(v + (j + 4) * stride, 8 * Vectors * element);
+    if (c0 == 0 && (Vectors == 8 || j % 8 == 0) && j + 4 < readable)
+      prefetch_row(v + (j + 4) * stride, row_bytes);
     const __m256 weight = _mm256_set1_ps(p[j]);
     for (int s = 0; s < Vectors; ++s)
-      acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(v + j * stride, 8 * s), acc[s]);
+      acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(v + j * stride, c0 + 8 * s), acc[s]);
   }
   for (int s = 0; s < Vectors; ++s) _mm256_storeu_ps(o + 8 * s, acc[s]);
 }
@@ -96,12 +167,12 @@ void add_weighted_columns(const float* p, const std::byte* v, std::int64_t strid
 template <DType Type>
 void add_weighted_rows_simd(const float* p, const std::byte* v, std::int64_t stride,
                             std::int64_t count, std::int64_t readable, std::int64_t hd, float* o) {
-  const std::int64_t element = Type == DType::dtype_f32 ? 4 : 2;
+  const std::int64_t row_bytes = dtype_row_bytes(Type, hd);
   std::int64_t c0 = 0;
   for (; c0 + 64 <= hd; c0 += 64)
-    add_weighted_columns<Type, 8>(p, v + c0 * element, stride, count, readable, o + c0);
+    add_weighted_columns<Type, 8>(p, v, stride, count, readable, c0, row_bytes, o + c0);
   for (; c0 < hd; c0 += 8)
-    add_weighted_columns<Type, 1>(p, v + c0 * element, stride, count, readable, o + c0);
+    add_weighted_columns<Type, 1>(p, v, stride, count, readable, c0, row_bytes, o + c0);
 }
 #endif
 
@@ -116,10 +187,10 @@ inline void prefetch_bytes(const std::byte* first, std::int64_t bytes) {
 #endif
 }
 
-// Row j (hd values from `rows + j * stride`) widened to fp32 in `out`.
+// A value row (hd values) widened to fp32 in `out` (key rows: key_row_to_f32).
 inline void widen_attention_row(DType dtype, const std::byte* row, std::int64_t hd, float* out) {
   const auto n = static_cast<std::size_t>(hd);
-  convert_to_f32(dtype, {row, n * dtype_size(dtype)}, {out, n});
+  convert_to_f32(dtype, {row, static_cast<std::size_t>(dtype_row_bytes(dtype, hd))}, {out, n});
 }
 
 // scores[j] = scale * (q . k_j), k_j = k + j * stride bytes, for j in [0, count); q: (hd).
@@ -128,19 +199,16 @@ inline void score_rows(DType dtype, const float* q, const std::byte* k, std::int
                        std::int64_t count, std::int64_t readable, std::int64_t hd, float scale,
                        float* scores) {
 #if KVLAB_ATTENTION_SIMD
-  if (hd % 8 == 0) {
-    if (dtype == DType::dtype_f32)
-      return score_rows_simd<DType::dtype_f32>(q, k, stride, count, readable, hd, scale, scores);
-    if (dtype == DType::dtype_f16)
-      return score_rows_simd<DType::dtype_f16>(q, k, stride, count, readable, hd, scale, scores);
-    return score_rows_simd<DType::dtype_bf16>(q, k, stride, count, readable, hd, scale, scores);
-  }
+  if (hd % 8 == 0)
+    return with_row_type(dtype, [&](auto type) {
+      score_rows_simd<decltype(type)::value>(q, k, stride, count, readable, hd, scale, scores);
+    });
 #else
   (void)readable;
 #endif
   std::vector<float> row(static_cast<std::size_t>(hd));
   for (std::int64_t j = 0; j < count; ++j) {
-    widen_attention_row(dtype, k + j * stride, hd, row.data());
+    key_row_to_f32(dtype, k + j * stride, hd, row.data());
     float dot = 0;
     for (std::int64_t d = 0; d < hd; ++d) dot += q[d] * row[static_cast<std::size_t>(d)];
     scores[j] = dot * scale;
@@ -153,13 +221,10 @@ inline void add_weighted_rows(DType dtype, const float* p, const std::byte* v, s
                               std::int64_t count, std::int64_t readable, std::int64_t hd,
                               float* o) {
 #if KVLAB_ATTENTION_SIMD
-  if (hd % 8 == 0) {
-    if (dtype == DType::dtype_f32)
-      return add_weighted_rows_simd<DType::dtype_f32>(p, v, stride, count, readable, hd, o);
-    if (dtype == DType::dtype_f16)
-      return add_weighted_rows_simd<DType::dtype_f16>(p, v, stride, count, readable, hd, o);
-    return add_weighted_rows_simd<DType::dtype_bf16>(p, v, stride, count, readable, hd, o);
-  }
+  if (hd % 8 == 0)
+    return with_row_type(dtype, [&](auto type) {
+      add_weighted_rows_simd<decltype(type)::value>(p, v, stride, count, readable, hd, o);
+    });
 #else
   (void)readable;
 #endif

@@ -74,7 +74,7 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
         c.num_key_value_heads, c.head_dim));
 }
 
-const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
+const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t logit_tokens) {
   const ModelConfig& c = weights_.config;
   std::vector<std::int64_t> first_rows;  // batch row of each entry's first token
   std::vector<std::int32_t> positions;   // of each batch row
@@ -136,12 +136,19 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch) {
     }
     multiply_by_transposed(hidden, matrices.w_down, x, true);
   }
-  RowMatrix& last = last_;  // (entries, dim)
-  last.resize(static_cast<std::int64_t>(batch.size()), c.hidden_size);
+  RowMatrix& last = last_;  // (entries x logit_tokens at most, dim): the rows that get logits
+  std::int64_t kept = 0;
   for (std::size_t e = 0; e < batch.size(); ++e)
-    last.row(static_cast<std::int64_t>(e)) = x.row(first_rows[e + 1] - 1);
+    kept += std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
+  last.resize(kept, c.hidden_size);
+  kept = 0;
+  for (std::size_t e = 0; e < batch.size(); ++e) {
+    const std::int64_t n = std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
+    last.middleRows(kept, n) = x.middleRows(first_rows[e + 1] - n, n);
+    kept += n;
+  }
   rms_norm(last, as_vector(weights_.final_norm), eps, normed);
-  multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (entries, vocab)
+  multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (.., vocab)
   return logits_;
 }
 
@@ -247,9 +254,9 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   const KvPoolShape& shape = pool_.shape();
   const DType dtype = shape.dtype;
   const std::int64_t hd = weights_.config.head_dim, heads = task.heads();
-  const std::int64_t stride = shape.slot_width() * shape.element_bytes();  // bytes between rows
+  const std::int64_t stride = shape.slot_row_bytes();  // bytes between rows
   auto offset = [&](std::int64_t h) {  // bytes into a slot row of query head h's K/V head
-    return (task.kv_head + h / task.group) * hd * shape.element_bytes();
+    return (task.kv_head + h / task.group) * shape.head_row_bytes();
   };
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   RowMatrix scores(heads, task.keys());                                     // (heads, keys)
@@ -302,7 +309,7 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
 }
 
 // Head `kv_head` of `length` consecutive slots as (length, hd) fp32: the pool rows in place
-// (f32), or widened into a buffer of this thread's (f16, bf16).
+// (f32), or widened into a buffer of this thread's (every other dtype).
 CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t slot,
                                              std::int64_t length, std::int64_t kv_head,
                                              bool value) const {
@@ -315,11 +322,14 @@ CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t sl
   thread_local std::vector<float> widened[2];  // K and V of the run being used
   auto& buffer = widened[value ? 1 : 0];
   buffer.resize(static_cast<std::size_t>(length * hd));
-  const std::int64_t offset = kv_head * hd * shape.element_bytes();
+  const std::int64_t offset = kv_head * shape.head_row_bytes();
   for (std::int64_t j = 0; j < length; ++j) {
     const std::byte* row =
         value ? pool_.value_bytes(layer, slot + j) : pool_.key_bytes(layer, slot + j);
-    widen_attention_row(shape.dtype, row + offset, hd, buffer.data() + j * hd);
+    if (value)
+      widen_attention_row(shape.dtype, row + offset, hd, buffer.data() + j * hd);
+    else
+      key_row_to_f32(shape.dtype, row + offset, hd, buffer.data() + j * hd);
   }
   return {buffer.data(), length, hd, Eigen::OuterStride<>(hd)};
 }

@@ -1,6 +1,6 @@
-// WeightMatrix storage: formats, rounding from fp32 (llama.cpp's quantize_row_*_ref), widening
-// back (gguf_dequantize), and the compute weights of a model. The product is in
-// weight_matmul.cpp.
+// WeightMatrix storage: formats, rounding from fp32 (quantize_blocks: llama.cpp's
+// quantize_row_*_ref), widening back (gguf_dequantize), and the compute weights of a model. The
+// product is in weight_matmul.cpp.
 #include "kvlab/cpu_reference/weight_matrix.hpp"
 
 #include <fmt/format.h>
@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "interleaved.hpp"
+#include "kvlab/block_quant.hpp"
 #include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/memory_limit.hpp"
@@ -48,48 +49,6 @@ const FormatInfo& info(WeightFormat format) {
   return kFormats[static_cast<std::size_t>(format)];
 }
 
-void put_f16(float value, std::byte* out) {
-  convert_from_f32(DType::dtype_f16, {&value, 1}, {out, 2});
-}
-
-// One 32-value block of each Q format from fp32, as ggml-quants.c's quantize_row_*_ref.
-void quantize_q8_0(const float* x, std::byte* out) {
-  float amax = 0;
-  for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
-  const float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
-  put_f16(d, out);
-  for (int j = 0; j < 32; ++j)
-    out[2 + j] = static_cast<std::byte>(static_cast<std::int8_t>(std::round(x[j] * id)));
-}
-
-void quantize_q4_0(const float* x, std::byte* out) {
-  float amax = 0, max = 0;  // max: the value of largest magnitude, with its sign
-  for (int j = 0; j < 32; ++j)
-    if (std::fabs(x[j]) > amax) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
-  const float d = max / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
-  put_f16(d, out);
-  auto nibble = [&](float v) {
-    return static_cast<std::uint8_t>(std::min(15, static_cast<int>(v * id + 8.5f)));
-  };
-  for (int j = 0; j < 16; ++j)
-    out[2 + j] = static_cast<std::byte>(nibble(x[j]) | (nibble(x[j + 16]) << 4));
-}
-
-void quantize_q4_1(const float* x, std::byte* out) {
-  const auto [min_it, max_it] = std::minmax_element(x, x + 32);
-  const float min = *min_it, d = (*max_it - min) / 15.0f, id = d != 0 ? 1.0f / d : 0.0f;
-  put_f16(d, out);
-  put_f16(min, out + 2);
-  auto nibble = [&](float v) {
-    return static_cast<std::uint8_t>(std::min(15, static_cast<int>((v - min) * id + 0.5f)));
-  };
-  for (int j = 0; j < 16; ++j)
-    out[4 + j] = static_cast<std::byte>(nibble(x[j]) | (nibble(x[j + 16]) << 4));
-}
-
 void quantize_row(WeightFormat format, std::span<const float> x, std::byte* out) {
   switch (format) {
     case WeightFormat::f32:
@@ -102,12 +61,12 @@ void quantize_row(WeightFormat format, std::span<const float> x, std::byte* out)
     default:
       break;
   }
-  void (*block)(const float*, std::byte*) = format == WeightFormat::q8_0   ? quantize_q8_0
-                                            : format == WeightFormat::q4_0 ? quantize_q4_0
-                                                                           : quantize_q4_1;
-  const std::int64_t bytes = info(format).block_bytes;
-  for (std::size_t b = 0; b * 32 < x.size(); ++b)
-    block(x.data() + b * 32, out + static_cast<std::int64_t>(b) * bytes);
+  const auto bytes = static_cast<std::size_t>(static_cast<std::int64_t>(x.size()) /
+                                              info(format).block_values * info(format).block_bytes);
+  const BlockFormat block = format == WeightFormat::q8_0   ? BlockFormat::q8_0
+                            : format == WeightFormat::q4_0 ? BlockFormat::q4_0
+                                                           : BlockFormat::q4_1;
+  quantize_blocks(block, x, {out, bytes});
 }
 
 void check_columns(WeightFormat format, std::int64_t cols) {

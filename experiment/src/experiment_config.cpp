@@ -19,6 +19,7 @@
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/summary_table.hpp"
+#include "kvlab/kv_pool.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
@@ -292,10 +293,9 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
   if (const toml::node* dtype = s.node("dtype")) {
     const std::string name = s.get<std::string>("dtype").value_or("");
     const auto parsed = dtype_from_short_name(name);
-    if (!parsed || (*parsed != DType::dtype_f32 && *parsed != DType::dtype_f16 &&
-                    *parsed != DType::dtype_bf16))
-      s.fail(*dtype,
-             fmt::format("kv_cache.dtype must be \"f32\", \"f16\" or \"bf16\", not \"{}\"", name));
+    if (!parsed || !kv_pool_holds(*parsed))
+      s.fail(*dtype, fmt::format("kv_cache.dtype must be one of {}, not \"{}\"",
+                                 kv_pool_dtype_names(), name));
     c.kv_dtype = *parsed;
   }
   c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);

@@ -145,8 +145,8 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
   if (c.kv_memory_mib) {
     const double bytes_per_slot =
         simulated ? cost_model->kv_bytes_per_sequence_token_per_gpu()
-                  : 2.0 * static_cast<double>(model.num_hidden_layers * model.kv_dim()) *
-                        static_cast<double>(dtype_size(c.kv_dtype));
+                  : 2.0 * static_cast<double>(model.num_hidden_layers * model.num_key_value_heads *
+                                              dtype_row_bytes(c.kv_dtype, model.head_dim));
     const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;
     if (!(budget_slots < 0x1p62))
       throw Error(fmt::format("kv_cache.memory_mib {} is more memory than kvlab can address",
@@ -195,10 +195,9 @@ std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
     std::span<const ReplicaSizing> sizings, const SequenceRules& rules, EngineLogitLog* log) {
   const ModelConfig& m = served.config;
   const std::int64_t slots = sizings.front().slots;  // the host pools' (one sizing off simulated)
-  const double pool_bytes = 2.0 * static_cast<double>(slots) *
-                            static_cast<double>(m.num_hidden_layers) *
-                            static_cast<double>(m.num_key_value_heads * m.head_dim) *
-                            static_cast<double>(dtype_size(c.kv_dtype));
+  const double pool_bytes =
+      2.0 * static_cast<double>(slots) * static_cast<double>(m.num_hidden_layers) *
+      static_cast<double>(m.num_key_value_heads * dtype_row_bytes(c.kv_dtype, m.head_dim));
   const std::string what = fmt::format(
       "{} replica{} ([cluster] replicas), each with its own KV pool of {} slots ({:.2f} GiB) and "
       "backend",

@@ -328,7 +328,7 @@ TEST(KvPoolDtype, HalfPoolsRoundOnWriteAndHoldHalfTheBytes) {
       [] {
         KvPool pool({1, 1, 8, 4, DType::dtype_i8});
       },
-      {"f32, f16 or bf16", "i8"});
+      {"f32, f16, bf16, fp8, int8, q8_0, q4_0", "i8"});
 }
 
 // How a host backend (the cpu plugin) brings K/V to the pool the serving stack made for
@@ -345,10 +345,11 @@ TEST(KvPoolStorage, HostStorageIsProvidedOnDemand) {
   pool.write_row(1, 3, true, written.data());
   pool.provide_host_storage();  // already there: kept, not reallocated
   pool.read_row(1, 3, true, row.data());
-  EXPECT_EQ(row, written);                                     // small integers: exact in bf16
-  KvPool fp8({1, 1, 8, 4, DType::dtype_i8}, KvStorage::none);  // a simulated device's dtype
-  test::expect_error_containing([&] { fp8.provide_host_storage(); }, {"f32, f16 or bf16", "i8"});
-  EXPECT_FALSE(fp8.has_storage());
+  EXPECT_EQ(row, written);                                    // small integers: exact in bf16
+  KvPool i8({1, 1, 8, 4, DType::dtype_i8}, KvStorage::none);  // no KV pool dtype
+  test::expect_error_containing([&] { i8.provide_host_storage(); },
+                                {"f32, f16, bf16, fp8, int8, q8_0, q4_0", "i8"});
+  EXPECT_FALSE(i8.has_storage());
 }
 
 TEST(KvPoolSize, OverflowAndMachineLimitAreErrors) {

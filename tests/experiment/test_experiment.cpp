@@ -817,7 +817,9 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   };
   EXPECT_NE(load_error({"backend.weights=\"q5_k\""}).find("backend.weights must be one of stored"),
             std::string::npos);
-  EXPECT_NE(load_error({"kv_cache.dtype=\"fp8\""}).find("kv_cache.dtype must be"),
+  EXPECT_NE(load_error({"kv_cache.dtype=\"q5_k\""}).find("kv_cache.dtype must be one of f32"),
+            std::string::npos);
+  EXPECT_NE(load_error({"kv_cache.dtype=\"q4_0\""}, true).find("check with kv_cache.dtype"),
             std::string::npos);
   EXPECT_NE(load_error({"kv_cache.dtype=\"f16\""}, true).find("check with kv_cache.dtype"),
             std::string::npos);

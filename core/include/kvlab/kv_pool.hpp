@@ -6,6 +6,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "kvlab/dtype.hpp"
@@ -17,14 +19,43 @@ struct KvPoolShape {
   std::int64_t kv_heads = 0;
   std::int64_t head_dim = 0;
   std::int64_t slots = 0;
-  DType dtype = DType::dtype_f32;  // f32, f16 or bf16 (rounded to nearest even on write)
+  // f32, f16, bf16 (rounded to nearest even on write), fp8 (e4m3) or a quantized row format
+  // (int8, q8_0, q4_0: each head row of each token quantized on write, its scales beside it).
+  DType dtype = DType::dtype_f32;
   // Values per slot per layer, K or V.
   std::int64_t slot_width() const { return kv_heads * head_dim; }
-  std::int64_t element_bytes() const { return static_cast<std::int64_t>(dtype_size(dtype)); }
+  // Bytes of one head's row (head_dim values, scales included) and of one slot's row (every
+  // head) in one layer, K or V.
+  std::int64_t head_row_bytes() const { return dtype_row_bytes(dtype, head_dim); }
+  std::int64_t slot_row_bytes() const { return kv_heads * head_row_bytes(); }
 };
 
-// Layout: keys and values each (layers, slots, kv_heads, head_dim) in the shape's dtype,
-// row-major.
+// Whether a host KV pool holds `dtype` (the cpu backend reads every one of them in place), and
+// their names for messages: "f32, f16, bf16, ...".
+bool kv_pool_holds(DType dtype);
+std::string kv_pool_dtype_names();
+// The dtype named `name` when a KV pool holds it; else kvlab::Error "`what` must be one of ...".
+DType kv_pool_dtype(std::string_view name, std::string_view what);
+
+// Key rows in a block format (q8_0, q4_0) keep each RoPE pair's two channels (d and
+// d + head_dim / 2, Hugging Face's rotate-half order) in one block, as llama.cpp's GGUF order of K
+// does: block b holds channels [16b, 16b + 16) then [half + 16b, half + 16b + 16). Which channels
+// share a scale decides the error: the low-frequency pairs carry K's large values, and a block
+// that mixes them with high-frequency ones rounds those coarsely (q4_0 on SmolLM2: +8.8%
+// perplexity in channel order, +2.6% paired). Value rows and the other dtypes: channel order.
+bool pairs_key_channels(DType dtype);
+// Where channel d of a key row of `head_dim` values sits in the stored row (pairs_key_channels).
+inline std::int64_t paired_key_position(std::int64_t d, std::int64_t head_dim) {
+  const std::int64_t half = head_dim / 2, second = d >= half ? 1 : 0, c = d - second * half;
+  return c / 16 * 32 + second * 16 + c % 16;
+}
+// A key head row (head_dim values) to / from its stored bytes: convert_to_f32 /
+// convert_from_f32 in the stored channel order.
+void key_row_to_f32(DType dtype, const std::byte* row, std::int64_t head_dim, float* out);
+void key_row_from_f32(DType dtype, const float* values, std::int64_t head_dim, std::byte* row);
+
+// Layout: keys and values each (layers, slots, kv_heads, head row) row-major, a head row being
+// head_dim values in the shape's dtype (with its scales, for a quantized format).
 // A pool without storage (KvStorage::none) is bookkeeping only: allocators hand out its slots
 // as usual, key()/value() must not be called (the simulated backend computes nothing).
 enum class KvStorage { host, none };
@@ -55,7 +86,7 @@ class KvPool {
   KvDeviceStorage* device() const { return device_; }
 
   const KvPoolShape& shape() const { return shape_; }
-  // (kv_heads * head_dim) values of one slot in one layer, in the pool's dtype.
+  // One slot's row in one layer (kv_heads head rows, slot_row_bytes()), in the pool's dtype.
   std::byte* key_bytes(std::int64_t layer, std::int64_t slot) {
     return keys_.get() + offset(layer, slot);
   }
@@ -80,7 +111,7 @@ class KvPool {
     return as_floats(const_cast<std::byte*>(value_bytes(layer, slot)));
   }
   // One slot row of one layer (K, or V when `value`) widened to / rounded from fp32, whatever
-  // the dtype: slot_width() floats.
+  // the dtype: slot_width() floats (a quantized format quantizes each head's row on its own).
   void read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const;
   void write_row(std::int64_t layer, std::int64_t slot, bool value, const float* row);
   // Bytes one slot holds over all layers, K and V, in the pool's dtype.
@@ -91,7 +122,7 @@ class KvPool {
 
  private:
   std::int64_t offset(std::int64_t layer, std::int64_t slot) const {  // in bytes
-    return (layer * shape_.slots + slot) * shape_.slot_width() * shape_.element_bytes();
+    return (layer * shape_.slots + slot) * shape_.slot_row_bytes();
   }
   float* as_floats(std::byte* p) const;  // checks the dtype is f32
   KvPoolShape shape_;
@@ -103,8 +134,8 @@ class KvPool {
   // slice of every slot row, a stride that would otherwise miss the TLB on every row.
   using Buffer = std::unique_ptr<std::byte[], Free>;
   static Buffer allocate(std::int64_t bytes);
-  Buffer keys_;    // (layers, slots, kv_heads, head_dim)
-  Buffer values_;  // (layers, slots, kv_heads, head_dim)
+  Buffer keys_;    // (layers, slots, kv_heads, head row)
+  Buffer values_;  // (layers, slots, kv_heads, head row)
 };
 
 // A contiguous run of slots holding consecutive tokens of one sequence.

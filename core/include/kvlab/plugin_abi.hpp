@@ -28,8 +28,9 @@ namespace kvlab {
 // AllocateRequest::prefix_hashes (a request's block hashes, kept with it); 11: backends get
 // the core's ModelWeightsView (PluginContext::weights), Backend::description; cpu and simulated
 // are backend plugins like cuda; 12: the tier_policy kind (KvTierPolicy), PluginContext::tiers,
-// KvAllocatorStats' tier counters.
-inline constexpr std::uint32_t kPluginAbiVersion = 12;
+// KvAllocatorStats' tier counters; 13: quantized KV pools (KvPoolShape head/slot row bytes
+// replace element_bytes) and SwapBuffer::data holds the pool's own bytes.
+inline constexpr std::uint32_t kPluginAbiVersion = 13;
 
 namespace detail {
 

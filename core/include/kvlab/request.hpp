@@ -2,6 +2,7 @@
 // One request as the engine tracks it, and as schedulers see it (read-only). The engine's
 // RequestTable (kvlab/engine/request_table.hpp) owns one of these per submitted request for the
 // whole run; nothing copies them per step.
+#include <cstddef>
 #include <cstdint>
 #include <limits>
 #include <string>
@@ -22,13 +23,13 @@ enum class RequestStatus : std::uint8_t {
 };
 
 // KV of positions [first, computed) of a swapped request, in host memory:
-// (layers, K then V, positions, kv_heads * head_dim).
+// (layers, K then V, positions, swap_row_bytes) bytes (kvlab/kv/kv_rows.hpp).
 // A buffer `transferred` from another replica (disaggregated prefill and decode) was never in
 // this engine's swap pool: copying it in costs no swap-pool room and no swap-link bytes (the
 // cluster priced its transfer).
 struct SwapBuffer {
   std::int64_t first = 0;
-  std::vector<float> data;
+  std::vector<std::byte> data;
   bool transferred = false;
 };
 

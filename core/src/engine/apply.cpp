@@ -13,7 +13,7 @@ namespace {
 
 // copy_kv_rows, timed: returns the seconds it took.
 double timed_copy(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
-                  std::vector<float>& buffer, bool to_host, std::int64_t* bytes = nullptr) {
+                  std::vector<std::byte>& buffer, bool to_host, std::int64_t* bytes = nullptr) {
   const auto start = std::chrono::steady_clock::now();
   const std::int64_t copied = copy_kv_rows(pool, view, first, end, buffer, to_host);
   if (bytes != nullptr) *bytes = copied;
@@ -22,7 +22,7 @@ double timed_copy(KvPool& pool, const KvView& view, std::int64_t first, std::int
 
 // copy_kv_rows as one transfer of the applied plan: its bytes, count and measured time.
 void copy_kv(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
-             std::vector<float>& buffer, bool to_host, AppliedPlan& applied,
+             std::vector<std::byte>& buffer, bool to_host, AppliedPlan& applied,
              RequestTimeline& timeline) {
   std::int64_t bytes = 0;
   applied.swap_copy_s += timed_copy(pool, view, first, end, buffer, to_host, &bytes);
@@ -132,11 +132,11 @@ void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
   const std::int64_t first = r.swap.first, tokens = r.computed - first;
   const std::int64_t from = std::max(first, cached_tokens);
   if (from < r.computed) {
-    std::vector<float> part;
+    std::vector<std::byte> part;
     if (from == first || (!pool.has_storage() && pool.device() == nullptr)) {
       part = std::move(r.swap.data);
     } else {  // the buffer's tail positions [from, computed), per layer half
-      const std::int64_t width = pool.shape().slot_width(), keep = r.computed - from;
+      const std::int64_t width = swap_row_bytes(pool), keep = r.computed - from;
       part.resize(static_cast<std::size_t>(2 * pool.shape().layers * keep * width));
       for (std::int64_t half = 0; half < 2 * pool.shape().layers; ++half)
         std::copy_n(r.swap.data.data() + (half * tokens + (from - first)) * width, keep * width,

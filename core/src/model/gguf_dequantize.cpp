@@ -12,6 +12,7 @@
 
 #include <cstring>
 
+#include "kvlab/block_quant.hpp"
 #include "kvlab/dtype.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf.hpp"
@@ -27,30 +28,6 @@ float f16(const std::byte* p) {
 
 std::uint8_t u8(const std::byte* p) {
   return std::to_integer<std::uint8_t>(*p);
-}
-
-void q4_0_block(const std::byte* b, float* y) {
-  const float d = f16(b);
-  const std::byte* qs = b + 2;
-  for (int j = 0; j < 16; ++j) {
-    y[j] = static_cast<float>((u8(qs + j) & 0x0F) - 8) * d;
-    y[j + 16] = static_cast<float>((u8(qs + j) >> 4) - 8) * d;
-  }
-}
-
-void q4_1_block(const std::byte* b, float* y) {
-  const float d = f16(b), m = f16(b + 2);
-  const std::byte* qs = b + 4;
-  for (int j = 0; j < 16; ++j) {
-    y[j] = static_cast<float>(u8(qs + j) & 0x0F) * d + m;
-    y[j + 16] = static_cast<float>(u8(qs + j) >> 4) * d + m;
-  }
-}
-
-void q8_0_block(const std::byte* b, float* y) {
-  const float d = f16(b);
-  for (int j = 0; j < 32; ++j)
-    y[j] = static_cast<float>(static_cast<std::int8_t>(u8(b + 2 + j))) * d;
 }
 
 // Scale and min of Q4_K sub-block j (0-7), each 6 bits, packed in 12 bytes (get_scale_min_k4).
@@ -128,14 +105,11 @@ void gguf_dequantize(std::uint32_t type, std::span<const std::byte> source,
   void (*block)(const std::byte*, float*) = nullptr;
   switch (static_cast<GgufTensorType>(type)) {
     case GgufTensorType::q4_0:
-      block = q4_0_block;
-      break;
+      return dequantize_blocks(BlockFormat::q4_0, source, destination);
     case GgufTensorType::q4_1:
-      block = q4_1_block;
-      break;
+      return dequantize_blocks(BlockFormat::q4_1, source, destination);
     case GgufTensorType::q8_0:
-      block = q8_0_block;
-      break;
+      return dequantize_blocks(BlockFormat::q8_0, source, destination);
     case GgufTensorType::q4_k:
       block = q4_k_block;
       break;

@@ -19,9 +19,13 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   if (r.kv_heads <= 0 || c.num_attention_heads % r.kv_heads != 0)
     throw Error(fmt::format("kv-heads {} must be a positive divisor of the {} query heads of {}",
                             r.kv_heads, c.num_attention_heads, c.name));
-  const auto kv_element = static_cast<std::int64_t>(dtype_size(q.kv_dtype));
+  if (!dtype_row_fits(q.kv_dtype, c.head_dim))
+    throw Error(fmt::format("{} KV needs head_dim to be a multiple of 32 (its blocks); {} has {}",
+                            dtype_short_name(q.kv_dtype), c.name, c.head_dim));
+  // Bytes of one head's row of one token, scales included.
+  const std::int64_t head_row = dtype_row_bytes(q.kv_dtype, c.head_dim);
   const auto per_token =
-      checked_product<std::int64_t>({2, c.num_hidden_layers, r.kv_heads, c.head_dim, kv_element});
+      checked_product<std::int64_t>({2, c.num_hidden_layers, r.kv_heads, head_row});
   if (!per_token) throw Error(fmt::format("{}: KV bytes per token overflow 64 bits", c.name));
   r.bytes_per_token = *per_token;
   const auto per_request = checked_mul(r.bytes_per_token, q.seq_len);

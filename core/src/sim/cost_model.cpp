@@ -26,6 +26,9 @@ CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
       kv_heads_per_gpu_(
           kv_heads_per_gpu(model.num_attention_heads, model.num_key_value_heads, tensor_parallel)) {
   if (cp_ < 1) throw Error(fmt::format("context parallelism {} must be >= 1", cp_));
+  if (!dtype_row_fits(profile_.kv_dtype, model.head_dim))
+    throw Error(fmt::format("{} KV needs head_dim to be a multiple of 32 (its blocks); {} has {}",
+                            dtype_short_name(profile_.kv_dtype), model.name, model.head_dim));
   if ((tp_ > 1 || cp_ > 1) && !(profile_.allreduce_gb_per_s > 0))
     throw Error(fmt::format(
         "{} {} on {}: the profile has no [interconnect] (allreduce_gb_per_s) to price the "
@@ -61,7 +64,9 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   const ModelConfig& m = model_;
   const double weight = static_cast<double>(dtype_size(profile_.compute_dtype));
   const double act = weight;  // activations in the compute dtype
-  const double kv_element = static_cast<double>(dtype_size(profile_.kv_dtype));
+  // Bytes per KV value, scales included (a quantized format's head row / head_dim).
+  const double kv_element = static_cast<double>(dtype_row_bytes(profile_.kv_dtype, m.head_dim)) /
+                            static_cast<double>(m.head_dim);
   const double layers = static_cast<double>(m.num_hidden_layers);
   const ShardShapes g = shard_shapes(m, tp_, kv_heads_per_gpu_);  // one GPU's share
   const double kv_token_bytes = 2 * g.kv * kv_element;            // one layer, K and V
@@ -218,13 +223,13 @@ double CostModel::weight_bytes() const {
 }
 
 std::int64_t CostModel::kv_bytes_per_token() const {
-  return 2 * model_.num_hidden_layers * model_.kv_dim() *
-         static_cast<std::int64_t>(dtype_size(profile_.kv_dtype));
+  return 2 * model_.num_hidden_layers * model_.num_key_value_heads *
+         dtype_row_bytes(profile_.kv_dtype, model_.head_dim);
 }
 
 std::int64_t CostModel::kv_bytes_per_token_per_gpu() const {
-  return 2 * model_.num_hidden_layers * kv_heads_per_gpu_ * model_.head_dim *
-         static_cast<std::int64_t>(dtype_size(profile_.kv_dtype));
+  return 2 * model_.num_hidden_layers * kv_heads_per_gpu_ *
+         dtype_row_bytes(profile_.kv_dtype, model_.head_dim);
 }
 
 double CostModel::kv_bytes_per_sequence_token_per_gpu() const {

@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include "kvlab/kv_pool.hpp"
+
 #include <toml++/toml.h>
 #include <algorithm>
 #include <boost/dll/runtime_symbol_info.hpp>
@@ -81,12 +83,15 @@ class ProfileSection {
            fmt::format("{}.{} is a fraction of the peak: (0, 1], got {}", name_, key, v));
     return v;
   }
-  DType dtype(std::string_view key, DType fallback) {
+  // `kv`: a KV cache's dtype (the quantized row formats too), else a compute dtype.
+  DType dtype(std::string_view key, DType fallback, bool kv = false) {
     const std::string name = text(key, std::string(dtype_short_name(fallback)));
     const auto d = dtype_from_short_name(name);
-    if (!d || !(*d == DType::dtype_f32 || *d == DType::dtype_f16 || *d == DType::dtype_bf16 ||
-                *d == DType::dtype_f8_e4m3))
-      fail(node(key), fmt::format("{}.{} \"{}\": choose f32, f16, bf16 or fp8", name_, key, name));
+    const bool compute = d && (*d == DType::dtype_f32 || *d == DType::dtype_f16 ||
+                               *d == DType::dtype_bf16 || *d == DType::dtype_f8_e4m3);
+    if (!(kv ? d && kv_pool_holds(*d) : compute))
+      fail(node(key), fmt::format("{}.{} \"{}\": choose {}", name_, key, name,
+                                  kv ? kv_pool_dtype_names() : "f32, f16, bf16 or fp8"));
     return *d;
   }
   void finish() const {
@@ -248,7 +253,7 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file,
     p.memory_gb_per_s = s.number("memory_gb_per_s", 0, true);
     p.memory_gib = s.number("memory_gib", 0, true);
     p.compute_dtype = s.dtype("compute_dtype", p.compute_dtype);
-    p.kv_dtype = s.dtype("kv_dtype", p.kv_dtype);
+    p.kv_dtype = s.dtype("kv_dtype", p.kv_dtype, true);
     s.finish();
   }
   {

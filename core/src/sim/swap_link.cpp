@@ -73,7 +73,7 @@ SwapLink measure_swap_link(KvPool& pool, std::int64_t max_tokens, int repeats) {
     for (int r = 0; r < repeats; ++r) {
       // As the engine swaps: out into a new buffer (the request's), back in from it (the same
       // K/V to the same slots: the pool ends as it began).
-      std::vector<float> buffer;
+      std::vector<std::byte> buffer;
       auto start = std::chrono::steady_clock::now();
       bytes = copy_kv_rows(pool, view, 0, tokens, buffer, true);
       out_s.push_back(seconds_since(start));

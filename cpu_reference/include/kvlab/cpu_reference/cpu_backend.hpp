@@ -40,8 +40,10 @@ class CpuBackend final : public Backend {
             with_activations(compute_weights(weights, WeightFormat::f32), ActivationFormat::f32)) {}
 
   // Runs the batch, writing each new token's K/V into its slot. Returns logits (entries, vocab)
-  // for the last token of each entry, valid until the next forward.
-  const RowMatrix& run(std::span<const BatchEntry> batch);
+  // for the last token of each entry, valid until the next forward. With `logit_tokens` n > 1:
+  // for the last n tokens of each entry (all of a shorter one), entry by entry in order
+  // (perplexity scores the second half of every chunk).
+  const RowMatrix& run(std::span<const BatchEntry> batch, std::int64_t logit_tokens = 1);
 
   // Logits always: the host is where they are, so picking here saves no copy.
   ForwardResult forward(std::span<const BatchEntry> batch,

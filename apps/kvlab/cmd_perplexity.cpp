@@ -1,0 +1,165 @@
+// kvlab perplexity: a model's perplexity over a text with the KV settings under test, by
+// llama.cpp's llama-perplexity protocol (cpu_reference/perplexity.hpp), and beside it the mean
+// KL divergence and top-1 agreement against the exact KV.
+#include <fmt/format.h>
+
+#include <chrono>
+#include <cstdio>
+#include <memory>
+#include <nlohmann/json.hpp>
+#include <optional>
+
+#include "cli_common.hpp"
+#include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/cpu_reference/perplexity.hpp"
+#include "kvlab/cpu_reference/weight_choices.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/kv_pool.hpp"
+#include "kvlab/model/mapped_file.hpp"
+#include "kvlab/model/tokenizer.hpp"
+
+namespace kvlab::cli {
+namespace {
+
+struct PerplexityCommand {
+  std::string model;
+  std::string file;
+  cpu::PerplexityOptions options;
+  std::string kv_dtype = "f32";
+  std::int64_t window = 0;
+  std::string weights = "stored";
+  std::string activations = "f32";
+  bool no_compare = false;
+  bool json = false;
+  int threads = 0;
+};
+
+std::string read_text(const std::string& path) {
+  const MappedFile file(path, "text");
+  const auto bytes = file.bytes();
+  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
+}
+
+void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int64_t text_tokens,
+                const cpu::PerplexityResult& r, double seconds) {
+  nlohmann::json out = {{"model", config.name},
+                        {"file", c.file},
+                        {"text_tokens", text_tokens},
+                        {"context", c.options.context},
+                        {"chunks", r.chunks},
+                        {"scored_tokens", r.scored_tokens()},
+                        {"kv_dtype", c.kv_dtype},
+                        {"window", c.window},
+                        {"ppl", r.ppl()},
+                        {"ppl_error", r.ppl_error()},
+                        {"running_ppl", r.running_ppl},
+                        {"seconds", seconds}};
+  if (r.compared) {
+    out["exact_ppl"] = r.exact_ppl();
+    out["mean_kl"] = r.mean_kl();
+    out["kl_error"] = r.kl_error();
+    out["top1_agreement"] = r.top1_agreement();
+  }
+  fmt::print("{}\n", out.dump());
+}
+
+void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
+  fmt::print("\nPPL = {:.4f} +/- {:.5f}  ({} chunks of {}, {} tokens scored, KV {}{})\n", r.ppl(),
+             r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), c.kv_dtype,
+             c.window > 0 ? fmt::format(", window {}", c.window) : "");
+  if (!r.compared) return;
+  fmt::print("exact KV (f32, every position): PPL = {:.4f}; this KV: {:+.3f}%\n", r.exact_ppl(),
+             100.0 * (r.ppl() / r.exact_ppl() - 1.0));
+  fmt::print(
+      "mean KL divergence from the exact KV = {:.6f} +/- {:.6f} nats; top-1 agreement "
+      "{:.2f}%\n",
+      r.mean_kl(), r.kl_error(), 100.0 * r.top1_agreement());
+}
+
+void run_perplexity(PerplexityCommand c) {
+  if (c.threads < 0)
+    throw Error(fmt::format("--threads must be >= 0 (0 = all cores), got {}", c.threads));
+  if (c.threads > 0) cpu::set_num_threads(c.threads);
+  c.options.kv_dtype = kv_pool_dtype(c.kv_dtype, "--kv-dtype");
+  if (c.window < 0) throw Error(fmt::format("--window must be >= 0 (0 = off), got {}", c.window));
+  if (c.window > 0) c.options.window = c.window;
+  c.options.compare_with_exact = !c.no_compare;
+  const ModelSource source = resolve_model(c.model);
+  if (source.is_preset())
+    throw Error(
+        fmt::format("\"{}\" is a preset: perplexity needs a model with a tokenizer (a "
+                    "folder or a .gguf file)",
+                    c.model));
+  const TokenizerLookup lookup = find_tokenizer(source.directory, source.config.vocab_size);
+  if (!lookup.tokenizer)
+    throw Error(fmt::format("perplexity needs a tokenizer: {}", lookup.why_not));
+  const std::vector<std::int32_t> tokens = lookup.tokenizer->encode_prompt(read_text(c.file));
+  const std::optional<std::int32_t> bos =
+      lookup.tokenizer->adds_bos() ? lookup.tokenizer->bos_id() : std::nullopt;
+  const cpu::LlamaWeights weights = cpu::load_llama_weights(source.directory);
+  const ModelWeightsView view = cpu::weights_view(weights, source.directory.string());
+  const auto make_compute = [&] {
+    return cpu::select_compute_weights(view, c.weights, c.activations);
+  };
+  const auto start = std::chrono::steady_clock::now();
+  const auto progress = [&](const cpu::PerplexityResult& r) {
+    if (c.json) return;
+    for (std::size_t i = r.running_ppl.size() - static_cast<std::size_t>(std::min<std::int64_t>(
+                                                    c.options.parallel, r.chunks));
+         i < r.running_ppl.size(); ++i)
+      fmt::print("[{}]{:.4f},", i + 1, r.running_ppl[i]);
+    std::fflush(stdout);
+  };
+  const cpu::PerplexityResult result =
+      cpu::measure_perplexity(view, make_compute, tokens, bos, c.options, progress);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (c.json)
+    print_json(c, weights.config, static_cast<std::int64_t>(tokens.size()), result, seconds);
+  else
+    print_text(c, result);
+  fmt::print(stderr, "{}: {} tokens in the text, {:.1f} s ({} threads)\n", weights.config.name,
+             tokens.size(), seconds, cpu::num_threads());
+}
+
+}  // namespace
+
+void register_perplexity(CLI::App& app) {
+  auto c = std::make_shared<PerplexityCommand>();
+  auto* sub = app.add_subcommand(
+      "perplexity",
+      "Perplexity over a text with the KV settings under test (llama-perplexity's protocol), "
+      "and the KL divergence and top-1 agreement against the exact KV");
+  sub->add_option("--model", c->model, "A model folder or .gguf file (with its tokenizer)")
+      ->required();
+  sub->add_option("-f,--file", c->file,
+                  "The text (data/wikitext-2-raw/wiki.test.raw is the standard one)")
+      ->required();
+  sub->add_option("-c,--context", c->options.context, "Tokens per chunk (llama.cpp's -c)")
+      ->capture_default_str();
+  sub->add_option("--chunks", c->options.chunks, "Chunks to score (0 = every whole chunk)")
+      ->capture_default_str();
+  sub->add_option("--parallel", c->options.parallel, "Chunks per forward")->capture_default_str();
+  sub->add_option("--kv-dtype", c->kv_dtype, "The KV pool's dtype: " + kv_pool_dtype_names())
+      ->capture_default_str();
+  sub->add_option("--window", c->window,
+                  "Attend to the last W positions only (window attention; 0 = off)")
+      ->capture_default_str();
+  sub->add_option("--weights", c->weights,
+                  "The format the backend multiplies in: stored, f32, f16, bf16, q8_0, q4_0, q4_1")
+      ->capture_default_str()
+      ->check(CLI::IsMember(
+          std::vector<std::string>(cpu::kWeightChoices.begin(), cpu::kWeightChoices.end())));
+  sub->add_option("--activations", c->activations, "f32, q8 or bf16 (kvlab generate --help)")
+      ->capture_default_str()
+      ->check(CLI::IsMember(std::vector<std::string>(cpu::kActivationChoices.begin(),
+                                                     cpu::kActivationChoices.end())));
+  sub->add_flag("--no-compare", c->no_compare,
+                "Skip the exact run (no KL divergence or top-1 agreement; half the time)");
+  sub->add_flag("--json", c->json, "One JSON object with every figure");
+  sub->add_option("--threads", c->threads, "CPU threads (0 = all cores)")->capture_default_str();
+  sub->callback([c]() { run_perplexity(*c); });
+}
+
+}  // namespace kvlab::cli

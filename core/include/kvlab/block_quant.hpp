@@ -1,0 +1,22 @@
+#pragma once
+// llama.cpp's 32-value blocks (ggml-quants.c) from and to fp32: Q8_0 (fp16 scale + 32 int8),
+// Q4_0 (fp16 scale + 16 bytes of nibbles), Q4_1 (fp16 scale and minimum + 16 bytes). Weights
+// rounded to a Q format, GGUF tensors read, and quantized KV rows (q8_0, q4_0 pools) share them.
+#include <cstddef>
+#include <cstdint>
+#include <span>
+
+namespace kvlab {
+
+enum class BlockFormat : std::uint8_t { q8_0, q4_0, q4_1 };
+inline constexpr std::size_t kBlockValues = 32;
+std::size_t block_bytes(BlockFormat format);  // 34, 18, 20
+
+// `source` (a multiple of 32 values) into whole blocks in `destination` (exactly their bytes),
+// as quantize_row_*_ref; and back, as dequantize_row_*. Precondition: the sizes match.
+void quantize_blocks(BlockFormat format, std::span<const float> source,
+                     std::span<std::byte> destination);
+void dequantize_blocks(BlockFormat format, std::span<const std::byte> source,
+                       std::span<float> destination);
+
+}  // namespace kvlab

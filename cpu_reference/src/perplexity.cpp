@@ -1,0 +1,205 @@
+#include "kvlab/cpu_reference/perplexity.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <memory>
+
+#include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/error.hpp"
+
+namespace kvlab::cpu {
+namespace {
+
+// One log-softmax row, summed in double: its maximum and log-sum-exp.
+struct RowNorm {
+  float max = 0;
+  double log_sum = 0;  // log sum_j exp(x_j - max)
+  std::int64_t argmax = 0;
+};
+
+RowNorm normalize(const float* x, std::int64_t n) {
+  RowNorm r;
+  r.max = x[0];
+  for (std::int64_t j = 1; j < n; ++j)
+    if (x[j] > r.max) {
+      r.max = x[j];
+      r.argmax = j;
+    }
+  double sum = 0;
+  for (std::int64_t j = 0; j < n; ++j) sum += std::exp(static_cast<double>(x[j] - r.max));
+  r.log_sum = std::log(sum);
+  return r;
+}
+
+double log_prob(const float* x, const RowNorm& r, std::int64_t j) {
+  return static_cast<double>(x[j] - r.max) - r.log_sum;
+}
+
+// KL(p || q) = sum_j p_j (log p_j - log q_j), rows as logits.
+double kl_divergence(const float* p, const RowNorm& pn, const float* q, const RowNorm& qn,
+                     std::int64_t n) {
+  double kl = 0;
+  for (std::int64_t j = 0; j < n; ++j) {
+    const double lp = log_prob(p, pn, j);
+    kl += std::exp(lp) * (lp - log_prob(q, qn, j));
+  }
+  return std::max(kl, 0.0);  // rounding can leave a tiny negative for equal rows
+}
+
+// A pool of `parallel` chunks' slots and the backend that reads it.
+struct ScoringRun {
+  std::unique_ptr<KvPool> pool;
+  std::unique_ptr<CpuBackend> backend;
+};
+
+ScoringRun make_run(const ModelWeightsView& weights, ComputeWeights compute, DType kv_dtype,
+                    std::optional<std::int64_t> window, std::int64_t slots) {
+  const ModelConfig& c = weights.config;
+  ScoringRun run;
+  run.pool = std::make_unique<KvPool>(
+      KvPoolShape{c.num_hidden_layers, c.num_key_value_heads, c.head_dim, slots, kv_dtype});
+  run.backend = std::make_unique<CpuBackend>(weights, *run.pool, window, std::move(compute));
+  return run;
+}
+
+void check_options(const ModelConfig& c, std::int64_t text_tokens, const PerplexityOptions& o) {
+  if (o.context < 4 || o.context > c.max_position_embeddings)
+    throw Error(fmt::format("perplexity context must be in [4, {}] ({}'s context), not {}",
+                            c.max_position_embeddings, c.name, o.context));
+  if (o.chunks < 0 || o.parallel < 1)
+    throw Error(fmt::format("perplexity needs chunks >= 0 and parallel >= 1, not {} and {}",
+                            o.chunks, o.parallel));
+  if (o.window && *o.window < 1)
+    throw Error(fmt::format("the attention window must be >= 1 position, not {}", *o.window));
+  if (text_tokens < 2 * o.context)
+    throw Error(fmt::format(
+        "the text has {} tokens: perplexity with a context of {} needs at least {} (two chunks, "
+        "as llama-perplexity asks)",
+        text_tokens, o.context, 2 * o.context));
+}
+
+// Rows [row0, row0 + targets.size()) of `logits`, row i predicting targets[i]; against the same
+// rows of `exact` when given.
+PerplexitySums score_rows(const RowMatrix& logits, const RowMatrix* exact, std::int64_t row0,
+                          std::span<const std::int32_t> targets) {
+  const std::int64_t vocab = logits.cols(), n = static_cast<std::int64_t>(targets.size());
+  double nll_sum = 0, nll_squared = 0, kl_sum = 0, kl_squared = 0, exact_nll = 0;
+  std::int64_t same_top1 = 0;
+#pragma omp parallel for reduction(+ : nll_sum, nll_squared, kl_sum, kl_squared, exact_nll, \
+                                       same_top1)
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::int32_t next = targets[static_cast<std::size_t>(i)];
+    const float* x = logits.row(row0 + i).data();
+    const RowNorm norm = normalize(x, vocab);
+    const double nll = -log_prob(x, norm, next);
+    nll_sum += nll;
+    nll_squared += nll * nll;
+    if (exact == nullptr) continue;
+    const float* e = exact->row(row0 + i).data();
+    const RowNorm exact_norm = normalize(e, vocab);
+    const double kl = kl_divergence(e, exact_norm, x, norm, vocab);
+    kl_sum += kl;
+    kl_squared += kl * kl;
+    same_top1 += exact_norm.argmax == norm.argmax;
+    exact_nll += -log_prob(e, exact_norm, next);
+  }
+  return {n, nll_sum, nll_squared, kl_sum, kl_squared, same_top1, exact_nll};
+}
+
+void add(PerplexitySums& total, const PerplexitySums& more) {
+  total.tokens += more.tokens;
+  total.nll += more.nll;
+  total.nll_squared += more.nll_squared;
+  total.kl += more.kl;
+  total.kl_squared += more.kl_squared;
+  total.same_top1 += more.same_top1;
+  total.exact_nll += more.exact_nll;
+}
+
+}  // namespace
+
+double PerplexityResult::ppl() const {
+  return sums.tokens > 0 ? std::exp(sums.nll / static_cast<double>(sums.tokens)) : 0.0;
+}
+
+// llama.cpp: sqrt((E[nll^2] - E[nll]^2) / (N - 1)) x ppl.
+double PerplexityResult::ppl_error() const {
+  if (sums.tokens < 2) return 0;
+  const auto n = static_cast<double>(sums.tokens);
+  const double mean = sums.nll / n, variance = sums.nll_squared / n - mean * mean;
+  return variance > 0 ? std::sqrt(variance / (n - 1)) * ppl() : 0.0;
+}
+
+double PerplexityResult::exact_ppl() const {
+  return sums.tokens > 0 ? std::exp(sums.exact_nll / static_cast<double>(sums.tokens)) : 0.0;
+}
+
+double PerplexityResult::mean_kl() const {
+  return sums.tokens > 0 ? sums.kl / static_cast<double>(sums.tokens) : 0.0;
+}
+
+double PerplexityResult::kl_error() const {
+  if (sums.tokens < 2) return 0;
+  const auto n = static_cast<double>(sums.tokens);
+  const double mean = sums.kl / n, variance = sums.kl_squared / n - mean * mean;
+  return variance > 0 ? std::sqrt(variance / (n - 1)) : 0.0;
+}
+
+double PerplexityResult::top1_agreement() const {
+  return sums.tokens > 0 ? static_cast<double>(sums.same_top1) / static_cast<double>(sums.tokens)
+                         : 0.0;
+}
+
+PerplexityResult measure_perplexity(const ModelWeightsView& weights,
+                                    const std::function<ComputeWeights()>& make_compute,
+                                    std::span<const std::int32_t> tokens,
+                                    std::optional<std::int32_t> bos,
+                                    const PerplexityOptions& options,
+                                    const std::function<void(const PerplexityResult&)>& on_chunk) {
+  const ModelConfig& c = weights.config;
+  const auto text_tokens = static_cast<std::int64_t>(tokens.size());
+  check_options(c, text_tokens, options);
+  const std::int64_t n_ctx = options.context, first = n_ctx / 2;
+  const std::int64_t available = text_tokens / n_ctx;
+  const std::int64_t chunks = options.chunks > 0 ? std::min(options.chunks, available) : available;
+  const std::int64_t parallel = std::min(options.parallel, chunks);
+  const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window;
+  const bool compare = options.compare_with_exact && !exact;
+  ScoringRun tested =
+      make_run(weights, make_compute(), options.kv_dtype, options.window, parallel * n_ctx);
+  ScoringRun reference;
+  if (compare)
+    reference = make_run(weights, make_compute(), DType::dtype_f32, std::nullopt, parallel * n_ctx);
+
+  PerplexityResult result;
+  result.compared = compare;
+  std::vector<std::int32_t> batch_tokens(static_cast<std::size_t>(parallel * n_ctx));
+  for (std::int64_t chunk = 0; chunk < chunks; chunk += parallel) {
+    const std::int64_t seqs = std::min(parallel, chunks - chunk);
+    std::vector<BatchEntry> batch;
+    for (std::int64_t s = 0; s < seqs; ++s) {
+      std::int32_t* seq = batch_tokens.data() + s * n_ctx;
+      std::copy_n(tokens.begin() + (chunk + s) * n_ctx, n_ctx, seq);
+      if (bos) seq[0] = *bos;  // llama.cpp: each chunk starts with BOS when the model adds one
+      batch.push_back({{seq, static_cast<std::size_t>(n_ctx)}, 0, {{{s * n_ctx, n_ctx}}, 0}, true});
+    }
+    // (seqs x (n_ctx - first), vocab): row s * (n_ctx - first) + i is position first + i of s.
+    const RowMatrix& logits = tested.backend->run(batch, n_ctx - first);
+    const RowMatrix* exact_logits =
+        compare ? &reference.backend->run(batch, n_ctx - first) : nullptr;
+    for (std::int64_t s = 0; s < seqs; ++s) {
+      const std::int64_t row0 = s * (n_ctx - first);
+      const std::span<const std::int32_t> targets(batch_tokens.data() + s * n_ctx + first + 1,
+                                                  static_cast<std::size_t>(n_ctx - first - 1));
+      add(result.sums, score_rows(logits, exact_logits, row0, targets));
+      result.chunks += 1;
+      result.running_ppl.push_back(result.ppl());
+    }
+    if (on_chunk) on_chunk(result);
+  }
+  return result;
+}
+
+}  // namespace kvlab::cpu
