@@ -60,14 +60,33 @@ inline float half_scale(const std::byte* p) {
   return _cvtsh_ss(bits);
 }
 
-// 8 int8 values from p, widened to fp32 and multiplied by `scale`.
-inline __m256 int8x8(const std::byte* p, float scale) {
+// 8 int8 values from p, widened to fp32.
+inline __m256 int8x8(const std::byte* p) {
   const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(scale));
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+}
+
+// A dtype whose rows have one scale (int8): the kernels multiply sums and weights by it once
+// per row, and load its values unscaled (load_row8's results times row_scale). A block-scaled
+// dtype (q8_0, q4_0): the same per block of 32 (block_scale).
+template <DType Type>
+constexpr bool kRowScaled = Type == DType::dtype_kv_int8;
+template <DType Type>
+float row_scale(const std::byte* row) {
+  float scale = 1;
+  if constexpr (kRowScaled<Type>) std::memcpy(&scale, row, 4);
+  return scale;
+}
+template <DType Type>
+constexpr bool kBlockScaled = Type == DType::dtype_q8_0 || Type == DType::dtype_q4_0;
+template <DType Type>
+float block_scale(const std::byte* row, std::int64_t block) {
+  return half_scale(row + block * (Type == DType::dtype_q8_0 ? 34 : 18));
 }
 
 // 8 values of a head's row from stored position d (a multiple of 8), widened to fp32: what
-// convert_to_f32 gives for them, bit for bit.
+// convert_to_f32 gives for them, bit for bit (divided by row_scale for kRowScaled dtypes, by
+// their block's block_scale for kBlockScaled ones).
 template <DType Type>
 __m256 load_row8(const std::byte* row, std::int64_t d) {
   if constexpr (Type == DType::dtype_f32) {
@@ -81,12 +100,9 @@ __m256 load_row8(const std::byte* row, std::int64_t d) {
     const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
     return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(codes), 4);
   } else if constexpr (Type == DType::dtype_kv_int8) {  // [fp32 scale][head_dim int8]
-    float scale;
-    std::memcpy(&scale, row, 4);
-    return int8x8(row + 4 + d, scale);
-  } else if constexpr (Type == DType::dtype_q8_0) {  // blocks of [fp16 scale][32 int8]
-    const std::byte* block = row + d / 32 * 34;
-    return int8x8(block + 2 + d % 32, half_scale(block));
+    return int8x8(row + 4 + d);                         // unscaled: x row_scale<Type>(row)
+  } else if constexpr (Type == DType::dtype_q8_0) {     // blocks of [fp16 scale][32 int8]
+    return int8x8(row + d / 32 * 34 + 2 + d % 32);  // unscaled: x block_scale<Type>(row, d / 32)
   } else {  // q4_0: blocks of [fp16 scale][16 bytes]: value j < 16 low nibble, else high
     static_assert(Type == DType::dtype_q4_0);
     const std::byte* block = row + d / 32 * 18;
@@ -95,8 +111,7 @@ __m256 load_row8(const std::byte* row, std::int64_t d) {
         _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + within % 16)));
     const __m256i nibbles =
         within < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xf)) : _mm256_srli_epi32(bytes, 4);
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles, _mm256_set1_epi32(8))),
-                         _mm256_set1_ps(half_scale(block)));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles, _mm256_set1_epi32(8)));  // unscaled
   }
 }
 
@@ -108,9 +123,75 @@ std::int64_t stored_key_position(std::int64_t d, std::int64_t hd) {
   return d;
 }
 
+// The 8 lanes' sums of acc[0..7], in order: hadd pairs, then the 128-bit halves of keys 0-3 and
+// 4-7 added.
+inline __m256 lane_sums(const __m256 (&acc)[8]) {
+  const __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
+  const __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
+  return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+}
+
+// The key channel at stored position s of a key row (the inverse of stored_key_position).
+template <DType Type>
+std::int64_t key_channel_at(std::int64_t s, std::int64_t hd) {
+  if constexpr (Type == DType::dtype_q8_0 || Type == DType::dtype_q4_0) {
+    const std::int64_t block = s / 32, within = s % 32;
+    return within < 16 ? 16 * block + within : hd / 2 + 16 * block + within - 16;
+  }
+  return s;
+}
+
+// score_rows_simd for a block-scaled dtype: each block's 8 sums (unscaled values) times the 8
+// rows' scales of that block, added up.
+template <DType Type>
+void score_blocks_simd(const float* q, const std::byte* k, std::int64_t stride, std::int64_t count,
+                       std::int64_t readable, std::int64_t hd, float scale, float* scores) {
+  const std::int64_t row_bytes = dtype_row_bytes(Type, hd), blocks = hd / 32;
+  std::int64_t j = 0;
+  for (; j + 8 <= count; j += 8) {
+    for (std::int64_t r = j + 8; r < std::min(j + 16, readable); ++r)
+      prefetch_row(k + r * stride, row_bytes);
+    const std::byte* rows = k + j * stride;
+    __m256 total = _mm256_setzero_ps();
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      __m256 acc[8];
+      for (auto& a : acc) a = _mm256_setzero_ps();
+      for (std::int64_t s = 32 * b; s < 32 * b + 32; s += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + key_channel_at<Type>(s, hd));
+        for (int r = 0; r < 8; ++r)
+          acc[r] = _mm256_fmadd_ps(qv, load_row8<Type>(rows + r * stride, s), acc[r]);
+      }
+      const __m256 scales = _mm256_setr_ps(
+          block_scale<Type>(rows, b), block_scale<Type>(rows + stride, b),
+          block_scale<Type>(rows + 2 * stride, b), block_scale<Type>(rows + 3 * stride, b),
+          block_scale<Type>(rows + 4 * stride, b), block_scale<Type>(rows + 5 * stride, b),
+          block_scale<Type>(rows + 6 * stride, b), block_scale<Type>(rows + 7 * stride, b));
+      total = _mm256_fmadd_ps(lane_sums(acc), scales, total);
+    }
+    _mm256_storeu_ps(scores + j, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
+  }
+  for (; j < count; ++j) {  // the last keys, one at a time
+    const std::byte* row = k + j * stride;
+    float dot = 0;
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      __m256 acc = _mm256_setzero_ps();
+      for (std::int64_t s = 32 * b; s < 32 * b + 32; s += 8)
+        acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + key_channel_at<Type>(s, hd)),
+                              load_row8<Type>(row, s), acc);
+      const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+      const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
+      dot += _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1))) *
+             block_scale<Type>(row, b);
+    }
+    scores[j] = dot * scale;
+  }
+}
+
 template <DType Type>
 void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, std::int64_t count,
                      std::int64_t readable, std::int64_t hd, float scale, float* scores) {
+  if constexpr (kBlockScaled<Type>)
+    return score_blocks_simd<Type>(q, k, stride, count, readable, hd, scale, scores);
   std::int64_t j = 0;
   const std::int64_t row_bytes = dtype_row_bytes(Type, hd);
   for (; j + 8 <= count; j += 8) {  // 8 keys at once, reduced together
@@ -127,13 +208,16 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
       for (int r = 0; r < 8; ++r)
         acc[r] = _mm256_fmadd_ps(qv, load_row8<Type>(k + (j + r) * stride, at), acc[r]);
     }
-    // Lane sums: hadd pairs, then the 128-bit halves of keys 0-3 and 4-7 added.
-    const __m256 t0 =
-        _mm256_hadd_ps(_mm256_hadd_ps(acc[0], acc[1]), _mm256_hadd_ps(acc[2], acc[3]));
-    const __m256 t1 =
-        _mm256_hadd_ps(_mm256_hadd_ps(acc[4], acc[5]), _mm256_hadd_ps(acc[6], acc[7]));
-    const __m256 sums =
-        _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
+    __m256 sums = lane_sums(acc);
+    if constexpr (kRowScaled<Type>) {
+      const std::byte* rows = k + j * stride;
+      sums = _mm256_mul_ps(
+          sums,
+          _mm256_setr_ps(row_scale<Type>(rows), row_scale<Type>(rows + stride),
+                         row_scale<Type>(rows + 2 * stride), row_scale<Type>(rows + 3 * stride),
+                         row_scale<Type>(rows + 4 * stride), row_scale<Type>(rows + 5 * stride),
+                         row_scale<Type>(rows + 6 * stride), row_scale<Type>(rows + 7 * stride)));
+    }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(sums, _mm256_set1_ps(scale)));
   }
   for (; j < count; ++j) {  // the last keys, one at a time
@@ -143,7 +227,8 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
                             load_row8<Type>(k + j * stride, stored_key_position<Type>(d, hd)), acc);
     const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
-    scores[j] = _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1))) * scale;
+    scores[j] = _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1))) *
+                row_scale<Type>(k + j * stride) * scale;
   }
 }
 
@@ -157,9 +242,14 @@ void add_weighted_columns(const float* p, const std::byte* v, std::int64_t strid
   for (std::int64_t j = 0; j < count; ++j) {
     if (c0 == 0 && (Vectors == 8 || j % 8 == 0) && j + 4 < readable)
       prefetch_row(v + (j + 4) * stride, row_bytes);
-    const __m256 weight = _mm256_set1_ps(p[j]);
-    for (int s = 0; s < Vectors; ++s)
-      acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(v + j * stride, c0 + 8 * s), acc[s]);
+    const std::byte* row = v + j * stride;
+    __m256 weight = _mm256_set1_ps(p[j] * row_scale<Type>(row));
+    for (int s = 0; s < Vectors; ++s) {
+      if constexpr (kBlockScaled<Type>)  // each block of 32 values: its own scale
+        if ((c0 + 8 * s) % 32 == 0 || s == 0)
+          weight = _mm256_set1_ps(p[j] * block_scale<Type>(row, (c0 + 8 * s) / 32));
+      acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(row, c0 + 8 * s), acc[s]);
+    }
   }
   for (int s = 0; s < Vectors; ++s) _mm256_storeu_ps(o + 8 * s, acc[s]);
 }

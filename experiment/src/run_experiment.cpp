@@ -33,6 +33,8 @@ void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
   for (const auto& s : out.engine.steps) {
     const double capacity = static_cast<double>(s.kv.capacity);
     out.mean_kv_used += static_cast<double>(s.kv.used - s.padding_slots) / capacity;
+    out.mean_batch += static_cast<double>(s.batch - s.padding);
+    out.max_batch = std::max(out.max_batch, s.batch - s.padding);
     out.mean_kv_waste += wasted_slots(s) / capacity;
     held += static_cast<double>(s.kv.used + s.kv.reserved_unused + s.kv.last_block_slack);
     held_waste +=
@@ -41,6 +43,7 @@ void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
   if (!out.engine.steps.empty()) {
     out.mean_kv_used /= static_cast<double>(out.engine.steps.size());
     out.mean_kv_waste /= static_cast<double>(out.engine.steps.size());
+    out.mean_batch /= static_cast<double>(out.engine.steps.size());
   }
   out.kv_waste_of_held = held > 0 ? held_waste / held : 0.0;
   if (!out.engine.steps.empty()) {

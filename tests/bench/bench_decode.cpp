@@ -1,7 +1,8 @@
 // Batched decode through the CPU backend: aggregate tokens/s at batch 1, 8, 32, 64 with
-// contexts of 128-255 tokens, 2 threads, weights multiplied in each format (f32, f16, bf16,
-// q8_0, q4_0, q4_1) - next to this machine's read bandwidth measured in the same run, and the
-// batch-1 roofline (weight bytes per token / bandwidth).
+// contexts of 128-255 tokens (batch/256 in a name), 2 threads, weights multiplied in each format
+// (f32, f16, bf16, q8_0, q4_0, q4_1) - next to this machine's read bandwidth measured in the same
+// run, and the batch-1 roofline (weight bytes per token / bandwidth); and each KV pool dtype
+// (kv_*).
 //   ./build/bin/kvlab_bench_decode --benchmark_filter=stories110m/q4_1
 #include <benchmark/benchmark.h>
 
@@ -34,24 +35,27 @@ void BM_ReadBandwidth(benchmark::State& state) {
 }
 BENCHMARK(BM_ReadBandwidth)->Iterations(1)->Unit(benchmark::kMillisecond);
 
-void BM_Decode(benchmark::State& state, const std::string& preset, cpu::WeightFormat format) {
+void BM_Decode(benchmark::State& state, const std::string& preset, cpu::WeightFormat format,
+               DType kv = DType::dtype_f32) {
   cpu::set_num_threads(kThreads);
   const auto batch = static_cast<std::int64_t>(state.range(0));
   const cpu::LlamaWeights& weights = weights_for(preset);
   const ModelConfig& c = weights.config;
-  const std::int64_t max_context = std::min<std::int64_t>(256, c.max_position_embeddings);
-  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch * max_context});
+  const std::int64_t max_context =
+      std::min<std::int64_t>(state.range(1), c.max_position_embeddings);
+  const std::int64_t half = max_context / 2;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, batch * max_context, kv});
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   PluginContext context;
   context.pool = &pool;
   context.max_seq_len = max_context;
   auto allocator =
       registry.create<PluginKind::kv_allocator>("paged", {{"prefix_caching", false}}, context);
-  // Each sequence holds 128-255 tokens of (arbitrary) KV and decodes its next token.
+  // Each sequence holds max/2 to max - 1 tokens of (arbitrary) KV and decodes its next token.
   std::vector<std::vector<std::int32_t>> tokens(static_cast<std::size_t>(batch));
   std::vector<BatchEntry> entries;
   for (std::int64_t s = 0; s < batch; ++s) {
-    const std::int64_t length = 128 + (s * 37) % (max_context - 128);
+    const std::int64_t length = half + (s * 37) % half;
     auto& t = tokens[static_cast<std::size_t>(s)];
     for (std::int64_t i = 0; i <= length; ++i)
       t.push_back(static_cast<std::int32_t>((i * 131 + s) % c.vocab_size));
@@ -68,28 +72,31 @@ void BM_Decode(benchmark::State& state, const std::string& preset, cpu::WeightFo
       benchmark::Counter(static_cast<double>(batch), benchmark::Counter::kIsIterationInvariantRate);
   state.counters["roofline_b1_tok/s"] = bandwidth / weight_bytes;
   state.counters["GB/s"] = bandwidth / 1e9;
-  state.SetLabel(preset + " " + backend.matrices().description + ", batch " +
-                 std::to_string(batch) + ", ctx 128-255, " + std::to_string(kThreads) + " threads");
+  state.counters["kv_bytes_per_token"] = static_cast<double>(pool.bytes_per_slot());
+  state.SetLabel(preset + " " + backend.matrices().description + ", KV " +
+                 std::string(dtype_short_name(kv)) + ", batch " + std::to_string(batch) + ", ctx " +
+                 std::to_string(half) + "-" + std::to_string(max_context - 1) + ", " +
+                 std::to_string(kThreads) + " threads");
 }
 BENCHMARK_CAPTURE(BM_Decode, tiny, std::string("tiny"), cpu::WeightFormat::f32)
-    ->Arg(1)
+    ->Args({1, 256})
     ->Unit(benchmark::kMillisecond);
 // Every format at batch 1 and 64 (f32 also at 4, 5, 8, 9 and 32: either side of the fused
 // kernels' 4-row limit and of 8) for one preset.
 #define KVLAB_DECODE_FORMAT(preset, format)                                                      \
   BENCHMARK_CAPTURE(BM_Decode, preset / format, std::string(#preset), cpu::WeightFormat::format) \
-      ->Arg(1)                                                                                   \
-      ->Arg(64)                                                                                  \
+      ->Args({1, 256})                                                                           \
+      ->Args({64, 256})                                                                          \
       ->Unit(benchmark::kMillisecond)
 #define KVLAB_DECODE_FORMATS(preset)                                                       \
   BENCHMARK_CAPTURE(BM_Decode, preset / f32, std::string(#preset), cpu::WeightFormat::f32) \
-      ->Arg(1)                                                                             \
-      ->Arg(4)                                                                             \
-      ->Arg(5)                                                                             \
-      ->Arg(8)                                                                             \
-      ->Arg(9)                                                                             \
-      ->Arg(32)                                                                            \
-      ->Arg(64)                                                                            \
+      ->Args({1, 256})                                                                     \
+      ->Args({4, 256})                                                                     \
+      ->Args({5, 256})                                                                     \
+      ->Args({8, 256})                                                                     \
+      ->Args({9, 256})                                                                     \
+      ->Args({32, 256})                                                                    \
+      ->Args({64, 256})                                                                    \
       ->Unit(benchmark::kMillisecond);                                                     \
   KVLAB_DECODE_FORMAT(preset, f16);                                                        \
   KVLAB_DECODE_FORMAT(preset, bf16);                                                       \
@@ -98,6 +105,25 @@ BENCHMARK_CAPTURE(BM_Decode, tiny, std::string("tiny"), cpu::WeightFormat::f32)
   KVLAB_DECODE_FORMAT(preset, q4_1)
 KVLAB_DECODE_FORMATS(stories15m);
 KVLAB_DECODE_FORMATS(stories110m);
+
+// The KV pool's dtype at batch 1 and 64 (q8_0 weights), contexts 128-255 and 512-1023: at 64
+// sequences the step reads more KV than weights (f16 at 512-1023: 1.8 GB a step), so 8-bit KV
+// (about half of f16's bytes, scales included) shows in the step time. stories110m: head_dim 64,
+// 12 K/V heads.
+#define KVLAB_DECODE_KV(dtype, name)                                                \
+  BENCHMARK_CAPTURE(BM_Decode, stories110m / kv_##name, std::string("stories110m"), \
+                    cpu::WeightFormat::q8_0, DType::dtype)                          \
+      ->Args({1, 256})                                                              \
+      ->Args({64, 256})                                                             \
+      ->Args({64, 1024})                                                            \
+      ->Unit(benchmark::kMillisecond)
+KVLAB_DECODE_KV(dtype_f32, f32);
+KVLAB_DECODE_KV(dtype_f16, f16);
+KVLAB_DECODE_KV(dtype_bf16, bf16);
+KVLAB_DECODE_KV(dtype_f8_e4m3, fp8);
+KVLAB_DECODE_KV(dtype_kv_int8, int8);
+KVLAB_DECODE_KV(dtype_q8_0, q8_0);
+KVLAB_DECODE_KV(dtype_q4_0, q4_0);
 
 }  // namespace
 }  // namespace kvlab::bench

@@ -210,6 +210,10 @@ struct RunOutput {
   };
   std::optional<KvTierTotals> kv_tiers;
   std::int64_t kv_slots = 0;  // the pool's capacity in tokens
+  // Sequences a step computes (a static batch's padding rows not counted): mean over steps and
+  // most at once, what a smaller KV dtype or attention variant lets run together.
+  double mean_batch = 0;
+  std::int64_t max_batch = 0;
   // With a cost model and the measured clock, per step: |predicted - measured| / measured, and
   // measured / predicted (signed: above 1, the steps ran slower than the profile prices them;
   // a whole run's median far from 1 means the machine or the profile, not the engine, is off).
