@@ -85,6 +85,7 @@ void run_perplexity(PerplexityCommand c) {
   if (c.window < 0) throw Error(fmt::format("--window must be >= 0 (0 = off), got {}", c.window));
   if (c.window > 0) c.options.window = c.window;
   c.options.compare_with_exact = !c.no_compare;
+  const std::string text = read_text(c.file);
   const ModelSource source = resolve_model(c.model);
   if (source.is_preset())
     throw Error(
@@ -94,7 +95,7 @@ void run_perplexity(PerplexityCommand c) {
   const TokenizerLookup lookup = find_tokenizer(source.directory, source.config.vocab_size);
   if (!lookup.tokenizer)
     throw Error(fmt::format("perplexity needs a tokenizer: {}", lookup.why_not));
-  const std::vector<std::int32_t> tokens = lookup.tokenizer->encode_prompt(read_text(c.file));
+  const std::vector<std::int32_t> tokens = lookup.tokenizer->encode_prompt(text);
   const std::optional<std::int32_t> bos =
       lookup.tokenizer->adds_bos() ? lookup.tokenizer->bos_id() : std::nullopt;
   const cpu::LlamaWeights weights = cpu::load_llama_weights(source.directory);
@@ -119,6 +120,7 @@ void run_perplexity(PerplexityCommand c) {
     print_json(c, weights.config, static_cast<std::int64_t>(tokens.size()), result, seconds);
   else
     print_text(c, result);
+  std::fflush(stdout);
   fmt::print(stderr, "{}: {} tokens in the text, {:.1f} s ({} threads)\n", weights.config.name,
              tokens.size(), seconds, cpu::num_threads());
 }

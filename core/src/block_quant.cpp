@@ -47,13 +47,22 @@ void dequantize_q4_1(const std::byte* b, float* y) {
   }
 }
 
+// static_cast<int>(v) clamped to [lo, hi], and `otherwise` for a NaN (an infinite value in a
+// block makes its scale infinite and x / scale NaN): the same as llama.cpp's casts for every
+// finite block, and defined for the rest.
+int to_int(float v, int lo, int hi, int otherwise) {
+  if (std::isnan(v)) return otherwise;
+  return static_cast<int>(std::clamp(v, static_cast<float>(lo), static_cast<float>(hi)));
+}
+
 void quantize_q8_0(const float* x, std::byte* out) {
   float amax = 0;
   for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(x[j]));
   const float d = amax / 127.0f, id = d != 0 ? 1.0f / d : 0.0f;
   put_f16(d, out);
   for (int j = 0; j < 32; ++j)
-    out[2 + j] = static_cast<std::byte>(static_cast<std::int8_t>(std::round(x[j] * id)));
+    out[2 + j] = static_cast<std::byte>(
+        static_cast<std::int8_t>(to_int(std::round(x[j] * id), -128, 127, 0)));
 }
 
 void quantize_q4_0(const float* x, std::byte* out) {
@@ -65,9 +74,7 @@ void quantize_q4_0(const float* x, std::byte* out) {
     }
   const float d = max / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
   put_f16(d, out);
-  auto nibble = [&](float v) {
-    return static_cast<std::uint8_t>(std::min(15, static_cast<int>(v * id + 8.5f)));
-  };
+  auto nibble = [&](float v) { return static_cast<std::uint8_t>(to_int(v * id + 8.5f, 0, 15, 8)); };
   for (int j = 0; j < 16; ++j)
     out[2 + j] = static_cast<std::byte>(nibble(x[j]) | (nibble(x[j + 16]) << 4));
 }
@@ -78,7 +85,7 @@ void quantize_q4_1(const float* x, std::byte* out) {
   put_f16(d, out);
   put_f16(min, out + 2);
   auto nibble = [&](float v) {
-    return static_cast<std::uint8_t>(std::min(15, static_cast<int>((v - min) * id + 0.5f)));
+    return static_cast<std::uint8_t>(to_int((v - min) * id + 0.5f, 0, 15, 0));
   };
   for (int j = 0; j < 16; ++j)
     out[4 + j] = static_cast<std::byte>(nibble(x[j]) | (nibble(x[j + 16]) << 4));

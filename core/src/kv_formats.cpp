@@ -62,9 +62,11 @@ void int8_row_from_f32(const float* x, std::size_t n, std::byte* row) {
   for (std::size_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float scale = amax / 127.0f, inverse = scale != 0 ? 1.0f / scale : 0.0f;
   std::memcpy(row, &scale, 4);
-  for (std::size_t i = 0; i < n; ++i)
+  for (std::size_t i = 0; i < n; ++i) {
+    const float q = std::nearbyint(x[i] * inverse);  // NaN for a NaN value or an infinite scale
     row[4 + i] = static_cast<std::byte>(
-        static_cast<std::int8_t>(std::clamp(std::nearbyint(x[i] * inverse), -127.0f, 127.0f)));
+        static_cast<std::int8_t>(std::isnan(q) ? 0.0f : std::clamp(q, -127.0f, 127.0f)));
+  }
 }
 
 }  // namespace

@@ -150,6 +150,11 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         fmt::format("model \"{}\" is a size-only preset: it runs only on backend "
                     "\"simulated\" (no weights exist for it)",
                     c.model));
+  if (!dtype_row_fits(c.kv_dtype, source.config.head_dim))
+    throw Error(fmt::format(
+        "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs head_dim to be a multiple "
+        "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
+        dtype_short_name(c.kv_dtype), source.config.name, source.config.head_dim));
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
   if (c.has_kv_tiers()) {

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <vector>
 
@@ -104,6 +105,12 @@ TEST(KvFormats, QuantizedRowsStayWithinTheirStep) {
       }
     }
   }
+  std::vector<float> broken = random_row(rng, 64);  // a diverged model's row: no undefined cast
+  broken[3] = std::numeric_limits<float>::quiet_NaN();
+  broken[40] = std::numeric_limits<float>::infinity();
+  for (DType dtype :
+       {DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0, DType::dtype_f8_e4m3})
+    EXPECT_EQ(round_trip(dtype, broken).size(), broken.size());
   const std::vector<float> zeros(64, 0.0f);  // a zero scale: zeros back, no NaN
   EXPECT_EQ(round_trip(DType::dtype_kv_int8, zeros), zeros);
   EXPECT_EQ(round_trip(DType::dtype_q4_0, zeros), zeros);

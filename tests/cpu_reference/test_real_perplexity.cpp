@@ -18,7 +18,7 @@ namespace kvlab::cpu {
 namespace {
 
 const std::filesystem::path kSmolLm2 = std::filesystem::path(KVLAB_SOURCE_DIR) / "models" /
-                                     "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf";
+                                       "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf";
 const std::filesystem::path kText =
     std::filesystem::path(KVLAB_SOURCE_DIR) / "data" / "wikitext-2-raw" / "wiki.test.raw";
 
@@ -124,15 +124,14 @@ TEST(Lesson, EightBitKvCostsAlmostNothingInPerplexityAtHalfTheBytes) {
     ASSERT_TRUE(r.compared);
     const double delta = r.ppl() / r.exact_ppl() - 1;
     const std::string name(dtype_short_name(kv));
-    std::cout << name << ": PPL " << r.ppl() << " (exact " << r.exact_ppl() << ", "
-              << 100 * delta << "%), KL " << r.mean_kl() << ", top-1 " << r.top1_agreement()
-              << ", bytes/head row " << dtype_row_bytes(kv, 64) << "\n";
+    std::cout << name << ": PPL " << r.ppl() << " (exact " << r.exact_ppl() << ", " << 100 * delta
+              << "%), KL " << r.mean_kl() << ", top-1 " << r.top1_agreement() << ", bytes/head row "
+              << dtype_row_bytes(kv, 64) << "\n";
     if (kv != DType::dtype_q4_0) {
       EXPECT_LT(std::abs(delta), 0.005) << name;
       EXPECT_LT(r.mean_kl(), 0.002) << name;
       EXPECT_GT(r.top1_agreement(), 0.97) << name;
-      EXPECT_LT(static_cast<double>(dtype_row_bytes(kv, 64)) / static_cast<double>(f16_bytes),
-                0.55)
+      EXPECT_LT(static_cast<double>(dtype_row_bytes(kv, 64)) / static_cast<double>(f16_bytes), 0.55)
           << name;
     } else {
       EXPECT_GT(delta, 0.05);  // 4 bits in llama.cpp's blocks: far from free

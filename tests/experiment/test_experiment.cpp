@@ -819,8 +819,10 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
             std::string::npos);
   EXPECT_NE(load_error({"kv_cache.dtype=\"q5_k\""}).find("kv_cache.dtype must be one of f32"),
             std::string::npos);
-  EXPECT_NE(load_error({"kv_cache.dtype=\"q4_0\""}, true).find("check with kv_cache.dtype"),
+  EXPECT_NE(load_error({"kv_cache.dtype=\"int8\""}, true).find("check with kv_cache.dtype"),
             std::string::npos);
+  const std::string blocks = load_error({"kv_cache.dtype=\"q8_0\""});  // small(): tiny, hd 16
+  EXPECT_NE(blocks.find("multiple of 32, and tiny has 16"), std::string::npos) << blocks;
   EXPECT_NE(load_error({"kv_cache.dtype=\"f16\""}, true).find("check with kv_cache.dtype"),
             std::string::npos);
   EXPECT_NE(load_error({"backend.weights=\"q4_0\""}, true).find("rounds them first"),
