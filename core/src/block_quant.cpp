@@ -13,15 +13,8 @@ void put_f16(float value, std::byte* out) {
   convert_from_f32(DType::dtype_f16, {&value, 1}, {out, 2});
 }
 
-float f16(const std::byte* p) {
-  float value = 0;
-  convert_to_f32(DType::dtype_f16, {p, 2}, {&value, 1});
-  return value;
-}
-
-std::uint8_t u8(const std::byte* p) {
-  return std::to_integer<std::uint8_t>(*p);
-}
+using block_field::f16;
+using block_field::u8;
 
 void dequantize_q8_0(const std::byte* b, float* y) {
   const float d = f16(b);
@@ -92,6 +85,12 @@ void quantize_q4_1(const float* x, std::byte* out) {
 }
 
 }  // namespace
+
+float block_field::f16(const std::byte* p) {
+  float value = 0;
+  convert_to_f32(DType::dtype_f16, {p, 2}, {&value, 1});
+  return value;
+}
 
 std::size_t block_bytes(BlockFormat format) {
   return format == BlockFormat::q8_0 ? 34 : format == BlockFormat::q4_0 ? 18 : 20;

@@ -19,4 +19,12 @@ void quantize_blocks(BlockFormat format, std::span<const float> source,
 void dequantize_blocks(BlockFormat format, std::span<const std::byte> source,
                        std::span<float> destination);
 
+// Reading a block's fields: an fp16 scale (or minimum) as fp32, and one byte.
+namespace block_field {
+float f16(const std::byte* p);
+inline std::uint8_t u8(const std::byte* p) {
+  return std::to_integer<std::uint8_t>(*p);
+}
+}  // namespace block_field
+
 }  // namespace kvlab

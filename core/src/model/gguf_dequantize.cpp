@@ -20,15 +20,8 @@
 namespace kvlab {
 namespace {
 
-float f16(const std::byte* p) {
-  float value = 0;
-  convert_to_f32(DType::dtype_f16, {p, 2}, {&value, 1});
-  return value;
-}
-
-std::uint8_t u8(const std::byte* p) {
-  return std::to_integer<std::uint8_t>(*p);
-}
+using block_field::f16;
+using block_field::u8;
 
 // Scale and min of Q4_K sub-block j (0-7), each 6 bits, packed in 12 bytes (get_scale_min_k4).
 void q4_k_scale_min(int j, const std::byte* q, std::uint8_t& scale, std::uint8_t& min) {
