@@ -27,6 +27,7 @@ struct PerplexityCommand {
   std::string file;
   cpu::PerplexityOptions options;
   std::string kv_dtype = "f32";
+  std::string kv_rotation = "none";
   std::int64_t window = 0;
   std::string weights = "stored";
   std::string activations = "f32";
@@ -43,17 +44,12 @@ std::string read_text(const std::string& path) {
 
 void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int64_t text_tokens,
                 const cpu::PerplexityResult& r, double seconds) {
-  nlohmann::json out = {{"model", config.name},
-                        {"file", c.file},
-                        {"text_tokens", text_tokens},
-                        {"context", c.options.context},
-                        {"chunks", r.chunks},
-                        {"scored_tokens", r.scored_tokens()},
-                        {"kv_dtype", c.kv_dtype},
-                        {"window", c.window},
-                        {"ppl", r.ppl()},
-                        {"ppl_error", r.ppl_error()},
-                        {"running_ppl", r.running_ppl},
+  nlohmann::json out = {{"model", config.name},       {"file", c.file},
+                        {"text_tokens", text_tokens}, {"context", c.options.context},
+                        {"chunks", r.chunks},         {"scored_tokens", r.scored_tokens()},
+                        {"kv_dtype", c.kv_dtype},     {"kv_rotation", c.kv_rotation},
+                        {"window", c.window},         {"ppl", r.ppl()},
+                        {"ppl_error", r.ppl_error()}, {"running_ppl", r.running_ppl},
                         {"seconds", seconds}};
   if (r.compared) {
     out["exact_ppl"] = r.exact_ppl();
@@ -65,8 +61,9 @@ void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int6
 }
 
 void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
-  fmt::print("\nPPL = {:.4f} +/- {:.5f}  ({} chunks of {}, {} tokens scored, KV {}{})\n", r.ppl(),
+  fmt::print("\nPPL = {:.4f} +/- {:.5f}  ({} chunks of {}, {} tokens scored, KV {}{}{})\n", r.ppl(),
              r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), c.kv_dtype,
+             c.options.hadamard ? " rotated" : "",
              c.window > 0 ? fmt::format(", window {}", c.window) : "");
   if (!r.compared) return;
   fmt::print("exact KV (f32, every position): PPL = {:.4f}; this KV: {:+.3f}%\n", r.exact_ppl(),
@@ -84,6 +81,7 @@ void run_perplexity(PerplexityCommand c) {
   c.options.kv_dtype = kv_pool_dtype(c.kv_dtype, "--kv-dtype");
   if (c.window < 0) throw Error(fmt::format("--window must be >= 0 (0 = off), got {}", c.window));
   if (c.window > 0) c.options.window = c.window;
+  c.options.hadamard = c.kv_rotation == "hadamard";
   c.options.compare_with_exact = !c.no_compare;
   const std::string text = read_text(c.file);
   const ModelSource source = resolve_model(c.model);
@@ -145,6 +143,11 @@ void register_perplexity(CLI::App& app) {
   sub->add_option("--parallel", c->options.parallel, "Chunks per forward")->capture_default_str();
   sub->add_option("--kv-dtype", c->kv_dtype, "The KV pool's dtype: " + kv_pool_dtype_names())
       ->capture_default_str();
+  sub->add_option("--kv-rotation", c->kv_rotation,
+                  "none, or hadamard: K and V rotated per head by a Walsh-Hadamard matrix before "
+                  "they are stored (llama.cpp's attn_rot; head_dim a power of two)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "hadamard"}));
   sub->add_option("--window", c->window,
                   "Attend to the last W positions only (window attention; 0 = off)")
       ->capture_default_str();

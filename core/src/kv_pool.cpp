@@ -75,6 +75,10 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
         fmt::format("KV pool shape must be non-negative: {} layers, {} KV heads, head_dim "
                     "{}, {} slots",
                     shape.layers, shape.kv_heads, shape.head_dim, shape.slots));
+  if (shape.hadamard_rotated &&
+      (shape.head_dim <= 0 || (shape.head_dim & (shape.head_dim - 1)) != 0))
+    throw Error(fmt::format(
+        "a Hadamard-rotated KV pool needs head_dim to be a power of two, not {}", shape.head_dim));
   if (!dtype_row_fits(shape.dtype, shape.head_dim))
     throw Error(
         fmt::format("a {} KV pool needs head_dim to be a multiple of 32 (its blocks), not {}",

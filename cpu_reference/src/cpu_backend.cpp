@@ -118,11 +118,18 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
       const auto row = static_cast<std::size_t>(t);
       rope_.apply_row(values, positions[row], c.num_attention_heads);
       rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
+      if (pool_.shape().hadamard_rotated)  // Q, K and V of every head: scores unchanged
+        hadamard_rotate(values, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim);
       if (slots[row] < 0) continue;
       pool_.write_row(l, slots[row], false, values + q_dim);
       pool_.write_row(l, slots[row], true, values + q_dim + kv_dim);
     }
     attend(l, batch, first_rows, qkv, attention);
+    if (pool_.shape().hadamard_rotated) {  // sum_j p_j H v_j = H o: back to o
+#pragma omp parallel for if (rows > 16)
+      for (std::int64_t t = 0; t < rows; ++t)
+        hadamard_rotate(attention.row(t).data(), c.num_attention_heads, c.head_dim);
+    }
     multiply_by_transposed(attention, matrices.wo, x, true);
 
     rms_norm(x, as_vector(layer.mlp_norm), eps, normed);

@@ -217,4 +217,18 @@ void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v
   }
 }
 
+void hadamard_rotate(float* x, std::int64_t heads, std::int64_t head_dim) {
+  const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
+  for (std::int64_t h = 0; h < heads; ++h, x += head_dim) {
+    for (std::int64_t half = 1; half < head_dim; half *= 2)
+      for (std::int64_t i = 0; i < head_dim; i += 2 * half)
+        for (std::int64_t j = i; j < i + half; ++j) {
+          const float a = x[j], b = x[j + half];
+          x[j] = a + b;
+          x[j + half] = a - b;
+        }
+    for (std::int64_t d = 0; d < head_dim; ++d) x[d] *= scale;
+  }
+}
+
 }  // namespace kvlab::cpu

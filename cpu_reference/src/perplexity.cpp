@@ -55,11 +55,11 @@ struct ScoringRun {
 };
 
 ScoringRun make_run(const ModelWeightsView& weights, ComputeWeights compute, DType kv_dtype,
-                    std::optional<std::int64_t> window, std::int64_t slots) {
+                    bool hadamard, std::optional<std::int64_t> window, std::int64_t slots) {
   const ModelConfig& c = weights.config;
   ScoringRun run;
-  run.pool = std::make_unique<KvPool>(
-      KvPoolShape{c.num_hidden_layers, c.num_key_value_heads, c.head_dim, slots, kv_dtype});
+  run.pool = std::make_unique<KvPool>(KvPoolShape{c.num_hidden_layers, c.num_key_value_heads,
+                                                  c.head_dim, slots, kv_dtype, hadamard});
   run.backend = std::make_unique<CpuBackend>(weights, *run.pool, window, std::move(compute));
   return run;
 }
@@ -165,13 +165,14 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
   const std::int64_t available = text_tokens / n_ctx;
   const std::int64_t chunks = options.chunks > 0 ? std::min(options.chunks, available) : available;
   const std::int64_t parallel = std::min(options.parallel, chunks);
-  const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window;
+  const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window && !options.hadamard;
   const bool compare = options.compare_with_exact && !exact;
-  ScoringRun tested =
-      make_run(weights, make_compute(), options.kv_dtype, options.window, parallel * n_ctx);
+  ScoringRun tested = make_run(weights, make_compute(), options.kv_dtype, options.hadamard,
+                               options.window, parallel * n_ctx);
   ScoringRun reference;
   if (compare)
-    reference = make_run(weights, make_compute(), DType::dtype_f32, std::nullopt, parallel * n_ctx);
+    reference =
+        make_run(weights, make_compute(), DType::dtype_f32, false, std::nullopt, parallel * n_ctx);
 
   PerplexityResult result;
   result.compared = compare;

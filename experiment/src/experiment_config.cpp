@@ -298,6 +298,13 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
                                  kv_pool_dtype_names(), name));
     c.kv_dtype = *parsed;
   }
+  if (const toml::node* rotation = s.node("rotation")) {
+    const std::string name = s.get<std::string>("rotation").value_or("");
+    if (name != "none" && name != "hadamard")
+      s.fail(*rotation,
+             fmt::format("kv_cache.rotation must be \"none\" or \"hadamard\", not \"{}\"", name));
+    c.kv_hadamard = name == "hadamard";
+  }
   c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
   if (c.swap_slots < 0) s.fail(*s.node("swap_slots"), "kv_cache.swap_slots must be >= 0");
   if (const toml::node* old = s.node("swap_gb_per_s"))

@@ -52,7 +52,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   const bool simulated = c.backend_kind == BackendKind::simulated;
   r->pool = std::make_unique<KvPool>(
       KvPoolShape{model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
-                  simulated ? cost_model->profile().kv_dtype : c.kv_dtype},
+                  simulated ? cost_model->profile().kv_dtype : c.kv_dtype, c.kv_hadamard},
       KvStorage::none);
   PluginContext context;
   context.model = &model;

@@ -150,6 +150,12 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         fmt::format("model \"{}\" is a size-only preset: it runs only on backend "
                     "\"simulated\" (no weights exist for it)",
                     c.model));
+  const std::int64_t hd = source.config.head_dim;
+  if (c.kv_hadamard && (c.backend_kind != BackendKind::cpu || hd <= 0 || (hd & (hd - 1)) != 0))
+    throw Error(fmt::format(
+        "kv_cache.rotation = \"hadamard\" rotates the cpu backend's K/V heads by a Walsh-Hadamard "
+        "matrix: it needs backend \"cpu\" (not \"{}\") and head_dim a power of two ({} has {})",
+        c.backend, source.config.name, hd));
   if (!dtype_row_fits(c.kv_dtype, source.config.head_dim))
     throw Error(fmt::format(
         "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs head_dim to be a multiple "
@@ -215,12 +221,12 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
         "\"{}\" rounds the activations of the products it applies to: check with \"f32\" (the "
         "default), or with --tolerance TAU",
         cpu::activation_format_name(c.cpu_activations)));
-  if (c.kv_dtype != DType::dtype_f32 && check)
+  if ((c.kv_dtype != DType::dtype_f32 || c.kv_hadamard) && check)
     throw Error(fmt::format(
-        "kvlab check holds tokens equal to the fp32 reference; a {} KV pool rounds every K and V, "
-        "so near-tied logits can pick other tokens: check with kv_cache.dtype = \"f32\", or with "
-        "--tolerance TAU",
-        dtype_short_name(c.kv_dtype)));
+        "kvlab check holds tokens equal to the fp32 reference; a {}{} KV pool rounds every K and "
+        "V, so near-tied logits can pick other tokens: check with kv_cache.dtype = \"f32\" (no "
+        "rotation), or with --tolerance TAU",
+        c.kv_hadamard ? "Hadamard-rotated " : "", dtype_short_name(c.kv_dtype)));
 }
 
 void validate_experiment(const std::vector<ExperimentRun>& runs, bool check) {

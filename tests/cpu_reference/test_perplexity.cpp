@@ -94,6 +94,25 @@ TEST(Perplexity, ComparesRoundedKvWithTheExactRun) {
   EXPECT_FALSE(text.measure(options, std::nullopt).compared);
 }
 
+// A Hadamard-rotated pool rotates Q, K and V and the attention output back: with f32 KV the
+// function is the exact one (KL ~ rounding, the same argmax everywhere); with q8_0 KV it rounds
+// the rotated rows instead (tiny: head_dim 16, one block of 32 would not fit, so int8 rows).
+TEST(Perplexity, HadamardRotationKeepsTheFunction) {
+  TinyText text(4 * 32);
+  PerplexityOptions options;
+  options.context = 32;
+  options.hadamard = true;
+  const PerplexityResult rotated = text.measure(options, std::nullopt);
+  ASSERT_TRUE(rotated.compared);
+  EXPECT_NEAR(rotated.ppl() / rotated.exact_ppl(), 1.0, 1e-5);
+  EXPECT_LT(rotated.mean_kl(), 1e-8);
+  EXPECT_EQ(rotated.top1_agreement(), 1.0);
+  options.kv_dtype = DType::dtype_kv_int8;
+  const PerplexityResult int8 = text.measure(options, std::nullopt);
+  EXPECT_GT(int8.mean_kl(), rotated.mean_kl());
+  EXPECT_LT(int8.mean_kl(), 1e-2);
+}
+
 TEST(Perplexity, RefusesTextsAndOptionsItCannotScore) {
   TinyText text(40);
   PerplexityOptions options;

@@ -821,6 +821,13 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
             std::string::npos);
   EXPECT_NE(load_error({"kv_cache.dtype=\"int8\""}, true).find("check with kv_cache.dtype"),
             std::string::npos);
+  EXPECT_NE(load_error({"kv_cache.rotation=\"givens\""})
+                .find("kv_cache.rotation must be \"none\" or \"hadamard\", not \"givens\""),
+            std::string::npos);
+  EXPECT_NO_THROW(validate_experiment(
+      load_experiment(kQuickstart,
+                      small({"kv_cache.rotation=\"hadamard\"", "kv_cache.dtype=\"int8\""})),
+      false));
   const std::string blocks = load_error({"kv_cache.dtype=\"q8_0\""});  // small(): tiny, hd 16
   EXPECT_NE(blocks.find("multiple of 32, and tiny has 16"), std::string::npos) << blocks;
   EXPECT_NE(load_error({"kv_cache.dtype=\"f16\""}, true).find("check with kv_cache.dtype"),

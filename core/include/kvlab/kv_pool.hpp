@@ -22,6 +22,11 @@ struct KvPoolShape {
   // f32, f16, bf16 (rounded to nearest even on write), fp8 (e4m3) or a quantized row format
   // (int8, q8_0, q4_0: each head row of each token quantized on write, its scales beside it).
   DType dtype = DType::dtype_f32;
+  // Every head row holds H x (its K or V), H the orthonormal Walsh-Hadamard matrix of head_dim
+  // (a power of two): a rotation spreads a few large channels over all of them before rounding
+  // (QuaRot; llama.cpp's attn_rot for quantized caches). The backend rotates its queries the
+  // same way (scores are unchanged, H orthonormal) and its attention output back (H = H^-1).
+  bool hadamard_rotated = false;
   // Values per slot per layer, K or V.
   std::int64_t slot_width() const { return kv_heads * head_dim; }
   // Bytes of one head's row (head_dim values, scales included) and of one slot's row (every

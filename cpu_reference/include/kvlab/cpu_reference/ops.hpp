@@ -26,6 +26,11 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
 void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, float eps,
               RowMatrix& out);
 
+// x <- H x for `heads` consecutive heads of `head_dim` values (a power of two), H the
+// orthonormal Walsh-Hadamard matrix (symmetric, H H = I: the same call rotates back). A fast
+// transform: head_dim log2(head_dim) additions per head.
+void hadamard_rotate(float* x, std::int64_t heads, std::int64_t head_dim);
+
 // Rotary position embedding in the Hugging Face convention ("rotate half"): within a head of
 // size d, dimension i (< d/2) pairs with i + d/2, rotated by angle pos * theta^(-2i/d):
 //   x'[i]       = x[i] cos - x[i + d/2] sin

@@ -23,6 +23,7 @@ struct PerplexityOptions {
   std::int64_t chunks = 0;            // chunks scored; 0 = every whole chunk of the text (--chunks)
   std::int64_t parallel = 4;          // chunks per forward (llama.cpp's n_batch / n_ctx sequences)
   DType kv_dtype = DType::dtype_f32;  // the KV pool under test
+  bool hadamard = false;              // its rows rotated (KvPoolShape::hadamard_rotated)
   std::optional<std::int64_t> window;  // attend to the last W positions only
   bool compare_with_exact = true;      // also run the exact KV: KL and top-1 agreement
 };

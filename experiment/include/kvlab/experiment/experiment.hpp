@@ -71,7 +71,8 @@ struct ExperimentConfig {
   ParamMap allocator_params;
   std::optional<std::int64_t> kv_slots;  // default: 4096 (cpu), the profile's capacity (simulated)
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
-  DType kv_dtype = DType::dtype_f32;     // the cpu backend's KV pool: f32, f16 or bf16
+  DType kv_dtype = DType::dtype_f32;  // the cpu backend's KV pool (kv_pool_holds: also quantized)
+  bool kv_hadamard = false;           // kv_cache.rotation = "hadamard" (KvPoolShape)
   std::int64_t swap_slots = 0;           // host swap pool for swap preemption, in tokens
   // [kv_tiers]: KV tiers below each replica's pool (the paged allocator's evicted prefix blocks,
   // docs/concepts/kv-tiers.md): host memory and disk in GiB (0: none), the tier_policy plugin
