@@ -70,11 +70,12 @@ inline __m256 int8x8(const std::byte* p) {
 // per row, and load its values unscaled (load_row8's results times row_scale). A block-scaled
 // dtype (q8_0, q4_0): the same per block of 32 (block_scale).
 template <DType Type>
-constexpr bool kRowScaled = Type == DType::dtype_kv_int8;
+constexpr bool kRowScaled = Type == DType::dtype_kv_int8 || Type == DType::dtype_f8_e4m3;
 template <DType Type>
 float row_scale(const std::byte* row) {
   float scale = 1;
-  if constexpr (kRowScaled<Type>) std::memcpy(&scale, row, 4);
+  if constexpr (Type == DType::dtype_f8_e4m3) scale = 256.0f;  // load_row8 gives value / 2^8
+  if constexpr (Type == DType::dtype_kv_int8) std::memcpy(&scale, row, 4);
   return scale;
 }
 template <DType Type>
@@ -96,9 +97,17 @@ __m256 load_row8(const std::byte* row, std::int64_t d) {
     if constexpr (Type == DType::dtype_f16) return _mm256_cvtph_ps(h);
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   } else if constexpr (Type == DType::dtype_f8_e4m3) {
-    static const float* const table = fp8_e4m3_values();
-    const __m128i codes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
-    return _mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(codes), 4);
+    // e4m3 -> f16 by shifts: sign to bit 15, exponent and mantissa under f16's (bits 7-13);
+    // the f16 is the value / 2^8 (biases 15 and 7), subnormals included, so F16C widens it
+    // exactly and row_scale's 2^8 restores it. NaN codes (0x7f, 0xff) become f16 NaN.
+    const __m128i codes =
+        _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d)));
+    const __m128i magnitude = _mm_and_si128(codes, _mm_set1_epi16(0x7f));
+    __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(codes, _mm_set1_epi16(0x80)), 8),
+                                _mm_slli_epi16(magnitude, 7));
+    half = _mm_blendv_epi8(half, _mm_set1_epi16(0x7e00),
+                           _mm_cmpeq_epi16(magnitude, _mm_set1_epi16(0x7f)));
+    return _mm256_cvtph_ps(half);                       // unscaled: x row_scale<Type>(row) = 2^8
   } else if constexpr (Type == DType::dtype_kv_int8) {  // [fp32 scale][head_dim int8]
     return int8x8(row + 4 + d);                         // unscaled: x row_scale<Type>(row)
   } else if constexpr (Type == DType::dtype_q8_0) {     // blocks of [fp16 scale][32 int8]

@@ -79,5 +79,26 @@ TEST(AttentionRows, ScoresAndWeightedSumsEqualPlainLoops) {
       }
 }
 
+#if KVLAB_ATTENTION_SIMD
+// The decode kernels widen fp8 by shifts into f16 (not the table): every one of the 256 codes
+// gives the table's value exactly, subnormals and saturation included, NaN for NaN.
+TEST(AttentionRows, Fp8WidensEveryCodeExactly) {
+  std::vector<std::byte> codes(256);
+  for (int c = 0; c < 256; ++c) codes[static_cast<std::size_t>(c)] = static_cast<std::byte>(c);
+  const float* table = fp8_e4m3_values();
+  for (int d = 0; d < 256; d += 8) {
+    float widened[8];
+    _mm256_storeu_ps(widened, load_row8<DType::dtype_f8_e4m3>(codes.data(), d));
+    for (float& w : widened) w *= row_scale<DType::dtype_f8_e4m3>(codes.data());  // 2^8
+    for (int i = 0; i < 8; ++i) {
+      if (std::isnan(table[d + i]))
+        EXPECT_TRUE(std::isnan(widened[i])) << d + i;
+      else
+        EXPECT_EQ(widened[i], table[d + i]) << d + i;
+    }
+  }
+}
+#endif
+
 }  // namespace
 }  // namespace kvlab::cpu
