@@ -143,20 +143,29 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     }
     multiply_by_transposed(hidden, matrices.w_down, x, true);
   }
-  RowMatrix& last = last_;  // (entries x logit_tokens at most, dim): the rows that get logits
-  std::int64_t kept = 0;
-  for (std::size_t e = 0; e < batch.size(); ++e)
-    kept += std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
-  last.resize(kept, c.hidden_size);
-  kept = 0;
-  for (std::size_t e = 0; e < batch.size(); ++e) {
-    const std::int64_t n = std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
-    last.middleRows(kept, n) = x.middleRows(first_rows[e + 1] - n, n);
-    kept += n;
-  }
+  const RowMatrix& last = logit_rows(x, first_rows, logit_tokens);
   rms_norm(last, as_vector(weights_.final_norm), eps, normed);
   multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (.., vocab)
   return logits_;
+}
+
+// The residual rows that get logits: the last `logit_tokens` of each entry (all of a shorter
+// one), entry by entry. x: (N, dim); returns (entries x logit_tokens at most, dim).
+const RowMatrix& CpuBackend::logit_rows(const RowMatrix& x,
+                                        std::span<const std::int64_t> first_rows,
+                                        std::int64_t logit_tokens) {
+  const std::size_t entries = first_rows.size() - 1;
+  std::int64_t kept = 0;
+  for (std::size_t e = 0; e < entries; ++e)
+    kept += std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
+  last_.resize(kept, x.cols());
+  kept = 0;
+  for (std::size_t e = 0; e < entries; ++e) {
+    const std::int64_t n = std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
+    last_.middleRows(kept, n) = x.middleRows(first_rows[e + 1] - n, n);
+    kept += n;
+  }
+  return last_;
 }
 
 // One entry's queries for the query heads of one KV head, and the keys they may see.

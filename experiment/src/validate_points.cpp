@@ -181,6 +181,10 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
 
 }  // namespace
 
+namespace {
+void check_exact_settings(const ExperimentConfig& c);
+}  // namespace
+
 // Rules across [backend] and the command: no check of a backend that computes nothing, nor of
 // rounded weights, activations or KV without a tolerance.
 void check_backend_rules(const ExperimentConfig& c, bool check) {
@@ -208,26 +212,35 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
         "[cluster] prefill_replicas hands each request's KV to a decode replica: attention "
         "\"recompute\" keeps no KV to hand over");
   // A check with a tolerance accepts tokens chosen from nearly tied logits: the rounded settings.
-  check = check && c.check_tolerance == 0;
-  if (c.cpu_weights && c.cpu_weights != cpu::WeightFormat::f32 && check)
+  if (check && c.check_tolerance == 0) check_exact_settings(c);
+}
+
+namespace {
+
+// kvlab check without --tolerance: every setting that rounds what the reference computes in
+// fp32 (weights, activations, KV) is refused, naming the setting and what to use instead.
+void check_exact_settings(const ExperimentConfig& c) {
+  if (c.cpu_weights && c.cpu_weights != cpu::WeightFormat::f32)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the reference over the checkpoint's own values; "
         "backend.weights = \"{}\" rounds them first: check with \"stored\" (the default), or "
         "with --tolerance TAU to accept tokens whose reference logit is within TAU of the best",
         cpu::weight_choice_name(c.cpu_weights)));
-  if (c.cpu_activations != cpu::ActivationFormat::f32 && check)
+  if (c.cpu_activations != cpu::ActivationFormat::f32)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the reference's fp32 products; backend.activations = "
         "\"{}\" rounds the activations of the products it applies to: check with \"f32\" (the "
         "default), or with --tolerance TAU",
         cpu::activation_format_name(c.cpu_activations)));
-  if ((c.kv_dtype != DType::dtype_f32 || c.kv_hadamard) && check)
+  if (c.kv_dtype != DType::dtype_f32 || c.kv_hadamard)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the fp32 reference; a {}{} KV pool rounds every K and "
         "V, so near-tied logits can pick other tokens: check with kv_cache.dtype = \"f32\" (no "
         "rotation), or with --tolerance TAU",
         c.kv_hadamard ? "Hadamard-rotated " : "", dtype_short_name(c.kv_dtype)));
 }
+
+}  // namespace
 
 void validate_experiment(const std::vector<ExperimentRun>& runs, bool check) {
   std::map<std::vector<std::string>, std::unique_ptr<PluginRegistry>> registries;

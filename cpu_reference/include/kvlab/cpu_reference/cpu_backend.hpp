@@ -66,6 +66,8 @@ class CpuBackend final : public Backend {
   const ComputeWeights& matrices() const { return compute_; }
 
  private:
+  const RowMatrix& logit_rows(const RowMatrix& x, std::span<const std::int64_t> first_rows,
+                              std::int64_t logit_tokens);
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,
               std::span<const std::int64_t> first_rows, const RowMatrix& q, RowMatrix& out) const;
   void attend_decode(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
