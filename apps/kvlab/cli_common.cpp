@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <toml++/toml.h>
 #include <charconv>
 
 #include "kvlab/error.hpp"
@@ -32,6 +33,27 @@ std::vector<std::int32_t> parse_token_ids(const std::string& text) {
     ++index;
   }
   return ids;
+}
+
+// "block_size=16" -> {"block_size", 16}: integers, reals, booleans and quoted strings as TOML
+// reads them; anything TOML cannot read is a string.
+std::pair<std::string, ParamValue> parse_param(const std::string& text) {
+  const auto eq = text.find('=');
+  if (eq == std::string::npos || eq == 0)
+    throw Error(fmt::format("plugin parameter \"{}\": expected key=value", text));
+  const std::string key = text.substr(0, eq), value = text.substr(eq + 1);
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    return {key, value};
+  }
+  const toml::node& node = *parsed.get("v");
+  if (auto i = node.value_exact<std::int64_t>()) return {key, *i};
+  if (auto d = node.value_exact<double>()) return {key, *d};
+  if (auto b = node.value_exact<bool>()) return {key, *b};
+  if (auto s = node.value_exact<std::string>()) return {key, *s};
+  return {key, value};
 }
 
 std::string human_bytes(double bytes) {

@@ -8,11 +8,17 @@
 
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/model_config.hpp"
+#include "kvlab/plugin_params.hpp"
 
 namespace kvlab::cli {
 
 // "1, 2,3" -> {1, 2, 3}. Throws kvlab::Error naming the bad item and its position.
 std::vector<std::int32_t> parse_token_ids(const std::string& text);
+
+// "block_size=16" -> {"block_size", 16}: a plugin parameter from the command line (integers,
+// reals, booleans and quoted strings as TOML reads them; anything else is a string). Throws
+// kvlab::Error when there is no "key=".
+std::pair<std::string, ParamValue> parse_param(const std::string& text);
 
 // 1073741824 -> "1.00 GiB"
 std::string human_bytes(double bytes);

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -18,6 +19,7 @@
 #include "kvlab/kv_pool.hpp"
 #include "kvlab/model/mapped_file.hpp"
 #include "kvlab/model/tokenizer.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -29,6 +31,8 @@ struct PerplexityCommand {
   std::string kv_dtype = "f32";
   std::string kv_rotation = "none";
   std::int64_t window = 0;
+  std::string kv_policy;               // a kv_policy plugin, or "" for every position kept
+  std::vector<std::string> kv_params;  // its parameters, key=value
   std::string weights = "stored";
   std::string activations = "f32";
   bool no_compare = false;
@@ -44,12 +48,21 @@ std::string read_text(const std::string& path) {
 
 void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int64_t text_tokens,
                 const cpu::PerplexityResult& r, double seconds) {
-  nlohmann::json out = {{"model", config.name},       {"file", c.file},
-                        {"text_tokens", text_tokens}, {"context", c.options.context},
-                        {"chunks", r.chunks},         {"scored_tokens", r.scored_tokens()},
-                        {"kv_dtype", c.kv_dtype},     {"kv_rotation", c.kv_rotation},
-                        {"window", c.window},         {"ppl", r.ppl()},
-                        {"ppl_error", r.ppl_error()}, {"running_ppl", r.running_ppl},
+  nlohmann::json out = {{"model", config.name},
+                        {"file", c.file},
+                        {"text_tokens", text_tokens},
+                        {"context", c.options.context},
+                        {"chunks", r.chunks},
+                        {"scored_tokens", r.scored_tokens()},
+                        {"kv_dtype", c.kv_dtype},
+                        {"kv_rotation", c.kv_rotation},
+                        {"window", c.window},
+                        {"kv_policy", c.kv_policy},
+                        {"kv_policy_params", c.kv_params},
+                        {"kv_step", c.options.policy_step},
+                        {"ppl", r.ppl()},
+                        {"ppl_error", r.ppl_error()},
+                        {"running_ppl", r.running_ppl},
                         {"seconds", seconds}};
   if (r.compared) {
     out["exact_ppl"] = r.exact_ppl();
@@ -61,10 +74,15 @@ void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int6
 }
 
 void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
-  fmt::print("\nPPL = {:.4f} +/- {:.5f}  ({} chunks of {}, {} tokens scored, KV {}{}{})\n", r.ppl(),
-             r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), c.kv_dtype,
+  const std::string policy =
+      c.options.policy == nullptr
+          ? ""
+          : fmt::format(", policy {} (budget {}, {} tokens a step)", c.kv_policy,
+                        c.options.policy->budget(), c.options.policy_step);
+  fmt::print("\nPPL = {:.4f} +/- {:.5f}  ({} chunks of {}, {} tokens scored, KV {}{}{}{})\n",
+             r.ppl(), r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), c.kv_dtype,
              c.options.hadamard ? " rotated" : "",
-             c.window > 0 ? fmt::format(", window {}", c.window) : "");
+             c.window > 0 ? fmt::format(", window {}", c.window) : "", policy);
   if (!r.compared) return;
   fmt::print("exact KV (f32, every position): PPL = {:.4f}; this KV: {:+.3f}%\n", r.exact_ppl(),
              100.0 * (r.ppl() / r.exact_ppl() - 1.0));
@@ -72,6 +90,19 @@ void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
       "mean KL divergence from the exact KV = {:.6f} +/- {:.6f} nats; top-1 agreement "
       "{:.2f}%\n",
       r.mean_kl(), r.kl_error(), 100.0 * r.top1_agreement());
+}
+
+// The --kv-policy plugin with its --kv-param values, or none.
+PluginObject<KvPolicy> make_kv_policy(const PerplexityCommand& c) {
+  if (c.kv_policy.empty()) {
+    if (!c.kv_params.empty())
+      throw Error("--kv-param needs --kv-policy: the parameters are a KV policy's");
+    return {};
+  }
+  std::map<std::string, ParamValue, std::less<>> params;
+  for (const std::string& text : c.kv_params) params.insert(parse_param(text));
+  const PluginRegistry registry(PluginRegistry::default_search_path());
+  return registry.create<PluginKind::kv_policy>(c.kv_policy, params, PluginContext{});
 }
 
 void run_perplexity(PerplexityCommand c) {
@@ -83,6 +114,8 @@ void run_perplexity(PerplexityCommand c) {
   if (c.window > 0) c.options.window = c.window;
   c.options.hadamard = c.kv_rotation == "hadamard";
   c.options.compare_with_exact = !c.no_compare;
+  PluginObject<KvPolicy> policy = make_kv_policy(c);
+  c.options.policy = policy.get();
   const std::string text = read_text(c.file);
   const ModelSource source = resolve_model(c.model);
   if (source.is_preset())
@@ -150,6 +183,15 @@ void register_perplexity(CLI::App& app) {
       ->check(CLI::IsMember({"none", "hadamard"}));
   sub->add_option("--window", c->window,
                   "Attend to the last W positions only (window attention; 0 = off)")
+      ->capture_default_str();
+  sub->add_option("--kv-policy", c->kv_policy,
+                  "A KV policy: window, streaming_llm, h2o, snapkv, or your own kv_policy plugin. "
+                  "Each chunk is then streamed --kv-step tokens a forward and the policy keeps "
+                  "at most its budget of positions between forwards");
+  sub->add_option("--kv-param", c->kv_params,
+                  "The policy's parameters, key=value, repeatable (budget=256, sinks=4; kvlab "
+                  "plugins list shows each policy's)");
+  sub->add_option("--kv-step", c->options.policy_step, "Tokens a forward under a KV policy")
       ->capture_default_str();
   sub->add_option("--weights", c->weights,
                   "The format the backend multiplies in: stored, f32, f16, bf16, q8_0, q4_0, q4_1")

@@ -30,27 +30,6 @@ PluginRegistry make_registry(const PluginsOptions& o) {
   return registry;
 }
 
-// "block_size=16" -> {"block_size", 16}: integers, reals, booleans and quoted strings as TOML
-// reads them; anything TOML cannot read is a string.
-std::pair<std::string, ParamValue> parse_param(const std::string& text) {
-  const auto eq = text.find('=');
-  if (eq == std::string::npos || eq == 0)
-    throw Error(fmt::format("--param \"{}\": expected key=value", text));
-  const std::string key = text.substr(0, eq), value = text.substr(eq + 1);
-  toml::table parsed;
-  try {
-    parsed = toml::parse("v = " + value);
-  } catch (const toml::parse_error&) {
-    return {key, value};
-  }
-  const toml::node& node = *parsed.get("v");
-  if (auto i = node.value_exact<std::int64_t>()) return {key, *i};
-  if (auto d = node.value_exact<double>()) return {key, *d};
-  if (auto b = node.value_exact<bool>()) return {key, *b};
-  if (auto s = node.value_exact<std::string>()) return {key, *s};
-  return {key, value};
-}
-
 // kvlab plugins conformance NAME: the allocator conformance suite on any allocator plugin.
 void run_conformance(const PluginsOptions& o) {
   const PluginRegistry registry = make_registry(o);
@@ -81,7 +60,7 @@ void run_plugins(const PluginsOptions& o) {
   fmt::print("\n");
   for (PluginKind kind :
        {PluginKind::kv_allocator, PluginKind::attention_variant, PluginKind::scheduler,
-        PluginKind::backend, PluginKind::router, PluginKind::tier_policy}) {
+        PluginKind::backend, PluginKind::router, PluginKind::tier_policy, PluginKind::kv_policy}) {
     for (const auto& info : registry.plugins()) {
       if (info.kind != kind) continue;
       fmt::print("\n{} {}: {}\n  file: {}\n", plugin_kind_name(kind), info.name, info.description,

@@ -177,14 +177,24 @@ std::int64_t KvView::length() const {
   return total;
 }
 
-std::int64_t KvView::slot_of(std::int64_t position) const {
-  std::int64_t offset = position - first_position;
+std::int64_t KvView::index_at_or_after(std::int64_t position) const {
+  if (positions.empty()) return std::clamp(position - first_position, std::int64_t{0}, length());
+  return std::lower_bound(positions.begin(), positions.end(), position) - positions.begin();
+}
+
+std::int64_t KvView::slot_at(std::int64_t index) const {
   for (const auto& e : extents) {
-    if (offset < e.length) return e.start_slot + offset;
-    offset -= e.length;
+    if (index < e.length) return e.start_slot + index;
+    index -= e.length;
   }
-  assert(false && "KvView::slot_of: position outside the view");
+  assert(false && "KvView::slot_at: index outside the view");
   return -1;
+}
+
+std::int64_t KvView::slot_of(std::int64_t position) const {
+  const std::int64_t index = index_at_or_after(position);
+  assert(index < length() && position_at(index) == position && "KvView::slot_of: not held");
+  return slot_at(index);
 }
 
 }  // namespace kvlab

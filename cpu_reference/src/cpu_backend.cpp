@@ -92,6 +92,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     rows += static_cast<std::int64_t>(e.tokens.size());
   }
   first_rows.push_back(rows);
+  prepare_key_scores(batch);
   const auto eps = static_cast<float>(c.rms_norm_eps);
   const std::int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim();
 
@@ -149,6 +150,22 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
   return logits_;
 }
 
+// Zeroed sums for the entries that ask for attention scores; none when no entry does.
+void CpuBackend::prepare_key_scores(std::span<const BatchEntry> batch) {
+  score_offsets_.clear();
+  std::size_t total = 0;
+  bool asked = false;
+  for (const BatchEntry& e : batch) {
+    score_offsets_.push_back(total);
+    total += static_cast<std::size_t>(e.view.length());
+    asked = asked || e.scored_queries > 0;
+  }
+  if (asked)
+    key_scores_.assign(total, 0.0f);
+  else
+    key_scores_.clear();
+}
+
 // The residual rows that get logits: the last `logit_tokens` of each entry (all of a shorter
 // one), entry by entry. x: (N, dim); returns (entries x logit_tokens at most, dim).
 const RowMatrix& CpuBackend::logit_rows(const RowMatrix& x,
@@ -168,35 +185,44 @@ const RowMatrix& CpuBackend::logit_rows(const RowMatrix& x,
   return last_;
 }
 
-// One entry's queries for the query heads of one KV head, and the keys they may see.
+// One entry's queries for the query heads of one KV head, and the keys they may see. Keys are
+// numbered by their index in the entry's view (a KV policy may have dropped positions between
+// them); columns count from the first key any query sees.
 struct AttentionGroup {
   const BatchEntry& entry;
   std::int64_t kv_head, kv_count, group;  // K/V heads [kv_head, kv_head + kv_count)
   std::int64_t row0;                      // batch row of the entry's first query
-  std::int64_t key_begin, last_position;  // keys [key_begin, last_position]
+  std::int64_t key_begin, key_end;        // view indices [key_begin, key_end)
   std::optional<std::int64_t> window;
+  // When not null: (keys()) where each query from `scored_from` on adds its attention weights,
+  // summed over the group's heads (BatchEntry::scored_queries).
+  float* key_scores = nullptr;
+  std::int64_t scored_from = 0;
 
   // Their query heads: [first_head, first_head + heads); query head h reads K/V head h / group.
   std::int64_t first_head() const { return kv_head * group; }
   std::int64_t heads() const { return kv_count * group; }
   std::int64_t queries() const { return static_cast<std::int64_t>(entry.tokens.size()); }
-  std::int64_t keys() const { return last_position - key_begin + 1; }
-  // Keys query i (position start + i) sees: [first_visible(i), start + i].
+  std::int64_t keys() const { return key_end - key_begin; }
+  // Columns query i (position start + i) sees: [first_visible(i), last_visible(i)].
   std::int64_t first_visible(std::int64_t i) const {
-    const std::int64_t position = entry.start_position + i;
-    return window ? std::max(key_begin, position - *window + 1) : key_begin;
+    if (!window) return 0;
+    const std::int64_t oldest = entry.start_position + i - *window + 1;
+    return std::max(key_begin, entry.view.index_at_or_after(oldest)) - key_begin;
+  }
+  std::int64_t last_visible(std::int64_t i) const {
+    return entry.view.index_at_or_after(entry.start_position + i + 1) - 1 - key_begin;
   }
   // Calls visit(column, first slot, length) for each run of consecutive slots holding keys
-  // [key_begin, last_position]; column = position - key_begin.
+  // [key_begin, key_end).
   template <typename Visit>
   void for_each_run(Visit&& visit) const {
-    std::int64_t position = entry.view.first_position;
+    std::int64_t index = 0;
     for (const KvExtent& extent : entry.view.extents) {
-      const std::int64_t begin = std::max(position, key_begin),
-                         end = std::min(position + extent.length, last_position + 1);
-      if (begin < end)
-        visit(begin - key_begin, extent.start_slot + (begin - position), end - begin);
-      position += extent.length;
+      const std::int64_t begin = std::max(index, key_begin),
+                         end = std::min(index + extent.length, key_end);
+      if (begin < end) visit(begin - key_begin, extent.start_slot + (begin - index), end - begin);
+      index += extent.length;
     }
   }
 };
@@ -208,8 +234,7 @@ namespace {
 void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
   for (std::int64_t r = 0; r < scores.rows(); ++r) {
     const std::int64_t i = r % task.queries();
-    const std::int64_t first = task.first_visible(i) - task.key_begin;
-    const std::int64_t last = task.entry.start_position + i - task.key_begin;  // inclusive
+    const std::int64_t first = task.first_visible(i), last = task.last_visible(i);
     auto row = scores.row(r);
     auto visible = row.segment(first, last - first + 1);
     const float max_score = visible.maxCoeff();
@@ -217,6 +242,8 @@ void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
     visible /= visible.sum();
     row.head(first).setZero();
     row.tail(scores.cols() - 1 - last).setZero();
+    if (task.key_scores != nullptr && i >= task.scored_from)
+      Eigen::Map<Eigen::RowVectorXf>(task.key_scores, scores.cols()) += row;
   }
 }
 
@@ -228,7 +255,7 @@ void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
 // boundaries of the walk, not separate products.
 void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
                         std::span<const std::int64_t> first_rows, const RowMatrix& q,
-                        RowMatrix& out) const {
+                        RowMatrix& out) {
   const ModelConfig& c = weights_.config;
   const std::int64_t kv_heads = c.num_key_value_heads, group = c.group_size();
   out.resize(q.rows(), c.q_dim());
@@ -242,17 +269,25 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     const BatchEntry& entry = batch[e];
     const std::int64_t last_position =
         entry.start_position + static_cast<std::int64_t>(entry.tokens.size()) - 1;
-    std::int64_t key_begin = entry.view.first_position;  // oldest key any query sees
-    if (window_) key_begin = std::max(key_begin, entry.start_position - *window_ + 1);
-    if (entry.tokens.size() == 1 && whole_entries)
-      tasks.push_back(
-          {entry, 0, kv_heads, group, first_rows[e], key_begin, last_position, window_});
-    else
-      for (std::int64_t h = 0; h < kv_heads; ++h)
-        tasks.push_back({entry, h, 1, group, first_rows[e], key_begin, last_position, window_});
+    const std::int64_t key_begin =  // the oldest key any query sees
+        window_ ? entry.view.index_at_or_after(entry.start_position - *window_ + 1) : 0;
+    const std::int64_t key_end = entry.view.index_at_or_after(last_position + 1);
+    const AttentionGroup task{entry,         0,         kv_heads, group,
+                              first_rows[e], key_begin, key_end,  window_};
+    if (entry.tokens.size() == 1 && whole_entries) {
+      tasks.push_back(task);
+    } else {
+      for (std::int64_t h = 0; h < kv_heads; ++h) {
+        tasks.push_back(task);
+        tasks.back().kv_head = h;
+        tasks.back().kv_count = 1;
+      }
+    }
   }
-  // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
-  // the threads' speeds on a shared machine).
+  std::vector<std::size_t> task_entries;  // scored tasks' entries, when some entry asks
+  if (!key_scores_.empty()) task_entries = give_score_buffers(batch, tasks);
+    // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
+    // the threads' speeds on a shared machine).
 #pragma omp parallel for schedule(guided)
   for (std::size_t t = 0; t < tasks.size(); ++t) {
     if (tasks[t].queries() == 1)
@@ -260,6 +295,36 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     else
       attend_chunk(layer, tasks[t], q, out);
   }
+  for (std::size_t t = 0; t < task_entries.size(); ++t) {  // tasks' sums into their entries'
+    const AttentionGroup& task = tasks[t];
+    if (task.key_scores == nullptr) continue;
+    float* entry_scores = key_scores_.data() + score_offsets_[task_entries[t]] + task.key_begin;
+    for (std::int64_t j = 0; j < task.keys(); ++j) entry_scores[j] += task.key_scores[j];
+  }
+}
+
+// Points each task of a scoring entry at a zeroed buffer of its own (threads never share one);
+// returns each task's entry.
+std::vector<std::size_t> CpuBackend::give_score_buffers(std::span<const BatchEntry> batch,
+                                                        std::vector<AttentionGroup>& tasks) {
+  std::vector<std::size_t> entries(tasks.size());
+  std::size_t e = 0, total = 0;
+  for (std::size_t t = 0; t < tasks.size(); ++t) {
+    while (&batch[e] != &tasks[t].entry) ++e;
+    entries[t] = e;
+    if (batch[e].scored_queries > 0) total += static_cast<std::size_t>(tasks[t].keys());
+  }
+  task_scores_.assign(total, 0.0f);
+  total = 0;
+  for (std::size_t t = 0; t < tasks.size(); ++t) {
+    const BatchEntry& entry = batch[entries[t]];
+    if (entry.scored_queries <= 0) continue;
+    tasks[t].key_scores = task_scores_.data() + total;
+    tasks[t].scored_from = std::max<std::int64_t>(
+        0, static_cast<std::int64_t>(entry.tokens.size()) - entry.scored_queries);
+    total += static_cast<std::size_t>(tasks[t].keys());
+  }
+  return entries;
 }
 
 // One query per head. Each run of slots is walked in chunks of 32 keys that stay in cache while

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <memory>
+#include <optional>
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/error.hpp"
@@ -64,6 +65,103 @@ ScoringRun make_run(const ModelWeightsView& weights, ComputeWeights compute, DTy
   return run;
 }
 
+// Chunks streamed through a KV policy: each sequence s owns slots [s * room, + room), its kept
+// positions' K/V first, in order, and then one step's new tokens.
+class PolicyStream {
+ public:
+  PolicyStream(CpuBackend& backend, KvPool& pool, KvPolicy& policy, std::int64_t step)
+      : backend_(backend), pool_(pool), policy_(policy), step_(step) {}
+
+  static std::int64_t slots(const KvPolicy& policy, std::int64_t step) {
+    return policy.budget() + step;
+  }
+
+  // Runs the chunks `sequences` (n_ctx tokens each, ids `first_id` on) step by step; writes the
+  // logits of positions [first, n_ctx) of sequence s into rows s * (n_ctx - first) + ... of
+  // `logits`, as CpuBackend::run(whole chunks, n_ctx - first) would.
+  void run(std::span<const std::span<const std::int32_t>> sequences, std::int64_t first_id,
+           std::int64_t first, RowMatrix& logits);
+
+ private:
+  void keep_selected(std::size_t s, std::int64_t id, std::span<const float> scores,
+                     std::int64_t new_tokens, bool prompt_done);
+
+  CpuBackend& backend_;
+  KvPool& pool_;
+  KvPolicy& policy_;
+  std::int64_t step_;
+  std::vector<std::vector<std::int64_t>> held_;  // per sequence: positions, slot order
+  std::vector<std::int64_t> kept_;
+};
+
+void PolicyStream::run(std::span<const std::span<const std::int32_t>> sequences,
+                       std::int64_t first_id, std::int64_t first, RowMatrix& logits) {
+  const std::int64_t n_ctx = static_cast<std::int64_t>(sequences[0].size()), scored = n_ctx - first;
+  const std::int64_t room = slots(policy_, step_),
+                     seqs = static_cast<std::int64_t>(sequences.size());
+  logits.resize(seqs * scored, backend_.vocab_size());
+  held_.assign(sequences.size(), {});
+  for (std::int64_t start = 0; start < n_ctx; start += step_) {
+    const std::int64_t len = std::min(step_, n_ctx - start);
+    std::vector<BatchEntry> batch(sequences.size());
+    for (std::size_t s = 0; s < sequences.size(); ++s) {
+      std::vector<std::int64_t>& held = held_[s];
+      for (std::int64_t p = start; p < start + len; ++p) held.push_back(p);
+      BatchEntry& e = batch[s];
+      e.tokens =
+          sequences[s].subspan(static_cast<std::size_t>(start), static_cast<std::size_t>(len));
+      e.start_position = start;
+      e.view.extents = {
+          {static_cast<std::int64_t>(s) * room, static_cast<std::int64_t>(held.size())}};
+      e.view.first_position = held.front();
+      e.view.positions = held;
+      e.scored_queries = policy_.scored_queries();
+    }
+    const RowMatrix& out = backend_.run(batch, len);  // (seqs x len, vocab)
+    std::size_t score_offset = 0;
+    for (std::size_t s = 0; s < sequences.size(); ++s) {
+      for (std::int64_t i = std::max<std::int64_t>(0, first - start); i < len; ++i)
+        logits.row(static_cast<std::int64_t>(s) * scored + start + i - first) =
+            out.row(static_cast<std::int64_t>(s) * len + i);
+      const std::span<const float> all = backend_.key_scores();
+      const std::size_t held = held_[s].size();
+      keep_selected(s, first_id + static_cast<std::int64_t>(s),
+                    all.empty() ? all : all.subspan(score_offset, held), len, start + len == n_ctx);
+      score_offset += held;
+    }
+  }
+  for (std::size_t s = 0; s < sequences.size(); ++s)
+    policy_.forget(first_id + static_cast<std::int64_t>(s));
+}
+
+// Asks the policy which of sequence s's positions stay, and moves their K/V to the front of its
+// slots, in order (a kept row only moves down, so no row is overwritten before it is read).
+void PolicyStream::keep_selected(std::size_t s, std::int64_t id, std::span<const float> scores,
+                                 std::int64_t new_tokens, bool prompt_done) {
+  std::vector<std::int64_t>& held = held_[s];
+  kept_.resize(held.size());
+  const std::int64_t count = policy_.select({id, held, scores, new_tokens, prompt_done}, kept_);
+  if (count < 1 || count > std::max(policy_.budget(), std::int64_t{1}) ||
+      count > static_cast<std::int64_t>(held.size()))
+    throw Error(fmt::format("the KV policy kept {} of {} positions (budget {})", count, held.size(),
+                            policy_.budget()));
+  const std::int64_t base = static_cast<std::int64_t>(s) * slots(policy_, step_);
+  std::size_t from = 0;
+  for (std::int64_t k = 0; k < count; ++k) {
+    const std::int64_t position = kept_[static_cast<std::size_t>(k)];
+    while (from < held.size() && held[from] < position) ++from;
+    if (from == held.size() || held[from] != position)
+      throw Error(
+          fmt::format("the KV policy kept position {}, which the sequence does not hold "
+                      "(or not in increasing order)",
+                      position));
+    if (static_cast<std::int64_t>(from) != k)
+      pool_.copy_slots(base + static_cast<std::int64_t>(from), base + k, 1);
+    ++from;
+  }
+  held.assign(kept_.begin(), kept_.begin() + count);
+}
+
 void check_options(const ModelConfig& c, std::int64_t text_tokens, const PerplexityOptions& o) {
   if (o.context < 4 || o.context > c.max_position_embeddings)
     throw Error(fmt::format("perplexity context must be in [4, {}] ({}'s context), not {}",
@@ -71,6 +169,9 @@ void check_options(const ModelConfig& c, std::int64_t text_tokens, const Perplex
   if (o.chunks < 0 || o.parallel < 1)
     throw Error(fmt::format("perplexity needs chunks >= 0 and parallel >= 1, not {} and {}",
                             o.chunks, o.parallel));
+  if (o.policy != nullptr && (o.policy_step < 1 || o.policy->budget() < 1))
+    throw Error(fmt::format("a KV policy needs a step >= 1 token and a budget >= 1, not {} and {}",
+                            o.policy_step, o.policy->budget()));
   if (o.window && *o.window < 1)
     throw Error(fmt::format("the attention window must be >= 1 position, not {}", *o.window));
   if (text_tokens < 2 * o.context)
@@ -165,10 +266,17 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
   const std::int64_t available = text_tokens / n_ctx;
   const std::int64_t chunks = options.chunks > 0 ? std::min(options.chunks, available) : available;
   const std::int64_t parallel = std::min(options.parallel, chunks);
-  const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window && !options.hadamard;
+  const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window && !options.hadamard &&
+                     options.policy == nullptr;
   const bool compare = options.compare_with_exact && !exact;
+  const std::int64_t room =
+      options.policy != nullptr ? PolicyStream::slots(*options.policy, options.policy_step) : n_ctx;
   ScoringRun tested = make_run(weights, make_compute(), options.kv_dtype, options.hadamard,
-                               options.window, parallel * n_ctx);
+                               options.window, parallel * room);
+  std::optional<PolicyStream> stream;
+  if (options.policy != nullptr)
+    stream.emplace(*tested.backend, *tested.pool, *options.policy, options.policy_step);
+  RowMatrix streamed;  // the stream's logits, laid out as the whole chunks' would be
   ScoringRun reference;
   if (compare)
     reference =
@@ -180,14 +288,18 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
   for (std::int64_t chunk = 0; chunk < chunks; chunk += parallel) {
     const std::int64_t seqs = std::min(parallel, chunks - chunk);
     std::vector<BatchEntry> batch;
+    std::vector<std::span<const std::int32_t>> sequences;
     for (std::int64_t s = 0; s < seqs; ++s) {
       std::int32_t* seq = batch_tokens.data() + s * n_ctx;
       std::copy_n(tokens.begin() + (chunk + s) * n_ctx, n_ctx, seq);
       if (bos) seq[0] = *bos;  // llama.cpp: each chunk starts with BOS when the model adds one
-      batch.push_back({{seq, static_cast<std::size_t>(n_ctx)}, 0, {{{s * n_ctx, n_ctx}}, 0}, true});
+      batch.push_back(
+          {{seq, static_cast<std::size_t>(n_ctx)}, 0, {{{s * n_ctx, n_ctx}}, 0, {}}, true});
+      sequences.push_back(batch.back().tokens);
     }
     // (seqs x (n_ctx - first), vocab): row s * (n_ctx - first) + i is position first + i of s.
-    const RowMatrix& logits = tested.backend->run(batch, n_ctx - first);
+    if (stream) stream->run(sequences, chunk, first, streamed);
+    const RowMatrix& logits = stream ? streamed : tested.backend->run(batch, n_ctx - first);
     const RowMatrix* exact_logits =
         compare ? &reference.backend->run(batch, n_ctx - first) : nullptr;
     for (std::int64_t s = 0; s < seqs; ++s) {

@@ -156,10 +156,10 @@ TEST(KvFormats, QuantizedPoolsHoldRowsAndSwapTheirBytes) {
     std::vector<float> back(k.size());
     pool.read_row(1, 4, false, back.data());
     for (std::size_t i = 0; i < k.size(); ++i) EXPECT_NEAR(back[i], k[i], 0.5f) << i;
-    const KvView view{{{4, 1}}, 0};
+    const KvView view{{{4, 1}}, 0, {}};
     std::vector<std::byte> swapped;
     EXPECT_EQ(copy_kv_rows(pool, view, 0, 1, swapped, true), pool.bytes_per_slot());
-    const KvView elsewhere{{{9, 1}}, 0};
+    const KvView elsewhere{{{9, 1}}, 0, {}};
     copy_kv_rows(pool, elsewhere, 0, 1, swapped, false);
     for (std::int64_t layer = 0; layer < 2; ++layer) {
       EXPECT_EQ(std::memcmp(pool.key_bytes(layer, 4), pool.key_bytes(layer, 9),
@@ -175,6 +175,32 @@ TEST(KvFormats, QuantizedPoolsHoldRowsAndSwapTheirBytes) {
         KvPool pool({1, 1, 48, 4, DType::dtype_q8_0});
       },
       {"q8_0", "multiple of 32", "48"});
+}
+
+}  // namespace
+}  // namespace kvlab
+
+namespace kvlab {
+namespace {
+
+// A view whose positions a KV policy thinned: indices, positions and slots map both ways.
+TEST(KvView, PositionsWithHolesMapToTheirSlots) {
+  KvView view{{{10, 3}, {40, 2}}, 0, {0, 1, 5, 6, 9}};
+  EXPECT_TRUE(view.has_holes());
+  EXPECT_EQ(view.length(), 5);
+  EXPECT_EQ(view.end_position(), 10);
+  EXPECT_EQ(view.position_at(2), 5);
+  EXPECT_EQ(view.index_at_or_after(2), 2);  // 2 was dropped: the next held is 5, index 2
+  EXPECT_EQ(view.index_at_or_after(10), 5);
+  EXPECT_EQ(view.slot_of(5), 12);
+  EXPECT_EQ(view.slot_of(6), 40);
+  EXPECT_EQ(view.slot_at(4), 41);
+  const KvView consecutive{{{7, 4}}, 3, {}};  // positions 3-6
+  EXPECT_FALSE(consecutive.has_holes());
+  EXPECT_EQ(consecutive.index_at_or_after(0), 0);
+  EXPECT_EQ(consecutive.index_at_or_after(5), 2);
+  EXPECT_EQ(consecutive.slot_of(5), 9);
+  EXPECT_EQ(consecutive.end_position(), 7);
 }
 
 }  // namespace

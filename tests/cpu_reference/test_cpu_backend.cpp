@@ -29,13 +29,13 @@ TEST(CpuBackend, EntriesThatDoNotWriteKvLeaveTheirSlots) {
     KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 32, dtype});
     CpuBackend backend(weights, pool, std::nullopt);
     const std::vector<std::int32_t> prompt{1, 5, 9, 200, 3, 77, 12, 8, 40, 41, 42, 43, 44};
-    const BatchEntry prefill{prompt, 0, KvView{{{0, 13}}, 0}};
+    const BatchEntry prefill{prompt, 0, KvView{{{0, 13}}, 0, {}}};
     (void)backend.run({&prefill, 1});
     const std::vector<std::byte> cached = slot_bytes(pool, 12);
 
     // Position 12 again, with another token than the one cached there.
     const std::vector<std::int32_t> other{100};
-    BatchEntry padding{other, 12, KvView{{{0, 13}}, 0}};
+    BatchEntry padding{other, 12, KvView{{{0, 13}}, 0, {}}};
     padding.writes_kv = false;
     const RowMatrix& logits = backend.run({&padding, 1});
     EXPECT_TRUE(logits.allFinite());

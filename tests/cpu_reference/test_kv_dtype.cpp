@@ -22,7 +22,7 @@ std::vector<float> run_steps(const LlamaWeights& weights, DType dtype) {
   auto step = [&](std::int64_t begin, std::int64_t end) {
     const std::span<const std::int32_t> chunk(tokens.data() + begin,
                                               static_cast<std::size_t>(end - begin));
-    const BatchEntry entry{chunk, begin, KvView{{{0, end}}, 0}};
+    const BatchEntry entry{chunk, begin, KvView{{{0, end}}, 0, {}}};
     const RowMatrix& out = backend.run({&entry, 1});
     logits.insert(logits.end(), out.data(), out.data() + out.size());
   };

@@ -4,6 +4,7 @@
 // two computations of the same function, summed in double).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 
@@ -127,6 +128,107 @@ TEST(Perplexity, RefusesTextsAndOptionsItCannotScore) {
   options.parallel = 1;
   options.window = 0;
   test::expect_error_containing([&] { (void)text.measure(options, 1); }, {"window", ">= 1"});
+}
+
+// A KV policy for the tests: keeps its first `sinks` positions and the newest, `budget` in all
+// (streaming_llm's rule; sinks 0 is the plain window), and checks what it is given: the
+// attention scores of `scored` queries sum, over keys, to layers x query heads per query.
+class KeepEnds final : public KvPolicy {
+ public:
+  KeepEnds(std::int64_t budget, std::int64_t sinks, std::int32_t scored, std::int64_t score_sum)
+      : budget_(budget), sinks_(sinks), scored_(scored), score_sum_(score_sum) {}
+  std::int64_t budget() const override { return budget_; }
+  std::int32_t scored_queries() const override { return scored_; }
+  std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
+    EXPECT_TRUE(std::is_sorted(step.positions.begin(), step.positions.end()));
+    if (scored_ > 0) {
+      EXPECT_EQ(step.scores.size(), step.positions.size());
+      double sum = 0;
+      for (float v : step.scores) sum += v;
+      const auto queries = std::min<std::int64_t>(scored_, step.new_tokens);
+      worst_score_error =
+          std::max(worst_score_error, std::abs(sum - static_cast<double>(score_sum_ * queries)));
+    }
+    const auto n = static_cast<std::int64_t>(step.positions.size());
+    const std::int64_t first = std::min(sinks_, n), recent = std::min(n - first, budget_ - first);
+    std::int64_t count = 0;
+    for (std::int64_t i = 0; i < n; ++i)
+      if (i < first || i >= n - recent)
+        kept[static_cast<std::size_t>(count++)] = step.positions[static_cast<std::size_t>(i)];
+    ++selections;
+    return count;
+  }
+  void forget(std::int64_t) override { ++forgotten; }
+
+  double worst_score_error = 0;
+  std::int64_t selections = 0, forgotten = 0;
+
+ private:
+  std::int64_t budget_, sinks_;
+  std::int32_t scored_;
+  std::int64_t score_sum_;
+};
+
+// A policy that keeps every position streams the chunks step by step and still computes the
+// exact run: the same perplexity (1e-4 relative: other chunkings of the same sums), KL ~ 0.
+TEST(Perplexity, StreamedThroughAPolicyThatKeepsAllItEqualsTheExactRun) {
+  TinyText text(4 * 32);
+  const ModelConfig& c = text.weights.config;
+  PerplexityOptions options;
+  options.context = 32;
+  const double exact = text.measure(options, 1).ppl();
+  KeepEnds all(64, 0, 3, c.num_hidden_layers * c.num_attention_heads);
+  options.policy = &all;
+  options.policy_step = 5;  // 32 = 6 x 5 + 2: a short last step
+  const PerplexityResult r = text.measure(options, 1);
+  ASSERT_TRUE(r.compared);
+  EXPECT_NEAR(r.ppl() / exact, 1.0, 1e-4);
+  EXPECT_LT(r.mean_kl(), 1e-6);
+  EXPECT_DOUBLE_EQ(r.top1_agreement(), 1.0);
+  EXPECT_EQ(all.selections, 4 * 7);        // every step of every chunk
+  EXPECT_EQ(all.forgotten, 4);             // every chunk at its end
+  EXPECT_LT(all.worst_score_error, 1e-3);  // softmax rows sum to 1 (fp32)
+}
+
+// Keeping the newest B positions between one-token steps is window attention over B + 1
+// positions (each query sees the B kept and itself): the same perplexity as options.window,
+// through views whose positions no longer start at 0. With 2 sinks kept, it differs from it.
+TEST(Perplexity, StreamedWindowPolicyIsWindowAttention) {
+  TinyText text(3 * 40);
+  const ModelConfig& c = text.weights.config;
+  PerplexityOptions options;
+  options.context = 40;
+  options.compare_with_exact = false;
+  options.window = 9;
+  const double window_ppl = text.measure(options, 1).ppl();
+  options.window.reset();
+  KeepEnds newest(8, 0, 1, c.num_hidden_layers * c.num_attention_heads);
+  options.policy = &newest;
+  options.policy_step = 1;
+  EXPECT_NEAR(text.measure(options, 1).ppl() / window_ppl, 1.0, 1e-4);
+  EXPECT_LT(newest.worst_score_error, 1e-3);
+  KeepEnds sinks(8, 2, 0, 0);
+  options.policy = &sinks;
+  EXPECT_GT(std::abs(text.measure(options, 1).ppl() / window_ppl - 1.0), 1e-3);
+}
+
+// A policy that keeps a position the sequence does not hold, or more than its budget, is a
+// clear error.
+TEST(Perplexity, RefusesAPolicyThatBreaksItsContract) {
+  struct Liar final : KvPolicy {
+    std::int64_t budget() const override { return 4; }
+    std::int32_t scored_queries() const override { return 0; }
+    std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
+      kept[0] = step.positions.back() + 1;
+      return 1;
+    }
+    void forget(std::int64_t) override {}
+  } liar;
+  TinyText text(2 * 16);
+  PerplexityOptions options;
+  options.context = 16;
+  options.policy = &liar;
+  EXPECT_THROW(text.measure(options, 1), Error);
 }
 
 }  // namespace

@@ -104,7 +104,7 @@ RowMatrix stepwise_logits(const LlamaWeights& weights, ComputeWeights compute,
   RowMatrix out(n, c.vocab_size);
   for (std::int64_t t = 0; t < n; ++t) {
     const BatchEntry entry{std::span(prompt).subspan(static_cast<std::size_t>(t), 1), t,
-                           KvView{{{0, t + 1}}, 0}};
+                           KvView{{{0, t + 1}}, 0, {}}};
     out.row(t) = backend.run({&entry, 1}).row(0);
   }
   return out;

@@ -323,7 +323,7 @@ RowMatrix backend_logits(const LlamaWeights& weights, const ComputeWeights& comp
   const auto n = static_cast<std::int64_t>(prompt.size());
   KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, n});
   CpuBackend backend(weights, pool, std::nullopt, compute);
-  const BatchEntry entry{prompt, 0, KvView{{{0, n}}, 0}};
+  const BatchEntry entry{prompt, 0, KvView{{{0, n}}, 0, {}}};
   return backend.run({&entry, 1});
 }
 

@@ -33,8 +33,8 @@ struct TwoEntries {
   std::vector<std::int32_t> decode{9};
   std::vector<BatchEntry> batch;
   TwoEntries() {
-    batch.push_back({prompt, 0, KvView{{{0, 5}}, 0}});
-    batch.push_back({decode, 3, KvView{{{8, 4}}, 0}});
+    batch.push_back({prompt, 0, KvView{{{0, 5}}, 0, {}}});
+    batch.push_back({decode, 3, KvView{{{8, 4}}, 0, {}}});
   }
 };
 

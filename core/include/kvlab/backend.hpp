@@ -25,6 +25,9 @@ struct BatchEntry {
   // every slot of the view as it is (vLLM's padding slot), so a discarded row never reaches a
   // cached block, nor another sequence's.
   bool writes_kv = true;
+  // > 0: the backend reports the attention the entry's last `scored_queries` queries give each
+  // key of its view (ForwardResult::key_scores), for a KV policy (kvlab/kv_policy.hpp).
+  std::int32_t scored_queries = 0;
 };
 
 // How one batch entry's next token is picked: the request's SamplingParams filters and this
@@ -62,6 +65,12 @@ struct ForwardResult {
   // row of a non-finite row). Empty when none was asked or the backend has no logits.
   std::span<const TokenLogprob> logprobs;
   std::size_t logprob_width = 0;
+  // When some entry asked (BatchEntry::scored_queries): for each entry in batch order, one
+  // value per key of its view, in view order: the softmax weights its scored queries gave that
+  // key, summed over the queries, the query heads and the layers (zeros for an entry that did
+  // not ask). Empty otherwise, or from a backend that cannot score (it then refuses such a
+  // batch).
+  std::span<const float> key_scores;
 
   static ForwardResult of_logits(std::span<const float> logits) {
     ForwardResult r;

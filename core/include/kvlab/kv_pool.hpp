@@ -149,15 +149,30 @@ struct KvExtent {
   std::int64_t length = 0;
 };
 
-// Where a sequence's KV lives: its tokens [first_position, first_position + length()) in order,
-// as a list of extents. Tokens before first_position were released (sliding window).
+// Where a sequence's KV lives: its tokens in position order, as a list of extents. Without
+// `positions` they are [first_position, first_position + length()), consecutive; tokens before
+// first_position were released (sliding window). With `positions` (a KV policy dropped some,
+// kvlab/kv_policy.hpp) they are the listed ones: one increasing position per token, in order,
+// positions.front() == first_position.
 struct KvView {
   std::vector<KvExtent> extents;
   std::int64_t first_position = 0;
+  std::vector<std::int64_t> positions;  // (length()) or empty: consecutive
 
   std::int64_t length() const;
-  std::int64_t end_position() const { return first_position + length(); }
-  // The slot of token `position` (first_position <= position < end_position()).
+  bool has_holes() const { return !positions.empty(); }
+  std::int64_t end_position() const {
+    return positions.empty() ? first_position + length() : positions.back() + 1;
+  }
+  // The position of the view's index-th token (0 <= index < length()).
+  std::int64_t position_at(std::int64_t index) const {
+    return positions.empty() ? first_position + index : positions[static_cast<std::size_t>(index)];
+  }
+  // The index of the first token at or after `position` (length() when none is).
+  std::int64_t index_at_or_after(std::int64_t position) const;
+  // The slot of the view's index-th token.
+  std::int64_t slot_at(std::int64_t index) const;
+  // The slot of token `position`, which the view holds.
   std::int64_t slot_of(std::int64_t position) const;
 };
 

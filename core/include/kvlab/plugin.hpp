@@ -22,6 +22,7 @@
 #include "kvlab/backend.hpp"
 #include "kvlab/kv/kv_tiers.hpp"
 #include "kvlab/kv_allocator.hpp"
+#include "kvlab/kv_policy.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/model_weights.hpp"
 #include "kvlab/plugin_abi.hpp"
@@ -37,9 +38,10 @@ enum class PluginKind : std::uint32_t {
   scheduler = 3,
   backend = 4,
   router = 5,
-  tier_policy = 6
+  tier_policy = 6,
+  kv_policy = 7
 };
-// "allocator", "attention", "scheduler", "backend", "router", "tier_policy"
+// "allocator", "attention", "scheduler", "backend", "router", "tier_policy", "kv_policy"
 const char* plugin_kind_name(PluginKind kind);
 
 // What a plugin object may need from the host when it is created.
@@ -96,6 +98,10 @@ struct PluginInterface<PluginKind::router> {
 template <>
 struct PluginInterface<PluginKind::tier_policy> {
   using type = KvTierPolicy;
+};
+template <>
+struct PluginInterface<PluginKind::kv_policy> {
+  using type = KvPolicy;
 };
 
 namespace detail {

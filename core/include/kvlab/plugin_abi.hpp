@@ -11,6 +11,7 @@
 #include "kvlab/backend.hpp"
 #include "kvlab/kv/kv_tiers.hpp"
 #include "kvlab/kv_allocator.hpp"
+#include "kvlab/kv_policy.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/model_weights.hpp"
 #include "kvlab/plugin_params.hpp"
@@ -29,8 +30,10 @@ namespace kvlab {
 // the core's ModelWeightsView (PluginContext::weights), Backend::description; cpu and simulated
 // are backend plugins like cuda; 12: the tier_policy kind (KvTierPolicy), PluginContext::tiers,
 // KvAllocatorStats' tier counters; 13: quantized KV pools (KvPoolShape head/slot row bytes
-// replace element_bytes) and SwapBuffer::data holds the pool's own bytes.
-inline constexpr std::uint32_t kPluginAbiVersion = 13;
+// replace element_bytes) and SwapBuffer::data holds the pool's own bytes; 14: the kv_policy kind
+// (KvPolicy), KvView::positions (views with holes), BatchEntry::scored_queries and
+// ForwardResult::key_scores, KvAllocator::evict.
+inline constexpr std::uint32_t kPluginAbiVersion = 14;
 
 namespace detail {
 
@@ -66,7 +69,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<RequestState>().type<SwapBuffer>().type<SchedulerInput>().type<StepPlan>();
   h.type<Preemption>().type<Work>().type<Deferral>();
   h.type<ReplicaLoad>().type<RouteRequest>().type<RouteDecision>().type<TokenChoice>();
-  h.type<BackendCounters>().type<TokenLogprob>().type<ForwardResult>();
+  h.type<KvPolicyStep>().type<BackendCounters>().type<TokenLogprob>().type<ForwardResult>();
   h.type<WeightMatrixView>().type<LayerWeightsView>().type<ModelWeightsView>();
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);

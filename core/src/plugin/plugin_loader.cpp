@@ -38,6 +38,8 @@ const char* plugin_kind_name(PluginKind kind) {
       return "router";
     case PluginKind::tier_policy:
       return "tier_policy";
+    case PluginKind::kv_policy:
+      return "kv_policy";
   }
   return "unknown";
 }
@@ -262,9 +264,10 @@ std::string descriptor_problem(const PluginDescriptor& d) {
     case PluginKind::backend:
     case PluginKind::router:
     case PluginKind::tier_policy:
+    case PluginKind::kv_policy:
       return "";
   }
-  return fmt::format("its kind {} is not one kvlab knows (1-6)",
+  return fmt::format("its kind {} is not one kvlab knows (1-7)",
                      static_cast<std::uint32_t>(d.kind));
 }
 }  // namespace

@@ -65,7 +65,7 @@ SwapLink measure_swap_link(KvPool& pool, std::int64_t max_tokens, int repeats) {
         fmt::format("swap link: {} tokens x {} repeats is too little to fit", max_tokens, repeats));
   if (!pool.has_storage() && pool.device() == nullptr)
     throw Error("swap link: the pool holds no K/V (no storage, no device) to copy");
-  const KvView view{{{0, max_tokens}}, 0};
+  const KvView view{{{0, max_tokens}}, 0, {}};
   std::vector<LinkSample> medians;
   for (std::int64_t tokens = 1;; tokens = std::min(tokens * 4, max_tokens)) {
     std::vector<double> out_s, in_s;

@@ -104,7 +104,7 @@ class DynamicAllocator final : public KvAllocator {
   }
   KvView view(SequenceId id) const override {
     const auto& s = sequences_.at(id);
-    return KvView{{KvExtent{s.start, s.length}}, 0};
+    return KvView{{KvExtent{s.start, s.length}}, 0, {}};
   }
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;

@@ -80,7 +80,7 @@ class StaticAllocator final : public KvAllocator {
   }
   KvView view(SequenceId id) const override {
     const auto& s = sequences_.at(id);
-    return KvView{{KvExtent{s.start, s.length}}, 0};
+    return KvView{{KvExtent{s.start, s.length}}, 0, {}};
   }
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;

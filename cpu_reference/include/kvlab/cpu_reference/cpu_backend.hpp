@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <vector>
 
 #include "kvlab/backend.hpp"
 #include "kvlab/cpu_reference/llama_weights.hpp"
@@ -44,12 +45,18 @@ class CpuBackend final : public Backend {
   // for the last n tokens of each entry (all of a shorter one), entry by entry in order
   // (perplexity scores the second half of every chunk).
   const RowMatrix& run(std::span<const BatchEntry> batch, std::int64_t logit_tokens = 1);
+  // After run: the attention each entry's scored queries gave its keys (ForwardResult's
+  // key_scores), or empty when no entry asked.
+  std::span<const float> key_scores() const { return key_scores_; }
 
   // Logits always: the host is where they are, so picking here saves no copy.
   ForwardResult forward(std::span<const BatchEntry> batch,
                         std::span<const TokenChoice> /*choices*/) override {
     const RowMatrix& logits = run(batch);
-    return ForwardResult::of_logits({logits.data(), static_cast<std::size_t>(logits.size())});
+    ForwardResult result =
+        ForwardResult::of_logits({logits.data(), static_cast<std::size_t>(logits.size())});
+    result.key_scores = key_scores_;
+    return result;
   }
   std::int64_t vocab_size() const override { return weights_.config.vocab_size; }
   // The formats its products read (ComputeWeights::description).
@@ -66,10 +73,13 @@ class CpuBackend final : public Backend {
   const ComputeWeights& matrices() const { return compute_; }
 
  private:
+  void prepare_key_scores(std::span<const BatchEntry> batch);
   const RowMatrix& logit_rows(const RowMatrix& x, std::span<const std::int64_t> first_rows,
                               std::int64_t logit_tokens);
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,
-              std::span<const std::int64_t> first_rows, const RowMatrix& q, RowMatrix& out) const;
+              std::span<const std::int64_t> first_rows, const RowMatrix& q, RowMatrix& out);
+  std::vector<std::size_t> give_score_buffers(std::span<const BatchEntry> batch,
+                                              std::vector<AttentionGroup>& tasks);
   void attend_decode(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
                      RowMatrix& out) const;
   void attend_chunk(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
@@ -85,6 +95,10 @@ class CpuBackend final : public Backend {
   RopeTable rope_;
   // Activations, kept between steps so a decode step allocates (and page-faults) nothing.
   RowMatrix x_, normed_, qkv_, attention_, gate_up_, hidden_, last_, logits_;
+  // Attention scores (BatchEntry::scored_queries): each entry's keys from score_offsets_[e],
+  // summed over layers; and each task's own sums within one layer.
+  std::vector<float> key_scores_, task_scores_;
+  std::vector<std::size_t> score_offsets_;
 };
 
 }  // namespace kvlab::cpu

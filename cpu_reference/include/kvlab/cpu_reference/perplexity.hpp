@@ -4,7 +4,8 @@
 // is tokenized whole (with the BOS the tokenizer adds), cut into chunks of `context` tokens,
 // each chunk's first token replaced by BOS (when the tokenizer adds one) and run as one
 // sequence from position 0; the second half of each chunk is scored (logits at positions
-// [context/2, context - 1) predicting the next token). Beside it, the mean KL divergence and
+// [context/2, context - 1) predicting the next token). With a KV policy, each chunk is fed in
+// steps and the policy drops positions between them. Beside it, the mean KL divergence and
 // the top-1 agreement against the exact run (f32 KV, every position kept), as llama.cpp's
 // --kl-divergence reports them.
 #include <cstdint>
@@ -15,6 +16,7 @@
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "kvlab/dtype.hpp"
+#include "kvlab/kv_policy.hpp"
 
 namespace kvlab::cpu {
 
@@ -26,6 +28,11 @@ struct PerplexityOptions {
   bool hadamard = false;              // its rows rotated (KvPoolShape::hadamard_rotated)
   std::optional<std::int64_t> window;  // attend to the last W positions only
   bool compare_with_exact = true;      // also run the exact KV: KL and top-1 agreement
+  // A KV policy (not owned): each chunk is then streamed `policy_step` tokens a forward, the
+  // policy choosing after each which positions stay (at most its budget), as a long generation
+  // would meet it; one chunk per sequence id, forgotten at its end.
+  KvPolicy* policy = nullptr;
+  std::int64_t policy_step = 32;
 };
 
 // Sums over scored tokens; what each figure is made of.

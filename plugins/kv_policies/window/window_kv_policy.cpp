@@ -1,0 +1,37 @@
+// window: a sequence keeps its `budget` most recent positions (the baseline every KV policy is
+// measured against: once the first tokens leave, the attention sinks go with them).
+#include <algorithm>
+
+#include "kvlab/plugin.hpp"
+
+namespace {
+
+using namespace kvlab;
+
+class WindowKvPolicy final : public KvPolicy {
+ public:
+  WindowKvPolicy(const PluginParams& params, const PluginContext&)
+      : budget_(params.integer("budget")) {}
+  std::int64_t budget() const override { return budget_; }
+  std::int32_t scored_queries() const override { return 0; }
+  std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
+    const auto n = static_cast<std::int64_t>(step.positions.size());
+    const std::int64_t keep = std::min(n, budget_);
+    std::copy(step.positions.end() - keep, step.positions.end(), kept.begin());
+    return keep;
+  }
+  void forget(std::int64_t) override {}
+
+ private:
+  std::int64_t budget_;
+};
+
+const ParamSpec kParams[] = {
+    {"budget", ParamType::param_integer, "positions a sequence keeps: its most recent ones", "256",
+     1, 1 << 30},
+};
+
+}  // namespace
+
+KVLAB_PLUGIN(kvlab::PluginKind::kv_policy, WindowKvPolicy, "window",
+             "keep the `budget` most recent positions of each sequence", kParams)
