@@ -20,6 +20,7 @@ struct PluginsOptions {
   std::string allocator;
   std::vector<std::string> params;  // key=value, the value in TOML syntax (bare words: strings)
   bool release_window = false;
+  bool evict = false;
 };
 
 PluginRegistry make_registry(const PluginsOptions& o) {
@@ -37,6 +38,7 @@ void run_conformance(const PluginsOptions& o) {
   for (const auto& text : o.params) params.insert(parse_param(text));
   ConformanceOptions options;
   options.release_window = o.release_window;
+  options.evict = o.evict;
   const ConformanceReport report =
       check_allocator_conformance(registry, o.allocator, params, options);
   fmt::print("allocator {}: {} random operations over {} seeds, {} refused for lack of room\n",
@@ -94,6 +96,8 @@ void register_plugins(CLI::App& app) {
   check->add_option("--param", o->params, "Plugin parameter key=value (repeatable)");
   check->add_option("--path", o->extra_paths, "Extra plugin folder (repeatable)");
   check->add_option("--load", o->files, "Load this plugin file too (repeatable)");
+  check->add_flag("--evict", o->evict,
+                  "Also drop random positions with evict (allocators that serve KV policies)");
   check->add_flag("--release-window", o->release_window,
                   "Also exercise release_before (allocators that free old KV early)");
   check->callback([o]() { run_conformance(*o); });

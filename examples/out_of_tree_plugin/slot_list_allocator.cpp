@@ -43,6 +43,7 @@ class SlotListAllocator final : public KvAllocator {
     const auto end = std::min<std::int64_t>(position, static_cast<std::int64_t>(s.slots.size()));
     for (; s.first < end; ++s.first) free_.push_back(s.slots[static_cast<std::size_t>(s.first)]);
   }
+  bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
   bool fork(SequenceId parent, SequenceId child) override {
     auto it = sequences_.find(parent);
     if (it == sequences_.end() || sequences_.count(child) || it->second.first > 0) return false;

@@ -46,6 +46,7 @@ class MockAllocator final : public KvAllocator {
   }
   void mark_computed(SequenceId, std::int64_t) override {}
   void release_before(SequenceId, std::int64_t) override {}
+  bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
   bool fork(SequenceId, SequenceId) override { return false; }
   void free(SequenceId id) override { held_.erase(id); }
   KvView view(SequenceId) const override { return {}; }

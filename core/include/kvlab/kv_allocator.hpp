@@ -80,6 +80,12 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   virtual void mark_computed(SequenceId sequence, std::int64_t computed_tokens) = 0;
   // Tokens before `position` will never be read again (sliding window): an allocator may free them.
   virtual void release_before(SequenceId sequence, std::int64_t position) = 0;
+  // A KV policy (kvlab/kv_policy.hpp) keeps only `kept` (increasing, each a position the view
+  // holds) of the sequence's positions: the others are never read again. The view then lists
+  // the kept positions (KvView::positions) and the allocator frees what it can. false (nothing
+  // changed) when it cannot drop positions (static, dynamic; paged with prefix caching, whose
+  // blocks must keep what their hashes say).
+  virtual bool evict(SequenceId sequence, std::span<const std::int64_t> kept) = 0;
   // The child starts as a copy of the parent (parallel sampling); false when unsupported or full.
   virtual bool fork(SequenceId parent, SequenceId child) = 0;
   // Ends the sequence; its slots return to the pool (cached blocks stay reusable). Freeing a

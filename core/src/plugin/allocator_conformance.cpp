@@ -44,6 +44,11 @@ class ConformanceRun {
   std::string admit();
   std::string append();
   void fork();
+  std::string evict_some(SequenceId id);
+  void forget(SequenceId id) {
+    tokens_.erase(id);
+    kept_.erase(id);
+  }
   std::string planned_step();
   void write_from(SequenceId id, std::int64_t from);
   std::string check_invariants() const;
@@ -56,8 +61,11 @@ class ConformanceRun {
   PluginObject<KvAllocator> allocator_;
   std::mt19937 rng_;
   std::map<SequenceId, std::vector<std::int32_t>> tokens_;
+  // The positions an evicted sequence holds (sequences never evicted hold their whole view).
+  std::map<SequenceId, std::vector<std::int64_t>> kept_;
   SequenceId next_id_ = 0;
   std::int64_t refusals_ = 0;
+  std::int64_t evictions_ = 0;  // evict calls accepted
 };
 
 std::string ConformanceRun::run(ConformanceReport& report) {
@@ -69,9 +77,9 @@ std::string ConformanceRun::run(ConformanceReport& report) {
     } else if (kind <= 5) {
       failure = append();
     } else if (kind <= 7) {  // finish a random sequence
-      const auto it = any_sequence();
-      allocator_->free(it->first);
-      tokens_.erase(it);
+      const SequenceId id = any_sequence()->first;
+      allocator_->free(id);
+      forget(id);
     } else if (kind == 8) {
       fork();
     } else {
@@ -85,8 +93,10 @@ std::string ConformanceRun::run(ConformanceReport& report) {
   const KvAllocatorStats stats = allocator_->stats();
   report.tier_hit_tokens += stats.host_hit_tokens + stats.disk_hit_tokens;
   if (refusals_ == 0) return "the workload never filled the pool (use fewer slots)";
+  if (options_.evict && evictions_ == 0) return "evict never accepted a drop";
   for (const auto& [id, tokens] : tokens_) allocator_->free(id);
   tokens_.clear();
+  kept_.clear();
   return check_all_returned();
 }
 
@@ -142,8 +152,34 @@ std::string ConformanceRun::append() {
   }
   it->second.insert(it->second.end(), more.begin(), more.end());
   write_from(it->first, old_length);
-  if (options_.release_window && uniform(0, 1))
+  if (options_.release_window && uniform(0, 1)) {
     allocator_->release_before(it->first, old_length - 8);
+    if (auto kept = kept_.find(it->first); kept != kept_.end()) {  // it may free them or not
+      const KvView view = allocator_->view(it->first);
+      for (std::int64_t p : kept->second)
+        if (p >= old_length - 8 && view.index_at_or_after(p) == view.length())
+          return fmt::format("sequence {}: release_before dropped position {}", it->first, p);
+      kept->second.assign(view.positions.begin(), view.positions.end());
+    }
+  }
+  if (options_.evict && uniform(0, 2) == 0) return evict_some(it->first);
+  return "";
+}
+
+// Drops about half the sequence's positions (its newest always stays): evict must accept.
+std::string ConformanceRun::evict_some(SequenceId id) {
+  const KvView view = allocator_->view(id);
+  std::vector<std::int64_t> kept;
+  for (std::int64_t i = 0; i < view.length(); ++i)
+    if (i + 1 == view.length() || uniform(0, 1)) kept.push_back(view.position_at(i));
+  const KvAllocatorStats before = allocator_->stats();
+  if (!allocator_->evict(id, kept)) {  // allowed (e.g. no room to unshare a fork's blocks)
+    const bool unchanged =
+        allocator_->view(id).length() == view.length() && allocator_->stats().free == before.free;
+    return unchanged ? "" : fmt::format("sequence {}: a refused evict changed it or the pool", id);
+  }
+  ++evictions_;
+  kept_[id] = std::move(kept);
   return "";
 }
 
@@ -179,7 +215,7 @@ std::string ConformanceRun::planned_step() {
                     : allocator_->plan_append(op.id, static_cast<std::int64_t>(op.tokens.size())));
   for (SequenceId id : frees) {
     allocator_->free(id);
-    tokens_.erase(id);
+    forget(id);
   }
   for (std::size_t i = 0; i < ops.size(); ++i) {
     if (!promised[i]) {
@@ -213,15 +249,23 @@ std::string ConformanceRun::planned_step() {
 void ConformanceRun::fork() {
   const auto it = any_sequence();
   if (allocator_->view(it->first).first_position > 0) return;  // released prefix: nothing to share
-  if (allocator_->fork(it->first, next_id_)) tokens_[next_id_] = tokens_[it->first];
+  if (allocator_->fork(it->first, next_id_)) {
+    tokens_[next_id_] = tokens_[it->first];
+    if (auto kept = kept_.find(it->first); kept != kept_.end()) kept_[next_id_] = kept->second;
+  }
   ++next_id_;
 }
 
 void ConformanceRun::write_from(SequenceId id, std::int64_t from) {
   const KvView view = allocator_->view(id);
   const auto& tokens = tokens_[id];
-  for (std::int64_t p = std::max(from, view.first_position); p < view.end_position(); ++p)
-    *pool_.key(0, view.slot_of(p)) = prefix_value(tokens, static_cast<std::size_t>(p));
+  for (std::int64_t i = view.index_at_or_after(from); i < view.length(); ++i)
+    *pool_.key(0, view.slot_at(i)) =
+        prefix_value(tokens, static_cast<std::size_t>(view.position_at(i)));
+  if (auto kept = kept_.find(id); kept != kept_.end())
+    for (auto p = static_cast<std::int64_t>(from); p < static_cast<std::int64_t>(tokens.size());
+         ++p)
+      kept->second.push_back(p);
   allocator_->mark_computed(id, static_cast<std::int64_t>(tokens.size()));
 }
 
@@ -242,8 +286,14 @@ std::string ConformanceRun::check_invariants() const {
     if (view.end_position() != static_cast<std::int64_t>(tokens.size()))
       return fmt::format("sequence {}: view ends at {}, it has {} tokens", id, view.end_position(),
                          tokens.size());
-    for (std::int64_t p = view.first_position; p < view.end_position(); ++p) {
-      const std::int64_t slot = view.slot_of(p);
+    if (auto kept = kept_.find(id);
+        kept != kept_.end() &&
+        (view.length() != static_cast<std::int64_t>(kept->second.size()) ||
+         !std::equal(kept->second.begin(), kept->second.end(), view.positions.begin())))
+      return fmt::format("sequence {}: the view holds {} positions, not the {} it kept", id,
+                         view.length(), kept->second.size());
+    for (std::int64_t i = 0; i < view.length(); ++i) {
+      const std::int64_t p = view.position_at(i), slot = view.slot_at(i);
       if (slot < 0 || slot >= options_.slots)
         return fmt::format("sequence {} position {}: slot {} outside the pool", id, p, slot);
       const float expected = prefix_value(tokens, static_cast<std::size_t>(p));

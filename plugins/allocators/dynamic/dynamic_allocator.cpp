@@ -86,6 +86,7 @@ class DynamicAllocator final : public KvAllocator {
   void mark_computed(SequenceId, std::int64_t) override {}
   void release_before(SequenceId, std::int64_t) override {
   }  // one extent: nothing to give back early
+  bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
   bool fork(SequenceId parent, SequenceId child) override {
     auto it = sequences_.find(parent);
     if (it == sequences_.end() || sequences_.count(child)) return false;

@@ -28,11 +28,16 @@ namespace {
 
 using namespace kvlab;
 
+// Slot index i of a sequence is slot i % block_size of block table[i / block_size]. Until a KV
+// policy drops positions (evict), slot index i holds position i; after, slot_positions says
+// which position each holds (-1: dropped), and `slots` counts the indices in use.
 struct Sequence {
-  std::vector<BlockId> table;         // block per block index; -1 once released (sliding window)
+  std::vector<BlockId> table;         // block per block index; -1 once released (window, KV policy)
   std::vector<std::uint64_t> hashes;  // chain hashes of its full, computed blocks
   std::vector<std::int32_t> tokens;
-  std::int64_t length = 0;
+  std::int64_t length = 0;                   // positions written
+  std::int64_t slots = 0;                    // slot indices in use (== length before an eviction)
+  std::vector<std::int64_t> slot_positions;  // per slot index after an eviction; else empty
   std::int64_t computed_blocks = 0;
   std::int64_t first_block = 0;  // blocks before it were released
   KvView view;                   // table[first_block..] as merged slot extents
@@ -164,7 +169,7 @@ class PagedAllocator final : public KvAllocator {
     while (static_cast<std::int64_t>(s.table.size()) < blocks_for(length))
       s.table.push_back(blocks_.take());
     s.tokens.assign(r.prompt.begin(), r.prompt.end());
-    s.length = length;
+    s.length = s.slots = length;
     s.plan_slot = take_plan_slot();
     fill_blocks_from(s, hits);
     rebuild_view(s);
@@ -181,9 +186,9 @@ class PagedAllocator final : public KvAllocator {
     const auto n = static_cast<std::int64_t>(tokens.size());
     if (new_blocks_for_append(s, n) > blocks_.free_blocks()) return false;
     if (n == 0) return true;
-    const std::int64_t last_fill = s.length % block_size_;
+    const std::int64_t last_fill = s.slots % block_size_;
     if (last_fill != 0) {  // the last block gets written: make it ours
-      trim_view(s, last_fill);
+      if (s.slot_positions.empty()) trim_view(s, last_fill);
       const BlockId last = s.table.back();
       if (blocks_.ref_count(last) > 1) {
         const BlockId copy = blocks_.take();
@@ -193,13 +198,20 @@ class PagedAllocator final : public KvAllocator {
         s.table.back() = copy;
       }
     }
-    const std::int64_t first_written = s.length / block_size_;
+    const std::int64_t first_written = s.slots / block_size_;
+    if (!s.slot_positions.empty())
+      for (std::int64_t p = s.length; p < s.length + n; ++p) s.slot_positions.push_back(p);
     s.length += n;
+    s.slots += n;
     s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
-    while (static_cast<std::int64_t>(s.table.size()) < blocks_for(s.length))
+    while (static_cast<std::int64_t>(s.table.size()) < blocks_for(s.slots))
       s.table.push_back(blocks_.take());
-    fill_blocks_from(s, first_written);
-    extend_view(s, first_written);
+    if (s.slot_positions.empty()) {
+      fill_blocks_from(s, first_written);
+      extend_view(s, first_written);
+    } else {
+      rebuild_view(s);
+    }
     return true;
   }
 
@@ -208,6 +220,7 @@ class PagedAllocator final : public KvAllocator {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return;
     Sequence& s = it->second;
+    if (!s.slot_positions.empty()) return;  // never: evict refuses a prefix-caching pool
     const std::int64_t full = std::min(computed_tokens, s.length) / block_size_;
     for (std::int64_t i = s.computed_blocks; i < full; ++i) {
       const auto block_tokens = block_of(s.tokens, i);
@@ -222,6 +235,13 @@ class PagedAllocator final : public KvAllocator {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return;
     Sequence& s = it->second;
+    if (!s.slot_positions.empty()) {  // positions before `position` dropped like an eviction's
+      if (!own_blocks(s)) return;     // no room to unshare: nothing freed (allowed)
+      for (std::int64_t& p : s.slot_positions)
+        if (p < position) p = -1;
+      release_dropped(s);
+      return;
+    }
     const std::int64_t whole_blocks = std::min(position, s.length) / block_size_;
     if (s.first_block >= whole_blocks) return;
     for (; s.first_block < whole_blocks; ++s.first_block) {
@@ -229,6 +249,25 @@ class PagedAllocator final : public KvAllocator {
       s.table[index(s.first_block)] = -1;
     }
     rebuild_view(s);
+  }
+
+  // Drops the positions not kept; releases each block (the last excepted) left with none, and
+  // once the dropped slots in held blocks make a block's worth, moves the kept ones down into
+  // the first blocks (the policy's compaction) and releases the rest.
+  bool evict(SequenceId id, std::span<const std::int64_t> kept) override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end() || caching_) return false;
+    Sequence& s = it->second;
+    if (!own_blocks(s)) return false;
+    number_slots(s);
+    std::size_t k = 0;
+    for (std::int64_t& p : s.slot_positions) {
+      if (p < 0) continue;
+      while (k < kept.size() && kept[k] < p) ++k;
+      if (k == kept.size() || kept[k] != p) p = -1;
+    }
+    release_dropped(s);
+    return true;
   }
 
   bool fork(SequenceId parent, SequenceId child) override {
@@ -314,8 +353,8 @@ class PagedAllocator final : public KvAllocator {
     return (tokens + block_size_ - 1) / block_size_;
   }
   std::int64_t new_blocks_for_append(const Sequence& s, std::int64_t n) const {
-    std::int64_t blocks = blocks_for(s.length + n) - static_cast<std::int64_t>(s.table.size());
-    if (n > 0 && s.length % block_size_ != 0 && blocks_.ref_count(s.table.back()) > 1)
+    std::int64_t blocks = blocks_for(s.slots + n) - static_cast<std::int64_t>(s.table.size());
+    if (n > 0 && s.slots % block_size_ != 0 && blocks_.ref_count(s.table.back()) > 1)
       ++blocks;  // copy-on-write of the shared last block
     return blocks;
   }
@@ -405,14 +444,14 @@ class PagedAllocator final : public KvAllocator {
   // Blocks [from, end) of s hold the tokens its length says.
   void fill_blocks_from(const Sequence& s, std::int64_t from) {
     for (auto i = from; i < static_cast<std::int64_t>(s.table.size()); ++i)
-      blocks_.set_fill(s.table[index(i)], std::min(block_size_, s.length - i * block_size_));
+      blocks_.set_fill(s.table[index(i)], std::min(block_size_, s.slots - i * block_size_));
   }
   // Blocks [from, end) of s's table added to its view's end (physically adjacent blocks merge).
   void extend_view(Sequence& s, std::int64_t from) const {
     auto& extents = s.view.extents;
     for (auto i = from; i < static_cast<std::int64_t>(s.table.size()); ++i) {
       const std::int64_t start = std::int64_t{s.table[index(i)]} * block_size_;
-      const std::int64_t length = std::min(block_size_, s.length - i * block_size_);
+      const std::int64_t length = std::min(block_size_, s.slots - i * block_size_);
       if (!extents.empty() && extents.back().start_slot + extents.back().length == start)
         extents.back().length += length;
       else
@@ -425,10 +464,108 @@ class PagedAllocator final : public KvAllocator {
     extents.back().length -= slots;
     if (extents.back().length == 0) extents.pop_back();
   }
-  void rebuild_view(Sequence& s) const {
+  void rebuild_view(Sequence& s) {
     s.view.extents.clear();
+    s.view.positions.clear();
+    if (!s.slot_positions.empty()) return rebuild_dropped_view(s);
     s.view.first_position = s.first_block * block_size_;
     extend_view(s, s.first_block);
+  }
+  // A sequence that has dropped positions: its held slots in order with their positions, and
+  // each block's fill the slots it still holds.
+  void rebuild_dropped_view(Sequence& s) {
+    auto& extents = s.view.extents;
+    for (std::int64_t b = 0; b < static_cast<std::int64_t>(s.table.size()); ++b) {
+      if (s.table[index(b)] < 0) continue;
+      std::int64_t fill = 0;
+      for (std::int64_t i = b * block_size_; i < std::min(s.slots, (b + 1) * block_size_); ++i) {
+        const std::int64_t position = s.slot_positions[index(i)];
+        if (position < 0) continue;
+        const std::int64_t slot = std::int64_t{s.table[index(b)]} * block_size_ + i % block_size_;
+        if (!extents.empty() && extents.back().start_slot + extents.back().length == slot)
+          ++extents.back().length;
+        else
+          extents.push_back({slot, 1});
+        s.view.positions.push_back(position);
+        ++fill;
+      }
+      blocks_.set_fill(s.table[index(b)], fill);
+    }
+    s.view.first_position = s.view.positions.empty() ? s.length : s.view.positions.front();
+  }
+  // Before its first eviction, a sequence's slot index i holds position i (or nothing, in a
+  // block a sliding window released): slot_positions says so from now on.
+  void number_slots(Sequence& s) const {
+    if (!s.slot_positions.empty() || s.slots == 0) return;
+    s.slot_positions.resize(index(s.slots));
+    for (std::int64_t i = 0; i < s.slots; ++i)
+      s.slot_positions[index(i)] = s.table[index(i / block_size_)] < 0 ? -1 : i;
+    s.first_block = 0;  // released blocks are the table's -1 entries from now on
+  }
+  // After positions were dropped: blocks holding none are released (the last one excepted: the
+  // next token goes there); once the dropped slots in held blocks make a whole block, the held
+  // slots move down into the first held blocks, in order, and the blocks left empty go.
+  void release_dropped(Sequence& s) {
+    std::int64_t dropped = 0;
+    const auto blocks = static_cast<std::int64_t>(s.table.size());
+    for (std::int64_t b = 0; b < blocks; ++b) {
+      if (s.table[index(b)] < 0) continue;
+      const std::int64_t end = std::min(s.slots, (b + 1) * block_size_);
+      std::int64_t held = 0;
+      for (std::int64_t i = b * block_size_; i < end; ++i) held += s.slot_positions[index(i)] >= 0;
+      if (held == 0 && b + 1 < blocks) {
+        blocks_.release(s.table[index(b)]);
+        s.table[index(b)] = -1;
+      } else {
+        dropped += end - b * block_size_ - held;
+      }
+    }
+    if (dropped >= block_size_) compact(s);
+    rebuild_view(s);
+  }
+  // Copies each block s shares (a fork's) into one of its own, so that dropping positions leaves
+  // the other holders' KV and fills alone; false (nothing changed) when too few blocks are free.
+  bool own_blocks(Sequence& s) {
+    const auto shared = std::count_if(s.table.begin(), s.table.end(), [&](BlockId b) {
+      return b >= 0 && blocks_.ref_count(b) > 1;
+    });
+    if (shared > blocks_.free_blocks()) return false;
+    for (BlockId& b : s.table) {
+      if (b < 0 || blocks_.ref_count(b) == 1) continue;
+      const BlockId copy = blocks_.take();
+      bytes_copied_ += pool_->copy_slots(std::int64_t{b} * block_size_,
+                                         std::int64_t{copy} * block_size_, block_size_);
+      blocks_.set_fill(copy, blocks_.fill(b));
+      blocks_.release(b);
+      b = copy;
+    }
+    return true;
+  }
+  // Moves each held slot to the next free place in the sequence's (own) held blocks, in order
+  // (never up: no slot is overwritten before it is read).
+  void compact(Sequence& s) {
+    std::vector<BlockId> held_blocks;
+    for (BlockId b : s.table)
+      if (b >= 0) held_blocks.push_back(b);
+    std::vector<std::int64_t> positions;
+    for (std::int64_t i = 0; i < s.slots; ++i) {
+      const std::int64_t position = s.slot_positions[index(i)];
+      if (position < 0) continue;
+      const auto d = static_cast<std::int64_t>(positions.size());
+      const std::int64_t from =
+          std::int64_t{s.table[index(i / block_size_)]} * block_size_ + i % block_size_;
+      const std::int64_t to =
+          std::int64_t{held_blocks[index(d / block_size_)]} * block_size_ + d % block_size_;
+      if (from != to) bytes_copied_ += pool_->copy_slots(from, to, 1);
+      positions.push_back(position);
+    }
+    const auto kept_blocks = blocks_for(static_cast<std::int64_t>(positions.size()));
+    for (std::size_t b = index(kept_blocks); b < held_blocks.size(); ++b)
+      blocks_.release(held_blocks[b]);
+    held_blocks.resize(index(kept_blocks));
+    s.table = std::move(held_blocks);
+    s.slots = static_cast<std::int64_t>(positions.size());
+    s.slot_positions = std::move(positions);
   }
 
   KvPool* pool_;

@@ -21,6 +21,7 @@ struct AllocatorCase {
   bool releases_window;  // exercise release_before (only the paged allocator frees early)
   std::int64_t host_tier_bytes = 0, disk_tier_bytes = 0;
   std::string tier_policy = "lru";
+  bool evicts = false;  // exercise evict (a KV policy dropping positions)
 };
 
 void PrintTo(const AllocatorCase& c, std::ostream* os) {
@@ -38,6 +39,7 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
   options.host_tier_bytes = GetParam().host_tier_bytes;
   options.disk_tier_bytes = GetParam().disk_tier_bytes;
   options.tier_policy = GetParam().tier_policy;
+  options.evict = GetParam().evicts;
   const ConformanceReport report =
       check_allocator_conformance(registry, GetParam().name, GetParam().params, options);
   for (const std::string& failure : report.failures) ADD_FAILURE() << failure;
@@ -73,9 +75,25 @@ INSTANTIATE_TEST_SUITE_P(
         // KV tiers (a block is 4 slots x 8 bytes): 8 blocks of host memory, then 16 on disk.
         AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true, 256, 0, "lru"},
         AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true, 256, 512, "lru"},
-        AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, false, 256, 512, "shared_first"}),
+        AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, false, 256, 512, "shared_first"},
+        // A KV policy's evictions: holes, whole blocks released, compaction (with forks).
+        AllocatorCase{"paged",
+                      {{"block_size", std::int64_t{4}}, {"prefix_caching", false}},
+                      true,
+                      0,
+                      0,
+                      "lru",
+                      true},
+        AllocatorCase{"paged",
+                      {{"block_size", std::int64_t{2}}, {"prefix_caching", false}},
+                      false,
+                      0,
+                      0,
+                      "lru",
+                      true}),
     [](const auto& info) {
       std::string name = info.param.name;
+      if (info.param.evicts) name += "_evicts";
       if (info.param.host_tier_bytes > 0)
         name += "_tiers_" + std::to_string(info.param.host_tier_bytes) + "_" +
                 std::to_string(info.param.disk_tier_bytes) + "_" + info.param.tier_policy;

@@ -137,6 +137,7 @@ class BlockPool {
 
   // Slots of a held block that hold tokens; the sum over held blocks is live_fill().
   void set_fill(BlockId b, std::int64_t fill);
+  std::int64_t fill(BlockId b) const { return blocks_[static_cast<std::size_t>(b)].fill; }
   std::int64_t live_fill() const { return live_fill_; }
   std::int64_t evictions() const { return evictions_; }
 

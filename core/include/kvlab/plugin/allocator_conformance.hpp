@@ -27,6 +27,7 @@ struct ConformanceOptions {
   std::int64_t host_tier_bytes = 0, disk_tier_bytes = 0;
   std::string tier_policy = "lru";
   bool release_window = false;  // also call release_before (allocators that free early)
+  bool evict = false;  // also drop random positions (evict: allocators that serve KV policies)
 };
 
 struct ConformanceReport {
