@@ -504,6 +504,24 @@ void parse_output(Section& s, ExperimentConfig& c) {
   }
 }
 
+// [kv_policy]: which cached positions each sequence keeps under a KV budget.
+void parse_kv_policy(Section& s, ExperimentConfig& c) {
+  const auto name = s.get<std::string>("name");
+  if (!name || name->empty())
+    s.fail(s.node("name") ? *s.node("name") : *s.table_itself(),
+           "[kv_policy] needs name: window, streaming_llm, h2o, snapkv or a kv_policy "
+           "plugin (leave the table out to keep every position)");
+  c.kv_policy = *name;
+  c.kv_policy_params = plugin_params(s, "params");
+  const auto caching = c.allocator_params.find("prefix_caching");
+  if (c.allocator != "paged" || caching == c.allocator_params.end() ||
+      caching->second != ParamValue{false})
+    s.fail(*s.node("name"),
+           "[kv_policy] drops positions from sequences' blocks: it needs kv_cache.allocator = "
+           "\"paged\" with kv_cache.params.prefix_caching = false (a thinned block no longer "
+           "holds the prefix its hash names)");
+}
+
 // [kv_tiers]: host memory and disk below the paged allocator's prefix cache.
 void parse_kv_tiers(Section& s, ExperimentConfig& c) {
   auto gib = [&](const char* key) {
@@ -580,6 +598,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   section("slo", [&](Section& s) { parse_slo(s, c); });
   section("cluster", [&](Section& s) { parse_cluster(s, c); });
   section("kv_tiers", [&](Section& s) { parse_kv_tiers(s, c); });
+  section("kv_policy", [&](Section& s) { parse_kv_policy(s, c); });
   if (const toml::node* gone = root.get("time_model"))
     top.fail(*gone,
              "[time_model] is gone: the virtual clock prices each step with the roofline cost "

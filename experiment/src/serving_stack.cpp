@@ -78,6 +78,11 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   options.names = {plugin_label(registry, PluginKind::scheduler, c.scheduler),
                    plugin_label(registry, PluginKind::kv_allocator, c.allocator),
                    plugin_label(registry, PluginKind::backend, c.backend)};
+  if (!c.kv_policy.empty()) {  // one a replica: it keeps its sequences' state
+    r->kv_policy = registry.create<PluginKind::kv_policy>(c.kv_policy, c.kv_policy_params, context);
+    options.kv_policy = r->kv_policy.get();
+    options.names.kv_policy = plugin_label(registry, PluginKind::kv_policy, c.kv_policy);
+  }
   if (log != nullptr)
     options.observers.on_logits = [log, replica](RequestId id, std::span<const float> row) {
       log->record(replica, id, row);

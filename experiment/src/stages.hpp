@@ -71,6 +71,7 @@ struct ReplicaStack {
   PluginObject<Scheduler> scheduler;
   PluginObject<Backend> plugin_backend;   // the backend plugin's object: cpu, simulated, cuda, ...
   std::unique_ptr<TimedBackend> backend;  // it, timed
+  PluginObject<KvPolicy> kv_policy;       // [kv_policy], else empty
   std::unique_ptr<Engine> engine;
 };
 

@@ -126,6 +126,34 @@ void check_kv_tiers(const ExperimentConfig& c) {
     throw Error(fmt::format("kv_tiers.disk_directory {} is not a folder", c.disk_tier_directory));
 }
 
+// [kv_policy] on a point that can drop positions: the paged allocator without prefix caching, a
+// backend that reads views with holes (and reports attention scores when the policy reads them).
+void check_kv_policy(const ExperimentConfig& c, const PluginRegistry& registry) {
+  const auto caching = c.allocator_params.find("prefix_caching");
+  if (c.allocator != "paged" || caching == c.allocator_params.end() ||
+      caching->second != ParamValue{false})
+    throw Error(
+        "[kv_policy] drops positions from sequences' blocks: it needs kv_cache.allocator = "
+        "\"paged\" with kv_cache.params.prefix_caching = false");
+  if (c.backend_kind == BackendKind::plugin)
+    throw Error(fmt::format(
+        "[kv_policy] runs on the cpu backend (and the simulated one, for policies that read no "
+        "attention scores), not \"{}\", whose attention reads whole block tables",
+        c.backend));
+  if (c.attention == "recompute" || c.disaggregated())
+    throw Error(
+        "[kv_policy] thins cached KV: it needs an attention variant that caches it (not "
+        "\"recompute\") and no prefill/decode disaggregation (thinned KV is not handed off)");
+  PluginContext context;  // its parameters' own rules (sinks below the budget, ...)
+  const auto policy =
+      registry.create<PluginKind::kv_policy>(c.kv_policy, c.kv_policy_params, context);
+  if (policy->scored_queries() > 0 && c.backend_kind != BackendKind::cpu)
+    throw Error(fmt::format(
+        "KV policy \"{}\" reads attention scores, which only backend \"cpu\" reports (not "
+        "\"{}\")",
+        c.kv_policy, c.backend));
+}
+
 // One point's plugins exist and accept their parameters; the model, profile and trace resolve.
 void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
@@ -163,6 +191,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         dtype_short_name(c.kv_dtype), source.config.name, source.config.head_dim));
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
+  if (!c.kv_policy.empty()) check_kv_policy(c, registry);
   if (c.has_kv_tiers()) {
     check_plugin(PluginKind::tier_policy, c.tier_policy, c.tier_policy_params);
     check_kv_tiers(c);
@@ -238,6 +267,13 @@ void check_exact_settings(const ExperimentConfig& c) {
         "V, so near-tied logits can pick other tokens: check with kv_cache.dtype = \"f32\" (no "
         "rotation), or with --tolerance TAU",
         c.kv_hadamard ? "Hadamard-rotated " : "", dtype_short_name(c.kv_dtype)));
+  if (!c.kv_policy.empty())
+    throw Error(fmt::format(
+        "kvlab check holds tokens equal to the reference, which attends to every position; KV "
+        "policy \"{}\" drops positions, which changes the logits by design: check without "
+        "[kv_policy], or with --tolerance TAU (its price in quality: kvlab perplexity "
+        "--kv-policy)",
+        c.kv_policy));
 }
 
 }  // namespace

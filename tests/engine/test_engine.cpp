@@ -41,6 +41,9 @@ struct EngineSetup {
   EngineClock clock = EngineClock::virtual_clock;
   bool cost_model = true;                           // price steps with the cpu profile
   std::function<void(const SchedulerInput&)> sees;  // what the scheduler is shown, each step
+  std::optional<std::int64_t> window;               // sliding-window attention
+  std::string kv_policy;                            // a kv_policy plugin, or none
+  std::map<std::string, ParamValue, std::less<>> kv_policy_params;
 };
 
 // The scheduler plugin, with what it is shown passed on to `sees` first.
@@ -70,9 +73,16 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
       setup.allocator, setup.allocator_params, context);
   auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(
       setup.scheduler, setup.scheduler_params, context);
-  cpu::CpuBackend backend(weights(), pool, std::nullopt);
+  cpu::CpuBackend backend(weights(), pool, setup.window);
   const CostModel cost(c, load_hardware_profile("cpu"));  // prices the virtual clock's steps
   EngineOptions options;
+  PluginObject<KvPolicy> policy;
+  if (!setup.kv_policy.empty()) {
+    policy = test::plugin_registry().create<PluginKind::kv_policy>(setup.kv_policy,
+                                                                   setup.kv_policy_params, context);
+    options.kv_policy = policy.get();
+  }
+  options.rules.window = setup.window;
   options.clock = setup.clock;
   if (setup.cost_model) options.cost_model = &cost;
   options.rules.context = setup.max_seq_len;
@@ -368,6 +378,72 @@ INSTANTIATE_TEST_SUITE_P(
 
 // The scheduler is shown the clock: each step's start on the engine's clock (the virtual one
 // here: arrivals spread out, so the clock idles to them as well as advancing by steps).
+// Keeping the newest 8 positions between decode steps is sliding-window attention over 9 (the
+// 8 kept and the new token) once the prompt (at most 9 tokens here) is in: the same greedy
+// tokens, through views whose first positions were dropped and blocks released.
+TEST(Engine, WindowKvPolicyGivesSlidingWindowAttentionsTokens) {
+  SyntheticWorkload spec;
+  spec.requests = 6;
+  spec.seed = 5;
+  spec.vocab_size = weights().config.vocab_size;
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 2, 9};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 20, 40};
+  const std::vector<WorkloadRequest> requests = generate_workload(spec);
+  EngineSetup window;
+  window.window = 9;
+  window.allocator_params["prefix_caching"] = false;
+  EngineSetup policy;
+  policy.kv_policy = "window";
+  policy.kv_policy_params = {{"budget", std::int64_t{8}}};
+  policy.allocator_params["prefix_caching"] = false;
+  const EngineResult a = run_engine(window, requests), b = run_engine(policy, requests);
+  ASSERT_EQ(a.requests.size(), requests.size());
+  ASSERT_EQ(b.requests.size(), requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    EXPECT_EQ(b.requests[i].finish_reason, a.requests[i].finish_reason) << i;
+    EXPECT_EQ(b.tokens[i], a.tokens[i]) << i;
+  }
+}
+
+// Every shipped policy (h2o and snapkv reading the backend's attention scores) under fcfs and
+// chunked prefill, with a pool small enough to preempt: every request finishes, and after each
+// step no sequence holds more than its budget of positions.
+TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
+  SyntheticWorkload spec;
+  spec.requests = 10;
+  spec.seed = 8;
+  spec.vocab_size = weights().config.vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 20};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 10, 30};
+  const std::vector<WorkloadRequest> requests = generate_workload(spec);  // up to 50 tokens each
+  for (const char* name : {"window", "streaming_llm", "h2o", "snapkv"}) {
+    for (const char* scheduler : {"fcfs", "chunked"}) {
+      EngineSetup setup;
+      setup.scheduler = scheduler;
+      if (std::string(scheduler) == "chunked")
+        setup.scheduler_params = {{"max_tokens_per_step", std::int64_t{16}}};
+      setup.slots = 64;
+      setup.allocator_params["prefix_caching"] = false;
+      setup.kv_policy = name;
+      setup.kv_policy_params = {{"budget", std::int64_t{8}}};
+      if (std::string(name) == "snapkv") setup.kv_policy_params["window"] = std::int64_t{3};
+      const EngineResult r = run_engine(setup, requests);
+      SCOPED_TRACE(std::string(name) + " " + scheduler);
+      ASSERT_EQ(r.requests.size(), requests.size());
+      for (const RequestTimeline& q : r.requests) {
+        EXPECT_TRUE(q.finish_reason == "max_tokens" || q.finish_reason == "eos") << q.finish_reason;
+      }
+      std::int64_t preempted = 0;
+      for (const StepRecord& step : r.steps) {
+        EXPECT_LE(step.kv.used, 8 * step.running) << "step " << step.step;
+        preempted += step.preempted;
+      }
+      EXPECT_GT(preempted, 0);  // a sequence rebuilt its KV: the policy started it afresh
+    }
+  }
+}
+
 TEST(Engine, SchedulersSeeTheClockAtEachStepsStart) {
   EngineSetup setup;
   std::vector<double> shown;

@@ -74,6 +74,7 @@ void PlanApplier::preempt(RequestState& r, PreemptMode mode, const char* reason)
 bool PlanApplier::swap_out(RequestState& r) {
   if (options_.pool == nullptr || !options_.rules.caches_kv || r.computed == 0) return false;
   const KvView view = kv_.view(r.id);
+  if (view.has_holes()) return false;  // a KV policy thinned it: recomputed instead (in the docs)
   const std::int64_t first = view.first_position, tokens = r.computed - first;
   if (table_.swap_used_tokens() + tokens > options_.swap_slots) {
     log_.add(EventKind::event_swap_full, r.id,
@@ -240,6 +241,11 @@ KvHandoff hand_off(const RequestState& r, const KvAllocator& kv, const ApplyOpti
   h.tokens_with_kv = r.computed;
   if (options.pool != nullptr && options.rules.caches_kv && r.computed > 0) {
     const KvView view = kv.view(r.id);
+    if (view.has_holes())
+      throw Error(fmt::format(
+          "request {}: a KV policy dropped some of its positions, and handing thinned KV to a "
+          "decode replica is not supported: run [kv_policy] without disaggregation",
+          r.id));
     h.kv.first = view.first_position;
     h.copy_out_s =
         timed_copy(*options.pool, view, view.first_position, r.computed, h.kv.data, true, &h.bytes);

@@ -50,6 +50,8 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
         "use the measured clock");
   clock_ = make_clock(options_.clock);
   padding_.clear();
+  if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
+    kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
   log_ = {};
   result_ = {};
@@ -122,9 +124,10 @@ std::string Engine::never_fits(const RequestState& r) const {
   if (total > options_.rules.context)
     return fmt::format("prompt {} + max tokens {} exceed the context of {}", r.prompt_tokens,
                        r.max_new_tokens, options_.rules.context);
-  const std::int64_t held =
-      options_.rules.window ? std::min(total, std::max(r.prompt_tokens, *options_.rules.window + 1))
-                            : total;
+  std::int64_t held = total;  // with a window or a KV policy: what it keeps and a new token
+  if (options_.rules.window)
+    held = std::min(held, std::max(r.prompt_tokens, *options_.rules.window + 1));
+  if (kv_policy_) held = std::min(held, std::max(r.prompt_tokens, kv_policy_->budget() + 1));
   if (unmatched_tokens_.size() < static_cast<std::size_t>(held))
     unmatched_tokens_.resize(static_cast<std::size_t>(held), -1);  // no prefix hits
   const std::span<const std::int32_t> tokens(unmatched_tokens_.data(),
@@ -190,6 +193,9 @@ bool Engine::step() {
   const std::size_t handed = handoffs_.size();
   apply_tokens(applied, sampled, clock_->now(), *table_, allocator_, apply_options_, log_,
                &finished_held, &handoffs_);
+  if (kv_policy_)
+    plugin_call<PluginErrors::non_kvlab>(options_.names.kv_policy, step_,
+                                         [&] { kv_policy_->select(applied, *table_, allocator_); });
   for (std::size_t h = handed; h < handoffs_.size(); ++h) handoffs_[h].time_s = clock_->now();
   padding_.hold(finished_held, *table_, allocator_);
   record_step(record, fragmentation_blocked);
@@ -249,6 +255,7 @@ std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepReco
     entry.view = allocator_.view(work.id);
     batch.push_back(std::move(entry));
   }
+  if (kv_policy_) kv_policy_->ask_scores(batch);
   if (computes_padding()) padding_.append_rows(*table_, allocator_, batch);
   const std::vector<TokenChoice> choices = draw_token_choices(applied, *table_, batch.size());
   const std::span<const TokenChoice> offered =
@@ -257,6 +264,9 @@ std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepReco
   const ForwardResult result = plugin_call<PluginErrors::non_kvlab>(
       options_.names.backend, step_, [&] { return backend_.forward(batch, offered); });
   const auto end = SteadyClock::now();
+  if (kv_policy_)
+    kv_policy_->take_scores(std::span(batch).first(applied.batch.size()), result,
+                            options_.names.backend);
   record.step = step_;
   record.start_s = clock_->now();
   record.batch = static_cast<std::int64_t>(applied.batch.size());

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/events.hpp"
+#include "kvlab/engine/kv_policy_runner.hpp"
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/pick_tokens.hpp"
 #include "kvlab/engine/plan_check.hpp"
@@ -52,10 +54,13 @@ struct EngineOptions {
   // a backend without logits (the simulated one) never calls it. on_token: each token as soon
   // as it is chosen (streaming).
   TokenObservers observers;
+  // Which cached positions each sequence keeps (kvlab/kv_policy.hpp), or none: every position.
+  // It needs an allocator that drops positions (paged, without prefix caching).
+  KvPolicy* kv_policy = nullptr;
   // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
   struct PluginNames {
     std::string scheduler = "the scheduler", allocator = "the KV allocator",
-                backend = "the backend";
+                backend = "the backend", kv_policy = "the KV policy";
   } names;
 };
 
@@ -147,8 +152,9 @@ class Engine {
   std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
   KvAllocatorStats tiers_seen_;  // the allocator's tier counters as the last priced step left them
   std::chrono::steady_clock::time_point step_start_;
-  StaticPadding padding_;            // the finished requests of the running static batch
-  std::vector<KvHandoff> handoffs_;  // not yet taken
+  StaticPadding padding_;                    // the finished requests of the running static batch
+  std::vector<KvHandoff> handoffs_;          // not yet taken
+  std::optional<KvPolicyRunner> kv_policy_;  // options_.kv_policy's
   // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
   // thousand in a trace replay.
   mutable std::vector<std::int32_t> unmatched_tokens_;

@@ -82,6 +82,10 @@ struct ExperimentConfig {
   ParamMap tier_policy_params;
   std::string disk_tier_directory;
   bool has_kv_tiers() const { return host_tier_gib > 0 || disk_tier_gib > 0; }
+  // [kv_policy]: which cached positions each sequence keeps (docs/concepts/kv-eviction.md): a
+  // kv_policy plugin and its params; "" keeps every position.
+  std::string kv_policy;
+  ParamMap kv_policy_params;
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";
