@@ -16,6 +16,7 @@
 #include "kvlab/cpu_reference/perplexity.hpp"
 #include "kvlab/cpu_reference/weight_choices.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/kv_pool.hpp"
 #include "kvlab/model/mapped_file.hpp"
 #include "kvlab/model/tokenizer.hpp"
@@ -31,6 +32,7 @@ struct PerplexityCommand {
   std::string kv_dtype = "f32";
   std::string kv_rotation = "none";
   std::int64_t window = 0;
+  std::string experiment;              // an experiment file: each point's KV settings
   std::string kv_policy;               // a kv_policy plugin, or "" for every position kept
   std::vector<std::string> kv_params;  // its parameters, key=value
   std::string weights = "stored";
@@ -105,32 +107,36 @@ PluginObject<KvPolicy> make_kv_policy(const PerplexityCommand& c) {
   return registry.create<PluginKind::kv_policy>(c.kv_policy, params, PluginContext{});
 }
 
-void run_perplexity(PerplexityCommand c) {
-  if (c.threads < 0)
-    throw Error(fmt::format("--threads must be >= 0 (0 = all cores), got {}", c.threads));
-  if (c.threads > 0) cpu::set_num_threads(c.threads);
-  c.options.kv_dtype = kv_pool_dtype(c.kv_dtype, "--kv-dtype");
-  if (c.window < 0) throw Error(fmt::format("--window must be >= 0 (0 = off), got {}", c.window));
-  if (c.window > 0) c.options.window = c.window;
-  c.options.hadamard = c.kv_rotation == "hadamard";
-  c.options.compare_with_exact = !c.no_compare;
-  PluginObject<KvPolicy> policy = make_kv_policy(c);
-  c.options.policy = policy.get();
-  const std::string text = read_text(c.file);
-  const ModelSource source = resolve_model(c.model);
+// The text's tokens and the model's weights, loaded once for every setting measured.
+struct TextAndModel {
+  std::vector<std::int32_t> tokens;
+  std::optional<std::int32_t> bos;
+  cpu::LlamaWeights weights;
+  std::string directory;
+};
+
+TextAndModel load_text_and_model(const std::string& model, const std::string& file) {
+  const std::string text = read_text(file);
+  const ModelSource source = resolve_model(model);
   if (source.is_preset())
     throw Error(
         fmt::format("\"{}\" is a preset: perplexity needs a model with a tokenizer (a "
                     "folder or a .gguf file)",
-                    c.model));
+                    model));
   const TokenizerLookup lookup = find_tokenizer(source.directory, source.config.vocab_size);
   if (!lookup.tokenizer)
     throw Error(fmt::format("perplexity needs a tokenizer: {}", lookup.why_not));
-  const std::vector<std::int32_t> tokens = lookup.tokenizer->encode_prompt(text);
-  const std::optional<std::int32_t> bos =
-      lookup.tokenizer->adds_bos() ? lookup.tokenizer->bos_id() : std::nullopt;
-  const cpu::LlamaWeights weights = cpu::load_llama_weights(source.directory);
-  const ModelWeightsView view = cpu::weights_view(weights, source.directory.string());
+  TextAndModel m;
+  m.tokens = lookup.tokenizer->encode_prompt(text);
+  if (lookup.tokenizer->adds_bos()) m.bos = lookup.tokenizer->bos_id();
+  m.weights = cpu::load_llama_weights(source.directory);
+  m.directory = source.directory.string();
+  return m;
+}
+
+// One measurement with c's settings, printed as text or one JSON line.
+void measure(const PerplexityCommand& c, const TextAndModel& m) {
+  const ModelWeightsView view = cpu::weights_view(m.weights, m.directory);
   const auto make_compute = [&] {
     return cpu::select_compute_weights(view, c.weights, c.activations);
   };
@@ -144,16 +150,73 @@ void run_perplexity(PerplexityCommand c) {
     std::fflush(stdout);
   };
   const cpu::PerplexityResult result =
-      cpu::measure_perplexity(view, make_compute, tokens, bos, c.options, progress);
+      cpu::measure_perplexity(view, make_compute, m.tokens, m.bos, c.options, progress);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (c.json)
-    print_json(c, weights.config, static_cast<std::int64_t>(tokens.size()), result, seconds);
+    print_json(c, m.weights.config, static_cast<std::int64_t>(m.tokens.size()), result, seconds);
   else
     print_text(c, result);
   std::fflush(stdout);
-  fmt::print(stderr, "{}: {} tokens in the text, {:.1f} s ({} threads)\n", weights.config.name,
-             tokens.size(), seconds, cpu::num_threads());
+  fmt::print(stderr, "{}: {} tokens in the text, {:.1f} s ({} threads)\n", m.weights.config.name,
+             m.tokens.size(), seconds, cpu::num_threads());
+}
+
+// --experiment FILE: each sweep point's KV settings ([kv_cache] dtype and rotation, a
+// sliding_window's window, [kv_policy]) measured over the same text, on the file's model.
+void measure_experiment(PerplexityCommand c) {
+  if (c.kv_dtype != "f32" || c.kv_rotation != "none" || c.window != 0 || !c.kv_policy.empty() ||
+      !c.kv_params.empty())
+    throw Error(
+        "--experiment takes the KV settings of each of its points: drop --kv-dtype, "
+        "--kv-rotation, --window, --kv-policy and --kv-param");
+  const std::vector<ExperimentRun> runs = load_experiment(c.experiment, {});
+  const std::string model = c.model.empty() ? runs.front().config.model : c.model;
+  const TextAndModel m = load_text_and_model(model, c.file);
+  for (const ExperimentRun& run : runs) {
+    const ExperimentConfig& e = run.config;
+    PerplexityCommand point = c;
+    point.kv_dtype = dtype_short_name(e.kv_dtype);
+    point.options.kv_dtype = e.kv_dtype;
+    point.options.hadamard = e.kv_hadamard;
+    point.kv_rotation = e.kv_hadamard ? "hadamard" : "none";
+    if (e.attention == "sliding_window") {
+      const auto w = e.attention_params.find("window");
+      point.window = w != e.attention_params.end() ? std::get<std::int64_t>(w->second) : 4096;
+      point.options.window = point.window;
+    }
+    PluginObject<KvPolicy> policy;
+    if (!e.kv_policy.empty()) {
+      auto search = PluginRegistry::default_search_path();
+      search.insert(search.end(), e.plugin_paths.begin(), e.plugin_paths.end());
+      policy =
+          PluginRegistry(search).create<PluginKind::kv_policy>(e.kv_policy, e.kv_policy_params, {});
+      point.kv_policy = e.kv_policy;
+      for (const auto& [key, value] : e.kv_policy_params)
+        point.kv_params.push_back(key + "=" + param_value_to_string(value));
+    }
+    point.options.policy = policy.get();
+    if (!c.json) fmt::print("\n{}\n", e.label.empty() ? e.name : e.label);
+    measure(point, m);
+  }
+}
+
+void run_perplexity(PerplexityCommand c) {
+  if (c.threads < 0)
+    throw Error(fmt::format("--threads must be >= 0 (0 = all cores), got {}", c.threads));
+  if (c.threads > 0) cpu::set_num_threads(c.threads);
+  if (c.options.policy_step < 1)
+    throw Error(fmt::format("--kv-step must be >= 1 token, got {}", c.options.policy_step));
+  c.options.compare_with_exact = !c.no_compare;
+  if (!c.experiment.empty()) return measure_experiment(std::move(c));
+  if (c.model.empty()) throw Error("perplexity needs --model (or --experiment FILE)");
+  c.options.kv_dtype = kv_pool_dtype(c.kv_dtype, "--kv-dtype");
+  if (c.window < 0) throw Error(fmt::format("--window must be >= 0 (0 = off), got {}", c.window));
+  if (c.window > 0) c.options.window = c.window;
+  c.options.hadamard = c.kv_rotation == "hadamard";
+  PluginObject<KvPolicy> policy = make_kv_policy(c);
+  c.options.policy = policy.get();
+  measure(c, load_text_and_model(c.model, c.file));
 }
 
 }  // namespace
@@ -164,8 +227,12 @@ void register_perplexity(CLI::App& app) {
       "perplexity",
       "Perplexity over a text with the KV settings under test (llama-perplexity's protocol), "
       "and the KL divergence and top-1 agreement against the exact KV");
-  sub->add_option("--model", c->model, "A model folder or .gguf file (with its tokenizer)")
-      ->required();
+  sub->add_option("--model", c->model,
+                  "A model folder or .gguf file (with its tokenizer); with --experiment, the "
+                  "file's model unless given");
+  sub->add_option("--experiment", c->experiment,
+                  "Measure each point of an experiment file with its KV settings ([kv_cache] "
+                  "dtype and rotation, a sliding window, [kv_policy])");
   sub->add_option("-f,--file", c->file,
                   "The text (data/wikitext-2-raw/wiki.test.raw is the standard one)")
       ->required();
@@ -190,7 +257,7 @@ void register_perplexity(CLI::App& app) {
                   "at most its budget of positions between forwards");
   sub->add_option("--kv-param", c->kv_params,
                   "The policy's parameters, key=value, repeatable (budget=256, sinks=4; kvlab "
-                  "plugins list shows each policy's)");
+                  "plugins shows each policy's)");
   sub->add_option("--kv-step", c->options.policy_step, "Tokens a forward under a KV policy")
       ->capture_default_str();
   sub->add_option("--weights", c->weights,

@@ -506,6 +506,7 @@ void parse_output(Section& s, ExperimentConfig& c) {
 
 // [kv_policy]: which cached positions each sequence keeps under a KV budget.
 void parse_kv_policy(Section& s, ExperimentConfig& c) {
+  if (s.table_itself() == nullptr) return;  // no table: every position kept
   const auto name = s.get<std::string>("name");
   if (!name || name->empty())
     s.fail(s.node("name") ? *s.node("name") : *s.table_itself(),

@@ -47,6 +47,15 @@ TEST(Cli, PerplexityRefusesBadInput) {
                  "--kv-dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, not \"q5_k\"");
   expect_failure("perplexity --model stories15m -f " + text + " --window -1", "--window");
   expect_failure("perplexity -f " + text, "--model");
+  const std::string run = "perplexity --model stories15m -f " + text;
+  expect_failure(run + " --kv-policy h20", "did you mean \"h2o\"");
+  expect_failure(run + " --kv-policy h2o --kv-param budget=0", "budget");
+  expect_failure(run + " --kv-policy h2o --kv-param budget", "expected key=value");
+  expect_failure(run + " --kv-policy h2o --kv-param sinks=4", "sinks");
+  expect_failure(run + " --kv-policy streaming_llm --kv-param budget=4 --kv-param sinks=4",
+                 "sinks must be below the budget");
+  expect_failure(run + " --kv-param budget=8", "--kv-param needs --kv-policy");
+  expect_failure(run + " --kv-policy window --kv-step 0", "--kv-step must be >= 1");
 }
 
 TEST(Cli, MissingModelFolder) {

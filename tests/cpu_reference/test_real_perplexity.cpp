@@ -1,7 +1,9 @@
 // kvlab perplexity on a real model against llama.cpp's llama-perplexity over the same file, text,
 // context and chunks (tests/fixtures/real/llamacpp_perplexity.json; the tokens:
-// tests/fixtures/tokenizer/smollm2.wikitext.llamacpp.json), and the quantized-KV lesson: 8-bit
-// KV costs almost nothing in perplexity at about half the bytes of f16. Skips without SmolLM2.
+// tests/fixtures/tokenizer/smollm2.wikitext.llamacpp.json), the quantized-KV lessons (8-bit KV
+// costs almost nothing in perplexity at about half the bytes of f16; a Hadamard rotation cuts
+// what 4-bit costs) and the eviction lessons (attention sinks; heavy hitters and observation
+// windows against the plain window). Skips without SmolLM2.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -12,6 +14,7 @@
 #include "kvlab/kv_pool.hpp"
 #include "kvlab/model/mapped_file.hpp"
 #include "kvlab/model/tokenizer.hpp"
+#include "kvlab/plugin/plugin_loader.hpp"
 #include "test_util.hpp"
 
 namespace kvlab::cpu {
@@ -79,6 +82,23 @@ struct Perplexity {
     const TokenizerLookup lookup = find_tokenizer(kSmolLm2);
     tokens = wikitext_tokens(*lookup.tokenizer);
     if (lookup.tokenizer->adds_bos()) bos = lookup.tokenizer->bos_id();
+  }
+  // Chunks of 1024 tokens, 4 of them, streamed 32 tokens a forward through `policy` with
+  // `budget` positions kept: a context 4x the budget, 8x for the scored half's start.
+  PerplexityResult measure_policy(const char* policy, std::int64_t budget) const {
+    static const PluginRegistry registry({KVLAB_PLUGIN_DIR});
+    auto kept = registry.create<PluginKind::kv_policy>(policy, {{"budget", budget}}, {});
+    const ModelWeightsView view = weights_view(weights, kSmolLm2.string());
+    PerplexityOptions options;
+    options.context = 1024;
+    options.chunks = 4;
+    options.policy = kept.get();
+    const PerplexityResult r = measure_perplexity(
+        view, [&] { return select_compute_weights(view, "stored", "f32"); }, tokens, bos, options);
+    std::cout << policy << " (budget " << budget << "): PPL " << r.ppl() << " (exact "
+              << r.exact_ppl() << ", " << 100 * (r.ppl() / r.exact_ppl() - 1) << "%), KL "
+              << r.mean_kl() << ", top-1 " << r.top1_agreement() << "\n";
+    return r;
   }
   PerplexityResult measure(DType kv, std::string_view activations = "f32",
                            bool hadamard = false) const {
@@ -163,6 +183,37 @@ TEST(Lesson, HadamardRotationCutsWhatFourBitKvCosts) {
   EXPECT_LT(rotated.mean_kl(), plain.mean_kl() / 2);
   const PerplexityResult q8 = run.measure(DType::dtype_q8_0, "f32", true);
   EXPECT_LT(q8.mean_kl(), run.measure(DType::dtype_q8_0).mean_kl());
+}
+
+// Lesson (StreamingLLM): softmax parks the attention no other token needs on the first tokens.
+// A window of the newest positions drops them once the text outgrows it, and perplexity blows
+// up (more than doubles); keeping 4 sink tokens beside a window of the same budget recovers
+// most of it (under a quarter of the window's excess perplexity and under half its KL).
+TEST(Lesson, AttentionSinksKeepWindowedKvFromBlowingUp) {
+  SKIP_WITHOUT_SMOLLM2();
+  const Perplexity run;
+  const PerplexityResult window = run.measure_policy("window", 256);
+  const PerplexityResult sinks = run.measure_policy("streaming_llm", 256);
+  const double exact = window.exact_ppl();
+  EXPECT_GT(window.ppl(), 2 * exact);
+  EXPECT_LT(sinks.ppl() - exact, 0.25 * (window.ppl() - exact));
+  EXPECT_LT(sinks.mean_kl(), 0.5 * window.mean_kl());
+  EXPECT_GT(sinks.top1_agreement(), window.top1_agreement() + 0.15);
+}
+
+// Lesson: at the same budget, choosing what to keep by attention (H2O's accumulated scores,
+// SnapKV's observation-window votes) keeps perplexity far closer to the full cache than the
+// plain window does (under half its excess perplexity and its KL).
+TEST(Lesson, AttentionChosenKvBeatsThePlainWindowAtEqualBudget) {
+  SKIP_WITHOUT_SMOLLM2();
+  const Perplexity run;
+  const PerplexityResult window = run.measure_policy("window", 256);
+  const double exact = window.exact_ppl();
+  for (const char* policy : {"h2o", "snapkv"}) {
+    const PerplexityResult chosen = run.measure_policy(policy, 256);
+    EXPECT_LT(chosen.ppl() - exact, 0.5 * (window.ppl() - exact)) << policy;
+    EXPECT_LT(chosen.mean_kl(), 0.5 * window.mean_kl()) << policy;
+  }
 }
 
 }  // namespace

@@ -482,6 +482,39 @@ TEST(ExperimentLibrary, KvTierMistakesAreClearErrors) {
   EXPECT_NE(error({"kv_tiers.host_gib=1", "kv_tiers.size=1"}).find("size"), std::string::npos);
 }
 
+// [kv_policy] runs a policy in the engine: every request finishes with its outputs. Its mistakes
+// are named before anything runs: a missing name, an allocator that cannot drop positions, a
+// policy's own parameters, a backend without scores, and kvlab check without a tolerance.
+TEST(ExperimentLibrary, KvPolicyRunsAndItsMistakesAreClearErrors) {
+  const std::vector<std::string> policy = {"kv_cache.params.prefix_caching=false",
+                                           "kv_policy={name=\"h2o\", params={budget=6}}"};
+  const auto runs = load_experiment(kQuickstart, small(policy));
+  validate_experiment(runs, false);
+  const RunOutput out = run_experiment(runs[0].config, false, nullptr);
+  EXPECT_EQ(out.summary.finished, 6);
+  EXPECT_EQ(out.summary.rejected, 0);
+  auto error = [](std::vector<std::string> more, bool check = false) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), check); });
+  };
+  EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_policy={params={budget=6}}"})
+                .find("[kv_policy] needs name"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_policy={name=\"h2o\"}"}).find("prefix_caching = false"), std::string::npos);
+  EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_policy={name=\"h20\"}"}).find("h2o"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_cache.params.prefix_caching=false",
+                   "kv_policy={name=\"streaming_llm\", params={budget=4, sinks=4}}"})
+                .find("sinks must be below the budget"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_cache.params.prefix_caching=false",
+                   "kv_policy={name=\"snapkv\", params={budget=64}}", "backend.name=\"simulated\"",
+                   "backend.profile=\"h200\""})
+                .find("reads attention scores"),
+            std::string::npos);
+  EXPECT_NE(error(policy, true).find("--tolerance"), std::string::npos);
+}
+
 TEST(ExperimentLibrary, DisaggregationMistakesAreClearErrors) {
   auto error = [](std::vector<std::string> more) {
     return test::error_of<Error>(
