@@ -81,6 +81,21 @@ TEST(CostModel, DecodeOfOneSequenceMatchesTheHandRoofline) {
               kRel);
 }
 
+// A KV policy's view (positions 0-2 and 50-59 kept, the new token at 60) is priced by the 13
+// keys it holds, as a contiguous view of 13 cached positions would be, not by the 60 its
+// positions span.
+TEST(CostModel, ViewsWithHolesArePricedByTheKeysTheyHold) {
+  const CostModel model(toy_model(), toy_profile());
+  const std::int32_t token = 1;
+  BatchEntry holed{{&token, 1}, 60, {{{0, 14}}, 0, {0, 1, 2, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60}}};
+  BatchEntry contiguous{{&token, 1}, 13, {{{0, 14}}, 0, {}}};
+  const StepWork a = model.work(std::span(&holed, 1), {});
+  const StepWork b = model.work(std::span(&contiguous, 1), {});
+  EXPECT_DOUBLE_EQ(a.attention_decode.flops, b.attention_decode.flops);
+  EXPECT_DOUBLE_EQ(a.attention_decode.bytes, b.attention_decode.bytes);
+  EXPECT_DOUBLE_EQ(a.attention_decode.flops, 2 * 4.0 * 64 * 14);  // 14 (query, key) pairs
+}
+
 TEST(CostModel, LargePrefillTurnsComputeBoundAndCountsCausalPairs) {
   const CostModel model(toy_model(), toy_profile());
   const EntryShape prefill{4096, 0, 0};

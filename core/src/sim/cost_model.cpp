@@ -190,9 +190,13 @@ StepWork CostModel::work(std::span<const BatchEntry> batch,
                          std::span<const EntryShape> padding) const {
   std::vector<EntryShape> shapes;
   shapes.reserve(batch.size() + padding.size());
-  for (const BatchEntry& b : batch)
+  for (const BatchEntry& b : batch) {
+    // The keys before the new tokens: a KV policy's view holds fewer than their positions span.
+    const std::int64_t cached = b.view.has_holes() ? b.view.index_at_or_after(b.start_position)
+                                                   : b.start_position - b.view.first_position;
     shapes.push_back({static_cast<std::int64_t>(b.tokens.size()), b.start_position,
-                      std::min(b.view.first_position, b.start_position)});
+                      b.start_position - std::max<std::int64_t>(0, cached)});
+  }
   shapes.insert(shapes.end(), padding.begin(), padding.end());
   return work(std::span<const EntryShape>(shapes));
 }
