@@ -442,6 +442,18 @@ TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
       EXPECT_GT(preempted, 0);  // a sequence rebuilt its KV: the policy started it afresh
     }
   }
+  // With sliding-window attention too, which releases old positions between the forward and the
+  // policy: h2o reads the scores of the positions still held.
+  EngineSetup both;
+  both.window = 6;
+  both.slots = 64;
+  both.allocator_params["prefix_caching"] = false;
+  both.kv_policy = "h2o";
+  both.kv_policy_params = {{"budget", std::int64_t{8}}};
+  const EngineResult r = run_engine(both, requests);
+  for (const RequestTimeline& q : r.requests) {
+    EXPECT_TRUE(q.finish_reason == "max_tokens" || q.finish_reason == "eos") << q.finish_reason;
+  }
 }
 
 TEST(Engine, SchedulersSeeTheClockAtEachStepsStart) {

@@ -44,23 +44,27 @@ void KvPolicyRunner::select(const AppliedPlan& applied, const RequestTable& tabl
       policy_.forget(work.id);
       it->second = preempted;
     }
+    const std::size_t end = e + 1 < offsets_.size() ? offsets_[e + 1] : scores_.size();
     const std::span<const float> scores =
         scores_.empty() ? std::span<const float>()
-                        : std::span<const float>(scores_).subspan(offsets_[e]);
+                        : std::span<const float>(scores_).subspan(offsets_[e], end - offsets_[e]);
     select_one(work.id, work, scores, kv);
   }
 }
 
 // The policy sees the sequence's positions now (this step's new ones last); what it does not
-// keep is dropped. The scores were given for the view as the forward read it, which is the
-// view now: nothing changes a running sequence's view between its forward and this.
+// keep is dropped. The scores were given for the view as the forward read it; since then only a
+// sliding window may have released its oldest positions, so they are the last ones' scores.
 void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
                                 std::span<const float> scores, KvAllocator& kv) {
   const KvView view = kv.view(id);
   positions_.resize(static_cast<std::size_t>(view.length()));
   for (std::int64_t i = 0; i < view.length(); ++i)
     positions_[static_cast<std::size_t>(i)] = view.position_at(i);
-  if (!scores.empty()) scores = scores.first(positions_.size());
+  if (scores.size() > positions_.size()) scores = scores.last(positions_.size());
+  if (!scores.empty() && scores.size() != positions_.size())
+    throw Error(fmt::format("internal: request {} holds {} positions, its forward scored {}", id,
+                            positions_.size(), scores.size()));
   kept_.resize(positions_.size());
   const std::int64_t count =
       policy_.select({id, positions_, scores, work.tokens, work.samples && !work.decode}, kept_);
