@@ -11,6 +11,7 @@
 #include <optional>
 
 #include "cli_common.hpp"
+#include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cpu_reference/perplexity.hpp"
@@ -32,6 +33,7 @@ struct PerplexityCommand {
   std::string kv_dtype = "f32";
   std::string kv_rotation = "none";
   std::int64_t window = 0;
+  std::string attention = "gqa";       // the attention variant (--experiment's points)
   std::string experiment;              // an experiment file: each point's KV settings
   std::string kv_policy;               // a kv_policy plugin, or "" for every position kept
   std::vector<std::string> kv_params;  // its parameters, key=value
@@ -59,6 +61,8 @@ void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int6
                         {"kv_dtype", c.kv_dtype},
                         {"kv_rotation", c.kv_rotation},
                         {"window", c.window},
+                        {"attention", c.attention},
+                        {"kv_heads", config.num_key_value_heads},
                         {"kv_policy", c.kv_policy},
                         {"kv_policy_params", c.kv_params},
                         {"kv_step", c.options.policy_step},
@@ -135,8 +139,9 @@ TextAndModel load_text_and_model(const std::string& model, const std::string& fi
 }
 
 // One measurement with c's settings, printed as text or one JSON line.
-void measure(const PerplexityCommand& c, const TextAndModel& m) {
-  const ModelWeightsView view = cpu::weights_view(m.weights, m.directory);
+// `weights`: m's, or m's converted to another K/V head count (an experiment's attention variant).
+void measure(const PerplexityCommand& c, const TextAndModel& m, const cpu::LlamaWeights& weights) {
+  const ModelWeightsView view = cpu::weights_view(weights, m.directory);
   const auto make_compute = [&] {
     return cpu::select_compute_weights(view, c.weights, c.activations);
   };
@@ -154,12 +159,38 @@ void measure(const PerplexityCommand& c, const TextAndModel& m) {
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (c.json)
-    print_json(c, m.weights.config, static_cast<std::int64_t>(m.tokens.size()), result, seconds);
+    print_json(c, weights.config, static_cast<std::int64_t>(m.tokens.size()), result, seconds);
   else
     print_text(c, result);
   std::fflush(stdout);
-  fmt::print(stderr, "{}: {} tokens in the text, {:.1f} s ({} threads)\n", m.weights.config.name,
+  fmt::print(stderr, "{}: {} tokens in the text, {:.1f} s ({} threads)\n", weights.config.name,
              m.tokens.size(), seconds, cpu::num_threads());
+}
+
+// A point's attention variant: its window (sliding_window), and m's weights converted to its K/V
+// head count when that differs (mean-pooled or repeated heads, as kvlab run serves them); none
+// when the checkpoint's own heads serve. The no-cache variant computes the same function.
+std::optional<cpu::LlamaWeights> with_attention_variant(PerplexityCommand& point,
+                                                        const ExperimentConfig& e,
+                                                        const PluginRegistry& registry,
+                                                        const TextAndModel& m) {
+  const ModelConfig& config = m.weights.config;
+  PluginContext context;
+  context.model = &config;
+  context.max_seq_len = config.max_position_embeddings;
+  const auto variant =
+      registry.create<PluginKind::attention_variant>(e.attention, e.attention_params, context);
+  if (const std::string problem = variant->check(config); !problem.empty())
+    throw Error(
+        fmt::format("attention \"{}\" cannot run {}: {}", e.attention, config.name, problem));
+  point.attention = e.attention;
+  if (const std::optional<std::int64_t> window = variant->window()) {
+    point.window = *window;
+    point.options.window = *window;
+  }
+  const std::int64_t kv_heads = variant->kv_heads(config);
+  if (kv_heads == config.num_key_value_heads) return std::nullopt;
+  return cpu::convert_kv_heads(m.weights, kv_heads);
 }
 
 // --experiment FILE: each sweep point's KV settings ([kv_cache] dtype and rotation, a
@@ -180,24 +211,21 @@ void measure_experiment(PerplexityCommand c) {
     point.options.kv_dtype = e.kv_dtype;
     point.options.hadamard = e.kv_hadamard;
     point.kv_rotation = e.kv_hadamard ? "hadamard" : "none";
-    if (e.attention == "sliding_window") {
-      const auto w = e.attention_params.find("window");
-      point.window = w != e.attention_params.end() ? std::get<std::int64_t>(w->second) : 4096;
-      point.options.window = point.window;
-    }
+    auto search = PluginRegistry::default_search_path();
+    search.insert(search.end(), e.plugin_paths.begin(), e.plugin_paths.end());
+    const PluginRegistry registry(search);
+    const std::optional<cpu::LlamaWeights> converted =
+        with_attention_variant(point, e, registry, m);
     PluginObject<KvPolicy> policy;
     if (!e.kv_policy.empty()) {
-      auto search = PluginRegistry::default_search_path();
-      search.insert(search.end(), e.plugin_paths.begin(), e.plugin_paths.end());
-      policy =
-          PluginRegistry(search).create<PluginKind::kv_policy>(e.kv_policy, e.kv_policy_params, {});
+      policy = registry.create<PluginKind::kv_policy>(e.kv_policy, e.kv_policy_params, {});
       point.kv_policy = e.kv_policy;
       for (const auto& [key, value] : e.kv_policy_params)
         point.kv_params.push_back(key + "=" + param_value_to_string(value));
     }
     point.options.policy = policy.get();
     if (!c.json) fmt::print("\n{}\n", e.label.empty() ? e.name : e.label);
-    measure(point, m);
+    measure(point, m, converted ? *converted : m.weights);
   }
 }
 
@@ -216,7 +244,8 @@ void run_perplexity(PerplexityCommand c) {
   c.options.hadamard = c.kv_rotation == "hadamard";
   PluginObject<KvPolicy> policy = make_kv_policy(c);
   c.options.policy = policy.get();
-  measure(c, load_text_and_model(c.model, c.file));
+  const TextAndModel m = load_text_and_model(c.model, c.file);
+  measure(c, m, m.weights);
 }
 
 }  // namespace
