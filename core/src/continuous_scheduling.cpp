@@ -89,10 +89,20 @@ Requests running_queue(const SchedulerInput& input, const ContinuousPolicy& poli
   return running;
 }
 
+// Most KV held first (a running request's view: every one holds its sequence), stable.
+void sort_by_kv_held(Requests& requests, const KvAllocator& kv) {
+  std::vector<std::pair<std::int64_t, const RequestState*>> held;
+  for (const RequestState* r : requests) held.emplace_back(kv.view(r->id).length(), r);
+  std::stable_sort(held.begin(), held.end(),
+                   [](const auto& a, const auto& b) { return a.first > b.first; });
+  for (std::size_t i = 0; i < held.size(); ++i) requests[i] = held[i].second;
+}
+
 // Running requests in the order they give way: from the back of the running queue (latest
-// admitted / least important, as vLLM does), re-ordered by the victim policy.
+// admitted / least important, as vLLM does), re-ordered by the victim policy. most_kv reads the
+// KV each holds from the allocator's view: under a KV policy that is not its length.
 Requests victim_queue(const Requests& running, const ContinuousPolicy& policy,
-                      const PolicyHooks& hooks) {
+                      const PolicyHooks& hooks, const KvAllocator& kv) {
   Requests victims(running.rbegin(), running.rend());
   if (hooks.victim_order)
     std::stable_sort(victims.begin(), victims.end(),
@@ -101,8 +111,7 @@ Requests victim_queue(const Requests& running, const ContinuousPolicy& policy,
     std::stable_sort(victims.begin(), victims.end(),
                      [](const auto* a, const auto* b) { return a->priority < b->priority; });
   else if (policy.victim == ContinuousPolicy::Victim::most_kv)
-    std::stable_sort(victims.begin(), victims.end(),
-                     [](const auto* a, const auto* b) { return a->length() > b->length(); });
+    sort_by_kv_held(victims, kv);
   return victims;
 }
 
@@ -115,7 +124,7 @@ class PlanBuilder {
         input_(input),
         budget_(policy.max_tokens_per_step),
         running_(running_queue(input, policy)),
-        victims_(victim_queue(running_, policy, hooks)) {
+        victims_(victim_queue(running_, policy, hooks, *input.kv)) {
     plan_step_begin(*input.kv, input.running);
   }
 
