@@ -421,8 +421,9 @@ TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
     for (const char* scheduler : {"fcfs", "chunked"}) {
       EngineSetup setup;
       setup.scheduler = scheduler;
-      if (std::string(scheduler) == "chunked")
-        setup.scheduler_params = {{"max_tokens_per_step", std::int64_t{16}}};
+      if (std::string(scheduler) == "chunked")  // (most_kv: victims by the KV their views hold)
+        setup.scheduler_params = {{"max_tokens_per_step", std::int64_t{16}},
+                                  {"victim", std::string("most_kv")}};
       setup.slots = 64;
       setup.allocator_params["prefix_caching"] = false;
       setup.kv_policy = name;
