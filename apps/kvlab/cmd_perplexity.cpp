@@ -204,6 +204,7 @@ void measure_experiment(PerplexityCommand c) {
   const std::vector<ExperimentRun> runs = load_experiment(c.experiment, {});
   const std::string model = c.model.empty() ? runs.front().config.model : c.model;
   const TextAndModel m = load_text_and_model(model, c.file);
+  std::map<std::vector<std::string>, std::unique_ptr<PluginRegistry>> registries;  // per paths
   for (const ExperimentRun& run : runs) {
     const ExperimentConfig& e = run.config;
     PerplexityCommand point = c;
@@ -211,14 +212,17 @@ void measure_experiment(PerplexityCommand c) {
     point.options.kv_dtype = e.kv_dtype;
     point.options.hadamard = e.kv_hadamard;
     point.kv_rotation = e.kv_hadamard ? "hadamard" : "none";
-    auto search = PluginRegistry::default_search_path();
-    search.insert(search.end(), e.plugin_paths.begin(), e.plugin_paths.end());
-    const PluginRegistry registry(search);
+    auto& registry = registries[e.plugin_paths];
+    if (!registry) {
+      auto search = PluginRegistry::default_search_path();
+      search.insert(search.end(), e.plugin_paths.begin(), e.plugin_paths.end());
+      registry = std::make_unique<PluginRegistry>(search);
+    }
     const std::optional<cpu::LlamaWeights> converted =
-        with_attention_variant(point, e, registry, m);
+        with_attention_variant(point, e, *registry, m);
     PluginObject<KvPolicy> policy;
     if (!e.kv_policy.empty()) {
-      policy = registry.create<PluginKind::kv_policy>(e.kv_policy, e.kv_policy_params, {});
+      policy = registry->create<PluginKind::kv_policy>(e.kv_policy, e.kv_policy_params, {});
       point.kv_policy = e.kv_policy;
       for (const auto& [key, value] : e.kv_policy_params)
         point.kv_params.push_back(key + "=" + param_value_to_string(value));

@@ -513,14 +513,7 @@ void parse_kv_policy(Section& s, ExperimentConfig& c) {
            "[kv_policy] needs name: window, streaming_llm, h2o, snapkv or a kv_policy "
            "plugin (leave the table out to keep every position)");
   c.kv_policy = *name;
-  c.kv_policy_params = plugin_params(s, "params");
-  const auto caching = c.allocator_params.find("prefix_caching");
-  if (c.allocator != "paged" || caching == c.allocator_params.end() ||
-      caching->second != ParamValue{false})
-    s.fail(*s.node("name"),
-           "[kv_policy] drops positions from sequences' blocks: it needs kv_cache.allocator = "
-           "\"paged\" with kv_cache.params.prefix_caching = false (a thinned block no longer "
-           "holds the prefix its hash names)");
+  c.kv_policy_params = plugin_params(s, "params");  // the rest: validate_points (per point)
 }
 
 // [kv_tiers]: host memory and disk below the paged allocator's prefix cache.

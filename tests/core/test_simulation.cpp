@@ -87,7 +87,8 @@ TEST(CostModel, DecodeOfOneSequenceMatchesTheHandRoofline) {
 TEST(CostModel, ViewsWithHolesArePricedByTheKeysTheyHold) {
   const CostModel model(toy_model(), toy_profile());
   const std::int32_t token = 1;
-  BatchEntry holed{{&token, 1}, 60, {{{0, 14}}, 0, {0, 1, 2, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60}}};
+  BatchEntry holed{
+      {&token, 1}, 60, {{{0, 14}}, 0, {0, 1, 2, 50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60}}};
   BatchEntry contiguous{{&token, 1}, 13, {{{0, 14}}, 0, {}}};
   const StepWork a = model.work(std::span(&holed, 1), {});
   const StepWork b = model.work(std::span(&contiguous, 1), {});

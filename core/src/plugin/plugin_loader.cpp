@@ -242,10 +242,8 @@ std::vector<std::string> probe_in_child(const std::vector<std::filesystem::path>
   return problems;
 }
 
-std::string descriptor_problem(const PluginDescriptor& d) {
-  if (d.name == nullptr || d.name[0] == '\0') return "its name is null or empty";
-  if (d.description == nullptr) return "its description is null";
-  if (d.create == nullptr || d.destroy == nullptr) return "its create or destroy function is null";
+// What is wrong with a descriptor's parameter schema, or "".
+std::string params_problem(const PluginDescriptor& d) {
   if (d.param_count > 0 && d.params == nullptr)
     return fmt::format("its params are null but param_count is {}", d.param_count);
   if (d.param_count > 1024)
@@ -257,6 +255,14 @@ std::string descriptor_problem(const PluginDescriptor& d) {
       if (std::strcmp(d.params[i].name, d.params[j].name) == 0)
         return fmt::format("it declares parameter \"{}\" twice", d.params[i].name);
   }
+  return "";
+}
+
+std::string descriptor_problem(const PluginDescriptor& d) {
+  if (d.name == nullptr || d.name[0] == '\0') return "its name is null or empty";
+  if (d.description == nullptr) return "its description is null";
+  if (d.create == nullptr || d.destroy == nullptr) return "its create or destroy function is null";
+  if (std::string problem = params_problem(d); !problem.empty()) return problem;
   switch (d.kind) {
     case PluginKind::kv_allocator:
     case PluginKind::attention_variant:
