@@ -11,6 +11,7 @@
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <utility>
 
 namespace kvlab {
 namespace fs = std::filesystem;
@@ -166,24 +167,42 @@ int lock_file(const fs::path& path, const fs::path& folder) {
 
 }  // namespace
 
-void write_file(const fs::path& path, std::string_view contents) {
-  const int fd = open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0)
+FileWriter::FileWriter(const fs::path& path)
+    : path_(path), fd_(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) {
+  if (fd_ < 0)
     throw WriteError(fmt::format("cannot write {}: {}", path.string(), system_reason(errno)));
+}
+
+FileWriter::~FileWriter() {
+  if (fd_ >= 0) ::close(fd_);
+}
+
+void FileWriter::write(std::string_view contents) {
   std::size_t done = 0;
   while (done < contents.size()) {
-    const ssize_t n = write(fd, contents.data() + done, contents.size() - done);
+    const ssize_t n = ::write(fd_, contents.data() + done, contents.size() - done);
     if (n < 0 && errno == EINTR) continue;
     if (n <= 0) {
       const int error = n < 0 ? errno : EIO;
-      close(fd);
-      throw WriteError(fmt::format("cannot write {}: {} ({} of {} bytes written)", path.string(),
-                                   system_reason(error), done, contents.size()));
+      throw WriteError(fmt::format("cannot write {}: {} ({} of {} bytes written)", path_.string(),
+                                   system_reason(error), written_ + done,
+                                   written_ + contents.size()));
     }
     done += static_cast<std::size_t>(n);
   }
-  if (close(fd) != 0)
-    throw WriteError(fmt::format("cannot write {}: {}", path.string(), system_reason(errno)));
+  written_ += done;
+}
+
+void FileWriter::close() {
+  const int fd = std::exchange(fd_, -1);
+  if (::close(fd) != 0)
+    throw WriteError(fmt::format("cannot write {}: {}", path_.string(), system_reason(errno)));
+}
+
+void write_file(const fs::path& path, std::string_view contents) {
+  FileWriter file(path);
+  file.write(contents);
+  file.close();
 }
 
 ResultsFolder::ResultsFolder(const fs::path& folder, const Options& options) {

@@ -1,5 +1,6 @@
 // Stage 5: one run's files: requests.csv, steps.csv, events.jsonl, summary.json (the metric
 // registry's metrics), and outputs.jsonl / logprobs.jsonl when the workload has them.
+#include <fmt/compile.h>
 #include <fmt/format.h>
 
 #include <future>
@@ -18,15 +19,38 @@ namespace kvlab {
 
 namespace {
 
-// A file's text, made in memory: formatted straight into it (no string a field or a row).
-using Text = fmt::memory_buffer;
+// A file's text, formatted straight into a buffer (no string a field or a row) that goes to
+// the file each megabyte.
+class Text {
+ public:
+  explicit Text(const std::filesystem::path& path) : file_(path) {}
+  fmt::memory_buffer& buffer() { return buffer_; }
+  void flush_if_full() {
+    if (buffer_.size() >= kChunkBytes) flush();
+  }
+  void close() {
+    flush();
+    file_.close();
+  }
+
+ private:
+  static constexpr std::size_t kChunkBytes = std::size_t{1} << 20;
+  void flush() {
+    file_.write(std::string_view(buffer_.data(), buffer_.size()));
+    buffer_.clear();
+  }
+  FileWriter file_;
+  fmt::memory_buffer buffer_;
+};
 
 template <typename... Args>
 void put(Text& text, fmt::format_string<Args...> format, Args&&... args) {
-  fmt::format_to(std::back_inserter(text), format, std::forward<Args>(args)...);
+  fmt::format_to(std::back_inserter(text.buffer()), format, std::forward<Args>(args)...);
+  text.flush_if_full();
 }
 void put(Text& text, std::string_view plain) {
-  text.append(plain);
+  text.buffer().append(plain);
+  text.flush_if_full();
 }
 
 void put_number(Text& text, const std::optional<double>& v) {
@@ -54,8 +78,9 @@ void write_requests_csv(Text& f, const RunOutput& out) {
     put(f, "{},{},{},{},\"{}\",", r.preemptions, r.recomputed_tokens, r.swapped_bytes,
         r.rejected ? 1 : 0, r.reject_reason);
     // every output token's time, space-separated
+    auto times = std::back_inserter(f.buffer());
     for (std::size_t i = 0; i < r.token_times_s.size(); ++i)
-      put(f, "{}{:.6f}", i == 0 ? "" : " ", r.token_times_s[i]);
+      fmt::format_to(times, FMT_COMPILE("{}{:.6f}"), i == 0 ? "" : " ", r.token_times_s[i]);
     put(f, "\n");
   }
 }
@@ -74,19 +99,23 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
       "prefix_query_tokens");
   put(f, "{}\n",
       tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "");
+  // A row per step (a whole-trace replay has a million): formats compiled, not parsed per row.
+  auto row = std::back_inserter(f.buffer());
   for (const auto& s : out.engine.steps) {
-    if (cluster) put(f, "{},", s.replica);
-    put(f, "{},{:.6f},{:.6f},", s.step, s.start_s, s.duration_s);
-    if (measured) put(f, "{:.6f},{:.6f},", s.measured_forward_s, s.measured_step_s);
-    put(f, "{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}", s.predicted_s,
-        s.batch, s.prefill_tokens, s.decode_tokens, s.preempted, s.waiting, s.running, s.padding,
-        s.padding_slots, s.swap_bytes, s.kv.capacity, s.kv.used, s.kv.reserved_unused,
-        s.kv.last_block_slack, s.kv.free, s.kv.unusable_free, s.blocking_unusable_free,
-        s.kv.cached_free, s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
+    if (cluster) fmt::format_to(row, FMT_COMPILE("{},"), s.replica);
+    fmt::format_to(row, FMT_COMPILE("{},{:.6f},{:.6f},"), s.step, s.start_s, s.duration_s);
+    if (measured)
+      fmt::format_to(row, FMT_COMPILE("{:.6f},{:.6f},"), s.measured_forward_s, s.measured_step_s);
+    fmt::format_to(row, FMT_COMPILE("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}"),
+                   s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens, s.preempted,
+                   s.waiting, s.running, s.padding, s.padding_slots, s.swap_bytes, s.kv.capacity,
+                   s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free,
+                   s.kv.unusable_free, s.blocking_unusable_free, s.kv.cached_free,
+                   s.kv.prefix_hit_tokens, s.kv.prefix_query_tokens);
     if (tiers)
-      put(f, ",{},{},{},{},{:.6f}", s.kv.host_hit_tokens, s.kv.disk_hit_tokens,
-          s.kv.host_bytes_stored + s.kv.disk_bytes_stored,
-          s.kv.host_bytes_loaded + s.kv.disk_bytes_loaded, s.tier_s);
+      fmt::format_to(row, FMT_COMPILE(",{},{},{},{},{:.6f}"), s.kv.host_hit_tokens,
+                     s.kv.disk_hit_tokens, s.kv.host_bytes_stored + s.kv.disk_bytes_stored,
+                     s.kv.host_bytes_loaded + s.kv.disk_bytes_loaded, s.tier_s);
     put(f, "\n");
   }
 }
@@ -176,26 +205,26 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
   if (ec)
     throw WriteError(
         fmt::format("cannot create output folder {}: {}", directory.string(), ec.message()));
-  // Each file is made in memory and written at once: write_file checks every byte reached it.
+  // Each file is written as it is made; FileWriter checks every byte reached it.
   auto write = [&](const char* name, const auto& fill) {
-    Text text;
+    Text text(directory / name);
     fill(text);
-    write_file(directory / name, std::string_view(text.data(), text.size()));
+    text.close();
   };
-  // steps.csv and events.jsonl (a long run's largest files) are made on a second thread while
-  // requests.csv and summary.json are made here; its errors surface at get() (and a throw here
-  // waits for it in the future's destructor).
-  auto steps_and_events = std::async(std::launch::async, [&] {
+  // steps.csv (a long run's largest file, a row a step) is made on a second thread while the
+  // others are made here; its errors surface at get() (and a throw here waits for it in the
+  // future's destructor).
+  auto steps = std::async(std::launch::async, [&] {
     write("steps.csv", [&](Text& f) {
       write_steps_csv(f, out, c.clock == EngineClock::measured || c.clock == EngineClock::wall);
-    });
-    write("events.jsonl", [&](Text& f) {
-      for (const auto& event : out.engine.events) put(f, "{}\n", event_json(event));
     });
   });
   write("requests.csv", [&](Text& f) { write_requests_csv(f, out); });
   write("summary.json", [&](Text& f) { put(f, "{}\n", summary_json(c, out).dump(2)); });
-  steps_and_events.get();
+  write("events.jsonl", [&](Text& f) {
+    for (const auto& event : out.engine.events) put(f, "{}\n", event_json(event));
+  });
+  steps.get();
   if (!out.answer_texts.empty())
     write("outputs.jsonl", [&](Text& f) { write_outputs_jsonl(f, out); });
   if (c.workload.logprobs >= 0)

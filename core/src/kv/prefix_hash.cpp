@@ -14,8 +14,14 @@ std::uint64_t mix(std::uint64_t x) {
 }  // namespace
 
 std::uint64_t chain_block_hash(std::uint64_t previous, std::span<const std::int32_t> block) {
+  // Two tokens a mix: the chain of dependent multiplies is what a block's hash costs (a
+  // whole-trace replay hashes every prompt token), and one 64-bit word holds two ids.
   std::uint64_t h = mix(previous + 0x9e3779b97f4a7c15ULL);
-  for (const std::int32_t token : block) h = mix(h ^ static_cast<std::uint32_t>(token));
+  std::size_t i = 0;
+  for (; i + 1 < block.size(); i += 2)
+    h = mix(h ^ (static_cast<std::uint32_t>(block[i]) |
+                 static_cast<std::uint64_t>(static_cast<std::uint32_t>(block[i + 1])) << 32));
+  if (i < block.size()) h = mix(h ^ static_cast<std::uint32_t>(block[i]) ^ 0xa5a5a5a500000000ULL);
   return h == 0 ? 1 : h;
 }
 

@@ -33,7 +33,9 @@ using namespace kvlab;
 // which position each holds (-1: dropped), and `slots` counts the indices in use.
 struct Sequence {
   std::vector<BlockId> table;         // block per block index; -1 once released (window, KV policy)
-  std::vector<std::uint64_t> hashes;  // chain hashes of its full, computed blocks
+  // Chain hashes of its full blocks: the prompt's (from its lookup) and then each computed
+  // block's; blocks [0, computed_blocks) are registered in the prefix cache.
+  std::vector<std::uint64_t> hashes;
   std::vector<std::int32_t> tokens;
   std::int64_t length = 0;                   // positions written
   std::int64_t slots = 0;                    // slot indices in use (== length before an eviction)
@@ -164,6 +166,10 @@ class PagedAllocator final : public KvAllocator {
     if (blocks_from_free(r, chain) > blocks_.free_blocks()) return std::nullopt;
     Sequence s;
     take_hits(chain, r.prompt, s);
+    if (caching_) {  // the lookup's hashes (kept by the request): computed blocks reuse them
+      const auto prompt_hashes = prompt_block_hashes(r);
+      s.hashes.assign(prompt_hashes.begin(), prompt_hashes.end());
+    }
     const auto hits = static_cast<std::int64_t>(s.table.size());
     s.computed_blocks = hits;
     while (static_cast<std::int64_t>(s.table.size()) < blocks_for(length))
@@ -224,9 +230,11 @@ class PagedAllocator final : public KvAllocator {
     const std::int64_t full = std::min(computed_tokens, s.length) / block_size_;
     for (std::int64_t i = s.computed_blocks; i < full; ++i) {
       const auto block_tokens = block_of(s.tokens, i);
-      s.hashes.push_back(chain_block_hash(i == 0 ? 0 : s.hashes[index(i - 1)], block_tokens));
+      if (i == static_cast<std::int64_t>(s.hashes.size()))  // never more: i counts up from
+        s.hashes.push_back(                                  // computed_blocks <= hashes.size()
+            chain_block_hash(i == 0 ? 0 : s.hashes[index(i - 1)], block_tokens));
       const BlockId b = s.table[index(i)];
-      if (b >= 0) blocks_.register_prefix(b, s.hashes.back(), block_tokens, i);  // -1: released
+      if (b >= 0) blocks_.register_prefix(b, s.hashes[index(i)], block_tokens, i);  // -1: released
     }
     s.computed_blocks = std::max(s.computed_blocks, full);
   }
@@ -365,16 +373,22 @@ class PagedAllocator final : public KvAllocator {
     return slot;
   }
 
+  // The chain hashes of the prompt's full blocks a lookup may hit: at most (len - 1) /
+  // block_size (the last prompt token is always computed, so the forward yields its logits).
+  // Kept by the request when it has a cache (computed once), else in hash_scratch_.
+  std::span<const std::uint64_t> prompt_block_hashes(const AllocateRequest& r) const {
+    const std::int64_t candidates = (static_cast<std::int64_t>(r.prompt.size()) - 1) / block_size_;
+    return prefix_block_hashes(r.prompt, block_size_, candidates, r.prefix_hashes, hash_scratch_);
+  }
+
   // Calls visit(block) for each leading full block of the prompt already in the cache, in
   // order, until one is missing or visit returns false: at most (len - 1) / block_size blocks
   // (the last prompt token is always computed, so the forward yields its logits).
   template <typename Visit>
   void visit_hits(const AllocateRequest& r, Visit&& visit) const {
     if (!caching_) return;
-    const std::int64_t candidates = (static_cast<std::int64_t>(r.prompt.size()) - 1) / block_size_;
-    const auto hashes =
-        prefix_block_hashes(r.prompt, block_size_, candidates, r.prefix_hashes, hash_scratch_);
-    for (std::int64_t i = 0; i < candidates; ++i) {
+    const auto hashes = prompt_block_hashes(r);
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(hashes.size()); ++i) {
       const auto b = blocks_.cached(hashes[index(i)], block_of(r.prompt, i));
       if (!b || !visit(*b)) return;
     }
@@ -390,10 +404,8 @@ class PagedAllocator final : public KvAllocator {
   const std::vector<ChainBlock>& hit_chain(const AllocateRequest& r) const {
     chain_.clear();
     if (!caching_) return chain_;
-    const std::int64_t candidates = (static_cast<std::int64_t>(r.prompt.size()) - 1) / block_size_;
-    const auto hashes =
-        prefix_block_hashes(r.prompt, block_size_, candidates, r.prefix_hashes, hash_scratch_);
-    for (std::int64_t i = 0; i < candidates; ++i) {
+    const auto hashes = prompt_block_hashes(r);
+    for (std::int64_t i = 0; i < static_cast<std::int64_t>(hashes.size()); ++i) {
       const std::uint64_t hash = hashes[index(i)];
       if (const auto b = blocks_.cached(hash, block_of(r.prompt, i))) {
         chain_.push_back({b, {}, hash});
@@ -436,7 +448,6 @@ class PagedAllocator final : public KvAllocator {
                                 static_cast<std::int64_t>(i));
       }
       s.table.push_back(b);
-      s.hashes.push_back(c.hash);
     }
     if (tiers_) tiers_->unpin_all();
   }

@@ -28,6 +28,24 @@ class WriteError : public Error {
 // when any byte does not reach the file (write and close are both checked).
 void write_file(const std::filesystem::path& path, std::string_view contents);
 
+// The same, in parts: a file written as it is made (a whole-trace replay's steps.csv is 150 MB,
+// whose one buffer would cost as much in page faults and copies as its writing). Each write and
+// the close are checked; a file left unclosed is closed unchecked (an error is on its way).
+class FileWriter {
+ public:
+  explicit FileWriter(const std::filesystem::path& path);
+  ~FileWriter();
+  FileWriter(const FileWriter&) = delete;
+  FileWriter& operator=(const FileWriter&) = delete;
+  void write(std::string_view contents);
+  void close();
+
+ private:
+  std::filesystem::path path_;
+  int fd_ = -1;
+  std::size_t written_ = 0;
+};
+
 class ResultsFolder {
  public:
   struct Options {
