@@ -32,8 +32,8 @@ namespace kvlab {
 // KvAllocatorStats' tier counters; 13: quantized KV pools (KvPoolShape head/slot row bytes
 // replace element_bytes) and SwapBuffer::data holds the pool's own bytes; 14: the kv_policy kind
 // (KvPolicy), KvView::positions (views with holes), BatchEntry::scored_queries and
-// ForwardResult::key_scores, KvAllocator::evict.
-inline constexpr std::uint32_t kPluginAbiVersion = 14;
+// ForwardResult::key_scores, KvAllocator::evict; 15: KvAllocator::positions_view.
+inline constexpr std::uint32_t kPluginAbiVersion = 15;
 
 namespace detail {
 

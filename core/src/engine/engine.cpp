@@ -252,7 +252,7 @@ std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepReco
     entry.tokens = std::span<const std::int32_t>(r.tokens).subspan(
         static_cast<std::size_t>(r.computed), static_cast<std::size_t>(work.tokens));
     entry.start_position = r.computed;
-    entry.view = allocator_.view(work.id);
+    entry.view = reads_kv_slots() ? allocator_.view(work.id) : allocator_.positions_view(work.id);
     batch.push_back(std::move(entry));
   }
   if (kv_policy_) kv_policy_->ask_scores(batch);
@@ -284,6 +284,14 @@ std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepReco
 // step until the batch ends. The cost model prices them on every clock; on a clock that times
 // the backend (measured, wall) the backend must also compute them, or static batching would be
 // timed without the padding the simulator charges it.
+// Whether the backend may read the batch's KV slots: not when the pool holds no K/V anywhere
+// (the simulated backend's bookkeeping pool), whose views then carry positions only. A test
+// engine without a pool gets whole views.
+bool Engine::reads_kv_slots() const {
+  const KvPool* pool = options_.pool;
+  return pool == nullptr || pool->has_storage() || pool->device() != nullptr;
+}
+
 bool Engine::computes_padding() const {
   return options_.clock == EngineClock::measured || options_.clock == EngineClock::wall;
 }

@@ -301,6 +301,10 @@ class PagedAllocator final : public KvAllocator {
 
   // Kept up to date by every change of the sequence: O(1) per step instead of O(its blocks).
   KvView view(SequenceId id) const override { return sequences_.at(id).view; }
+  KvView positions_view(SequenceId id) const override {
+    const KvView& view = sequences_.at(id).view;
+    return {{{-1, view.length()}}, view.first_position, view.positions};
+  }
 
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;

@@ -133,6 +133,7 @@ class Engine {
   void idle_step();
   std::vector<std::int32_t> run_batch(const AppliedPlan& applied, StepRecord& record);
   bool computes_padding() const;
+  bool reads_kv_slots() const;
   void record_step(StepRecord record, bool fragmentation_blocked);
   StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
                         StepRecord& record);
