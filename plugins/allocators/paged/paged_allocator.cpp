@@ -32,7 +32,7 @@ using namespace kvlab;
 // policy drops positions (evict), slot index i holds position i; after, slot_positions says
 // which position each holds (-1: dropped), and `slots` counts the indices in use.
 struct Sequence {
-  std::vector<BlockId> table;         // block per block index; -1 once released (window, KV policy)
+  std::vector<BlockId> table;  // block per block index; -1 once released (window, KV policy)
   // Chain hashes of its full blocks: the prompt's (from its lookup) and then each computed
   // block's; blocks [0, computed_blocks) are registered in the prefix cache.
   std::vector<std::uint64_t> hashes;
@@ -229,9 +229,11 @@ class PagedAllocator final : public KvAllocator {
     if (!s.slot_positions.empty()) return;  // never: evict refuses a prefix-caching pool
     const std::int64_t full = std::min(computed_tokens, s.length) / block_size_;
     for (std::int64_t i = s.computed_blocks; i < full; ++i) {
+      if (i + kPrefetchAhead < static_cast<std::int64_t>(s.hashes.size()))
+        blocks_.prefetch(s.hashes[index(i + kPrefetchAhead)]);
       const auto block_tokens = block_of(s.tokens, i);
       if (i == static_cast<std::int64_t>(s.hashes.size()))  // never more: i counts up from
-        s.hashes.push_back(                                  // computed_blocks <= hashes.size()
+        s.hashes.push_back(                                 // computed_blocks <= hashes.size()
             chain_block_hash(i == 0 ? 0 : s.hashes[index(i - 1)], block_tokens));
       const BlockId b = s.table[index(i)];
       if (b >= 0) blocks_.register_prefix(b, s.hashes[index(i)], block_tokens, i);  // -1: released
@@ -410,6 +412,8 @@ class PagedAllocator final : public KvAllocator {
     if (!caching_) return chain_;
     const auto hashes = prompt_block_hashes(r);
     for (std::int64_t i = 0; i < static_cast<std::int64_t>(hashes.size()); ++i) {
+      if (i + kPrefetchAhead < static_cast<std::int64_t>(hashes.size()))
+        blocks_.prefetch(hashes[index(i + kPrefetchAhead)]);
       const std::uint64_t hash = hashes[index(i)];
       if (const auto b = blocks_.cached(hash, block_of(r.prompt, i))) {
         chain_.push_back({b, {}, hash});
@@ -589,8 +593,10 @@ class PagedAllocator final : public KvAllocator {
   BlockPool blocks_;
   std::unique_ptr<KvTiers> tiers_;  // below the pool, or none
   std::unordered_map<SequenceId, Sequence> sequences_;
-  std::vector<std::size_t> free_plan_slots_;         // plan slots of freed sequences, reused
-  mutable PagedPlan plan_;                           // the step being planned (plan_* are const)
+  std::vector<std::size_t> free_plan_slots_;  // plan slots of freed sequences, reused
+  mutable PagedPlan plan_;                    // the step being planned (plan_* are const)
+  // Prefix-cache probes issued this many blocks ahead of a prompt's lookups and registrations.
+  static constexpr std::int64_t kPrefetchAhead = 8;
   mutable std::vector<std::uint64_t> hash_scratch_;  // a lookup's hashes without a request cache
   mutable std::vector<ChainBlock> chain_;            // allocate's hit chain (no allocation a call)
   std::int64_t bytes_copied_ = 0;

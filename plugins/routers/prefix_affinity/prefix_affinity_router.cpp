@@ -78,8 +78,9 @@ class PrefixAffinityRouter final : public kvlab::Router {
                                           std::size_t replicas) const {
     std::vector<std::size_t> matched(replicas, 0);
     std::vector<std::uint64_t> running(words_, ~std::uint64_t{0});
-    for (const std::uint64_t h : blocks) {
-      const std::optional<kvlab::BlockId> slot = slot_.find(h);
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (i + kPrefetchAhead < blocks.size()) slot_.prefetch(blocks[i + kPrefetchAhead]);
+      const std::optional<kvlab::BlockId> slot = slot_.find(blocks[i]);
       if (!slot) break;
       bool any = false;
       for (std::size_t w = 0; w < words_; ++w) {
@@ -95,7 +96,9 @@ class PrefixAffinityRouter final : public kvlab::Router {
 
   // Each block was now sent to `replica` too; the oldest blocks go past max_blocks.
   void remember(const std::vector<std::uint64_t>& blocks, std::size_t replica) {
-    for (const std::uint64_t h : blocks) {
+    for (std::size_t i = 0; i < blocks.size(); ++i) {
+      if (i + kPrefetchAhead < blocks.size()) slot_.prefetch(blocks[i + kPrefetchAhead]);
+      const std::uint64_t h = blocks[i];
       const kvlab::BlockId slot = slot_.find_or_insert_growing(h, [&] {
         order_.push_back(h);
         return static_cast<kvlab::BlockId>(take_slot());
@@ -121,6 +124,8 @@ class PrefixAffinityRouter final : public kvlab::Router {
     return sent_.size() / words_ - 1;
   }
 
+  // Index probes issued this many blocks ahead: a long prompt's blocks miss the cache each.
+  static constexpr std::size_t kPrefetchAhead = 8;
   std::size_t block_size_;
   std::int64_t max_imbalance_;
   std::size_t max_blocks_;

@@ -69,6 +69,9 @@ class BlockHashIndex {
   BlockId find_or_insert_growing(std::uint64_t hash, MakeBlock&& make_block);
   void erase(std::uint64_t hash);
   std::int64_t size() const { return size_; }
+  // Starts loading the cache line a lookup of `hash` reads first: a caller that knows the next
+  // hashes (a prompt's blocks) issues it a few ahead, so their cache misses overlap.
+  void prefetch(std::uint64_t hash) const { __builtin_prefetch(&entries_[home(hash)]); }
 
  private:
   struct Entry {
@@ -134,6 +137,8 @@ class BlockPool {
   void register_prefix(BlockId b, std::uint64_t hash, std::span<const std::int32_t> tokens,
                        std::int64_t position = 0);
   std::uint64_t hash_of(BlockId b) const { return blocks_[index(b)].hash; }
+  // BlockHashIndex::prefetch for the prefix cache (cached, register_prefix).
+  void prefetch(std::uint64_t hash) const { cache_.prefetch(hash); }
 
   // Slots of a held block that hold tokens; the sum over held blocks is live_fill().
   void set_fill(BlockId b, std::int64_t fill);
