@@ -16,6 +16,15 @@
 namespace kvlab {
 namespace {
 
+// A replica starts with no request (the router hands them over) and room for its share of the
+// workload's steps.
+void start_replica(Engine& engine, const std::vector<WorkloadRequest>& requests,
+                   std::size_t replicas) {
+  static const std::vector<WorkloadRequest> kNone;
+  engine.start(kNone);
+  engine.reserve_steps(expected_steps(requests) / static_cast<std::int64_t>(replicas));
+}
+
 // The busy replica whose clock is furthest behind, or nullptr when none has work.
 Engine* furthest_behind(std::span<Engine* const> replicas) {
   Engine* behind = nullptr;
@@ -74,8 +83,7 @@ class DisaggregatedRun {
   }
 
   ClusterResult run() {
-    static const std::vector<WorkloadRequest> kNone;
-    for (Engine* e : engines_) e->start(kNone);
+    for (Engine* e : engines_) start_replica(*e, requests_, engines_.size());
     while (true) {
       const double arrival = next_ < order_.size() ? requests_[order_[next_]].arrival_s
                                                    : std::numeric_limits<double>::infinity();
@@ -191,8 +199,7 @@ ClusterResult run_disaggregated(const Disaggregation& cluster,
 ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
                           const std::vector<WorkloadRequest>& requests, int threads) {
   if (replicas.empty()) throw Error("a cluster needs at least one replica");
-  static const std::vector<WorkloadRequest> kNone;
-  for (Engine* e : replicas) e->start(kNone);
+  for (Engine* e : replicas) start_replica(*e, requests, replicas.size());
   ClusterResult result;
   result.routes.resize(requests.size());
   {

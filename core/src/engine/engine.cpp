@@ -20,7 +20,17 @@ double seconds_between(SteadyClock::time_point a, SteadyClock::time_point b) {
   return std::chrono::duration<double>(b - a).count();
 }
 
+// The most step records reserve_steps() makes room for: 1M records, about 400 MB of address
+// space (a longer run grows as it needs).
+constexpr std::int64_t kMostReservedSteps = std::int64_t{1} << 20;
+
 }  // namespace
+
+std::int64_t expected_steps(std::span<const WorkloadRequest> requests) {
+  std::int64_t steps = 0;  // each step gives each running request a token, or prefills
+  for (const WorkloadRequest& r : requests) steps += r.output_tokens + 1;
+  return steps;
+}
 
 Engine::Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
                EngineOptions options)
@@ -55,8 +65,14 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
   log_ = {};
   result_ = {};
+  reserve_steps(expected_steps(requests));
   step_ = idle_steps_ = 0;
   evictions_seen_ = allocator_.stats().evictions;
+}
+
+void Engine::reserve_steps(std::int64_t steps) {
+  result_.steps.reserve(
+      static_cast<std::size_t>(std::clamp<std::int64_t>(steps, 0, kMostReservedSteps)));
 }
 
 EngineResult Engine::take_result() {

@@ -11,6 +11,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -99,6 +100,10 @@ struct EngineResult {
   double duration_s = 0;
 };
 
+// At most about how many steps a run of these requests takes (a token for one request a step,
+// and a step to prefill each): the room Engine::reserve_steps makes, not a limit.
+std::int64_t expected_steps(std::span<const WorkloadRequest> requests);
+
 class Engine {
  public:
   Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler, EngineOptions options);
@@ -110,6 +115,10 @@ class Engine {
   // The same, step by step: start(), step() until it returns false, take_result().
   // `requests` must outlive the run.
   void start(const std::vector<WorkloadRequest>& requests);
+  // Room for `steps` step records, made before a long run: the records still grow past it, but
+  // a run of a million steps no longer copies (and first-touches) its records each time they
+  // double. Untouched room costs address space only. start() reserves for its own requests.
+  void reserve_steps(std::int64_t steps);
   bool step();  // receive arrivals, then idle or plan, apply, run, sample, update
   EngineResult take_result();
 
