@@ -276,9 +276,10 @@ void register_memory(CLI::App& app) {
   sub->add_option("--model", o->model, "Preset name (e.g. llama-7b) or model folder")->required();
   sub->add_option("--seq-len", o->seq_len, "Tokens per request (prompt + output)");
   sub->add_option("--batch", o->batch, "Concurrent requests")->capture_default_str();
-  sub->add_option("--dtype", o->dtype,
-                  "KV dtype: f32, f16, bf16, fp8, or a quantized row format int8, q8_0, q4_0 "
-                  "(scales counted) (default: f16, or the GPU profile's)");
+  sub->add_option(
+      "--dtype", o->dtype,
+      "KV dtype: f32, f16, bf16, fp8, or a quantized row format int8, q8_0, q4_0, q4_1, int2 "
+      "(scales counted) (default: f16, or the GPU profile's)");
   sub->add_option("--weight-dtype", o->weight_dtype, "Weight element type (default: --dtype)");
   sub->add_option("--kv-heads", o->kv_heads, "KV heads (MHA = query heads, GQA = groups, MQA = 1)");
   sub->add_option("--gpu-mem", o->gpu_mem, "Device memory in GiB: report the max batch that fits")

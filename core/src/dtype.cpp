@@ -23,7 +23,7 @@ struct DTypeInfo {
   std::size_t size;
 };
 
-constexpr std::array<DTypeInfo, 15> kDTypes{{
+constexpr std::array<DTypeInfo, 17> kDTypes{{
     {DType::dtype_f64, "F64", "f64", 8},
     {DType::dtype_f32, "F32", "f32", 4},
     {DType::dtype_f16, "F16", "f16", 2},
@@ -39,6 +39,8 @@ constexpr std::array<DTypeInfo, 15> kDTypes{{
     {DType::dtype_kv_int8, "", "int8", 0},
     {DType::dtype_q8_0, "", "q8_0", 0},
     {DType::dtype_q4_0, "", "q4_0", 0},
+    {DType::dtype_q4_1, "", "q4_1", 0},
+    {DType::dtype_kv_int2, "", "int2", 0},
 }};
 
 const DTypeInfo& info(DType dtype) {

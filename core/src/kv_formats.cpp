@@ -13,11 +13,13 @@
 namespace kvlab {
 namespace {
 
-constexpr std::int64_t kBlock = 32;  // values per q8_0 / q4_0 block
+constexpr std::int64_t kBlock = 32;           // values per q8_0 / q4_0 / q4_1 / int2 block
+constexpr std::int64_t kInt2BlockBytes = 12;  // fp16 scale, fp16 min, 32 2-bit codes
 
-// The block format of a q8_0 / q4_0 KV row, and the bytes of n values in it.
+// The llama.cpp block format of a q8_0 / q4_0 / q4_1 KV row, and the bytes of n values in it.
 BlockFormat block_format(DType dtype) {
-  return dtype == DType::dtype_q8_0 ? BlockFormat::q8_0 : BlockFormat::q4_0;
+  if (dtype == DType::dtype_q8_0) return BlockFormat::q8_0;
+  return dtype == DType::dtype_q4_0 ? BlockFormat::q4_0 : BlockFormat::q4_1;
 }
 std::size_t row_bytes(DType dtype, std::size_t n) {
   return static_cast<std::size_t>(dtype_row_bytes(dtype, static_cast<std::int64_t>(n)));
@@ -69,6 +71,45 @@ void int8_row_from_f32(const float* x, std::size_t n, std::byte* row) {
   }
 }
 
+void write_half(float value, std::byte* out) {
+  convert_from_f32(DType::dtype_f16, {&value, 1}, {out, 2});
+}
+
+// int2 blocks of 32: [fp16 scale][fp16 min][8 bytes]; value j's code in byte j % 8, bits
+// 2 (j / 8) (so 8 consecutive values share a shift), x = code x scale + min: KIVI's asymmetric
+// per-token quantization (min and max of the group map to codes 0 and 3).
+void int2_row_from_f32(const float* x, std::size_t n, std::byte* row) {
+  for (std::size_t b = 0; b < n / kBlock; ++b, x += kBlock, row += kInt2BlockBytes) {
+    float lo = x[0], hi = x[0];
+    for (std::int64_t j = 1; j < kBlock; ++j) {
+      lo = std::fmin(lo, x[j]);
+      hi = std::fmax(hi, x[j]);
+    }
+    write_half((hi - lo) / 3.0f, row);
+    write_half(lo, row + 2);
+    // Codes against the stored (fp16) scale and min, so rounding sees what reading gives.
+    const float scale = block_field::f16(row), low = block_field::f16(row + 2);
+    const float inverse = scale != 0 && std::isfinite(scale) ? 1.0f / scale : 0.0f;
+    std::uint8_t codes[8] = {};
+    for (std::int64_t j = 0; j < kBlock; ++j) {
+      const float q = std::nearbyint((x[j] - low) * inverse);
+      const auto code = static_cast<std::uint8_t>(std::isnan(q) ? 0.0f : std::clamp(q, 0.0f, 3.0f));
+      codes[j % 8] = static_cast<std::uint8_t>(codes[j % 8] | (code << (2 * (j / 8))));
+    }
+    std::memcpy(row + 4, codes, 8);
+  }
+}
+
+void int2_row_to_f32(const std::byte* row, std::size_t n, float* out) {
+  for (std::size_t b = 0; b < n / kBlock; ++b, out += kBlock, row += kInt2BlockBytes) {
+    const float scale = block_field::f16(row), low = block_field::f16(row + 2);
+    for (std::int64_t j = 0; j < kBlock; ++j) {
+      const int code = (block_field::u8(row + 4 + j % 8) >> (2 * (j / 8))) & 3;
+      out[j] = static_cast<float>(code) * scale + low;
+    }
+  }
+}
+
 }  // namespace
 
 const float* fp8_e4m3_values() {
@@ -83,18 +124,27 @@ std::int64_t dtype_row_bytes(DType dtype, std::int64_t values) {
       return values / kBlock * 34;
     case DType::dtype_q4_0:
       return values / kBlock * 18;
+    case DType::dtype_q4_1:
+      return values / kBlock * 20;
+    case DType::dtype_kv_int2:
+      return values / kBlock * kInt2BlockBytes;
     default:
       return values * static_cast<std::int64_t>(dtype_size(dtype));
   }
 }
 
+bool dtype_is_kv_block_format(DType dtype) {
+  return dtype == DType::dtype_q8_0 || dtype == DType::dtype_q4_0 || dtype == DType::dtype_q4_1 ||
+         dtype == DType::dtype_kv_int2;
+}
+
 bool dtype_row_fits(DType dtype, std::int64_t values) {
-  return (dtype != DType::dtype_q8_0 && dtype != DType::dtype_q4_0) || values % kBlock == 0;
+  return !dtype_is_kv_block_format(dtype) || values % kBlock == 0;
 }
 
 bool is_kv_format(DType dtype) {
   return dtype == DType::dtype_f8_e4m3 || dtype == DType::dtype_kv_int8 ||
-         dtype == DType::dtype_q8_0 || dtype == DType::dtype_q4_0;
+         dtype_is_kv_block_format(dtype);
 }
 
 void kv_row_to_f32(DType dtype, const std::byte* row, std::size_t n, float* out) {
@@ -112,7 +162,10 @@ void kv_row_to_f32(DType dtype, const std::byte* row, std::size_t n, float* out)
     }
     case DType::dtype_q8_0:
     case DType::dtype_q4_0:
+    case DType::dtype_q4_1:
       return dequantize_blocks(block_format(dtype), {row, row_bytes(dtype, n)}, {out, n});
+    case DType::dtype_kv_int2:
+      return int2_row_to_f32(row, n, out);
     default:
       assert(false && "kv_row_to_f32: not a KV format");
   }
@@ -127,7 +180,10 @@ void kv_row_from_f32(DType dtype, const float* values, std::size_t n, std::byte*
       return int8_row_from_f32(values, n, row);
     case DType::dtype_q8_0:
     case DType::dtype_q4_0:
+    case DType::dtype_q4_1:
       return quantize_blocks(block_format(dtype), {values, n}, {row, row_bytes(dtype, n)});
+    case DType::dtype_kv_int2:
+      return int2_row_from_f32(values, n, row);
     default:
       assert(false && "kv_row_from_f32: not a KV format");
   }

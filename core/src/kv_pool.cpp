@@ -17,9 +17,10 @@ namespace kvlab {
 
 namespace {
 
-constexpr DType kHostPoolDtypes[] = {DType::dtype_f32,     DType::dtype_f16,     DType::dtype_bf16,
-                                     DType::dtype_f8_e4m3, DType::dtype_kv_int8, DType::dtype_q8_0,
-                                     DType::dtype_q4_0};
+constexpr DType kHostPoolDtypes[] = {
+    DType::dtype_f32,     DType::dtype_f16,     DType::dtype_bf16,
+    DType::dtype_f8_e4m3, DType::dtype_kv_int8, DType::dtype_q8_0,
+    DType::dtype_q4_0,    DType::dtype_q4_1,    DType::dtype_kv_int2};
 
 }  // namespace
 
@@ -43,7 +44,7 @@ DType kv_pool_dtype(std::string_view name, std::string_view what) {
 }
 
 bool pairs_key_channels(DType dtype) {
-  return dtype == DType::dtype_q8_0 || dtype == DType::dtype_q4_0;
+  return dtype_is_kv_block_format(dtype);
 }
 
 void key_row_to_f32(DType dtype, const std::byte* row, std::int64_t head_dim, float* out) {

@@ -8,6 +8,7 @@
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <algorithm>
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -49,6 +50,10 @@ void with_row_type(DType dtype, F&& f) {
       return f(std::integral_constant<DType, DType::dtype_q8_0>{});
     case DType::dtype_q4_0:
       return f(std::integral_constant<DType, DType::dtype_q4_0>{});
+    case DType::dtype_q4_1:
+      return f(std::integral_constant<DType, DType::dtype_q4_1>{});
+    case DType::dtype_kv_int2:
+      return f(std::integral_constant<DType, DType::dtype_kv_int2>{});
     default:
       return f(std::integral_constant<DType, DType::dtype_f32>{});
   }
@@ -68,7 +73,9 @@ inline __m256 int8x8(const std::byte* p) {
 
 // A dtype whose rows have one scale (int8): the kernels multiply sums and weights by it once
 // per row, and load its values unscaled (load_row8's results times row_scale). A block-scaled
-// dtype (q8_0, q4_0): the same per block of 32 (block_scale).
+// dtype (q8_0, q4_0, q4_1, int2): the same per block of 32 (block_scale), and an asymmetric one
+// (q4_1, int2: x = code x scale + min) adds its block's min times the block's query sum or
+// weight (block_min).
 template <DType Type>
 constexpr bool kRowScaled = Type == DType::dtype_kv_int8 || Type == DType::dtype_f8_e4m3;
 template <DType Type>
@@ -79,10 +86,22 @@ float row_scale(const std::byte* row) {
   return scale;
 }
 template <DType Type>
-constexpr bool kBlockScaled = Type == DType::dtype_q8_0 || Type == DType::dtype_q4_0;
+constexpr bool kAsymmetric = Type == DType::dtype_q4_1 || Type == DType::dtype_kv_int2;
+template <DType Type>
+constexpr bool kBlockScaled =
+    Type == DType::dtype_q8_0 || Type == DType::dtype_q4_0 || kAsymmetric<Type>;
+template <DType Type>
+constexpr std::int64_t kBlockBytes = Type == DType::dtype_q8_0   ? 34
+                                     : Type == DType::dtype_q4_0 ? 18
+                                     : Type == DType::dtype_q4_1 ? 20
+                                                                 : 12;
 template <DType Type>
 float block_scale(const std::byte* row, std::int64_t block) {
-  return half_scale(row + block * (Type == DType::dtype_q8_0 ? 34 : 18));
+  return half_scale(row + block * kBlockBytes<Type>);
+}
+template <DType Type>
+float block_min(const std::byte* row, std::int64_t block) {
+  return half_scale(row + block * kBlockBytes<Type> + 2);
 }
 
 // 8 values of a head's row from stored position d (a multiple of 8), widened to fp32: what
@@ -112,23 +131,30 @@ __m256 load_row8(const std::byte* row, std::int64_t d) {
     return int8x8(row + 4 + d);                         // unscaled: x row_scale<Type>(row)
   } else if constexpr (Type == DType::dtype_q8_0) {     // blocks of [fp16 scale][32 int8]
     return int8x8(row + d / 32 * 34 + 2 + d % 32);  // unscaled: x block_scale<Type>(row, d / 32)
-  } else {  // q4_0: blocks of [fp16 scale][16 bytes]: value j < 16 low nibble, else high
-    static_assert(Type == DType::dtype_q4_0);
-    const std::byte* block = row + d / 32 * 18;
+  } else if constexpr (Type == DType::dtype_kv_int2) {  // [scale][min][8 bytes of 4 codes]
+    const std::int64_t within = d % 32;                 // codes within..+7: one shift
+    const __m256i bytes = _mm256_cvtepu8_epi32(
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 32 * 12 + 4)));
+    const __m256i codes = _mm256_and_si256(
+        _mm256_srli_epi32(bytes, static_cast<int>(2 * (within / 8))), _mm256_set1_epi32(3));
+    return _mm256_cvtepi32_ps(codes);  // unscaled, without the min
+  } else {  // q4_0 / q4_1: [fp16 scale](q4_1: [fp16 min])[16 bytes]: j < 16 low nibble, else high
+    static_assert(Type == DType::dtype_q4_0 || Type == DType::dtype_q4_1);
+    const std::byte* codes = row + d / 32 * kBlockBytes<Type> + (Type == DType::dtype_q4_0 ? 2 : 4);
     const std::int64_t within = d % 32;
     const __m256i bytes = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(block + 2 + within % 16)));
+        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(codes + within % 16)));
     const __m256i nibbles =
         within < 16 ? _mm256_and_si256(bytes, _mm256_set1_epi32(0xf)) : _mm256_srli_epi32(bytes, 4);
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles, _mm256_set1_epi32(8)));  // unscaled
+    if constexpr (Type == DType::dtype_q4_1) return _mm256_cvtepi32_ps(nibbles);  // without min
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(nibbles, _mm256_set1_epi32(8)));   // unscaled
   }
 }
 
 // Where key channel d sits in a stored key row (pairs_key_channels).
 template <DType Type>
 std::int64_t stored_key_position(std::int64_t d, std::int64_t hd) {
-  if constexpr (Type == DType::dtype_q8_0 || Type == DType::dtype_q4_0)
-    return paired_key_position(d, hd);
+  if constexpr (kBlockScaled<Type>) return paired_key_position(d, hd);
   return d;
 }
 
@@ -143,19 +169,42 @@ inline __m256 lane_sums(const __m256 (&acc)[8]) {
 // The key channel at stored position s of a key row (the inverse of stored_key_position).
 template <DType Type>
 std::int64_t key_channel_at(std::int64_t s, std::int64_t hd) {
-  if constexpr (Type == DType::dtype_q8_0 || Type == DType::dtype_q4_0) {
+  if constexpr (kBlockScaled<Type>) {
     const std::int64_t block = s / 32, within = s % 32;
     return within < 16 ? 16 * block + within : hd / 2 + 16 * block + within - 16;
   }
   return s;
 }
 
+// The 8 rows' fields of block b (block_scale or block_min), as a vector.
+template <DType Type, float (*Field)(const std::byte*, std::int64_t)>
+__m256 block_fields(const std::byte* rows, std::int64_t stride, std::int64_t b) {
+  return _mm256_setr_ps(Field(rows, b), Field(rows + stride, b), Field(rows + 2 * stride, b),
+                        Field(rows + 3 * stride, b), Field(rows + 4 * stride, b),
+                        Field(rows + 5 * stride, b), Field(rows + 6 * stride, b),
+                        Field(rows + 7 * stride, b));
+}
+
+// For an asymmetric dtype, the sum of q over each block's channels (x = code x scale + min, so
+// q . x adds min x that sum a block); zeros for the others. Up to kMostBlocks blocks (head_dim
+// 1024; score_rows takes the plain loop beyond).
+constexpr std::int64_t kMostBlocks = 32;
+template <DType Type>
+std::array<float, kMostBlocks> block_query_sums(const float* q, std::int64_t hd) {
+  std::array<float, kMostBlocks> sums{};
+  if constexpr (kAsymmetric<Type>)
+    for (std::int64_t s = 0; s < hd; ++s)
+      sums[static_cast<std::size_t>(s / 32)] += q[key_channel_at<Type>(s, hd)];
+  return sums;
+}
+
 // score_rows_simd for a block-scaled dtype: each block's 8 sums (unscaled values) times the 8
-// rows' scales of that block, added up.
+// rows' scales of that block, plus (asymmetric) their mins times the block's query sum, added up.
 template <DType Type>
 void score_blocks_simd(const float* q, const std::byte* k, std::int64_t stride, std::int64_t count,
                        std::int64_t readable, std::int64_t hd, float scale, float* scores) {
   const std::int64_t row_bytes = dtype_row_bytes(Type, hd), blocks = hd / 32;
+  const std::array<float, kMostBlocks> q_sums = block_query_sums<Type>(q, hd);
   std::int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
     for (std::int64_t r = j + 8; r < std::min(j + 16, readable); ++r)
@@ -170,12 +219,11 @@ void score_blocks_simd(const float* q, const std::byte* k, std::int64_t stride, 
         for (int r = 0; r < 8; ++r)
           acc[r] = _mm256_fmadd_ps(qv, load_row8<Type>(rows + r * stride, s), acc[r]);
       }
-      const __m256 scales = _mm256_setr_ps(
-          block_scale<Type>(rows, b), block_scale<Type>(rows + stride, b),
-          block_scale<Type>(rows + 2 * stride, b), block_scale<Type>(rows + 3 * stride, b),
-          block_scale<Type>(rows + 4 * stride, b), block_scale<Type>(rows + 5 * stride, b),
-          block_scale<Type>(rows + 6 * stride, b), block_scale<Type>(rows + 7 * stride, b));
-      total = _mm256_fmadd_ps(lane_sums(acc), scales, total);
+      total = _mm256_fmadd_ps(lane_sums(acc),
+                              block_fields<Type, block_scale<Type>>(rows, stride, b), total);
+      if constexpr (kAsymmetric<Type>)
+        total = _mm256_fmadd_ps(block_fields<Type, block_min<Type>>(rows, stride, b),
+                                _mm256_set1_ps(q_sums[static_cast<std::size_t>(b)]), total);
     }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
   }
@@ -191,6 +239,8 @@ void score_blocks_simd(const float* q, const std::byte* k, std::int64_t stride, 
       const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
       dot += _mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1))) *
              block_scale<Type>(row, b);
+      if constexpr (kAsymmetric<Type>)
+        dot += block_min<Type>(row, b) * q_sums[static_cast<std::size_t>(b)];
     }
     scores[j] = dot * scale;
   }
@@ -253,11 +303,16 @@ void add_weighted_columns(const float* p, const std::byte* v, std::int64_t strid
       prefetch_row(v + (j + 4) * stride, row_bytes);
     const std::byte* row = v + j * stride;
     __m256 weight = _mm256_set1_ps(p[j] * row_scale<Type>(row));
+    __m256 offset = _mm256_setzero_ps();  // p[j] x the block's min (asymmetric dtypes)
     for (int s = 0; s < Vectors; ++s) {
-      if constexpr (kBlockScaled<Type>)  // each block of 32 values: its own scale
-        if ((c0 + 8 * s) % 32 == 0 || s == 0)
+      if constexpr (kBlockScaled<Type>)  // each block of 32 values: its own scale (and min)
+        if ((c0 + 8 * s) % 32 == 0 || s == 0) {
           weight = _mm256_set1_ps(p[j] * block_scale<Type>(row, (c0 + 8 * s) / 32));
+          if constexpr (kAsymmetric<Type>)
+            offset = _mm256_set1_ps(p[j] * block_min<Type>(row, (c0 + 8 * s) / 32));
+        }
       acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(row, c0 + 8 * s), acc[s]);
+      if constexpr (kAsymmetric<Type>) acc[s] = _mm256_add_ps(acc[s], offset);
     }
   }
   for (int s = 0; s < Vectors; ++s) _mm256_storeu_ps(o + 8 * s, acc[s]);
@@ -298,7 +353,7 @@ inline void score_rows(DType dtype, const float* q, const std::byte* k, std::int
                        std::int64_t count, std::int64_t readable, std::int64_t hd, float scale,
                        float* scores) {
 #if KVLAB_ATTENTION_SIMD
-  if (hd % 8 == 0)
+  if (hd % 8 == 0 && hd <= 32 * kMostBlocks)
     return with_row_type(dtype, [&](auto type) {
       score_rows_simd<decltype(type)::value>(q, k, stride, count, readable, hd, scale, scores);
     });

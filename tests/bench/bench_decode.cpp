@@ -124,6 +124,8 @@ KVLAB_DECODE_KV(dtype_f8_e4m3, fp8);
 KVLAB_DECODE_KV(dtype_kv_int8, int8);
 KVLAB_DECODE_KV(dtype_q8_0, q8_0);
 KVLAB_DECODE_KV(dtype_q4_0, q4_0);
+KVLAB_DECODE_KV(dtype_q4_1, q4_1);
+KVLAB_DECODE_KV(dtype_kv_int2, int2);
 
 }  // namespace
 }  // namespace kvlab::bench

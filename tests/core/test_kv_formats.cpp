@@ -1,6 +1,7 @@
 // Quantized KV: the fp8 e4m3 code, the grouped row formats (int8 with a per-row scale, llama.cpp's
-// q8_0 and q4_0 blocks), their bytes, and KV pools that hold them (rows, swaps, key channel
-// order). Bounds are the formats' own rounding steps, stated per test.
+// q8_0, q4_0 and q4_1 blocks, KIVI's asymmetric 2-bit int2 blocks), their bytes, and KV pools that
+// hold them (rows, swaps, key channel order). Bounds are the formats' own rounding steps, stated
+// per test.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -38,21 +39,24 @@ std::vector<float> round_trip(DType dtype, const std::vector<float>& row) {
 TEST(KvFormats, RowBytesCountTheScales) {
   EXPECT_EQ(dtype_row_bytes(DType::dtype_f16, 64), 128);
   EXPECT_EQ(dtype_row_bytes(DType::dtype_f8_e4m3, 64), 64);
-  EXPECT_EQ(dtype_row_bytes(DType::dtype_kv_int8, 64), 68);  // + one fp32 scale
-  EXPECT_EQ(dtype_row_bytes(DType::dtype_q8_0, 64), 68);     // 2 blocks of 34
-  EXPECT_EQ(dtype_row_bytes(DType::dtype_q4_0, 128), 72);    // 4 blocks of 18
+  EXPECT_EQ(dtype_row_bytes(DType::dtype_kv_int8, 64), 68);   // + one fp32 scale
+  EXPECT_EQ(dtype_row_bytes(DType::dtype_q8_0, 64), 68);      // 2 blocks of 34
+  EXPECT_EQ(dtype_row_bytes(DType::dtype_q4_0, 128), 72);     // 4 blocks of 18
+  EXPECT_EQ(dtype_row_bytes(DType::dtype_q4_1, 128), 80);     // 4 blocks of 20
+  EXPECT_EQ(dtype_row_bytes(DType::dtype_kv_int2, 128), 48);  // 4 blocks of 12: 3 bits a value
+  EXPECT_FALSE(dtype_row_fits(DType::dtype_kv_int2, 48));
   EXPECT_TRUE(dtype_row_fits(DType::dtype_kv_int8, 48));
   EXPECT_FALSE(dtype_row_fits(DType::dtype_q8_0, 48));
   EXPECT_FALSE(dtype_row_fits(DType::dtype_q4_0, 80));
   EXPECT_EQ(dtype_size(DType::dtype_q8_0), 0u);   // no per-value size: rows only
   EXPECT_FALSE(dtype_from_safetensors_name(""));  // the KV-only formats have no file name
-  for (const char* name : {"int8", "q8_0", "q4_0", "fp8"}) {
+  for (const char* name : {"int8", "q8_0", "q4_0", "q4_1", "int2", "fp8"}) {
     ASSERT_TRUE(dtype_from_short_name(name)) << name;
     EXPECT_TRUE(kv_pool_holds(*dtype_from_short_name(name))) << name;
   }
   test::expect_error_containing(
       [] { (void)kv_pool_dtype("q5_k", "--kv-dtype"); },
-      {"--kv-dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0", "q5_k"});
+      {"--kv-dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2", "q5_k"});
 }
 
 // e4m3fn: 4 exponent bits (bias 7), 3 mantissa bits, no infinities; nearest even, saturated.
@@ -85,7 +89,9 @@ TEST(KvFormats, Fp8E4m3CodesAndRounding) {
 // Each value within half a quantization step of its group's scale: int8 one scale per row
 // (absmax / 127); q8_0 per block of 32 (absmax / 127 stored in fp16: half a step + 127 x the
 // fp16 rounding of the scale, <= 0.57 steps); q4_0 per block (max / -8 in fp16: one step, the
-// block's extreme of the other sign is clipped to 7 steps).
+// block's extreme of the other sign is clipped to 7 steps); the asymmetric q4_1 and int2 per
+// block, (max - min) / 15 and / 3, half a step plus the fp16 rounding of min and scale (<= 0.51
+// steps of 15, 0.503 of 3, + |min| 2^-11).
 TEST(KvFormats, QuantizedRowsStayWithinTheirStep) {
   std::mt19937 rng(7);
   for (int trial = 0; trial < 20; ++trial) {
@@ -93,27 +99,38 @@ TEST(KvFormats, QuantizedRowsStayWithinTheirStep) {
     const std::vector<float> int8 = round_trip(DType::dtype_kv_int8, row);
     const std::vector<float> q8 = round_trip(DType::dtype_q8_0, row);
     const std::vector<float> q4 = round_trip(DType::dtype_q4_0, row);
+    const std::vector<float> q41 = round_trip(DType::dtype_q4_1, row);
+    const std::vector<float> int2 = round_trip(DType::dtype_kv_int2, row);
     float row_max = 0;
     for (float v : row) row_max = std::max(row_max, std::fabs(v));
     for (std::size_t b = 0; b < row.size(); b += 32) {
       float block_max = 0;
       for (std::size_t j = b; j < b + 32; ++j) block_max = std::max(block_max, std::fabs(row[j]));
+      const auto [lo, hi] = std::minmax_element(row.begin() + static_cast<std::ptrdiff_t>(b),
+                                                row.begin() + static_cast<std::ptrdiff_t>(b + 32));
+      const float range = *hi - *lo, min_rounding = std::fabs(*lo) * 0x1p-11f;
       for (std::size_t j = b; j < b + 32; ++j) {
         EXPECT_LE(std::fabs(int8[j] - row[j]), 0.5001f * row_max / 127) << j;
         EXPECT_LE(std::fabs(q8[j] - row[j]), 0.57f * block_max / 127) << j;
         EXPECT_LE(std::fabs(q4[j] - row[j]), 1.01f * block_max / 8) << j;
+        EXPECT_LE(std::fabs(q41[j] - row[j]), 0.51f * range / 15 + min_rounding) << j;
+        EXPECT_LE(std::fabs(int2[j] - row[j]), 0.503f * range / 3 + min_rounding) << j;
       }
     }
   }
   std::vector<float> broken = random_row(rng, 64);  // a diverged model's row: no undefined cast
   broken[3] = std::numeric_limits<float>::quiet_NaN();
   broken[40] = std::numeric_limits<float>::infinity();
-  for (DType dtype :
-       {DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0, DType::dtype_f8_e4m3})
+  for (DType dtype : {DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0, DType::dtype_q4_1,
+                      DType::dtype_kv_int2, DType::dtype_f8_e4m3})
     EXPECT_EQ(round_trip(dtype, broken).size(), broken.size());
   const std::vector<float> zeros(64, 0.0f);  // a zero scale: zeros back, no NaN
   EXPECT_EQ(round_trip(DType::dtype_kv_int8, zeros), zeros);
   EXPECT_EQ(round_trip(DType::dtype_q4_0, zeros), zeros);
+  EXPECT_EQ(round_trip(DType::dtype_kv_int2, zeros), zeros);
+  const std::vector<float> flat(64, -0.75f);  // a block of one value: min alone, exactly
+  EXPECT_EQ(round_trip(DType::dtype_kv_int2, flat), flat);
+  EXPECT_EQ(round_trip(DType::dtype_q4_1, flat), flat);
 }
 
 // Key rows in q8_0 / q4_0 keep each RoPE pair (d, d + 32 of 64) in one block: small channels
@@ -128,7 +145,7 @@ TEST(KvFormats, KeyRowsShareBlocksByRotaryPair) {
   EXPECT_EQ(paired_key_position(16, hd), 32);  // the second block
   std::vector<float> key(hd);
   for (std::int64_t d = 0; d < hd; ++d) key[d] = (d % 32 < 16 ? 0.01f : 1.0f) * (1 + d % 5);
-  for (DType dtype : {DType::dtype_q8_0, DType::dtype_q4_0}) {
+  for (DType dtype : {DType::dtype_q8_0, DType::dtype_q4_0, DType::dtype_q4_1}) {
     std::vector<std::byte> bytes(static_cast<std::size_t>(dtype_row_bytes(dtype, hd)));
     key_row_from_f32(dtype, key.data(), hd, bytes.data());
     std::vector<float> back(hd);
@@ -146,8 +163,8 @@ TEST(KvFormats, KeyRowsShareBlocksByRotaryPair) {
 // move its stored bytes unchanged (no second rounding).
 TEST(KvFormats, QuantizedPoolsHoldRowsAndSwapTheirBytes) {
   std::mt19937 rng(11);
-  for (DType dtype :
-       {DType::dtype_f8_e4m3, DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0}) {
+  for (DType dtype : {DType::dtype_f8_e4m3, DType::dtype_kv_int8, DType::dtype_q8_0,
+                      DType::dtype_q4_0, DType::dtype_q4_1, DType::dtype_kv_int2}) {
     KvPool pool({2, 3, 64, 16, dtype});
     EXPECT_EQ(pool.bytes_per_slot(), 2 * 2 * 3 * dtype_row_bytes(dtype, 64));
     const std::vector<float> k = random_row(rng, 3 * 64), v = random_row(rng, 3 * 64);
@@ -155,7 +172,14 @@ TEST(KvFormats, QuantizedPoolsHoldRowsAndSwapTheirBytes) {
     pool.write_row(1, 4, true, v.data());
     std::vector<float> back(k.size());
     pool.read_row(1, 4, false, back.data());
-    for (std::size_t i = 0; i < k.size(); ++i) EXPECT_NEAR(back[i], k[i], 0.5f) << i;
+    for (std::size_t i = 0; i < k.size(); ++i) {
+      // int2: half a step of its block's range / 3, under its head's range / 3 (x 0.503, + the
+      // min's fp16 rounding); the others within 0.5 of these N(0, 1) values.
+      const auto head = k.begin() + static_cast<std::ptrdiff_t>(i / 64 * 64);
+      const auto [lo, hi] = std::minmax_element(head, head + 64);
+      const float step = dtype == DType::dtype_kv_int2 ? 0.503f * (*hi - *lo) / 3 + 0.01f : 0.5f;
+      EXPECT_NEAR(back[i], k[i], step) << dtype_short_name(dtype) << " " << i;
+    }
     const KvView view{{{4, 1}}, 0, {}};
     std::vector<std::byte> swapped;
     EXPECT_EQ(copy_kv_rows(pool, view, 0, 1, swapped, true), pool.bytes_per_slot());

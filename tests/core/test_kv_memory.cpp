@@ -328,7 +328,7 @@ TEST(KvPoolDtype, HalfPoolsRoundOnWriteAndHoldHalfTheBytes) {
       [] {
         KvPool pool({1, 1, 8, 4, DType::dtype_i8});
       },
-      {"f32, f16, bf16, fp8, int8, q8_0, q4_0", "i8"});
+      {"f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2", "i8"});
 }
 
 // How a host backend (the cpu plugin) brings K/V to the pool the serving stack made for
@@ -348,7 +348,7 @@ TEST(KvPoolStorage, HostStorageIsProvidedOnDemand) {
   EXPECT_EQ(row, written);                                    // small integers: exact in bf16
   KvPool i8({1, 1, 8, 4, DType::dtype_i8}, KvStorage::none);  // no KV pool dtype
   test::expect_error_containing([&] { i8.provide_host_storage(); },
-                                {"f32, f16, bf16, fp8, int8, q8_0, q4_0", "i8"});
+                                {"f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2", "i8"});
   EXPECT_FALSE(i8.has_storage());
 }
 

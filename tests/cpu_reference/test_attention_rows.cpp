@@ -3,9 +3,12 @@
 // 8-column tails, plain loops where head_dim is not a multiple of 8), key counts around the 8-key
 // groups, rows a slot apart and each pool dtype (the quantized ones dequantized in registers,
 // key rows in their stored channel order). Tolerance: fp32 sums in another order, |error| <=
-// hd * 1.2e-7 * sum |terms|.
+// hd * 1.2e-7 * sum |terms|; the asymmetric formats (q4_1, int2: x = code x scale + min) sum
+// q x code x scale and q x min apart, so their terms are bounded by |q| (|x| + |min|) with |min|
+// <= the row's largest |x| (the min is a value of its block).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
@@ -35,11 +38,18 @@ std::vector<std::byte> slot_rows(DType dtype, bool key, std::int64_t hd, std::in
   return rows;
 }
 
+float largest_magnitude(const std::vector<float>& row) {
+  float largest = 0;
+  for (float x : row) largest = std::max(largest, std::fabs(x));
+  return largest;
+}
+
 TEST(AttentionRows, ScoresAndWeightedSumsEqualPlainLoops) {
   std::mt19937 rng(5);
   std::uniform_real_distribution<float> value(-1.0f, 1.0f);
   for (DType dtype : {DType::dtype_f32, DType::dtype_f16, DType::dtype_bf16, DType::dtype_f8_e4m3,
-                      DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0})
+                      DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0, DType::dtype_q4_1,
+                      DType::dtype_kv_int2})
     for (std::int64_t hd : {8, 12, 16, 48, 64, 80, 128})
       for (std::int64_t count : {1, 7, 8, 9, 16, 21, 33}) {
         if (!dtype_row_fits(dtype, hd)) continue;
@@ -61,13 +71,16 @@ TEST(AttentionRows, ScoresAndWeightedSumsEqualPlainLoops) {
         for (std::int64_t j = 0; j < count; ++j) {
           key_row_to_f32(dtype, k + j * stride, hd, k_row.data());
           widen_attention_row(dtype, v + j * stride, hd, v_row.data());
+          const bool asymmetric = dtype == DType::dtype_q4_1 || dtype == DType::dtype_kv_int2;
+          const double k_min = asymmetric ? largest_magnitude(k_row) : 0.0;
+          const double v_min = asymmetric ? largest_magnitude(v_row) : 0.0;
           double dot = 0, bound = 0;
           const auto pj = static_cast<double>(p[static_cast<std::size_t>(j)]);
           for (std::size_t d = 0; d < k_row.size(); ++d) {
             dot += static_cast<double>(q[d]) * k_row[d];
-            bound += std::abs(static_cast<double>(q[d]) * k_row[d]);
+            bound += std::abs(static_cast<double>(q[d])) * (std::abs(k_row[d]) + k_min);
             expected_o[d] += pj * v_row[d];
-            o_bound[d] += std::abs(pj * v_row[d]);
+            o_bound[d] += std::abs(pj) * (std::abs(v_row[d]) + v_min);
           }
           EXPECT_NEAR(scores[static_cast<std::size_t>(j)], 0.25 * dot,
                       0.25 * bound * static_cast<double>(hd) * 1.2e-7 + 1e-7)

@@ -29,13 +29,19 @@ enum class DType : std::uint8_t {
   dtype_kv_int8,  // "int8": int8 values, one fp32 scale per row (absmax / 127, per token, head)
   dtype_q8_0,     // "q8_0": llama.cpp's block of 32: fp16 scale + 32 int8 (34 bytes)
   dtype_q4_0,     // "q4_0": llama.cpp's block of 32: fp16 scale + 16 bytes of nibbles (18 bytes)
+  // Asymmetric blocks of 32 (x = code x scale + min; KIVI's per-token quantization, the
+  // baseline its per-channel keys beat at 2 bits):
+  dtype_q4_1,     // "q4_1": llama.cpp's: fp16 scale, fp16 min, 16 bytes of nibbles (20 bytes)
+  dtype_kv_int2,  // "int2": fp16 scale, fp16 min, 8 bytes of 2-bit codes (12 bytes)
 };
 
 // Bytes per value; 0 for the grouped KV formats (dtype_row_bytes).
 std::size_t dtype_size(DType dtype);
 // Bytes of a row of `values` values in `dtype`, scales included. Precondition: dtype_row_fits.
 std::int64_t dtype_row_bytes(DType dtype, std::int64_t values);
-// False for a row length a block format cannot hold (q8_0, q4_0: a multiple of 32).
+// The KV formats of 32-value blocks, each with its own scale: q8_0, q4_0, q4_1, int2.
+bool dtype_is_kv_block_format(DType dtype);
+// False for a row length a block format cannot hold (q8_0, q4_0, q4_1, int2: a multiple of 32).
 bool dtype_row_fits(DType dtype, std::int64_t values);
 // The fp32 value of every fp8 e4m3 byte (e4m3fn: no infinities, 0x7f and 0xff are NaN).
 const float* fp8_e4m3_values();

@@ -20,7 +20,8 @@ struct KvPoolShape {
   std::int64_t head_dim = 0;
   std::int64_t slots = 0;
   // f32, f16, bf16 (rounded to nearest even on write), fp8 (e4m3) or a quantized row format
-  // (int8, q8_0, q4_0: each head row of each token quantized on write, its scales beside it).
+  // (int8, q8_0, q4_0, q4_1, int2: each head row of each token quantized on write, its scales
+  // beside it).
   DType dtype = DType::dtype_f32;
   // Every head row holds H x (its K or V), H the orthonormal Walsh-Hadamard matrix of head_dim
   // (a power of two): a rotation spreads a few large channels over all of them before rounding
@@ -42,7 +43,7 @@ std::string kv_pool_dtype_names();
 // The dtype named `name` when a KV pool holds it; else kvlab::Error "`what` must be one of ...".
 DType kv_pool_dtype(std::string_view name, std::string_view what);
 
-// Key rows in a block format (q8_0, q4_0) keep each RoPE pair's two channels (d and
+// Key rows in a block format (q8_0, q4_0, q4_1, int2) keep each RoPE pair's two channels (d and
 // d + head_dim / 2, Hugging Face's rotate-half order) in one block, as llama.cpp's GGUF order of K
 // does: block b holds channels [16b, 16b + 16) then [half + 16b, half + 16b + 16). Which channels
 // share a scale decides the error: the low-frequency pairs carry K's large values, and a block
