@@ -176,13 +176,14 @@ std::int64_t key_channel_at(std::int64_t s, std::int64_t hd) {
   return s;
 }
 
-// The 8 rows' fields of block b (block_scale or block_min), as a vector.
-template <DType Type, float (*Field)(const std::byte*, std::int64_t)>
-__m256 block_fields(const std::byte* rows, std::int64_t stride, std::int64_t b) {
-  return _mm256_setr_ps(Field(rows, b), Field(rows + stride, b), Field(rows + 2 * stride, b),
-                        Field(rows + 3 * stride, b), Field(rows + 4 * stride, b),
-                        Field(rows + 5 * stride, b), Field(rows + 6 * stride, b),
-                        Field(rows + 7 * stride, b));
+// The fp16 field `offset` bytes into block b of 8 rows `stride` apart (a block's scale: 0; its
+// min: 2), widened together: 8 16-bit loads and one conversion.
+template <DType Type>
+__m256 block_fields(const std::byte* rows, std::int64_t stride, std::int64_t b, int offset) {
+  std::uint16_t bits[8];
+  for (int r = 0; r < 8; ++r)
+    std::memcpy(&bits[r], rows + r * stride + b * kBlockBytes<Type> + offset, 2);
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bits)));
 }
 
 // For an asymmetric dtype, the sum of q over each block's channels (x = code x scale + min, so
@@ -219,10 +220,9 @@ void score_blocks_simd(const float* q, const std::byte* k, std::int64_t stride, 
         for (int r = 0; r < 8; ++r)
           acc[r] = _mm256_fmadd_ps(qv, load_row8<Type>(rows + r * stride, s), acc[r]);
       }
-      total = _mm256_fmadd_ps(lane_sums(acc),
-                              block_fields<Type, block_scale<Type>>(rows, stride, b), total);
+      total = _mm256_fmadd_ps(lane_sums(acc), block_fields<Type>(rows, stride, b, 0), total);
       if constexpr (kAsymmetric<Type>)
-        total = _mm256_fmadd_ps(block_fields<Type, block_min<Type>>(rows, stride, b),
+        total = _mm256_fmadd_ps(block_fields<Type>(rows, stride, b, 2),
                                 _mm256_set1_ps(q_sums[static_cast<std::size_t>(b)]), total);
     }
     _mm256_storeu_ps(scores + j, _mm256_mul_ps(total, _mm256_set1_ps(scale)));
@@ -292,30 +292,36 @@ void score_rows_simd(const float* q, const std::byte* k, std::int64_t stride, st
 }
 
 // o[0 : 8 Vectors] += sum_j p[j] * v_j[0 : 8 Vectors]: the accumulators stay in registers.
+// (Vectors 8: c0 is a multiple of 64, two blocks of 32; Vectors 1: one block.) An asymmetric
+// dtype's mins are the same for a block's 32 columns: sum_j p[j] x min_j is summed once a block
+// and added to its columns at the end.
 template <DType Type, int Vectors>
 void add_weighted_columns(const float* p, const std::byte* v, std::int64_t stride,
                           std::int64_t count, std::int64_t readable, std::int64_t c0,
                           std::int64_t row_bytes, float* o) {
   __m256 acc[Vectors];
+  float min_sums[2] = {0, 0};  // per block of these columns: sum_j p[j] x its min
   for (int s = 0; s < Vectors; ++s) acc[s] = _mm256_loadu_ps(o + 8 * s);
   for (std::int64_t j = 0; j < count; ++j) {
     if (c0 == 0 && (Vectors == 8 || j % 8 == 0) && j + 4 < readable)
       prefetch_row(v + (j + 4) * stride, row_bytes);
     const std::byte* row = v + j * stride;
     __m256 weight = _mm256_set1_ps(p[j] * row_scale<Type>(row));
-    __m256 offset = _mm256_setzero_ps();  // p[j] x the block's min (asymmetric dtypes)
     for (int s = 0; s < Vectors; ++s) {
       if constexpr (kBlockScaled<Type>)  // each block of 32 values: its own scale (and min)
         if ((c0 + 8 * s) % 32 == 0 || s == 0) {
           weight = _mm256_set1_ps(p[j] * block_scale<Type>(row, (c0 + 8 * s) / 32));
           if constexpr (kAsymmetric<Type>)
-            offset = _mm256_set1_ps(p[j] * block_min<Type>(row, (c0 + 8 * s) / 32));
+            min_sums[s / 4] += p[j] * block_min<Type>(row, (c0 + 8 * s) / 32);
         }
       acc[s] = _mm256_fmadd_ps(weight, load_row8<Type>(row, c0 + 8 * s), acc[s]);
-      if constexpr (kAsymmetric<Type>) acc[s] = _mm256_add_ps(acc[s], offset);
     }
   }
-  for (int s = 0; s < Vectors; ++s) _mm256_storeu_ps(o + 8 * s, acc[s]);
+  for (int s = 0; s < Vectors; ++s) {
+    if constexpr (kAsymmetric<Type>)
+      acc[s] = _mm256_add_ps(acc[s], _mm256_set1_ps(min_sums[s / 4]));
+    _mm256_storeu_ps(o + 8 * s, acc[s]);
+  }
 }
 
 template <DType Type>
