@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <limits>
+#include <new>
 #include <optional>
 
 #include "kvlab/engine/plan_check.hpp"
@@ -71,8 +72,12 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
 }
 
 void Engine::reserve_steps(std::int64_t steps) {
-  result_.steps.reserve(
-      static_cast<std::size_t>(std::clamp<std::int64_t>(steps, 0, kMostReservedSteps)));
+  try {
+    result_.steps.reserve(
+        static_cast<std::size_t>(std::clamp<std::int64_t>(steps, 0, kMostReservedSteps)));
+  } catch (const std::bad_alloc&) {
+    // Only a hint: under a tight address-space limit (ulimit -v) the records grow as they need.
+  }
 }
 
 EngineResult Engine::take_result() {
