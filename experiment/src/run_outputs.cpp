@@ -106,7 +106,8 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
     fmt::format_to(row, FMT_COMPILE("{},{:.6f},{:.6f},"), s.step, s.start_s, s.duration_s);
     if (measured)
       fmt::format_to(row, FMT_COMPILE("{:.6f},{:.6f},"), s.measured_forward_s, s.measured_step_s);
-    fmt::format_to(row, FMT_COMPILE("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}"),
+    fmt::format_to(row,
+                   FMT_COMPILE("{:.6f},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{},{}"),
                    s.predicted_s, s.batch, s.prefill_tokens, s.decode_tokens, s.preempted,
                    s.waiting, s.running, s.padding, s.padding_slots, s.swap_bytes, s.kv.capacity,
                    s.kv.used, s.kv.reserved_unused, s.kv.last_block_slack, s.kv.free,

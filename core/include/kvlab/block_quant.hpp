@@ -1,7 +1,8 @@
 #pragma once
 // llama.cpp's 32-value blocks (ggml-quants.c) from and to fp32: Q8_0 (fp16 scale + 32 int8),
 // Q4_0 (fp16 scale + 16 bytes of nibbles), Q4_1 (fp16 scale and minimum + 16 bytes). Weights
-// rounded to a Q format, GGUF tensors read, and quantized KV rows (q8_0, q4_0, q4_1 pools) share them.
+// rounded to a Q format, GGUF tensors read, and quantized KV rows (q8_0, q4_0, q4_1 pools) share
+// them.
 #include <cstddef>
 #include <cstdint>
 #include <span>

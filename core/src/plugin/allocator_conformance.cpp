@@ -295,10 +295,10 @@ std::string ConformanceRun::check_invariants() const {
     if (const KvView shape = allocator_->positions_view(id);
         shape.first_position != view.first_position || shape.positions != view.positions ||
         shape.length() != view.length())
-      return fmt::format("sequence {}: positions_view (first {}, {} tokens) is not view's "
-                         "(first {}, {} tokens)",
-                         id, shape.first_position, shape.length(), view.first_position,
-                         view.length());
+      return fmt::format(
+          "sequence {}: positions_view (first {}, {} tokens) is not view's "
+          "(first {}, {} tokens)",
+          id, shape.first_position, shape.length(), view.first_position, view.length());
     for (std::int64_t i = 0; i < view.length(); ++i) {
       const std::int64_t p = view.position_at(i), slot = view.slot_at(i);
       if (slot < 0 || slot >= options_.slots)
