@@ -301,10 +301,6 @@ std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepReco
                      options_.observers);
 }
 
-// A static batch's finished rows cost a padded batch (Hugging Face generate()) a row of every
-// step until the batch ends. The cost model prices them on every clock; on a clock that times
-// the backend (measured, wall) the backend must also compute them, or static batching would be
-// timed without the padding the simulator charges it.
 // Whether the backend may read the batch's KV slots: not when the pool holds no K/V anywhere
 // (the simulated backend's bookkeeping pool), whose views then carry positions only. A test
 // engine without a pool gets whole views.
@@ -313,6 +309,10 @@ bool Engine::reads_kv_slots() const {
   return pool == nullptr || pool->has_storage() || pool->device() != nullptr;
 }
 
+// A static batch's finished rows cost a padded batch (Hugging Face generate()) a row of every
+// step until the batch ends. The cost model prices them on every clock; on a clock that times
+// the backend (measured, wall) the backend must also compute them, or static batching would be
+// timed without the padding the simulator charges it.
 bool Engine::computes_padding() const {
   return options_.clock == EngineClock::measured || options_.clock == EngineClock::wall;
 }
