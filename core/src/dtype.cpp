@@ -23,7 +23,7 @@ struct DTypeInfo {
   std::size_t size;
 };
 
-constexpr std::array<DTypeInfo, 17> kDTypes{{
+constexpr std::array<DTypeInfo, 19> kDTypes{{
     {DType::dtype_f64, "F64", "f64", 8},
     {DType::dtype_f32, "F32", "f32", 4},
     {DType::dtype_f16, "F16", "f16", 2},
@@ -41,6 +41,8 @@ constexpr std::array<DTypeInfo, 17> kDTypes{{
     {DType::dtype_q4_0, "", "q4_0", 0},
     {DType::dtype_q4_1, "", "q4_1", 0},
     {DType::dtype_kv_int2, "", "int2", 0},
+    {DType::dtype_kivi2, "", "kivi2", 0},
+    {DType::dtype_kivi4, "", "kivi4", 0},
 }};
 
 const DTypeInfo& info(DType dtype) {

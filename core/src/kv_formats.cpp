@@ -127,7 +127,10 @@ std::int64_t dtype_row_bytes(DType dtype, std::int64_t values) {
     case DType::dtype_q4_1:
       return values / kBlock * 20;
     case DType::dtype_kv_int2:
+    case DType::dtype_kivi2:
       return values / kBlock * kInt2BlockBytes;
+    case DType::dtype_kivi4:
+      return values / kBlock * 20;
     default:
       return values * static_cast<std::int64_t>(dtype_size(dtype));
   }
@@ -138,16 +141,26 @@ bool dtype_is_kv_block_format(DType dtype) {
          dtype == DType::dtype_kv_int2;
 }
 
+bool dtype_is_kivi(DType dtype) {
+  return dtype == DType::dtype_kivi2 || dtype == DType::dtype_kivi4;
+}
+
+DType kivi_value_dtype(DType dtype) {
+  assert(dtype_is_kivi(dtype));
+  return dtype == DType::dtype_kivi2 ? DType::dtype_kv_int2 : DType::dtype_q4_1;
+}
+
 bool dtype_row_fits(DType dtype, std::int64_t values) {
-  return !dtype_is_kv_block_format(dtype) || values % kBlock == 0;
+  return !(dtype_is_kv_block_format(dtype) || dtype_is_kivi(dtype)) || values % kBlock == 0;
 }
 
 bool is_kv_format(DType dtype) {
   return dtype == DType::dtype_f8_e4m3 || dtype == DType::dtype_kv_int8 ||
-         dtype_is_kv_block_format(dtype);
+         dtype_is_kv_block_format(dtype) || dtype_is_kivi(dtype);
 }
 
 void kv_row_to_f32(DType dtype, const std::byte* row, std::size_t n, float* out) {
+  if (dtype_is_kivi(dtype)) dtype = kivi_value_dtype(dtype);  // a value row
   const auto* bytes = reinterpret_cast<const std::uint8_t*>(row);
   switch (dtype) {
     case DType::dtype_f8_e4m3:
@@ -172,6 +185,7 @@ void kv_row_to_f32(DType dtype, const std::byte* row, std::size_t n, float* out)
 }
 
 void kv_row_from_f32(DType dtype, const float* values, std::size_t n, std::byte* row) {
+  if (dtype_is_kivi(dtype)) dtype = kivi_value_dtype(dtype);  // a value row
   switch (dtype) {
     case DType::dtype_f8_e4m3:
       for (std::size_t i = 0; i < n; ++i) row[i] = static_cast<std::byte>(fp8_from_f32(values[i]));

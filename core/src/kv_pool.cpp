@@ -11,6 +11,7 @@
 
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/memory_limit.hpp"
 
 namespace kvlab {
@@ -20,7 +21,8 @@ namespace {
 constexpr DType kHostPoolDtypes[] = {
     DType::dtype_f32,     DType::dtype_f16,     DType::dtype_bf16,
     DType::dtype_f8_e4m3, DType::dtype_kv_int8, DType::dtype_q8_0,
-    DType::dtype_q4_0,    DType::dtype_q4_1,    DType::dtype_kv_int2};
+    DType::dtype_q4_0,    DType::dtype_q4_1,    DType::dtype_kv_int2, DType::dtype_kivi2,
+    DType::dtype_kivi4};
 
 }  // namespace
 
@@ -108,6 +110,8 @@ void KvPool::provide_host_storage() {
   if (bytes == 0) return;  // no slots: nothing to hold (has_storage() stays false)
   keys_ = allocate(bytes / 2);
   values_ = allocate(bytes / 2);
+  if (dtype_is_kivi(shape_.dtype))
+    open_groups_.resize(static_cast<std::size_t>((shape_.slots + kKiviGroup - 1) / kKiviGroup));
 }
 
 float* KvPool::as_floats(std::byte* p) const {
@@ -118,6 +122,7 @@ float* KvPool::as_floats(std::byte* p) const {
 }
 
 void KvPool::read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const {
+  if (kivi()) return kivi_read_row(layer, slot, value, out);
   const std::byte* row = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
   const auto hd = static_cast<std::size_t>(shape_.head_dim),
              head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
@@ -130,6 +135,7 @@ void KvPool::read_row(std::int64_t layer, std::int64_t slot, bool value, float* 
 }
 
 void KvPool::write_row(std::int64_t layer, std::int64_t slot, bool value, const float* row) {
+  if (kivi()) return kivi_write_row(layer, slot, value, row);
   std::byte* target = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
   const auto hd = static_cast<std::size_t>(shape_.head_dim),
              head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
@@ -138,6 +144,20 @@ void KvPool::write_row(std::int64_t layer, std::int64_t slot, bool value, const 
       convert_from_f32(shape_.dtype, {row, hd}, {target, head_bytes});
     else
       key_row_from_f32(shape_.dtype, row, shape_.head_dim, target);
+  }
+}
+
+void KvPool::read_head_rows(std::int64_t layer, std::int64_t slot, std::int64_t count, bool value,
+                            std::int64_t head, float* out) const {
+  if (kivi()) return kivi_read_head_rows(layer, slot, count, value, head, out);
+  const std::int64_t hd = shape_.head_dim, offset = head * shape_.head_row_bytes();
+  const auto head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
+  for (std::int64_t j = 0; j < count; ++j, out += hd) {
+    const std::byte* row = (value ? value_bytes(layer, slot + j) : key_bytes(layer, slot + j)) + offset;
+    if (value)
+      convert_to_f32(shape_.dtype, {row, head_bytes}, {out, static_cast<std::size_t>(hd)});
+    else
+      key_row_to_f32(shape_.dtype, row, hd, out);
   }
 }
 
@@ -169,6 +189,7 @@ std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, s
     std::memmove(key_bytes(layer, destination), key_bytes(layer, source), bytes);
     std::memmove(value_bytes(layer, destination), value_bytes(layer, source), bytes);
   }
+  if (kivi()) kivi_copy_groups(source, destination, count);
   return count * bytes_per_slot();
 }
 

@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "attention_rows.hpp"
+#include "kivi_attention.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab::cpu {
@@ -103,6 +104,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
       x.row(first_rows[e] + static_cast<std::int64_t>(j)) =
           as_vector(weights_.embedding.row(batch[e].tokens[j])).transpose();
 
+  const bool kivi = dtype_is_kivi(pool_.shape().dtype);  // single-threaded writes
   RowMatrix &normed = normed_, &qkv = qkv_, &attention = attention_, &gate_up = gate_up_,
             &hidden = hidden_;
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
@@ -121,9 +123,14 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
       rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
       if (pool_.shape().hadamard_rotated)  // Q, K and V of every head: scores unchanged
         hadamard_rotate(values, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim);
-      if (slots[row] < 0) continue;
+      if (slots[row] < 0 || kivi) continue;
       pool_.write_row(l, slots[row], false, values + q_dim);
       pool_.write_row(l, slots[row], true, values + q_dim + kv_dim);
+    }
+    for (std::int64_t t = 0; kivi && t < rows; ++t) {  // a KIVI pool's writes: in slot order
+      if (slots[static_cast<std::size_t>(t)] < 0) continue;
+      pool_.write_row(l, slots[static_cast<std::size_t>(t)], false, qkv.row(t).data() + q_dim);
+      pool_.write_row(l, slots[static_cast<std::size_t>(t)], true, qkv.row(t).data() + q_dim + kv_dim);
     }
     attend(l, batch, first_rows, qkv, attention);
     if (pool_.shape().hadamard_rotated) {  // sum_j p_j H v_j = H o: back to o
@@ -340,6 +347,7 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
     return (task.kv_head + h / task.group) * shape.head_row_bytes();
   };
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const bool kivi = dtype_is_kivi(dtype);  // its groups' keys and values: kivi_attention.hpp
   RowMatrix scores(heads, task.keys());                                     // (heads, keys)
   const float* queries = q.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
   // A whole-entry task reads whole slot rows: while each head works on one chunk, it asks for
@@ -372,8 +380,12 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
     const auto [column, slot, count, readable] = chunks[i];
     for (std::int64_t h = 0; h < heads; ++h) {
       fetch_share(i + 1 < chunks.size() ? false : true, i + 1 < chunks.size() ? i + 1 : 0, h);
-      score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride, count,
-                 readable, hd, scale, &scores(h, column));
+      if (kivi)
+        score_kivi_keys(pool_, layer, task.kv_head + h / task.group, queries + h * hd, slot, count,
+                        scale, &scores(h, column));
+      else
+        score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride,
+                   count, readable, hd, scale, &scores(h, column));
     }
   }
   masked_softmax(task, scores);
@@ -383,8 +395,12 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
     const auto [column, slot, count, readable] = chunks[i];
     for (std::int64_t h = 0; h < heads; ++h) {
       fetch_share(true, i + 1, h);
-      add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset(h),
-                        stride, count, readable, hd, o + h * hd);
+      if (kivi)
+        add_kivi_values(pool_, layer, task.kv_head + h / task.group, &scores(h, column), slot,
+                        count, o + h * hd);
+      else
+        add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset(h),
+                          stride, count, readable, hd, o + h * hd);
     }
   }
 }
@@ -403,15 +419,7 @@ CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t sl
   thread_local std::vector<float> widened[2];  // K and V of the run being used
   auto& buffer = widened[value ? 1 : 0];
   buffer.resize(static_cast<std::size_t>(length * hd));
-  const std::int64_t offset = kv_head * shape.head_row_bytes();
-  for (std::int64_t j = 0; j < length; ++j) {
-    const std::byte* row =
-        value ? pool_.value_bytes(layer, slot + j) : pool_.key_bytes(layer, slot + j);
-    if (value)
-      widen_attention_row(shape.dtype, row + offset, hd, buffer.data() + j * hd);
-    else
-      key_row_to_f32(shape.dtype, row + offset, hd, buffer.data() + j * hd);
-  }
+  pool_.read_head_rows(layer, slot, length, value, kv_head, buffer.data());
   return {buffer.data(), length, hd, Eigen::OuterStride<>(hd)};
 }
 

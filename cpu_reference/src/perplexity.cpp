@@ -9,6 +9,7 @@
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -172,6 +173,11 @@ void check_options(const ModelConfig& c, std::int64_t text_tokens, const Perplex
   if (o.policy != nullptr && (o.policy_step < 1 || o.policy->budget() < 1))
     throw Error(fmt::format("a KV policy needs a step >= 1 token and a budget >= 1, not {} and {}",
                             o.policy_step, o.policy->budget()));
+  if (o.policy != nullptr && dtype_is_kivi(o.kv_dtype))
+    throw Error(fmt::format(
+        "KV dtype {} keeps each group of {} keys whole; a KV policy drops positions from inside "
+        "them: use another KV dtype (int2, q4_1) with it",
+        dtype_short_name(o.kv_dtype), kKiviGroup));
   if (o.window && *o.window < 1)
     throw Error(fmt::format("the attention window must be >= 1 position, not {}", *o.window));
   if (text_tokens < 2 * o.context)
@@ -269,8 +275,11 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
   const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window && !options.hadamard &&
                      options.policy == nullptr;
   const bool compare = options.compare_with_exact && !exact;
-  const std::int64_t room =
-      options.policy != nullptr ? PolicyStream::slots(*options.policy, options.policy_step) : n_ctx;
+  // A KIVI pool's key groups are 32 slots: each chunk's slots start a group.
+  const std::int64_t chunk_room = (n_ctx + kKiviGroup - 1) / kKiviGroup * kKiviGroup;
+  const std::int64_t room = options.policy != nullptr
+                                ? PolicyStream::slots(*options.policy, options.policy_step)
+                                : chunk_room;
   ScoringRun tested = make_run(weights, make_compute(), options.kv_dtype, options.hadamard,
                                options.window, parallel * room);
   std::optional<PolicyStream> stream;
@@ -280,7 +289,8 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
   ScoringRun reference;
   if (compare)
     reference =
-        make_run(weights, make_compute(), DType::dtype_f32, false, std::nullopt, parallel * n_ctx);
+        make_run(weights, make_compute(), DType::dtype_f32, false, std::nullopt,
+                 parallel * std::max(room, n_ctx));  // the tested run's slots, each chunk whole
 
   PerplexityResult result;
   result.compared = compare;
@@ -294,7 +304,7 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
       std::copy_n(tokens.begin() + (chunk + s) * n_ctx, n_ctx, seq);
       if (bos) seq[0] = *bos;  // llama.cpp: each chunk starts with BOS when the model adds one
       batch.push_back(
-          {{seq, static_cast<std::size_t>(n_ctx)}, 0, {{{s * n_ctx, n_ctx}}, 0, {}}, true});
+          {{seq, static_cast<std::size_t>(n_ctx)}, 0, {{{s * room, n_ctx}}, 0, {}}, true});
       sequences.push_back(batch.back().tokens);
     }
     // (seqs x (n_ctx - first), vocab): row s * (n_ctx - first) + i is position first + i of s.

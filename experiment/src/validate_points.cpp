@@ -7,8 +7,10 @@
 #include <filesystem>
 #include <map>
 #include <memory>
+#include <variant>
 
 #include "kvlab/error.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
@@ -154,16 +156,39 @@ void check_kv_policy(const ExperimentConfig& c, const PluginRegistry& registry) 
         c.kv_policy, c.backend));
 }
 
+// KIVI's key groups are 32 consecutive slots, written in order and copied whole (KvPool): a
+// paged allocator's blocks of a multiple of 32 slots, and every position of a sequence kept.
+void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
+  const auto block = allocator.values().find("block_size");
+  const std::int64_t* size =
+      block == allocator.values().end() ? nullptr : std::get_if<std::int64_t>(&block->second);
+  if (c.allocator != "paged" || size == nullptr || *size % kKiviGroup != 0)
+    throw Error(fmt::format(
+        "kv_cache.dtype = \"{}\" quantizes keys per channel over groups of {} consecutive slots: "
+        "it needs allocator \"paged\" with block_size a multiple of {}, not allocator \"{}\"{}",
+        dtype_short_name(c.kv_dtype), kKiviGroup, kKiviGroup, c.allocator,
+        size != nullptr ? fmt::format(" with block_size {}", *size) : std::string()));
+  if (!c.kv_policy.empty() || c.attention == "sliding_window")
+    throw Error(fmt::format(
+        "kv_cache.dtype = \"{}\" keeps each group of {} keys whole; {} drops positions from "
+        "inside them: use another kv_cache.dtype (int2, q4_1) with it",
+        dtype_short_name(c.kv_dtype), kKiviGroup,
+        c.kv_policy.empty() ? std::string("attention \"sliding_window\"")
+                            : fmt::format("KV policy \"{}\"", c.kv_policy)));
+}
+
 // One point's plugins exist and accept their parameters; the model, profile and trace resolve.
 void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
   check_backend_rules(c, check);
   auto check_plugin = [&](PluginKind kind, const std::string& name, const ParamMap& params) {
     const PluginInfo& info = registry.find(kind, name);
-    (void)validate_plugin_params(info.name, info.params, params);
+    return validate_plugin_params(info.name, info.params, params);
   };
   check_plugin(PluginKind::attention_variant, c.attention, c.attention_params);
-  check_plugin(PluginKind::kv_allocator, c.allocator, c.allocator_params);
+  const PluginParams allocator =
+      check_plugin(PluginKind::kv_allocator, c.allocator, c.allocator_params);
+  if (dtype_is_kivi(c.kv_dtype)) check_kivi(c, allocator);
   check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
   check_plugin(PluginKind::backend, c.backend, backend_params(c));
   if (c.profile.empty() &&

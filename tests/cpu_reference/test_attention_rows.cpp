@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "attention_rows.hpp"
+#include "kivi_attention.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -112,6 +113,62 @@ TEST(AttentionRows, Fp8WidensEveryCodeExactly) {
   }
 }
 #endif
+
+}  // namespace
+}  // namespace kvlab::cpu
+
+namespace kvlab::cpu {
+namespace {
+
+// KIVI pools (kivi_attention.hpp): scores and weighted sums over runs that cross sealed groups
+// and end in an open one (and start inside a group) against plain loops over the rows the pool
+// reads back (KvPool::read_head_rows). Tolerance as above: fp32 sums in another order, terms
+// bounded by |q| (|x| + |min|) for the sealed keys (q x code x scale and q . min summed apart).
+TEST(KiviAttention, ScoresAndWeightedSumsEqualPlainLoopsOverTheRowsTheyRead) {
+  std::mt19937 rng(5);
+  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
+  for (const DType dtype : {DType::dtype_kivi2, DType::dtype_kivi4})
+    for (const std::int64_t hd : {64, 128}) {
+      KvPool pool({1, 2, hd, 96, dtype});
+      std::vector<float> row(static_cast<std::size_t>(2 * hd));
+      for (std::int64_t slot = 0; slot < 75; ++slot)  // groups 0 and 1 sealed, 2 open
+        for (const bool v : {false, true}) {
+          for (float& x : row) x = value(rng) + (v ? 0.0f : 3.0f * (&x - row.data() == 5));
+          pool.write_row(0, slot, v, row.data());
+        }
+      std::vector<float> q(static_cast<std::size_t>(hd)), p(75);
+      for (float& x : q) x = value(rng);
+      for (float& x : p) x = 0.5f + 0.5f * value(rng);
+      for (const auto& [first, count] : {std::pair<std::int64_t, std::int64_t>{0, 75}, {5, 61}}) {
+        std::vector<float> keys(static_cast<std::size_t>(count * hd)), values(keys.size());
+        pool.read_head_rows(0, first, count, false, 1, keys.data());
+        pool.read_head_rows(0, first, count, true, 1, values.data());
+        std::vector<float> scores(static_cast<std::size_t>(count)), o(static_cast<std::size_t>(hd));
+        score_kivi_keys(pool, 0, 1, q.data(), first, count, 0.125f, scores.data());
+        add_kivi_values(pool, 0, 1, p.data(), first, count, o.data());
+        for (std::int64_t j = 0; j < count; ++j) {
+          double dot = 0, bound = 0;
+          for (std::int64_t d = 0; d < hd; ++d) {
+            const float x = keys[static_cast<std::size_t>(j * hd + d)], qd = q[static_cast<std::size_t>(d)];
+            dot += qd * x;
+            bound += std::fabs(qd) * (2 * std::fabs(x) + 5.0);  // |min| <= 4 + |x| (values in [-1, 4])
+          }
+          EXPECT_NEAR(scores[static_cast<std::size_t>(j)], 0.125 * dot, 0.125 * hd * 1.2e-7 * bound)
+              << dtype_short_name(dtype) << " hd " << hd << " key " << first + j;
+        }
+        for (std::int64_t d = 0; d < hd; ++d) {
+          double sum = 0, bound = 0;
+          for (std::int64_t j = 0; j < count; ++j) {
+            const float x = values[static_cast<std::size_t>(j * hd + d)];
+            sum += p[static_cast<std::size_t>(j)] * x;
+            bound += p[static_cast<std::size_t>(j)] * (2 * std::fabs(x) + 1.0);
+          }
+          EXPECT_NEAR(o[static_cast<std::size_t>(d)], sum, count * 1.2e-7 * bound)
+              << dtype_short_name(dtype) << " hd " << hd << " column " << d;
+        }
+      }
+    }
+}
 
 }  // namespace
 }  // namespace kvlab::cpu

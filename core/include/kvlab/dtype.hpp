@@ -33,6 +33,13 @@ enum class DType : std::uint8_t {
   // baseline its per-channel keys beat at 2 bits):
   dtype_q4_1,     // "q4_1": llama.cpp's: fp16 scale, fp16 min, 16 bytes of nibbles (20 bytes)
   dtype_kv_int2,  // "int2": fp16 scale, fp16 min, 8 bytes of 2-bit codes (12 bytes)
+  // KIVI (Liu et al. 2024): keys quantized per channel over groups of 32 tokens, values per token
+  // (as int2 / q4_1 rows), the open group of each sequence kept in fp16 until its 32nd token
+  // (kvlab/kv/kivi_groups.hpp). A row is as long as the value format's: int2's 12 bytes per 32
+  // values (kivi2) or q4_1's 20 (kivi4); a key row holds its codes and a 32nd of its group's
+  // per-channel scales and mins.
+  dtype_kivi2,  // "kivi2": 2-bit codes
+  dtype_kivi4,  // "kivi4": 4-bit codes
 };
 
 // Bytes per value; 0 for the grouped KV formats (dtype_row_bytes).
@@ -41,7 +48,11 @@ std::size_t dtype_size(DType dtype);
 std::int64_t dtype_row_bytes(DType dtype, std::int64_t values);
 // The KV formats of 32-value blocks, each with its own scale: q8_0, q4_0, q4_1, int2.
 bool dtype_is_kv_block_format(DType dtype);
-// False for a row length a block format cannot hold (q8_0, q4_0, q4_1, int2: a multiple of 32).
+// kivi2, kivi4; and the per-token format of their value rows (int2, q4_1).
+bool dtype_is_kivi(DType dtype);
+DType kivi_value_dtype(DType dtype);
+// False for a row length a block format cannot hold (q8_0, q4_0, q4_1, int2, kivi2, kivi4: a
+// multiple of 32).
 bool dtype_row_fits(DType dtype, std::int64_t values);
 // The fp32 value of every fp8 e4m3 byte (e4m3fn: no infinities, 0x7f and 0xff are NaN).
 const float* fp8_e4m3_values();
@@ -57,7 +68,8 @@ bool dtype_converts_to_f32(DType dtype);
 
 // Converts n elements (little-endian bytes, one row: dtype_row_bytes(dtype, n) of them) to
 // fp32. Precondition: dtype_converts_to_f32, or a KV dtype (fp8 and the grouped formats; a
-// grouped row is quantized as one row: int8's one scale covers all n values).
+// grouped row is quantized as one row: int8's one scale covers all n values; a kivi dtype's row
+// is its value row: kivi_value_dtype's).
 void convert_to_f32(DType dtype, std::span<const std::byte> source, std::span<float> destination);
 // Converts fp32 values to f32/f16/bf16 bytes with round-to-nearest-even (bit-exact everywhere),
 // to fp8 e4m3 (nearest even, saturated at +-448) or to a grouped format's row (llama.cpp's

@@ -120,8 +120,30 @@ class KvPool {
   // the dtype: slot_width() floats (a quantized format quantizes each head's row on its own).
   void read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const;
   void write_row(std::int64_t layer, std::int64_t slot, bool value, const float* row);
+  // Head `head`'s rows of `count` consecutive slots (K, or V when `value`) widened to fp32: out
+  // (count, head_dim), row-major.
+  void read_head_rows(std::int64_t layer, std::int64_t slot, std::int64_t count, bool value,
+                      std::int64_t head, float* out) const;
   // Bytes one slot holds over all layers, K and V, in the pool's dtype.
   std::int64_t bytes_per_slot() const;
+
+  // A KIVI pool (kivi2, kivi4; kvlab/kv/kivi_groups.hpp) quantizes keys per channel over groups
+  // of 32 slots, [32g, 32g + 32). A group is open from the write of one of its rows until the
+  // write of its last row (slot 32g + 31) seals it: until then its K and V rows of each layer live
+  // in fp16 beside the pool (KIVI's full-precision residual) and its slot rows are unused. Writes
+  // must then come in slot order within a group, one thread at a time, as a paged allocator with
+  // blocks of a multiple of 32 slots makes them; a write into a sealed group reopens it (its rows
+  // dequantized). Copies and swaps carry open groups.
+  //
+  // The fp16 slot row (kv_heads x head_dim values) of an open group's row; nullptr when its
+  // group is sealed (or this is not a KIVI pool).
+  const std::uint16_t* open_row(std::int64_t layer, std::int64_t slot, bool value) const;
+  // Forgets the open groups wholly inside [first_slot, first_slot + count): their slots were
+  // freed (an allocator's released block). Nothing for other pools.
+  void discard_open_groups(std::int64_t first_slot, std::int64_t count);
+  // The fp16 residual held now, and one open group's: 2 x layers x 32 x slot_width x 2 bytes.
+  std::int64_t open_group_bytes() const;
+  std::int64_t bytes_per_open_group() const;
   // Copies `count` slots starting at `source` to `destination` in every layer, K and V
   // (ranges may overlap). Returns the bytes copied.
   std::int64_t copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count);
@@ -131,6 +153,23 @@ class KvPool {
     return (layer * shape_.slots + slot) * shape_.slot_row_bytes();
   }
   float* as_floats(std::byte* p) const;  // checks the dtype is f32
+  // An open KIVI group: rows (layers, 2 [K, V], 32, slot_width) fp16, and which (layer, K/V)
+  // halves are still open (the others sealed in the slot rows).
+  struct OpenGroup {
+    std::vector<std::uint16_t> rows;
+    std::vector<std::uint8_t> open;  // (layers, 2)
+  };
+  bool kivi() const { return dtype_is_kivi(shape_.dtype) && has_storage(); }
+  std::uint16_t* group_row(OpenGroup& group, std::int64_t layer, bool value, std::int64_t r) const;
+  OpenGroup& reopen(std::int64_t group, std::int64_t layer, bool value, std::int64_t r);
+  void fill_from_slots(OpenGroup& open, std::int64_t group, std::int64_t layer, bool value) const;
+  void seal(std::int64_t group, std::int64_t layer, bool value);
+  void release_group(std::int64_t group);
+  void kivi_write_row(std::int64_t layer, std::int64_t slot, bool value, const float* row);
+  void kivi_read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const;
+  void kivi_read_head_rows(std::int64_t layer, std::int64_t slot, std::int64_t count, bool value,
+                           std::int64_t head, float* out) const;
+  void kivi_copy_groups(std::int64_t source, std::int64_t destination, std::int64_t count);
   KvPoolShape shape_;
   KvDeviceStorage* device_ = nullptr;
   struct Free {
@@ -142,6 +181,9 @@ class KvPool {
   static Buffer allocate(std::int64_t bytes);
   Buffer keys_;    // (layers, slots, kv_heads, head row)
   Buffer values_;  // (layers, slots, kv_heads, head row)
+  std::vector<std::unique_ptr<OpenGroup>> open_groups_;  // (slots / 32): null when not open
+  std::vector<std::unique_ptr<OpenGroup>> spare_groups_;  // released, for reuse
+  std::int64_t open_count_ = 0;
 };
 
 // A contiguous run of slots holding consecutive tokens of one sequence.

@@ -137,11 +137,7 @@ void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
     if (from == first || (!pool.has_storage() && pool.device() == nullptr)) {
       part = std::move(r.swap.data);
     } else {  // the buffer's tail positions [from, computed), per layer half
-      const std::int64_t width = swap_row_bytes(pool), keep = r.computed - from;
-      part.resize(static_cast<std::size_t>(2 * pool.shape().layers * keep * width));
-      for (std::int64_t half = 0; half < 2 * pool.shape().layers; ++half)
-        std::copy_n(r.swap.data.data() + (half * tokens + (from - first)) * width, keep * width,
-                    part.data() + half * keep * width);
+      part = swapped_positions_from(pool, r.swap.data, tokens, from - first);
     }
     if (r.swap.transferred)  // its bytes crossed the cluster's link, priced there: time only
       applied_.swap_copy_s += timed_copy(pool, kv_.view(r.id), from, r.computed, part, false);

@@ -173,7 +173,7 @@ class PagedAllocator final : public KvAllocator {
     const auto hits = static_cast<std::int64_t>(s.table.size());
     s.computed_blocks = hits;
     while (static_cast<std::int64_t>(s.table.size()) < blocks_for(length))
-      s.table.push_back(blocks_.take());
+      s.table.push_back(take_block());
     s.tokens.assign(r.prompt.begin(), r.prompt.end());
     s.length = s.slots = length;
     s.plan_slot = take_plan_slot();
@@ -197,10 +197,10 @@ class PagedAllocator final : public KvAllocator {
       if (s.slot_positions.empty()) trim_view(s, last_fill);
       const BlockId last = s.table.back();
       if (blocks_.ref_count(last) > 1) {
-        const BlockId copy = blocks_.take();
+        const BlockId copy = take_block();
         bytes_copied_ += pool_->copy_slots(std::int64_t{last} * block_size_,
                                            std::int64_t{copy} * block_size_, last_fill);
-        blocks_.release(last);
+        release_block(last);
         s.table.back() = copy;
       }
     }
@@ -211,7 +211,7 @@ class PagedAllocator final : public KvAllocator {
     s.slots += n;
     s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
     while (static_cast<std::int64_t>(s.table.size()) < blocks_for(s.slots))
-      s.table.push_back(blocks_.take());
+      s.table.push_back(take_block());
     if (s.slot_positions.empty()) {
       fill_blocks_from(s, first_written);
       extend_view(s, first_written);
@@ -255,7 +255,7 @@ class PagedAllocator final : public KvAllocator {
     const std::int64_t whole_blocks = std::min(position, s.length) / block_size_;
     if (s.first_block >= whole_blocks) return;
     for (; s.first_block < whole_blocks; ++s.first_block) {
-      blocks_.release(s.table[index(s.first_block)]);
+      release_block(s.table[index(s.first_block)]);
       s.table[index(s.first_block)] = -1;
     }
     rebuild_view(s);
@@ -296,7 +296,7 @@ class PagedAllocator final : public KvAllocator {
     if (it == sequences_.end()) return;
     // Last block first into the eviction queue, so a shared prefix's first blocks go last.
     for (auto b = it->second.table.rbegin(); b != it->second.table.rend(); ++b)
-      if (*b >= 0) blocks_.release(*b);
+      if (*b >= 0) release_block(*b);
     free_plan_slots_.push_back(it->second.plan_slot);
     sequences_.erase(it);
   }
@@ -449,7 +449,7 @@ class PagedAllocator final : public KvAllocator {
       if (c.device) {
         b = *c.device;
       } else {
-        b = blocks_.take();
+        b = take_block();
         blocks_.set_uses(b, tiers_->load(c.tier, b));
         blocks_.set_fill(b, block_size_);
         blocks_.register_prefix(b, c.hash, block_of(prompt, static_cast<std::int64_t>(i)),
@@ -533,7 +533,7 @@ class PagedAllocator final : public KvAllocator {
       std::int64_t held = 0;
       for (std::int64_t i = b * block_size_; i < end; ++i) held += s.slot_positions[index(i)] >= 0;
       if (held == 0 && b + 1 < blocks) {
-        blocks_.release(s.table[index(b)]);
+        release_block(s.table[index(b)]);
         s.table[index(b)] = -1;
       } else {
         dropped += end - b * block_size_ - held;
@@ -551,11 +551,11 @@ class PagedAllocator final : public KvAllocator {
     if (shared > blocks_.free_blocks()) return false;
     for (BlockId& b : s.table) {
       if (b < 0 || blocks_.ref_count(b) == 1) continue;
-      const BlockId copy = blocks_.take();
+      const BlockId copy = take_block();
       bytes_copied_ += pool_->copy_slots(std::int64_t{b} * block_size_,
                                          std::int64_t{copy} * block_size_, block_size_);
       blocks_.set_fill(copy, blocks_.fill(b));
-      blocks_.release(b);
+      release_block(b);
       b = copy;
     }
     return true;
@@ -580,11 +580,25 @@ class PagedAllocator final : public KvAllocator {
     }
     const auto kept_blocks = blocks_for(static_cast<std::int64_t>(positions.size()));
     for (std::size_t b = index(kept_blocks); b < held_blocks.size(); ++b)
-      blocks_.release(held_blocks[b]);
+      release_block(held_blocks[b]);
     held_blocks.resize(index(kept_blocks));
     s.table = std::move(held_blocks);
     s.slots = static_cast<std::int64_t>(positions.size());
     s.slot_positions = std::move(positions);
+  }
+
+  // Every block leaves and joins a sequence here: a KIVI pool forgets the open key groups a
+  // freed block held (KvPool::discard_open_groups), so its fp16 residual is bounded by the live
+  // sequences' last groups, and a taken block starts with none.
+  void release_block(BlockId b) {
+    blocks_.release(b);
+    if (blocks_.ref_count(b) == 0)
+      pool_->discard_open_groups(std::int64_t{b} * block_size_, block_size_);
+  }
+  BlockId take_block() {
+    const BlockId b = blocks_.take();
+    pool_->discard_open_groups(std::int64_t{b} * block_size_, block_size_);
+    return b;
   }
 
   KvPool* pool_;
