@@ -8,6 +8,7 @@
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/kv_pool.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
@@ -79,6 +80,7 @@ void print_plan_json(const ModelConfig& c, const HardwareProfile& device, const 
                         {"kv_capacity_tokens", p.kv_capacity_tokens},
                         {"static_tokens_per_request", p.static_tokens_per_request},
                         {"paged_tokens_per_request", p.paged_tokens_per_request},
+                        {"kv_residual_bytes_per_request", p.kv_residual_bytes_per_request},
                         {"max_static_requests", p.max_static_requests},
                         {"max_paged_requests", p.max_paged_requests}};
   for (const auto& [name, heads] : variants) {
@@ -160,6 +162,9 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
                  ? fmt::format(" ({:.1f}x)", static_cast<double>(p.max_paged_requests) /
                                                  static_cast<double>(p.max_static_requests))
                  : std::string());
+  if (p.kv_residual_bytes_per_request > 0)
+    fmt::print("        and {} of KIVI's open group each (up to {} tokens in fp16)\n",
+               human_bytes(static_cast<double>(p.kv_residual_bytes_per_request)), kKiviGroup);
   fmt::print("\n{:<8} {:>8} {:>12} {:>12} {:>8} {:>8}\n", "variant", "kv_heads", "per token",
              "KV tokens", "static", "paged");
   for (const auto& [name, heads] : variants) {
@@ -182,6 +187,7 @@ void print_kv_json(const MemoryOptions& o, const ModelConfig& c, const KvMemoryQ
                         {"kv_heads", r.kv_heads},
                         {"bytes_per_token", r.bytes_per_token},
                         {"bytes_per_request", r.bytes_per_request},
+                        {"residual_bytes_per_request", r.residual_bytes_per_request},
                         {"bytes_total", r.bytes_total},
                         {"weight_bytes", r.weight_bytes}};
   if (r.max_batch) out["max_batch"] = *r.max_batch;
@@ -244,8 +250,12 @@ void run_memory(const MemoryOptions& o) {
   fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
              human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
              c.head_dim, element, r.bytes_per_token);
-  fmt::print("  per request  {:>12}  ({} tokens, {} B)\n",
-             human_bytes(static_cast<double>(r.bytes_per_request)), o.seq_len, r.bytes_per_request);
+  fmt::print("  per request  {:>12}  ({} tokens, {} B{})\n",
+             human_bytes(static_cast<double>(r.bytes_per_request)), o.seq_len, r.bytes_per_request,
+             r.residual_bytes_per_request > 0
+                 ? fmt::format(", of them {} B for KIVI's open group: up to {} tokens in fp16",
+                               r.residual_bytes_per_request, kKiviGroup)
+                 : std::string());
   fmt::print("  total        {:>12}  (batch {}, {} B)\n",
              human_bytes(static_cast<double>(r.bytes_total)), o.batch, r.bytes_total);
   fmt::print("weights        {:>12}  ({} x {} parameters)\n",
@@ -278,8 +288,9 @@ void register_memory(CLI::App& app) {
   sub->add_option("--batch", o->batch, "Concurrent requests")->capture_default_str();
   sub->add_option(
       "--dtype", o->dtype,
-      "KV dtype: f32, f16, bf16, fp8, or a quantized row format int8, q8_0, q4_0, q4_1, int2 "
-      "(scales counted) (default: f16, or the GPU profile's)");
+      "KV dtype: f32, f16, bf16, fp8, or a quantized row format int8, q8_0, q4_0, q4_1, int2, "
+      "kivi2, kivi4 (scales and KIVI's fp16 open group counted) (default: f16, or the GPU "
+      "profile's)");
   sub->add_option("--weight-dtype", o->weight_dtype, "Weight element type (default: --dtype)");
   sub->add_option("--kv-heads", o->kv_heads, "KV heads (MHA = query heads, GQA = groups, MQA = 1)");
   sub->add_option("--gpu-mem", o->gpu_mem, "Device memory in GiB: report the max batch that fits")

@@ -35,6 +35,7 @@ void summarize_memory_and_predictions(RunOutput& out, bool predictions) {
     out.mean_kv_used += static_cast<double>(s.kv.used - s.padding_slots) / capacity;
     out.mean_batch += static_cast<double>(s.batch - s.padding);
     out.max_batch = std::max(out.max_batch, s.batch - s.padding);
+    out.peak_kv_residual_bytes = std::max(out.peak_kv_residual_bytes, s.kv_residual_bytes);
     out.mean_kv_waste += wasted_slots(s) / capacity;
     held += static_cast<double>(s.kv.used + s.kv.reserved_unused + s.kv.last_block_slack);
     held_waste +=

@@ -45,7 +45,7 @@ TEST(Cli, PerplexityRefusesBadInput) {
   expect_failure("perplexity --model stories15m -f /nonexistent.txt", "/nonexistent.txt");
   expect_failure(
       "perplexity --model stories15m -f " + text + " --kv-dtype q5_k",
-      "--kv-dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, not \"q5_k\"");
+      "--kv-dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, kivi2, kivi4, not \"q5_k\"");
   expect_failure("perplexity --model stories15m -f " + text + " --window -1", "--window");
   expect_failure("perplexity -f " + text, "--model");
   const std::string run = "perplexity --model stories15m -f " + text;
@@ -279,7 +279,7 @@ TEST(Cli, MemoryReproducesTheSeedTableCorrectly) {
   expect_failure("memory --model llama-7b --seq-len 2048 --kv-heads 3", "kv-heads 3");
   expect_failure(
       "memory --model llama-7b --seq-len 2048 --dtype f64",
-      "--dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, not \"f64\"");
+      "--dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, kivi2, kivi4, not \"f64\"");
   expect_failure("memory --model stories15m --seq-len 64 --dtype q8_0",  // head_dim 48
                  "q8_0 KV needs head_dim to be a multiple of 32");
   expect_failure("memory --model llama-7b", "--seq-len");

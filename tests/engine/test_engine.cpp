@@ -44,6 +44,7 @@ struct EngineSetup {
   std::optional<std::int64_t> window;               // sliding-window attention
   std::string kv_policy;                            // a kv_policy plugin, or none
   std::map<std::string, ParamValue, std::less<>> kv_policy_params;
+  const cpu::LlamaWeights* model = nullptr;  // another model than weights()
 };
 
 // The scheduler plugin, with what it is shown passed on to `sees` first.
@@ -62,7 +63,8 @@ class WatchedScheduler final : public Scheduler {
 };
 
 EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequest>& requests) {
-  const ModelConfig& c = weights().config;
+  const cpu::LlamaWeights& model = setup.model != nullptr ? *setup.model : weights();
+  const ModelConfig& c = model.config;
   KvPool pool(
       {c.num_hidden_layers, c.num_key_value_heads, c.head_dim, setup.slots, setup.kv_dtype});
   PluginContext context;
@@ -73,7 +75,7 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
       setup.allocator, setup.allocator_params, context);
   auto scheduler = test::plugin_registry().create<PluginKind::scheduler>(
       setup.scheduler, setup.scheduler_params, context);
-  cpu::CpuBackend backend(weights(), pool, setup.window);
+  cpu::CpuBackend backend(model, pool, setup.window);
   const CostModel cost(c, load_hardware_profile("cpu"));  // prices the virtual clock's steps
   EngineOptions options;
   PluginObject<KvPolicy> policy;
@@ -527,6 +529,64 @@ TEST(Engine, HalfKvPoolsSwapTheirOwnBytesLosslessly) {
     const EngineResult unpreempted = run_engine(roomy, requests);
     EXPECT_EQ(swapped_bytes(unpreempted), 0);
     EXPECT_EQ(swapped.tokens, unpreempted.tokens) << dtype_short_name(dtype);
+  }
+}
+
+// The tiny model with two heads of 32 (KIVI's groups need head_dim a multiple of 32).
+const cpu::LlamaWeights& weights_head_dim_32() {
+  static const cpu::LlamaWeights w = [] {
+    ModelConfig c = model_preset("tiny");
+    c.num_attention_heads = c.num_key_value_heads = 2;
+    c.head_dim = 32;
+    return test::scaled_random_weights(c, 99);
+  }();
+  return w;
+}
+
+// A KIVI pool (per-channel key groups of 32 slots, the open group in fp16 beside the pool):
+// swapping carries the sealed rows as stored and the open group's fp16 rows, prefix hits share
+// sealed blocks, so a run with swap preemption makes the tokens of the same pool never preempted;
+// freed blocks take their open groups with them (none is left once every request is done).
+TEST(Engine, KiviPoolsSwapTheirSealedAndOpenGroupsLosslessly) {
+  SyntheticWorkload spec;
+  spec.requests = 6;
+  spec.seed = 17;
+  spec.vocab_size = weights_head_dim_32().config.vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 40, 70};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 12, 12};
+  spec.prefix_groups = 2;
+  spec.prefix_tokens = 32;
+  std::vector<WorkloadRequest> requests = generate_workload(spec);
+  for (auto& r : requests) {
+    r.arrival_s = 0;
+    r.sampling.max_tokens = r.output_tokens;
+    r.sampling.ignore_eos = true;  // the same lengths, so the same schedule, in every run
+  }
+  for (DType dtype : {DType::dtype_kivi2, DType::dtype_kivi4}) {
+    EngineSetup tight;
+    tight.model = &weights_head_dim_32();
+    tight.kv_dtype = dtype;
+    tight.allocator_params = {{"block_size", std::int64_t{32}}};
+    tight.max_seq_len = 96;
+    tight.slots = 160;  // 5 blocks: two or three sequences at once
+    tight.swap_slots = 1000;
+    tight.scheduler_params = {{"preemption", std::string("swap")}};
+    EngineSetup roomy = tight;
+    roomy.slots = 1024;
+    const EngineResult swapped = run_engine(tight, requests), unpreempted = run_engine(roomy, requests);
+    std::int64_t swapped_bytes = 0, hits = 0;
+    for (const auto& t : swapped.requests) {
+      swapped_bytes += t.swapped_bytes;
+      hits += t.prefix_hit_tokens;  // admitted after others' prompts sealed a shared block
+    }
+    EXPECT_GT(swapped_bytes, 0) << dtype_short_name(dtype);
+    EXPECT_GT(hits, 0) << dtype_short_name(dtype);
+    EXPECT_EQ(swapped.tokens, unpreempted.tokens) << dtype_short_name(dtype);
+    std::int64_t peak = 0;
+    for (const auto& s : swapped.steps) peak = std::max(peak, s.kv_residual_bytes);
+    EXPECT_GT(peak, 0);
+    EXPECT_EQ(swapped.steps.back().kv_residual_bytes, 0);
   }
 }
 

@@ -865,6 +865,19 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   EXPECT_NE(blocks.find("multiple of 32, and tiny has 16"), std::string::npos) << blocks;
   EXPECT_NE(load_error({"kv_cache.dtype=\"f16\""}, true).find("check with kv_cache.dtype"),
             std::string::npos);
+  // KIVI's key groups: 32 consecutive slots of a paged block, every position kept.
+  const std::string kivi = load_error({"kv_cache.dtype=\"kivi2\""});
+  EXPECT_NE(kivi.find("needs allocator \"paged\" with block_size a multiple of 32"),
+            std::string::npos)
+      << kivi;
+  EXPECT_NE(kivi.find("with block_size 16"), std::string::npos) << kivi;
+  const std::string kivi_hd =
+      load_error({"kv_cache.dtype=\"kivi4\"", "kv_cache.params.block_size=64"});
+  EXPECT_NE(kivi_hd.find("multiple of 32, and tiny has 16"), std::string::npos) << kivi_hd;
+  const std::string kivi_window = load_error(
+      {"kv_cache.dtype=\"kivi2\"", "kv_cache.params.block_size=32", "attention.variant=\"sliding_window\""});
+  EXPECT_NE(kivi_window.find("drops positions from inside them"), std::string::npos)
+      << kivi_window;
   EXPECT_NE(load_error({"backend.weights=\"q4_0\""}, true).find("rounds them first"),
             std::string::npos);
   EXPECT_NE(load_error({"backend.activations=\"int4\""})

@@ -369,6 +369,7 @@ void Engine::record_step(StepRecord record, bool fragmentation_blocked) {
   record.waiting = static_cast<std::int64_t>(table_->waiting().size());
   record.running = static_cast<std::int64_t>(table_->running().size());
   record.kv = allocator_.stats();
+  if (options_.pool != nullptr) record.kv_residual_bytes = options_.pool->open_group_bytes();
   record.blocking_unusable_free = fragmentation_blocked ? record.kv.unusable_free : 0;
   record.padding_slots = padding_.slots();
   if (record.kv.evictions > evictions_seen_) {  // cached prefix blocks reused for other data

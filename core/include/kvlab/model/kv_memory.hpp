@@ -21,7 +21,11 @@ struct KvMemoryQuery {
 struct KvMemoryReport {
   std::int64_t kv_heads = 0;
   std::int64_t bytes_per_token = 0;    // one token, all layers, K and V
-  std::int64_t bytes_per_request = 0;  // seq_len tokens
+  std::int64_t bytes_per_request = 0;  // seq_len tokens (+ residual_bytes_per_request)
+  // A KIVI cache's open group (kvlab/kv/kivi_groups.hpp): up to 32 of a request's newest tokens
+  // also held in fp16 until their group seals, min(seq_len, 32) x 2 x layers x kv_heads x
+  // head_dim x 2 B; 0 for the other dtypes.
+  std::int64_t residual_bytes_per_request = 0;
   std::int64_t bytes_total = 0;        // batch requests
   std::int64_t weight_bytes = 0;       // parameters x weight dtype size
   // Requests of seq_len tokens that fit next to the weights: floor((gpu - weights) / request).
@@ -65,6 +69,9 @@ struct MemoryPlan {
   std::int64_t kv_capacity_tokens = 0;  // floor(budget / bytes per token) x context_parallel
   std::int64_t static_tokens_per_request = 0;
   std::int64_t paged_tokens_per_request = 0;  // ceil((prompt + output) / block) x block
+  // A KIVI cache's fp16 open group per request (KvMemoryReport), one GPU's share: paid beside
+  // its paged tokens (max_paged_requests counts it).
+  std::int64_t kv_residual_bytes_per_request = 0;
   std::int64_t max_static_requests = 0;
   std::int64_t max_paged_requests = 0;
 };

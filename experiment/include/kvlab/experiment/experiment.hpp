@@ -219,6 +219,9 @@ struct RunOutput {
   // most at once, what a smaller KV dtype or attention variant lets run together.
   double mean_batch = 0;
   std::int64_t max_batch = 0;
+  // A KIVI pool's fp16 open groups, the most any step held (StepRecord::kv_residual_bytes): KV
+  // memory beyond the pool's slots.
+  std::int64_t peak_kv_residual_bytes = 0;
   // With a cost model and the measured clock, per step: |predicted - measured| / measured, and
   // measured / predicted (signed: above 1, the steps ran slower than the profile prices them;
   // a whole run's median far from 1 means the machine or the profile, not the engine, is off).
