@@ -17,9 +17,10 @@ namespace kvlab::cpu {
 namespace {
 
 struct TinyText {
-  LlamaWeights weights = random_llama_weights(model_preset("tiny"), 3);
+  LlamaWeights weights;
   std::vector<std::int32_t> tokens;
-  explicit TinyText(std::size_t n) {
+  explicit TinyText(std::size_t n, const ModelConfig& config = model_preset("tiny"))
+      : weights(random_llama_weights(config, 3)) {
     std::mt19937 rng(9);
     std::uniform_int_distribution<std::int32_t> id(
         0, static_cast<std::int32_t>(weights.config.vocab_size - 1));
@@ -128,6 +129,44 @@ TEST(Perplexity, RefusesTextsAndOptionsItCannotScore) {
   options.parallel = 1;
   options.window = 0;
   test::expect_error_containing([&] { (void)text.measure(options, 1); }, {"window", ">= 1"});
+}
+
+// KIVI pools: each chunk's slots start a group of 32 (a context of 40 takes 64 slots), keys of
+// 2 bits per channel cost more than 4, and a KV policy, which would drop positions from inside the
+// groups, is refused.
+TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
+  ModelConfig config = model_preset("tiny");
+  config.num_attention_heads = config.num_key_value_heads = 2;
+  config.head_dim = 32;
+  TinyText text(4 * 40, config);
+  PerplexityOptions options;
+  options.context = 40;
+  options.parallel = 2;
+  options.kv_dtype = DType::dtype_kivi4;
+  const PerplexityResult kivi4 = text.measure(options, 1);
+  options.kv_dtype = DType::dtype_kivi2;
+  const PerplexityResult kivi2 = text.measure(options, 1);
+  ASSERT_TRUE(kivi4.compared);
+  EXPECT_EQ(kivi4.chunks, 4);
+  EXPECT_GT(kivi4.mean_kl(), 0);
+  EXPECT_LT(kivi4.mean_kl(), 0.05);
+  EXPECT_GT(kivi2.mean_kl(), kivi4.mean_kl());
+  options.parallel = 1;  // one chunk a forward: the same groups, so the same figures
+  const PerplexityResult alone = text.measure(options, 1);
+  EXPECT_NEAR(alone.ppl(), kivi2.ppl(), 1e-6 * kivi2.ppl());
+  EXPECT_NEAR(alone.mean_kl(), kivi2.mean_kl(), 1e-6 * kivi2.mean_kl());
+  struct KeepAll final : KvPolicy {
+    std::int64_t budget() const override { return 64; }
+    std::int32_t scored_queries() const override { return 0; }
+    std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
+      std::copy(step.positions.begin(), step.positions.end(), kept.begin());
+      return static_cast<std::int64_t>(step.positions.size());
+    }
+    void forget(std::int64_t) override {}
+  } keep_all;
+  options.policy = &keep_all;
+  test::expect_error_containing([&] { (void)text.measure(options, 1); },
+                                {"kivi2", "group of 32 keys whole", "KV policy"});
 }
 
 // A KV policy for the tests: keeps its first `sinks` positions and the newest, `budget` in all
