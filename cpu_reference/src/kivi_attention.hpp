@@ -30,8 +30,11 @@ __m256 kivi_codes8(const std::byte* row, std::int64_t d) {
 template <int Bits>
 void score_kivi_codes(const float* q_scaled, float c, const std::byte* k, std::int64_t stride,
                       std::int64_t count, std::int64_t hd, float scale, float* scores) {
+  const std::int64_t code_bytes = kivi_code_bytes(Bits, hd);
   std::int64_t j = 0;
   for (; j + 8 <= count; j += 8) {
+    for (std::int64_t r = j + 8; r < std::min(j + 16, count); ++r)  // the next 8 rows' codes
+      prefetch_row(k + r * stride, code_bytes);
     __m256 acc[8];
     for (auto& a : acc) a = _mm256_setzero_ps();
     for (std::int64_t d = 0; d < hd; d += 8) {
@@ -55,33 +58,29 @@ void score_kivi_codes(const float* q_scaled, float c, const std::byte* k, std::i
 #endif
 
 // Scores of q against rows [r0, r0 + count) of a sealed key group (its 32 rows at `group`,
-// `stride` bytes apart, one head's).
+// `stride` bytes apart, one head's). scratch: 3 x hd floats.
 inline void score_kivi_group(int bits, const float* q, const std::byte* group, std::int64_t stride,
                              std::int64_t r0, std::int64_t count, std::int64_t hd, float scale,
-                             float* scores) {
-  thread_local std::vector<float> scales, mins, q_scaled;
-  scales.resize(static_cast<std::size_t>(hd));
-  mins.resize(scales.size());
-  q_scaled.resize(scales.size());
-  kivi_key_params(bits, group, stride, hd, scales.data(), mins.data());
+                             float* scores, float* scratch) {
+  float *scales = scratch, *mins = scratch + hd, *q_scaled = scratch + 2 * hd;
+  kivi_key_params(bits, group, stride, hd, scales, mins);
   float c = 0;
-  for (std::size_t d = 0; d < scales.size(); ++d) {
+  for (std::int64_t d = 0; d < hd; ++d) {
     q_scaled[d] = q[d] * scales[d];
     c += q[d] * mins[d];
   }
   const std::byte* k = group + r0 * stride;
 #if KVLAB_ATTENTION_SIMD
   if (hd % 32 == 0) {
-    if (bits == 2) return score_kivi_codes<2>(q_scaled.data(), c, k, stride, count, hd, scale, scores);
-    return score_kivi_codes<4>(q_scaled.data(), c, k, stride, count, hd, scale, scores);
+    if (bits == 2) return score_kivi_codes<2>(q_scaled, c, k, stride, count, hd, scale, scores);
+    return score_kivi_codes<4>(q_scaled, c, k, stride, count, hd, scale, scores);
   }
 #endif
-  thread_local std::vector<float> row;
-  row.resize(scales.size());
+  float* row = q_scaled;  // no longer needed: the plain loop uses q
   for (std::int64_t j = 0; j < count; ++j) {
-    kivi_key_row_to_f32(bits, k + j * stride, hd, scales.data(), mins.data(), row.data());
+    kivi_key_row_to_f32(bits, k + j * stride, hd, scales, mins, row);
     float dot = 0;
-    for (std::int64_t d = 0; d < hd; ++d) dot += q[d] * row[static_cast<std::size_t>(d)];
+    for (std::int64_t d = 0; d < hd; ++d) dot += q[d] * row[d];
     scores[j] = dot * scale;
   }
 }
@@ -106,6 +105,9 @@ inline void score_kivi_keys(const KvPool& pool, std::int64_t layer, std::int64_t
   const KvPoolShape& shape = pool.shape();
   const std::int64_t hd = shape.head_dim, stride = shape.slot_row_bytes();
   const int bits = kivi_bits(shape.dtype);
+  std::array<float, 3 * 256> stack;  // score_kivi_group's scratch
+  std::vector<float> heap(hd > 256 ? static_cast<std::size_t>(3 * hd) : 0);
+  float* scratch = hd > 256 ? heap.data() : stack.data();
   for_each_kivi_piece(pool, layer, false, slot, count,
                       [&](std::int64_t done, std::int64_t at, std::int64_t r0, std::int64_t n,
                           const std::uint16_t* open) {
@@ -116,7 +118,7 @@ inline void score_kivi_keys(const KvPool& pool, std::int64_t layer, std::int64_t
                         score_kivi_group(bits, q,
                                          pool.key_bytes(layer, at - r0) +
                                              kv_head * shape.head_row_bytes(),
-                                         stride, r0, n, hd, scale, scores + done);
+                                         stride, r0, n, hd, scale, scores + done, scratch);
                       });
 }
 

@@ -49,8 +49,10 @@ void BM_Decode(benchmark::State& state, const std::string& preset, cpu::WeightFo
   PluginContext context;
   context.pool = &pool;
   context.max_seq_len = max_context;
-  auto allocator =
-      registry.create<PluginKind::kv_allocator>("paged", {{"prefix_caching", false}}, context);
+  // KIVI's key groups are 32 slots of one block.
+  const std::int64_t block_size = dtype_is_kivi(kv) ? 32 : 16;
+  auto allocator = registry.create<PluginKind::kv_allocator>(
+      "paged", {{"prefix_caching", false}, {"block_size", block_size}}, context);
   // Each sequence holds max/2 to max - 1 tokens of (arbitrary) KV and decodes its next token.
   std::vector<std::vector<std::int32_t>> tokens(static_cast<std::size_t>(batch));
   std::vector<BatchEntry> entries;
@@ -126,6 +128,8 @@ KVLAB_DECODE_KV(dtype_q8_0, q8_0);
 KVLAB_DECODE_KV(dtype_q4_0, q4_0);
 KVLAB_DECODE_KV(dtype_q4_1, q4_1);
 KVLAB_DECODE_KV(dtype_kv_int2, int2);
+KVLAB_DECODE_KV(dtype_kivi2, kivi2);  // each sequence's last group open: fp16 beside the pool
+KVLAB_DECODE_KV(dtype_kivi4, kivi4);
 
 }  // namespace
 }  // namespace kvlab::bench
