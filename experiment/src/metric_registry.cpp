@@ -472,7 +472,7 @@ const RunMetric kRunMetrics[] = {
      "max over steps",
      true,
      SUMMARY(static_cast<double>(out.peak_kv_residual_bytes) / (1024.0 * 1024.0)),
-     {{"kv_residual_peak_mib", "residual peak", "MiB", 2}}},
+     {{"kv_residual_peak_mib", "residual peak MiB", "", 2}}},
     {"step_prediction_error",
      "fraction",
      "|predicted - measured| / measured step time, with a cost model on the measured clock",

@@ -837,9 +837,13 @@ TEST(SummaryTable, ExperimentColumnsAreCheckedAndFilled) {
       [&] { load_experiment(kQuickstart, small({"output.columns=[\"goodputt\"]"})); });
   EXPECT_NE(message.find("\"goodputt\" is not a column"), std::string::npos) << message;
   EXPECT_NE(message.find("goodput, goodput_per_gpu"), std::string::npos) << message;
-  for (const std::string& option : metric_column_options())  // every name the registry shows
+  for (const std::string& option : metric_column_options()) {  // every name the registry shows
     EXPECT_NO_THROW(load_experiment(kQuickstart, small({"output.columns=[\"" + option + "\"]"})))
         << option;
+    ExperimentConfig with = c;  // and fills it from a run's figures
+    with.table_columns = {option};
+    EXPECT_NO_THROW((void)summary_values(with, out)) << option;
+  }
 }
 
 // [backend] weights and [kv_cache] dtype: what the cpu backend multiplies in and stores K/V as.
