@@ -19,10 +19,9 @@ namespace kvlab {
 namespace {
 
 constexpr DType kHostPoolDtypes[] = {
-    DType::dtype_f32,     DType::dtype_f16,     DType::dtype_bf16,
-    DType::dtype_f8_e4m3, DType::dtype_kv_int8, DType::dtype_q8_0,
-    DType::dtype_q4_0,    DType::dtype_q4_1,    DType::dtype_kv_int2, DType::dtype_kivi2,
-    DType::dtype_kivi4};
+    DType::dtype_f32,     DType::dtype_f16,   DType::dtype_bf16, DType::dtype_f8_e4m3,
+    DType::dtype_kv_int8, DType::dtype_q8_0,  DType::dtype_q4_0, DType::dtype_q4_1,
+    DType::dtype_kv_int2, DType::dtype_kivi2, DType::dtype_kivi4};
 
 }  // namespace
 
@@ -153,7 +152,8 @@ void KvPool::read_head_rows(std::int64_t layer, std::int64_t slot, std::int64_t 
   const std::int64_t hd = shape_.head_dim, offset = head * shape_.head_row_bytes();
   const auto head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
   for (std::int64_t j = 0; j < count; ++j, out += hd) {
-    const std::byte* row = (value ? value_bytes(layer, slot + j) : key_bytes(layer, slot + j)) + offset;
+    const std::byte* row =
+        (value ? value_bytes(layer, slot + j) : key_bytes(layer, slot + j)) + offset;
     if (value)
       convert_to_f32(shape_.dtype, {row, head_bytes}, {out, static_cast<std::size_t>(hd)});
     else

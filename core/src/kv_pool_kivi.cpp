@@ -54,8 +54,7 @@ const std::uint16_t* KvPool::open_row(std::int64_t layer, std::int64_t slot, boo
 void KvPool::discard_open_groups(std::int64_t first_slot, std::int64_t count) {
   if (!kivi()) return;
   const std::int64_t end = (first_slot + count) / kKiviGroup;
-  for (std::int64_t g = (first_slot + kKiviGroup - 1) / kKiviGroup; g < end; ++g)
-    release_group(g);
+  for (std::int64_t g = (first_slot + kKiviGroup - 1) / kKiviGroup; g < end; ++g) release_group(g);
 }
 
 void KvPool::release_group(std::int64_t group) {
@@ -162,8 +161,8 @@ void KvPool::kivi_read_head_rows(std::int64_t layer, std::int64_t slot, std::int
       kivi_key_params(bits, key_bytes(layer, at - r0) + offset, stride, hd, scales.data(),
                       mins.data());
       for (std::int64_t j = 0; j < n; ++j)
-        kivi_key_row_to_f32(bits, key_bytes(layer, at + j) + offset, hd, scales.data(),
-                            mins.data(), rows + j * hd);
+        kivi_key_row_to_f32(bits, key_bytes(layer, at + j) + offset, hd, scales.data(), mins.data(),
+                            rows + j * hd);
     }
     done += n;
   }
@@ -196,10 +195,10 @@ void KvPool::kivi_copy_groups(std::int64_t source, std::int64_t destination, std
         }
         if (r1 - r0 < kKiviGroup) {  // part of a sealed group: all of its rows
           const auto bytes = static_cast<std::size_t>(kKiviGroup * shape_.slot_row_bytes());
-          std::memmove(value ? value_bytes(layer, to * kKiviGroup) : key_bytes(layer, to * kKiviGroup),
-                       value ? value_bytes(layer, from * kKiviGroup)
-                             : key_bytes(layer, from * kKiviGroup),
-                       bytes);
+          std::memmove(
+              value ? value_bytes(layer, to * kKiviGroup) : key_bytes(layer, to * kKiviGroup),
+              value ? value_bytes(layer, from * kKiviGroup) : key_bytes(layer, from * kKiviGroup),
+              bytes);
         }
         if (auto& target = open_groups_[static_cast<std::size_t>(to)])
           target->open[static_cast<std::size_t>(2 * layer + value)] = 0;

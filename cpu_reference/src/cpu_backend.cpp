@@ -95,7 +95,6 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
   first_rows.push_back(rows);
   prepare_key_scores(batch);
   const auto eps = static_cast<float>(c.rms_norm_eps);
-  const std::int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim();
 
   RowMatrix& x = x_;  // (N, dim) residual stream of every batch token
   x.resize(rows, c.hidden_size);
@@ -104,34 +103,14 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
       x.row(first_rows[e] + static_cast<std::int64_t>(j)) =
           as_vector(weights_.embedding.row(batch[e].tokens[j])).transpose();
 
-  const bool kivi = dtype_is_kivi(pool_.shape().dtype);  // single-threaded writes
   RowMatrix &normed = normed_, &qkv = qkv_, &attention = attention_, &gate_up = gate_up_,
             &hidden = hidden_;
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeightsView& layer = weights_.layers[static_cast<std::size_t>(l)];
     const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, as_vector(layer.attention_norm), eps, normed);
-    // (N, q_dim + 2 kv_dim): row t is token t's Q | K | V. RoPE rotates Q and K in place and the
-    // new tokens' K and V go to their slots (rounded to the pool's dtype), in one pass over the
-    // rows: no copies of Q and K, one join of the threads.
     multiply_by_transposed(normed, matrices.w_qkv, qkv, false);
-#pragma omp parallel for if (rows > 16)
-    for (std::int64_t t = 0; t < rows; ++t) {
-      float* values = qkv.row(t).data();
-      const auto row = static_cast<std::size_t>(t);
-      rope_.apply_row(values, positions[row], c.num_attention_heads);
-      rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
-      if (pool_.shape().hadamard_rotated)  // Q, K and V of every head: scores unchanged
-        hadamard_rotate(values, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim);
-      if (slots[row] < 0 || kivi) continue;
-      pool_.write_row(l, slots[row], false, values + q_dim);
-      pool_.write_row(l, slots[row], true, values + q_dim + kv_dim);
-    }
-    for (std::int64_t t = 0; kivi && t < rows; ++t) {  // a KIVI pool's writes: in slot order
-      if (slots[static_cast<std::size_t>(t)] < 0) continue;
-      pool_.write_row(l, slots[static_cast<std::size_t>(t)], false, qkv.row(t).data() + q_dim);
-      pool_.write_row(l, slots[static_cast<std::size_t>(t)], true, qkv.row(t).data() + q_dim + kv_dim);
-    }
+    rotate_and_store(l, positions, slots, qkv);
     attend(l, batch, first_rows, qkv, attention);
     if (pool_.shape().hadamard_rotated) {  // sum_j p_j H v_j = H o: back to o
 #pragma omp parallel for if (rows > 16)
@@ -155,6 +134,35 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
   rms_norm(last, as_vector(weights_.final_norm), eps, normed);
   multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (.., vocab)
   return logits_;
+}
+
+// qkv (N, q_dim + 2 kv_dim): row t is token t's Q | K | V. RoPE rotates Q and K in place and the
+// new tokens' K and V go to their slots (rounded to the pool's dtype), in one pass over the rows:
+// no copies of Q and K, one join of the threads. A KIVI pool's writes come after, on one thread
+// in slot order: a group's last row seals the rows before it (kvlab/kv_pool.hpp).
+void CpuBackend::rotate_and_store(std::int64_t layer, std::span<const std::int32_t> positions,
+                                  std::span<const std::int64_t> slots, RowMatrix& qkv) {
+  const ModelConfig& c = weights_.config;
+  const std::int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), rows = qkv.rows();
+  const bool kivi = dtype_is_kivi(pool_.shape().dtype);
+#pragma omp parallel for if (rows > 16)
+  for (std::int64_t t = 0; t < rows; ++t) {
+    float* values = qkv.row(t).data();
+    const auto row = static_cast<std::size_t>(t);
+    rope_.apply_row(values, positions[row], c.num_attention_heads);
+    rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
+    if (pool_.shape().hadamard_rotated)  // Q, K and V of every head: scores unchanged
+      hadamard_rotate(values, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim);
+    if (slots[row] < 0 || kivi) continue;
+    pool_.write_row(layer, slots[row], false, values + q_dim);
+    pool_.write_row(layer, slots[row], true, values + q_dim + kv_dim);
+  }
+  for (std::int64_t t = 0; kivi && t < rows; ++t) {
+    const std::int64_t slot = slots[static_cast<std::size_t>(t)];
+    if (slot < 0) continue;
+    pool_.write_row(layer, slot, false, qkv.row(t).data() + q_dim);
+    pool_.write_row(layer, slot, true, qkv.row(t).data() + q_dim + kv_dim);
+  }
 }
 
 // Zeroed sums for the entries that ask for attention scores; none when no entry does.
@@ -348,7 +356,7 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   };
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   const bool kivi = dtype_is_kivi(dtype);  // its groups' keys and values: kivi_attention.hpp
-  RowMatrix scores(heads, task.keys());                                     // (heads, keys)
+  RowMatrix scores(heads, task.keys());    // (heads, keys)
   const float* queries = q.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
   // A whole-entry task reads whole slot rows: while each head works on one chunk, it asks for
   // its share of the next chunk's consecutive bytes (K's, then V's), so memory streams them in
@@ -384,8 +392,8 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
         score_kivi_keys(pool_, layer, task.kv_head + h / task.group, queries + h * hd, slot, count,
                         scale, &scores(h, column));
       else
-        score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride,
-                   count, readable, hd, scale, &scores(h, column));
+        score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride, count,
+                   readable, hd, scale, &scores(h, column));
     }
   }
   masked_softmax(task, scores);

@@ -14,8 +14,8 @@ template <int Bits>
 __m256 kivi_codes8(const std::byte* row, std::int64_t d) {
   const std::int64_t within = d % 32;
   if constexpr (Bits == 2) {
-    const __m256i bytes = _mm256_cvtepu8_epi32(
-        _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 32 * 8)));
+    const __m256i bytes =
+        _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d / 32 * 8)));
     return _mm256_cvtepi32_ps(_mm256_and_si256(
         _mm256_srli_epi32(bytes, static_cast<int>(2 * (within / 8))), _mm256_set1_epi32(3)));
   } else {
@@ -48,8 +48,8 @@ void score_kivi_codes(const float* q_scaled, float c, const std::byte* k, std::i
   for (; j < count; ++j) {
     __m256 acc = _mm256_setzero_ps();
     for (std::int64_t d = 0; d < hd; d += 8)
-      acc = _mm256_fmadd_ps(_mm256_loadu_ps(q_scaled + d), kivi_codes8<Bits>(k + j * stride, d),
-                            acc);
+      acc =
+          _mm256_fmadd_ps(_mm256_loadu_ps(q_scaled + d), kivi_codes8<Bits>(k + j * stride, d), acc);
     const __m128 sum4 = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
     const __m128 sum2 = _mm_add_ps(sum4, _mm_movehl_ps(sum4, sum4));
     scores[j] = (_mm_cvtss_f32(_mm_add_ss(sum2, _mm_shuffle_ps(sum2, sum2, 1))) + c) * scale;
@@ -108,18 +108,17 @@ inline void score_kivi_keys(const KvPool& pool, std::int64_t layer, std::int64_t
   std::array<float, 3 * 256> stack;  // score_kivi_group's scratch
   std::vector<float> heap(hd > 256 ? static_cast<std::size_t>(3 * hd) : 0);
   float* scratch = hd > 256 ? heap.data() : stack.data();
-  for_each_kivi_piece(pool, layer, false, slot, count,
-                      [&](std::int64_t done, std::int64_t at, std::int64_t r0, std::int64_t n,
-                          const std::uint16_t* open) {
-                        if (open != nullptr)
-                          return score_rows(DType::dtype_f16, q,
-                                            reinterpret_cast<const std::byte*>(open + kv_head * hd),
-                                            2 * shape.slot_width(), n, n, hd, scale, scores + done);
-                        score_kivi_group(bits, q,
-                                         pool.key_bytes(layer, at - r0) +
-                                             kv_head * shape.head_row_bytes(),
-                                         stride, r0, n, hd, scale, scores + done, scratch);
-                      });
+  for_each_kivi_piece(
+      pool, layer, false, slot, count,
+      [&](std::int64_t done, std::int64_t at, std::int64_t r0, std::int64_t n,
+          const std::uint16_t* open) {
+        if (open != nullptr)
+          return score_rows(DType::dtype_f16, q,
+                            reinterpret_cast<const std::byte*>(open + kv_head * hd),
+                            2 * shape.slot_width(), n, n, hd, scale, scores + done);
+        score_kivi_group(bits, q, pool.key_bytes(layer, at - r0) + kv_head * shape.head_row_bytes(),
+                         stride, r0, n, hd, scale, scores + done, scratch);
+      });
 }
 
 // add_weighted_rows over slots [slot, slot + count) of a KIVI pool, KV head kv_head.

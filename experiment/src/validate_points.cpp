@@ -10,8 +10,8 @@
 #include <variant>
 
 #include "kvlab/error.hpp"
-#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/experiment/model_source.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
 #include "stages.hpp"

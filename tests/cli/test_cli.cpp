@@ -43,9 +43,9 @@ TEST(Cli, PerplexityRefusesBadInput) {
   const std::string text = std::string(KVLAB_SOURCE_DIR) + "/data/wikitext-2-raw/wiki.test.raw";
   expect_failure("perplexity --model stories15m -f " + text, "is a preset: perplexity needs");
   expect_failure("perplexity --model stories15m -f /nonexistent.txt", "/nonexistent.txt");
-  expect_failure(
-      "perplexity --model stories15m -f " + text + " --kv-dtype q5_k",
-      "--kv-dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, kivi2, kivi4, not \"q5_k\"");
+  expect_failure("perplexity --model stories15m -f " + text + " --kv-dtype q5_k",
+                 "--kv-dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, "
+                 "kivi2, kivi4, not \"q5_k\"");
   expect_failure("perplexity --model stories15m -f " + text + " --window -1", "--window");
   expect_failure("perplexity -f " + text, "--model");
   const std::string run = "perplexity --model stories15m -f " + text;
@@ -277,9 +277,9 @@ TEST(Cli, MemoryReproducesTheSeedTableCorrectly) {
   EXPECT_NE(text.stdout_only.find("1.00 GiB"), std::string::npos) << text.stdout_only;
   EXPECT_NE(text.stdout_only.find("67"), std::string::npos) << text.stdout_only;
   expect_failure("memory --model llama-7b --seq-len 2048 --kv-heads 3", "kv-heads 3");
-  expect_failure(
-      "memory --model llama-7b --seq-len 2048 --dtype f64",
-      "--dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, kivi2, kivi4, not \"f64\"");
+  expect_failure("memory --model llama-7b --seq-len 2048 --dtype f64",
+                 "--dtype must be one of f32, f16, bf16, fp8, int8, q8_0, q4_0, q4_1, int2, kivi2, "
+                 "kivi4, not \"f64\"");
   expect_failure("memory --model stories15m --seq-len 64 --dtype q8_0",  // head_dim 48
                  "q8_0 KV needs head_dim to be a multiple of 32");
   expect_failure("memory --model llama-7b", "--seq-len");

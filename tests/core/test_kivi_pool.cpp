@@ -60,9 +60,9 @@ std::vector<float> channel_errors(const KvPool& pool, std::int64_t first, std::i
   for (std::int64_t slot = first; slot < first + kKiviGroup; ++slot) {
     const std::vector<float> x = row_of(0, slot + tag, false), back = read(pool, 0, slot, false);
     for (std::int64_t d = 0; d < kHeadDim; ++d)
-      worst[static_cast<std::size_t>(d)] = std::max(
-          worst[static_cast<std::size_t>(d)], std::fabs(back[static_cast<std::size_t>(d)] -
-                                                        x[static_cast<std::size_t>(d)]));
+      worst[static_cast<std::size_t>(d)] =
+          std::max(worst[static_cast<std::size_t>(d)],
+                   std::fabs(back[static_cast<std::size_t>(d)] - x[static_cast<std::size_t>(d)]));
   }
   return worst;
 }
@@ -83,7 +83,8 @@ TEST(KiviPool, RowsAreAsLongAsTheirValueFormatsRows) {
   EXPECT_EQ(dtype_row_bytes(DType::dtype_kivi4, 128), 80);  // = q4_1's
   EXPECT_FALSE(dtype_row_fits(DType::dtype_kivi2, 48));
   EXPECT_EQ(kivi_value_dtype(DType::dtype_kivi2), DType::dtype_kv_int2);
-  for (const char* name : {"kivi2", "kivi4"}) EXPECT_TRUE(kv_pool_holds(*dtype_from_short_name(name)));
+  for (const char* name : {"kivi2", "kivi4"})
+    EXPECT_TRUE(kv_pool_holds(*dtype_from_short_name(name)));
   // A key row's params share (head_dim / 8 bytes) + codes fill it exactly.
   EXPECT_EQ(kivi_code_bytes(2, 128) + 128 / 8, 48);
   EXPECT_EQ(kivi_code_bytes(4, 128) + 128 / 8, 80);

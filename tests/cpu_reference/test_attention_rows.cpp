@@ -149,9 +149,11 @@ TEST(KiviAttention, ScoresAndWeightedSumsEqualPlainLoopsOverTheRowsTheyRead) {
         for (std::int64_t j = 0; j < count; ++j) {
           double dot = 0, bound = 0;
           for (std::int64_t d = 0; d < hd; ++d) {
-            const float x = keys[static_cast<std::size_t>(j * hd + d)], qd = q[static_cast<std::size_t>(d)];
+            const float x = keys[static_cast<std::size_t>(j * hd + d)],
+                        qd = q[static_cast<std::size_t>(d)];
             dot += qd * x;
-            bound += std::fabs(qd) * (2 * std::fabs(x) + 5.0);  // |min| <= 4 + |x| (values in [-1, 4])
+            bound +=
+                std::fabs(qd) * (2 * std::fabs(x) + 5.0);  // |min| <= 4 + |x| (values in [-1, 4])
           }
           EXPECT_NEAR(scores[static_cast<std::size_t>(j)], 0.125 * dot, 0.125 * hd * 1.2e-7 * bound)
               << dtype_short_name(dtype) << " hd " << hd << " key " << first + j;

@@ -2,8 +2,8 @@
 // context and chunks (tests/fixtures/real/llamacpp_perplexity.json; the tokens:
 // tests/fixtures/tokenizer/smollm2.wikitext.llamacpp.json), the quantized-KV lessons (8-bit KV
 // costs almost nothing in perplexity at about half the bytes of f16; a Hadamard rotation cuts
-// what 4-bit costs; 2-bit keys need KIVI's per-channel scales) and the eviction lessons (attention sinks; heavy hitters and observation
-// windows against the plain window). Skips without SmolLM2.
+// what 4-bit costs; 2-bit keys need KIVI's per-channel scales) and the eviction lessons (attention
+// sinks; heavy hitters and observation windows against the plain window). Skips without SmolLM2.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -200,9 +200,9 @@ TEST(Lesson, TwoBitKeysNeedPerChannelScales) {
   const PerplexityResult kivi2 = run.measure(DType::dtype_kivi2);
   const PerplexityResult kivi4 = run.measure(DType::dtype_kivi4);
   const double exact = per_token.exact_ppl();
-  std::cout << "int2 " << per_token.ppl() << ", kivi2 " << kivi2.ppl() << ", kivi4 "
-            << kivi4.ppl() << " (exact " << exact << "); KL " << per_token.mean_kl() << ", "
-            << kivi2.mean_kl() << ", " << kivi4.mean_kl() << "\n";
+  std::cout << "int2 " << per_token.ppl() << ", kivi2 " << kivi2.ppl() << ", kivi4 " << kivi4.ppl()
+            << " (exact " << exact << "); KL " << per_token.mean_kl() << ", " << kivi2.mean_kl()
+            << ", " << kivi4.mean_kl() << "\n";
   EXPECT_EQ(dtype_row_bytes(DType::dtype_kivi2, 64), dtype_row_bytes(DType::dtype_kv_int2, 64));
   EXPECT_GT(per_token.ppl(), 5 * exact);
   EXPECT_LT(kivi2.ppl() - exact, 0.1 * (per_token.ppl() - exact));

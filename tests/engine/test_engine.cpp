@@ -574,7 +574,8 @@ TEST(Engine, KiviPoolsSwapTheirSealedAndOpenGroupsLosslessly) {
     tight.scheduler_params = {{"preemption", std::string("swap")}};
     EngineSetup roomy = tight;
     roomy.slots = 1024;
-    const EngineResult swapped = run_engine(tight, requests), unpreempted = run_engine(roomy, requests);
+    const EngineResult swapped = run_engine(tight, requests),
+                       unpreempted = run_engine(roomy, requests);
     std::int64_t swapped_bytes = 0, hits = 0;
     for (const auto& t : swapped.requests) {
       swapped_bytes += t.swapped_bytes;

@@ -878,10 +878,10 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   const std::string kivi_hd =
       load_error({"kv_cache.dtype=\"kivi4\"", "kv_cache.params.block_size=64"});
   EXPECT_NE(kivi_hd.find("multiple of 32, and tiny has 16"), std::string::npos) << kivi_hd;
-  const std::string kivi_window = load_error(
-      {"kv_cache.dtype=\"kivi2\"", "kv_cache.params.block_size=32", "attention.variant=\"sliding_window\""});
-  EXPECT_NE(kivi_window.find("drops positions from inside them"), std::string::npos)
-      << kivi_window;
+  const std::string kivi_window =
+      load_error({"kv_cache.dtype=\"kivi2\"", "kv_cache.params.block_size=32",
+                  "attention.variant=\"sliding_window\""});
+  EXPECT_NE(kivi_window.find("drops positions from inside them"), std::string::npos) << kivi_window;
   EXPECT_NE(load_error({"backend.weights=\"q4_0\""}, true).find("rounds them first"),
             std::string::npos);
   EXPECT_NE(load_error({"backend.activations=\"int4\""})

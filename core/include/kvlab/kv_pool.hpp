@@ -179,9 +179,9 @@ class KvPool {
   // slice of every slot row, a stride that would otherwise miss the TLB on every row.
   using Buffer = std::unique_ptr<std::byte[], Free>;
   static Buffer allocate(std::int64_t bytes);
-  Buffer keys_;    // (layers, slots, kv_heads, head row)
-  Buffer values_;  // (layers, slots, kv_heads, head row)
-  std::vector<std::unique_ptr<OpenGroup>> open_groups_;  // (slots / 32): null when not open
+  Buffer keys_;                                           // (layers, slots, kv_heads, head row)
+  Buffer values_;                                         // (layers, slots, kv_heads, head row)
+  std::vector<std::unique_ptr<OpenGroup>> open_groups_;   // (slots / 32): null when not open
   std::vector<std::unique_ptr<OpenGroup>> spare_groups_;  // released, for reuse
   std::int64_t open_count_ = 0;
 };

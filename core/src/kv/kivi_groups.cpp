@@ -64,8 +64,7 @@ void kivi_seal_key_group(int bits, const float* keys, std::int64_t head_dim, std
     std::memset(row, 0, static_cast<std::size_t>(code_bytes));
     const float* x = keys + static_cast<std::size_t>(r) * hd;
     for (std::size_t d = 0; d < hd; ++d) {
-      const float inverse =
-          scales[d] != 0 && std::isfinite(scales[d]) ? 1.0f / scales[d] : 0.0f;
+      const float inverse = scales[d] != 0 && std::isfinite(scales[d]) ? 1.0f / scales[d] : 0.0f;
       const float q = std::nearbyint((x[d] - mins[d]) * inverse);  // NaN: a non-finite value
       put_code(bits, row, static_cast<std::int64_t>(d),
                static_cast<int>(std::isnan(q) ? 0.0f : std::clamp(q, 0.0f, top)));
@@ -97,8 +96,8 @@ void kivi_key_params(int bits, const std::byte* rows, std::int64_t stride, std::
   convert_to_f32(DType::dtype_f16, {bytes + 2 * hd, 2 * hd}, {mins, hd});
 }
 
-void kivi_key_row_to_f32(int bits, const std::byte* row, std::int64_t head_dim,
-                         const float* scales, const float* mins, float* out) {
+void kivi_key_row_to_f32(int bits, const std::byte* row, std::int64_t head_dim, const float* scales,
+                         const float* mins, float* out) {
   for (std::int64_t d = 0; d < head_dim; ++d)
     out[d] = static_cast<float>(code_at(bits, row, d)) * scales[d] + mins[d];
 }

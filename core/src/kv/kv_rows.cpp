@@ -26,8 +26,8 @@ std::int64_t open_tail(const KvPool& pool, const KvView& view, std::int64_t firs
 // copy_kv_rows for a KIVI pool: the slot rows, then the open tail's count (an int64) and its
 // fp16 rows (layers, K then V, open tail, slot_width). A swap-in writes the tail through
 // write_row, which reopens its group.
-std::int64_t copy_kivi_rows(KvPool& pool, const KvView& view, std::int64_t first,
-                            std::int64_t end, std::vector<std::byte>& buffer, bool to_host) {
+std::int64_t copy_kivi_rows(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
+                            std::vector<std::byte>& buffer, bool to_host) {
   const KvPoolShape& shape = pool.shape();
   const std::int64_t row = shape.slot_row_bytes(), tokens = end - first, width = shape.slot_width();
   const std::int64_t main = 2 * shape.layers * tokens * row;
@@ -57,10 +57,11 @@ std::int64_t copy_kivi_rows(KvPool& pool, const KvView& view, std::int64_t first
         }
         std::memcpy(bytes, stored, static_cast<std::size_t>(row));
         if (at < sealed) continue;
-        convert_to_f32(DType::dtype_f16,
-                       {reinterpret_cast<const std::byte*>(tail + (half * open + at - sealed) * width),
-                        static_cast<std::size_t>(2 * width)},
-                       widened);
+        convert_to_f32(
+            DType::dtype_f16,
+            {reinterpret_cast<const std::byte*>(tail + (half * open + at - sealed) * width),
+             static_cast<std::size_t>(2 * width)},
+            widened);
         pool.write_row(layer, slot, value, widened.data());
       }
     }

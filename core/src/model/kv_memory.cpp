@@ -30,9 +30,9 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   if (!per_token) throw Error(fmt::format("{}: KV bytes per token overflow 64 bits", c.name));
   r.bytes_per_token = *per_token;
   if (dtype_is_kivi(q.kv_dtype))
-    r.residual_bytes_per_request =
-        std::min<std::int64_t>(q.seq_len, kKiviGroup) * 2 * c.num_hidden_layers * r.kv_heads *
-        dtype_row_bytes(DType::dtype_f16, c.head_dim);
+    r.residual_bytes_per_request = std::min<std::int64_t>(q.seq_len, kKiviGroup) * 2 *
+                                   c.num_hidden_layers * r.kv_heads *
+                                   dtype_row_bytes(DType::dtype_f16, c.head_dim);
   const auto sealed = checked_mul(r.bytes_per_token, q.seq_len);
   const auto per_request =
       sealed ? checked_add(*sealed, r.residual_bytes_per_request) : std::nullopt;
@@ -127,10 +127,10 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
   p.kv_residual_bytes_per_request =
       kv.residual_bytes_per_request / kv.kv_heads * p.kv_heads_per_gpu / q.context_parallel;
   if (p.kv_residual_bytes_per_request > 0)  // each request's open group beside its blocks
-    p.max_paged_requests = static_cast<std::int64_t>(std::floor(
-        p.kv_budget_bytes * static_cast<double>(q.context_parallel) /
-        static_cast<double>(p.paged_tokens_per_request * p.kv_bytes_per_token +
-                            p.kv_residual_bytes_per_request * q.context_parallel)));
+    p.max_paged_requests = static_cast<std::int64_t>(
+        std::floor(p.kv_budget_bytes * static_cast<double>(q.context_parallel) /
+                   static_cast<double>(p.paged_tokens_per_request * p.kv_bytes_per_token +
+                                       p.kv_residual_bytes_per_request * q.context_parallel)));
   return p;
 }
 

@@ -38,7 +38,7 @@ void kivi_seal_key_group(int bits, const float* keys, std::int64_t head_dim, std
 void kivi_key_params(int bits, const std::byte* rows, std::int64_t stride, std::int64_t head_dim,
                      float* scales, float* mins);
 // Row r of a sealed group (r < 32) as head_dim floats, given its params.
-void kivi_key_row_to_f32(int bits, const std::byte* row, std::int64_t head_dim,
-                         const float* scales, const float* mins, float* out);
+void kivi_key_row_to_f32(int bits, const std::byte* row, std::int64_t head_dim, const float* scales,
+                         const float* mins, float* out);
 
 }  // namespace kvlab

@@ -26,8 +26,8 @@ struct KvMemoryReport {
   // also held in fp16 until their group seals, min(seq_len, 32) x 2 x layers x kv_heads x
   // head_dim x 2 B; 0 for the other dtypes.
   std::int64_t residual_bytes_per_request = 0;
-  std::int64_t bytes_total = 0;        // batch requests
-  std::int64_t weight_bytes = 0;       // parameters x weight dtype size
+  std::int64_t bytes_total = 0;   // batch requests
+  std::int64_t weight_bytes = 0;  // parameters x weight dtype size
   // Requests of seq_len tokens that fit next to the weights: floor((gpu - weights) / request).
   // Zero when the weights alone do not fit; nullopt without gpu_memory_gib.
   std::optional<std::int64_t> max_batch;

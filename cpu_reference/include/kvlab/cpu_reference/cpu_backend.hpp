@@ -76,6 +76,8 @@ class CpuBackend final : public Backend {
   void prepare_key_scores(std::span<const BatchEntry> batch);
   const RowMatrix& logit_rows(const RowMatrix& x, std::span<const std::int64_t> first_rows,
                               std::int64_t logit_tokens);
+  void rotate_and_store(std::int64_t layer, std::span<const std::int32_t> positions,
+                        std::span<const std::int64_t> slots, RowMatrix& qkv);
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,
               std::span<const std::int64_t> first_rows, const RowMatrix& q, RowMatrix& out);
   std::vector<std::size_t> give_score_buffers(std::span<const BatchEntry> batch,
