@@ -275,7 +275,8 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
   const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window && !options.hadamard &&
                      options.policy == nullptr;
   const bool compare = options.compare_with_exact && !exact;
-  // A KIVI pool's key groups are 32 slots: each chunk's slots start a group.
+  // Whole chunks (the batch below) take chunk_room slots each: a KIVI pool's key groups are 32
+  // slots, and each chunk's slots start a group. A KV policy's stream takes its own room.
   const std::int64_t chunk_room = (n_ctx + kKiviGroup - 1) / kKiviGroup * kKiviGroup;
   const std::int64_t room = options.policy != nullptr
                                 ? PolicyStream::slots(*options.policy, options.policy_step)
@@ -290,7 +291,7 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
   if (compare)
     reference =
         make_run(weights, make_compute(), DType::dtype_f32, false, std::nullopt,
-                 parallel * std::max(room, n_ctx));  // the tested run's slots, each chunk whole
+                 parallel * chunk_room);  // the whole chunks' slots, as the batch's views say
 
   PerplexityResult result;
   result.compared = compare;
@@ -304,7 +305,7 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
       std::copy_n(tokens.begin() + (chunk + s) * n_ctx, n_ctx, seq);
       if (bos) seq[0] = *bos;  // llama.cpp: each chunk starts with BOS when the model adds one
       batch.push_back(
-          {{seq, static_cast<std::size_t>(n_ctx)}, 0, {{{s * room, n_ctx}}, 0, {}}, true});
+          {{seq, static_cast<std::size_t>(n_ctx)}, 0, {{{s * chunk_room, n_ctx}}, 0, {}}, true});
       sequences.push_back(batch.back().tokens);
     }
     // (seqs x (n_ctx - first), vocab): row s * (n_ctx - first) + i is position first + i of s.

@@ -246,6 +246,13 @@ TEST(Perplexity, StreamedWindowPolicyIsWindowAttention) {
   options.policy_step = 1;
   EXPECT_NEAR(text.measure(options, 1).ppl() / window_ppl, 1.0, 1e-4);
   EXPECT_LT(newest.worst_score_error, 1e-3);
+  // Its exact run holds the whole chunks, 3 at once, in their own slots (the stream needs 9 a
+  // chunk, the exact run 40): the plain run's perplexity.
+  options.compare_with_exact = true;
+  const PerplexityResult compared = text.measure(options, 1);
+  PerplexityOptions plain;
+  plain.context = 40;
+  EXPECT_NEAR(compared.exact_ppl() / text.measure(plain, 1).ppl(), 1.0, 1e-6);
   KeepEnds sinks(8, 2, 0, 0);
   options.policy = &sinks;
   EXPECT_GT(std::abs(text.measure(options, 1).ppl() / window_ppl - 1.0), 1e-3);
