@@ -39,7 +39,7 @@ std::int64_t copy_kivi_rows(KvPool& pool, const KvView& view, std::int64_t first
   } else {
     std::memcpy(&open, buffer.data() + main, 8);
   }
-  auto* tail = reinterpret_cast<std::uint16_t*>(buffer.data() + main + 8);  // new: aligned
+  auto* tail = reinterpret_cast<std::uint16_t*>(buffer.data() + main + 8);  // main is even
   std::vector<float> widened(static_cast<std::size_t>(width));
   for (std::int64_t layer = 0; layer < shape.layers; ++layer)
     for (std::int64_t p = first; p < end; ++p) {
