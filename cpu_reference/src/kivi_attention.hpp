@@ -62,22 +62,21 @@ void score_kivi_codes(const float* q_scaled, float c, const std::byte* k, std::i
 inline void score_kivi_group(int bits, const float* q, const std::byte* group, std::int64_t stride,
                              std::int64_t r0, std::int64_t count, std::int64_t hd, float scale,
                              float* scores, float* scratch) {
-  float *scales = scratch, *mins = scratch + hd, *q_scaled = scratch + 2 * hd;
+  float *scales = scratch, *mins = scratch + hd, *row = scratch + 2 * hd;
   kivi_key_params(bits, group, stride, hd, scales, mins);
-  float c = 0;
-  for (std::int64_t d = 0; d < hd; ++d) {
-    q_scaled[d] = q[d] * scales[d];
-    c += q[d] * mins[d];
-  }
   const std::byte* k = group + r0 * stride;
 #if KVLAB_ATTENTION_SIMD
   if (hd % 32 == 0) {
+    float* q_scaled = row, c = 0;
+    for (std::int64_t d = 0; d < hd; ++d) {
+      q_scaled[d] = q[d] * scales[d];
+      c += q[d] * mins[d];
+    }
     if (bits == 2) return score_kivi_codes<2>(q_scaled, c, k, stride, count, hd, scale, scores);
     return score_kivi_codes<4>(q_scaled, c, k, stride, count, hd, scale, scores);
   }
 #endif
-  float* row = q_scaled;  // no longer needed: the plain loop uses q
-  for (std::int64_t j = 0; j < count; ++j) {
+  for (std::int64_t j = 0; j < count; ++j) {  // each row dequantized
     kivi_key_row_to_f32(bits, k + j * stride, hd, scales, mins, row);
     float dot = 0;
     for (std::int64_t d = 0; d < hd; ++d) dot += q[d] * row[d];
