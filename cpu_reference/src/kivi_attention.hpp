@@ -67,7 +67,7 @@ inline void score_kivi_group(int bits, const float* q, const std::byte* group, s
   const std::byte* k = group + r0 * stride;
 #if KVLAB_ATTENTION_SIMD
   if (hd % 32 == 0) {
-    float* q_scaled = row, c = 0;
+    float *q_scaled = row, c = 0;
     for (std::int64_t d = 0; d < hd; ++d) {
       q_scaled[d] = q[d] * scales[d];
       c += q[d] * mins[d];
