@@ -121,9 +121,11 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     // One slot beyond the allocator's: where the padding rows of a graphed step, and entries that
     // do not write K/V (BatchEntry::writes_kv), write theirs.
     spare_slot_ = shape.slots;
-    layer_elements_ = (shape.slots + 1) * c.kv_dim();
-    const std::size_t pool_bytes =
-        static_cast<std::size_t>(shape.layers * layer_elements_) * kvlab::cuda::dtype_bytes(dtype_);
+    kv_format_ = device_kv_format(shape);
+    slot_row_bytes_ =
+        c.num_key_value_heads * kvlab::cuda::kv_row_bytes(kv_format_, dtype_, c.head_dim);
+    layer_bytes_ = (shape.slots + 1) * slot_row_bytes_;
+    const auto pool_bytes = static_cast<std::size_t>(shape.layers * layer_bytes_);
     k_pool_.resize(pool_bytes);
     v_pool_.resize(pool_bytes);
     check(cudaMemset(k_pool_.get(), 0, pool_bytes), "cudaMemset");
@@ -167,14 +169,13 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
 
   // KvDeviceStorage: the allocator's slot copies and the engine's swaps.
   void copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) override {
-    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
-    const std::size_t bytes = static_cast<std::size_t>(count * config_.kv_dim()) * e;
+    const auto bytes = static_cast<std::size_t>(count * slot_row_bytes_);
     scratch_.resize(bytes);
     for (char* base : {k_pool_.get<char>(), v_pool_.get<char>()})
       for (std::int64_t l = 0; l < config_.num_hidden_layers; ++l) {
-        char* layer = base + static_cast<std::size_t>(l * layer_elements_) * e;
-        const std::size_t from = static_cast<std::size_t>(source * config_.kv_dim()) * e;
-        const std::size_t to = static_cast<std::size_t>(destination * config_.kv_dim()) * e;
+        char* layer = base + static_cast<std::size_t>(l * layer_bytes_);
+        const auto from = static_cast<std::size_t>(source * slot_row_bytes_);
+        const auto to = static_cast<std::size_t>(destination * slot_row_bytes_);
         // Through scratch: the ranges may overlap.
         check(
             cudaMemcpyAsync(scratch_.get(), layer + from, bytes, cudaMemcpyDeviceToDevice, stream_),
@@ -185,11 +186,18 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     check(cudaStreamSynchronize(stream_), "copy slots");
   }
 
-  void download(const std::vector<std::int64_t>& slots, float* host) override {
+  // Swapped rows: fp32 from a pool in the compute dtype; a quantized pool's own bytes (the host
+  // pool's rows of the same dtype), so a swap moves them exactly.
+  std::int64_t host_row_bytes() const override {
+    return kv_format_ == kvlab::cuda::KvFormat::compute
+               ? config_.kv_dim() * static_cast<std::int64_t>(sizeof(float))
+               : slot_row_bytes_;
+  }
+  void download(const std::vector<std::int64_t>& slots, std::byte* host) override {
     transfer(slots, host, true);
   }
-  void upload(const std::vector<std::int64_t>& slots, const float* host) override {
-    transfer(slots, const_cast<float*>(host), false);
+  void upload(const std::vector<std::int64_t>& slots, const std::byte* host) override {
+    transfer(slots, const_cast<std::byte*>(host), false);
   }
 
  private:
@@ -205,6 +213,27 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     if (gemm != "cublaslt" && gemm != "cublas")
       throw Error(fmt::format("cuda backend: gemm \"{}\": choose cublaslt or cublas", gemm));
     use_lt_ = gemm == "cublaslt";
+  }
+
+  // The device pool's rows for the host pool's dtype: kv_cache.dtype "f32" (the default) keeps
+  // K/V in the compute dtype; "fp8" and "int8" quantize them on write.
+  static kvlab::cuda::KvFormat device_kv_format(const kvlab::KvPoolShape& shape) {
+    if (shape.hadamard_rotated)
+      throw Error("cuda backend: a Hadamard-rotated KV pool (kv_cache.hadamard) needs the cpu "
+                  "backend, which rotates its queries to match");
+    switch (shape.dtype) {
+      case kvlab::DType::dtype_f32:
+        return kvlab::cuda::KvFormat::compute;
+      case kvlab::DType::dtype_f8_e4m3:
+        return kvlab::cuda::KvFormat::fp8_e4m3;
+      case kvlab::DType::dtype_kv_int8:
+        return kvlab::cuda::KvFormat::int8;
+      default:
+        throw Error(fmt::format(
+            "cuda backend: kv_cache.dtype \"{}\": the device pool holds \"f32\" (K/V in the "
+            "backend's dtype), \"fp8\" or \"int8\"",
+            kvlab::dtype_short_name(shape.dtype)));
+    }
   }
 
   // The weights in the compute dtype (norms fp32) and RoPE's cos/sin tables (fp32).
@@ -465,19 +494,18 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   // with its residual add fused into the next layer's attention norm.
   void run_layer(std::int64_t l, const StepShape& step) {
     const kvlab::ModelConfig& c = config_;
-    const std::size_t e = kvlab::cuda::dtype_bytes(dtype_);
     const std::int64_t rows = step.rows, dim = c.hidden_size, q_dim = c.q_dim(),
                        kv_dim = c.kv_dim(), qkv_dim = q_dim + 2 * kv_dim, ffn = c.intermediate_size;
     const float eps = static_cast<float>(c.rms_norm_eps);
     const DeviceLayer& layer = layers_[static_cast<std::size_t>(l)];
     char* qkv = qkv_.get<char>();
     gemm(normed_.get(), rows, dim, layer.w_qkv.get(), qkv_dim, qkv, cuda_type(dtype_));
-    char* k_layer = k_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
-    char* v_layer = v_pool_.get<char>() + static_cast<std::size_t>(l * layer_elements_) * e;
+    char* k_layer = k_pool_.get<char>() + static_cast<std::size_t>(l * layer_bytes_);
+    char* v_layer = v_pool_.get<char>() + static_cast<std::size_t>(l * layer_bytes_);
     check(kvlab::cuda::launch_rope_kv_write(
               {qkv, qkv_dim, d_positions_.get<std::int32_t>(), rope_cos_.get<float>(),
                rope_sin_.get<float>(), d_new_slots_.get<std::int64_t>(), k_layer, v_layer, rows,
-               c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype_},
+               c.num_attention_heads, c.num_key_value_heads, c.head_dim, dtype_, kv_format_},
               stream_),
           "rope + kv_write");
     attend(qkv, k_layer, v_layer, step);
@@ -530,6 +558,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     a.workspace = workspace_.get<float>();
     a.dtype = dtype_;
     a.tensor_cores = tensor_cores_;
+    a.kv_format = kv_format_;
     check(kvlab::cuda::launch_attention(a, stream_), "attention");
   }
 
@@ -616,26 +645,32 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
           "cublasGemmEx");
   }
 
-  // Host buffer (layers, 2 [K, V], slots, kv_dim) fp32 <-> the device pool's slots: one
-  // gather (or scatter) launch over every layer, one conversion, one copy.
-  void transfer(const std::vector<std::int64_t>& slots, float* host, bool to_host) {
+  // Host buffer (layers, 2 [K, V], slots, host_row_bytes) <-> the device pool's slots: one
+  // gather (or scatter) launch over every layer, then one conversion to (from) fp32 for a pool in
+  // the compute dtype, one copy.
+  void transfer(const std::vector<std::int64_t>& slots, std::byte* host, bool to_host) {
     const auto n = static_cast<std::int64_t>(slots.size());
     if (n == 0) return;
-    const std::int64_t elements = config_.num_hidden_layers * 2 * n * config_.kv_dim();
-    const std::size_t float_bytes = static_cast<std::size_t>(elements) * sizeof(float);
-    scratch_.resize(static_cast<std::size_t>(elements) * kvlab::cuda::dtype_bytes(dtype_));
-    staging_floats_.resize(float_bytes);
+    const auto packed_bytes =
+        static_cast<std::size_t>(config_.num_hidden_layers * 2 * n * slot_row_bytes_);
+    scratch_.resize(packed_bytes);
     to_device(slots, d_transfer_slots_, false);
     kvlab::cuda::SlotRowsParams rows;
     rows.k_pool = k_pool_.get();
     rows.v_pool = v_pool_.get();
-    rows.layer_elements = layer_elements_;
+    rows.layer_bytes = layer_bytes_;
     rows.layers = config_.num_hidden_layers;
     rows.slots = d_transfer_slots_.get<std::int64_t>();
     rows.count = n;
-    rows.kv_dim = config_.kv_dim();
+    rows.row_bytes = slot_row_bytes_;
     rows.packed = scratch_.get();
-    rows.dtype = dtype_;
+    if (kv_format_ != kvlab::cuda::KvFormat::compute) {
+      transfer_bytes(rows, host, packed_bytes, to_host);
+      return;
+    }
+    const std::int64_t elements = config_.num_hidden_layers * 2 * n * config_.kv_dim();
+    const std::size_t float_bytes = static_cast<std::size_t>(elements) * sizeof(float);
+    staging_floats_.resize(float_bytes);
     if (to_host) {
       check(kvlab::cuda::launch_copy_slot_rows(rows, stream_), "swap out");
       check(kvlab::cuda::launch_convert_to_f32(scratch_.get(), staging_floats_.get<float>(),
@@ -657,6 +692,20 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       check(cudaStreamSynchronize(stream_), "swap in");
     }
   }
+  // A quantized pool's rows as they are: gather and copy out, or copy in and scatter.
+  void transfer_bytes(kvlab::cuda::SlotRowsParams& rows, std::byte* host, std::size_t bytes,
+                      bool to_host) {
+    const char* what = to_host ? "swap out" : "swap in";
+    if (to_host) {
+      check(kvlab::cuda::launch_copy_slot_rows(rows, stream_), what);
+      check(cudaMemcpyAsync(host, scratch_.get(), bytes, cudaMemcpyDeviceToHost, stream_), what);
+    } else {
+      check(cudaMemcpyAsync(scratch_.get(), host, bytes, cudaMemcpyHostToDevice, stream_), what);
+      rows.to_pool = true;
+      check(kvlab::cuda::launch_copy_slot_rows(rows, stream_), what);
+    }
+    check(cudaStreamSynchronize(stream_), what);
+  }
 
   kvlab::KvPool* pool_;
   std::int64_t window_;
@@ -677,8 +726,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   cublasHandle_t cublas_ = nullptr;
   DeviceBuffer embedding_, lm_head_, final_norm_, rope_cos_, rope_sin_;
   std::vector<DeviceLayer> layers_;
-  std::int64_t layer_elements_ = 0;  // slots x kv_dim
-  DeviceBuffer k_pool_, v_pool_;     // (layers, slots, kv_heads, head_dim) each
+  kvlab::cuda::KvFormat kv_format_ = kvlab::cuda::KvFormat::compute;
+  std::int64_t slot_row_bytes_ = 0;  // kv_heads x kv_row_bytes: one slot of one layer, K or V
+  std::int64_t layer_bytes_ = 0;     // (slots + 1) x slot_row_bytes_
+  DeviceBuffer k_pool_, v_pool_;     // (layers, slots + 1, kv_heads, kv_row_bytes) each
   DeviceBuffer x_, normed_, qkv_, attention_, projected_, gate_up_, hidden_, last_, logits_,
       workspace_, scratch_, staging_floats_;
   DeviceBuffer d_tokens_, d_positions_, d_new_slots_, d_block_table_, d_entries_, d_last_rows_,

@@ -77,6 +77,44 @@ __device__ __forceinline__ void load_row(const T* row, float (&out)[(HD + 31) / 
   }
 }
 
+// One K or V head row of the pool (KvFormat): its bytes, its start, and its elements as fp32.
+template <typename T, KvFormat F, int HD>
+constexpr std::int64_t kKvRowBytes = F == KvFormat::compute    ? HD * std::int64_t{sizeof(T)}
+                                     : F == KvFormat::fp8_e4m3 ? HD
+                                                               : 4 + HD;
+template <typename T, KvFormat F, int HD>
+__device__ __forceinline__ const char* kv_row(const void* pool, std::int64_t slot,
+                                              std::int64_t kv_heads, int kv_head) {
+  return static_cast<const char*>(pool) + (slot * kv_heads + kv_head) * kKvRowBytes<T, F, HD>;
+}
+// An int8 row's scale (its first 4 bytes); 1 for the others.
+template <KvFormat F>
+__device__ __forceinline__ float kv_row_scale(const char* row) {
+  float scale = 1.0f;
+  if constexpr (F == KvFormat::int8) std::memcpy(&scale, row, sizeof scale);
+  return scale;
+}
+template <typename T, KvFormat F>
+__device__ __forceinline__ float kv_element(const char* row, int d, float scale) {
+  if constexpr (F == KvFormat::compute) {
+    return to_float(reinterpret_cast<const T*>(row)[d]);
+  } else if constexpr (F == KvFormat::fp8_e4m3) {
+    return fp8_e4m3_to_float(static_cast<std::uint8_t>(row[d]));
+  } else {
+    return static_cast<float>(static_cast<signed char>(row[4 + d])) * scale;
+  }
+}
+template <typename T, KvFormat F, int HD>
+__device__ __forceinline__ void load_kv_row(const char* row, float (&out)[(HD + 31) / 32],
+                                            int lane) {
+  const float scale = kv_row_scale<F>(row);
+#pragma unroll
+  for (int i = 0; i < (HD + 31) / 32; ++i) {
+    const int d = i * 32 + lane;
+    out[i] = d < HD ? kv_element<T, F>(row, d, scale) : 0.0f;
+  }
+}
+
 // Workspace per (entry, head, split): [m, l, acc[HD]].
 __device__ __forceinline__ float* partial_of(float* workspace, int entry, int head, int split,
                                              int heads, int max_splits, int head_dim) {
@@ -134,7 +172,7 @@ __device__ __forceinline__ void write_block_partial(const AttentionParams& p, in
   }
 }
 
-template <typename T, int HD, int QPB>
+template <typename T, KvFormat F, int HD, int QPB>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_scalar_kernel(AttentionParams p, int max_splits) {
   constexpr int PER_LANE = (HD + 31) / 32;
@@ -160,14 +198,11 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
     m[h] = -FLT_MAX;
     l[h] = 0.0f;
   }
-  const T* k_pool = static_cast<const T*>(p.k_pool);
-  const T* v_pool = static_cast<const T*>(p.v_pool);
   for (int key = begin + warp; key < end; key += kDecodeWarps) {
     const std::int64_t slot = slot_of(p, e, key);
-    const std::int64_t offset = (slot * p.kv_heads + kv_head) * HD;
     float k[PER_LANE], v[PER_LANE];
-    load_row<T, HD>(k_pool + offset, k, lane);
-    load_row<T, HD>(v_pool + offset, v, lane);
+    load_kv_row<T, F, HD>(kv_row<T, F, HD>(p.k_pool, slot, p.kv_heads, kv_head), k, lane);
+    load_kv_row<T, F, HD>(kv_row<T, F, HD>(p.v_pool, slot, p.kv_heads, kv_head), v, lane);
 #pragma unroll
     for (int h = 0; h < QPB; ++h) {
       float dot = 0.0f;
@@ -418,7 +453,7 @@ __device__ inline const AttentionEntry& prefill_entry(const AttentionParams& p) 
 
 // One block per (entry, query head, tile of kPrefillWarps queries); warp w serves query
 // tile * kPrefillWarps + w. Keys stream through shared memory in tiles of KEY_TILE.
-template <typename T, int HD>
+template <typename T, KvFormat F, int HD>
 __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionParams p) {
   constexpr int PER_LANE = (HD + 31) / 32;
   constexpr int KEY_TILE = HD <= 128 ? 32 : 16;
@@ -450,16 +485,15 @@ __global__ void __launch_bounds__(kPrefillWarps * 32) prefill_kernel(AttentionPa
     acc[i] = 0.0f;
   }
   __shared__ float s_k[KEY_TILE][HD], s_v[KEY_TILE][HD];
-  const T* k_pool = static_cast<const T*>(p.k_pool);
-  const T* v_pool = static_cast<const T*>(p.v_pool);
   for (int tile = block_lo; tile <= last_position; tile += KEY_TILE) {
     const int tile_keys = min(KEY_TILE, last_position + 1 - tile);
     for (int index = threadIdx.x; index < tile_keys * HD; index += blockDim.x) {
       const int j = index / HD, d = index % HD;
       const std::int64_t slot = slot_of(p, e, tile + j);
-      const std::int64_t offset = (slot * p.kv_heads + kv_head) * HD + d;
-      s_k[j][d] = to_float(k_pool[offset]);
-      s_v[j][d] = to_float(v_pool[offset]);
+      const char* k_row = kv_row<T, F, HD>(p.k_pool, slot, p.kv_heads, kv_head);
+      const char* v_row = kv_row<T, F, HD>(p.v_pool, slot, p.kv_heads, kv_head);
+      s_k[j][d] = kv_element<T, F>(k_row, d, kv_row_scale<F>(k_row));
+      s_v[j][d] = kv_element<T, F>(v_row, d, kv_row_scale<F>(v_row));
     }
     __syncthreads();
     if (active) {
@@ -912,7 +946,7 @@ bool tensor_cores_take(const AttentionParams& p) {
 // The prefill launch: on tensor cores where they take it (bf16, head_dim a multiple of 16 up to
 // 128); the warp-per-query kernel otherwise (fp32, the check path; other head sizes; unaligned
 // pools).
-template <typename T, int HD>
+template <typename T, KvFormat F, int HD>
 cudaError_t launch_prefill(const AttentionParams& p, cudaStream_t stream) {
   const std::int32_t entries = p.prefill_entries ? p.prefill_count : p.entry_count;
   if (entries <= 0) return cudaSuccess;
@@ -920,11 +954,12 @@ cudaError_t launch_prefill(const AttentionParams& p, cudaStream_t stream) {
     return dim3(static_cast<unsigned>(entries), static_cast<unsigned>(p.heads),
                 static_cast<unsigned>((p.max_queries + queries_per_block - 1) / queries_per_block));
   };
-  if constexpr (kMmaShape<T, HD>) {
+  if constexpr (F == KvFormat::compute && kMmaShape<T, HD>) {
     if (tensor_cores_take(p))
       return launch_kernel(prefill_mma_kernel<HD>, tiles(kMmaQueries), kMmaWarps * 32, stream, p);
   }
-  return launch_kernel(prefill_kernel<T, HD>, tiles(kPrefillWarps), kPrefillWarps * 32, stream, p);
+  return launch_kernel(prefill_kernel<T, F, HD>, tiles(kPrefillWarps), kPrefillWarps * 32, stream,
+                       p);
 }
 
 // The largest power of two <= limit dividing the group size.
@@ -934,12 +969,21 @@ int queries_per_block(std::int64_t group, int limit) {
   return 1;
 }
 
-// The decode launch for one dtype and head size: on tensor cores where they take it, else
-// vectorized where it applies, else scalar.
-template <typename T, int HD>
+// The decode launch for one dtype, KV format and head size: on tensor cores where they take it,
+// else vectorized where it applies, else scalar (every quantized pool).
+template <typename T, KvFormat F, int HD>
 cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t stream) {
   using L = VectorLayout<T, HD>;
   const std::int64_t group = p.heads / p.kv_heads;
+  if constexpr (F != KvFormat::compute) {
+    const int qpb = queries_per_block(group, 8);
+    const dim3 grid(static_cast<unsigned>(p.kv_heads * (group / qpb)),
+                    static_cast<unsigned>(p.entry_count), static_cast<unsigned>(max_splits));
+    KVLAB_DISPATCH_GROUP(qpb, QPB, {
+      return launch_kernel(decode_scalar_kernel<T, F, HD, QPB>, grid, kDecodeWarps * 32, stream, p,
+                           max_splits);
+    });
+  }
   if constexpr (kMmaShape<T, HD>) {
     if (tensor_cores_take(p)) {
       const std::int64_t row_tiles = (group + kMmaRows - 1) / kMmaRows;
@@ -963,8 +1007,8 @@ cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t
         return launch_kernel(decode_vectorized_kernel<T, HD, QPB>, grid, kDecodeWarps * 32, stream,
                              p, max_splits);
     }
-    return launch_kernel(decode_scalar_kernel<T, HD, QPB>, grid, kDecodeWarps * 32, stream, p,
-                         max_splits);
+    return launch_kernel(decode_scalar_kernel<T, KvFormat::compute, HD, QPB>, grid,
+                         kDecodeWarps * 32, stream, p, max_splits);
   });
 }
 
@@ -1003,13 +1047,16 @@ cudaError_t launch_attention(const AttentionParams& p, cudaStream_t stream) {
   const dim3 combine_grid(static_cast<unsigned>(p.entry_count), static_cast<unsigned>(p.heads));
   cudaError_t status = cudaSuccess;
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
-    KVLAB_DISPATCH_HEAD_DIM(p.head_dim, HD, {
-      status = launch_decode<T, HD>(p, max_splits, stream);
-      constexpr int kCombineThreads = HD < 128 ? HD : 128;
-      if (status == cudaSuccess)
-        status = launch_kernel(combine_kernel<T, HD>, combine_grid, kCombineThreads, stream, p,
-                               max_splits);
-      if (status == cudaSuccess && p.max_queries > 1) status = launch_prefill<T, HD>(p, stream);
+    KVLAB_DISPATCH_KV_FORMAT(p.kv_format, F, {
+      KVLAB_DISPATCH_HEAD_DIM(p.head_dim, HD, {
+        status = launch_decode<T, F, HD>(p, max_splits, stream);
+        constexpr int kCombineThreads = HD < 128 ? HD : 128;
+        if (status == cudaSuccess)
+          status = launch_kernel(combine_kernel<T, HD>, combine_grid, kCombineThreads, stream, p,
+                                 max_splits);
+        if (status == cudaSuccess && p.max_queries > 1)
+          status = launch_prefill<T, F, HD>(p, stream);
+      });
     });
   });
   return status;

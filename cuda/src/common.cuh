@@ -9,6 +9,8 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <limits>
 
@@ -51,6 +53,59 @@ __device__ __forceinline__ bool is_finite(float x) {
 __device__ __forceinline__ float warp_sum(float v) {
   for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
   return v;
+}
+// The largest of the warp's values (NaNs ignored, as fmaxf ignores them).
+__device__ __forceinline__ float warp_max(float v) {
+  for (int offset = 16; offset > 0; offset /= 2)
+    v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, offset));
+  return v;
+}
+
+// Round to the nearest integer, ties to even (the host's std::nearbyint in its default mode).
+__device__ __forceinline__ float round_to_even(float x) {
+#if defined(KVLAB_CUDA_EMULATION)
+  return std::nearbyint(x);
+#else
+  return rintf(x);
+#endif
+}
+__device__ __forceinline__ std::uint32_t float_bits(float x) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits;
+}
+__device__ __forceinline__ float bits_float(std::uint32_t bits) {
+  float x = 0;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// fp8 e4m3 (e4m3fn: bias 7, no infinities, 0x7f and 0xff NaN) to fp32, exactly.
+__device__ __forceinline__ float fp8_e4m3_to_float(std::uint8_t code) {
+  const std::uint32_t exponent = (code >> 3) & 0xfu, mantissa = code & 7u;
+  float magnitude;
+  if ((code & 0x7fu) == 0x7fu)
+    magnitude = quiet_nan();
+  else if (exponent == 0)
+    magnitude = static_cast<float>(mantissa) * 0x1p-9f;  // subnormal: m x 2^-9
+  else
+    magnitude = bits_float(((exponent + 120u) << 23) | (mantissa << 20));
+  return (code & 0x80u) ? -magnitude : magnitude;
+}
+// The nearest e4m3 code, ties to the even code, saturated at +-448 (0x7e), NaN to 0x7f: the
+// host pool's rounding (kvlab::convert_from_f32, dtype f8_e4m3) bit for bit.
+__device__ __forceinline__ std::uint8_t fp8_e4m3_from_float(float x) {
+  if (x != x) return 0x7f;
+  const std::uint8_t sign = (float_bits(x) >> 31) ? 0x80 : 0;
+  const float a = fabsf(x);
+  if (a >= 448.0f) return sign | 0x7e;
+  if (a < 0x1p-6f)  // subnormal codes 0..8 are m x 2^-9 (8: the smallest normal, 2^-6)
+    return sign | static_cast<std::uint8_t>(round_to_even(a * 512.0f));
+  const std::uint32_t bits = float_bits(a);
+  std::uint32_t code = (bits >> 20) - (120u << 3);  // exponent and the top 3 mantissa bits
+  const std::uint32_t rest = bits & 0xfffffu, half = 0x80000u;
+  if (rest > half || (rest == half && (code & 1u))) ++code;  // a carry moves the exponent up
+  return sign | static_cast<std::uint8_t>(code > 0x7eu ? 0x7eu : code);
 }
 
 // Asynchronous 16-byte copies from global to shared memory (cp.async.cg, sm_80+): issue, then
@@ -114,6 +169,21 @@ inline unsigned blocks_for(std::int64_t n, int threads) {
       using T = __nv_bfloat16;                  \
       __VA_ARGS__                               \
     }                                           \
+  } while (0)
+
+// DISPATCH_KV_FORMAT(format, F, body): body with F a compile-time KvFormat.
+#define KVLAB_DISPATCH_KV_FORMAT(FORMAT, F, ...)                                   \
+  do {                                                                           \
+    if ((FORMAT) == ::kvlab::cuda::KvFormat::fp8_e4m3) {                         \
+      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::fp8_e4m3;   \
+      __VA_ARGS__                                                                \
+    } else if ((FORMAT) == ::kvlab::cuda::KvFormat::int8) {                      \
+      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::int8;       \
+      __VA_ARGS__                                                                \
+    } else {                                                                     \
+      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::compute;    \
+      __VA_ARGS__                                                                \
+    }                                                                            \
   } while (0)
 
 // DISPATCH_HEAD_DIM(head_dim, HD, body): HD a compile-time head size; unsupported sizes return

@@ -6,6 +6,7 @@ namespace kvlab::cuda {
 namespace {
 
 constexpr int kThreads = 256;
+constexpr int kMaxPairsPerLane = 4;  // a quantized K/V row's (i, i + head_dim/2) pairs per lane
 
 // out (rows, dim) fp32 = table[tokens[r]]
 template <typename T>
@@ -92,6 +93,78 @@ __global__ void rope_kv_write_kernel(RopeKvWriteParams p) {
   for (std::int64_t i = threadIdx.x; i < kv_dim; i += blockDim.x) v_out[i] = v[i];
 }
 
+// Writes one head row (head_dim = 2 half values; a lane holds elements i = lane + 32 j and
+// i + half in lo[j] and hi[j]) into `row` in format F: the host pool's rounding, bit for bit
+// (int8: scale = absmax / 127, codes nearest even, clamped to +-127, NaN to 0). Whole warps.
+template <KvFormat F>
+__device__ void store_quantized_row(const float (&lo)[kMaxPairsPerLane],
+                                    const float (&hi)[kMaxPairsPerLane], std::int64_t half,
+                                    int lane, char* row) {
+  if constexpr (F == KvFormat::fp8_e4m3) {
+    for (int j = 0; j < kMaxPairsPerLane; ++j) {
+      const std::int64_t i = lane + 32 * j;
+      if (i >= half) break;
+      row[i] = static_cast<char>(fp8_e4m3_from_float(lo[j]));
+      row[i + half] = static_cast<char>(fp8_e4m3_from_float(hi[j]));
+    }
+  } else {
+    float amax = 0.0f;
+    for (int j = 0; j < kMaxPairsPerLane; ++j)
+      if (lane + 32 * j < half) amax = fmaxf(amax, fmaxf(fabsf(lo[j]), fabsf(hi[j])));
+    const float scale = warp_max(amax) / 127.0f, inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+    if (lane == 0) std::memcpy(row, &scale, sizeof scale);
+    const auto code = [inverse](float x) {
+      const float q = round_to_even(x * inverse);  // NaN for a NaN value or an infinite scale
+      return static_cast<char>(static_cast<signed char>(q != q ? 0.0f : fminf(fmaxf(q, -127.0f), 127.0f)));
+    };
+    for (int j = 0; j < kMaxPairsPerLane; ++j) {
+      const std::int64_t i = lane + 32 * j;
+      if (i >= half) break;
+      row[4 + i] = code(lo[j]);
+      row[4 + i + half] = code(hi[j]);
+    }
+  }
+}
+
+// RoPE with the K/V write into a quantized pool (F fp8_e4m3 or int8): threads rotate the Q heads
+// in place as rope_kv_write_kernel does; then each warp takes whole K and V head rows, rotates K
+// in fp32 and rounds the row into its slot (store_quantized_row).
+template <typename T, KvFormat F>
+__global__ void rope_kv_quantize_kernel(RopeKvWriteParams p) {
+  const std::int64_t row = blockIdx.x, half = p.head_dim / 2;
+  const std::int64_t position = p.positions[row], slot = p.slots[row];
+  T* qkv = static_cast<T*>(p.qkv) + row * p.row_stride;
+  for (std::int64_t pair = threadIdx.x; pair < p.heads * half; pair += blockDim.x) {
+    const std::int64_t head = pair / half, i = pair % half;
+    const float c = p.cos[position * half + i], s = p.sin[position * half + i];
+    T* x = qkv + head * p.head_dim;
+    const float x1 = to_float(x[i]), x2 = to_float(x[i + half]);
+    x[i] = from_float<T>(x1 * c - x2 * s);
+    x[i + half] = from_float<T>(x2 * c + x1 * s);
+  }
+  const std::int64_t row_bytes = F == KvFormat::int8 ? 4 + p.head_dim : p.head_dim;
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  for (std::int64_t h = threadIdx.x / 32; h < 2 * p.kv_heads; h += blockDim.x / 32) {
+    const bool is_key = h < p.kv_heads;
+    const std::int64_t kv_head = is_key ? h : h - p.kv_heads;
+    const T* x = qkv + (p.heads + h) * p.head_dim;  // K heads, then V heads
+    float lo[kMaxPairsPerLane], hi[kMaxPairsPerLane];
+    for (int j = 0; j < kMaxPairsPerLane; ++j) {
+      const std::int64_t i = lane + 32 * j;
+      const float x1 = i < half ? to_float(x[i]) : 0.0f, x2 = i < half ? to_float(x[i + half]) : 0.0f;
+      lo[j] = x1;
+      hi[j] = x2;
+      if (is_key && i < half) {
+        const float c = p.cos[position * half + i], s = p.sin[position * half + i];
+        lo[j] = x1 * c - x2 * s;
+        hi[j] = x2 * c + x1 * s;
+      }
+    }
+    char* pool = static_cast<char*>(is_key ? p.k_pool : p.v_pool);
+    store_quantized_row<F>(lo, hi, half, lane, pool + (slot * p.kv_heads + kv_head) * row_bytes);
+  }
+}
+
 template <typename T>
 __global__ void swiglu_kernel(SwiGluParams p) {
   const std::int64_t index = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -109,14 +182,14 @@ __global__ void residual_add_kernel(ResidualAddParams p) {
   p.x[index] += to_float(static_cast<const T*>(p.y)[index]);
 }
 
-// One block per (slot i, layer x K/V).
-template <typename T>
+// One block per (slot i, layer x K/V), 4-byte words.
 __global__ void slot_rows_kernel(SlotRowsParams p) {
-  const std::int64_t i = blockIdx.x, layer_kv = blockIdx.y;
-  T* pool = static_cast<T*>(layer_kv % 2 == 0 ? p.k_pool : p.v_pool) +
-            (layer_kv / 2) * p.layer_elements + p.slots[i] * p.kv_dim;
-  T* packed = static_cast<T*>(p.packed) + (layer_kv * p.count + i) * p.kv_dim;
-  for (std::int64_t d = threadIdx.x; d < p.kv_dim; d += blockDim.x) {
+  const std::int64_t i = blockIdx.x, layer_kv = blockIdx.y, words = p.row_bytes / 4;
+  char* pool_bytes = static_cast<char*>(layer_kv % 2 == 0 ? p.k_pool : p.v_pool) +
+                     (layer_kv / 2) * p.layer_bytes + p.slots[i] * p.row_bytes;
+  auto* pool = reinterpret_cast<std::uint32_t*>(pool_bytes);
+  auto* packed = static_cast<std::uint32_t*>(p.packed) + (layer_kv * p.count + i) * words;
+  for (std::int64_t d = threadIdx.x; d < words; d += blockDim.x) {
     if (p.to_pool)
       pool[d] = packed[d];
     else
@@ -170,9 +243,16 @@ cudaError_t launch_rope_kv_write(const RopeKvWriteParams& p, cudaStream_t stream
   if (p.head_dim % 2 != 0 || p.rows > 0x7fffffff ||
       p.row_stride < (p.heads + 2 * p.kv_heads) * p.head_dim)
     return cudaErrorInvalidValue;
+  if (p.kv_format != KvFormat::compute && p.head_dim > 2 * 32 * kMaxPairsPerLane)
+    return cudaErrorInvalidValue;
+  const unsigned rows = static_cast<unsigned>(p.rows);
   KVLAB_DISPATCH_DTYPE(p.dtype, T, {
-    return launch_kernel(rope_kv_write_kernel<T>, static_cast<unsigned>(p.rows), kThreads, stream,
-                         p);
+    if (p.kv_format == KvFormat::fp8_e4m3)
+      return launch_kernel(rope_kv_quantize_kernel<T, KvFormat::fp8_e4m3>, rows, kThreads, stream,
+                           p);
+    if (p.kv_format == KvFormat::int8)
+      return launch_kernel(rope_kv_quantize_kernel<T, KvFormat::int8>, rows, kThreads, stream, p);
+    return launch_kernel(rope_kv_write_kernel<T>, rows, kThreads, stream, p);
   });
 }
 
@@ -194,10 +274,10 @@ cudaError_t launch_residual_add(const ResidualAddParams& p, cudaStream_t stream)
 
 cudaError_t launch_copy_slot_rows(const SlotRowsParams& p, cudaStream_t stream) {
   if (p.count <= 0 || p.layers <= 0) return cudaSuccess;
-  if (p.layers * 2 > 65535 || p.kv_dim <= 0) return cudaErrorInvalidValue;
+  if (p.layers * 2 > 65535 || p.row_bytes <= 0 || p.row_bytes % 4 != 0 || p.layer_bytes % 4 != 0)
+    return cudaErrorInvalidValue;
   const dim3 grid(static_cast<unsigned>(p.count), static_cast<unsigned>(p.layers * 2));
-  KVLAB_DISPATCH_DTYPE(p.dtype, T,
-                       { return launch_kernel(slot_rows_kernel<T>, grid, 128, stream, p); });
+  return launch_kernel(slot_rows_kernel, grid, 128, stream, p);
 }
 
 cudaError_t launch_convert_from_f32(const float* in, void* out, std::int64_t n, Dtype dtype,

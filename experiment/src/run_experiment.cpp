@@ -178,7 +178,9 @@ RunOutput::KvTierTotals kv_tier_totals(const std::vector<std::unique_ptr<Replica
 std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model) {
   if (c.backend_kind == BackendKind::simulated)
     return std::string(dtype_short_name(cost_model->profile().kv_dtype));
-  if (c.backend_kind == BackendKind::cpu) return std::string(dtype_short_name(c.kv_dtype));
+  // The cpu backend's pool, or a plugin's quantized one (cuda: fp8, int8).
+  if (c.backend_kind == BackendKind::cpu || c.kv_dtype != DType::dtype_f32)
+    return std::string(dtype_short_name(c.kv_dtype));
   const auto dtype = c.backend_params.find("dtype");
   if (dtype != c.backend_params.end() && std::holds_alternative<std::string>(dtype->second))
     return std::get<std::string>(dtype->second);

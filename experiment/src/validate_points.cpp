@@ -251,11 +251,16 @@ void check_backend_rules(const ExperimentConfig& c, bool check) {
     throw Error(
         "[cluster]: the replicas step one at a time on one timeline, so real time would add "
         "every replica's steps together: use the virtual, offline or measured clock");
-  if (c.kv_dtype != DType::dtype_f32 && c.backend_kind != BackendKind::cpu)
-    throw Error(
-        fmt::format("kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" "
-                    "keeps K/V its own way",
-                    dtype_short_name(c.kv_dtype), c.backend));
+  // The cuda backend's device pool quantizes to fp8 and int8 ("f32": its compute dtype).
+  const bool device_kv_format = c.backend == "cuda" && (c.kv_dtype == DType::dtype_f8_e4m3 ||
+                                                        c.kv_dtype == DType::dtype_kv_int8);
+  if (c.kv_dtype != DType::dtype_f32 && c.backend_kind != BackendKind::cpu && !device_kv_format)
+    throw Error(fmt::format(
+        "kv_cache.dtype = \"{}\" is the cpu backend's KV pool; backend \"{}\" keeps K/V its "
+        "own way{}",
+        dtype_short_name(c.kv_dtype), c.backend,
+        c.backend == "cuda" ? " (in its dtype, or quantized: kv_cache.dtype \"fp8\" or \"int8\")"
+                            : ""));
   if (c.disaggregated() && check && c.check_tolerance > 0)
     throw Error(
         "kvlab check --tolerance reads each token's logits from the replica that made it; a "

@@ -547,13 +547,12 @@ TEST(CudaKernels, SlotRowsGatherAndScatterWholeSlotsOfEveryLayer) {
     cuda::SlotRowsParams p;
     p.k_pool = k_pool.get();
     p.v_pool = v_pool.get();
-    p.layer_elements = layer_elements;
+    p.layer_bytes = layer_elements * static_cast<std::int64_t>(e);
     p.layers = layers;
     p.slots = d_slots.as<std::int64_t>();
     p.count = count;
-    p.kv_dim = kv_dim;
+    p.row_bytes = kv_dim * static_cast<std::int64_t>(e);
     p.packed = packed.get();
-    p.dtype = dtype;
     ASSERT_EQ(cuda::launch_copy_slot_rows(p, nullptr), cudaSuccess);  // gather
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     const auto got = packed.read(layers * 2 * count * kv_dim, dtype);
@@ -668,6 +667,100 @@ TEST(CudaAttention, LaunchesItCannotRunAreRefusedBeforeTouchingMemory) {
   EXPECT_EQ(cuda::launch_attention(p, nullptr), cudaSuccess);
 }
 
+// The host pool's dtype of a device KV format, and a head row in it.
+DType host_dtype(cuda::KvFormat format) {
+  return format == cuda::KvFormat::fp8_e4m3 ? DType::dtype_f8_e4m3 : DType::dtype_kv_int8;
+}
+std::vector<std::byte> host_row(cuda::KvFormat format, std::span<const float> values) {
+  const DType dtype = host_dtype(format);
+  std::vector<std::byte> row(
+      static_cast<std::size_t>(dtype_row_bytes(dtype, static_cast<std::int64_t>(values.size()))));
+  convert_from_f32(dtype, values, row);
+  return row;
+}
+
+// Values where fp8 and int8 rounding decide: ties between two e4m3 codes (to the even one),
+// subnormals and the subnormal/normal boundary, saturation at 448, negative zero, NaN, infinity.
+const float kRoundingCases[] = {1.0625f,   1.1875f,  -1.3125f, 3 * 0x1p-10f, 5 * 0x1p-10f,
+                                0x1p-6f - 0x1p-11f, 0x1p-12f, 447.9f, 460.0f, 500.0f,
+                                -1e6f,     -0.0f,    0.0f,     240.0f,   -15.5f};
+
+// RoPE with the K/V write into fp8 and int8 pools: each V head row holds exactly the bytes the
+// host pool's rounding gives it (kvlab::convert_from_f32), rounding cases included, and each K
+// row those of its rotated fp32 values (the K heads are given the values of Q heads, which the
+// kernel rotates in place with the same arithmetic, so their rotation is read back); other slots
+// and the guard regions stay untouched; head_dim over 256 is refused.
+TEST(CudaKernels, RopeKvWriteQuantizesKAndVRowsAsTheHostPoolDoes) {
+  KVLAB_REQUIRE_CUDA();
+  for (cuda::KvFormat format : {cuda::KvFormat::fp8_e4m3, cuda::KvFormat::int8})
+    for (std::int64_t head_dim : {64, 256}) {
+      const std::int64_t rows = 5, heads = 4, kv_heads = 2, q_dim = heads * head_dim,
+                         kv_dim = kv_heads * head_dim, stride = q_dim + 2 * kv_dim,
+                         max_positions = 64, slots = 12;
+      const std::int64_t row_bytes = cuda::kv_row_bytes(format, Dtype::f32, head_dim);
+      const cpu::RopeTable rope(head_dim, 10000.0, max_positions);
+      const auto [cos, sin] = rope_tables(rope, head_dim, max_positions);
+      const std::vector<std::int32_t> positions{3, 0, 63, 17, 40};
+      const std::vector<std::int64_t> where{7, 0, 11, 3, 9};
+      auto values = random_values(rows * stride, 8, 4.0f);
+      for (std::int64_t r = 0; r < rows; ++r) {
+        float* row = values.data() + r * stride;
+        std::copy_n(row, kv_dim, row + q_dim);  // K heads = Q heads 0 and 1
+        float* v = row + q_dim + kv_dim;
+        for (std::size_t i = 0; i < std::size(kRoundingCases); ++i) v[i * 3] = kRoundingCases[i];
+        if (r == 1) v[1] = std::numeric_limits<float>::quiet_NaN();
+        if (r == 2) v[head_dim + 5] = std::numeric_limits<float>::infinity();  // a whole row's scale
+      }
+      GuardedBuffer d_x(values.size(), 4), d_pos(rows, 4), d_cos(cos.size(), 4),
+          d_sin(sin.size(), 4), d_slots(rows, 8), k_pool(slots * kv_heads * row_bytes, 1),
+          v_pool(slots * kv_heads * row_bytes, 1);
+      d_x.write(values, Dtype::f32);
+      d_pos.write_bytes(positions.data(), positions.size() * 4);
+      d_cos.write(cos, Dtype::f32);
+      d_sin.write(sin, Dtype::f32);
+      d_slots.write_bytes(where.data(), where.size() * 8);
+      const std::vector<std::byte> zeros(slots * kv_heads * row_bytes);
+      k_pool.write_bytes(zeros.data(), zeros.size());
+      v_pool.write_bytes(zeros.data(), zeros.size());
+      cuda::RopeKvWriteParams p{d_x.get(),    stride,       d_pos.as<std::int32_t>(),
+                                d_cos.as<float>(), d_sin.as<float>(), d_slots.as<std::int64_t>(),
+                                k_pool.get(), v_pool.get(), rows,
+                                heads,        kv_heads,     head_dim,
+                                Dtype::f32,   format};
+      ASSERT_EQ(cuda::launch_rope_kv_write(p, nullptr), cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const auto rotated = d_x.read(values.size(), Dtype::f32);
+      std::vector<std::byte> kp(zeros.size()), vp(zeros.size());
+      k_pool.read_bytes(kp.data(), kp.size());
+      v_pool.read_bytes(vp.data(), vp.size());
+      const std::string what = std::string(dtype_short_name(host_dtype(format))) + " hd " +
+                               std::to_string(head_dim);
+      for (std::int64_t r = 0; r < rows; ++r)
+        for (std::int64_t h = 0; h < kv_heads; ++h) {
+          const std::span<const float> k(rotated.data() + r * stride + h * head_dim, head_dim);
+          const std::span<const float> v(values.data() + r * stride + q_dim + kv_dim + h * head_dim,
+                                         head_dim);
+          const auto at = static_cast<std::ptrdiff_t>((where[r] * kv_heads + h) * row_bytes);
+          EXPECT_TRUE(std::equal(kp.begin() + at, kp.begin() + at + row_bytes,
+                                 host_row(format, k).begin()))
+              << what << " K row " << r << " head " << h;
+          EXPECT_TRUE(std::equal(vp.begin() + at, vp.begin() + at + row_bytes,
+                                 host_row(format, v).begin()))
+              << what << " V row " << r << " head " << h;
+        }
+      for (std::int64_t s = 0; s < slots; ++s) {
+        if (std::find(where.begin(), where.end(), s) != where.end()) continue;
+        for (std::int64_t b = 0; b < kv_heads * row_bytes; ++b)
+          ASSERT_EQ(kp[s * kv_heads * row_bytes + b], std::byte{0}) << what << " slot " << s;
+      }
+      EXPECT_TRUE(k_pool.guards_intact()) << what;
+      EXPECT_TRUE(v_pool.guards_intact()) << what;
+      p.head_dim = 512;
+      p.row_stride = (heads + 2 * kv_heads) * 512;
+      EXPECT_EQ(cuda::launch_rope_kv_write(p, nullptr), cudaErrorInvalidValue) << what;
+    }
+}
+
 struct SequenceCase {
   std::int64_t start;    // cached tokens before the queries
   std::int64_t queries;  // 1 = decode
@@ -687,7 +780,27 @@ struct AttentionCase {
   bool tensor_cores = true;      // AttentionParams::tensor_cores
   float query_scale = 1.0f;      // > 1: peaked softmax, whose splits' maxima differ widely
   PrefillList prefill_list = PrefillList::listed;
+  cuda::KvFormat kv_format = cuda::KvFormat::compute;  // quantized: the reference reads it back
 };
+
+// Each head row of `values` (rows of head_dim) rounded to the format and read back as fp32.
+void round_trip_rows(cuda::KvFormat format, std::int64_t head_dim, std::vector<float>& values) {
+  for (std::size_t at = 0; at < values.size(); at += static_cast<std::size_t>(head_dim)) {
+    const std::span<float> row(values.data() + at, static_cast<std::size_t>(head_dim));
+    convert_to_f32(host_dtype(format), host_row(format, row), row);
+  }
+}
+// A pool of fp32 rows as the device stores it in a quantized format.
+std::vector<std::byte> quantized_pool(cuda::KvFormat format, std::int64_t head_dim,
+                                      const std::vector<float>& values) {
+  std::vector<std::byte> bytes;
+  for (std::size_t at = 0; at < values.size(); at += static_cast<std::size_t>(head_dim)) {
+    const auto row =
+        host_row(format, {values.data() + at, static_cast<std::size_t>(head_dim)});
+    bytes.insert(bytes.end(), row.begin(), row.end());
+  }
+  return bytes;
+}
 
 // The prefill entries a case's launch lists, and the one it leaves out (-1: none).
 std::pair<std::vector<std::int32_t>, std::int64_t> prefill_list(
@@ -759,6 +872,8 @@ AttentionInputs attention_inputs(const AttentionCase& c,
          v = random_values(length * kv_width, 300 + e);
     for (auto* values : {&q, &k, &v})
       for (auto& x : *values) x = stored(x, c.dtype);
+    if (c.kv_format != cuda::KvFormat::compute)
+      for (auto* values : {&k, &v}) round_trip_rows(c.kv_format, hd, *values);
     // A window lets the allocator release whole blocks no query of this step still sees.
     std::int64_t first = 0;
     if (c.window > 0) first = std::max<std::int64_t>(0, s.start - c.window + 1) / c.block * c.block;
@@ -791,16 +906,27 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   const std::size_t shift = c.unaligned_pools ? 1 : 0;  // elements before the pools' first slot
   in.k_pool.insert(in.k_pool.begin(), shift, 0.0f);
   in.v_pool.insert(in.v_pool.begin(), shift, 0.0f);
-  GuardedBuffer d_q(in.q_rows.size(), e_bytes), d_k(in.k_pool.size(), e_bytes),
-      d_v(in.v_pool.size(), e_bytes), d_table(in.block_table.size(), 8),
+  const bool quantized = c.kv_format != cuda::KvFormat::compute;
+  const std::vector<std::byte> k_bytes =
+      quantized ? quantized_pool(c.kv_format, hd, in.k_pool) : std::vector<std::byte>();
+  const std::vector<std::byte> v_bytes =
+      quantized ? quantized_pool(c.kv_format, hd, in.v_pool) : std::vector<std::byte>();
+  GuardedBuffer d_q(in.q_rows.size(), e_bytes),
+      d_k(quantized ? k_bytes.size() : in.k_pool.size(), quantized ? 1 : e_bytes),
+      d_v(quantized ? v_bytes.size() : in.v_pool.size(), quantized ? 1 : e_bytes), d_table(in.block_table.size(), 8),
       d_entries(in.entries.size(), sizeof(cuda::AttentionEntry)), d_out(in.rows * q_width, e_bytes),
       d_workspace(
           cuda::attention_workspace_floats(in.entries.size(), heads, hd,
                                            std::max<std::int64_t>(in.max_keys, 1), split_keys),
           4);
   d_q.write(in.q_rows, c.dtype);
-  d_k.write(in.k_pool, c.dtype);
-  d_v.write(in.v_pool, c.dtype);
+  if (quantized) {
+    d_k.write_bytes(k_bytes.data(), k_bytes.size());
+    d_v.write_bytes(v_bytes.data(), v_bytes.size());
+  } else {
+    d_k.write(in.k_pool, c.dtype);
+    d_v.write(in.v_pool, c.dtype);
+  }
   d_table.write_bytes(in.block_table.data(), in.block_table.size() * 8);
   d_entries.write_bytes(in.entries.data(), in.entries.size() * sizeof(cuda::AttentionEntry));
   const auto [listed, left_out] = prefill_list(c, in.entries);
@@ -829,11 +955,15 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   p.workspace = d_workspace.as<float>();
   p.dtype = c.dtype;
   p.tensor_cores = c.tensor_cores;
+  p.kv_format = c.kv_format;
   ASSERT_EQ(cuda::launch_attention(p, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto out = d_out.read(in.rows * q_width, c.dtype);
   const std::string what = std::string(dtype_name(c.dtype)) +
-                           (c.tensor_cores ? "" : " (CUDA cores)") + " hd " + std::to_string(hd) +
+                           (c.tensor_cores ? "" : " (CUDA cores)") +
+                           (quantized ? " KV " + std::string(dtype_short_name(host_dtype(c.kv_format)))
+                                      : std::string()) +
+                           " hd " + std::to_string(hd) +
                            " group " + std::to_string(c.group) + " block " +
                            std::to_string(c.block) + " window " + std::to_string(c.window);
   std::vector<unsigned char> out_bytes(in.rows * q_width * e_bytes);
@@ -898,6 +1028,23 @@ TEST(CudaAttention, PrefillGridCoversTheListedEntries) {
       AttentionCase c{128, 4, 16, 0, dtype};
       c.prefill_list = list;
       run_attention_case(c, kSequences);
+    }
+}
+
+// Decode (split-K, up to four splits) and prefill (chunked, long, windowed) over fp8 and int8
+// pools: the attention of the rows the pool holds, read back as the host reads them, in both
+// compute dtypes (bf16 included: quantized pools leave tensor cores for the CUDA-core kernels),
+// head_dim 64 and 128, MHA and GQA, block sizes 1 and 16.
+TEST(CudaAttention, QuantizedPoolsGiveTheAttentionOfTheirRoundedRows) {
+  KVLAB_REQUIRE_CUDA();
+  for (cuda::KvFormat format : {cuda::KvFormat::fp8_e4m3, cuda::KvFormat::int8})
+    for (Dtype dtype : kDtypes) {
+      AttentionCase c{128, 4, 16, 0, dtype};
+      c.kv_format = format;
+      run_attention_case(c, kSequences);
+      c = {64, 1, 1, 48, dtype};
+      c.kv_format = format;
+      run_attention_case(c, {{40, 150}, {0, 65}, {200, 1}, {999, 1}});
     }
 }
 

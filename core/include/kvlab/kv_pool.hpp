@@ -68,13 +68,16 @@ enum class KvStorage { host, none };
 
 // Where K/V live when not in this host pool: a GPU backend's device pool, indexed by the same
 // slots. The pool forwards slot copies to it (an allocator's move or copy-on-write) and the
-// engine swaps through it. Host buffers are (layers, 2 [K, V], slots.size(), slot_width) fp32.
+// engine swaps through it. Host buffers are (layers, 2 [K, V], slots.size(), host_row_bytes):
+// fp32 rows (slot_width floats) for K/V the device keeps in a float dtype, or the rows of the
+// host pool's own quantized dtype (slot_row_bytes: fp8, int8), moved exactly.
 class KvDeviceStorage {
  public:
   virtual ~KvDeviceStorage() = default;
   virtual void copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) = 0;
-  virtual void download(const std::vector<std::int64_t>& slots, float* host) = 0;
-  virtual void upload(const std::vector<std::int64_t>& slots, const float* host) = 0;
+  virtual std::int64_t host_row_bytes() const = 0;
+  virtual void download(const std::vector<std::int64_t>& slots, std::byte* host) = 0;
+  virtual void upload(const std::vector<std::int64_t>& slots, const std::byte* host) = 0;
 };
 
 class KvPool {

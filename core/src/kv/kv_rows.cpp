@@ -7,8 +7,7 @@ namespace kvlab {
 
 std::int64_t swap_row_bytes(const KvPool& pool) {
   const KvPoolShape& shape = pool.shape();
-  return pool.device() != nullptr ? shape.slot_width() * static_cast<std::int64_t>(sizeof(float))
-                                  : shape.slot_row_bytes();
+  return pool.device() != nullptr ? pool.device()->host_row_bytes() : shape.slot_row_bytes();
 }
 
 namespace {
@@ -88,14 +87,13 @@ std::int64_t copy_kv_rows(KvPool& pool, const KvView& view, std::int64_t first, 
   const std::int64_t row = swap_row_bytes(pool), tokens = end - first;
   if (to_host && (pool.has_storage() || pool.device() != nullptr))
     buffer.assign(static_cast<std::size_t>(2 * shape.layers * tokens * row), std::byte{0});
-  if (KvDeviceStorage* device = pool.device()) {  // the K/V live on a GPU, moved as fp32
+  if (KvDeviceStorage* device = pool.device()) {  // the K/V live on a GPU, in its row format
     std::vector<std::int64_t> slots;
     for (std::int64_t p = first; p < end; ++p) slots.push_back(view.slot_of(p));
-    auto* floats = reinterpret_cast<float*>(buffer.data());  // operator new: aligned for float
     if (to_host)
-      device->download(slots, floats);
+      device->download(slots, buffer.data());
     else
-      device->upload(slots, floats);
+      device->upload(slots, buffer.data());
   } else if (dtype_is_kivi(shape.dtype) && pool.has_storage()) {
     return copy_kivi_rows(pool, view, first, end, buffer, to_host);
   } else if (pool.has_storage()) {  // the pool's own bytes, whatever its dtype

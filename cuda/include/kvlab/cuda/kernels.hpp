@@ -14,6 +14,20 @@ inline std::size_t dtype_bytes(Dtype d) {
   return d == Dtype::f32 ? 4 : 2;
 }
 
+// How the device KV pool stores a K or V head row of head_dim values, in the byte layout of the
+// host pool's formats of the same names (kvlab::DType), so swapped rows are interchangeable:
+//   compute  head_dim values in the activations' dtype (fp32 or bf16)
+//   fp8_e4m3 head_dim fp8 e4m3 bytes (nearest even, saturated at +-448; kvlab "fp8")
+//   int8     an fp32 scale (absmax / 127), then head_dim int8 codes (kvlab "int8")
+// The quantized rows are written from the fp32 rotated K and the V row, and read back as fp32
+// by the CUDA-core attention kernels (tensor cores take compute rows only).
+enum class KvFormat : std::uint8_t { compute, fp8_e4m3, int8 };
+inline std::int64_t kv_row_bytes(KvFormat format, Dtype dtype, std::int64_t head_dim) {
+  if (format == KvFormat::fp8_e4m3) return head_dim;
+  if (format == KvFormat::int8) return 4 + head_dim;
+  return head_dim * static_cast<std::int64_t>(dtype_bytes(dtype));
+}
+
 // out (rows, dim) [fp32 residual stream] = table[tokens[r]] (vocab, dim) [dtype]
 struct EmbeddingParams {
   const std::int32_t* tokens = nullptr;
@@ -75,6 +89,8 @@ cudaError_t launch_residual_add(const ResidualAddParams& p, cudaStream_t stream)
 // rotate-half: for i < head_dim/2, (x_i, x_{i+hd/2}) <- (x_i cos - x_{i+hd/2} sin,
 // x_{i+hd/2} cos + x_i sin), angle = position x theta^(-2i/hd), cos/sin from a table
 // (max_positions, head_dim/2). One launch for what were RoPE on Q, RoPE on K and the K/V write.
+// A quantized kv_format (head_dim <= 256) rounds each rotated K head and each V head from fp32
+// into its row of kv_row_bytes (one warp per row: int8's scale needs the row's absmax).
 struct RopeKvWriteParams {
   void* qkv = nullptr;
   std::int64_t row_stride = 0;  // elements between rows (>= (heads + 2 kv_heads) x head_dim)
@@ -86,6 +102,7 @@ struct RopeKvWriteParams {
   void* v_pool = nullptr;
   std::int64_t rows = 0, heads = 0, kv_heads = 0, head_dim = 0;
   Dtype dtype = Dtype::f32;
+  KvFormat kv_format = KvFormat::compute;  // the pools' rows (slots, kv_heads, kv_row_bytes)
 };
 cudaError_t launch_rope_kv_write(const RopeKvWriteParams& p, cudaStream_t stream);
 
@@ -133,6 +150,8 @@ struct AttentionParams {
   // bf16 decode and prefill on tensor cores (mma.sync) where head_dim is a multiple of 16 up to
   // 128 and the pools are 16-byte aligned; false: the CUDA-core kernels (a comparison).
   bool tensor_cores = true;
+  // fp8_e4m3 / int8 pools take the scalar decode and the CUDA-core prefill kernels.
+  KvFormat kv_format = KvFormat::compute;
 };
 // Floats of workspace a launch with these sizes needs.
 std::int64_t attention_workspace_floats(std::int64_t entries, std::int64_t heads,
@@ -148,21 +167,21 @@ cudaError_t launch_convert_from_f32(const float* in, void* out, std::int64_t n, 
                                     cudaStream_t stream);
 cudaError_t launch_convert_to_f32(const void* in, float* out, std::int64_t n, Dtype dtype,
                                   cudaStream_t stream);
-// Moves whole slots between the device pool and a packed buffer in one launch (swaps):
-//   packed (layers, 2 [K, V], count, kv_dim) [dtype]  <->  K/V of every layer at slots[i].
+// Moves whole slots between the device pool and a packed buffer in one launch (swaps), as bytes
+// whatever the pool's format:
+//   packed (layers, 2 [K, V], count, row_bytes)  <->  K/V of every layer at slots[i].
 // Gather (to_pool false): packed = pool rows; scatter (to_pool true): pool rows = packed. The
-// slots must be distinct for a scatter.
+// slots must be distinct for a scatter. row_bytes and layer_bytes: multiples of 4.
 struct SlotRowsParams {
   void* k_pool = nullptr;
   void* v_pool = nullptr;
-  std::int64_t layer_elements = 0;  // elements between one layer and the next in each pool
+  std::int64_t layer_bytes = 0;  // bytes between one layer and the next in each pool
   std::int64_t layers = 0;
   const std::int64_t* slots = nullptr;  // device array of count slots
   std::int64_t count = 0;
-  std::int64_t kv_dim = 0;
+  std::int64_t row_bytes = 0;  // one slot's row in one layer: kv_heads x kv_row_bytes
   void* packed = nullptr;
   bool to_pool = false;
-  Dtype dtype = Dtype::f32;
 };
 cudaError_t launch_copy_slot_rows(const SlotRowsParams& p, cudaStream_t stream);
 
