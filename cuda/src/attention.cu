@@ -26,6 +26,14 @@
 namespace kvlab::cuda {
 namespace detail {
 
+// An fp8 e4m3 pool element, so the vectorized decode kernel lays fp8 rows out by their size.
+struct Fp8Bits {
+  std::uint8_t bits;
+};
+// What a pool of KvFormat F over compute type T holds per element (int8 rows: not vectorized).
+template <typename T, KvFormat F>
+using KvElement = std::conditional_t<F == KvFormat::fp8_e4m3, Fp8Bits, T>;
+
 // How the vectorized decode kernel lays a K/V row of HD elements of T over the lanes.
 template <typename T, int HD>
 struct VectorLayout {
@@ -39,8 +47,12 @@ struct VectorLayout {
   static constexpr int kKeysPerWarp = kApplies ? 32 / kLanesPerKey : 1;
   // Query heads one block serves: q and the accumulators stay in registers (2 x QPB x
   // kElements floats per lane), at most 64 of them.
-  static constexpr int kMaxQueriesPerBlock = kElements >= 8 ? 4 : 8;
+  static constexpr int kMaxQueriesPerBlock = kElements >= 16 ? 2 : kElements >= 8 ? 4 : 8;
 };
+
+__device__ __forceinline__ float to_float(Fp8Bits x) {
+  return fp8_e4m3_to_float(x.bits);
+}
 
 }  // namespace detail
 
@@ -322,10 +334,11 @@ __device__ __forceinline__ void merge_lane_groups(float (&m)[QPB], float (&l)[QP
 // kLanesPerKey lanes; each step a group takes kUnroll keys, so a warp has kKeysPerWarp x kUnroll
 // K and V rows in flight. Each group keeps its own online softmax; groups merge by shuffles,
 // warps through shared memory.
-template <typename T, int HD, int QPB>
+template <typename T, KvFormat F, int HD, int QPB>
 __global__ void __launch_bounds__(kDecodeWarps * 32)
     decode_vectorized_kernel(AttentionParams p, int max_splits) {
-  using L = VectorLayout<T, HD>;
+  using S = detail::KvElement<T, F>;  // the pool's element: rows of HD of them
+  using L = VectorLayout<S, HD>;
   constexpr int kUnroll = 2;
   constexpr int E = L::kElements;
   DecodeSplit d;
@@ -344,14 +357,14 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
                    static_cast<std::int64_t>(head0 + h) * HD;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
-      q[h][i] = to_float(row[element_of<T, HD>(i, sub)]) * scale;
+      q[h][i] = to_float(row[element_of<S, HD>(i, sub)]) * scale;
       acc[h][i] = 0.0f;
     }
     m[h] = -FLT_MAX;
     l[h] = 0.0f;
   }
-  const T* k_pool = static_cast<const T*>(p.k_pool);
-  const T* v_pool = static_cast<const T*>(p.v_pool);
+  const S* k_pool = static_cast<const S*>(p.k_pool);
+  const S* v_pool = static_cast<const S*>(p.v_pool);
   constexpr int kKeysPerStep = kDecodeWarps * L::kKeysPerWarp * kUnroll;
   for (int step = begin; step < end; step += kKeysPerStep) {
     float k[kUnroll][E], v[kUnroll][E];
@@ -363,8 +376,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
       if (valid[u]) {
         const std::int64_t slot = slot_of(p, e, key);
         const std::int64_t offset = (slot * p.kv_heads + kv_head) * HD;
-        load_chunks<T, HD>(k_pool + offset, k[u], sub);
-        load_chunks<T, HD>(v_pool + offset, v[u], sub);
+        load_chunks<S, HD>(k_pool + offset, k[u], sub);
+        load_chunks<S, HD>(v_pool + offset, v[u], sub);
       } else {
 #pragma unroll
         for (int i = 0; i < E; ++i) k[u][i] = v[u][i] = 0.0f;
@@ -385,7 +398,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32)
         s_l[warp][h] = l[h];
       }
 #pragma unroll
-      for (int i = 0; i < E; ++i) s_acc[warp][h][element_of<T, HD>(i, sub)] = acc[h][i];
+      for (int i = 0; i < E; ++i) s_acc[warp][h][element_of<S, HD>(i, sub)] = acc[h][i];
     }
   }
   __syncthreads();
@@ -969,22 +982,15 @@ int queries_per_block(std::int64_t group, int limit) {
   return 1;
 }
 
-// The decode launch for one dtype, KV format and head size: on tensor cores where they take it,
-// else vectorized where it applies, else scalar (every quantized pool).
+// The decode launch for one dtype, KV format and head size: on tensor cores where they take it
+// (bf16 rows), else vectorized where it applies (compute and fp8 rows), else scalar (int8 rows,
+// odd head sizes, unaligned pools).
 template <typename T, KvFormat F, int HD>
 cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t stream) {
-  using L = VectorLayout<T, HD>;
+  using L = VectorLayout<detail::KvElement<T, F>, HD>;
+  constexpr bool kVectorizes = L::kApplies && F != KvFormat::int8;
   const std::int64_t group = p.heads / p.kv_heads;
-  if constexpr (F != KvFormat::compute) {
-    const int qpb = queries_per_block(group, 8);
-    const dim3 grid(static_cast<unsigned>(p.kv_heads * (group / qpb)),
-                    static_cast<unsigned>(p.entry_count), static_cast<unsigned>(max_splits));
-    KVLAB_DISPATCH_GROUP(qpb, QPB, {
-      return launch_kernel(decode_scalar_kernel<T, F, HD, QPB>, grid, kDecodeWarps * 32, stream, p,
-                           max_splits);
-    });
-  }
-  if constexpr (kMmaShape<T, HD>) {
+  if constexpr (F == KvFormat::compute && kMmaShape<T, HD>) {
     if (tensor_cores_take(p)) {
       const std::int64_t row_tiles = (group + kMmaRows - 1) / kMmaRows;
       const dim3 grid(static_cast<unsigned>(p.kv_heads * row_tiles),
@@ -995,20 +1001,20 @@ cudaError_t launch_decode(const AttentionParams& p, int max_splits, cudaStream_t
   }
   const std::uintptr_t pools =
       reinterpret_cast<std::uintptr_t>(p.k_pool) | reinterpret_cast<std::uintptr_t>(p.v_pool);
-  const bool vectorized = L::kApplies && pools % 16 == 0;
+  const bool vectorized = kVectorizes && pools % 16 == 0;
   const int qpb = queries_per_block(group, vectorized ? L::kMaxQueriesPerBlock : 8);
   // x: the query-head blocks, fastest, so the blocks that share a K/V head (GQA with more query
   // heads than one block serves) run side by side and the second read of its rows hits L2.
   const dim3 grid(static_cast<unsigned>(p.kv_heads * (group / qpb)),
                   static_cast<unsigned>(p.entry_count), static_cast<unsigned>(max_splits));
   KVLAB_DISPATCH_GROUP(qpb, QPB, {
-    if constexpr (L::kApplies && QPB <= L::kMaxQueriesPerBlock) {
+    if constexpr (kVectorizes && QPB <= L::kMaxQueriesPerBlock) {
       if (vectorized)
-        return launch_kernel(decode_vectorized_kernel<T, HD, QPB>, grid, kDecodeWarps * 32, stream,
-                             p, max_splits);
+        return launch_kernel(decode_vectorized_kernel<T, F, HD, QPB>, grid, kDecodeWarps * 32,
+                             stream, p, max_splits);
     }
-    return launch_kernel(decode_scalar_kernel<T, KvFormat::compute, HD, QPB>, grid,
-                         kDecodeWarps * 32, stream, p, max_splits);
+    return launch_kernel(decode_scalar_kernel<T, F, HD, QPB>, grid, kDecodeWarps * 32, stream, p,
+                         max_splits);
   });
 }
 

@@ -8,8 +8,9 @@
 //   device's peak (memory clock x bus width x 2, from the driver). kernel: 0 what
 //   launch_attention picks (bf16: tensor cores); 1 the CUDA-core kernels (tensor_cores off: the
 //   vectorized decode, the warp-per-query prefill); 2 pools one element off 16-byte alignment,
-//   which leaves only the scalar decode kernel. Rows 0 and 1 at the same shape say which bf16
-//   decode kernel to keep.
+//   which leaves only the scalar decode kernel; 3 and 4 fp8 (e4m3) and int8 KV pools (the scalar
+//   decode kernel, bf16 queries: issue 37's decode-attention ratio against rows 0 and 2, in
+//   time and in bytes read). Rows 0 and 1 at the same shape say which bf16 decode kernel to keep.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <benchmark/benchmark.h>
@@ -101,8 +102,13 @@ void DecodeAttention(benchmark::State& state) {
                      kv_heads = 8, heads = kv_heads * state.range(6), block = 16;
   const bool prefill = state.range(7) != 0;  // each sequence's whole context as one prompt
   const std::int64_t rows = prefill ? batch * context : batch;
-  const std::int64_t slots = batch * context, kv_width = kv_heads * head_dim;
+  const std::int64_t slots = batch * context;
   const std::size_t element = kvlab::cuda::dtype_bytes(dtype);
+  const kvlab::cuda::KvFormat kv_format = kernel == 3   ? kvlab::cuda::KvFormat::fp8_e4m3
+                                          : kernel == 4 ? kvlab::cuda::KvFormat::int8
+                                                        : kvlab::cuda::KvFormat::compute;
+  const auto pool_bytes = static_cast<std::size_t>(
+      slots * kv_heads * kvlab::cuda::kv_row_bytes(kv_format, dtype, head_dim));
   const std::vector<std::int64_t> table = scattered_block_table(slots, block);
   const auto entries = whole_context_entries(batch, context, block, prefill);
   void *k = nullptr, *v = nullptr, *q = nullptr, *out = nullptr, *d_table = nullptr,
@@ -110,15 +116,15 @@ void DecodeAttention(benchmark::State& state) {
   const std::int64_t workspace_floats =
       kvlab::cuda::attention_workspace_floats(batch, heads, head_dim, context, split_keys);
   const std::size_t shift = scalar ? element : 0;  // bytes before the first slot
-  cudaMalloc(&k, slots * kv_width * element + shift);
-  cudaMalloc(&v, slots * kv_width * element + shift);
+  cudaMalloc(&k, pool_bytes + shift);
+  cudaMalloc(&v, pool_bytes + shift);
   cudaMalloc(&q, rows * heads * head_dim * element);
   cudaMalloc(&out, rows * heads * head_dim * element);
   cudaMalloc(&d_table, table.size() * sizeof(std::int64_t));
   cudaMalloc(&d_entries, entries.size() * sizeof(entries[0]));
   cudaMalloc(&workspace, workspace_floats * sizeof(float));
-  cudaMemset(k, 0, slots * kv_width * element + shift);
-  cudaMemset(v, 0, slots * kv_width * element + shift);
+  cudaMemset(k, 0, pool_bytes + shift);
+  cudaMemset(v, 0, pool_bytes + shift);
   cudaMemset(q, 0, rows * heads * head_dim * element);
   cudaMemcpy(d_table, table.data(), table.size() * sizeof(std::int64_t), cudaMemcpyHostToDevice);
   cudaMemcpy(d_entries, entries.data(), entries.size() * sizeof(entries[0]),
@@ -141,6 +147,7 @@ void DecodeAttention(benchmark::State& state) {
   p.workspace = static_cast<float*>(workspace);
   p.dtype = dtype;
   p.tensor_cores = kernel == 0;
+  p.kv_format = kv_format;
   if (time_launches(state, p)) {
     if (prefill) {  // causal: query i attends to i + 1 keys, 2 FLOPs per MAC, Q K^T and P V
       const double flops = 4.0 * static_cast<double>(batch * heads * head_dim) *
@@ -148,7 +155,7 @@ void DecodeAttention(benchmark::State& state) {
       state.counters["TFLOP_per_s"] =
           benchmark::Counter(flops / 1e12, benchmark::Counter::kIsIterationInvariantRate);
     } else {
-      const double bytes = 2.0 * static_cast<double>(slots * kv_width * element);  // K and V
+      const double bytes = 2.0 * static_cast<double>(pool_bytes);  // K and V
       state.counters["kv_GB_per_s"] =
           benchmark::Counter(bytes / 1e9, benchmark::Counter::kIsIterationInvariantRate);
       state.counters["peak_GB_per_s"] = peak_bandwidth_bytes_per_s() / 1e9;
@@ -172,6 +179,11 @@ void DecodeShapes(benchmark::internal::Benchmark* b) {
   b->Args({1, 512, 0, 64, 4096, 128, 8, 0});
   b->Args({0, 512, 2, 64, 4096, 128, 8, 0});
   b->Args({1, 512, 2, 64, 4096, 128, 8, 0});
+  for (const int quantized : {3, 4}) {  // fp8, int8 KV
+    b->Args({0, 512, quantized, 64, 4096, 128, 8, 0});
+    b->Args({0, 512, quantized, 256, 1024, 64, 4, 0});
+  }
+  b->Args({0, 512, 2, 256, 1024, 64, 4, 0});  // the scalar bf16 kernel at the second shape
   // Prefill (issue 15's tensor-core target: >= 300 TFLOP/s at 4k-token prompts, head_dim 128):
   // 4 prompts of 4,096 tokens, 32 query heads over 8 K/V heads; bf16 on tensor cores, on CUDA
   // cores, and f32.

@@ -904,13 +904,17 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   const std::size_t e_bytes = cuda::dtype_bytes(c.dtype);
   const std::int32_t split_keys = 256;
   const std::size_t shift = c.unaligned_pools ? 1 : 0;  // elements before the pools' first slot
-  in.k_pool.insert(in.k_pool.begin(), shift, 0.0f);
-  in.v_pool.insert(in.v_pool.begin(), shift, 0.0f);
   const bool quantized = c.kv_format != cuda::KvFormat::compute;
-  const std::vector<std::byte> k_bytes =
-      quantized ? quantized_pool(c.kv_format, hd, in.k_pool) : std::vector<std::byte>();
-  const std::vector<std::byte> v_bytes =
-      quantized ? quantized_pool(c.kv_format, hd, in.v_pool) : std::vector<std::byte>();
+  std::vector<std::byte> k_bytes, v_bytes;  // a quantized pool, `shift` bytes in
+  if (quantized) {
+    k_bytes = quantized_pool(c.kv_format, hd, in.k_pool);
+    v_bytes = quantized_pool(c.kv_format, hd, in.v_pool);
+    k_bytes.insert(k_bytes.begin(), shift, std::byte{0});
+    v_bytes.insert(v_bytes.begin(), shift, std::byte{0});
+  } else {
+    in.k_pool.insert(in.k_pool.begin(), shift, 0.0f);
+    in.v_pool.insert(in.v_pool.begin(), shift, 0.0f);
+  }
   GuardedBuffer d_q(in.q_rows.size(), e_bytes),
       d_k(quantized ? k_bytes.size() : in.k_pool.size(), quantized ? 1 : e_bytes),
       d_v(quantized ? v_bytes.size() : in.v_pool.size(), quantized ? 1 : e_bytes), d_table(in.block_table.size(), 8),
@@ -935,8 +939,8 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   cuda::AttentionParams p;
   p.q = d_q.get();
   p.q_row_stride = q_stride;
-  p.k_pool = d_k.as<char>() + shift * e_bytes;
-  p.v_pool = d_v.as<char>() + shift * e_bytes;
+  p.k_pool = d_k.as<char>() + shift * (quantized ? 1 : e_bytes);
+  p.v_pool = d_v.as<char>() + shift * (quantized ? 1 : e_bytes);
   p.block_table = d_table.as<std::int64_t>();
   p.entries = d_entries.as<cuda::AttentionEntry>();
   p.entry_count = static_cast<std::int32_t>(in.entries.size());
@@ -1034,17 +1038,24 @@ TEST(CudaAttention, PrefillGridCoversTheListedEntries) {
 // Decode (split-K, up to four splits) and prefill (chunked, long, windowed) over fp8 and int8
 // pools: the attention of the rows the pool holds, read back as the host reads them, in both
 // compute dtypes (bf16 included: quantized pools leave tensor cores for the CUDA-core kernels),
-// head_dim 64 and 128, MHA and GQA, block sizes 1 and 16.
+// head_dim 64, 128 and 256, MHA, GQA 4 and 8, block sizes 1 and 16; fp8 pools on the vectorized
+// decode kernel (16 values per 16-byte load) and, one byte off alignment, on the scalar one.
 TEST(CudaAttention, QuantizedPoolsGiveTheAttentionOfTheirRoundedRows) {
   KVLAB_REQUIRE_CUDA();
   for (cuda::KvFormat format : {cuda::KvFormat::fp8_e4m3, cuda::KvFormat::int8})
     for (Dtype dtype : kDtypes) {
-      AttentionCase c{128, 4, 16, 0, dtype};
-      c.kv_format = format;
-      run_attention_case(c, kSequences);
-      c = {64, 1, 1, 48, dtype};
+      for (const auto& [head_dim, group] : {std::pair{128, 4}, std::pair{256, 8}}) {
+        AttentionCase c{head_dim, group, 16, 0, dtype};
+        c.kv_format = format;
+        run_attention_case(c, kSequences);
+      }
+      AttentionCase c{64, 1, 1, 48, dtype};
       c.kv_format = format;
       run_attention_case(c, {{40, 150}, {0, 65}, {200, 1}, {999, 1}});
+      c = {128, 8, 16, 0, dtype};
+      c.kv_format = format;
+      c.unaligned_pools = true;
+      run_attention_case(c, {{0, 1}, {255, 1}, {999, 1}, {77, 50}});
     }
 }
 
