@@ -11,7 +11,8 @@
 #      measured clock, each step priced by that profile as it runs; the same workload on the
 #      simulated backend with it (the simulator's prediction error); Hugging Face generate() on
 #      the same requests (kvlab's output tok/s as a ratio to it)
-#   6. kvlab check of the cuda backend in bf16 with its stated tolerance (and its logit error)
+#   6. kvlab check of the cuda backend in bf16, and in fp32 over fp8 and int8 KV pools, each with
+#      its stated tolerance (and its logit error)
 #   7. compute-sanitizer memcheck on the kernels and one engine run, racecheck on the kernels
 #      that share memory
 #   8. a summary of all of it
@@ -217,6 +218,20 @@ else
   note "kvlab check, cuda bf16, TAU $tau_bf16 FAILED: $(grep -E '^kvlab check|error' "$build/check_bf16.log" | head -3)"
 fi
 note "  $(grep -m1 -E '^logits' "$build/check_bf16.log")"
+# fp8 and int8 KV in the device pool (fp32 compute), with the TAU docs/experiments.md states for
+# them: twice the largest logit error of the cpu backend over a pool of the same dtype.
+for kv_tau in fp8:0.15 int8:0.04; do
+  kv=${kv_tau%%:*} tau=${kv_tau#*:}
+  if stage "kvlab check $kv KV" 90 "check_$kv.log" "$kvlab" check experiments/quickstart.toml \
+       --set workload.requests=100 --set 'backend.name="cuda"' --set "kv_cache.dtype=\"$kv\"" \
+       --set 'backend.profile="h200"' --tolerance "$tau"; then
+    while IFS= read -r line; do note "kvlab check, cuda f32, $kv KV, TAU $tau: $line"; done < <(grep -E '^kvlab check' "$build/check_$kv.log")
+  else
+    status=1
+    note "kvlab check, cuda f32, $kv KV, TAU $tau FAILED: $(grep -E '^kvlab check|error' "$build/check_$kv.log" | head -3)"
+  fi
+  note "  $(grep -m1 -E '^logits' "$build/check_$kv.log")"
+done
 
 # --- 7. compute-sanitizer
 if command -v compute-sanitizer >/dev/null; then
