@@ -219,8 +219,9 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   // K/V in the compute dtype; "fp8" and "int8" quantize them on write.
   static kvlab::cuda::KvFormat device_kv_format(const kvlab::KvPoolShape& shape) {
     if (shape.hadamard_rotated)
-      throw Error("cuda backend: a Hadamard-rotated KV pool (kv_cache.hadamard) needs the cpu "
-                  "backend, which rotates its queries to match");
+      throw Error(
+          "cuda backend: a Hadamard-rotated KV pool (kv_cache.hadamard) needs the cpu "
+          "backend, which rotates its queries to match");
     switch (shape.dtype) {
       case kvlab::DType::dtype_f32:
         return kvlab::cuda::KvFormat::compute;

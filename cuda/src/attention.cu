@@ -91,7 +91,7 @@ __device__ __forceinline__ void load_row(const T* row, float (&out)[(HD + 31) / 
 
 // One K or V head row of the pool (KvFormat): its bytes, its start, and its elements as fp32.
 template <typename T, KvFormat F, int HD>
-constexpr std::int64_t kKvRowBytes = F == KvFormat::compute    ? HD * std::int64_t{sizeof(T)}
+constexpr std::int64_t kKvRowBytes = F == KvFormat::compute    ? HD* std::int64_t{sizeof(T)}
                                      : F == KvFormat::fp8_e4m3 ? HD
                                                                : 4 + HD;
 template <typename T, KvFormat F, int HD>

@@ -172,18 +172,18 @@ inline unsigned blocks_for(std::int64_t n, int threads) {
   } while (0)
 
 // DISPATCH_KV_FORMAT(format, F, body): body with F a compile-time KvFormat.
-#define KVLAB_DISPATCH_KV_FORMAT(FORMAT, F, ...)                                   \
-  do {                                                                           \
-    if ((FORMAT) == ::kvlab::cuda::KvFormat::fp8_e4m3) {                         \
-      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::fp8_e4m3;   \
-      __VA_ARGS__                                                                \
-    } else if ((FORMAT) == ::kvlab::cuda::KvFormat::int8) {                      \
-      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::int8;       \
-      __VA_ARGS__                                                                \
-    } else {                                                                     \
-      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::compute;    \
-      __VA_ARGS__                                                                \
-    }                                                                            \
+#define KVLAB_DISPATCH_KV_FORMAT(FORMAT, F, ...)                               \
+  do {                                                                         \
+    if ((FORMAT) == ::kvlab::cuda::KvFormat::fp8_e4m3) {                       \
+      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::fp8_e4m3; \
+      __VA_ARGS__                                                              \
+    } else if ((FORMAT) == ::kvlab::cuda::KvFormat::int8) {                    \
+      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::int8;     \
+      __VA_ARGS__                                                              \
+    } else {                                                                   \
+      constexpr ::kvlab::cuda::KvFormat F = ::kvlab::cuda::KvFormat::compute;  \
+      __VA_ARGS__                                                              \
+    }                                                                          \
   } while (0)
 
 // DISPATCH_HEAD_DIM(head_dim, HD, body): HD a compile-time head size; unsupported sizes return

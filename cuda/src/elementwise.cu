@@ -115,7 +115,8 @@ __device__ void store_quantized_row(const float (&lo)[kMaxPairsPerLane],
     if (lane == 0) std::memcpy(row, &scale, sizeof scale);
     const auto code = [inverse](float x) {
       const float q = round_to_even(x * inverse);  // NaN for a NaN value or an infinite scale
-      return static_cast<char>(static_cast<signed char>(q != q ? 0.0f : fminf(fmaxf(q, -127.0f), 127.0f)));
+      return static_cast<char>(
+          static_cast<signed char>(q != q ? 0.0f : fminf(fmaxf(q, -127.0f), 127.0f)));
     };
     for (int j = 0; j < kMaxPairsPerLane; ++j) {
       const std::int64_t i = lane + 32 * j;
@@ -151,7 +152,8 @@ __global__ void rope_kv_quantize_kernel(RopeKvWriteParams p) {
     float lo[kMaxPairsPerLane], hi[kMaxPairsPerLane];
     for (int j = 0; j < kMaxPairsPerLane; ++j) {
       const std::int64_t i = lane + 32 * j;
-      const float x1 = i < half ? to_float(x[i]) : 0.0f, x2 = i < half ? to_float(x[i + half]) : 0.0f;
+      const float x1 = i < half ? to_float(x[i]) : 0.0f,
+                  x2 = i < half ? to_float(x[i + half]) : 0.0f;
       lo[j] = x1;
       hi[j] = x2;
       if (is_key && i < half) {

@@ -203,8 +203,10 @@ TEST(CudaBackend, QuantizedKvEngineGivesTheCpuTokensThroughSwaps) {
     options.kv_dtype = kv_dtype;
     const EngineRun cpu =
         run_engine(false, "paged", paged, "gqa", {}, "swap", 72, requests, options);
-    const EngineRun gpu = run_engine(true, "paged", paged, "gqa", {}, "swap", 72, requests, options);
-    EXPECT_GT(gpu.preemptions, 0) << dtype_short_name(kv_dtype) << ": the pool is too small for all";
+    const EngineRun gpu =
+        run_engine(true, "paged", paged, "gqa", {}, "swap", 72, requests, options);
+    EXPECT_GT(gpu.preemptions, 0) << dtype_short_name(kv_dtype)
+                                  << ": the pool is too small for all";
     EXPECT_EQ(gpu.preemptions, cpu.preemptions) << dtype_short_name(kv_dtype);
     EXPECT_EQ(gpu.tokens, cpu.tokens) << dtype_short_name(kv_dtype);
     if (kv_dtype == DType::dtype_f8_e4m3) {
@@ -338,9 +340,12 @@ struct MixedSteps {
   std::vector<std::int32_t> a, b, d, next_a{7}, next_b{9};
   MixedSteps() : a(13), b(30), d(5) {
     const std::int64_t vocab = checkpoint().config.vocab_size;
-    for (std::size_t i = 0; i < a.size(); ++i) a[i] = static_cast<std::int32_t>((i * 37 + 1) % vocab);
-    for (std::size_t i = 0; i < b.size(); ++i) b[i] = static_cast<std::int32_t>((i * 11 + 5) % vocab);
-    for (std::size_t i = 0; i < d.size(); ++i) d[i] = static_cast<std::int32_t>((i * 3 + 2) % vocab);
+    for (std::size_t i = 0; i < a.size(); ++i)
+      a[i] = static_cast<std::int32_t>((i * 37 + 1) % vocab);
+    for (std::size_t i = 0; i < b.size(); ++i)
+      b[i] = static_cast<std::int32_t>((i * 11 + 5) % vocab);
+    for (std::size_t i = 0; i < d.size(); ++i)
+      d[i] = static_cast<std::int32_t>((i * 3 + 2) % vocab);
   }
   std::vector<BatchEntry> batch(int step) const {
     auto entry = [](std::span<const std::int32_t> tokens, std::int64_t start,
@@ -398,7 +403,8 @@ TEST(CudaBackend, QuantizedKvLogitsMatchTheCpuBackendWithTheSameKvDtype) {
   const ModelConfig& c = checkpoint().config;
   for (DType kv_dtype : {DType::dtype_f8_e4m3, DType::dtype_kv_int8}) {
     const KvPoolShape shape{c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256, kv_dtype};
-    KvPool host_pool(shape), f32_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256}),
+    KvPool host_pool(shape),
+        f32_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256}),
         device_pool(shape, KvStorage::none);
     auto gpu = create_cuda_backend(device_pool, "f32");
     cpu::CpuBackend cpu(checkpoint(), host_pool, std::nullopt);
@@ -450,7 +456,8 @@ TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
     auto gpu = create_cuda_backend(pool, dtype);
     ASSERT_NE(pool.device(), nullptr) << "the backend attaches its device pool";
     const std::int64_t row_bytes = pool.device()->host_row_bytes();
-    EXPECT_EQ(row_bytes, kv_dtype == DType::dtype_f32 ? c.kv_dim() * 4 : pool.shape().slot_row_bytes())
+    EXPECT_EQ(row_bytes,
+              kv_dtype == DType::dtype_f32 ? c.kv_dim() * 4 : pool.shape().slot_row_bytes())
         << what;
     const std::vector<std::int32_t> prompt = prompt_13(), next{5};
     std::vector<BatchEntry> batch = prefill(*gpu, prompt);

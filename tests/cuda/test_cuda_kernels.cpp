@@ -681,9 +681,10 @@ std::vector<std::byte> host_row(cuda::KvFormat format, std::span<const float> va
 
 // Values where fp8 and int8 rounding decide: ties between two e4m3 codes (to the even one),
 // subnormals and the subnormal/normal boundary, saturation at 448, negative zero, NaN, infinity.
-const float kRoundingCases[] = {1.0625f,   1.1875f,  -1.3125f, 3 * 0x1p-10f, 5 * 0x1p-10f,
-                                0x1p-6f - 0x1p-11f, 0x1p-12f, 447.9f, 460.0f, 500.0f,
-                                -1e6f,     -0.0f,    0.0f,     240.0f,   -15.5f};
+const float kRoundingCases[] = {
+    1.0625f,  1.1875f, -1.3125f, 3 * 0x1p-10f, 5 * 0x1p-10f, 0x1p-6f - 0x1p-11f,
+    0x1p-12f, 447.9f,  460.0f,   500.0f,       -1e6f,        -0.0f,
+    0.0f,     240.0f,  -15.5f};
 
 // RoPE with the K/V write into fp8 and int8 pools: each V head row holds exactly the bytes the
 // host pool's rounding gives it (kvlab::convert_from_f32), rounding cases included, and each K
@@ -709,7 +710,8 @@ TEST(CudaKernels, RopeKvWriteQuantizesKAndVRowsAsTheHostPoolDoes) {
         float* v = row + q_dim + kv_dim;
         for (std::size_t i = 0; i < std::size(kRoundingCases); ++i) v[i * 3] = kRoundingCases[i];
         if (r == 1) v[1] = std::numeric_limits<float>::quiet_NaN();
-        if (r == 2) v[head_dim + 5] = std::numeric_limits<float>::infinity();  // a whole row's scale
+        if (r == 2)
+          v[head_dim + 5] = std::numeric_limits<float>::infinity();  // a whole row's scale
       }
       GuardedBuffer d_x(values.size(), 4), d_pos(rows, 4), d_cos(cos.size(), 4),
           d_sin(sin.size(), 4), d_slots(rows, 8), k_pool(slots * kv_heads * row_bytes, 1),
@@ -722,30 +724,39 @@ TEST(CudaKernels, RopeKvWriteQuantizesKAndVRowsAsTheHostPoolDoes) {
       const std::vector<std::byte> zeros(slots * kv_heads * row_bytes);
       k_pool.write_bytes(zeros.data(), zeros.size());
       v_pool.write_bytes(zeros.data(), zeros.size());
-      cuda::RopeKvWriteParams p{d_x.get(),    stride,       d_pos.as<std::int32_t>(),
-                                d_cos.as<float>(), d_sin.as<float>(), d_slots.as<std::int64_t>(),
-                                k_pool.get(), v_pool.get(), rows,
-                                heads,        kv_heads,     head_dim,
-                                Dtype::f32,   format};
+      cuda::RopeKvWriteParams p{d_x.get(),
+                                stride,
+                                d_pos.as<std::int32_t>(),
+                                d_cos.as<float>(),
+                                d_sin.as<float>(),
+                                d_slots.as<std::int64_t>(),
+                                k_pool.get(),
+                                v_pool.get(),
+                                rows,
+                                heads,
+                                kv_heads,
+                                head_dim,
+                                Dtype::f32,
+                                format};
       ASSERT_EQ(cuda::launch_rope_kv_write(p, nullptr), cudaSuccess);
       ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
       const auto rotated = d_x.read(values.size(), Dtype::f32);
       std::vector<std::byte> kp(zeros.size()), vp(zeros.size());
       k_pool.read_bytes(kp.data(), kp.size());
       v_pool.read_bytes(vp.data(), vp.size());
-      const std::string what = std::string(dtype_short_name(host_dtype(format))) + " hd " +
-                               std::to_string(head_dim);
+      const std::string what =
+          std::string(dtype_short_name(host_dtype(format))) + " hd " + std::to_string(head_dim);
       for (std::int64_t r = 0; r < rows; ++r)
         for (std::int64_t h = 0; h < kv_heads; ++h) {
           const std::span<const float> k(rotated.data() + r * stride + h * head_dim, head_dim);
           const std::span<const float> v(values.data() + r * stride + q_dim + kv_dim + h * head_dim,
                                          head_dim);
           const auto at = static_cast<std::ptrdiff_t>((where[r] * kv_heads + h) * row_bytes);
-          EXPECT_TRUE(std::equal(kp.begin() + at, kp.begin() + at + row_bytes,
-                                 host_row(format, k).begin()))
+          EXPECT_TRUE(
+              std::equal(kp.begin() + at, kp.begin() + at + row_bytes, host_row(format, k).begin()))
               << what << " K row " << r << " head " << h;
-          EXPECT_TRUE(std::equal(vp.begin() + at, vp.begin() + at + row_bytes,
-                                 host_row(format, v).begin()))
+          EXPECT_TRUE(
+              std::equal(vp.begin() + at, vp.begin() + at + row_bytes, host_row(format, v).begin()))
               << what << " V row " << r << " head " << h;
         }
       for (std::int64_t s = 0; s < slots; ++s) {
@@ -795,8 +806,7 @@ std::vector<std::byte> quantized_pool(cuda::KvFormat format, std::int64_t head_d
                                       const std::vector<float>& values) {
   std::vector<std::byte> bytes;
   for (std::size_t at = 0; at < values.size(); at += static_cast<std::size_t>(head_dim)) {
-    const auto row =
-        host_row(format, {values.data() + at, static_cast<std::size_t>(head_dim)});
+    const auto row = host_row(format, {values.data() + at, static_cast<std::size_t>(head_dim)});
     bytes.insert(bytes.end(), row.begin(), row.end());
   }
   return bytes;
@@ -897,40 +907,48 @@ AttentionInputs attention_inputs(const AttentionCase& c,
   return in;
 }
 
+// Bytes before a case's pools' first slot: one element (a byte for a quantized pool) when the
+// case asks for unaligned pools.
+std::size_t pool_offset_bytes(const AttentionCase& c) {
+  if (!c.unaligned_pools) return 0;
+  return c.kv_format == cuda::KvFormat::compute ? cuda::dtype_bytes(c.dtype) : 1;
+}
+// A pool of fp32 rows as the device holds it for the case (its dtype or its quantized format),
+// pool_offset_bytes in.
+std::vector<std::byte> device_pool(const AttentionCase& c, const std::vector<float>& values) {
+  std::vector<std::byte> bytes;
+  if (c.kv_format != cuda::KvFormat::compute) {
+    bytes = quantized_pool(c.kv_format, c.head_dim, values);
+  } else if (c.dtype == Dtype::f32) {
+    bytes.resize(values.size() * sizeof(float));
+    std::memcpy(bytes.data(), values.data(), bytes.size());
+  } else {
+    const std::vector<Eigen::bfloat16> rounded(values.begin(), values.end());
+    bytes.resize(rounded.size() * sizeof(Eigen::bfloat16));
+    std::memcpy(bytes.data(), rounded.data(), bytes.size());
+  }
+  bytes.insert(bytes.begin(), pool_offset_bytes(c), std::byte{0});
+  return bytes;
+}
+
 void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>& sequences) {
   AttentionInputs in = attention_inputs(c, sequences);
   const std::int64_t heads = in.heads, kv_heads = in.kv_heads, hd = c.head_dim;
   const std::int64_t q_width = heads * hd, q_stride = q_width + 2 * kv_heads * hd;
   const std::size_t e_bytes = cuda::dtype_bytes(c.dtype);
   const std::int32_t split_keys = 256;
-  const std::size_t shift = c.unaligned_pools ? 1 : 0;  // elements before the pools' first slot
-  const bool quantized = c.kv_format != cuda::KvFormat::compute;
-  std::vector<std::byte> k_bytes, v_bytes;  // a quantized pool, `shift` bytes in
-  if (quantized) {
-    k_bytes = quantized_pool(c.kv_format, hd, in.k_pool);
-    v_bytes = quantized_pool(c.kv_format, hd, in.v_pool);
-    k_bytes.insert(k_bytes.begin(), shift, std::byte{0});
-    v_bytes.insert(v_bytes.begin(), shift, std::byte{0});
-  } else {
-    in.k_pool.insert(in.k_pool.begin(), shift, 0.0f);
-    in.v_pool.insert(in.v_pool.begin(), shift, 0.0f);
-  }
-  GuardedBuffer d_q(in.q_rows.size(), e_bytes),
-      d_k(quantized ? k_bytes.size() : in.k_pool.size(), quantized ? 1 : e_bytes),
-      d_v(quantized ? v_bytes.size() : in.v_pool.size(), quantized ? 1 : e_bytes), d_table(in.block_table.size(), 8),
-      d_entries(in.entries.size(), sizeof(cuda::AttentionEntry)), d_out(in.rows * q_width, e_bytes),
+  const std::vector<std::byte> k_bytes = device_pool(c, in.k_pool),
+                               v_bytes = device_pool(c, in.v_pool);
+  GuardedBuffer d_q(in.q_rows.size(), e_bytes), d_k(k_bytes.size(), 1), d_v(v_bytes.size(), 1),
+      d_table(in.block_table.size(), 8), d_entries(in.entries.size(), sizeof(cuda::AttentionEntry)),
+      d_out(in.rows * q_width, e_bytes),
       d_workspace(
           cuda::attention_workspace_floats(in.entries.size(), heads, hd,
                                            std::max<std::int64_t>(in.max_keys, 1), split_keys),
           4);
   d_q.write(in.q_rows, c.dtype);
-  if (quantized) {
-    d_k.write_bytes(k_bytes.data(), k_bytes.size());
-    d_v.write_bytes(v_bytes.data(), v_bytes.size());
-  } else {
-    d_k.write(in.k_pool, c.dtype);
-    d_v.write(in.v_pool, c.dtype);
-  }
+  d_k.write_bytes(k_bytes.data(), k_bytes.size());
+  d_v.write_bytes(v_bytes.data(), v_bytes.size());
   d_table.write_bytes(in.block_table.data(), in.block_table.size() * 8);
   d_entries.write_bytes(in.entries.data(), in.entries.size() * sizeof(cuda::AttentionEntry));
   const auto [listed, left_out] = prefill_list(c, in.entries);
@@ -939,8 +957,8 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   cuda::AttentionParams p;
   p.q = d_q.get();
   p.q_row_stride = q_stride;
-  p.k_pool = d_k.as<char>() + shift * (quantized ? 1 : e_bytes);
-  p.v_pool = d_v.as<char>() + shift * (quantized ? 1 : e_bytes);
+  p.k_pool = d_k.as<char>() + pool_offset_bytes(c);
+  p.v_pool = d_v.as<char>() + pool_offset_bytes(c);
   p.block_table = d_table.as<std::int64_t>();
   p.entries = d_entries.as<cuda::AttentionEntry>();
   p.entry_count = static_cast<std::int32_t>(in.entries.size());
@@ -963,13 +981,13 @@ void run_attention_case(const AttentionCase& c, const std::vector<SequenceCase>&
   ASSERT_EQ(cuda::launch_attention(p, nullptr), cudaSuccess);
   ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const auto out = d_out.read(in.rows * q_width, c.dtype);
-  const std::string what = std::string(dtype_name(c.dtype)) +
-                           (c.tensor_cores ? "" : " (CUDA cores)") +
-                           (quantized ? " KV " + std::string(dtype_short_name(host_dtype(c.kv_format)))
-                                      : std::string()) +
-                           " hd " + std::to_string(hd) +
-                           " group " + std::to_string(c.group) + " block " +
-                           std::to_string(c.block) + " window " + std::to_string(c.window);
+  const std::string what =
+      std::string(dtype_name(c.dtype)) + (c.tensor_cores ? "" : " (CUDA cores)") +
+      (c.kv_format != cuda::KvFormat::compute
+           ? " KV " + std::string(dtype_short_name(host_dtype(c.kv_format)))
+           : std::string()) +
+      " hd " + std::to_string(hd) + " group " + std::to_string(c.group) + " block " +
+      std::to_string(c.block) + " window " + std::to_string(c.window);
   std::vector<unsigned char> out_bytes(in.rows * q_width * e_bytes);
   d_out.read_bytes(out_bytes.data(), out_bytes.size());
   for (std::size_t e = 0; e < sequences.size(); ++e) {

@@ -846,6 +846,30 @@ TEST(SummaryTable, ExperimentColumnsAreCheckedAndFilled) {
   }
 }
 
+// The cuda backend's device pool: fp8 and int8 pass the rule (whether the plugin is here or not),
+// the host pool's other formats are refused naming the two.
+TEST(ExperimentLibrary, CudaTakesFp8AndInt8KvOnly) {
+  auto load_error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  const std::string cuda_q8 = load_error({"backend.name=\"cuda\"", "kv_cache.dtype=\"q8_0\""});
+  EXPECT_NE(cuda_q8.find("quantized: kv_cache.dtype \"fp8\" or \"int8\""), std::string::npos)
+      << cuda_q8;
+  for (const char* dtype : {"fp8", "int8"}) {
+    std::string message;  // none with the cuda plugin built; without it, its absence
+    try {
+      validate_experiment(
+          load_experiment(kQuickstart, small({"backend.name=\"cuda\"",
+                                              std::string("kv_cache.dtype=\"") + dtype + "\""})),
+          false);
+    } catch (const std::exception& e) {
+      message = e.what();
+    }
+    EXPECT_EQ(message.find("kv_cache.dtype"), std::string::npos) << dtype << ": " << message;
+  }
+}
+
 // [backend] weights and [kv_cache] dtype: what the cpu backend multiplies in and stores K/V as.
 TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   auto load_error = [](std::vector<std::string> more, bool check = false) {
@@ -865,23 +889,6 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
       load_experiment(kQuickstart,
                       small({"kv_cache.rotation=\"hadamard\"", "kv_cache.dtype=\"int8\""})),
       false));
-  // The cuda backend's device pool: fp8 and int8 pass the rule (whether the plugin is here or
-  // not), the host pool's other formats are refused naming the two.
-  const std::string cuda_q8 = load_error({"backend.name=\"cuda\"", "kv_cache.dtype=\"q8_0\""});
-  EXPECT_NE(cuda_q8.find("quantized: kv_cache.dtype \"fp8\" or \"int8\""), std::string::npos)
-      << cuda_q8;
-  for (const char* dtype : {"fp8", "int8"}) {
-    std::string message;  // none with the cuda plugin built; without it, its absence
-    try {
-      validate_experiment(load_experiment(kQuickstart, small({"backend.name=\"cuda\"",
-                                                              std::string("kv_cache.dtype=\"") +
-                                                                  dtype + "\""})),
-                          false);
-    } catch (const std::exception& e) {
-      message = e.what();
-    }
-    EXPECT_EQ(message.find("kv_cache.dtype"), std::string::npos) << dtype << ": " << message;
-  }
   const std::string blocks = load_error({"kv_cache.dtype=\"q8_0\""});  // small(): tiny, hd 16
   EXPECT_NE(blocks.find("multiple of 32, and tiny has 16"), std::string::npos) << blocks;
   EXPECT_NE(load_error({"kv_cache.dtype=\"f16\""}, true).find("check with kv_cache.dtype"),
