@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <map>
+#include <set>
 
 #include "cpu_reference/test_models.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
@@ -45,6 +47,8 @@ struct EngineSetup {
   std::string kv_policy;                            // a kv_policy plugin, or none
   std::map<std::string, ParamValue, std::less<>> kv_policy_params;
   const cpu::LlamaWeights* model = nullptr;  // another model than weights()
+  // Called after each step (its number from 1) of a run driven step by step; unset: Engine::run.
+  std::function<void(Engine&, std::int64_t)> after_step;
 };
 
 // The scheduler plugin, with what it is shown passed on to `sees` first.
@@ -94,7 +98,10 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   WatchedScheduler watched(
       *scheduler, setup.sees ? setup.sees : [](const SchedulerInput&) {});
   Engine engine(backend, *allocator, watched, options);
-  return engine.run(requests);
+  if (!setup.after_step) return engine.run(requests);
+  engine.start(requests);
+  for (std::int64_t step = 1; engine.step(); ++step) setup.after_step(engine, step);
+  return engine.take_result();
 }
 
 // A backend that picks tokens "on its device" (here: after the CPU backend's forward, with
@@ -306,6 +313,120 @@ TEST(Engine, LogprobsComeWithEachTokenWhereverItWasPicked) {
 // Logits with NaN (broken weights, a broken backend) stop the run with the request and the
 // step; they used to become token 0 with a null logprob and exit 0. The same when the backend
 // picks the tokens (-1 for the row).
+// A client that goes away (Engine::cancel): at the next step its request finishes as
+// "cancelled", whatever its state: running (its pool KV freed before that step's plan), waiting
+// (never admitted), swapped out (its host KV dropped) or not arrived yet (cancelled as it
+// arrives). The others are untouched: the reference's tokens, in full. submitted = finished +
+// rejected still holds, each cancel is one event, and cancelling an ended or unknown request
+// does nothing.
+TEST(Engine, CancelledRequestsEndAtTheNextStepWhateverTheirState) {
+  std::vector<WorkloadRequest> requests(6);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    WorkloadRequest& r = requests[i];
+    r.id = static_cast<std::int64_t>(i);
+    r.prompt.assign(12, static_cast<std::int32_t>(3 + i));
+    r.output_tokens = 24;
+    r.sampling.ignore_eos = true;
+  }
+  requests[5].arrival_s = 100;  // arrives long after the rest are done
+  const EngineResult uncancelled = [&] {
+    EngineSetup setup;
+    setup.slots = 96;  // two or three sequences at a time: preemptions (swaps)
+    setup.swap_slots = 512;
+    setup.scheduler_params = {{"preemption", std::string("swap")}};
+    return run_engine(setup, requests);
+  }();
+  EngineSetup setup;
+  setup.slots = 96;
+  setup.swap_slots = 512;
+  setup.scheduler_params = {{"preemption", std::string("swap")}};
+  std::int64_t used_before = -1, used_after = -1;  // after step 4; at the next plan
+  const KvAllocator* kv = nullptr;
+  std::vector<RequestId> running_now;
+  bool cancelled = false;
+  setup.sees = [&](const SchedulerInput& input) {
+    kv = input.kv;
+    running_now.clear();
+    for (const RequestState* r : input.running) running_now.push_back(r->id);
+    if (cancelled && used_after < 0) {  // the first plan after the cancel
+      used_after = input.kv->stats().used;
+      EXPECT_EQ(std::find(running_now.begin(), running_now.end(), 0), running_now.end());
+    }
+  };
+  setup.after_step = [&](Engine& engine, std::int64_t step) {
+    if (step == 4) {  // request 0 runs: cancel it, and 5 before it arrives
+      ASSERT_NE(std::find(running_now.begin(), running_now.end(), 0), running_now.end());
+      used_before = kv->stats().used;
+      EXPECT_TRUE(engine.cancel(0));
+      EXPECT_TRUE(engine.cancel(0)) << "twice before it takes effect: still one cancel";
+      EXPECT_TRUE(engine.cancel(5));
+      EXPECT_FALSE(engine.cancel(42)) << "no such request";
+      cancelled = true;
+    }
+    if (step == 5) {
+      EXPECT_FALSE(engine.cancel(0)) << "already ended";
+    }
+  };
+  const EngineResult result = run_engine(setup, requests);
+  ASSERT_EQ(result.requests.size(), requests.size());
+  // Nothing runs between step 4's end and step 5's plan but the cancel: at least its prompt's KV
+  // (12 tokens) left the pool.
+  EXPECT_LE(used_after, used_before - 12) << "request 0's KV was freed before step 5's plan";
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const RequestTimeline& t = result.requests[i];
+    EXPECT_FALSE(t.rejected) << i;
+    if (i == 0 || i == 5) {
+      EXPECT_EQ(t.finish_reason, "cancelled") << i;
+      EXPECT_LT(result.tokens[i].size(), 24u) << i;
+    } else {
+      EXPECT_EQ(t.finish_reason, "max_tokens") << i;
+      EXPECT_EQ(result.tokens[i], uncancelled.tokens[i]) << i;
+    }
+  }
+  EXPECT_TRUE(result.tokens[5].empty()) << "cancelled as it arrived";
+  const auto cancels = std::count_if(result.events.begin(), result.events.end(), [](const auto& e) {
+    return e.kind == EventKind::event_finish && e.reason == "cancelled";
+  });
+  EXPECT_EQ(cancels, 2);
+}
+
+// A waiting request (never admitted) and a swapped-out one are cancelled from the queue too (the
+// swap pool is small enough to preempt by swapping); every other request still finishes.
+TEST(Engine, CancelledWaitingAndSwappedRequestsLeaveQueueAndSwapPool) {
+  std::vector<WorkloadRequest> requests(5);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    requests[i].id = static_cast<std::int64_t>(i);
+    requests[i].prompt.assign(12, static_cast<std::int32_t>(7 + i));
+    requests[i].output_tokens = 30;
+    requests[i].sampling.ignore_eos = true;
+  }
+  EngineSetup setup;
+  setup.slots = 64;
+  setup.swap_slots = 512;
+  setup.scheduler_params = {{"preemption", std::string("swap")}};
+  std::map<RequestId, RequestStatus> waiting_states;
+  setup.sees = [&](const SchedulerInput& input) {
+    waiting_states.clear();
+    for (const RequestState* r : input.waiting) waiting_states[r->id] = r->status;
+  };
+  std::set<RequestStatus> cancelled_from;
+  setup.after_step = [&](Engine& engine, std::int64_t) {
+    for (const auto& [id, status] : waiting_states) {
+      if (!cancelled_from.contains(status) && engine.cancel(id)) cancelled_from.insert(status);
+    }
+  };
+  const EngineResult result = run_engine(setup, requests);
+  EXPECT_TRUE(cancelled_from.contains(RequestStatus::waiting));
+  EXPECT_TRUE(cancelled_from.contains(RequestStatus::swapped)) << "the pool preempts by swapping";
+  std::int64_t cancelled = 0;
+  for (const RequestTimeline& t : result.requests) {
+    EXPECT_TRUE(t.finish_reason == "cancelled" || t.finish_reason == "max_tokens")
+        << t.finish_reason;
+    cancelled += t.finish_reason == "cancelled";
+  }
+  EXPECT_EQ(cancelled, 2);
+}
+
 TEST(Engine, NonFiniteLogitsAreAnErrorNamingRequestAndStep) {
   cpu::LlamaWeights broken = weights();
   broken.final_norm(3) = std::numeric_limits<float>::quiet_NaN();  // every logit turns NaN

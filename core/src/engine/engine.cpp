@@ -61,6 +61,7 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
         "use the measured clock");
   clock_ = make_clock(options_.clock);
   padding_.clear();
+  pending_cancels_.clear();
   if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
@@ -103,6 +104,30 @@ RequestId Engine::submit_for_prefill(const WorkloadRequest& request) {
 RequestId Engine::submit_with_kv(const WorkloadRequest& request, KvHandoff handoff) {
   if (!table_) throw Error("engine: submit_with_kv() before start()");
   return table_->submit_with_kv(request, std::move(handoff));
+}
+
+bool Engine::cancel(RequestId id) {
+  if (!table_ || id < 0 || static_cast<std::size_t>(id) >= table_->size()) return false;
+  const RequestStatus status = table_->at(id).status;
+  if (status == RequestStatus::finished || status == RequestStatus::rejected) return false;
+  if (std::find(pending_cancels_.begin(), pending_cancels_.end(), id) == pending_cancels_.end())
+    pending_cancels_.push_back(id);
+  return true;
+}
+
+// The cancellations of arrived requests take effect: KV freed, finished as "cancelled". Those not
+// arrived yet wait for their arrival; those that ended meanwhile are dropped.
+void Engine::apply_cancels() {
+  std::erase_if(pending_cancels_, [&](RequestId id) {
+    if (!table_->has_arrived(id)) return false;
+    RequestState& r = table_->at(id);
+    if (r.status == RequestStatus::finished || r.status == RequestStatus::rejected) return true;
+    if (r.status == RequestStatus::running) allocator_.free(id);
+    if (kv_policy_) kv_policy_->forget(id);
+    log_.add(EventKind::event_finish, id, "cancelled");
+    table_->cancel(id, clock_->now());
+    return true;
+  });
 }
 
 double Engine::now() const {
@@ -179,6 +204,7 @@ void Engine::receive_arrivals() {
 
 bool Engine::step() {
   receive_arrivals();
+  if (!pending_cancels_.empty()) apply_cancels();
   if (table_->all_done()) return false;
   if (table_->waiting().empty() && table_->running().empty()) {  // idle until the next arrival
     clock_->idle_until(table_->at(*table_->next_arrival()).arrival_s);

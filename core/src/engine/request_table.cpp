@@ -147,6 +147,26 @@ void RequestTable::finish(RequestId id, double now) {
   ++done_;
 }
 
+void RequestTable::cancel(RequestId id, double now) {
+  RequestState& r = at(id);
+  assert(r.is_waiting() || r.status == RequestStatus::running);
+  if (r.status == RequestStatus::running) {
+    std::erase(running_, &r);
+  } else {
+    waiting();  // settles earlier admissions
+    std::erase(waiting_, &r);
+  }
+  if (r.status == RequestStatus::swapped && !r.swap.transferred)
+    add_swap_tokens(-(r.computed - r.swap.first));
+  r.swap = {};
+  r.status = RequestStatus::finished;
+  RequestTimeline& timeline = timelines_[index(id)];
+  timeline.finish_s = now;
+  timeline.finish_reason = "cancelled";
+  samplers_[index(id)].reset();
+  ++done_;
+}
+
 void RequestTable::insert_waiting(const RequestState* r) {
   waiting();  // settles earlier admissions
   const auto by_arrival = [](const RequestState* a, const RequestState* b) {

@@ -136,11 +136,18 @@ class Engine {
   RequestId submit_with_kv(const WorkloadRequest& request, KvHandoff handoff);
   std::vector<KvHandoff> take_handoffs() { return std::move(handoffs_); }
   double now() const;
+  // While a run goes on: the request's client went away. At the start of the next step it
+  // finishes with reason "cancelled" (an event and its timeline say so) and its KV, in the pool
+  // or swapped out, is freed; one not arrived yet is cancelled as it arrives. False for an id
+  // this run does not know or one already finished or rejected (nothing to do).
+  bool cancel(RequestId id);
+
   bool has_work() const;     // a request waits, runs or is still to arrive
   ReplicaLoad load() const;  // what a router sees of this engine now
 
  private:
   void receive_arrivals();
+  void apply_cancels();
   std::string never_fits(const RequestState& r) const;
   void idle_step();
   std::vector<std::int32_t> run_batch(const AppliedPlan& applied, StepRecord& record);
@@ -167,6 +174,7 @@ class Engine {
   std::chrono::steady_clock::time_point step_start_;
   StaticPadding padding_;                    // the finished requests of the running static batch
   std::vector<KvHandoff> handoffs_;          // not yet taken
+  std::vector<RequestId> pending_cancels_;   // cancel()ed, applied at the next step
   std::optional<KvPolicyRunner> kv_policy_;  // options_.kv_policy's
   // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
   // thousand in a trace replay.

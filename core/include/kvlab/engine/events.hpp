@@ -17,7 +17,7 @@ enum class EventKind : std::uint8_t {
   event_swap_out,   // running -> swapped (reason: tokens=N)
   event_swap_full,  // a swap preemption fell back to recompute: the swap pool is full
   event_swap_in,    // swapped -> running (reason: tokens=N)
-  event_finish,     // eos | max_tokens | context_full
+  event_finish,     // eos | max_tokens | context_full | handoff | cancelled (Engine::cancel)
   event_reject,     // can never run (reason)
   event_evict,      // cached prefix blocks reused for other data (blocks, no request)
   event_route,      // a cluster's router sent the request to a replica (reason: the router's)

@@ -28,6 +28,11 @@ class KvPolicyRunner {
 
   // Most positions a sequence keeps between steps (the policy's budget).
   std::int64_t budget() const { return policy_.budget(); }
+  // A sequence that ended outside a step's batch (a cancelled request): its state goes.
+  void forget(RequestId id) {
+    policy_.forget(id);
+    preemptions_.erase(id);
+  }
   // The first `requests` entries are the step's requests: they ask for the policy's scores.
   void ask_scores(std::span<BatchEntry> requests) const;
   // Keeps the forward's scores of the first `requests` entries; throws kvlab::Error when the

@@ -39,7 +39,7 @@ struct RequestTimeline {
   std::int64_t recomputed_tokens = 0;
   std::int64_t swapped_bytes = 0;
   std::int64_t prefix_hit_tokens = 0;  // prompt tokens the prefix cache served at first admission
-  std::string finish_reason;           // "eos" | "max_tokens" | "context_full" once finished
+  std::string finish_reason;  // "eos" | "max_tokens" | "context_full" | "handoff" | "cancelled"
   // Disaggregated prefill and decode: the KV handed from its prefill replica to its decode
   // replica (bytes in the pool's dtype), when the transfer ended there (the request's arrival
   // at the decode replica) and when that replica first scheduled it. 0 / nullopt otherwise.

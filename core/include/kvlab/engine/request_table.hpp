@@ -79,6 +79,9 @@ class RequestTable {
   void start_running(RequestId id, std::int64_t step);  // waiting or swapped -> running
   void stop_running(RequestId id, RequestStatus to);    // running -> waiting or swapped
   void finish(RequestId id, double now);                // running -> finished
+  // Waiting, swapped or running -> finished with reason "cancelled" (a client that went away):
+  // a swapped request's host KV is dropped here; a running one's pool KV is the caller's to free.
+  void cancel(RequestId id, double now);
   void add_swap_tokens(std::int64_t tokens) { swap_used_ += tokens; }
 
   // The run's record: timelines and generated tokens, in submission order.
