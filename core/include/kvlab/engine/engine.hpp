@@ -142,7 +142,9 @@ class Engine {
   // this run does not know or one already finished or rejected (nothing to do).
   bool cancel(RequestId id);
 
-  bool has_work() const;     // a request waits, runs or is still to arrive
+  bool has_work() const;  // a request waits, runs or is still to arrive
+  // The run's events so far (admit, finish, reject, ...), in order.
+  const std::vector<EngineEvent>& events() const { return log_.events(); }
   ReplicaLoad load() const;  // what a router sees of this engine now
 
  private:

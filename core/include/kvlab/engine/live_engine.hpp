@@ -1,0 +1,116 @@
+#pragma once
+// The engine under live traffic (issue 39's server loop, without the HTTP): requests come from any
+// thread while steps run on the engine's own thread, on the wall clock. Each request streams its
+// tokens to its callbacks and ends exactly once (finished, cancelled or rejected with the reason);
+// a bounded queue refuses what it cannot hold instead of growing; shutdown drains or aborts what
+// is in flight and says how many. The run's record (EngineResult) is a `kvlab run`'s: every
+// request in it, in submission order.
+//
+//   client threads: submit(request, callbacks) -> id | queue_full | shutting_down; cancel(id)
+//   engine thread:  submissions -> Engine::submit (arriving now), cancels -> Engine::cancel,
+//                   Engine::step(), each token -> on_token, each end -> on_done
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <map>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "kvlab/engine/engine.hpp"
+
+namespace kvlab {
+
+// How a request ended: finish_reason "eos" | "max_tokens" | "context_full" | "cancelled", or
+// rejected with the engine's reason (it can never fit the context or the pool).
+struct LiveOutcome {
+  RequestId id = -1;
+  std::string finish_reason;
+  bool rejected = false;
+  std::string reject_reason;
+};
+
+// Called on the engine thread, never under the live engine's lock (a callback may cancel()).
+struct LiveCallbacks {
+  std::function<void(std::int32_t)> on_token;       // each token as it is chosen
+  std::function<void(const LiveOutcome&)> on_done;  // once, last
+};
+
+enum class SubmitStatus { accepted, queue_full, shutting_down };
+struct SubmitResult {
+  SubmitStatus status = SubmitStatus::accepted;
+  RequestId id = -1;  // accepted: the engine's id (submission order)
+};
+
+struct LiveOptions {
+  // Requests accepted but not yet admitted (still to reach the engine, or waiting in it) that
+  // the queue holds; one more is refused (queue_full: a server's 429).
+  std::int64_t max_queued = 256;
+  // How long the engine thread sleeps when there is nothing to do, before looking again (a
+  // submission wakes it at once).
+  double idle_wait_s = 0.05;
+};
+
+struct ShutdownReport {
+  std::int64_t drained = 0;  // in flight at the shutdown and finished since
+  std::int64_t aborted = 0;  // in flight at the shutdown and cancelled by it
+};
+
+class LiveEngine {
+ public:
+  // The engine's parts, as Engine takes them; the clock is the wall clock whatever `options`
+  // says, and options.observers.on_token is chained after the live engine's own. Starts the
+  // engine thread.
+  LiveEngine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler, EngineOptions options,
+             LiveOptions live = {});
+  ~LiveEngine();  // an abort shutdown, if none was asked
+  LiveEngine(const LiveEngine&) = delete;
+  LiveEngine& operator=(const LiveEngine&) = delete;
+
+  // Any thread. The request arrives when the engine thread takes it (its arrival_s and id are
+  // set then); its callbacks are called on the engine thread.
+  SubmitResult submit(WorkloadRequest request, LiveCallbacks callbacks);
+  // Any thread: the request's client went away. Nothing for an id that ended or was never given.
+  void cancel(RequestId id);
+  // Stops taking requests; `drain`: the ones in flight run to their end, else they are
+  // cancelled. Returns when the engine thread has ended (once; later calls report zeros).
+  ShutdownReport shutdown(bool drain);
+  // After shutdown: the run's record. Throws kvlab::Error before it.
+  EngineResult take_result();
+  // An engine-level fault that ended the loop (a scheduler that stalls, NaN logits), or "".
+  std::string fault() const;
+
+ private:
+  struct Pending {
+    WorkloadRequest request;
+    LiveCallbacks callbacks;
+  };
+  void loop();
+  bool take_work(std::vector<Pending>& arrivals, std::vector<RequestId>& cancels);
+  void admit(std::vector<Pending>& arrivals);
+  void report_ends();
+  void finish_shutdown();
+
+  Engine engine_;
+  LiveOptions live_;
+  std::vector<WorkloadRequest> none_;             // Engine::start's (empty) list
+  std::deque<WorkloadRequest> requests_;          // every submitted request: they outlive the run
+  std::map<RequestId, LiveCallbacks> in_flight_;  // engine thread only
+  std::size_t events_seen_ = 0;                   // engine thread only
+
+  mutable std::mutex mutex_;  // guards what follows
+  std::condition_variable wake_;
+  std::vector<Pending> pending_;
+  std::vector<RequestId> cancels_;
+  RequestId next_id_ = 0;
+  std::int64_t waiting_in_engine_ = 0;  // after the last step
+  bool stopping_ = false, drain_ = true, ended_ = false;
+  ShutdownReport report_;
+  std::string fault_;
+
+  std::thread thread_;  // last: started once everything above exists
+};
+
+}  // namespace kvlab
