@@ -15,6 +15,7 @@
 #include "cpu_reference/test_models.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/engine/live_engine.hpp"
+#include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "plugin_registry.hpp"
 
@@ -218,6 +219,46 @@ TEST(LiveEngine, ShutdownAbortsOrDrainsWhatIsInFlightAndCountsIt) {
     EXPECT_EQ(result.requests.size(), 4u);
     EXPECT_EQ(stack.allocator->stats().used, 0);
   }
+}
+
+// A backend that fails on its `fail_at`th forward (an engine-level fault: a device lost, NaN).
+class FailingBackend final : public Backend {
+ public:
+  FailingBackend(Backend& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> choices) override {
+    if (++calls_ == fail_at_) throw Error("the device fell off the bus");
+    return inner_.forward(batch, choices);
+  }
+  std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+
+ private:
+  Backend& inner_;
+  int calls_ = 0, fail_at_;
+};
+
+// An engine fault ends the loop, and still every request accepted ends once: rejected with the
+// fault as its reason; later submissions are refused; fault() says what happened.
+TEST(LiveEngine, AnEngineFaultEndsEveryRequestInFlightWithTheFault) {
+  Stack stack({{"max_batch", std::int64_t{1}}});
+  FailingBackend failing(*stack.backend, 5);
+  LiveEngine live(failing, *stack.allocator, *stack.scheduler, stack.options);
+  std::vector<Seen> seen(3);
+  for (auto& s : seen)
+    ASSERT_EQ(live.submit(request(4, 6, 40), s.callbacks()).status, SubmitStatus::accepted);
+  for (auto& s : seen) {
+    ASSERT_TRUE(s.wait(60));
+    std::lock_guard lock(s.mutex);
+    ASSERT_EQ(s.ends.size(), 1u);
+    EXPECT_TRUE(s.ends[0].rejected);
+    EXPECT_NE(s.ends[0].reject_reason.find("the device fell off the bus"), std::string::npos)
+        << s.ends[0].reject_reason;
+  }
+  EXPECT_NE(live.fault().find("the device fell off the bus"), std::string::npos) << live.fault();
+  Seen after;
+  EXPECT_EQ(live.submit(request(4, 6, 4), after.callbacks()).status, SubmitStatus::shutting_down);
+  const ShutdownReport report = live.shutdown(true);
+  EXPECT_EQ(report.drained + report.aborted, 0);
 }
 
 }  // namespace
