@@ -6,15 +6,16 @@
 //           query heads sharing a K/V head are the rows of mma.sync m16n8k16, so each K/V row is
 //           read once for its whole group, and 32-key tiles stream through shared memory with
 //           asynchronous copies, the next in flight while one is computed. Otherwise (fp32, the
-//           check path; head_dim 256; unaligned pools; tensor_cores off) on CUDA cores: where a
-//           K/V row is a power of two 16-byte chunks and the pool is 16-byte aligned, the
+//           check path; head_dim 256; unaligned pools; tensor_cores off; fp8 and int8 pools,
+//           KvFormat) on CUDA cores: where a K/V row (compute or fp8) is a power of two 16-byte
+//           chunks and the pool is 16-byte aligned, the
 //           vectorized kernel (lanes of a warp split into groups of up to 32 lanes per key, each
 //           lane loads whole 16-byte chunks, every warp keeps several keys in flight); else the
 //           scalar kernel (a key per warp, a lane per element).
 //   prefill (a chunk of queries): bf16 on tensor cores (FlashAttention-2 on mma.sync
 //           m16n8k16, 64 queries x 64-key tiles per block); otherwise one warp per query, key
-//           tiles staged in shared memory; causal, online softmax; earlier chunks' keys come
-//           from the cache like any other
+//           tiles staged in shared memory (quantized rows dequantized as they are staged);
+//           causal, online softmax; earlier chunks' keys come from the cache like any other
 #include <algorithm>
 #include <cfloat>
 #include <cstdint>

@@ -132,13 +132,14 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
   return served;
 }
 
-// The cost model that prices the run's steps: the profile's device; the cpu backend's run is
-// priced with its own KV dtype (kv_cache.dtype).
+// The cost model that prices the run's steps: the profile's device; a run whose pool has its own
+// KV dtype (the cpu backend's kv_cache.dtype, the cuda backend's fp8 or int8) is priced with it.
 std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model,
                                         std::int64_t tensor_parallel) {
   if (c.profile.empty()) return std::nullopt;
   HardwareProfile profile = load_hardware_profile(c.profile, c.hardware_changes);
-  if (c.backend_kind == BackendKind::cpu) profile.kv_dtype = c.kv_dtype;
+  if (c.backend_kind == BackendKind::cpu || c.kv_dtype != DType::dtype_f32)
+    profile.kv_dtype = c.kv_dtype;
   return CostModel(model, profile, tensor_parallel, c.context_parallel);
 }
 
