@@ -32,5 +32,6 @@ void register_metrics(CLI::App& app);
 void register_perplexity(CLI::App& app);
 // run and check; a failed check sets exit_code.
 void register_run(CLI::App& app, int& exit_code);
+void register_serve(CLI::App& app, int& exit_code);
 
 }  // namespace kvlab::cli

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   kvlab::cli::register_perplexity(app);
   int exit_code = 0;
   kvlab::cli::register_run(app, exit_code);
+  kvlab::cli::register_serve(app, exit_code);
   if (argc > 1 && argv[1][0] != '-') {  // name an unknown command (CLI11 only says one is required)
     std::vector<std::string> commands;
     for (const CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; }))

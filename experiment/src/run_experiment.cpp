@@ -174,6 +174,8 @@ RunOutput::KvTierTotals kv_tier_totals(const std::vector<std::unique_ptr<Replica
   return t;
 }
 
+}  // namespace
+
 // RunOutput::kv_dtype.
 std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model) {
   if (c.backend_kind == BackendKind::simulated)
@@ -187,7 +189,25 @@ std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostM
   return {};
 }
 
-}  // namespace
+void summarize_output(const ExperimentConfig& c,
+                      const std::vector<std::unique_ptr<ReplicaStack>>& stacks, bool has_cost_model,
+                      RunOutput& out) {
+  out.summary = summarize_run(out.engine.requests, out.engine.duration_s);
+  out.tenants = summarize_tenants(out.engine.requests, out.engine.duration_s);
+  if (!out.tenants.empty()) out.service_gap_tokens = max_service_gap_tokens(out.engine.requests);
+  for (const auto& stack : stacks) {
+    out.forward_wall_s += stack->backend->seconds();
+    out.forwards += stack->backend->forwards();
+    out.forwards_with_chosen_tokens += stack->backend->forwards_with_chosen_tokens();
+    const BackendCounters counters = stack->backend->counters();
+    out.graph_replays += counters.graph_replays;
+    out.graph_captures += counters.graph_captures;
+  }
+  if (c.has_kv_tiers()) out.kv_tiers = kv_tier_totals(stacks, out.engine.steps);
+  const double cluster_hit_rate = out.prefix_hit_rate;
+  summarize_memory_and_predictions(out, has_cost_model && c.clock == EngineClock::measured);
+  if (c.replicas > 1) out.prefix_hit_rate = cluster_hit_rate;  // every replica's, not the last
+}
 
 RunOutput run_experiment(const ExperimentConfig& c, bool check,
                          std::vector<std::string>* mismatches) {
@@ -239,26 +259,12 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
     run_replicas(c, registry, sizings, stacks, requests, out, served_by);
   }
   out.engine_wall_s = seconds_since(engine_start);
-  out.summary = summarize_run(out.engine.requests, out.engine.duration_s);
-  out.tenants = summarize_tenants(out.engine.requests, out.engine.duration_s);
-  if (!out.tenants.empty()) out.service_gap_tokens = max_service_gap_tokens(out.engine.requests);
+  summarize_output(c, stacks, cost_model.has_value(), out);
   for (std::size_t i = 0; tokenizer && i < out.engine.tokens.size(); ++i) {
     std::span<const std::int32_t> answer = out.engine.tokens[i];
     if (out.engine.requests[i].finish_reason == "eos") answer = answer.first(answer.size() - 1);
     out.answer_texts.push_back(tokenizer->decode(answer));  // without the stop token
   }
-  for (const auto& stack : stacks) {
-    out.forward_wall_s += stack->backend->seconds();
-    out.forwards += stack->backend->forwards();
-    out.forwards_with_chosen_tokens += stack->backend->forwards_with_chosen_tokens();
-    const BackendCounters counters = stack->backend->counters();
-    out.graph_replays += counters.graph_replays;
-    out.graph_captures += counters.graph_captures;
-  }
-  if (c.has_kv_tiers()) out.kv_tiers = kv_tier_totals(stacks, out.engine.steps);
-  const double cluster_hit_rate = out.prefix_hit_rate;
-  summarize_memory_and_predictions(out, cost_model && c.clock == EngineClock::measured);
-  if (c.replicas > 1) out.prefix_hit_rate = cluster_hit_rate;  // every replica's, not the last
   if (check)
     check_against_reference(served, rules.window, requests, c.check_tolerance,
                             log ? &*log : nullptr, served_by, out, *mismatches);

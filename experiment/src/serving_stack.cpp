@@ -87,6 +87,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
     options.observers.on_logits = [log, replica](RequestId id, std::span<const float> row) {
       log->record(replica, id, row);
     };
+  r->options = options;
   r->engine = std::make_unique<Engine>(*r->backend, *r->allocator, *r->scheduler, options);
   return r;
 }

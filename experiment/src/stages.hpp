@@ -72,6 +72,7 @@ struct ReplicaStack {
   PluginObject<Backend> plugin_backend;   // the backend plugin's object: cpu, simulated, cuda, ...
   std::unique_ptr<TimedBackend> backend;  // it, timed
   PluginObject<KvPolicy> kv_policy;       // [kv_policy], else empty
+  EngineOptions options;                  // what the engine was made with (kvlab serve's too)
   std::unique_ptr<Engine> engine;
 };
 
@@ -86,6 +87,15 @@ std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
 // The workload's requests; running out of memory is reported as the workload's.
 RealWorkload make_requests_or_say_why(const ExperimentConfig& c, const ModelConfig& model,
                                       bool check, std::unique_ptr<Tokenizer>& tokenizer);
+
+// 3.
+// What a run reports beyond the engine's record (out.engine): its summaries, the backends'
+// counters, KV tier totals, memory use and (measured clock) the cost model's prediction error.
+void summarize_output(const ExperimentConfig& c,
+                      const std::vector<std::unique_ptr<ReplicaStack>>& stacks,
+                      bool has_cost_model, RunOutput& out);
+// The K/V dtype as the pool stores it (RunOutput::kv_dtype).
+std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model);
 
 // 4.
 // Where each request of a run was served: its replica and its id in that replica's engine.

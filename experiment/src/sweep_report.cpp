@@ -246,53 +246,64 @@ std::string clock_description(const std::vector<ExperimentRun>& runs) {
   if (c.clock == EngineClock::measured)
     return "measured clock: each step lasts what Backend::forward (and its swap copies) took";
   if (c.clock == EngineClock::wall) return "wall clock: arrivals and steps in real time";
+  if (c.clock == EngineClock::paced)
+    return fmt::format(
+        "paced wall clock: real arrivals, each step lasting at least its price by {}", model);
   if (c.clock == EngineClock::offline)
     return fmt::format("offline (all at t = 0), steps timed by {}", model);
   return fmt::format("virtual clock, steps timed by {}", model);
+}
+
+RunRecord record_run(const std::vector<ExperimentRun>& runs, std::size_t i, const RunOutput& out,
+                     const std::filesystem::path& folder, int rank) {
+  RunRecord r;
+  r.index = i;
+  r.rank = rank;
+  const ExperimentRun& run = runs[i];
+  if (!folder.empty()) {
+    write_run_outputs(folder, run.config, out);
+    write_file(folder / "config.toml", run.config.resolved_toml + "\n");
+  }
+  r.wall_s = out.wall_s;
+  r.engine_wall_s = out.engine_wall_s;
+  r.forward_wall_s = out.forward_wall_s;
+  r.forwards = out.forwards;
+  r.forwards_with_chosen_tokens = out.forwards_with_chosen_tokens;
+  r.graph_replays = out.graph_replays;
+  r.graph_captures = out.graph_captures;
+  r.finished = out.summary.finished;
+  if (out.step_time_ratio) r.step_time_ratio_p50 = out.step_time_ratio->p50;
+  r.machine_load_1m = out.machine_load_1m;
+  r.checked_tokens = out.check.tokens;
+  r.off_argmax = out.check.off_argmax;
+  r.max_gap = out.check.max_gap;
+  r.logits = out.check.logits;
+  r.logprobs = out.check.logprobs;
+  if (const std::string reasons = all_rejected_reasons(out); !reasons.empty())
+    r.all_rejected = fmt::format("all {} requests were rejected:{}", out.summary.rejected, reasons);
+  r.row = summary_values(runs.front().config, out);  // one column set
+  return r;
 }
 
 // Runs `runs[i]` and writes its outputs into `folder` (none for kvlab check). A kvlab::Error
 // becomes the record's error: the sweep's other runs go on and keep their results.
 RunRecord execute_run(const std::vector<ExperimentRun>& runs, std::size_t i, bool check,
                       const std::filesystem::path& folder, int rank) {
-  RunRecord r;
-  r.index = i;
-  r.rank = rank;
-  const ExperimentRun& run = runs[i];
   try {
-    const RunOutput out = run_experiment(run.config, check, &r.mismatches);
-    if (!folder.empty()) {
-      write_run_outputs(folder, run.config, out);
-      write_file(folder / "config.toml", run.config.resolved_toml + "\n");
-    }
-    r.wall_s = out.wall_s;
-    r.engine_wall_s = out.engine_wall_s;
-    r.forward_wall_s = out.forward_wall_s;
-    r.forwards = out.forwards;
-    r.forwards_with_chosen_tokens = out.forwards_with_chosen_tokens;
-    r.graph_replays = out.graph_replays;
-    r.graph_captures = out.graph_captures;
-    r.finished = out.summary.finished;
-    if (out.step_time_ratio) r.step_time_ratio_p50 = out.step_time_ratio->p50;
-    r.machine_load_1m = out.machine_load_1m;
-    r.checked_tokens = out.check.tokens;
-    r.off_argmax = out.check.off_argmax;
-    r.max_gap = out.check.max_gap;
-    r.logits = out.check.logits;
-    r.logprobs = out.check.logprobs;
-    if (const std::string reasons = all_rejected_reasons(out); !reasons.empty())
-      r.all_rejected =
-          fmt::format("all {} requests were rejected:{}", out.summary.rejected, reasons);
-    r.row = summary_values(runs.front().config, out);  // one column set
+    std::vector<std::string> mismatches;
+    const RunOutput out = run_experiment(runs[i].config, check, &mismatches);
+    RunRecord r = record_run(runs, i, out, folder, rank);
+    r.mismatches = std::move(mismatches);
+    return r;
   } catch (const WriteError&) {
     throw;  // the disk, not the run: the whole job stops
   } catch (const Error& e) {
-    r = RunRecord{};
+    RunRecord r;
     r.index = i;
     r.rank = rank;
     r.error = e.what();
+    return r;
   }
-  return r;
 }
 
 // Rank 0: writes the files other ranks carried into their runs' folders.

@@ -70,7 +70,7 @@ struct Seen {
   std::vector<LiveOutcome> ends;
   std::promise<void> done;
   LiveCallbacks callbacks() {
-    return {[this](std::int32_t t) {
+    return {[this](std::int32_t t, const GeneratedLogprobs*) {
               std::lock_guard lock(mutex);
               tokens.push_back(t);
             },
@@ -136,8 +136,9 @@ TEST(LiveEngine, CancelEndsAStreamingRequestWithinAStep) {
   std::atomic<RequestId> id = -1;
   std::atomic<int> tokens = 0;
   LiveCallbacks callbacks = seen.callbacks();
-  callbacks.on_token = [&, record = callbacks.on_token](std::int32_t t) {
-    record(t);
+  callbacks.on_token = [&, record = callbacks.on_token](std::int32_t t,
+                                                        const GeneratedLogprobs* logprobs) {
+    record(t, logprobs);
     if (++tokens < 3) return;
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
     while (id < 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::yield();

@@ -68,6 +68,20 @@ class WallClock : public Clock {
   std::chrono::steady_clock::time_point start_ = std::chrono::steady_clock::now();
 };
 
+// The wall clock; a step that ran faster than the cost model prices it is slept out to its price
+// (a step's price counts from its start: the engine's own time inside the step is part of it).
+class PacedClock : public WallClock {
+ public:
+  double advance(const StepTiming& cost) override {
+    const double started = now();
+    const double ran = WallClock::advance(cost);
+    const double priced = cost.virtual_step_s();
+    if (ran >= priced) return ran;
+    idle_until(started + priced);
+    return now() - started;
+  }
+};
+
 }  // namespace
 
 const char* clock_name(EngineClock clock) {
@@ -82,6 +96,8 @@ const char* clock_name(EngineClock clock) {
       return "measured";
     case EngineClock::steps:
       return "steps";
+    case EngineClock::paced:
+      return "paced";
   }
   return "?";
 }
@@ -103,6 +119,8 @@ std::unique_ptr<Clock> make_clock(EngineClock kind) {
       return std::make_unique<WallClock>();
     case EngineClock::steps:
       return std::make_unique<StepCountingClock>();
+    case EngineClock::paced:
+      return std::make_unique<PacedClock>();
     case EngineClock::virtual_clock:
       break;
   }

@@ -52,11 +52,11 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& requests) {
 }
 
 void Engine::start(const std::vector<WorkloadRequest>& requests) {
-  const bool priced =
-      options_.clock == EngineClock::virtual_clock || options_.clock == EngineClock::offline;
+  const bool priced = options_.clock == EngineClock::virtual_clock ||
+                      options_.clock == EngineClock::offline || options_.clock == EngineClock::paced;
   if (priced && options_.cost_model == nullptr)
     throw Error(
-        "engine: the virtual and offline clocks price every step with a cost model; give "
+        "engine: the virtual, offline and paced clocks price every step with a cost model; give "
         "EngineOptions::cost_model (a hardware profile: profiles/cpu.toml for the CPU backend) or "
         "use the measured clock");
   clock_ = make_clock(options_.clock);

@@ -10,14 +10,16 @@
 namespace kvlab {
 namespace {
 
-EngineOptions live_options(EngineOptions options,
-                           std::function<void(RequestId, std::int32_t)> own) {
-  options.clock = EngineClock::wall;
-  std::function<void(RequestId, std::int32_t)> theirs = std::move(options.observers.on_token);
+using TokenObserver = std::function<void(RequestId, std::int32_t, const GeneratedLogprobs*)>;
+
+EngineOptions live_options(EngineOptions options, bool paced, TokenObserver own) {
+  options.clock = paced ? EngineClock::paced : EngineClock::wall;
+  TokenObserver theirs = std::move(options.observers.on_token);
   options.observers.on_token = [own = std::move(own), theirs = std::move(theirs)](
-                                   RequestId id, std::int32_t token) {
-    own(id, token);
-    if (theirs) theirs(id, token);
+                                   RequestId id, std::int32_t token,
+                                   const GeneratedLogprobs* logprobs) {
+    own(id, token, logprobs);
+    if (theirs) theirs(id, token, logprobs);
   };
   return options;
 }
@@ -26,13 +28,14 @@ EngineOptions live_options(EngineOptions options,
 
 LiveEngine::LiveEngine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
                        EngineOptions options, LiveOptions live)
-    : engine_(backend, allocator, scheduler,
-              live_options(std::move(options),
-                           [this](RequestId id, std::int32_t token) {
-                             const auto it = in_flight_.find(id);
-                             if (it != in_flight_.end() && it->second.on_token)
-                               it->second.on_token(token);
-                           })),
+    : engine_(
+          backend, allocator, scheduler,
+          live_options(std::move(options), live.paced,
+                       [this](RequestId id, std::int32_t token, const GeneratedLogprobs* logprobs) {
+                         const auto it = in_flight_.find(id);
+                         if (it != in_flight_.end() && it->second.on_token)
+                           it->second.on_token(token, logprobs);
+                       })),
       live_(live) {
   engine_.start(none_);
   thread_ = std::thread([this] { loop(); });
@@ -82,6 +85,13 @@ EngineResult LiveEngine::take_result() {
   return engine_.take_result();
 }
 
+LiveStats LiveEngine::stats() const {
+  std::lock_guard lock(mutex_);
+  LiveStats stats = stats_;
+  stats.queued = static_cast<std::int64_t>(pending_.size());
+  return stats;
+}
+
 std::string LiveEngine::fault() const {
   std::lock_guard lock(mutex_);
   return fault_;
@@ -96,10 +106,10 @@ void LiveEngine::loop() {
     while (take_work(arrivals, cancels)) {
       admit(arrivals);
       for (const RequestId id : cancels) engine_.cancel(id);
+      const std::size_t steps_before = engine_.steps().size();
       if (engine_.has_work()) (void)engine_.step();
       report_ends();
-      std::lock_guard lock(mutex_);
-      waiting_in_engine_ = engine_.load().waiting;
+      update_stats(steps_before);
     }
   } catch (const std::exception& e) {  // an engine-level fault: every request still ends
     std::lock_guard lock(mutex_);
@@ -142,6 +152,31 @@ void LiveEngine::admit(std::vector<Pending>& arrivals) {
   arrivals.clear();
 }
 
+// The counters after a step (and its queue length, which submit() reads).
+void LiveEngine::update_stats(std::size_t steps_before) {
+  const std::vector<StepRecord>& steps = engine_.steps();
+  const ReplicaLoad load = engine_.load();
+  std::lock_guard lock(mutex_);
+  waiting_in_engine_ = load.waiting;
+  for (std::size_t i = steps_before; i < steps.size(); ++i) {
+    const StepRecord& s = steps[i];
+    ++stats_.steps;
+    stats_.prefill_tokens += s.prefill_tokens;
+    stats_.decode_tokens += s.decode_tokens;
+    stats_.preemptions += s.preempted;
+    stats_.swap_bytes += s.swap_bytes;
+    stats_.busy_s += s.duration_s;
+    stats_.waiting = s.waiting;
+    stats_.running = s.running;
+    stats_.kv = s.kv;
+  }
+  // Now, not as of the last step record: a step that only applied cancels records none.
+  stats_.waiting = load.waiting;
+  stats_.running = load.running;
+  stats_.kv.used = load.kv_used;
+  stats_.kv.capacity = load.kv_capacity;
+}
+
 // Each request the last step ended (finished, cancelled or rejected) gets its on_done, once.
 void LiveEngine::report_ends() {
   const std::vector<EngineEvent>& events = engine_.events();
@@ -162,6 +197,9 @@ void LiveEngine::report_ends() {
     in_flight_.erase(it);
     {
       std::lock_guard lock(mutex_);
+      ++(outcome.rejected                       ? stats_.rejected
+         : outcome.finish_reason == "cancelled" ? stats_.cancelled
+                                                : stats_.finished);
       if (stopping_ && !outcome.rejected)
         ++(outcome.finish_reason == "cancelled" ? report_.aborted : report_.drained);
     }

@@ -92,7 +92,9 @@ std::vector<std::int32_t> pick_tokens(const ForwardResult& result,
       if (params.logprobs >= 0)
         table.logprobs(work.id).push_back(generated_logprobs(row, sampled[e], params.logprobs));
     }
-    if (observers.on_token) observers.on_token(work.id, sampled[e]);
+    if (observers.on_token)
+      observers.on_token(work.id, sampled[e],
+                         params.logprobs >= 0 ? &table.logprobs(work.id).back() : nullptr);
   }
   return sampled;
 }

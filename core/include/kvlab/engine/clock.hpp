@@ -8,6 +8,9 @@
 //   wall      arrivals replayed in real time; time passes as it really does (not reproducible)
 //   steps     every step lasts 1: time counts engine steps (arrivals at a given step; for
 //             tools and tests that need an order of events, not a duration)
+//   paced     the wall clock, but a step lasts at least the virtual clock's price of it (the
+//             engine thread sleeps the rest): a simulated backend answering live clients as fast
+//             as the hardware profile says (kvlab serve; not an experiment file's clock)
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -17,9 +20,10 @@
 
 namespace kvlab {
 
-enum class EngineClock { virtual_clock, offline, wall, measured, steps };
+enum class EngineClock { virtual_clock, offline, wall, measured, steps, paced };
 
-// "virtual", "offline", "wall", "measured", "steps" (experiment files and summary.json).
+// "virtual", "offline", "wall", "measured", "steps" (experiment files and summary.json), and
+// "paced" (clock_name only: clock_from_name does not take it).
 const char* clock_name(EngineClock clock);
 std::optional<EngineClock> clock_from_name(std::string_view name);
 

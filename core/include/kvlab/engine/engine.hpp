@@ -146,6 +146,8 @@ class Engine {
   // The run's events so far (admit, finish, reject, ...), in order.
   const std::vector<EngineEvent>& events() const { return log_.events(); }
   ReplicaLoad load() const;  // what a router sees of this engine now
+  // The run's step records so far (the last: the allocator's numbers after the latest step).
+  const std::vector<StepRecord>& steps() const { return result_.steps; }
 
  private:
   void receive_arrivals();

@@ -34,7 +34,9 @@ struct LiveOutcome {
 
 // Called on the engine thread, never under the live engine's lock (a callback may cancel()).
 struct LiveCallbacks {
-  std::function<void(std::int32_t)> on_token;       // each token as it is chosen
+  // Each token as it is chosen, with its log-probabilities when the request's sampling asks for
+  // them (else nullptr; valid during the call only).
+  std::function<void(std::int32_t, const GeneratedLogprobs*)> on_token;
   std::function<void(const LiveOutcome&)> on_done;  // once, last
 };
 
@@ -51,6 +53,22 @@ struct LiveOptions {
   // How long the engine thread sleeps when there is nothing to do, before looking again (a
   // submission wakes it at once).
   double idle_wait_s = 0.05;
+  // The paced clock instead of the wall clock: each step lasts at least the cost model's price
+  // of it (a simulated backend answering as fast as its hardware profile; needs a cost model).
+  bool paced = false;
+};
+
+// The engine for a server's /metrics: queue lengths and KV use as of the latest loop turn, the
+// rest as the last step record left them (counts cumulative since the start).
+struct LiveStats {
+  std::int64_t steps = 0;
+  std::int64_t queued = 0;   // accepted, not yet taken by the engine thread
+  std::int64_t waiting = 0;  // in the engine's queue (swapped-out requests included)
+  std::int64_t running = 0;
+  std::int64_t prefill_tokens = 0, decode_tokens = 0, preemptions = 0, swap_bytes = 0;
+  std::int64_t finished = 0, cancelled = 0, rejected = 0;
+  KvAllocatorStats kv;  // after the last step (prefix and tier counters are cumulative)
+  double busy_s = 0;    // the steps' durations summed
 };
 
 struct ShutdownReport {
@@ -79,6 +97,8 @@ class LiveEngine {
   ShutdownReport shutdown(bool drain);
   // After shutdown: the run's record. Throws kvlab::Error before it.
   EngineResult take_result();
+  // Any thread: the counters as of the last step.
+  LiveStats stats() const;
   // An engine-level fault that ended the loop (a scheduler that stalls, NaN logits), or "".
   std::string fault() const;
 
@@ -92,6 +112,7 @@ class LiveEngine {
   void admit(std::vector<Pending>& arrivals);
   void report_ends();
   void finish_shutdown();
+  void update_stats(std::size_t steps_before);
 
   Engine engine_;
   LiveOptions live_;
@@ -108,6 +129,7 @@ class LiveEngine {
   std::int64_t waiting_in_engine_ = 0;  // after the last step
   bool stopping_ = false, drain_ = true, ended_ = false;
   ShutdownReport report_;
+  LiveStats stats_;
   std::string fault_;
 
   std::thread thread_;  // last: started once everything above exists

@@ -23,8 +23,9 @@ std::vector<TokenChoice> draw_token_choices(const AppliedPlan& applied, RequestT
 struct TokenObservers {
   // Each host-sampled row of logits (request, vocab), before the token is drawn.
   std::function<void(RequestId, std::span<const float>)> on_logits;
-  // Each token as soon as it is chosen, before the stop rules apply.
-  std::function<void(RequestId, std::int32_t)> on_token;
+  // Each token as soon as it is chosen, before the stop rules apply, with its log-probabilities
+  // when the request's sampling asks for them (else nullptr; valid during the call only).
+  std::function<void(RequestId, std::int32_t, const GeneratedLogprobs*)> on_token;
 };
 
 // The next token of each batch entry (-1 for entries that do not sample); log-probabilities

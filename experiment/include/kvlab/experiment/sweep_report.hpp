@@ -23,6 +23,10 @@ std::string all_rejected_reasons(const RunOutput& out);
 // What the table's times are: the clock, and on the virtual clock what times each step.
 std::string clock_description(const std::vector<ExperimentRun>& runs);
 
+// The record of a run that ran (kvlab run's, or a served one), its files written into `folder`
+// (none when empty).
+RunRecord record_run(const std::vector<ExperimentRun>& runs, std::size_t i, const RunOutput& out,
+                     const std::filesystem::path& folder, int rank);
 // Runs `runs[i]` and writes its outputs into `folder` (none: empty, as kvlab check). A
 // kvlab::Error becomes the record's error (the sweep's other runs go on); a WriteError (the
 // disk, not the run) is thrown.

@@ -1,0 +1,104 @@
+// kvlab serve's stack: stage 2 (serving_stack.cpp) builds the replica as for kvlab run; its
+// engine's parts then run under a LiveEngine; stage 3's summaries make the served run's record.
+#include "kvlab/experiment/served_experiment.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+
+#include "kvlab/cpu_reference/ops.hpp"
+#include "kvlab/engine/sequence_rules.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/experiment/sweep_report.hpp"
+#include "stages.hpp"
+
+namespace kvlab {
+
+struct ServedExperiment::Parts {
+  ExperimentConfig config;
+  ServedModel served;
+  std::vector<ReplicaSizing> sizings;
+  std::vector<std::unique_ptr<ReplicaStack>> stacks;
+  std::unique_ptr<LiveEngine> live;  // last: it stops before the stack it runs goes
+  std::chrono::steady_clock::time_point start;
+  double load_at_start = -1;
+};
+
+namespace {
+
+void add_stop_tokens(ModelConfig& model, const std::vector<std::int32_t>& stop_tokens) {
+  for (const std::int32_t token : stop_tokens)
+    if (std::find(model.eos_token_ids.begin(), model.eos_token_ids.end(), token) ==
+        model.eos_token_ids.end())
+      model.eos_token_ids.push_back(token);
+}
+
+}  // namespace
+
+ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
+                                   const std::vector<std::int32_t>& stop_tokens)
+    : parts_(std::make_unique<Parts>()) {
+  Parts& p = *parts_;
+  p.config = c;
+  if (c.replicas > 1)
+    throw Error(fmt::format(
+        "kvlab serve runs one engine; [cluster] replicas = {} is for kvlab run (serve one replica "
+        "per process behind a router)",
+        c.replicas));
+  if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
+  auto search = PluginRegistry::default_search_path();
+  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
+  const PluginRegistry registry(search);
+  const bool simulated = c.backend_kind == BackendKind::simulated;
+  check_backend_rules(c, false);
+  p.served = load_served_model(c, registry, simulated);
+  add_stop_tokens(p.served.config, stop_tokens);
+  p.sizings = replica_sizings(c, p.served.config, simulated);
+  const SequenceRules rules = sequence_rules(p.served.config, *p.served.attention);
+  p.stacks = make_replicas(c, registry, p.served, p.sizings, rules, nullptr);
+  ReplicaStack& stack = *p.stacks.front();
+  stack.engine.reset();  // the LiveEngine runs its parts
+  live.paced = simulated;
+  p.load_at_start = machine_load_1m();
+  p.start = std::chrono::steady_clock::now();
+  p.live = std::make_unique<LiveEngine>(*stack.backend, *stack.allocator, *stack.scheduler,
+                                        stack.options, live);
+}
+
+ServedExperiment::~ServedExperiment() = default;
+
+LiveEngine& ServedExperiment::engine() {
+  return *parts_->live;
+}
+
+const ModelConfig& ServedExperiment::model() const {
+  return parts_->served.config;
+}
+
+const std::filesystem::path& ServedExperiment::source() const {
+  return parts_->served.source;
+}
+
+std::int64_t ServedExperiment::kv_slots() const {
+  return parts_->sizings.front().slots;
+}
+
+RunOutput ServedExperiment::finish() {
+  Parts& p = *parts_;
+  RunOutput out;
+  out.engine = p.live->take_result();
+  out.model_name = p.served.config.name;
+  out.kv_slots = kv_slots();
+  out.workload_description = "served live (kvlab serve)";
+  out.weights_description = p.stacks.front()->backend->description();
+  const std::optional<CostModel>& cost_model = p.sizings.front().cost_model;
+  out.kv_dtype = stored_kv_dtype(p.config, cost_model);
+  out.machine_load_1m = p.load_at_start;
+  out.wall_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - p.start).count();
+  out.engine_wall_s = out.wall_s;
+  summarize_output(p.config, p.stacks, cost_model.has_value(), out);
+  return out;
+}
+
+}  // namespace kvlab

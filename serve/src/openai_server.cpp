@@ -1,0 +1,154 @@
+#include "kvlab/serve/openai_server.hpp"
+
+#include <fmt/format.h>
+
+#include <boost/beast/http/field.hpp>
+#include <chrono>
+#include <cmath>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "generation.hpp"
+#include "kvlab/error.hpp"
+#include "kvlab/serve/openai_api.hpp"
+
+namespace kvlab::serve {
+namespace http = boost::beast::http;
+using nlohmann::json;
+
+namespace {
+
+HttpResponse json_response(http::status status, const std::string& body) {
+  HttpResponse response{status, 11};
+  response.set(http::field::content_type, "application/json");
+  response.set(http::field::server, "kvlab");
+  response.body() = body;
+  return response;
+}
+
+HttpResponse error_response(const ApiError& e) {
+  return json_response(static_cast<http::status>(e.status), e.body());
+}
+
+std::vector<double> latency_bounds() {
+  return {0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5,
+          0.75,  1,      2.5,   5,    7.5,   10,   20,    40,  80,   160};
+}
+
+// Bearer-key check of every route but /health.
+bool authorized(const HttpRequest& request, const std::string& key) {
+  if (key.empty()) return true;
+  const auto it = request.find(http::field::authorization);
+  return it != request.end() && it->value() == "Bearer " + key;
+}
+
+}  // namespace
+
+LatencyHistogram::LatencyHistogram(std::vector<double> bounds)
+    : bounds_(std::move(bounds)), counts_(bounds_.size() + 1, 0) {}
+
+void LatencyHistogram::observe(double seconds) {
+  std::lock_guard lock(mutex_);
+  std::size_t b = 0;
+  while (b < bounds_.size() && seconds > bounds_[b]) ++b;
+  ++counts_[b];
+  sum_ += seconds;
+  ++count_;
+}
+
+std::string LatencyHistogram::text(const std::string& name, const std::string& help) const {
+  std::lock_guard lock(mutex_);
+  std::string out = fmt::format("# HELP {0} {1}\n# TYPE {0} histogram\n", name, help);
+  std::int64_t cumulative = 0;
+  for (std::size_t b = 0; b < bounds_.size(); ++b) {
+    cumulative += counts_[b];
+    out += fmt::format("{}_bucket{{le=\"{}\"}} {}\n", name, bounds_[b], cumulative);
+  }
+  out += fmt::format("{0}_bucket{{le=\"+Inf\"}} {1}\n{0}_sum {2}\n{0}_count {1}\n", name, count_,
+                     sum_);
+  return out;
+}
+
+OpenAiServer::OpenAiServer(LiveEngine& engine, const ModelConfig& model, const Tokenizer* tokenizer,
+                           std::optional<ChatTemplate> chat, OpenAiOptions options)
+    : shared_(std::make_unique<Shared>(engine, model, tokenizer, std::move(chat),
+                                       std::move(options), latency_bounds())) {
+  shared_->next_seed = std::random_device{}();
+}
+
+OpenAiServer::~OpenAiServer() = default;
+
+void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
+  const std::string target(request.target().substr(0, request.target().find('?')));
+  const bool get = request.method() == http::verb::get;
+  const bool post = request.method() == http::verb::post;
+  try {
+    if (target == "/health") {
+      if (!get) throw ApiError(405, "use GET /health");
+      shared_->count_answer(draining_ ? 503 : 200);
+      return reply->send(
+          json_response(draining_ ? http::status::service_unavailable : http::status::ok,
+                        draining_ ? R"({"status":"draining"})" : R"({"status":"ok"})"));
+    }
+    if (!authorized(request, shared_->options.api_key))
+      throw ApiError(401, "Incorrect API key provided", "", "invalid_request_error",
+                     "invalid_api_key");
+    if (target == "/v1/completions" || target == "/v1/chat/completions") {
+      if (!post) throw ApiError(405, fmt::format("use POST {}", target));
+      return completions(request, reply, target == "/v1/chat/completions");
+    }
+    if (!get)
+      throw ApiError(target == "/v1/models" || target == "/metrics" ? 405 : 404,
+                     fmt::format("no route {} {}", std::string(request.method_string()), target));
+    if (target == "/v1/models") {
+      shared_->count_answer(200);
+      return reply->send(json_response(http::status::ok, models_body(*shared_)));
+    }
+    if (target == "/metrics") {
+      HttpResponse response = json_response(http::status::ok, metrics_text());
+      shared_->count_answer(200);  // after: the text counts the answers before this one
+      response.set(http::field::content_type, "text/plain; version=0.0.4");
+      return reply->send(std::move(response));
+    }
+    throw ApiError(404, fmt::format("no route GET {}", target), "", "invalid_request_error",
+                   "not_found");
+  } catch (const ApiError& e) {
+    shared_->count_answer(e.status);
+    reply->send(error_response(e));
+  } catch (const Error& e) {  // the request's content (a chat the template cannot render)
+    shared_->count_answer(400);
+    reply->send(error_response(ApiError(400, e.what())));
+  } catch (const std::exception& e) {
+    shared_->count_answer(500);
+    reply->send(error_response(ApiError(500, e.what(), "", "server_error")));
+  }
+}
+
+void OpenAiServer::completions(const HttpRequest& request, std::shared_ptr<HttpReply> reply,
+                               bool chat) {
+  CompletionRequest parsed = parse_completion_request(request.body(), chat);
+  if (parsed.model != shared_->options.model_name)
+    throw ApiError(404,
+                   fmt::format("The model `{}` does not exist; this server serves `{}`",
+                               parsed.model, shared_->options.model_name),
+                   "model", "invalid_request_error", "model_not_found");
+  auto generation = std::make_shared<Generation>(*shared_, std::move(parsed), reply);
+  reply->on_disconnect([weak = std::weak_ptr<Generation>(generation)] {
+    if (auto g = weak.lock()) g->cancel_all();
+  });
+  if (const std::optional<ApiError> refused = generation->submit()) {
+    HttpResponse response = error_response(*refused);
+    if (refused->status == 429)
+      response.set(http::field::retry_after,
+                   std::to_string(static_cast<int>(std::ceil(shared_->options.retry_after_s))));
+    shared_->count_answer(refused->status);
+    reply->send(std::move(response));
+  }
+}
+
+std::string OpenAiServer::metrics_text() const {
+  return kvlab::serve::metrics_text(*shared_);
+}
+
+}  // namespace kvlab::serve
