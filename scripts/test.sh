@@ -41,12 +41,13 @@ elif command -v valgrind >/dev/null 2>&1; then
   fi
 fi
 
-# One clang build under AddressSanitizer + UBSan serves both: the core, plugin and cpu_reference
-# tests, and the libFuzzer harnesses (kvlab_core is compiled once for both, where two builds
-# compiled it twice: ~5 of CI's minutes). -O1, as AddressSanitizer's documentation advises: half
-# -O3's compile time, and UBSan keeps checks that -O3 folded away (it found a misaligned
-# reference in the plugin loader that -O3 hid). clang does not vectorise at -O1, so every
-# `#pragma omp simd` loop would warn that it was not (-Wpass-failed): not a finding here.
+# One clang build under AddressSanitizer + UBSan serves both: the core, plugin, cpu_reference and
+# serve (kvlab serve's threads and connections) tests, and the libFuzzer harnesses (kvlab_core
+# is compiled once for both, where two builds compiled it twice: ~5 of CI's minutes). -O1, as
+# AddressSanitizer's documentation advises: half -O3's compile time, and UBSan keeps checks that
+# -O3 folded away (it found a misaligned reference in the plugin loader that -O3 hid). clang does
+# not vectorise at -O1, so every `#pragma omp simd` loop would warn that it was not
+# (-Wpass-failed): not a finding here.
 sanitize_dir="${build_dir}-sanitize"
 CC=clang CXX=clang++ cmake -S . -B "$sanitize_dir" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG -Wno-pass-failed" -DKVLAB_FUZZ=ON -DKVLAB_WITH_CUDA=OFF \
@@ -56,7 +57,7 @@ CC=clang CXX=clang++ cmake -S . -B "$sanitize_dir" -DCMAKE_BUILD_TYPE=Release \
 # built in parallel; tests/fuzz/CMakeLists.txt).
 cmake --build "$sanitize_dir" -j "$(nproc)" --target kvlab_sanitizer_suite
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
-  ctest --test-dir "$sanitize_dir" -L "core|plugins|cpu_reference" --output-on-failure \
+  ctest --test-dir "$sanitize_dir" -L "core|plugins|cpu_reference|serve" --output-on-failure \
   -j "$(nproc)"
 # valgrind done before the fuzzers start: they run for a fixed time, which it would share.
 if [ -n "$memcheck_pid" ]; then

@@ -133,9 +133,9 @@ void parse_prompt(const json& body, CompletionRequest& r) {
   if (p->is_string()) return r.prompt_texts.push_back(p->get<std::string>());
   if (!p->is_array() || p->empty())
     throw bad("prompt", "'prompt' must be a string, token ids, or a non-empty list of either");
+  if (p->front().is_number()) return r.prompt_ids.push_back(token_ids(*p, "'prompt'"));
   if (p->size() > kMaxPrompts)
     throw bad("prompt", fmt::format("at most {} prompts in one request", kMaxPrompts));
-  if (p->front().is_number()) return r.prompt_ids.push_back(token_ids(*p, "'prompt'"));
   for (std::size_t i = 0; i < p->size(); ++i) {
     const json& item = (*p)[i];
     if (item.is_string() && r.prompt_ids.empty())

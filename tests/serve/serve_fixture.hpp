@@ -27,8 +27,8 @@ namespace kvlab::test {
 
 // stories15m-shaped random weights on the cpu backend, a paged pool, fcfs: a stack whose steps
 // take milliseconds. `sets` change it as --set does.
-inline std::vector<ExperimentRun> small_served_experiment(const TempDir& dir,
-                                                          const std::vector<std::string>& sets) {
+inline std::vector<ExperimentRun> small_served_experiment(const std::vector<std::string>& sets) {
+  const TempDir dir;  // the file is read whole here
   write_file(dir / "serve.toml", R"([experiment]
 name = "serve_test"
 seed = 1
@@ -58,7 +58,11 @@ class ServedStack {
  public:
   explicit ServedStack(const std::vector<std::string>& sets = {}, LiveOptions live = {},
                        serve::HttpServerOptions http = {}, std::string api_key = {})
-      : runs_(small_served_experiment(dir_, sets)),
+      : ServedStack(small_served_experiment(sets), live, http, std::move(api_key)) {}
+  // Any experiment's (validated) run.
+  ServedStack(std::vector<ExperimentRun> runs, LiveOptions live, serve::HttpServerOptions http,
+              std::string api_key)
+      : runs_(std::move(runs)),
         served_(runs_.front().config, live, {}),
         openai_(served_.engine(), served_.model(), nullptr, std::nullopt,
                 {served_.model().name, std::move(api_key), 1}) {
@@ -92,7 +96,6 @@ class ServedStack {
   const std::string& model_name() const { return served_.model().name; }
 
  private:
-  TempDir dir_;
   std::vector<ExperimentRun> runs_;
   ServedExperiment served_;
   serve::OpenAiServer openai_;

@@ -39,6 +39,11 @@ TEST(OpenAiApi, CompletionFieldsAreRead) {
                                    .dump(),
                                false);
   EXPECT_EQ(r.prompt_ids, (std::vector<std::vector<std::int32_t>>{{1, 2}, {3}}));
+  // One prompt of many token ids is one prompt (the limit on prompts does not count its ids).
+  const CompletionRequest one = parse_completion_request(
+      json{{"model", "m"}, {"prompt", std::vector<int>(1000, 7)}}.dump(), false);
+  ASSERT_EQ(one.prompt_ids.size(), 1u);
+  EXPECT_EQ(one.prompt_ids[0].size(), 1000u);
   EXPECT_EQ(r.max_tokens, 7);
   EXPECT_EQ(r.temperature, 0.5);
   EXPECT_EQ(r.top_p, 0.9);

@@ -148,7 +148,7 @@ TEST(Serve, LogprobsComeWithEveryToken) {
 }
 
 TEST(Serve, ApiKeyGuardsEveryRouteButHealth) {
-  ServedStack stack({}, {}, {}, "sk-test");
+  ServedStack stack(std::vector<std::string>{}, {}, {}, "sk-test");
   EXPECT_EQ(http_call(stack.port(), http::verb::get, "/health").status, 200);
   for (const char* route : {"/v1/models", "/metrics"}) {
     const HttpResult no_key = http_call(stack.port(), http::verb::get, route);

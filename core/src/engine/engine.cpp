@@ -53,7 +53,8 @@ EngineResult Engine::run(const std::vector<WorkloadRequest>& requests) {
 
 void Engine::start(const std::vector<WorkloadRequest>& requests) {
   const bool priced = options_.clock == EngineClock::virtual_clock ||
-                      options_.clock == EngineClock::offline || options_.clock == EngineClock::paced;
+                      options_.clock == EngineClock::offline ||
+                      options_.clock == EngineClock::paced;
   if (priced && options_.cost_model == nullptr)
     throw Error(
         "engine: the virtual, offline and paced clocks price every step with a cost model; give "
@@ -203,6 +204,7 @@ void Engine::receive_arrivals() {
 }
 
 bool Engine::step() {
+  clock_->catch_up();  // a real-time clock that sat idle (a live engine's wait) reads now
   receive_arrivals();
   if (!pending_cancels_.empty()) apply_cancels();
   if (table_->all_done()) return false;

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <chrono>
 #include <utility>
 
@@ -38,6 +39,7 @@ LiveEngine::LiveEngine(Backend& backend, KvAllocator& allocator, Scheduler& sche
                        })),
       live_(live) {
   engine_.start(none_);
+  clock_start_ = std::chrono::steady_clock::now();
   thread_ = std::thread([this] { loop(); });
 }
 
@@ -51,7 +53,7 @@ SubmitResult LiveEngine::submit(WorkloadRequest request, LiveCallbacks callbacks
   if (waiting_in_engine_ + static_cast<std::int64_t>(pending_.size()) >= live_.max_queued)
     return {SubmitStatus::queue_full, -1};
   request.id = next_id_++;
-  pending_.push_back({std::move(request), std::move(callbacks)});
+  pending_.push_back({std::move(request), std::move(callbacks), std::chrono::steady_clock::now()});
   wake_.notify_one();
   return {SubmitStatus::accepted, pending_.back().request.id};
 }
@@ -139,10 +141,12 @@ bool LiveEngine::take_work(std::vector<Pending>& arrivals, std::vector<RequestId
   return !(stopping_ && arrivals.empty() && cancels.empty() && !engine_.has_work());
 }
 
-// Submissions reach the engine arriving now, in id order (the engine's ids are the same).
+// Submissions reach the engine in id order (the engine's ids are the same), arrived when they
+// were submitted: during the step that just ended, or the idle wait.
 void LiveEngine::admit(std::vector<Pending>& arrivals) {
   for (Pending& p : arrivals) {
-    p.request.arrival_s = engine_.now();
+    const double submitted = std::chrono::duration<double>(p.submitted - clock_start_).count();
+    p.request.arrival_s = std::max(submitted, 0.0);
     const WorkloadRequest& stored = requests_.emplace_back(std::move(p.request));
     const RequestId id = engine_.submit(stored);
     if (id != stored.id)

@@ -8,8 +8,9 @@
 //   wall      arrivals replayed in real time; time passes as it really does (not reproducible)
 //   steps     every step lasts 1: time counts engine steps (arrivals at a given step; for
 //             tools and tests that need an order of events, not a duration)
-//   paced     the wall clock, but a step lasts at least the virtual clock's price of it (the
-//             engine thread sleeps the rest): a simulated backend answering live clients as fast
+//   paced     real time, but a step lasts at least the virtual clock's price of it (the engine
+//             thread sleeps until then; the steps keep to that schedule, so a late wake-up is
+//             not added to the next step): a simulated backend answering live clients as fast
 //             as the hardware profile says (kvlab serve; not an experiment file's clock)
 #include <algorithm>
 #include <chrono>
@@ -49,6 +50,9 @@ class Clock {
   virtual bool all_arrive_at_zero() const { return false; }
   // Nothing waits or runs: time moves to the next arrival (the wall clock sleeps until then).
   virtual void idle_until(double arrival_s) { now_ = arrival_s; }
+  // Before a step: a real-time clock that was left idle (a live engine waiting for requests)
+  // moves to the present; the others stay.
+  virtual void catch_up() {}
   // A step ran nothing (everyone waits for memory): time moves to the next arrival, if later.
   void skip_to(double arrival_s) { now_ = std::max(now_, arrival_s); }
   // A step that started at now() ran: advances now() and returns the step's duration.

@@ -9,6 +9,7 @@
 //   client threads: submit(request, callbacks) -> id | queue_full | shutting_down; cancel(id)
 //   engine thread:  submissions -> Engine::submit (arriving now), cancels -> Engine::cancel,
 //                   Engine::step(), each token -> on_token, each end -> on_done
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -87,8 +88,9 @@ class LiveEngine {
   LiveEngine(const LiveEngine&) = delete;
   LiveEngine& operator=(const LiveEngine&) = delete;
 
-  // Any thread. The request arrives when the engine thread takes it (its arrival_s and id are
-  // set then); its callbacks are called on the engine thread.
+  // Any thread. The request arrives now (its arrival_s is this call's time on the engine's
+  // clock, so a step under way counts in its TTFT) and its id is given now; its callbacks are
+  // called on the engine thread.
   SubmitResult submit(WorkloadRequest request, LiveCallbacks callbacks);
   // Any thread: the request's client went away. Nothing for an id that ended or was never given.
   void cancel(RequestId id);
@@ -106,6 +108,7 @@ class LiveEngine {
   struct Pending {
     WorkloadRequest request;
     LiveCallbacks callbacks;
+    std::chrono::steady_clock::time_point submitted;  // its arrival, whenever the engine takes it
   };
   void loop();
   bool take_work(std::vector<Pending>& arrivals, std::vector<RequestId>& cancels);
@@ -120,6 +123,7 @@ class LiveEngine {
   std::deque<WorkloadRequest> requests_;          // every submitted request: they outlive the run
   std::map<RequestId, LiveCallbacks> in_flight_;  // engine thread only
   std::size_t events_seen_ = 0;                   // engine thread only
+  std::chrono::steady_clock::time_point clock_start_;  // the engine clock's 0, about
 
   mutable std::mutex mutex_;  // guards what follows
   std::condition_variable wake_;
