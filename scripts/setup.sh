@@ -10,7 +10,7 @@ packages=(
   libpcre2-dev libutf8proc-dev
   libgtest-dev libgmock-dev libbenchmark-dev
   libopenmpi-dev openmpi-bin
-  python3 python3-matplotlib python3-pandas valgrind
+  python3 python3-matplotlib python3-pandas python3-venv valgrind
   clang libclang-rt-14-dev
 )
 missing=()

@@ -57,7 +57,7 @@ CC=clang CXX=clang++ cmake -S . -B "$sanitize_dir" -DCMAKE_BUILD_TYPE=Release \
 # built in parallel; tests/fuzz/CMakeLists.txt).
 cmake --build "$sanitize_dir" -j "$(nproc)" --target kvlab_sanitizer_suite
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
-  ctest --test-dir "$sanitize_dir" -L "core|plugins|cpu_reference|serve" --output-on-failure \
+  ctest --test-dir "$sanitize_dir" -L "^(core|plugins|cpu_reference|serve)$" --output-on-failure \
   -j "$(nproc)"
 # valgrind done before the fuzzers start: they run for a fixed time, which it would share.
 if [ -n "$memcheck_pid" ]; then

@@ -80,6 +80,15 @@ ModelText model_text(const ExperimentConfig& c) {
   return t;
 }
 
+// What clients name the model by default: a preset's name, a checkpoint folder's or GGUF file's
+// own name ("SmolLM2-135M-Instruct.Q4_1"), not the path it was found at.
+std::string default_model_name(const std::string& name) {
+  std::filesystem::path path(name);
+  if (path.extension() == ".gguf") path.replace_extension();
+  const std::string last = path.filename().string();
+  return last.empty() ? name : last;
+}
+
 // Waits (with SIGTERM and SIGINT blocked in every thread) for one of them or the deadline.
 std::string wait_for_shutdown(const sigset_t& signals, double max_seconds) {
   const auto deadline = std::chrono::steady_clock::now() +
@@ -166,7 +175,8 @@ int serve(ServeOptions o) {
   LiveOptions live;
   live.max_queued = o.max_queued;
   ServedExperiment served(c, live, text.stop_tokens);
-  serve::OpenAiOptions api{o.model_name.empty() ? served.model().name : o.model_name, o.api_key, 1};
+  serve::OpenAiOptions api{
+      o.model_name.empty() ? default_model_name(served.model().name) : o.model_name, o.api_key, 1};
   serve::OpenAiServer openai(served.engine(), served.model(), text.tokenizer.get(), text.chat, api);
   serve::HttpServer server(http_options(o), [&openai](serve::HttpRequest r, auto reply) {
     openai.handle(std::move(r), std::move(reply));

@@ -191,6 +191,9 @@ void Generation::on_done(std::size_t i, const LiveOutcome& outcome) {
   --remaining_;
   if (outcome.rejected) return refuse_rejected(outcome.reject_reason);
   const bool stopped = c.stops->stopped();
+  if (outcome.finish_reason == "cancelled" && !stopped)  // not ours: the server's shutdown
+    return fail(ApiError(503, "the server shut down (--abort) before the answer was finished", "",
+                         "server_error", "server_shutdown"));
   c.finish_reason = stopped ? "stop" : api_finish_reason(outcome.finish_reason);
   observe_end(c);
   if (!stopped) {
@@ -209,17 +212,20 @@ void Generation::on_done(std::size_t i, const LiveOutcome& outcome) {
     answer_whole();
 }
 
-// A choice the engine rejected (it can never fit, a fault, a shutdown): the whole request is
-// answered with the reason, the other choices cancelled.
+// A choice the engine rejected (it can never fit, a fault) or a shutdown cancelled: the whole
+// request is answered with the reason, the other choices cancelled.
 void Generation::refuse_rejected(const std::string& reason) {
+  const bool fault = reason.starts_with("engine fault");
+  fail(ApiError(fault ? 500 : 400, "the engine rejected the request: " + reason, "",
+                fault ? "server_error" : "invalid_request_error",
+                fault ? "engine_fault" : "request_never_fits"));
+}
+
+void Generation::fail(const ApiError& error) {
   if (answered_) return;
   answered_ = true;
   for (const Choice& c : choices_)
     if (!c.done && c.id >= 0) shared_.engine.cancel(c.id);
-  const bool fault = reason.starts_with("engine fault");
-  const ApiError error(fault ? 500 : 400, "the engine rejected the request: " + reason, "",
-                       fault ? "server_error" : "invalid_request_error",
-                       fault ? "engine_fault" : "request_never_fits");
   shared_.count_answer(error.status);
   if (!header_sent_) {
     HttpResponse response{static_cast<http::status>(error.status), 11};

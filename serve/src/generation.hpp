@@ -85,6 +85,7 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void on_token(std::size_t i, std::int32_t token, const GeneratedLogprobs* logprobs);
   void on_done(std::size_t i, const LiveOutcome& outcome);
   void refuse_rejected(const std::string& reason);
+  void fail(const ApiError& error);  // the whole request answered with an error
   void release(std::size_t i, const std::string& text, const nlohmann::json* logprob);
   nlohmann::json logprob_entry(std::int32_t token, const GeneratedLogprobs& lp) const;
   static void add_logprob(nlohmann::json& logprobs, const nlohmann::json& entry,
