@@ -97,6 +97,7 @@ WorkloadRequest Generation::engine_request(const std::vector<std::int32_t>& prom
   r.prompt = prompt;
   r.output_tokens = max_tokens;
   r.priority = request_.priority;
+  r.tenant = request_.user;
   SamplingParams& s = r.sampling;
   s.temperature = request_.temperature;
   s.top_p = request_.top_p;

@@ -279,8 +279,10 @@ CompletionRequest parse_completion_request(std::string_view text, bool chat) {
     if (!r.stream) throw bad("stream_options", "'stream_options' needs 'stream': true");
     r.include_usage = get_bool(*o, "include_usage", false);
   }
-  if (const json* u = field(body, "user"); u && !u->is_string())
-    throw bad("user", "'user' must be a string");
+  if (const json* u = field(body, "user")) {
+    if (!u->is_string()) throw bad("user", "'user' must be a string");
+    r.user = u->get<std::string>();
+  }
   const auto prompts =
       static_cast<std::int64_t>(chat ? 1 : std::max(r.prompt_texts.size(), r.prompt_ids.size()));
   if (prompts * r.n > kMaxChoices)

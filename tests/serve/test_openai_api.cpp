@@ -54,6 +54,7 @@ TEST(OpenAiApi, CompletionFieldsAreRead) {
   EXPECT_TRUE(r.stream);
   EXPECT_TRUE(r.include_usage);
   EXPECT_EQ(r.priority, 5);
+  EXPECT_EQ(r.user, "u");
 }
 
 TEST(OpenAiApi, ChatFieldsAreRead) {

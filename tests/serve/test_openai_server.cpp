@@ -245,6 +245,35 @@ TEST(Serve, MetricsShowTheEngineAndTheLatencies) {
     EXPECT_NE(m.body.find(line), std::string::npos) << line << "\n" << m.body;
 }
 
+// priority (vLLM's extension) reaches the priority scheduler: with one sequence at a time, a
+// request of priority 5 sent after two of priority 0 runs before the second of them; `user`
+// is the engine request's tenant.
+TEST(Serve, PriorityAndUserReachTheScheduler) {
+  ServedStack stack({"scheduler.name=priority", "scheduler.params.max_batch=1"});
+  const auto send = [&](int priority, const std::string& user) {
+    return std::async(std::launch::async, [&, priority, user] {
+      return post_json(
+          stack.port(), "/v1/completions",
+          completion(stack.model_name(), 60, {{"priority", priority}, {"user", user}}));
+    });
+  };
+  auto first = send(0, "a");
+  ASSERT_TRUE(eventually([&] { return stack.served().engine().stats().running == 1; }));
+  auto low = send(0, "b");
+  ASSERT_TRUE(eventually([&] {
+    const LiveStats s = stack.served().engine().stats();
+    return s.waiting + s.queued == 1;
+  }));
+  auto high = send(5, "c");
+  for (auto* f : {&first, &low, &high}) EXPECT_EQ(f->get().status, 200);
+  stack.stop(true);
+  const RunOutput out = stack.served().finish();
+  ASSERT_EQ(out.engine.requests.size(), 3u);
+  EXPECT_EQ(out.engine.requests[2].priority, 5);
+  EXPECT_EQ(out.engine.requests[1].tenant, "b");
+  EXPECT_LT(*out.engine.requests[2].first_scheduled_s, *out.engine.requests[1].first_scheduled_s);
+}
+
 TEST(Serve, ModelsAndHealthAnswer) {
   ServedStack stack;
   const json models = http_call(stack.port(), http::verb::get, "/v1/models").json();

@@ -54,6 +54,7 @@ struct CompletionRequest {
   bool stream = false, include_usage = false;
   std::int32_t priority = 0;
   bool ignore_eos = false;
+  std::string user;  // the engine request's tenant (the vtc scheduler's fairness unit)
 };
 
 // Throws ApiError (400) naming the field for anything the API (or kvlab) does not take.
