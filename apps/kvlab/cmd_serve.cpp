@@ -3,6 +3,7 @@
 // requests in flight drain (or, with --abort, are cancelled), the counts are printed, and the
 // served run is written as a results folder like kvlab run's.
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 #include <pthread.h>
 #include <signal.h>
 
@@ -158,9 +159,14 @@ int serve(ServeOptions o) {
   if (o.api_key.empty())
     if (const char* key = std::getenv("KVLAB_API_KEY")) o.api_key = key;
   std::vector<ExperimentRun> runs = load_experiment(o.file, o.changes, nullptr);
-  if (runs.size() != 1)
-    throw Error(fmt::format("kvlab serve serves one run; {} expands to {} (pick one with --set)",
-                            o.file, runs.size()));
+  if (runs.size() != 1) {
+    std::vector<std::string> labels;
+    for (const ExperimentRun& run : runs) labels.push_back(run.config.label);
+    throw Error(fmt::format(
+        "kvlab serve serves one run; {} expands to {}: {}. Pick one with --set (a key the file "
+        "sweeps, set once, replaces the axis)",
+        o.file, runs.size(), fmt::join(labels, "; ")));
+  }
   validate_experiment(runs, false);
   ExperimentConfig& c = runs.front().config;
   // What the served run's record says: real arrivals, steps on the wall clock (the simulated

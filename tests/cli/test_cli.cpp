@@ -59,6 +59,23 @@ TEST(Cli, PerplexityRefusesBadInput) {
   expect_failure(run + " --kv-policy window --kv-step 0", "--kv-step must be >= 1");
 }
 
+// kvlab serve's input errors: one line each, before anything listens (its routes:
+// tests/serve/; the binary against real clients: serve.openai_sdk, serve.aiperf).
+TEST(Cli, ServeRefusesBadInputBeforeListening) {
+  const std::string quickstart = std::string(KVLAB_SOURCE_DIR) + "/experiments/quickstart.toml";
+  const std::string one = quickstart + " --set scheduler.name=fcfs --max-seconds 1";
+  expect_failure("serve " + quickstart,
+                 "expands to 2: scheduler.name=static; scheduler.name=fcfs. Pick one with --set");
+  expect_failure("serve " + one + " --host nothost", "--host nothost: not an IP address");
+  expect_failure("serve " + one + " --port 70000", "--port 70000: not in 0..65535");
+  expect_failure("serve " + one + " --max-queued 0", "--max-queued must be >= 1");
+  expect_failure("serve " + one + " --max-body-mb 0", "--max-body-mb must be in (0, 1024]");
+  expect_failure("serve " + one + " --read-timeout 0", "--read-timeout must be > 0");
+  expect_failure("serve " + quickstart + " --set scheduler.name=fcfs --max-seconds -1",
+                 "--max-seconds must be >= 0");
+  expect_failure("serve /nonexistent.toml", "/nonexistent.toml");
+}
+
 TEST(Cli, MissingModelFolder) {
   expect_failure("generate --model /nonexistent/model --prompt-ids 1,2",
                  "neither a preset, a model folder nor a .gguf file");
