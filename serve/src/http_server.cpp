@@ -12,6 +12,7 @@
 #include <boost/asio/strand.hpp>
 #include <boost/asio/write.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
+#include <boost/beast/core/string.hpp>
 #include <boost/beast/core/tcp_stream.hpp>
 #include <boost/beast/http/empty_body.hpp>
 #include <boost/beast/http/parser.hpp>
@@ -46,6 +47,8 @@ struct HttpServer::State {
 };
 
 namespace {
+
+constexpr char kContinue[] = "HTTP/1.1 100 Continue\r\n\r\n";
 
 std::chrono::steady_clock::duration seconds(double s) {
   return std::chrono::duration_cast<std::chrono::steady_clock::duration>(
@@ -112,10 +115,31 @@ class Session : public std::enable_shared_from_this<Session> {
   }
 
  private:
+  // The header first: a client that sent "Expect: 100-continue" (curl, for a body over 1 KiB)
+  // waits for the interim answer before it sends the body; then the body. One read timeout for
+  // both.
   void read_next() {
     parser_.emplace();
     parser_->body_limit(static_cast<std::uint64_t>(state_->options.max_body_bytes));
     stream_.expires_after(seconds(state_->options.read_timeout_s));
+    http::async_read_header(
+        stream_, buffer_, *parser_,
+        [self = shared_from_this()](beast::error_code ec, std::size_t) { self->on_header(ec); });
+  }
+
+  void on_header(beast::error_code ec) {
+    if (ec) return on_read(ec);
+    const auto expect = parser_->get().find(http::field::expect);
+    if (expect == parser_->get().end() || !beast::iequals(expect->value(), "100-continue"))
+      return read_body();
+    net::async_write(stream_, net::buffer(kContinue, sizeof kContinue - 1),
+                     [self = shared_from_this()](beast::error_code write_ec, std::size_t) {
+                       if (write_ec) return self->close();
+                       self->read_body();
+                     });
+  }
+
+  void read_body() {
     http::async_read(
         stream_, buffer_, *parser_,
         [self = shared_from_this()](beast::error_code ec, std::size_t) { self->on_read(ec); });

@@ -95,7 +95,9 @@ def start_kvlab(args, port, work, max_batch):
 def start_llama(args, port, parallel):
     proc = subprocess.Popen([args.llama_server, "-m", args.gguf, "-t", "2", "-tb", "2",
                              "-c", str(args.context), "-np", str(parallel), "--host", "127.0.0.1",
-                             "--port", str(port), "--no-webui"],
+                             "--port", str(port), "--no-webui",
+                             # cpp-httplib serves a connection per thread: one per client
+                             "--threads-http", str(parallel + 4)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wait_healthy(port, proc)
     return proc, "model"
@@ -128,8 +130,10 @@ async def one_request(client, model, prompt, max_tokens, stats):
 
 
 async def run_level(port, model, prompts, concurrency, requests, max_tokens):
+    # Retries as real clients make them: cpp-httplib (llama-server) closes a keep-alive
+    # connection after 5 requests, and a request sent on it as it closes gets no answer.
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
-                                timeout=600, max_retries=0)
+                                timeout=600, max_retries=2)
     stats = {"ttft": [], "itl": [], "tokens": 0}
     await one_request(client, model, prompts[0], 8, {"ttft": [], "itl": [], "tokens": 0})  # warm
     queue = list(range(requests))

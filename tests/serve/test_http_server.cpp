@@ -126,6 +126,29 @@ TEST(ServeHostile, ConnectionsPastTheLimitGet503) {
   EXPECT_TRUE(healthy(stack.port()));
 }
 
+// curl sends "Expect: 100-continue" before a body over 1 KiB and waits (1 s) for the interim
+// answer: it gets it at once, then the whole answer.
+TEST(ServeHostile, ExpectContinueGetsItsInterimAnswer) {
+  ServedStack stack;
+  net::io_context ioc;
+  tcp::socket client(ioc);
+  client.connect(tcp::endpoint(net::ip::make_address("127.0.0.1"), stack.port()));
+  const std::string body =
+      json{{"model", stack.model_name()}, {"prompt", {1, 2}}, {"max_tokens", 2}}.dump();
+  net::write(client, net::buffer(fmt::format(
+                         "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                         "application/json\r\nExpect: 100-continue\r\nContent-Length: {}\r\n\r\n",
+                         body.size())));
+  std::string interim(25, '\0');
+  net::read(client, net::buffer(interim));  // before any body byte was sent
+  EXPECT_EQ(interim, "HTTP/1.1 100 Continue\r\n\r\n");
+  net::write(client, net::buffer(body));
+  boost::beast::flat_buffer buffer;
+  http::response<http::string_body> response;
+  http::read(client, buffer, response);
+  EXPECT_EQ(response.result_int(), 200u) << response.body();
+}
+
 TEST(ServeHostile, GarbageBytesCloseOnlyThatConnection) {
   ServedStack stack;
   net::io_context ioc;

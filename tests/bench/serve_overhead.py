@@ -1,0 +1,136 @@
+"""What the server costs: the same requests, all arriving at once, through `kvlab run` (the engine
+alone, measured clock) and through `kvlab serve` (a client sends them at once over HTTP, every
+answer streamed as server-sent events, one JSON chunk per token), interleaved over rounds.
+
+The figure is output tokens per second of wall time, served / offline. Offline counts the
+engine's run (kvlab run's "wall ... in the engine"); served counts from the first request sent
+to the last answer received, so HTTP, JSON, detokenization and the client's own parsing are
+all in it.
+
+Usage: PYTHON tests/bench/serve_overhead.py --kvlab build/bin/kvlab --gguf GGUF [--rounds 3]
+(PYTHON with the openai package: build/pyclients/bin/python after ctest -R serve.get_openai_sdk)
+"""
+
+import argparse
+import asyncio
+import csv
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+
+import openai
+
+TOML = """[experiment]
+name = "serve_overhead"
+seed = 5
+clock = "measured"
+[model]
+name = "{gguf}"
+[backend]
+name = "cpu"
+threads = 2
+[kv_cache]
+allocator = "paged"
+slots = 32768
+[kv_cache.params]
+block_size = 16
+[attention]
+variant = "gqa"
+[scheduler]
+name = "fcfs"
+[scheduler.params]
+max_batch = 64
+max_tokens_per_step = 2048
+[workload]
+requests = {requests}
+arrival = "all_at_once"
+prompt_tokens = {{ dist = "uniform", min = 40, max = 120 }}
+output_tokens = {{ dist = "fixed", value = {output} }}
+ignore_eos = true
+"""
+
+
+def offline(args, toml, out):
+    run = subprocess.run([args.kvlab, "run", toml, "--out", out, "--force"], capture_output=True,
+                         text=True, check=True)
+    engine_s = float(re.search(r"wall [\d.]+ s \(([\d.]+) s in the engine", run.stdout +
+                               run.stderr).group(1))
+    rows = list(csv.DictReader(open(os.path.join(out, "000", "requests.csv"))))
+    tokens = sum(int(r["output_tokens"]) for r in rows)
+    return tokens / engine_s, [int(r["prompt_tokens"]) for r in rows]
+
+
+async def send_all(port, model, lengths, output):
+    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
+                                timeout=900, max_retries=0)
+    rng = random.Random(1)
+    counts = []
+
+    async def one(length):
+        prompt = [rng.randrange(1, 49000) for _ in range(length)]
+        tokens = 0
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=output, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+        async for chunk in stream:
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        counts.append(tokens)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(n) for n in lengths))
+    wall = time.perf_counter() - start
+    await client.close()
+    return sum(counts) / wall
+
+
+def served(args, toml, work, lengths):
+    proc = subprocess.Popen([args.kvlab, "serve", toml, "--port", "0", "--out",
+                             os.path.join(work, "served"), "--force", "--max-seconds", "1800"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    port = model = None
+    while port is None:
+        line = proc.stderr.readline()
+        if not line:
+            raise RuntimeError("kvlab serve did not start")
+        match = re.search(r"on http://127\.0\.0\.1:(\d+) \(model \"([^\"]+)\"", line)
+        if match:
+            port, model = int(match.group(1)), match.group(2)
+    try:
+        return asyncio.run(send_all(port, model, lengths, args.output))
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.communicate(timeout=300)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--kvlab", required=True)
+    parser.add_argument("--gguf", required=True)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--requests", type=int, default=128)
+    parser.add_argument("--output", type=int, default=128)
+    args = parser.parse_args()
+    ratios = []
+    with tempfile.TemporaryDirectory() as work:
+        toml = os.path.join(work, "overhead.toml")
+        with open(toml, "w") as f:
+            f.write(TOML.format(gguf=os.path.abspath(args.gguf), requests=args.requests,
+                                output=args.output))
+        for r in range(args.rounds):
+            off, lengths = offline(args, toml, os.path.join(work, "offline"))
+            on = served(args, toml, work, lengths)
+            ratios.append(on / off)
+            print(f"round {r}: offline {off:.1f} tok/s, served {on:.1f} tok/s, "
+                  f"served/offline {on / off:.3f}", flush=True)
+    print(f"median served/offline: {statistics.median(ratios):.3f} "
+          f"(server cost {100 * (1 - statistics.median(ratios)):.1f}%)")
+
+
+if __name__ == "__main__":
+    main()
