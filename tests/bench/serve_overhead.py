@@ -1,6 +1,7 @@
 """What the server costs: the same requests, all arriving at once, through `kvlab run` (the engine
 alone, measured clock) and through `kvlab serve` (a client sends them at once over HTTP, every
-answer streamed as server-sent events, one JSON chunk per token), interleaved over rounds.
+answer streamed as server-sent events, one JSON chunk per token, or whole with --no-stream),
+interleaved over rounds.
 
 The figure is output tokens per second of wall time, served / offline. Offline counts the
 engine's run (kvlab run's "wall ... in the engine"); served counts from the first request sent
@@ -65,7 +66,7 @@ def offline(args, toml, out):
     return tokens / engine_s, [int(r["prompt_tokens"]) for r in rows]
 
 
-async def send_all(port, model, lengths, output):
+async def send_all(port, model, lengths, output, stream):
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                 timeout=900, max_retries=0)
     rng = random.Random(1)
@@ -74,10 +75,16 @@ async def send_all(port, model, lengths, output):
     async def one(length):
         prompt = [rng.randrange(1, 49000) for _ in range(length)]
         tokens = 0
-        stream = await client.completions.create(
+        if not stream:
+            answer = await client.completions.create(
+                model=model, prompt=prompt, max_tokens=output, temperature=0,
+                extra_body={"ignore_eos": True})
+            counts.append(answer.usage.completion_tokens)
+            return
+        chunks = await client.completions.create(
             model=model, prompt=prompt, max_tokens=output, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
-        async for chunk in stream:
+        async for chunk in chunks:
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
         counts.append(tokens)
@@ -102,7 +109,7 @@ def served(args, toml, work, lengths):
         if match:
             port, model = int(match.group(1)), match.group(2)
     try:
-        return asyncio.run(send_all(port, model, lengths, args.output))
+        return asyncio.run(send_all(port, model, lengths, args.output, not args.no_stream))
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=300)
@@ -115,6 +122,9 @@ def main():
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=128)
     parser.add_argument("--output", type=int, default=128)
+    parser.add_argument("--no-stream", action="store_true",
+                        help="whole answers: one JSON per request, not one per token (the "
+                             "client's own parsing on the same cores is most of a stream's cost)")
     args = parser.parse_args()
     ratios = []
     with tempfile.TemporaryDirectory() as work:
