@@ -104,7 +104,8 @@ std::vector<BatchResult> BatchGenerator::run(const std::vector<BatchRequest>& re
       results[static_cast<std::size_t>(id)].logits.emplace_back(row.begin(), row.end());
     };
   if (options.on_token)
-    engine_options.observers.on_token = [&](RequestId id, std::int32_t token, const GeneratedLogprobs*) {
+    engine_options.observers.on_token = [&](RequestId id, std::int32_t token,
+                                            const GeneratedLogprobs*) {
       options.on_token(static_cast<std::size_t>(id), token);
     };
   EveryoneRuns scheduler(options.prefill_chunk);

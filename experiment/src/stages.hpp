@@ -92,8 +92,8 @@ RealWorkload make_requests_or_say_why(const ExperimentConfig& c, const ModelConf
 // What a run reports beyond the engine's record (out.engine): its summaries, the backends'
 // counters, KV tier totals, memory use and (measured clock) the cost model's prediction error.
 void summarize_output(const ExperimentConfig& c,
-                      const std::vector<std::unique_ptr<ReplicaStack>>& stacks,
-                      bool has_cost_model, RunOutput& out);
+                      const std::vector<std::unique_ptr<ReplicaStack>>& stacks, bool has_cost_model,
+                      RunOutput& out);
 // The K/V dtype as the pool stores it (RunOutput::kv_dtype).
 std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model);
 

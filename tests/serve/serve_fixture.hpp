@@ -3,8 +3,8 @@
 // OpenAI routes and the HTTP server on 127.0.0.1 (any free port), and a blocking HTTP client.
 // Everything binds and targets the loopback address; every client call has a deadline.
 #include <boost/asio/connect.hpp>
-#include <boost/asio/read.hpp>
 #include <boost/asio/ip/tcp.hpp>
+#include <boost/asio/read.hpp>
 #include <boost/beast/core/flat_buffer.hpp>
 #include <boost/beast/core/tcp_stream.hpp>
 #include <boost/beast/http/read.hpp>
