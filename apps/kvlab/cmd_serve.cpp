@@ -182,7 +182,8 @@ int serve(ServeOptions o) {
   live.max_queued = o.max_queued;
   ServedExperiment served(c, live, text.stop_tokens);
   serve::OpenAiOptions api{
-      o.model_name.empty() ? default_model_name(served.model().name) : o.model_name, o.api_key, 1};
+      o.model_name.empty() ? default_model_name(served.model().name) : o.model_name, o.api_key, 1,
+      served.kv_slots()};
   serve::OpenAiServer openai(served.engine(), served.model(), text.tokenizer.get(), text.chat, api);
   serve::HttpServer server(http_options(o), [&openai](serve::HttpRequest r, auto reply) {
     openai.handle(std::move(r), std::move(reply));

@@ -77,8 +77,11 @@ std::int64_t Generation::max_tokens(std::size_t prompt_tokens) const {
   const std::int64_t context = shared_.model.max_position_embeddings;
   const auto prompt = static_cast<std::int64_t>(prompt_tokens);
   const std::int64_t left = context - prompt;
-  const std::int64_t wanted =
-      request_.max_tokens.value_or(request_.chat ? left : std::min<std::int64_t>(16, left));
+  const std::int64_t room = shared_.options.max_sequence_tokens > 0
+                                ? std::min(left, shared_.options.max_sequence_tokens - prompt)
+                                : left;
+  const std::int64_t wanted = request_.max_tokens.value_or(
+      std::max<std::int64_t>(1, request_.chat ? room : std::min<std::int64_t>(16, room)));
   if (left <= 0 || prompt + wanted > context)
     throw ApiError(400,
                    fmt::format("This model's maximum context length is {} tokens. However, you "

@@ -66,7 +66,7 @@ class ServedStack {
       : runs_(std::move(runs)),
         served_(runs_.front().config, live, {}),
         openai_(served_.engine(), served_.model(), nullptr, std::nullopt,
-                {served_.model().name, std::move(api_key), 1}) {
+                {served_.model().name, std::move(api_key), 1, served_.kv_slots()}) {
     http.host = "127.0.0.1";
     http.port = 0;
     http.error_body = [](int, const std::string& message) {

@@ -199,6 +199,13 @@ TEST(Serve, RequestThatCanNeverFitGets400WithTheEnginesReason) {
   EXPECT_NE(r.body.find("64"), std::string::npos) << r.body;  // the pool's size, in the reason
   EXPECT_EQ(post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 2)).status,
             200);  // and the server goes on
+  // Without max_tokens the answer's room is what the pool holds, not the context's 256.
+  json unbounded = completion(stack.model_name(), 1);
+  unbounded.erase("max_tokens");
+  unbounded["prompt"] = std::vector<int>(60, 5);
+  const HttpResult fits = post_json(stack.port(), "/v1/completions", unbounded);
+  ASSERT_EQ(fits.status, 200) << fits.body;
+  EXPECT_EQ(fits.json()["usage"]["completion_tokens"], 4);  // 64 slots - 60
 }
 
 TEST(Serve, ClientThatDisconnectsIsCancelledAndItsKvFreed) {

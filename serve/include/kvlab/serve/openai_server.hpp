@@ -28,6 +28,9 @@ struct OpenAiOptions {
   std::string model_name;  // what /v1/models lists and requests must name
   std::string api_key;     // non-empty: every route but /health needs "Bearer <key>" (else 401)
   double retry_after_s = 1;
+  // The most tokens one sequence may hold (the KV pool's slots; 0: the context): a chat without
+  // max_tokens answers up to it, not up to a context the pool could never hold.
+  std::int64_t max_sequence_tokens = 0;
 };
 
 // A Prometheus histogram (cumulative buckets, sum, count); thread-safe.
