@@ -7,7 +7,7 @@
 // request in it, in submission order.
 //
 //   client threads: submit(request, callbacks) -> id | queue_full | shutting_down; cancel(id)
-//   engine thread:  submissions -> Engine::submit (arriving now), cancels -> Engine::cancel,
+//   engine thread:  submissions -> Engine::submit (arrived when submitted), cancels -> cancel,
 //                   Engine::step(), each token -> on_token, each end -> on_done
 #include <chrono>
 #include <condition_variable>
@@ -99,7 +99,7 @@ class LiveEngine {
   ShutdownReport shutdown(bool drain);
   // After shutdown: the run's record. Throws kvlab::Error before it.
   EngineResult take_result();
-  // Any thread: the counters as of the last step.
+  // Any thread: the counters (LiveStats says as of when).
   LiveStats stats() const;
   // An engine-level fault that ended the loop (a scheduler that stalls, NaN logits), or "".
   std::string fault() const;
