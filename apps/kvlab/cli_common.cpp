@@ -4,10 +4,13 @@
 
 #include <toml++/toml.h>
 #include <charconv>
+#include <fstream>
+#include <sstream>
 
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf_model.hpp"
 #include "kvlab/suggest.hpp"
+#include "kvlab_commit.hpp"
 
 namespace kvlab::cli {
 
@@ -64,6 +67,25 @@ std::string human_bytes(double bytes) {
     ++unit;
   }
   return unit == 0 ? fmt::format("{:.0f} B", bytes) : fmt::format("{:.2f} {}", bytes, units[unit]);
+}
+
+std::string read_experiment_text(const std::string& file) {
+  std::ifstream in(file, std::ios::binary);
+  std::ostringstream text;
+  text << in.rdbuf();
+  if (!in) throw Error(fmt::format("cannot read {}", file));
+  return text.str();
+}
+
+void finish_results(ResultsFolder& folder, const SweepReport& report, const std::string& file,
+                    const std::string& experiment_text, const CommandLineChanges& changes,
+                    std::size_t runs, int ranks) {
+  const ManifestInfo info{file,         experiment_text,       changes, KVLAB_VERSION,
+                          KVLAB_COMMIT, machine_description(), ranks};
+  write_results_index(folder.staging(), report, info, runs);
+  folder.commit();
+  for (const std::string& note : folder.notes()) fmt::print(stderr, "kvlab: {}\n", note);
+  fmt::print("\nresults: {}\n", folder.path().string());
 }
 
 }  // namespace kvlab::cli

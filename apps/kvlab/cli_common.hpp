@@ -6,7 +6,10 @@
 #include <string>
 #include <vector>
 
+#include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/model_source.hpp"
+#include "kvlab/experiment/results_folder.hpp"
+#include "kvlab/experiment/sweep_report.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/plugin_params.hpp"
 
@@ -22,6 +25,16 @@ std::pair<std::string, ParamValue> parse_param(const std::string& text);
 
 // 1073741824 -> "1.00 GiB"
 std::string human_bytes(double bytes);
+
+// An experiment file's text as it was run (the results folder keeps a copy). Throws
+// kvlab::Error when it cannot be read.
+std::string read_experiment_text(const std::string& file);
+
+// The results folder's index files (summary.md, runs.json, manifest.json, experiment.toml) into
+// its staging folder, then the folder into place; prints its notes and where it is.
+void finish_results(ResultsFolder& folder, const SweepReport& report, const std::string& file,
+                    const std::string& experiment_text, const CommandLineChanges& changes,
+                    std::size_t runs, int ranks);
 
 void register_generate(CLI::App& app);
 void register_model(CLI::App& app);

@@ -7,11 +7,9 @@
 #include <chrono>
 #include <cmath>
 #include <exception>
-#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
-#include <sstream>
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
@@ -20,7 +18,6 @@
 #include "kvlab/experiment/results_folder.hpp"
 #include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/experiment/sweep_report.hpp"
-#include "kvlab_commit.hpp"
 #include "mpi_sweep.hpp"
 
 namespace kvlab::cli {
@@ -91,25 +88,6 @@ std::vector<RunRecord> run_share(const std::vector<ExperimentRun>& runs,
   return records;
 }
 
-// The index files into the staging folder, then the folder into place.
-void finish_results(ResultsFolder& folder, const SweepReport& r, const RunOptions& o,
-                    const std::string& experiment_text, std::size_t runs, int ranks) {
-  const ManifestInfo info{o.file,       experiment_text,       o.changes, KVLAB_VERSION,
-                          KVLAB_COMMIT, machine_description(), ranks};
-  write_results_index(folder.staging(), r, info, runs);
-  folder.commit();
-  for (const std::string& note : folder.notes()) fmt::print(stderr, "kvlab: {}\n", note);
-  fmt::print("\nresults: {}\n", folder.path().string());
-}
-
-std::string read_experiment_text(const std::string& file) {
-  std::ifstream in(file, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  if (!in) throw Error(fmt::format("cannot read {}", file));
-  return text.str();
-}
-
 // Every rank loads and validates the file; rank 0 takes the results folder (its lock and a
 // staging folder), and no rank starts unless all of that worked everywhere. Each rank runs its
 // share (balance_runs by estimated cost); rank 0 gathers the outcomes, writes what the others
@@ -153,7 +131,7 @@ int run_all(const RunOptions& o, bool check) {
     for (const SweepReport::Line& line : r.lines)
       fmt::print(line.to_stderr ? stderr : stdout, "{}", line.text);
     if (!check && !r.index.empty())  // a folder of failed runs only is not written at all
-      finish_results(*folder, r, o, experiment_text, runs.size(), ranks.size());
+      finish_results(*folder, r, o.file, experiment_text, o.changes, runs.size(), ranks.size());
     return r.exit_code;
   } catch (const std::exception& e) {  // not one run's error: the job cannot finish
     if (ranks.size() == 1) throw;

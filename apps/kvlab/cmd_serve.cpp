@@ -10,10 +10,8 @@
 #include <chrono>
 #include <cstdlib>
 #include <ctime>
-#include <fstream>
 #include <memory>
 #include <optional>
-#include <sstream>
 #include <thread>
 
 #include "cli_common.hpp"
@@ -28,7 +26,6 @@
 #include "kvlab/serve/http_server.hpp"
 #include "kvlab/serve/openai_api.hpp"
 #include "kvlab/serve/openai_server.hpp"
-#include "kvlab_commit.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -109,23 +106,17 @@ std::filesystem::path results_path(const ServeOptions& o, const ExperimentConfig
   return std::filesystem::path("results") / (c.name + "_served");
 }
 
-void write_served_run(const ServeOptions& o, const std::vector<ExperimentRun>& runs,
+// The served run into the results folder taken before serving began (so a folder that cannot
+// be written is refused then, not after the session, with its record lost).
+void write_served_run(const ServeOptions& o, const std::string& experiment_text,
+                      ResultsFolder& folder, const std::vector<ExperimentRun>& runs,
                       const RunOutput& out) {
-  ResultsFolder folder(results_path(o, runs.front().config),
-                       ResultsFolder::Options{o.force, {o.file}});
   const std::filesystem::path dir = folder.staging() / run_directory_name(runs.front(), 0);
   RunRecord record = record_run(runs, 0, out, dir, 0);
   const SweepReport r = report_sweep(false, 1, runs, {std::move(record)});
   for (const SweepReport::Line& line : r.lines)
     fmt::print(line.to_stderr ? stderr : stdout, "{}", line.text);
-  std::ifstream in(o.file, std::ios::binary);
-  std::ostringstream text;
-  text << in.rdbuf();
-  const ManifestInfo info{
-      o.file, text.str(), o.changes, KVLAB_VERSION, KVLAB_COMMIT, machine_description(), 1};
-  write_results_index(folder.staging(), r, info, 1);
-  folder.commit();
-  fmt::print("\nresults: {}\n", folder.path().string());
+  finish_results(folder, r, o.file, experiment_text, o.changes, 1, 1);
 }
 
 serve::HttpServerOptions http_options(const ServeOptions& o) {
@@ -172,6 +163,8 @@ int serve(ServeOptions o) {
   // What the served run's record says: real arrivals, steps on the wall clock (the simulated
   // backend's paced by its profile), whatever clock the file replays on.
   c.clock = c.backend_kind == BackendKind::simulated ? EngineClock::paced : EngineClock::wall;
+  const std::string experiment_text = read_experiment_text(o.file);
+  ResultsFolder folder(results_path(o, c), ResultsFolder::Options{o.force, {o.file}});
   ModelText text = model_text(c);
   sigset_t signals;  // blocked before any thread starts: only wait_for_shutdown takes them
   sigemptyset(&signals);
@@ -204,7 +197,7 @@ int serve(ServeOptions o) {
   server.run();
   stopper.join();
   const std::string fault = served.engine().fault();
-  write_served_run(o, runs, served.finish());
+  write_served_run(o, experiment_text, folder, runs, served.finish());
   if (!fault.empty()) throw Error("the engine stopped: " + fault);
   return 0;
 }

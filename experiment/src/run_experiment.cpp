@@ -215,9 +215,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
   const bool machine_timed = c.clock == EngineClock::measured || c.clock == EngineClock::wall;
   const double load_at_start = machine_timed ? machine_load_1m() : -1;
   if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
-  auto search = PluginRegistry::default_search_path();
-  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
-  const PluginRegistry registry(search);
+  const PluginRegistry registry(plugin_search_path(c));
   const bool simulated = c.backend_kind == BackendKind::simulated;
   (void)registry.find(PluginKind::backend, c.backend);  // unknown: say so now
   check_backend_rules(c, check);

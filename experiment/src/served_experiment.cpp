@@ -47,9 +47,7 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
         "per process behind a router)",
         c.replicas));
   if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
-  auto search = PluginRegistry::default_search_path();
-  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
-  const PluginRegistry registry(search);
+  const PluginRegistry registry(plugin_search_path(c));
   const bool simulated = c.backend_kind == BackendKind::simulated;
   check_backend_rules(c, false);
   p.served = load_served_model(c, registry, simulated);

@@ -94,6 +94,12 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
 
 }  // namespace
 
+std::vector<std::filesystem::path> plugin_search_path(const ExperimentConfig& c) {
+  auto search = PluginRegistry::default_search_path();
+  search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
+  return search;
+}
+
 ParamMap backend_params(const ExperimentConfig& c) {
   ParamMap params = c.backend_params;
   if (c.backend_kind == BackendKind::cpu) {

@@ -27,6 +27,9 @@
 
 namespace kvlab {
 
+// Where a run's plugins are looked for: the default search path, then [experiment] plugin_paths.
+std::vector<std::filesystem::path> plugin_search_path(const ExperimentConfig& c);
+
 // 1. Rules across [backend] and the command (kvlab check).
 void check_backend_rules(const ExperimentConfig& c, bool check);
 

@@ -313,11 +313,7 @@ void validate_experiment(const std::vector<ExperimentRun>& runs, bool check) {
   for (std::size_t i = 0; i < runs.size(); ++i) {
     const ExperimentConfig& c = runs[i].config;
     auto& registry = registries[c.plugin_paths];
-    if (!registry) {
-      auto search = PluginRegistry::default_search_path();
-      search.insert(search.end(), c.plugin_paths.begin(), c.plugin_paths.end());
-      registry = std::make_unique<PluginRegistry>(search);
-    }
+    if (!registry) registry = std::make_unique<PluginRegistry>(plugin_search_path(c));
     try {
       validate_point(c, check, *registry);
     } catch (const Error& e) {

@@ -378,9 +378,39 @@ std::string models_body(const OpenAiServer::Shared& shared) {
 
 namespace {
 
-void gauge(std::string& out, const char* name, const char* help, double value,
-           const char* type = "gauge") {
+void metric(std::string& out, const char* name, const char* help, double value,
+            const char* type = "gauge") {
   out += fmt::format("# HELP {0} {1}\n# TYPE {0} {2}\n{0} {3}\n", name, help, type, value);
+}
+
+// The counters, cumulative since the server started.
+void counter_lines(std::string& out, const LiveStats& s, const OpenAiServer::Shared& shared) {
+  const KvAllocatorStats& kv = s.kv;
+  struct Counter {
+    const char* name;
+    const char* help;
+    std::int64_t value;
+  };
+  const Counter counters[] = {
+      {"kvlab_steps_total", "engine steps that ran a batch", s.steps},
+      {"kvlab_finished_total", "requests finished (EOS, max_tokens, a full context)", s.finished},
+      {"kvlab_cancelled_total", "requests cancelled (a client gone, a stop string, --abort)",
+       s.cancelled},
+      {"kvlab_rejected_total", "requests the engine rejected (never fit, a fault)", s.rejected},
+      {"kvlab_preemptions_total", "running requests preempted for memory", s.preemptions},
+      {"kvlab_prefill_tokens_total", "prompt tokens computed", s.prefill_tokens},
+      {"kvlab_decode_tokens_total", "tokens decoded", s.decode_tokens},
+      {"kvlab_swapped_bytes_total", "KV bytes copied to and from the host swap pool", s.swap_bytes},
+      {"kvlab_tier_bytes_stored_total", "KV bytes stored into the host and disk tiers",
+       kv.host_bytes_stored + kv.disk_bytes_stored},
+      {"kvlab_tier_bytes_loaded_total", "KV bytes loaded back from the host and disk tiers",
+       kv.host_bytes_loaded + kv.disk_bytes_loaded},
+      {"kvlab_prompt_tokens_total", "prompt tokens of the requests answered",
+       shared.prompt_tokens.load()},
+      {"kvlab_completion_tokens_total", "tokens generated for the requests answered",
+       shared.completion_tokens.load()}};
+  for (const Counter& c : counters)
+    metric(out, c.name, c.help, static_cast<double>(c.value), "counter");
 }
 
 }  // namespace
@@ -392,34 +422,20 @@ std::string metrics_text(OpenAiServer::Shared& shared) {
   const KvAllocatorStats& kv = s.kv;
   const double capacity = kv.capacity > 0 ? static_cast<double>(kv.capacity) : 1.0;
   std::string out;
-  gauge(out, "kvlab_queue_length", "requests waiting: taken by the engine, not running",
-        static_cast<double>(s.waiting + s.queued));
-  gauge(out, "kvlab_running", "requests in the running batch", static_cast<double>(s.running));
-  gauge(out, "kvlab_kv_used_fraction", "pool slots holding live tokens' KV",
-        static_cast<double>(kv.used) / capacity);
-  gauge(out, "kvlab_kv_waste_fraction",
-        "pool slots reserved ahead or in unfilled last blocks (mean_kv_waste_fraction's parts)",
-        static_cast<double>(kv.reserved_unused + kv.last_block_slack) / capacity);
-  gauge(out, "kvlab_prefix_hit_rate", "prompt tokens found in the prefix cache / looked up",
-        kv.prefix_query_tokens > 0 ? static_cast<double>(kv.prefix_hit_tokens) /
-                                         static_cast<double>(kv.prefix_query_tokens)
-                                   : 0.0);
-  gauge(out, "kvlab_kv_slots", "the pool's capacity in tokens", static_cast<double>(kv.capacity));
-  const std::pair<const char*, std::int64_t> counters[] = {
-      {"kvlab_steps_total", s.steps},
-      {"kvlab_finished_total", s.finished},
-      {"kvlab_cancelled_total", s.cancelled},
-      {"kvlab_rejected_total", s.rejected},
-      {"kvlab_preemptions_total", s.preemptions},
-      {"kvlab_prefill_tokens_total", s.prefill_tokens},
-      {"kvlab_decode_tokens_total", s.decode_tokens},
-      {"kvlab_swapped_bytes_total", s.swap_bytes},
-      {"kvlab_tier_bytes_stored_total", kv.host_bytes_stored + kv.disk_bytes_stored},
-      {"kvlab_tier_bytes_loaded_total", kv.host_bytes_loaded + kv.disk_bytes_loaded},
-      {"kvlab_prompt_tokens_total", shared.prompt_tokens.load()},
-      {"kvlab_completion_tokens_total", shared.completion_tokens.load()}};
-  for (const auto& [name, value] : counters)
-    gauge(out, name, "see docs/serving.md", static_cast<double>(value), "counter");
+  metric(out, "kvlab_queue_length", "requests waiting: taken by the engine, not running",
+         static_cast<double>(s.waiting + s.queued));
+  metric(out, "kvlab_running", "requests in the running batch", static_cast<double>(s.running));
+  metric(out, "kvlab_kv_used_fraction", "pool slots holding live tokens' KV",
+         static_cast<double>(kv.used) / capacity);
+  metric(out, "kvlab_kv_waste_fraction",
+         "pool slots reserved ahead or in unfilled last blocks (mean_kv_waste_fraction's parts)",
+         static_cast<double>(kv.reserved_unused + kv.last_block_slack) / capacity);
+  metric(out, "kvlab_prefix_hit_rate", "prompt tokens found in the prefix cache / looked up",
+         kv.prefix_query_tokens > 0 ? static_cast<double>(kv.prefix_hit_tokens) /
+                                          static_cast<double>(kv.prefix_query_tokens)
+                                    : 0.0);
+  metric(out, "kvlab_kv_slots", "the pool's capacity in tokens", static_cast<double>(kv.capacity));
+  counter_lines(out, s, shared);
   out += shared.ttft.text("kvlab_ttft_s", "time to first token, as the server saw it");
   out += shared.tpot.text("kvlab_tpot_s", "time per output token after the first, per request");
   out += shared.itl.text("kvlab_itl_s", "time between consecutive tokens");

@@ -23,8 +23,11 @@ ApiError bad(const std::string& param, const std::string& message) {
   return ApiError(400, message, param);
 }
 
+// What a wrong value is, for the message: "an integer", "a string", "an object", ...
 std::string type_name(const json& v) {
-  return v.is_number_integer() ? "an integer" : fmt::format("{} {}", "a", v.type_name());
+  if (v.is_number_integer()) return "an integer";
+  const std::string name = v.type_name();
+  return (name.front() == 'a' || name.front() == 'o' ? "an " : "a ") + name;
 }
 
 const json* field(const json& body, const char* name) {

@@ -74,6 +74,13 @@ TEST(Cli, ServeRefusesBadInputBeforeListening) {
   expect_failure("serve " + quickstart + " --set scheduler.name=fcfs --max-seconds -1",
                  "--max-seconds must be >= 0");
   expect_failure("serve /nonexistent.toml", "/nonexistent.toml");
+  // A results folder that holds an earlier run is refused before serving, not after it.
+  test::TempDir out;
+  ASSERT_EQ(run("serve " + one + " --port 0 --out " + out.path().string()).exit_code, 0);
+  const RunResult again = run("serve " + one + " --port 0 --out " + out.path().string());
+  EXPECT_NE(again.exit_code, 0);
+  EXPECT_NE(again.output.find("pass --force"), std::string::npos) << again.output;
+  EXPECT_EQ(again.output.find("on http://"), std::string::npos) << again.output;
 }
 
 TEST(Cli, MissingModelFolder) {

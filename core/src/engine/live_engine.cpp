@@ -169,7 +169,6 @@ void LiveEngine::update_stats(std::size_t steps_before) {
     stats_.decode_tokens += s.decode_tokens;
     stats_.preemptions += s.preempted;
     stats_.swap_bytes += s.swap_bytes;
-    stats_.busy_s += s.duration_s;
     stats_.waiting = s.waiting;
     stats_.running = s.running;
     stats_.kv = s.kv;

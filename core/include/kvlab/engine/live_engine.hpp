@@ -69,7 +69,6 @@ struct LiveStats {
   std::int64_t prefill_tokens = 0, decode_tokens = 0, preemptions = 0, swap_bytes = 0;
   std::int64_t finished = 0, cancelled = 0, rejected = 0;
   KvAllocatorStats kv;  // after the last step (prefix and tier counters are cumulative)
-  double busy_s = 0;    // the steps' durations summed
 };
 
 struct ShutdownReport {
