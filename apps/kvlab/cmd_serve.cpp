@@ -182,8 +182,11 @@ int serve(ServeOptions o) {
     openai.handle(std::move(r), std::move(reply));
   });
   if (!text.note.empty()) fmt::print(stderr, "kvlab serve: {}\n", text.note);
-  fmt::print(stderr, "kvlab serve: {} on http://{}:{} (model \"{}\"{}); SIGTERM or Ctrl-C stops\n",
-             c.name, o.host, server.port(), api.model_name,
+  const std::string replicas =
+      c.replicas > 1 ? fmt::format(", {} replicas behind {}", c.replicas, c.router) : "";
+  fmt::print(stderr,
+             "kvlab serve: {} on http://{}:{} (model \"{}\"{}{}); SIGTERM or Ctrl-C stops\n",
+             c.name, o.host, server.port(), api.model_name, replicas,
              o.api_key.empty() ? "" : ", key needed");
   std::thread stopper([&] {
     const std::string why = wait_for_shutdown(signals, o.max_seconds);

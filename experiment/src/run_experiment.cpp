@@ -133,25 +133,9 @@ void run_replicas(const ExperimentConfig& c, const PluginRegistry& registry,
   } else {
     cluster = run_cluster(engines, *router, requests, replica_threads(c));
   }
-  double hit_tokens = 0, query_tokens = 0;
-  for (std::size_t index = 0; index < cluster.replicas.size(); ++index) {
-    const EngineResult& replica = cluster.replicas[index];
-    RunOutput::Replica r;
-    r.summary = summarize_run(replica.requests, cluster.duration_s);
-    r.tensor_parallel = c.tensor_parallel_of(static_cast<std::int64_t>(index));
-    r.kv_slots = sizing_of(c, sizings, static_cast<std::int64_t>(index)).slots;
-    r.requests = static_cast<std::int64_t>(replica.requests.size());
-    std::tie(r.mean_kv_used, r.prefix_hit_rate) = kv_use_and_prefix_hits(replica.steps);
-    if (!replica.steps.empty()) {
-      hit_tokens += static_cast<double>(replica.steps.back().kv.prefix_hit_tokens);
-      query_tokens += static_cast<double>(replica.steps.back().kv.prefix_query_tokens);
-    }
-    out.replicas.push_back(r);
-  }
   for (const RouteRecord& route : cluster.routes)
     slots.emplace_back(route.replica, route.id_in_replica);
-  out.engine = merged_result(std::move(cluster));
-  out.prefix_hit_rate = query_tokens > 0 ? hit_tokens / query_tokens : 0.0;
+  record_cluster(c, sizings, std::move(cluster), out);
 }
 
 // The KV tiers' counters summed over the replicas' allocators, and the step time they cost.
@@ -175,6 +159,28 @@ RunOutput::KvTierTotals kv_tier_totals(const std::vector<std::unique_ptr<Replica
 }
 
 }  // namespace
+
+// A cluster's run: each replica's summary in out.replicas, the merged run in out.engine.
+void record_cluster(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,
+                    ClusterResult&& cluster, RunOutput& out) {
+  double hit_tokens = 0, query_tokens = 0;
+  for (std::size_t index = 0; index < cluster.replicas.size(); ++index) {
+    const EngineResult& replica = cluster.replicas[index];
+    RunOutput::Replica r;
+    r.summary = summarize_run(replica.requests, cluster.duration_s);
+    r.tensor_parallel = c.tensor_parallel_of(static_cast<std::int64_t>(index));
+    r.kv_slots = sizing_of(c, sizings, static_cast<std::int64_t>(index)).slots;
+    r.requests = static_cast<std::int64_t>(replica.requests.size());
+    std::tie(r.mean_kv_used, r.prefix_hit_rate) = kv_use_and_prefix_hits(replica.steps);
+    if (!replica.steps.empty()) {
+      hit_tokens += static_cast<double>(replica.steps.back().kv.prefix_hit_tokens);
+      query_tokens += static_cast<double>(replica.steps.back().kv.prefix_query_tokens);
+    }
+    out.replicas.push_back(r);
+  }
+  out.engine = merged_result(std::move(cluster));
+  out.prefix_hit_rate = query_tokens > 0 ? hit_tokens / query_tokens : 0.0;
+}
 
 // RunOutput::kv_dtype.
 std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model) {

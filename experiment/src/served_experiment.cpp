@@ -20,7 +20,8 @@ struct ServedExperiment::Parts {
   ServedModel served;
   std::vector<ReplicaSizing> sizings;
   std::vector<std::unique_ptr<ReplicaStack>> stacks;
-  std::unique_ptr<LiveEngine> live;  // last: it stops before the stack it runs goes
+  PluginObject<Router> router;        // [cluster] replicas > 1
+  std::unique_ptr<LiveCluster> live;  // last: it stops before the stacks it runs go
   std::chrono::steady_clock::time_point start;
   double load_at_start = -1;
 };
@@ -41,11 +42,12 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
     : parts_(std::make_unique<Parts>()) {
   Parts& p = *parts_;
   p.config = c;
-  if (c.replicas > 1)
+  if (c.disaggregated())
     throw Error(fmt::format(
-        "kvlab serve runs one engine; [cluster] replicas = {} is for kvlab run (serve one replica "
-        "per process behind a router)",
-        c.replicas));
+        "kvlab serve does not hand KV between live replicas: [cluster] prefill_replicas = {} "
+        "(disaggregated prefill and decode) is for kvlab run; serve replicas behind a router "
+        "without it",
+        c.prefill_replicas));
   if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
   const PluginRegistry registry(plugin_search_path(c));
   const bool simulated = c.backend_kind == BackendKind::simulated;
@@ -55,18 +57,23 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
   p.sizings = replica_sizings(c, p.served.config, simulated);
   const SequenceRules rules = sequence_rules(p.served.config, *p.served.attention);
   p.stacks = make_replicas(c, registry, p.served, p.sizings, rules, nullptr);
-  ReplicaStack& stack = *p.stacks.front();
-  stack.engine.reset();  // the LiveEngine runs its parts
+  if (c.replicas > 1)
+    p.router = registry.create<PluginKind::router>(c.router, c.router_params, PluginContext{});
   live.paced = simulated;
   p.load_at_start = machine_load_1m();
   p.start = std::chrono::steady_clock::now();
-  p.live = std::make_unique<LiveEngine>(*stack.backend, *stack.allocator, *stack.scheduler,
-                                        stack.options, live);
+  std::vector<std::unique_ptr<LiveEngine>> engines;
+  for (const auto& stack : p.stacks) {
+    stack->engine.reset();  // the LiveEngine runs its parts
+    engines.push_back(std::make_unique<LiveEngine>(*stack->backend, *stack->allocator,
+                                                   *stack->scheduler, stack->options, live));
+  }
+  p.live = std::make_unique<LiveCluster>(std::move(engines), p.router.get());
 }
 
 ServedExperiment::~ServedExperiment() = default;
 
-LiveEngine& ServedExperiment::engine() {
+LiveCluster& ServedExperiment::engine() {
   return *parts_->live;
 }
 
@@ -85,7 +92,11 @@ std::int64_t ServedExperiment::kv_slots() const {
 RunOutput ServedExperiment::finish() {
   Parts& p = *parts_;
   RunOutput out;
-  out.engine = p.live->take_result();
+  ClusterResult cluster = p.live->take_result();
+  if (cluster.replicas.size() == 1)
+    out.engine = std::move(cluster.replicas.front());
+  else
+    record_cluster(p.config, p.sizings, std::move(cluster), out);
   out.model_name = p.served.config.name;
   out.kv_slots = kv_slots();
   out.workload_description = "served live (kvlab serve)";

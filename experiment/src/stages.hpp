@@ -18,6 +18,7 @@
 
 #include "engine_logit_log.hpp"
 #include "kvlab/cpu_reference/llama_weights.hpp"
+#include "kvlab/engine/cluster.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/model/tokenizer.hpp"
@@ -97,6 +98,10 @@ RealWorkload make_requests_or_say_why(const ExperimentConfig& c, const ModelConf
 void summarize_output(const ExperimentConfig& c,
                       const std::vector<std::unique_ptr<ReplicaStack>>& stacks, bool has_cost_model,
                       RunOutput& out);
+// A cluster's run (run_cluster's, or a served cluster's): each replica's summary in
+// out.replicas, the merged run in out.engine, the prefix hit rate over every replica.
+void record_cluster(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,
+                    ClusterResult&& cluster, RunOutput& out);
 // The K/V dtype as the pool stores it (RunOutput::kv_dtype).
 std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model);
 

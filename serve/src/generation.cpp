@@ -143,6 +143,8 @@ std::optional<ApiError> Generation::submit() {
     if (result.status == SubmitStatus::queue_full)
       return ApiError(429, "the server's queue is full; retry after the Retry-After seconds", "",
                       "rate_limit_error", "queue_full");
+    if (result.status == SubmitStatus::failed)
+      return ApiError(500, result.reason, "", "server_error", "routing_failed");
     return ApiError(503, "the server is shutting down", "", "server_error", "shutting_down");
   }
   return std::nullopt;
@@ -413,6 +415,38 @@ void counter_lines(std::string& out, const LiveStats& s, const OpenAiServer::Sha
     metric(out, c.name, c.help, static_cast<double>(c.value), "counter");
 }
 
+// A cluster's gauges per replica (label replica="i"): what a gateway or autoscaler scraping the
+// replicas one by one would read.
+void replica_lines(std::string& out, const LiveCluster& cluster) {
+  struct Gauge {
+    const char* name;
+    const char* help;
+    double (*value)(const LiveStats&);
+  };
+  static const Gauge gauges[] = {
+      {"kvlab_replica_queue_length", "requests waiting on the replica",
+       [](const LiveStats& s) { return static_cast<double>(s.waiting + s.queued); }},
+      {"kvlab_replica_running", "requests in the replica's running batch",
+       [](const LiveStats& s) { return static_cast<double>(s.running); }},
+      {"kvlab_replica_kv_used_fraction", "the replica's pool slots holding live tokens' KV",
+       [](const LiveStats& s) {
+         return s.kv.capacity > 0
+                    ? static_cast<double>(s.kv.used) / static_cast<double>(s.kv.capacity)
+                    : 0.0;
+       }},
+      {"kvlab_replica_finished_total", "requests the replica finished",
+       [](const LiveStats& s) { return static_cast<double>(s.finished); }}};
+  std::vector<LiveStats> stats;
+  for (std::size_t r = 0; r < cluster.size(); ++r) stats.push_back(cluster.replica_stats(r));
+  for (const Gauge& g : gauges) {
+    const bool counter = std::string_view(g.name).ends_with("_total");
+    out += fmt::format("# HELP {0} {1}\n# TYPE {0} {2}\n", g.name, g.help,
+                       counter ? "counter" : "gauge");
+    for (std::size_t r = 0; r < stats.size(); ++r)
+      out += fmt::format("{}{{replica=\"{}\"}} {}\n", g.name, r, g.value(stats[r]));
+  }
+}
+
 }  // namespace
 
 // The engine's state after its last step and the server's counters, in the metric registry's
@@ -436,6 +470,7 @@ std::string metrics_text(OpenAiServer::Shared& shared) {
                                     : 0.0);
   metric(out, "kvlab_kv_slots", "the pool's capacity in tokens", static_cast<double>(kv.capacity));
   counter_lines(out, s, shared);
+  if (shared.engine.size() > 1) replica_lines(out, shared.engine);
   out += shared.ttft.text("kvlab_ttft_s", "time to first token, as the server saw it");
   out += shared.tpot.text("kvlab_tpot_s", "time per output token after the first, per request");
   out += shared.itl.text("kvlab_itl_s", "time between consecutive tokens");

@@ -18,7 +18,7 @@
 namespace kvlab::serve {
 
 struct OpenAiServer::Shared {
-  Shared(LiveEngine& live, const ModelConfig& served, const Tokenizer* tok,
+  Shared(LiveCluster& live, const ModelConfig& served, const Tokenizer* tok,
          std::optional<ChatTemplate> chat_template, OpenAiOptions opts,
          const std::vector<double>& bounds)
       : engine(live),
@@ -30,7 +30,7 @@ struct OpenAiServer::Shared {
         tpot(bounds),
         itl(bounds),
         e2e(bounds) {}
-  LiveEngine& engine;
+  LiveCluster& engine;
   const ModelConfig& model;
   const Tokenizer* tokenizer;
   std::optional<ChatTemplate> chat;

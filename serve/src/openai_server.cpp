@@ -70,8 +70,9 @@ std::string LatencyHistogram::text(const std::string& name, const std::string& h
   return out;
 }
 
-OpenAiServer::OpenAiServer(LiveEngine& engine, const ModelConfig& model, const Tokenizer* tokenizer,
-                           std::optional<ChatTemplate> chat, OpenAiOptions options)
+OpenAiServer::OpenAiServer(LiveCluster& engine, const ModelConfig& model,
+                           const Tokenizer* tokenizer, std::optional<ChatTemplate> chat,
+                           OpenAiOptions options)
     : shared_(std::make_unique<Shared>(engine, model, tokenizer, std::move(chat),
                                        std::move(options), latency_bounds())) {
   shared_->next_seed = std::random_device{}();

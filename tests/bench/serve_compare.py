@@ -7,10 +7,19 @@ request streamed (chat completions, temperature 0, max_tokens fixed and EOS igno
 generate the same number of tokens); TTFT = first content chunk, ITL = gaps between chunks,
 output tok/s = completion tokens / the level's wall time.
 
+Mooncake-shaped prompts (--mooncake TRACE --wikitext FILE): the trace's requests in order, each
+prompt the concatenation of its hash ids' blocks (block i: a fixed run of WikiText-2 words, the
+same text wherever the id recurs, so requests share prefixes as the trace says), lengths scaled
+down by --scale (a 512-token block becomes 512/scale tokens, about) and max_tokens = its output
+length / scale: the trace's shape (the spread of lengths, the prefix sharing) at a size 2 cores
+can prefill.
+
 Usage:
   PYTHON tests/bench/serve_compare.py --kvlab build/bin/kvlab --llama-server PATH \
       --gguf models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
       --prompts data/prompts/mt_bench_questions.jsonl [--levels 1,4,16,64] [--rounds 2]
+  PYTHON tests/bench/serve_compare.py ... --mooncake data/mooncake-fast25/conversation_trace.jsonl \
+      --wikitext data/wikitext-2-raw/wiki.test.raw --scale 8 --context 131072
 Servers bind 127.0.0.1 only; every level is bounded (requests per level) and every call has a
 timeout.
 """
@@ -108,7 +117,7 @@ async def one_request(client, model, prompt, max_tokens, stats):
     last = None
     first = None
     gaps = []
-    tokens = 0
+    tokens = prompt_tokens = 0
     stream = await client.chat.completions.create(
         model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens,
         temperature=0, stream=True, stream_options={"include_usage": True},
@@ -117,6 +126,7 @@ async def one_request(client, model, prompt, max_tokens, stats):
         now = time.perf_counter()
         if chunk.usage:
             tokens = chunk.usage.completion_tokens
+            prompt_tokens = chunk.usage.prompt_tokens
         if not chunk.choices or not chunk.choices[0].delta.content:
             continue
         if first is None:
@@ -127,29 +137,50 @@ async def one_request(client, model, prompt, max_tokens, stats):
     stats["ttft"].append(first if first is not None else float("nan"))
     stats["itl"].extend(gaps)
     stats["tokens"] += tokens
+    stats["prompt_tokens"] = stats.get("prompt_tokens", 0) + prompt_tokens
 
 
-async def run_level(port, model, prompts, concurrency, requests, max_tokens):
+async def run_level(port, model, prompts, concurrency, requests):
     # Retries as real clients make them: cpp-httplib (llama-server) closes a keep-alive
     # connection after 5 requests, and a request sent on it as it closes gets no answer.
     client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none",
                                 timeout=600, max_retries=2)
-    stats = {"ttft": [], "itl": [], "tokens": 0}
-    await one_request(client, model, prompts[0], 8, {"ttft": [], "itl": [], "tokens": 0})  # warm
+    stats = {"ttft": [], "itl": [], "tokens": 0, "prompt_tokens": 0}
+    warm = "Say hello."  # not a prompt of the level: its prefix would be cached for the level
+    await one_request(client, model, warm, 8, {"ttft": [], "itl": [], "tokens": 0})
     queue = list(range(requests))
+    queue.reverse()  # popped from the end: the prompts in their order
 
     async def worker():
         while queue:
             i = queue.pop()
-            await one_request(client, model, prompts[i % len(prompts)], max_tokens, stats)
+            text, max_tokens = prompts[i % len(prompts)]
+            await one_request(client, model, text, max_tokens, stats)
 
     start = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = time.perf_counter() - start
     await client.close()
-    return {"tok_s": stats["tokens"] / wall, "ttft_p50": percentile(stats["ttft"], 50),
+    return {"tok_s": stats["tokens"] / wall, "prompt_tokens": stats["prompt_tokens"], "ttft_p50": percentile(stats["ttft"], 50),
             "ttft_p99": percentile(stats["ttft"], 99), "itl_p50": percentile(stats["itl"], 50),
             "itl_p99": percentile(stats["itl"], 99), "tokens": stats["tokens"], "wall": wall}
+
+
+def mooncake_prompts(trace, wikitext, scale):
+    """(text, max_tokens) per trace request: its hash ids' blocks of WikiText words, scaled."""
+    words = open(wikitext, encoding="utf-8").read().split()
+    block_words = max(1, int(512 / scale / 1.3))  # WikiText: about 1.3 tokens per word
+    prompts = []
+    for line in open(trace):
+        if not line.strip():
+            continue
+        r = json.loads(line)
+        blocks = []
+        for h in r["hash_ids"]:
+            start = (h * block_words * 7) % (len(words) - block_words)  # a fixed run per id
+            blocks.append(" ".join(words[start:start + block_words]))
+        prompts.append((" ".join(blocks), max(8, r["output_length"] // scale)))
+    return prompts
 
 
 def stop(proc):
@@ -166,34 +197,43 @@ def main():
     parser.add_argument("--kvlab", required=True)
     parser.add_argument("--llama-server", required=True)
     parser.add_argument("--gguf", required=True)
-    parser.add_argument("--prompts", required=True)
+    parser.add_argument("--prompts", help="MT-Bench-style jsonl: each first turn a prompt")
+    parser.add_argument("--mooncake", help="a Mooncake trace (jsonl) instead of --prompts")
+    parser.add_argument("--wikitext", help="with --mooncake: the text the blocks are cut from")
+    parser.add_argument("--scale", type=int, default=8, help="with --mooncake: lengths / scale")
+    parser.add_argument("--requests", type=int, default=0,
+                        help="requests per level (default: max(8, 2 x concurrency))")
     parser.add_argument("--levels", default="1,4,16,64")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--context", type=int, default=32768)
     args = parser.parse_args()
-    prompts = [json.loads(line)["turns"][0] for line in open(args.prompts) if line.strip()]
+    if args.mooncake:
+        prompts = mooncake_prompts(args.mooncake, args.wikitext, args.scale)
+    else:
+        prompts = [(json.loads(line)["turns"][0], args.max_tokens)
+                   for line in open(args.prompts) if line.strip()]
     levels = [int(x) for x in args.levels.split(",")]
     results = {}
     with tempfile.TemporaryDirectory() as work:
         for round_ in range(args.rounds):
             for c in levels:
-                requests = max(8, 2 * c)
+                requests = args.requests or max(8, 2 * c)
                 order = ["kvlab", "llama-server"] if round_ % 2 == 0 else ["llama-server", "kvlab"]
                 for name in order:
                     port = 18400 + round_ * 100 + levels.index(c) * 2 + order.index(name)
                     proc, model = (start_kvlab(args, port, work, max(c, 1)) if name == "kvlab"
                                    else start_llama(args, port, c))
                     try:
-                        r = asyncio.run(run_level(port, model, prompts, c, requests,
-                                                  args.max_tokens))
+                        r = asyncio.run(run_level(port, model, prompts, c, requests))
                     finally:
                         stop(proc)
                     results.setdefault((name, c), []).append(r)
                     print(f"round {round_} c={c} {name}: {r['tok_s']:.1f} tok/s, TTFT p50 "
                           f"{r['ttft_p50']*1e3:.0f} ms p99 {r['ttft_p99']*1e3:.0f} ms, ITL p50 "
                           f"{r['itl_p50']*1e3:.1f} ms p99 {r['itl_p99']*1e3:.1f} ms "
-                          f"({r['tokens']} tokens in {r['wall']:.1f} s)", flush=True)
+                          f"({r['tokens']} tokens out, {r['prompt_tokens']} in, in "
+                          f"{r['wall']:.1f} s)", flush=True)
     print("\n| concurrency | server | output tok/s | TTFT p50 (ms) | TTFT p99 (ms) | ITL p50 (ms) "
           "| ITL p99 (ms) |\n|---|---|---|---|---|---|---|")
     for c in levels:

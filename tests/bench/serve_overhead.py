@@ -8,13 +8,21 @@ engine's run (kvlab run's "wall ... in the engine"); served counts from the firs
 to the last answer received, so HTTP, JSON, detokenization and the client's own parsing are
 all in it.
 
+The client shares the machine's cores with the server, so its own work per chunk is in the
+served figure too. --client sdk is the official openai SDK (a pydantic object per chunk);
+--client raw reads the same streams off the socket (asyncio, Connection: close) and parses only
+the usage at the end: what is left with it is the server's own cost. Each round also reports the
+client's CPU seconds.
+
 Usage: PYTHON tests/bench/serve_overhead.py --kvlab build/bin/kvlab --gguf GGUF [--rounds 3]
+           [--client sdk|raw] [--no-stream]
 (PYTHON with the openai package: build/pyclients/bin/python after ctest -R serve.get_openai_sdk)
 """
 
 import argparse
 import asyncio
 import csv
+import json
 import os
 import random
 import re
@@ -96,6 +104,37 @@ async def send_all(port, model, lengths, output, stream):
     return sum(counts) / wall
 
 
+async def raw_send_all(port, model, lengths, output, stream):
+    """The same requests over plain sockets: no SDK, no per-chunk parsing."""
+    rng = random.Random(1)
+    counts = []
+
+    async def one(length):
+        prompt = [rng.randrange(1, 49000) for _ in range(length)]
+        body = json.dumps({"model": model, "prompt": prompt, "max_tokens": output,
+                           "temperature": 0, "ignore_eos": True, "stream": stream,
+                           "stream_options": {"include_usage": True} if stream else None})
+        body = body.replace(', "stream_options": null', "").encode()
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nConnection: close\r\n"
+                     + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+        await writer.drain()
+        tail = b""
+        while chunk := await asyncio.wait_for(reader.read(1 << 16), timeout=900):
+            tail = (tail + chunk)[-4096:]  # the usage is in the last chunk
+        writer.close()
+        found = re.findall(rb'"completion_tokens":(\d+)', tail)
+        if not found:
+            raise RuntimeError(f"no usage in the answer's end: {tail[-300:]!r}")
+        counts.append(int(found[-1]))
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(n) for n in lengths))
+    wall = time.perf_counter() - start
+    return sum(counts) / wall
+
+
 def served(args, toml, work, lengths):
     proc = subprocess.Popen([args.kvlab, "serve", toml, "--port", "0", "--out",
                              os.path.join(work, "served"), "--force", "--max-seconds", "1800"],
@@ -108,8 +147,11 @@ def served(args, toml, work, lengths):
         match = re.search(r"on http://127\.0\.0\.1:(\d+) \(model \"([^\"]+)\"", line)
         if match:
             port, model = int(match.group(1)), match.group(2)
+    send = raw_send_all if args.client == "raw" else send_all
     try:
-        return asyncio.run(send_all(port, model, lengths, args.output, not args.no_stream))
+        cpu = time.process_time()
+        tok_s = asyncio.run(send(port, model, lengths, args.output, not args.no_stream))
+        return tok_s, time.process_time() - cpu
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.communicate(timeout=300)
@@ -125,6 +167,7 @@ def main():
     parser.add_argument("--no-stream", action="store_true",
                         help="whole answers: one JSON per request, not one per token (the "
                              "client's own parsing on the same cores is most of a stream's cost)")
+    parser.add_argument("--client", choices=["sdk", "raw"], default="sdk")
     args = parser.parse_args()
     ratios = []
     with tempfile.TemporaryDirectory() as work:
@@ -134,10 +177,10 @@ def main():
                                 output=args.output))
         for r in range(args.rounds):
             off, lengths = offline(args, toml, os.path.join(work, "offline"))
-            on = served(args, toml, work, lengths)
+            on, client_cpu = served(args, toml, work, lengths)
             ratios.append(on / off)
             print(f"round {r}: offline {off:.1f} tok/s, served {on:.1f} tok/s, "
-                  f"served/offline {on / off:.3f}", flush=True)
+                  f"served/offline {on / off:.3f}, client CPU {client_cpu:.2f} s", flush=True)
     print(f"median served/offline: {statistics.median(ratios):.3f} "
           f"(server cost {100 * (1 - statistics.median(ratios)):.1f}%)")
 

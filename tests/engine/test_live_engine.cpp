@@ -14,6 +14,7 @@
 
 #include "cpu_reference/test_models.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
+#include "kvlab/engine/live_cluster.hpp"
 #include "kvlab/engine/live_engine.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
@@ -260,6 +261,187 @@ TEST(LiveEngine, AnEngineFaultEndsEveryRequestInFlightWithTheFault) {
   EXPECT_EQ(live.submit(request(4, 6, 4), after.callbacks()).status, SubmitStatus::shutting_down);
   const ShutdownReport report = live.shutdown(true);
   EXPECT_EQ(report.drained + report.aborted, 0);
+}
+
+// A backend whose every forward takes at least 20 ms more (a replica that is busy for a while).
+class SlowBackend final : public Backend {
+ public:
+  explicit SlowBackend(Backend& inner) : inner_(inner) {}
+  ForwardResult forward(std::span<const BatchEntry> batch,
+                        std::span<const TokenChoice> choices) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    return inner_.forward(batch, choices);
+  }
+  std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+
+ private:
+  Backend& inner_;
+};
+
+// A served cluster: a LiveEngine per replica (each its own Stack) behind a router plugin; `slow`:
+// each replica's forwards take 20 ms more (its requests stay in flight for a while).
+struct ClusterOf {
+  ClusterOf(std::size_t n, const std::string& router_name, Params router_params = {},
+            Params scheduler_params = {}, bool slow = false) {
+    router = test::plugin_registry().create<PluginKind::router>(router_name,
+                                                                std::move(router_params), {});
+    std::vector<std::unique_ptr<LiveEngine>> engines;
+    for (std::size_t r = 0; r < n; ++r) {
+      stacks.push_back(std::make_unique<Stack>(scheduler_params));
+      Stack& s = *stacks.back();
+      Backend* backend = s.backend.get();
+      if (slow) backend = slow_backends.emplace_back(std::make_unique<SlowBackend>(*backend)).get();
+      engines.push_back(
+          std::make_unique<LiveEngine>(*backend, *s.allocator, *s.scheduler, s.options));
+    }
+    live = std::make_unique<LiveCluster>(std::move(engines), router.get());
+  }
+  std::vector<std::unique_ptr<Stack>> stacks;
+  std::vector<std::unique_ptr<SlowBackend>> slow_backends;
+  PluginObject<Router> router;
+  std::unique_ptr<LiveCluster> live;  // last: it stops before the stacks go
+};
+
+// Requests from several threads, round robin over 3 replicas: each streams the offline tokens and
+// ends once with the cluster's id; the record routes every request once, 3 per replica, and the
+// merged run holds them all with their tokens.
+TEST(LiveCluster, RoutesEveryRequestOnceAndStreamsTheOfflineTokens) {
+  std::vector<WorkloadRequest> requests;
+  for (std::int32_t i = 0; i < 9; ++i) requests.push_back(request(5 + 3 * i, 6 + i, 8 + i));
+  const EngineResult offline = [&] {
+    Stack stack;
+    stack.options.clock = EngineClock::steps;
+    Engine engine(*stack.backend, *stack.allocator, *stack.scheduler, stack.options);
+    return engine.run(requests);
+  }();
+  ClusterOf cluster(3, "round_robin");
+  std::vector<Seen> seen(requests.size());
+  std::vector<RequestId> ids(requests.size(), -1);
+  std::vector<std::thread> clients;
+  for (std::size_t t = 0; t < 3; ++t)
+    clients.emplace_back([&, t] {
+      for (std::size_t i = t; i < requests.size(); i += 3) {
+        const SubmitResult r = cluster.live->submit(requests[i], seen[i].callbacks());
+        EXPECT_EQ(r.status, SubmitStatus::accepted);
+        ids[i] = r.id;
+      }
+    });
+  for (auto& c : clients) c.join();
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(seen[i].wait(60)) << "request " << i;
+    std::lock_guard lock(seen[i].mutex);
+    ASSERT_EQ(seen[i].ends.size(), 1u) << i;
+    EXPECT_EQ(seen[i].ends[0].id, ids[i]) << "the cluster's id, not the replica's";
+    EXPECT_EQ(seen[i].tokens, offline.tokens[i]) << "request " << i;
+  }
+  EXPECT_EQ(cluster.live->stats().finished, 9);
+  (void)cluster.live->shutdown(true);
+  ClusterResult result = cluster.live->take_result();
+  ASSERT_EQ(result.routes.size(), 9u);
+  std::vector<int> per_replica(3, 0);
+  for (const RouteRecord& route : result.routes) ++per_replica[route.replica];
+  EXPECT_EQ(per_replica, (std::vector<int>{3, 3, 3}));
+  for (std::size_t r = 0; r < 3; ++r) EXPECT_EQ(result.replicas[r].requests.size(), 3u);
+  const EngineResult merged = merged_result(std::move(result));
+  ASSERT_EQ(merged.requests.size(), 9u);
+  for (std::size_t i = 0; i < requests.size(); ++i)
+    EXPECT_EQ(merged.tokens[static_cast<std::size_t>(ids[i])], offline.tokens[i]);
+}
+
+// The router sees what each replica holds, submissions it has not taken yet included: by queued
+// tokens, a long request on slow replica 0 (6 + 50 tokens, 20 ms a step) sends the next three
+// short ones (6 + 4 each) to replica 1, where a router blind to them would alternate.
+TEST(LiveCluster, TheRouterSeesSubmissionsNotYetTaken) {
+  Stack a, b;
+  SlowBackend slow(*a.backend);
+  auto router = test::plugin_registry().create<PluginKind::router>(
+      "least_loaded", {{"by", std::string("queued_tokens")}}, {});
+  std::vector<std::unique_ptr<LiveEngine>> engines;
+  engines.push_back(std::make_unique<LiveEngine>(slow, *a.allocator, *a.scheduler, a.options));
+  engines.push_back(
+      std::make_unique<LiveEngine>(*b.backend, *b.allocator, *b.scheduler, b.options));
+  LiveCluster cluster(std::move(engines), router.get());
+  std::vector<Seen> seen(4);
+  ASSERT_EQ(cluster.submit(request(3, 6, 50), seen[0].callbacks()).status, SubmitStatus::accepted);
+  for (std::size_t i = 1; i < 4; ++i)
+    ASSERT_EQ(cluster.submit(request(3, 6, 4), seen[i].callbacks()).status, SubmitStatus::accepted);
+  (void)cluster.shutdown(false);  // an abort: replica 0's 50 steps are not needed
+  for (auto& s : seen) ASSERT_TRUE(s.wait(0));
+  const ClusterResult result = cluster.take_result();
+  std::vector<std::size_t> replicas;
+  for (const RouteRecord& route : result.routes) replicas.push_back(route.replica);
+  EXPECT_EQ(replicas, (std::vector<std::size_t>{0, 1, 1, 1}));
+}
+
+// A router that names no replica, or throws: that request is refused with the reason and nothing
+// is routed for it; the cluster goes on serving.
+class FaultyRouter final : public Router {
+ public:
+  RouteDecision route(const RouteRequest& request, std::span<const ReplicaLoad>) override {
+    if (request.prompt.size() == 7) return {7, "nowhere"};
+    if (request.prompt.size() == 8) throw Error("routing table corrupt");
+    return {1, "replica 1"};
+  }
+};
+
+TEST(LiveCluster, ARouterThatFailsRefusesThatRequestWithTheReason) {
+  Stack a, b;
+  FaultyRouter router;
+  std::vector<std::unique_ptr<LiveEngine>> engines;
+  engines.push_back(
+      std::make_unique<LiveEngine>(*a.backend, *a.allocator, *a.scheduler, a.options));
+  engines.push_back(
+      std::make_unique<LiveEngine>(*b.backend, *b.allocator, *b.scheduler, b.options));
+  LiveCluster cluster(std::move(engines), &router);
+  Seen nowhere, corrupt, fine;
+  const SubmitResult r7 = cluster.submit(request(3, 7, 4), nowhere.callbacks());
+  EXPECT_EQ(r7.status, SubmitStatus::failed);
+  EXPECT_EQ(r7.reason, "the router chose replica 7 of 2");
+  const SubmitResult r8 = cluster.submit(request(3, 8, 4), corrupt.callbacks());
+  EXPECT_EQ(r8.status, SubmitStatus::failed);
+  EXPECT_EQ(r8.reason, "the router failed: routing table corrupt");
+  const SubmitResult ok = cluster.submit(request(3, 6, 4), fine.callbacks());
+  ASSERT_EQ(ok.status, SubmitStatus::accepted);
+  EXPECT_EQ(ok.id, 0) << "a refused request takes no id";
+  ASSERT_TRUE(fine.wait(60));
+  (void)cluster.shutdown(true);
+  const ClusterResult result = cluster.take_result();
+  ASSERT_EQ(result.routes.size(), 1u);
+  EXPECT_EQ(result.routes[0].replica, 1u);
+  EXPECT_EQ(result.replicas[0].requests.size(), 0u);
+  EXPECT_EQ(result.replicas[1].requests.size(), 1u);
+}
+
+// A cancel by the cluster's id reaches the replica holding it; a shutdown drains or aborts every
+// replica's requests and sums the counts; afterwards submissions are refused.
+TEST(LiveCluster, CancelAndShutdownReachEveryReplica) {
+  for (const bool drain : {false, true}) {
+    ClusterOf cluster(2, "round_robin", {}, {{"max_batch", std::int64_t{2}}}, true);
+    std::vector<Seen> seen(5);
+    std::vector<RequestId> ids;
+    for (auto& s : seen) {  // 20 steps of 20 ms each, at most 2 at once on a replica
+      const SubmitResult r = cluster.live->submit(request(4, 6, 20), s.callbacks());
+      ASSERT_EQ(r.status, SubmitStatus::accepted);
+      ids.push_back(r.id);
+    }
+    cluster.live->cancel(ids[1]);  // on replica 1
+    ASSERT_TRUE(seen[1].wait(60));
+    EXPECT_EQ(seen[1].ends[0].finish_reason, "cancelled");
+    EXPECT_EQ(seen[1].ends[0].id, ids[1]);
+    const ShutdownReport report = cluster.live->shutdown(drain);
+    EXPECT_EQ(report.drained + report.aborted, 4) << "drain " << drain;
+    EXPECT_EQ(drain ? report.aborted : report.drained, 0) << "drain " << drain;
+    for (std::size_t i : {0u, 2u, 3u, 4u}) {
+      ASSERT_TRUE(seen[i].wait(0)) << i;
+      EXPECT_EQ(seen[i].ends[0].finish_reason, drain ? "max_tokens" : "cancelled");
+    }
+    Seen after;
+    EXPECT_EQ(cluster.live->submit(request(4, 6, 4), after.callbacks()).status,
+              SubmitStatus::shutting_down);
+    const ClusterResult result = cluster.live->take_result();
+    EXPECT_EQ(result.replicas[0].requests.size() + result.replicas[1].requests.size(), 5u);
+    for (const auto& stack : cluster.stacks) EXPECT_EQ(stack->allocator->stats().used, 0);
+  }
 }
 
 }  // namespace

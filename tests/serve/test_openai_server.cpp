@@ -4,6 +4,7 @@
 // served run as a results record, and /metrics.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <future>
 #include <set>
@@ -291,6 +292,41 @@ TEST(Serve, ModelsAndHealthAnswer) {
   EXPECT_EQ(http_call(stack.port(), http::verb::get, "/health").status, 503);
   EXPECT_EQ(http_call(stack.port(), http::verb::get, "/nowhere").status, 404);
   EXPECT_EQ(http_call(stack.port(), http::verb::get, "/v1/completions").status, 405);
+}
+
+// [cluster]: two replicas behind round robin. Four requests answer; /metrics shows each replica;
+// the served record is a cluster's (each replica's summary, a route event per request).
+TEST(Serve, AClusterServesBehindItsRouterAndRecordsEachReplica) {
+  ServedStack stack({"cluster.replicas=2", "cluster.router=round_robin"});
+  std::vector<std::future<HttpResult>> answers;
+  for (int i = 0; i < 4; ++i)
+    answers.push_back(std::async(std::launch::async, [&] {
+      return post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 6));
+    }));
+  std::set<std::string> texts;
+  for (auto& a : answers) {
+    const HttpResult r = a.get();
+    ASSERT_EQ(r.status, 200) << r.body;
+    texts.insert(r.json()["choices"][0]["text"].get<std::string>());
+  }
+  EXPECT_EQ(texts.size(), 1u) << "greedy: the same prompt, the same text on either replica";
+  ASSERT_TRUE(eventually([&] { return stack.served().engine().stats().finished == 4; }));
+  const HttpResult m = http_call(stack.port(), http::verb::get, "/metrics");
+  for (const char* line : {"kvlab_finished_total 4\n", "kvlab_kv_slots 4096\n",
+                           "kvlab_replica_finished_total{replica=\"0\"} 2\n",
+                           "kvlab_replica_finished_total{replica=\"1\"} 2\n",
+                           "kvlab_replica_running{replica=\"1\"} 0\n"})
+    EXPECT_NE(m.body.find(line), std::string::npos) << line << "\n" << m.body;
+  stack.stop(true);
+  const RunOutput out = stack.served().finish();
+  ASSERT_EQ(out.replicas.size(), 2u);
+  EXPECT_EQ(out.replicas[0].requests, 2);
+  EXPECT_EQ(out.replicas[1].requests, 2);
+  ASSERT_EQ(out.engine.requests.size(), 4u);
+  const auto routes =
+      std::count_if(out.engine.events.begin(), out.engine.events.end(),
+                    [](const EngineEvent& e) { return e.kind == EventKind::event_route; });
+  EXPECT_EQ(routes, 4);
 }
 
 }  // namespace

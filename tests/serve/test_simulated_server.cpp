@@ -13,8 +13,10 @@ namespace {
 
 using nlohmann::json;
 
-// Llama-2-7B on one H200 at 10 requests/s: steps of ~5-20 ms, TTFT tens of milliseconds.
-std::vector<ExperimentRun> simulated_h200(const TempDir& dir) {
+// Llama-2-7B on one H200 at 10 requests/s: steps of ~5-20 ms, TTFT tens of milliseconds. `sets`
+// change it as --set does.
+std::vector<ExperimentRun> simulated_h200(const TempDir& dir,
+                                          const std::vector<std::string>& sets) {
   write_file(dir / "sim.toml", R"([experiment]
 name = "simulated_server"
 seed = 3
@@ -42,7 +44,7 @@ prompt_tokens = { dist = "lognormal", mean = 600, stddev = 400, min = 64, max = 
 output_tokens = { dist = "uniform", min = 24, max = 80 }
 ignore_eos = true
 )");
-  std::vector<ExperimentRun> runs = load_experiment(dir / "sim.toml", std::vector<std::string>{});
+  std::vector<ExperimentRun> runs = load_experiment(dir / "sim.toml", sets);
   validate_experiment(runs, false);
   return runs;
 }
@@ -84,11 +86,12 @@ double relative(double got, double expected) {
   return std::abs(got - expected) / expected;
 }
 
-TEST(SimulatedServer, LatenciesUnderAClientsLoadMatchTheReplayWithin5Percent) {
+// Serves `sets`' experiment to a client replaying its arrivals; returns the served run.
+RunOutput expect_served_matches_replay(const std::vector<std::string>& sets) {
   TempDir dir;
-  const std::vector<ExperimentRun> runs = simulated_h200(dir);
+  const std::vector<ExperimentRun> runs = simulated_h200(dir, sets);
   const RunOutput offline = run_experiment(runs.front().config, false, nullptr);
-  ASSERT_EQ(offline.summary.finished, 40);
+  EXPECT_EQ(offline.summary.finished, 40);
   ServedStack stack(runs, {}, {}, {});
   const std::vector<ClientSide> client =
       replay_over_http(offline.engine.requests, stack.port(), stack.model_name());
@@ -112,13 +115,30 @@ TEST(SimulatedServer, LatenciesUnderAClientsLoadMatchTheReplayWithin5Percent) {
       << got.tpot_s.p50 << " vs " << want.tpot_s.p50;
   EXPECT_LT(relative(client_e2e, want.e2e_s.mean), 0.05)
       << "client-side e2e " << client_e2e << " vs " << want.e2e_s.mean;
-  ASSERT_EQ(served.summary.finished, 40);
+  EXPECT_EQ(served.summary.finished, 40);
   std::printf(
-      "simulated H200 server vs replay: TTFT mean %.2f / %.2f ms, p50 %.2f / %.2f ms; "
+      "simulated H200 server (%zu replica(s)) vs replay: TTFT mean %.2f / %.2f ms, p50 %.2f / %.2f "
+      "ms; "
       "TPOT mean %.3f / %.3f ms, p50 %.3f / %.3f ms; client e2e %.1f / %.1f ms\n",
-      got.ttft_s.mean * 1e3, want.ttft_s.mean * 1e3, got.ttft_s.p50 * 1e3, want.ttft_s.p50 * 1e3,
-      got.tpot_s.mean * 1e3, want.tpot_s.mean * 1e3, got.tpot_s.p50 * 1e3, want.tpot_s.p50 * 1e3,
-      client_e2e * 1e3, want.e2e_s.mean * 1e3);
+      std::max<std::size_t>(1, served.replicas.size()), got.ttft_s.mean * 1e3,
+      want.ttft_s.mean * 1e3, got.ttft_s.p50 * 1e3, want.ttft_s.p50 * 1e3, got.tpot_s.mean * 1e3,
+      want.tpot_s.mean * 1e3, got.tpot_s.p50 * 1e3, want.tpot_s.p50 * 1e3, client_e2e * 1e3,
+      want.e2e_s.mean * 1e3);
+  return served;
+}
+
+TEST(SimulatedServer, LatenciesUnderAClientsLoadMatchTheReplayWithin5Percent) {
+  (void)expect_served_matches_replay({});
+}
+
+// A cluster as a stand-in for a fleet behind a gateway: two replicas behind round robin, at twice
+// the rate, answer as kvlab run's cluster predicts; each replica serves its half.
+TEST(SimulatedServer, AClustersLatenciesMatchTheReplayWithin5Percent) {
+  const RunOutput served = expect_served_matches_replay(
+      {"cluster.replicas=2", "cluster.router=round_robin", "workload.rate=20"});
+  ASSERT_EQ(served.replicas.size(), 2u);
+  EXPECT_EQ(served.replicas[0].requests, 20);
+  EXPECT_EQ(served.replicas[1].requests, 20);
 }
 
 }  // namespace

@@ -25,6 +25,14 @@ EngineOptions live_options(EngineOptions options, bool paced, TokenObserver own)
   return options;
 }
 
+// What a submission adds to a load before the engine has taken it.
+void add_submission(ReplicaLoad& load, const WorkloadRequest& r) {
+  const auto prompt = static_cast<std::int64_t>(r.prompt.size());
+  ++load.waiting;
+  load.queued_tokens += prompt + r.output_tokens;
+  load.queued_prefill_tokens += prompt;
+}
+
 }  // namespace
 
 LiveEngine::LiveEngine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
@@ -39,6 +47,7 @@ LiveEngine::LiveEngine(Backend& backend, KvAllocator& allocator, Scheduler& sche
                        })),
       live_(live) {
   engine_.start(none_);
+  load_ = engine_.load();
   clock_start_ = std::chrono::steady_clock::now();
   thread_ = std::thread([this] { loop(); });
 }
@@ -49,13 +58,13 @@ LiveEngine::~LiveEngine() {
 
 SubmitResult LiveEngine::submit(WorkloadRequest request, LiveCallbacks callbacks) {
   std::lock_guard lock(mutex_);
-  if (stopping_) return {SubmitStatus::shutting_down, -1};
+  if (stopping_) return {SubmitStatus::shutting_down, -1, {}};
   if (waiting_in_engine_ + static_cast<std::int64_t>(pending_.size()) >= live_.max_queued)
-    return {SubmitStatus::queue_full, -1};
+    return {SubmitStatus::queue_full, -1, {}};
   request.id = next_id_++;
   pending_.push_back({std::move(request), std::move(callbacks), std::chrono::steady_clock::now()});
   wake_.notify_one();
-  return {SubmitStatus::accepted, pending_.back().request.id};
+  return {SubmitStatus::accepted, pending_.back().request.id, {}};
 }
 
 void LiveEngine::cancel(RequestId id) {
@@ -92,6 +101,13 @@ LiveStats LiveEngine::stats() const {
   LiveStats stats = stats_;
   stats.queued = static_cast<std::int64_t>(pending_.size());
   return stats;
+}
+
+ReplicaLoad LiveEngine::load() const {
+  std::lock_guard lock(mutex_);
+  ReplicaLoad load = load_;
+  for (const Pending& p : pending_) add_submission(load, p.request);
+  return load;
 }
 
 std::string LiveEngine::fault() const {
@@ -135,7 +151,8 @@ bool LiveEngine::take_work(std::vector<Pending>& arrivals, std::vector<RequestId
   }
   arrivals = std::move(pending_);
   pending_.clear();
-  waiting_in_engine_ += static_cast<std::int64_t>(arrivals.size());  // queued there from now on
+  waiting_in_engine_ += static_cast<std::int64_t>(arrivals.size());    // queued there from now on
+  for (const Pending& p : arrivals) add_submission(load_, p.request);  // until the step's end
   cancels = std::move(cancels_);
   cancels_.clear();
   return !(stopping_ && arrivals.empty() && cancels.empty() && !engine_.has_work());
@@ -162,6 +179,7 @@ void LiveEngine::update_stats(std::size_t steps_before) {
   const ReplicaLoad load = engine_.load();
   std::lock_guard lock(mutex_);
   waiting_in_engine_ = load.waiting;
+  load_ = load;
   for (std::size_t i = steps_before; i < steps.size(); ++i) {
     const StepRecord& s = steps[i];
     ++stats_.steps;

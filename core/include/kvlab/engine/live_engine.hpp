@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvlab/engine/engine.hpp"
+#include "kvlab/router.hpp"
 
 namespace kvlab {
 
@@ -41,10 +42,12 @@ struct LiveCallbacks {
   std::function<void(const LiveOutcome&)> on_done;  // once, last
 };
 
-enum class SubmitStatus { accepted, queue_full, shutting_down };
+// failed: nothing could take it (a cluster's router failed; `reason` says how).
+enum class SubmitStatus { accepted, queue_full, shutting_down, failed };
 struct SubmitResult {
   SubmitStatus status = SubmitStatus::accepted;
   RequestId id = -1;  // accepted: the engine's id (submission order)
+  std::string reason;
 };
 
 struct LiveOptions {
@@ -100,6 +103,9 @@ class LiveEngine {
   EngineResult take_result();
   // Any thread: the counters (LiveStats says as of when).
   LiveStats stats() const;
+  // Any thread: this engine as a router sees it now: the engine's load after its latest loop
+  // turn, with what clients submitted since counted as waiting (prompt and output tokens to go).
+  ReplicaLoad load() const;
   // An engine-level fault that ended the loop (a scheduler that stalls, NaN logits), or "".
   std::string fault() const;
 
@@ -133,6 +139,7 @@ class LiveEngine {
   bool stopping_ = false, drain_ = true, ended_ = false;
   ShutdownReport report_;
   LiveStats stats_;
+  ReplicaLoad load_;  // as of the latest loop turn, plus what was taken since
   std::string fault_;
 
   std::thread thread_;  // last: started once everything above exists

@@ -1,5 +1,6 @@
 #pragma once
-// kvlab serve's routes: the OpenAI API in front of a LiveEngine.
+// kvlab serve's routes: the OpenAI API in front of a LiveCluster (its replicas behind a router;
+// one replica for a file without [cluster]).
 //   POST /v1/completions, /v1/chat/completions   streamed (server-sent events) or whole
 //   GET  /v1/models                              the one served model
 //   GET  /health                                 200, or 503 while draining (no key needed)
@@ -17,7 +18,7 @@
 #include <string>
 #include <vector>
 
-#include "kvlab/engine/live_engine.hpp"
+#include "kvlab/engine/live_cluster.hpp"
 #include "kvlab/model/chat_template.hpp"
 #include "kvlab/model/tokenizer.hpp"
 #include "kvlab/serve/http_server.hpp"
@@ -53,7 +54,7 @@ class OpenAiServer {
  public:
   // `tokenizer` may be null (a preset: prompts as token ids, text as " <id>" per token); `chat`
   // is the model's chat template when it has one (else chat completions answer 400).
-  OpenAiServer(LiveEngine& engine, const ModelConfig& model, const Tokenizer* tokenizer,
+  OpenAiServer(LiveCluster& engine, const ModelConfig& model, const Tokenizer* tokenizer,
                std::optional<ChatTemplate> chat, OpenAiOptions options);
   ~OpenAiServer();
   void handle(HttpRequest request, std::shared_ptr<HttpReply> reply);
