@@ -21,6 +21,7 @@ struct PluginsOptions {
   std::vector<std::string> params;  // key=value, the value in TOML syntax (bare words: strings)
   bool release_window = false;
   bool evict = false;
+  bool rollback = false;
 };
 
 PluginRegistry make_registry(const PluginsOptions& o) {
@@ -39,10 +40,12 @@ void run_conformance(const PluginsOptions& o) {
   ConformanceOptions options;
   options.release_window = o.release_window;
   options.evict = o.evict;
+  options.rollback = o.rollback;
   const ConformanceReport report =
       check_allocator_conformance(registry, o.allocator, params, options);
-  fmt::print("allocator {}: {} random operations over {} seeds, {} refused for lack of room\n",
-             o.allocator, report.operations, options.seeds.size(), report.full_pool_refusals);
+  fmt::print("allocator {}: {} random operations over {} seeds, {} refused for lack of room{}\n",
+             o.allocator, report.operations, options.seeds.size(), report.full_pool_refusals,
+             o.rollback ? fmt::format(", {} tokens rolled back", report.rolled_back_tokens) : "");
   for (const auto& failure : report.failures) fmt::print("FAIL {}\n", failure);
   if (!report.passed())
     throw Error(fmt::format("allocator \"{}\" does not conform ({} of {} seeds failed)",
@@ -98,6 +101,8 @@ void register_plugins(CLI::App& app) {
   check->add_option("--load", o->files, "Load this plugin file too (repeatable)");
   check->add_flag("--evict", o->evict,
                   "Also drop random positions with evict (allocators that serve KV policies)");
+  check->add_flag("--rollback", o->rollback,
+                  "Also roll speculative appends back with truncate (speculative decoding)");
   check->add_flag("--release-window", o->release_window,
                   "Also exercise release_before (allocators that free old KV early)");
   check->callback([o]() { run_conformance(*o); });

@@ -55,7 +55,7 @@ block_size = 16
 [attention]
 variant = "gqa"
 [scheduler]
-name = "fcfs"
+name = "{scheduler}"
 [scheduler.params]
 max_batch = {max_batch}
 max_tokens_per_step = 2048
@@ -91,8 +91,11 @@ def wait_healthy(port, proc, seconds=180):
 def start_kvlab(args, port, work, max_batch):
     toml = os.path.join(work, "serve_compare.toml")
     with open(toml, "w") as f:
+        # Prompts past the step's token budget (Mooncake's) need chunked prefill, as vLLM's
+        # default scheduler has it.
         f.write(SERVE_TOML.format(gguf=os.path.abspath(args.gguf), slots=args.context,
-                                  max_batch=max_batch))
+                                  max_batch=max_batch,
+                                  scheduler="chunked" if args.mooncake else "fcfs"))
     proc = subprocess.Popen([args.kvlab, "serve", toml, "--port", str(port), "--out",
                              os.path.join(work, f"served_{port}"), "--force", "--max-seconds",
                              "3600", "--max-queued", "1024"],
@@ -102,7 +105,9 @@ def start_kvlab(args, port, work, max_batch):
 
 
 def start_llama(args, port, parallel):
-    proc = subprocess.Popen([args.llama_server, "-m", args.gguf, "-t", "2", "-tb", "2",
+    # Long prompts: one KV pool shared by the slots (as kvlab's is), not -c split C ways.
+    unified = ["-kvu"] if args.mooncake else []
+    proc = subprocess.Popen([args.llama_server, *unified, "-m", args.gguf, "-t", "2", "-tb", "2",
                              "-c", str(args.context), "-np", str(parallel), "--host", "127.0.0.1",
                              "--port", str(port), "--no-webui",
                              # cpp-httplib serves a connection per thread: one per client
@@ -218,7 +223,7 @@ def main():
     with tempfile.TemporaryDirectory() as work:
         for round_ in range(args.rounds):
             for c in levels:
-                requests = args.requests or max(8, 2 * c)
+                requests = args.requests or (max(8, c) if args.mooncake else max(8, 2 * c))
                 order = ["kvlab", "llama-server"] if round_ % 2 == 0 else ["llama-server", "kvlab"]
                 for name in order:
                     port = 18400 + round_ * 100 + levels.index(c) * 2 + order.index(name)

@@ -328,11 +328,13 @@ namespace kvlab {
 namespace {
 
 TEST(Cli, AllocatorConformanceOnAShippedAndABrokenPlugin) {
-  const RunResult good = run("plugins conformance paged --param block_size=4 --release-window");
+  const RunResult good =
+      run("plugins conformance paged --param block_size=4 --release-window --rollback");
   EXPECT_EQ(good.exit_code, 0) << good.output;
   EXPECT_NE(good.output.find("allocator paged: 9000 random operations over 3 seeds"),
             std::string::npos)
       << good.output;
+  EXPECT_NE(good.output.find("tokens rolled back"), std::string::npos) << good.output;
   const RunResult broken = run(std::string("plugins conformance broken_shared_slots --load ") +
                                KVLAB_TEST_PLUGIN_DIR + "/kvlab_plugin_test_broken_allocator.so");
   EXPECT_EQ(broken.exit_code, 1) << broken.output;

@@ -86,6 +86,17 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   // changed) when it cannot drop positions (static, dynamic; paged with prefix caching, whose
   // blocks must keep what their hashes say).
   virtual bool evict(SequenceId sequence, std::span<const std::int64_t> kept) = 0;
+  // Rolls the sequence back to its first `length` positions (speculative decoding: proposed
+  // tokens the target rejected). Their slots return to the pool (a paged sequence's whole blocks
+  // past the new end), nothing of them enters the prefix cache, no block another sequence holds
+  // is written, and the next append writes from `length`. false (nothing changed) when `length`
+  // is past its end, cuts into what mark_computed made shareable, cuts inside a block another
+  // sequence shares, or the sequence has dropped positions (evict). The default: unsupported.
+  virtual bool truncate(SequenceId sequence, std::int64_t length) {
+    (void)sequence;
+    (void)length;
+    return false;
+  }
   // The child starts as a copy of the parent (parallel sampling); false when unsupported or full.
   virtual bool fork(SequenceId parent, SequenceId child) = 0;
   // Ends the sequence; its slots return to the pool (cached blocks stay reusable). Freeing a

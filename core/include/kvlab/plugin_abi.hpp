@@ -32,8 +32,9 @@ namespace kvlab {
 // KvAllocatorStats' tier counters; 13: quantized KV pools (KvPoolShape head/slot row bytes
 // replace element_bytes) and SwapBuffer::data holds the pool's own bytes; 14: the kv_policy kind
 // (KvPolicy), KvView::positions (views with holes), BatchEntry::scored_queries and
-// ForwardResult::key_scores, KvAllocator::evict; 15: KvAllocator::positions_view.
-inline constexpr std::uint32_t kPluginAbiVersion = 15;
+// ForwardResult::key_scores, KvAllocator::evict; 15: KvAllocator::positions_view;
+// 16: KvAllocator::truncate (speculative decoding's rollback).
+inline constexpr std::uint32_t kPluginAbiVersion = 16;
 
 namespace detail {
 

@@ -43,6 +43,7 @@ class ConformanceRun {
   }
   std::string admit();
   std::string append();
+  std::string speculate();
   void fork();
   std::string evict_some(SequenceId id);
   void forget(SequenceId id) {
@@ -51,6 +52,7 @@ class ConformanceRun {
   }
   std::string planned_step();
   void write_from(SequenceId id, std::int64_t from);
+  void write_values(SequenceId id, std::int64_t from);
   std::string check_invariants() const;
   std::string check_all_returned() const;
 
@@ -65,7 +67,8 @@ class ConformanceRun {
   std::map<SequenceId, std::vector<std::int64_t>> kept_;
   SequenceId next_id_ = 0;
   std::int64_t refusals_ = 0;
-  std::int64_t evictions_ = 0;  // evict calls accepted
+  std::int64_t evictions_ = 0;    // evict calls accepted
+  std::int64_t rolled_back_ = 0;  // tokens truncate took back
 };
 
 std::string ConformanceRun::run(ConformanceReport& report) {
@@ -75,7 +78,7 @@ std::string ConformanceRun::run(ConformanceReport& report) {
     if (kind <= 2 || tokens_.empty()) {
       failure = admit();
     } else if (kind <= 5) {
-      failure = append();
+      failure = options_.rollback && kind == 5 ? speculate() : append();
     } else if (kind <= 7) {  // finish a random sequence
       const SequenceId id = any_sequence()->first;
       allocator_->free(id);
@@ -90,10 +93,12 @@ std::string ConformanceRun::run(ConformanceReport& report) {
     if (!failure.empty()) return fmt::format("operation {}: {}", op, failure);
   }
   report.full_pool_refusals += refusals_;
+  report.rolled_back_tokens += rolled_back_;
   const KvAllocatorStats stats = allocator_->stats();
   report.tier_hit_tokens += stats.host_hit_tokens + stats.disk_hit_tokens;
   if (refusals_ == 0) return "the workload never filled the pool (use fewer slots)";
   if (options_.evict && evictions_ == 0) return "evict never accepted a drop";
+  if (options_.rollback && rolled_back_ == 0) return "truncate never rolled a token back";
   for (const auto& [id, tokens] : tokens_) allocator_->free(id);
   tokens_.clear();
   kept_.clear();
@@ -163,6 +168,44 @@ std::string ConformanceRun::append() {
     }
   }
   if (options_.evict && uniform(0, 2) == 0) return evict_some(it->first);
+  return "";
+}
+
+// Speculative decoding on a random sequence: 1-4 proposed tokens appended and written (the
+// target's verify step), the first `accepted` marked computed and the rest rolled back. truncate
+// must accept, free exactly the rolled-back slots (they were the sequence's own), and refuse a
+// length past the end without changing anything.
+std::string ConformanceRun::speculate() {
+  const auto it = any_sequence();
+  if (kept_.count(it->first)) return "";  // dropped positions: truncate may refuse
+  std::vector<std::int32_t> proposed(static_cast<std::size_t>(uniform(1, 4)));
+  for (auto& t : proposed) t = uniform(0, 3);
+  const auto count = static_cast<std::int64_t>(proposed.size());
+  const auto old_length = static_cast<std::int64_t>(it->second.size());
+  allocator_->plan_reset();
+  const bool promised = allocator_->plan_append(it->first, count);
+  if (promised != allocator_->append(it->first, proposed))
+    return fmt::format("plan_append said {}, a speculative append did not", promised);
+  if (!promised) {
+    ++refusals_;
+    return "";
+  }
+  it->second.insert(it->second.end(), proposed.begin(), proposed.end());
+  write_values(it->first, old_length);
+  const std::int64_t keep = old_length + uniform(0, static_cast<int>(count));
+  allocator_->mark_computed(it->first, keep);
+  const KvAllocatorStats before = allocator_->stats();
+  if (allocator_->truncate(it->first, old_length + count + 1))
+    return fmt::format("sequence {}: truncate past its end accepted", it->first);
+  if (!allocator_->truncate(it->first, keep))
+    return fmt::format("sequence {}: truncate to {} of {} refused after a speculative append",
+                       it->first, keep, old_length + count);
+  it->second.resize(static_cast<std::size_t>(keep));
+  rolled_back_ += old_length + count - keep;
+  const std::int64_t freed = before.used - allocator_->stats().used;
+  if (freed != old_length + count - keep)
+    return fmt::format("sequence {}: rolling back {} tokens freed {} used slots", it->first,
+                       old_length + count - keep, freed);
   return "";
 }
 
@@ -257,6 +300,12 @@ void ConformanceRun::fork() {
 }
 
 void ConformanceRun::write_from(SequenceId id, std::int64_t from) {
+  write_values(id, from);
+  allocator_->mark_computed(id, static_cast<std::int64_t>(tokens_[id].size()));
+}
+
+// The shadow backend's writes for positions from `from` on (kept positions noted).
+void ConformanceRun::write_values(SequenceId id, std::int64_t from) {
   const KvView view = allocator_->view(id);
   const auto& tokens = tokens_[id];
   for (std::int64_t i = view.index_at_or_after(from); i < view.length(); ++i)
@@ -266,7 +315,6 @@ void ConformanceRun::write_from(SequenceId id, std::int64_t from) {
     for (auto p = static_cast<std::int64_t>(from); p < static_cast<std::int64_t>(tokens.size());
          ++p)
       kept->second.push_back(p);
-  allocator_->mark_computed(id, static_cast<std::int64_t>(tokens.size()));
 }
 
 // The stats add up; every live sequence reads its own prefix back; a shared slot holds one

@@ -83,6 +83,14 @@ class DynamicAllocator final : public KvAllocator {
     plan_sequences_[id] = next;
     return true;
   }
+  // The extent keeps its capacity (the next step's proposals are written there again): the
+  // rolled-back slots count as reserved, not free.
+  bool truncate(SequenceId id, std::int64_t length) override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end() || length < 0 || length > it->second.length) return false;
+    it->second.length = length;
+    return true;
+  }
   void mark_computed(SequenceId, std::int64_t) override {}
   void release_before(SequenceId, std::int64_t) override {
   }  // one extent: nothing to give back early

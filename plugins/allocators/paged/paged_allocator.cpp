@@ -280,6 +280,34 @@ class PagedAllocator final : public KvAllocator {
     return true;
   }
 
+  // Whole blocks past the new end are released (last first); a cut inside a block leaves it the
+  // sequence's last, partly filled. Blocks mark_computed registered are never cut, so no hash of
+  // a rolled-back token is in the prefix cache, and a cut inside a shared block is refused: its
+  // other holders see its fill.
+  bool truncate(SequenceId id, std::int64_t length) override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end()) return false;
+    Sequence& s = it->second;
+    if (length < 0 || length > s.length || !s.slot_positions.empty()) return false;
+    if (length < s.computed_blocks * block_size_ || length < s.first_block * block_size_)
+      return false;
+    const std::int64_t keep = blocks_for(length);
+    if (length < s.length && length % block_size_ != 0 &&
+        blocks_.ref_count(s.table[index(keep - 1)]) > 1)
+      return false;
+    while (static_cast<std::int64_t>(s.table.size()) > keep) {
+      release_block(s.table.back());
+      s.table.pop_back();
+    }
+    s.length = s.slots = length;
+    s.tokens.resize(index(length));
+    s.hashes.resize(std::min(s.hashes.size(), index(length / block_size_)));
+    if (keep > 0 && s.table.back() >= 0)
+      blocks_.set_fill(s.table.back(), length - (keep - 1) * block_size_);
+    rebuild_view(s);
+    return true;
+  }
+
   bool fork(SequenceId parent, SequenceId child) override {
     auto it = sequences_.find(parent);
     if (it == sequences_.end() || sequences_.count(child)) return false;

@@ -61,6 +61,13 @@ class StaticAllocator final : public KvAllocator {
            it->second.length + tokens <= reserve_;
   }
 
+  // The reservation stays whole: the rolled-back slots are its unused part again.
+  bool truncate(SequenceId id, std::int64_t length) override {
+    auto it = sequences_.find(id);
+    if (it == sequences_.end() || length < 0 || length > it->second.length) return false;
+    it->second.length = length;
+    return true;
+  }
   void mark_computed(SequenceId, std::int64_t) override {}
   void release_before(SequenceId, std::int64_t) override {}  // the reservation is held to the end
   bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }

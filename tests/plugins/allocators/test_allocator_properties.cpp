@@ -31,7 +31,7 @@ void PrintTo(const AllocatorCase& c, std::ostream* os) {
 class AllocatorProperties : public ::testing::TestWithParam<AllocatorCase> {};
 
 // The installed conformance suite (kvlab/plugin/allocator_conformance.hpp) on every shipped
-// allocator: 3 seeds x 3000 random operations each.
+// allocator: 3 seeds x 3000 random operations each, speculative rollbacks among them.
 TEST_P(AllocatorProperties, RandomOperationSequences) {
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   ConformanceOptions options;
@@ -40,11 +40,13 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
   options.disk_tier_bytes = GetParam().disk_tier_bytes;
   options.tier_policy = GetParam().tier_policy;
   options.evict = GetParam().evicts;
+  options.rollback = true;  // every shipped allocator rolls speculative tokens back
   const ConformanceReport report =
       check_allocator_conformance(registry, GetParam().name, GetParam().params, options);
   for (const std::string& failure : report.failures) ADD_FAILURE() << failure;
   EXPECT_EQ(report.operations, 3 * 3000);
   EXPECT_GT(report.full_pool_refusals, 0);
+  EXPECT_GT(report.rolled_back_tokens, 0);
   if (options.host_tier_bytes > 0) {
     EXPECT_GT(report.tier_hit_tokens, 0);
   }
@@ -154,6 +156,70 @@ TEST(PagedAllocator, PrefixHitsAndLruEviction) {
   ASSERT_TRUE(paged->allocate({2, other, 14}));
   EXPECT_EQ(paged->stats().evictions, 2);
   EXPECT_EQ(paged->stats().cached_free, 0);
+}
+
+// Speculative decoding's rollback on the paged pool (4 blocks of 4): the rejected tokens' blocks
+// return, none of their hashes enters the prefix cache, a cut into what was marked computed is
+// refused, and the next append writes on from the cut.
+TEST(PagedAllocator, RollbackReturnsBlocksAndCachesNoRejectedToken) {
+  const PluginRegistry registry({KVLAB_PLUGIN_DIR});
+  KvPool pool({1, 1, 1, 16});
+  PluginContext context;
+  context.pool = &pool;
+  auto paged = registry.create<PluginKind::kv_allocator>("paged", {{"block_size", std::int64_t{4}}},
+                                                         context);
+  const std::vector<std::int32_t> prompt{1, 2, 3, 4, 5, 6};
+  ASSERT_TRUE(paged->allocate({0, prompt, 16}));
+  paged->mark_computed(0, 6);
+  const std::vector<std::int32_t> proposed{7, 8, 9, 10, 11, 12};  // fills block 1, then block 2
+  ASSERT_TRUE(paged->append(0, proposed));
+  EXPECT_EQ(paged->stats().free, 4);
+  paged->mark_computed(0, 7);  // the target accepted one: 7
+  EXPECT_FALSE(paged->truncate(0, 13)) << "past the end";
+  EXPECT_FALSE(paged->truncate(0, 3)) << "into block 0, which the prefix cache holds";
+  ASSERT_TRUE(paged->truncate(0, 7));
+  EXPECT_EQ(paged->view(0).end_position(), 7);
+  EXPECT_EQ(paged->stats().free, 8) << "block 2 is back";
+  EXPECT_EQ(paged->stats().used, 7);
+  // {5, 6, 7, 8} was block 1 while 8 was proposed: it must not be found.
+  const std::vector<std::int32_t> probe{1, 2, 3, 4, 5, 6, 7, 8, 9};
+  // Block 0 is a hit on a held block (no free block taken); blocks 1 and 2 come from the free
+  // list. Had {5, 6, 7, 8} been cached, block 1 would be a hit too: 4.
+  EXPECT_EQ(paged->slots_to_allocate({1, probe, 9}), 8) << "only block 0 is a hit";
+  const std::vector<std::int32_t> next{20};
+  ASSERT_TRUE(paged->append(0, next));
+  EXPECT_EQ(paged->view(0).slot_of(7), paged->view(0).slot_of(6) + 1) << "written on from the cut";
+}
+
+// A fork shares the parent's last, partly filled block; the child's speculative append copies it
+// first, and rolling every proposal back leaves the parent's block as it was.
+TEST(PagedAllocator, RollbackNeverWritesASharedBlock) {
+  const PluginRegistry registry({KVLAB_PLUGIN_DIR});
+  KvPool pool({1, 1, 1, 32});
+  PluginContext context;
+  context.pool = &pool;
+  auto paged = registry.create<PluginKind::kv_allocator>(
+      "paged", {{"block_size", std::int64_t{4}}, {"prefix_caching", false}}, context);
+  const std::vector<std::int32_t> prompt{1, 2, 3, 4, 5, 6};
+  ASSERT_TRUE(paged->allocate({0, prompt, 16}));
+  for (std::int64_t p = 0; p < 6; ++p)
+    *pool.key(0, paged->view(0).slot_of(p)) = static_cast<float>(100 + p);
+  ASSERT_TRUE(paged->fork(0, 1));
+  const std::vector<std::int32_t> proposed{7, 8, 9};
+  ASSERT_TRUE(paged->append(1, proposed));
+  for (std::int64_t p = 6; p < 9; ++p) *pool.key(0, paged->view(1).slot_of(p)) = -1.0f;
+  ASSERT_TRUE(paged->truncate(1, 6));  // all rejected
+  for (std::int64_t p = 0; p < 6; ++p) {
+    EXPECT_EQ(*pool.key(0, paged->view(0).slot_of(p)), static_cast<float>(100 + p));
+    EXPECT_EQ(*pool.key(0, paged->view(1).slot_of(p)), static_cast<float>(100 + p));
+  }
+  EXPECT_NE(paged->view(0).slot_of(5), paged->view(1).slot_of(5)) << "the child's own copy";
+  EXPECT_EQ(paged->stats().used, 4 + 2 + 2) << "the shared full block once, each last block";
+  ASSERT_TRUE(paged->fork(0, 2));  // shares the parent's blocks, the last partly filled one too
+  EXPECT_FALSE(paged->truncate(2, 5)) << "a cut inside a block the parent shares";
+  ASSERT_TRUE(paged->truncate(2, 4)) << "a cut at a block's end releases whole blocks only";
+  EXPECT_EQ(paged->view(0).end_position(), 6);
+  EXPECT_EQ(*pool.key(0, paged->view(0).slot_of(5)), 105.0f);
 }
 
 }  // namespace

@@ -1,12 +1,12 @@
 #pragma once
 // The KV allocator conformance suite: what every allocator plugin, shipped or third-party, must
 // do (kv_allocator.hpp's contracts), checked over long seeded random sequences of allocate /
-// append / release_before / free / fork on a real pool. A shadow "backend" writes, for every
-// token, a value that depends only on the token prefix (as real KV does) into the slot the
-// allocator gave; every live sequence must then read its own prefix values back. Sharing a slot
-// is legal only when the prefixes agree (prefix caching, fork before divergence).
-// Run it from the test suite (tests/plugins/allocators/) or on any plugin with
-// `kvlab plugins conformance NAME`.
+// append / release_before / free / fork (and evict, truncate where asked) on a real pool. A shadow
+// "backend" writes, for every token, a value that depends only on the token prefix (as real KV
+// does) into the slot the allocator gave; every live sequence must then read its own prefix values
+// back. Sharing a slot is legal only when the prefixes agree (prefix caching, fork before
+// divergence). Run it from the test suite (tests/plugins/allocators/) or on any plugin with `kvlab
+// plugins conformance NAME`.
 #include <cstdint>
 #include <map>
 #include <string>
@@ -28,6 +28,9 @@ struct ConformanceOptions {
   std::string tier_policy = "lru";
   bool release_window = false;  // also call release_before (allocators that free early)
   bool evict = false;  // also drop random positions (evict: allocators that serve KV policies)
+  // Also speculative appends rolled back (truncate): proposed tokens appended and written, the
+  // accepted ones marked computed, the rest rolled back; truncate must accept and free them.
+  bool rollback = false;
 };
 
 struct ConformanceReport {
@@ -36,6 +39,7 @@ struct ConformanceReport {
   std::int64_t operations = 0;
   std::int64_t full_pool_refusals = 0;  // allocate/append refused for lack of room (must be > 0)
   std::int64_t tier_hit_tokens = 0;     // prompt tokens loaded back from KV tiers (with tiers)
+  std::int64_t rolled_back_tokens = 0;  // proposed tokens truncate took back (with rollback)
   bool passed() const { return failures.empty(); }
 };
 
