@@ -19,7 +19,7 @@ Usage:
       --gguf models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf \
       --prompts data/prompts/mt_bench_questions.jsonl [--levels 1,4,16,64] [--rounds 2]
   PYTHON tests/bench/serve_compare.py ... --mooncake data/mooncake-fast25/conversation_trace.jsonl \
-      --wikitext data/wikitext-2-raw/wiki.test.raw --scale 8 --context 131072
+      --wikitext data/wikitext-2-raw/wiki.test.raw --scale 16 --context 65536 --step-tokens 512
 Servers bind 127.0.0.1 only; every level is bounded (requests per level) and every call has a
 timeout.
 """
@@ -58,7 +58,7 @@ variant = "gqa"
 name = "{scheduler}"
 [scheduler.params]
 max_batch = {max_batch}
-max_tokens_per_step = 2048
+max_tokens_per_step = {step_tokens}
 [workload]
 requests = 1
 """
@@ -94,7 +94,7 @@ def start_kvlab(args, port, work, max_batch):
         # Prompts past the step's token budget (Mooncake's) need chunked prefill, as vLLM's
         # default scheduler has it.
         f.write(SERVE_TOML.format(gguf=os.path.abspath(args.gguf), slots=args.context,
-                                  max_batch=max_batch,
+                                  max_batch=max_batch, step_tokens=args.step_tokens,
                                   scheduler="chunked" if args.mooncake else "fcfs"))
     proc = subprocess.Popen([args.kvlab, "serve", toml, "--port", str(port), "--out",
                              os.path.join(work, f"served_{port}"), "--force", "--max-seconds",
@@ -206,6 +206,10 @@ def main():
     parser.add_argument("--mooncake", help="a Mooncake trace (jsonl) instead of --prompts")
     parser.add_argument("--wikitext", help="with --mooncake: the text the blocks are cut from")
     parser.add_argument("--scale", type=int, default=8, help="with --mooncake: lengths / scale")
+    parser.add_argument("--step-tokens", type=int, default=2048,
+                        help="kvlab's max_tokens_per_step (prefill chunk + decodes)")
+    parser.add_argument("--servers", default="kvlab,llama-server",
+                        help="which to run (comma-separated)")
     parser.add_argument("--requests", type=int, default=0,
                         help="requests per level (default: max(8, 2 x concurrency))")
     parser.add_argument("--levels", default="1,4,16,64")
@@ -225,6 +229,7 @@ def main():
             for c in levels:
                 requests = args.requests or (max(8, c) if args.mooncake else max(8, 2 * c))
                 order = ["kvlab", "llama-server"] if round_ % 2 == 0 else ["llama-server", "kvlab"]
+                order = [name for name in order if name in args.servers.split(",")]
                 for name in order:
                     port = 18400 + round_ * 100 + levels.index(c) * 2 + order.index(name)
                     proc, model = (start_kvlab(args, port, work, max(c, 1)) if name == "kvlab"
@@ -243,11 +248,15 @@ def main():
           "| ITL p99 (ms) |\n|---|---|---|---|---|---|---|")
     for c in levels:
         for name in ["kvlab", "llama-server"]:
+            if (name, c) not in results:
+                continue
             rs = results[(name, c)]
             med = {k: statistics.median(r[k] for r in rs) for k in rs[0]}
             print(f"| {c} | {name} | {med['tok_s']:.1f} | {med['ttft_p50']*1e3:.0f} | "
                   f"{med['ttft_p99']*1e3:.0f} | {med['itl_p50']*1e3:.1f} | "
                   f"{med['itl_p99']*1e3:.1f} |")
+        if ("kvlab", c) not in results or ("llama-server", c) not in results:
+            continue
         k = statistics.median(r["tok_s"] for r in results[("kvlab", c)])
         l = statistics.median(r["tok_s"] for r in results[("llama-server", c)])
         print(f"| {c} | kvlab / llama-server | {k / l:.2f}x | | | | |")
