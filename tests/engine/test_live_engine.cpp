@@ -89,15 +89,18 @@ struct Seen {
   }
 };
 
+// The requests run offline on a Stack of their own (the steps clock): the tokens to expect.
+EngineResult run_offline(const std::vector<WorkloadRequest>& requests) {
+  Stack stack;
+  stack.options.clock = EngineClock::steps;
+  Engine engine(*stack.backend, *stack.allocator, *stack.scheduler, stack.options);
+  return engine.run(requests);
+}
+
 TEST(LiveEngine, RequestsFromSeveralThreadsStreamTheOfflineTokensAndEndOnce) {
   std::vector<WorkloadRequest> requests;
   for (std::int32_t i = 0; i < 8; ++i) requests.push_back(request(5 + 3 * i, 6 + i, 10 + i));
-  const EngineResult offline = [&] {
-    Stack stack;
-    stack.options.clock = EngineClock::steps;
-    Engine engine(*stack.backend, *stack.allocator, *stack.scheduler, stack.options);
-    return engine.run(requests);
-  }();
+  const EngineResult offline = run_offline(requests);
   Stack stack;
   LiveEngine live(*stack.backend, *stack.allocator, *stack.scheduler, stack.options);
   std::vector<Seen> seen(requests.size());
@@ -308,12 +311,7 @@ struct ClusterOf {
 TEST(LiveCluster, RoutesEveryRequestOnceAndStreamsTheOfflineTokens) {
   std::vector<WorkloadRequest> requests;
   for (std::int32_t i = 0; i < 9; ++i) requests.push_back(request(5 + 3 * i, 6 + i, 8 + i));
-  const EngineResult offline = [&] {
-    Stack stack;
-    stack.options.clock = EngineClock::steps;
-    Engine engine(*stack.backend, *stack.allocator, *stack.scheduler, stack.options);
-    return engine.run(requests);
-  }();
+  const EngineResult offline = run_offline(requests);
   ClusterOf cluster(3, "round_robin");
   std::vector<Seen> seen(requests.size());
   std::vector<RequestId> ids(requests.size(), -1);

@@ -106,6 +106,15 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
+// A paged allocator over `pool` (one layer, one head, one value a slot).
+PluginObject<KvAllocator> paged_over(KvPool& pool,
+                                     std::map<std::string, ParamValue, std::less<>> params) {
+  static const PluginRegistry registry({KVLAB_PLUGIN_DIR});
+  PluginContext context;
+  context.pool = &pool;
+  return registry.create<PluginKind::kv_allocator>("paged", std::move(params), context);
+}
+
 TEST(PagedAllocator, CopyOnWriteNeverChangesTheOtherSequence) {
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   KvPool pool({1, 1, 1, 64});
@@ -162,12 +171,8 @@ TEST(PagedAllocator, PrefixHitsAndLruEviction) {
 // return, none of their hashes enters the prefix cache, a cut into what was marked computed is
 // refused, and the next append writes on from the cut.
 TEST(PagedAllocator, RollbackReturnsBlocksAndCachesNoRejectedToken) {
-  const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   KvPool pool({1, 1, 1, 16});
-  PluginContext context;
-  context.pool = &pool;
-  auto paged = registry.create<PluginKind::kv_allocator>("paged", {{"block_size", std::int64_t{4}}},
-                                                         context);
+  auto paged = paged_over(pool, {{"block_size", std::int64_t{4}}});
   const std::vector<std::int32_t> prompt{1, 2, 3, 4, 5, 6};
   ASSERT_TRUE(paged->allocate({0, prompt, 16}));
   paged->mark_computed(0, 6);
@@ -194,12 +199,8 @@ TEST(PagedAllocator, RollbackReturnsBlocksAndCachesNoRejectedToken) {
 // A fork shares the parent's last, partly filled block; the child's speculative append copies it
 // first, and rolling every proposal back leaves the parent's block as it was.
 TEST(PagedAllocator, RollbackNeverWritesASharedBlock) {
-  const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   KvPool pool({1, 1, 1, 32});
-  PluginContext context;
-  context.pool = &pool;
-  auto paged = registry.create<PluginKind::kv_allocator>(
-      "paged", {{"block_size", std::int64_t{4}}, {"prefix_caching", false}}, context);
+  auto paged = paged_over(pool, {{"block_size", std::int64_t{4}}, {"prefix_caching", false}});
   const std::vector<std::int32_t> prompt{1, 2, 3, 4, 5, 6};
   ASSERT_TRUE(paged->allocate({0, prompt, 16}));
   for (std::int64_t p = 0; p < 6; ++p)
