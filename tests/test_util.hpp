@@ -2,6 +2,7 @@
 // Helpers shared by the kvlab tests: temporary folders, error-message matchers, tolerances.
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -10,6 +11,7 @@
 #include <span>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 namespace kvlab::test {
@@ -87,6 +89,17 @@ inline Closeness compare(std::span<const float> actual, std::span<const float> e
         std::max(c.max_rel, diff / std::max(1e-6, std::abs(static_cast<double>(expected[i]))));
   }
   return c;
+}
+
+// Polls `done` every 5 ms for up to 20 s (a live engine's or server's threads catching up).
+template <class F>
+bool eventually(F done) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (done()) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return false;
 }
 
 }  // namespace kvlab::test

@@ -51,7 +51,7 @@ std::string read_text(const std::string& path) {
 }
 
 void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int64_t text_tokens,
-                const cpu::PerplexityResult& r, double seconds) {
+                const cpu::PerplexityResult& r, double seconds, std::size_t measured_together = 1) {
   nlohmann::json out = {{"model", config.name},
                         {"file", c.file},
                         {"text_tokens", text_tokens},
@@ -69,7 +69,8 @@ void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int6
                         {"ppl", r.ppl()},
                         {"ppl_error", r.ppl_error()},
                         {"running_ppl", r.running_ppl},
-                        {"seconds", seconds}};
+                        {"seconds", seconds},  // with --experiment: its group's
+                        {"measured_together", measured_together}};
   if (r.compared) {
     out["exact_ppl"] = r.exact_ppl();
     out["mean_kl"] = r.mean_kl();
@@ -167,13 +168,11 @@ void measure(const PerplexityCommand& c, const TextAndModel& m, const cpu::Llama
              m.tokens.size(), seconds, cpu::num_threads());
 }
 
-// A point's attention variant: its window (sliding_window), and m's weights converted to its K/V
-// head count when that differs (mean-pooled or repeated heads, as kvlab run serves them); none
-// when the checkpoint's own heads serve. The no-cache variant computes the same function.
-std::optional<cpu::LlamaWeights> with_attention_variant(PerplexityCommand& point,
-                                                        const ExperimentConfig& e,
-                                                        const PluginRegistry& registry,
-                                                        const TextAndModel& m) {
+// A point's attention variant: its window (sliding_window), and the K/V head count its
+// weights need (m's converted to it when that differs: mean-pooled or repeated heads, as kvlab
+// run serves them). The no-cache variant computes the same function.
+std::int64_t with_attention_variant(PerplexityCommand& point, const ExperimentConfig& e,
+                                    const PluginRegistry& registry, const TextAndModel& m) {
   const ModelConfig& config = m.weights.config;
   PluginContext context;
   context.model = &config;
@@ -188,13 +187,71 @@ std::optional<cpu::LlamaWeights> with_attention_variant(PerplexityCommand& point
     point.window = *window;
     point.options.window = *window;
   }
-  const std::int64_t kv_heads = variant->kv_heads(config);
-  if (kv_heads == config.num_key_value_heads) return std::nullopt;
-  return cpu::convert_kv_heads(m.weights, kv_heads);
+  return variant->kv_heads(config);
+}
+
+// One sweep point of --experiment: its settings, title and K/V head count.
+struct ExperimentPoint {
+  PerplexityCommand command;
+  std::string title;
+  std::int64_t kv_heads = 0;
+  PluginObject<KvPolicy> policy;
+};
+
+ExperimentPoint experiment_point(const PerplexityCommand& c, const ExperimentConfig& e,
+                                 const PluginRegistry& registry, const TextAndModel& m) {
+  ExperimentPoint point{c, e.label.empty() ? e.name : e.label, 0, {}};
+  PerplexityCommand& command = point.command;
+  command.kv_dtype = dtype_short_name(e.kv_dtype);
+  command.options.kv_dtype = e.kv_dtype;
+  command.options.hadamard = e.kv_hadamard;
+  command.kv_rotation = e.kv_hadamard ? "hadamard" : "none";
+  point.kv_heads = with_attention_variant(command, e, registry, m);
+  if (!e.kv_policy.empty()) {
+    point.policy = registry.create<PluginKind::kv_policy>(e.kv_policy, e.kv_policy_params, {});
+    command.kv_policy = e.kv_policy;
+    for (const auto& [key, value] : e.kv_policy_params)
+      command.kv_params.push_back(key + "=" + param_value_to_string(value));
+  }
+  command.options.policy = point.policy.get();
+  return point;
+}
+
+// What one point measured, for printing in the file's order.
+struct PointResult {
+  cpu::PerplexityResult result;
+  ModelConfig config;     // the weights' (their K/V head count)
+  double seconds = 0;     // its group's: the points measured together
+  std::size_t group = 0;  // how many were measured together
+};
+
+// The points of one K/V head count, measured together: one exact run for all of them.
+void measure_together(const std::vector<std::size_t>& members,
+                      const std::vector<ExperimentPoint>& points, const TextAndModel& m,
+                      const cpu::LlamaWeights& weights, std::vector<PointResult>& out) {
+  const PerplexityCommand& c = points[members.front()].command;
+  const ModelWeightsView view = cpu::weights_view(weights, m.directory);
+  std::vector<cpu::PerplexityOptions> options;
+  for (const std::size_t i : members) options.push_back(points[i].command.options);
+  const auto start = std::chrono::steady_clock::now();
+  const auto progress = [&](std::size_t p, const cpu::PerplexityResult& r) {
+    if (!c.json && p + 1 == members.size()) fmt::print(stderr, "[{} chunks] ", r.chunks);
+  };
+  std::vector<cpu::PerplexityResult> results = cpu::measure_perplexity(
+      view, [&] { return cpu::select_compute_weights(view, c.weights, c.activations); }, m.tokens,
+      m.bos, options, progress);
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  for (std::size_t p = 0; p < members.size(); ++p)
+    out[members[p]] = {std::move(results[p]), weights.config, seconds, members.size()};
+  fmt::print(stderr, "{} ({} K/V heads): {} settings measured together in {:.1f} s ({} threads)\n",
+             weights.config.name, weights.config.num_key_value_heads, members.size(), seconds,
+             cpu::num_threads());
 }
 
 // --experiment FILE: each sweep point's KV settings ([kv_cache] dtype and rotation, a
-// sliding_window's window, [kv_policy]) measured over the same text, on the file's model.
+// sliding_window's window, [kv_policy]) measured over the same text, on the file's model. The
+// points of one K/V head count share one exact run, so N of them cost N + 1 forwards, not 2N.
 void measure_experiment(PerplexityCommand c) {
   if (c.kv_dtype != "f32" || c.kv_rotation != "none" || c.window != 0 || !c.kv_policy.empty() ||
       !c.kv_params.empty())
@@ -205,32 +262,46 @@ void measure_experiment(PerplexityCommand c) {
   const std::string model = c.model.empty() ? runs.front().config.model : c.model;
   const TextAndModel m = load_text_and_model(model, c.file);
   std::map<std::vector<std::string>, std::unique_ptr<PluginRegistry>> registries;  // per paths
+  std::vector<ExperimentPoint> points;
+  points.reserve(runs.size());
   for (const ExperimentRun& run : runs) {
     const ExperimentConfig& e = run.config;
-    PerplexityCommand point = c;
-    point.kv_dtype = dtype_short_name(e.kv_dtype);
-    point.options.kv_dtype = e.kv_dtype;
-    point.options.hadamard = e.kv_hadamard;
-    point.kv_rotation = e.kv_hadamard ? "hadamard" : "none";
     auto& registry = registries[e.plugin_paths];
     if (!registry) {
       auto search = PluginRegistry::default_search_path();
       search.insert(search.end(), e.plugin_paths.begin(), e.plugin_paths.end());
       registry = std::make_unique<PluginRegistry>(search);
     }
-    const std::optional<cpu::LlamaWeights> converted =
-        with_attention_variant(point, e, *registry, m);
-    PluginObject<KvPolicy> policy;
-    if (!e.kv_policy.empty()) {
-      policy = registry->create<PluginKind::kv_policy>(e.kv_policy, e.kv_policy_params, {});
-      point.kv_policy = e.kv_policy;
-      for (const auto& [key, value] : e.kv_policy_params)
-        point.kv_params.push_back(key + "=" + param_value_to_string(value));
-    }
-    point.options.policy = policy.get();
-    if (!c.json) fmt::print("\n{}\n", e.label.empty() ? e.name : e.label);
-    measure(point, m, converted ? *converted : m.weights);
+    points.push_back(experiment_point(c, e, *registry, m));
   }
+  std::vector<PointResult> results(points.size());
+  std::vector<bool> measured(points.size(), false);
+  for (std::size_t first = 0; first < points.size(); ++first) {
+    if (measured[first]) continue;
+    std::vector<std::size_t> members;  // every point of first's K/V head count
+    for (std::size_t i = first; i < points.size(); ++i)
+      if (points[i].kv_heads == points[first].kv_heads) {
+        members.push_back(i);
+        measured[i] = true;
+      }
+    if (points[first].kv_heads == m.weights.config.num_key_value_heads)
+      measure_together(members, points, m, m.weights, results);
+    else
+      measure_together(members, points, m, cpu::convert_kv_heads(m.weights, points[first].kv_heads),
+                       results);
+  }
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    const PerplexityCommand& command = points[i].command;
+    const PointResult& r = results[i];
+    if (command.json) {
+      print_json(command, r.config, static_cast<std::int64_t>(m.tokens.size()), r.result, r.seconds,
+                 r.group);
+    } else {
+      fmt::print("\n{}\n", points[i].title);
+      print_text(command, r.result);
+    }
+  }
+  std::fflush(stdout);
 }
 
 void run_perplexity(PerplexityCommand c) {

@@ -183,7 +183,11 @@ int serve(ServeOptions o) {
   });
   if (!text.note.empty()) fmt::print(stderr, "kvlab serve: {}\n", text.note);
   const std::string replicas =
-      c.replicas > 1 ? fmt::format(", {} replicas behind {}", c.replicas, c.router) : "";
+      c.disaggregated()
+          ? fmt::format(", {} prefill replicas behind {}, {} decode behind {}", c.prefill_replicas,
+                        c.router, c.replicas - c.prefill_replicas, c.decode_router)
+      : c.replicas > 1 ? fmt::format(", {} replicas behind {}", c.replicas, c.router)
+                       : "";
   fmt::print(stderr,
              "kvlab serve: {} on http://{}:{} (model \"{}\"{}{}); SIGTERM or Ctrl-C stops\n",
              c.name, o.host, server.port(), api.model_name, replicas,

@@ -259,42 +259,74 @@ double PerplexityResult::top1_agreement() const {
                          : 0.0;
 }
 
-PerplexityResult measure_perplexity(const ModelWeightsView& weights,
-                                    const std::function<ComputeWeights()>& make_compute,
-                                    std::span<const std::int32_t> tokens,
-                                    std::optional<std::int32_t> bos,
-                                    const PerplexityOptions& options,
-                                    const std::function<void(const PerplexityResult&)>& on_chunk) {
-  const ModelConfig& c = weights.config;
+namespace {
+
+bool is_exact(const PerplexityOptions& o) {
+  return o.kv_dtype == DType::dtype_f32 && !o.window && !o.hadamard && o.policy == nullptr;
+}
+
+// One point's KV pool, backend and (with a KV policy) its stream, over `parallel` chunks.
+struct ScoredPoint {
+  const PerplexityOptions* options = nullptr;
+  ScoringRun run;
+  std::optional<PolicyStream> stream;
+  RowMatrix streamed;  // the stream's logits, laid out as the whole chunks' would be
+  PerplexityResult result;
+};
+
+void check_points(const ModelConfig& c, std::int64_t text_tokens,
+                  std::span<const PerplexityOptions> points) {
+  if (points.empty()) throw Error("perplexity needs at least one setting to measure");
+  for (const PerplexityOptions& o : points) {
+    check_options(c, text_tokens, o);
+    if (o.context != points[0].context || o.chunks != points[0].chunks ||
+        o.parallel != points[0].parallel)
+      throw Error(fmt::format(
+          "settings measured together share context, chunks and parallel: {}/{}/{} is not "
+          "{}/{}/{}",
+          o.context, o.chunks, o.parallel, points[0].context, points[0].chunks,
+          points[0].parallel));
+  }
+}
+
+}  // namespace
+
+std::vector<PerplexityResult> measure_perplexity(
+    const ModelWeightsView& weights, const std::function<ComputeWeights()>& make_compute,
+    std::span<const std::int32_t> tokens, std::optional<std::int32_t> bos,
+    std::span<const PerplexityOptions> points,
+    const std::function<void(std::size_t, const PerplexityResult&)>& on_chunk) {
   const auto text_tokens = static_cast<std::int64_t>(tokens.size());
-  check_options(c, text_tokens, options);
-  const std::int64_t n_ctx = options.context, first = n_ctx / 2;
+  check_points(weights.config, text_tokens, points);
+  const std::int64_t n_ctx = points[0].context, first = n_ctx / 2;
   const std::int64_t available = text_tokens / n_ctx;
-  const std::int64_t chunks = options.chunks > 0 ? std::min(options.chunks, available) : available;
-  const std::int64_t parallel = std::min(options.parallel, chunks);
-  const bool exact = options.kv_dtype == DType::dtype_f32 && !options.window && !options.hadamard &&
-                     options.policy == nullptr;
-  const bool compare = options.compare_with_exact && !exact;
+  const std::int64_t chunks =
+      points[0].chunks > 0 ? std::min(points[0].chunks, available) : available;
+  const std::int64_t parallel = std::min(points[0].parallel, chunks);
   // Whole chunks (the batch below) take chunk_room slots each: a KIVI pool's key groups are 32
   // slots, and each chunk's slots start a group. A KV policy's stream takes its own room.
   const std::int64_t chunk_room = (n_ctx + kKiviGroup - 1) / kKiviGroup * kKiviGroup;
-  const std::int64_t room = options.policy != nullptr
-                                ? PolicyStream::slots(*options.policy, options.policy_step)
-                                : chunk_room;
-  ScoringRun tested = make_run(weights, make_compute(), options.kv_dtype, options.hadamard,
-                               options.window, parallel * room);
-  std::optional<PolicyStream> stream;
-  if (options.policy != nullptr)
-    stream.emplace(*tested.backend, *tested.pool, *options.policy, options.policy_step);
-  RowMatrix streamed;  // the stream's logits, laid out as the whole chunks' would be
-  ScoringRun reference;
-  if (compare)
+  std::vector<ScoredPoint> scored(points.size());
+  bool any_compared = false;
+  for (std::size_t p = 0; p < points.size(); ++p) {
+    const PerplexityOptions& o = points[p];
+    ScoredPoint& point = scored[p];
+    point.options = &o;
+    point.result.compared = o.compare_with_exact && !is_exact(o);
+    any_compared = any_compared || point.result.compared;
+    const std::int64_t room =
+        o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step) : chunk_room;
+    point.run =
+        make_run(weights, make_compute(), o.kv_dtype, o.hadamard, o.window, parallel * room);
+    if (o.policy != nullptr)
+      point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_step);
+  }
+  ScoringRun reference;  // the exact KV, run once per batch for every point compared with it
+  if (any_compared)
     reference =
         make_run(weights, make_compute(), DType::dtype_f32, false, std::nullopt,
                  parallel * chunk_room);  // the whole chunks' slots, as the batch's views say
 
-  PerplexityResult result;
-  result.compared = compare;
   std::vector<std::int32_t> batch_tokens(static_cast<std::size_t>(parallel * n_ctx));
   for (std::int64_t chunk = 0; chunk < chunks; chunk += parallel) {
     const std::int64_t seqs = std::min(parallel, chunks - chunk);
@@ -309,21 +341,40 @@ PerplexityResult measure_perplexity(const ModelWeightsView& weights,
       sequences.push_back(batch.back().tokens);
     }
     // (seqs x (n_ctx - first), vocab): row s * (n_ctx - first) + i is position first + i of s.
-    if (stream) stream->run(sequences, chunk, first, streamed);
-    const RowMatrix& logits = stream ? streamed : tested.backend->run(batch, n_ctx - first);
     const RowMatrix* exact_logits =
-        compare ? &reference.backend->run(batch, n_ctx - first) : nullptr;
-    for (std::int64_t s = 0; s < seqs; ++s) {
-      const std::int64_t row0 = s * (n_ctx - first);
-      const std::span<const std::int32_t> targets(batch_tokens.data() + s * n_ctx + first + 1,
-                                                  static_cast<std::size_t>(n_ctx - first - 1));
-      add(result.sums, score_rows(logits, exact_logits, row0, targets));
-      result.chunks += 1;
-      result.running_ppl.push_back(result.ppl());
+        any_compared ? &reference.backend->run(batch, n_ctx - first) : nullptr;
+    for (std::size_t p = 0; p < scored.size(); ++p) {
+      ScoredPoint& point = scored[p];
+      if (point.stream) point.stream->run(sequences, chunk, first, point.streamed);
+      const RowMatrix& logits =
+          point.stream ? point.streamed : point.run.backend->run(batch, n_ctx - first);
+      for (std::int64_t s = 0; s < seqs; ++s) {
+        const std::int64_t row0 = s * (n_ctx - first);
+        const std::span<const std::int32_t> targets(batch_tokens.data() + s * n_ctx + first + 1,
+                                                    static_cast<std::size_t>(n_ctx - first - 1));
+        add(point.result.sums,
+            score_rows(logits, point.result.compared ? exact_logits : nullptr, row0, targets));
+        point.result.chunks += 1;
+        point.result.running_ppl.push_back(point.result.ppl());
+      }
+      if (on_chunk) on_chunk(p, point.result);
     }
-    if (on_chunk) on_chunk(result);
   }
-  return result;
+  std::vector<PerplexityResult> results;
+  for (ScoredPoint& point : scored) results.push_back(std::move(point.result));
+  return results;
+}
+
+PerplexityResult measure_perplexity(const ModelWeightsView& weights,
+                                    const std::function<ComputeWeights()>& make_compute,
+                                    std::span<const std::int32_t> tokens,
+                                    std::optional<std::int32_t> bos,
+                                    const PerplexityOptions& options,
+                                    const std::function<void(const PerplexityResult&)>& on_chunk) {
+  std::function<void(std::size_t, const PerplexityResult&)> each;
+  if (on_chunk) each = [&](std::size_t, const PerplexityResult& r) { on_chunk(r); };
+  return std::move(
+      measure_perplexity(weights, make_compute, tokens, bos, std::span(&options, 1), each).front());
 }
 
 }  // namespace kvlab::cpu

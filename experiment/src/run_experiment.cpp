@@ -83,23 +83,6 @@ std::pair<double, double> kv_use_and_prefix_hits(const std::vector<StepRecord>& 
 
 // [cluster]: every replica's stack behind the router; the merged run in out.engine, each
 // replica's summary in out.replicas.
-// A KV handoff's time: on a clock the profile prices, its bytes over the profile's [network];
-// on the measured clock, what copying the KV out really took (the copy in is the decode
-// replica's step); on the steps clock, none.
-// Sides of different tensor parallelism: each GPU sends (or receives) its heads' share at once,
-// and the side with fewer GPUs moves the larger share.
-std::function<double(std::int64_t, double)> transfer_price(const ExperimentConfig& c,
-                                                           std::span<const ReplicaSizing> sizings) {
-  if (c.clock == EngineClock::measured || c.clock == EngineClock::wall)
-    return [](std::int64_t, double copy_out_s) { return copy_out_s; };
-  if (!sizings.front().cost_model) return [](std::int64_t, double) { return 0.0; };
-  const CostModel* prefill = &*sizings.front().cost_model;
-  const CostModel* decode = &*sizings.back().cost_model;
-  return [prefill, decode](std::int64_t bytes, double) {
-    return std::max(prefill->kv_transfer_seconds(bytes), decode->kv_transfer_seconds(bytes));
-  };
-}
-
 // Threads that step a cluster's replicas at once: the simulated backend's replicas under a
 // clock that does not read the wall (backend.threads of them, 0: every core); one otherwise
 // (the cpu backend's forward has the cores already, and a measured step must run alone).
@@ -159,6 +142,23 @@ RunOutput::KvTierTotals kv_tier_totals(const std::vector<std::unique_ptr<Replica
 }
 
 }  // namespace
+
+// A KV handoff's time: on a clock the profile prices, its bytes over the profile's [network];
+// on the measured clock, what copying the KV out really took (the copy in is the decode
+// replica's step); on the steps clock, none.
+// Sides of different tensor parallelism: each GPU sends (or receives) its heads' share at once,
+// and the side with fewer GPUs moves the larger share.
+std::function<double(std::int64_t, double)> transfer_price(const ExperimentConfig& c,
+                                                           std::span<const ReplicaSizing> sizings) {
+  if (c.clock == EngineClock::measured || c.clock == EngineClock::wall)
+    return [](std::int64_t, double copy_out_s) { return copy_out_s; };
+  if (!sizings.front().cost_model) return [](std::int64_t, double) { return 0.0; };
+  const CostModel* prefill = &*sizings.front().cost_model;
+  const CostModel* decode = &*sizings.back().cost_model;
+  return [prefill, decode](std::int64_t bytes, double) {
+    return std::max(prefill->kv_transfer_seconds(bytes), decode->kv_transfer_seconds(bytes));
+  };
+}
 
 // A cluster's run: each replica's summary in out.replicas, the merged run in out.engine.
 void record_cluster(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,

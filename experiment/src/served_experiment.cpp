@@ -20,8 +20,9 @@ struct ServedExperiment::Parts {
   ServedModel served;
   std::vector<ReplicaSizing> sizings;
   std::vector<std::unique_ptr<ReplicaStack>> stacks;
-  PluginObject<Router> router;        // [cluster] replicas > 1
-  std::unique_ptr<LiveCluster> live;  // last: it stops before the stacks it runs go
+  PluginObject<Router> router;         // [cluster] replicas > 1
+  PluginObject<Router> decode_router;  // [cluster] prefill_replicas > 0
+  std::unique_ptr<LiveCluster> live;   // last: it stops before the stacks it runs go
   std::chrono::steady_clock::time_point start;
   double load_at_start = -1;
 };
@@ -35,6 +36,24 @@ void add_stop_tokens(ModelConfig& model, const std::vector<std::int32_t>& stop_t
       model.eos_token_ids.push_back(token);
 }
 
+// A disaggregated cluster served live. The simulated backend's steps are paced to its profile,
+// and so is the link: a handoff reaches its decode replica when the profile says the transfer
+// ends. On the cpu backend the copy out has really happened by the handoff: nothing to wait for.
+LiveDisaggregation served_split(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,
+                                Router& decode_router, bool simulated) {
+  LiveDisaggregation split;
+  split.prefill_replicas = static_cast<std::size_t>(c.prefill_replicas);
+  split.decode_router = &decode_router;
+  split.transfer_seconds = [](std::int64_t, double) { return 0.0; };
+  split.links_contend = simulated;
+  if (simulated) {
+    ExperimentConfig priced = c;
+    priced.clock = EngineClock::paced;
+    split.transfer_seconds = transfer_price(priced, sizings);
+  }
+  return split;
+}
+
 }  // namespace
 
 ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
@@ -42,12 +61,6 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
     : parts_(std::make_unique<Parts>()) {
   Parts& p = *parts_;
   p.config = c;
-  if (c.disaggregated())
-    throw Error(fmt::format(
-        "kvlab serve does not hand KV between live replicas: [cluster] prefill_replicas = {} "
-        "(disaggregated prefill and decode) is for kvlab run; serve replicas behind a router "
-        "without it",
-        c.prefill_replicas));
   if (c.threads > 0) cpu::set_num_threads(static_cast<int>(c.threads));
   const PluginRegistry registry(plugin_search_path(c));
   const bool simulated = c.backend_kind == BackendKind::simulated;
@@ -59,6 +72,12 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
   p.stacks = make_replicas(c, registry, p.served, p.sizings, rules, nullptr);
   if (c.replicas > 1)
     p.router = registry.create<PluginKind::router>(c.router, c.router_params, PluginContext{});
+  std::optional<LiveDisaggregation> split;
+  if (c.disaggregated()) {
+    p.decode_router =
+        registry.create<PluginKind::router>(c.decode_router, c.decode_router_params, {});
+    split = served_split(c, p.sizings, *p.decode_router, simulated);
+  }
   live.paced = simulated;
   p.load_at_start = machine_load_1m();
   p.start = std::chrono::steady_clock::now();
@@ -68,7 +87,7 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
     engines.push_back(std::make_unique<LiveEngine>(*stack->backend, *stack->allocator,
                                                    *stack->scheduler, stack->options, live));
   }
-  p.live = std::make_unique<LiveCluster>(std::move(engines), p.router.get());
+  p.live = std::make_unique<LiveCluster>(std::move(engines), p.router.get(), std::move(split));
 }
 
 ServedExperiment::~ServedExperiment() = default;

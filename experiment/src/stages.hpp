@@ -9,6 +9,7 @@
 // Internal to the experiment library; its interface is kvlab/experiment/experiment.hpp.
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -102,6 +103,10 @@ void summarize_output(const ExperimentConfig& c,
 // out.replicas, the merged run in out.engine, the prefix hit rate over every replica.
 void record_cluster(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,
                     ClusterResult&& cluster, RunOutput& out);
+// A disaggregated cluster's KV handoff time, seconds for (bytes, copy_out_s): the profile's link
+// on a clock it prices, the measured copy on the wall and measured clocks.
+std::function<double(std::int64_t, double)> transfer_price(const ExperimentConfig& c,
+                                                           std::span<const ReplicaSizing> sizings);
 // The K/V dtype as the pool stores it (RunOutput::kv_dtype).
 std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostModel>& cost_model);
 

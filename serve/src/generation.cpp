@@ -399,6 +399,9 @@ void counter_lines(std::string& out, const LiveStats& s, const OpenAiServer::Sha
       {"kvlab_cancelled_total", "requests cancelled (a client gone, a stop string, --abort)",
        s.cancelled},
       {"kvlab_rejected_total", "requests the engine rejected (never fit, a fault)", s.rejected},
+      {"kvlab_kv_handoffs_total",
+       "requests prefilled and handed with their KV to a decode replica (disaggregated)",
+       s.handed_off},
       {"kvlab_preemptions_total", "running requests preempted for memory", s.preemptions},
       {"kvlab_prefill_tokens_total", "prompt tokens computed", s.prefill_tokens},
       {"kvlab_decode_tokens_total", "tokens decoded", s.decode_tokens},
@@ -435,7 +438,9 @@ void replica_lines(std::string& out, const LiveCluster& cluster) {
                     : 0.0;
        }},
       {"kvlab_replica_finished_total", "requests the replica finished",
-       [](const LiveStats& s) { return static_cast<double>(s.finished); }}};
+       [](const LiveStats& s) { return static_cast<double>(s.finished); }},
+      {"kvlab_replica_kv_handoffs_total", "requests the replica prefilled and handed off",
+       [](const LiveStats& s) { return static_cast<double>(s.handed_off); }}};
   std::vector<LiveStats> stats;
   for (std::size_t r = 0; r < cluster.size(); ++r) stats.push_back(cluster.replica_stats(r));
   for (const Gauge& g : gauges) {

@@ -74,12 +74,6 @@ TEST(Cli, ServeRefusesBadInputBeforeListening) {
   expect_failure("serve " + quickstart + " --set scheduler.name=fcfs --max-seconds -1",
                  "--max-seconds must be >= 0");
   expect_failure("serve /nonexistent.toml", "/nonexistent.toml");
-  test::TempDir refused;
-  expect_failure("serve " + one +
-                     " --set cluster.replicas=3 --set cluster.prefill_replicas=1 --out " +
-                     (refused.path() / "r").string(),
-                 "kvlab serve does not hand KV between live replicas");
-  EXPECT_FALSE(std::filesystem::exists(refused.path() / "r")) << "nothing left behind";
   // A results folder that holds an earlier run is refused before serving, not after it.
   test::TempDir out;
   ASSERT_EQ(run("serve " + one + " --port 0 --out " + out.path().string()).exit_code, 0);

@@ -258,6 +258,53 @@ TEST(Perplexity, StreamedWindowPolicyIsWindowAttention) {
   EXPECT_GT(std::abs(text.measure(options, 1).ppl() / window_ppl - 1.0), 1e-3);
 }
 
+// Settings measured together share one exact run: each point's figures are what it measures
+// alone (1e-9 relative: the same forwards, summed in the same order), in the points' order, and
+// points that cut the text differently are refused.
+TEST(Perplexity, SettingsMeasuredTogetherEqualEachMeasuredAlone) {
+  TinyText text(4 * 32);
+  const ModelConfig& c = text.weights.config;
+  KeepEnds newest(12, 2, 1, c.num_hidden_layers * c.num_attention_heads);
+  std::vector<PerplexityOptions> points(5);
+  for (PerplexityOptions& o : points) {
+    o.context = 32;
+    o.parallel = 3;  // batches of 3 and 1
+  }
+  points[1].kv_dtype = DType::dtype_f16;
+  points[2].kv_dtype = DType::dtype_kv_int8;
+  points[2].hadamard = true;
+  points[3].window = 5;
+  points[4].policy = &newest;
+  points[4].policy_step = 4;
+  const ModelWeightsView view = weights_view(text.weights);
+  std::vector<std::pair<std::size_t, std::int64_t>> progress;
+  const std::vector<PerplexityResult> together = measure_perplexity(
+      view, [&] { return select_compute_weights(view, "f32"); }, text.tokens, 1, points,
+      [&](std::size_t p, const PerplexityResult& r) { progress.emplace_back(p, r.chunks); });
+  ASSERT_EQ(together.size(), points.size());
+  EXPECT_EQ(progress.size(), 2 * points.size());  // each point after each of the 2 batches
+  EXPECT_EQ(progress.back(), std::make_pair(std::size_t{4}, std::int64_t{4}));
+  for (std::size_t p = 0; p < points.size(); ++p) {
+    const PerplexityResult alone = text.measure(points[p], 1);
+    EXPECT_EQ(together[p].compared, alone.compared) << p;
+    EXPECT_EQ(together[p].scored_tokens(), alone.scored_tokens()) << p;
+    EXPECT_NEAR(together[p].ppl(), alone.ppl(), 1e-9 * alone.ppl()) << p;
+    EXPECT_NEAR(together[p].mean_kl(), alone.mean_kl(), 1e-9 * alone.mean_kl() + 1e-15) << p;
+    EXPECT_EQ(together[p].top1_agreement(), alone.top1_agreement()) << p;
+    if (alone.compared) {
+      EXPECT_NEAR(together[p].exact_ppl(), together[0].ppl(), 1e-9 * alone.ppl()) << p;
+    }
+  }
+  EXPECT_GT(together[3].mean_kl(), together[1].mean_kl());  // distinct settings, not one run
+  points[2].context = 16;
+  test::expect_error_containing(
+      [&] {
+        (void)measure_perplexity(
+            view, [&] { return select_compute_weights(view, "f32"); }, text.tokens, 1, points);
+      },
+      {"share context, chunks and parallel", "16/0/3"});
+}
+
 // A policy that keeps a position the sequence does not hold, or more than its budget, is a
 // clear error.
 TEST(Perplexity, RefusesAPolicyThatBreaksItsContract) {

@@ -83,33 +83,54 @@ struct Perplexity {
     tokens = wikitext_tokens(*lookup.tokenizer);
     if (lookup.tokenizer->adds_bos()) bos = lookup.tokenizer->bos_id();
   }
-  // Chunks of 1024 tokens, 4 of them, streamed 32 tokens a forward through `policy` with
-  // `budget` positions kept: a context 4x the budget, 8x for the scored half's start.
-  PerplexityResult measure_policy(const char* policy, std::int64_t budget) const {
+  // Chunks of 1024 tokens, 4 of them, streamed 32 tokens a forward through each policy with
+  // `budget` positions kept: a context 4x the budget, 8x for the scored half's start. Measured
+  // together: one exact run for all of them.
+  std::vector<PerplexityResult> measure_policies(std::vector<const char*> policies,
+                                                 std::int64_t budget) const {
     static const PluginRegistry registry({KVLAB_PLUGIN_DIR});
-    auto kept = registry.create<PluginKind::kv_policy>(policy, {{"budget", budget}}, {});
-    const ModelWeightsView view = weights_view(weights, kSmolLm2.string());
-    PerplexityOptions options;
-    options.context = 1024;
-    options.chunks = 4;
-    options.policy = kept.get();
-    const PerplexityResult r = measure_perplexity(
-        view, [&] { return select_compute_weights(view, "stored", "f32"); }, tokens, bos, options);
-    std::cout << policy << " (budget " << budget << "): PPL " << r.ppl() << " (exact "
-              << r.exact_ppl() << ", " << 100 * (r.ppl() / r.exact_ppl() - 1) << "%), KL "
-              << r.mean_kl() << ", top-1 " << r.top1_agreement() << "\n";
-    return r;
+    std::vector<PluginObject<KvPolicy>> kept;
+    std::vector<PerplexityOptions> points(policies.size());
+    for (std::size_t i = 0; i < policies.size(); ++i) {
+      kept.push_back(registry.create<PluginKind::kv_policy>(policies[i], {{"budget", budget}}, {}));
+      points[i].context = 1024;
+      points[i].chunks = 4;
+      points[i].policy = kept.back().get();
+    }
+    const std::vector<PerplexityResult> results = measure_together(points);
+    for (std::size_t i = 0; i < policies.size(); ++i) {
+      const PerplexityResult& r = results[i];
+      std::cout << policies[i] << " (budget " << budget << "): PPL " << r.ppl() << " (exact "
+                << r.exact_ppl() << ", " << 100 * (r.ppl() / r.exact_ppl() - 1) << "%), KL "
+                << r.mean_kl() << ", top-1 " << r.top1_agreement() << "\n";
+    }
+    return results;
   }
-  PerplexityResult measure(DType kv, std::string_view activations = "f32",
-                           bool hadamard = false) const {
+  // Each KV dtype (and rotation) over 8 chunks of 512, measured together.
+  std::vector<PerplexityResult> measure_kv(
+      const std::vector<std::pair<DType, bool>>& settings) const {
+    std::vector<PerplexityOptions> points(settings.size());
+    for (std::size_t i = 0; i < settings.size(); ++i) {
+      points[i].chunks = 8;
+      points[i].kv_dtype = settings[i].first;
+      points[i].hadamard = settings[i].second;
+    }
+    return measure_together(points);
+  }
+  PerplexityResult measure(DType kv, std::string_view activations = "f32") const {
     const ModelWeightsView view = weights_view(weights, kSmolLm2.string());
     PerplexityOptions options;
     options.chunks = 8;
     options.kv_dtype = kv;
-    options.hadamard = hadamard;
     return measure_perplexity(
         view, [&] { return select_compute_weights(view, "stored", activations); }, tokens, bos,
         options);
+  }
+  std::vector<PerplexityResult> measure_together(
+      const std::vector<PerplexityOptions>& points) const {
+    const ModelWeightsView view = weights_view(weights, kSmolLm2.string());
+    return measure_perplexity(
+        view, [&] { return select_compute_weights(view, "stored", "f32"); }, tokens, bos, points);
   }
 };
 
@@ -142,8 +163,13 @@ TEST(Lesson, EightBitKvCostsAlmostNothingInPerplexityAtHalfTheBytes) {
   const double llama_exact = llama["ppl"]["f16"].get<double>();
   const Perplexity run;
   const std::int64_t f16_bytes = dtype_row_bytes(DType::dtype_f16, 64);
-  for (DType kv : {DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0, DType::dtype_q4_1}) {
-    const PerplexityResult r = run.measure(kv);
+  const std::vector<DType> dtypes = {DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0,
+                                     DType::dtype_q4_1};
+  const std::vector<PerplexityResult> results = run.measure_kv(
+      {{dtypes[0], false}, {dtypes[1], false}, {dtypes[2], false}, {dtypes[3], false}});
+  for (std::size_t i = 0; i < dtypes.size(); ++i) {
+    const DType kv = dtypes[i];
+    const PerplexityResult& r = results[i];
     ASSERT_TRUE(r.compared);
     const double delta = r.ppl() / r.exact_ppl() - 1;
     const std::string name(dtype_short_name(kv));
@@ -173,8 +199,11 @@ TEST(Lesson, EightBitKvCostsAlmostNothingInPerplexityAtHalfTheBytes) {
 TEST(Lesson, HadamardRotationCutsWhatFourBitKvCosts) {
   SKIP_WITHOUT_SMOLLM2();
   const Perplexity run;
-  const PerplexityResult plain = run.measure(DType::dtype_q4_0);
-  const PerplexityResult rotated = run.measure(DType::dtype_q4_0, "f32", true);
+  const std::vector<PerplexityResult> results = run.measure_kv({{DType::dtype_q4_0, false},
+                                                                {DType::dtype_q4_0, true},
+                                                                {DType::dtype_q8_0, false},
+                                                                {DType::dtype_q8_0, true}});
+  const PerplexityResult &plain = results[0], &rotated = results[1];
   const double plain_delta = plain.ppl() / plain.exact_ppl() - 1,
                rotated_delta = rotated.ppl() / rotated.exact_ppl() - 1;
   std::cout << "q4_0: " << 100 * plain_delta << "% plain, " << 100 * rotated_delta
@@ -182,8 +211,7 @@ TEST(Lesson, HadamardRotationCutsWhatFourBitKvCosts) {
   EXPECT_LT(rotated_delta, plain_delta / 3);
   EXPECT_LT(rotated_delta, 0.06);
   EXPECT_LT(rotated.mean_kl(), plain.mean_kl() / 2);
-  const PerplexityResult q8 = run.measure(DType::dtype_q8_0, "f32", true);
-  EXPECT_LT(q8.mean_kl(), run.measure(DType::dtype_q8_0).mean_kl());
+  EXPECT_LT(results[3].mean_kl(), results[2].mean_kl());  // q8_0: rotated below plain
 }
 
 // Lesson (KIVI): at 2 bits, per-token key scales (int2: each token's block of 32 channels
@@ -196,9 +224,9 @@ TEST(Lesson, TwoBitKeysNeedPerChannelScales) {
   SKIP_WITHOUT_SMOLLM2();
   const auto llama = fixture("real", "llamacpp_perplexity.json");
   const Perplexity run;
-  const PerplexityResult per_token = run.measure(DType::dtype_kv_int2);
-  const PerplexityResult kivi2 = run.measure(DType::dtype_kivi2);
-  const PerplexityResult kivi4 = run.measure(DType::dtype_kivi4);
+  const std::vector<PerplexityResult> results = run.measure_kv(
+      {{DType::dtype_kv_int2, false}, {DType::dtype_kivi2, false}, {DType::dtype_kivi4, false}});
+  const PerplexityResult &per_token = results[0], &kivi2 = results[1], &kivi4 = results[2];
   const double exact = per_token.exact_ppl();
   std::cout << "int2 " << per_token.ppl() << ", kivi2 " << kivi2.ppl() << ", kivi4 " << kivi4.ppl()
             << " (exact " << exact << "); KL " << per_token.mean_kl() << ", " << kivi2.mean_kl()
@@ -219,8 +247,9 @@ TEST(Lesson, TwoBitKeysNeedPerChannelScales) {
 TEST(Lesson, AttentionSinksKeepWindowedKvFromBlowingUp) {
   SKIP_WITHOUT_SMOLLM2();
   const Perplexity run;
-  const PerplexityResult window = run.measure_policy("window", 256);
-  const PerplexityResult sinks = run.measure_policy("streaming_llm", 256);
+  const std::vector<PerplexityResult> results =
+      run.measure_policies({"window", "streaming_llm"}, 256);
+  const PerplexityResult &window = results[0], &sinks = results[1];
   const double exact = window.exact_ppl();
   EXPECT_GT(window.ppl(), 2 * exact);
   EXPECT_LT(sinks.ppl() - exact, 0.25 * (window.ppl() - exact));
@@ -234,10 +263,13 @@ TEST(Lesson, AttentionSinksKeepWindowedKvFromBlowingUp) {
 TEST(Lesson, AttentionChosenKvBeatsThePlainWindowAtEqualBudget) {
   SKIP_WITHOUT_SMOLLM2();
   const Perplexity run;
-  const PerplexityResult window = run.measure_policy("window", 256);
+  const std::vector<const char*> policies = {"window", "h2o", "snapkv"};
+  const std::vector<PerplexityResult> results = run.measure_policies(policies, 256);
+  const PerplexityResult& window = results[0];
   const double exact = window.exact_ppl();
-  for (const char* policy : {"h2o", "snapkv"}) {
-    const PerplexityResult chosen = run.measure_policy(policy, 256);
+  for (std::size_t i = 1; i < policies.size(); ++i) {
+    const char* policy = policies[i];
+    const PerplexityResult& chosen = results[i];
     EXPECT_LT(chosen.ppl() - exact, 0.5 * (window.ppl() - exact)) << policy;
     EXPECT_LT(chosen.mean_kl(), 0.5 * window.mean_kl()) << policy;
   }

@@ -19,6 +19,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "plugin_registry.hpp"
+#include "test_util.hpp"
 
 namespace kvlab {
 namespace {
@@ -30,9 +31,10 @@ const cpu::LlamaWeights& live_weights() {
 
 using Params = std::map<std::string, ParamValue, std::less<>>;
 
-// The tiny model's serving stack: paged KV, fcfs with `scheduler_params`, the cpu backend.
+// The tiny model's serving stack: paged KV, fcfs (or `scheduler_name`) with `scheduler_params`,
+// the cpu backend.
 struct Stack {
-  explicit Stack(Params scheduler_params = {})
+  explicit Stack(Params scheduler_params = {}, const std::string& scheduler_name = "fcfs")
       : pool({live_weights().config.num_hidden_layers, live_weights().config.num_key_value_heads,
               live_weights().config.head_dim, 512}) {
     PluginContext context;
@@ -42,7 +44,7 @@ struct Stack {
     allocator = test::plugin_registry().create<PluginKind::kv_allocator>(
         "paged", {{"block_size", std::int64_t{4}}}, context);
     scheduler = test::plugin_registry().create<PluginKind::scheduler>(
-        "fcfs", std::move(scheduler_params), context);
+        scheduler_name, std::move(scheduler_params), context);
     backend = std::make_unique<cpu::CpuBackend>(live_weights(), pool, std::nullopt);
     options.rules.context = 64;
     options.rules.eos_token_ids = live_weights().config.eos_token_ids;
@@ -305,6 +307,24 @@ struct ClusterOf {
   std::unique_ptr<LiveCluster> live;  // last: it stops before the stacks go
 };
 
+// Submits request i from client thread i % threads; the cluster's ids, by request.
+std::vector<RequestId> submit_from_threads(LiveCluster& cluster,
+                                           const std::vector<WorkloadRequest>& requests,
+                                           std::vector<Seen>& seen, std::size_t threads) {
+  std::vector<RequestId> ids(requests.size(), -1);
+  std::vector<std::thread> clients;
+  for (std::size_t t = 0; t < threads; ++t)
+    clients.emplace_back([&, t] {
+      for (std::size_t i = t; i < requests.size(); i += threads) {
+        const SubmitResult r = cluster.submit(requests[i], seen[i].callbacks());
+        EXPECT_EQ(r.status, SubmitStatus::accepted);
+        ids[i] = r.id;
+      }
+    });
+  for (auto& c : clients) c.join();
+  return ids;
+}
+
 // Requests from several threads, round robin over 3 replicas: each streams the offline tokens and
 // ends once with the cluster's id; the record routes every request once, 3 per replica, and the
 // merged run holds them all with their tokens.
@@ -314,17 +334,7 @@ TEST(LiveCluster, RoutesEveryRequestOnceAndStreamsTheOfflineTokens) {
   const EngineResult offline = run_offline(requests);
   ClusterOf cluster(3, "round_robin");
   std::vector<Seen> seen(requests.size());
-  std::vector<RequestId> ids(requests.size(), -1);
-  std::vector<std::thread> clients;
-  for (std::size_t t = 0; t < 3; ++t)
-    clients.emplace_back([&, t] {
-      for (std::size_t i = t; i < requests.size(); i += 3) {
-        const SubmitResult r = cluster.live->submit(requests[i], seen[i].callbacks());
-        EXPECT_EQ(r.status, SubmitStatus::accepted);
-        ids[i] = r.id;
-      }
-    });
-  for (auto& c : clients) c.join();
+  const std::vector<RequestId> ids = submit_from_threads(*cluster.live, requests, seen, 3);
   for (std::size_t i = 0; i < requests.size(); ++i) {
     ASSERT_TRUE(seen[i].wait(60)) << "request " << i;
     std::lock_guard lock(seen[i].mutex);
@@ -439,6 +449,179 @@ TEST(LiveCluster, CancelAndShutdownReachEveryReplica) {
     const ClusterResult result = cluster.live->take_result();
     EXPECT_EQ(result.replicas[0].requests.size() + result.replicas[1].requests.size(), 5u);
     for (const auto& stack : cluster.stacks) EXPECT_EQ(stack->allocator->stats().used, 0);
+  }
+}
+
+// A disaggregated served cluster: `prefill` replicas, then `decode` ones, round robin on both
+// sides, every handoff taking `link_s` seconds to cross; `slow`: every forward 20 ms more.
+struct DisaggregatedOf {
+  DisaggregatedOf(std::size_t prefill, std::size_t decode, double link_s, bool slow = false,
+                  bool contend = true, const Params& scheduler_params = {},
+                  const std::string& scheduler_name = "fcfs") {
+    router = test::plugin_registry().create<PluginKind::router>("round_robin", {}, {});
+    decode_router = test::plugin_registry().create<PluginKind::router>("round_robin", {}, {});
+    std::vector<std::unique_ptr<LiveEngine>> engines;
+    for (std::size_t r = 0; r < prefill + decode; ++r) {
+      Stack& s = *stacks.emplace_back(std::make_unique<Stack>(scheduler_params, scheduler_name));
+      Backend* backend = s.backend.get();
+      if (slow) backend = slow_backends.emplace_back(std::make_unique<SlowBackend>(*backend)).get();
+      engines.push_back(
+          std::make_unique<LiveEngine>(*backend, *s.allocator, *s.scheduler, s.options));
+    }
+    const LiveDisaggregation split{prefill, decode_router.get(),
+                                   [link_s](std::int64_t, double) { return link_s; }, contend};
+    live = std::make_unique<LiveCluster>(std::move(engines), router.get(), split);
+  }
+  std::int64_t kv_used() const {
+    std::int64_t used = 0;
+    for (const auto& stack : stacks) used += stack->allocator->stats().used;
+    return used;
+  }
+  std::vector<std::unique_ptr<Stack>> stacks;
+  std::vector<std::unique_ptr<SlowBackend>> slow_backends;
+  PluginObject<Router> router, decode_router;
+  std::unique_ptr<LiveCluster> live;  // last
+};
+
+// 1 prefill replica, 2 decode replicas: each request's first token streams from the prefill
+// replica and the rest from a decode replica, to the same callbacks: the offline tokens, ended
+// once with the cluster's id. The record has each request's handoff (its KV bytes) and its
+// decode route, and the merged run the whole timelines.
+TEST(LiveCluster, DisaggregatedStreamsTheOfflineTokensAcrossTheHandoff) {
+  std::vector<WorkloadRequest> requests;
+  for (std::int32_t i = 0; i < 6; ++i) requests.push_back(request(7 + 2 * i, 5 + i, 6 + i));
+  const EngineResult offline = run_offline(requests);
+  DisaggregatedOf cluster(1, 2, 0.0);
+  std::vector<Seen> seen(requests.size());
+  const std::vector<RequestId> ids = submit_from_threads(*cluster.live, requests, seen, 2);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_TRUE(seen[i].wait(60)) << "request " << i;
+    std::lock_guard lock(seen[i].mutex);
+    ASSERT_EQ(seen[i].ends.size(), 1u) << i;
+    EXPECT_EQ(seen[i].ends[0].id, ids[i]);
+    EXPECT_EQ(seen[i].ends[0].finish_reason, "max_tokens") << i;
+    EXPECT_EQ(seen[i].tokens, offline.tokens[i]) << "request " << i;
+  }
+  EXPECT_EQ(cluster.live->stats().handed_off, 6);
+  EXPECT_EQ(cluster.live->stats().finished, 6);
+  const ShutdownReport report = cluster.live->shutdown(true);
+  EXPECT_EQ(report.drained + report.aborted, 0);  // nothing was in flight
+  ClusterResult result = cluster.live->take_result();
+  ASSERT_EQ(result.routes.size(), 6u);
+  ASSERT_EQ(result.decode_routes.size(), 6u);
+  std::vector<int> decoded(3, 0);
+  for (std::size_t i = 0; i < 6; ++i) {
+    EXPECT_EQ(result.routes[i].replica, 0u);
+    ASSERT_TRUE(result.decode_routes[i]) << i;
+    EXPECT_GT(result.decode_routes[i]->kv_bytes, 0);
+    ++decoded[result.decode_routes[i]->replica];
+  }
+  EXPECT_EQ(decoded, (std::vector<int>{0, 3, 3}));
+  const std::vector<RequestTimeline> timelines = cluster_timelines(result);
+  const EngineResult merged = merged_result(std::move(result));
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    const auto id = static_cast<std::size_t>(ids[i]);
+    EXPECT_EQ(merged.tokens[id], offline.tokens[i]);
+    EXPECT_EQ(timelines[id].finish_reason, "max_tokens");
+    EXPECT_EQ(timelines[id].token_times_s.size(), offline.tokens[i].size());
+  }
+  EXPECT_EQ(cluster.kv_used(), 0);
+}
+
+// Handoffs share the links: three requests handed off at about once each wait for the one
+// before (0.15 s a transfer), so they reach the decode replica 0.15 s apart; links that do not
+// contend take them together.
+TEST(LiveCluster, DisaggregatedTransfersQueueOnTheLinks) {
+  for (const bool contend : {true, false}) {
+    DisaggregatedOf cluster(1, 1, 0.15, false, contend);
+    std::vector<Seen> seen(3);
+    for (auto& s : seen)
+      ASSERT_EQ(cluster.live->submit(request(3, 4, 3), s.callbacks()).status,
+                SubmitStatus::accepted);
+    for (auto& s : seen) ASSERT_TRUE(s.wait(60));
+    (void)cluster.live->shutdown(true);
+    const ClusterResult result = cluster.live->take_result();
+    std::vector<double> arrivals;
+    for (const auto& route : result.decode_routes) arrivals.push_back(route->time_s);
+    std::sort(arrivals.begin(), arrivals.end());
+    if (contend) {
+      EXPECT_GE(arrivals[1] - arrivals[0], 0.15 - 1e-6);
+      EXPECT_GE(arrivals[2] - arrivals[1], 0.15 - 1e-6);
+    } else {
+      EXPECT_LT(arrivals[2] - arrivals[0], 0.15);  // handed off within one prefill step or two
+    }
+  }
+}
+
+// A cancel finds the request wherever it is: on its prefill replica (it ends there, never handed
+// off), on the link (a 30 s transfer: it ends at once, delivered and cancelled, so its decode
+// replica's record has it, with no token decoded) or on its decode replica mid-stream. Each
+// frees its KV; each ends once.
+TEST(LiveCluster, DisaggregatedCancelFindsTheRequestWhereverItIs) {
+  {
+    // 20 ms a forward, prompts in chunks of 4 tokens: a's 40 take 200 ms to prefill.
+    DisaggregatedOf cluster(1, 1, 0.0, true, true, {{"max_tokens_per_step", std::int64_t{4}}},
+                            "chunked");
+    Seen in_prefill, in_decode;
+    const SubmitResult a = cluster.live->submit(request(3, 40, 20), in_prefill.callbacks());
+    cluster.live->cancel(a.id);
+    const SubmitResult b = cluster.live->submit(request(3, 4, 40), in_decode.callbacks());
+    ASSERT_TRUE(test::eventually([&] {
+      std::lock_guard lock(in_decode.mutex);
+      return in_decode.tokens.size() >= 3;  // the first from prefill, two from decode
+    }));
+    cluster.live->cancel(b.id);
+    ASSERT_TRUE(in_prefill.wait(60));
+    ASSERT_TRUE(in_decode.wait(60));
+    EXPECT_EQ(in_prefill.ends[0].finish_reason, "cancelled") << in_prefill.ends[0].reject_reason;
+    EXPECT_EQ(in_decode.ends[0].finish_reason, "cancelled");
+    EXPECT_LT(in_decode.tokens.size(), 40u);
+    (void)cluster.live->shutdown(true);
+    const ClusterResult result = cluster.live->take_result();
+    EXPECT_FALSE(result.decode_routes[0]) << "cancelled before its handoff";
+    ASSERT_TRUE(result.decode_routes[1]);
+    EXPECT_EQ(cluster_timelines(result)[1].finish_reason, "cancelled");
+    EXPECT_EQ(cluster.kv_used(), 0);
+  }
+  DisaggregatedOf cluster(1, 1, 30.0);
+  Seen on_link;
+  const SubmitResult r = cluster.live->submit(request(3, 4, 10), on_link.callbacks());
+  ASSERT_TRUE(test::eventually([&] { return cluster.live->stats().handed_off == 1; }));
+  const auto asked = std::chrono::steady_clock::now();
+  cluster.live->cancel(r.id);
+  ASSERT_TRUE(on_link.wait(20)) << "a cancel does not wait for the transfer";
+  EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count(), 20);
+  EXPECT_EQ(on_link.ends[0].finish_reason, "cancelled");
+  EXPECT_EQ(on_link.tokens.size(), 1u);  // the prefill's token only
+  (void)cluster.live->shutdown(true);
+  const ClusterResult result = cluster.live->take_result();
+  ASSERT_TRUE(result.decode_routes[0]);
+  EXPECT_EQ(result.replicas[1].requests.size(), 1u);
+  EXPECT_EQ(result.replicas[1].requests[0].finish_reason, "cancelled");
+  EXPECT_EQ(cluster.kv_used(), 0);
+}
+
+// A shutdown ends every request once, wherever it is: draining, the ones on the link cross and
+// decode to their end; aborting, they end cancelled at once. Each counts once, where it ended.
+TEST(LiveCluster, DisaggregatedShutdownDrainsOrAbortsTheLinkToo) {
+  for (const bool drain : {true, false}) {
+    DisaggregatedOf cluster(1, 1, drain ? 0.2 : 30.0);
+    std::vector<Seen> seen(3);
+    for (auto& s : seen)
+      ASSERT_EQ(cluster.live->submit(request(5, 4, 6), s.callbacks()).status,
+                SubmitStatus::accepted);
+    ASSERT_TRUE(test::eventually([&] { return cluster.live->stats().handed_off >= 1; }));
+    const ShutdownReport report = cluster.live->shutdown(drain);
+    for (std::size_t i = 0; i < 3; ++i) {
+      ASSERT_TRUE(seen[i].wait(0)) << i;
+      ASSERT_EQ(seen[i].ends.size(), 1u);
+      EXPECT_EQ(seen[i].ends[0].finish_reason, drain ? "max_tokens" : "cancelled") << i;
+    }
+    EXPECT_EQ(report.drained + report.aborted, 3) << "drain " << drain;
+    EXPECT_EQ(drain ? report.aborted : report.drained, 0) << "drain " << drain;
+    const ClusterResult result = cluster.live->take_result();
+    EXPECT_EQ(cluster_timelines(result).size(), 3u);
+    EXPECT_EQ(cluster.kv_used(), 0);
   }
 }
 

@@ -55,6 +55,33 @@ requests = 1
   return runs;
 }
 
+// Llama-2-7B on the simulated backend, paced as an H200 would run it: each decode step takes a
+// few milliseconds of wall clock whatever the machine (or a sanitizer) costs. For the tests that
+// need requests to stay in flight while others arrive, not the tokens.
+inline std::vector<ExperimentRun> paced_served_experiment(const std::vector<std::string>& sets) {
+  const TempDir dir;
+  write_file(dir / "paced.toml", R"([experiment]
+name = "serve_paced_test"
+seed = 1
+[model]
+name = "llama2-7b"
+[backend]
+name = "simulated"
+profile = "h200"
+[kv_cache]
+allocator = "paged"
+[kv_cache.params]
+block_size = 16
+[scheduler]
+name = "fcfs"
+[workload]
+requests = 1
+)");
+  std::vector<ExperimentRun> runs = load_experiment(dir / "paced.toml", sets);
+  validate_experiment(runs, false);
+  return runs;
+}
+
 class ServedStack {
  public:
   explicit ServedStack(const std::vector<std::string>& sets = {}, LiveOptions live = {},
@@ -104,17 +131,6 @@ class ServedStack {
   std::thread thread_;
   bool stopped_ = false;
 };
-
-// Polls `done` every 5 ms for up to 20 s.
-template <class F>
-bool eventually(F done) {
-  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
-  while (std::chrono::steady_clock::now() < deadline) {
-    if (done()) return true;
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
-  return false;
-}
 
 inline bool eventually_connections(ServedStack& stack, std::int64_t n) {
   return eventually([&] { return stack.server().open_connections() == n; });

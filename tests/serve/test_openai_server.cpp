@@ -170,7 +170,8 @@ TEST(Serve, ApiKeyGuardsEveryRouteButHealth) {
 TEST(Serve, FullQueueAnswers429WithRetryAfter) {
   LiveOptions live;
   live.max_queued = 1;
-  ServedStack stack({"scheduler.params.max_batch=1"}, live);
+  // Paced steps: the first two stay in flight (~1 s each) while the third arrives, under ASan too.
+  ServedStack stack(paced_served_experiment({"scheduler.params.max_batch=1"}), live, {}, {});
   const json slow = completion(stack.model_name(), 200);
   auto first = std::async(std::launch::async,
                           [&] { return post_json(stack.port(), "/v1/completions", slow); });
@@ -257,7 +258,9 @@ TEST(Serve, MetricsShowTheEngineAndTheLatencies) {
 // request of priority 5 sent after two of priority 0 runs before the second of them; `user`
 // is the engine request's tenant.
 TEST(Serve, PriorityAndUserReachTheScheduler) {
-  ServedStack stack({"scheduler.name=priority", "scheduler.params.max_batch=1"});
+  ServedStack stack(
+      paced_served_experiment({"scheduler.name=priority", "scheduler.params.max_batch=1"}), {}, {},
+      {});
   const auto send = [&](int priority, const std::string& user) {
     return std::async(std::launch::async, [&, priority, user] {
       return post_json(
@@ -331,6 +334,52 @@ TEST(Serve, AClusterServesBehindItsRouterAndRecordsEachReplica) {
       std::count_if(out.engine.events.begin(), out.engine.events.end(),
                     [](const EngineEvent& e) { return e.kind == EventKind::event_route; });
   EXPECT_EQ(routes, 4);
+}
+
+// [cluster] prefill_replicas = 1 of 3: each request is prefilled on replica 0 and its KV handed
+// to a decode replica (round robin), the answer streaming from both: the same greedy text as one
+// replica gives. /metrics counts the handoffs; the record has every request's decode route.
+TEST(Serve, ADisaggregatedClusterHandsEachRequestsKvToADecodeReplica) {
+  const std::string alone = [] {
+    ServedStack one;
+    return post_json(one.port(), "/v1/completions", completion(one.model_name(), 6))
+        .json()["choices"][0]["text"]
+        .get<std::string>();
+  }();
+  ServedStack stack({"cluster.replicas=3", "cluster.prefill_replicas=1",
+                     "cluster.router=round_robin", "cluster.decode_router=round_robin"});
+  for (const bool stream : {false, true, false, true}) {
+    const HttpResult r = post_json(stack.port(), "/v1/completions",
+                                   completion(stack.model_name(), 6, {{"stream", stream}}));
+    ASSERT_EQ(r.status, 200) << r.body;
+    std::string text;
+    if (stream) {
+      for (const auto& e : sse_events(r.body))
+        if (e != "[DONE]") text += json::parse(e)["choices"][0]["text"].get<std::string>();
+    } else {
+      text = r.json()["choices"][0]["text"];
+    }
+    EXPECT_EQ(text, alone) << "stream " << stream;
+  }
+  ASSERT_TRUE(eventually([&] {
+    const LiveStats s = stack.served().engine().stats();
+    return s.finished == 4 && s.running == 0;
+  }));
+  const HttpResult m = http_call(stack.port(), http::verb::get, "/metrics");
+  for (const char* line :
+       {"kvlab_kv_handoffs_total 4\n", "kvlab_replica_kv_handoffs_total{replica=\"0\"} 4\n",
+        "kvlab_replica_finished_total{replica=\"1\"} 2\n",
+        "kvlab_replica_finished_total{replica=\"2\"} 2\n"})
+    EXPECT_NE(m.body.find(line), std::string::npos) << line << "\n" << m.body;
+  stack.stop(true);
+  const RunOutput out = stack.served().finish();
+  ASSERT_EQ(out.replicas.size(), 3u);
+  ASSERT_EQ(out.engine.requests.size(), 4u);
+  for (const RequestTimeline& t : out.engine.requests) {
+    EXPECT_EQ(t.finish_reason, "max_tokens");
+    EXPECT_GT(t.kv_transfer_bytes, 0);
+    EXPECT_EQ(t.token_times_s.size(), 6u);
+  }
 }
 
 }  // namespace

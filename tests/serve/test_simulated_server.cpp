@@ -141,5 +141,38 @@ TEST(SimulatedServer, AClustersLatenciesMatchTheReplayWithin5Percent) {
   EXPECT_EQ(served.replicas[1].requests, 20);
 }
 
+// Disaggregated: 1 prefill and 1 decode replica, each request's KV crossing the H200 profile's
+// link (paced to its price, queued behind the link's earlier transfers), answer as kvlab run's
+// disaggregated cluster predicts.
+TEST(SimulatedServer, ADisaggregatedClustersLatenciesMatchTheReplayWithin5Percent) {
+  const RunOutput served = expect_served_matches_replay(
+      {"cluster.replicas=2", "cluster.prefill_replicas=1", "cluster.router=round_robin"});
+  ASSERT_EQ(served.replicas.size(), 2u);
+  EXPECT_EQ(served.replicas[0].requests, 40);
+  EXPECT_EQ(served.replicas[1].requests, 40);
+  // Each KV waits on the link as the replay says: from the first token to the decode replica's
+  // arrival (the transfer, ~6 ms, plus the queue behind earlier ones), within 5% of the replay's
+  // mean and 0.2 ms.
+  TempDir dir;
+  const RunOutput offline = run_experiment(
+      simulated_h200(
+          dir, {"cluster.replicas=2", "cluster.prefill_replicas=1", "cluster.router=round_robin"})
+          .front()
+          .config,
+      false, nullptr);
+  const auto mean_link_wait = [](const RunOutput& out) {
+    double sum = 0;
+    for (const RequestTimeline& t : out.engine.requests) {
+      EXPECT_GT(t.kv_transfer_bytes, 0);
+      sum += *t.kv_arrival_s - t.token_times_s.front();
+    }
+    return sum / static_cast<double>(out.engine.requests.size());
+  };
+  const double served_wait = mean_link_wait(served), replay_wait = mean_link_wait(offline);
+  std::printf("KV first token -> decode arrival: served %.3f ms, replay %.3f ms\n",
+              served_wait * 1e3, replay_wait * 1e3);
+  EXPECT_NEAR(served_wait, replay_wait, 0.05 * replay_wait + 2e-4);
+}
+
 }  // namespace
 }  // namespace kvlab::test

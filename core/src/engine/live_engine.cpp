@@ -57,12 +57,33 @@ LiveEngine::~LiveEngine() {
 }
 
 SubmitResult LiveEngine::submit(WorkloadRequest request, LiveCallbacks callbacks) {
+  return enqueue({std::move(request), std::move(callbacks), {}, std::nullopt, {}}, true);
+}
+
+SubmitResult LiveEngine::submit_for_prefill(WorkloadRequest request, LiveCallbacks callbacks,
+                                            HandoffCallback on_handoff) {
+  return enqueue(
+      {std::move(request), std::move(callbacks), {}, std::nullopt, std::move(on_handoff)}, true);
+}
+
+SubmitResult LiveEngine::submit_with_kv(WorkloadRequest request, KvHandoff handoff,
+                                        LiveCallbacks callbacks, bool cancelled) {
+  return enqueue({std::move(request), std::move(callbacks), {}, std::move(handoff), {}}, false,
+                 cancelled);
+}
+
+// A submission, given the next id and its arrival time now; `limited`: refused when the queue
+// is full; `cancelled`: its cancel taken with it (the engine thread admits, then cancels).
+SubmitResult LiveEngine::enqueue(Pending pending, bool limited, bool cancelled) {
   std::lock_guard lock(mutex_);
   if (stopping_) return {SubmitStatus::shutting_down, -1, {}};
-  if (waiting_in_engine_ + static_cast<std::int64_t>(pending_.size()) >= live_.max_queued)
+  if (limited &&
+      waiting_in_engine_ + static_cast<std::int64_t>(pending_.size()) >= live_.max_queued)
     return {SubmitStatus::queue_full, -1, {}};
-  request.id = next_id_++;
-  pending_.push_back({std::move(request), std::move(callbacks), std::chrono::steady_clock::now()});
+  pending.request.id = next_id_++;
+  pending.submitted = std::chrono::steady_clock::now();
+  if (cancelled) cancels_.push_back(pending.request.id);
+  pending_.push_back(std::move(pending));
   wake_.notify_one();
   return {SubmitStatus::accepted, pending_.back().request.id, {}};
 }
@@ -126,6 +147,7 @@ void LiveEngine::loop() {
       for (const RequestId id : cancels) engine_.cancel(id);
       const std::size_t steps_before = engine_.steps().size();
       if (engine_.has_work()) (void)engine_.step();
+      report_handoffs();
       report_ends();
       update_stats(steps_before);
     }
@@ -165,10 +187,13 @@ void LiveEngine::admit(std::vector<Pending>& arrivals) {
     const double submitted = std::chrono::duration<double>(p.submitted - clock_start_).count();
     p.request.arrival_s = std::max(submitted, 0.0);
     const WorkloadRequest& stored = requests_.emplace_back(std::move(p.request));
-    const RequestId id = engine_.submit(stored);
+    const RequestId id = p.handoff      ? engine_.submit_with_kv(stored, std::move(*p.handoff))
+                         : p.on_handoff ? engine_.submit_for_prefill(stored)
+                                        : engine_.submit(stored);
     if (id != stored.id)
       throw Error(fmt::format("internal: live request {} became engine request {}", stored.id, id));
     in_flight_.emplace(id, std::move(p.callbacks));
+    if (p.on_handoff) handoff_to_.emplace(id, std::move(p.on_handoff));
   }
   arrivals.clear();
 }
@@ -196,6 +221,23 @@ void LiveEngine::update_stats(std::size_t steps_before) {
   stats_.running = load.running;
   stats_.kv.used = load.kv_used;
   stats_.kv.capacity = load.kv_capacity;
+}
+
+// Each request the last step prefilled for another engine hands its KV to its on_handoff, and
+// leaves this engine's requests in flight (its finish here, "handoff", is not an end).
+void LiveEngine::report_handoffs() {
+  for (KvHandoff& handoff : engine_.take_handoffs()) {
+    const auto it = handoff_to_.find(handoff.id);
+    if (it == handoff_to_.end()) continue;
+    HandoffCallback to = std::move(it->second);
+    handoff_to_.erase(it);
+    in_flight_.erase(handoff.id);
+    {
+      std::lock_guard lock(mutex_);
+      ++stats_.handed_off;
+    }
+    to(std::move(handoff));
+  }
 }
 
 // Each request the last step ended (finished, cancelled or rejected) gets its on_done, once.
@@ -247,6 +289,7 @@ void LiveEngine::finish_shutdown() {
       for (const auto& [id, callbacks] : in_flight_) engine_.cancel(id);
       while (engine_.has_work() && engine_.step()) {
       }
+      report_handoffs();
       report_ends();
     } catch (const std::exception& e) {
       fault = e.what();

@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -41,6 +42,9 @@ struct LiveCallbacks {
   std::function<void(std::int32_t, const GeneratedLogprobs*)> on_token;
   std::function<void(const LiveOutcome&)> on_done;  // once, last
 };
+
+// Where a request only prefilled here hands its KV (on the engine thread, once).
+using HandoffCallback = std::function<void(KvHandoff&&)>;
 
 // failed: nothing could take it (a cluster's router failed; `reason` says how).
 enum class SubmitStatus { accepted, queue_full, shutting_down, failed };
@@ -71,7 +75,8 @@ struct LiveStats {
   std::int64_t running = 0;
   std::int64_t prefill_tokens = 0, decode_tokens = 0, preemptions = 0, swap_bytes = 0;
   std::int64_t finished = 0, cancelled = 0, rejected = 0;
-  KvAllocatorStats kv;  // after the last step (prefix and tier counters are cumulative)
+  std::int64_t handed_off = 0;  // prefilled here, their KV handed to a decode engine
+  KvAllocatorStats kv;          // after the last step (prefix and tier counters are cumulative)
 };
 
 struct ShutdownReport {
@@ -94,6 +99,18 @@ class LiveEngine {
   // clock, so a step under way counts in its TTFT) and its id is given now; its callbacks are
   // called on the engine thread.
   SubmitResult submit(WorkloadRequest request, LiveCallbacks callbacks);
+  // Any thread: a request only prefilled here (disaggregated prefill and decode). When its first
+  // token is out and did not end it, its KV goes to `on_handoff` instead of an on_done: the
+  // request goes on elsewhere (submit_with_kv). Its first token streams to callbacks.on_token.
+  SubmitResult submit_for_prefill(WorkloadRequest request, LiveCallbacks callbacks,
+                                  HandoffCallback on_handoff);
+  // Any thread: a request whose prompt and first tokens another engine computed, arriving now
+  // with their KV (`handoff`, from that engine's on_handoff). Its queue limit does not apply: it
+  // was accepted where it started.
+  // `cancelled`: its client already went; it arrives and ends cancelled before any step, so the
+  // record has it and its KV is freed.
+  SubmitResult submit_with_kv(WorkloadRequest request, KvHandoff handoff, LiveCallbacks callbacks,
+                              bool cancelled = false);
   // Any thread: the request's client went away. Nothing for an id that ended or was never given.
   void cancel(RequestId id);
   // Stops taking requests; `drain`: the ones in flight run to their end, else they are
@@ -114,10 +131,14 @@ class LiveEngine {
     WorkloadRequest request;
     LiveCallbacks callbacks;
     std::chrono::steady_clock::time_point submitted;  // its arrival, whenever the engine takes it
+    std::optional<KvHandoff> handoff;                 // submit_with_kv's
+    HandoffCallback on_handoff;                       // submit_for_prefill's
   };
+  SubmitResult enqueue(Pending pending, bool limited, bool cancelled = false);
   void loop();
   bool take_work(std::vector<Pending>& arrivals, std::vector<RequestId>& cancels);
   void admit(std::vector<Pending>& arrivals);
+  void report_handoffs();
   void report_ends();
   void finish_shutdown();
   void update_stats(std::size_t steps_before);
@@ -127,7 +148,8 @@ class LiveEngine {
   std::vector<WorkloadRequest> none_;             // Engine::start's (empty) list
   std::deque<WorkloadRequest> requests_;          // every submitted request: they outlive the run
   std::map<RequestId, LiveCallbacks> in_flight_;  // engine thread only
-  std::size_t events_seen_ = 0;                   // engine thread only
+  std::map<RequestId, HandoffCallback> handoff_to_;    // engine thread only: prefill-only requests
+  std::size_t events_seen_ = 0;                        // engine thread only
   std::chrono::steady_clock::time_point clock_start_;  // the engine clock's 0, about
 
   mutable std::mutex mutex_;  // guards what follows

@@ -71,4 +71,16 @@ PerplexityResult measure_perplexity(
     const PerplexityOptions& options,
     const std::function<void(const PerplexityResult&)>& on_chunk = {});
 
+// Several KV settings over the same text and chunks (`points`: equal context, chunks and
+// parallel), results in their order. The exact KV's forward runs once per batch of chunks and
+// every point compared with it is scored against that one run: N settings cost N + 1 forwards
+// per batch, not 2N. Each point's perplexity is what measure_perplexity gives it alone.
+// `on_chunk(point, result)` after each point's batch. Throws as above, and for points that
+// differ in context, chunks or parallel.
+std::vector<PerplexityResult> measure_perplexity(
+    const ModelWeightsView& weights, const std::function<ComputeWeights()>& make_compute,
+    std::span<const std::int32_t> tokens, std::optional<std::int32_t> bos,
+    std::span<const PerplexityOptions> points,
+    const std::function<void(std::size_t, const PerplexityResult&)>& on_chunk = {});
+
 }  // namespace kvlab::cpu
