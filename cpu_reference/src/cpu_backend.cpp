@@ -82,11 +82,18 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
   std::vector<std::int64_t> slots;       // each batch row's K/V slot; -1: not written
   std::int64_t rows = 0;
   for (const auto& e : batch) {
+    if (e.logit_rows < 1 ||
+        e.logit_rows > std::max<std::int64_t>(1, static_cast<std::int64_t>(e.tokens.size())))
+      throw Error(fmt::format("a batch entry of {} tokens asks for logits at {} of them",
+                              e.tokens.size(), e.logit_rows));
     first_rows.push_back(rows);
     for (std::size_t j = 0; j < e.tokens.size(); ++j) {
       const std::int64_t position = e.start_position + static_cast<std::int64_t>(j);
       if (position >= c.max_position_embeddings)
         throw Error(fmt::format("position {} is beyond the context of {}", position, c.name));
+      if (e.tokens[j] < 0 || e.tokens[j] >= c.vocab_size)  // its embedding row would not exist
+        throw Error(fmt::format("token id {} at position {} is outside {}'s vocabulary [0, {})",
+                                e.tokens[j], position, c.name, c.vocab_size));
       positions.push_back(static_cast<std::int32_t>(position));
       slots.push_back(e.writes_kv ? e.view.slot_of(position) : -1);
     }
@@ -130,7 +137,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     }
     multiply_by_transposed(hidden, matrices.w_down, x, true);
   }
-  const RowMatrix& last = logit_rows(x, first_rows, logit_tokens);
+  const RowMatrix& last = logit_rows(x, batch, first_rows, logit_tokens);
   rms_norm(last, as_vector(weights_.final_norm), eps, normed);
   multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (.., vocab)
   return logits_;
@@ -181,19 +188,22 @@ void CpuBackend::prepare_key_scores(std::span<const BatchEntry> batch) {
     key_scores_.clear();
 }
 
-// The residual rows that get logits: the last `logit_tokens` of each entry (all of a shorter
-// one), entry by entry. x: (N, dim); returns (entries x logit_tokens at most, dim).
-const RowMatrix& CpuBackend::logit_rows(const RowMatrix& x,
+// The residual rows that get logits: the last max(logit_tokens, the entry's logit_rows) of each
+// entry (all of a shorter one), entry by entry. x: (N, dim); returns (those rows, dim).
+const RowMatrix& CpuBackend::logit_rows(const RowMatrix& x, std::span<const BatchEntry> batch,
                                         std::span<const std::int64_t> first_rows,
                                         std::int64_t logit_tokens) {
   const std::size_t entries = first_rows.size() - 1;
+  const auto rows_of = [&](std::size_t e) {
+    return std::min(std::max<std::int64_t>(logit_tokens, batch[e].logit_rows),
+                    first_rows[e + 1] - first_rows[e]);
+  };
   std::int64_t kept = 0;
-  for (std::size_t e = 0; e < entries; ++e)
-    kept += std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
+  for (std::size_t e = 0; e < entries; ++e) kept += rows_of(e);
   last_.resize(kept, x.cols());
   kept = 0;
   for (std::size_t e = 0; e < entries; ++e) {
-    const std::int64_t n = std::min(logit_tokens, first_rows[e + 1] - first_rows[e]);
+    const std::int64_t n = rows_of(e);
     last_.middleRows(kept, n) = x.middleRows(first_rows[e + 1] - n, n);
     kept += n;
   }

@@ -144,11 +144,17 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
 
   kvlab::ForwardResult forward(std::span<const kvlab::BatchEntry> batch,
                                std::span<const kvlab::TokenChoice> choices) override {
-    for (const kvlab::BatchEntry& e : batch)  // block tables of consecutive positions only
+    for (const kvlab::BatchEntry& e : batch) {  // block tables of consecutive positions only
       if (e.view.has_holes() || e.scored_queries > 0)
         throw kvlab::Error(
             "the cuda backend reads consecutive positions and reports no attention scores: a "
             "KV policy's views need the cpu backend");
+      if (e.logit_rows != 1)
+        throw kvlab::Error(fmt::format(
+            "the cuda backend returns one row of logits per entry, not {}: a speculative "
+            "verify needs the cpu or simulated backend",
+            e.logit_rows));
+    }
     chosen_logprobs_.clear();
     step_choices_.clear();
     step_logprob_counts_.clear();

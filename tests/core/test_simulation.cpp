@@ -660,5 +660,24 @@ TEST(SimulatedBackend, TokensAreDeterministicAndNeverEos) {
   test::expect_error_containing([] { SimulatedBackend(1, {0}); }, {"not EOS"});
 }
 
+// A verify entry's logit_rows get a token each: the token after each of its last positions, as
+// a decode of that position alone would give, entry by entry.
+TEST(SimulatedBackend, AnEntryGetsATokenForEachOfItsLogitRows) {
+  SimulatedBackend backend(32000, {2});
+  const std::vector<std::int32_t> verify_tokens{11, 12, 13, 14};
+  const std::vector<std::int32_t> decode_tokens{99};
+  std::vector<BatchEntry> batch(2);
+  batch[0].tokens = verify_tokens;
+  batch[0].start_position = 20;
+  batch[0].logit_rows = 3;  // positions 21, 22, 23
+  batch[1].tokens = decode_tokens;
+  batch[1].start_position = 7;
+  const ForwardResult result = backend.forward(batch, {});
+  const std::vector<std::int32_t> got(result.tokens.begin(), result.tokens.end());
+  EXPECT_EQ(got,
+            (std::vector<std::int32_t>{backend.token_after(12, 21), backend.token_after(13, 22),
+                                       backend.token_after(14, 23), backend.token_after(99, 7)}));
+}
+
 }  // namespace
 }  // namespace kvlab

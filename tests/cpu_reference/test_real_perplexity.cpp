@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <map>
 #include <nlohmann/json.hpp>
 
 #include "kvlab/cpu_reference/perplexity.hpp"
@@ -152,24 +153,47 @@ TEST(RealModel, SmolLm2PerplexityEqualsLlamaCppOnWikiText) {
   }
 }
 
+// The quantized-KV lessons read one measurement: every setting they need over the same 8
+// chunks of 512, scored against one exact run (10 forwards per batch instead of 14 apart). One
+// process runs the suite (tests/CMakeLists.txt: Lesson.QuantizedKv), so it is measured once.
+class QuantizedKvLesson : public ::testing::Test {
+ protected:
+  using Setting = std::pair<DType, bool>;  // KV dtype, Hadamard-rotated
+  static void SetUpTestSuite() {
+    if (!std::filesystem::exists(kSmolLm2)) return;
+    const Perplexity run;
+    const std::vector<PerplexityResult> all = run.measure_kv(settings());
+    for (std::size_t i = 0; i < all.size(); ++i) results()[settings()[i]] = all[i];
+  }
+  static const std::vector<Setting>& settings() {
+    static const std::vector<Setting> s = {
+        {DType::dtype_kv_int8, false}, {DType::dtype_q8_0, false},  {DType::dtype_q4_0, false},
+        {DType::dtype_q4_1, false},    {DType::dtype_q4_0, true},   {DType::dtype_q8_0, true},
+        {DType::dtype_kv_int2, false}, {DType::dtype_kivi2, false}, {DType::dtype_kivi4, false}};
+    return s;
+  }
+  static std::map<Setting, PerplexityResult>& results() {
+    static std::map<Setting, PerplexityResult> r;
+    return r;
+  }
+  static const PerplexityResult& at(DType kv, bool hadamard = false) {
+    return results().at({kv, hadamard});
+  }
+};
+
 // Lesson: int8 and q8_0 KV cost almost nothing (perplexity within 0.5% of the exact KV, mean KL
 // below 0.002 nats, the same top token at 97% of positions) at 0.53 of f16's bytes (68 bytes per
 // head row of 64 against 128); q4_0 and q4_1 cost far more. kvlab's q8_0 / q4_0 / q4_1 deltas equal
 // llama.cpp's for its plain formats (LLAMA_ATTN_ROT_DISABLE=1) within a tenth of the delta + 0.2
 // points.
-TEST(Lesson, EightBitKvCostsAlmostNothingInPerplexityAtHalfTheBytes) {
+TEST_F(QuantizedKvLesson, EightBitKvCostsAlmostNothingInPerplexityAtHalfTheBytes) {
   SKIP_WITHOUT_SMOLLM2();
   const auto llama = fixture("real", "llamacpp_perplexity.json");
   const double llama_exact = llama["ppl"]["f16"].get<double>();
-  const Perplexity run;
   const std::int64_t f16_bytes = dtype_row_bytes(DType::dtype_f16, 64);
-  const std::vector<DType> dtypes = {DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0,
-                                     DType::dtype_q4_1};
-  const std::vector<PerplexityResult> results = run.measure_kv(
-      {{dtypes[0], false}, {dtypes[1], false}, {dtypes[2], false}, {dtypes[3], false}});
-  for (std::size_t i = 0; i < dtypes.size(); ++i) {
-    const DType kv = dtypes[i];
-    const PerplexityResult& r = results[i];
+  for (const DType kv :
+       {DType::dtype_kv_int8, DType::dtype_q8_0, DType::dtype_q4_0, DType::dtype_q4_1}) {
+    const PerplexityResult& r = at(kv);
     ASSERT_TRUE(r.compared);
     const double delta = r.ppl() / r.exact_ppl() - 1;
     const std::string name(dtype_short_name(kv));
@@ -196,14 +220,9 @@ TEST(Lesson, EightBitKvCostsAlmostNothingInPerplexityAtHalfTheBytes) {
 // attn_rot) spreads K's few large channels over all of them, so a block's scale no longer follows
 // its outlier: q4_0 loses under a third of its unrotated perplexity (+17.7% -> +3.6% on SmolLM2;
 // llama.cpp's own rotation: +2.3%, over K in its channel order), and q8_0's KL falls too.
-TEST(Lesson, HadamardRotationCutsWhatFourBitKvCosts) {
+TEST_F(QuantizedKvLesson, HadamardRotationCutsWhatFourBitKvCosts) {
   SKIP_WITHOUT_SMOLLM2();
-  const Perplexity run;
-  const std::vector<PerplexityResult> results = run.measure_kv({{DType::dtype_q4_0, false},
-                                                                {DType::dtype_q4_0, true},
-                                                                {DType::dtype_q8_0, false},
-                                                                {DType::dtype_q8_0, true}});
-  const PerplexityResult &plain = results[0], &rotated = results[1];
+  const PerplexityResult &plain = at(DType::dtype_q4_0), &rotated = at(DType::dtype_q4_0, true);
   const double plain_delta = plain.ppl() / plain.exact_ppl() - 1,
                rotated_delta = rotated.ppl() / rotated.exact_ppl() - 1;
   std::cout << "q4_0: " << 100 * plain_delta << "% plain, " << 100 * rotated_delta
@@ -211,7 +230,7 @@ TEST(Lesson, HadamardRotationCutsWhatFourBitKvCosts) {
   EXPECT_LT(rotated_delta, plain_delta / 3);
   EXPECT_LT(rotated_delta, 0.06);
   EXPECT_LT(rotated.mean_kl(), plain.mean_kl() / 2);
-  EXPECT_LT(results[3].mean_kl(), results[2].mean_kl());  // q8_0: rotated below plain
+  EXPECT_LT(at(DType::dtype_q8_0, true).mean_kl(), at(DType::dtype_q8_0).mean_kl());
 }
 
 // Lesson (KIVI): at 2 bits, per-token key scales (int2: each token's block of 32 channels
@@ -220,13 +239,11 @@ TEST(Lesson, HadamardRotationCutsWhatFourBitKvCosts) {
 // of int2's excess perplexity and under a third of its KL; measured +76% against +1134%). At 4
 // bits KIVI's keys cost under a quarter of what llama.cpp's per-token q4_1 cache costs
 // (measured +0.7% against llama.cpp's +6.1%).
-TEST(Lesson, TwoBitKeysNeedPerChannelScales) {
+TEST_F(QuantizedKvLesson, TwoBitKeysNeedPerChannelScales) {
   SKIP_WITHOUT_SMOLLM2();
   const auto llama = fixture("real", "llamacpp_perplexity.json");
-  const Perplexity run;
-  const std::vector<PerplexityResult> results = run.measure_kv(
-      {{DType::dtype_kv_int2, false}, {DType::dtype_kivi2, false}, {DType::dtype_kivi4, false}});
-  const PerplexityResult &per_token = results[0], &kivi2 = results[1], &kivi4 = results[2];
+  const PerplexityResult &per_token = at(DType::dtype_kv_int2), &kivi2 = at(DType::dtype_kivi2),
+                         &kivi4 = at(DType::dtype_kivi4);
   const double exact = per_token.exact_ppl();
   std::cout << "int2 " << per_token.ppl() << ", kivi2 " << kivi2.ppl() << ", kivi4 " << kivi4.ppl()
             << " (exact " << exact << "); KL " << per_token.mean_kl() << ", " << kivi2.mean_kl()
@@ -240,16 +257,31 @@ TEST(Lesson, TwoBitKeysNeedPerChannelScales) {
   EXPECT_LT(kivi4.ppl() / exact - 1, 0.25 * llama_q4_1);
 }
 
+// The eviction lessons read one measurement: each policy at a budget of 256 over the same 4
+// chunks of 1024, scored against one exact run (5 forwards per batch instead of 7 apart). One
+// process runs the suite (tests/CMakeLists.txt: Lesson.KvEviction).
+class KvEvictionLesson : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (!std::filesystem::exists(kSmolLm2)) return;
+    const std::vector<const char*> policies = {"window", "streaming_llm", "h2o", "snapkv"};
+    const std::vector<PerplexityResult> all = Perplexity().measure_policies(policies, 256);
+    for (std::size_t i = 0; i < all.size(); ++i) results()[policies[i]] = all[i];
+  }
+  static std::map<std::string, PerplexityResult>& results() {
+    static std::map<std::string, PerplexityResult> r;
+    return r;
+  }
+  static const PerplexityResult& at(const std::string& policy) { return results().at(policy); }
+};
+
 // Lesson (StreamingLLM): softmax parks the attention no other token needs on the first tokens.
 // A window of the newest positions drops them once the text outgrows it, and perplexity blows
 // up (more than doubles); keeping 4 sink tokens beside a window of the same budget recovers
 // most of it (under a quarter of the window's excess perplexity and under half its KL).
-TEST(Lesson, AttentionSinksKeepWindowedKvFromBlowingUp) {
+TEST_F(KvEvictionLesson, AttentionSinksKeepWindowedKvFromBlowingUp) {
   SKIP_WITHOUT_SMOLLM2();
-  const Perplexity run;
-  const std::vector<PerplexityResult> results =
-      run.measure_policies({"window", "streaming_llm"}, 256);
-  const PerplexityResult &window = results[0], &sinks = results[1];
+  const PerplexityResult &window = at("window"), &sinks = at("streaming_llm");
   const double exact = window.exact_ppl();
   EXPECT_GT(window.ppl(), 2 * exact);
   EXPECT_LT(sinks.ppl() - exact, 0.25 * (window.ppl() - exact));
@@ -260,16 +292,12 @@ TEST(Lesson, AttentionSinksKeepWindowedKvFromBlowingUp) {
 // Lesson: at the same budget, choosing what to keep by attention (H2O's accumulated scores,
 // SnapKV's observation-window votes) keeps perplexity far closer to the full cache than the
 // plain window does (under half its excess perplexity and its KL).
-TEST(Lesson, AttentionChosenKvBeatsThePlainWindowAtEqualBudget) {
+TEST_F(KvEvictionLesson, AttentionChosenKvBeatsThePlainWindowAtEqualBudget) {
   SKIP_WITHOUT_SMOLLM2();
-  const Perplexity run;
-  const std::vector<const char*> policies = {"window", "h2o", "snapkv"};
-  const std::vector<PerplexityResult> results = run.measure_policies(policies, 256);
-  const PerplexityResult& window = results[0];
+  const PerplexityResult& window = at("window");
   const double exact = window.exact_ppl();
-  for (std::size_t i = 1; i < policies.size(); ++i) {
-    const char* policy = policies[i];
-    const PerplexityResult& chosen = results[i];
+  for (const char* policy : {"h2o", "snapkv"}) {
+    const PerplexityResult& chosen = at(policy);
     EXPECT_LT(chosen.ppl() - exact, 0.5 * (window.ppl() - exact)) << policy;
     EXPECT_LT(chosen.mean_kl(), 0.5 * window.mean_kl()) << policy;
   }

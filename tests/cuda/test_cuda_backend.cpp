@@ -524,6 +524,20 @@ TEST(CudaBackend, EntriesThatDoNotWriteKvLeaveTheirSlots) {
   }
 }
 
+// A speculative verify's rows of logits (BatchEntry::logit_rows > 1) are the cpu and simulated
+// backends' for now: the cuda backend refuses such a batch with the reason, before any work.
+TEST(CudaBackend, RefusesMoreThanOneLogitRowWithTheReason) {
+  KVLAB_REQUIRE_CUDA();
+  const ModelConfig& c = checkpoint().config;
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 32}, KvStorage::none);
+  auto gpu = create_cuda_backend(pool, "f32");
+  const std::vector<std::int32_t> prompt = prompt_13();
+  std::vector<BatchEntry> batch = prefill(*gpu, prompt);
+  batch[0].logit_rows = 2;
+  test::expect_error_containing([&] { (void)gpu->forward(batch, {}); },
+                                {"one row of logits per entry, not 2", "cpu or simulated"});
+}
+
 // The GEMMs on cuBLASLt (the default: a plan per shape from Lt's heuristic) and on
 // cublasGemmEx give the CPU backend's tokens; a library the backend does not know is refused
 // by name.

@@ -28,6 +28,12 @@ struct BatchEntry {
   // > 0: the backend reports the attention the entry's last `scored_queries` queries give each
   // key of its view (ForwardResult::key_scores), for a KV policy (kvlab/kv_policy.hpp).
   std::int32_t scored_queries = 0;
+  // How many of the entry's last tokens get logits (or a choice each): 1, its last, as a decode
+  // or a prompt's end needs; more to verify a speculative proposal (the positions of the k
+  // proposed tokens and the one after them: k + 1). At most tokens.size(). ForwardResult then
+  // holds sum(logit_rows) rows, entry by entry, each entry's in position order. A backend that
+  // cannot answer more than one row per entry refuses such a batch (kvlab::Error).
+  std::int32_t logit_rows = 1;
 };
 
 // How one batch entry's next token is picked: the request's SamplingParams filters and this
@@ -53,10 +59,11 @@ struct TokenLogprob {
 // point into the backend's own buffers and stay valid until its next forward; nothing else of the
 // call outlives it.
 struct ForwardResult {
-  // (entries, vocab) row-major: the last token's logits of each entry. Empty when `tokens` is set.
+  // (rows, vocab) row-major: the logits of each entry's last logit_rows tokens (one row an entry
+  // unless an entry asked for more), entry by entry. Empty when `tokens` is set.
   std::span<const float> logits;
-  // (entries): the backend's choice for each entry, -1 for a row holding NaN or +-inf. Empty
-  // when `logits` is set.
+  // (rows): the backend's choice for each row (one TokenChoice per row), -1 for a row holding NaN
+  // or +-inf. Empty when `logits` is set.
   std::span<const std::int32_t> tokens;
   // (entries, logprob_width) row-major, with `tokens` when some choice asked (logprobs >= 0),
   // logprob_width = 1 + the most asked. Row e: the chosen token and its log-probability under

@@ -33,8 +33,9 @@ namespace kvlab {
 // replace element_bytes) and SwapBuffer::data holds the pool's own bytes; 14: the kv_policy kind
 // (KvPolicy), KvView::positions (views with holes), BatchEntry::scored_queries and
 // ForwardResult::key_scores, KvAllocator::evict; 15: KvAllocator::positions_view;
-// 16: KvAllocator::truncate (speculative decoding's rollback).
-inline constexpr std::uint32_t kPluginAbiVersion = 16;
+// 16: KvAllocator::truncate (speculative decoding's rollback); 17: BatchEntry::logit_rows (a
+// speculative verify's rows of logits).
+inline constexpr std::uint32_t kPluginAbiVersion = 17;
 
 namespace detail {
 

@@ -29,9 +29,15 @@ ForwardResult SimulatedBackend::forward(std::span<const BatchEntry> batch,
                                         std::span<const TokenChoice> /*choices*/) {
   tokens_.clear();
   for (const BatchEntry& entry : batch) {
-    const std::int64_t last =
-        entry.start_position + static_cast<std::int64_t>(entry.tokens.size()) - 1;
-    tokens_.push_back(token_after(entry.tokens.empty() ? 0 : entry.tokens.back(), last));
+    const auto n = static_cast<std::int64_t>(entry.tokens.size());
+    if (n == 0) {
+      tokens_.push_back(token_after(0, entry.start_position - 1));
+      continue;
+    }
+    // One token after each of the entry's last logit_rows positions.
+    for (std::int64_t i = std::max<std::int64_t>(0, n - entry.logit_rows); i < n; ++i)
+      tokens_.push_back(
+          token_after(entry.tokens[static_cast<std::size_t>(i)], entry.start_position + i));
   }
   return ForwardResult::of_tokens(tokens_);
 }

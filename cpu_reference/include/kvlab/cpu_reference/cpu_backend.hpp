@@ -40,10 +40,11 @@ class CpuBackend final : public Backend {
             weights, pool, window,
             with_activations(compute_weights(weights, WeightFormat::f32), ActivationFormat::f32)) {}
 
-  // Runs the batch, writing each new token's K/V into its slot. Returns logits (entries, vocab)
-  // for the last token of each entry, valid until the next forward. With `logit_tokens` n > 1:
-  // for the last n tokens of each entry (all of a shorter one), entry by entry in order
-  // (perplexity scores the second half of every chunk).
+  // Runs the batch, writing each new token's K/V into its slot. Returns logits (rows, vocab)
+  // for the last logit_rows tokens of each entry (BatchEntry; 1: its last), entry by entry,
+  // valid until the next forward. With `logit_tokens` n > 1: for the last n tokens of each entry
+  // at least (all of a shorter one; perplexity scores the second half of every chunk). Throws
+  // kvlab::Error for an entry asking for more rows than it has tokens.
   const RowMatrix& run(std::span<const BatchEntry> batch, std::int64_t logit_tokens = 1);
   // After run: the attention each entry's scored queries gave its keys (ForwardResult's
   // key_scores), or empty when no entry asked.
@@ -74,8 +75,8 @@ class CpuBackend final : public Backend {
 
  private:
   void prepare_key_scores(std::span<const BatchEntry> batch);
-  const RowMatrix& logit_rows(const RowMatrix& x, std::span<const std::int64_t> first_rows,
-                              std::int64_t logit_tokens);
+  const RowMatrix& logit_rows(const RowMatrix& x, std::span<const BatchEntry> batch,
+                              std::span<const std::int64_t> first_rows, std::int64_t logit_tokens);
   void rotate_and_store(std::int64_t layer, std::span<const std::int32_t> positions,
                         std::span<const std::int64_t> slots, RowMatrix& qkv);
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,
