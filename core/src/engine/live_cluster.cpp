@@ -287,7 +287,9 @@ void LiveCluster::handed_off(RequestId id, KvHandoff&& handoff) {
           std::chrono::duration<double>(
               split_->transfer_seconds(handoff.bytes, handoff.copy_out_s)));
       auto due = now + price;
-      if (split_->links_contend) {
+      if (t.cancel_asked) {  // its client is gone: delivered now, cancelled there, no transfer
+        due = now;
+      } else if (split_->links_contend) {
         auto& from = link_free_[t.replica];
         auto& to = link_free_[route.replica];
         due = std::max({now, from, to}) + price;
@@ -297,7 +299,7 @@ void LiveCluster::handed_off(RequestId id, KvHandoff&& handoff) {
       t.phase = Tracked::Phase::transit;
       t.replica = route.replica;
       t.local = -1;
-      link_.push_back({id, route.replica, t.cancel_asked ? now : due, std::move(handoff)});
+      link_.push_back({id, route.replica, due, std::move(handoff)});
       decode_routes_[static_cast<std::size_t>(id)] = std::move(route);
       link_wake_.notify_all();
       return;

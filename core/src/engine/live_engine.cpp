@@ -258,6 +258,7 @@ void LiveEngine::report_ends() {
     }
     LiveCallbacks callbacks = std::move(it->second);
     in_flight_.erase(it);
+    handoff_to_.erase(e.request);  // a prefill-only request that ended here: no handoff now
     {
       std::lock_guard lock(mutex_);
       ++(outcome.rejected                       ? stats_.rejected
@@ -301,6 +302,7 @@ void LiveEngine::finish_shutdown() {
   for (auto& [id, callbacks] : in_flight_)
     if (callbacks.on_done) callbacks.on_done({id, {}, true, "engine fault: " + fault});
   in_flight_.clear();
+  handoff_to_.clear();
   std::lock_guard lock(mutex_);
   if (!fault.empty()) fault_ = fault;
   ended_ = true;
