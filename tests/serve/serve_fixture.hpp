@@ -26,11 +26,20 @@
 
 namespace kvlab::test {
 
+// An experiment file's text, loaded with `sets` (as --set) and validated: its runs.
+inline std::vector<ExperimentRun> served_experiment_from(const std::string& toml,
+                                                         const std::vector<std::string>& sets) {
+  const TempDir dir;  // the file is read whole here
+  write_file(dir / "serve.toml", toml);
+  std::vector<ExperimentRun> runs = load_experiment(dir / "serve.toml", sets);
+  validate_experiment(runs, false);
+  return runs;
+}
+
 // stories15m-shaped random weights on the cpu backend, a paged pool, fcfs: a stack whose steps
 // take milliseconds. `sets` change it as --set does.
 inline std::vector<ExperimentRun> small_served_experiment(const std::vector<std::string>& sets) {
-  const TempDir dir;  // the file is read whole here
-  write_file(dir / "serve.toml", R"([experiment]
+  return served_experiment_from(R"([experiment]
 name = "serve_test"
 seed = 1
 [model]
@@ -49,18 +58,15 @@ name = "fcfs"
 max_batch = 8
 [workload]
 requests = 1
-)");
-  std::vector<ExperimentRun> runs = load_experiment(dir / "serve.toml", sets);
-  validate_experiment(runs, false);
-  return runs;
+)",
+                                sets);
 }
 
 // Llama-2-7B on the simulated backend, paced as an H200 would run it: each decode step takes a
 // few milliseconds of wall clock whatever the machine (or a sanitizer) costs. For the tests that
 // need requests to stay in flight while others arrive, not the tokens.
 inline std::vector<ExperimentRun> paced_served_experiment(const std::vector<std::string>& sets) {
-  const TempDir dir;
-  write_file(dir / "paced.toml", R"([experiment]
+  return served_experiment_from(R"([experiment]
 name = "serve_paced_test"
 seed = 1
 [model]
@@ -76,10 +82,8 @@ block_size = 16
 name = "fcfs"
 [workload]
 requests = 1
-)");
-  std::vector<ExperimentRun> runs = load_experiment(dir / "paced.toml", sets);
-  validate_experiment(runs, false);
-  return runs;
+)",
+                                sets);
 }
 
 class ServedStack {

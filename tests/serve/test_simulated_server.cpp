@@ -15,9 +15,8 @@ using nlohmann::json;
 
 // Llama-2-7B on one H200 at 10 requests/s: steps of ~5-20 ms, TTFT tens of milliseconds. `sets`
 // change it as --set does.
-std::vector<ExperimentRun> simulated_h200(const TempDir& dir,
-                                          const std::vector<std::string>& sets) {
-  write_file(dir / "sim.toml", R"([experiment]
+std::vector<ExperimentRun> simulated_h200(const std::vector<std::string>& sets) {
+  return served_experiment_from(R"([experiment]
 name = "simulated_server"
 seed = 3
 clock = "virtual"
@@ -43,10 +42,8 @@ rate = 10.0
 prompt_tokens = { dist = "lognormal", mean = 600, stddev = 400, min = 64, max = 2048 }
 output_tokens = { dist = "uniform", min = 24, max = 80 }
 ignore_eos = true
-)");
-  std::vector<ExperimentRun> runs = load_experiment(dir / "sim.toml", sets);
-  validate_experiment(runs, false);
-  return runs;
+)",
+                                sets);
 }
 
 struct ClientSide {
@@ -86,18 +83,22 @@ double relative(double got, double expected) {
   return std::abs(got - expected) / expected;
 }
 
-// Serves `sets`' experiment to a client replaying its arrivals; returns the served run.
-RunOutput expect_served_matches_replay(const std::vector<std::string>& sets) {
-  TempDir dir;
-  const std::vector<ExperimentRun> runs = simulated_h200(dir, sets);
-  const RunOutput offline = run_experiment(runs.front().config, false, nullptr);
+struct ServedAndReplayed {
+  RunOutput served, offline;
+};
+
+// Serves `sets`' experiment to a client replaying its arrivals; returns the served run and the
+// replay's.
+ServedAndReplayed expect_served_matches_replay(const std::vector<std::string>& sets) {
+  const std::vector<ExperimentRun> runs = simulated_h200(sets);
+  RunOutput offline = run_experiment(runs.front().config, false, nullptr);
   const std::int64_t requests = runs.front().config.workload.requests;
   EXPECT_EQ(offline.summary.finished, requests);
   ServedStack stack(runs, {}, {}, {});
   const std::vector<ClientSide> client =
       replay_over_http(offline.engine.requests, stack.port(), stack.model_name());
   stack.stop(true);
-  const RunOutput served = stack.served().finish();
+  RunOutput served = stack.served().finish();
   double client_e2e = 0;
   for (const ClientSide& c : client) {
     EXPECT_EQ(c.status, 200) << c.body;
@@ -125,7 +126,7 @@ RunOutput expect_served_matches_replay(const std::vector<std::string>& sets) {
       want.ttft_s.mean * 1e3, got.ttft_s.p50 * 1e3, want.ttft_s.p50 * 1e3, got.tpot_s.mean * 1e3,
       want.tpot_s.mean * 1e3, got.tpot_s.p50 * 1e3, want.tpot_s.p50 * 1e3, client_e2e * 1e3,
       want.e2e_s.mean * 1e3);
-  return served;
+  return {std::move(served), std::move(offline)};
 }
 
 TEST(SimulatedServer, LatenciesUnderAClientsLoadMatchTheReplayWithin5Percent) {
@@ -140,7 +141,8 @@ TEST(SimulatedServer, LatenciesUnderAClientsLoadMatchTheReplayWithin5Percent) {
 TEST(SimulatedServer, AClustersLatenciesMatchTheReplayWithin5Percent) {
   const RunOutput served =
       expect_served_matches_replay({"cluster.replicas=2", "cluster.router=round_robin",
-                                    "workload.rate=20", "workload.requests=80"});
+                                    "workload.rate=20", "workload.requests=80"})
+          .served;
   ASSERT_EQ(served.replicas.size(), 2u);
   EXPECT_EQ(served.replicas[0].requests, 40);
   EXPECT_EQ(served.replicas[1].requests, 40);
@@ -150,7 +152,7 @@ TEST(SimulatedServer, AClustersLatenciesMatchTheReplayWithin5Percent) {
 // link (paced to its price, queued behind the link's earlier transfers), answer as kvlab run's
 // disaggregated cluster predicts.
 TEST(SimulatedServer, ADisaggregatedClustersLatenciesMatchTheReplayWithin5Percent) {
-  const RunOutput served = expect_served_matches_replay(
+  const auto [served, offline] = expect_served_matches_replay(
       {"cluster.replicas=2", "cluster.prefill_replicas=1", "cluster.router=round_robin"});
   ASSERT_EQ(served.replicas.size(), 2u);
   EXPECT_EQ(served.replicas[0].requests, 40);
@@ -158,13 +160,6 @@ TEST(SimulatedServer, ADisaggregatedClustersLatenciesMatchTheReplayWithin5Percen
   // Each KV waits on the link as the replay says: from the first token to the decode replica's
   // arrival (the transfer, ~6 ms, plus the queue behind earlier ones), within 5% of the replay's
   // mean and 0.2 ms.
-  TempDir dir;
-  const RunOutput offline = run_experiment(
-      simulated_h200(
-          dir, {"cluster.replicas=2", "cluster.prefill_replicas=1", "cluster.router=round_robin"})
-          .front()
-          .config,
-      false, nullptr);
   const auto mean_link_wait = [](const RunOutput& out) {
     double sum = 0;
     for (const RequestTimeline& t : out.engine.requests) {

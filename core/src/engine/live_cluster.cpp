@@ -73,7 +73,7 @@ KvAllocatorStats operator+(const KvAllocatorStats& a, const KvAllocatorStats& b)
 struct LiveCluster::Tracked {
   enum class Phase { prefill, transit, decode, done };
   Phase phase = Phase::prefill;
-  WorkloadRequest request;                // what the decode replica is given
+  WorkloadRequest request;                // what the decode replica is given (moved there)
   std::shared_ptr<LiveCallbacks> client;  // both sides' tokens; on_done once
   std::size_t replica = 0;                // where it is (prefill, then decode)
   RequestId local = -1;                   // its id there (-1 in transit)
@@ -370,9 +370,9 @@ void LiveCluster::deliver(Transit& transit) {
   bool gone = false;  // its client went while it crossed
   {
     std::lock_guard lock(mutex_);
-    const Tracked& t = *tracked_[static_cast<std::size_t>(transit.id)];
+    Tracked& t = *tracked_[static_cast<std::size_t>(transit.id)];
     client = t.client;
-    request = t.request;
+    request = std::move(t.request);  // the decode replica is its last reader
     gone = t.cancel_asked;
   }
   const RequestId id = transit.id;

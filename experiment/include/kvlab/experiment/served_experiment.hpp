@@ -21,7 +21,7 @@ namespace kvlab {
 
 class ServedExperiment {
  public:
-  // `c`: one validated run (a disaggregated [cluster] is refused with the reason). `stop_tokens`:
+  // `c`: one validated run (a [cluster], disaggregated or not, is a LiveCluster). `stop_tokens`:
   // tokens that end a request besides the model's EOS (a chat template's end of turn). With
   // the simulated backend the engine runs on the paced clock: each step lasts what the hardware
   // profile prices it at.
