@@ -12,10 +12,12 @@
 #include <limits>
 #include <map>
 #include <set>
+#include <thread>
 
 #include "cpu_reference/test_models.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
@@ -793,6 +795,34 @@ TEST(Engine, PricedClocksNeedACostModel) {
     test::expect_error_containing([&] { run_engine(setup, small_workload(1, 2)); },
                                   {"cost model", "hardware profile"});
   }
+}
+
+// The paced clock (kvlab serve on the simulated backend) starts a step that an arrival starts at
+// that arrival, not when the engine thread woke to it: the simulated hardware has no wake-up.
+// Woken more than 2 ms late, the lateness counts (the host really fell behind).
+TEST(Engine, ThePacedClockStartsAnIdleEnginesStepAtTheArrivalThatWokeIt) {
+  using namespace std::chrono;
+  const auto before = steady_clock::now();  // the clock starts after it: its time reads less
+  const std::unique_ptr<Clock> clock = make_clock(EngineClock::paced);
+  std::this_thread::sleep_for(milliseconds(10));
+  const double now_here = duration<double>(steady_clock::now() - before).count();
+  // Arrived 0.5 ms ago, the engine thread woke now (a live engine's catch_up before the step).
+  clock->catch_up(now_here - 0.0005);
+  EXPECT_DOUBLE_EQ(clock->now(), now_here - 0.0005);
+  // Nothing to receive (a step that ran long, an idle wait that timed out): the present.
+  std::this_thread::sleep_for(milliseconds(10));
+  clock->catch_up(std::nullopt);
+  EXPECT_GE(clock->now(), now_here + 0.01 - 0.0005);
+  // An arrival 5 ms before the wake-up: woken late, the lateness is real.
+  std::this_thread::sleep_for(milliseconds(10));
+  const double later = duration<double>(steady_clock::now() - before).count();
+  clock->catch_up(later - 0.005);
+  EXPECT_GT(clock->now(), later - 0.005 + 0.002);
+  // The idle wait until a known arrival (the wall clock sleeps until it): the arrival, unless the
+  // sleep overshot by more than 2 ms on a busy machine.
+  const double arrival = clock->now() + 0.01;
+  clock->idle_until(arrival);
+  EXPECT_TRUE(clock->now() == arrival || clock->now() > arrival + 0.002) << clock->now();
 }
 
 // Static batching as the literature runs it: a finished request stays in its batch as padding.

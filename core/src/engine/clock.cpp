@@ -55,7 +55,7 @@ class WallClock : public Clock {
     std::this_thread::sleep_until(start_ + std::chrono::duration<double>(arrival_s));
     now_ = elapsed();
   }
-  void catch_up() override { now_ = std::max(now_, elapsed()); }
+  void catch_up(std::optional<double>) override { now_ = std::max(now_, elapsed()); }
   double advance(const StepTiming&) override {
     const double started = now_;
     now_ = elapsed();
@@ -72,12 +72,21 @@ class WallClock : public Clock {
 // Real time, each step lasting at least its price: the engine sleeps until the step's scheduled
 // end and records that end, so the sleep's overshoot (tens of microseconds, more on a busy
 // machine) is not added to every step; a step slower than its price ends when it really did.
+// Likewise a step that an arrival starts (the engine idle) starts at that arrival, not when the
+// engine thread woke to it (up to kLateness later): the simulated hardware has no wake-up.
 class PacedClock : public WallClock {
  public:
   // Time that passed idle counts; the last wake-up's lateness (under kLateness) does not.
-  void catch_up() override {
+  void catch_up(std::optional<double> next_arrival) override {
     const double real = elapsed();
-    if (real > now_ + kLateness) now_ = real;
+    if (real <= now_ + kLateness) return;
+    const bool woken_by_it = next_arrival && *next_arrival > now_ && *next_arrival <= real &&
+                             real - *next_arrival <= kLateness;
+    now_ = woken_by_it ? *next_arrival : real;
+  }
+  void idle_until(double arrival_s) override {
+    WallClock::idle_until(arrival_s);
+    if (now_ >= arrival_s && now_ - arrival_s <= kLateness) now_ = arrival_s;
   }
   double advance(const StepTiming& cost) override {
     const double started = now_;

@@ -51,8 +51,9 @@ class Clock {
   // Nothing waits or runs: time moves to the next arrival (the wall clock sleeps until then).
   virtual void idle_until(double arrival_s) { now_ = arrival_s; }
   // Before a step: a real-time clock that was left idle (a live engine waiting for requests)
-  // moves to the present; the others stay.
-  virtual void catch_up() {}
+  // moves to the present; the others stay. `next_arrival`: the earliest request not yet
+  // received, if any (the paced clock starts the step at its arrival when it woke just after).
+  virtual void catch_up(std::optional<double> next_arrival) { (void)next_arrival; }
   // A step ran nothing (everyone waits for memory): time moves to the next arrival, if later.
   void skip_to(double arrival_s) { now_ = std::max(now_, arrival_s); }
   // A step that started at now() ran: advances now() and returns the step's duration.
