@@ -136,10 +136,10 @@ class PlanBuilder {
   bool is_preempted(const RequestState* r) const {
     return std::find(preempted_.begin(), preempted_.end(), r) != preempted_.end();
   }
-  // Tries r's KV operation on the planner, after those planned so far.
-  bool plan_kv(const RequestState& r) {
-    if (!plan_work(*input_.kv, r)) return false;
-    planned_.push_back(&r);
+  // Tries r's KV operation for `new_tokens` on the planner, after those planned so far.
+  bool plan_kv(const RequestState& r, std::int64_t new_tokens = 1) {
+    if (!plan_work(*input_.kv, r, new_tokens)) return false;
+    planned_.emplace_back(&r, new_tokens);
     return true;
   }
   // Gives back any work the victim was given this step, and replans: apply frees every
@@ -151,7 +151,7 @@ class PlanBuilder {
     replan();
   }
   void drop_work(const RequestState* r) {
-    std::erase(planned_, r);
+    std::erase_if(planned_, [&](const auto& p) { return p.first == r; });
     std::erase_if(plan_.work, [&](const Work& w) {
       if (w.id != r->id) return false;
       budget_ += w.new_tokens;
@@ -164,9 +164,9 @@ class PlanBuilder {
     const KvAllocator& kv = *input_.kv;
     plan_step_begin(kv, input_.running);
     for (const RequestState* r : preempted_) kv.plan_free(r->id);
-    const Requests planned = std::exchange(planned_, {});
-    for (const RequestState* r : planned)
-      if (!plan_kv(*r)) drop_work(r);
+    const auto planned = std::exchange(planned_, {});
+    for (const auto& [r, new_tokens] : planned)
+      if (!plan_kv(*r, new_tokens)) drop_work(r);
   }
   // Preempts the next victim that is not `keep`; false when there is none left.
   bool preempt_next_victim(const RequestState* keep) {
@@ -190,24 +190,27 @@ class PlanBuilder {
   std::int64_t budget_;     // tokens left this step
   std::int64_t batch_ = 0;  // running requests after this step's preemptions and admissions
   Requests running_, victims_, preempted_;
-  Requests planned_;  // requests whose KV operation the planner accepted, in plan order
+  // Requests whose KV operation the planner accepted (and their new tokens), in plan order.
+  std::vector<std::pair<const RequestState*, std::int64_t>> planned_;
   StepPlan plan_;
 };
 
 void PlanBuilder::schedule_running() {
   batch_ = static_cast<std::int64_t>(running_.size());
-  // Decodes first: they are what keeps inter-token latency low.
+  // Decodes first: they are what keeps inter-token latency low. A decode with speculative
+  // proposals verifies as many as the budget leaves (its newest token first).
   for (const RequestState* r : running_) {
     if (is_preempted(r) || !r->decoding()) continue;
     if (budget_ < 1) break;
-    bool fits = plan_kv(*r);
-    while (!fits && preempt_next_victim(r)) fits = plan_kv(*r);
+    const std::int64_t tokens = std::min(r->schedulable_tokens(), budget_);
+    bool fits = plan_kv(*r, tokens);
+    while (!fits && preempt_next_victim(r)) fits = plan_kv(*r, tokens);
     if (!fits) {  // nothing left to preempt but itself
       preempt(r);
       continue;
     }
-    plan_.work.push_back({r->id, 1});
-    --budget_;
+    plan_.work.push_back({r->id, tokens});
+    budget_ -= tokens;
   }
   // Then running requests still computing their prompt (chunked prefill); their slots were
   // allocated at admission.
@@ -277,7 +280,7 @@ void plan_step_begin(const KvAllocator& kv, std::span<const RequestState* const>
     if (kv_operation(*r) == KvOperation::kv_reallocate) kv.plan_free(r->id);
 }
 
-bool plan_work(const KvAllocator& kv, const RequestState& r) {
+bool plan_work(const KvAllocator& kv, const RequestState& r, std::int64_t new_tokens) {
   switch (kv_operation(r)) {
     case KvOperation::kv_allocate:
       return kv.plan_allocate(
@@ -285,7 +288,7 @@ bool plan_work(const KvAllocator& kv, const RequestState& r) {
     case KvOperation::kv_reallocate:
       return kv.plan_allocate({r.id, r.tokens, r.length(), &r.prefix_hashes});
     case KvOperation::kv_append:
-      return kv.plan_append(r.id, 1);
+      return kv.plan_append(r.id, r.computed + new_tokens - r.allocated);
     case KvOperation::kv_none:
       break;
   }

@@ -516,6 +516,29 @@ void parse_kv_policy(Section& s, ExperimentConfig& c) {
   c.kv_policy_params = plugin_params(s, "params");  // the rest: validate_points (per point)
 }
 
+// [speculation]: speculative decoding (kvlab/spec/speculation.hpp), prompt lookup proposing.
+void parse_speculation(Section& s, ExperimentConfig& c) {
+  if (s.table_itself() == nullptr) return;  // no table: off
+  const std::string proposer = s.get<std::string>("proposer").value_or("prompt_lookup");
+  if (proposer != "prompt_lookup")
+    s.fail(*s.node("proposer"),
+           fmt::format("speculation.proposer \"{}\" is not known: \"prompt_lookup\" (n-gram lookup "
+                       "over the prompt and the output so far) is the one built in",
+                       proposer));
+  SpeculationOptions& spec = c.speculation;
+  spec.tokens = s.get_int<std::int64_t>("tokens", 0, 64).value_or(4);
+  spec.lookup.max_ngram = s.get_int<std::int64_t>("max_ngram", 1, 64).value_or(3);
+  spec.lookup.min_ngram = s.get_int<std::int64_t>("min_ngram", 1, 64).value_or(1);
+  if (spec.lookup.min_ngram > spec.lookup.max_ngram)
+    s.fail(*s.node("min_ngram"),
+           fmt::format("speculation.min_ngram ({}) must not exceed max_ngram ({})",
+                       spec.lookup.min_ngram, spec.lookup.max_ngram));
+  if (spec.enabled() && !c.kv_policy.empty())
+    s.fail(s.node("tokens") != nullptr ? *s.node("tokens") : *s.table_itself(),
+           "[speculation] with [kv_policy]: a rejected proposal is rolled back by truncating the "
+           "sequence, which a policy's dropped positions prevent; drop one of the two tables");
+}
+
 // [kv_tiers]: host memory and disk below the paged allocator's prefix cache.
 void parse_kv_tiers(Section& s, ExperimentConfig& c) {
   auto gib = [&](const char* key) {
@@ -593,6 +616,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   section("cluster", [&](Section& s) { parse_cluster(s, c); });
   section("kv_tiers", [&](Section& s) { parse_kv_tiers(s, c); });
   section("kv_policy", [&](Section& s) { parse_kv_policy(s, c); });
+  section("speculation", [&](Section& s) { parse_speculation(s, c); });
   if (const toml::node* gone = root.get("time_model"))
     top.fail(*gone,
              "[time_model] is gone: the virtual clock prices each step with the roofline cost "

@@ -25,6 +25,7 @@ EngineOptions engine_options(const ExperimentConfig& c, const SequenceRules& rul
   options.pool = &pool;
   options.swap_slots = c.swap_slots;
   options.kv_tiers = c.has_kv_tiers();
+  options.speculation = c.speculation;
   return options;
 }
 

@@ -34,8 +34,9 @@ namespace kvlab {
 // (KvPolicy), KvView::positions (views with holes), BatchEntry::scored_queries and
 // ForwardResult::key_scores, KvAllocator::evict; 15: KvAllocator::positions_view;
 // 16: KvAllocator::truncate (speculative decoding's rollback); 17: BatchEntry::logit_rows (a
-// speculative verify's rows of logits).
-inline constexpr std::uint32_t kPluginAbiVersion = 17;
+// speculative verify's rows of logits); 18: RequestState::proposed (a decode's speculative
+// proposals, which a scheduler may grant with it: RequestState::schedulable_tokens).
+inline constexpr std::uint32_t kPluginAbiVersion = 18;
 
 namespace detail {
 

@@ -54,6 +54,11 @@ struct RequestState {
   // Its tokens' block hashes as the allocator's prefix cache names them, computed once (tokens
   // only grow at the end): a cache, filled through a read-only view of the request as well.
   mutable PrefixHashCache prefix_hashes;
+  // Speculative decoding: tokens proposed to follow the newest (not in `tokens`, no KV), set by
+  // the engine's proposer before the step's schedule and cleared after the step. A scheduler may
+  // grant a decoding request up to 1 + proposed.size() new tokens (schedulable_tokens): the
+  // newest and the proposals the target then verifies in one entry.
+  std::vector<std::int32_t> proposed;
 
   std::int64_t length() const { return static_cast<std::int64_t>(tokens.size()); }
   std::int64_t generated() const { return length() - prompt_tokens; }
@@ -63,6 +68,10 @@ struct RequestState {
   std::int64_t new_tokens() const { return length() - computed; }
   // Its newest token is the only one without KV.
   bool decoding() const { return generated() > 0 && new_tokens() == 1; }
+  // The most new tokens a step may grant it: new_tokens(), plus its proposals when decoding.
+  std::int64_t schedulable_tokens() const {
+    return new_tokens() + (decoding() ? static_cast<std::int64_t>(proposed.size()) : 0);
+  }
   // Anything else unfinished: a prompt, or a preempted request recomputing its sequence.
   bool prefilling() const { return computed < length() && !decoding(); }
   bool is_waiting() const {

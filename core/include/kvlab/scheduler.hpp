@@ -77,15 +77,17 @@ class BOOST_SYMBOL_VISIBLE Scheduler {
 // The KV operation a request's work commits in apply_plan, written once for both sides:
 //   waiting                         allocate its sequence so far (room for the rest of its output)
 //   decoding, no-cache variant      allocate its whole sequence again (freed at the step's start)
-//   decoding without a slot         append one slot for its newest token
+//   decoding without a slot         append a slot for its newest token (and for each proposal the
+//                                   step verifies with it: RequestState::proposed)
 //   otherwise (a prompt chunk)      nothing: its slots were allocated at admission
 enum class KvOperation : std::uint8_t { kv_none, kv_allocate, kv_reallocate, kv_append };
 KvOperation kv_operation(const RequestState& r);
 // Starts a step's plan: plan_reset, then the no-cache variant's decoding requests freed (apply
 // frees them first too, scheduled or not).
 void plan_step_begin(const KvAllocator& kv, std::span<const RequestState* const> running);
-// Tries r's work's KV operation on the planner; true is the allocator's promise.
-bool plan_work(const KvAllocator& kv, const RequestState& r);
+// Tries r's work's KV operation on the planner; true is the allocator's promise. `new_tokens`:
+// the tokens its work computes (a decode's 1 + the proposals it verifies; else unused).
+bool plan_work(const KvAllocator& kv, const RequestState& r, std::int64_t new_tokens = 1);
 
 // "a comes before b": an admission order, or the order in which running requests give way.
 using RequestOrder = std::function<bool(const RequestState& a, const RequestState& b)>;

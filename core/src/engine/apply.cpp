@@ -61,6 +61,7 @@ class PlanApplier {
 void PlanApplier::preempt(RequestState& r, PreemptMode mode, const char* reason) {
   ++applied_.preempted;
   ++table_.timeline(r.id).preemptions;
+  r.proposed.clear();
   if (mode == PreemptMode::swap && swap_out(r)) return;
   kv_.free(r.id);
   table_.timeline(r.id).recomputed_tokens += r.computed;
@@ -165,10 +166,15 @@ void PlanApplier::continue_running(RequestState& r, std::int64_t new_tokens) {
       work_.emplace_back(r.id, r.length());
       return;
     case KvOperation::kv_append: {
-      const std::int32_t newest = r.tokens.back();
-      if (!kv_.append(r.id, std::span<const std::int32_t>(&newest, 1)))
-        broken_promise(r, "append its newest token");
-      r.allocated = r.length();
+      // The newest token, then the proposals this step verifies (new_tokens - 1 of them).
+      std::vector<std::int32_t> appended{r.tokens.back()};
+      const auto proposals = static_cast<std::size_t>(
+          std::clamp<std::int64_t>(new_tokens - 1, 0, std::ssize(r.proposed)));
+      appended.insert(appended.end(), r.proposed.begin(), r.proposed.begin() + proposals);
+      if (!kv_.append(r.id, appended))
+        broken_promise(
+            r, proposals > 0 ? "append its newest and proposed tokens" : "append its newest token");
+      r.allocated = r.computed + std::ssize(appended);
       break;
     }
     case KvOperation::kv_allocate:
@@ -195,10 +201,11 @@ AppliedPlan PlanApplier::finish() {
         std::lower_bound(work_.begin(), work_.end(), std::pair{r->id, std::int64_t{0}},
                          [](const auto& a, const auto& b) { return a.first < b.first; });
     if (it == work_.end() || it->first != r->id) continue;
-    const std::int64_t tokens = std::min(it->second, r->new_tokens());
+    const std::int64_t tokens = std::min(it->second, r->schedulable_tokens());
     if (tokens <= 0) continue;
-    ScheduledWork work{r->id, tokens, r->computed + tokens == r->length(), false};
-    work.decode = tokens == 1 && work.samples && r->generated() > 0 && !r->recompute_each_step;
+    const std::int64_t own = std::min(tokens, r->new_tokens());  // the rest are proposals
+    ScheduledWork work{r->id, tokens, r->computed + own == r->length(), false, tokens - own};
+    work.decode = own == 1 && work.samples && r->generated() > 0 && !r->recompute_each_step;
     (work.decode ? applied_.decode_tokens : applied_.prefill_tokens) += tokens;
     applied_.batch.push_back(work);
   }
@@ -249,6 +256,29 @@ KvHandoff hand_off(const RequestState& r, const KvAllocator& kv, const ApplyOpti
   return h;
 }
 
+namespace {
+
+// A verify entry's outcome: its accepted proposals become tokens (produced now), the rejected
+// ones' slots are rolled back (their KV is never marked computed, so nothing of them reaches
+// the prefix cache), and the proposals are spent.
+void accept_proposals(RequestState& r, const ScheduledWork& work, KvAllocator& kv, double now,
+                      RequestTimeline& timeline) {
+  if (work.accepted < work.proposals) {
+    if (!kv.truncate(r.id, r.computed))
+      throw Error(fmt::format(
+          "request {}: the KV allocator refused to roll back {} rejected proposed tokens "
+          "(KvAllocator::truncate to {}): speculative decoding needs an allocator that supports it",
+          r.id, work.proposals - work.accepted, r.computed));
+    r.allocated = r.computed;
+  }
+  const auto accepted = static_cast<std::size_t>(work.accepted);
+  r.tokens.insert(r.tokens.end(), r.proposed.begin(), r.proposed.begin() + accepted);
+  timeline.token_times_s.insert(timeline.token_times_s.end(), accepted, now);
+  r.proposed.clear();
+}
+
+}  // namespace
+
 std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32_t> sampled,
                           double now, RequestTable& table, KvAllocator& kv,
                           const ApplyOptions& options, EventLog& log, std::vector<RequestId>* held,
@@ -258,7 +288,8 @@ std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32
   for (std::size_t e = 0; e < applied.batch.size(); ++e) {
     const ScheduledWork& work = applied.batch[e];
     RequestState& r = table.at(work.id);
-    r.computed += work.tokens;
+    r.computed += work.tokens - work.proposals + work.accepted;
+    if (work.proposals > 0) accept_proposals(r, work, kv, now, table.timeline(r.id));
     if (rules.caches_kv) kv.mark_computed(r.id, r.computed);
     if (!work.samples) continue;  // a prompt chunk, more to come
     const std::int32_t token = sampled[e];

@@ -63,6 +63,11 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
   clock_ = make_clock(options_.clock);
   padding_.clear();
   pending_cancels_.clear();
+  if (options_.kv_policy != nullptr && options_.speculation.enabled())
+    throw Error(
+        "engine: speculative decoding with a KV policy is not supported: a rejected proposal is "
+        "rolled back by truncating the sequence, which a policy's dropped positions prevent; run "
+        "[speculation] without [kv_policy]");
   if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
@@ -214,6 +219,7 @@ bool Engine::step() {
     clock_->idle_until(table_->at(*table_->next_arrival()).arrival_s);
     return true;
   }
+  propose();
   // 1. plan, 2. apply
   (void)padding_.release_if_batch_ended(*table_, allocator_);
   step_start_ = SteadyClock::now();
@@ -224,9 +230,9 @@ bool Engine::step() {
   if (const std::string problem = plan_checker_.problem(plan, *table_); !problem.empty())
     throw Error(fmt::format("step {}: {} returned a plan that {}", step_, options_.names.scheduler,
                             problem));
-  const AppliedPlan applied = plugin_call<PluginErrors::non_kvlab>(
-      options_.names.allocator, step_,
-      [&] { return apply_plan(plan, step_, *table_, allocator_, apply_options_, log_); });
+  AppliedPlan applied = plugin_call<PluginErrors::non_kvlab>(options_.names.allocator, step_, [&] {
+    return apply_plan(plan, step_, *table_, allocator_, apply_options_, log_);
+  });
   const bool fragmentation_blocked = admission_blocked_by_fragmentation(plan);
   if (applied.batch.empty()) {
     // Preemption emptied a padded static batch: free its padding and plan again.
@@ -291,17 +297,49 @@ void Engine::idle_step() {
   ++step_;
 }
 
+// Speculative decoding's proposals for this step: each running greedy decode (not asking for
+// log-probabilities, not handed off) gets up to speculation.tokens, never past its output limit
+// or the context; every other request's are cleared.
+void Engine::propose() {
+  const SpeculationOptions& spec = options_.speculation;
+  if (!spec.enabled()) return;
+  for (const RequestState* running : table_->running()) {
+    RequestState& r = table_->at(running->id);
+    r.proposed.clear();
+    if (!r.decoding() || r.recompute_each_step || table_->hands_off(r.id)) continue;
+    const SamplingParams& sampling = table_->sampler(r.id).params();
+    if (sampling.temperature > 0 || sampling.logprobs >= 0) continue;
+    const std::int64_t room =
+        std::min({spec.tokens, r.remaining_output() - 1, options_.rules.context - r.length() - 1});
+    if (room > 0) r.proposed = prompt_lookup(r.tokens, spec.lookup, room);
+  }
+}
+
 // The forward over the applied batch (and a static batch's padding rows, on a measured clock),
 // then each sampling entry's token; the clock prices the step. Token choices are offered to the
 // backend unless someone reads the logits (on_logits).
-std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepRecord& record) {
+std::vector<std::int32_t> Engine::run_batch(AppliedPlan& applied, StepRecord& record) {
   std::vector<BatchEntry> batch;
   batch.reserve(applied.batch.size());
+  std::size_t verify_tokens = 0;
+  for (const ScheduledWork& work : applied.batch)
+    if (work.proposals > 0) verify_tokens += static_cast<std::size_t>(work.tokens);
+  std::vector<std::int32_t> verified;  // verify entries' tokens: the newest, then the proposals
+  verified.reserve(verify_tokens);     // (the entries' spans point into it)
   for (const ScheduledWork& work : applied.batch) {
     const RequestState& r = table_->at(work.id);
     BatchEntry entry;
-    entry.tokens = std::span<const std::int32_t>(r.tokens).subspan(
-        static_cast<std::size_t>(r.computed), static_cast<std::size_t>(work.tokens));
+    if (work.proposals > 0) {
+      const std::size_t at = verified.size();
+      verified.push_back(r.tokens.back());
+      verified.insert(verified.end(), r.proposed.begin(), r.proposed.begin() + work.proposals);
+      entry.tokens = std::span<const std::int32_t>(verified).subspan(at);
+      entry.logit_rows = static_cast<std::int32_t>(1 + work.proposals);
+      record.proposed_tokens += work.proposals;
+    } else {
+      entry.tokens = std::span<const std::int32_t>(r.tokens).subspan(
+          static_cast<std::size_t>(r.computed), static_cast<std::size_t>(work.tokens));
+    }
     entry.start_position = r.computed;
     entry.view = reads_kv_slots() ? allocator_.view(work.id) : allocator_.positions_view(work.id);
     batch.push_back(std::move(entry));
@@ -327,8 +365,11 @@ std::vector<std::int32_t> Engine::run_batch(const AppliedPlan& applied, StepReco
   record.measured_step_s = seconds_between(step_start_, end);
   record.duration_s =
       clock_->advance(price_step(applied, std::span(batch).first(applied.batch.size()), record));
-  return pick_tokens(result, choices, applied, *table_, backend_.vocab_size(), step_,
-                     options_.observers);
+  std::vector<std::int32_t> sampled =
+      pick_tokens(result, choices, applied, *table_, backend_.vocab_size(), step_,
+                  options_.observers, [this](std::int32_t t) { return options_.rules.is_eos(t); });
+  for (const ScheduledWork& work : applied.batch) record.accepted_tokens += work.accepted;
+  return sampled;
 }
 
 // Whether the backend may read the batch's KV slots: not when the pool holds no K/V anywhere

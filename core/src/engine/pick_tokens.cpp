@@ -52,46 +52,94 @@ GeneratedLogprobs device_logprobs(const ForwardResult& result, std::span<const T
 
 std::vector<TokenChoice> draw_token_choices(const AppliedPlan& applied, RequestTable& table,
                                             std::size_t entries) {
-  std::vector<TokenChoice> choices(entries);
-  for (std::size_t e = 0; e < applied.batch.size(); ++e) {
-    if (!applied.batch[e].samples) continue;
-    Sampler& sampler = table.sampler(applied.batch[e].id);
-    const SamplingParams& p = sampler.params();
-    choices[e] = {p.temperature, p.top_p, p.temperature > 0 ? sampler.next_uniform() : 0.0, p.top_k,
-                  p.logprobs};
+  std::size_t proposals = 0;
+  for (const ScheduledWork& work : applied.batch)
+    proposals += static_cast<std::size_t>(work.proposals);
+  std::vector<TokenChoice> choices;
+  choices.reserve(entries + proposals);
+  for (const ScheduledWork& work : applied.batch) {
+    TokenChoice choice;
+    if (work.samples) {
+      Sampler& sampler = table.sampler(work.id);
+      const SamplingParams& p = sampler.params();
+      choice = {p.temperature, p.top_p, p.temperature > 0 ? sampler.next_uniform() : 0.0, p.top_k,
+                p.logprobs};
+    }
+    choices.insert(choices.end(), static_cast<std::size_t>(1 + work.proposals), choice);
   }
+  choices.resize(entries + proposals);  // padding rows: greedy, discarded
   return choices;
 }
 
+namespace {
+
+// The token of choice row `row`: the backend's, or picked from its logits with the choice's draw.
+std::int32_t row_token(const ForwardResult& result, std::span<const TokenChoice> choices,
+                       std::size_t row, std::size_t width, RequestId id, std::int64_t step,
+                       const SamplingParams& params, const TokenObservers& observers) {
+  if (!result.tokens.empty()) {
+    if (result.tokens[row] < 0)  // the device's choice over a row with NaN or +-inf
+      throw Error(fmt::format(
+          "request {}, step {}: the backend's logits hold a non-finite value; the model's "
+          "weights or the backend produced non-finite values, so no token can be sampled",
+          id, step));
+    return result.tokens[row];
+  }
+  const auto logits = result.logits.subspan(row * width, width);
+  throw_if_non_finite(logits, id, step);
+  if (observers.on_logits) observers.on_logits(id, logits);
+  return pick_token(logits, params, choices[row].uniform);
+}
+
+// A verify entry's rows first..first+proposals: the target's token at each position, accepted
+// while it equals the proposal there and does not end the sequence. Returns the token after the
+// accepted proposals (the target's own at the first mismatch, or after all of them).
+std::int32_t verify(const ForwardResult& result, std::span<const TokenChoice> choices,
+                    std::size_t first, std::size_t width, ScheduledWork& work,
+                    const RequestState& r, bool ignores_eos, std::int64_t step,
+                    const SamplingParams& params, const TokenObservers& observers,
+                    const std::function<bool(std::int32_t)>& is_eos) {
+  work.accepted = 0;
+  for (std::int64_t i = 0;; ++i) {
+    const std::int32_t target = row_token(result, choices, first + static_cast<std::size_t>(i),
+                                          width, r.id, step, params, observers);
+    const bool ends = !ignores_eos && is_eos && is_eos(target);
+    if (i == work.proposals || target != r.proposed[static_cast<std::size_t>(i)] || ends)
+      return target;
+    ++work.accepted;
+    if (observers.on_token) observers.on_token(r.id, target, nullptr);
+  }
+}
+
+}  // namespace
+
 std::vector<std::int32_t> pick_tokens(const ForwardResult& result,
-                                      std::span<const TokenChoice> choices,
-                                      const AppliedPlan& applied, RequestTable& table,
-                                      std::int64_t vocab, std::int64_t step,
-                                      const TokenObservers& observers) {
+                                      std::span<const TokenChoice> choices, AppliedPlan& applied,
+                                      RequestTable& table, std::int64_t vocab, std::int64_t step,
+                                      const TokenObservers& observers,
+                                      const std::function<bool(std::int32_t)>& is_eos) {
   const auto width = static_cast<std::size_t>(vocab);
   check_shape(result, choices.size(), width);
   std::vector<std::int32_t> sampled(applied.batch.size(), -1);  // padding rows: discarded
+  std::size_t row = 0;
   for (std::size_t e = 0; e < applied.batch.size(); ++e) {
-    const ScheduledWork& work = applied.batch[e];
+    ScheduledWork& work = applied.batch[e];
+    const std::size_t first =
+        std::exchange(row, row + 1 + static_cast<std::size_t>(work.proposals));
     if (!work.samples) continue;
     const SamplingParams& params = table.sampler(work.id).params();
-    if (!result.tokens.empty()) {
-      sampled[e] = result.tokens[e];
-      if (sampled[e] < 0)  // the device's choice over a row with NaN or +-inf
-        throw Error(fmt::format(
-            "request {}, step {}: the backend's logits hold a non-finite value; the model's "
-            "weights or the backend produced non-finite values, so no token can be sampled",
-            work.id, step));
-      if (params.logprobs >= 0)
-        table.logprobs(work.id).push_back(device_logprobs(result, choices, work.id, e, step));
-    } else {
-      const auto row = result.logits.subspan(e * width, width);
-      throw_if_non_finite(row, work.id, step);
-      if (observers.on_logits) observers.on_logits(work.id, row);
-      sampled[e] = pick_token(row, params, choices[e].uniform);
-      if (params.logprobs >= 0)
-        table.logprobs(work.id).push_back(generated_logprobs(row, sampled[e], params.logprobs));
+    if (work.proposals > 0) {
+      sampled[e] = verify(result, choices, first, width, work, table.at(work.id),
+                          table.ignores_eos(work.id), step, params, observers, is_eos);
+      if (observers.on_token) observers.on_token(work.id, sampled[e], nullptr);
+      continue;
     }
+    sampled[e] = row_token(result, choices, first, width, work.id, step, params, observers);
+    if (params.logprobs >= 0)
+      table.logprobs(work.id).push_back(
+          result.tokens.empty() ? generated_logprobs(result.logits.subspan(first * width, width),
+                                                     sampled[e], params.logprobs)
+                                : device_logprobs(result, choices, work.id, first, step));
     if (observers.on_token)
       observers.on_token(work.id, sampled[e],
                          params.logprobs >= 0 ? &table.logprobs(work.id).back() : nullptr);

@@ -54,9 +54,10 @@ std::string work_problem(const Work& w, const RequestTable& table, bool preempte
     return fmt::format("gives work to request {}, which is {}", w.id, status_name(*r));
   if (preempted)
     return fmt::format("gives work to request {}, which it preempts in the same plan", w.id);
-  if (w.new_tokens < 1 || w.new_tokens > r->new_tokens())
-    return fmt::format("gives request {} {} new tokens; it has {} without KV (1 .. {} allowed)",
-                       w.id, w.new_tokens, r->new_tokens(), r->new_tokens());
+  if (w.new_tokens < 1 || w.new_tokens > r->schedulable_tokens())
+    return fmt::format(
+        "gives request {} {} new tokens; it has {} without KV and {} proposed (1 .. {} allowed)",
+        w.id, w.new_tokens, r->new_tokens(), r->proposed.size(), r->schedulable_tokens());
   return "";
 }
 

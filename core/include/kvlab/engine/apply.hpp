@@ -24,12 +24,16 @@ struct ApplyOptions {
   std::int64_t swap_slots = 0;  // host swap pool capacity in tokens (0: swap falls back)
 };
 
-// One batch entry: `tokens` new tokens of request `id`, starting at its computed count.
+// One batch entry: `tokens` new tokens of request `id`, starting at its computed count. A
+// speculative verify: its newest token and `proposals` of RequestState::proposed (the last
+// `proposals` of `tokens`); the target's tokens then accept the first `accepted` of them.
 struct ScheduledWork {
   RequestId id = 0;
   std::int64_t tokens = 0;
   bool samples = false;  // the entry ends the sequence: its last logits give the next token
-  bool decode = false;   // one new token of a decoding request (else prefill or recompute)
+  bool decode = false;   // a decoding request's newest token (else prefill or recompute)
+  std::int64_t proposals = 0;
+  std::int64_t accepted = 0;  // set after the forward (pick_tokens), before apply_tokens
 };
 
 struct AppliedPlan {
@@ -45,7 +49,9 @@ struct AppliedPlan {
 AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& table,
                        KvAllocator& kv, const ApplyOptions& options, EventLog& log);
 
-// `sampled[e]` is the token batch entry e produced (read only when it samples). Returns how
+// `sampled[e]` is the token batch entry e produced (read only when it samples); a verify entry
+// appends its first `accepted` proposals before it, its rejected proposals' slots are rolled
+// back (KvAllocator::truncate) and its proposals cleared. Returns how
 // many requests finished. A finished request's KV is freed, unless the plan pads finished
 // requests (applied.pad_finished) and `held` is given: then it stays allocated and its id is
 // appended to `held` (the caller frees it when the static batch ends). A request submitted for

@@ -31,6 +31,7 @@
 #include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 #include "kvlab/sim/cost_model.hpp"
+#include "kvlab/spec/speculation.hpp"
 
 namespace kvlab {
 
@@ -58,6 +59,9 @@ struct EngineOptions {
   // Which cached positions each sequence keeps (kvlab/kv_policy.hpp), or none: every position.
   // It needs an allocator that drops positions (paged, without prefix caching).
   KvPolicy* kv_policy = nullptr;
+  // Speculative decoding (kvlab/spec/speculation.hpp): off unless speculation.tokens > 0. Not
+  // with a KV policy (a rollback cannot restore dropped positions).
+  SpeculationOptions speculation;
   // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
   struct PluginNames {
     std::string scheduler = "the scheduler", allocator = "the KV allocator",
@@ -73,6 +77,8 @@ struct StepRecord {
   double predicted_s = 0;      // the cost model's prediction (0 without one)
   StepWork work;               // what the cost model priced: FLOPs and bytes (zeros without one)
   std::int64_t batch = 0, prefill_tokens = 0, decode_tokens = 0, preempted = 0;
+  // Speculative decoding: proposed tokens the step verified, and how many the target accepted.
+  std::int64_t proposed_tokens = 0, accepted_tokens = 0;
   std::int64_t waiting = 0, running = 0;
   // Finished requests a static batch still carries (StepPlan::pad_finished): rows priced this
   // step, and the KV slots their views hold after it (a shared prefix block in each view).
@@ -154,7 +160,8 @@ class Engine {
   void apply_cancels();
   std::string never_fits(const RequestState& r) const;
   void idle_step();
-  std::vector<std::int32_t> run_batch(const AppliedPlan& applied, StepRecord& record);
+  void propose();
+  std::vector<std::int32_t> run_batch(AppliedPlan& applied, StepRecord& record);
   bool computes_padding() const;
   bool reads_kv_slots() const;
   void record_step(StepRecord record, bool fragmentation_blocked);

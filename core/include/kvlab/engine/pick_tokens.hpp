@@ -14,9 +14,11 @@
 
 namespace kvlab {
 
-// One choice per forwarded entry: the batch's sampling entries take their draw from their
-// request's RNG now (one per non-greedy token, as Sampler::sample draws); the rest, and the
-// `entries` forwarded beyond the batch (a static batch's padding rows), are greedy and discarded.
+// One choice per row of logits the forward returns (an entry's logit_rows; a speculative verify
+// has 1 + its proposals): the batch's sampling entries take their draw from their request's RNG
+// now (one per non-greedy token, as Sampler::sample draws; a verify's rows are greedy); the rest,
+// and the `entries` forwarded beyond the batch (a static batch's padding rows), are greedy and
+// discarded.
 std::vector<TokenChoice> draw_token_choices(const AppliedPlan& applied, RequestTable& table,
                                             std::size_t entries);
 
@@ -29,13 +31,17 @@ struct TokenObservers {
 };
 
 // The next token of each batch entry (-1 for entries that do not sample); log-probabilities
-// appended to the request where its sampling asks for them. Throws kvlab::Error when `result`
-// does not have one row or token per forwarded entry (choices.size()), or holds non-finite
-// logits. `vocab`: the backend's; `step`: for messages.
+// appended to the request where its sampling asks for them. A verify entry (greedy) accepts its
+// proposals while each equals the target's token at its position, up to one that ends the
+// sequence (`is_eos`, unless the request ignores EOS): its `accepted` count is written into
+// `applied`, and its token is the target's at the first position not accepted; observers see
+// the accepted proposals, then that token. Throws kvlab::Error when `result` does not have one
+// row or token per choice, or holds non-finite logits. `vocab`: the backend's; `step`: for
+// messages.
 std::vector<std::int32_t> pick_tokens(const ForwardResult& result,
-                                      std::span<const TokenChoice> choices,
-                                      const AppliedPlan& applied, RequestTable& table,
-                                      std::int64_t vocab, std::int64_t step,
-                                      const TokenObservers& observers);
+                                      std::span<const TokenChoice> choices, AppliedPlan& applied,
+                                      RequestTable& table, std::int64_t vocab, std::int64_t step,
+                                      const TokenObservers& observers,
+                                      const std::function<bool(std::int32_t)>& is_eos = {});
 
 }  // namespace kvlab

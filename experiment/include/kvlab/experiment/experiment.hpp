@@ -86,6 +86,9 @@ struct ExperimentConfig {
   // kv_policy plugin and its params; "" keeps every position.
   std::string kv_policy;
   ParamMap kv_policy_params;
+  // [speculation]: speculative decoding (kvlab/spec/speculation.hpp): proposals per decode and
+  // the prompt-lookup proposer's n-gram range; tokens = 0 (no table): off.
+  SpeculationOptions speculation;
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";
