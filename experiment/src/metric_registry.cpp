@@ -39,6 +39,27 @@ json waste_breakdown(const RunOutput& out) {
           {"unusable_free_all", unusable / n}};
 }
 
+// Speculative decoding's totals over the steps; null for a run without [speculation].
+json speculation_total(const ExperimentConfig& c, const RunOutput& out,
+                       double (*value)(std::int64_t verifies, std::int64_t proposed,
+                                       std::int64_t accepted, double propose_s)) {
+  std::int64_t verifies = 0, proposed = 0, accepted = 0;
+  double propose_s = 0;
+  for (const auto& s : out.engine.steps) {
+    verifies += s.verify_entries;
+    proposed += s.proposed_tokens;
+    accepted += s.accepted_tokens;
+    propose_s += s.propose_s;
+  }
+  // (a sweep's table reads every point with one point's config: the steps say it too)
+  if (!c.speculation.enabled() && verifies == 0) return json();
+  return value(verifies, proposed, accepted, propose_s);
+}
+
+double ratio(std::int64_t a, std::int64_t b) {
+  return b > 0 ? static_cast<double>(a) / static_cast<double>(b) : 0.0;
+}
+
 // TTFT of the finished requests of each priority level of the workload (0 .. weights - 1).
 json ttft_by_priority(const ExperimentConfig& c, const RunOutput& out) {
   const int levels = std::max<int>(1, static_cast<int>(c.workload.priority_weights.size()));
@@ -318,6 +339,52 @@ const RunMetric kRunMetrics[] = {
      true,
      SUMMARY(out.summary.preemptions),
      {{"", "preempt", "", 0}}},
+    {"spec_proposed_tokens",
+     "tokens",
+     "speculative decoding: proposed tokens the target verified (each beside a decode's newest "
+     "token, in the same entry)",
+     "sum over steps",
+     true,
+     [](const ExperimentConfig& c, const RunOutput& out) {
+       return speculation_total(c, out, [](std::int64_t, std::int64_t p, std::int64_t, double) {
+         return static_cast<double>(p);
+       });
+     },
+     {}},
+    {"spec_acceptance_rate",
+     "fraction",
+     "speculative decoding: accepted / proposed tokens (the proposals equal to the target's own "
+     "token at their position, before the first that is not)",
+     "over the run's verified proposals",
+     true,
+     [](const ExperimentConfig& c, const RunOutput& out) {
+       return speculation_total(c, out, [](std::int64_t, std::int64_t p, std::int64_t a, double) {
+         return ratio(a, p);
+       });
+     },
+     {{"spec_acceptance", "accepted", "", 1, true}}},
+    {"spec_accepted_length",
+     "tokens",
+     "speculative decoding: mean accepted proposals per verifying entry (the entry then produces "
+     "1 + that many tokens)",
+     "accepted / verifying entries",
+     true,
+     [](const ExperimentConfig& c, const RunOutput& out) {
+       return speculation_total(c, out, [](std::int64_t v, std::int64_t, std::int64_t a, double) {
+         return ratio(a, v);
+       });
+     },
+     {{"spec_accepted_length", "accepted/verify", "", 2}}},
+    {"spec_propose_s",
+     "s",
+     "speculative decoding: the proposer's time (measured), over every step",
+     "sum over steps",
+     true,
+     [](const ExperimentConfig& c, const RunOutput& out) {
+       return speculation_total(
+           c, out, [](std::int64_t, std::int64_t, std::int64_t, double s) { return s; });
+     },
+     {}},
     {"recomputed_tokens",
      "tokens",
      "tokens computed again after recompute preemptions",

@@ -90,6 +90,8 @@ void write_requests_csv(Text& f, const RunOutput& out) {
 void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
   const bool cluster = !out.replicas.empty();  // each step is one replica's
   const bool tiers = out.kv_tiers.has_value();
+  const bool speculative = std::any_of(out.engine.steps.begin(), out.engine.steps.end(),
+                                       [](const StepRecord& s) { return s.verify_entries > 0; });
   put(f, "{}step,start_s,duration_s,{}", cluster ? "replica," : "",
       measured ? "measured_forward_s,measured_step_s," : "");
   put(f,
@@ -97,8 +99,9 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
       "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
       "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
       "prefix_query_tokens");
-  put(f, "{}\n",
-      tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "");
+  put(f, "{}{}\n",
+      tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "",
+      speculative ? ",verify_entries,proposed_tokens,accepted_tokens,propose_s" : "");
   // A row per step (a whole-trace replay has a million): formats compiled, not parsed per row.
   auto row = std::back_inserter(f.buffer());
   for (const auto& s : out.engine.steps) {
@@ -117,6 +120,9 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
       fmt::format_to(row, FMT_COMPILE(",{},{},{},{},{:.6f}"), s.kv.host_hit_tokens,
                      s.kv.disk_hit_tokens, s.kv.host_bytes_stored + s.kv.disk_bytes_stored,
                      s.kv.host_bytes_loaded + s.kv.disk_bytes_loaded, s.tier_s);
+    if (speculative)
+      fmt::format_to(row, FMT_COMPILE(",{},{},{},{:.6f}"), s.verify_entries, s.proposed_tokens,
+                     s.accepted_tokens, s.propose_s);
     put(f, "\n");
   }
 }

@@ -231,6 +231,54 @@ TEST(SchedulerTables, TokenBudgetHoldsAndDeferralsHaveReasons) {
   EXPECT_EQ(plan.deferred[0].reason, "token_budget");
 }
 
+// Speculative decoding: a decode with proposals is granted its newest token and as many of them
+// as the token budget leaves (decodes first, in running order), and its KV operation is planned
+// with a slot for each: with too few free slots it does not fit and the decode is preempted.
+TEST(SchedulerTables, ADecodeVerifiesTheProposalsTheTokenBudgetLeaves) {
+  const auto running_decodes = [](std::vector<RequestState>& states, MockAllocator& kv) {
+    std::vector<const RequestState*> running;
+    for (std::size_t i = 0; i < states.size(); ++i) {
+      RequestState& r = states[i];
+      r.id = static_cast<RequestId>(i);
+      r.prompt_tokens = 8;
+      r.tokens.assign(10, 1);  // 8 prompt tokens, 2 generated: the newest has no KV
+      r.computed = r.allocated = 9;
+      r.max_new_tokens = 20;
+      r.status = RequestStatus::running;
+      r.admitted_step = static_cast<std::int64_t>(i);
+      EXPECT_TRUE(kv.allocate({r.id, std::span(r.tokens).first(9), 30, nullptr}));
+      running.push_back(&r);
+    }
+    return running;
+  };
+  ContinuousPolicy policy;
+  policy.max_tokens_per_step = 6;
+  MockAllocator kv(100);
+  std::vector<RequestState> states(2);
+  const auto running = running_decodes(states, kv);
+  states[0].proposed = {1, 2, 3, 4};
+  states[1].proposed = {5, 6};
+  ASSERT_EQ(states[0].schedulable_tokens(), 5);
+  const StepPlan plan = schedule_continuous({{}, running, &kv, 0}, policy);
+  ASSERT_EQ(plan.work.size(), 2u);
+  EXPECT_EQ(plan.work[0].new_tokens, 5);  // its newest and its 4 proposals
+  EXPECT_EQ(plan.work[1].new_tokens, 1);  // the budget's last token: its newest only
+  EXPECT_TRUE(plan.preempt.empty());
+
+  // 18 slots held, 3 free: the first decode's 5 slots do not fit, so the last admitted gives
+  // way; then they do.
+  MockAllocator tight(21);
+  std::vector<RequestState> more(2);
+  const auto both = running_decodes(more, tight);
+  more[0].proposed = {1, 2, 3, 4};
+  policy.max_tokens_per_step = 100;
+  const StepPlan squeezed = schedule_continuous({{}, both, &tight, 0}, policy);
+  ASSERT_EQ(squeezed.preempt.size(), 1u);
+  EXPECT_EQ(squeezed.preempt[0].id, 1);
+  ASSERT_EQ(squeezed.work.size(), 1u);
+  EXPECT_EQ(squeezed.work[0].new_tokens, 5);
+}
+
 // A plugin's own admission order on top of the shared algorithm: longest prompt first.
 TEST(SchedulerTables, PolicyHooksBringTheirOwnAdmissionOrder) {
   ContinuousPolicy policy;

@@ -49,6 +49,7 @@ struct EngineSetup {
   std::string kv_policy;                            // a kv_policy plugin, or none
   std::map<std::string, ParamValue, std::less<>> kv_policy_params;
   const cpu::LlamaWeights* model = nullptr;  // another model than weights()
+  SpeculationOptions speculation;  // speculative decoding: off unless speculation.tokens > 0
   // Called after each step (its number from 1) of a run driven step by step; unset: Engine::run.
   std::function<void(Engine&, std::int64_t)> after_step;
 };
@@ -97,6 +98,7 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   options.rules.eos_token_ids = c.eos_token_ids;
   options.pool = &pool;
   options.swap_slots = setup.swap_slots;
+  options.speculation = setup.speculation;
   WatchedScheduler watched(
       *scheduler, setup.sees ? setup.sees : [](const SchedulerInput&) {});
   Engine engine(backend, *allocator, watched, options);
@@ -794,6 +796,95 @@ TEST(Engine, PricedClocksNeedACostModel) {
     setup.cost_model = false;
     test::expect_error_containing([&] { run_engine(setup, small_workload(1, 2)); },
                                   {"cost model", "hardware profile"});
+  }
+}
+
+// Requests for speculative decoding: prompts repeating a 5-token pattern, so prompt lookup
+// proposes from the first decode on, on an unscaled random tiny model whose greedy outputs
+// fall into loops for some prompts (proposals accepted) and not for others (rejected).
+const cpu::LlamaWeights& looping_model() {
+  static const cpu::LlamaWeights model = cpu::random_llama_weights(model_preset("tiny"), 5);
+  return model;
+}
+
+std::vector<WorkloadRequest> patterned_requests() {
+  std::vector<WorkloadRequest> requests;
+  for (std::int32_t i = 0; i < 6; ++i) {
+    WorkloadRequest r;
+    r.id = i;
+    r.arrival_s = 0.002 * i;
+    for (std::int32_t t = 0; t < 12 + 2 * i; ++t) r.prompt.push_back(3 + (t % 5) * 7 + i);
+    r.output_tokens = r.sampling.max_tokens = 12 + i;
+    r.sampling.ignore_eos = true;
+    requests.push_back(r);
+  }
+  return requests;
+}
+
+std::pair<std::int64_t, std::int64_t> proposed_and_accepted(const EngineResult& result) {
+  std::int64_t proposed = 0, accepted = 0;
+  for (const StepRecord& s : result.steps) {
+    proposed += s.proposed_tokens;
+    accepted += s.accepted_tokens;
+    EXPECT_LE(s.accepted_tokens, s.proposed_tokens);
+  }
+  return {proposed, accepted};
+}
+
+// Speculative decoding (prompt lookup, 4 proposals) in every allocator: the greedy tokens of
+// decoding without it, proposals both accepted and rejected (the rejected ones rolled back),
+// fewer steps, and every slot returned at the end.
+TEST(Engine, SpeculationGivesTheTokensOfPlainDecodingInEveryAllocator) {
+  const std::vector<WorkloadRequest> requests = patterned_requests();
+  for (const char* allocator : {"static", "dynamic", "paged"}) {
+    SCOPED_TRACE(allocator);
+    EngineSetup setup;
+    setup.model = &looping_model();
+    setup.allocator = allocator;
+    if (std::string(allocator) != "paged") setup.allocator_params.clear();
+    const EngineResult plain = run_engine(setup, requests);
+    setup.speculation.tokens = 4;
+    const EngineResult speculative = run_engine(setup, requests);
+    EXPECT_EQ(speculative.tokens, plain.tokens);
+    const auto [proposed, accepted] = proposed_and_accepted(speculative);
+    EXPECT_GT(accepted, 0) << "some proposals accepted";
+    EXPECT_LT(accepted, proposed) << "some rejected, and rolled back";
+    EXPECT_LT(speculative.steps.size(), plain.steps.size());
+    EXPECT_EQ(speculative.steps.back().kv.used, 0) << "every slot returned";
+  }
+}
+
+// Prefix caching keeps only verified KV under the verified tokens' hashes: a second wave of
+// requests, each prompt a first-wave request's whole sequence (prompt and output), hits the
+// cache for exactly the blocks it hits after the same first wave without speculation, and
+// generates the same tokens.
+TEST(Engine, SpeculationCachesOnlyVerifiedBlocksForPrefixReuse) {
+  EngineSetup setup;
+  setup.model = &looping_model();
+  setup.slots = 1024;
+  setup.allocator_params["prefix_caching"] = true;
+  const std::vector<WorkloadRequest> first = patterned_requests();
+  const EngineResult first_plain = run_engine(setup, first);
+  std::vector<WorkloadRequest> both = first;
+  for (std::size_t i = 0; i < first.size(); ++i) {
+    WorkloadRequest again = first[i];
+    again.id = static_cast<RequestId>(first.size() + i);
+    again.arrival_s = 1.0 + 0.002 * static_cast<double>(i);  // after the first wave finished
+    again.prompt.insert(again.prompt.end(), first_plain.tokens[i].begin(),
+                        first_plain.tokens[i].end());
+    again.output_tokens = again.sampling.max_tokens = 4;
+    both.push_back(again);
+  }
+  const EngineResult without = run_engine(setup, both);
+  setup.speculation.tokens = 4;
+  const EngineResult with = run_engine(setup, both);
+  EXPECT_EQ(with.tokens, without.tokens);
+  const auto [proposed, accepted] = proposed_and_accepted(with);
+  EXPECT_LT(accepted, proposed) << "some proposals rejected";
+  for (std::size_t i = first.size(); i < both.size(); ++i) {
+    EXPECT_GT(without.requests[i].prefix_hit_tokens, 0) << "request " << i;
+    EXPECT_EQ(with.requests[i].prefix_hit_tokens, without.requests[i].prefix_hit_tokens)
+        << "request " << i;
   }
 }
 

@@ -219,7 +219,7 @@ bool Engine::step() {
     clock_->idle_until(table_->at(*table_->next_arrival()).arrival_s);
     return true;
   }
-  propose();
+  const double propose_s = propose();
   // 1. plan, 2. apply
   (void)padding_.release_if_batch_ended(*table_, allocator_);
   step_start_ = SteadyClock::now();
@@ -244,6 +244,7 @@ bool Engine::step() {
   // 3. run, 4. sample, 5. update
   StepRecord record;
   record.preempted = applied.preempted;
+  record.propose_s = propose_s;
   const std::vector<std::int32_t> sampled = run_batch(applied, record);
   log_.set_time(step_, clock_->now());
   std::vector<RequestId> finished_held;
@@ -300,9 +301,10 @@ void Engine::idle_step() {
 // Speculative decoding's proposals for this step: each running greedy decode (not asking for
 // log-probabilities, not handed off) gets up to speculation.tokens, never past its output limit
 // or the context; every other request's are cleared.
-void Engine::propose() {
+double Engine::propose() {
   const SpeculationOptions& spec = options_.speculation;
-  if (!spec.enabled()) return;
+  if (!spec.enabled()) return 0;
+  const auto start = SteadyClock::now();
   for (const RequestState* running : table_->running()) {
     RequestState& r = table_->at(running->id);
     r.proposed.clear();
@@ -313,6 +315,7 @@ void Engine::propose() {
         std::min({spec.tokens, r.remaining_output() - 1, options_.rules.context - r.length() - 1});
     if (room > 0) r.proposed = prompt_lookup(r.tokens, spec.lookup, room);
   }
+  return seconds_between(start, SteadyClock::now());
 }
 
 // The forward over the applied batch (and a static batch's padding rows, on a measured clock),
@@ -336,6 +339,7 @@ std::vector<std::int32_t> Engine::run_batch(AppliedPlan& applied, StepRecord& re
       entry.tokens = std::span<const std::int32_t>(verified).subspan(at);
       entry.logit_rows = static_cast<std::int32_t>(1 + work.proposals);
       record.proposed_tokens += work.proposals;
+      ++record.verify_entries;
     } else {
       entry.tokens = std::span<const std::int32_t>(r.tokens).subspan(
           static_cast<std::size_t>(r.computed), static_cast<std::size_t>(work.tokens));

@@ -77,8 +77,10 @@ struct StepRecord {
   double predicted_s = 0;      // the cost model's prediction (0 without one)
   StepWork work;               // what the cost model priced: FLOPs and bytes (zeros without one)
   std::int64_t batch = 0, prefill_tokens = 0, decode_tokens = 0, preempted = 0;
-  // Speculative decoding: proposed tokens the step verified, and how many the target accepted.
-  std::int64_t proposed_tokens = 0, accepted_tokens = 0;
+  // Speculative decoding: the entries that verified proposals, the proposed tokens they held,
+  // how many the target accepted, and the proposer's time before the step (measured).
+  std::int64_t verify_entries = 0, proposed_tokens = 0, accepted_tokens = 0;
+  double propose_s = 0;
   std::int64_t waiting = 0, running = 0;
   // Finished requests a static batch still carries (StepPlan::pad_finished): rows priced this
   // step, and the KV slots their views hold after it (a shared prefix block in each view).
@@ -160,7 +162,7 @@ class Engine {
   void apply_cancels();
   std::string never_fits(const RequestState& r) const;
   void idle_step();
-  void propose();
+  double propose();  // returns the seconds it took
   std::vector<std::int32_t> run_batch(AppliedPlan& applied, StepRecord& record);
   bool computes_padding() const;
   bool reads_kv_slots() const;
