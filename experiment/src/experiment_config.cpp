@@ -516,16 +516,26 @@ void parse_kv_policy(Section& s, ExperimentConfig& c) {
   c.kv_policy_params = plugin_params(s, "params");  // the rest: validate_points (per point)
 }
 
-// [speculation]: speculative decoding (kvlab/spec/speculation.hpp), prompt lookup proposing.
+// [speculation]: speculative decoding (kvlab/spec/speculation.hpp): which proposer, how many
+// proposals per decode, fixed or adaptive.
 void parse_speculation(Section& s, ExperimentConfig& c) {
   if (s.table_itself() == nullptr) return;  // no table: off
-  const std::string proposer = s.get<std::string>("proposer").value_or("prompt_lookup");
-  if (proposer != "prompt_lookup")
-    s.fail(*s.node("proposer"),
-           fmt::format("speculation.proposer \"{}\" is not known: \"prompt_lookup\" (n-gram lookup "
-                       "over the prompt and the output so far) is the one built in",
-                       proposer));
   SpeculationOptions& spec = c.speculation;
+  const std::string proposer = s.get<std::string>("proposer").value_or("prompt_lookup");
+  if (proposer == "simulated") {
+    spec.proposer = ProposerKind::simulated;
+    if (c.backend_kind != BackendKind::simulated)
+      s.fail(*s.node("proposer"),
+             "speculation.proposer \"simulated\" proposes the simulated backend's own tokens at "
+             "acceptance_rate: it needs backend.name = \"simulated\" (use \"prompt_lookup\" on "
+             "a backend that computes)");
+  } else if (proposer != "prompt_lookup") {
+    s.fail(*s.node("proposer"),
+           fmt::format("speculation.proposer \"{}\" is not known: \"prompt_lookup\" (n-gram "
+                       "lookup over the prompt and the output so far) or \"simulated\" (the "
+                       "simulated backend's tokens, right at acceptance_rate)",
+                       proposer));
+  }
   spec.tokens = s.get_int<std::int64_t>("tokens", 0, 64).value_or(4);
   spec.lookup.max_ngram = s.get_int<std::int64_t>("max_ngram", 1, 64).value_or(3);
   spec.lookup.min_ngram = s.get_int<std::int64_t>("min_ngram", 1, 64).value_or(1);
@@ -533,6 +543,15 @@ void parse_speculation(Section& s, ExperimentConfig& c) {
     s.fail(*s.node("min_ngram"),
            fmt::format("speculation.min_ngram ({}) must not exceed max_ngram ({})",
                        spec.lookup.min_ngram, spec.lookup.max_ngram));
+  spec.acceptance_rate = s.get<double>("acceptance_rate").value_or(spec.acceptance_rate);
+  if (!(spec.acceptance_rate >= 0 && spec.acceptance_rate <= 1))
+    s.fail(*s.node("acceptance_rate"), "speculation.acceptance_rate must be in [0, 1]");
+  if (s.node("acceptance_rate") != nullptr && spec.proposer != ProposerKind::simulated)
+    s.fail(*s.node("acceptance_rate"),
+           "speculation.acceptance_rate is the simulated proposer's: prompt lookup's acceptance "
+           "is what the model and the text make it");
+  spec.adaptive = s.get<bool>("adaptive").value_or(false);
+  spec.seed = static_cast<std::uint64_t>(c.seed);
   if (spec.enabled() && !c.kv_policy.empty())
     s.fail(s.node("tokens") != nullptr ? *s.node("tokens") : *s.table_itself(),
            "[speculation] with [kv_policy]: a rejected proposal is rolled back by truncating the "

@@ -116,6 +116,24 @@ TEST(CostModel, LargePrefillTurnsComputeBoundAndCountsCausalPairs) {
                    2 * 4.0 * 64 * (8 * 40.0 + 8 * 9 / 2.0));
 }
 
+// A speculative verify: the newest token and k proposals after a cached context, priced as the
+// chunk it is (k + 1 tokens through the weights, each attending to the cache and the tokens
+// before it) with k + 1 rows through the LM head.
+TEST(CostModel, AVerifyEntryIsPricedAsItsTokensWithARowOfLogitsEach) {
+  const CostModel model(toy_model(), toy_profile());
+  const EntryShape decode{1, 100, 0};
+  const EntryShape verify{5, 100, 0, 5};
+  const StepWork one = model.work(std::span(&decode, 1)), five = model.work(std::span(&verify, 1));
+  EXPECT_EQ(five.tokens, 5);
+  EXPECT_EQ(five.logit_rows, 5);
+  EXPECT_DOUBLE_EQ(five.linear.flops, 5 * one.linear.flops);
+  EXPECT_DOUBLE_EQ(five.lm_head.flops, 5 * one.lm_head.flops);
+  EXPECT_DOUBLE_EQ(five.attention_prefill.flops, 2 * 4.0 * 64 * (5 * 100.0 + 5 * 6 / 2.0));
+  // A prompt chunk of 5 wants one row of logits: its LM head is a decode's.
+  const EntryShape chunk{5, 100, 0};
+  EXPECT_DOUBLE_EQ(model.work(std::span(&chunk, 1)).lm_head.flops, one.lm_head.flops);
+}
+
 // The roofline a measured step is set against (kvlab calibrate): every group at the peaks,
 // whatever the profile's efficiencies, regimes and overheads say.
 TEST(CostModel, RooflineIsEveryGroupAtThePeaksWithoutOverheads) {

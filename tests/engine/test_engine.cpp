@@ -888,6 +888,41 @@ TEST(Engine, SpeculationCachesOnlyVerifiedBlocksForPrefixReuse) {
   }
 }
 
+// The simulated proposer: each proposal is the simulated target's own token at its position
+// with probability acceptance_rate, so the accepted prefix of 4 averages 0.75 + 0.75^2 + ...
+// + 0.75^4 = 2.05 tokens (within 3% over 20,000 verifies), and a wrong proposal is never the
+// target's token.
+TEST(Speculation, TheSimulatedProposerIsRightAtItsAcceptanceRate) {
+  SpeculationOptions options;
+  options.proposer = ProposerKind::simulated;
+  options.acceptance_rate = 0.75;
+  options.tokens = 4;
+  options.seed = 11;
+  const std::vector<std::int32_t> eos{2};
+  const std::unique_ptr<Proposer> proposer = make_proposer(options, 1000, eos);
+  const SimulatedBackend target(1000, eos);
+  double accepted = 0;
+  const int verifies = 20000;
+  for (int v = 0; v < verifies; ++v) {
+    RequestState r;
+    r.id = v % 97;
+    r.tokens.assign(static_cast<std::size_t>(5 + v / 97), 7);
+    r.tokens.back() = v % 1000;
+    const std::vector<std::int32_t> proposed = proposer->propose(r, 4);
+    ASSERT_EQ(proposed.size(), 4u);
+    std::int32_t last = r.tokens.back();
+    for (std::size_t j = 0; j < proposed.size(); ++j) {
+      const std::int32_t want =
+          target.token_after(last, r.length() - 1 + static_cast<std::int64_t>(j));
+      if (proposed[j] != want) break;
+      ++accepted;
+      last = proposed[j];
+    }
+  }
+  EXPECT_NEAR(accepted / verifies, expected_tokens_per_verify(0.75, 4) - 1, 0.03 * 2.05);
+  EXPECT_DOUBLE_EQ(expected_tokens_per_verify(0.5, 2), 1.75);
+}
+
 // The paced clock (kvlab serve on the simulated backend) starts a step that an arrival starts at
 // that arrival, not when the engine thread woke to it: the simulated hardware has no wake-up.
 // Woken more than 2 ms late, the lateness counts (the host really fell behind).

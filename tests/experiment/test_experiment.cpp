@@ -515,6 +515,33 @@ TEST(ExperimentLibrary, KvPolicyRunsAndItsMistakesAreClearErrors) {
   EXPECT_NE(error(policy, true).find("--tolerance"), std::string::npos);
 }
 
+// [speculation] runs prompt lookup in the engine (every request finishes, proposals verified);
+// its mistakes are named before anything runs.
+TEST(ExperimentLibrary, SpeculationRunsAndItsMistakesAreClearErrors) {
+  const auto runs = load_experiment(kQuickstart, small({"speculation={tokens=3}"}));
+  validate_experiment(runs, true);
+  EXPECT_EQ(runs[0].config.speculation.tokens, 3);
+  const RunOutput out = run_experiment(runs[0].config, true, nullptr);
+  EXPECT_EQ(out.summary.finished, 6);
+  auto error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  EXPECT_NE(error({"speculation={proposer=\"eagle\"}"}).find("\"eagle\" is not known"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"simulated\"}"}).find("backend.name = \"simulated\""),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={acceptance_rate=0.5}"}).find("the simulated proposer's"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={tokens=65}"}).find("tokens"), std::string::npos);
+  EXPECT_NE(error({"speculation={min_ngram=4, max_ngram=2}"}).find("must not exceed max_ngram"),
+            std::string::npos);
+  EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_policy={name=\"window\"}",
+                   "speculation={tokens=2}"})
+                .find("drop one of the two tables"),
+            std::string::npos);
+}
+
 TEST(ExperimentLibrary, DisaggregationMistakesAreClearErrors) {
   auto error = [](std::vector<std::string> more) {
     return test::error_of<Error>(

@@ -68,6 +68,16 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
         "engine: speculative decoding with a KV policy is not supported: a rejected proposal is "
         "rolled back by truncating the sequence, which a policy's dropped positions prevent; run "
         "[speculation] without [kv_policy]");
+  if (options_.speculation.adaptive && options_.speculation.enabled() &&
+      options_.cost_model == nullptr)
+    throw Error(
+        "engine: an adaptive proposal length weighs each length's step by the cost model; give "
+        "EngineOptions::cost_model (a hardware profile) or a fixed speculation.tokens");
+  proposer_.reset();
+  if (options_.speculation.enabled())
+    proposer_ = make_proposer(options_.speculation, backend_.vocab_size(),
+                              options_.rules.eos_token_ids);
+  spec_accepted_ = spec_tried_ = 0;
   if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
@@ -302,20 +312,47 @@ void Engine::idle_step() {
 // log-probabilities, not handed off) gets up to speculation.tokens, never past its output limit
 // or the context; every other request's are cleared.
 double Engine::propose() {
-  const SpeculationOptions& spec = options_.speculation;
-  if (!spec.enabled()) return 0;
+  if (!proposer_) return 0;
   const auto start = SteadyClock::now();
+  std::vector<const RequestState*> decodes;
   for (const RequestState* running : table_->running()) {
     RequestState& r = table_->at(running->id);
     r.proposed.clear();
     if (!r.decoding() || r.recompute_each_step || table_->hands_off(r.id)) continue;
     const SamplingParams& sampling = table_->sampler(r.id).params();
     if (sampling.temperature > 0 || sampling.logprobs >= 0) continue;
+    decodes.push_back(&r);
+  }
+  const std::int64_t length = proposal_length(decodes);
+  for (const RequestState* decode : decodes) {
+    RequestState& r = table_->at(decode->id);
     const std::int64_t room =
-        std::min({spec.tokens, r.remaining_output() - 1, options_.rules.context - r.length() - 1});
-    if (room > 0) r.proposed = prompt_lookup(r.tokens, spec.lookup, room);
+        std::min({length, r.remaining_output() - 1, options_.rules.context - r.length() - 1});
+    if (room > 0) r.proposed = proposer_->propose(r, room);
   }
   return seconds_between(start, SteadyClock::now());
+}
+
+// speculation.tokens, or with an adaptive length the best for these decodes by the cost model
+// and the acceptance so far (a prior of 1/2 worth 4 positions until there is some).
+std::int64_t Engine::proposal_length(std::span<const RequestState* const> decodes) const {
+  const SpeculationOptions& spec = options_.speculation;
+  if (!spec.adaptive || decodes.empty()) return spec.tokens;
+  std::vector<std::int64_t> contexts;
+  contexts.reserve(decodes.size());
+  for (const RequestState* r : decodes) contexts.push_back(r->computed);
+  const double acceptance = (spec_accepted_ + 2) / (spec_tried_ + 4);
+  return adaptive_proposal_length(*options_.cost_model, contexts, acceptance, spec.tokens);
+}
+
+// The acceptance measured so far: each verify tried its accepted positions and, unless it
+// accepted them all, the first rejected one.
+void Engine::count_acceptance(const AppliedPlan& applied) {
+  for (const ScheduledWork& work : applied.batch) {
+    if (work.proposals == 0) continue;
+    spec_accepted_ += static_cast<double>(work.accepted);
+    spec_tried_ += static_cast<double>(work.accepted + (work.accepted < work.proposals ? 1 : 0));
+  }
 }
 
 // The forward over the applied batch (and a static batch's padding rows, on a measured clock),
@@ -373,6 +410,7 @@ std::vector<std::int32_t> Engine::run_batch(AppliedPlan& applied, StepRecord& re
       pick_tokens(result, choices, applied, *table_, backend_.vocab_size(), step_,
                   options_.observers, [this](std::int32_t t) { return options_.rules.is_eos(t); });
   for (const ScheduledWork& work : applied.batch) record.accepted_tokens += work.accepted;
+  count_acceptance(applied);
   return sampled;
 }
 

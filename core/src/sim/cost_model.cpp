@@ -76,6 +76,7 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   double prefill_pairs = 0, prefill_context = 0, prefill_tokens = 0, decode_context = 0;
   for (const EntryShape& e : batch) {
     w.tokens += e.new_tokens;
+    w.logit_rows += e.logit_rows;  // one a sequence, 1 + k for a verify of k proposals
     const double n = static_cast<double>(e.new_tokens);
     const double before = static_cast<double>(e.start_position - e.first_position);
     if (e.new_tokens == 1 && e.start_position > 0) {
@@ -86,8 +87,8 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
       prefill_tokens += n;
     }
   }
-  const double sequences = static_cast<double>(w.sequences);
   if (w.tokens == 0) return w;
+  const double logit_rows = static_cast<double>(w.logit_rows);
   // Context parallelism: a GPU computes 1/c of the prefill tokens and pairs, every decode token,
   // and attends over 1/c of each decode's context.
   const double c = static_cast<double>(cp_);
@@ -100,8 +101,8 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   w.linear.flops = 2 * tokens * g.layer_weights * layers;
   w.linear.bytes = layers * (g.layer_weights * weight +
                              tokens * (4 * g.hidden + 2 * g.q + 2 * g.kv + 3 * g.inter) * act);
-  w.lm_head.flops = 2 * sequences * g.hidden * g.vocab;
-  w.lm_head.bytes = g.vocab * g.hidden * weight + sequences * (g.hidden * act + g.vocab * 4);
+  w.lm_head.flops = 2 * logit_rows * g.hidden * g.vocab;
+  w.lm_head.bytes = g.vocab * g.hidden * weight + logit_rows * (g.hidden * act + g.vocab * 4);
   const double pair_flops = 4 * g.q;  // QK^T and PV over this GPU's query heads
   w.attention_prefill.flops = layers * pair_flops * prefill_pairs;
   w.attention_prefill.bytes =  // every K/V chunk passes every GPU of a ring
@@ -114,12 +115,12 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   w.elementwise.bytes =
       layers * tokens *
           ((10 * g.hidden + 2 * g.q + 2 * g.kv + 3 * g.inter) * act + kv_token_bytes) +
-      tokens * g.hidden * (weight + act) + sequences * 2 * g.hidden * act;
+      tokens * g.hidden * (weight + act) + logit_rows * 2 * g.hidden * act;
   if (tp_ > 1) {  // all-reduce after O and after down in every layer; the logits gathered
     const double t = static_cast<double>(tp_);
     w.collectives += 2 * m.num_hidden_layers + 1;
     w.collective_bytes += 2 * layers * 2 * (t - 1) / t * tokens * g.hidden * act +
-                          (t - 1) / t * sequences * static_cast<double>(m.vocab_size) * 4;
+                          (t - 1) / t * logit_rows * static_cast<double>(m.vocab_size) * 4;
   }
   return w;
 }
@@ -154,7 +155,7 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
       regime_efficiency(p.gemm_regimes, w.tokens, gemm);  // rows: tokens
   c.linear_s = roofline_seconds(w.linear, peak, bandwidth, linear_compute, linear_memory);
   const auto [head_compute, head_memory] =
-      regime_efficiency(p.gemm_regimes, w.sequences, gemm);  // rows: sequences
+      regime_efficiency(p.gemm_regimes, w.logit_rows, gemm);  // rows: logit rows
   c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, head_compute, head_memory);
   c.attention_prefill_s = roofline_seconds(w.attention_prefill, peak, bandwidth,
                                            e.attention_compute, e.attention_memory);
@@ -195,7 +196,7 @@ StepWork CostModel::work(std::span<const BatchEntry> batch,
     const std::int64_t cached = b.view.has_holes() ? b.view.index_at_or_after(b.start_position)
                                                    : b.start_position - b.view.first_position;
     shapes.push_back({static_cast<std::int64_t>(b.tokens.size()), b.start_position,
-                      b.start_position - std::max<std::int64_t>(0, cached)});
+                      b.start_position - std::max<std::int64_t>(0, cached), b.logit_rows});
   }
   shapes.insert(shapes.end(), padding.begin(), padding.end());
   return work(std::span<const EntryShape>(shapes));

@@ -163,6 +163,8 @@ class Engine {
   std::string never_fits(const RequestState& r) const;
   void idle_step();
   double propose();  // returns the seconds it took
+  std::int64_t proposal_length(std::span<const RequestState* const> decodes) const;
+  void count_acceptance(const AppliedPlan& applied);
   std::vector<std::int32_t> run_batch(AppliedPlan& applied, StepRecord& record);
   bool computes_padding() const;
   bool reads_kv_slots() const;
@@ -189,6 +191,10 @@ class Engine {
   std::vector<KvHandoff> handoffs_;          // not yet taken
   std::vector<RequestId> pending_cancels_;   // cancel()ed, applied at the next step
   std::optional<KvPolicyRunner> kv_policy_;  // options_.kv_policy's
+  // Speculative decoding: the proposer, and the proposals accepted so far out of the positions
+  // tried (each verify tries its accepted ones and, unless all were, the first rejected one).
+  std::unique_ptr<Proposer> proposer_;
+  double spec_accepted_ = 0, spec_tried_ = 0;
   // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
   // thousand in a trace replay.
   mutable std::vector<std::int32_t> unmatched_tokens_;

@@ -38,6 +38,7 @@ struct EntryShape {
   std::int64_t new_tokens = 0;
   std::int64_t start_position = 0;
   std::int64_t first_position = 0;
+  std::int64_t logit_rows = 1;  // rows through the LM head (a speculative verify: 1 + proposals)
 };
 
 struct FlopsAndBytes {
@@ -50,6 +51,7 @@ struct StepWork {
   FlopsAndBytes linear, lm_head, attention_prefill, attention_decode, elementwise;
   std::int64_t sequences = 0;
   std::int64_t tokens = 0;
+  std::int64_t logit_rows = 0;  // the LM head's rows (sequences, unless a verify asks for more)
   // Tensor parallelism: collectives this step, and the bytes each GPU moves in them (ring
   // all-reduce: 2 (t - 1) / t of the message; gather: (t - 1) / t).
   std::int64_t collectives = 0;

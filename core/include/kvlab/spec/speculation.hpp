@@ -8,15 +8,58 @@
 // KV is rolled back (KvAllocator::truncate). A greedy request's tokens are exactly those of
 // decoding without speculation.
 #include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
 
+#include "kvlab/request.hpp"
+#include "kvlab/sim/cost_model.hpp"
 #include "kvlab/spec/prompt_lookup.hpp"
 
 namespace kvlab {
 
+enum class ProposerKind : std::uint8_t {
+  prompt_lookup,  // n-gram lookup over the prompt and the output so far (no second model)
+  // The simulated backend's stand-in for a drafter: each proposed token is the target's own with
+  // probability acceptance_rate (drawn per request and position from `seed`), so acceptance is a
+  // per-workload rate; a proposal after a wrong one is wrong too.
+  simulated,
+};
+
 struct SpeculationOptions {
   std::int64_t tokens = 0;  // proposals per decode at most (k); 0: off
-  PromptLookup lookup;      // the proposer: prompt lookup (n-gram) over the sequence so far
+  ProposerKind proposer = ProposerKind::prompt_lookup;
+  PromptLookup lookup;           // prompt_lookup's n-gram range
+  double acceptance_rate = 0.7;  // simulated: each proposal right with this probability
+  std::uint64_t seed = 0;        // simulated: the draws
+  // Each step's proposal length from 0 to `tokens`: the one that maximises the decodes' expected
+  // tokens per second of the step, by the cost model and the acceptance measured so far
+  // (adaptive_proposal_length). Needs the engine's cost model.
+  bool adaptive = false;
   bool enabled() const { return tokens > 0; }
 };
+
+// Where a decode's proposals come from.
+class Proposer {
+ public:
+  virtual ~Proposer() = default;
+  // At most `max_tokens` tokens to follow r's newest token.
+  virtual std::vector<std::int32_t> propose(const RequestState& r,
+                                            std::int64_t max_tokens) const = 0;
+};
+
+// The options' proposer; `vocab` and `eos` are the target's (the simulated backend's tokens).
+std::unique_ptr<Proposer> make_proposer(const SpeculationOptions& options, std::int64_t vocab,
+                                        std::span<const std::int32_t> eos);
+
+// The expected tokens a decode produces in a step when it verifies k proposals, each accepted
+// with probability `acceptance` given the ones before it: 1 + a + a^2 + ... + a^k.
+double expected_tokens_per_verify(double acceptance, std::int64_t k);
+
+// The proposal length from 0 to `max_tokens` that maximises expected tokens per second for a
+// step of decodes whose cached contexts are `contexts` (the rest of the step left out): each
+// length's step priced by `cost` (a verify of k is k + 1 tokens, k + 1 rows of logits).
+std::int64_t adaptive_proposal_length(const CostModel& cost, std::span<const std::int64_t> contexts,
+                                      double acceptance, std::int64_t max_tokens);
 
 }  // namespace kvlab
