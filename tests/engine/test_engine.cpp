@@ -854,6 +854,32 @@ TEST(Engine, SpeculationGivesTheTokensOfPlainDecodingInEveryAllocator) {
   }
 }
 
+// Sampled requests speculate too (rejection sampling, verify_sampled: the distribution test is
+// Sampling.SpeculativeSamplingEmitsTheTargetsDistributionAtEachPosition): in every allocator
+// each request gets all its tokens, proposals are accepted and rejected, every slot returns.
+TEST(Engine, SampledRequestsSpeculateAndEndWithEveryToken) {
+  std::vector<WorkloadRequest> requests = patterned_requests();
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    requests[i].sampling.temperature = 0.02;  // the random model's logits are flat: sharpened
+    requests[i].sampling.seed = 100 + i;
+  }
+  for (const char* allocator : {"static", "dynamic", "paged"}) {
+    SCOPED_TRACE(allocator);
+    EngineSetup setup;
+    setup.model = &looping_model();
+    setup.allocator = allocator;
+    if (std::string(allocator) != "paged") setup.allocator_params.clear();
+    setup.speculation.tokens = 4;
+    const EngineResult result = run_engine(setup, requests);
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      EXPECT_EQ(std::ssize(result.tokens[i]), requests[i].output_tokens) << "request " << i;
+    const auto [proposed, accepted] = proposed_and_accepted(result);
+    EXPECT_GT(accepted, 0);
+    EXPECT_LT(accepted, proposed);
+    EXPECT_EQ(result.steps.back().kv.used, 0);
+  }
+}
+
 // Prefix caching keeps only verified KV under the verified tokens' hashes: a second wave of
 // requests, each prompt a first-wave request's whole sequence (prompt and output), hits the
 // cache for exactly the blocks it hits after the same first wave without speculation, and

@@ -348,7 +348,8 @@ TEST(Lesson, SpeculationsGainShrinksWithTheBatchAndAnAdaptiveLengthKeepsTheBette
     for (const int batch : batches) {
       const double base = throughput(batch, plain), gain = throughput(batch, fixed) / base,
                    adapted = throughput(batch, adaptive) / base;
-      table += fmt::format(" batch {}: 4 proposals {:.2f}x, adaptive {:.2f}x;", batch, gain, adapted);
+      table +=
+          fmt::format(" batch {}: 4 proposals {:.2f}x, adaptive {:.2f}x;", batch, gain, adapted);
       EXPECT_LT(gain, previous_gain) << "seed " << seed << ", batch " << batch;
       EXPECT_GE(adapted, 0.97 * std::max(1.0, gain)) << "seed " << seed << ", batch " << batch;
       previous_gain = gain;

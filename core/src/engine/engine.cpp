@@ -75,8 +75,8 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
         "EngineOptions::cost_model (a hardware profile) or a fixed speculation.tokens");
   proposer_.reset();
   if (options_.speculation.enabled())
-    proposer_ = make_proposer(options_.speculation, backend_.vocab_size(),
-                              options_.rules.eos_token_ids);
+    proposer_ =
+        make_proposer(options_.speculation, backend_.vocab_size(), options_.rules.eos_token_ids);
   spec_accepted_ = spec_tried_ = 0;
   if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
@@ -308,7 +308,7 @@ void Engine::idle_step() {
   ++step_;
 }
 
-// Speculative decoding's proposals for this step: each running greedy decode (not asking for
+// Speculative decoding's proposals for this step: each running decode (not asking for
 // log-probabilities, not handed off) gets up to speculation.tokens, never past its output limit
 // or the context; every other request's are cleared.
 double Engine::propose() {
@@ -320,7 +320,7 @@ double Engine::propose() {
     r.proposed.clear();
     if (!r.decoding() || r.recompute_each_step || table_->hands_off(r.id)) continue;
     const SamplingParams& sampling = table_->sampler(r.id).params();
-    if (sampling.temperature > 0 || sampling.logprobs >= 0) continue;
+    if (sampling.logprobs >= 0) continue;
     decodes.push_back(&r);
   }
   const std::int64_t length = proposal_length(decodes);

@@ -92,19 +92,37 @@ std::int32_t row_token(const ForwardResult& result, std::span<const TokenChoice>
 }
 
 // A verify entry's rows first..first+proposals: the target's token at each position, accepted
-// while it equals the proposal there and does not end the sequence. Returns the token after the
-// accepted proposals (the target's own at the first mismatch, or after all of them).
+// while it equals the proposal there and does not end the sequence (a sampled request's logits:
+// verify_sampled). Returns the token after the accepted proposals.
 std::int32_t verify(const ForwardResult& result, std::span<const TokenChoice> choices,
-                    std::size_t first, std::size_t width, ScheduledWork& work,
-                    const RequestState& r, bool ignores_eos, std::int64_t step,
-                    const SamplingParams& params, const TokenObservers& observers,
+                    std::size_t first, std::size_t width, ScheduledWork& work, RequestTable& table,
+                    std::int64_t step, const TokenObservers& observers,
                     const std::function<bool(std::int32_t)>& is_eos) {
+  const RequestState& r = table.at(work.id);
+  const SamplingParams& params = table.sampler(r.id).params();
+  const bool ignores_eos = table.ignores_eos(r.id);
+  const auto ends = [&](std::int32_t token) { return !ignores_eos && is_eos && is_eos(token); };
+  const auto proposed = std::span(r.proposed).first(static_cast<std::size_t>(work.proposals));
+  if (result.tokens.empty() && params.temperature > 0) {
+    const auto rows = result.logits.subspan(first * width, proposed.size() * width + width);
+    const SampledVerify outcome = verify_sampled(rows, width, proposed, params, table.sampler(r.id),
+                                                 choices[first].uniform, ends);
+    for (std::int64_t i = 0; i <= outcome.accepted; ++i) {  // the rows it read
+      const auto row = rows.subspan(static_cast<std::size_t>(i) * width, width);
+      throw_if_non_finite(row, r.id, step);
+      if (observers.on_logits) observers.on_logits(r.id, row);
+    }
+    work.accepted = outcome.accepted;
+    if (observers.on_token)
+      for (std::int64_t i = 0; i < outcome.accepted; ++i)
+        observers.on_token(r.id, proposed[static_cast<std::size_t>(i)], nullptr);
+    return outcome.token;
+  }
   work.accepted = 0;
   for (std::int64_t i = 0;; ++i) {
     const std::int32_t target = row_token(result, choices, first + static_cast<std::size_t>(i),
                                           width, r.id, step, params, observers);
-    const bool ends = !ignores_eos && is_eos && is_eos(target);
-    if (i == work.proposals || target != r.proposed[static_cast<std::size_t>(i)] || ends)
+    if (i == work.proposals || target != proposed[static_cast<std::size_t>(i)] || ends(target))
       return target;
     ++work.accepted;
     if (observers.on_token) observers.on_token(r.id, target, nullptr);
@@ -112,6 +130,37 @@ std::int32_t verify(const ForwardResult& result, std::span<const TokenChoice> ch
 }
 
 }  // namespace
+
+SampledVerify verify_sampled(std::span<const float> logits, std::size_t vocab,
+                             std::span<const std::int32_t> proposed, const SamplingParams& params,
+                             Sampler& sampler, double bonus_uniform,
+                             const std::function<bool(std::int32_t)>& ends) {
+  for (std::size_t i = 0; i < proposed.size(); ++i) {
+    std::vector<double> p = sampling_distribution(logits.subspan(i * vocab, vocab), params);
+    const auto x = static_cast<std::size_t>(proposed[i]);
+    const double accept = x < p.size() ? p[x] : 0.0;
+    if (sampler.next_uniform() < accept) {
+      if (ends && ends(proposed[i])) return {static_cast<std::int64_t>(i), proposed[i]};
+      continue;
+    }
+    // Rejected: the target's distribution without x_i, renormalised.
+    if (x < p.size()) p[x] = 0;
+    double mass = 0;
+    for (const double v : p) mass += v;
+    const double u = sampler.next_uniform() * mass;
+    double cumulative = 0;
+    std::int32_t token = -1;
+    for (std::size_t t = 0; t < p.size(); ++t) {
+      if (p[t] <= 0) continue;
+      token = static_cast<std::int32_t>(t);
+      cumulative += p[t];
+      if (u < cumulative) break;
+    }
+    return {static_cast<std::int64_t>(i), token};
+  }
+  return {static_cast<std::int64_t>(proposed.size()),
+          pick_token(logits.subspan(proposed.size() * vocab, vocab), params, bonus_uniform)};
+}
 
 std::vector<std::int32_t> pick_tokens(const ForwardResult& result,
                                       std::span<const TokenChoice> choices, AppliedPlan& applied,
@@ -129,8 +178,7 @@ std::vector<std::int32_t> pick_tokens(const ForwardResult& result,
     if (!work.samples) continue;
     const SamplingParams& params = table.sampler(work.id).params();
     if (work.proposals > 0) {
-      sampled[e] = verify(result, choices, first, width, work, table.at(work.id),
-                          table.ignores_eos(work.id), step, params, observers, is_eos);
+      sampled[e] = verify(result, choices, first, width, work, table, step, observers, is_eos);
       if (observers.on_token) observers.on_token(work.id, sampled[e], nullptr);
       continue;
     }

@@ -30,12 +30,31 @@ struct TokenObservers {
   std::function<void(RequestId, std::int32_t, const GeneratedLogprobs*)> on_token;
 };
 
+// Speculative sampling with a proposer that names tokens without probabilities (prompt lookup,
+// the simulated drafter: a one-hot draft q). Row i of `logits` (k + 1 rows of `vocab`) is the
+// target's at proposal i's position. Proposal x_i is accepted with probability p_i(x_i), p_i
+// the distribution `params` samples from (sampling_distribution); at the first rejection the
+// token is drawn from p_i without x_i, renormalised (max(0, p - q) / its mass); with every
+// proposal accepted, from p_k with `bonus_uniform`. So each emitted token has the target's
+// distribution (Leviathan et al. 2023, Chen et al. 2023). The draws come from `sampler` (one to
+// test each proposal, one more after a rejection). An accepted proposal for which `ends` is
+// true ends the verify: it is the token, the ones before it accepted.
+struct SampledVerify {
+  std::int64_t accepted = 0;  // proposals accepted before `token`
+  std::int32_t token = -1;
+};
+SampledVerify verify_sampled(std::span<const float> logits, std::size_t vocab,
+                             std::span<const std::int32_t> proposed, const SamplingParams& params,
+                             Sampler& sampler, double bonus_uniform,
+                             const std::function<bool(std::int32_t)>& ends);
+
 // The next token of each batch entry (-1 for entries that do not sample); log-probabilities
-// appended to the request where its sampling asks for them. A verify entry (greedy) accepts its
-// proposals while each equals the target's token at its position, up to one that ends the
+// appended to the request where its sampling asks for them. A verify entry accepts its
+// proposals while each equals the target's token at its position (greedy, or a backend that
+// picks its tokens) or by verify_sampled (a sampled request's logits), up to one that ends the
 // sequence (`is_eos`, unless the request ignores EOS): its `accepted` count is written into
-// `applied`, and its token is the target's at the first position not accepted; observers see
-// the accepted proposals, then that token. Throws kvlab::Error when `result` does not have one
+// `applied`, and its token is the one after them; observers see the accepted proposals, then
+// that token. Throws kvlab::Error when `result` does not have one
 // row or token per choice, or holds non-finite logits. `vocab`: the backend's; `step`: for
 // messages.
 std::vector<std::int32_t> pick_tokens(const ForwardResult& result,

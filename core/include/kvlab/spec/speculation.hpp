@@ -1,12 +1,13 @@
 #pragma once
 // Speculative decoding inside continuous batching (docs/concepts/speculative-decoding.md): before
-// each step's schedule the engine gives each running greedy decode up to `tokens` proposed
+// each step's schedule the engine gives each running decode up to `tokens` proposed
 // tokens (RequestState::proposed); the scheduler grants a decode 1 + the proposals its token
 // budget leaves; the target computes the newest token and the proposals in one entry with a row
 // of logits at each (BatchEntry::logit_rows); the proposals are accepted while each equals the
 // target's token at its position, then the target's own token follows; the rejected positions'
 // KV is rolled back (KvAllocator::truncate). A greedy request's tokens are exactly those of
-// decoding without speculation.
+// decoding without speculation; a sampled request accepts by rejection sampling
+// (verify_sampled, kvlab/engine/pick_tokens.hpp), so its tokens keep the target's distribution.
 #include <cstdint>
 #include <memory>
 #include <span>
