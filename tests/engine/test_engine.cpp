@@ -807,6 +807,15 @@ const cpu::LlamaWeights& looping_model() {
   return model;
 }
 
+// The looping model on `allocator` (paged with 4-token blocks, the others with their defaults).
+EngineSetup looping_setup(const char* allocator) {
+  EngineSetup setup;
+  setup.model = &looping_model();
+  setup.allocator = allocator;
+  if (std::string(allocator) != "paged") setup.allocator_params.clear();
+  return setup;
+}
+
 std::vector<WorkloadRequest> patterned_requests() {
   std::vector<WorkloadRequest> requests;
   for (std::int32_t i = 0; i < 6; ++i) {
@@ -838,10 +847,7 @@ TEST(Engine, SpeculationGivesTheTokensOfPlainDecodingInEveryAllocator) {
   const std::vector<WorkloadRequest> requests = patterned_requests();
   for (const char* allocator : {"static", "dynamic", "paged"}) {
     SCOPED_TRACE(allocator);
-    EngineSetup setup;
-    setup.model = &looping_model();
-    setup.allocator = allocator;
-    if (std::string(allocator) != "paged") setup.allocator_params.clear();
+    EngineSetup setup = looping_setup(allocator);
     const EngineResult plain = run_engine(setup, requests);
     setup.speculation.tokens = 4;
     const EngineResult speculative = run_engine(setup, requests);
@@ -865,10 +871,7 @@ TEST(Engine, SampledRequestsSpeculateAndEndWithEveryToken) {
   }
   for (const char* allocator : {"static", "dynamic", "paged"}) {
     SCOPED_TRACE(allocator);
-    EngineSetup setup;
-    setup.model = &looping_model();
-    setup.allocator = allocator;
-    if (std::string(allocator) != "paged") setup.allocator_params.clear();
+    EngineSetup setup = looping_setup(allocator);
     setup.speculation.tokens = 4;
     const EngineResult result = run_engine(setup, requests);
     for (std::size_t i = 0; i < requests.size(); ++i)
