@@ -166,15 +166,21 @@ void PlanApplier::continue_running(RequestState& r, std::int64_t new_tokens) {
       work_.emplace_back(r.id, r.length());
       return;
     case KvOperation::kv_append: {
-      // The newest token, then the proposals this step verifies (new_tokens - 1 of them).
-      std::vector<std::int32_t> appended{r.tokens.back()};
+      // The newest token, then the proposals this step verifies (new_tokens - 1 of them): a
+      // plain decode appends from the stack, a verify from a copy.
       const auto proposals = static_cast<std::size_t>(
           std::clamp<std::int64_t>(new_tokens - 1, 0, std::ssize(r.proposed)));
-      appended.insert(appended.end(), r.proposed.begin(), r.proposed.begin() + proposals);
-      if (!kv_.append(r.id, appended))
+      const std::int32_t newest = r.tokens.back();
+      std::vector<std::int32_t> verified;
+      if (proposals > 0) {
+        verified.push_back(newest);
+        verified.insert(verified.end(), r.proposed.begin(), r.proposed.begin() + proposals);
+      }
+      if (!kv_.append(r.id, proposals > 0 ? std::span<const std::int32_t>(verified)
+                                          : std::span<const std::int32_t>(&newest, 1)))
         broken_promise(
             r, proposals > 0 ? "append its newest and proposed tokens" : "append its newest token");
-      r.allocated = r.computed + std::ssize(appended);
+      r.allocated = r.computed + 1 + static_cast<std::int64_t>(proposals);
       break;
     }
     case KvOperation::kv_allocate:
