@@ -361,9 +361,10 @@ void Engine::count_acceptance(const AppliedPlan& applied) {
 std::vector<std::int32_t> Engine::run_batch(AppliedPlan& applied, StepRecord& record) {
   std::vector<BatchEntry> batch;
   batch.reserve(applied.batch.size());
-  std::size_t verify_tokens = 0;
-  for (const ScheduledWork& work : applied.batch)
-    if (work.proposals > 0) verify_tokens += static_cast<std::size_t>(work.tokens);
+  std::size_t verify_tokens = 0;  // (no pass over the batch for it without speculation)
+  if (proposer_)
+    for (const ScheduledWork& work : applied.batch)
+      if (work.proposals > 0) verify_tokens += static_cast<std::size_t>(work.tokens);
   std::vector<std::int32_t> verified;  // verify entries' tokens: the newest, then the proposals
   verified.reserve(verify_tokens);     // (the entries' spans point into it)
   for (const ScheduledWork& work : applied.batch) {
