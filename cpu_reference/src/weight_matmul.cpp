@@ -1,7 +1,8 @@
 // y (+)= x w^T: the kernel for w's layout (panels: panel_matmul.cpp; interleaved: q8_matmul.cpp,
 // bf16_matmul.cpp) or, for w row by row (Q formats with fp32 activations, and any matrix not
 // packed for its products), in three ways by the rows of x (AVX2 + FMA + F16C):
-//   up to 4 rows    each thread streams w row by row, widening it in registers (fused_rows);
+//   up to 8 rows    (4 for f32/f16/bf16 rows) each thread streams w row by row, widening it in
+//                   registers (fused_rows); each row of x gets the bits it would get alone;
 //   more rows       each thread packs 32 (AVX-512) or 16 rows of w, widened, into a
 //                   (depth, 32 or 16) panel in cache and multiplies x, packed in tiles of 8 or 6
 //                   rows, with it (multiply_packed);
@@ -20,6 +21,7 @@
 
 #include <Eigen/Dense>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <vector>
 
@@ -105,9 +107,21 @@ void widen_row(WeightFormat format, const std::byte* row, std::int64_t cols, flo
 #if KVLAB_WEIGHT_SIMD
 // Up to this many rows of x, each weight row is widened in registers and used at once (no
 // panel written and read back): decode at small batches streams each weight byte once, one
-// row at a time, and spends a few instructions on it.
-constexpr std::int64_t kFusedRows = 4;
+// row at a time, and spends a few instructions on it. Q rows take up to 8 rows of x (a decode
+// and its speculative proposals: one accumulator each); f32/f16/bf16 rows up to 4 (two each).
+constexpr std::int64_t kFusedRows = 8;
+constexpr std::int64_t kFusedFloatRows = 4;
 
+bool q_format(WeightFormat format) {
+  return format == WeightFormat::q8_0 || format == WeightFormat::q4_0 ||
+         format == WeightFormat::q4_1;
+}
+
+std::int64_t fused_row_limit(WeightFormat format) {
+  return q_format(format) ? kFusedRows : kFusedFloatRows;
+}
+
+#if !defined(__AVX512F__)
 // The 32 nibbles of a Q4 block as four vectors of 8 floats (values 0-15, not yet scaled).
 void q4_nibbles(const std::byte* qs, __m256 (&q)[4]) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
@@ -125,39 +139,79 @@ void q8_values(const std::byte* qs, __m256 (&q)[4]) {
     q[g] = _mm256_cvtepi32_ps(
         _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * g))));
 }
+#endif
+
+#if defined(__AVX512F__)
+// The 32 values of a Q block as two vectors of 16 floats (Q4: the nibbles 0-15, not yet scaled).
+void q_values16(WeightFormat format, const std::byte* qs, __m512 (&q)[2]) {
+  if (format == WeightFormat::q8_0) {
+    for (int h = 0; h < 2; ++h)
+      q[h] = _mm512_cvtepi32_ps(
+          _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 16 * h))));
+    return;
+  }
+  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
+  q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+}
+#endif
 
 // One Q row against Rows rows of x: per block, sum_k q_k x_k in fp32 scaled by d, plus
 // m * sum_k x_k (Q4_1's minimum; Q4_0 is the same with m = -8 d). block_sums: (Rows, blocks).
+// Each row of x gets the same operations in the same order whatever Rows is, so a verify entry's
+// k + 1 rows get the bits that each would get alone (a speculative verify equals decoding).
+// With AVX-512, 16-wide: half the multiplies per row of x, which is what the extra rows cost.
 template <int Rows>
 void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::int64_t ldx,
                const float* block_sums, std::int64_t blocks, float (&out)[Rows]) {
+#if defined(__AVX512F__)
+  __m512 acc[Rows];
+  for (auto& a : acc) a = _mm512_setzero_ps();
+#else
   __m256 acc[Rows];
-  float offset[Rows] = {};
   for (auto& a : acc) a = _mm256_setzero_ps();
+#endif
+  float offset[Rows] = {};
   const std::int64_t block_bytes = weight_format_block_bytes(format);
+  const std::int64_t values_at = format == WeightFormat::q4_1 ? 4 : 2;
   for (std::int64_t b = 0; b < blocks; ++b, row += block_bytes) {
-    __m256 q[4];
     const float d = half_to_float(row);
-    float m = 0;
-    if (format == WeightFormat::q8_0) {
-      q8_values(row + 2, q);
-    } else if (format == WeightFormat::q4_0) {
-      q4_nibbles(row + 2, q);
-      m = -8.0f * d;
-    } else {
-      q4_nibbles(row + 4, q);
-      m = half_to_float(row + 2);
+    const float m = format == WeightFormat::q8_0   ? 0.0f
+                    : format == WeightFormat::q4_0 ? -8.0f * d
+                                                   : half_to_float(row + 2);
+#if defined(__AVX512F__)
+    __m512 q[2];
+    q_values16(format, row + values_at, q);
+    const __m512 scale = _mm512_set1_ps(d);
+    for (int i = 0; i < Rows; ++i) {
+      const float* xb = x + i * ldx + 32 * b;
+      const __m512 dot = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16),
+                                         _mm512_mul_ps(q[0], _mm512_loadu_ps(xb)));
+      acc[i] = _mm512_fmadd_ps(dot, scale, acc[i]);
+      offset[i] = std::fma(m, block_sums[i * blocks + b], offset[i]);  // not left to -ffp-contract
     }
+#else
+    __m256 q[4];
+    if (format == WeightFormat::q8_0)
+      q8_values(row + values_at, q);
+    else
+      q4_nibbles(row + values_at, q);
     const __m256 scale = _mm256_set1_ps(d);
     for (int i = 0; i < Rows; ++i) {
       const float* xb = x + i * ldx + 32 * b;
       __m256 dot = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb));
       for (int g = 1; g < 4; ++g) dot = _mm256_fmadd_ps(q[g], _mm256_loadu_ps(xb + 8 * g), dot);
       acc[i] = _mm256_fmadd_ps(dot, scale, acc[i]);
-      offset[i] += m * block_sums[i * blocks + b];
+      offset[i] = std::fma(m, block_sums[i * blocks + b], offset[i]);  // not left to -ffp-contract
     }
+#endif
   }
+#if defined(__AVX512F__)
+  for (int i = 0; i < Rows; ++i) out[i] = _mm512_reduce_add_ps(acc[i]) + offset[i];
+#else
   for (int i = 0; i < Rows; ++i) out[i] = horizontal_sum(acc[i]) + offset[i];
+#endif
 }
 
 // 8 values of an f32/f16/bf16 row from value k, as fp32.
@@ -190,8 +244,7 @@ template <int Rows>
 void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate,
                 std::int64_t m0, const std::vector<float>& block_sums) {
   const std::int64_t depth = w.cols(), blocks = depth / 32;
-  const bool q = w.format() == WeightFormat::q8_0 || w.format() == WeightFormat::q4_0 ||
-                 w.format() == WeightFormat::q4_1;
+  const bool q = q_format(w.format());
 #pragma omp for schedule(static)
   for (std::int64_t n = 0; n < w.rows(); ++n) {
     float out[Rows];
@@ -204,10 +257,20 @@ void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool ac
   }
 }
 
+// fused_rows<rows> (rows <= Rows): Rows counts down to the one needed.
+template <int Rows>
+void fused_rows_up_to(int rows, const RowMatrix& x, const WeightMatrix& w, RowMatrix& y,
+                      bool accumulate, const std::vector<float>& block_sums) {
+  if constexpr (Rows > 1) {
+    if (rows < Rows) return fused_rows_up_to<Rows - 1>(rows, x, w, y, accumulate, block_sums);
+  }
+  fused_rows<Rows>(x, w, y, accumulate, 0, block_sums);
+}
+
 // True when the product ran here: few rows of x, weights in a format widened in registers.
 bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
   const std::int64_t rows = x.rows(), depth = w.cols();
-  if (rows > kFusedRows || depth % 16 != 0) return false;
+  if (rows > fused_row_limit(w.format()) || depth % 16 != 0) return false;
   std::vector<float> block_sums;  // (rows, blocks): sum of x over each 32-value block (Q only)
   if (weight_format_block_values(w.format()) == 32) {
     block_sums.resize(static_cast<std::size_t>(rows * (depth / 32)));
@@ -217,22 +280,7 @@ bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
             x.row(i).segment(b * 32, 32).sum();
   }
 #pragma omp parallel
-  {
-    switch (rows) {
-      case 4:
-        fused_rows<4>(x, w, y, accumulate, 0, block_sums);
-        break;
-      case 3:
-        fused_rows<3>(x, w, y, accumulate, 0, block_sums);
-        break;
-      case 2:
-        fused_rows<2>(x, w, y, accumulate, 0, block_sums);
-        break;
-      default:
-        fused_rows<1>(x, w, y, accumulate, 0, block_sums);
-        break;
-    }
-  }
+  fused_rows_up_to<kFusedRows>(static_cast<int>(rows), x, w, y, accumulate, block_sums);
   return true;
 }
 #endif
@@ -430,7 +478,8 @@ void multiply_by_transposed(const RowMatrix& x, const WeightMatrix& w, RowMatrix
   if (w.interleaved()) return q8::multiply(x, w, y, accumulate);
 #if KVLAB_WEIGHT_SIMD
   if (multiply_fused(x, w, y, accumulate)) return;
-  if (rows > kFusedRows && w.cols() % 8 == 0) return multiply_packed(x, w, y, accumulate);
+  if (rows > fused_row_limit(w.format()) && w.cols() % 8 == 0)
+    return multiply_packed(x, w, y, accumulate);
 #endif
   multiply_plain(x, w, y, accumulate);
 }

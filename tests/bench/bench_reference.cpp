@@ -1,5 +1,8 @@
 // Full-recompute prefill of the Eigen reference: tokens/s, achieved GFLOP/s, and the share of
 // this machine's FP32 peak measured in the same run.
+// And one weight product by the rows of x: what a speculative verify entry of k + 1 tokens costs
+// against a decode's single row (SmolLM2-135M's tied LM head, 49152 x 576, 17 MB of Q4_1 blocks as
+// stored, read from memory; fp32 activations).
 //   ./build/bin/kvlab_bench_reference            (2 threads, as in docs/benchmarks.md)
 #include <benchmark/benchmark.h>
 
@@ -8,6 +11,7 @@
 
 #include "kvlab/cpu_reference/machine_peak.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
+#include "kvlab/cpu_reference/weight_matrix.hpp"
 
 namespace kvlab::bench {
 namespace {
@@ -63,6 +67,28 @@ BENCHMARK_CAPTURE(BM_Prefill, stories110m, std::string("stories110m"))
     ->Arg(512)
     ->Unit(benchmark::kMillisecond)
     ->MinTime(2.0);
+
+// y = x w^T for x of `rows` rows (state.range(0)): time per product and per row.
+void BM_QProductByRows(benchmark::State& state) {
+  cpu::set_num_threads(kThreads);
+  const auto rows = static_cast<Eigen::Index>(state.range(0));
+  static const cpu::WeightMatrix w =
+      cpu::WeightMatrix::quantize(cpu::RowMatrix::Random(49152, 576) * 0.05f, cpu::WeightFormat::q4_1);
+  const cpu::RowMatrix x = cpu::RowMatrix::Random(rows, 576);
+  cpu::RowMatrix y;
+  for (auto _ : state) {
+    cpu::multiply_by_transposed(x, w, y, false);
+    benchmark::DoNotOptimize(y.data());
+  }
+  state.counters["rows/s"] = benchmark::Counter(static_cast<double>(rows),
+                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.SetLabel("q4_1 49152x576, fp32 activations, " + std::to_string(kThreads) + " threads");
+}
+BENCHMARK(BM_QProductByRows)
+    ->DenseRange(1, 9)
+    ->Arg(16)
+    ->Arg(32)
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvlab::bench

@@ -160,6 +160,28 @@ TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
           }
 }
 
+// Q rows stored as in a GGUF file (fp32 activations): a product of up to 8 rows of x gives each
+// row the very bits of that row's product alone. A speculative verify entry (the newest token and
+// up to 7 proposals) then scores each position exactly as decoding it would, so greedy
+// speculation cannot flip a near-tie. Exact equality, no tolerance; depth 576 is SmolLM2's.
+TEST(WeightMatrix, AQProductOfUpTo8RowsGivesEachRowItsOwnBits) {
+  for (WeightFormat f : {WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1}) {
+    const WeightMatrix w = WeightMatrix::quantize(random_matrix(37, 576, 4, 0.1f), f);
+    for (std::int64_t rows = 1; rows <= 8; ++rows) {
+      const RowMatrix x = random_matrix(rows, 576, 5);
+      RowMatrix together;
+      multiply_by_transposed(x, w, together, false);
+      for (std::int64_t i = 0; i < rows; ++i) {
+        RowMatrix alone;
+        multiply_by_transposed(x.row(i), w, alone, false);
+        for (Eigen::Index j = 0; j < alone.cols(); ++j)
+          ASSERT_EQ(together(i, j), alone(0, j))
+              << weight_format_name(f) << " rows " << rows << " row " << i << " output " << j;
+      }
+    }
+  }
+}
+
 // The formats each reduced-precision activation format applies to.
 struct Interleaving {
   WeightFormat weights;
