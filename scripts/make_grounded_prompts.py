@@ -7,7 +7,7 @@ data/wikitext-2-raw/wiki.test.raw (CC BY-SA 3.0), undoes WikiText's tokenisation
 (" @-@ ", " , ", " 's"), and asks for one of three edits of each in turn. The output is
 deterministic: rerunning it rewrites data/prompts/grounded_edits.jsonl byte for byte.
 
-    python3 scripts/make_grounded_prompts.py [--count 48]
+    python3 scripts/make_grounded_prompts.py [--count 64]
 """
 import argparse
 import json
@@ -42,7 +42,7 @@ def paragraphs(path: pathlib.Path, min_words: int, max_words: int):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--count", type=int, default=48)
+    parser.add_argument("--count", type=int, default=64)
     parser.add_argument("--out", default=str(ROOT / "data/prompts/grounded_edits.jsonl"))
     args = parser.parse_args()
     source = ROOT / "data/wikitext-2-raw/wiki.test.raw"

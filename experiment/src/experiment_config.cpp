@@ -516,6 +516,18 @@ void parse_kv_policy(Section& s, ExperimentConfig& c) {
   c.kv_policy_params = plugin_params(s, "params");  // the rest: validate_points (per point)
 }
 
+// speculation.adaptive: false, true (= "priced"), "priced" or "measured".
+AdaptiveLength adaptive_length(Section& s) {
+  const toml::node* node = s.node("adaptive");
+  if (node == nullptr) return AdaptiveLength::off;
+  if (node->is_boolean()) return node->as_boolean()->get() ? AdaptiveLength::priced : AdaptiveLength::off;
+  if (node->is_string() && node->as_string()->get() == "priced") return AdaptiveLength::priced;
+  if (node->is_string() && node->as_string()->get() == "measured") return AdaptiveLength::measured;
+  s.fail(*node,
+         "speculation.adaptive is false, true or \"priced\" (each length's step priced by the "
+         "hardware profile) or \"measured\" (by the times of the steps run so far)");
+}
+
 // [speculation]: speculative decoding (kvlab/spec/speculation.hpp): which proposer, how many
 // proposals per decode, fixed or adaptive.
 void parse_speculation(Section& s, ExperimentConfig& c) {
@@ -550,7 +562,7 @@ void parse_speculation(Section& s, ExperimentConfig& c) {
     s.fail(*s.node("acceptance_rate"),
            "speculation.acceptance_rate is the simulated proposer's: prompt lookup's acceptance "
            "is what the model and the text make it");
-  spec.adaptive = s.get<bool>("adaptive").value_or(false);
+  spec.adaptive = adaptive_length(s);
   spec.seed = static_cast<std::uint64_t>(c.seed);
   if (spec.enabled() && !c.kv_policy.empty())
     s.fail(s.node("tokens") != nullptr ? *s.node("tokens") : *s.table_itself(),

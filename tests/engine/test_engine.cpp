@@ -917,6 +917,52 @@ TEST(Engine, SpeculationCachesOnlyVerifiedBlocksForPrefixReuse) {
   }
 }
 
+// A measured adaptive length's prices (StepTimes): the moving mean at a count run (a quarter's
+// weight to the newest), interpolated between counts, the line through the two smallest below
+// them (kept between flat and proportional), and no price above every count or below the only
+// one. Exact arithmetic on these inputs; EXPECT_DOUBLE_EQ's 4 ulps where it is not.
+TEST(Speculation, StepTimesPriceAStepFromTheStepsRunSoFar) {
+  StepTimes times;
+  EXPECT_FALSE(times.seconds(8).has_value());
+  times.observe(16, 0.010);
+  EXPECT_DOUBLE_EQ(*times.seconds(16), 0.010);
+  EXPECT_FALSE(times.seconds(8).has_value());   // below the only count: how does it shrink?
+  EXPECT_FALSE(times.seconds(17).has_value());  // above every count: run it and see
+  times.observe(16, 0.014);                     // 0.010 + (0.014 - 0.010) / 4
+  EXPECT_DOUBLE_EQ(*times.seconds(16), 0.011);
+  times.observe(48, 0.019);
+  EXPECT_DOUBLE_EQ(*times.seconds(32), 0.015);  // halfway between 0.011 and 0.019
+  EXPECT_DOUBLE_EQ(*times.seconds(8), 0.009);   // the line: 0.011 - 8 x 0.00025
+  times.observe(-1, 5.0);  // no tokens, or no time: not a step
+  times.observe(4, std::nan(""));
+  EXPECT_DOUBLE_EQ(*times.seconds(8), 0.009);
+  StepTimes steep;
+  steep.observe(16, 0.010);
+  steep.observe(32, 0.030);
+  EXPECT_DOUBLE_EQ(*steep.seconds(4), 0.010 / 4);  // the line would go below proportional
+  StepTimes falling;
+  falling.observe(16, 0.010);
+  falling.observe(32, 0.008);
+  EXPECT_DOUBLE_EQ(*falling.seconds(4), 0.010);  // ... or above the smallest count's time
+}
+
+// The adaptive length takes the first length it cannot price (to measure it), and otherwise the
+// one with the most expected tokens per second: 1 + a + ... + a^k over the step's seconds.
+TEST(Speculation, AnAdaptiveLengthTriesWhatItCannotPriceThenTakesTheFastest) {
+  const auto flat = [](std::int64_t) -> std::optional<double> { return 1.0; };
+  EXPECT_EQ(adaptive_proposal_length(flat, 0.5, 4), 4);  // memory-bound: all of them
+  const auto linear = [](std::int64_t k) -> std::optional<double> { return 1.0 + k; };
+  EXPECT_EQ(adaptive_proposal_length(linear, 0.5, 4), 0);    // every proposal costs a token
+  EXPECT_EQ(adaptive_proposal_length(linear, 0.99, 4), 0);   // 4.90 tokens in 5: still below 1
+  const auto cheap = [](std::int64_t k) -> std::optional<double> { return 1.0 + 0.25 * k; };
+  EXPECT_EQ(adaptive_proposal_length(cheap, 0.5, 4), 1);     // 1.5 / 1.25 beats 1.75 / 1.5
+  const auto unknown_two = [](std::int64_t k) -> std::optional<double> {
+    if (k == 2) return std::nullopt;
+    return 1.0;
+  };
+  EXPECT_EQ(adaptive_proposal_length(unknown_two, 0.5, 4), 2);
+}
+
 // The simulated proposer: each proposal is the simulated target's own token at its position
 // with probability acceptance_rate, so the accepted prefix of 4 averages 0.75 + 0.75^2 + ...
 // + 0.75^4 = 2.05 tokens (within 3% over 20,000 verifies), and a wrong proposal is never the

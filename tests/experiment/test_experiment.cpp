@@ -521,6 +521,14 @@ TEST(ExperimentLibrary, SpeculationRunsAndItsMistakesAreClearErrors) {
   const auto runs = load_experiment(kQuickstart, small({"speculation={tokens=3}"}));
   validate_experiment(runs, true);
   EXPECT_EQ(runs[0].config.speculation.tokens, 3);
+  EXPECT_EQ(runs[0].config.speculation.adaptive, AdaptiveLength::off);
+  for (const auto& [text, adaptive] :
+       {std::pair{"true", AdaptiveLength::priced}, std::pair{"'priced'", AdaptiveLength::priced},
+        std::pair{"'measured'", AdaptiveLength::measured}, std::pair{"false", AdaptiveLength::off}})
+    EXPECT_EQ(load_experiment(kQuickstart, small({fmt::format("speculation={{adaptive={}}}", text)}))[0]
+                  .config.speculation.adaptive,
+              adaptive)
+        << text;
   const RunOutput out = run_experiment(runs[0].config, true, nullptr);
   EXPECT_EQ(out.summary.finished, 6);
   auto error = [](std::vector<std::string> more) {
@@ -535,6 +543,10 @@ TEST(ExperimentLibrary, SpeculationRunsAndItsMistakesAreClearErrors) {
             std::string::npos);
   EXPECT_NE(error({"speculation={tokens=65}"}).find("tokens"), std::string::npos);
   EXPECT_NE(error({"speculation={min_ngram=4, max_ngram=2}"}).find("must not exceed max_ngram"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={adaptive=\"sometimes\"}"}).find("\"measured\""),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={adaptive=1}"}).find("speculation.adaptive is false, true"),
             std::string::npos);
   EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_policy={name=\"window\"}",
                    "speculation={tokens=2}"})

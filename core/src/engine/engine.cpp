@@ -68,16 +68,18 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
         "engine: speculative decoding with a KV policy is not supported: a rejected proposal is "
         "rolled back by truncating the sequence, which a policy's dropped positions prevent; run "
         "[speculation] without [kv_policy]");
-  if (options_.speculation.adaptive && options_.speculation.enabled() &&
+  if (options_.speculation.adaptive == AdaptiveLength::priced && options_.speculation.enabled() &&
       options_.cost_model == nullptr)
     throw Error(
-        "engine: an adaptive proposal length weighs each length's step by the cost model; give "
-        "EngineOptions::cost_model (a hardware profile) or a fixed speculation.tokens");
+        "engine: an adaptive proposal length priced by the cost model needs one; give "
+        "EngineOptions::cost_model (a hardware profile), price by the steps' measured times "
+        "(AdaptiveLength::measured) or use a fixed speculation.tokens");
   proposer_.reset();
   if (options_.speculation.enabled())
     proposer_ =
         make_proposer(options_.speculation, backend_.vocab_size(), options_.rules.eos_token_ids);
   spec_accepted_ = spec_tried_ = 0;
+  step_times_ = {};
   if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
@@ -333,15 +335,22 @@ double Engine::propose() {
   return seconds_between(start, SteadyClock::now());
 }
 
-// speculation.tokens, or with an adaptive length the best for these decodes by the cost model
-// and the acceptance so far (a prior of 1/2 worth 4 positions until there is some).
+// speculation.tokens, or with an adaptive length the best for these decodes by the acceptance
+// so far (a prior of 1/2 worth 4 positions until there is some) and the price of the step: the
+// cost model's, or the measured times of the steps run so far.
 std::int64_t Engine::proposal_length(std::span<const RequestState* const> decodes) const {
   const SpeculationOptions& spec = options_.speculation;
-  if (!spec.adaptive || decodes.empty()) return spec.tokens;
+  if (spec.adaptive == AdaptiveLength::off || decodes.empty()) return spec.tokens;
+  const double acceptance = (spec_accepted_ + 2) / (spec_tried_ + 4);
+  if (spec.adaptive == AdaptiveLength::measured) {
+    const auto count = static_cast<std::int64_t>(decodes.size());
+    return adaptive_proposal_length(
+        [&](std::int64_t k) { return step_times_.seconds(count * (1 + k)); }, acceptance,
+        spec.tokens);
+  }
   std::vector<std::int64_t> contexts;
   contexts.reserve(decodes.size());
   for (const RequestState* r : decodes) contexts.push_back(r->computed);
-  const double acceptance = (spec_accepted_ + 2) / (spec_tried_ + 4);
   return adaptive_proposal_length(*options_.cost_model, contexts, acceptance, spec.tokens);
 }
 
@@ -412,6 +421,8 @@ std::vector<std::int32_t> Engine::run_batch(AppliedPlan& applied, StepRecord& re
                   options_.observers, [this](std::int32_t t) { return options_.rules.is_eos(t); });
   for (const ScheduledWork& work : applied.batch) record.accepted_tokens += work.accepted;
   count_acceptance(applied);
+  if (options_.speculation.adaptive == AdaptiveLength::measured)
+    step_times_.observe(record.prefill_tokens + record.decode_tokens, record.duration_s);
   return sampled;
 }
 

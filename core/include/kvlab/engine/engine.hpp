@@ -195,6 +195,7 @@ class Engine {
   // tried (each verify tries its accepted ones and, unless all were, the first rejected one).
   std::unique_ptr<Proposer> proposer_;
   double spec_accepted_ = 0, spec_tried_ = 0;
+  StepTimes step_times_;  // AdaptiveLength::measured: the steps' times by their tokens
   // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
   // thousand in a trace replay.
   mutable std::vector<std::int32_t> unmatched_tokens_;

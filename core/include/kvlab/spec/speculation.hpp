@@ -9,7 +9,10 @@
 // decoding without speculation; a sampled request accepts by rejection sampling
 // (verify_sampled, kvlab/engine/pick_tokens.hpp), so its tokens keep the target's distribution.
 #include <cstdint>
+#include <functional>
+#include <map>
 #include <memory>
+#include <optional>
 #include <span>
 #include <vector>
 
@@ -27,6 +30,14 @@ enum class ProposerKind : std::uint8_t {
   simulated,
 };
 
+// How an adaptive proposal length prices the step that each length would make.
+enum class AdaptiveLength : std::uint8_t {
+  off,       // always `tokens`
+  priced,    // by the engine's cost model (a hardware profile)
+  measured,  // by the times of the steps the engine ran (StepTimes): no profile needed, so it
+             // follows the machine and the model file as they are (a real model on the cpu)
+};
+
 struct SpeculationOptions {
   std::int64_t tokens = 0;  // proposals per decode at most (k); 0: off
   ProposerKind proposer = ProposerKind::prompt_lookup;
@@ -34,9 +45,9 @@ struct SpeculationOptions {
   double acceptance_rate = 0.7;  // simulated: each proposal right with this probability
   std::uint64_t seed = 0;        // simulated: the draws
   // Each step's proposal length from 0 to `tokens`: the one that maximises the decodes' expected
-  // tokens per second of the step, by the cost model and the acceptance measured so far
-  // (adaptive_proposal_length). Needs the engine's cost model.
-  bool adaptive = false;
+  // tokens per second of the step, by the acceptance measured so far and the step's price
+  // (adaptive_proposal_length). `priced` needs the engine's cost model.
+  AdaptiveLength adaptive = AdaptiveLength::off;
   bool enabled() const { return tokens > 0; }
 };
 
@@ -57,10 +68,31 @@ std::unique_ptr<Proposer> make_proposer(const SpeculationOptions& options, std::
 // with probability `acceptance` given the ones before it: 1 + a + a^2 + ... + a^k.
 double expected_tokens_per_verify(double acceptance, std::int64_t k);
 
-// The proposal length from 0 to `max_tokens` that maximises expected tokens per second for a
-// step of decodes whose cached contexts are `contexts` (the rest of the step left out): each
-// length's step priced by `cost` (a verify of k is k + 1 tokens, k + 1 rows of logits).
+// The proposal length from 0 to `max_tokens` that maximises expected tokens per second of a
+// step, each length k's step lasting step_seconds(k). A length whose step cannot be priced yet
+// (nullopt) is taken at once, the shortest first, so that its step gets measured.
+std::int64_t adaptive_proposal_length(
+    const std::function<std::optional<double>(std::int64_t k)>& step_seconds, double acceptance,
+    std::int64_t max_tokens);
+
+// The same for a step of decodes whose cached contexts are `contexts` (the rest of the step left
+// out), each length's step priced by `cost` (a verify of k is k + 1 tokens, k + 1 rows of logits).
 std::int64_t adaptive_proposal_length(const CostModel& cost, std::span<const std::int64_t> contexts,
                                       double acceptance, std::int64_t max_tokens);
+
+// The seconds of the steps an engine ran, by the tokens each computed: an exponential moving
+// average per count (a quarter's weight to the newest). AdaptiveLength::measured prices a step
+// of n tokens from it: the mean at n, interpolated between the nearest counts on either side,
+// or below every count run, the line through the two smallest, kept between the smallest's time
+// and its share in proportion to n. Nullopt above every count run, or below the only one: there
+// nothing says how a step's time grows with its tokens (run such a step and see).
+class StepTimes {
+ public:
+  void observe(std::int64_t tokens, double seconds);
+  std::optional<double> seconds(std::int64_t tokens) const;
+
+ private:
+  std::map<std::int64_t, double> mean_;  // tokens -> seconds
+};
 
 }  // namespace kvlab
