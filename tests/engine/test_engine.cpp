@@ -860,6 +860,36 @@ TEST(Engine, SpeculationGivesTheTokensOfPlainDecodingInEveryAllocator) {
   }
 }
 
+// Requests asking for log-probabilities speculate too: each token's logprob and top 3 are those
+// of the row that scored it, so they equal decoding's. Tolerance 1e-5 (a verify's rows go
+// through products of more rows than a decode's; the top alternatives' ids are compared where
+// their logprobs are 1e-4 apart, not near-ties).
+TEST(Engine, SpeculationGivesEachTokenTheLogprobsOfPlainDecoding) {
+  std::vector<WorkloadRequest> requests = patterned_requests();
+  for (WorkloadRequest& r : requests) r.sampling.logprobs = 3;
+  EngineSetup setup = looping_setup("paged");
+  const EngineResult plain = run_engine(setup, requests);
+  setup.speculation.tokens = 4;
+  const EngineResult speculative = run_engine(setup, requests);
+  ASSERT_EQ(speculative.tokens, plain.tokens);
+  EXPECT_GT(proposed_and_accepted(speculative).second, 0) << "some proposals accepted";
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    ASSERT_EQ(speculative.logprobs[i].size(), plain.tokens[i].size()) << "request " << i;
+    for (std::size_t t = 0; t < plain.tokens[i].size(); ++t) {
+      const GeneratedLogprobs &want = plain.logprobs[i][t], &got = speculative.logprobs[i][t];
+      EXPECT_NEAR(got.logprob, want.logprob, 1e-5) << "request " << i << ", token " << t;
+      ASSERT_EQ(got.top.size(), 3u);
+      for (std::size_t k = 0; k < 3; ++k) {
+        EXPECT_NEAR(got.top[k].logprob, want.top[k].logprob, 1e-5);
+        const bool tie = k + 1 < 3 && want.top[k].logprob - want.top[k + 1].logprob < 1e-4;
+        if (!tie && (k == 0 || want.top[k - 1].logprob - want.top[k].logprob >= 1e-4)) {
+          EXPECT_EQ(got.top[k].token, want.top[k].token) << "request " << i << ", token " << t;
+        }
+      }
+    }
+  }
+}
+
 // Sampled requests speculate too (rejection sampling, verify_sampled: the distribution test is
 // Sampling.SpeculativeSamplingEmitsTheTargetsDistributionAtEachPosition): in every allocator
 // each request gets all its tokens, proposals are accepted and rejected, every slot returns.

@@ -310,9 +310,9 @@ void Engine::idle_step() {
   ++step_;
 }
 
-// Speculative decoding's proposals for this step: each running decode (not asking for
-// log-probabilities, not handed off) gets up to speculation.tokens, never past its output limit
-// or the context; every other request's are cleared.
+// Speculative decoding's proposals for this step: each running decode (not handed off) gets up
+// to speculation.tokens, never past its output limit or the context; every other request's are
+// cleared.
 double Engine::propose() {
   if (!proposer_) return 0;
   const auto start = SteadyClock::now();
@@ -321,8 +321,6 @@ double Engine::propose() {
     RequestState& r = table_->at(running->id);
     r.proposed.clear();
     if (!r.decoding() || r.recompute_each_step || table_->hands_off(r.id)) continue;
-    const SamplingParams& sampling = table_->sampler(r.id).params();
-    if (sampling.logprobs >= 0) continue;
     decodes.push_back(&r);
   }
   const std::int64_t length = proposal_length(decodes);

@@ -58,14 +58,17 @@ std::vector<TokenChoice> draw_token_choices(const AppliedPlan& applied, RequestT
   std::vector<TokenChoice> choices;
   choices.reserve(entries + proposals);
   for (const ScheduledWork& work : applied.batch) {
-    TokenChoice choice;
-    if (work.samples) {
-      Sampler& sampler = table.sampler(work.id);
-      const SamplingParams& p = sampler.params();
-      choice = {p.temperature, p.top_p, p.temperature > 0 ? sampler.next_uniform() : 0.0, p.top_k,
-                p.logprobs};
+    if (!work.samples) {
+      choices.insert(choices.end(), static_cast<std::size_t>(1 + work.proposals), TokenChoice{});
+      continue;
     }
-    choices.insert(choices.end(), static_cast<std::size_t>(1 + work.proposals), choice);
+    Sampler& sampler = table.sampler(work.id);
+    const SamplingParams& p = sampler.params();
+    // A draw of its own for each row: a backend that samples each row where the logits are
+    // samples each position independently, as drawing them one step at a time would.
+    for (std::int64_t row = 0; row <= work.proposals; ++row)
+      choices.push_back({p.temperature, p.top_p, p.temperature > 0 ? sampler.next_uniform() : 0.0,
+                         p.top_k, p.logprobs});
   }
   choices.resize(entries + proposals);  // padding rows: greedy, discarded
   return choices;
@@ -91,9 +94,26 @@ std::int32_t row_token(const ForwardResult& result, std::span<const TokenChoice>
   return pick_token(logits, params, choices[row].uniform);
 }
 
+// Token `token` of row `row` emitted for request r: its log-probabilities recorded when the
+// request asks for them (from the row's logits, or the backend's where it chose the tokens),
+// then the observers told. The logprobs are those of the row the token was scored at.
+void emit_token(const ForwardResult& result, std::span<const TokenChoice> choices, std::size_t row,
+                std::size_t width, RequestId id, std::int32_t token, std::int64_t step,
+                RequestTable& table, const TokenObservers& observers) {
+  const SamplingParams& params = table.sampler(id).params();
+  if (params.logprobs >= 0)
+    table.logprobs(id).push_back(
+        result.tokens.empty()
+            ? generated_logprobs(result.logits.subspan(row * width, width), token, params.logprobs)
+            : device_logprobs(result, choices, id, row, step));
+  if (observers.on_token)
+    observers.on_token(id, token, params.logprobs >= 0 ? &table.logprobs(id).back() : nullptr);
+}
+
 // A verify entry's rows first..first+proposals: the target's token at each position, accepted
 // while it equals the proposal there and does not end the sequence (a sampled request's logits:
-// verify_sampled). Returns the token after the accepted proposals.
+// verify_sampled). Emits the accepted proposals; returns the token after them (the caller emits
+// it, from row first + accepted).
 std::int32_t verify(const ForwardResult& result, std::span<const TokenChoice> choices,
                     std::size_t first, std::size_t width, ScheduledWork& work, RequestTable& table,
                     std::int64_t step, const TokenObservers& observers,
@@ -113,19 +133,20 @@ std::int32_t verify(const ForwardResult& result, std::span<const TokenChoice> ch
       if (observers.on_logits) observers.on_logits(r.id, row);
     }
     work.accepted = outcome.accepted;
-    if (observers.on_token)
-      for (std::int64_t i = 0; i < outcome.accepted; ++i)
-        observers.on_token(r.id, proposed[static_cast<std::size_t>(i)], nullptr);
+    for (std::int64_t i = 0; i < outcome.accepted; ++i)
+      emit_token(result, choices, first + static_cast<std::size_t>(i), width, r.id,
+                 proposed[static_cast<std::size_t>(i)], step, table, observers);
     return outcome.token;
   }
   work.accepted = 0;
   for (std::int64_t i = 0;; ++i) {
-    const std::int32_t target = row_token(result, choices, first + static_cast<std::size_t>(i),
-                                          width, r.id, step, params, observers);
+    const std::size_t row = first + static_cast<std::size_t>(i);
+    const std::int32_t target =
+        row_token(result, choices, row, width, r.id, step, params, observers);
     if (i == work.proposals || target != proposed[static_cast<std::size_t>(i)] || ends(target))
       return target;
     ++work.accepted;
-    if (observers.on_token) observers.on_token(r.id, target, nullptr);
+    emit_token(result, choices, row, width, r.id, target, step, table, observers);
   }
 }
 
@@ -179,18 +200,12 @@ std::vector<std::int32_t> pick_tokens(const ForwardResult& result,
     const SamplingParams& params = table.sampler(work.id).params();
     if (work.proposals > 0) {
       sampled[e] = verify(result, choices, first, width, work, table, step, observers, is_eos);
-      if (observers.on_token) observers.on_token(work.id, sampled[e], nullptr);
+      emit_token(result, choices, first + static_cast<std::size_t>(work.accepted), width, work.id,
+                 sampled[e], step, table, observers);
       continue;
     }
     sampled[e] = row_token(result, choices, first, width, work.id, step, params, observers);
-    if (params.logprobs >= 0)
-      table.logprobs(work.id).push_back(
-          result.tokens.empty() ? generated_logprobs(result.logits.subspan(first * width, width),
-                                                     sampled[e], params.logprobs)
-                                : device_logprobs(result, choices, work.id, first, step));
-    if (observers.on_token)
-      observers.on_token(work.id, sampled[e],
-                         params.logprobs >= 0 ? &table.logprobs(work.id).back() : nullptr);
+    emit_token(result, choices, first, width, work.id, sampled[e], step, table, observers);
   }
   return sampled;
 }

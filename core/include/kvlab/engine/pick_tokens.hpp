@@ -16,7 +16,7 @@ namespace kvlab {
 
 // One choice per row of logits the forward returns (an entry's logit_rows; a speculative verify
 // has 1 + its proposals): the batch's sampling entries take their draw from their request's RNG
-// now (one per non-greedy token, as Sampler::sample draws; a verify's rows are greedy); the rest,
+// now (one per non-greedy token, as Sampler::sample draws; a verify's rows one each); the rest,
 // and the `entries` forwarded beyond the batch (a static batch's padding rows), are greedy and
 // discarded.
 std::vector<TokenChoice> draw_token_choices(const AppliedPlan& applied, RequestTable& table,
