@@ -332,7 +332,7 @@ TEST(Lesson, DisaggregationServesMorePerGpuOnlyUnderATightTpotSlo) {
 // compute) and turns into a loss by batch 2048; an adaptive proposal length keeps within 3% of
 // the better of the two at every batch, whether each length's step is priced by the profile or
 // by the times of the steps already run (no profile: what a real model on a machine of its own
-// gets).
+// gets). At 2048 both beat plain and fixed (1.06-1.07x: one proposal still pays there).
 TEST(Lesson, SpeculationsGainShrinksWithTheBatchAndAnAdaptiveLengthKeepsTheBetter) {
   const char* plain = "speculation={ tokens = 0 }";
   const char* fixed = "speculation={ acceptance_rate = 0.75, proposer = 'simulated', tokens = 4 }";

@@ -334,11 +334,16 @@ double Engine::propose() {
 }
 
 // speculation.tokens, or with an adaptive length the best for these decodes by the acceptance
-// so far (a prior of 1/2 worth 4 positions until there is some) and the price of the step: the
-// cost model's, or the measured times of the steps run so far.
+// so far and the price of the step: the cost model's, or the measured times of the steps run so
+// far. Until 64 proposed positions have been tried it proposes `tokens`: an acceptance nobody
+// measured (a prior of 1/2 worth 4 positions) could keep it from ever proposing, and so from
+// ever learning that the proposals pay.
 std::int64_t Engine::proposal_length(std::span<const RequestState* const> decodes) const {
+  constexpr double kAcceptanceEvidence = 64;  // positions tried before the acceptance is trusted
   const SpeculationOptions& spec = options_.speculation;
-  if (spec.adaptive == AdaptiveLength::off || decodes.empty()) return spec.tokens;
+  if (spec.adaptive == AdaptiveLength::off || decodes.empty() ||
+      spec_tried_ < kAcceptanceEvidence)
+    return spec.tokens;
   const double acceptance = (spec_accepted_ + 2) / (spec_tried_ + 4);
   if (spec.adaptive == AdaptiveLength::measured) {
     const auto count = static_cast<std::int64_t>(decodes.size());
