@@ -180,6 +180,7 @@ void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
   resolve(c.prompt_set);
   resolve(c.output_dir);
   resolve(c.disk_tier_directory);
+  resolve(c.speculation.accept_trace);
   for (auto& p : c.plugin_paths) resolve(p);
 }
 
@@ -562,6 +563,16 @@ void parse_speculation(Section& s, ExperimentConfig& c) {
     s.fail(*s.node("acceptance_rate"),
            "speculation.acceptance_rate is the simulated proposer's: prompt lookup's acceptance "
            "is what the model and the text make it");
+  spec.accept_trace = s.get<std::string>("accept_trace").value_or("");
+  if (const toml::node* trace = s.node("accept_trace")) {
+    if (spec.proposer != ProposerKind::simulated)
+      s.fail(*trace,
+             "speculation.accept_trace is the simulated proposer's: it replays a measured run's "
+             "acceptance on the simulated backend (proposer = \"simulated\")");
+    if (s.node("acceptance_rate") != nullptr)
+      s.fail(*trace, "speculation.accept_trace and acceptance_rate both say how often a proposal "
+                     "is right: give one");
+  }
   spec.adaptive = adaptive_length(s);
   spec.seed = static_cast<std::uint64_t>(c.seed);
   if (spec.enabled() && !c.kv_policy.empty())

@@ -236,6 +236,12 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
     write("outputs.jsonl", [&](Text& f) { write_outputs_jsonl(f, out); });
   if (c.workload.logprobs >= 0)
     write("logprobs.jsonl", [&](Text& f) { write_logprobs_jsonl(f, out); });
+  if (!out.engine.verifies.empty())  // speculative decoding: a row per verify
+    write("verifies.csv", [&](Text& f) {
+      put(f, "request,step,proposed,accepted\n");
+      for (const VerifyRecord& v : out.engine.verifies)
+        put(f, "{},{},{},{}\n", v.request, v.step, v.proposed, v.accepted);
+    });
 }
 
 }  // namespace kvlab

@@ -10,6 +10,7 @@
 #include <variant>
 
 #include "kvlab/error.hpp"
+#include "kvlab/spec/speculation.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
@@ -191,6 +192,8 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (dtype_is_kivi(c.kv_dtype)) check_kivi(c, allocator);
   check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
   check_plugin(PluginKind::backend, c.backend, backend_params(c));
+  if (!c.speculation.accept_trace.empty())
+    (void)load_accept_trace(c.speculation.accept_trace);  // its errors before anything runs
   if (c.profile.empty() &&
       (c.clock == EngineClock::virtual_clock || c.clock == EngineClock::offline))
     throw Error(fmt::format(

@@ -947,6 +947,66 @@ TEST(Engine, SpeculationCachesOnlyVerifiedBlocksForPrefixReuse) {
   }
 }
 
+// The simulated proposer replays a measured accept trace (accept_trace): each verify's run of
+// right proposals is one of the trace's, so an all-or-nothing trace (half its verifies of 4 accept
+// none, half all 4) gives runs of 0 or 4 and never 1-3, about half each (within 0.03 over 4,000
+// verifies); 2 proposals are 0 or 2; 8 chain a second draw after a whole run (0, 4 or 8).
+TEST(Speculation, TheSimulatedProposerReplaysAnAcceptTrace) {
+  test::TempDir dir;
+  std::string text = "request,step,proposed,accepted\n";
+  for (int i = 0; i < 50; ++i) text += fmt::format("{},1,4,{}\n", i, i % 2 == 0 ? 0 : 4);
+  test::write_file(dir / "verifies.csv", text);
+  SpeculationOptions options;
+  options.proposer = ProposerKind::simulated;
+  options.accept_trace = (dir / "verifies.csv").string();
+  options.seed = 3;
+  const std::vector<std::int32_t> eos{2};
+  const std::unique_ptr<Proposer> proposer = make_proposer(options, 1000, eos);
+  const SimulatedBackend target(1000, eos);
+  std::map<std::int64_t, std::map<std::int64_t, int>> runs;  // proposals -> run -> count
+  for (int v = 0; v < 4000; ++v)
+    for (const std::int64_t k : {2, 4, 8}) {
+      RequestState r;
+      r.id = v % 89;
+      r.tokens.assign(static_cast<std::size_t>(5 + v / 89), 7);
+      const std::vector<std::int32_t> proposed = proposer->propose(r, k);
+      std::int64_t run = 0;
+      for (std::int32_t last = r.tokens.back(); run < k; ++run) {
+        if (proposed[static_cast<std::size_t>(run)] != target.token_after(last, r.length() - 1 + run))
+          break;
+        last = proposed[static_cast<std::size_t>(run)];
+      }
+      ++runs[k][run];
+    }
+  EXPECT_EQ(runs[4].size(), 2u);
+  EXPECT_NEAR(runs[4][0] / 4000.0, 0.5, 0.03);
+  EXPECT_NEAR(runs[4][4] / 4000.0, 0.5, 0.03);
+  EXPECT_EQ(runs[2].size(), 2u);
+  EXPECT_EQ(runs[2][0] + runs[2][2], 4000);
+  EXPECT_EQ(runs[8].size(), 3u);
+  EXPECT_NEAR(runs[8][8] / 4000.0, 0.25, 0.03);
+}
+
+// A bad accept trace is an error naming the file, the line and what is wrong.
+TEST(Speculation, ABadAcceptTraceIsAClearError) {
+  test::TempDir dir;
+  const auto error = [&](const std::string& text) {
+    test::write_file(dir / "t.csv", text);
+    return test::error_of<Error>([&] { (void)load_accept_trace(dir / "t.csv"); });
+  };
+  EXPECT_NE(error("proposed,taken\n4,1\n").find("no \"accepted\" column"), std::string::npos);
+  EXPECT_NE(error("proposed,accepted\n4,5\n").find("t.csv:2: proposed must be in [1, 64]"),
+            std::string::npos);
+  EXPECT_NE(error("proposed,accepted\n0,0\n").find("proposed must be in"), std::string::npos);
+  EXPECT_NE(error("proposed,accepted\n4,x\n").find("accepted \"x\" is not a valid number"),
+            std::string::npos);
+  EXPECT_NE(error("proposed,accepted\n4\n").find("1 cells, the header has 2"), std::string::npos);
+  EXPECT_NE(error("proposed,accepted\n").find("holds no verifies"), std::string::npos);
+  EXPECT_NE(test::error_of<Error>([&] { (void)load_accept_trace(dir / "missing.csv"); })
+                .find("cannot read the accept trace"),
+            std::string::npos);
+}
+
 // A measured adaptive length's prices (StepTimes): the moving mean at a count run (a quarter's
 // weight to the newest), interpolated between counts, the line through the two smallest below
 // them (kept between flat and proportional), and no price above every count or below the only

@@ -548,6 +548,8 @@ TEST(ExperimentLibrary, SpeculationRunsAndItsMistakesAreClearErrors) {
             std::string::npos);
   EXPECT_NE(error({"speculation={adaptive=1}"}).find("speculation.adaptive is false, true"),
             std::string::npos);
+  EXPECT_NE(error({"speculation={accept_trace=\"v.csv\"}"}).find("the simulated proposer's"),
+            std::string::npos);
   EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_policy={name=\"window\"}",
                    "speculation={tokens=2}"})
                 .find("drop one of the two tables"),

@@ -351,6 +351,10 @@ EngineResult merged_result(ClusterResult&& result) {
       event.replica = static_cast<std::int64_t>(r);
       merged.events.push_back(std::move(event));
     }
+    for (VerifyRecord verify : result.replicas[r].verifies) {  // workload ids, replica by replica
+      verify.request = global[r][static_cast<std::size_t>(verify.request)];
+      merged.verifies.push_back(verify);
+    }
   }
   std::stable_sort(merged.events.begin(), merged.events.end(),
                    [](const EngineEvent& a, const EngineEvent& b) { return a.t < b.t; });

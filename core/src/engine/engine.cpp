@@ -362,6 +362,7 @@ std::int64_t Engine::proposal_length(std::span<const RequestState* const> decode
 void Engine::count_acceptance(const AppliedPlan& applied) {
   for (const ScheduledWork& work : applied.batch) {
     if (work.proposals == 0) continue;
+    result_.verifies.push_back({step_, work.id, work.proposals, work.accepted});
     spec_accepted_ += static_cast<double>(work.accepted);
     spec_tried_ += static_cast<double>(work.accepted + (work.accepted < work.proposals ? 1 : 0));
   }

@@ -99,6 +99,14 @@ struct StepRecord {
   KvAllocatorStats kv;
 };
 
+// One speculative verify: which step, which request, how many proposals it checked, how many of
+// them the target accepted (verifies.csv; a simulated drafter can replay them: accept_trace).
+struct VerifyRecord {
+  std::int64_t step = 0;
+  RequestId request = 0;
+  std::int64_t proposed = 0, accepted = 0;
+};
+
 struct EngineResult {
   std::vector<RequestTimeline> requests;          // in submission order
   std::vector<std::vector<std::int32_t>> tokens;  // generated tokens per request
@@ -108,6 +116,7 @@ struct EngineResult {
   std::vector<std::vector<GeneratedLogprobs>> logprobs;
   std::vector<StepRecord> steps;
   std::vector<EngineEvent> events;  // admit / defer / preempt / swap / finish / reject / evict
+  std::vector<VerifyRecord> verifies;  // speculative decoding's, in step order (a replica's ids)
   double duration_s = 0;
 };
 

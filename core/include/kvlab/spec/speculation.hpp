@@ -9,6 +9,7 @@
 // decoding without speculation; a sampled request accepts by rejection sampling
 // (verify_sampled, kvlab/engine/pick_tokens.hpp), so its tokens keep the target's distribution.
 #include <cstdint>
+#include <filesystem>
 #include <functional>
 #include <map>
 #include <memory>
@@ -43,13 +44,26 @@ struct SpeculationOptions {
   ProposerKind proposer = ProposerKind::prompt_lookup;
   PromptLookup lookup;           // prompt_lookup's n-gram range
   double acceptance_rate = 0.7;  // simulated: each proposal right with this probability
-  std::uint64_t seed = 0;        // simulated: the draws
+  // simulated: the acceptance of a measured run instead (its verifies.csv, or any CSV with
+  // columns proposed and accepted): each verify's run of right proposals drawn from its verifies
+  std::string accept_trace;
+  std::uint64_t seed = 0;  // simulated: the draws
   // Each step's proposal length from 0 to `tokens`: the one that maximises the decodes' expected
   // tokens per second of the step, by the acceptance measured so far and the step's price
   // (adaptive_proposal_length). `priced` needs the engine's cost model.
   AdaptiveLength adaptive = AdaptiveLength::off;
   bool enabled() const { return tokens > 0; }
 };
+
+// One verify of a measured run: how many proposals it checked and how many of them were right.
+struct AcceptRecord {
+  std::int64_t proposed = 0, accepted = 0;
+};
+
+// The verifies of a CSV with a header naming `proposed` and `accepted` (other columns ignored:
+// kvlab's verifies.csv has request and step too), 1 <= proposed <= 64 and 0 <= accepted <=
+// proposed in each row; an error naming the file and line otherwise, or when it holds none.
+std::vector<AcceptRecord> load_accept_trace(const std::filesystem::path& path);
 
 // Where a decode's proposals come from.
 class Proposer {
