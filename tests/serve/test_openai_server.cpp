@@ -148,6 +148,37 @@ TEST(Serve, LogprobsComeWithEveryToken) {
   EXPECT_EQ(joined, r["choices"][0]["text"]);
 }
 
+// [speculation] served: prompt lookup verifies the proposals of live requests, and a greedy
+// answer with logprobs is the one a server without speculation gives, token for token, each
+// token's logprob within 1e-5 (a verify's rows go through products of more rows than a decode's).
+TEST(Serve, SpeculationAnswersAsDecodingWouldWithTheSameLogprobs) {
+  const json request_extra = {{"logprobs", 2}};
+  json plain_answer, speculative_answer;
+  {
+    ServedStack stack;
+    plain_answer =
+        post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 24, request_extra))
+            .json();
+  }
+  ServedStack stack({"speculation={tokens=4}"});
+  speculative_answer =
+      post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 24, request_extra))
+          .json();
+  const json &want = plain_answer["choices"][0], &got = speculative_answer["choices"][0];
+  EXPECT_EQ(got["text"], want["text"]);
+  ASSERT_EQ(got["logprobs"]["token_logprobs"].size(), 24u);
+  for (std::size_t i = 0; i < 24; ++i)
+    EXPECT_NEAR(got["logprobs"]["token_logprobs"][i].get<double>(),
+                want["logprobs"]["token_logprobs"][i].get<double>(), 1e-5)
+        << "token " << i;
+  stack.stop(true);
+  const RunOutput out = stack.served().finish();
+  ASSERT_FALSE(out.engine.verifies.empty()) << "the served run verified proposals";
+  std::int64_t accepted = 0;
+  for (const VerifyRecord& v : out.engine.verifies) accepted += v.accepted;
+  EXPECT_GT(accepted, 0);
+}
+
 TEST(Serve, ApiKeyGuardsEveryRouteButHealth) {
   ServedStack stack(std::vector<std::string>{}, {}, {}, "sk-test");
   EXPECT_EQ(http_call(stack.port(), http::verb::get, "/health").status, 200);
