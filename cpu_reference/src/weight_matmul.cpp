@@ -186,8 +186,8 @@ void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::i
     const __m512 scale = _mm512_set1_ps(d);
     for (int i = 0; i < Rows; ++i) {
       const float* xb = x + i * ldx + 32 * b;
-      const __m512 dot = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16),
-                                         _mm512_mul_ps(q[0], _mm512_loadu_ps(xb)));
+      const __m512 dot =
+          _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + 16), _mm512_mul_ps(q[0], _mm512_loadu_ps(xb)));
       acc[i] = _mm512_fmadd_ps(dot, scale, acc[i]);
       offset[i] = std::fma(m, block_sums[i * blocks + b], offset[i]);  // not left to -ffp-contract
     }

@@ -521,7 +521,8 @@ void parse_kv_policy(Section& s, ExperimentConfig& c) {
 AdaptiveLength adaptive_length(Section& s) {
   const toml::node* node = s.node("adaptive");
   if (node == nullptr) return AdaptiveLength::off;
-  if (node->is_boolean()) return node->as_boolean()->get() ? AdaptiveLength::priced : AdaptiveLength::off;
+  if (node->is_boolean())
+    return node->as_boolean()->get() ? AdaptiveLength::priced : AdaptiveLength::off;
   if (node->is_string() && node->as_string()->get() == "priced") return AdaptiveLength::priced;
   if (node->is_string() && node->as_string()->get() == "measured") return AdaptiveLength::measured;
   s.fail(*node,
@@ -570,8 +571,9 @@ void parse_speculation(Section& s, ExperimentConfig& c) {
              "speculation.accept_trace is the simulated proposer's: it replays a measured run's "
              "acceptance on the simulated backend (proposer = \"simulated\")");
     if (s.node("acceptance_rate") != nullptr)
-      s.fail(*trace, "speculation.accept_trace and acceptance_rate both say how often a proposal "
-                     "is right: give one");
+      s.fail(*trace,
+             "speculation.accept_trace and acceptance_rate both say how often a proposal "
+             "is right: give one");
   }
   spec.adaptive = adaptive_length(s);
   spec.seed = static_cast<std::uint64_t>(c.seed);

@@ -10,10 +10,10 @@
 #include <variant>
 
 #include "kvlab/error.hpp"
-#include "kvlab/spec/speculation.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
+#include "kvlab/spec/speculation.hpp"
 #include "kvlab/suggest.hpp"
 #include "stages.hpp"
 
@@ -179,6 +179,12 @@ void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
 }
 
 // One point's plugins exist and accept their parameters; the model, profile and trace resolve.
+// A simulated drafter's measured acceptance (speculation.accept_trace): read now, so that its
+// errors come before anything runs.
+void check_accept_trace(const SpeculationOptions& speculation) {
+  if (!speculation.accept_trace.empty()) (void)load_accept_trace(speculation.accept_trace);
+}
+
 void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
   check_backend_rules(c, check);
@@ -192,8 +198,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (dtype_is_kivi(c.kv_dtype)) check_kivi(c, allocator);
   check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
   check_plugin(PluginKind::backend, c.backend, backend_params(c));
-  if (!c.speculation.accept_trace.empty())
-    (void)load_accept_trace(c.speculation.accept_trace);  // its errors before anything runs
+  check_accept_trace(c.speculation);
   if (c.profile.empty() &&
       (c.clock == EngineClock::virtual_clock || c.clock == EngineClock::offline))
     throw Error(fmt::format(

@@ -72,23 +72,19 @@ BENCHMARK_CAPTURE(BM_Prefill, stories110m, std::string("stories110m"))
 void BM_QProductByRows(benchmark::State& state) {
   cpu::set_num_threads(kThreads);
   const auto rows = static_cast<Eigen::Index>(state.range(0));
-  static const cpu::WeightMatrix w =
-      cpu::WeightMatrix::quantize(cpu::RowMatrix::Random(49152, 576) * 0.05f, cpu::WeightFormat::q4_1);
+  static const cpu::WeightMatrix w = cpu::WeightMatrix::quantize(
+      cpu::RowMatrix::Random(49152, 576) * 0.05f, cpu::WeightFormat::q4_1);
   const cpu::RowMatrix x = cpu::RowMatrix::Random(rows, 576);
   cpu::RowMatrix y;
   for (auto _ : state) {
     cpu::multiply_by_transposed(x, w, y, false);
     benchmark::DoNotOptimize(y.data());
   }
-  state.counters["rows/s"] = benchmark::Counter(static_cast<double>(rows),
-                                                benchmark::Counter::kIsIterationInvariantRate);
+  state.counters["rows/s"] =
+      benchmark::Counter(static_cast<double>(rows), benchmark::Counter::kIsIterationInvariantRate);
   state.SetLabel("q4_1 49152x576, fp32 activations, " + std::to_string(kThreads) + " threads");
 }
-BENCHMARK(BM_QProductByRows)
-    ->DenseRange(1, 9)
-    ->Arg(16)
-    ->Arg(32)
-    ->Unit(benchmark::kMicrosecond);
+BENCHMARK(BM_QProductByRows)->DenseRange(1, 9)->Arg(16)->Arg(32)->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace kvlab::bench

@@ -297,9 +297,10 @@ TEST(SpeculationLesson, PromptLookupOnGroundedEditsNeedsUnderHalfTheTargetsForwa
   RecordProperty("acceptance", fmt::format("{:.3f}", acceptance));
   RecordProperty("accepted_per_verify", fmt::format("{:.2f}", gained));
   RecordProperty("forwards_per_token", fmt::format("{:.3f}", forwards));
-  std::cout << fmt::format("grounded edits: {} answer tokens, acceptance {:.1f}%, {:.2f} accepted "
-                           "per verify, {:.3f} target forwards per token\n",
-                           answer_tokens, 100 * acceptance, gained, forwards);
+  std::cout << fmt::format(
+      "grounded edits: {} answer tokens, acceptance {:.1f}%, {:.2f} accepted "
+      "per verify, {:.3f} target forwards per token\n",
+      answer_tokens, 100 * acceptance, gained, forwards);
   EXPECT_GE(acceptance, 0.5);
   EXPECT_GE(gained, 2.0);
   EXPECT_LT(forwards, 0.45);

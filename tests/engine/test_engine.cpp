@@ -972,7 +972,8 @@ TEST(Speculation, TheSimulatedProposerReplaysAnAcceptTrace) {
       const std::vector<std::int32_t> proposed = proposer->propose(r, k);
       std::int64_t run = 0;
       for (std::int32_t last = r.tokens.back(); run < k; ++run) {
-        if (proposed[static_cast<std::size_t>(run)] != target.token_after(last, r.length() - 1 + run))
+        if (proposed[static_cast<std::size_t>(run)] !=
+            target.token_after(last, r.length() - 1 + run))
           break;
         last = proposed[static_cast<std::size_t>(run)];
       }
@@ -1002,8 +1003,9 @@ TEST(Speculation, ABadAcceptTraceIsAClearError) {
             std::string::npos);
   EXPECT_NE(error("proposed,accepted\n4\n").find("1 cells, the header has 2"), std::string::npos);
   EXPECT_NE(error("proposed,accepted\n").find("holds no verifies"), std::string::npos);
-  EXPECT_NE(test::error_of<Error>([&] { (void)load_accept_trace(dir / "missing.csv"); })
-                .find("cannot read the accept trace"),
+  EXPECT_NE(test::error_of<Error>([&] {
+              (void)load_accept_trace(dir / "missing.csv");
+            }).find("cannot read the accept trace"),
             std::string::npos);
 }
 
@@ -1023,7 +1025,7 @@ TEST(Speculation, StepTimesPriceAStepFromTheStepsRunSoFar) {
   times.observe(48, 0.019);
   EXPECT_DOUBLE_EQ(*times.seconds(32), 0.015);  // halfway between 0.011 and 0.019
   EXPECT_DOUBLE_EQ(*times.seconds(8), 0.009);   // the line: 0.011 - 8 x 0.00025
-  times.observe(-1, 5.0);  // no tokens, or no time: not a step
+  times.observe(-1, 5.0);                       // no tokens, or no time: not a step
   times.observe(4, std::nan(""));
   EXPECT_DOUBLE_EQ(*times.seconds(8), 0.009);
   StepTimes steep;
@@ -1042,10 +1044,10 @@ TEST(Speculation, AnAdaptiveLengthTriesWhatItCannotPriceThenTakesTheFastest) {
   const auto flat = [](std::int64_t) -> std::optional<double> { return 1.0; };
   EXPECT_EQ(adaptive_proposal_length(flat, 0.5, 4), 4);  // memory-bound: all of them
   const auto linear = [](std::int64_t k) -> std::optional<double> { return 1.0 + k; };
-  EXPECT_EQ(adaptive_proposal_length(linear, 0.5, 4), 0);    // every proposal costs a token
-  EXPECT_EQ(adaptive_proposal_length(linear, 0.99, 4), 0);   // 4.90 tokens in 5: still below 1
+  EXPECT_EQ(adaptive_proposal_length(linear, 0.5, 4), 0);   // every proposal costs a token
+  EXPECT_EQ(adaptive_proposal_length(linear, 0.99, 4), 0);  // 4.90 tokens in 5: still below 1
   const auto cheap = [](std::int64_t k) -> std::optional<double> { return 1.0 + 0.25 * k; };
-  EXPECT_EQ(adaptive_proposal_length(cheap, 0.5, 4), 1);     // 1.5 / 1.25 beats 1.75 / 1.5
+  EXPECT_EQ(adaptive_proposal_length(cheap, 0.5, 4), 1);  // 1.5 / 1.25 beats 1.75 / 1.5
   const auto unknown_two = [](std::int64_t k) -> std::optional<double> {
     if (k == 2) return std::nullopt;
     return 1.0;

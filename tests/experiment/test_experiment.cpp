@@ -525,9 +525,10 @@ TEST(ExperimentLibrary, SpeculationRunsAndItsMistakesAreClearErrors) {
   for (const auto& [text, adaptive] :
        {std::pair{"true", AdaptiveLength::priced}, std::pair{"'priced'", AdaptiveLength::priced},
         std::pair{"'measured'", AdaptiveLength::measured}, std::pair{"false", AdaptiveLength::off}})
-    EXPECT_EQ(load_experiment(kQuickstart, small({fmt::format("speculation={{adaptive={}}}", text)}))[0]
-                  .config.speculation.adaptive,
-              adaptive)
+    EXPECT_EQ(
+        load_experiment(kQuickstart, small({fmt::format("speculation={{adaptive={}}}", text)}))[0]
+            .config.speculation.adaptive,
+        adaptive)
         << text;
   const RunOutput out = run_experiment(runs[0].config, true, nullptr);
   EXPECT_EQ(out.summary.finished, 6);

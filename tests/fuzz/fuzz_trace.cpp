@@ -10,9 +10,9 @@
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;
   const int kind = data[0] == 4 || data[0] == 5 ? data[0] : data[0] % 4;
-  const auto path = kvlab::fuzz::write_input(kvlab::fuzz::as_text(data + 1, size - 1),
-                                             (kind % 2 == 1 && kind != 5) || kind == 4 ? ".jsonl"
-                                                                                       : ".csv");
+  const auto path =
+      kvlab::fuzz::write_input(kvlab::fuzz::as_text(data + 1, size - 1),
+                               (kind % 2 == 1 && kind != 5) || kind == 4 ? ".jsonl" : ".csv");
   try {
     if (kind <= 1) {
       kvlab::TraceOptions options;

@@ -156,9 +156,9 @@ TEST(Serve, SpeculationAnswersAsDecodingWouldWithTheSameLogprobs) {
   json plain_answer, speculative_answer;
   {
     ServedStack stack;
-    plain_answer =
-        post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 24, request_extra))
-            .json();
+    plain_answer = post_json(stack.port(), "/v1/completions",
+                             completion(stack.model_name(), 24, request_extra))
+                       .json();
   }
   ServedStack stack({"speculation={tokens=4}"});
   speculative_answer =

@@ -341,8 +341,7 @@ double Engine::propose() {
 std::int64_t Engine::proposal_length(std::span<const RequestState* const> decodes) const {
   constexpr double kAcceptanceEvidence = 64;  // positions tried before the acceptance is trusted
   const SpeculationOptions& spec = options_.speculation;
-  if (spec.adaptive == AdaptiveLength::off || decodes.empty() ||
-      spec_tried_ < kAcceptanceEvidence)
+  if (spec.adaptive == AdaptiveLength::off || decodes.empty() || spec_tried_ < kAcceptanceEvidence)
     return spec.tokens;
   const double acceptance = (spec_accepted_ + 2) / (spec_tried_ + 4);
   if (spec.adaptive == AdaptiveLength::measured) {

@@ -112,9 +112,10 @@ std::vector<AcceptRecord> load_accept_trace(const std::filesystem::path& path) {
         const auto at = [&](const char* name) {
           const auto it = std::find(cells.begin(), cells.end(), name);
           if (it == cells.end())
-            throw Error(fmt::format("the header names no \"{}\" column (it needs proposed and "
-                                    "accepted, as kvlab's verifies.csv has)",
-                                    name));
+            throw Error(
+                fmt::format("the header names no \"{}\" column (it needs proposed and "
+                            "accepted, as kvlab's verifies.csv has)",
+                            name));
           return static_cast<std::size_t>(it - cells.begin());
         };
         proposed_at = at("proposed");
@@ -128,9 +129,10 @@ std::vector<AcceptRecord> load_accept_trace(const std::filesystem::path& path) {
                                 parse_number<std::int64_t>(cells[accepted_at], "accepted")};
       if (verify.proposed < 1 || verify.proposed > 64 || verify.accepted < 0 ||
           verify.accepted > verify.proposed)
-        throw Error(fmt::format("proposed must be in [1, 64] and accepted in [0, proposed], got "
-                                "{} and {}",
-                                verify.proposed, verify.accepted));
+        throw Error(
+            fmt::format("proposed must be in [1, 64] and accepted in [0, proposed], got "
+                        "{} and {}",
+                        verify.proposed, verify.accepted));
       verifies.push_back(verify);
     } catch (const Error& e) {
       throw Error(fmt::format("{}:{}: {}", path.string(), line_number, e.what()));
@@ -170,7 +172,8 @@ std::int64_t adaptive_proposal_length(const CostModel& cost, std::span<const std
   std::vector<EntryShape> shapes(contexts.size());
   return adaptive_proposal_length(
       [&](std::int64_t k) -> std::optional<double> {
-        for (std::size_t i = 0; i < contexts.size(); ++i) shapes[i] = {1 + k, contexts[i], 0, 1 + k};
+        for (std::size_t i = 0; i < contexts.size(); ++i)
+          shapes[i] = {1 + k, contexts[i], 0, 1 + k};
         return cost.cost(cost.work(shapes)).total();
       },
       acceptance, max_tokens);

@@ -115,7 +115,7 @@ struct EngineResult {
   // they cross to the host), else from the logits on the host; empty for the other requests.
   std::vector<std::vector<GeneratedLogprobs>> logprobs;
   std::vector<StepRecord> steps;
-  std::vector<EngineEvent> events;  // admit / defer / preempt / swap / finish / reject / evict
+  std::vector<EngineEvent> events;     // admit / defer / preempt / swap / finish / reject / evict
   std::vector<VerifyRecord> verifies;  // speculative decoding's, in step order (a replica's ids)
   double duration_s = 0;
 };
