@@ -377,10 +377,12 @@ const RunMetric kRunMetrics[] = {
      {{"spec_accepted_length", "accepted/verify", "", 2}}},
     {"spec_propose_s",
      "s",
-     "speculative decoding: the proposer's time (measured), over every step",
+     "speculative decoding: the proposer's time, over every step (measured and wall clocks "
+     "only: elsewhere a run's files are the same each time)",
      "sum over steps",
      true,
      [](const ExperimentConfig& c, const RunOutput& out) {
+       if (c.clock != EngineClock::measured && c.clock != EngineClock::wall) return json();
        return speculation_total(
            c, out, [](std::int64_t, std::int64_t, std::int64_t, double s) { return s; });
      },

@@ -99,9 +99,10 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
       "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
       "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
       "prefix_query_tokens");
-  put(f, "{}{}\n",
+  put(f, "{}{}{}\n",
       tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "",
-      speculative ? ",verify_entries,proposed_tokens,accepted_tokens,propose_s" : "");
+      speculative ? ",verify_entries,proposed_tokens,accepted_tokens" : "",
+      speculative && measured ? ",propose_s" : "");
   // A row per step (a whole-trace replay has a million): formats compiled, not parsed per row.
   auto row = std::back_inserter(f.buffer());
   for (const auto& s : out.engine.steps) {
@@ -121,8 +122,9 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
                      s.kv.disk_hit_tokens, s.kv.host_bytes_stored + s.kv.disk_bytes_stored,
                      s.kv.host_bytes_loaded + s.kv.disk_bytes_loaded, s.tier_s);
     if (speculative)
-      fmt::format_to(row, FMT_COMPILE(",{},{},{},{:.6f}"), s.verify_entries, s.proposed_tokens,
-                     s.accepted_tokens, s.propose_s);
+      fmt::format_to(row, FMT_COMPILE(",{},{},{}"), s.verify_entries, s.proposed_tokens,
+                     s.accepted_tokens);
+    if (speculative && measured) fmt::format_to(row, FMT_COMPILE(",{:.6f}"), s.propose_s);
     put(f, "\n");
   }
 }

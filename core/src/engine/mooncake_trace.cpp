@@ -11,6 +11,7 @@
 
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/splitmix64.hpp"
 #include "trace_replay.hpp"
 
 namespace kvlab {
@@ -64,10 +65,8 @@ std::int64_t scaled(std::int64_t tokens, double scale) {
 // splitmix64: token j of the block a hash id names (or, with the request's salt, of a request's
 // own tail), the same for the same (seed, id, j) everywhere.
 std::int32_t token_of(std::uint64_t seed, std::uint64_t id, std::uint64_t j, std::int64_t vocab) {
-  std::uint64_t z = seed ^ (id * 0x9e3779b97f4a7c15ULL) ^ (j * 0xd1b54a32d192ed03ULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
+  const std::uint64_t z =
+      splitmix64_mix(seed ^ (id * 0x9e3779b97f4a7c15ULL) ^ (j * 0xd1b54a32d192ed03ULL));
   return static_cast<std::int32_t>(z % static_cast<std::uint64_t>(vocab));
 }
 

@@ -7,16 +7,14 @@
 
 #include "kvlab/error.hpp"
 #include "kvlab/model/safetensors.hpp"
+#include "kvlab/splitmix64.hpp"
 
 namespace kvlab {
 namespace {
 
 // SplitMix64 finaliser: a bijective 64-bit mix, used as a counter-based generator.
 std::uint64_t mix64(std::uint64_t x) {
-  x += 0x9e3779b97f4a7c15ULL;
-  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-  return x ^ (x >> 31);
+  return splitmix64_mix(x + 0x9e3779b97f4a7c15ULL);
 }
 
 // FNV-1a of the tensor name: each tensor's stream depends on its name, not on write order.

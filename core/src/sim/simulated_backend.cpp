@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "kvlab/error.hpp"
+#include "kvlab/splitmix64.hpp"
 
 namespace kvlab {
 
@@ -14,11 +15,9 @@ SimulatedBackend::SimulatedBackend(std::int64_t vocab_size, std::vector<std::int
 
 std::int32_t SimulatedBackend::token_after(std::int32_t last_token, std::int64_t position) const {
   // splitmix64 of (token, position): deterministic, independent of batch composition.
-  std::uint64_t z = (static_cast<std::uint64_t>(static_cast<std::uint32_t>(last_token)) << 32) ^
-                    static_cast<std::uint64_t>(position) ^ 0x9e3779b97f4a7c15ULL;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
+  const std::uint64_t z =
+      splitmix64_mix((static_cast<std::uint64_t>(static_cast<std::uint32_t>(last_token)) << 32) ^
+                     static_cast<std::uint64_t>(position) ^ 0x9e3779b97f4a7c15ULL);
   auto token = static_cast<std::int32_t>(z % static_cast<std::uint64_t>(vocab_size_));
   while (std::find(eos_.begin(), eos_.end(), token) != eos_.end())
     token = static_cast<std::int32_t>((token + 1) % vocab_size_);

@@ -11,6 +11,7 @@
 #include "../engine/csv_fields.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "kvlab/splitmix64.hpp"
 
 namespace kvlab {
 namespace {
@@ -28,11 +29,9 @@ class PromptLookupProposer final : public Proposer {
 
 // A uniform draw in [0, 1) for (seed, request, position): splitmix64.
 double draw(std::uint64_t seed, RequestId id, std::int64_t position) {
-  std::uint64_t z = seed ^ (static_cast<std::uint64_t>(id) * 0x9e3779b97f4a7c15ULL) ^
-                    (static_cast<std::uint64_t>(position) * 0xc2b2ae3d27d4eb4fULL);
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ULL;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebULL;
-  z ^= z >> 31;
+  const std::uint64_t z =
+      splitmix64_mix(seed ^ (static_cast<std::uint64_t>(id) * 0x9e3779b97f4a7c15ULL) ^
+                     (static_cast<std::uint64_t>(position) * 0xc2b2ae3d27d4eb4fULL));
   return static_cast<double>(z >> 11) * 0x1.0p-53;
 }
 
