@@ -120,7 +120,6 @@ ServedAndReplayed expect_served_matches_replay(const std::vector<std::string>& s
     client_e2e += c.e2e_s / static_cast<double>(client.size());
   }
   // Against what kvlab run predicts for the workload's arrivals: the 5%.
-  // Against what kvlab run predicts for the workload's arrivals: the 5%.
   const RunSummary& want = offline.summary;
   const RunSummary& got = served.summary;
   EXPECT_LT(relative(got.ttft_s.mean, want.ttft_s.mean), 0.05)

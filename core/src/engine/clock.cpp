@@ -71,7 +71,8 @@ class WallClock : public Clock {
 
 // Real time, each step lasting at least its price: the engine sleeps until the step's scheduled
 // end and records that end, so the sleep's overshoot (tens of microseconds, more on a busy
-// machine) is not added to every step; a step slower than its price ends when it really did.
+// machine) is not added to every step; a step slower than its price by more than kLateness ends
+// when it really did.
 // Likewise a step that an arrival starts (the engine idle) starts at that arrival, not when the
 // engine thread woke to it (up to kLateness later): the simulated hardware has no wake-up.
 class PacedClock : public WallClock {
@@ -93,7 +94,9 @@ class PacedClock : public WallClock {
     const double scheduled_end = started + cost.virtual_step_s();
     const double real = elapsed();
     if (real >= scheduled_end) {
-      now_ = real;
+      // Late by a hiccup of the host's (up to kLateness): kept to the schedule, which the next
+      // step's sleep catches up with. Later than that: the step really took that long.
+      now_ = real - scheduled_end <= kLateness ? scheduled_end : real;
     } else {
       std::this_thread::sleep_until(start_ + std::chrono::duration<double>(scheduled_end));
       now_ = scheduled_end;
