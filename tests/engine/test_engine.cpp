@@ -988,7 +988,8 @@ TEST(Speculation, TheSimulatedProposerReplaysAnAcceptTrace) {
   EXPECT_NEAR(runs[8][8] / 4000.0, 0.25, 0.03);
 }
 
-// A bad accept trace is an error naming the file, the line and what is wrong.
+// A bad accept trace is an error naming the file, the line and what is wrong; a header written
+// by a spreadsheet (a byte order mark, spaces) is read.
 TEST(Speculation, ABadAcceptTraceIsAClearError) {
   test::TempDir dir;
   const auto error = [&](const std::string& text) {
@@ -1003,6 +1004,12 @@ TEST(Speculation, ABadAcceptTraceIsAClearError) {
             std::string::npos);
   EXPECT_NE(error("proposed,accepted\n4\n").find("1 cells, the header has 2"), std::string::npos);
   EXPECT_NE(error("proposed,accepted\n").find("holds no verifies"), std::string::npos);
+  // A byte order mark and spaces around the header's names are no error (as in workload traces).
+  test::write_file(dir / "ok.csv", "\xEF\xBB\xBFrequest, proposed ,accepted\n0,4,2\n");
+  const std::vector<AcceptRecord> read = load_accept_trace(dir / "ok.csv");
+  ASSERT_EQ(read.size(), 1u);
+  EXPECT_EQ(read[0].proposed, 4);
+  EXPECT_EQ(read[0].accepted, 2);
   EXPECT_NE(test::error_of<Error>([&] {
               (void)load_accept_trace(dir / "missing.csv");
             }).find("cannot read the accept trace"),

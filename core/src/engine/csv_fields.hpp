@@ -22,6 +22,16 @@ inline std::vector<std::string> csv_cells(const std::string& line) {
   return cells;
 }
 
+// A header line's column names: a UTF-8 byte order mark and the spaces around each name dropped.
+inline std::vector<std::string> csv_header_names(std::vector<std::string> cells) {
+  if (!cells.empty() && cells.front().starts_with("\xEF\xBB\xBF")) cells.front().erase(0, 3);
+  for (std::string& name : cells) {
+    name.erase(0, name.find_first_not_of(' '));
+    name.erase(name.find_last_not_of(' ') + 1);
+  }
+  return cells;
+}
+
 // The whole of `text` (spaces around it allowed) as a T; a kvlab::Error naming `field` else.
 template <typename T>
 T parse_number(std::string_view text, const char* field) {

@@ -405,12 +405,9 @@ TraceRow jsonl_row(const std::string& line) {
 
 // A CSV trace's header: the column names, each a trace field.
 std::vector<std::string> csv_header(std::vector<std::string> cells) {
-  if (!cells.empty() && cells.front().starts_with("\xEF\xBB\xBF"))  // a UTF-8 byte order mark
-    cells.front().erase(0, 3);
+  cells = csv_header_names(std::move(cells));
   for (std::size_t c = 0; c < cells.size(); ++c) {
-    std::string& name = cells[c];
-    name.erase(0, name.find_first_not_of(' '));
-    name.erase(name.find_last_not_of(' ') + 1);
+    const std::string& name = cells[c];
     if (std::find(trace_fields().begin(), trace_fields().end(), name) == trace_fields().end())
       throw Error(unknown_field(name));
     if (std::find(cells.begin(), cells.begin() + static_cast<std::ptrdiff_t>(c), name) !=

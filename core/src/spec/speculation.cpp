@@ -1,12 +1,11 @@
 #include "kvlab/spec/speculation.hpp"
 
-#include <algorithm>
-#include <cmath>
-#include <iterator>
-
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <cmath>
 #include <fstream>
+#include <iterator>
 
 #include "../engine/csv_fields.hpp"
 #include "kvlab/error.hpp"
@@ -105,7 +104,8 @@ std::vector<AcceptRecord> load_accept_trace(const std::filesystem::path& path) {
     ++line_number;
     if (!line.empty() && line.back() == '\r') line.pop_back();
     if (line.empty()) continue;
-    const std::vector<std::string> cells = csv_cells(line);
+    const std::vector<std::string> cells =
+        columns == 0 ? csv_header_names(csv_cells(line)) : csv_cells(line);
     try {
       if (columns == 0) {
         const auto at = [&](const char* name) {
