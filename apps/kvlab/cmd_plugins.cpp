@@ -63,9 +63,9 @@ void run_plugins(const PluginsOptions& o) {
   fmt::print("search path:");
   for (const auto& directory : search) fmt::print(" {}", directory.string());
   fmt::print("\n");
-  for (PluginKind kind :
-       {PluginKind::kv_allocator, PluginKind::attention_variant, PluginKind::scheduler,
-        PluginKind::backend, PluginKind::router, PluginKind::tier_policy, PluginKind::kv_policy}) {
+  for (PluginKind kind : {PluginKind::kv_allocator, PluginKind::attention_variant,
+                          PluginKind::scheduler, PluginKind::backend, PluginKind::router,
+                          PluginKind::tier_policy, PluginKind::kv_policy, PluginKind::proposer}) {
     for (const auto& info : registry.plugins()) {
       if (info.kind != kind) continue;
       fmt::print("\n{} {}: {}\n  file: {}\n", plugin_kind_name(kind), info.name, info.description,

@@ -528,6 +528,10 @@ const PresetSpec kPresets[] = {
     // Llama 3.1 8B config.json: 128K context through llama3 RoPE scaling (factor 8 over 8192).
     {"llama3.1-8b", 128256, 4096, 14336, 32, 32, 8, 131072, 1e-5, 500000.0, false, true,
      std::nullopt, RopeScaling{RopeScaling::Type::llama3, 8.0, 1.0, 4.0, 8192}},
+    // Llama 3.2 1B config.json (tied embeddings, llama3 RoPE factor 32): Llama 3.1's vocabulary,
+    // the usual draft model for it in speculative decoding.
+    {"llama3.2-1b", 128256, 2048, 8192, 16, 32, 8, 131072, 1e-5, 500000.0, true, true, std::nullopt,
+     RopeScaling{RopeScaling::Type::llama3, 32.0, 1.0, 4.0, 8192}},
     // OPT-13B (Zhang et al. 2022; DistServe's model) as a LLaMA-shaped stand-in with OPT's
     // sizes: hidden 5120, 40 layers, 40 heads (MHA), vocab 50,272, context 2,048, tied
     // embeddings. OPT's MLP is two 5120 x 20480 matrices (8 h^2 a layer); three of 5120 x 13,653

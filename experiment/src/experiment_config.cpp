@@ -181,6 +181,9 @@ void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
   resolve(c.output_dir);
   resolve(c.disk_tier_directory);
   resolve(c.speculation.accept_trace);
+  if (!c.draft_model.empty() &&
+      std::find(presets.begin(), presets.end(), c.draft_model) == presets.end())
+    resolve(c.draft_model);
   for (auto& p : c.plugin_paths) resolve(p);
 }
 
@@ -530,29 +533,40 @@ AdaptiveLength adaptive_length(Section& s) {
          "hardware profile) or \"measured\" (by the times of the steps run so far)");
 }
 
-// [speculation]: speculative decoding (kvlab/spec/speculation.hpp): which proposer, how many
-// proposals per decode, fixed or adaptive.
-void parse_speculation(Section& s, ExperimentConfig& c) {
-  if (s.table_itself() == nullptr) return;  // no table: off
-  SpeculationOptions& spec = c.speculation;
-  const std::string proposer = s.get<std::string>("proposer").value_or("prompt_lookup");
-  if (proposer == "simulated") {
-    spec.proposer = ProposerKind::simulated;
-    if (c.backend_kind != BackendKind::simulated)
-      s.fail(*s.node("proposer"),
-             "speculation.proposer \"simulated\" proposes the simulated backend's own tokens at "
-             "acceptance_rate: it needs backend.name = \"simulated\" (use \"prompt_lookup\" on "
-             "a backend that computes)");
-  } else if (proposer != "prompt_lookup") {
+// speculation.draft_model / draft_layers: the draft model a proposer runs (the draft proposer;
+// on the simulated backend, what the draft's steps cost).
+void parse_draft(Section& s, ExperimentConfig& c) {
+  c.draft_model = s.get<std::string>("draft_model").value_or("");
+  c.draft_layers = s.get_int<std::int64_t>("draft_layers", 1, 1024).value_or(0);
+  if (!c.draft_model.empty() && c.draft_layers > 0)
+    s.fail(*s.node("draft_layers"),
+           "speculation.draft_model and draft_layers both name the draft: give one (draft_layers: "
+           "the target's own first layers)");
+  const bool has_draft = !c.draft_model.empty() || c.draft_layers > 0;
+  const std::string& proposer = c.speculation.proposer;
+  if (proposer == "draft" && !has_draft)
     s.fail(*s.node("proposer"),
-           fmt::format("speculation.proposer \"{}\" is not known: \"prompt_lookup\" (n-gram "
-                       "lookup over the prompt and the output so far) or \"simulated\" (the "
-                       "simulated backend's tokens, right at acceptance_rate)",
-                       proposer));
-  }
-  spec.tokens = s.get_int<std::int64_t>("tokens", 0, 64).value_or(4);
+           "speculation.proposer \"draft\" runs a draft model: name it with draft_model (a "
+           "preset or model path with the target's vocabulary) or draft_layers (the target's "
+           "first layers: self-speculation)");
+  if (has_draft && proposer == "prompt_lookup")
+    s.fail(*s.node(c.draft_layers > 0 ? "draft_layers" : "draft_model"),
+           "speculation.draft_model / draft_layers: prompt_lookup runs no draft; use proposer = "
+           "\"draft\" (or \"simulated\" on the simulated backend, to price the draft's steps)");
+}
+
+// The built-in proposers' settings (their plugins' params: proposer_params): prompt_lookup's
+// n-gram range, simulated's acceptance.
+void parse_builtin_proposer_keys(Section& s, ExperimentConfig& c) {
+  SpeculationOptions& spec = c.speculation;
+  const bool simulated = spec.proposer == "simulated";
   spec.lookup.max_ngram = s.get_int<std::int64_t>("max_ngram", 1, 64).value_or(3);
   spec.lookup.min_ngram = s.get_int<std::int64_t>("min_ngram", 1, 64).value_or(1);
+  for (const char* key : {"min_ngram", "max_ngram"})
+    if (s.node(key) != nullptr && spec.proposer != "prompt_lookup")
+      s.fail(*s.node(key), fmt::format("speculation.{} is prompt_lookup's n-gram range: the {} "
+                                       "proposer has none",
+                                       key, spec.proposer));
   if (spec.lookup.min_ngram > spec.lookup.max_ngram)
     s.fail(*s.node("min_ngram"),
            fmt::format("speculation.min_ngram ({}) must not exceed max_ngram ({})",
@@ -560,13 +574,13 @@ void parse_speculation(Section& s, ExperimentConfig& c) {
   spec.acceptance_rate = s.get<double>("acceptance_rate").value_or(spec.acceptance_rate);
   if (!(spec.acceptance_rate >= 0 && spec.acceptance_rate <= 1))
     s.fail(*s.node("acceptance_rate"), "speculation.acceptance_rate must be in [0, 1]");
-  if (s.node("acceptance_rate") != nullptr && spec.proposer != ProposerKind::simulated)
+  if (s.node("acceptance_rate") != nullptr && !simulated)
     s.fail(*s.node("acceptance_rate"),
-           "speculation.acceptance_rate is the simulated proposer's: prompt lookup's acceptance "
-           "is what the model and the text make it");
+           "speculation.acceptance_rate is the simulated proposer's: a computed proposal's "
+           "acceptance is what the models and the text make it");
   spec.accept_trace = s.get<std::string>("accept_trace").value_or("");
   if (const toml::node* trace = s.node("accept_trace")) {
-    if (spec.proposer != ProposerKind::simulated)
+    if (!simulated)
       s.fail(*trace,
              "speculation.accept_trace is the simulated proposer's: it replays a measured run's "
              "acceptance on the simulated backend (proposer = \"simulated\")");
@@ -575,8 +589,36 @@ void parse_speculation(Section& s, ExperimentConfig& c) {
              "speculation.accept_trace and acceptance_rate both say how often a proposal "
              "is right: give one");
   }
-  spec.adaptive = adaptive_length(s);
   spec.seed = static_cast<std::uint64_t>(c.seed);
+}
+
+// [speculation]: speculative decoding (kvlab/spec/speculation.hpp): which proposer plugin (and
+// draft model), how many proposals per decode, fixed or adaptive.
+void parse_speculation(Section& s, ExperimentConfig& c) {
+  if (s.table_itself() == nullptr) return;  // no table: off
+  SpeculationOptions& spec = c.speculation;
+  spec.proposer = s.get<std::string>("proposer").value_or("prompt_lookup");
+  if (spec.proposer == "simulated" && c.backend_kind != BackendKind::simulated)
+    s.fail(*s.node("proposer"),
+           "speculation.proposer \"simulated\" proposes the simulated backend's own tokens at "
+           "acceptance_rate: it needs backend.name = \"simulated\" (use \"prompt_lookup\" or "
+           "\"draft\" on a backend that computes)");
+  if (spec.proposer == "draft" && c.backend_kind != BackendKind::cpu)
+    s.fail(*s.node("proposer"),
+           "speculation.proposer \"draft\" runs the draft model on the cpu backend beside the "
+           "target: it needs backend.name = \"cpu\" (on the simulated backend, proposer = "
+           "\"simulated\" with draft_model or draft_layers prices the draft's steps)");
+  c.proposer_params = plugin_params(s, "params");
+  if ((spec.proposer == "prompt_lookup" || spec.proposer == "simulated") &&
+      !c.proposer_params.empty())
+    s.fail(*s.node("params"),
+           fmt::format("speculation.params: the {} proposer's settings are keys of [speculation] "
+                       "itself",
+                       spec.proposer));
+  parse_builtin_proposer_keys(s, c);
+  parse_draft(s, c);
+  spec.tokens = s.get_int<std::int64_t>("tokens", 0, 64).value_or(4);
+  spec.adaptive = adaptive_length(s);
   if (spec.enabled() && !c.kv_policy.empty())
     s.fail(s.node("tokens") != nullptr ? *s.node("tokens") : *s.table_itself(),
            "[speculation] with [kv_policy]: a rejected proposal is rolled back by truncating the "

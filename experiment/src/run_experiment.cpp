@@ -228,7 +228,7 @@ RunOutput run_experiment(const ExperimentConfig& c, bool check,
 
   ServedModel served = load_served_model(c, registry, simulated);
   const ModelConfig& model = served.config;
-  const std::vector<ReplicaSizing> sizings = replica_sizings(c, model, simulated);
+  const std::vector<ReplicaSizing> sizings = replica_sizings(c, served, simulated);
   const std::optional<CostModel>& cost_model = sizings.front().cost_model;  // the prefill side's
   const std::int64_t slots = sizings.front().slots;
   // Context, EOS and window from one place: the backend, the engine's KV release and the

@@ -92,6 +92,8 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
   const bool tiers = out.kv_tiers.has_value();
   const bool speculative = std::any_of(out.engine.steps.begin(), out.engine.steps.end(),
                                        [](const StepRecord& s) { return s.verify_entries > 0; });
+  const bool drafted = std::any_of(out.engine.steps.begin(), out.engine.steps.end(),
+                                   [](const StepRecord& s) { return s.predicted_propose_s > 0; });
   put(f, "{}step,start_s,duration_s,{}", cluster ? "replica," : "",
       measured ? "measured_forward_s,measured_step_s," : "");
   put(f,
@@ -99,10 +101,10 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
       "padding_slots,swap_bytes,kv_capacity,kv_used,kv_reserved_unused,kv_last_block_slack,"
       "kv_free,kv_unusable_free,kv_blocking_unusable_free,kv_cached_free,prefix_hit_tokens,"
       "prefix_query_tokens");
-  put(f, "{}{}{}\n",
+  put(f, "{}{}{}{}\n",
       tiers ? ",host_hit_tokens,disk_hit_tokens,tier_bytes_stored,tier_bytes_loaded,tier_s" : "",
       speculative ? ",verify_entries,proposed_tokens,accepted_tokens" : "",
-      speculative && measured ? ",propose_s" : "");
+      speculative && measured ? ",propose_s" : "", drafted ? ",predicted_propose_s" : "");
   // A row per step (a whole-trace replay has a million): formats compiled, not parsed per row.
   auto row = std::back_inserter(f.buffer());
   for (const auto& s : out.engine.steps) {
@@ -125,6 +127,7 @@ void write_steps_csv(Text& f, const RunOutput& out, bool measured) {
       fmt::format_to(row, FMT_COMPILE(",{},{},{}"), s.verify_entries, s.proposed_tokens,
                      s.accepted_tokens);
     if (speculative && measured) fmt::format_to(row, FMT_COMPILE(",{:.6f}"), s.propose_s);
+    if (drafted) fmt::format_to(row, FMT_COMPILE(",{:.6f}"), s.predicted_propose_s);
     put(f, "\n");
   }
 }

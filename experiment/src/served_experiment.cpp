@@ -67,7 +67,7 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
   check_backend_rules(c, false);
   p.served = load_served_model(c, registry, simulated);
   add_stop_tokens(p.served.config, stop_tokens);
-  p.sizings = replica_sizings(c, p.served.config, simulated);
+  p.sizings = replica_sizings(c, p.served, simulated);
   const SequenceRules rules = sequence_rules(p.served.config, *p.served.attention);
   p.stacks = make_replicas(c, registry, p.served, p.sizings, rules, nullptr);
   if (c.replicas > 1)

@@ -39,6 +39,47 @@ std::int64_t gib_bytes(double gib) {
   return static_cast<std::int64_t>(gib * (1 << 30));
 }
 
+// The draft's weights: draft_model's checkpoint, or the target's first draft_layers layers (the
+// target's final norm and LM head after them: an early exit).
+ModelWeightsView draft_weights_view(const ServedModel& served, const ModelWeightsView& target) {
+  if (served.draft_weights) return cpu::weights_view(*served.draft_weights, served.draft_source);
+  ModelWeightsView draft = target;
+  draft.config = served.draft_config;
+  draft.layers.resize(static_cast<std::size_t>(served.draft_config.num_hidden_layers));
+  return draft;
+}
+
+// The replica's proposer plugin and, for one that runs the draft on the cpu (a draft proposer on
+// the cpu backend), the draft's backend over a pool of its own with the target pool's slots.
+void add_proposer(const ExperimentConfig& c, const PluginRegistry& registry,
+                  const ServedModel& served, const ReplicaSizing& sizing, ReplicaStack& r,
+                  PluginContext context, EngineOptions& options) {
+  const ModelConfig& draft = served.draft_config;
+  if (draft.num_hidden_layers > 0 && served.weights) {
+    r.draft_pool =
+        std::make_unique<KvPool>(KvPoolShape{draft.num_hidden_layers, draft.num_key_value_heads,
+                                             draft.head_dim, sizing.slots, DType::dtype_f32, false},
+                                 KvStorage::none);
+    const ModelWeightsView weights =
+        draft_weights_view(served, cpu::weights_view(*served.weights, served.source.string()));
+    PluginContext draft_context;
+    draft_context.model = &draft;
+    draft_context.max_seq_len = draft.max_position_embeddings;
+    draft_context.pool = r.draft_pool.get();
+    draft_context.weights = &weights;
+    r.draft_backend =
+        registry.create<PluginKind::backend>(c.backend, backend_params(c), draft_context);
+    context.model = &draft;
+    context.pool = r.draft_pool.get();
+    context.draft = r.draft_backend.get();
+  }
+  r.proposer =
+      registry.create<PluginKind::proposer>(c.speculation.proposer, proposer_params(c), context);
+  options.proposer = r.proposer.get();
+  options.names.proposer = plugin_label(registry, PluginKind::proposer, c.speculation.proposer);
+  if (sizing.draft_cost_model) options.draft_cost_model = &*sizing.draft_cost_model;
+}
+
 std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                                            const PluginRegistry& registry,
                                            const ServedModel& served, const ReplicaSizing& sizing,
@@ -84,6 +125,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
     options.kv_policy = r->kv_policy.get();
     options.names.kv_policy = plugin_label(registry, PluginKind::kv_policy, c.kv_policy);
   }
+  if (c.speculation.enabled()) add_proposer(c, registry, served, sizing, *r, context, options);
   if (log != nullptr)
     options.observers.on_logits = [log, replica](RequestId id, std::span<const float> row) {
       log->record(replica, id, row);
@@ -101,6 +143,17 @@ std::vector<std::filesystem::path> plugin_search_path(const ExperimentConfig& c)
   return search;
 }
 
+ParamMap proposer_params(const ExperimentConfig& c) {
+  const SpeculationOptions& spec = c.speculation;
+  if (spec.proposer == "prompt_lookup")
+    return {{"min_ngram", spec.lookup.min_ngram}, {"max_ngram", spec.lookup.max_ngram}};
+  if (spec.proposer == "simulated")
+    return {{"acceptance_rate", spec.acceptance_rate},
+            {"accept_trace", spec.accept_trace},
+            {"seed", static_cast<std::int64_t>(spec.seed)}};
+  return c.proposer_params;
+}
+
 ParamMap backend_params(const ExperimentConfig& c) {
   ParamMap params = c.backend_params;
   if (c.backend_kind == BackendKind::cpu) {
@@ -108,6 +161,26 @@ ParamMap backend_params(const ExperimentConfig& c) {
     params["activations"] = std::string(cpu::activation_format_name(c.cpu_activations));
   }
   return params;
+}
+
+// [speculation]'s draft: draft_model's config (and checkpoint, beside the target's), or the
+// target's config cut to its first draft_layers layers.
+void load_draft(const ExperimentConfig& c, ServedModel& served) {
+  if (!c.speculation.enabled()) return;
+  if (c.draft_layers > 0) {
+    served.draft_config = served.config;
+    served.draft_config.num_hidden_layers = c.draft_layers;
+    served.draft_config.name =
+        fmt::format("{} (first {} layers)", served.config.name, c.draft_layers);
+    return;
+  }
+  if (c.draft_model.empty()) return;
+  const ModelSource source = resolve_model(c.draft_model);
+  served.draft_config = source.config;
+  if (!served.weights) return;  // the simulated backend prices the draft's steps only
+  served.draft_weights = load_checkpoint(source, c.weights_seed).weights;
+  served.draft_source = source.directory;
+  served.draft_config = served.draft_weights->config;
 }
 
 ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
@@ -137,6 +210,7 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
   } else {
     served.config.num_key_value_heads = kv_heads;
   }
+  load_draft(c, served);
   return served;
 }
 
@@ -183,15 +257,19 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
   return slots;
 }
 
-std::vector<ReplicaSizing> replica_sizings(const ExperimentConfig& c, const ModelConfig& model,
+std::vector<ReplicaSizing> replica_sizings(const ExperimentConfig& c, const ServedModel& served,
                                            bool simulated) {
+  const ModelConfig& model = served.config;
   std::vector<ReplicaSizing> sizings;
   const std::int64_t sides =
       c.disaggregated() && c.tensor_parallel_of(0) != c.tensor_parallel_of(c.replicas - 1) ? 2 : 1;
   sizings.reserve(2);  // no reallocation: engines point at the cost models
   for (std::int64_t side = 0; side < sides; ++side) {
     ReplicaSizing& s = sizings.emplace_back();
-    s.cost_model = run_cost_model(c, model, c.tensor_parallel_of(side == 0 ? 0 : c.replicas - 1));
+    const std::int64_t tp = c.tensor_parallel_of(side == 0 ? 0 : c.replicas - 1);
+    s.cost_model = run_cost_model(c, model, tp);
+    if (served.draft_config.num_hidden_layers > 0)
+      s.draft_cost_model = run_cost_model(c, served.draft_config, tp);
     s.slots = pool_slots(c, model, simulated, s.cost_model);
   }
   return sizings;

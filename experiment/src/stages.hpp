@@ -44,6 +44,11 @@ struct ServedModel {
   std::string weights_key;                   // names them exactly (checkpoint, K/V heads)
   ModelConfig config;
   PluginObject<AttentionVariant> attention;
+  // [speculation] draft_model's checkpoint (none for draft_layers, whose draft is `weights`'
+  // first layers, or on the simulated backend) and the draft's config (layers 0: no draft).
+  std::shared_ptr<const cpu::LlamaWeights> draft_weights;
+  std::filesystem::path draft_source;
+  ModelConfig draft_config;
 };
 
 ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
@@ -56,12 +61,13 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
 // What prices and sizes a replica: the cost model of its GPUs and its pool's capacity.
 struct ReplicaSizing {
   std::optional<CostModel> cost_model;
+  std::optional<CostModel> draft_cost_model;  // the draft model's steps, with a draft and profile
   std::int64_t slots = 0;
 };
 // One sizing for every replica, or two for a disaggregated cluster whose sides have their own
 // tensor parallelism: [0] the prefill side's, [1] the decode side's. Built once: engines keep
 // pointers to the cost models.
-std::vector<ReplicaSizing> replica_sizings(const ExperimentConfig& c, const ModelConfig& model,
+std::vector<ReplicaSizing> replica_sizings(const ExperimentConfig& c, const ServedModel& served,
                                            bool simulated);
 const ReplicaSizing& sizing_of(const ExperimentConfig& c, std::span<const ReplicaSizing> sizings,
                                std::int64_t replica);
@@ -77,13 +83,20 @@ struct ReplicaStack {
   PluginObject<Backend> plugin_backend;   // the backend plugin's object: cpu, simulated, cuda, ...
   std::unique_ptr<TimedBackend> backend;  // it, timed
   PluginObject<KvPolicy> kv_policy;       // [kv_policy], else empty
-  EngineOptions options;                  // what the engine was made with (kvlab serve's too)
+  // [speculation]: the draft model's pool and backend (a draft proposer's), then the proposer
+  std::unique_ptr<KvPool> draft_pool;
+  PluginObject<Backend> draft_backend;
+  PluginObject<Proposer> proposer;
+  EngineOptions options;  // what the engine was made with (kvlab serve's too)
   std::unique_ptr<Engine> engine;
 };
 
 // The backend plugin's parameters: backend.params, and for the cpu backend its formats
 // (backend.weights, backend.activations) as its parameters `weights` and `activations`.
 ParamMap backend_params(const ExperimentConfig& c);
+// The proposer plugin's parameters: the built-in proposers' [speculation] keys (prompt_lookup's
+// n-gram range; simulated's acceptance and seed), or speculation.params for any other.
+ParamMap proposer_params(const ExperimentConfig& c);
 
 std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
     const ExperimentConfig& c, const PluginRegistry& registry, const ServedModel& served,

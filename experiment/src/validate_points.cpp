@@ -185,6 +185,28 @@ void check_accept_trace(const SpeculationOptions& speculation) {
   if (!speculation.accept_trace.empty()) (void)load_accept_trace(speculation.accept_trace);
 }
 
+// The draft ([speculation] draft_model or draft_layers) fits the target: the same vocabulary,
+// fewer layers than the target when they are its own.
+void check_draft(const ExperimentConfig& c, const ModelConfig& target) {
+  if (c.draft_layers >= target.num_hidden_layers)
+    throw Error(fmt::format(
+        "speculation.draft_layers = {}: the draft is the target's first layers, so it needs "
+        "fewer than {}'s {}",
+        c.draft_layers, target.name, target.num_hidden_layers));
+  if (c.draft_model.empty()) return;
+  const ModelSource draft = resolve_model(c.draft_model);
+  if (draft.config.vocab_size != target.vocab_size)
+    throw Error(fmt::format(
+        "speculation.draft_model \"{}\" has a vocabulary of {} tokens and the target {} has {}: "
+        "a draft proposes the target's token ids, so the two need the same tokenizer",
+        c.draft_model, draft.config.vocab_size, target.name, target.vocab_size));
+  if (draft.config.size_only && c.backend_kind != BackendKind::simulated)
+    throw Error(fmt::format(
+        "speculation.draft_model \"{}\" is a size-only preset: a computed draft needs weights "
+        "(it prices the draft's steps on backend \"simulated\" only)",
+        c.draft_model));
+}
+
 void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
   check_backend_rules(c, check);
@@ -199,6 +221,8 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
   check_plugin(PluginKind::backend, c.backend, backend_params(c));
   check_accept_trace(c.speculation);
+  if (c.speculation.enabled())
+    check_plugin(PluginKind::proposer, c.speculation.proposer, proposer_params(c));
   if (c.profile.empty() &&
       (c.clock == EngineClock::virtual_clock || c.clock == EngineClock::offline))
     throw Error(fmt::format(
@@ -222,6 +246,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs head_dim to be a multiple "
         "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
         dtype_short_name(c.kv_dtype), source.config.name, source.config.head_dim));
+  if (c.speculation.enabled()) check_draft(c, source.config);
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
   if (!c.kv_policy.empty()) check_kv_policy(c, registry);

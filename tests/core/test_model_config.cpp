@@ -336,6 +336,7 @@ TEST(ModelPresets, ParameterCountsMatchThePublishedModels) {
   EXPECT_EQ(model_preset("llama2-70b").parameter_count(), 68'976'648'192);
   EXPECT_EQ(model_preset("mistral-7b").parameter_count(), 7'241'732'096);
   EXPECT_EQ(model_preset("llama3.1-8b").parameter_count(), 8'030'261'248);
+  EXPECT_EQ(model_preset("llama3.2-1b").parameter_count(), 1'235'814'400);  // tied: 1.24B
   // opt-13b, a LLaMA-shaped stand-in: OPT-13B's 12.85B within 0.1% (no biases, LayerNorm or
   // learned positions), its matrices' FLOPs a token within 0.01% (8 h^2 MLP + 4 h^2 attention).
   const ModelConfig opt = model_preset("opt-13b");

@@ -10,6 +10,8 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/plugin.hpp"
+#include "plugin_registry.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -82,6 +84,76 @@ TEST(CpuBackend, AnEntryGetsLogitsAtEachOfItsLastLogitRowsTokens) {
   const std::vector<std::int32_t> outside{3, static_cast<std::int32_t>(c.vocab_size)};
   const BatchEntry bad{outside, 0, KvView{{{40, 2}}, 0, {}}};
   EXPECT_THROW((void)backend.run({&bad, 1}), Error);  // no embedding row to read
+}
+
+// The reference's greedy continuation of `tokens`, `count` tokens long.
+std::vector<std::int32_t> greedy_continuation(const ReferenceModel& reference,
+                                              std::vector<std::int32_t> tokens, int count) {
+  std::vector<std::int32_t> continuation;
+  for (int i = 0; i < count; ++i) {
+    const RowMatrix logits = reference.forward(tokens);
+    Eigen::Index best = 0;
+    logits.row(logits.rows() - 1).maxCoeff(&best);
+    continuation.push_back(static_cast<std::int32_t>(best));
+    tokens.push_back(continuation.back());
+  }
+  return continuation;
+}
+
+// The draft proposer plugin over a CpuBackend (the tiny preset as the draft). Its proposals are
+// the draft's greedy continuation of each sequence, asked one at a time or three in one batch;
+// after a step whose proposals the target rejected (one accepted, then another token verified)
+// and a plain decode step, they are again the continuation of the verified tokens: the rejected
+// positions' KV was cut back and the missing ones fed, nothing stale reused. A pool too small for
+// an ask proposes nothing.
+TEST(DraftProposer, ProposesTheDraftsGreedyContinuationAfterEveryRollback) {
+  const LlamaWeights weights = random_llama_weights(model_preset("tiny"), 11);
+  const ModelConfig& c = weights.config;
+  const ReferenceModel reference(weights);
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
+  CpuBackend backend(weights, pool, std::nullopt);
+  PluginContext context;
+  context.model = &c;
+  context.pool = &pool;
+  context.draft = &backend;
+  auto proposer = test::plugin_registry().create<PluginKind::proposer>("draft", {}, context);
+  std::vector<RequestState> requests(3);
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    requests[i].id = static_cast<RequestId>(i);
+    requests[i].tokens = {1, 5, 9, 200, 3, static_cast<std::int32_t>(77 + i), 12, 8};
+  }
+  const std::vector<std::int32_t> first = proposer->propose_one(requests[0], 4);
+  EXPECT_EQ(first, greedy_continuation(reference, requests[0].tokens, 4));
+  for (int round = 0; round < 3; ++round) {
+    // Request 0's verify: its first proposal accepted, the target's own token after it; then a
+    // step that asked for no proposals (a plain decode).
+    RequestState& r = requests[0];
+    const std::vector<std::int32_t> held = greedy_continuation(reference, r.tokens, 2);
+    r.tokens.push_back(held[0]);
+    r.tokens.push_back((held[1] + 1 + round) % static_cast<std::int32_t>(c.vocab_size));
+    r.tokens.push_back(static_cast<std::int32_t>(40 + round));
+    std::vector<std::vector<std::int32_t>> proposed(requests.size());
+    std::vector<ProposeAsk> asks;
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      asks.push_back({&requests[i], 3, &proposed[i]});
+    proposer->propose(asks);
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      EXPECT_EQ(proposed[i], greedy_continuation(reference, requests[i].tokens, 3))
+          << "round " << round << ", request " << i;
+  }
+  proposer->forget(0);
+  EXPECT_EQ(proposer->propose_one(requests[0], 2),
+            greedy_continuation(reference, requests[0].tokens, 2));
+
+  KvPool small({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 16});
+  CpuBackend small_backend(weights, small, std::nullopt);
+  context.pool = &small;
+  context.draft = &small_backend;
+  auto cramped = test::plugin_registry().create<PluginKind::proposer>("draft", {}, context);
+  RequestState longer = requests[1];
+  longer.tokens.resize(20, 4);
+  EXPECT_TRUE(cramped->propose_one(longer, 3).empty()) << "20 tokens do not fit 16 slots";
+  EXPECT_EQ(cramped->propose_one(requests[2], 3).size(), 3u) << "and the pool is whole again";
 }
 
 }  // namespace

@@ -957,7 +957,7 @@ TEST(Speculation, TheSimulatedProposerReplaysAnAcceptTrace) {
   for (int i = 0; i < 50; ++i) text += fmt::format("{},1,4,{}\n", i, i % 2 == 0 ? 0 : 4);
   test::write_file(dir / "verifies.csv", text);
   SpeculationOptions options;
-  options.proposer = ProposerKind::simulated;
+  options.proposer = "simulated";
   options.accept_trace = (dir / "verifies.csv").string();
   options.seed = 3;
   const std::vector<std::int32_t> eos{2};
@@ -969,7 +969,7 @@ TEST(Speculation, TheSimulatedProposerReplaysAnAcceptTrace) {
       RequestState r;
       r.id = v % 89;
       r.tokens.assign(static_cast<std::size_t>(5 + v / 89), 7);
-      const std::vector<std::int32_t> proposed = proposer->propose(r, k);
+      const std::vector<std::int32_t> proposed = proposer->propose_one(r, k);
       std::int64_t run = 0;
       for (std::int32_t last = r.tokens.back(); run < k; ++run) {
         if (proposed[static_cast<std::size_t>(run)] !=
@@ -1068,7 +1068,7 @@ TEST(Speculation, AnAdaptiveLengthTriesWhatItCannotPriceThenTakesTheFastest) {
 // target's token.
 TEST(Speculation, TheSimulatedProposerIsRightAtItsAcceptanceRate) {
   SpeculationOptions options;
-  options.proposer = ProposerKind::simulated;
+  options.proposer = "simulated";
   options.acceptance_rate = 0.75;
   options.tokens = 4;
   options.seed = 11;
@@ -1082,7 +1082,7 @@ TEST(Speculation, TheSimulatedProposerIsRightAtItsAcceptanceRate) {
     r.id = v % 97;
     r.tokens.assign(static_cast<std::size_t>(5 + v / 97), 7);
     r.tokens.back() = v % 1000;
-    const std::vector<std::int32_t> proposed = proposer->propose(r, 4);
+    const std::vector<std::int32_t> proposed = proposer->propose_one(r, 4);
     ASSERT_EQ(proposed.size(), 4u);
     std::int32_t last = r.tokens.back();
     for (std::size_t j = 0; j < proposed.size(); ++j) {

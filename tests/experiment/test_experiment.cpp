@@ -536,8 +536,9 @@ TEST(ExperimentLibrary, SpeculationRunsAndItsMistakesAreClearErrors) {
     return test::error_of<Error>(
         [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
   };
-  EXPECT_NE(error({"speculation={proposer=\"eagle\"}"}).find("\"eagle\" is not known"),
-            std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"eagle\"}"}).find("eagle"), std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"eagle\"}"}).find("prompt_lookup"), std::string::npos)
+      << "the proposers there are";
   EXPECT_NE(error({"speculation={proposer=\"simulated\"}"}).find("backend.name = \"simulated\""),
             std::string::npos);
   EXPECT_NE(error({"speculation={acceptance_rate=0.5}"}).find("the simulated proposer's"),
@@ -554,6 +555,67 @@ TEST(ExperimentLibrary, SpeculationRunsAndItsMistakesAreClearErrors) {
   EXPECT_NE(error({"kv_cache.params.prefix_caching=false", "kv_policy={name=\"window\"}",
                    "speculation={tokens=2}"})
                 .find("drop one of the two tables"),
+            std::string::npos);
+}
+
+// The draft proposer on the cpu backend. A draft with the target's own weights (draft_model =
+// the target's preset and weights seed) proposes the target's greedy tokens: every proposal is
+// accepted. The target's first layer (draft_layers = 1: an early exit through its final norm and
+// LM head) proposes tokens the target mostly rejects, so the draft's KV is cut back nearly every
+// step. Both give the reference's tokens exactly (kvlab check's comparison, greedy).
+TEST(ExperimentLibrary, ADraftModelOrTheTargetsFirstLayersProposeAndGiveTheReferencesTokens) {
+  const auto run = [](const std::string& draft) {
+    const auto runs = load_experiment(
+        kQuickstart, small({"scheduler.name=\"fcfs\"", "workload.requests=5",
+                            "workload.output_tokens={dist=\"uniform\", min=12, max=20}",
+                            "speculation={proposer=\"draft\", tokens=3, " + draft + "}"}));
+    validate_experiment(runs, true);
+    std::vector<std::string> mismatches;
+    RunOutput out = run_experiment(runs[0].config, true, &mismatches);
+    EXPECT_TRUE(mismatches.empty()) << draft << ": " << mismatches.front();
+    EXPECT_EQ(out.summary.finished, 5) << draft;
+    EXPECT_GT(out.check.tokens, 0) << draft;
+    return out;
+  };
+  const auto acceptance = [](const RunOutput& out) {
+    std::int64_t proposed = 0, accepted = 0;
+    for (const VerifyRecord& v : out.engine.verifies) {
+      proposed += v.proposed;
+      accepted += v.accepted;
+    }
+    EXPECT_GT(proposed, 20);
+    return static_cast<double>(accepted) / static_cast<double>(std::max<std::int64_t>(proposed, 1));
+  };
+  EXPECT_EQ(acceptance(run("draft_model=\"tiny\"")), 1.0) << "the target's own weights";
+  const double early_exit = acceptance(run("draft_layers=1"));
+  EXPECT_LT(early_exit, 0.9) << "proposals rejected: the rollback runs";
+}
+
+// The draft's mistakes are named before anything runs.
+TEST(ExperimentLibrary, DraftMistakesAreClearErrors) {
+  auto error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
+  EXPECT_NE(error({"speculation={proposer=\"draft\"}"}).find("draft_model"), std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"draft\", draft_layers=2, draft_model=\"tiny\"}"})
+                .find("give one"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"draft\", draft_layers=64}"}).find("needs fewer than"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"draft\", draft_model=\"stories15m\"}"})
+                .find("the same tokenizer"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={draft_layers=1}"}).find("prompt_lookup runs no draft"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"draft\", draft_layers=1}", "backend.name=\"simulated\"",
+                   "backend.profile=\"h200\""})
+                .find("backend.name = \"cpu\""),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={proposer=\"draft\", draft_layers=1, max_ngram=2}"})
+                .find("prompt_lookup's n-gram range"),
+            std::string::npos);
+  EXPECT_NE(error({"speculation={min_ngram=1, params={x=1}}"}).find("keys of [speculation]"),
             std::string::npos);
 }
 

@@ -27,6 +27,7 @@
 #include "kvlab/model_weights.hpp"
 #include "kvlab/plugin_abi.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/proposer.hpp"
 #include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 
@@ -39,19 +40,25 @@ enum class PluginKind : std::uint32_t {
   backend = 4,
   router = 5,
   tier_policy = 6,
-  kv_policy = 7
+  kv_policy = 7,
+  proposer = 8
 };
-// "allocator", "attention", "scheduler", "backend", "router", "tier_policy", "kv_policy"
+// "allocator", "attention", "scheduler", "backend", "router", "tier_policy", "kv_policy",
+// "proposer"
 const char* plugin_kind_name(PluginKind kind);
 
 // What a plugin object may need from the host when it is created.
 struct PluginContext {
-  KvPool* pool = nullptr;              // allocators: the pool whose slots they hand out
+  // allocators: the pool whose slots they hand out; proposers: the draft model's (with `draft`)
+  KvPool* pool = nullptr;
   const ModelConfig* model = nullptr;  // the model being served
   std::int64_t max_seq_len = 0;        // longest sequence (prompt + output) a request may reach
   const ModelWeightsView* weights = nullptr;  // backends: the checkpoint (K/V heads converted)
   std::int64_t window = 0;                    // backends: sliding-window size, 0 for none
   const KvTierSpec* tiers = nullptr;  // allocators: KV tiers below the pool ([kv_tiers]), or none
+  // proposers: a backend running the draft model ([speculation] draft_model or draft_layers),
+  // its K/V in `pool` (which holds nothing else), or none; `model` is then the draft's config
+  Backend* draft = nullptr;
 };
 
 struct PluginDescriptor {
@@ -102,6 +109,10 @@ struct PluginInterface<PluginKind::tier_policy> {
 template <>
 struct PluginInterface<PluginKind::kv_policy> {
   using type = KvPolicy;
+};
+template <>
+struct PluginInterface<PluginKind::proposer> {
+  using type = Proposer;
 };
 
 namespace detail {

@@ -15,6 +15,7 @@
 #include "kvlab/model_config.hpp"
 #include "kvlab/model_weights.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/proposer.hpp"
 #include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 
@@ -35,8 +36,9 @@ namespace kvlab {
 // ForwardResult::key_scores, KvAllocator::evict; 15: KvAllocator::positions_view;
 // 16: KvAllocator::truncate (speculative decoding's rollback); 17: BatchEntry::logit_rows (a
 // speculative verify's rows of logits); 18: RequestState::proposed (a decode's speculative
-// proposals, which a scheduler may grant with it: RequestState::schedulable_tokens).
-inline constexpr std::uint32_t kPluginAbiVersion = 18;
+// proposals, which a scheduler may grant with it: RequestState::schedulable_tokens); 19: the
+// proposer kind (Proposer, ProposeAsk), PluginContext::draft.
+inline constexpr std::uint32_t kPluginAbiVersion = 19;
 
 namespace detail {
 
@@ -73,6 +75,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<Preemption>().type<Work>().type<Deferral>();
   h.type<ReplicaLoad>().type<RouteRequest>().type<RouteDecision>().type<TokenChoice>();
   h.type<KvPolicyStep>().type<BackendCounters>().type<TokenLogprob>().type<ForwardResult>();
+  h.type<ProposeAsk>();
   h.type<WeightMatrixView>().type<LayerWeightsView>().type<ModelWeightsView>();
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);

@@ -8,7 +8,7 @@ namespace kvlab {
 double StepTiming::virtual_step_s() const {
   const double compute =
       tier_copies_overlap ? std::max(predicted_s, modelled_tier_s) : predicted_s + modelled_tier_s;
-  return compute + modelled_swap_s;
+  return modelled_propose_s + compute + modelled_swap_s;
 }
 
 namespace {
@@ -28,12 +28,13 @@ class VirtualClock : public Clock {
   bool arrivals_at_zero_;
 };
 
-// A step lasts what the backend, the swap copies and the KV tier copies really took (the cpu
-// backend's copies run on the cores that compute, one after the other).
+// A step lasts what the proposer, the backend, the swap copies and the KV tier copies really
+// took (the cpu backend's copies run on the cores that compute, one after the other).
 class MeasuredClock : public Clock {
  public:
   double advance(const StepTiming& cost) override {
-    const double duration = cost.measured_forward_s + cost.measured_swap_s + cost.measured_tier_s;
+    const double duration = cost.measured_propose_s + cost.measured_forward_s +
+                            cost.measured_swap_s + cost.measured_tier_s;
     now_ += duration;
     return duration;
   }

@@ -74,10 +74,14 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
         "engine: an adaptive proposal length priced by the cost model needs one; give "
         "EngineOptions::cost_model (a hardware profile), price by the steps' measured times "
         "(AdaptiveLength::measured) or use a fixed speculation.tokens");
-  proposer_.reset();
-  if (options_.speculation.enabled())
-    proposer_ =
-        make_proposer(options_.speculation, backend_.vocab_size(), options_.rules.eos_token_ids);
+  owned_proposer_.reset();
+  proposer_ = nullptr;
+  if (options_.speculation.enabled()) {
+    if (options_.proposer == nullptr)
+      owned_proposer_ =
+          make_proposer(options_.speculation, backend_.vocab_size(), options_.rules.eos_token_ids);
+    proposer_ = options_.proposer != nullptr ? options_.proposer : owned_proposer_.get();
+  }
   spec_accepted_ = spec_tried_ = 0;
   step_times_ = {};
   if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
@@ -142,6 +146,7 @@ void Engine::apply_cancels() {
     if (r.status == RequestStatus::finished || r.status == RequestStatus::rejected) return true;
     if (r.status == RequestStatus::running) allocator_.free(id);
     if (kv_policy_) kv_policy_->forget(id);
+    if (proposer_) forget_proposals(id);
     log_.add(EventKind::event_finish, id, "cancelled");
     table_->cancel(id, clock_->now());
     return true;
@@ -266,6 +271,10 @@ bool Engine::step() {
   if (kv_policy_)
     plugin_call<PluginErrors::non_kvlab>(options_.names.kv_policy, step_,
                                          [&] { kv_policy_->select(applied, *table_, allocator_); });
+  if (proposer_)
+    for (const ScheduledWork& work : applied.batch)
+      if (table_->at(work.id).status != RequestStatus::running || table_->hands_off(work.id))
+        forget_proposals(work.id);
   for (std::size_t h = handed; h < handoffs_.size(); ++h) handoffs_[h].time_s = clock_->now();
   padding_.hold(finished_held, *table_, allocator_);
   record_step(record, fragmentation_blocked);
@@ -311,9 +320,10 @@ void Engine::idle_step() {
 }
 
 // Speculative decoding's proposals for this step: each running decode (not handed off) gets up
-// to speculation.tokens, never past its output limit or the context; every other request's are
-// cleared.
+// to speculation.tokens, never past its output limit or the context, from one call of the
+// proposer; every other request's are cleared.
 double Engine::propose() {
+  draft_price_s_ = 0;
   if (!proposer_) return 0;
   const auto start = SteadyClock::now();
   std::vector<const RequestState*> decodes;
@@ -324,13 +334,60 @@ double Engine::propose() {
     decodes.push_back(&r);
   }
   const std::int64_t length = proposal_length(decodes);
+  std::vector<ProposeAsk> asks;
   for (const RequestState* decode : decodes) {
     RequestState& r = table_->at(decode->id);
     const std::int64_t room =
         std::min({length, r.remaining_output() - 1, options_.rules.context - r.length() - 1});
-    if (room > 0) r.proposed = proposer_->propose(r, room);
+    if (room > 0) asks.push_back({&r, room, &r.proposed});
+  }
+  if (!asks.empty()) {
+    plugin_call<PluginErrors::non_kvlab>(options_.names.proposer, step_,
+                                         [&] { proposer_->propose(asks); });
+    check_proposals(asks);
+    draft_price_s_ = price_draft(asks);
   }
   return seconds_between(start, SteadyClock::now());
+}
+
+// A proposer's answer, checked before anything uses it: no more tokens than asked, each in the
+// vocabulary.
+void Engine::check_proposals(std::span<const ProposeAsk> asks) const {
+  const std::int64_t vocab = backend_.vocab_size();
+  for (const ProposeAsk& ask : asks) {
+    const auto count = static_cast<std::int64_t>(ask.proposed->size());
+    const auto bad = std::find_if(ask.proposed->begin(), ask.proposed->end(),
+                                  [&](std::int32_t t) { return t < 0 || t >= vocab; });
+    if (count > ask.max_tokens || bad != ask.proposed->end())
+      throw Error(fmt::format(
+          "step {}: {} answered request {} with {} proposals{} (asked for at most {}, each a "
+          "token id below {})",
+          step_, options_.names.proposer, ask.request->id, count,
+          bad != ask.proposed->end() ? fmt::format(", one of them {}", *bad) : std::string(),
+          ask.max_tokens, vocab));
+  }
+}
+
+// The draft model's steps for these proposals (draft_cost_model): as many sequential decode
+// steps as the longest proposal, each over the decodes still proposing (one token a sequence, its
+// context growing by one a step; draft_step_seconds). 0 without a draft.
+double Engine::price_draft(std::span<const ProposeAsk> asks) const {
+  if (options_.draft_cost_model == nullptr) return 0;
+  double seconds = 0;
+  std::vector<EntryShape> shapes;
+  for (std::int64_t j = 0;; ++j) {
+    shapes.clear();
+    for (const ProposeAsk& ask : asks)
+      if (static_cast<std::int64_t>(ask.proposed->size()) > j)
+        shapes.push_back({1, ask.request->computed + j, 0, 1});
+    if (shapes.empty()) return seconds;
+    seconds += draft_step_seconds(*options_.draft_cost_model, shapes);
+  }
+}
+
+void Engine::forget_proposals(RequestId id) {
+  plugin_call<PluginErrors::non_kvlab>(options_.names.proposer, step_,
+                                       [&] { proposer_->forget(id); });
 }
 
 // speculation.tokens, or with an adaptive length the best for these decodes by the acceptance
@@ -353,7 +410,8 @@ std::int64_t Engine::proposal_length(std::span<const RequestState* const> decode
   std::vector<std::int64_t> contexts;
   contexts.reserve(decodes.size());
   for (const RequestState* r : decodes) contexts.push_back(r->computed);
-  return adaptive_proposal_length(*options_.cost_model, contexts, acceptance, spec.tokens);
+  return adaptive_proposal_length(*options_.cost_model, options_.draft_cost_model, contexts,
+                                  acceptance, spec.tokens);
 }
 
 // The acceptance measured so far: each verify tried its accepted positions and, unless it
@@ -451,6 +509,7 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
                               StepRecord& record) {
   StepTiming timing;
   timing.measured_forward_s = record.measured_forward_s;
+  timing.measured_propose_s = record.propose_s;
   timing.measured_swap_s = applied.swap_copy_s;
   record.padding = static_cast<std::int64_t>(padding_.shapes().size());
   record.swap_bytes = applied.swap_bytes;
@@ -459,6 +518,7 @@ StepTiming Engine::price_step(const AppliedPlan& applied, std::span<const BatchE
     record.work = options_.cost_model->work(batch, padding_.shapes());
     record.predicted_s = options_.cost_model->cost(record.work).total();
     timing.predicted_s = record.predicted_s;
+    timing.modelled_propose_s = record.predicted_propose_s = draft_price_s_;
     timing.modelled_swap_s =
         options_.cost_model->swap_seconds(applied.swap_bytes, applied.swap_transfers);
   }

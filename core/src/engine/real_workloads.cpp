@@ -11,7 +11,7 @@
 #include <random>
 #include <sstream>
 
-#include "csv_fields.hpp"
+#include "../csv_fields.hpp"
 #include "kvlab/error.hpp"
 #include "trace_replay.hpp"
 

@@ -13,7 +13,7 @@
 #include <random>
 #include <sstream>
 
-#include "csv_fields.hpp"
+#include "../csv_fields.hpp"
 #include "kvlab/checked_math.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/memory_limit.hpp"

@@ -40,6 +40,8 @@ const char* plugin_kind_name(PluginKind kind) {
       return "tier_policy";
     case PluginKind::kv_policy:
       return "kv_policy";
+    case PluginKind::proposer:
+      return "proposer";
   }
   return "unknown";
 }
@@ -271,9 +273,10 @@ std::string descriptor_problem(const PluginDescriptor& d) {
     case PluginKind::router:
     case PluginKind::tier_policy:
     case PluginKind::kv_policy:
+    case PluginKind::proposer:
       return "";
   }
-  return fmt::format("its kind {} is not one kvlab knows (1-7)",
+  return fmt::format("its kind {} is not one kvlab knows (1-8)",
                      static_cast<std::uint32_t>(d.kind));
 }
 }  // namespace

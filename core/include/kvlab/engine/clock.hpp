@@ -37,6 +37,10 @@ struct StepTiming {
   double modelled_tier_s = 0;        // KV tier copies (host, disk) over the profile's links
   double measured_tier_s = 0;        // the same copies as they really took here
   bool tier_copies_overlap = false;  // the profile's: tier copies run beside the compute
+  // Speculative decoding's proposals before the step: the proposer's time here, and the draft
+  // model's steps as the cost model prices them (0 without a draft).
+  double measured_propose_s = 0;
+  double modelled_propose_s = 0;
   // The virtual clock's step: the compute and the tier copies (the longer of the two when they
   // overlap, else both), then the swap copies.
   double virtual_step_s() const;

@@ -62,10 +62,17 @@ struct EngineOptions {
   // Speculative decoding (kvlab/spec/speculation.hpp): off unless speculation.tokens > 0. Not
   // with a KV policy (a rollback cannot restore dropped positions).
   SpeculationOptions speculation;
+  // The proposer plugin's object (kvlab/proposer.hpp), or null: the engine makes the built-in
+  // one speculation.proposer names (prompt_lookup or simulated).
+  Proposer* proposer = nullptr;
+  // A draft model's price per step (the cost model of the draft's config on the same hardware),
+  // or null: proposals cost nothing on virtual clocks. The proposals of a step then cost as many
+  // sequential draft decode steps of the decodes as the longest proposal.
+  const CostModel* draft_cost_model = nullptr;
   // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
   struct PluginNames {
     std::string scheduler = "the scheduler", allocator = "the KV allocator",
-                backend = "the backend", kv_policy = "the KV policy";
+                backend = "the backend", kv_policy = "the KV policy", proposer = "the proposer";
   } names;
 };
 
@@ -78,9 +85,11 @@ struct StepRecord {
   StepWork work;               // what the cost model priced: FLOPs and bytes (zeros without one)
   std::int64_t batch = 0, prefill_tokens = 0, decode_tokens = 0, preempted = 0;
   // Speculative decoding: the entries that verified proposals, the proposed tokens they held,
-  // how many the target accepted, and the proposer's time before the step (measured).
+  // how many the target accepted, and the proposer's time before the step (measured; the
+  // measured clock adds it to the step), and the draft model's steps' price (draft_cost_model;
+  // the virtual clocks add it).
   std::int64_t verify_entries = 0, proposed_tokens = 0, accepted_tokens = 0;
-  double propose_s = 0;
+  double propose_s = 0, predicted_propose_s = 0;
   std::int64_t waiting = 0, running = 0;
   // Finished requests a static batch still carries (StepPlan::pad_finished): rows priced this
   // step, and the KV slots their views hold after it (a shared prefix block in each view).
@@ -172,6 +181,9 @@ class Engine {
   std::string never_fits(const RequestState& r) const;
   void idle_step();
   double propose();  // returns the seconds it took
+  void check_proposals(std::span<const ProposeAsk> asks) const;
+  double price_draft(std::span<const ProposeAsk> asks) const;
+  void forget_proposals(RequestId id);
   std::int64_t proposal_length(std::span<const RequestState* const> decodes) const;
   void count_acceptance(const AppliedPlan& applied);
   std::vector<std::int32_t> run_batch(AppliedPlan& applied, StepRecord& record);
@@ -202,7 +214,9 @@ class Engine {
   std::optional<KvPolicyRunner> kv_policy_;  // options_.kv_policy's
   // Speculative decoding: the proposer, and the proposals accepted so far out of the positions
   // tried (each verify tries its accepted ones and, unless all were, the first rejected one).
-  std::unique_ptr<Proposer> proposer_;
+  std::unique_ptr<Proposer> owned_proposer_;  // the built-in one, without options_.proposer
+  Proposer* proposer_ = nullptr;
+  double draft_price_s_ = 0;  // this step's proposals' price (draft_cost_model)
   double spec_accepted_ = 0, spec_tried_ = 0;
   StepTimes step_times_;  // AdaptiveLength::measured: the steps' times by their tokens
   // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the

@@ -20,17 +20,10 @@
 
 #include "kvlab/request.hpp"
 #include "kvlab/sim/cost_model.hpp"
+#include "kvlab/spec/builtin_proposers.hpp"
 #include "kvlab/spec/prompt_lookup.hpp"
 
 namespace kvlab {
-
-enum class ProposerKind : std::uint8_t {
-  prompt_lookup,  // n-gram lookup over the prompt and the output so far (no second model)
-  // The simulated backend's stand-in for a drafter: each proposed token is the target's own with
-  // probability acceptance_rate (drawn per request and position from `seed`), so acceptance is a
-  // per-workload rate; a proposal after a wrong one is wrong too.
-  simulated,
-};
 
 // How an adaptive proposal length prices the step that each length would make.
 enum class AdaptiveLength : std::uint8_t {
@@ -42,11 +35,13 @@ enum class AdaptiveLength : std::uint8_t {
 
 struct SpeculationOptions {
   std::int64_t tokens = 0;  // proposals per decode at most (k); 0: off
-  ProposerKind proposer = ProposerKind::prompt_lookup;
+  // The proposer plugin's name: prompt_lookup, simulated, draft or one of your own. An engine
+  // made without a proposer object (EngineOptions::proposer) makes prompt_lookup or simulated
+  // itself from the settings below (kvlab/spec/builtin_proposers.hpp).
+  std::string proposer = "prompt_lookup";
   PromptLookup lookup;           // prompt_lookup's n-gram range
   double acceptance_rate = 0.7;  // simulated: each proposal right with this probability
-  // simulated: the acceptance of a measured run instead (its verifies.csv, or any CSV with
-  // columns proposed and accepted): each verify's run of right proposals drawn from its verifies
+  // simulated: the acceptance of a measured run instead (SimulatedAcceptance::accept_trace)
   std::string accept_trace;
   std::uint64_t seed = 0;  // simulated: the draws
   // Each step's proposal length from 0 to `tokens`: the one that maximises the decodes' expected
@@ -56,26 +51,8 @@ struct SpeculationOptions {
   bool enabled() const { return tokens > 0; }
 };
 
-// One verify of a measured run: how many proposals it checked and how many of them were right.
-struct AcceptRecord {
-  std::int64_t proposed = 0, accepted = 0;
-};
-
-// The verifies of a CSV with a header naming `proposed` and `accepted` (other columns ignored:
-// kvlab's verifies.csv has request and step too), 1 <= proposed <= 64 and 0 <= accepted <=
-// proposed in each row; an error naming the file and line otherwise, or when it holds none.
-std::vector<AcceptRecord> load_accept_trace(const std::filesystem::path& path);
-
-// Where a decode's proposals come from.
-class Proposer {
- public:
-  virtual ~Proposer() = default;
-  // At most `max_tokens` tokens to follow r's newest token.
-  virtual std::vector<std::int32_t> propose(const RequestState& r,
-                                            std::int64_t max_tokens) const = 0;
-};
-
-// The options' proposer; `vocab` and `eos` are the target's (the simulated backend's tokens).
+// The built-in proposer `options.proposer` names (prompt_lookup or simulated; an error for any
+// other); `vocab` and `eos` are the target's (the simulated backend's tokens).
 std::unique_ptr<Proposer> make_proposer(const SpeculationOptions& options, std::int64_t vocab,
                                         std::span<const std::int32_t> eos);
 
@@ -90,10 +67,18 @@ std::int64_t adaptive_proposal_length(
     const std::function<std::optional<double>(std::int64_t k)>& step_seconds, double acceptance,
     std::int64_t max_tokens);
 
+// One draft decode step over `shapes` (one token a sequence) on the draft's cost model: its
+// weights, attention and per-sequence overhead, without the engine step's fixed overhead (the
+// draft's steps run inside the engine's step: no scheduling of their own, their launches
+// captured once, as vLLM and SGLang run a drafter).
+double draft_step_seconds(const CostModel& draft, std::span<const EntryShape> shapes);
+
 // The same for a step of decodes whose cached contexts are `contexts` (the rest of the step left
-// out), each length's step priced by `cost` (a verify of k is k + 1 tokens, k + 1 rows of logits).
-std::int64_t adaptive_proposal_length(const CostModel& cost, std::span<const std::int64_t> contexts,
-                                      double acceptance, std::int64_t max_tokens);
+// out), each length's step priced by `cost` (a verify of k is k + 1 tokens, k + 1 rows of logits)
+// and, with a draft model, `draft` (k draft decode steps of the decodes before it).
+std::int64_t adaptive_proposal_length(const CostModel& cost, const CostModel* draft,
+                                      std::span<const std::int64_t> contexts, double acceptance,
+                                      std::int64_t max_tokens);
 
 // The seconds of the steps an engine ran, by the tokens each computed: an exponential moving
 // average per count (a quarter's weight to the newest). AdaptiveLength::measured prices a step

@@ -87,8 +87,13 @@ struct ExperimentConfig {
   std::string kv_policy;
   ParamMap kv_policy_params;
   // [speculation]: speculative decoding (kvlab/spec/speculation.hpp): proposals per decode and
-  // the prompt-lookup proposer's n-gram range; tokens = 0 (no table): off.
+  // the proposer plugin (speculation.proposer) with its params; tokens = 0 (no table): off.
   SpeculationOptions speculation;
+  ParamMap proposer_params;
+  // The draft model: a preset or model path (draft_model), or the target's first draft_layers
+  // layers; the draft proposer runs it, and on the simulated backend its steps are priced.
+  std::string draft_model;
+  std::int64_t draft_layers = 0;
   std::string attention = "gqa";
   ParamMap attention_params;
   std::string scheduler = "fcfs";

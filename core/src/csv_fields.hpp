@@ -1,6 +1,6 @@
 #pragma once
 // Reading CSV trace rows (kvlab's traces, the Azure trace): cells split at commas, numbers
-// parsed whole. Private to kvlab_core.
+// parsed whole. Private to the core libraries.
 #include <fmt/format.h>
 
 #include <charconv>
