@@ -149,11 +149,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
         throw kvlab::Error(
             "the cuda backend reads consecutive positions and reports no attention scores: a "
             "KV policy's views need the cpu backend");
-      if (e.logit_rows != 1)
+      if (e.logit_rows < 1 || e.logit_rows > static_cast<std::int64_t>(e.tokens.size()))
         throw kvlab::Error(fmt::format(
-            "the cuda backend returns one row of logits per entry, not {}: a speculative "
-            "verify needs the cpu or simulated backend",
-            e.logit_rows));
+            "cuda backend: an entry of {} tokens asks for {} rows of logits (1 to its tokens)",
+            e.tokens.size(), e.logit_rows));
     }
     chosen_logprobs_.clear();
     step_choices_.clear();
@@ -164,7 +163,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     }
     StepShape step = stage_step(batch);  // 1. metadata
     if (step.rows == 0) return {};
-    step.choosing = !choices.empty() && choices.size() == batch.size();
+    step.choosing = !choices.empty() && static_cast<std::int64_t>(choices.size()) == step.outputs;
     const bool graphed = graphs_enabled_ && pad_for_graph(step);
     upload_step(step);  // 2. uploaded once
     grow_activations(step);
@@ -274,6 +273,9 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   struct StepShape {
     std::int64_t rows = 0, count = 0;  // count: entries, padding included
     std::int64_t sequences = 0;        // the batch's entries
+    // rows of logits (and of choices): each entry's logit_rows, padding included (a graphed
+    // decode step's: count)
+    std::int64_t outputs = 0;
     std::int32_t max_keys = 0, max_queries = 0;
     bool choosing = false;  // the device picks the tokens (forward was given choices)
   };
@@ -325,7 +327,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       a.table_offset = static_cast<std::int64_t>(block_table_.size());
       kvlab::cuda::append_block_table(e.view, layout, block_table_);
       stage_new_tokens(e);
-      last_rows_.push_back(static_cast<std::int32_t>(tokens_.size() - 1));
+      for (std::int64_t r = e.logit_rows; r >= 1; --r)  // its last logit_rows, in position order
+        last_rows_.push_back(static_cast<std::int32_t>(static_cast<std::int64_t>(tokens_.size()) - r));
       if (a.queries == 1) max_keys = std::max(max_keys, a.start_position - a.first_position + 1);
       max_queries = std::max(max_queries, a.queries);
       if (a.queries > 1) prefill_entries_.push_back(static_cast<std::int32_t>(entries_.size()));
@@ -334,6 +337,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     StepShape step;
     step.rows = static_cast<std::int64_t>(tokens_.size());
     step.count = step.sequences = static_cast<std::int64_t>(batch.size());
+    step.outputs = static_cast<std::int64_t>(last_rows_.size());
     step.max_keys = max_keys;
     step.max_queries = max_queries;
     if (step.count > 65535)
@@ -363,7 +367,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       last_rows_.push_back(static_cast<std::int32_t>(r));
       step_choices_.push_back({});  // greedy
     }
-    step.rows = step.count = bucket;
+    step.rows = step.count = step.outputs = bucket;
     const auto splits = static_cast<std::uint64_t>((step.max_keys + split_keys_ - 1) / split_keys_);
     step.max_keys = static_cast<std::int32_t>(std::bit_ceil(splits)) * split_keys_;
     return true;
@@ -381,8 +385,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     to_device(prefill_entries_, d_prefill_entries_, false);  // graphs hold decodes only
     if (!step.choosing) return;
     to_device(step_choices_, d_choices_);
-    grow(d_chosen_, static_cast<std::size_t>(step.count) * sizeof(std::int32_t));
-    host_chosen_.resize(static_cast<std::size_t>(step.count) * sizeof(std::int32_t));
+    grow(d_chosen_, static_cast<std::size_t>(step.outputs) * sizeof(std::int32_t));
+    host_chosen_.resize(static_cast<std::size_t>(step.outputs) * sizeof(std::int32_t));
   }
 
   // The step's activations and attention workspace (buffers grow only).
@@ -398,8 +402,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     grow(projected_, static_cast<std::size_t>(rows * dim) * e);
     grow(gate_up_, static_cast<std::size_t>(rows * 2 * ffn) * e);
     grow(hidden_, static_cast<std::size_t>(rows * ffn) * e);
-    grow(last_, static_cast<std::size_t>(count * dim) * sizeof(float));
-    grow(logits_, static_cast<std::size_t>(count * c.vocab_size) * sizeof(float));
+    grow(last_, static_cast<std::size_t>(step.outputs * dim) * sizeof(float));
+    grow(logits_, static_cast<std::size_t>(step.outputs * c.vocab_size) * sizeof(float));
     grow(workspace_,
          static_cast<std::size_t>(kvlab::cuda::attention_workspace_floats(
              count, c.num_attention_heads, c.head_dim, std::max(step.max_keys, 1), split_keys_)) *
@@ -425,9 +429,9 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
               stream_),
           "rms_norm");
     for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) run_layer(l, step);
-    final_logits(step.count);
+    final_logits(step.outputs);
     if (step.choosing)
-      check(kvlab::cuda::launch_sample_rows(logits_.get<float>(), step.count, c.vocab_size,
+      check(kvlab::cuda::launch_sample_rows(logits_.get<float>(), step.outputs, c.vocab_size,
                                             d_choices_.get<kvlab::cuda::RowSampling>(),
                                             d_chosen_.get<std::int32_t>(), stream_),
             "sample");
@@ -442,10 +446,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     logprob_width_ = most < 0 ? 0 : 1 + most;
     if (logprob_width_ == 0) return;
     to_device(step_logprob_counts_, d_logprob_counts_, false);
-    const auto entries = static_cast<std::size_t>(step.sequences * logprob_width_);
+    const auto entries = static_cast<std::size_t>(step.outputs * logprob_width_);
     if (d_logprobs_.bytes() < entries * sizeof(kvlab::cuda::LogprobEntry))
       d_logprobs_.resize(2 * entries * sizeof(kvlab::cuda::LogprobEntry));
-    check(kvlab::cuda::launch_row_logprobs(logits_.get<float>(), step.sequences, config_.vocab_size,
+    check(kvlab::cuda::launch_row_logprobs(logits_.get<float>(), step.outputs, config_.vocab_size,
                                            d_chosen_.get<std::int32_t>(),
                                            d_logprob_counts_.get<std::int32_t>(), logprob_width_,
                                            d_logprobs_.get<kvlab::cuda::LogprobEntry>(), stream_),
@@ -589,12 +593,12 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   // (given choices: 4 bytes per sequence, not 4 x vocab), else its logits.
   kvlab::ForwardResult read_out(const StepShape& step) {
     if (step.choosing) {
-      const std::size_t id_bytes = static_cast<std::size_t>(step.sequences) * sizeof(std::int32_t);
+      const std::size_t id_bytes = static_cast<std::size_t>(step.outputs) * sizeof(std::int32_t);
       check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
                             cudaMemcpyDeviceToHost, stream_),
             "download chosen tokens");
       std::vector<kvlab::cuda::LogprobEntry> logprobs(
-          static_cast<std::size_t>(step.sequences * logprob_width_));
+          static_cast<std::size_t>(step.outputs * logprob_width_));
       if (!logprobs.empty())
         check(cudaMemcpyAsync(logprobs.data(), d_logprobs_.get(),
                               logprobs.size() * sizeof(kvlab::cuda::LogprobEntry),
@@ -603,10 +607,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       check(cudaStreamSynchronize(stream_), "forward");
       for (const auto& [token, logprob] : logprobs) chosen_logprobs_.push_back({token, logprob});
       return kvlab::ForwardResult::of_tokens(
-          {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.sequences)},
+          {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.outputs)},
           chosen_logprobs_, static_cast<std::size_t>(logprob_width_));
     }
-    const std::int64_t values = step.sequences * config_.vocab_size;
+    const std::int64_t values = step.outputs * config_.vocab_size;
     const std::size_t logit_bytes = static_cast<std::size_t>(values) * sizeof(float);
     host_logits_.resize(logit_bytes);
     check(cudaMemcpyAsync(host_logits_.get<float>(), logits_.get(), logit_bytes,

@@ -53,6 +53,7 @@ struct EngineRun {
   std::vector<std::vector<GeneratedLogprobs>> logprobs;
   std::int64_t preemptions = 0;
   BackendCounters counters;
+  std::int64_t proposed = 0, accepted = 0;  // speculative decoding's totals
 };
 
 // How run_engine runs, beyond the strategies: the backend's params, the scheduler, the clock.
@@ -62,6 +63,7 @@ struct RunOptions {
   Params scheduler_params;
   EngineClock clock = EngineClock::steps;  // tokens are compared, not times
   DType kv_dtype = DType::dtype_f32;       // the pool's (cuda: f32, fp8 or int8)
+  SpeculationOptions speculation;          // off (tokens 0)
 };
 RunOptions with_backend_params(Params params) {
   RunOptions options;
@@ -107,6 +109,7 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   options.rules.context = 64;
   options.pool = &pool;
   options.swap_slots = 4096;
+  options.speculation = setup.speculation;
   Engine engine(on_gpu ? *gpu_backend : static_cast<Backend&>(*cpu_backend), *kv, *scheduler,
                 options);
   const EngineResult result = engine.run(requests);
@@ -114,6 +117,10 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   run.tokens = result.tokens;
   run.logprobs = result.logprobs;
   if (on_gpu) run.counters = gpu_backend->counters();
+  for (const VerifyRecord& v : result.verifies) {
+    run.proposed += v.proposed;
+    run.accepted += v.accepted;
+  }
   for (const auto& r : result.requests) {
     EXPECT_FALSE(r.rejected) << r.reject_reason;
     run.preemptions += r.preemptions;
@@ -524,18 +531,66 @@ TEST(CudaBackend, EntriesThatDoNotWriteKvLeaveTheirSlots) {
   }
 }
 
-// A speculative verify's rows of logits (BatchEntry::logit_rows > 1) are the cpu and simulated
-// backends' for now: the cuda backend refuses such a batch with the reason, before any work.
-TEST(CudaBackend, RefusesMoreThanOneLogitRowWithTheReason) {
+// A speculative verify's rows of logits (BatchEntry::logit_rows > 1): a verify entry of 4 tokens
+// (logits at all 4) beside a decode of 1 and a prompt of 5 (its last token's): 6 rows, the
+// verify's in position order, each the cpu backend's within 1e-3 (fp32, as the mixed steps
+// above); given choices (one per row, greedy), each row's token is the cpu row's argmax. An entry
+// asking for more rows than it has tokens is refused before any work.
+TEST(CudaBackend, AVerifyEntryGetsTheCpuBackendsLogitsAtEachRow) {
   KVLAB_REQUIRE_CUDA();
   const ModelConfig& c = checkpoint().config;
-  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 32}, KvStorage::none);
-  auto gpu = create_cuda_backend(pool, "f32");
-  const std::vector<std::int32_t> prompt = prompt_13();
-  std::vector<BatchEntry> batch = prefill(*gpu, prompt);
-  batch[0].logit_rows = 2;
+  KvPool host_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
+  KvPool device_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256},
+                     KvStorage::none);
+  auto gpu = create_cuda_backend(device_pool, "f32");
+  cpu::CpuBackend cpu(checkpoint(), host_pool, std::nullopt);
+  const MixedSteps steps;
+  for (Backend* backend : {static_cast<Backend*>(gpu.get()), static_cast<Backend*>(&cpu)})
+    (void)backend->forward(steps.batch(0), {});  // the two prompts cached
+  const std::vector<std::int32_t> verified{7, 300, 41, 2};
+  std::vector<BatchEntry> batch = steps.batch(1);
+  batch[0].tokens = verified;
+  batch[0].view.extents = {{0, 17}};
+  batch[0].logit_rows = 4;
+  const auto w = cpu.forward(batch, {}).logits;
+  const std::vector<float> expected(w.begin(), w.end());
+  const auto vocab = static_cast<std::size_t>(c.vocab_size);
+  ASSERT_EQ(expected.size(), 6 * vocab);
+  const auto got = gpu->forward(batch, {}).logits;
+  const auto cmp = test::compare(got, expected);
+  EXPECT_FALSE(cmp.has_nan);
+  EXPECT_LT(cmp.max_abs, 1e-3);
+  const std::vector<TokenChoice> greedy(6);
+  const auto chosen = gpu->forward(batch, greedy).tokens;
+  ASSERT_EQ(chosen.size(), 6u);
+  for (std::size_t r = 0; r < 6; ++r) {
+    const auto row = std::span(expected).subspan(r * vocab, vocab);
+    EXPECT_EQ(chosen[r], std::max_element(row.begin(), row.end()) - row.begin()) << "row " << r;
+  }
+  batch[1].logit_rows = 2;  // a decode of one token
   test::expect_error_containing([&] { (void)gpu->forward(batch, {}); },
-                                {"one row of logits per entry, not 2", "cpu or simulated"});
+                                {"asks for 2 rows of logits"});
+}
+
+// Speculative decoding on the cuda backend: the engine verifies prompt lookup's proposals in
+// batched steps next to ordinary decodes and prefills, and every request gets the cpu backend's
+// greedy tokens without speculation; some proposals are accepted and some rejected (the tiny
+// model's greedy outputs loop, where prompt lookup finds them), so the rollback runs too.
+TEST(CudaBackend, SpeculationGivesTheCpuBackendsTokens) {
+  KVLAB_REQUIRE_CUDA();
+  const Params paged{{"block_size", std::int64_t{4}}};
+  RunOptions speculating;
+  speculating.speculation.tokens = 4;
+  const auto requests = workload();
+  const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 512, requests);
+  const EngineRun gpu =
+      run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, speculating);
+  ASSERT_EQ(gpu.tokens.size(), cpu.tokens.size());
+  for (std::size_t i = 0; i < cpu.tokens.size(); ++i)
+    EXPECT_EQ(gpu.tokens[i], cpu.tokens[i]) << "request " << i;
+  EXPECT_GT(gpu.proposed, 0);
+  EXPECT_GT(gpu.accepted, 0);
+  EXPECT_LT(gpu.accepted, gpu.proposed);
 }
 
 // The GEMMs on cuBLASLt (the default: a plan per shape from Lt's heuristic) and on
