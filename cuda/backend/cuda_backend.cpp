@@ -163,7 +163,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     }
     StepShape step = stage_step(batch);  // 1. metadata
     if (step.rows == 0) return {};
-    step.choosing = !choices.empty() && static_cast<std::int64_t>(choices.size()) == step.outputs;
+    step.choosing = !choices.empty() && static_cast<std::int64_t>(choices.size()) == step.answers;
     const bool graphed = graphs_enabled_ && pad_for_graph(step);
     upload_step(step);  // 2. uploaded once
     grow_activations(step);
@@ -274,8 +274,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     std::int64_t rows = 0, count = 0;  // count: entries, padding included
     std::int64_t sequences = 0;        // the batch's entries
     // rows of logits (and of choices): each entry's logit_rows, padding included (a graphed
-    // decode step's: count)
-    std::int64_t outputs = 0;
+    // decode step's: count); answers: the batch's own, which the caller gets
+    std::int64_t outputs = 0, answers = 0;
     std::int32_t max_keys = 0, max_queries = 0;
     bool choosing = false;  // the device picks the tokens (forward was given choices)
   };
@@ -328,7 +328,8 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       kvlab::cuda::append_block_table(e.view, layout, block_table_);
       stage_new_tokens(e);
       for (std::int64_t r = e.logit_rows; r >= 1; --r)  // its last logit_rows, in position order
-        last_rows_.push_back(static_cast<std::int32_t>(static_cast<std::int64_t>(tokens_.size()) - r));
+        last_rows_.push_back(
+            static_cast<std::int32_t>(static_cast<std::int64_t>(tokens_.size()) - r));
       if (a.queries == 1) max_keys = std::max(max_keys, a.start_position - a.first_position + 1);
       max_queries = std::max(max_queries, a.queries);
       if (a.queries > 1) prefill_entries_.push_back(static_cast<std::int32_t>(entries_.size()));
@@ -337,7 +338,7 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     StepShape step;
     step.rows = static_cast<std::int64_t>(tokens_.size());
     step.count = step.sequences = static_cast<std::int64_t>(batch.size());
-    step.outputs = static_cast<std::int64_t>(last_rows_.size());
+    step.outputs = step.answers = static_cast<std::int64_t>(last_rows_.size());
     step.max_keys = max_keys;
     step.max_queries = max_queries;
     if (step.count > 65535)
@@ -446,10 +447,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     logprob_width_ = most < 0 ? 0 : 1 + most;
     if (logprob_width_ == 0) return;
     to_device(step_logprob_counts_, d_logprob_counts_, false);
-    const auto entries = static_cast<std::size_t>(step.outputs * logprob_width_);
+    const auto entries = static_cast<std::size_t>(step.answers * logprob_width_);
     if (d_logprobs_.bytes() < entries * sizeof(kvlab::cuda::LogprobEntry))
       d_logprobs_.resize(2 * entries * sizeof(kvlab::cuda::LogprobEntry));
-    check(kvlab::cuda::launch_row_logprobs(logits_.get<float>(), step.outputs, config_.vocab_size,
+    check(kvlab::cuda::launch_row_logprobs(logits_.get<float>(), step.answers, config_.vocab_size,
                                            d_chosen_.get<std::int32_t>(),
                                            d_logprob_counts_.get<std::int32_t>(), logprob_width_,
                                            d_logprobs_.get<kvlab::cuda::LogprobEntry>(), stream_),
@@ -593,12 +594,12 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   // (given choices: 4 bytes per sequence, not 4 x vocab), else its logits.
   kvlab::ForwardResult read_out(const StepShape& step) {
     if (step.choosing) {
-      const std::size_t id_bytes = static_cast<std::size_t>(step.outputs) * sizeof(std::int32_t);
+      const std::size_t id_bytes = static_cast<std::size_t>(step.answers) * sizeof(std::int32_t);
       check(cudaMemcpyAsync(host_chosen_.get<std::int32_t>(), d_chosen_.get(), id_bytes,
                             cudaMemcpyDeviceToHost, stream_),
             "download chosen tokens");
       std::vector<kvlab::cuda::LogprobEntry> logprobs(
-          static_cast<std::size_t>(step.outputs * logprob_width_));
+          static_cast<std::size_t>(step.answers * logprob_width_));
       if (!logprobs.empty())
         check(cudaMemcpyAsync(logprobs.data(), d_logprobs_.get(),
                               logprobs.size() * sizeof(kvlab::cuda::LogprobEntry),
@@ -607,10 +608,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       check(cudaStreamSynchronize(stream_), "forward");
       for (const auto& [token, logprob] : logprobs) chosen_logprobs_.push_back({token, logprob});
       return kvlab::ForwardResult::of_tokens(
-          {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.outputs)},
+          {host_chosen_.get<std::int32_t>(), static_cast<std::size_t>(step.answers)},
           chosen_logprobs_, static_cast<std::size_t>(logprob_width_));
     }
-    const std::int64_t values = step.outputs * config_.vocab_size;
+    const std::int64_t values = step.answers * config_.vocab_size;
     const std::size_t logit_bytes = static_cast<std::size_t>(values) * sizeof(float);
     host_logits_.resize(logit_bytes);
     check(cudaMemcpyAsync(host_logits_.get<float>(), logits_.get(), logit_bytes,

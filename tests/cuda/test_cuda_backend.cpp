@@ -581,7 +581,14 @@ TEST(CudaBackend, SpeculationGivesTheCpuBackendsTokens) {
   const Params paged{{"block_size", std::int64_t{4}}};
   RunOptions speculating;
   speculating.speculation.tokens = 4;
-  const auto requests = workload();
+  SyntheticWorkload spec;  // answers long enough to loop
+  spec.requests = 6;
+  spec.seed = 5;
+  spec.vocab_size = checkpoint().config.vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 20};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 24, 40};
+  const auto requests = generate_workload(spec);
   const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 512, requests);
   const EngineRun gpu =
       run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, speculating);
