@@ -271,8 +271,9 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const ModelWeightsView& weights) {
   const GgufFile file = GgufFile::open(gguf_path);
   ModelConfig config = gguf_model_config(file);
+  // (a view of the file's first layers, a self-speculative draft's, reads them as stored)
   if (config.hidden_size != weights.config.hidden_size ||
-      config.num_hidden_layers != weights.config.num_hidden_layers ||
+      config.num_hidden_layers < weights.config.num_hidden_layers ||
       config.vocab_size != weights.config.vocab_size)
     throw Error(fmt::format("internal: the weights given are not those of {}", gguf_path.string()));
   std::vector<std::string> formats, converted;
