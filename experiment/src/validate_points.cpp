@@ -207,6 +207,17 @@ void check_draft(const ExperimentConfig& c, const ModelConfig& target) {
         c.draft_model));
 }
 
+// [speculation]: the proposer plugin takes its parameters, a simulated drafter's accept trace
+// reads, the draft fits the target.
+void check_speculation(const ExperimentConfig& c, const PluginRegistry& registry,
+                       const ModelConfig& target) {
+  check_accept_trace(c.speculation);
+  if (!c.speculation.enabled()) return;
+  const PluginInfo& info = registry.find(PluginKind::proposer, c.speculation.proposer);
+  (void)validate_plugin_params(info.name, info.params, proposer_params(c));
+  check_draft(c, target);
+}
+
 void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry& registry) {
   const bool simulated = c.backend_kind == BackendKind::simulated;
   check_backend_rules(c, check);
@@ -220,9 +231,6 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
   if (dtype_is_kivi(c.kv_dtype)) check_kivi(c, allocator);
   check_plugin(PluginKind::scheduler, c.scheduler, c.scheduler_params);
   check_plugin(PluginKind::backend, c.backend, backend_params(c));
-  check_accept_trace(c.speculation);
-  if (c.speculation.enabled())
-    check_plugin(PluginKind::proposer, c.speculation.proposer, proposer_params(c));
   if (c.profile.empty() &&
       (c.clock == EngineClock::virtual_clock || c.clock == EngineClock::offline))
     throw Error(fmt::format(
@@ -246,7 +254,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs head_dim to be a multiple "
         "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
         dtype_short_name(c.kv_dtype), source.config.name, source.config.head_dim));
-  if (c.speculation.enabled()) check_draft(c, source.config);
+  check_speculation(c, registry, source.config);
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
   if (!c.kv_policy.empty()) check_kv_policy(c, registry);

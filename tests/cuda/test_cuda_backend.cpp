@@ -128,14 +128,16 @@ EngineRun run_engine(bool on_gpu, const std::string& allocator, const Params& al
   return run;
 }
 
-std::vector<WorkloadRequest> workload() {
+// `requests` of 3-24 prompt tokens and `min_output`-`max_output` answer tokens, Poisson arrivals.
+std::vector<WorkloadRequest> workload(std::int64_t requests = 10, std::int64_t min_output = 2,
+                                      std::int64_t max_output = 10) {
   SyntheticWorkload spec;
-  spec.requests = 10;
+  spec.requests = requests;
   spec.seed = 5;
   spec.vocab_size = checkpoint().config.vocab_size;
   spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
   spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 24};
-  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 2, 10};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, min_output, max_output};
   return generate_workload(spec);
 }
 
@@ -581,14 +583,7 @@ TEST(CudaBackend, SpeculationGivesTheCpuBackendsTokens) {
   const Params paged{{"block_size", std::int64_t{4}}};
   RunOptions speculating;
   speculating.speculation.tokens = 4;
-  SyntheticWorkload spec;  // answers long enough to loop
-  spec.requests = 6;
-  spec.seed = 5;
-  spec.vocab_size = checkpoint().config.vocab_size;
-  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
-  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 20};
-  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 24, 40};
-  const auto requests = generate_workload(spec);
+  const auto requests = workload(10, 16, 36);  // answers long enough to loop (context 64)
   const EngineRun cpu = run_engine(false, "paged", paged, "gqa", {}, "swap", 512, requests);
   const EngineRun gpu =
       run_engine(true, "paged", paged, "gqa", {}, "swap", 512, requests, speculating);
