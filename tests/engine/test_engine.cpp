@@ -11,6 +11,7 @@
 #include <cmath>
 #include <limits>
 #include <map>
+#include <numeric>
 #include <set>
 #include <thread>
 
@@ -1045,21 +1046,39 @@ TEST(Speculation, StepTimesPriceAStepFromTheStepsRunSoFar) {
   EXPECT_DOUBLE_EQ(*falling.seconds(4), 0.010);  // ... or above the smallest count's time
 }
 
-// The adaptive length takes the first length it cannot price (to measure it), and otherwise the
-// one with the most expected tokens per second: 1 + a + ... + a^k over the step's seconds.
-TEST(Speculation, AnAdaptiveLengthTriesWhatItCannotPriceThenTakesTheFastest) {
-  const auto flat = [](std::int64_t) -> std::optional<double> { return 1.0; };
-  EXPECT_EQ(adaptive_proposal_length(flat, 0.5, 4), 4);  // memory-bound: all of them
-  const auto linear = [](std::int64_t k) -> std::optional<double> { return 1.0 + k; };
-  EXPECT_EQ(adaptive_proposal_length(linear, 0.5, 4), 0);   // every proposal costs a token
-  EXPECT_EQ(adaptive_proposal_length(linear, 0.99, 4), 0);  // 4.90 tokens in 5: still below 1
-  const auto cheap = [](std::int64_t k) -> std::optional<double> { return 1.0 + 0.25 * k; };
-  EXPECT_EQ(adaptive_proposal_length(cheap, 0.5, 4), 1);  // 1.5 / 1.25 beats 1.75 / 1.5
-  const auto unknown_two = [](std::int64_t k) -> std::optional<double> {
-    if (k == 2) return std::nullopt;
-    return 1.0;
+// Adaptive lengths per request: decode i's j-th proposal adds a_i^j expected tokens, and the
+// step's seconds grow with the proposals in all; the best set is the best proposals first. Two
+// decodes, acceptances 0.9 and 0.2, up to 4 proposals each. A flat price (memory-bound): every
+// proposal of both (within each one's room). Each proposal costing a decode's token: none (even
+// at 0.99 each: 9.80 tokens in the time of 10). A quarter of a decode each: the
+// 0.9 request's 4 (5.10 tokens in 3.0: 1.70 a unit, the best; its 4th adds 0.66 for 0.25) and
+// none of the 0.2 one's (its first would add 0.2 for 0.25).
+TEST(Speculation, AdaptiveLengthsGiveEachRequestTheProposalsThatPay) {
+  const std::vector<double> acceptance{0.9, 0.2};
+  const std::vector<std::int64_t> room{4, 4}, short_room{2, 4};
+  const auto total = [](std::span<const std::int64_t> proposing) {
+    return static_cast<double>(std::accumulate(proposing.begin(), proposing.end(), 0L));
   };
-  EXPECT_EQ(adaptive_proposal_length(unknown_two, 0.5, 4), 2);
+  const auto flat = [](std::span<const std::int64_t>) { return 2.0; };
+  EXPECT_EQ(adaptive_proposal_lengths(flat, acceptance, room), (std::vector<std::int64_t>{4, 4}));
+  EXPECT_EQ(adaptive_proposal_lengths(flat, acceptance, short_room),
+            (std::vector<std::int64_t>{2, 4}));
+  const auto linear = [&](std::span<const std::int64_t> p) { return 2.0 + total(p); };
+  EXPECT_EQ(adaptive_proposal_lengths(linear, acceptance, room), (std::vector<std::int64_t>{0, 0}));
+  const std::vector<double> sure{0.99, 0.99};
+  EXPECT_EQ(adaptive_proposal_lengths(linear, sure, room), (std::vector<std::int64_t>{0, 0}));
+  const auto quarter = [&](std::span<const std::int64_t> p) { return 2.0 + 0.25 * total(p); };
+  EXPECT_EQ(adaptive_proposal_lengths(quarter, acceptance, room),
+            (std::vector<std::int64_t>{4, 0}));
+  // A drafter's step (0.5) per depth anyone proposes at, and 0.1 a verified proposal: the 0.9
+  // request's 4 pay for 4 draft steps (5.10 tokens in 4.4), and the 0.2 request's first rides on
+  // the first of them (5.30 in 4.5: 1.18 a unit against 1.16); its second would not (5.34 in 4.6).
+  const auto drafted = [&](std::span<const std::int64_t> p) {
+    const auto depths = std::count_if(p.begin(), p.end(), [](std::int64_t n) { return n > 0; });
+    return 2.0 + 0.1 * total(p) + 0.5 * static_cast<double>(depths);
+  };
+  EXPECT_EQ(adaptive_proposal_lengths(drafted, acceptance, room),
+            (std::vector<std::int64_t>{4, 1}));
 }
 
 // The simulated proposer: each proposal is the simulated target's own token at its position

@@ -332,7 +332,7 @@ TEST(Lesson, DisaggregationServesMorePerGpuOnlyUnderATightTpotSlo) {
 // compute) and turns into a loss by batch 2048; an adaptive proposal length keeps within 3% of
 // the better of the two at every batch, whether each length's step is priced by the profile or
 // by the times of the steps already run (no profile: what a real model on a machine of its own
-// gets). At 2048 both beat plain and fixed (1.06-1.07x: one proposal still pays there). A draft
+// gets). At 2048 both beat plain and fixed (1.05-1.06x: one proposal still pays there). A draft
 // model priced by its size (Llama 3.2 1B: 4 draft decode steps before each verify) gains less and
 // turns into a loss at a smaller batch; an adaptive length recovers it too.
 TEST(Lesson, SpeculationsGainShrinksWithTheBatchAndAnAdaptiveLengthKeepsTheBetter) {

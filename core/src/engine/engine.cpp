@@ -83,6 +83,7 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
     proposer_ = options_.proposer != nullptr ? options_.proposer : owned_proposer_.get();
   }
   spec_accepted_ = spec_tried_ = 0;
+  spec_by_request_.clear();
   step_times_ = {};
   if (options_.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
@@ -333,13 +334,16 @@ double Engine::propose() {
     if (!r.decoding() || r.recompute_each_step || table_->hands_off(r.id)) continue;
     decodes.push_back(&r);
   }
-  const std::int64_t length = proposal_length(decodes);
+  std::vector<std::int64_t>
+      rooms;  // each decode's proposals at most: its output limit, the context
+  for (const RequestState* r : decodes)
+    rooms.push_back(std::min({options_.speculation.tokens, r->remaining_output() - 1,
+                              options_.rules.context - r->length() - 1}));
+  const std::vector<std::int64_t> lengths = proposal_lengths(decodes, rooms);
   std::vector<ProposeAsk> asks;
-  for (const RequestState* decode : decodes) {
-    RequestState& r = table_->at(decode->id);
-    const std::int64_t room =
-        std::min({length, r.remaining_output() - 1, options_.rules.context - r.length() - 1});
-    if (room > 0) asks.push_back({&r, room, &r.proposed});
+  for (std::size_t i = 0; i < decodes.size(); ++i) {
+    RequestState& r = table_->at(decodes[i]->id);
+    if (lengths[i] > 0) asks.push_back({&r, lengths[i], &r.proposed});
   }
   if (!asks.empty()) {
     plugin_call<PluginErrors::non_kvlab>(options_.names.proposer, step_,
@@ -390,28 +394,91 @@ void Engine::forget_proposals(RequestId id) {
                                        [&] { proposer_->forget(id); });
 }
 
-// speculation.tokens, or with an adaptive length the best for these decodes by the acceptance
-// so far and the price of the step: the cost model's, or the measured times of the steps run so
-// far. Until 64 proposed positions have been tried it proposes `tokens`: an acceptance nobody
-// measured (a prior of 1/2 worth 4 positions) could keep it from ever proposing, and so from
-// ever learning that the proposals pay.
-std::int64_t Engine::proposal_length(std::span<const RequestState* const> decodes) const {
+// Each decode's proposals at most (rooms[i], up to speculation.tokens), or with an adaptive length
+// the best for these decodes by each request's acceptance so far and the price of the step: the
+// cost model's, or the measured times of the steps run so far. Until 64 proposed positions have
+// been tried it proposes `tokens`: an acceptance nobody measured (a prior of 1/2 worth 4
+// positions) could keep it from ever proposing, and so from ever learning that the proposals pay.
+// A request's own acceptance counts as much as its positions tried against 8 of the run's.
+std::vector<std::int64_t> Engine::proposal_lengths(std::span<const RequestState* const> decodes,
+                                                   std::span<const std::int64_t> rooms) const {
   constexpr double kAcceptanceEvidence = 64;  // positions tried before the acceptance is trusted
+  constexpr double kRunsWeight = 32;          // the run's acceptance, in a request's positions
   const SpeculationOptions& spec = options_.speculation;
+  std::vector<std::int64_t> lengths(rooms.begin(), rooms.end());
   if (spec.adaptive == AdaptiveLength::off || decodes.empty() || spec_tried_ < kAcceptanceEvidence)
-    return spec.tokens;
-  const double acceptance = (spec_accepted_ + 2) / (spec_tried_ + 4);
-  if (spec.adaptive == AdaptiveLength::measured) {
-    const auto count = static_cast<std::int64_t>(decodes.size());
-    return adaptive_proposal_length(
-        [&](std::int64_t k) { return step_times_.seconds(count * (1 + k)); }, acceptance,
-        spec.tokens);
+    return lengths;
+  const double run = (spec_accepted_ + 2) / (spec_tried_ + 4);
+  std::vector<double> acceptance;
+  for (const RequestState* r : decodes) {
+    const auto it = spec_by_request_.find(r->id);
+    const auto [accepted, tried] = it == spec_by_request_.end() ? std::pair{0.0, 0.0} : it->second;
+    acceptance.push_back((accepted + kRunsWeight * run) / (tried + kRunsWeight));
   }
-  std::vector<std::int64_t> contexts;
-  contexts.reserve(decodes.size());
-  for (const RequestState* r : decodes) contexts.push_back(r->computed);
-  return adaptive_proposal_length(*options_.cost_model, options_.draft_cost_model, contexts,
-                                  acceptance, spec.tokens);
+  // The verify's price at k proposals a decode (k = 0..tokens), linear between those counts;
+  // with a priced draft, its step at each depth, linear in the decodes still proposing.
+  const auto count = static_cast<std::int64_t>(decodes.size());
+  std::vector<double> at_k;
+  for (std::int64_t k = 0; k <= spec.tokens; ++k) {
+    const std::optional<double> seconds = uniform_verify_seconds(decodes, k);
+    if (!seconds) {  // not measured yet: run k for every decode and see
+      for (std::int64_t& length : lengths) length = std::min(length, k);
+      return lengths;
+    }
+    at_k.push_back(*seconds);
+  }
+  const DraftPrices draft = draft_prices(decodes);
+  return adaptive_proposal_lengths(
+      [&](std::span<const std::int64_t> proposing) {
+        std::int64_t m = 0;
+        double seconds = 0;
+        for (std::size_t j = 0; j < proposing.size(); ++j) {
+          m += proposing[j];
+          seconds += draft.at(j, proposing[j], count);
+        }
+        const std::int64_t k = std::min(m / count, spec.tokens - 1);
+        const double share = static_cast<double>(m - k * count) / static_cast<double>(count);
+        const auto at = static_cast<std::size_t>(k);
+        return seconds + at_k[at] + share * (at_k[at + 1] - at_k[at]);
+      },
+      acceptance, rooms);
+}
+
+// The verify step's seconds if each of these decodes verified k proposals: the cost model's
+// price, or (AdaptiveLength::measured) the measured times of the steps run so far, which hold
+// the proposer's time too (nullopt: none ran that many tokens).
+std::optional<double> Engine::uniform_verify_seconds(std::span<const RequestState* const> decodes,
+                                                     std::int64_t k) const {
+  const auto count = static_cast<std::int64_t>(decodes.size());
+  if (options_.speculation.adaptive == AdaptiveLength::measured)
+    return step_times_.seconds(count * (1 + k));
+  std::vector<EntryShape> shapes;
+  for (const RequestState* r : decodes) shapes.push_back({1 + k, r->computed, 0, 1 + k});
+  const CostModel& cost = *options_.cost_model;
+  return cost.cost(cost.work(shapes)).total();
+}
+
+// A priced draft's step at each depth j (0..tokens - 1), for one decode (the first) and for all.
+Engine::DraftPrices Engine::draft_prices(std::span<const RequestState* const> decodes) const {
+  DraftPrices prices;
+  const CostModel* draft = options_.draft_cost_model;
+  if (draft == nullptr || options_.speculation.adaptive != AdaptiveLength::priced) return prices;
+  std::vector<EntryShape> shapes;
+  for (std::int64_t j = 0; j < options_.speculation.tokens; ++j) {
+    shapes.clear();
+    for (const RequestState* r : decodes) shapes.push_back({1, r->computed + j, 0, 1});
+    prices.all.push_back(draft_step_seconds(*draft, shapes));
+    prices.one.push_back(draft_step_seconds(*draft, std::span(shapes).first(1)));
+  }
+  return prices;
+}
+
+double Engine::DraftPrices::at(std::size_t depth, std::int64_t proposing,
+                               std::int64_t decodes) const {
+  if (depth >= all.size() || proposing == 0) return 0;
+  if (decodes == 1) return all[depth];
+  return one[depth] + (all[depth] - one[depth]) * static_cast<double>(proposing - 1) /
+                          static_cast<double>(decodes - 1);
 }
 
 // The acceptance measured so far: each verify tried its accepted positions and, unless it
@@ -420,8 +487,13 @@ void Engine::count_acceptance(const AppliedPlan& applied) {
   for (const ScheduledWork& work : applied.batch) {
     if (work.proposals == 0) continue;
     result_.verifies.push_back({step_, work.id, work.proposals, work.accepted});
+    const double tried =
+        static_cast<double>(work.accepted + (work.accepted < work.proposals ? 1 : 0));
     spec_accepted_ += static_cast<double>(work.accepted);
-    spec_tried_ += static_cast<double>(work.accepted + (work.accepted < work.proposals ? 1 : 0));
+    spec_tried_ += tried;
+    auto& [accepted, tried_by_request] = spec_by_request_[work.id];
+    accepted += static_cast<double>(work.accepted);
+    tried_by_request += tried;
   }
 }
 

@@ -27,48 +27,65 @@ double expected_tokens_per_verify(double acceptance, std::int64_t k) {
   return tokens;
 }
 
-std::int64_t adaptive_proposal_length(
-    const std::function<std::optional<double>(std::int64_t k)>& step_seconds, double acceptance,
-    std::int64_t max_tokens) {
-  std::int64_t best = 0;
-  double best_rate = 0;
-  for (std::int64_t k = 0; k <= max_tokens; ++k) {
-    const std::optional<double> seconds = step_seconds(k);
-    if (!seconds) return k;  // not measured yet: run it and see
-    const double rate = expected_tokens_per_verify(acceptance, k) / std::max(*seconds, 1e-12);
+std::vector<std::int64_t> adaptive_proposal_lengths(
+    const std::function<double(std::span<const std::int64_t> proposing)>& step_seconds,
+    std::span<const double> acceptance, std::span<const std::int64_t> max_tokens) {
+  struct Proposal {
+    double value;  // expected tokens it adds: acceptance^j
+    std::size_t decode;
+    std::size_t depth;  // j - 1
+  };
+  std::vector<Proposal> proposals;
+  std::int64_t deepest = 0;
+  for (std::size_t i = 0; i < acceptance.size(); ++i) {
+    double value = 1;
+    for (std::int64_t j = 0; j < max_tokens[i]; ++j)
+      proposals.push_back({value *= acceptance[i], i, static_cast<std::size_t>(j)});
+    deepest = std::max(deepest, max_tokens[i]);
+  }
+  std::stable_sort(proposals.begin(), proposals.end(),
+                   [](const Proposal& a, const Proposal& b) { return a.value > b.value; });
+  // The best m: tokens(m) / seconds(m), tokens(m) the decodes' own plus the m best values.
+  std::vector<std::int64_t> proposing(static_cast<std::size_t>(deepest), 0);
+  double tokens = static_cast<double>(acceptance.size()), best_rate = 0;
+  std::size_t best = 0;
+  for (std::size_t m = 0; m <= proposals.size(); ++m) {
+    if (m > 0) {
+      tokens += proposals[m - 1].value;
+      ++proposing[proposals[m - 1].depth];
+    }
+    const double rate = tokens / std::max(step_seconds(proposing), 1e-12);
     if (rate > best_rate) {
-      best = k;
       best_rate = rate;
+      best = m;
     }
   }
-  return best;
+  std::vector<std::int64_t> lengths(acceptance.size(), 0);
+  for (std::size_t m = 0; m < best; ++m) ++lengths[proposals[m].decode];
+  // Or one length k for every decode (within its room), when that is better: a price by depth (a
+  // drafter's step shared by all who propose that deep) can favour whole depths over the best
+  // proposals first.
+  for (std::int64_t k = 1; k <= deepest; ++k) {
+    std::fill(proposing.begin(), proposing.end(), 0);
+    double uniform_tokens = static_cast<double>(acceptance.size());
+    for (std::size_t i = 0; i < acceptance.size(); ++i) {
+      double value = 1;
+      for (std::int64_t j = 0; j < std::min(k, max_tokens[i]); ++j) {
+        uniform_tokens += value *= acceptance[i];
+        ++proposing[static_cast<std::size_t>(j)];
+      }
+    }
+    const double rate = uniform_tokens / std::max(step_seconds(proposing), 1e-12);
+    if (rate > best_rate) {
+      best_rate = rate;
+      for (std::size_t i = 0; i < lengths.size(); ++i) lengths[i] = std::min(k, max_tokens[i]);
+    }
+  }
+  return lengths;
 }
 
 double draft_step_seconds(const CostModel& draft, std::span<const EntryShape> shapes) {
   return draft.cost(draft.work(shapes)).total() - draft.profile().step_overhead_s;
-}
-
-std::int64_t adaptive_proposal_length(const CostModel& cost, const CostModel* draft,
-                                      std::span<const std::int64_t> contexts, double acceptance,
-                                      std::int64_t max_tokens) {
-  if (contexts.empty()) return max_tokens;
-  std::vector<EntryShape> shapes(contexts.size());
-  // draft_steps[j]: the draft's j-th decode step over the decodes
-  std::vector<double> draft_steps;
-  for (std::int64_t j = 0; draft != nullptr && j < max_tokens; ++j) {
-    for (std::size_t i = 0; i < contexts.size(); ++i) shapes[i] = {1, contexts[i] + j, 0, 1};
-    draft_steps.push_back(draft_step_seconds(*draft, shapes));
-  }
-  return adaptive_proposal_length(
-      [&](std::int64_t k) -> std::optional<double> {
-        for (std::size_t i = 0; i < contexts.size(); ++i)
-          shapes[i] = {1 + k, contexts[i], 0, 1 + k};
-        double seconds = cost.cost(cost.work(shapes)).total();
-        for (std::int64_t j = 0; j < k && j < static_cast<std::int64_t>(draft_steps.size()); ++j)
-          seconds += draft_steps[static_cast<std::size_t>(j)];
-        return seconds;
-      },
-      acceptance, max_tokens);
 }
 
 void StepTimes::observe(std::int64_t tokens, double seconds) {

@@ -13,6 +13,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "kvlab/backend.hpp"
@@ -184,7 +185,17 @@ class Engine {
   void check_proposals(std::span<const ProposeAsk> asks) const;
   double price_draft(std::span<const ProposeAsk> asks) const;
   void forget_proposals(RequestId id);
-  std::int64_t proposal_length(std::span<const RequestState* const> decodes) const;
+  std::vector<std::int64_t> proposal_lengths(std::span<const RequestState* const> decodes,
+                                             std::span<const std::int64_t> rooms) const;
+  std::optional<double> uniform_verify_seconds(std::span<const RequestState* const> decodes,
+                                               std::int64_t k) const;
+  // A priced draft's step at each depth: for one decode proposing, and for all of them (empty:
+  // no draft priced); at(): linear between, 0 with none proposing.
+  struct DraftPrices {
+    std::vector<double> one, all;
+    double at(std::size_t depth, std::int64_t proposing, std::int64_t decodes) const;
+  };
+  DraftPrices draft_prices(std::span<const RequestState* const> decodes) const;
   void count_acceptance(const AppliedPlan& applied);
   std::vector<std::int32_t> run_batch(AppliedPlan& applied, StepRecord& record);
   bool computes_padding() const;
@@ -218,6 +229,7 @@ class Engine {
   Proposer* proposer_ = nullptr;
   double draft_price_s_ = 0;  // this step's proposals' price (draft_cost_model)
   double spec_accepted_ = 0, spec_tried_ = 0;
+  std::unordered_map<RequestId, std::pair<double, double>> spec_by_request_;  // accepted, tried
   StepTimes step_times_;  // AdaptiveLength::measured: the steps' times by their tokens
   // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
   // thousand in a trace replay.

@@ -44,9 +44,10 @@ struct SpeculationOptions {
   // simulated: the acceptance of a measured run instead (SimulatedAcceptance::accept_trace)
   std::string accept_trace;
   std::uint64_t seed = 0;  // simulated: the draws
-  // Each step's proposal length from 0 to `tokens`: the one that maximises the decodes' expected
-  // tokens per second of the step, by the acceptance measured so far and the step's price
-  // (adaptive_proposal_length). `priced` needs the engine's cost model.
+  // Each step's proposal lengths from 0 to `tokens`, one a decode: those that maximise the
+  // decodes' expected tokens per second of the step, by each request's acceptance measured so
+  // far (shrunk toward the run's) and the step's price (adaptive_proposal_lengths). `priced`
+  // needs the engine's cost model.
   AdaptiveLength adaptive = AdaptiveLength::off;
   bool enabled() const { return tokens > 0; }
 };
@@ -60,25 +61,20 @@ std::unique_ptr<Proposer> make_proposer(const SpeculationOptions& options, std::
 // with probability `acceptance` given the ones before it: 1 + a + a^2 + ... + a^k.
 double expected_tokens_per_verify(double acceptance, std::int64_t k);
 
-// The proposal length from 0 to `max_tokens` that maximises expected tokens per second of a
-// step, each length k's step lasting step_seconds(k). A length whose step cannot be priced yet
-// (nullopt) is taken at once, the shortest first, so that its step gets measured.
-std::int64_t adaptive_proposal_length(
-    const std::function<std::optional<double>(std::int64_t k)>& step_seconds, double acceptance,
-    std::int64_t max_tokens);
+// Each decode's proposal length, from 0 to max_tokens[i], that together maximise the step's
+// expected tokens per second: decode i's j-th proposal adds acceptance[i]^j expected tokens, and
+// a step lasts step_seconds(proposing), proposing[j] the decodes with more than j proposals
+// (their sum: the proposals in all; a drafter runs one step per depth j). The proposals are
+// taken best first (the highest acceptance^j: each decode's in order), as many as pay.
+std::vector<std::int64_t> adaptive_proposal_lengths(
+    const std::function<double(std::span<const std::int64_t> proposing)>& step_seconds,
+    std::span<const double> acceptance, std::span<const std::int64_t> max_tokens);
 
 // One draft decode step over `shapes` (one token a sequence) on the draft's cost model: its
 // weights, attention and per-sequence overhead, without the engine step's fixed overhead (the
 // draft's steps run inside the engine's step: no scheduling of their own, their launches
 // captured once, as vLLM and SGLang run a drafter).
 double draft_step_seconds(const CostModel& draft, std::span<const EntryShape> shapes);
-
-// The same for a step of decodes whose cached contexts are `contexts` (the rest of the step left
-// out), each length's step priced by `cost` (a verify of k is k + 1 tokens, k + 1 rows of logits)
-// and, with a draft model, `draft` (k draft decode steps of the decodes before it).
-std::int64_t adaptive_proposal_length(const CostModel& cost, const CostModel* draft,
-                                      std::span<const std::int64_t> contexts, double acceptance,
-                                      std::int64_t max_tokens);
 
 // The seconds of the steps an engine ran, by the tokens each computed: an exponential moving
 // average per count (a quarter's weight to the newest). AdaptiveLength::measured prices a step
