@@ -399,7 +399,7 @@ void Engine::forget_proposals(RequestId id) {
 // cost model's, or the measured times of the steps run so far. Until 64 proposed positions have
 // been tried it proposes `tokens`: an acceptance nobody measured (a prior of 1/2 worth 4
 // positions) could keep it from ever proposing, and so from ever learning that the proposals pay.
-// A request's own acceptance counts as much as its positions tried against 8 of the run's.
+// A request's own acceptance counts as much as its positions tried against 32 of the run's.
 std::vector<std::int64_t> Engine::proposal_lengths(std::span<const RequestState* const> decodes,
                                                    std::span<const std::int64_t> rooms) const {
   constexpr double kAcceptanceEvidence = 64;  // positions tried before the acceptance is trusted
