@@ -51,6 +51,7 @@ struct EngineSetup {
   std::map<std::string, ParamValue, std::less<>> kv_policy_params;
   const cpu::LlamaWeights* model = nullptr;  // another model than weights()
   SpeculationOptions speculation;  // speculative decoding: off unless speculation.tokens > 0
+  Proposer* proposer = nullptr;    // a proposer object of the test's, or the built-in one
   // Called after each step (its number from 1) of a run driven step by step; unset: Engine::run.
   std::function<void(Engine&, std::int64_t)> after_step;
 };
@@ -100,6 +101,7 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   options.pool = &pool;
   options.swap_slots = setup.swap_slots;
   options.speculation = setup.speculation;
+  options.proposer = setup.proposer;
   WatchedScheduler watched(
       *scheduler, setup.sees ? setup.sees : [](const SchedulerInput&) {});
   Engine engine(backend, *allocator, watched, options);
@@ -859,6 +861,45 @@ TEST(Engine, SpeculationGivesTheTokensOfPlainDecodingInEveryAllocator) {
     EXPECT_LT(speculative.steps.size(), plain.steps.size());
     EXPECT_EQ(speculative.steps.back().kv.used, 0) << "every slot returned";
   }
+}
+
+// A proposer plugin that answers more tokens than asked, or a token outside the vocabulary, stops
+// the run with an error naming it, the step and the request, before the scheduler sees the
+// proposals; one that answers within the ask speculates (every request asked at most once a step).
+class ScriptedProposer final : public Proposer {
+ public:
+  explicit ScriptedProposer(std::int32_t token, std::int64_t extra)
+      : token_(token), extra_(extra) {}
+  void propose(std::span<const ProposeAsk> asks) override {
+    std::set<RequestId> asked;
+    for (const ProposeAsk& ask : asks) {
+      EXPECT_TRUE(asked.insert(ask.request->id).second) << "asked twice in one step";
+      EXPECT_TRUE(ask.proposed->empty());
+      ask.proposed->assign(static_cast<std::size_t>(ask.max_tokens + extra_), token_);
+    }
+    ++calls;
+  }
+  int calls = 0;
+
+ private:
+  std::int32_t token_;
+  std::int64_t extra_;
+};
+
+TEST(Engine, AProposersAnswerBeyondItsAskIsAClearError) {
+  const std::vector<WorkloadRequest> requests = patterned_requests();
+  EngineSetup setup = looping_setup("paged");
+  setup.speculation.tokens = 3;
+  ScriptedProposer too_many(5, 1), outside(100000, 0), fine(5, 0);
+  setup.proposer = &too_many;
+  test::expect_error_containing([&] { (void)run_engine(setup, requests); },
+                                {"the proposer answered request", "proposals (asked for at most"});
+  setup.proposer = &outside;
+  test::expect_error_containing([&] { (void)run_engine(setup, requests); }, {"one of them 100000"});
+  setup.proposer = &fine;
+  const EngineResult plain = run_engine(looping_setup("paged"), requests);
+  EXPECT_EQ(run_engine(setup, requests).tokens, plain.tokens);
+  EXPECT_GT(fine.calls, 0);
 }
 
 // Requests asking for log-probabilities speculate too: each token's logprob and top 3 are those

@@ -334,8 +334,8 @@ double Engine::propose() {
     if (!r.decoding() || r.recompute_each_step || table_->hands_off(r.id)) continue;
     decodes.push_back(&r);
   }
-  std::vector<std::int64_t>
-      rooms;  // each decode's proposals at most: its output limit, the context
+  // Each decode's proposals at most: `tokens`, within its output limit and the context.
+  std::vector<std::int64_t> rooms;
   for (const RequestState* r : decodes)
     rooms.push_back(std::min({options_.speculation.tokens, r->remaining_output() - 1,
                               options_.rules.context - r->length() - 1}));
