@@ -229,7 +229,8 @@ void Engine::receive_arrivals() {
 bool Engine::step() {
   // A real-time clock that sat idle (a live engine's wait) reads now.
   const std::optional<RequestId> next = table_->next_arrival();
-  clock_->catch_up(next ? std::optional<double>(table_->at(*next).arrival_s) : std::nullopt);
+  const bool busy = !table_->waiting().empty() || !table_->running().empty();
+  clock_->catch_up(next ? std::optional<double>(table_->at(*next).arrival_s) : std::nullopt, busy);
   receive_arrivals();
   if (!pending_cancels_.empty()) apply_cancels();
   if (table_->all_done()) return false;

@@ -9,9 +9,10 @@
 //   steps     every step lasts 1: time counts engine steps (arrivals at a given step; for
 //             tools and tests that need an order of events, not a duration)
 //   paced     real time, but a step lasts at least the virtual clock's price of it (the engine
-//             thread sleeps until then; the steps keep to that schedule, so a late wake-up is
-//             not added to the next step): a simulated backend answering live clients as fast
-//             as the hardware profile says (kvlab serve; not an experiment file's clock)
+//             thread sleeps until then; the steps keep to that schedule through the host's
+//             hiccups and late wake-ups, up to 50 ms behind): a simulated backend answering live
+//             clients as fast as the hardware profile says (kvlab serve; not an experiment
+//             file's clock)
 #include <algorithm>
 #include <chrono>
 #include <cstdint>
@@ -56,8 +57,12 @@ class Clock {
   virtual void idle_until(double arrival_s) { now_ = arrival_s; }
   // Before a step: a real-time clock that was left idle (a live engine waiting for requests)
   // moves to the present; the others stay. `next_arrival`: the earliest request not yet
-  // received, if any (the paced clock starts the step at its arrival when it woke just after).
-  virtual void catch_up(std::optional<double> next_arrival) { (void)next_arrival; }
+  // received, if any (the paced clock starts the step at its arrival when it woke just after);
+  // `busy`: requests waited or ran after the last step (no idle time passed since it).
+  virtual void catch_up(std::optional<double> next_arrival, bool busy) {
+    (void)next_arrival;
+    (void)busy;
+  }
   // A step ran nothing (everyone waits for memory): time moves to the next arrival, if later.
   void skip_to(double arrival_s) { now_ = std::max(now_, arrival_s); }
   // A step that started at now() ran: advances now() and returns the step's duration.
