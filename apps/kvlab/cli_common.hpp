@@ -42,6 +42,7 @@ void register_memory(CLI::App& app);
 void register_calibrate(CLI::App& app);
 void register_plugins(CLI::App& app);
 void register_metrics(CLI::App& app);
+void register_view(CLI::App& app);
 void register_perplexity(CLI::App& app);
 // run and check; a failed check sets exit_code.
 void register_run(CLI::App& app, int& exit_code);

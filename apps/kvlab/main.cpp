@@ -25,6 +25,7 @@ int main(int argc, char** argv) {
   kvlab::cli::register_calibrate(app);
   kvlab::cli::register_plugins(app);
   kvlab::cli::register_metrics(app);
+  kvlab::cli::register_view(app);
   kvlab::cli::register_perplexity(app);
   int exit_code = 0;
   kvlab::cli::register_run(app, exit_code);

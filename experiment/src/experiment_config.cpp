@@ -491,6 +491,7 @@ void parse_slo(Section& s, ExperimentConfig& c) {
 
 void parse_output(Section& s, ExperimentConfig& c) {
   c.output_dir = s.get<std::string>("dir").value_or("");
+  c.frame_budget = s.get_int<std::int64_t>("frames", 0, 1'000'000'000).value_or(c.frame_budget);
   const toml::node* columns = s.node("columns");
   if (columns == nullptr) return;
   const toml::array* list = columns->as_array();

@@ -75,8 +75,12 @@ void write_requests_csv(Text& f, const RunOutput& out) {
       put_number(f, m.extract(r));
       put(f, ",");
     }
+    // The reason quoted, a quote in it doubled (RFC 4180): reasons name plugins in quotes.
+    std::string reason = r.reject_reason;
+    for (std::size_t at = reason.find('"'); at != std::string::npos; at = reason.find('"', at + 2))
+      reason.insert(at, 1, '"');
     put(f, "{},{},{},{},\"{}\",", r.preemptions, r.recomputed_tokens, r.swapped_bytes,
-        r.rejected ? 1 : 0, r.reject_reason);
+        r.rejected ? 1 : 0, reason);
     // every output token's time, space-separated
     auto times = std::back_inserter(f.buffer());
     for (std::size_t i = 0; i < r.token_times_s.size(); ++i)
@@ -241,6 +245,10 @@ void write_run_outputs(const std::filesystem::path& directory, const ExperimentC
     write("outputs.jsonl", [&](Text& f) { write_outputs_jsonl(f, out); });
   if (c.workload.logprobs >= 0)
     write("logprobs.jsonl", [&](Text& f) { write_logprobs_jsonl(f, out); });
+  if (!out.engine.frames.empty())  // kvlab view's step frames
+    write("frames.jsonl", [&](Text& f) {
+      for (const StepFrame& frame : out.engine.frames) put(f, "{}\n", frame_json(frame));
+    });
   if (!out.engine.verifies.empty())  // speculative decoding: a row per verify
     write("verifies.csv", [&](Text& f) {
       put(f, "request,step,proposed,accepted\n");

@@ -26,6 +26,7 @@ EngineOptions engine_options(const ExperimentConfig& c, const SequenceRules& rul
   options.swap_slots = c.swap_slots;
   options.kv_tiers = c.has_kv_tiers();
   options.speculation = c.speculation;
+  options.frame_budget = c.frame_budget;
   return options;
 }
 

@@ -7,10 +7,12 @@
 // never exceptions: this interface crosses the plugin boundary.
 // Allocators copy KV bytes themselves (grow-by-copy, copy-on-write) through the KvPool they
 // were created with, and count those bytes.
+#include <algorithm>
 #include <boost/config.hpp>
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <vector>
 
 #include "kvlab/kv/prefix_hash.hpp"
 #include "kvlab/kv_pool.hpp"
@@ -62,6 +64,39 @@ struct AllocateRequest {
 
 struct AllocateResult {
   std::int64_t cached_tokens = 0;  // leading prompt tokens whose KV is already in the pool
+};
+
+// The pool as kvlab view draws it: runs of slots in one state, in slot order; the slots no run
+// covers are free.
+enum class KvSlotState : std::uint8_t {
+  used,      // a sequence's live tokens' KV
+  shared,    // live KV several sequences hold (a shared prefix block, a fork's blocks)
+  copied,    // a block copied on write since the last map (its new holder's copy)
+  reserved,  // reserved ahead for a sequence's future tokens (static, dynamic)
+  slack,     // the unfilled slots of a sequence's partly-filled last block (paged)
+  cached,    // free, but still holding a prefix's KV that a later request may reuse
+};
+inline const char* slot_state_name(KvSlotState state) {
+  constexpr const char* kNames[] = {"used", "shared", "copied", "reserved", "slack", "cached"};
+  return kNames[static_cast<std::size_t>(state)];
+}
+
+struct KvSlotRun {
+  std::int64_t start = 0, length = 0;
+  SequenceId owner = -1;  // the holder (shared: one of them); -1 for cached blocks
+  KvSlotState state = KvSlotState::used;
+};
+
+// Sorts runs by start (allocators that keep sequences in a hash map draw them in any order).
+inline void sort_runs(std::vector<KvSlotRun>& runs) {
+  std::sort(runs.begin(), runs.end(),
+            [](const KvSlotRun& a, const KvSlotRun& b) { return a.start < b.start; });
+}
+
+struct KvPoolMap {
+  std::vector<KvSlotRun> runs;  // ascending start, not overlapping
+  // KV tiers below the pool: blocks each holds, of how many it can.
+  std::int64_t host_blocks = 0, host_capacity = 0, disk_blocks = 0, disk_capacity = 0;
 };
 
 class BOOST_SYMBOL_VISIBLE KvAllocator {
@@ -126,6 +161,13 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   // copying them each step cost a whole-trace replay 8% of its time. Default: view(sequence).
   virtual KvView positions_view(SequenceId sequence) const { return view(sequence); }
   virtual KvAllocatorStats stats() const = 0;
+  // The pool slot by slot, into `map` (cleared first); false when the allocator does not draw
+  // one (the engine then draws its sequences' views as used). Called once every recorded step
+  // of a run's frames (kvlab view), so O(blocks) is fine.
+  virtual bool pool_map(KvPoolMap& map) const {
+    map = {};
+    return false;
+  }
 };
 
 }  // namespace kvlab

@@ -37,8 +37,9 @@ namespace kvlab {
 // 16: KvAllocator::truncate (speculative decoding's rollback); 17: BatchEntry::logit_rows (a
 // speculative verify's rows of logits); 18: RequestState::proposed (a decode's speculative
 // proposals, which a scheduler may grant with it: RequestState::schedulable_tokens); 19: the
-// proposer kind (Proposer, ProposeAsk), PluginContext::draft.
-inline constexpr std::uint32_t kPluginAbiVersion = 19;
+// proposer kind (Proposer, ProposeAsk), PluginContext::draft; 20: KvAllocator::pool_map (the
+// pool drawn slot by slot for kvlab view).
+inline constexpr std::uint32_t kPluginAbiVersion = 20;
 
 namespace detail {
 

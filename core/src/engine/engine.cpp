@@ -89,6 +89,7 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
   log_ = {};
+  frames_ = FrameRecorder(options_.frame_budget);
   result_ = {};
   reserve_steps(expected_steps(requests));
   step_ = idle_steps_ = 0;
@@ -106,6 +107,8 @@ void Engine::reserve_steps(std::int64_t steps) {
 
 EngineResult Engine::take_result() {
   result_.duration_s = clock_->now();
+  result_.frame_stride = frames_.stride();
+  result_.frames = frames_.take();
   result_.tokens = table_->generated_tokens();
   result_.requests = table_->take_timelines();
   result_.logprobs = table_->take_logprobs();
@@ -280,6 +283,7 @@ bool Engine::step() {
   for (std::size_t h = handed; h < handoffs_.size(); ++h) handoffs_[h].time_s = clock_->now();
   padding_.hold(finished_held, *table_, allocator_);
   record_step(record, fragmentation_blocked);
+  frames_.record(step_ - 1, clock_->now(), applied, allocator_, *table_);
   return !table_->all_done();
 }
 

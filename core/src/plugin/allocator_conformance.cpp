@@ -54,6 +54,8 @@ class ConformanceRun {
   void write_from(SequenceId id, std::int64_t from);
   void write_values(SequenceId id, std::int64_t from);
   std::string check_invariants() const;
+  std::string check_pool_map(const KvAllocatorStats& stats,
+                             const std::unordered_map<std::int64_t, int>& holders) const;
   std::string check_all_returned() const;
 
   const ConformanceOptions& options_;
@@ -329,6 +331,7 @@ std::string ConformanceRun::check_invariants() const {
   if (s.live_sequences != static_cast<std::int64_t>(tokens_.size()))
     return fmt::format("live_sequences {} for {} live", s.live_sequences, tokens_.size());
   std::unordered_map<std::int64_t, float> value_of_slot;
+  std::unordered_map<std::int64_t, int> holders;  // live slot -> sequences whose view holds it
   for (const auto& [id, tokens] : tokens_) {
     const KvView view = allocator_->view(id);
     if (view.end_position() != static_cast<std::int64_t>(tokens.size()))
@@ -354,6 +357,7 @@ std::string ConformanceRun::check_invariants() const {
       const float expected = prefix_value(tokens, static_cast<std::size_t>(p));
       if (*pool_.key(0, slot) != expected)
         return fmt::format("sequence {} position {} slot {}: KV overwritten", id, p, slot);
+      ++holders[slot];
       const auto [it, inserted] = value_of_slot.try_emplace(slot, expected);
       if (!inserted && it->second != expected)
         return fmt::format("slot {} shared by different prefixes", slot);
@@ -361,6 +365,52 @@ std::string ConformanceRun::check_invariants() const {
   }
   if (s.used != static_cast<std::int64_t>(value_of_slot.size()))
     return fmt::format("used {} but {} distinct live slots", s.used, value_of_slot.size());
+  return check_pool_map(s, holders);
+}
+
+// The pool map (kvlab view's) agrees with the stats and the views: runs in order inside the
+// pool; live KV (used, shared, copied) adds up to `used` and covers every view's slots, a slot
+// in several views drawn shared; reserved, slack and cached add up to their stats.
+std::string ConformanceRun::check_pool_map(
+    const KvAllocatorStats& s, const std::unordered_map<std::int64_t, int>& holders) const {
+  KvPoolMap map;
+  if (!allocator_->pool_map(map)) return "";
+  std::int64_t end = 0, live = 0;
+  std::int64_t by_state[6] = {};
+  std::unordered_map<std::int64_t, KvSlotState> state_of_slot;
+  for (const KvSlotRun& run : map.runs) {
+    if (run.start < end || run.length <= 0 || run.start + run.length > s.capacity)
+      return fmt::format("pool_map: run [{}, +{}) out of order, empty or outside the pool",
+                         run.start, run.length);
+    end = run.start + run.length;
+    by_state[static_cast<int>(run.state)] += run.length;
+    const bool holds_live = run.state == KvSlotState::used || run.state == KvSlotState::shared ||
+                            run.state == KvSlotState::copied;
+    if (holds_live && !tokens_.count(run.owner))
+      return fmt::format("pool_map: {} run at slot {} owned by {}, not a live sequence",
+                         slot_state_name(run.state), run.start, run.owner);
+    if (holds_live) {
+      live += run.length;
+      for (std::int64_t slot = run.start; slot < end; ++slot) state_of_slot[slot] = run.state;
+    }
+  }
+  auto total = [&](KvSlotState st) { return by_state[static_cast<int>(st)]; };
+  if (live != s.used || total(KvSlotState::reserved) != s.reserved_unused ||
+      total(KvSlotState::slack) != s.last_block_slack ||
+      total(KvSlotState::cached) != s.cached_free)
+    return fmt::format(
+        "pool_map draws live {} reserved {} slack {} cached {}; the stats say used {} reserved "
+        "{} slack {} cached {}",
+        live, total(KvSlotState::reserved), total(KvSlotState::slack), total(KvSlotState::cached),
+        s.used, s.reserved_unused, s.last_block_slack, s.cached_free);
+  for (const auto& [slot, count] : holders) {
+    const auto it = state_of_slot.find(slot);
+    if (it == state_of_slot.end())
+      return fmt::format("pool_map: live slot {} is not drawn as live KV", slot);
+    if (count > 1 && it->second != KvSlotState::shared)
+      return fmt::format("pool_map: slot {} is in {} views but drawn {}", slot, count,
+                         slot_state_name(it->second));
+  }
   return "";
 }
 

@@ -111,6 +111,17 @@ class DynamicAllocator final : public KvAllocator {
     free_.give_back(it->second.start, it->second.capacity);
     sequences_.erase(it);
   }
+  // Each sequence's run: its live tokens, then the room it grew ahead of them.
+  bool pool_map(KvPoolMap& map) const override {
+    map = {};
+    for (const auto& [id, s] : sequences_) {
+      if (s.length > 0) map.runs.push_back({s.start, s.length, id, KvSlotState::used});
+      if (s.capacity > s.length)
+        map.runs.push_back({s.start + s.length, s.capacity - s.length, id, KvSlotState::reserved});
+    }
+    sort_runs(map.runs);
+    return true;
+  }
   KvView view(SequenceId id) const override {
     const auto& s = sequences_.at(id);
     return KvView{{KvExtent{s.start, s.length}}, 0, {}};

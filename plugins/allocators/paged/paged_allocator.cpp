@@ -202,6 +202,7 @@ class PagedAllocator final : public KvAllocator {
                                            std::int64_t{copy} * block_size_, last_fill);
         release_block(last);
         s.table.back() = copy;
+        mark_copied(copy);
       }
     }
     const std::int64_t first_written = s.slots / block_size_;
@@ -336,6 +337,34 @@ class PagedAllocator final : public KvAllocator {
     return {{{-1, view.length()}}, view.first_position, view.positions};
   }
 
+  // Block by block: who holds it (several: shared; copied on write since the last map: copied),
+  // its filled slots and the rest of it as slack; free blocks that keep a prefix: cached. A
+  // sequence with dropped positions (a KV policy's) has holes: its blocks are drawn slot by slot.
+  bool pool_map(KvPoolMap& map) const override {
+    map = {};
+    const auto blocks = static_cast<std::size_t>(blocks_.blocks());
+    std::vector<std::pair<SequenceId, const Sequence*>> holder(blocks, {-1, nullptr});
+    for (const auto& [id, s] : sequences_)
+      for (std::size_t k = 0; k < s.table.size(); ++k)
+        if (s.table[k] >= 0) holder[static_cast<std::size_t>(s.table[k])] = {id, &s};
+    std::vector<bool> copied(blocks, false);
+    copied.swap(copied_since_map_);
+    copied.resize(blocks, false);
+    for (BlockId b = 0; b < blocks_.blocks(); ++b) {
+      const auto [id, s] = holder[static_cast<std::size_t>(b)];
+      if (s != nullptr && !s->slot_positions.empty())
+        add_holey_block_runs(map.runs, b, id, *s);
+      else
+        add_block_runs(map.runs, b, id, copied[static_cast<std::size_t>(b)]);
+    }
+    if (tiers_) {
+      map.host_blocks = tiers_->size(KvTier::host);
+      map.host_capacity = tiers_->capacity(KvTier::host);
+      map.disk_blocks = tiers_->size(KvTier::disk);
+      map.disk_capacity = tiers_->capacity(KvTier::disk);
+    }
+    return true;
+  }
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;
     st.capacity = pool_->shape().slots;
@@ -570,6 +599,52 @@ class PagedAllocator final : public KvAllocator {
     if (dropped >= block_size_) compact(s);
     rebuild_view(s);
   }
+  void mark_copied(BlockId b) {
+    if (copied_since_map_.empty())
+      copied_since_map_.resize(static_cast<std::size_t>(blocks_.blocks()));
+    copied_since_map_[static_cast<std::size_t>(b)] = true;
+  }
+  // Block b's runs, merged into the last run when they continue it.
+  void add_block_runs(std::vector<KvSlotRun>& runs, BlockId b, SequenceId holder,
+                      bool copied) const {
+    const std::int64_t start = std::int64_t{b} * block_size_;
+    const std::int32_t holders = blocks_.ref_count(b);
+    if (holders == 0) {
+      if (blocks_.hash_of(b) != 0) add_run(runs, {start, block_size_, -1, KvSlotState::cached});
+      return;
+    }
+    const KvSlotState state = holders > 1 ? KvSlotState::shared
+                              : copied    ? KvSlotState::copied
+                                          : KvSlotState::used;
+    const std::int64_t fill = std::clamp<std::int64_t>(blocks_.fill(b), 0, block_size_);
+    if (fill > 0) add_run(runs, {start, fill, holder, state});
+    if (fill < block_size_)
+      add_run(runs, {start + fill, block_size_ - fill, holder, KvSlotState::slack});
+  }
+  // Block b of sequence s, slot by slot: the slots whose positions it keeps are live (shared
+  // with a fork that holds the block too), the dropped and unwritten ones slack.
+  void add_holey_block_runs(std::vector<KvSlotRun>& runs, BlockId b, SequenceId id,
+                            const Sequence& s) const {
+    const auto k =
+        static_cast<std::int64_t>(std::find(s.table.begin(), s.table.end(), b) - s.table.begin());
+    const KvSlotState live = blocks_.ref_count(b) > 1 ? KvSlotState::shared : KvSlotState::used;
+    for (std::int64_t j = 0; j < block_size_; ++j) {
+      const std::int64_t index = k * block_size_ + j;
+      const bool held = index < s.slots && s.slot_positions[static_cast<std::size_t>(index)] >= 0;
+      add_run(runs, {std::int64_t{b} * block_size_ + j, 1, id, held ? live : KvSlotState::slack});
+    }
+  }
+  static void add_run(std::vector<KvSlotRun>& runs, const KvSlotRun& run) {
+    if (!runs.empty()) {
+      KvSlotRun& last = runs.back();
+      if (last.start + last.length == run.start && last.owner == run.owner &&
+          last.state == run.state) {
+        last.length += run.length;
+        return;
+      }
+    }
+    runs.push_back(run);
+  }
   // Copies each block s shares (a fork's) into one of its own, so that dropping positions leaves
   // the other holders' KV and fills alone; false (nothing changed) when too few blocks are free.
   bool own_blocks(Sequence& s) {
@@ -585,6 +660,7 @@ class PagedAllocator final : public KvAllocator {
       blocks_.set_fill(copy, blocks_.fill(b));
       release_block(b);
       b = copy;
+      mark_copied(copy);
     }
     return true;
   }
@@ -642,6 +718,7 @@ class PagedAllocator final : public KvAllocator {
   mutable std::vector<std::uint64_t> hash_scratch_;  // a lookup's hashes without a request cache
   mutable std::vector<ChainBlock> chain_;            // allocate's hit chain (no allocation a call)
   std::int64_t bytes_copied_ = 0;
+  mutable std::vector<bool> copied_since_map_;  // per block: copied on write (pool_map)
   std::int64_t prefix_query_tokens_ = 0;
   std::int64_t prefix_hit_tokens_ = 0;
 };

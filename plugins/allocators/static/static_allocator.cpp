@@ -90,6 +90,17 @@ class StaticAllocator final : public KvAllocator {
     const auto& s = sequences_.at(id);
     return KvView{{KvExtent{s.start, s.length}}, 0, {}};
   }
+  // Each reservation: its live tokens, then the rest held for tokens it may never write.
+  bool pool_map(KvPoolMap& map) const override {
+    map = {};
+    for (const auto& [id, s] : sequences_) {
+      if (s.length > 0) map.runs.push_back({s.start, s.length, id, KvSlotState::used});
+      if (reserve_ > s.length)
+        map.runs.push_back({s.start + s.length, reserve_ - s.length, id, KvSlotState::reserved});
+    }
+    sort_runs(map.runs);
+    return true;
+  }
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;
     st.capacity = pool_->shape().slots;

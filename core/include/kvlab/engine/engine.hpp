@@ -20,6 +20,7 @@
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/events.hpp"
+#include "kvlab/engine/frames.hpp"
 #include "kvlab/engine/kv_policy_runner.hpp"
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/pick_tokens.hpp"
@@ -70,6 +71,10 @@ struct EngineOptions {
   // or null: proposals cost nothing on virtual clocks. The proposals of a step then cost as many
   // sequential draft decode steps of the decodes as the longest proposal.
   const CostModel* draft_cost_model = nullptr;
+  // Step frames for kvlab view (kvlab/engine/frames.hpp): each step's batch and the pool slot by
+  // slot, about this many entries at most (the frames thinned to every 2nd, 4th, ... step past
+  // it); 0: none (EngineResult::frames stays empty).
+  std::int64_t frame_budget = 0;
   // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
   struct PluginNames {
     std::string scheduler = "the scheduler", allocator = "the KV allocator",
@@ -127,6 +132,8 @@ struct EngineResult {
   std::vector<StepRecord> steps;
   std::vector<EngineEvent> events;     // admit / defer / preempt / swap / finish / reject / evict
   std::vector<VerifyRecord> verifies;  // speculative decoding's, in step order (a replica's ids)
+  std::vector<StepFrame> frames;       // EngineOptions::frame_budget's, in step order
+  std::int64_t frame_stride = 1;       // a frame every this many steps
   double duration_s = 0;
 };
 
@@ -215,6 +222,7 @@ class Engine {
   PlanChecker plan_checker_;  // every plan the scheduler returns, before apply_plan
   std::unique_ptr<Clock> clock_;
   EventLog log_;
+  FrameRecorder frames_;
   EngineResult result_;
   std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
   KvAllocatorStats tiers_seen_;  // the allocator's tier counters as the last priced step left them

@@ -147,6 +147,9 @@ struct ExperimentConfig {
     return all;
   }
   std::string output_dir;  // empty: results/<name>
+  // [output] frames: step frames for kvlab view (frames.jsonl), about this many batch entries
+  // and slot runs at most per run (past it every 2nd, 4th, ... step); 0: none.
+  std::int64_t frame_budget = 500'000;
   // [output] columns: what the summary table adds for this experiment (metric_column_options,
   // kvlab/experiment/metric_registry.hpp).
   std::vector<std::string> table_columns;

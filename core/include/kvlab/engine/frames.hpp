@@ -1,0 +1,53 @@
+#pragma once
+// Step frames: what kvlab view animates. Each recorded step's batch (who prefilled how many
+// tokens, who decoded) and the KV pool slot by slot after it (KvAllocator::pool_map). A long
+// run keeps a bounded number of entries: past the budget every other frame is dropped and the
+// stride doubles, so the frames stay evenly spaced (every step, every 2nd, every 4th, ...).
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "kvlab/engine/apply.hpp"
+#include "kvlab/engine/request_table.hpp"
+#include "kvlab/kv_allocator.hpp"
+
+namespace kvlab {
+
+struct FrameEntry {
+  RequestId request = 0;
+  std::int64_t tokens = 0;  // fed this step: a prefill chunk's, or a decode's (1 + proposals)
+  bool decode = false;
+  std::int64_t proposals = 0, accepted = 0;  // speculative decoding's verify
+};
+
+struct StepFrame {
+  std::int64_t step = 0;
+  double t = 0;  // the clock when the step ended
+  std::vector<FrameEntry> batch;
+  KvPoolMap pool;
+  bool drawn_by_allocator = true;  // false: the engine drew the running sequences' views
+};
+
+class FrameRecorder {
+ public:
+  // At most about `budget` batch entries and slot runs in all (0: no frames).
+  explicit FrameRecorder(std::int64_t budget = 0) : budget_(budget) {}
+  bool enabled() const { return budget_ > 0; }
+  // Records step `step` if the stride takes it.
+  void record(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
+              const RequestTable& table);
+  std::int64_t stride() const { return stride_; }
+  std::vector<StepFrame> take() { return std::move(frames_); }
+
+ private:
+  void thin_out();
+  std::int64_t budget_, stride_ = 1, entries_ = 0;
+  std::vector<StepFrame> frames_;
+};
+
+// {"step":..,"t":..,"batch":[[request,tokens,decode,proposals,accepted],...],
+//  "runs":[[start,length,owner,"state"],...],"tiers":[host,host_cap,disk,disk_cap],
+//  "drawn_by":"allocator"|"engine"}
+std::string frame_json(const StepFrame& frame);
+
+}  // namespace kvlab

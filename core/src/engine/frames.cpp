@@ -1,0 +1,69 @@
+#include "kvlab/engine/frames.hpp"
+
+#include <algorithm>
+#include <nlohmann/json.hpp>
+
+namespace kvlab {
+namespace {
+
+// An allocator that draws no map: the running sequences' views as used slots (positions_view
+// would not name slots).
+void draw_views(const KvAllocator& kv, const RequestTable& table, KvPoolMap& map) {
+  for (const RequestState* r : table.running())
+    for (const KvExtent& e : kv.view(r->id).extents)
+      if (e.start_slot >= 0 && e.length > 0)
+        map.runs.push_back({e.start_slot, e.length, r->id, KvSlotState::used});
+  std::sort(map.runs.begin(), map.runs.end(),
+            [](const KvSlotRun& a, const KvSlotRun& b) { return a.start < b.start; });
+}
+
+std::int64_t entries_of(const StepFrame& frame) {
+  return static_cast<std::int64_t>(frame.batch.size() + frame.pool.runs.size()) + 1;
+}
+
+}  // namespace
+
+void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& applied,
+                           const KvAllocator& kv, const RequestTable& table) {
+  if (!enabled() || step % stride_ != 0) return;
+  StepFrame& frame = frames_.emplace_back();
+  frame.step = step;
+  frame.t = t;
+  frame.batch.reserve(applied.batch.size());
+  for (const ScheduledWork& w : applied.batch)
+    frame.batch.push_back({w.id, w.tokens, w.decode, w.proposals, w.accepted});
+  frame.drawn_by_allocator = kv.pool_map(frame.pool);
+  if (!frame.drawn_by_allocator) draw_views(kv, table, frame.pool);
+  entries_ += entries_of(frame);
+  if (entries_ > budget_) thin_out();
+}
+
+// Keeps the frames on a doubled stride: memory stays within the budget however long the run.
+void FrameRecorder::thin_out() {
+  while (entries_ > budget_ && frames_.size() > 1) {
+    stride_ *= 2;
+    std::erase_if(frames_, [&](const StepFrame& f) { return f.step % stride_ != 0; });
+    entries_ = 0;
+    for (const StepFrame& f : frames_) entries_ += entries_of(f);
+  }
+}
+
+std::string frame_json(const StepFrame& frame) {
+  nlohmann::json batch = nlohmann::json::array();
+  for (const FrameEntry& e : frame.batch)
+    batch.push_back({e.request, e.tokens, e.decode ? 1 : 0, e.proposals, e.accepted});
+  nlohmann::json runs = nlohmann::json::array();
+  for (const KvSlotRun& r : frame.pool.runs)
+    runs.push_back({r.start, r.length, r.owner, slot_state_name(r.state)});
+  const KvPoolMap& p = frame.pool;
+  const nlohmann::json j = {
+      {"step", frame.step},
+      {"t", frame.t},
+      {"batch", std::move(batch)},
+      {"runs", std::move(runs)},
+      {"tiers", {p.host_blocks, p.host_capacity, p.disk_blocks, p.disk_capacity}},
+      {"drawn_by", frame.drawn_by_allocator ? "allocator" : "engine"}};
+  return j.dump();
+}
+
+}  // namespace kvlab

@@ -1,0 +1,280 @@
+// kvlab view's data: a results folder's runs as the page's columns (experiment/view/view.js
+// reads them), and the page itself around them.
+#include "kvlab/experiment/results_view.hpp"
+
+#include <fmt/format.h>
+
+#include <toml++/toml.h>
+#include <algorithm>
+#include <charconv>
+#include <fstream>
+#include <map>
+
+#include "kvlab/error.hpp"
+
+namespace kvlab {
+namespace view_assets {
+extern const char page_html[];
+extern const char view_css[];
+extern const char view_js[];
+extern const char chart_js[];
+}  // namespace view_assets
+
+namespace {
+
+namespace fs = std::filesystem;
+using nlohmann::json;
+
+// The columns of steps.csv the page draws, under the page's names.
+constexpr std::pair<const char*, const char*> kStepColumns[] = {
+    {"step", "step"},
+    {"start_s", "t"},
+    {"duration_s", "dur"},
+    {"batch", "batch"},
+    {"prefill_tokens", "prefill"},
+    {"decode_tokens", "decode"},
+    {"preempted", "preempted"},
+    {"waiting", "waiting"},
+    {"running", "running"},
+    {"kv_capacity", "capacity"},
+    {"kv_used", "used"},
+    {"kv_reserved_unused", "reserved"},
+    {"kv_last_block_slack", "slack"},
+    {"kv_free", "free"},
+    {"kv_cached_free", "cached"},
+    {"padding_slots", "padding"},
+};
+
+// requests.csv's columns the lanes need (not the token times: a long run's largest column).
+constexpr std::pair<const char*, const char*> kRequestColumns[] = {
+    {"id", "id"},
+    {"arrival_s", "arrival"},
+    {"first_scheduled_s", "scheduled"},
+    {"first_token_s", "first_token"},
+    {"finish_s", "finish"},
+    {"prompt_tokens", "prompt"},
+    {"output_tokens", "output"},
+    {"ttft_s", "ttft"},
+    {"tpot_s", "tpot"},
+    {"preemptions", "preemptions"},
+    {"rejected", "rejected"},
+};
+
+class LineReader {
+ public:
+  explicit LineReader(fs::path path) : path_(std::move(path)), in_(path_, std::ios::binary) {
+    if (!in_) throw Error(fmt::format("kvlab view: cannot open {}", path_.string()));
+  }
+  bool next(std::string& line) {
+    if (!std::getline(in_, line)) return false;
+    ++number_;
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    return true;
+  }
+  [[noreturn]] void fail(const std::string& what) const {
+    throw Error(fmt::format("kvlab view: {} line {}: {}", path_.string(), number_, what));
+  }
+
+ private:
+  fs::path path_;
+  std::ifstream in_;
+  std::int64_t number_ = 0;
+};
+
+// A cell as a number: empty (not reached: a rejected request's first token) is null.
+json number_cell(const std::string& cell, const LineReader& reader, const char* column) {
+  if (cell.empty()) return nullptr;
+  double value = 0;
+  const auto [end, error] = std::from_chars(cell.data(), cell.data() + cell.size(), value);
+  if (error != std::errc() || end != cell.data() + cell.size())
+    reader.fail(fmt::format("{} is \"{}\", not a number", column, cell));
+  return value;
+}
+
+// Named columns of a CSV file as arrays; `text_columns` are kept as strings.
+json read_columns(const fs::path& path, std::span<const std::pair<const char*, const char*>> wanted,
+                  std::span<const std::pair<const char*, const char*>> text_columns = {}) {
+  LineReader reader(path);
+  std::string line;
+  if (!reader.next(line)) reader.fail("empty: no header");
+  const std::vector<std::string> header = csv_row_cells(line);
+  std::vector<std::tuple<std::size_t, const char*, const char*, bool>> picked;
+  auto pick = [&](std::span<const std::pair<const char*, const char*>> columns, bool text) {
+    for (const auto& [name, key] : columns) {
+      const auto at = std::find(header.begin(), header.end(), name);
+      if (at == header.end()) reader.fail(fmt::format("no column {}", name));
+      picked.emplace_back(at - header.begin(), name, key, text);
+    }
+  };
+  pick(wanted, false);
+  pick(text_columns, true);
+  json columns = json::object();
+  for (const auto& [index, name, key, text] : picked) columns[key] = json::array();
+  while (reader.next(line)) {
+    if (line.empty()) continue;
+    const std::vector<std::string> cells = csv_row_cells(line);
+    if (cells.size() != header.size())
+      reader.fail(fmt::format("{} cells, the header has {}", cells.size(), header.size()));
+    for (const auto& [index, name, key, text] : picked)
+      columns[key].push_back(text ? json(cells[index]) : number_cell(cells[index], reader, name));
+  }
+  return columns;
+}
+
+// events.jsonl as [step, kind, request, reason] rows; past `most` events, the defers summed per
+// step and reason as [step, "defer", count, reason] with a negative count.
+json read_events(const fs::path& path, std::int64_t most) {
+  LineReader reader(path);
+  std::vector<json> events;
+  std::string line;
+  while (reader.next(line)) {
+    if (line.empty()) continue;
+    json e = json::parse(line, nullptr, false);
+    if (e.is_discarded() || !e.is_object() || !e.contains("step") || !e.contains("event"))
+      reader.fail("not an event (a JSON object with step and event)");
+    events.push_back(json::array(
+        {e["step"], e["event"], e.value("request", -1), e.value("reason", std::string())}));
+  }
+  if (static_cast<std::int64_t>(events.size()) <= most) return events;
+  std::map<std::pair<std::int64_t, std::string>, std::int64_t> defers;
+  json kept = json::array();
+  for (json& e : events) {
+    if (e[1] == "defer")
+      ++defers[{e[0].get<std::int64_t>(), e[3].get<std::string>()}];
+    else
+      kept.push_back(std::move(e));
+  }
+  for (const auto& [key, count] : defers)
+    kept.push_back(json::array({key.first, "defer", -count, key.second}));
+  return kept;
+}
+
+json read_frames(const fs::path& path) {
+  json frames = json::array();
+  if (!fs::exists(path)) return frames;
+  LineReader reader(path);
+  std::string line;
+  while (reader.next(line)) {
+    if (line.empty()) continue;
+    json f = json::parse(line, nullptr, false);
+    if (f.is_discarded() || !f.is_object() || !f.contains("step") || !f.contains("runs") ||
+        !f["runs"].is_array() || !f.contains("batch"))
+      reader.fail("not a step frame (a JSON object with step, batch and runs)");
+    frames.push_back(std::move(f));
+  }
+  return frames;
+}
+
+// The pool's block size from the run's config.toml (kv_cache.params.block_size), else 0.
+std::int64_t block_size(const fs::path& config) {
+  if (!fs::exists(config)) return 0;
+  try {
+    const toml::table t = toml::parse_file(config.string());
+    return t["kv_cache"]["params"]["block_size"].value_or<std::int64_t>(0);
+  } catch (const toml::parse_error&) {
+    return 0;
+  }
+}
+
+json read_json_file(const fs::path& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw Error(fmt::format("kvlab view: cannot open {}", path.string()));
+  json j = json::parse(in, nullptr, false);
+  if (j.is_discarded()) throw Error(fmt::format("kvlab view: {} is not JSON", path.string()));
+  return j;
+}
+
+json run_data(const fs::path& dir, const std::string& label, const ResultsViewOptions& options) {
+  constexpr std::pair<const char*, const char*> kReason[] = {{"reject_reason", "reason"}};
+  json run = {{"name", label}, {"dir", dir.filename().string()}};
+  run["steps"] = read_columns(dir / "steps.csv", kStepColumns);
+  run["requests"] = read_columns(dir / "requests.csv", kRequestColumns, kReason);
+  run["events"] = read_events(dir / "events.jsonl", options.most_events);
+  run["frames"] = read_frames(dir / "frames.jsonl");
+  run["block_size"] = block_size(dir / "config.toml");
+  if (fs::exists(dir / "summary.json")) run["summary"] = read_json_file(dir / "summary.json");
+  return run;
+}
+
+}  // namespace
+
+std::vector<std::string> csv_row_cells(std::string_view line) {
+  std::vector<std::string> cells(1);
+  bool quoted = false;
+  for (std::size_t i = 0; i < line.size(); ++i) {
+    const char c = line[i];
+    if (quoted && c == '"' && i + 1 < line.size() && line[i + 1] == '"') {
+      cells.back() += '"';
+      ++i;
+    } else if (c == '"') {
+      quoted = !quoted;
+    } else if (c == ',' && !quoted) {
+      cells.emplace_back();
+    } else {
+      cells.back() += c;
+    }
+  }
+  if (quoted) throw Error("a CSV row with a quote left open");
+  return cells;
+}
+
+json results_view_data(const fs::path& folder, const ResultsViewOptions& options) {
+  if (!fs::is_directory(folder))
+    throw Error(
+        fmt::format("kvlab view: {} is not a folder (give a results folder that kvlab "
+                    "run wrote)",
+                    folder.string()));
+  if (!fs::exists(folder / "runs.json"))
+    throw Error(
+        fmt::format("kvlab view: {} has no runs.json: not a results folder kvlab run "
+                    "wrote",
+                    folder.string()));
+  const json runs = read_json_file(folder / "runs.json");
+  if (!runs.is_array() || runs.empty())
+    throw Error(fmt::format("kvlab view: {}'s runs.json lists no runs", folder.string()));
+  json data = {{"title", folder.filename().string()}, {"runs", json::array()}};
+  if (fs::exists(folder / "manifest.json")) {
+    const json manifest = read_json_file(folder / "manifest.json");
+    data["experiment_file"] = manifest.value("experiment_file", "");
+  }
+  for (const json& run : runs) {
+    if (!run.is_object() || !run.contains("dir") || !run["dir"].is_string())
+      throw Error(
+          fmt::format("kvlab view: {}'s runs.json: a run without its dir", folder.string()));
+    const std::string dir = run["dir"].get<std::string>();
+    if (dir.empty() || dir.find('/') != std::string::npos || dir == "." || dir == "..")
+      throw Error(fmt::format("kvlab view: runs.json names \"{}\", not a run folder", dir));
+    data["runs"].push_back(run_data(folder / dir, run.value("label", dir), options));
+  }
+  return data;
+}
+
+std::string results_view_html(const json& data, bool live) {
+  // The data as a JSON script element: "</" written "<\/" so that no text closes it early.
+  std::string payload = data.dump(-1, ' ', false, json::error_handler_t::replace);
+  for (std::size_t at = payload.find("</"); at != std::string::npos; at = payload.find("</", at))
+    payload.replace(at, 2, "<\\/");
+  const std::map<std::string_view, std::string_view> slots = {{"LIVE", live ? "true" : "false"},
+                                                              {"CSS", view_assets::view_css},
+                                                              {"DATA", payload},
+                                                              {"CHART_JS", view_assets::chart_js},
+                                                              {"VIEW_JS", view_assets::view_js}};
+  // The template's @@NAME@@ slots in one pass: no slot's text is searched for slots again.
+  const std::string_view page_template = view_assets::page_html;
+  std::string page;
+  std::size_t from = 0;
+  for (std::size_t at = page_template.find("@@"); at != std::string_view::npos;
+       at = page_template.find("@@", from)) {
+    const std::size_t end = page_template.find("@@", at + 2);
+    const auto slot = end == std::string_view::npos
+                          ? slots.end()
+                          : slots.find(page_template.substr(at + 2, end - at - 2));
+    if (slot == slots.end()) throw Error("internal: kvlab view's page has an unknown @@ slot");
+    page.append(page_template.substr(from, at - from)).append(slot->second);
+    from = end + 2;
+  }
+  page.append(page_template.substr(from));
+  return page;
+}
+
+}  // namespace kvlab

@@ -1,0 +1,112 @@
+#!/usr/bin/env python3
+"""kvlab view in a real browser: Debian's chromium, headless, driven by selenium (PyPI).
+
+usage: view_browser.py KVLAB SOURCE_DIR OUT_DIR [--screenshot FILE]
+Runs experiments/quickstart.toml, writes its view, opens it and checks:
+  - the page loads with no console errors;
+  - moving the clock to a step shows that step: the pool map's slot counts (drawn from
+    frames.jsonl) equal steps.csv's kv_used / kv_reserved_unused / kv_last_block_slack /
+    kv_cached_free at that step, for both runs side by side;
+  - its screenshot at the quickstart's step 40 (--screenshot).
+Also: kvlab view's errors for a folder that is not a results folder.
+"""
+import csv
+import os
+import subprocess
+import sys
+import time
+
+from selenium import webdriver
+from selenium.webdriver.chrome.options import Options
+from selenium.webdriver.chrome.service import Service
+
+
+def fail(message):
+    print("FAIL:", message)
+    sys.exit(1)
+
+
+def steps_csv(folder):
+    with open(os.path.join(folder, "steps.csv"), newline="") as f:
+        return {int(row["step"]): row for row in csv.DictReader(f)}
+
+
+def browser():
+    options = Options()
+    options.binary_location = "/usr/bin/chromium"
+    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--window-size=1400,1500", "--force-device-scale-factor=1"):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
+
+
+def check_step(driver, results, runs, step):
+    driver.execute_script("window.kvlabView.setStep(0, arguments[0]);", step)
+    state = driver.execute_script("return window.kvlabView.state();")
+    if state[0]["step"] != step:
+        fail(f"the clock at step {step} of the first run shows step {state[0]['step']}")
+    for panel, run in zip(state, runs):
+        table = steps_csv(os.path.join(results, run["dir"]))
+        shown = panel["step"]
+        if panel["frameStep"] != shown:
+            fail(f"{run['dir']}: step {shown} drew the pool of step {panel['frameStep']}")
+        want = table[shown]
+        counts = {k: int(v) for k, v in panel["counts"].items()}
+        for column, key in (("kv_used", "used"), ("kv_reserved_unused", "reserved"),
+                            ("kv_last_block_slack", "slack"), ("kv_cached_free", "cached")):
+            if counts.get(key, 0) != int(want[column]):
+                fail(f"{run['dir']} step {shown}: the map shows {key} {counts.get(key, 0)}, "
+                     f"steps.csv's {column} is {want[column]}")
+    return state
+
+
+def main():
+    kvlab, source, out = sys.argv[1:4]
+    screenshot = sys.argv[sys.argv.index("--screenshot") + 1] if "--screenshot" in sys.argv else None
+    results = os.path.join(out, "quickstart")
+    subprocess.run([kvlab, "run", os.path.join(source, "experiments/quickstart.toml"), "--out",
+                    results], check=True, stdout=subprocess.DEVNULL)
+    page = os.path.join(out, "quickstart.html")
+    subprocess.run([kvlab, "view", results, "--out", page], check=True)
+    bad = subprocess.run([kvlab, "view", source], capture_output=True, text=True)
+    if bad.returncode == 0 or "runs.json" not in bad.stderr:
+        fail(f"kvlab view of a folder that is not a results folder: {bad.returncode} {bad.stderr}")
+
+    import json
+    with open(os.path.join(results, "runs.json")) as f:
+        runs = json.load(f)
+    driver = browser()
+    try:
+        started = time.monotonic()
+        driver.get("file://" + os.path.abspath(page))
+        loaded = driver.execute_script("return window.kvlabView !== undefined;")
+        print(f"page loaded in {time.monotonic() - started:.2f} s")
+        if not loaded:
+            fail("the page's script did not start")
+        for step in (0, 10, 40, 75):
+            state = check_step(driver, results, runs, step)
+            print(f"step {step}: " + "; ".join(
+                f"{p['run']} at step {p['step']}: {p['counts']}" for p in state))
+        # The slider itself: its value moves the clock (an input event, as a drag sends).
+        driver.execute_script(
+            "const c = document.getElementById('clock'); c.value = c.max; "
+            "c.dispatchEvent(new Event('input'));")
+        last = driver.execute_script("return window.kvlabView.state();")[0]["step"]
+        table = steps_csv(os.path.join(results, runs[0]["dir"]))
+        if last != max(table):
+            fail(f"the slider at its end shows step {last}, the run's last is {max(table)}")
+        if screenshot:
+            driver.execute_script("window.kvlabView.setStep(1, 40);")
+            driver.save_screenshot(screenshot)
+            print("screenshot:", screenshot)
+        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+        if errors:
+            fail(f"console errors: {errors}")
+    finally:
+        driver.quit()
+    print("kvlab view in chromium: OK")
+
+
+if __name__ == "__main__":
+    main()
