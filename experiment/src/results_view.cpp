@@ -244,7 +244,9 @@ json results_view_data(const fs::path& folder, const ResultsViewOptions& options
     const std::string dir = run["dir"].get<std::string>();
     if (dir.empty() || dir.find('/') != std::string::npos || dir == "." || dir == "..")
       throw Error(fmt::format("kvlab view: runs.json names \"{}\", not a run folder", dir));
-    data["runs"].push_back(run_data(folder / dir, run.value("label", dir), options));
+    std::string label = run.value("label", "");
+    if (label.empty()) label = dir;  // a run without a sweep point
+    data["runs"].push_back(run_data(folder / dir, label, options));
   }
   return data;
 }
