@@ -12,7 +12,10 @@ packages=(
   libopenmpi-dev openmpi-bin
   python3 python3-matplotlib python3-pandas python3-venv valgrind
   clang libclang-rt-14-dev
+  libjs-chart.js
 )
+# KVLAB_SETUP_BROWSER=1 (scripts/test.sh): a headless browser for kvlab view's page test.
+[ "${KVLAB_SETUP_BROWSER:-0}" = 1 ] && packages+=(chromium chromium-driver)
 missing=()
 for p in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -14,6 +14,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVLAB_WERROR=ON
+export KVLAB_SETUP_BROWSER=1  # chromium for kvlab view's page test (tests/view/)
 scripts/setup.sh
 build_dir="${KVLAB_BUILD_DIR:-build}"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
