@@ -252,8 +252,11 @@ json results_view_data(const fs::path& folder, const ResultsViewOptions& options
 }
 
 std::string results_view_html(const json& data, bool live) {
+  return results_view_html(data.dump(-1, ' ', false, json::error_handler_t::replace), live);
+}
+
+std::string results_view_html(std::string payload, bool live) {
   // The data as a JSON script element: "</" written "<\/" so that no text closes it early.
-  std::string payload = data.dump(-1, ' ', false, json::error_handler_t::replace);
   for (std::size_t at = payload.find("</"); at != std::string::npos; at = payload.find("</", at))
     payload.replace(at, 2, "<\\/");
   const std::map<std::string_view, std::string_view> slots = {{"LIVE", live ? "true" : "false"},

@@ -235,8 +235,8 @@
       for (let c = p.run.block_size; c < p.columns; c += p.run.block_size)
         ctx.fillRect(c * cs - 0.5, 0, 1, p.pool.height);
     }
-    p.counts.dataset.used = counts.used + counts.shared + counts.copied;
     for (const state of STATES) p.counts.dataset[state] = counts[state];
+    p.counts.dataset.live = counts.used + counts.shared + counts.copied;  // steps.csv's kv_used
     p.counts.textContent = STATES.filter((st) => counts[st] > 0)
       .map((st) => STATE_TEXT[st] + " " + counts[st]).join(", ") + " of " + p.run.capacity +
       " slots" + (p.slotsPerCell > 1 ? " (a cell: " + p.slotsPerCell + " slots)" : "");
@@ -470,7 +470,7 @@
 
   // Live (kvlab serve's /ui): the server's steps so far, polled; the clock follows the newest.
   function poll() {
-    fetch("/ui/data").then((reply) => reply.json()).then((fresh) => {
+    fetch("/ui/data" + location.search).then((reply) => reply.json()).then((fresh) => {
       const atEnd = time >= Number(ui.clock.max) - 1e-9;
       data = fresh;
       data.runs.forEach(prepare);

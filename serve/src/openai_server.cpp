@@ -11,6 +11,7 @@
 
 #include "generation.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/results_view.hpp"
 #include "kvlab/serve/openai_api.hpp"
 
 namespace kvlab::serve {
@@ -36,11 +37,31 @@ std::vector<double> latency_bounds() {
           0.75,  1,      2.5,   5,    7.5,   10,   20,    40,  80,   160};
 }
 
-// Bearer-key check of every route but /health.
+// Bearer-key check of every route but /health. A browser opening /ui cannot send the header:
+// /ui and /ui/data also take the key as ?api_key=KEY (the page passes it on to /ui/data).
 bool authorized(const HttpRequest& request, const std::string& key) {
   if (key.empty()) return true;
   const auto it = request.find(http::field::authorization);
-  return it != request.end() && it->value() == "Bearer " + key;
+  if (it != request.end() && it->value() == "Bearer " + key) return true;
+  const std::string_view target(request.target().data(), request.target().size());
+  if (!target.starts_with("/ui")) return false;
+  const std::size_t query = target.find('?');
+  if (query == std::string_view::npos) return false;
+  for (std::string_view rest = target.substr(query + 1); !rest.empty();) {
+    const std::size_t amp = rest.find('&');
+    if (rest.substr(0, amp) == "api_key=" + key) return true;
+    rest = amp == std::string_view::npos ? std::string_view() : rest.substr(amp + 1);
+  }
+  return false;
+}
+
+// The replicas' latest steps as kvlab view's data: a run each.
+std::string live_view_data(const LiveCluster& engine, const std::string& model) {
+  std::string text = "{\"title\":" + nlohmann::json(model + " (live)").dump() + ",\"runs\":[";
+  for (std::size_t r = 0; r < engine.size(); ++r)
+    (text += r ? "," : "") +=
+        engine.replica_view_json(r, engine.size() == 1 ? model : fmt::format("replica {}", r));
+  return text + "]}";
 }
 
 }  // namespace
@@ -106,6 +127,7 @@ void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply)
       shared_->count_answer(200);
       return reply->send(json_response(http::status::ok, models_body(*shared_)));
     }
+    if (target == "/ui" || target == "/ui/data") return ui(target == "/ui", reply);
     if (target == "/metrics") {
       HttpResponse response = json_response(http::status::ok, metrics_text());
       shared_->count_answer(200);  // after: the text counts the answers before this one
@@ -124,6 +146,17 @@ void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply)
     shared_->count_answer(500);
     reply->send(error_response(ApiError(500, e.what(), "", "server_error")));
   }
+}
+
+// GET /ui: kvlab view's page over the engine's latest steps, polling /ui/data for more.
+void OpenAiServer::ui(bool page, const std::shared_ptr<HttpReply>& reply) {
+  std::string data = live_view_data(shared_->engine, shared_->options.model_name);
+  HttpResponse response =
+      json_response(http::status::ok, page ? results_view_html(std::move(data), true) : data);
+  if (page) response.set(http::field::content_type, "text/html; charset=utf-8");
+  response.set(http::field::cache_control, "no-store");
+  shared_->count_answer(200);
+  reply->send(std::move(response));
 }
 
 void OpenAiServer::completions(const HttpRequest& request, std::shared_ptr<HttpReply> reply,

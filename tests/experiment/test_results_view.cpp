@@ -151,7 +151,9 @@ TEST(ResultsView, ThePageIsSelfContained) {
   data["runs"].push_back({{"name", "</script><script>alert(1)</script>"}});
   const std::string page = results_view_html(data);
   EXPECT_EQ(page.find("<script src"), std::string::npos);
-  EXPECT_EQ(page.find("<link"), std::string::npos);
+  EXPECT_EQ(page.find("<link rel=\"stylesheet"), std::string::npos);
+  EXPECT_EQ(page.find("href=\"http"), std::string::npos);
+  EXPECT_NE(page.find("<link rel=\"icon\" href=\"data:,\">"), std::string::npos);  // no fetch
   EXPECT_EQ(page.find("alert(1)</script>"), std::string::npos);
   EXPECT_NE(page.find("<\\/script><script>alert(1)<\\/script>"), std::string::npos);
   EXPECT_NE(page.find("Chart.js v3"), std::string::npos);  // embedded, license header and all

@@ -196,6 +196,40 @@ TEST(Serve, ApiKeyGuardsEveryRouteButHealth) {
   }
   EXPECT_EQ(post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 2)).status,
             401);
+  // A browser opening /ui cannot send the header: the key as ?api_key= (only on /ui).
+  for (const char* route : {"/ui", "/ui/data"}) {
+    EXPECT_EQ(http_call(stack.port(), http::verb::get, route).status, 401) << route;
+    EXPECT_EQ(http_call(stack.port(), http::verb::get, std::string(route) + "?api_key=no").status,
+              401);
+    EXPECT_EQ(http_call(stack.port(), http::verb::get, std::string(route) + "?x=1&api_key=sk-test")
+                  .status,
+              200);
+  }
+  EXPECT_EQ(http_call(stack.port(), http::verb::get, "/metrics?api_key=sk-test").status, 401);
+}
+
+// /ui: kvlab view's page, live; /ui/data: the engine's latest steps, requests, events and pool
+// frames as the page's data, the steps the engine ran.
+TEST(Serve, UiShowsTheEnginesLatestSteps) {
+  ServedStack stack;
+  ASSERT_EQ(post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 5)).status,
+            200);
+  ASSERT_TRUE(eventually([&] { return stack.served().engine().stats().running == 0; }));
+  const HttpResult page = http_call(stack.port(), http::verb::get, "/ui");
+  ASSERT_EQ(page.status, 200);
+  EXPECT_EQ(page.headers.at("Content-Type"), "text/html; charset=utf-8");
+  EXPECT_NE(page.body.find("window.KVLAB_LIVE = true"), std::string::npos);
+  const HttpResult data = http_call(stack.port(), http::verb::get, "/ui/data");
+  ASSERT_EQ(data.status, 200);
+  const nlohmann::json run = data.json()["runs"][0];
+  const auto steps = run["steps"]["step"].size();
+  EXPECT_EQ(static_cast<std::int64_t>(steps), stack.served().engine().stats().steps);
+  ASSERT_EQ(run["requests"]["id"].size(), 1u);
+  EXPECT_EQ(run["requests"]["output"][0], 5);
+  EXPECT_EQ(run["requests"]["prompt"][0], 8);
+  EXPECT_TRUE(run["requests"]["finish"][0].is_number());
+  EXPECT_GE(run["frames"].size(), 1u);  // the first step's, at least (then ~10 a second)
+  EXPECT_EQ(run["events"][0][1], "admit");
 }
 
 TEST(Serve, FullQueueAnswers429WithRetryAfter) {

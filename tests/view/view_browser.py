@@ -8,13 +8,18 @@ Runs experiments/quickstart.toml, writes its view, opens it and checks:
     frames.jsonl) equal steps.csv's kv_used / kv_reserved_unused / kv_last_block_slack /
     kv_cached_free at that step, for both runs side by side;
   - its screenshot at the quickstart's step 40 (--screenshot).
-Also: kvlab view's errors for a folder that is not a results folder.
+Also: kvlab view's errors for a folder that is not a results folder; and kvlab serve's /ui
+(live, on 127.0.0.1 only, 12 requests, the server stops by itself): the page follows the
+server's steps, and a pool frame's slot counts equal its step's KV numbers.
 """
 import csv
+import json
 import os
 import subprocess
 import sys
+import threading
 import time
+import urllib.request
 
 from selenium import webdriver
 from selenium.webdriver.chrome.options import Options
@@ -53,7 +58,7 @@ def check_step(driver, results, runs, step):
             fail(f"{run['dir']}: step {shown} drew the pool of step {panel['frameStep']}")
         want = table[shown]
         counts = {k: int(v) for k, v in panel["counts"].items()}
-        for column, key in (("kv_used", "used"), ("kv_reserved_unused", "reserved"),
+        for column, key in (("kv_used", "live"), ("kv_reserved_unused", "reserved"),
                             ("kv_last_block_slack", "slack"), ("kv_cached_free", "cached")):
             if counts.get(key, 0) != int(want[column]):
                 fail(f"{run['dir']} step {shown}: the map shows {key} {counts.get(key, 0)}, "
@@ -73,7 +78,6 @@ def main():
     if bad.returncode == 0 or "runs.json" not in bad.stderr:
         fail(f"kvlab view of a folder that is not a results folder: {bad.returncode} {bad.stderr}")
 
-    import json
     with open(os.path.join(results, "runs.json")) as f:
         runs = json.load(f)
     driver = browser()
@@ -105,7 +109,72 @@ def main():
             fail(f"console errors: {errors}")
     finally:
         driver.quit()
+    check_live(kvlab, source, out)
     print("kvlab view in chromium: OK")
+
+
+def check_live(kvlab, source, out):
+    server = subprocess.Popen(
+        [kvlab, "serve", os.path.join(source, "experiments/quickstart.toml"), "--port", "0",
+         "--max-seconds", "60", "--api-key", "k3y", "--out", os.path.join(out, "served"),
+         "--set", 'scheduler.name="fcfs"'],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        for line in server.stdout:
+            if "http://127.0.0.1:" in line:
+                port = int(line.split("http://127.0.0.1:")[1].split()[0])
+                break
+        if port is None:
+            fail("kvlab serve did not say its port")
+        threading.Thread(target=lambda: [l for l in server.stdout], daemon=True).start()
+        body = {"model": "stories15m", "prompt": list(range(1, 40)), "max_tokens": 48}
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                         data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json",
+                                                  "Authorization": "Bearer k3y"})
+        clients = [threading.Thread(target=urllib.request.urlopen, args=(request,),
+                                    kwargs={"timeout": 30}) for _ in range(12)]
+        driver = browser()
+        try:
+            driver.get(f"http://127.0.0.1:{port}/ui?api_key=k3y")
+            for c in clients:
+                c.start()
+            for c in clients:
+                c.join()
+            time.sleep(2.5)  # the page polls /ui/data every second
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/ui/data?api_key=k3y") as r:
+                data = json.load(r)["runs"][0]
+            steps = data["steps"]
+            state = driver.execute_script("return window.kvlabView.state();")[0]
+            if not steps["step"] or state["step"] != steps["step"][-1]:
+                fail(f"/ui shows step {state['step']}, the server's last is "
+                     f"{steps['step'][-1] if steps['step'] else None}")
+            frame = data["frames"][len(data["frames"]) // 2]
+            driver.execute_script("window.kvlabView.setStep(0, arguments[0]);", frame["step"])
+            state = driver.execute_script("return window.kvlabView.state();")[0]
+            at = steps["step"].index(frame["step"])
+            counts = {k: int(v) for k, v in state["counts"].items()}
+            if state["frameStep"] != frame["step"] or counts["live"] != steps["used"][at] or \
+                    counts["slack"] != steps["slack"][at]:
+                fail(f"/ui at step {frame['step']}: {state}; the step's used "
+                     f"{steps['used'][at]}, slack {steps['slack'][at]}")
+            print(f"live /ui: {len(steps['step'])} steps, {len(data['frames'])} frames; step "
+                  f"{frame['step']}: {state['counts']}")
+            errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+            if errors:
+                fail(f"console errors on /ui: {errors}")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/ui/data?api_key=wrong")
+                fail("/ui/data answered without the key")
+            except urllib.error.HTTPError as e:
+                if e.code != 401:
+                    fail(f"/ui/data without the key: {e.code}, not 401")
+        finally:
+            driver.quit()
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
 
 
 if __name__ == "__main__":

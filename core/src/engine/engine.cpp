@@ -284,6 +284,9 @@ bool Engine::step() {
   padding_.hold(finished_held, *table_, allocator_);
   record_step(record, fragmentation_blocked);
   frames_.record(step_ - 1, clock_->now(), applied, allocator_, *table_);
+  if (options_.frame_observer != nullptr && options_.frame_observer->wants_frame())
+    options_.frame_observer->on_frame(
+        make_frame(step_ - 1, clock_->now(), applied, allocator_, *table_));
   return !table_->all_done();
 }
 

@@ -23,10 +23,9 @@ std::int64_t entries_of(const StepFrame& frame) {
 
 }  // namespace
 
-void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& applied,
-                           const KvAllocator& kv, const RequestTable& table) {
-  if (!enabled() || step % stride_ != 0) return;
-  StepFrame& frame = frames_.emplace_back();
+StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
+                     const RequestTable& table) {
+  StepFrame frame;
   frame.step = step;
   frame.t = t;
   frame.batch.reserve(applied.batch.size());
@@ -34,6 +33,13 @@ void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& appli
     frame.batch.push_back({w.id, w.tokens, w.decode, w.proposals, w.accepted});
   frame.drawn_by_allocator = kv.pool_map(frame.pool);
   if (!frame.drawn_by_allocator) draw_views(kv, table, frame.pool);
+  return frame;
+}
+
+void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& applied,
+                           const KvAllocator& kv, const RequestTable& table) {
+  if (!enabled() || step % stride_ != 0) return;
+  const StepFrame& frame = frames_.emplace_back(make_frame(step, t, applied, kv, table));
   entries_ += entries_of(frame);
   if (entries_ > budget_) thin_out();
 }

@@ -13,8 +13,10 @@ namespace {
 
 using TokenObserver = std::function<void(RequestId, std::int32_t, const GeneratedLogprobs*)>;
 
-EngineOptions live_options(EngineOptions options, bool paced, TokenObserver own) {
+EngineOptions live_options(EngineOptions options, bool paced, TokenObserver own,
+                           FrameObserver* frames) {
   options.clock = paced ? EngineClock::paced : EngineClock::wall;
+  options.frame_observer = frames;
   TokenObserver theirs = std::move(options.observers.on_token);
   options.observers.on_token = [own = std::move(own), theirs = std::move(theirs)](
                                    RequestId id, std::int32_t token,
@@ -37,14 +39,16 @@ void add_submission(ReplicaLoad& load, const WorkloadRequest& r) {
 
 LiveEngine::LiveEngine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
                        EngineOptions options, LiveOptions live)
-    : engine_(
-          backend, allocator, scheduler,
-          live_options(std::move(options), live.paced,
-                       [this](RequestId id, std::int32_t token, const GeneratedLogprobs* logprobs) {
-                         const auto it = in_flight_.find(id);
-                         if (it != in_flight_.end() && it->second.on_token)
-                           it->second.on_token(token, logprobs);
-                       })),
+    : engine_(backend, allocator, scheduler,
+              live_options(
+                  std::move(options), live.paced,
+                  [this](RequestId id, std::int32_t token, const GeneratedLogprobs* logprobs) {
+                    view_tokens_.emplace_back(id, engine_.now());
+                    const auto it = in_flight_.find(id);
+                    if (it != in_flight_.end() && it->second.on_token)
+                      it->second.on_token(token, logprobs);
+                  },
+                  this)),
       live_(live) {
   engine_.start(none_);
   load_ = engine_.load();
@@ -187,6 +191,7 @@ void LiveEngine::admit(std::vector<Pending>& arrivals) {
     const double submitted = std::chrono::duration<double>(p.submitted - clock_start_).count();
     p.request.arrival_s = std::max(submitted, 0.0);
     const WorkloadRequest& stored = requests_.emplace_back(std::move(p.request));
+    view_arrivals_.push_back(&stored);  // a deque: the address stays
     const RequestId id = p.handoff      ? engine_.submit_with_kv(stored, std::move(*p.handoff))
                          : p.on_handoff ? engine_.submit_for_prefill(stored)
                                         : engine_.submit(stored);
@@ -221,6 +226,39 @@ void LiveEngine::update_stats(std::size_t steps_before) {
   stats_.running = load.running;
   stats_.kv.used = load.kv_used;
   stats_.kv.capacity = load.kv_capacity;
+  update_view(steps_before);
+}
+
+// (Under the lock.) The view's feed gets the loop turn's arrivals, steps, events (which move the
+// requests' lanes), tokens and frame.
+void LiveEngine::update_view(std::size_t steps_before) {
+  for (const WorkloadRequest* r : view_arrivals_) view_.arrived(*r);
+  view_arrivals_.clear();
+  view_.add_steps(std::span(engine_.steps()).subspan(steps_before));
+  const std::vector<EngineEvent>& events = engine_.events();
+  view_.add_events(std::span(events).subspan(view_events_seen_));
+  view_events_seen_ = events.size();
+  for (const auto& [id, t] : view_tokens_) view_.token(id, t);
+  view_tokens_.clear();
+  if (view_frame_) view_.add_frame(*view_frame_);
+  view_frame_.reset();
+}
+
+// A pool frame for the view about ten times a second, not every step: a frame costs O(blocks).
+bool LiveEngine::wants_frame() {
+  const auto now = std::chrono::steady_clock::now();
+  if (now - last_frame_ < std::chrono::milliseconds(100)) return false;
+  last_frame_ = now;
+  return true;
+}
+
+void LiveEngine::on_frame(StepFrame frame) {
+  view_frame_ = std::move(frame);
+}
+
+std::string LiveEngine::view_json(const std::string& name) const {
+  std::lock_guard lock(mutex_);
+  return view_.json_text(name);
 }
 
 // Each request the last step prefilled for another engine hands its KV to its on_handoff, and

@@ -75,6 +75,7 @@ struct EngineOptions {
   // slot, about this many entries at most (the frames thinned to every 2nd, 4th, ... step past
   // it); 0: none (EngineResult::frames stays empty).
   std::int64_t frame_budget = 0;
+  FrameObserver* frame_observer = nullptr;  // frames on demand, beside those (not owned)
   // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
   struct PluginNames {
     std::string scheduler = "the scheduler", allocator = "the KV allocator",

@@ -28,6 +28,20 @@ struct StepFrame {
   bool drawn_by_allocator = true;  // false: the engine drew the running sequences' views
 };
 
+// Step `step`'s frame: `applied`'s batch and `kv`'s pool map (or, for an allocator that draws
+// none, the running sequences' views).
+StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
+                     const RequestTable& table);
+
+// Told of frames as steps end (kvlab serve's /ui): asked after each step whether it wants one,
+// which is then made for it alone (a frame costs O(pool blocks)).
+class FrameObserver {
+ public:
+  virtual ~FrameObserver() = default;
+  virtual bool wants_frame() = 0;
+  virtual void on_frame(StepFrame frame) = 0;
+};
+
 class FrameRecorder {
  public:
   // At most about `budget` batch entries and slot runs in all (0: no frames).

@@ -72,6 +72,10 @@ class LiveCluster {
   // Any thread: the replicas' counters summed (KV capacity and use too: the cluster's pool).
   LiveStats stats() const;
   LiveStats replica_stats(std::size_t replica) const;
+  // Any thread: the replica's latest steps for kvlab serve's /ui (LiveEngine::view_json).
+  std::string replica_view_json(std::size_t replica, const std::string& name) const {
+    return replicas_.at(replica)->view_json(name);
+  }
   // The first replica's fault, or "".
   std::string fault() const;
 

@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "kvlab/engine/engine.hpp"
+#include "kvlab/engine/live_view.hpp"
 #include "kvlab/router.hpp"
 
 namespace kvlab {
@@ -84,7 +85,7 @@ struct ShutdownReport {
   std::int64_t aborted = 0;  // in flight at the shutdown and cancelled by it
 };
 
-class LiveEngine {
+class LiveEngine : private FrameObserver {
  public:
   // The engine's parts, as Engine takes them; the clock is the wall clock whatever `options`
   // says, and options.observers.on_token is chained after the live engine's own. Starts the
@@ -125,6 +126,9 @@ class LiveEngine {
   ReplicaLoad load() const;
   // An engine-level fault that ended the loop (a scheduler that stalls, NaN logits), or "".
   std::string fault() const;
+  // Any thread: the latest steps, events, requests and pool frames (about 10 a second) as one
+  // run of kvlab view's data (kvlab/engine/live_view.hpp), named `name`.
+  std::string view_json(const std::string& name) const;
 
  private:
   struct Pending {
@@ -142,14 +146,23 @@ class LiveEngine {
   void report_ends();
   void finish_shutdown();
   void update_stats(std::size_t steps_before);
+  void update_view(std::size_t steps_before);
+  bool wants_frame() override;
+  void on_frame(StepFrame frame) override;
 
   Engine engine_;
   LiveOptions live_;
   std::vector<WorkloadRequest> none_;             // Engine::start's (empty) list
   std::deque<WorkloadRequest> requests_;          // every submitted request: they outlive the run
   std::map<RequestId, LiveCallbacks> in_flight_;  // engine thread only
-  std::map<RequestId, HandoffCallback> handoff_to_;    // engine thread only: prefill-only requests
-  std::size_t events_seen_ = 0;                        // engine thread only
+  std::map<RequestId, HandoffCallback> handoff_to_;  // engine thread only: prefill-only requests
+  std::size_t events_seen_ = 0;                      // engine thread only
+  // Engine thread only, for the view: what arrived, the tokens' times, the latest frame.
+  std::vector<const WorkloadRequest*> view_arrivals_;
+  std::vector<std::pair<RequestId, double>> view_tokens_;
+  std::optional<StepFrame> view_frame_;
+  std::size_t view_events_seen_ = 0;
+  std::chrono::steady_clock::time_point last_frame_{};
   std::chrono::steady_clock::time_point clock_start_;  // the engine clock's 0, about
 
   mutable std::mutex mutex_;  // guards what follows
@@ -163,6 +176,7 @@ class LiveEngine {
   LiveStats stats_;
   ReplicaLoad load_;  // as of the latest loop turn, plus what was taken since
   std::string fault_;
+  LiveViewFeed view_;
 
   std::thread thread_;  // last: started once everything above exists
 };

@@ -25,6 +25,8 @@ nlohmann::json results_view_data(const std::filesystem::path& folder,
 // The page around `data`; `live`: it polls the server it came from (kvlab serve's /ui) for
 // more steps instead of holding them all.
 std::string results_view_html(const nlohmann::json& data, bool live = false);
+// The same around data already written as JSON text (kvlab serve's, made by LiveEngine).
+std::string results_view_html(std::string data_json, bool live);
 
 // A CSV row's cells: commas split them, double quotes enclose cells holding commas or quotes
 // ("" inside is one quote), as requests.csv writes reject reasons. kvlab::Error on a quote left

@@ -6,6 +6,8 @@
 //   GET  /health                                 200, or 503 while draining (no key needed)
 //   GET  /metrics                                Prometheus text: the engine's queue, KV and
 //                                                 counters, and the latency histograms
+//   GET  /ui, /ui/data                           kvlab view's page over the engine's latest
+//                                                 steps (each replica a run), live; its data
 // Each choice of a request is one engine request; its tokens are decoded as they come, stop
 // strings are cut (and the request cancelled), and a client that disconnects cancels its
 // requests (their KV is freed at the engine's next step). A full queue answers 429 with
@@ -66,6 +68,7 @@ class OpenAiServer {
 
  private:
   void completions(const HttpRequest& request, std::shared_ptr<HttpReply> reply, bool chat);
+  void ui(bool page, const std::shared_ptr<HttpReply>& reply);
   std::unique_ptr<Shared> shared_;
   std::atomic<bool> draining_{false};
 };
