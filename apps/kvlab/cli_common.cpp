@@ -85,7 +85,8 @@ void finish_results(ResultsFolder& folder, const SweepReport& report, const std:
   write_results_index(folder.staging(), report, info, runs);
   folder.commit();
   for (const std::string& note : folder.notes()) fmt::print(stderr, "kvlab: {}\n", note);
-  fmt::print("\nresults: {}\n", folder.path().string());
+  fmt::print("\nresults: {}\nstep by step in a browser: kvlab view {}\n", folder.path().string(),
+             folder.path().string());
 }
 
 }  // namespace kvlab::cli

@@ -6,6 +6,7 @@
 
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/results_folder.hpp"
 #include "kvlab/experiment/results_view.hpp"
 
 namespace kvlab::cli {
@@ -25,6 +26,10 @@ void write_view(const ViewArgs& args) {
   file << page;
   file.close();
   if (!file) throw Error(fmt::format("kvlab view: cannot write {}", out.string()));
+  // Inside the results folder: listed as kvlab's, so that kvlab run --force replaces it too.
+  if (std::filesystem::weakly_canonical(out).parent_path() ==
+      std::filesystem::weakly_canonical(folder))
+    (void)add_to_marker(folder, out.filename().string());
   fmt::print("{} ({:.1f} MB): open it in a browser (no network needed)\n", out.string(),
              static_cast<double>(page.size()) / 1e6);
 }

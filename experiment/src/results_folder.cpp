@@ -167,6 +167,21 @@ int lock_file(const fs::path& path, const fs::path& folder) {
 
 }  // namespace
 
+bool add_to_marker(const fs::path& folder, const std::string& file) {
+  std::string problem;
+  std::set<std::string> files = marker_files(folder, problem);
+  nlohmann::json marker;
+  try {
+    marker = nlohmann::json::parse(read_small_file(folder / kResultsMarker));
+  } catch (const nlohmann::json::exception&) {
+    return false;
+  }
+  if (!problem.empty() || !marker.is_object() || !marker.value("complete", false)) return false;
+  files.insert(file);
+  write_marker(folder, true, {files.begin(), files.end()});
+  return true;
+}
+
 FileWriter::FileWriter(const fs::path& path)
     : path_(path), fd_(open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644)) {
   if (fd_ < 0)

@@ -286,6 +286,32 @@ TEST(KvlabRun, ForceReplacesAnOlderKvlabsFolderKeepingTheRest) {
   EXPECT_EQ(test::read_file(dir / "o" / "experiment.toml"), "# edited\n");
 }
 
+// kvlab view writes its page into the results folder and lists it as kvlab's: a rerun with
+// --force replaces it with the rest (no stale page of an earlier run left behind). A folder kvlab
+// run did not write is a clear error.
+TEST(KvlabView, ThePageJoinsTheResultsFolderAndForceReplacesIt) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::string out = (dir / "o").string();
+  ASSERT_EQ(kvlab("run " + file + " --out " + out).exit_code, 0);
+  const Result view = kvlab("view " + out);
+  ASSERT_EQ(view.exit_code, 0) << view.err;
+  EXPECT_NE(view.out.find("view.html"), std::string::npos) << view.out;
+  ASSERT_TRUE(std::filesystem::is_regular_file(dir / "o" / "view.html"));
+  EXPECT_NE(test::read_file(dir / "o" / ".kvlab-results.json").find("\"view.html\""),
+            std::string::npos);
+  ASSERT_EQ(kvlab("run " + file + " --force --out " + out).exit_code, 0);
+  EXPECT_FALSE(std::filesystem::exists(dir / "o" / "view.html"));
+  const Result elsewhere = kvlab("view " + out + " --out " + (dir / "page.html").string());
+  ASSERT_EQ(elsewhere.exit_code, 0) << elsewhere.err;
+  EXPECT_TRUE(std::filesystem::is_regular_file(dir / "page.html"));
+  const Result bad = kvlab("view " + dir.path().string());
+  EXPECT_EQ(bad.exit_code, 1);
+  EXPECT_NE(bad.err.find("has no runs.json: not a results folder kvlab run wrote"),
+            std::string::npos)
+      << bad.err;
+}
+
 // Re-running the experiment.toml a results folder holds, into that folder: the input is read
 // before anything is replaced and is still there, byte for byte, afterwards.
 TEST(KvlabRun, ForceKeepsTheInputBeingRun) {

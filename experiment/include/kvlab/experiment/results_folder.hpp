@@ -28,6 +28,11 @@ class WriteError : public Error {
 // when any byte does not reach the file (write and close are both checked).
 void write_file(const std::filesystem::path& path, std::string_view contents);
 
+// Lists `file` (relative to `folder`, written by kvlab there after the run: kvlab view's page) in
+// the folder's marker, so that `--force` replaces it with the rest; false, changing nothing,
+// when the folder has no marker kvlab wrote.
+bool add_to_marker(const std::filesystem::path& folder, const std::string& file);
+
 // The same, in parts: a file written as it is made (a whole-trace replay's steps.csv is 150 MB,
 // whose one buffer would cost as much in page faults and copies as its writing). Each write and
 // the close are checked; a file left unclosed is closed unchecked (an error is on its way).
