@@ -9,15 +9,16 @@
 #include <charconv>
 #include <fstream>
 #include <map>
+#include <set>
 
 #include "kvlab/error.hpp"
 
 namespace kvlab {
-namespace view_assets {
-extern const char page_html[];
-extern const char view_css[];
-extern const char view_js[];
-extern const char chart_js[];
+namespace view_assets {  // the page's files (cmake/embed_text.cmake)
+std::string page_html();
+std::string view_css();
+std::string view_js();
+std::string chart_js();
 }  // namespace view_assets
 
 namespace {
@@ -93,7 +94,8 @@ json number_cell(const std::string& cell, const LineReader& reader, const char* 
 
 // Named columns of a CSV file as arrays; `text_columns` are kept as strings.
 json read_columns(const fs::path& path, std::span<const std::pair<const char*, const char*>> wanted,
-                  std::span<const std::pair<const char*, const char*>> text_columns = {}) {
+                  std::span<const std::pair<const char*, const char*>> text_columns = {},
+                  std::span<const std::pair<const char*, const char*>> optional = {}) {
   LineReader reader(path);
   std::string line;
   if (!reader.next(line)) reader.fail("empty: no header");
@@ -108,6 +110,9 @@ json read_columns(const fs::path& path, std::span<const std::pair<const char*, c
   };
   pick(wanted, false);
   pick(text_columns, true);
+  for (const auto& column : optional)
+    if (std::find(header.begin(), header.end(), column.first) != header.end())
+      pick(std::span(&column, 1), false);
   json columns = json::object();
   for (const auto& [index, name, key, text] : picked) columns[key] = json::array();
   while (reader.next(line)) {
@@ -121,8 +126,8 @@ json read_columns(const fs::path& path, std::span<const std::pair<const char*, c
   return columns;
 }
 
-// events.jsonl as [step, kind, request, reason] rows; past `most` events, the defers summed per
-// step and reason as [step, "defer", count, reason] with a negative count.
+// events.jsonl as [step, kind, request, reason, replica] rows; past `most` events, the defers
+// summed per step and reason as [step, "defer", -count, reason, -1].
 json read_events(const fs::path& path, std::int64_t most) {
   LineReader reader(path);
   std::vector<json> events;
@@ -132,8 +137,8 @@ json read_events(const fs::path& path, std::int64_t most) {
     json e = json::parse(line, nullptr, false);
     if (e.is_discarded() || !e.is_object() || !e.contains("step") || !e.contains("event"))
       reader.fail("not an event (a JSON object with step and event)");
-    events.push_back(json::array(
-        {e["step"], e["event"], e.value("request", -1), e.value("reason", std::string())}));
+    events.push_back(json::array({e["step"], e["event"], e.value("request", -1),
+                                  e.value("reason", std::string()), e.value("replica", -1)}));
   }
   if (static_cast<std::int64_t>(events.size()) <= most) return events;
   std::map<std::pair<std::int64_t, std::string>, std::int64_t> defers;
@@ -145,7 +150,7 @@ json read_events(const fs::path& path, std::int64_t most) {
       kept.push_back(std::move(e));
   }
   for (const auto& [key, count] : defers)
-    kept.push_back(json::array({key.first, "defer", -count, key.second}));
+    kept.push_back(json::array({key.first, "defer", -count, key.second, -1}));
   return kept;
 }
 
@@ -184,16 +189,66 @@ json read_json_file(const fs::path& path) {
   return j;
 }
 
-json run_data(const fs::path& dir, const std::string& label, const ResultsViewOptions& options) {
+// Rows of each column of `columns` where keep(row) holds.
+template <typename Keep>
+json rows_where(const json& columns, std::size_t rows, Keep keep) {
+  json kept = json::object();
+  for (const auto& [key, column] : columns.items()) kept[key] = json::array();
+  for (std::size_t i = 0; i < rows; ++i)
+    if (keep(i))
+      for (const auto& [key, column] : columns.items()) kept[key].push_back(column[i]);
+  return kept;
+}
+
+// A cluster's run as a run per replica: its steps, events and frames, and the requests routed
+// to it (a disaggregated request is on its prefill and its decode replica).
+void add_replica_runs(json& runs, const json& run) {
+  const json& replica_of_step = run["steps"]["replica"];
+  std::set<std::int64_t> replicas;
+  for (const json& r : replica_of_step) replicas.insert(r.get<std::int64_t>());
+  for (const std::int64_t r : replicas) {
+    json part = {{"name", fmt::format("{} / replica {}", run["name"].get<std::string>(), r)},
+                 {"dir", run["dir"]},
+                 {"block_size", run["block_size"]}};
+    part["steps"] = rows_where(run["steps"], replica_of_step.size(), [&](std::size_t i) {
+      return replica_of_step[i].get<std::int64_t>() == r;
+    });
+    std::set<std::int64_t> routed;
+    part["events"] = json::array();
+    for (const json& e : run["events"]) {
+      if (e[4] != r) continue;
+      part["events"].push_back(e);
+      if (e[1] == "route") routed.insert(e[2].get<std::int64_t>());
+    }
+    const json& ids = run["requests"]["id"];
+    part["requests"] = rows_where(run["requests"], ids.size(), [&](std::size_t i) {
+      return routed.contains(ids[i].get<std::int64_t>());
+    });
+    part["frames"] = json::array();
+    for (const json& f : run["frames"])
+      if (f.value("replica", -1) == r) part["frames"].push_back(f);
+    if (run.contains("summary")) part["summary"] = run["summary"];
+    part["summary_of"] = "the cluster's";  // summary.json is the whole run's
+    runs.push_back(std::move(part));
+  }
+}
+
+// One run folder's data, appended to `runs` (a cluster's: a run per replica).
+void add_run(json& runs, const fs::path& dir, const std::string& label,
+             const ResultsViewOptions& options) {
   constexpr std::pair<const char*, const char*> kReason[] = {{"reject_reason", "reason"}};
+  constexpr std::pair<const char*, const char*> kReplica[] = {{"replica", "replica"}};
   json run = {{"name", label}, {"dir", dir.filename().string()}};
-  run["steps"] = read_columns(dir / "steps.csv", kStepColumns);
+  run["steps"] = read_columns(dir / "steps.csv", kStepColumns, {}, kReplica);
   run["requests"] = read_columns(dir / "requests.csv", kRequestColumns, kReason);
   run["events"] = read_events(dir / "events.jsonl", options.most_events);
   run["frames"] = read_frames(dir / "frames.jsonl");
   run["block_size"] = block_size(dir / "config.toml");
   if (fs::exists(dir / "summary.json")) run["summary"] = read_json_file(dir / "summary.json");
-  return run;
+  if (run["steps"].contains("replica"))
+    add_replica_runs(runs, run);
+  else
+    runs.push_back(std::move(run));
 }
 
 }  // namespace
@@ -246,7 +301,7 @@ json results_view_data(const fs::path& folder, const ResultsViewOptions& options
       throw Error(fmt::format("kvlab view: runs.json names \"{}\", not a run folder", dir));
     std::string label = run.value("label", "");
     if (label.empty()) label = dir;  // a run without a sweep point
-    data["runs"].push_back(run_data(folder / dir, label, options));
+    add_run(data["runs"], folder / dir, label, options);
   }
   return data;
 }
@@ -259,13 +314,15 @@ std::string results_view_html(std::string payload, bool live) {
   // The data as a JSON script element: "</" written "<\/" so that no text closes it early.
   for (std::size_t at = payload.find("</"); at != std::string::npos; at = payload.find("</", at))
     payload.replace(at, 2, "<\\/");
+  static const std::string page_template = view_assets::page_html();
+  static const std::string css = view_assets::view_css(), js = view_assets::view_js(),
+                           chart = view_assets::chart_js();
   const std::map<std::string_view, std::string_view> slots = {{"LIVE", live ? "true" : "false"},
-                                                              {"CSS", view_assets::view_css},
+                                                              {"CSS", css},
                                                               {"DATA", payload},
-                                                              {"CHART_JS", view_assets::chart_js},
-                                                              {"VIEW_JS", view_assets::view_js}};
+                                                              {"CHART_JS", chart},
+                                                              {"VIEW_JS", js}};
   // The template's @@NAME@@ slots in one pass: no slot's text is searched for slots again.
-  const std::string_view page_template = view_assets::page_html;
   std::string page;
   std::size_t from = 0;
   for (std::size_t at = page_template.find("@@"); at != std::string_view::npos;

@@ -132,7 +132,8 @@
     if (s.ttft_s && s.ttft_s.mean !== undefined) parts.push("TTFT " + ms(s.ttft_s.mean));
     if (s.tpot_s && s.tpot_s.mean !== undefined) parts.push("TPOT " + ms(s.tpot_s.mean));
     if (s.output_tokens_per_s !== undefined) parts.push(s.output_tokens_per_s.toFixed(1) + " tok/s");
-    return parts.length ? "  (" + parts.join(", ") + ")" : "";
+    return parts.length ? "  (" + (run.summary_of ? run.summary_of + " " : "") + parts.join(", ") +
+      ")" : "";
   }
   function ms(seconds) { return (seconds * 1e3).toFixed(seconds < 0.01 ? 2 : 1) + " ms"; }
 

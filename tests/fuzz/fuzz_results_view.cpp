@@ -17,11 +17,22 @@
 
 // The page's template, reduced to its data slot (the real page is embedded by the build).
 namespace kvlab::view_assets {
-extern const char page_html[], view_css[], view_js[], chart_js[];
-const char page_html[] = "<script>@@DATA@@</script>@@LIVE@@@@CSS@@@@CHART_JS@@@@VIEW_JS@@";
-const char view_css[] = "";
-const char view_js[] = "";
-const char chart_js[] = "";
+std::string page_html();
+std::string view_css();
+std::string view_js();
+std::string chart_js();
+std::string page_html() {
+  return "<script>@@DATA@@</script>@@LIVE@@@@CSS@@@@CHART_JS@@@@VIEW_JS@@";
+}
+std::string view_css() {
+  return "";
+}
+std::string view_js() {
+  return "";
+}
+std::string chart_js() {
+  return "";
+}
 }  // namespace kvlab::view_assets
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {

@@ -312,6 +312,19 @@ std::vector<StepRecord> merge_steps(std::vector<EngineResult>& replicas) {
   return merged;
 }
 
+// A replica's frame with the workload's request ids (its batch's, its runs' owners).
+StepFrame global_frame(StepFrame frame, std::size_t replica, const std::vector<RequestId>& global) {
+  const auto to_global = [&](RequestId id) {
+    return id >= 0 && static_cast<std::size_t>(id) < global.size()
+               ? global[static_cast<std::size_t>(id)]
+               : id;
+  };
+  for (FrameEntry& e : frame.batch) e.request = to_global(e.request);
+  for (KvSlotRun& run : frame.pool.runs) run.owner = to_global(run.owner);
+  frame.replica = static_cast<std::int64_t>(replica);
+  return frame;
+}
+
 }  // namespace
 
 EngineResult merged_result(ClusterResult&& result) {
@@ -351,6 +364,9 @@ EngineResult merged_result(ClusterResult&& result) {
       event.replica = static_cast<std::int64_t>(r);
       merged.events.push_back(std::move(event));
     }
+    for (StepFrame& frame : result.replicas[r].frames)  // replica by replica, in step order
+      merged.frames.push_back(global_frame(std::move(frame), r, global[r]));
+    merged.frame_stride = std::max(merged.frame_stride, result.replicas[r].frame_stride);
     for (VerifyRecord verify : result.replicas[r].verifies) {  // workload ids, replica by replica
       verify.request = global[r][static_cast<std::size_t>(verify.request)];
       merged.verifies.push_back(verify);

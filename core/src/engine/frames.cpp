@@ -62,13 +62,13 @@ std::string frame_json(const StepFrame& frame) {
   for (const KvSlotRun& r : frame.pool.runs)
     runs.push_back({r.start, r.length, r.owner, slot_state_name(r.state)});
   const KvPoolMap& p = frame.pool;
-  const nlohmann::json j = {
-      {"step", frame.step},
-      {"t", frame.t},
-      {"batch", std::move(batch)},
-      {"runs", std::move(runs)},
-      {"tiers", {p.host_blocks, p.host_capacity, p.disk_blocks, p.disk_capacity}},
-      {"drawn_by", frame.drawn_by_allocator ? "allocator" : "engine"}};
+  nlohmann::json j = {{"step", frame.step},
+                      {"t", frame.t},
+                      {"batch", std::move(batch)},
+                      {"runs", std::move(runs)},
+                      {"tiers", {p.host_blocks, p.host_capacity, p.disk_blocks, p.disk_capacity}},
+                      {"drawn_by", frame.drawn_by_allocator ? "allocator" : "engine"}};
+  if (frame.replica >= 0) j["replica"] = frame.replica;
   return j.dump();
 }
 

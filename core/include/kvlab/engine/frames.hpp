@@ -26,6 +26,7 @@ struct StepFrame {
   std::vector<FrameEntry> batch;
   KvPoolMap pool;
   bool drawn_by_allocator = true;  // false: the engine drew the running sequences' views
+  std::int64_t replica = -1;       // in a cluster: the replica (ids are the workload's); -1: one
 };
 
 // Step `step`'s frame: `applied`'s batch and `kv`'s pool map (or, for an allocator that draws
@@ -61,7 +62,7 @@ class FrameRecorder {
 
 // {"step":..,"t":..,"batch":[[request,tokens,decode,proposals,accepted],...],
 //  "runs":[[start,length,owner,"state"],...],"tiers":[host,host_cap,disk,disk_cap],
-//  "drawn_by":"allocator"|"engine"}
+//  "drawn_by":"allocator"|"engine"[,"replica":r]}
 std::string frame_json(const StepFrame& frame);
 
 }  // namespace kvlab
