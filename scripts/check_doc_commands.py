@@ -139,7 +139,9 @@ def main():
         if result.returncode != 0:
             failures.append(f"{where}: exit {result.returncode}: {line}\n{result.stderr[-2000:]}")
             continue
-        deterministic = " memory " in line or "simulated" in line or priced_run(line)
+        # (kvlab view prints only its page's path, whatever results folder it names)
+        deterministic = " view " not in line and (
+            " memory " in line or "simulated" in line or priced_run(line))
         if deterministic:
             output = result.stdout.splitlines()
             for shown in shown_output(path, block_end):

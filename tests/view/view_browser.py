@@ -92,12 +92,21 @@ def main():
             state = check_step(driver, results, runs, step)
             print(f"step {step}: " + "; ".join(
                 f"{p['run']} at step {p['step']}: {p['counts']}" for p in state))
-        # The slider itself: its value moves the clock (an input event, as a drag sends).
-        driver.execute_script(
-            "const c = document.getElementById('clock'); c.value = c.max; "
-            "c.dispatchEvent(new Event('input'));")
-        last = driver.execute_script("return window.kvlabView.state();")[0]["step"]
+        # The slider itself (an input event, as a drag sends): at step 40's time of the first run
+        # the map shows step 40 as steps.csv has it, and at its end the last step.
         table = steps_csv(os.path.join(results, runs[0]["dir"]))
+        slide = ("const c = document.getElementById('clock'); c.value = arguments[0]; "
+                 "c.dispatchEvent(new Event('input'));")
+        driver.execute_script(slide, float(table[40]["start_s"]))
+        state = driver.execute_script("return window.kvlabView.state();")[0]
+        want = table[40]
+        if state["step"] != 40 or int(state["counts"]["live"]) != int(want["kv_used"]) or \
+                int(state["counts"]["slack"]) != int(want["kv_last_block_slack"]):
+            fail(f"the slider at step 40's time shows {state}; steps.csv: kv_used "
+                 f"{want['kv_used']}, slack {want['kv_last_block_slack']}")
+        driver.execute_script(slide, driver.execute_script(
+            "return Number(document.getElementById('clock').max);"))
+        last = driver.execute_script("return window.kvlabView.state();")[0]["step"]
         if last != max(table):
             fail(f"the slider at its end shows step {last}, the run's last is {max(table)}")
         if screenshot:
