@@ -101,6 +101,17 @@ TEST(ResultsView, ALongRunsFramesAreThinnedEvenlyWithinTheBudget) {
   EXPECT_TRUE(none.engine.frames.empty());
 }
 
+// A frame costs a pass over the pool: a pool of 2^20 slots starts on a frame every 16 steps
+// (at most 65,536 slots of map work a step), whatever the budget leaves.
+TEST(ResultsView, ABigPoolsFramesAreSpacedByItsSize) {
+  const RunOutput out =
+      run_experiment(quickstart(1, "paged", {"kv_cache.slots=1048576"}), false, nullptr);
+  EXPECT_EQ(out.engine.frame_stride, 16);
+  ASSERT_GT(out.engine.frames.size(), 1u);
+  for (const StepFrame& f : out.engine.frames) EXPECT_EQ(f.step % 16, 0) << f.step;
+  expect_frames_match_steps(out);
+}
+
 void write_text(const fs::path& file, const std::string& text) {
   std::ofstream(file, std::ios::binary) << text;
 }

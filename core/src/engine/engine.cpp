@@ -89,7 +89,8 @@ void Engine::start(const std::vector<WorkloadRequest>& requests) {
     kv_policy_.emplace(*options_.kv_policy, options_.names.kv_policy, options_.names.allocator);
   table_ = std::make_unique<RequestTable>(requests, clock_->all_arrive_at_zero());
   log_ = {};
-  frames_ = FrameRecorder(options_.frame_budget);
+  frames_ = FrameRecorder(options_.frame_budget,
+                          options_.frame_budget > 0 ? allocator_.stats().capacity : 0);
   result_ = {};
   reserve_steps(expected_steps(requests));
   step_ = idle_steps_ = 0;

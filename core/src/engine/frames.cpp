@@ -36,6 +36,10 @@ StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, co
   return frame;
 }
 
+FrameRecorder::FrameRecorder(std::int64_t budget, std::int64_t pool_slots) : budget_(budget) {
+  while (stride_ * kMapSlotsPerStep < pool_slots) stride_ *= 2;
+}
+
 void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& applied,
                            const KvAllocator& kv, const RequestTable& table) {
   if (!enabled() || step % stride_ != 0) return;

@@ -3,6 +3,8 @@
 // tokens, who decoded) and the KV pool slot by slot after it (KvAllocator::pool_map). A long
 // run keeps a bounded number of entries: past the budget every other frame is dropped and the
 // stride doubles, so the frames stay evenly spaced (every step, every 2nd, every 4th, ...).
+// A frame costs a pass over the pool, so a big pool starts on a stride that keeps that work
+// under kMapSlotsPerStep slots a step (a 30M-slot pool: a frame every 512 steps).
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -45,8 +47,10 @@ class FrameObserver {
 
 class FrameRecorder {
  public:
-  // At most about `budget` batch entries and slot runs in all (0: no frames).
-  explicit FrameRecorder(std::int64_t budget = 0) : budget_(budget) {}
+  static constexpr std::int64_t kMapSlotsPerStep = 65'536;
+  // At most about `budget` batch entries and slot runs in all (0: no frames), of a pool of
+  // `pool_slots`.
+  explicit FrameRecorder(std::int64_t budget = 0, std::int64_t pool_slots = 0);
   bool enabled() const { return budget_ > 0; }
   // Records step `step` if the stride takes it.
   void record(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
