@@ -13,8 +13,7 @@ void draw_views(const KvAllocator& kv, const RequestTable& table, KvPoolMap& map
     for (const KvExtent& e : kv.view(r->id).extents)
       if (e.start_slot >= 0 && e.length > 0)
         map.runs.push_back({e.start_slot, e.length, r->id, KvSlotState::used});
-  std::sort(map.runs.begin(), map.runs.end(),
-            [](const KvSlotRun& a, const KvSlotRun& b) { return a.start < b.start; });
+  sort_runs(map.runs);
 }
 
 std::int64_t entries_of(const StepFrame& frame) {

@@ -343,19 +343,25 @@ class PagedAllocator final : public KvAllocator {
   bool pool_map(KvPoolMap& map) const override {
     map = {};
     const auto blocks = static_cast<std::size_t>(blocks_.blocks());
-    std::vector<std::pair<SequenceId, const Sequence*>> holder(blocks, {-1, nullptr});
+    struct Holder {
+      SequenceId id = -1;
+      const Sequence* sequence = nullptr;
+      std::int64_t index = 0;  // the block's index in the sequence's table
+    };
+    std::vector<Holder> holder(blocks);
     for (const auto& [id, s] : sequences_)
       for (std::size_t k = 0; k < s.table.size(); ++k)
-        if (s.table[k] >= 0) holder[static_cast<std::size_t>(s.table[k])] = {id, &s};
+        if (s.table[k] >= 0)
+          holder[static_cast<std::size_t>(s.table[k])] = {id, &s, static_cast<std::int64_t>(k)};
     std::vector<bool> copied(blocks, false);
     copied.swap(copied_since_map_);
     copied.resize(blocks, false);
     for (BlockId b = 0; b < blocks_.blocks(); ++b) {
-      const auto [id, s] = holder[static_cast<std::size_t>(b)];
-      if (s != nullptr && !s->slot_positions.empty())
-        add_holey_block_runs(map.runs, b, id, *s);
+      const Holder& h = holder[static_cast<std::size_t>(b)];
+      if (h.sequence != nullptr && !h.sequence->slot_positions.empty())
+        add_holey_block_runs(map.runs, b, h.id, *h.sequence, h.index);
       else
-        add_block_runs(map.runs, b, id, copied[static_cast<std::size_t>(b)]);
+        add_block_runs(map.runs, b, h.id, copied[static_cast<std::size_t>(b)]);
     }
     if (tiers_) {
       map.host_blocks = tiers_->size(KvTier::host);
@@ -621,12 +627,10 @@ class PagedAllocator final : public KvAllocator {
     if (fill < block_size_)
       add_run(runs, {start + fill, block_size_ - fill, holder, KvSlotState::slack});
   }
-  // Block b of sequence s, slot by slot: the slots whose positions it keeps are live (shared
-  // with a fork that holds the block too), the dropped and unwritten ones slack.
+  // Block b, index k of sequence s's table, slot by slot: the slots whose positions it keeps are
+  // live (shared with a fork that holds the block too), the dropped and unwritten ones slack.
   void add_holey_block_runs(std::vector<KvSlotRun>& runs, BlockId b, SequenceId id,
-                            const Sequence& s) const {
-    const auto k =
-        static_cast<std::int64_t>(std::find(s.table.begin(), s.table.end(), b) - s.table.begin());
+                            const Sequence& s, std::int64_t k) const {
     const KvSlotState live = blocks_.ref_count(b) > 1 ? KvSlotState::shared : KvSlotState::used;
     for (std::int64_t j = 0; j < block_size_; ++j) {
       const std::int64_t index = k * block_size_ + j;
