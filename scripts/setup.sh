@@ -38,6 +38,7 @@ fi
 [ "${KVLAB_SETUP_PACKAGES_ONLY:-0}" = 1 ] && exit 0
 
 build_dir="${KVLAB_BUILD_DIR:-build}"
+echo "kvlab setup: [${SECONDS} s] packages ready; configure and build in $build_dir"
 # KVLAB_WERROR=ON (scripts/test.sh, CI): kvlab's own warnings fail the build.
 cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release -DKVLAB_WERROR="${KVLAB_WERROR:-OFF}" \
   ${KVLAB_CMAKE_ARGS:-}

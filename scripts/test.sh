@@ -15,8 +15,13 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export KVLAB_WERROR=ON
 export KVLAB_SETUP_BROWSER=1  # chromium for kvlab view's page test (tests/view/)
+# Each stage's start, in seconds since this script began (CI keeps the whole under 30 minutes
+# on 2 cores: these say where the time goes).
+stage() { echo "kvlab test: [${SECONDS} s] $*"; }
+stage "setup: packages, configure, build ($(nproc) cores)"
 scripts/setup.sh
 build_dir="${KVLAB_BUILD_DIR:-build}"
+stage "ctest in $build_dir"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"
 
 memcheck_pid=""
@@ -29,6 +34,7 @@ elif command -v valgrind >/dev/null 2>&1; then
   # (grep the test list, not `cmake --build --target help | grep -q`: under pipefail the
   # broken pipe of an early grep exit made the check fail and the stage silently skip)
   if grep -q "emulated.memcheck" "$portable_dir/tests/CTestTestfile.cmake"; then
+    stage "portable build for valgrind in $portable_dir"
     cmake --build "$portable_dir" -j "$(nproc)" --target kvlab_cuda_emulated_tests
     # valgrind is one thread for ~3 minutes: it runs beside the sanitizer stage below (its own
     # process group, stopped if that stage fails), not alone on a 2-core machine.
@@ -50,6 +56,7 @@ fi
 # not vectorise at -O1, so every `#pragma omp simd` loop would warn that it was not
 # (-Wpass-failed): not a finding here.
 sanitize_dir="${build_dir}-sanitize"
+stage "sanitizer build in $sanitize_dir"
 CC=clang CXX=clang++ cmake -S . -B "$sanitize_dir" -DCMAKE_BUILD_TYPE=Release \
   -DCMAKE_CXX_FLAGS_RELEASE="-O1 -DNDEBUG -Wno-pass-failed" -DKVLAB_FUZZ=ON -DKVLAB_WITH_CUDA=OFF \
   -DKVLAB_BUILD_BENCHMARKS=OFF -DKVLAB_NATIVE=OFF -DKVLAB_WERROR=ON -DKVLAB_UNITY_BUILD=OFF \
@@ -57,11 +64,13 @@ CC=clang CXX=clang++ cmake -S . -B "$sanitize_dir" -DCMAKE_BUILD_TYPE=Release \
 # kvlab_sanitizer_suite: the core, plugin and cpu_reference tests and every fuzzer (one target,
 # built in parallel; tests/fuzz/CMakeLists.txt).
 cmake --build "$sanitize_dir" -j "$(nproc)" --target kvlab_sanitizer_suite
+stage "sanitizer tests"
 ASAN_OPTIONS="detect_leaks=1:abort_on_error=1" UBSAN_OPTIONS="print_stacktrace=1" \
   ctest --test-dir "$sanitize_dir" -L "^(core|plugins|cpu_reference|serve)$" --output-on-failure \
   -j "$(nproc)"
 # valgrind done before the fuzzers start: they run for a fixed time, which it would share.
 if [ -n "$memcheck_pid" ]; then
+  stage "waiting for emulated.memcheck"
   memcheck_status=0
   wait "$memcheck_pid" || memcheck_status=$?
   memcheck_pid=""
@@ -71,4 +80,6 @@ if [ -n "$memcheck_pid" ]; then
     exit "$memcheck_status"
   fi
 fi
+stage "fuzzers"
 ctest --test-dir "$sanitize_dir" -L fuzz --output-on-failure -j "$(nproc)"
+stage "done"

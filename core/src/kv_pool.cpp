@@ -4,7 +4,8 @@
 
 #include <algorithm>
 #include <cassert>
-#include <cstring>
+#include <cstdint>
+#include <cstdlib>
 #include <span>
 
 #include <fmt/format.h>
@@ -161,18 +162,51 @@ void KvPool::read_head_rows(std::int64_t layer, std::int64_t slot, std::int64_t 
   }
 }
 
+// AddressSanitizer checks heap blocks, not mappings: there the pool stays a heap block, so that
+// a row written past its end is still reported.
+#if defined(__SANITIZE_ADDRESS__)
+#define KVLAB_POOL_ON_HEAP 1
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+#define KVLAB_POOL_ON_HEAP 1
+#endif
+#endif
+
+void KvPool::Release::operator()(std::byte* p) const {
+  if (p == nullptr) return;
+  if (mapped_bytes == 0)
+    std::free(p);
+  else
+    munmap(p, mapped_bytes);
+}
+
 KvPool::Buffer KvPool::allocate(std::int64_t size) {
   constexpr std::size_t kHugePage = std::size_t{2} << 20;
   const auto bytes = static_cast<std::size_t>(size);
   const std::size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
-  void* memory = std::aligned_alloc(kHugePage, rounded);
-  if (memory == nullptr)
+#ifdef KVLAB_POOL_ON_HEAP
+  void* heap = std::aligned_alloc(kHugePage, rounded);
+  if (heap == nullptr)
     throw Error(fmt::format("cannot allocate {} bytes for the KV pool", rounded));
+  std::fill_n(static_cast<std::byte*>(heap), rounded, std::byte{0});
+  return Buffer(static_cast<std::byte*>(heap), Release());
+#else
+  // Map a huge page more than needed, then unmap the ends so the pool starts on a 2 MiB boundary.
+  const std::size_t mapped = rounded + kHugePage;
+  void* memory = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (memory == MAP_FAILED)
+    throw Error(fmt::format("cannot allocate {} bytes for the KV pool", rounded));
+  auto* first = static_cast<std::byte*>(memory);
+  const std::size_t lead =
+      (kHugePage - reinterpret_cast<std::uintptr_t>(first) % kHugePage) % kHugePage;
+  if (lead > 0) munmap(first, lead);
+  munmap(first + lead + rounded, kHugePage - lead);  // lead < kHugePage: a tail is left
+  std::byte* pool = first + lead;
 #ifdef MADV_HUGEPAGE
-  madvise(memory, rounded, MADV_HUGEPAGE);  // a hint: without huge pages it works as before
+  madvise(pool, rounded, MADV_HUGEPAGE);  // a hint: without huge pages it works as before
 #endif
-  std::memset(memory, 0, bytes);
-  return Buffer(static_cast<std::byte*>(memory));
+  return Buffer(pool, Release(rounded));  // zero-filled by the kernel, page by page on first touch
+#endif
 }
 
 std::int64_t KvPool::bytes_per_slot() const {

@@ -175,12 +175,18 @@ class KvPool {
   void kivi_copy_groups(std::int64_t source, std::int64_t destination, std::int64_t count);
   KvPoolShape shape_;
   KvDeviceStorage* device_ = nullptr;
-  struct Free {
-    void operator()(std::byte* p) const { std::free(p); }
+  struct Release {
+    // (a constructor, not a member initialiser: unique_ptr asks before KvPool is complete)
+    Release() noexcept : mapped_bytes(0) {}
+    explicit Release(std::size_t mapped) noexcept : mapped_bytes(mapped) {}
+    void operator()(std::byte* p) const;
+    std::size_t mapped_bytes;  // 0: from the heap (under AddressSanitizer, which then checks it)
   };
   // Zeroed, on 2 MiB boundaries and advised as huge pages (Linux): attention reads one head's
-  // slice of every slot row, a stride that would otherwise miss the TLB on every row.
-  using Buffer = std::unique_ptr<std::byte[], Free>;
+  // slice of every slot row, a stride that would otherwise miss the TLB on every row. Mapped
+  // anonymous memory: the kernel zeroes a page when a slot on it is first written, so a run pays
+  // for the slots it uses, not for the whole pool up front (a 1.5 GB pool's memset took ~1 s).
+  using Buffer = std::unique_ptr<std::byte[], Release>;
   static Buffer allocate(std::int64_t bytes);
   Buffer keys_;                                           // (layers, slots, kv_heads, head row)
   Buffer values_;                                         // (layers, slots, kv_heads, head row)
