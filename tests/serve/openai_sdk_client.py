@@ -149,10 +149,17 @@ def long_request_in_flight(server, result):
             result["tokens"] = r.usage.completion_tokens
         except Exception as e:  # noqa: BLE001 - reported below
             result["error"] = repr(e)
+    # In flight once it has decoded: the counters are the engine's after its last step, and a
+    # request that just finished can still read as running (its answer leaves before the stats
+    # of its last step are kept), so kvlab_running alone let SIGTERM come first once in CI.
+    # The counter can lag by that last step's one token: 2 more are the long request's.
+    decoded_before = server.metric("kvlab_decode_tokens_total") or 0
     thread = threading.Thread(target=run)
     thread.start()
     deadline = time.time() + 20
-    while time.time() < deadline and (server.metric("kvlab_running") or 0) < 1:
+    while time.time() < deadline and not (
+            (server.metric("kvlab_running") or 0) >= 1
+            and (server.metric("kvlab_decode_tokens_total") or 0) >= decoded_before + 2):
         time.sleep(0.01)
     return thread
 
