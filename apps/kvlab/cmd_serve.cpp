@@ -44,6 +44,8 @@ struct ServeOptions {
   int http_threads = 2;
   bool abort = false;      // at shutdown: cancel what is in flight instead of draining it
   double max_seconds = 0;  // > 0: shut down by itself after this long
+  std::string ui = "aggregate";
+  std::int64_t max_users = 1000;
   std::string out;
   bool force = false;
 };
@@ -110,13 +112,50 @@ std::filesystem::path results_path(const ServeOptions& o, const ExperimentConfig
 // be written is refused then, not after the session, with its record lost).
 void write_served_run(const ServeOptions& o, const std::string& experiment_text,
                       ResultsFolder& folder, const std::vector<ExperimentRun>& runs,
-                      const RunOutput& out) {
+                      const RunOutput& out, const std::filesystem::path& journal) {
   const std::filesystem::path dir = folder.staging() / run_directory_name(runs.front(), 0);
   RunRecord record = record_run(runs, 0, out, dir, 0);
+  // The journal joins the run's files (every choice as the server answered it); the folder's
+  // requests.csv, written from the engine's record, says the same of each.
+  std::error_code ec;
+  std::filesystem::rename(journal, dir / "journal.jsonl", ec);
+  if (ec)
+    fmt::print(stderr, "kvlab serve: the journal stays at {} ({})\n", journal.string(),
+               ec.message());
   const SweepReport r = report_sweep(false, 1, runs, {std::move(record)});
   for (const SweepReport::Line& line : r.lines)
     fmt::print(line.to_stderr ? stderr : stdout, "{}", line.text);
   finish_results(folder, r, o.file, experiment_text, o.changes, 1, 1);
+}
+
+constexpr double kMaxTimeoutS = 86400;       // a day
+constexpr double kMaxServeSeconds = 31.6e6;  // a year
+
+std::optional<LiveViewDetail> ui_detail(const std::string& ui) {
+  if (ui == "off") return std::nullopt;
+  return ui == "full" ? LiveViewDetail::full : LiveViewDetail::aggregate;
+}
+
+// The journal beside the results folder while serving (RequestJournal): a journal left there by
+// a server that died is kept, renamed with its time, never appended to or overwritten.
+std::filesystem::path journal_path(const ResultsFolder& folder) {
+  const std::filesystem::path path =
+      folder.path().parent_path() / (folder.path().filename().string() + ".journal.jsonl");
+  std::error_code ec;
+  if (std::filesystem::exists(std::filesystem::symlink_status(path, ec))) {
+    const std::filesystem::path kept =
+        path.parent_path() / fmt::format("{}.journal-{}.jsonl", folder.path().filename().string(),
+                                         static_cast<long long>(std::time(nullptr)));
+    std::filesystem::rename(path, kept, ec);
+    if (ec)
+      throw Error(
+          fmt::format("{} is left from a served run that did not finish, and cannot be "
+                      "moved aside: {}",
+                      path.string(), ec.message()));
+    fmt::print(stderr, "kvlab serve: the journal of a served run that did not finish: {}\n",
+               kept.string());
+  }
+  return path;
 }
 
 serve::HttpServerOptions http_options(const ServeOptions& o) {
@@ -140,9 +179,15 @@ void check_serve_options(const ServeOptions& o) {
   if (o.max_connections < 1) throw Error("--max-connections must be >= 1");
   if (!(o.max_body_mb > 0) || o.max_body_mb > 1024)
     throw Error("--max-body-mb must be in (0, 1024]");
-  if (!(o.read_timeout_s > 0)) throw Error("--read-timeout must be > 0");
+  // Bounded: a steady_clock deadline of 1e300 s (or inf) overflows and fires at once.
+  if (!(o.read_timeout_s > 0) || o.read_timeout_s > kMaxTimeoutS)
+    throw Error(fmt::format("--read-timeout {}: must be in (0, {}] seconds", o.read_timeout_s,
+                            kMaxTimeoutS));
   if (o.http_threads < 1 || o.http_threads > 64) throw Error("--http-threads must be in 1..64");
-  if (o.max_seconds < 0) throw Error("--max-seconds must be >= 0");
+  if (!(o.max_seconds >= 0) || o.max_seconds > kMaxServeSeconds)
+    throw Error(fmt::format("--max-seconds {}: must be in [0, {:.0f}] (a year; 0: until a signal)",
+                            o.max_seconds, kMaxServeSeconds));
+  if (o.max_users < 1) throw Error("--max-users must be >= 1");
 }
 
 int serve(ServeOptions o) {
@@ -174,11 +219,17 @@ int serve(ServeOptions o) {
   LiveOptions live;
   live.max_queued = o.max_queued;
   ServedExperiment served(c, live, text.stop_tokens);
-  serve::OpenAiOptions api{
-      o.model_name.empty() ? default_model_name(served.model().name) : o.model_name, o.api_key, 1,
-      served.kv_slots()};
+  serve::OpenAiOptions api;
+  api.model_name = o.model_name.empty() ? default_model_name(served.model().name) : o.model_name;
+  api.api_key = o.api_key;
+  api.max_sequence_tokens = served.kv_slots();
+  api.ui = ui_detail(o.ui);
+  api.max_users = o.max_users;
+  api.journal = journal_path(folder);
   serve::OpenAiServer openai(served.engine(), served.model(), text.tokenizer.get(), text.chat, api);
-  serve::HttpServer server(http_options(o), [&openai](serve::HttpRequest r, auto reply) {
+  serve::HttpServerOptions http = http_options(o);
+  http.on_refused = [&openai](int status) { openai.count_refusal(status); };
+  serve::HttpServer server(std::move(http), [&openai](serve::HttpRequest r, auto reply) {
     openai.handle(std::move(r), std::move(reply));
   });
   if (!text.note.empty()) fmt::print(stderr, "kvlab serve: {}\n", text.note);
@@ -204,7 +255,7 @@ int serve(ServeOptions o) {
   server.run();
   stopper.join();
   const std::string fault = served.engine().fault();
-  write_served_run(o, experiment_text, folder, runs, served.finish());
+  write_served_run(o, experiment_text, folder, runs, served.finish(), api.journal);
   if (!fault.empty()) throw Error("the engine stopped: " + fault);
   return 0;
 }
@@ -234,6 +285,14 @@ void register_serve(CLI::App& app, int& exit_code) {
   sub->add_option("--http-threads", o->http_threads, "Threads for the connections (default 2)");
   sub->add_flag("--abort", o->abort, "At SIGTERM, cancel the requests in flight (default: drain)");
   sub->add_option("--max-seconds", o->max_seconds, "Shut down by itself after this long (tests)");
+  sub->add_option("--ui", o->ui,
+                  "What /ui shows: aggregate (default: batch, queue and step times, no client's "
+                  "cache hits), full (every step's prefill, pool and requests: any client sees "
+                  "other clients' prefix hits), off")
+      ->check(CLI::IsMember({"aggregate", "full", "off"}));
+  sub->add_option("--max-users", o->max_users,
+                  "Distinct 'user' values the served run records before a new one is a 400 "
+                  "(default 1000)");
   sub->add_option("--out", o->out,
                   "Results folder (default: [output] dir, or results/<name>_served)");
   sub->add_flag("--force", o->force, "Replace an earlier served run in the results folder");

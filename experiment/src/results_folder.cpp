@@ -13,6 +13,8 @@
 #include <sstream>
 #include <utility>
 
+#include "kvlab/json_limits.hpp"
+
 namespace kvlab {
 namespace fs = std::filesystem;
 
@@ -22,11 +24,17 @@ std::string system_reason(int error) {
   return std::strerror(error);
 }
 
+// A marker, manifest or runs list: "" (which no parse takes) for anything but a regular file of
+// at most 16 MiB that nests JSON at most 64 deep (json_limits.hpp).
 std::string read_small_file(const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(path, ec);
+  if (ec || !fs::is_regular_file(status) || fs::file_size(path, ec) > (std::uintmax_t{16} << 20))
+    return {};
   std::ifstream in(path, std::ios::binary);
   std::ostringstream text;
   text << in.rdbuf();
-  return text.str();
+  return json_limit_problem(text.str()).empty() ? text.str() : std::string();
 }
 
 // A file as kvlab left it: a user's edit changes its size or modification time.
@@ -166,6 +174,12 @@ int lock_file(const fs::path& path, const fs::path& folder) {
 }
 
 }  // namespace
+
+bool marker_lists(const fs::path& folder, const std::string& file) {
+  std::string problem;
+  const std::set<std::string> files = marker_files(folder, problem);
+  return problem.empty() && files.contains(file);
+}
 
 bool add_to_marker(const fs::path& folder, const std::string& file) {
   std::string problem;

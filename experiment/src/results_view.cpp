@@ -9,9 +9,12 @@
 #include <charconv>
 #include <fstream>
 #include <map>
+#include <random>
 #include <set>
 
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/results_folder.hpp"
+#include "kvlab/json_limits.hpp"
 
 namespace kvlab {
 namespace view_assets {  // the page's files (cmake/embed_text.cmake)
@@ -61,16 +64,53 @@ constexpr std::pair<const char*, const char*> kRequestColumns[] = {
     {"rejected", "rejected"},
 };
 
+// What a results folder's files may be: a JSON line or file this long and this deep (kvlab's
+// own nest < 10 deep), a CSV line this long.
+constexpr std::size_t kMaxLineBytes = std::size_t{64} << 20;
+constexpr JsonLimits kJsonLimits{std::size_t{256} << 20, 32};
+
+// Whether anything (a file, a link, a dangling link) is at `path`.
+bool present(const fs::path& path) {
+  std::error_code ec;
+  return fs::symlink_status(path, ec).type() != fs::file_type::not_found;
+}
+
+// The folder's own files only: a symlink (out of the folder, to a credentials file the page would
+// embed), a device or a fifo is refused, never followed.
+void check_own_file(const fs::path& path) {
+  std::error_code ec;
+  const fs::file_status status = fs::symlink_status(path, ec);
+  if (ec || status.type() == fs::file_type::not_found)
+    throw Error(fmt::format("kvlab view: cannot open {}", path.string()));
+  if (!fs::is_regular_file(status))
+    throw Error(
+        fmt::format("kvlab view: {} is {}, not a regular file: kvlab view reads only the "
+                    "results folder's own files",
+                    path.string(), fs::is_symlink(status) ? "a symbolic link" : "not a file"));
+}
+
 class LineReader {
  public:
-  explicit LineReader(fs::path path) : path_(std::move(path)), in_(path_, std::ios::binary) {
+  explicit LineReader(fs::path path) : path_(std::move(path)) {
+    check_own_file(path_);
+    in_.open(path_, std::ios::binary);
     if (!in_) throw Error(fmt::format("kvlab view: cannot open {}", path_.string()));
   }
   bool next(std::string& line) {
     if (!std::getline(in_, line)) return false;
     ++number_;
+    if (line.size() > kMaxLineBytes)
+      fail(fmt::format("{} bytes on one line, past the limit of {}", line.size(), kMaxLineBytes));
     if (!line.empty() && line.back() == '\r') line.pop_back();
     return true;
+  }
+  // A JSON line: an object within kJsonLimits, else an error naming the line.
+  json next_json_object(const std::string& line, const char* what) {
+    if (const std::string problem = json_limit_problem(line, kJsonLimits); !problem.empty())
+      fail(problem);
+    json value = json::parse(line, nullptr, false);
+    if (value.is_discarded() || !value.is_object()) fail(what);
+    return value;
   }
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(fmt::format("kvlab view: {} line {}: {}", path_.string(), number_, what));
@@ -117,6 +157,12 @@ json read_columns(const fs::path& path, std::span<const std::pair<const char*, c
   for (const auto& [index, name, key, text] : picked) columns[key] = json::array();
   while (reader.next(line)) {
     if (line.empty()) continue;
+    // A quoted cell may hold a line break (RFC 4180): the row goes on to the next line.
+    for (std::string more; std::count(line.begin(), line.end(), '"') % 2 == 1;) {
+      if (!reader.next(more)) reader.fail("a quote left open at the end of the file");
+      (line += '\n') += more;
+      if (line.size() > kMaxLineBytes) reader.fail("a row past the line limit");
+    }
     const std::vector<std::string> cells = csv_row_cells(line);
     if (cells.size() != header.size())
       reader.fail(fmt::format("{} cells, the header has {}", cells.size(), header.size()));
@@ -134,9 +180,9 @@ json read_events(const fs::path& path, std::int64_t most) {
   std::string line;
   while (reader.next(line)) {
     if (line.empty()) continue;
-    json e = json::parse(line, nullptr, false);
-    if (e.is_discarded() || !e.is_object() || !e.contains("step") || !e.contains("event"))
-      reader.fail("not an event (a JSON object with step and event)");
+    constexpr const char* kNotEvent = "not an event (a JSON object with step and event)";
+    json e = reader.next_json_object(line, kNotEvent);
+    if (!e.contains("step") || !e.contains("event")) reader.fail(kNotEvent);
     events.push_back(json::array({e["step"], e["event"], e.value("request", -1),
                                   e.value("reason", std::string()), e.value("replica", -1)}));
   }
@@ -156,15 +202,15 @@ json read_events(const fs::path& path, std::int64_t most) {
 
 json read_frames(const fs::path& path) {
   json frames = json::array();
-  if (!fs::exists(path)) return frames;
+  if (!present(path)) return frames;
   LineReader reader(path);
   std::string line;
   while (reader.next(line)) {
     if (line.empty()) continue;
-    json f = json::parse(line, nullptr, false);
-    if (f.is_discarded() || !f.is_object() || !f.contains("step") || !f.contains("runs") ||
-        !f["runs"].is_array() || !f.contains("batch"))
-      reader.fail("not a step frame (a JSON object with step, batch and runs)");
+    constexpr const char* kNotFrame = "not a step frame (a JSON object with step, batch and runs)";
+    json f = reader.next_json_object(line, kNotFrame);
+    if (!f.contains("step") || !f.contains("runs") || !f["runs"].is_array() || !f.contains("batch"))
+      reader.fail(kNotFrame);
     frames.push_back(std::move(f));
   }
   return frames;
@@ -172,7 +218,8 @@ json read_frames(const fs::path& path) {
 
 // The pool's block size from the run's config.toml (kv_cache.params.block_size), else 0.
 std::int64_t block_size(const fs::path& config) {
-  if (!fs::exists(config)) return 0;
+  if (!present(config)) return 0;
+  check_own_file(config);
   try {
     const toml::table t = toml::parse_file(config.string());
     return t["kv_cache"]["params"]["block_size"].value_or<std::int64_t>(0);
@@ -182,11 +229,33 @@ std::int64_t block_size(const fs::path& config) {
 }
 
 json read_json_file(const fs::path& path) {
+  check_own_file(path);
+  std::error_code ec;
+  if (const auto bytes = fs::file_size(path, ec); !ec && bytes > kJsonLimits.max_bytes)
+    throw Error(fmt::format("kvlab view: {} is {} bytes, past the limit of {}", path.string(),
+                            bytes, kJsonLimits.max_bytes));
   std::ifstream in(path, std::ios::binary);
   if (!in) throw Error(fmt::format("kvlab view: cannot open {}", path.string()));
-  json j = json::parse(in, nullptr, false);
+  const std::string text{std::istreambuf_iterator<char>(in), std::istreambuf_iterator<char>()};
+  if (const std::string problem = json_limit_problem(text, kJsonLimits); !problem.empty())
+    throw Error(fmt::format("kvlab view: {} is {}", path.string(), problem));
+  json j = json::parse(text, nullptr, false);
   if (j.is_discarded()) throw Error(fmt::format("kvlab view: {} is not JSON", path.string()));
   return j;
+}
+
+// The summary numbers the page shows (each a number, or left out).
+json summary_numbers(const json& summary) {
+  json kept = json::object();
+  if (!summary.is_object()) return kept;
+  for (const char* latency : {"ttft_s", "tpot_s"}) {
+    const auto it = summary.find(latency);
+    if (it != summary.end() && it->is_object() && it->contains("mean") && (*it)["mean"].is_number())
+      kept[latency] = {{"mean", (*it)["mean"]}};
+  }
+  if (const auto it = summary.find("output_tokens_per_s"); it != summary.end() && it->is_number())
+    kept["output_tokens_per_s"] = *it;
+  return kept;
 }
 
 // Rows of each column of `columns` where keep(row) holds.
@@ -238,13 +307,24 @@ void add_run(json& runs, const fs::path& dir, const std::string& label,
              const ResultsViewOptions& options) {
   constexpr std::pair<const char*, const char*> kReason[] = {{"reject_reason", "reason"}};
   constexpr std::pair<const char*, const char*> kReplica[] = {{"replica", "replica"}};
+  std::error_code ec;
+  if (!fs::is_directory(fs::symlink_status(dir, ec)))
+    throw Error(
+        fmt::format("kvlab view: {} is not a folder of the results folder (a symbolic "
+                    "link is not followed)",
+                    dir.string()));
   json run = {{"name", label}, {"dir", dir.filename().string()}};
   run["steps"] = read_columns(dir / "steps.csv", kStepColumns, {}, kReplica);
   run["requests"] = read_columns(dir / "requests.csv", kRequestColumns, kReason);
   run["events"] = read_events(dir / "events.jsonl", options.most_events);
   run["frames"] = read_frames(dir / "frames.jsonl");
   run["block_size"] = block_size(dir / "config.toml");
-  if (fs::exists(dir / "summary.json")) run["summary"] = read_json_file(dir / "summary.json");
+  if (options.files_read)
+    for (const char* name : {"steps.csv", "requests.csv", "events.jsonl", "frames.jsonl",
+                             "config.toml", "summary.json"})
+      options.files_read->push_back(dir / name);
+  if (present(dir / "summary.json"))
+    run["summary"] = summary_numbers(read_json_file(dir / "summary.json"));
   if (run["steps"].contains("replica"))
     add_replica_runs(runs, run);
   else
@@ -273,24 +353,36 @@ std::vector<std::string> csv_row_cells(std::string_view line) {
   return cells;
 }
 
+std::string csv_field(std::string_view text) {
+  if (text.find_first_of(",\"\n\r") == std::string_view::npos) return std::string(text);
+  std::string quoted = "\"";
+  for (const char c : text) quoted += c == '"' ? std::string_view("\"\"") : std::string_view(&c, 1);
+  return quoted + "\"";
+}
+
 json results_view_data(const fs::path& folder, const ResultsViewOptions& options) {
   if (!fs::is_directory(folder))
     throw Error(
         fmt::format("kvlab view: {} is not a folder (give a results folder that kvlab "
                     "run wrote)",
                     folder.string()));
-  if (!fs::exists(folder / "runs.json"))
+  if (!present(folder / "runs.json"))
     throw Error(
         fmt::format("kvlab view: {} has no runs.json: not a results folder kvlab run "
                     "wrote",
                     folder.string()));
+  if (options.files_read)
+    for (const char* name : {"runs.json", "manifest.json", kResultsMarker})
+      options.files_read->push_back(folder / name);
   const json runs = read_json_file(folder / "runs.json");
   if (!runs.is_array() || runs.empty())
     throw Error(fmt::format("kvlab view: {}'s runs.json lists no runs", folder.string()));
   json data = {{"title", folder.filename().string()}, {"runs", json::array()}};
-  if (fs::exists(folder / "manifest.json")) {
+  if (present(folder / "manifest.json")) {
     const json manifest = read_json_file(folder / "manifest.json");
-    data["experiment_file"] = manifest.value("experiment_file", "");
+    if (manifest.is_object() && manifest.contains("experiment_file") &&
+        manifest["experiment_file"].is_string())
+      data["experiment_file"] = manifest["experiment_file"];
   }
   for (const json& run : runs) {
     if (!run.is_object() || !run.contains("dir") || !run["dir"].is_string())
@@ -299,7 +391,8 @@ json results_view_data(const fs::path& folder, const ResultsViewOptions& options
     const std::string dir = run["dir"].get<std::string>();
     if (dir.empty() || dir.find('/') != std::string::npos || dir == "." || dir == "..")
       throw Error(fmt::format("kvlab view: runs.json names \"{}\", not a run folder", dir));
-    std::string label = run.value("label", "");
+    std::string label =
+        run.contains("label") && run["label"].is_string() ? run["label"].get<std::string>() : "";
     if (label.empty()) label = dir;  // a run without a sweep point
     add_run(data["runs"], folder / dir, label, options);
   }
@@ -310,18 +403,56 @@ std::string results_view_html(const json& data, bool live) {
   return results_view_html(data.dump(-1, ' ', false, json::error_handler_t::replace), live);
 }
 
+// JSON text safe inside a <script> element: '<', '>' and '&' (and U+2028, U+2029) as \u escapes.
+// Outside strings JSON has none of them, so the text parses to the same value, and no "</script>",
+// "<!--" or "<script" in a label can end the element or change how the HTML parser reads it.
+std::string script_safe_json(std::string_view json_text) {
+  std::string out;
+  out.reserve(json_text.size());
+  for (std::size_t i = 0; i < json_text.size(); ++i) {
+    const char c = json_text[i];
+    if (c == '<') {
+      out += "\\u003c";
+    } else if (c == '>') {
+      out += "\\u003e";
+    } else if (c == '&') {
+      out += "\\u0026";
+    } else if (c == '\xE2' && i + 2 < json_text.size() && json_text[i + 1] == '\x80' &&
+               (json_text[i + 2] == '\xA8' || json_text[i + 2] == '\xA9')) {
+      out += json_text[i + 2] == '\xA8' ? "\\u2028" : "\\u2029";
+      i += 2;
+    } else {
+      out += c;
+    }
+  }
+  return out;
+}
+
+// The page's Content-Security-Policy nonce: its own scripts and style carry it, so the browser
+// runs no other script (an inline handler in injected markup, a remote file): 128 random bits.
+std::string script_nonce() {
+  constexpr char kDigits[] = "0123456789abcdef";
+  std::random_device random;
+  std::string nonce;
+  for (int i = 0; i < 4; ++i)
+    for (std::uint32_t word = random(), k = 0; k < 8; ++k, word >>= 4) nonce += kDigits[word & 15];
+  return nonce;
+}
+
 std::string results_view_html(std::string payload, bool live) {
-  // The data as a JSON script element: "</" written "<\/" so that no text closes it early.
-  for (std::size_t at = payload.find("</"); at != std::string::npos; at = payload.find("</", at))
-    payload.replace(at, 2, "<\\/");
+  payload = script_safe_json(payload);
   static const std::string page_template = view_assets::page_html();
   static const std::string css = view_assets::view_css(), js = view_assets::view_js(),
                            chart = view_assets::chart_js();
-  const std::map<std::string_view, std::string_view> slots = {{"LIVE", live ? "true" : "false"},
-                                                              {"CSS", css},
-                                                              {"DATA", payload},
-                                                              {"CHART_JS", chart},
-                                                              {"VIEW_JS", js}};
+  const std::string nonce = script_nonce();
+  const std::map<std::string_view, std::string_view> slots = {
+      {"LIVE", live ? "true" : "false"},
+      {"NONCE", nonce},
+      {"CONNECT", live ? "'self'" : "'none'"},  // the live page polls /ui/data
+      {"CSS", css},
+      {"DATA", payload},
+      {"CHART_JS", chart},
+      {"VIEW_JS", js}};
   // The template's @@NAME@@ slots in one pass: no slot's text is searched for slots again.
   std::string page;
   std::size_t from = 0;

@@ -14,6 +14,7 @@
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/results_folder.hpp"
+#include "kvlab/experiment/results_view.hpp"
 
 namespace kvlab {
 
@@ -64,7 +65,7 @@ void write_requests_csv(Text& f, const RunOutput& out) {
   for (const RequestMetric& m : request_metrics()) put(f, "{},", m.name);  // the registry's
   put(f, "preemptions,recomputed_tokens,swapped_bytes,rejected,reject_reason,token_times_s\n");
   for (const auto& r : out.engine.requests) {
-    put(f, "{},{},{},{:.6f},", r.id, r.priority, r.tenant, r.arrival_s);  // names need no quotes
+    put(f, "{},{},{},{:.6f},", r.id, r.priority, csv_field(r.tenant), r.arrival_s);
     put_number(f, r.first_scheduled_s);
     put(f, ",");
     if (!r.token_times_s.empty()) put(f, "{:.6f}", r.token_times_s.front());

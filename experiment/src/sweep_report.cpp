@@ -18,6 +18,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/metric_registry.hpp"
 #include "kvlab/experiment/results_folder.hpp"
+#include "kvlab/experiment/results_view.hpp"
 #include "kvlab/experiment/summary_table.hpp"
 #include "kvlab/memory_limit.hpp"
 
@@ -374,14 +375,6 @@ nlohmann::json read_summary(const std::filesystem::path& file) {
   text << in.rdbuf();
   if (!in) throw Error(fmt::format("results.csv: cannot read {}", file.string()));
   return nlohmann::json::parse(text.str());
-}
-
-// A CSV field: quoted (quotes doubled) when it holds a comma, quote or line break.
-std::string csv_field(const std::string& text) {
-  if (text.find_first_of(",\"\n\r") == std::string::npos) return text;
-  std::string quoted = "\"";
-  for (char c : text) quoted += c == '"' ? std::string("\"\"") : std::string(1, c);
-  return quoted + "\"";
 }
 
 // A JSON value as one CSV cell: a string bare, anything else as JSON.

@@ -2,6 +2,10 @@
 // The data (a JSON script element, or /ui/data when live) holds per run: steps (steps.csv's
 // columns), requests (requests.csv's), events ([step, kind, request, reason]), frames (each
 // recorded step's batch and pool runs [start, length, owner, state]) and the block size.
+// A results folder is shared between people, so everything read is untrusted: it is checked
+// (checkData) before anything is drawn, every string reaches the page as text (no markup is
+// ever built from data), and each frame's work is bounded by the pool's size. A
+// Content-Security-Policy in the page runs only its own scripts.
 (function () {
   "use strict";
 
@@ -13,8 +17,13 @@
   };
   const MOST_CELLS = 8192;  // pool map cells; a bigger pool puts several slots in a cell
   const MOST_LANES = 120;   // request lanes drawn; more are sampled evenly
+  const MOST_RUNS = 64;     // runs in one page
+  const MOST_SLOTS = 2 ** 40;  // a pool's capacity, in slots
+  const MOST_BLOCK = 4096;     // a block's size, in slots, as drawn
 
-  let data = JSON.parse(document.getElementById("kvlab-data").textContent);
+  const dataElement = document.getElementById("kvlab-data");
+  const LIVE = dataElement.dataset.live === "true";
+  let data = null;
   const ui = {
     runA: document.getElementById("run-a"), runB: document.getElementById("run-b"),
     clock: document.getElementById("clock"), label: document.getElementById("clock-label"),
@@ -49,7 +58,6 @@
     const s = run.steps;
     run.stepCount = s.step.length;
     run.end = run.stepCount ? s.t[run.stepCount - 1] + s.dur[run.stepCount - 1] : 0;
-    run.capacity = run.stepCount ? s.capacity[0] : 0;
     run.eventsByStep = new Map();
     for (const e of run.events) {
       if (!run.eventsByStep.has(e[0])) run.eventsByStep.set(e[0], []);
@@ -95,29 +103,161 @@
     return found;
   }
 
+  // ---- checking the data -------------------------------------------------------------------
+  // The data as the page needs it, or an Error saying what is wrong. Wrong or absurd parts are
+  // dropped with a note (problems) where the rest still draws: a frame, an event, a run.
+  const STEP_KEYS = ["step", "t", "dur", "batch", "prefill", "decode", "preempted", "waiting",
+    "running", "capacity", "used", "reserved", "slack", "free", "cached", "padding"];
+  const REQUEST_NUMBERS = ["id", "arrival", "scheduled", "first_token", "finish", "prompt",
+    "output", "ttft", "tpot", "preemptions", "rejected"];
+  const isNumber = (v) => typeof v === "number" && Number.isFinite(v);
+  const isCount = (v) => Number.isSafeInteger(v) && v >= 0;
+  const text = (v) => (typeof v === "string" ? v : v === undefined || v === null ? "" : String(v));
+
+  function checkData(raw, problems) {
+    if (raw === null || typeof raw !== "object" || !Array.isArray(raw.runs))
+      throw new Error("the data is not kvlab view's (an object with a list of runs)");
+    const runs = [];
+    for (const [k, run] of raw.runs.slice(0, MOST_RUNS).entries()) {
+      try { runs.push(checkRun(run, problems)); } catch (error) {
+        problems.push("run " + (k + 1) + " left out: " + error.message);
+      }
+    }
+    if (raw.runs.length > MOST_RUNS) problems.push("only the first " + MOST_RUNS + " runs drawn");
+    if (!runs.length) throw new Error("no run could be drawn");
+    return { title: text(raw.title), experiment_file: text(raw.experiment_file), runs };
+  }
+
+  function checkRun(run, problems) {
+    if (run === null || typeof run !== "object") throw new Error("not an object");
+    const name = text(run.name);
+    const s = run.steps;
+    if (s === null || typeof s !== "object" || !Array.isArray(s.step)) throw new Error("no steps");
+    const n = s.step.length;
+    const steps = {};
+    const withheld = [];
+    for (const key of STEP_KEYS) {
+      const column = s[key];
+      if (column === undefined) { withheld.push(key); steps[key] = new Array(n).fill(null); continue; }
+      if (!Array.isArray(column) || column.length !== n || !column.every(isNumber))
+        throw new Error("steps." + key + " is not " + n + " numbers");
+      steps[key] = column;
+    }
+    if (withheld.includes("step") || withheld.includes("t") || withheld.includes("dur"))
+      throw new Error("its steps have no step, t or dur");
+    const capacity = n && isCount(steps.capacity[0]) ? Math.min(steps.capacity[0], MOST_SLOTS) : 0;
+    const blockSize = isCount(run.block_size) ? Math.min(run.block_size, MOST_BLOCK) : 0;
+    const checked = {
+      name, steps, withheld, capacity, block_size: blockSize,
+      withheldNote: text(run.withheld), summary_of: text(run.summary_of),
+      summary: checkSummary(run.summary),
+      requests: checkRequests(run.requests, name, problems),
+      events: checkEvents(run.events, name, problems),
+      frames: checkFrames(run.frames, capacity, name, problems),
+    };
+    return checked;
+  }
+
+  function checkSummary(summary) {
+    if (summary === null || typeof summary !== "object") return null;
+    const mean = (v) => (v && typeof v === "object" && isNumber(v.mean) ? { mean: v.mean } : undefined);
+    return { ttft_s: mean(summary.ttft_s), tpot_s: mean(summary.tpot_s),
+      output_tokens_per_s: isNumber(summary.output_tokens_per_s) ? summary.output_tokens_per_s : undefined };
+  }
+
+  function checkRequests(r, name, problems) {
+    const empty = Object.fromEntries(REQUEST_NUMBERS.concat(["reason"]).map((k) => [k, []]));
+    if (r === null || typeof r !== "object" || !Array.isArray(r.id)) return empty;
+    const n = r.id.length;
+    for (const key of REQUEST_NUMBERS) {
+      const column = r[key];
+      if (!Array.isArray(column) || column.length !== n ||
+          !column.every((v) => v === null || isNumber(v))) {
+        problems.push(name + ": requests." + key + " is not " + n + " numbers: no request lanes");
+        return empty;
+      }
+    }
+    const reason = Array.isArray(r.reason) && r.reason.length === n ? r.reason.map(text) :
+      new Array(n).fill("");
+    return Object.assign({}, ...REQUEST_NUMBERS.map((k) => ({ [k]: r[k] })), { reason });
+  }
+
+  function checkEvents(events, name, problems) {
+    if (!Array.isArray(events)) return [];
+    const kept = events.filter((e) => Array.isArray(e) && isNumber(e[0]) &&
+      typeof e[1] === "string" && (e[2] === undefined || isNumber(e[2])))
+      .map((e) => [e[0], e[1], e[2] === undefined ? -1 : e[2], text(e[3]), isNumber(e[4]) ? e[4] : -1]);
+    if (kept.length < events.length)
+      problems.push(name + ": " + (events.length - kept.length) + " malformed events left out");
+    return kept;
+  }
+
+  // A frame whose runs are not slots of the pool in order (each inside it, none overlapping, a
+  // known state) is left out: drawing a frame then costs at most the pool's cells.
+  function checkFrame(f, capacity) {
+    if (f === null || typeof f !== "object" || !isCount(f.step) || !Array.isArray(f.runs) ||
+        !Array.isArray(f.batch)) return null;
+    let end = 0;
+    for (const r of f.runs) {
+      if (!Array.isArray(r) || !isCount(r[0]) || !isCount(r[1]) || !Number.isSafeInteger(r[2]) ||
+          !STATES.includes(r[3]) || r[0] < end || r[0] + r[1] > capacity) return null;
+      end = r[0] + r[1];
+    }
+    const batch = f.batch.filter((b) => Array.isArray(b) && b.slice(0, 5).every(
+      (v) => v === undefined || isNumber(v))).map((b) => b.slice(0, 5));
+    if (batch.length !== f.batch.length) return null;
+    const tiers = Array.isArray(f.tiers) && f.tiers.length === 4 && f.tiers.every(isCount) ?
+      f.tiers : [0, 0, 0, 0];
+    return { step: f.step, runs: f.runs, batch, tiers };
+  }
+
+  function checkFrames(frames, capacity, name, problems) {
+    if (!Array.isArray(frames)) return [];
+    const kept = [];
+    for (const f of frames) {
+      const frame = checkFrame(f, capacity);
+      if (frame && (!kept.length || frame.step > kept[kept.length - 1].step)) kept.push(frame);
+    }
+    if (kept.length < frames.length)
+      problems.push(name + ": " + (frames.length - kept.length) + " malformed pool frames left out");
+    return kept;
+  }
+
+  // What went wrong, on the page (the note under the controls).
+  function showProblems(problems) {
+    if (!problems.length) return;
+    ui.note.classList.add("problem");
+    ui.note.textContent = "kvlab view: " + problems.slice(0, 8).join("; ") +
+      (problems.length > 8 ? "; and " + (problems.length - 8) + " more" : "");
+  }
+
+  // ---- building the DOM (text only) ---------------------------------------------------------
+  // An element with a class and children (elements, or strings as text nodes).
+  function make(tag, className, ...children) {
+    const element = document.createElement(tag);
+    if (className) element.className = className;
+    for (const child of children)
+      element.appendChild(typeof child === "string" ? document.createTextNode(child) : child);
+    return element;
+  }
+
   // ---- panels -----------------------------------------------------------------------------
   function makePanel(run) {
-    const el = document.createElement("section");
-    el.className = "panel";
-    el.innerHTML =
-      '<h2></h2><div class="step-info"></div>' +
-      '<div class="cols"><div class="pool"><canvas></canvas><div class="tiers"></div>' +
-      '<div class="pool-counts"></div></div>' +
-      '<div class="batch"><table><tbody></tbody></table><ul class="events"></ul></div></div>' +
-      '<div class="legend"></div>' +
-      '<div class="lanes"><div class="lanes-note"></div><canvas height="200"></canvas></div>' +
-      '<div class="chart"><canvas></canvas></div>';
-    el.querySelector("h2").textContent = run.name + summaryText(run);
     const p = {
-      run, el, info: el.querySelector(".step-info"),
-      pool: el.querySelector(".pool canvas"), tiers: el.querySelector(".tiers"),
-      counts: el.querySelector(".pool-counts"),
-      batch: el.querySelector(".batch tbody"), events: el.querySelector(".events"),
-      lanes: el.querySelector(".lanes canvas"), lanesNote: el.querySelector(".lanes-note"),
-      chartCanvas: el.querySelector(".chart canvas"), step: -1,
+      run, info: make("div", "step-info"), pool: make("canvas"), tiers: make("div", "tiers"),
+      counts: make("div", "pool-counts"), batch: make("tbody"), events: make("ul", "events"),
+      lanes: make("canvas"), lanesNote: make("div", "lanes-note"), chartCanvas: make("canvas"),
+      step: -1,
     };
+    p.lanes.height = 200;
+    const legendBox = make("div", "legend");
+    p.el = make("section", "panel", make("h2", "", run.name + summaryText(run)), p.info,
+      make("div", "cols", make("div", "pool", p.pool, p.tiers, p.counts),
+        make("div", "batch", make("table", "", p.batch), p.events)),
+      legendBox, make("div", "lanes", p.lanesNote, p.lanes), make("div", "chart", p.chartCanvas));
+    const el = p.el;
     layoutPool(p);
-    legend(el.querySelector(".legend"));
+    legend(legendBox);
     p.chart = makeChart(p);
     p.pool.addEventListener("mousemove", (ev) => poolTooltip(p, ev));
     p.lanes.addEventListener("mousemove", (ev) => laneTooltip(p, ev));
@@ -139,8 +279,7 @@
 
   function legend(el) {
     for (const state of STATES.concat(["free"])) {
-      const item = document.createElement("span");
-      item.innerHTML = '<span class="swatch"></span>';
+      const item = make("span", "", make("span", "swatch"));
       item.firstChild.style.background = cellColor(state, 200);
       if (state === "copied") item.firstChild.style.outline = "2px solid #f80";
       if (state === "shared") item.firstChild.style.outline = "1px solid #000";
@@ -159,7 +298,7 @@
     p.slotsPerCell = Math.max(1, Math.ceil(capacity / MOST_CELLS));
     const cells = Math.ceil(capacity / p.slotsPerCell);
     const block = Math.max(1, run.block_size || 16);
-    p.columns = p.slotsPerCell === 1 ? block * Math.max(1, Math.round(64 / block)) : 64;
+    p.columns = p.slotsPerCell === 1 ? Math.min(512, block * Math.max(1, Math.round(64 / block))) : 64;
     p.rows = Math.ceil(cells / p.columns);
     p.cellSize = Math.max(2, Math.min(8, Math.floor(420 / p.columns), Math.floor(420 / p.rows)));
     p.pool.width = p.columns * p.cellSize;
@@ -182,11 +321,12 @@
     p.frame = frame;
     p.info.dataset.step = step;
     p.info.dataset.frameStep = frame ? frame.step : -1;
+    const v = (key) => (s[key][index] === null ? "-" : s[key][index]);
     p.info.textContent =
       "step " + step + " of " + s.step[run.stepCount - 1] + " at " + ms(s.t[index]) +
-      " (lasted " + ms(s.dur[index]) + "): batch " + s.batch[index] + ", prefill " +
-      s.prefill[index] + " tokens, decode " + s.decode[index] + ", waiting " + s.waiting[index] +
-      ", running " + s.running[index] + (frame && frame.step !== step ?
+      " (lasted " + ms(s.dur[index]) + "): batch " + v("batch") + ", prefill " +
+      v("prefill") + " tokens, decode " + v("decode") + ", waiting " + v("waiting") +
+      ", running " + v("running") + (frame && frame.step !== step ?
         "; pool and batch of step " + frame.step + " (a frame every " + run.stride + " steps)" : "");
     drawPool(p, frame);
     listBatch(p, frame);
@@ -203,7 +343,12 @@
     ctx.fillRect(0, 0, p.pool.width, p.pool.height);
     const counts = { used: 0, shared: 0, copied: 0, reserved: 0, slack: 0, cached: 0 };
     p.cells = new Array(p.rows * p.columns);
-    if (!frame) { p.counts.textContent = "no frame recorded"; return; }
+    if (!frame) {
+      p.counts.textContent = p.run.withheldNote ? "withheld: " + p.run.withheldNote :
+        "no frame recorded";
+      p.tiers.replaceChildren();
+      return;
+    }
     // Each cell takes the state holding most of its slots.
     const cellState = new Map();
     for (const [start, length, owner, state] of frame.runs) {
@@ -241,34 +386,31 @@
     p.counts.textContent = STATES.filter((st) => counts[st] > 0)
       .map((st) => STATE_TEXT[st] + " " + counts[st]).join(", ") + " of " + p.run.capacity +
       " slots" + (p.slotsPerCell > 1 ? " (a cell: " + p.slotsPerCell + " slots)" : "");
-    const tiers = frame.tiers || [0, 0, 0, 0];
-    p.tiers.innerHTML = "";
+    const tiers = frame.tiers;
+    p.tiers.replaceChildren();
     for (const [name, held, capacity] of [["host", tiers[0], tiers[1]], ["disk", tiers[2], tiers[3]]]) {
       if (!capacity) continue;
-      const row = document.createElement("div");
-      row.innerHTML = name + " tier <span class='tier-bar'><span></span></span> " + held + " / " +
-        capacity + " blocks";
-      row.querySelector(".tier-bar span").style.width = (100 * held / capacity) + "%";
-      p.tiers.appendChild(row);
+      const fill = make("span");
+      fill.style.width = Math.min(100, 100 * held / capacity) + "%";
+      p.tiers.appendChild(make("div", "", name + " tier ", make("span", "tier-bar", fill),
+        " " + held + " / " + capacity + " blocks"));
     }
   }
 
   function listBatch(p, frame) {
-    p.batch.innerHTML = "";
+    p.batch.replaceChildren();
     if (!frame) return;
     for (const [request, tokens, decode, proposals, accepted] of frame.batch) {
-      const tr = document.createElement("tr");
       const what = decode ? (proposals ? "verify " + proposals + ", accepted " + accepted : "decode")
         : "prefill " + tokens + " tokens";
-      tr.innerHTML = "<td><span class='swatch'></span>r" + request + "</td><td></td>";
-      tr.querySelector(".swatch").style.background = ownerColor(request);
-      tr.lastChild.textContent = what;
-      p.batch.appendChild(tr);
+      const swatch = make("span", "swatch");
+      swatch.style.background = ownerColor(request);
+      p.batch.appendChild(make("tr", "", make("td", "", swatch, "r" + request), make("td", "", what)));
     }
   }
 
   function listEvents(p, step) {
-    p.events.innerHTML = "";
+    p.events.replaceChildren();
     for (const [, kind, request, reason] of p.run.eventsByStep.get(step) || []) {
       const li = document.createElement("li");
       const who = kind === "defer" && request < 0 ? -request + " requests" :
@@ -428,8 +570,8 @@
   }
 
   function rebuild() {
-    for (const p of panels) p.chart.destroy();
-    ui.panels.innerHTML = "";
+    for (const p of panels) if (p.chart) p.chart.destroy();
+    ui.panels.replaceChildren();
     const chosen = [Number(ui.runA.value)];
     if (ui.runB.value !== "") chosen.push(Number(ui.runB.value));
     panels = [];
@@ -445,7 +587,7 @@
     const tick = 50;
     playing = setInterval(() => {
       const next = time + (tick / 1000) * Number(ui.speed.value);
-      if (next >= Number(ui.clock.max) && !window.KVLAB_LIVE) togglePlay();
+      if (next >= Number(ui.clock.max) && !LIVE) togglePlay();
       setTime(next);
     }, tick);
   }
@@ -458,8 +600,8 @@
 
   function fillRunChoices() {
     const keepA = ui.runA.value, keepB = ui.runB.value;
-    ui.runA.innerHTML = "";
-    ui.runB.innerHTML = '<option value="">(none)</option>';
+    ui.runA.replaceChildren();
+    ui.runB.replaceChildren(new Option("(none)", ""));
     data.runs.forEach((run, k) => {
       ui.runA.add(new Option(run.name, k));
       ui.runB.add(new Option(run.name, k));
@@ -473,21 +615,27 @@
   function poll() {
     fetch("/ui/data" + location.search).then((reply) => reply.json()).then((fresh) => {
       const atEnd = time >= Number(ui.clock.max) - 1e-9;
-      data = fresh;
+      const problems = [];
+      data = checkData(fresh, problems);
       data.runs.forEach(prepare);
       const keep = time;
       rebuild();
       setTime(atEnd ? Number(ui.clock.max) : keep);
-    }).catch((error) => { ui.note.textContent = "the server did not answer: " + error; })
+      showProblems(problems);
+    }).catch((error) => { ui.note.textContent = "the server did not answer: " + error.message; })
       .finally(() => setTimeout(poll, 1000));
   }
 
   function start() {
+    const problems = [];
+    data = checkData(JSON.parse(dataElement.textContent), problems);
     document.getElementById("title").textContent = "kvlab view: " + data.title;
     data.runs.forEach(prepare);
     const frames = data.runs.map((run) => run.frames.length ? run.stride : 0);
+    const withheld = data.runs.find((run) => run.withheldNote);
     ui.note.textContent = (data.experiment_file ? data.experiment_file + ": " : "") +
-      data.runs.length + " run(s). " + (frames.some((f) => f > 1) ?
+      data.runs.length + " run(s). " + (withheld ? "Withheld: " + withheld.withheldNote + "." :
+        frames.some((f) => f > 1) ?
         "Long runs keep a pool frame every " + Math.max(...frames) + " steps (frames.jsonl's budget)." :
         "A pool frame for every step.") + " Drag the clock; both runs show their step at that time.";
     fillRunChoices();
@@ -498,7 +646,8 @@
     ui.back.addEventListener("click", () => nudge(-1));
     ui.forward.addEventListener("click", () => nudge(1));
     rebuild();
-    if (window.KVLAB_LIVE) { setTime(Number(ui.clock.max)); poll(); }
+    showProblems(problems);
+    if (LIVE) { setTime(Number(ui.clock.max)); poll(); }
   }
 
   // For tests and for scripting the page from a browser's console.
@@ -508,6 +657,11 @@
       run: p.run.name, step: p.step, frameStep: p.frame ? p.frame.step : -1,
       counts: Object.assign({}, p.counts.dataset),
     })),
+    problems: () => (ui.note.classList.contains("problem") ? ui.note.textContent : ""),
   };
-  start();
+  try {
+    start();
+  } catch (error) {  // data the page cannot draw: say so, never a blank page
+    showProblems([error.message]);
+  }
 })();

@@ -25,6 +25,17 @@ const char* api_finish_reason(const std::string& engine_reason) {
   return engine_reason == "eos" ? "stop" : "length";
 }
 
+const char* submit_status_name(SubmitStatus status) {
+  switch (status) {
+    case SubmitStatus::queue_full:
+      return "queue_full";
+    case SubmitStatus::failed:
+      return "routing_failed";
+    default:
+      return "shutting_down";
+  }
+}
+
 json byte_values(const std::string& text) {
   json bytes = json::array();
   for (const char c : text) bytes.push_back(static_cast<unsigned char>(c));
@@ -43,7 +54,8 @@ Generation::Generation(OpenAiServer::Shared& shared, CompletionRequest request,
     : shared_(shared),
       request_(std::move(request)),
       reply_(std::move(reply)),
-      id_(fmt::format("{}-{}", request_.chat ? "chatcmpl" : "cmpl", shared.next_id++)) {}
+      id_(fmt::format("{}-{}", request_.chat ? "chatcmpl" : "cmpl", shared.next_id++)),
+      created_(OpenAiServer::Shared::unix_seconds()) {}
 
 // The prompts as token ids: the chat rendered with the model's template, texts tokenized, ids
 // checked against the vocabulary.
@@ -101,6 +113,7 @@ WorkloadRequest Generation::engine_request(const std::vector<std::int32_t>& prom
   r.output_tokens = max_tokens;
   r.priority = request_.priority;
   r.tenant = request_.user;
+  r.cache_salt = request_.cache_salt;
   SamplingParams& s = r.sampling;
   s.temperature = request_.temperature;
   s.top_p = request_.top_p;
@@ -140,6 +153,12 @@ std::optional<ApiError> Generation::submit() {
     }
     answered_ = true;  // the refusal is the answer; what was accepted is cancelled
     for (std::size_t k = 0; k < i; ++k) shared_.engine.cancel(choices_[k].id);
+    if (shared_.journal)
+      shared_.journal->append({{"request", id_},
+                               {"choice", i},
+                               {"created", created_},
+                               {"user", request_.user},
+                               {"refused", submit_status_name(result.status)}});
     if (result.status == SubmitStatus::queue_full)
       return ApiError(429, "the server's queue is full; retry after the Retry-After seconds", "",
                       "rate_limit_error", "queue_full");
@@ -195,6 +214,7 @@ void Generation::on_done(std::size_t i, const LiveOutcome& outcome) {
   if (c.done) return;
   c.done = true;
   --remaining_;
+  journal_end(i, outcome);
   if (outcome.rejected) return refuse_rejected(outcome.reject_reason);
   const bool stopped = c.stops->stopped();
   if (outcome.finish_reason == "cancelled" && !stopped)  // not ours: the server's shutdown
@@ -241,6 +261,26 @@ void Generation::fail(const ApiError& error) {
   }
   reply_->chunk(fmt::format("data: {}\n\ndata: [DONE]\n\n", error.body()));
   reply_->end_stream();
+}
+
+// The choice's end as one line of the journal (RequestJournal), the moment it ends.
+void Generation::journal_end(std::size_t i, const LiveOutcome& outcome) const {
+  if (!shared_.journal) return;
+  const Choice& c = choices_[i];
+  json line = {{"request", id_},
+               {"choice", i},
+               {"engine_id", c.id},
+               {"created", created_},
+               {"user", request_.user},
+               {"prompt_tokens", c.prompt_tokens},
+               {"output_tokens", c.tokens.size()},
+               {"e2e_s", seconds_between(c.submitted, Clock::now())}};
+  if (!c.tokens.empty()) line["ttft_s"] = seconds_between(c.submitted, c.first_token);
+  if (outcome.rejected)
+    line["rejected"] = outcome.reject_reason;
+  else
+    line["finish_reason"] = outcome.finish_reason;
+  shared_.journal->append(line);
 }
 
 void Generation::observe_end(const Choice& c) {
@@ -299,7 +339,7 @@ json Generation::chunk(std::size_t i, const std::string& text, const json* logpr
   }
   return {{"id", id_},
           {"object", request_.chat ? "chat.completion.chunk" : "text_completion"},
-          {"created", shared_.created},
+          {"created", created_},
           {"model", shared_.options.model_name},
           {"choices", json::array({std::move(choice)})}};
 }
@@ -357,7 +397,7 @@ void Generation::answer_whole() {
   }
   const json body = {{"id", id_},
                      {"object", request_.chat ? "chat.completion" : "text_completion"},
-                     {"created", shared_.created},
+                     {"created", created_},
                      {"model", shared_.options.model_name},
                      {"choices", std::move(choices)},
                      {"usage", usage()}};
@@ -372,121 +412,10 @@ void Generation::answer_whole() {
 std::string models_body(const OpenAiServer::Shared& shared) {
   const json model = {{"id", shared.options.model_name},
                       {"object", "model"},
-                      {"created", shared.created},
+                      {"created", shared.started},
                       {"owned_by", "kvlab"},
                       {"max_model_len", shared.model.max_position_embeddings}};
   return dump(json{{"object", "list"}, {"data", json::array({model})}});
-}
-
-namespace {
-
-void metric(std::string& out, const char* name, const char* help, double value,
-            const char* type = "gauge") {
-  out += fmt::format("# HELP {0} {1}\n# TYPE {0} {2}\n{0} {3}\n", name, help, type, value);
-}
-
-// The counters, cumulative since the server started.
-void counter_lines(std::string& out, const LiveStats& s, const OpenAiServer::Shared& shared) {
-  const KvAllocatorStats& kv = s.kv;
-  struct Counter {
-    const char* name;
-    const char* help;
-    std::int64_t value;
-  };
-  const Counter counters[] = {
-      {"kvlab_steps_total", "engine steps that ran a batch", s.steps},
-      {"kvlab_finished_total", "requests finished (EOS, max_tokens, a full context)", s.finished},
-      {"kvlab_cancelled_total", "requests cancelled (a client gone, a stop string, --abort)",
-       s.cancelled},
-      {"kvlab_rejected_total", "requests the engine rejected (never fit, a fault)", s.rejected},
-      {"kvlab_kv_handoffs_total",
-       "requests prefilled and handed with their KV to a decode replica (disaggregated)",
-       s.handed_off},
-      {"kvlab_preemptions_total", "running requests preempted for memory", s.preemptions},
-      {"kvlab_prefill_tokens_total", "prompt tokens computed", s.prefill_tokens},
-      {"kvlab_decode_tokens_total", "tokens decoded", s.decode_tokens},
-      {"kvlab_swapped_bytes_total", "KV bytes copied to and from the host swap pool", s.swap_bytes},
-      {"kvlab_tier_bytes_stored_total", "KV bytes stored into the host and disk tiers",
-       kv.host_bytes_stored + kv.disk_bytes_stored},
-      {"kvlab_tier_bytes_loaded_total", "KV bytes loaded back from the host and disk tiers",
-       kv.host_bytes_loaded + kv.disk_bytes_loaded},
-      {"kvlab_prompt_tokens_total", "prompt tokens of the requests answered",
-       shared.prompt_tokens.load()},
-      {"kvlab_completion_tokens_total", "tokens generated for the requests answered",
-       shared.completion_tokens.load()}};
-  for (const Counter& c : counters)
-    metric(out, c.name, c.help, static_cast<double>(c.value), "counter");
-}
-
-// A cluster's gauges per replica (label replica="i"): what a gateway or autoscaler scraping the
-// replicas one by one would read.
-void replica_lines(std::string& out, const LiveCluster& cluster) {
-  struct Gauge {
-    const char* name;
-    const char* help;
-    double (*value)(const LiveStats&);
-  };
-  static const Gauge gauges[] = {
-      {"kvlab_replica_queue_length", "requests waiting on the replica",
-       [](const LiveStats& s) { return static_cast<double>(s.waiting + s.queued); }},
-      {"kvlab_replica_running", "requests in the replica's running batch",
-       [](const LiveStats& s) { return static_cast<double>(s.running); }},
-      {"kvlab_replica_kv_used_fraction", "the replica's pool slots holding live tokens' KV",
-       [](const LiveStats& s) {
-         return s.kv.capacity > 0
-                    ? static_cast<double>(s.kv.used) / static_cast<double>(s.kv.capacity)
-                    : 0.0;
-       }},
-      {"kvlab_replica_finished_total", "requests the replica finished",
-       [](const LiveStats& s) { return static_cast<double>(s.finished); }},
-      {"kvlab_replica_kv_handoffs_total", "requests the replica prefilled and handed off",
-       [](const LiveStats& s) { return static_cast<double>(s.handed_off); }}};
-  std::vector<LiveStats> stats;
-  for (std::size_t r = 0; r < cluster.size(); ++r) stats.push_back(cluster.replica_stats(r));
-  for (const Gauge& g : gauges) {
-    const bool counter = std::string_view(g.name).ends_with("_total");
-    out += fmt::format("# HELP {0} {1}\n# TYPE {0} {2}\n", g.name, g.help,
-                       counter ? "counter" : "gauge");
-    for (std::size_t r = 0; r < stats.size(); ++r)
-      out += fmt::format("{}{{replica=\"{}\"}} {}\n", g.name, r, g.value(stats[r]));
-  }
-}
-
-}  // namespace
-
-// The engine's state after its last step and the server's counters, in the metric registry's
-// names (kvlab_ + the name; counters end in _total).
-std::string metrics_text(OpenAiServer::Shared& shared) {
-  const LiveStats s = shared.engine.stats();
-  const KvAllocatorStats& kv = s.kv;
-  const double capacity = kv.capacity > 0 ? static_cast<double>(kv.capacity) : 1.0;
-  std::string out;
-  metric(out, "kvlab_queue_length", "requests waiting: taken by the engine, not running",
-         static_cast<double>(s.waiting + s.queued));
-  metric(out, "kvlab_running", "requests in the running batch", static_cast<double>(s.running));
-  metric(out, "kvlab_kv_used_fraction", "pool slots holding live tokens' KV",
-         static_cast<double>(kv.used) / capacity);
-  metric(out, "kvlab_kv_waste_fraction",
-         "pool slots reserved ahead or in unfilled last blocks (mean_kv_waste_fraction's parts)",
-         static_cast<double>(kv.reserved_unused + kv.last_block_slack) / capacity);
-  metric(out, "kvlab_prefix_hit_rate", "prompt tokens found in the prefix cache / looked up",
-         kv.prefix_query_tokens > 0 ? static_cast<double>(kv.prefix_hit_tokens) /
-                                          static_cast<double>(kv.prefix_query_tokens)
-                                    : 0.0);
-  metric(out, "kvlab_kv_slots", "the pool's capacity in tokens", static_cast<double>(kv.capacity));
-  counter_lines(out, s, shared);
-  if (shared.engine.size() > 1) replica_lines(out, shared.engine);
-  out += shared.ttft.text("kvlab_ttft_s", "time to first token, as the server saw it");
-  out += shared.tpot.text("kvlab_tpot_s", "time per output token after the first, per request");
-  out += shared.itl.text("kvlab_itl_s", "time between consecutive tokens");
-  out += shared.e2e.text("kvlab_e2e_s", "request submission to its end");
-  out +=
-      "# HELP kvlab_http_responses_total answers by status\n"
-      "# TYPE kvlab_http_responses_total counter\n";
-  std::lock_guard lock(shared.answered_mutex);
-  for (const auto& [status, count] : shared.answered)
-    out += fmt::format("kvlab_http_responses_total{{code=\"{}\"}} {}\n", status, count);
-  return out;
 }
 
 }  // namespace kvlab::serve

@@ -9,11 +9,13 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
 #include "kvlab/serve/openai_api.hpp"
 #include "kvlab/serve/openai_server.hpp"
+#include "request_journal.hpp"
 
 namespace kvlab::serve {
 
@@ -29,7 +31,9 @@ struct OpenAiServer::Shared {
         ttft(bounds),
         tpot(bounds),
         itl(bounds),
-        e2e(bounds) {}
+        e2e(bounds) {
+    if (!options.journal.empty()) journal = std::make_unique<RequestJournal>(options.journal);
+  }
   LiveCluster& engine;
   const ModelConfig& model;
   const Tokenizer* tokenizer;
@@ -39,9 +43,10 @@ struct OpenAiServer::Shared {
   std::atomic<std::uint64_t> next_seed{0};
   std::atomic<std::int64_t> next_id{0};
   std::atomic<std::int64_t> prompt_tokens{0}, completion_tokens{0};
-  std::int64_t created = std::chrono::duration_cast<std::chrono::seconds>(
-                             std::chrono::system_clock::now().time_since_epoch())
-                             .count();
+  std::int64_t started = unix_seconds();    // what /v1/models says the model was created
+  std::unique_ptr<RequestJournal> journal;  // null: none kept
+  std::mutex users_mutex;
+  std::set<std::string> users;  // the distinct `user` values seen (at most options.max_users)
   std::mutex answered_mutex;
   std::map<int, std::int64_t> answered;  // HTTP status -> answers
   void count_answer(int status) {
@@ -50,6 +55,11 @@ struct OpenAiServer::Shared {
   }
   // A token as text: the tokenizer's, or " <id>" without one.
   std::string token_text(std::int32_t token) const;
+  static std::int64_t unix_seconds() {
+    return std::chrono::duration_cast<std::chrono::seconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
 };
 
 std::string models_body(const OpenAiServer::Shared& shared);
@@ -97,11 +107,13 @@ class Generation : public std::enable_shared_from_this<Generation> {
   void end_stream();
   nlohmann::json usage() const;
   void observe_end(const Choice& c);
+  void journal_end(std::size_t i, const LiveOutcome& outcome) const;
 
   OpenAiServer::Shared& shared_;
   CompletionRequest request_;
   std::shared_ptr<HttpReply> reply_;
   std::string id_;
+  std::int64_t created_;  // the answer's "created": when the request came (Unix seconds)
   std::mutex mutex_;
   std::vector<Choice> choices_;
   std::size_t remaining_ = 0;

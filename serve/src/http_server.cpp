@@ -92,23 +92,28 @@ class Session : public std::enable_shared_from_this<Session> {
     net::post(stream_.get_executor(),
               [self = shared_from_this(), f = std::move(f)]() mutable { f(*self); });
   }
+  // A HEAD request gets the header alone, with the Content-Length the body would have had.
   void send(HttpResponse response) {
     response.keep_alive(keep_alive_);
     response.prepare_payload();
-    queue_write(wire_bytes(response), true);
+    queue_write(head_request_ ? wire_bytes(response.base()) : wire_bytes(response), true);
   }
+  // Chunked to an HTTP/1.1 client; to an HTTP/1.0 one (which has no chunked encoding) the bytes
+  // as they come, the connection's close ending the body (RFC 9112 6.3).
   void start_stream(HttpResponse header) {
     http::response<http::empty_body> head{header.result(), 11};
     for (const auto& field : header) head.set(field.name_string(), field.value());
+    chunked_ = http_version_ >= 11;
+    if (!chunked_) keep_alive_ = false;
     head.keep_alive(keep_alive_);
-    head.chunked(true);
+    head.chunked(chunked_);
     queue_write(wire_bytes(head.base()), false);
   }
   void chunk(const std::string& data) {
     if (data.empty()) return;  // an empty chunk would end the body
-    queue_write(fmt::format("{:x}\r\n{}\r\n", data.size(), data), false);
+    queue_write(chunked_ ? fmt::format("{:x}\r\n{}\r\n", data.size(), data) : data, false);
   }
-  void end_stream() { queue_write("0\r\n\r\n", true); }
+  void end_stream() { queue_write(chunked_ ? "0\r\n\r\n" : "", true); }
   void set_disconnect(std::function<void()> callback) {
     on_disconnect_ = std::move(callback);
     watch_disconnect();
@@ -119,6 +124,7 @@ class Session : public std::enable_shared_from_this<Session> {
   // waits for the interim answer before it sends the body; then the body. One read timeout for
   // both.
   void read_next() {
+    head_request_ = false;
     parser_.emplace();
     parser_->body_limit(static_cast<std::uint64_t>(state_->options.max_body_bytes));
     stream_.expires_after(seconds(state_->options.read_timeout_s));
@@ -156,6 +162,8 @@ class Session : public std::enable_shared_from_this<Session> {
     stream_.expires_never();  // the answer may take as long as the engine does
     HttpRequest request = parser_->release();
     keep_alive_ = request.keep_alive() && !state_->stopping;
+    head_request_ = request.method() == http::verb::head;
+    http_version_ = request.version();
     busy_ = true;
     ++state_->busy;
     ended_ = false;
@@ -166,6 +174,7 @@ class Session : public std::enable_shared_from_this<Session> {
 
   // The server's own error answer, then the connection closes.
   void refuse(http::status status, const std::string& message) {
+    if (state_->options.on_refused) state_->options.on_refused(static_cast<int>(status));
     keep_alive_ = false;
     busy_ = true;
     ++state_->busy;
@@ -283,6 +292,8 @@ class Session : public std::enable_shared_from_this<Session> {
   std::function<void()> on_disconnect_;
   bool keep_alive_ = true, busy_ = false, ended_ = false, gone_ = false, watching_ = false;
   bool writing_ = false;  // an async_write holds writes_.front()'s bytes
+  bool head_request_ = false, chunked_ = true;
+  unsigned http_version_ = 11;  // of the request being answered: 10 for HTTP/1.0
 };
 
 class SessionReply : public HttpReply {

@@ -9,6 +9,7 @@
 #include <set>
 
 #include "kvlab/engine/sampling.hpp"
+#include "kvlab/json_limits.hpp"
 
 namespace kvlab::serve {
 namespace {
@@ -18,6 +19,8 @@ using nlohmann::json;
 constexpr std::int64_t kMaxChoices = 128;  // n x prompts, as the API's n
 constexpr std::size_t kMaxStops = 16;
 constexpr std::size_t kMaxPrompts = 256;
+constexpr int kMaxJsonDepth = 32;           // a chat's content parts need 4
+constexpr std::size_t kMaxNameBytes = 256;  // user, cache_salt
 
 ApiError bad(const std::string& param, const std::string& message) {
   return ApiError(400, message, param);
@@ -70,6 +73,25 @@ std::optional<std::int64_t> get_int(const json& body, const char* name, std::int
   return x;
 }
 
+// A short printable string (user, cache_salt): it is written into the run's CSV and JSON, and a
+// served run records each distinct user. Control characters, a string past kMaxNameBytes, and
+// (`non_empty`) "" are 400s naming the field.
+std::string get_name(const json& body, const char* name, bool non_empty) {
+  const json* v = field(body, name);
+  if (!v) return {};
+  if (!v->is_string())
+    throw bad(name, fmt::format("'{}' must be a string, got {}", name, type_name(*v)));
+  std::string text = v->get<std::string>();
+  if (text.size() > kMaxNameBytes)
+    throw bad(name, fmt::format("'{}' must be at most {} bytes, got {}", name, kMaxNameBytes,
+                                text.size()));
+  if (non_empty && text.empty()) throw bad(name, fmt::format("'{}' must not be empty", name));
+  if (std::any_of(text.begin(), text.end(),
+                  [](char c) { return static_cast<unsigned char>(c) < 0x20 || c == 0x7f; }))
+    throw bad(name, fmt::format("'{}' must not hold control characters", name));
+  return text;
+}
+
 // Fields kvlab takes only at the value that changes nothing.
 void check_neutral(const json& body) {
   for (const char* name : {"presence_penalty", "frequency_penalty"})
@@ -105,7 +127,8 @@ void check_known_fields(const json& body, bool chat) {
                                                             "logit_bias",
                                                             "priority",
                                                             "top_k",
-                                                            "ignore_eos"};
+                                                            "ignore_eos",
+                                                            "cache_salt"};
   static const std::set<std::string, std::less<>> completions = {"prompt", "echo", "suffix",
                                                                  "best_of"};
   static const std::set<std::string, std::less<>> chats = {
@@ -173,6 +196,11 @@ void parse_messages(const json& body, CompletionRequest& r) {
     const json& msg = (*m)[i];
     if (!msg.is_object() || !msg.contains("role") || !msg["role"].is_string())
       throw bad("messages", fmt::format("messages[{}] needs a string 'role'", i));
+    for (const auto& [key, value] : msg.items())  // tool_calls, name, ...: refused, not dropped
+      if (key != "role" && key != "content")
+        throw bad("messages", fmt::format("messages[{}].{} is not supported by kvlab serve (a "
+                                          "message takes role and content)",
+                                          i, key));
     std::string role = msg["role"].get<std::string>();
     if (role == "developer") role = "system";
     if (role != "system" && role != "user" && role != "assistant")
@@ -258,6 +286,11 @@ std::string error_body(std::string_view message, std::string_view type, std::str
 }
 
 CompletionRequest parse_completion_request(std::string_view text, bool chat) {
+  // Before parsing: a body nested 100,000 deep parses, then overflows the stack when a message
+  // dumps part of it (the body's size is the HTTP layer's limit).
+  if (const std::string problem = json_limit_problem(text, {text.size(), kMaxJsonDepth});
+      !problem.empty())
+    throw ApiError(400, fmt::format("The JSON body of your request is {}", problem));
   const json body = json::parse(text, nullptr, false);
   if (body.is_discarded())
     throw ApiError(400, "We could not parse the JSON body of your request: it is not valid JSON");
@@ -282,10 +315,8 @@ CompletionRequest parse_completion_request(std::string_view text, bool chat) {
     if (!r.stream) throw bad("stream_options", "'stream_options' needs 'stream': true");
     r.include_usage = get_bool(*o, "include_usage", false);
   }
-  if (const json* u = field(body, "user")) {
-    if (!u->is_string()) throw bad("user", "'user' must be a string");
-    r.user = u->get<std::string>();
-  }
+  r.user = get_name(body, "user", false);
+  r.cache_salt = get_name(body, "cache_salt", true);
   const auto prompts =
       static_cast<std::int64_t>(chat ? 1 : std::max(r.prompt_texts.size(), r.prompt_ids.size()));
   if (prompts * r.n > kMaxChoices)

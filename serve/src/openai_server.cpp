@@ -55,12 +55,21 @@ bool authorized(const HttpRequest& request, const std::string& key) {
   return false;
 }
 
+// The methods a route takes (a 405's Allow header).
+const char* allowed_methods(const std::string& target) {
+  return target == "/v1/completions" || target == "/v1/chat/completions" ? "POST" : "GET, HEAD";
+}
+
 // The replicas' latest steps as kvlab view's data: a run each.
-std::string live_view_data(const LiveCluster& engine, const std::string& model) {
-  std::string text = "{\"title\":" + nlohmann::json(model + " (live)").dump() + ",\"runs\":[";
+std::string live_view_data(const LiveCluster& engine, const std::string& model,
+                           LiveViewDetail detail) {
+  std::string text = "{\"title\":" +
+                     nlohmann::json(model + " (live)")
+                         .dump(-1, ' ', false, nlohmann::json::error_handler_t::replace) +
+                     ",\"runs\":[";
   for (std::size_t r = 0; r < engine.size(); ++r)
-    (text += r ? "," : "") +=
-        engine.replica_view_json(r, engine.size() == 1 ? model : fmt::format("replica {}", r));
+    (text += r ? "," : "") += engine.replica_view_json(
+        r, engine.size() == 1 ? model : fmt::format("replica {}", r), detail);
   return text + "]}";
 }
 
@@ -103,7 +112,8 @@ OpenAiServer::~OpenAiServer() = default;
 
 void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   const std::string target(request.target().substr(0, request.target().find('?')));
-  const bool get = request.method() == http::verb::get;
+  // HEAD as GET: the HTTP layer sends the header alone (RFC 9110 9.3.2).
+  const bool get = request.method() == http::verb::get || request.method() == http::verb::head;
   const bool post = request.method() == http::verb::post;
   try {
     if (target == "/health") {
@@ -127,7 +137,8 @@ void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply)
       shared_->count_answer(200);
       return reply->send(json_response(http::status::ok, models_body(*shared_)));
     }
-    if (target == "/ui" || target == "/ui/data") return ui(target == "/ui", reply);
+    if ((target == "/ui" || target == "/ui/data") && shared_->options.ui)
+      return ui(target == "/ui", reply);
     if (target == "/metrics") {
       HttpResponse response = json_response(http::status::ok, metrics_text());
       shared_->count_answer(200);  // after: the text counts the answers before this one
@@ -138,7 +149,9 @@ void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply)
                    "not_found");
   } catch (const ApiError& e) {
     shared_->count_answer(e.status);
-    reply->send(error_response(e));
+    HttpResponse response = error_response(e);
+    if (e.status == 405) response.set(http::field::allow, allowed_methods(target));
+    reply->send(std::move(response));
   } catch (const Error& e) {  // the request's content (a chat the template cannot render)
     shared_->count_answer(400);
     reply->send(error_response(ApiError(400, e.what())));
@@ -150,7 +163,8 @@ void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply)
 
 // GET /ui: kvlab view's page over the engine's latest steps, polling /ui/data for more.
 void OpenAiServer::ui(bool page, const std::shared_ptr<HttpReply>& reply) {
-  std::string data = live_view_data(shared_->engine, shared_->options.model_name);
+  std::string data =
+      live_view_data(shared_->engine, shared_->options.model_name, *shared_->options.ui);
   HttpResponse response =
       json_response(http::status::ok, page ? results_view_html(std::move(data), true) : data);
   if (page) response.set(http::field::content_type, "text/html; charset=utf-8");
@@ -167,6 +181,7 @@ void OpenAiServer::completions(const HttpRequest& request, std::shared_ptr<HttpR
                    fmt::format("The model `{}` does not exist; this server serves `{}`",
                                parsed.model, shared_->options.model_name),
                    "model", "invalid_request_error", "model_not_found");
+  check_user(parsed.user);
   auto generation = std::make_shared<Generation>(*shared_, std::move(parsed), reply);
   reply->on_disconnect([weak = std::weak_ptr<Generation>(generation)] {
     if (auto g = weak.lock()) g->cancel_all();
@@ -179,6 +194,25 @@ void OpenAiServer::completions(const HttpRequest& request, std::shared_ptr<HttpR
     shared_->count_answer(refused->status);
     reply->send(std::move(response));
   }
+}
+
+// A served run records each distinct user as a tenant (its summary, its fairness counters):
+// past options.max_users of them, a new one is refused rather than recorded.
+void OpenAiServer::check_user(const std::string& user) {
+  if (user.empty()) return;
+  std::lock_guard lock(shared_->users_mutex);
+  if (shared_->users.contains(user)) return;
+  if (static_cast<std::int64_t>(shared_->users.size()) >= shared_->options.max_users)
+    throw ApiError(400,
+                   fmt::format("this server records at most {} distinct 'user' values (its "
+                               "--max-users); this one is new",
+                               shared_->options.max_users),
+                   "user");
+  shared_->users.insert(user);
+}
+
+void OpenAiServer::count_refusal(int status) {
+  shared_->count_answer(status);
 }
 
 std::string OpenAiServer::metrics_text() const {

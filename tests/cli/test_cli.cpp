@@ -70,9 +70,15 @@ TEST(Cli, ServeRefusesBadInputBeforeListening) {
   expect_failure("serve " + one + " --port 70000", "--port 70000: not in 0..65535");
   expect_failure("serve " + one + " --max-queued 0", "--max-queued must be >= 1");
   expect_failure("serve " + one + " --max-body-mb 0", "--max-body-mb must be in (0, 1024]");
-  expect_failure("serve " + one + " --read-timeout 0", "--read-timeout must be > 0");
-  expect_failure("serve " + quickstart + " --set scheduler.name=fcfs --max-seconds -1",
-                 "--max-seconds must be >= 0");
+  // A timeout or deadline past a day (or a year) once overflowed the clock and dropped every
+  // connection at once.
+  for (const char* timeout : {"0", "inf", "1e300", "1e10", "nan"})
+    expect_failure("serve " + one + " --read-timeout " + timeout, "must be in (0, 86400] seconds");
+  for (const char* seconds : {"-1", "inf", "1e300"})
+    expect_failure("serve " + quickstart + " --set scheduler.name=fcfs --max-seconds " + seconds,
+                   "must be in [0, 31600000]");
+  expect_failure("serve " + one + " --ui everything", "--ui");
+  expect_failure("serve " + one + " --max-users 0", "--max-users must be >= 1");
   expect_failure("serve /nonexistent.toml", "/nonexistent.toml");
   // A results folder that holds an earlier run is refused before serving, not after it.
   test::TempDir out;

@@ -312,6 +312,39 @@ TEST(KvlabView, ThePageJoinsTheResultsFolderAndForceReplacesIt) {
       << bad.err;
 }
 
+// kvlab view never writes over the folder's own files, nor an existing file without --force, and
+// replaces a planted view.html symlink itself, never what it points to.
+TEST(KvlabView, ThePageNeverOverwritesInputsOrOtherFiles) {
+  test::TempDir dir;
+  const auto file = write_experiment(dir, kSmall);
+  const std::string out = (dir / "o").string();
+  ASSERT_EQ(kvlab("run " + file + " --out " + out).exit_code, 0);
+  const std::string runs = test::read_file(dir / "o" / "runs.json");
+  for (const std::string input : {"runs.json", ".kvlab-results.json"}) {
+    const Result r = kvlab("view " + out + " --force --out " + (dir / "o" / input).string());
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("one of the results folder's own files"), std::string::npos) << r.err;
+  }
+  EXPECT_EQ(test::read_file(dir / "o" / "runs.json"), runs);
+  test::write_file(dir / "mine.html", "mine");
+  const Result taken = kvlab("view " + out + " --out " + (dir / "mine.html").string());
+  EXPECT_EQ(taken.exit_code, 1);
+  EXPECT_NE(taken.err.find("exists: pass --force"), std::string::npos) << taken.err;
+  EXPECT_EQ(test::read_file(dir / "mine.html"), "mine");
+  EXPECT_EQ(kvlab("view " + out + " --force --out " + (dir / "mine.html").string()).exit_code, 0);
+  EXPECT_NE(test::read_file(dir / "mine.html").find("kvlab view"), std::string::npos);
+  // Its own page, as kvlab wrote it, is replaced without --force; a planted link is not.
+  ASSERT_EQ(kvlab("view " + out).exit_code, 0);
+  ASSERT_EQ(kvlab("view " + out).exit_code, 0);
+  test::write_file(dir / "credentials", "secret");
+  std::filesystem::remove(dir / "o" / "view.html");
+  std::filesystem::create_symlink(dir / "credentials", dir / "o" / "view.html");
+  EXPECT_EQ(kvlab("view " + out).exit_code, 1);
+  ASSERT_EQ(kvlab("view " + out + " --force").exit_code, 0);
+  EXPECT_EQ(test::read_file(dir / "credentials"), "secret");
+  EXPECT_FALSE(std::filesystem::is_symlink(dir / "o" / "view.html"));
+}
+
 // Re-running the experiment.toml a results folder holds, into that folder: the input is read
 // before anything is replaced and is still there, byte for byte, afterwards.
 TEST(KvlabRun, ForceKeepsTheInputBeingRun) {

@@ -156,20 +156,46 @@ TEST(ResultsView, TheDataHoldsEveryRunsStepsRequestsEventsAndFrames) {
   EXPECT_EQ(data["runs"][0]["name"], "000_static");
 }
 
-// No script or style comes from elsewhere, and no text in the data closes its script element.
-TEST(ResultsView, ThePageIsSelfContained) {
+// No script or style comes from elsewhere, no text in the data closes its script element or
+// changes how the HTML parser reads it, and a Content-Security-Policy runs only the page's own
+// scripts (each carries the page's nonce).
+TEST(ResultsView, ThePageIsSelfContainedAndItsDataIsInertText) {
   nlohmann::json data = {{"title", "t"}, {"runs", nlohmann::json::array()}};
-  data["runs"].push_back({{"name", "</script><script>alert(1)</script>"}});
+  const std::string hostile = "</script><script>alert(1)</script><!--<script>&amp;\xE2\x80\xA8";
+  data["runs"].push_back({{"name", hostile}});
   const std::string page = results_view_html(data);
   EXPECT_EQ(page.find("<script src"), std::string::npos);
   EXPECT_EQ(page.find("<link rel=\"stylesheet"), std::string::npos);
   EXPECT_EQ(page.find("href=\"http"), std::string::npos);
   EXPECT_NE(page.find("<link rel=\"icon\" href=\"data:,\">"), std::string::npos);  // no fetch
-  EXPECT_EQ(page.find("alert(1)</script>"), std::string::npos);
-  EXPECT_NE(page.find("<\\/script><script>alert(1)<\\/script>"), std::string::npos);
+  EXPECT_EQ(page.find("alert(1)"), page.find("alert(1)\\u003c"));  // only inside the data
+  EXPECT_EQ(page.find("<!--<script>"), std::string::npos);
   EXPECT_NE(page.find("Chart.js v3"), std::string::npos);  // embedded, license header and all
-  EXPECT_NE(page.find("window.KVLAB_LIVE = false"), std::string::npos);
-  EXPECT_NE(results_view_html(data, true).find("window.KVLAB_LIVE = true"), std::string::npos);
+  // The data element's text parses back to the same strings.
+  const std::string open = "type=\"application/json\" data-live=\"false\">";
+  const std::size_t from = page.find(open);
+  ASSERT_NE(from, std::string::npos);
+  const std::size_t start = from + open.size();
+  const std::size_t end = page.find("</script>", start);
+  const auto parsed = nlohmann::json::parse(page.substr(start, end - start));
+  EXPECT_EQ(parsed["runs"][0]["name"], hostile);
+  EXPECT_NE(results_view_html(data, true).find("data-live=\"true\""), std::string::npos);
+  // The policy: scripts and the style by nonce only, no remote loads, no connections.
+  const std::size_t csp = page.find("Content-Security-Policy\" content=\"default-src 'none'; ");
+  ASSERT_NE(csp, std::string::npos);
+  const std::size_t nonce_at = page.find("'nonce-", csp) + 7;
+  const std::string nonce = page.substr(nonce_at, page.find('\'', nonce_at) - nonce_at);
+  EXPECT_EQ(nonce.size(), 32u);
+  std::size_t scripts = 0, carrying = 0;
+  for (std::size_t at = page.find("<script"); at != std::string::npos;
+       at = page.find("<script", at + 1)) {
+    ++scripts;
+    if (page.compare(at, 8 + 7 + nonce.size(), "<script nonce=\"" + nonce) == 0) ++carrying;
+  }
+  EXPECT_EQ(carrying, scripts - 1);  // all but the data element, which is not run
+  EXPECT_NE(page.find("connect-src 'none'"), std::string::npos);
+  EXPECT_NE(results_view_html(data, true).find("connect-src 'self'"), std::string::npos);
+  EXPECT_EQ(results_view_html(data).find(nonce), std::string::npos);  // a new page, a new nonce
 }
 
 TEST(ResultsView, CsvCellsKeepQuotedCommasAndQuotes) {
@@ -212,6 +238,80 @@ TEST(ResultsView, BadFoldersAndFilesAreClearErrors) {
       << bad_frame;
   write_text(folder / "runs.json", "[{\"dir\": \"../elsewhere\"}]");
   EXPECT_NE(error_of(folder).find("not a run folder"), std::string::npos);
+}
+
+// kvlab view reads only the folder's own regular files: a symlink (to a credentials file the page
+// would embed) is an error naming it, never followed; so is a run folder that is a symlink.
+TEST(ResultsView, SymlinksAreNeverFollowed) {
+  const test::TempDir dir;
+  const fs::path folder = write_results(dir);
+  write_text(dir / "secret.txt", "{\"ttft_s\": {\"mean\": 1}, \"password\": \"hunter2\"}");
+  fs::remove(folder / "001_fcfs" / "summary.json");
+  fs::create_symlink(dir / "secret.txt", folder / "001_fcfs" / "summary.json");
+  const std::string linked = error_of(folder);
+  EXPECT_NE(linked.find("summary.json is a symbolic link, not a regular file"), std::string::npos)
+      << linked;
+  fs::remove(folder / "001_fcfs" / "summary.json");
+  fs::rename(folder / "001_fcfs" / "events.jsonl", dir / "events.jsonl");
+  fs::create_symlink(dir / "events.jsonl", folder / "001_fcfs" / "events.jsonl");
+  EXPECT_NE(error_of(folder).find("events.jsonl is a symbolic link"), std::string::npos);
+  fs::rename(dir / "events.jsonl", folder / "001_fcfs" / "events.jsonl.real");
+  fs::remove(folder / "001_fcfs" / "events.jsonl");
+  fs::rename(folder / "001_fcfs" / "events.jsonl.real", folder / "001_fcfs" / "events.jsonl");
+  EXPECT_EQ(error_of(folder), "");  // as it was: it reads again
+  fs::rename(folder / "001_fcfs", dir / "elsewhere");
+  fs::create_symlink(dir / "elsewhere", folder / "001_fcfs");
+  EXPECT_NE(error_of(folder).find("not a folder of the results folder"), std::string::npos);
+}
+
+// A value nested 100,000 deep in any JSON file the view reads is an error naming the file (and
+// the line of a JSON-lines file), not a stack overflow; the summary keeps only the numbers the
+// page shows.
+TEST(ResultsView, DeeplyNestedJsonIsAClearErrorNotACrash) {
+  const test::TempDir dir;
+  const fs::path folder = write_results(dir);
+  const fs::path run = folder / "001_fcfs";
+  const std::string deep = std::string(100'000, '[') + std::string(100'000, ']');
+  const std::string summary = test::read_file(run / "summary.json");
+  write_text(run / "summary.json", "{\"x\": " + deep + "}");
+  const std::string in_summary = error_of(folder);
+  EXPECT_NE(in_summary.find("summary.json is nested deeper than 32 levels"), std::string::npos)
+      << in_summary;
+  write_text(run / "summary.json", summary);
+  const std::string events = test::read_file(run / "events.jsonl");
+  write_text(run / "events.jsonl", events + "{\"step\": 1, \"event\": " + deep + "}\n");
+  const std::string in_events = error_of(folder);
+  EXPECT_NE(in_events.find("events.jsonl line"), std::string::npos) << in_events;
+  EXPECT_NE(in_events.find("nested deeper than 32"), std::string::npos) << in_events;
+  write_text(run / "events.jsonl", events);
+  const std::string frames = test::read_file(run / "frames.jsonl");
+  write_text(run / "frames.jsonl", "{\"step\": 0, \"batch\": " + deep + ", \"runs\": []}\n");
+  EXPECT_NE(error_of(folder).find("frames.jsonl line 1: nested deeper"), std::string::npos);
+  write_text(run / "frames.jsonl", frames);
+  write_text(folder / "runs.json", deep);
+  EXPECT_NE(error_of(folder).find("runs.json is nested deeper"), std::string::npos);
+  write_text(folder / "runs.json", "[{\"dir\": \"001_fcfs\"}]");
+  const nlohmann::json data = results_view_data(folder);
+  const nlohmann::json& kept = data["runs"][0]["summary"];
+  EXPECT_TRUE(kept["ttft_s"]["mean"].is_number());
+  EXPECT_EQ(kept["ttft_s"].size(), 1u);  // the mean only: nothing else of the file is embedded
+}
+
+// A tenant name with a comma, a quote and a line break: requests.csv quotes it (RFC 4180) and
+// the view reads the row whole.
+TEST(ResultsView, QuotedCellsMaySpanLines) {
+  EXPECT_EQ(csv_field("plain"), "plain");
+  EXPECT_EQ(csv_field("a,b\"c\nd"), "\"a,b\"\"c\nd\"");
+  const test::TempDir dir;
+  const fs::path folder = write_results(dir);
+  const fs::path file = folder / "001_fcfs" / "requests.csv";
+  std::string text = test::read_file(file);
+  const std::size_t second_row = text.find('\n') + 1;
+  const std::size_t tenant = text.find(',', text.find(',', second_row) + 1) + 1;  // id,priority,
+  text.insert(tenant, csv_field("evil,\"tenant\"\nrow"));
+  write_text(file, text);
+  const nlohmann::json data = results_view_data(folder);
+  EXPECT_EQ(data["runs"][1]["requests"]["id"].size(), 24u);
 }
 
 }  // namespace

@@ -10,6 +10,7 @@
 #include <boost/beast/http/read.hpp>
 #include <boost/beast/http/write.hpp>
 #include <chrono>
+#include <functional>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -91,18 +92,20 @@ class ServedStack {
   explicit ServedStack(const std::vector<std::string>& sets = {}, LiveOptions live = {},
                        serve::HttpServerOptions http = {}, std::string api_key = {})
       : ServedStack(small_served_experiment(sets), live, http, std::move(api_key)) {}
-  // Any experiment's (validated) run.
+  // Any experiment's (validated) run; `adjust` changes the OpenAI routes' options (/ui, users,
+  // the journal) from what kvlab serve's defaults are.
   ServedStack(std::vector<ExperimentRun> runs, LiveOptions live, serve::HttpServerOptions http,
-              std::string api_key)
+              std::string api_key, const std::function<void(serve::OpenAiOptions&)>& adjust = {})
       : runs_(std::move(runs)),
         served_(runs_.front().config, live, {}),
         openai_(served_.engine(), served_.model(), nullptr, std::nullopt,
-                {served_.model().name, std::move(api_key), 1, served_.kv_slots()}) {
+                options(std::move(api_key), adjust)) {
     http.host = "127.0.0.1";
     http.port = 0;
     http.error_body = [](int, const std::string& message) {
       return serve::error_body(message, "server_error", "", "");
     };
+    http.on_refused = [this](int status) { openai_.count_refusal(status); };
     server_ = std::make_unique<serve::HttpServer>(
         http, [this](serve::HttpRequest r, std::shared_ptr<serve::HttpReply> reply) {
           openai_.handle(std::move(r), std::move(reply));
@@ -122,7 +125,18 @@ class ServedStack {
   }
 
   std::uint16_t port() const { return server_->port(); }
+  // The options the routes were made with (as kvlab serve's, then adjusted).
+  serve::OpenAiOptions options(std::string api_key,
+                               const std::function<void(serve::OpenAiOptions&)>& adjust) const {
+    serve::OpenAiOptions o;
+    o.model_name = served_.model().name;
+    o.api_key = std::move(api_key);
+    o.max_sequence_tokens = served_.kv_slots();
+    if (adjust) adjust(o);
+    return o;
+  }
   ServedExperiment& served() { return served_; }
+  const ExperimentConfig& config() const { return runs_.front().config; }
   serve::HttpServer& server() { return *server_; }
   serve::OpenAiServer& openai() { return openai_; }
   const std::string& model_name() const { return served_.model().name; }

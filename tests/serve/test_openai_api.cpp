@@ -99,6 +99,11 @@ TEST(OpenAiApi, EveryBadFieldIsNamed) {
       {{{"prompt", json::array()}}, "prompt"},
       {{{"prompt", {"a", {1}}}}, "prompt"},
       {{{"messages", json::array()}}, "messages"},  // a chat field on completions
+      {{{"user", 7}}, "user"},
+      {{{"user", "two\nlines"}}, "user"},
+      {{{"user", std::string(257, 'u')}}, "user"},
+      {{{"cache_salt", ""}}, "cache_salt"},
+      {{{"cache_salt", 1}}, "cache_salt"},
   };
   for (const auto& [change, param] : cases) {
     json body = base;
@@ -118,6 +123,31 @@ TEST(OpenAiApi, EveryBadFieldIsNamed) {
                 .param,
             "top_logprobs");
   EXPECT_EQ(error_of({{"prompt", "p"}}).param, "model");
+  // An assistant's tool_calls (or any key but role and content) is refused, never dropped.
+  const ApiError tools = error_of(
+      {{"model", "m"},
+       {"messages",
+        {{{"role", "assistant"}, {"content", "x"}, {"tool_calls", json::array({{{"id", "c"}}})}}}}},
+      true);
+  EXPECT_EQ(tools.param, "messages");
+  EXPECT_NE(tools.message.find("messages[0].tool_calls is not supported"), std::string::npos)
+      << tools.message;
+}
+
+TEST(OpenAiApi, UserAndCacheSaltAreRead) {
+  const CompletionRequest r = parse_completion_request(
+      R"({"model": "m", "prompt": "p", "user": "a, \"b\"", "cache_salt": "s3cret"})", false);
+  EXPECT_EQ(r.user, "a, \"b\"");
+  EXPECT_EQ(r.cache_salt, "s3cret");
+  try {
+    (void)parse_completion_request(
+        "{\"model\": \"m\", \"prompt\": " + std::string(40, '[') + std::string(40, ']') + "}",
+        false);
+    ADD_FAILURE() << "a body nested 40 deep was taken";
+  } catch (const ApiError& e) {
+    EXPECT_EQ(e.status, 400);
+    EXPECT_NE(e.message.find("nested deeper than 32 levels"), std::string::npos) << e.message;
+  }
 }
 
 TEST(OpenAiApi, ErrorBodyHasTheApisShape) {

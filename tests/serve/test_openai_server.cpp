@@ -208,17 +208,18 @@ TEST(Serve, ApiKeyGuardsEveryRouteButHealth) {
   EXPECT_EQ(http_call(stack.port(), http::verb::get, "/metrics?api_key=sk-test").status, 401);
 }
 
-// /ui: kvlab view's page, live; /ui/data: the engine's latest steps, requests, events and pool
-// frames as the page's data, the steps the engine ran.
+// /ui: kvlab view's page, live; /ui/data (--ui full): the engine's latest steps, requests,
+// events and pool frames as the page's data, the steps the engine ran.
 TEST(Serve, UiShowsTheEnginesLatestSteps) {
-  ServedStack stack;
+  ServedStack stack(small_served_experiment({}), {}, {}, {},
+                    [](serve::OpenAiOptions& o) { o.ui = LiveViewDetail::full; });
   ASSERT_EQ(post_json(stack.port(), "/v1/completions", completion(stack.model_name(), 5)).status,
             200);
   ASSERT_TRUE(eventually([&] { return stack.served().engine().stats().running == 0; }));
   const HttpResult page = http_call(stack.port(), http::verb::get, "/ui");
   ASSERT_EQ(page.status, 200);
   EXPECT_EQ(page.headers.at("Content-Type"), "text/html; charset=utf-8");
-  EXPECT_NE(page.body.find("window.KVLAB_LIVE = true"), std::string::npos);
+  EXPECT_NE(page.body.find("data-live=\"true\""), std::string::npos);
   const HttpResult data = http_call(stack.port(), http::verb::get, "/ui/data");
   ASSERT_EQ(data.status, 200);
   const nlohmann::json run = data.json()["runs"][0];

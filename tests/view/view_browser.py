@@ -8,13 +8,18 @@ Runs experiments/quickstart.toml, writes its view, opens it and checks:
     frames.jsonl) equal steps.csv's kv_used / kv_reserved_unused / kv_last_block_slack /
     kv_cached_free at that step, for both runs side by side;
   - its screenshot at the quickstart's step 40 (--screenshot).
-Also: kvlab view's errors for a folder that is not a results folder; and kvlab serve's /ui
-(live, on 127.0.0.1 only, 12 requests, the server stops by itself): the page follows the
-server's steps, and a pool frame's slot counts equal its step's KV numbers.
+Also: kvlab view's errors for a folder that is not a results folder; a hostile results folder
+(markup and script in labels, events and frames, a frame that would take the pool map 10^15
+cells, summary numbers as strings): nothing of it runs, its strings show as text, the page draws
+the rest and says what it left out; and kvlab serve's /ui (live, on 127.0.0.1 only, 12
+requests, the server stops by itself) with --ui full (the page follows the server's steps, and a
+pool frame's slot counts equal its step's KV numbers) and by default (aggregates: no pool, no
+requests; the page says what is withheld).
 """
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -118,15 +123,79 @@ def main():
             fail(f"console errors: {errors}")
     finally:
         driver.quit()
-    check_live(kvlab, source, out)
+    check_hostile(kvlab, results, out)
+    check_live(kvlab, source, out, "full")
+    check_live(kvlab, source, out, "aggregate")
     print("kvlab view in chromium: OK")
 
 
-def check_live(kvlab, source, out):
+PAYLOAD = '<img src=x onerror="window.kvlabPwned=1">'
+
+
+def check_hostile(kvlab, results, out):
+    """A results folder someone crafted: nothing of it may run, hang or blank the page."""
+    folder = os.path.join(out, "hostile")
+    shutil.copytree(results, folder)
+    with open(os.path.join(folder, "runs.json")) as f:
+        runs = json.load(f)
+    runs[0]["label"] = "</script><!--<script>window.kvlabPwned=2</script>" + PAYLOAD
+    with open(os.path.join(folder, "runs.json"), "w") as f:
+        json.dump(runs, f)
+    run = os.path.join(folder, runs[0]["dir"])
+    with open(os.path.join(run, "frames.jsonl")) as f:
+        frames = [json.loads(line) for line in f if line.strip()]
+    frames[1]["batch"] = [[PAYLOAD, 5, 0, 0, 0]]              # markup as a request id
+    frames[2]["tiers"] = [PAYLOAD, 1, 0, 0]                   # ... as a tier's count
+    frames[3]["runs"] = [[0, 10**15, 0, "used"]]              # 10^15 slots: a hang
+    frames[4]["runs"] = [[0, 4, 0, PAYLOAD]]                  # an unknown state
+    with open(os.path.join(run, "frames.jsonl"), "w") as f:
+        f.writelines(json.dumps(frame) + "\n" for frame in frames)
+    with open(os.path.join(run, "events.jsonl"), "a") as f:
+        f.write(json.dumps({"step": 0, "event": PAYLOAD, "request": 1, "reason": "<script>x"}) + "\n")
+    with open(os.path.join(run, "summary.json"), "w") as f:
+        json.dump({"ttft_s": {"mean": "fast"}, "output_tokens_per_s": PAYLOAD}, f)
+    page = os.path.join(out, "hostile.html")
+    subprocess.run([kvlab, "view", folder, "--out", page], check=True, stdout=subprocess.DEVNULL)
+    driver = browser()
+    try:
+        driver.set_script_timeout(20)
+        driver.set_page_load_timeout(60)
+        driver.get("file://" + os.path.abspath(page))
+        if not driver.execute_script("return window.kvlabView !== undefined;"):
+            fail("the hostile page's script did not start")
+        for step in (0, 1, 2, 3, 4, 5):  # each crafted frame drawn, within the script timeout
+            driver.execute_script("window.kvlabView.setStep(0, arguments[0]);", step)
+        pwned = driver.execute_script("return window.kvlabPwned;")
+        images = driver.execute_script("return document.querySelectorAll('img').length;")
+        if pwned is not None or images:
+            fail(f"the hostile folder's markup ran: kvlabPwned={pwned}, {images} img elements")
+        shown = driver.execute_script("return document.body.innerText;")
+        label = driver.execute_script("return document.getElementById('run-a').options[0].text;")
+        if label != runs[0]["label"]:
+            fail(f"the run's label is not shown as its text: {label!r}")
+        driver.execute_script("window.kvlabView.setStep(0, 0);")
+        shown = driver.execute_script("return document.body.innerText;")
+        if PAYLOAD not in shown:
+            fail("the crafted event's kind is not shown as text at step 0")
+        problems = driver.execute_script("return window.kvlabView.problems();")
+        if "3 malformed pool frames left out" not in problems:
+            fail(f"the page does not say what it left out: {problems!r}")
+        state = driver.execute_script("return window.kvlabView.state();")
+        if state[0]["step"] != 0 or state[1]["frameStep"] != 0:
+            fail(f"the hostile page does not draw the rest: {state}")
+        errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+        if errors:
+            fail(f"console errors on the hostile page: {errors}")
+        print(f"hostile folder: nothing ran; {problems}")
+    finally:
+        driver.quit()
+
+
+def check_live(kvlab, source, out, ui):
     server = subprocess.Popen(
         [kvlab, "serve", os.path.join(source, "experiments/quickstart.toml"), "--port", "0",
-         "--max-seconds", "60", "--api-key", "k3y", "--out", os.path.join(out, "served"),
-         "--set", 'scheduler.name="fcfs"'],
+         "--max-seconds", "60", "--api-key", "k3y", "--out", os.path.join(out, "served_" + ui),
+         "--set", 'scheduler.name="fcfs"', "--ui", ui],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         port = None
@@ -159,6 +228,17 @@ def check_live(kvlab, source, out):
             if not steps["step"] or state["step"] != steps["step"][-1]:
                 fail(f"/ui shows step {state['step']}, the server's last is "
                      f"{steps['step'][-1] if steps['step'] else None}")
+            if ui == "aggregate":
+                note = driver.find_element("id", "note").text
+                if "used" in steps or data["frames"] or data["requests"]["id"] or \
+                        "Withheld" not in note or state["frameStep"] != -1:
+                    fail(f"/ui by default shows more than aggregates: {sorted(steps)}, "
+                         f"{len(data['frames'])} frames; the page says {note!r}")
+                errors = [e for e in driver.get_log("browser") if e["level"] in ("SEVERE", "ERROR")]
+                if errors:
+                    fail(f"console errors on /ui (aggregate): {errors}")
+                print(f"live /ui, aggregate: {len(steps['step'])} steps; {note}")
+                return
             frame = data["frames"][len(data["frames"]) // 2]
             driver.execute_script("window.kvlabView.setStep(0, arguments[0]);", frame["step"])
             state = driver.execute_script("return window.kvlabView.state();")[0]

@@ -38,8 +38,9 @@ namespace kvlab {
 // speculative verify's rows of logits); 18: RequestState::proposed (a decode's speculative
 // proposals, which a scheduler may grant with it: RequestState::schedulable_tokens); 19: the
 // proposer kind (Proposer, ProposeAsk), PluginContext::draft; 20: KvAllocator::pool_map (the
-// pool drawn slot by slot for kvlab view).
-inline constexpr std::uint32_t kPluginAbiVersion = 20;
+// pool drawn slot by slot for kvlab view); 21: PrefixHashCache::salt (a request's cache salt
+// starts its prefix chain).
+inline constexpr std::uint32_t kPluginAbiVersion = 21;
 
 namespace detail {
 

@@ -256,9 +256,9 @@ void LiveEngine::on_frame(StepFrame frame) {
   view_frame_ = std::move(frame);
 }
 
-std::string LiveEngine::view_json(const std::string& name) const {
+std::string LiveEngine::view_json(const std::string& name, LiveViewDetail detail) const {
   std::lock_guard lock(mutex_);
-  return view_.json_text(name);
+  return view_.json_text(name, detail);
 }
 
 // Each request the last step prefilled for another engine hands its KV to its on_handoff, and

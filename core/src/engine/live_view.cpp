@@ -60,7 +60,11 @@ nlohmann::json optional_number(const std::optional<double>& value) {
 
 }  // namespace
 
-std::string LiveViewFeed::json_text(const std::string& name) const {
+// The step columns a client sees in the aggregate view: none depends on which prompt tokens
+// were found in the prefix cache (a step's duration does, as any client's TTFT does: serving.md).
+constexpr const char* kAggregateStepKeys[] = {"step", "t", "dur", "batch", "waiting", "running"};
+
+nlohmann::json LiveViewFeed::step_columns(LiveViewDetail detail) const {
   constexpr const char* kStepKeys[] = {
       "step",    "t",        "dur",  "batch",    "prefill", "decode", "preempted", "waiting",
       "running", "capacity", "used", "reserved", "slack",   "free",   "cached",    "padding"};
@@ -85,10 +89,18 @@ std::string LiveViewFeed::json_text(const std::string& name) const {
                           static_cast<double>(s.padding_slots)};
     for (std::size_t k = 0; k < std::size(kStepKeys); ++k) steps[kStepKeys[k]].push_back(row[k]);
   }
+  if (detail == LiveViewDetail::full) return steps;
+  nlohmann::json kept = nlohmann::json::object();
+  for (const char* key : kAggregateStepKeys) kept[key] = std::move(steps[key]);
+  return kept;
+}
+
+nlohmann::json LiveViewFeed::request_columns(LiveViewDetail detail) const {
   nlohmann::json requests = nlohmann::json::object();
   for (const char* key : {"id", "arrival", "scheduled", "first_token", "finish", "prompt", "output",
                           "ttft", "tpot", "preemptions", "rejected", "reason"})
     requests[key] = nlohmann::json::array();
+  if (detail == LiveViewDetail::aggregate) return requests;
   for (const auto& [id, l] : lanes_) {
     requests["id"].push_back(id);
     requests["arrival"].push_back(l.arrival);
@@ -106,18 +118,29 @@ std::string LiveViewFeed::json_text(const std::string& name) const {
     requests["rejected"].push_back(l.rejected ? 1 : 0);
     requests["reason"].push_back(l.reason);
   }
+  return requests;
+}
+
+std::string LiveViewFeed::json_text(const std::string& name, LiveViewDetail detail) const {
+  const bool full = detail == LiveViewDetail::full;
   nlohmann::json events = nlohmann::json::array();
-  for (const EngineEvent& e : events_)
-    events.push_back({e.step, event_kind_name(e.kind), e.request, e.reason});
-  const nlohmann::json run = {{"name", name},
-                              {"steps", std::move(steps)},
-                              {"requests", std::move(requests)},
-                              {"events", std::move(events)},
-                              {"block_size", 0}};
+  if (full)
+    for (const EngineEvent& e : events_)
+      events.push_back({e.step, event_kind_name(e.kind), e.request, e.reason});
+  nlohmann::json run = {{"name", name},
+                        {"steps", step_columns(detail)},
+                        {"requests", request_columns(detail)},
+                        {"events", std::move(events)},
+                        {"block_size", 0}};
+  if (!full)
+    run["withheld"] =
+        "the KV pool, prefill counts, events and requests: other clients' prefix-cache hits "
+        "would show in them (the operator's kvlab serve --ui full shows them)";
   std::string text = run.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   text.pop_back();  // the closing brace: the frames go before it
   text += ",\"frames\":[";
-  for (std::size_t i = 0; i < frames_.size(); ++i) (text += i ? "," : "") += frames_[i];
+  if (full)
+    for (std::size_t i = 0; i < frames_.size(); ++i) (text += i ? "," : "") += frames_[i];
   return text + "]}";
 }
 

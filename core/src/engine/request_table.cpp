@@ -20,6 +20,7 @@ RequestId RequestTable::add(const WorkloadRequest& w) {
   r.arrival_s = arrivals_at_zero_ ? 0.0 : w.arrival_s;
   r.priority = w.priority;
   r.tenant = w.tenant;
+  r.prefix_hashes.salt = cache_salt_hash(w.cache_salt);
   if (w.slo.ttft_s) r.ttft_deadline_s = r.arrival_s + *w.slo.ttft_s;
   r.prompt_tokens = static_cast<std::int64_t>(w.prompt.size());
   r.max_new_tokens = w.output_tokens;

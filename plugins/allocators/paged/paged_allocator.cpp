@@ -36,6 +36,7 @@ struct Sequence {
   // Chain hashes of its full blocks: the prompt's (from its lookup) and then each computed
   // block's; blocks [0, computed_blocks) are registered in the prefix cache.
   std::vector<std::uint64_t> hashes;
+  std::uint64_t salt = 0;  // the chain's start (the request's cache salt)
   std::vector<std::int32_t> tokens;
   std::int64_t length = 0;                   // positions written
   std::int64_t slots = 0;                    // slot indices in use (== length before an eviction)
@@ -167,6 +168,7 @@ class PagedAllocator final : public KvAllocator {
     Sequence s;
     take_hits(chain, r.prompt, s);
     if (caching_) {  // the lookup's hashes (kept by the request): computed blocks reuse them
+      s.salt = r.prefix_hashes != nullptr ? r.prefix_hashes->salt : 0;
       const auto prompt_hashes = prompt_block_hashes(r);
       s.hashes.assign(prompt_hashes.begin(), prompt_hashes.end());
     }
@@ -235,7 +237,7 @@ class PagedAllocator final : public KvAllocator {
       const auto block_tokens = block_of(s.tokens, i);
       if (i == static_cast<std::int64_t>(s.hashes.size()))  // never more: i counts up from
         s.hashes.push_back(                                 // computed_blocks <= hashes.size()
-            chain_block_hash(i == 0 ? 0 : s.hashes[index(i - 1)], block_tokens));
+            chain_block_hash(i == 0 ? s.salt : s.hashes[index(i - 1)], block_tokens));
       const BlockId b = s.table[index(i)];
       if (b >= 0) blocks_.register_prefix(b, s.hashes[index(i)], block_tokens, i);  // -1: released
     }

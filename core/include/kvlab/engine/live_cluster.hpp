@@ -73,8 +73,9 @@ class LiveCluster {
   LiveStats stats() const;
   LiveStats replica_stats(std::size_t replica) const;
   // Any thread: the replica's latest steps for kvlab serve's /ui (LiveEngine::view_json).
-  std::string replica_view_json(std::size_t replica, const std::string& name) const {
-    return replicas_.at(replica)->view_json(name);
+  std::string replica_view_json(std::size_t replica, const std::string& name,
+                                LiveViewDetail detail) const {
+    return replicas_.at(replica)->view_json(name, detail);
   }
   // The first replica's fault, or "".
   std::string fault() const;

@@ -127,8 +127,8 @@ class LiveEngine : private FrameObserver {
   // An engine-level fault that ended the loop (a scheduler that stalls, NaN logits), or "".
   std::string fault() const;
   // Any thread: the latest steps, events, requests and pool frames (about 10 a second) as one
-  // run of kvlab view's data (kvlab/engine/live_view.hpp), named `name`.
-  std::string view_json(const std::string& name) const;
+  // run of kvlab view's data (kvlab/engine/live_view.hpp), named `name`, in `detail`.
+  std::string view_json(const std::string& name, LiveViewDetail detail) const;
 
  private:
   struct Pending {

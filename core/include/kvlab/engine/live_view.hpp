@@ -14,6 +14,15 @@
 
 namespace kvlab {
 
+// How much of the engine a client of kvlab serve's /ui sees. Every client shares the engine, so
+// per-step prefill counts, pool frames (shared prefix blocks), events and request lanes tell one
+// client whether another client's prompt starts with a guessed text (a prefix-cache hit
+// prefills fewer tokens).
+enum class LiveViewDetail {
+  aggregate,  // the default: per step only the batch, queue and step times; no pool, no requests
+  full,       // everything (kvlab serve --ui full: the operator's choice)
+};
+
 struct LiveViewLimits {
   std::size_t steps = 5'000, events = 20'000, frames = 300, requests = 2'000;
 };
@@ -27,8 +36,10 @@ class LiveViewFeed {
   void arrived(const WorkloadRequest& request);  // its arrival_s on the engine's clock
   void token(RequestId id, double t);
   // {"name", "steps": {column: [...]}, "requests": {...}, "events": [...], "frames": [...]},
-  // as text (the frames were written once, as they came).
-  std::string json_text(const std::string& name) const;
+  // as text (the frames were written once, as they came). `aggregate`: the step columns of
+  // kAggregateStepKeys only, no requests, events or frames, and "withheld" saying so.
+  std::string json_text(const std::string& name,
+                        LiveViewDetail detail = LiveViewDetail::full) const;
 
  private:
   struct Lane {
@@ -43,6 +54,8 @@ class LiveViewFeed {
     while (items.size() > most) items.pop_front();
   }
   void forget_old_requests();
+  nlohmann::json step_columns(LiveViewDetail detail) const;
+  nlohmann::json request_columns(LiveViewDetail detail) const;
   LiveViewLimits limits_;
   std::deque<StepRecord> steps_;
   std::deque<EngineEvent> events_;

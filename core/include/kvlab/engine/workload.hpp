@@ -23,6 +23,7 @@ struct WorkloadRequest {
   std::int64_t prefix_group = -1;    // shared-prefix group, -1 for none
   SamplingParams sampling;           // seed is per request
   std::string tenant;                // who sent it ("" for none)
+  std::string cache_salt;            // prefix blocks are shared only within one salt ("": none)
   ServiceLevelObjectives slo;        // its latency targets (its tenant's over the run's [slo])
 };
 

@@ -6,6 +6,7 @@
 // when an allocator first looks the request up, not on every lookup (vLLM's Request.block_hashes).
 #include <cstdint>
 #include <span>
+#include <string_view>
 #include <vector>
 
 namespace kvlab {
@@ -16,7 +17,13 @@ std::uint64_t chain_block_hash(std::uint64_t previous, std::span<const std::int3
 struct PrefixHashCache {
   std::int64_t block_size = 0;        // of the hashes below; another block size starts over
   std::vector<std::uint64_t> hashes;  // chain hashes of the first hashes.size() full blocks
+  // Where the chain starts: 0, or the request's cache salt (cache_salt_hash): requests with
+  // different salts never share a block, whatever their tokens (vLLM's cache_salt).
+  std::uint64_t salt = 0;
 };
+
+// A cache salt's chain start: 0 for "" (no salt), else a 64-bit hash of its bytes (never 0).
+std::uint64_t cache_salt_hash(std::string_view salt);
 
 // The chain hashes of the first `blocks` full blocks of `tokens`, extending `cache` (whose
 // hashes must be of a prefix of these tokens: a request's tokens only grow at the end) when

@@ -32,6 +32,8 @@ void write_file(const std::filesystem::path& path, std::string_view contents);
 // the folder's marker, so that `--force` replaces it with the rest; false, changing nothing,
 // when the folder has no marker kvlab wrote.
 bool add_to_marker(const std::filesystem::path& folder, const std::string& file);
+// Whether the folder's marker lists `file` as kvlab wrote it (unchanged since).
+bool marker_lists(const std::filesystem::path& folder, const std::string& file);
 
 // The same, in parts: a file written as it is made (a whole-trace replay's steps.csv is 150 MB,
 // whose one buffer would cost as much in page faults and copies as its writing). Each write and

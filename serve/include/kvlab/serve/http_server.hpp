@@ -6,6 +6,8 @@
 // cut off, and so is a keep-alive connection idle that long), a body past max_body_bytes gets a
 // 413, and past max_connections a new connection gets a 503 and is closed.
 // Errors are the handler's to shape (error_body): the server itself answers only 413 and 503.
+// A HEAD request's answer goes out without its body; an HTTP/1.0 client's stream is not chunked
+// (the connection's close ends it).
 //
 //   accept -> session: read request (timeout, body limit) -> handler(request, reply)
 //                      reply.send(response)            one response, then the next request
@@ -34,6 +36,8 @@ struct HttpServerOptions {
   double read_timeout_s = 30;
   // The JSON body of the server's own 413 and 503 (a handler's API error shape).
   std::function<std::string(int status, const std::string& message)> error_body;
+  // Told of each of the server's own answers (413, 503), for the handler's counters; any thread.
+  std::function<void(int status)> on_refused;
 };
 
 // One request's answer. Thread-safe: every call is carried to the connection's own strand.

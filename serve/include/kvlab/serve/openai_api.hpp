@@ -8,7 +8,7 @@
 // (chat: or max_completion_tokens), temperature, top_p, n, seed, stop, logprobs (chat: with
 // top_logprobs), stream, stream_options.include_usage, user; zero penalties, best_of = n, an empty
 // logit_bias, echo false. vLLM's extensions: priority (for the priority scheduler), top_k,
-// ignore_eos.
+// ignore_eos, cache_salt.
 #include <cstdint>
 #include <exception>
 #include <optional>
@@ -55,6 +55,9 @@ struct CompletionRequest {
   std::int32_t priority = 0;
   bool ignore_eos = false;
   std::string user;  // the engine request's tenant (the vtc scheduler's fairness unit)
+  // vLLM's cache_salt: prefix-cache blocks are shared only between requests with the same salt
+  // (a tenant that keeps its salt secret keeps other tenants from probing its prompts).
+  std::string cache_salt;
 };
 
 // Throws ApiError (400) naming the field for anything the API (or kvlab) does not take.

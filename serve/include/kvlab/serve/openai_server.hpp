@@ -14,6 +14,7 @@
 // Retry-After; a request that can never fit answers 400 with the engine's reason.
 #include <atomic>
 #include <cstdint>
+#include <filesystem>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -34,6 +35,15 @@ struct OpenAiOptions {
   // The most tokens one sequence may hold (the KV pool's slots; 0: the context): a chat without
   // max_tokens answers up to it, not up to a context the pool could never hold.
   std::int64_t max_sequence_tokens = 0;
+  // What /ui and /ui/data show (live_view.hpp): aggregates by default; nullopt: no /ui (404).
+  std::optional<LiveViewDetail> ui = LiveViewDetail::aggregate;
+  // Distinct `user` values the served run records (each is a tenant in its summary); a request
+  // naming one more is a 400.
+  std::int64_t max_users = 1000;
+  // Non-empty: each finished or refused choice is appended here as one JSON line when it ends
+  // (the run's record survives a crash of the process; kvlab serve writes it beside the
+  // results).
+  std::filesystem::path journal;
 };
 
 // A Prometheus histogram (cumulative buckets, sum, count); thread-safe.
@@ -61,6 +71,8 @@ class OpenAiServer {
   ~OpenAiServer();
   void handle(HttpRequest request, std::shared_ptr<HttpReply> reply);
   std::string metrics_text() const;
+  // The HTTP layer's own answers (413, 503: HttpServerOptions::on_refused), counted in /metrics.
+  void count_refusal(int status);
   // While draining, /health answers 503 (load balancers stop sending).
   void set_draining() { draining_ = true; }
 
@@ -69,6 +81,7 @@ class OpenAiServer {
  private:
   void completions(const HttpRequest& request, std::shared_ptr<HttpReply> reply, bool chat);
   void ui(bool page, const std::shared_ptr<HttpReply>& reply);
+  void check_user(const std::string& user);
   std::unique_ptr<Shared> shared_;
   std::atomic<bool> draining_{false};
 };
