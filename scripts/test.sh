@@ -20,6 +20,9 @@ export KVLAB_SETUP_BROWSER=1  # chromium for kvlab view's page test (tests/view/
 stage() { echo "kvlab test: [${SECONDS} s] $*"; }
 stage "setup: packages, configure, build ($(nproc) cores)"
 scripts/setup.sh
+# The third-party data sets the tests read (docs/data.md): from ../shared/data here and in CI.
+stage "data sets: scripts/get_data.sh all"
+scripts/get_data.sh all
 build_dir="${KVLAB_BUILD_DIR:-build}"
 stage "ctest in $build_dir"
 ctest --test-dir "$build_dir" --output-on-failure -j "$(nproc)"

@@ -15,7 +15,7 @@
 namespace kvlab::test {
 
 // Every prompt a fixture may name, by source key ("mt_bench:81:0", "vicuna:1:0", "gsm8k:17"),
-// read from the vendored prompt sets under `data_dir` (data/prompts).
+// read from the prompt sets under `data_dir` (data/prompts: scripts/get_data.sh prompts).
 inline std::map<std::string, std::string> fixture_texts(const std::filesystem::path& data_dir) {
   std::map<std::string, std::string> texts;
   auto lines = [](const std::filesystem::path& file) {

@@ -16,6 +16,7 @@
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cpu_reference/perplexity.hpp"
 #include "kvlab/cpu_reference/weight_choices.hpp"
+#include "kvlab/data_sets.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/kv_pool.hpp"
@@ -45,6 +46,8 @@ struct PerplexityCommand {
 };
 
 std::string read_text(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path) && !data_set_hint(path).empty())
+    throw Error(fmt::format("cannot open text file {}{}", path, data_set_hint(path)));
   const MappedFile file(path, "text");
   const auto bytes = file.bytes();
   return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};

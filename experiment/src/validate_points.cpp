@@ -9,6 +9,7 @@
 #include <memory>
 #include <variant>
 
+#include "kvlab/data_sets.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
@@ -95,16 +96,18 @@ void check_workload_honoured(const ExperimentConfig& c) {
 // The workload's files exist and suit it (a Mooncake replay, a prompt set's tokenizer).
 void check_workload_files(const ExperimentConfig& c, const ModelSource& source) {
   if (!c.trace.empty() && !std::filesystem::is_regular_file(c.trace))
-    throw Error(fmt::format("workload.trace {} is not a file", c.trace));
+    throw Error(fmt::format("workload.trace {} is not a file{}", c.trace, data_set_hint(c.trace)));
   if (c.replay_given && !is_mooncake_trace(c.trace))
     throw Error(
         fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
                     "is not one",
                     c.trace));
   if (!c.azure_trace.empty() && !std::filesystem::is_regular_file(c.azure_trace))
-    throw Error(fmt::format("workload.azure_trace.file {} is not a file", c.azure_trace));
+    throw Error(fmt::format("workload.azure_trace.file {} is not a file{}", c.azure_trace,
+                            data_set_hint(c.azure_trace)));
   if (!c.prompt_set.empty() && !std::filesystem::is_regular_file(c.prompt_set))
-    throw Error(fmt::format("workload.prompts.file {} is not a file", c.prompt_set));
+    throw Error(fmt::format("workload.prompts.file {} is not a file{}", c.prompt_set,
+                            data_set_hint(c.prompt_set)));
   if (!c.prompt_set.empty() && source.is_preset())
     throw Error(
         fmt::format("workload.prompts needs a real model with a tokenizer; \"{}\" is a "

@@ -89,6 +89,23 @@ TEST(Cli, ServeRefusesBadInputBeforeListening) {
   EXPECT_EQ(again.output.find("on http://"), std::string::npos) << again.output;
 }
 
+// A data set that is not installed (none is in the repository) is an error naming the command
+// that installs it, not a crash or an empty run.
+TEST(Cli, AMissingDataSetNamesTheCommandThatInstallsIt) {
+  const std::string experiments = std::string(KVLAB_SOURCE_DIR) + "/experiments/";
+  expect_failure("run " + experiments +
+                     "mooncake_replay.toml --set workload.trace=\"/nowhere/data/mooncake-fast25/"
+                     "conversation_trace.jsonl\"",
+                 "scripts/get_data.sh mooncake installs it");
+  expect_failure("run " + experiments +
+                     "azure_conv_replay.toml --set workload.azure_trace.file=\"/nowhere/data/"
+                     "azure-llm-inference-2023/AzureLLMInferenceTrace_conv.csv\"",
+                 "scripts/get_data.sh azure installs it");
+  expect_failure(
+      "perplexity --model /nonexistent.gguf -f /nowhere/data/wikitext-2-raw/wiki.test.raw",
+      "scripts/get_data.sh wikitext2 installs it");
+}
+
 TEST(Cli, MissingModelFolder) {
   expect_failure("generate --model /nonexistent/model --prompt-ids 1,2",
                  "neither a preset, a model folder nor a .gguf file");

@@ -1,5 +1,5 @@
 // The Mooncake FAST'25 traces as workloads: equal hash ids give equal blocks of tokens and new
-// ids new ones, the window / rate / length options, the ideal prefix hit rate (the vendored
+// ids new ones, the window / rate / length options, the ideal prefix hit rate (the installed
 // traces' figures, which docs/workloads-and-metrics.md quotes), and bad rows named by line.
 #include <gtest/gtest.h>
 
@@ -133,8 +133,8 @@ TEST(MooncakeTrace, BadRowsAndOptionsAreNamed) {
   EXPECT_FALSE(is_mooncake_trace(dir.path() / "missing.jsonl"));
 }
 
-// The ideal prefix hit rates docs/workloads-and-metrics.md and data/mooncake-fast25/README.md
-// quote, from the vendored files (an independent count in Python gave 37.34% and 65.04%).
+// The ideal prefix hit rates docs/workloads-and-metrics.md and docs/data.md quote, from the
+// installed files (scripts/get_data.sh mooncake) (an independent count in Python gave 37.34% and 65.04%).
 TEST(MooncakeTrace, IdealHitRatesOfTheVendoredTraces) {
   const auto dir =
       std::filesystem::path(KVLAB_FIXTURES_DIR) / ".." / ".." / "data" / "mooncake-fast25";

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 #include <unordered_set>
 
+#include "kvlab/data_sets.hpp"
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/splitmix64.hpp"
@@ -118,7 +119,9 @@ bool is_mooncake_trace(const std::filesystem::path& path) {
 
 std::vector<MooncakeRow> read_mooncake_trace(const std::filesystem::path& path) {
   std::ifstream in(path);
-  if (!in) throw Error(fmt::format("cannot read Mooncake trace {}", path.string()));
+  if (!in)
+    throw Error(fmt::format("cannot read Mooncake trace {}{}", path.string(),
+                            data_set_hint(path.string())));
   std::vector<MooncakeRow> rows;
   std::int64_t line_number = 0;
   for (std::string line; std::getline(in, line);) {

@@ -12,6 +12,7 @@
 #include <sstream>
 
 #include "../csv_fields.hpp"
+#include "kvlab/data_sets.hpp"
 #include "kvlab/error.hpp"
 #include "trace_replay.hpp"
 
@@ -44,7 +45,9 @@ double parse_timestamp(std::string_view text) {
 
 std::vector<AzureRow> read_azure_rows(const std::filesystem::path& path) {
   std::ifstream in(path);
-  if (!in) throw Error(fmt::format("cannot read Azure trace {}", path.string()));
+  if (!in)
+    throw Error(
+        fmt::format("cannot read Azure trace {}{}", path.string(), data_set_hint(path.string())));
   std::vector<AzureRow> rows;
   std::int64_t line_number = 0;
   for (std::string line; std::getline(in, line);) {
@@ -163,7 +166,9 @@ RealWorkload load_azure_trace(const std::filesystem::path& path, const AzureTrac
 
 std::vector<std::string> load_prompt_texts(const std::filesystem::path& path) {
   std::ifstream in(path);
-  if (!in) throw Error(fmt::format("cannot read prompt set {}", path.string()));
+  if (!in)
+    throw Error(
+        fmt::format("cannot read prompt set {}{}", path.string(), data_set_hint(path.string())));
   std::vector<std::string> texts;
   std::int64_t line_number = 0;
   for (std::string line; std::getline(in, line);) {

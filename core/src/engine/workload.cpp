@@ -15,6 +15,7 @@
 
 #include "../csv_fields.hpp"
 #include "kvlab/checked_math.hpp"
+#include "kvlab/data_sets.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab/suggest.hpp"
@@ -451,7 +452,8 @@ std::vector<WorkloadRequest> load_trace(const std::filesystem::path& path,
                                         const TraceOptions& options) {
   std::ifstream in(path);
   if (!in)
-    throw Error(fmt::format("cannot read trace {}: file not found or not readable", path.string()));
+    throw Error(fmt::format("cannot read trace {}: file not found or not readable{}", path.string(),
+                            data_set_hint(path.string())));
   const std::string extension = path.extension().string();
   if (extension != ".csv" && extension != ".jsonl")
     throw Error(fmt::format("trace {}: unknown format \"{}\" (use .csv or .jsonl)", path.string(),
