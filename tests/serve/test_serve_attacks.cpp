@@ -191,16 +191,16 @@ TEST(ServeAttacks, TheLiveViewShowsOnlyAggregatesByDefault) {
 // not; the same salt (or none on both sides) still shares.
 TEST(ServeAttacks, CacheSaltKeepsPrefixSharingWithinASalt) {
   ServedStack stack({"kv_cache.params.prefix_caching=true"});
-  std::vector<int> prompt(64);
-  for (int i = 0; i < 64; ++i) prompt[static_cast<std::size_t>(i)] = 3 + i;
+  std::vector<int> prompt(40);  // two whole blocks of 16 a later request may find
+  for (int i = 0; i < 40; ++i) prompt[static_cast<std::size_t>(i)] = 3 + i;
   std::int64_t asked = 0;
   // The hits after one more request. The engine's KV counters land at a turn of its loop after
-  // the answer: wait for its 64 prompt tokens to be counted as looked up.
+  // the answer: wait for its 40 prompt tokens to be counted as looked up.
   const auto hits_after = [&](const json& extra) {
     json body = {{"model", stack.model_name()}, {"prompt", prompt}, {"max_tokens", 1}};
     body.update(extra);
     EXPECT_EQ(post_json(stack.port(), "/v1/completions", body).status, 200);
-    asked += 64;
+    asked += 40;
     EXPECT_TRUE(eventually(
         [&] { return stack.served().engine().stats().kv.prefix_query_tokens == asked; }));
     return stack.served().engine().stats().kv.prefix_hit_tokens;
@@ -210,9 +210,9 @@ TEST(ServeAttacks, CacheSaltKeepsPrefixSharingWithinASalt) {
   EXPECT_EQ(hits_after(json::object()), first);             // no salt: no hit
   EXPECT_EQ(hits_after({{"cache_salt", "guess"}}), first);  // another salt: no hit
   const std::int64_t shared = hits_after({{"cache_salt", "victim-secret"}});
-  EXPECT_EQ(shared - first, 48);  // three of the four blocks (the last token is computed)
+  EXPECT_EQ(shared - first, 32);  // both whole blocks
   const std::int64_t unsalted = hits_after(json::object());
-  EXPECT_EQ(unsalted - shared, 48);  // unsalted requests share with each other
+  EXPECT_EQ(unsalted - shared, 32);  // unsalted requests share with each other
   EXPECT_EQ(post_json(stack.port(), "/v1/completions",
                       {{"model", stack.model_name()}, {"prompt", prompt}, {"cache_salt", ""}})
                 .status,
