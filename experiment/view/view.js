@@ -139,7 +139,9 @@
     for (const key of STEP_KEYS) {
       const column = s[key];
       if (column === undefined) { withheld.push(key); steps[key] = new Array(n).fill(null); continue; }
-      if (!Array.isArray(column) || column.length !== n || !column.every(isNumber))
+      const essential = key === "step" || key === "t" || key === "dur";  // an empty cell: null
+      if (!Array.isArray(column) || column.length !== n ||
+          !column.every((v) => isNumber(v) || (!essential && v === null)))
         throw new Error("steps." + key + " is not " + n + " numbers");
       steps[key] = column;
     }
@@ -192,17 +194,21 @@
     return kept;
   }
 
-  // A frame whose runs are not slots of the pool in order (each inside it, none overlapping, a
-  // known state) is left out: drawing a frame then costs at most the pool's cells.
+  // A frame whose runs are not slots of the pool in slot order (each inside it, a known state)
+  // is left out, and so is one whose runs cover the pool more than 8 times over (a slot several
+  // sequences hold is in each of their views when the engine draws them): drawing a frame then
+  // costs a few passes over the pool's cells at most, whatever the file says.
   function checkFrame(f, capacity) {
     if (f === null || typeof f !== "object" || !isCount(f.step) || !Array.isArray(f.runs) ||
-        !Array.isArray(f.batch)) return null;
-    let end = 0;
+        !Array.isArray(f.batch) || f.runs.length > 2 * capacity + 16) return null;
+    let start = 0, covered = 0;
     for (const r of f.runs) {
       if (!Array.isArray(r) || !isCount(r[0]) || !isCount(r[1]) || !Number.isSafeInteger(r[2]) ||
-          !STATES.includes(r[3]) || r[0] < end || r[0] + r[1] > capacity) return null;
-      end = r[0] + r[1];
+          !STATES.includes(r[3]) || r[0] < start || r[0] + r[1] > capacity) return null;
+      start = r[0];
+      covered += r[1];
     }
+    if (covered > 8 * capacity) return null;
     const batch = f.batch.filter((b) => Array.isArray(b) && b.slice(0, 5).every(
       (v) => v === undefined || isNumber(v))).map((b) => b.slice(0, 5));
     if (batch.length !== f.batch.length) return null;

@@ -55,11 +55,6 @@ bool authorized(const HttpRequest& request, const std::string& key) {
   return false;
 }
 
-// The methods a route takes (a 405's Allow header).
-const char* allowed_methods(const std::string& target) {
-  return target == "/v1/completions" || target == "/v1/chat/completions" ? "POST" : "GET, HEAD";
-}
-
 // The replicas' latest steps as kvlab view's data: a run each.
 std::string live_view_data(const LiveCluster& engine, const std::string& model,
                            LiveViewDetail detail) {
@@ -110,49 +105,63 @@ OpenAiServer::OpenAiServer(LiveCluster& engine, const ModelConfig& model,
 
 OpenAiServer::~OpenAiServer() = default;
 
+// The routes, one a line: path, method (GET answers HEAD too), whether the API key is needed,
+// and what answers (llama.cpp's server registers its routes the same way).
+struct OpenAiServer::Route {
+  std::string_view path;
+  http::verb method;
+  bool keyed;
+  void (OpenAiServer::*answer)(const HttpRequest&, const std::shared_ptr<HttpReply>&);
+};
+
+const OpenAiServer::Route OpenAiServer::kRoutes[] = {
+    {"/health", http::verb::get, false, &OpenAiServer::health},
+    {"/v1/completions", http::verb::post, true, &OpenAiServer::completion},
+    {"/v1/chat/completions", http::verb::post, true, &OpenAiServer::chat_completion},
+    {"/v1/models", http::verb::get, true, &OpenAiServer::models},
+    {"/metrics", http::verb::get, true, &OpenAiServer::metrics},
+    {"/ui", http::verb::get, true, &OpenAiServer::ui_page},
+    {"/ui/data", http::verb::get, true, &OpenAiServer::ui_data},
+};
+
 void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply) {
   const std::string target(request.target().substr(0, request.target().find('?')));
-  // HEAD as GET: the HTTP layer sends the header alone (RFC 9110 9.3.2).
-  const bool get = request.method() == http::verb::get || request.method() == http::verb::head;
-  const bool post = request.method() == http::verb::post;
-  try {
-    if (target == "/health") {
-      if (!get) throw ApiError(405, "use GET /health");
-      shared_->count_answer(draining_ ? 503 : 200);
-      return reply->send(
-          json_response(draining_ ? http::status::service_unavailable : http::status::ok,
-                        draining_ ? R"({"status":"draining"})" : R"({"status":"ok"})"));
-    }
-    if (!authorized(request, shared_->options.api_key))
+  const Route* route = nullptr;
+  for (const Route& r : kRoutes)
+    if (r.path == target) route = &r;
+  answer_errors(reply, route, [&] {
+    if ((!route || route->keyed) && !authorized(request, shared_->options.api_key))
       throw ApiError(401, "Incorrect API key provided", "", "invalid_request_error",
                      "invalid_api_key");
-    if (target == "/v1/completions" || target == "/v1/chat/completions") {
-      if (!post) throw ApiError(405, fmt::format("use POST {}", target));
-      return completions(request, reply, target == "/v1/chat/completions");
-    }
-    if (!get)
-      throw ApiError(target == "/v1/models" || target == "/metrics" ? 405 : 404,
-                     fmt::format("no route {} {}", std::string(request.method_string()), target));
-    if (target == "/v1/models") {
-      shared_->count_answer(200);
-      return reply->send(json_response(http::status::ok, models_body(*shared_)));
-    }
-    if ((target == "/ui" || target == "/ui/data") && shared_->options.ui)
-      return ui(target == "/ui", reply);
-    if (target == "/metrics") {
-      HttpResponse response = json_response(http::status::ok, metrics_text());
-      shared_->count_answer(200);  // after: the text counts the answers before this one
-      response.set(http::field::content_type, "text/plain; version=0.0.4");
-      return reply->send(std::move(response));
-    }
-    throw ApiError(404, fmt::format("no route GET {}", target), "", "invalid_request_error",
-                   "not_found");
+    if (!route)
+      throw ApiError(404,
+                     fmt::format("no route {} {}", std::string(request.method_string()), target),
+                     "", "invalid_request_error", "not_found");
+    // HEAD as GET: the HTTP layer sends the header alone (RFC 9110 9.3.2).
+    const http::verb method =
+        request.method() == http::verb::head ? http::verb::get : request.method();
+    if (method != route->method)
+      throw ApiError(405,
+                     fmt::format("use {} {}", std::string(http::to_string(route->method)), target));
+    (this->*route->answer)(request, reply);
+  });
+}
+
+// Runs `answer`; what it throws becomes the API's error answer: an ApiError its status, a
+// kvlab::Error (the request's content: a chat the template cannot render) a 400, anything else
+// a 500. A 405 names the methods the route takes.
+template <typename Answer>
+void OpenAiServer::answer_errors(const std::shared_ptr<HttpReply>& reply, const Route* route,
+                                 Answer answer) {
+  try {
+    answer();
   } catch (const ApiError& e) {
     shared_->count_answer(e.status);
     HttpResponse response = error_response(e);
-    if (e.status == 405) response.set(http::field::allow, allowed_methods(target));
+    if (e.status == 405 && route)
+      response.set(http::field::allow, route->method == http::verb::get ? "GET, HEAD" : "POST");
     reply->send(std::move(response));
-  } catch (const Error& e) {  // the request's content (a chat the template cannot render)
+  } catch (const Error& e) {
     shared_->count_answer(400);
     reply->send(error_response(ApiError(400, e.what())));
   } catch (const std::exception& e) {
@@ -161,19 +170,62 @@ void OpenAiServer::handle(HttpRequest request, std::shared_ptr<HttpReply> reply)
   }
 }
 
+void OpenAiServer::health(const HttpRequest&, const std::shared_ptr<HttpReply>& reply) {
+  shared_->count_answer(draining_ ? 503 : 200);
+  reply->send(json_response(draining_ ? http::status::service_unavailable : http::status::ok,
+                            draining_ ? R"({"status":"draining"})" : R"({"status":"ok"})"));
+}
+
+void OpenAiServer::models(const HttpRequest&, const std::shared_ptr<HttpReply>& reply) {
+  shared_->count_answer(200);
+  reply->send(json_response(http::status::ok, models_body(*shared_)));
+}
+
+void OpenAiServer::metrics(const HttpRequest&, const std::shared_ptr<HttpReply>& reply) {
+  HttpResponse response = json_response(http::status::ok, metrics_text());
+  shared_->count_answer(200);  // after: the text counts the answers before this one
+  response.set(http::field::content_type, "text/plain; version=0.0.4");
+  reply->send(std::move(response));
+}
+
+void OpenAiServer::completion(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply) {
+  completions(request, reply, false);
+}
+
+void OpenAiServer::chat_completion(const HttpRequest& request,
+                                   const std::shared_ptr<HttpReply>& reply) {
+  completions(request, reply, true);
+}
+
+void OpenAiServer::ui_page(const HttpRequest&, const std::shared_ptr<HttpReply>& reply) {
+  ui(true, reply);
+}
+
+void OpenAiServer::ui_data(const HttpRequest&, const std::shared_ptr<HttpReply>& reply) {
+  ui(false, reply);
+}
+
 // GET /ui: kvlab view's page over the engine's latest steps, polling /ui/data for more.
 void OpenAiServer::ui(bool page, const std::shared_ptr<HttpReply>& reply) {
+  if (!shared_->options.ui)
+    throw ApiError(404, "this server shows no /ui (kvlab serve --ui off)", "",
+                   "invalid_request_error", "not_found");
   std::string data =
       live_view_data(shared_->engine, shared_->options.model_name, *shared_->options.ui);
   HttpResponse response =
       json_response(http::status::ok, page ? results_view_html(std::move(data), true) : data);
   if (page) response.set(http::field::content_type, "text/html; charset=utf-8");
   response.set(http::field::cache_control, "no-store");
+  // Beside the page's own policy (a meta element: scripts by nonce only): no framing by another
+  // site, no sniffing the JSON as HTML, and the ?api_key= in the address sent to nobody.
+  response.set("Content-Security-Policy", "frame-ancestors 'none'");
+  response.set("X-Content-Type-Options", "nosniff");
+  response.set("Referrer-Policy", "no-referrer");
   shared_->count_answer(200);
   reply->send(std::move(response));
 }
 
-void OpenAiServer::completions(const HttpRequest& request, std::shared_ptr<HttpReply> reply,
+void OpenAiServer::completions(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply,
                                bool chat) {
   CompletionRequest parsed = parse_completion_request(request.body(), chat);
   if (parsed.model != shared_->options.model_name)

@@ -220,6 +220,8 @@ TEST(Serve, UiShowsTheEnginesLatestSteps) {
   ASSERT_EQ(page.status, 200);
   EXPECT_EQ(page.headers.at("Content-Type"), "text/html; charset=utf-8");
   EXPECT_NE(page.body.find("data-live=\"true\""), std::string::npos);
+  EXPECT_EQ(page.headers.at("Content-Security-Policy"), "frame-ancestors 'none'");
+  EXPECT_EQ(page.headers.at("Referrer-Policy"), "no-referrer");
   const HttpResult data = http_call(stack.port(), http::verb::get, "/ui/data");
   ASSERT_EQ(data.status, 200);
   const nlohmann::json run = data.json()["runs"][0];

@@ -21,25 +21,8 @@
 
 namespace kvlab {
 
-// Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable.
-// 3: the request table's plan shape and the layout fingerprint; 4: KvAllocator plans exactly
-// (plan_*), can_*/slots_to_append/slots_held/contains/free_slots gone; 5: the router kind;
-// 6: Backend::choose_greedy_tokens; 7: Backend::choose_tokens (any sampling) replaces it;
-// 8: Backend::counters; 9: Backend::chosen_logprobs; 10: one call, Backend::forward(batch,
-// choices) -> ForwardResult, replaces choose_tokens / chosen_tokens / chosen_logprobs;
-// AllocateRequest::prefix_hashes (a request's block hashes, kept with it); 11: backends get
-// the core's ModelWeightsView (PluginContext::weights), Backend::description; cpu and simulated
-// are backend plugins like cuda; 12: the tier_policy kind (KvTierPolicy), PluginContext::tiers,
-// KvAllocatorStats' tier counters; 13: quantized KV pools (KvPoolShape head/slot row bytes
-// replace element_bytes) and SwapBuffer::data holds the pool's own bytes; 14: the kv_policy kind
-// (KvPolicy), KvView::positions (views with holes), BatchEntry::scored_queries and
-// ForwardResult::key_scores, KvAllocator::evict; 15: KvAllocator::positions_view;
-// 16: KvAllocator::truncate (speculative decoding's rollback); 17: BatchEntry::logit_rows (a
-// speculative verify's rows of logits); 18: RequestState::proposed (a decode's speculative
-// proposals, which a scheduler may grant with it: RequestState::schedulable_tokens); 19: the
-// proposer kind (Proposer, ProposeAsk), PluginContext::draft; 20: KvAllocator::pool_map (the
-// pool drawn slot by slot for kvlab view); 21: PrefixHashCache::salt (a request's cache salt
-// starts its prefix chain).
+// Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable, and add
+// the version's line to docs/writing-a-plugin.md#abi-history (what each version changed).
 inline constexpr std::uint32_t kPluginAbiVersion = 21;
 
 namespace detail {

@@ -79,7 +79,19 @@ class OpenAiServer {
   struct Shared;  // what every request's generation reads (openai_server.cpp)
 
  private:
-  void completions(const HttpRequest& request, std::shared_ptr<HttpReply> reply, bool chat);
+  struct Route;  // one line of the route table (openai_server.cpp)
+  static const Route kRoutes[];
+  template <typename Answer>
+  void answer_errors(const std::shared_ptr<HttpReply>& reply, const Route* route, Answer answer);
+  // The routes' answers.
+  void health(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply);
+  void completion(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply);
+  void chat_completion(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply);
+  void models(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply);
+  void metrics(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply);
+  void ui_page(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply);
+  void ui_data(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply);
+  void completions(const HttpRequest& request, const std::shared_ptr<HttpReply>& reply, bool chat);
   void ui(bool page, const std::shared_ptr<HttpReply>& reply);
   void check_user(const std::string& user);
   std::unique_ptr<Shared> shared_;
