@@ -1,8 +1,8 @@
 // prefix_affinity: send a request where its prompt's prefix was sent before, so that the
 // replica's prefix cache holds it (SGLang's cache-aware router, Preble). The router keeps its
-// own index of prompt blocks — chained hashes of each `block_size` tokens, the way paged prefix
-// caches name blocks — and every replica each was sent to (SGLang's radix tree keeps a tenant
-// set per node likewise); a request goes to the replica holding its longest run of leading
+// own index of prompt blocks — named by the chain hash the paged prefix cache names them by
+// (kvlab/kv/prefix_hash.hpp) — and every replica each was sent to (SGLang's radix tree keeps a
+// tenant set per node likewise); a request goes to the replica holding its longest run of leading
 // blocks. Load still counts: when that replica's queued
 // tokens exceed the least loaded one's by more than `max_imbalance_tokens`, or no block
 // matches, the request goes to the least loaded replica instead.
@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "kvlab/kv/block_pool.hpp"
+#include "kvlab/kv/prefix_hash.hpp"
 #include "kvlab/plugin.hpp"
 
 namespace {
@@ -58,17 +59,14 @@ class PrefixAffinityRouter final : public kvlab::Router {
   }
 
  private:
-  // Chained FNV-1a over each full block: block k's hash covers every token before its end.
+  // The prompt's full blocks named as the replicas' paged prefix caches name them
+  // (chain_block_hash: block k's hash covers every token before its end; never 0, the index's
+  // empty key).
   std::vector<std::uint64_t> block_hashes(std::span<const std::int32_t> prompt) const {
-    std::vector<std::uint64_t> hashes;
-    std::uint64_t h = 14695981039346656037ull;
-    for (std::size_t end = block_size_; end <= prompt.size(); end += block_size_) {
-      for (std::size_t i = end - block_size_; i < end; ++i) {
-        h ^= static_cast<std::uint32_t>(prompt[i]);
-        h *= 1099511628211ull;
-      }
-      hashes.push_back(h == 0 ? 1 : h);  // 0 is the index's empty key
-    }
+    std::vector<std::uint64_t> hashes;  // (prefix_block_hashes' scratch: exactly the blocks')
+    (void)kvlab::prefix_block_hashes(prompt, static_cast<std::int64_t>(block_size_),
+                                     static_cast<std::int64_t>(prompt.size() / block_size_),
+                                     nullptr, hashes);
     return hashes;
   }
 
