@@ -593,8 +593,8 @@ void parse_builtin_proposer_keys(Section& s, ExperimentConfig& c) {
   spec.seed = static_cast<std::uint64_t>(c.seed);
 }
 
-// [speculation]: speculative decoding (kvlab/spec/speculation.hpp): which proposer plugin (and
-// draft model), how many proposals per decode, fixed or adaptive.
+// [speculation]: speculative decoding (kvlab/speculation/speculation.hpp): which proposer plugin
+// (and draft model), how many proposals per decode, fixed or adaptive.
 void parse_speculation(Section& s, ExperimentConfig& c) {
   if (s.table_itself() == nullptr) return;  // no table: off
   SpeculationOptions& spec = c.speculation;

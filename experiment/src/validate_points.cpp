@@ -14,7 +14,7 @@
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
-#include "kvlab/spec/speculation.hpp"
+#include "kvlab/speculation/speculation.hpp"
 #include "kvlab/suggest.hpp"
 #include "stages.hpp"
 

@@ -1,8 +1,8 @@
-// Prompt lookup (kvlab/spec/prompt_lookup.hpp): the longest suffix's most recent earlier
+// Prompt lookup (kvlab/speculation/prompt_lookup.hpp): the longest suffix's most recent earlier
 // occurrence gives the proposal; shorter suffixes are tried when longer ones do not occur.
 #include <gtest/gtest.h>
 
-#include "kvlab/spec/prompt_lookup.hpp"
+#include "kvlab/speculation/prompt_lookup.hpp"
 
 namespace kvlab {
 namespace {

@@ -5,7 +5,7 @@
 #include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/error.hpp"
-#include "kvlab/spec/speculation.hpp"
+#include "kvlab/speculation/speculation.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
   if (size == 0) return 0;

@@ -1,7 +1,7 @@
 #pragma once
 // Proposer: where speculative decoding's proposed tokens come from (a plugin kind; the engine's
-// use of them: kvlab/spec/speculation.hpp). Each step, before the schedule, the engine asks for
-// every running decode's proposals at once, so a proposer that runs a draft model batches the
+// use of them: kvlab/speculation/speculation.hpp). Each step, before the schedule, the engine asks
+// for every running decode's proposals at once, so a proposer that runs a draft model batches the
 // decodes' draft steps. Plugins: prompt_lookup (n-gram lookup over the prompt and the output so
 // far), simulated (the simulated backend's tokens, right at a rate or as a measured trace
 // says), draft (a draft model with its own KV: a second model file, or the target's own first

@@ -1,11 +1,11 @@
-// prompt_lookup: n-gram prompt lookup (kvlab/spec/prompt_lookup.hpp): each decode's last
+// prompt_lookup: n-gram prompt lookup (kvlab/speculation/prompt_lookup.hpp): each decode's last
 // max_ngram..min_ngram tokens looked for earlier in its prompt and output; what followed them
 // is proposed. No second model, nothing kept between steps.
 #include <string>
 
 #include "kvlab/error.hpp"
 #include "kvlab/plugin.hpp"
-#include "kvlab/spec/builtin_proposers.hpp"
+#include "kvlab/speculation/builtin_proposers.hpp"
 
 namespace {
 

@@ -3,7 +3,7 @@
 // (accept_trace) say; the draws are seeded per request and position.
 #include "kvlab/error.hpp"
 #include "kvlab/plugin.hpp"
-#include "kvlab/spec/builtin_proposers.hpp"
+#include "kvlab/speculation/builtin_proposers.hpp"
 
 namespace {
 

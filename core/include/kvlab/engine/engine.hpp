@@ -33,7 +33,7 @@
 #include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 #include "kvlab/sim/cost_model.hpp"
-#include "kvlab/spec/speculation.hpp"
+#include "kvlab/speculation/speculation.hpp"
 
 namespace kvlab {
 
@@ -61,8 +61,8 @@ struct EngineOptions {
   // Which cached positions each sequence keeps (kvlab/kv_policy.hpp), or none: every position.
   // It needs an allocator that drops positions (paged, without prefix caching).
   KvPolicy* kv_policy = nullptr;
-  // Speculative decoding (kvlab/spec/speculation.hpp): off unless speculation.tokens > 0. Not
-  // with a KV policy (a rollback cannot restore dropped positions).
+  // Speculative decoding (kvlab/speculation/speculation.hpp): off unless speculation.tokens > 0.
+  // Not with a KV policy (a rollback cannot restore dropped positions).
   SpeculationOptions speculation;
   // The proposer plugin's object (kvlab/proposer.hpp), or null: the engine makes the built-in
   // one speculation.proposer names (prompt_lookup or simulated).

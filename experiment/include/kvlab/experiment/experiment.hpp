@@ -86,8 +86,8 @@ struct ExperimentConfig {
   // kv_policy plugin and its params; "" keeps every position.
   std::string kv_policy;
   ParamMap kv_policy_params;
-  // [speculation]: speculative decoding (kvlab/spec/speculation.hpp): proposals per decode and
-  // the proposer plugin (speculation.proposer) with its params; tokens = 0 (no table): off.
+  // [speculation]: speculative decoding (kvlab/speculation/speculation.hpp): proposals per decode
+  // and the proposer plugin (speculation.proposer) with its params; tokens = 0 (no table): off.
   SpeculationOptions speculation;
   ParamMap proposer_params;
   // The draft model: a preset or model path (draft_model), or the target's first draft_layers

@@ -1,4 +1,4 @@
-#include "kvlab/spec/speculation.hpp"
+#include "kvlab/speculation/speculation.hpp"
 
 #include <fmt/format.h>
 

@@ -1,4 +1,4 @@
-#include "kvlab/spec/prompt_lookup.hpp"
+#include "kvlab/speculation/prompt_lookup.hpp"
 
 #include <algorithm>
 

@@ -20,8 +20,8 @@
 
 #include "kvlab/request.hpp"
 #include "kvlab/sim/cost_model.hpp"
-#include "kvlab/spec/builtin_proposers.hpp"
-#include "kvlab/spec/prompt_lookup.hpp"
+#include "kvlab/speculation/builtin_proposers.hpp"
+#include "kvlab/speculation/prompt_lookup.hpp"
 
 namespace kvlab {
 
@@ -37,7 +37,7 @@ struct SpeculationOptions {
   std::int64_t tokens = 0;  // proposals per decode at most (k); 0: off
   // The proposer plugin's name: prompt_lookup, simulated, draft or one of your own. An engine
   // made without a proposer object (EngineOptions::proposer) makes prompt_lookup or simulated
-  // itself from the settings below (kvlab/spec/builtin_proposers.hpp).
+  // itself from the settings below (kvlab/speculation/builtin_proposers.hpp).
   std::string proposer = "prompt_lookup";
   PromptLookup lookup;           // prompt_lookup's n-gram range
   double acceptance_rate = 0.7;  // simulated: each proposal right with this probability

@@ -1,4 +1,4 @@
-#include "kvlab/spec/builtin_proposers.hpp"
+#include "kvlab/speculation/builtin_proposers.hpp"
 
 #include <fmt/format.h>
 

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "kvlab/proposer.hpp"
-#include "kvlab/spec/prompt_lookup.hpp"
+#include "kvlab/speculation/prompt_lookup.hpp"
 
 namespace kvlab {
 
@@ -23,7 +23,7 @@ struct AcceptRecord {
 // proposed in each row; an error naming the file and line otherwise, or when it holds none.
 std::vector<AcceptRecord> load_accept_trace(const std::filesystem::path& path);
 
-// Prompt lookup over each request's tokens (kvlab/spec/prompt_lookup.hpp).
+// Prompt lookup over each request's tokens (kvlab/speculation/prompt_lookup.hpp).
 std::unique_ptr<Proposer> make_prompt_lookup_proposer(const PromptLookup& lookup);
 
 // How the simulated backend's stand-in for a drafter is right.
