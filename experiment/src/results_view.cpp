@@ -353,6 +353,27 @@ std::vector<std::string> csv_row_cells(std::string_view line) {
   return cells;
 }
 
+namespace {
+
+// A JSON object's string member, or "" (no object, no member, not a string).
+std::string string_field(const json& object, const char* key) {
+  if (!object.is_object()) return {};
+  const auto it = object.find(key);
+  return it != object.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+// A runs.json entry's run folder: a name inside the results folder, nothing else.
+std::string run_dir(const json& run, const fs::path& folder) {
+  const std::string dir = string_field(run, "dir");
+  if (dir.empty())
+    throw Error(fmt::format("kvlab view: {}'s runs.json: a run without its dir", folder.string()));
+  if (dir.find('/') != std::string::npos || dir == "." || dir == "..")
+    throw Error(fmt::format("kvlab view: runs.json names \"{}\", not a run folder", dir));
+  return dir;
+}
+
+}  // namespace
+
 std::string csv_field(std::string_view text) {
   if (text.find_first_of(",\"\n\r") == std::string_view::npos) return std::string(text);
   std::string quoted = "\"";
@@ -379,22 +400,14 @@ json results_view_data(const fs::path& folder, const ResultsViewOptions& options
     throw Error(fmt::format("kvlab view: {}'s runs.json lists no runs", folder.string()));
   json data = {{"title", folder.filename().string()}, {"runs", json::array()}};
   if (present(folder / "manifest.json")) {
-    const json manifest = read_json_file(folder / "manifest.json");
-    if (manifest.is_object() && manifest.contains("experiment_file") &&
-        manifest["experiment_file"].is_string())
-      data["experiment_file"] = manifest["experiment_file"];
+    const std::string file =
+        string_field(read_json_file(folder / "manifest.json"), "experiment_file");
+    if (!file.empty()) data["experiment_file"] = file;
   }
   for (const json& run : runs) {
-    if (!run.is_object() || !run.contains("dir") || !run["dir"].is_string())
-      throw Error(
-          fmt::format("kvlab view: {}'s runs.json: a run without its dir", folder.string()));
-    const std::string dir = run["dir"].get<std::string>();
-    if (dir.empty() || dir.find('/') != std::string::npos || dir == "." || dir == "..")
-      throw Error(fmt::format("kvlab view: runs.json names \"{}\", not a run folder", dir));
-    std::string label =
-        run.contains("label") && run["label"].is_string() ? run["label"].get<std::string>() : "";
-    if (label.empty()) label = dir;  // a run without a sweep point
-    add_run(data["runs"], folder / dir, label, options);
+    const std::string dir = run_dir(run, folder);
+    const std::string label = string_field(run, "label");
+    add_run(data["runs"], folder / dir, label.empty() ? dir : label, options);  // "": no sweep
   }
   return data;
 }

@@ -149,7 +149,7 @@
       throw new Error("its steps have no step, t or dur");
     const capacity = n && isCount(steps.capacity[0]) ? Math.min(steps.capacity[0], MOST_SLOTS) : 0;
     const blockSize = isCount(run.block_size) ? Math.min(run.block_size, MOST_BLOCK) : 0;
-    const checked = {
+    return {
       name, steps, withheld, capacity, block_size: blockSize,
       withheldNote: text(run.withheld), summary_of: text(run.summary_of),
       summary: checkSummary(run.summary),
@@ -157,7 +157,6 @@
       events: checkEvents(run.events, name, problems),
       frames: checkFrames(run.frames, capacity, name, problems),
     };
-    return checked;
   }
 
   function checkSummary(summary) {

@@ -134,7 +134,8 @@ TEST(MooncakeTrace, BadRowsAndOptionsAreNamed) {
 }
 
 // The ideal prefix hit rates docs/workloads-and-metrics.md and docs/data.md quote, from the
-// installed files (scripts/get_data.sh mooncake) (an independent count in Python gave 37.34% and 65.04%).
+// installed files (scripts/get_data.sh mooncake) (an independent count in Python gave 37.34%
+// and 65.04%).
 TEST(MooncakeTrace, IdealHitRatesOfTheVendoredTraces) {
   const auto dir =
       std::filesystem::path(KVLAB_FIXTURES_DIR) / ".." / ".." / "data" / "mooncake-fast25";

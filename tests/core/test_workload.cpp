@@ -334,7 +334,8 @@ const std::filesystem::path kData =
 const std::filesystem::path kAzureConv =
     kData / "azure-llm-inference-2023" / "AzureLLMInferenceTrace_conv.csv";
 
-// The Azure conversation trace (scripts/get_data.sh azure): its first ten minutes, compressed, clipped.
+// The Azure conversation trace (scripts/get_data.sh azure): its first ten minutes, compressed,
+// clipped.
 TEST(AzureTrace, WindowRateScaleAndContextClipping) {
   AzureTraceOptions options;
   options.duration_s = 600;
