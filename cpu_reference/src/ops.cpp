@@ -22,8 +22,14 @@ namespace kvlab::cpu {
 
 void set_num_threads(int threads) {
   // More threads than processors only oversubscribes; OpenBLAS at 64+ threads under an
-  // address-space limit spins forever allocating its buffers. Capped to the processors.
-  threads = std::clamp(threads, 1, std::max(1, omp_get_num_procs()));
+  // address-space limit spins forever allocating its buffers. Capped to the processors, and to
+  // OMP_THREAD_LIMIT where the environment sets one: the test suite sets 1, as ctest runs two
+  // tests at once on 2 cores, and two 2-thread runs there wake their threads through futexes
+  // tens of thousands of times a second (a 2 s test took 133 s on a CI machine). Eigen and
+  // OpenBLAS are told the same number OpenMP gives: OpenBLAS told 2 under a limit of 1 yields
+  // the processor in a loop (sys time 6x the work).
+  const int cap = std::min(omp_get_num_procs(), omp_get_thread_limit());
+  threads = std::clamp(threads, 1, std::max(1, cap));
   omp_set_num_threads(threads);
   Eigen::setNbThreads(threads);
   openblas_set_num_threads(threads);  // Eigen's products run in OpenBLAS (EIGEN_USE_BLAS)

@@ -2,7 +2,10 @@
 
 #include <thread>
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
+#include <string>
 
 #include "cpu_reference/test_models.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
@@ -208,6 +211,18 @@ TEST(Threads, CappedToTheProcessors) {
   EXPECT_GE(num_threads(), 1);
   set_num_threads(0);
   EXPECT_EQ(num_threads(), 1);
+  set_num_threads(threads);
+}
+
+// OMP_THREAD_LIMIT caps the threads an experiment file asks for (the test suite sets 1: ctest runs
+// two tests at once). Run by ctest as cpu_reference.thread_limit, with the limit set.
+TEST(Threads, CappedByOmpThreadLimit) {
+  const char* limit = std::getenv("OMP_THREAD_LIMIT");
+  ASSERT_NE(limit, nullptr) << "ctest sets OMP_THREAD_LIMIT for this test";
+  const int threads = num_threads();
+  set_num_threads(4096);
+  EXPECT_EQ(num_threads(),
+            std::min(std::stoi(limit), static_cast<int>(std::thread::hardware_concurrency())));
   set_num_threads(threads);
 }
 
