@@ -54,6 +54,7 @@ struct EngineSetup {
   Proposer* proposer = nullptr;    // a proposer object of the test's, or the built-in one
   // Called after each step (its number from 1) of a run driven step by step; unset: Engine::run.
   std::function<void(Engine&, std::int64_t)> after_step;
+  std::vector<StepExtension*> extensions;  // EngineOptions::extensions
 };
 
 // The scheduler plugin, with what it is shown passed on to `sees` first.
@@ -102,6 +103,7 @@ EngineResult run_engine(const EngineSetup& setup, const std::vector<WorkloadRequ
   options.swap_slots = setup.swap_slots;
   options.speculation = setup.speculation;
   options.proposer = setup.proposer;
+  options.extensions = setup.extensions;
   WatchedScheduler watched(
       *scheduler, setup.sees ? setup.sees : [](const SchedulerInput&) {});
   Engine engine(backend, *allocator, watched, options);
@@ -1399,6 +1401,123 @@ TEST(Engine, PaddedStaticBatchThatPreemptsLosesNothing) {
       EXPECT_GT(preemptions, 0) << "the pool is tight enough to preempt";
     }
   }
+}
+
+// A step extension of the test's own (EngineOptions::extensions; engine.cpp untouched): each
+// hook it is called at, with the step and what it saw there.
+class RecordingExtension final : public StepExtension {
+ public:
+  struct Call {
+    std::string hook;
+    std::int64_t step = -1;
+    std::int64_t seen = -1;  // the batch's entries, the finished requests held, the request
+  };
+  std::vector<Call> calls;
+  std::int64_t extra_row_position = -1;  // >= 0: each step also costs a decode row there
+
+  void on_leave(StepState& step, RequestId id) override {
+    calls.push_back({"leave", step.step, id});
+  }
+  void before_plan(StepState& step) override { calls.push_back({"before_plan", step.step}); }
+  void shape_batch(StepState& step, std::vector<BatchEntry>& batch) override {
+    EXPECT_EQ(batch.size(), step.applied->batch.size()) << "no extension before it adds rows";
+    calls.push_back({"shape_batch", step.step, static_cast<std::int64_t>(batch.size())});
+  }
+  void price(StepState& step, std::vector<EntryShape>& rows, StepTiming& timing) override {
+    (void)timing;
+    if (extra_row_position >= 0) rows.push_back({1, extra_row_position, 0, 1});
+    calls.push_back({"price", step.step});
+  }
+  void after_forward(StepState& step, std::span<const BatchEntry> requests,
+                     const ForwardResult& result) override {
+    (void)result;
+    EXPECT_GT(step.record.duration_s, 0) << "the step is priced before after_forward";
+    calls.push_back({"after_forward", step.step, static_cast<std::int64_t>(requests.size())});
+  }
+  void after_update(StepState& step, std::span<const RequestId> held) override {
+    calls.push_back({"after_update", step.step, static_cast<std::int64_t>(held.size())});
+  }
+  void finish(EngineResult& result) override {
+    calls.push_back({"finish", static_cast<std::int64_t>(result.steps.size())});
+  }
+};
+
+// The socket's documented order, step after step: before_plan, shape_batch (one entry a request
+// of the batch), price, after_forward, after_update; finish once at the end. An extension that
+// only watches changes nothing: the same tokens and times as without it.
+TEST(StepExtension, HooksRunInTheDocumentedOrderEachStep) {
+  const auto requests = small_workload(5, 8);
+  EngineSetup setup;
+  const EngineResult plain = run_engine(setup, requests);
+  RecordingExtension recorder;
+  setup.extensions = {&recorder};
+  const EngineResult watched = run_engine(setup, requests);
+  EXPECT_EQ(watched.tokens, plain.tokens);
+  EXPECT_EQ(watched.duration_s, plain.duration_s);
+  ASSERT_FALSE(recorder.calls.empty());
+  EXPECT_EQ(recorder.calls.back().hook, "finish");
+  EXPECT_EQ(recorder.calls.back().step, static_cast<std::int64_t>(watched.steps.size()));
+  const std::vector<std::string> order = {"shape_batch", "price", "after_forward", "after_update"};
+  std::size_t ran = 0;
+  for (std::size_t i = 0; i + 1 < recorder.calls.size(); ++i) {
+    if (recorder.calls[i].hook != "before_plan" || recorder.calls[i + 1].hook == "before_plan")
+      continue;  // (a step that idled: no batch)
+    const std::int64_t step = recorder.calls[i].step;
+    const auto record = std::find_if(watched.steps.begin(), watched.steps.end(),
+                                     [&](const StepRecord& r) { return r.step == step; });
+    ASSERT_NE(record, watched.steps.end()) << "step " << step;
+    for (std::size_t h = 0; h < order.size(); ++h) {
+      ASSERT_LT(i + 1 + h, recorder.calls.size());
+      const RecordingExtension::Call& call = recorder.calls[i + 1 + h];
+      EXPECT_EQ(call.hook, order[h]) << "step " << step;
+      EXPECT_EQ(call.step, step);
+      if (call.hook == "shape_batch" || call.hook == "after_forward") {
+        EXPECT_EQ(call.seen, record->batch) << call.hook << " at step " << step;
+      }
+    }
+    ++ran;
+  }
+  EXPECT_EQ(ran, watched.steps.size()) << "every recorded step ran through the hooks";
+}
+
+// What an extension prices, the virtual clock charges: a decode row more a step makes each step
+// cost more, and the tokens stay the same.
+TEST(StepExtension, RowsAnExtensionPricesLengthenTheSteps) {
+  const auto requests = small_workload(6, 6);
+  EngineSetup setup;
+  const EngineResult plain = run_engine(setup, requests);
+  RecordingExtension pricier;
+  pricier.extra_row_position = 40;
+  setup.extensions = {&pricier};
+  const EngineResult priced = run_engine(setup, requests);
+  EXPECT_EQ(priced.tokens, plain.tokens);
+  ASSERT_EQ(priced.steps.size(), plain.steps.size());
+  for (std::size_t i = 0; i < plain.steps.size(); ++i)
+    EXPECT_GT(priced.steps[i].predicted_s, plain.steps[i].predicted_s) << "step " << i;
+  EXPECT_GT(priced.duration_s, plain.duration_s);
+}
+
+// A cancelled request leaves outside a batch: each extension hears of it (on_leave) at the start
+// of the step that ends it.
+TEST(StepExtension, ACancelledRequestLeavesThroughOnLeave) {
+  const auto requests = small_workload(7, 4);
+  RecordingExtension recorder;
+  EngineSetup setup;
+  setup.extensions = {&recorder};
+  std::int64_t cancelled_after = -1;
+  setup.after_step = [&](Engine& engine, std::int64_t step) {
+    if (cancelled_after < 0 && engine.cancel(2)) cancelled_after = step;
+  };
+  const EngineResult result = run_engine(setup, requests);
+  ASSERT_GE(cancelled_after, 0);
+  const auto leave = std::find_if(recorder.calls.begin(), recorder.calls.end(),
+                                  [](const auto& c) { return c.hook == "leave"; });
+  ASSERT_NE(leave, recorder.calls.end());
+  EXPECT_EQ(leave->seen, 2);
+  EXPECT_EQ(std::count_if(recorder.calls.begin(), recorder.calls.end(),
+                          [](const auto& c) { return c.hook == "leave"; }),
+            1);
+  EXPECT_EQ(result.requests[2].finish_reason, "cancelled");
 }
 
 TEST(Engine, SameInputSameBytes) {

@@ -1,5 +1,7 @@
 #include "kvlab/engine/frames.hpp"
 
+#include "kvlab/engine/engine.hpp"  // EngineResult
+
 #include <algorithm>
 #include <nlohmann/json.hpp>
 
@@ -35,8 +37,21 @@ StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, co
   return frame;
 }
 
-FrameRecorder::FrameRecorder(std::int64_t budget, std::int64_t pool_slots) : budget_(budget) {
+FrameRecorder::FrameRecorder(std::int64_t budget, std::int64_t pool_slots, FrameObserver* observer)
+    : budget_(budget), observer_(observer) {
   while (stride_ * kMapSlotsPerStep < pool_slots) stride_ *= 2;
+}
+
+void FrameRecorder::after_update(StepState& step, std::span<const RequestId> held) {
+  (void)held;
+  record(step.step, step.now, *step.applied, step.allocator, step.table);
+  if (observer_ != nullptr && observer_->wants_frame())
+    observer_->on_frame(make_frame(step.step, step.now, *step.applied, step.allocator, step.table));
+}
+
+void FrameRecorder::finish(EngineResult& result) {
+  result.frame_stride = stride_;
+  result.frames = take();
 }
 
 void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& applied,

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 
+#include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab {
@@ -12,8 +13,14 @@ void KvPolicyRunner::ask_scores(std::span<BatchEntry> requests) const {
   for (BatchEntry& entry : requests) entry.scored_queries = policy_.scored_queries();
 }
 
-void KvPolicyRunner::take_scores(std::span<const BatchEntry> requests, const ForwardResult& result,
-                                 const std::string& backend_name) {
+void KvPolicyRunner::after_update(StepState& step, std::span<const RequestId> held) {
+  (void)held;
+  plugin_call<PluginErrors::non_kvlab>(policy_name_, step.step,
+                                       [&] { select(*step.applied, step.table, step.allocator); });
+}
+
+void KvPolicyRunner::take_scores(std::span<const BatchEntry> requests,
+                                 const ForwardResult& result) {
   offsets_.clear();
   std::size_t total = 0;
   for (const BatchEntry& entry : requests) {
@@ -24,7 +31,7 @@ void KvPolicyRunner::take_scores(std::span<const BatchEntry> requests, const For
   if (result.key_scores.size() < total)
     throw Error(fmt::format(
         "KV policy \"{}\" reads attention scores, and {} reported none: use backend \"cpu\"",
-        policy_name_, backend_name));
+        policy_name_, backend_name_));
   scores_.assign(result.key_scores.begin(), result.key_scores.begin() + static_cast<long>(total));
 }
 

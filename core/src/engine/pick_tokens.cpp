@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <utility>
+
 #include "kvlab/engine/sampling.hpp"
 #include "kvlab/error.hpp"
 

@@ -1,5 +1,7 @@
 #include "kvlab/engine/static_padding.hpp"
 
+#include "kvlab/engine/engine.hpp"  // StepRecord
+
 #include <algorithm>
 #include <limits>
 
@@ -29,7 +31,19 @@ KvView padding_view(KvView view, std::int64_t end_position, std::int64_t pool_sl
 
 }  // namespace
 
-void StaticPadding::hold(const std::vector<RequestId>& finished, const RequestTable& table,
+// The held rows cost the step a decode row each (StepRecord::padding).
+void StaticPadding::price(StepState& step, std::vector<EntryShape>& rows, StepTiming& timing) {
+  (void)timing;
+  rows.insert(rows.end(), shapes_.begin(), shapes_.end());
+  step.record.padding = static_cast<std::int64_t>(shapes_.size());
+}
+
+void StaticPadding::after_update(StepState& step, std::span<const RequestId> held) {
+  hold(held, step.table, step.allocator);
+  step.record.padding_slots = slots_;
+}
+
+void StaticPadding::hold(std::span<const RequestId> finished, const RequestTable& table,
                          KvAllocator& kv) {
   // This step's pad token, one position further (at most the model's last position: both the
   // cost model and the backend's padding row see that one).

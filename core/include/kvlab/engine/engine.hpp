@@ -1,35 +1,41 @@
 #pragma once
-// The engine: the step loop of a serving system. Engine::step() is, in order,
+// The engine: the step loop of a serving system. Engine::step() is a fixed pipeline:
+//   0. arrive = arrivals join the waiting queue (or are rejected), cancellations take effect
 //   1. plan   = Scheduler::schedule(read-only request table, read-only allocator)
 //   2. apply  = apply_plan(): preemptions, admissions, decode slots (the only mutator)
-//   3. run    = Backend::forward over the mixed batch
-//   4. sample = each request with its own seeded sampler
+//   3. run    = Backend::forward over the mixed batch, priced for the clock (StepPricer)
+//   4. sample = each request with its own seeded sampler (pick_tokens)
 //   5. update = apply_tokens(): tokens appended, stop rules, finished KV freed; step record
+// Features that need a say in the step (speculative decoding, a KV policy, a static batch's
+// padding, kvlab view's frames, your own) are step extensions, called at documented points of
+// it (kvlab/engine/step_extension.hpp): the engine names none of them.
 // Requests that can never fit (prompt + max tokens beyond the context or the KV capacity) are
 // rejected with a reason at arrival: submitted = finished + rejected, always.
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "kvlab/backend.hpp"
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/clock.hpp"
+#include "kvlab/engine/engine_result.hpp"
 #include "kvlab/engine/events.hpp"
 #include "kvlab/engine/frames.hpp"
-#include "kvlab/engine/kv_policy_runner.hpp"
-#include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/pick_tokens.hpp"
 #include "kvlab/engine/plan_check.hpp"
 #include "kvlab/engine/request_table.hpp"
 #include "kvlab/engine/sequence_rules.hpp"
-#include "kvlab/engine/static_padding.hpp"
+#include "kvlab/engine/step_extension.hpp"
+#include "kvlab/engine/step_pricing.hpp"
 #include "kvlab/engine/workload.hpp"
 #include "kvlab/kv_allocator.hpp"
+#include "kvlab/kv_policy.hpp"
+#include "kvlab/proposer.hpp"
 #include "kvlab/router.hpp"
 #include "kvlab/scheduler.hpp"
 #include "kvlab/sim/cost_model.hpp"
@@ -76,66 +82,14 @@ struct EngineOptions {
   // it); 0: none (EngineResult::frames stays empty).
   std::int64_t frame_budget = 0;
   FrameObserver* frame_observer = nullptr;  // frames on demand, beside those (not owned)
+  // More step extensions (kvlab/engine/step_extension.hpp), called after the engine's own, in
+  // this order; not owned, each used by one engine's runs at a time.
+  std::vector<StepExtension*> extensions;
   // Who the engine calls, as its errors name them: e.g. `scheduler plugin "fcfs" (FILE)`.
   struct PluginNames {
     std::string scheduler = "the scheduler", allocator = "the KV allocator",
                 backend = "the backend", kv_policy = "the KV policy", proposer = "the proposer";
   } names;
-};
-
-struct StepRecord {
-  std::int64_t step = 0;
-  std::int64_t replica = 0;  // in a cluster: the replica that ran it
-  double start_s = 0, duration_s = 0, measured_forward_s = 0;
-  double measured_step_s = 0;  // plan + apply + forward, as it really took
-  double predicted_s = 0;      // the cost model's prediction (0 without one)
-  StepWork work;               // what the cost model priced: FLOPs and bytes (zeros without one)
-  std::int64_t batch = 0, prefill_tokens = 0, decode_tokens = 0, preempted = 0;
-  // Speculative decoding: the entries that verified proposals, the proposed tokens they held,
-  // how many the target accepted, and the proposer's time before the step (measured; the
-  // measured clock adds it to the step), and the draft model's steps' price (draft_cost_model;
-  // the virtual clocks add it).
-  std::int64_t verify_entries = 0, proposed_tokens = 0, accepted_tokens = 0;
-  double propose_s = 0, predicted_propose_s = 0;
-  std::int64_t waiting = 0, running = 0;
-  // Finished requests a static batch still carries (StepPlan::pad_finished): rows priced this
-  // step, and the KV slots their views hold after it (a shared prefix block in each view).
-  std::int64_t padding = 0, padding_slots = 0;
-  std::int64_t swap_bytes = 0, swap_transfers = 0;  // KV copied to and from the host swap pool
-  // The step's time spent on KV tier copies: what the clock charged beyond the compute (virtual:
-  // the copies' price, or its excess over the compute when they overlap; measured: their time).
-  double tier_s = 0;
-  // External fragmentation that cost something: kv.unusable_free on a step where a request was
-  // refused for memory although the free slots in all would have held it (0 on every other
-  // step: holes that block nobody are not waste).
-  std::int64_t blocking_unusable_free = 0;
-  // A KIVI pool's open groups after the step: fp16 K/V beside the pool's slots, up to 32 tokens
-  // per running sequence (KvPool::open_group_bytes); 0 for the other dtypes.
-  std::int64_t kv_residual_bytes = 0;
-  KvAllocatorStats kv;
-};
-
-// One speculative verify: which step, which request, how many proposals it checked, how many of
-// them the target accepted (verifies.csv; a simulated drafter can replay them: accept_trace).
-struct VerifyRecord {
-  std::int64_t step = 0;
-  RequestId request = 0;
-  std::int64_t proposed = 0, accepted = 0;
-};
-
-struct EngineResult {
-  std::vector<RequestTimeline> requests;          // in submission order
-  std::vector<std::vector<std::int32_t>> tokens;  // generated tokens per request
-  // Per request, one entry per generated token when its sampling asked for log-probabilities
-  // (SamplingParams::logprobs >= 0), computed by the backend where it picks the tokens (only
-  // they cross to the host), else from the logits on the host; empty for the other requests.
-  std::vector<std::vector<GeneratedLogprobs>> logprobs;
-  std::vector<StepRecord> steps;
-  std::vector<EngineEvent> events;     // admit / defer / preempt / swap / finish / reject / evict
-  std::vector<VerifyRecord> verifies;  // speculative decoding's, in step order (a replica's ids)
-  std::vector<StepFrame> frames;       // EngineOptions::frame_budget's, in step order
-  std::int64_t frame_stride = 1;       // a frame every this many steps
-  double duration_s = 0;
 };
 
 // At most about how many steps a run of these requests takes (a token for one request a step,
@@ -185,33 +139,19 @@ class Engine {
   const std::vector<StepRecord>& steps() const { return result_.steps; }
 
  private:
+  std::optional<bool> begin_step(StepState& state);
   void receive_arrivals();
-  void apply_cancels();
+  void apply_cancels(StepState& state);
   std::string never_fits(const RequestState& r) const;
+  AppliedPlan plan_and_apply(bool& fragmentation_blocked);
+  bool retry_or_idle(StepState& state);
   void idle_step();
-  double propose();  // returns the seconds it took
-  void check_proposals(std::span<const ProposeAsk> asks) const;
-  double price_draft(std::span<const ProposeAsk> asks) const;
-  void forget_proposals(RequestId id);
-  std::vector<std::int64_t> proposal_lengths(std::span<const RequestState* const> decodes,
-                                             std::span<const std::int64_t> rooms) const;
-  std::optional<double> uniform_verify_seconds(std::span<const RequestState* const> decodes,
-                                               std::int64_t k) const;
-  // A priced draft's step at each depth: for one decode proposing, and for all of them (empty:
-  // no draft priced); at(): linear between, 0 with none proposing.
-  struct DraftPrices {
-    std::vector<double> one, all;
-    double at(std::size_t depth, std::int64_t proposing, std::int64_t decodes) const;
-  };
-  DraftPrices draft_prices(std::span<const RequestState* const> decodes) const;
-  void count_acceptance(const AppliedPlan& applied);
-  std::vector<std::int32_t> run_batch(AppliedPlan& applied, StepRecord& record);
-  bool computes_padding() const;
+  std::vector<BatchEntry> batch_entries(const AppliedPlan& applied) const;
+  std::vector<std::int32_t> run_batch(StepState& state, AppliedPlan& applied);
+  StepTiming price(StepState& state, std::span<const BatchEntry> requests);
+  void update(StepState& state, std::span<const std::int32_t> sampled);
   bool reads_kv_slots() const;
   void record_step(StepRecord record, bool fragmentation_blocked);
-  StepTiming price_step(const AppliedPlan& applied, std::span<const BatchEntry> batch,
-                        StepRecord& record);
-  void price_tier_copies(StepTiming& timing, StepRecord& record);
   bool admission_blocked_by_fragmentation(const StepPlan& plan) const;
 
   Backend& backend_;
@@ -219,27 +159,20 @@ class Engine {
   Scheduler& scheduler_;
   EngineOptions options_;
   ApplyOptions apply_options_;
+  StepPricer pricer_;
   std::unique_ptr<RequestTable> table_;
   PlanChecker plan_checker_;  // every plan the scheduler returns, before apply_plan
   std::unique_ptr<Clock> clock_;
   EventLog log_;
-  FrameRecorder frames_;
   EngineResult result_;
   std::int64_t step_ = 0, idle_steps_ = 0, evictions_seen_ = 0;
-  KvAllocatorStats tiers_seen_;  // the allocator's tier counters as the last priced step left them
   std::chrono::steady_clock::time_point step_start_;
-  StaticPadding padding_;                    // the finished requests of the running static batch
-  std::vector<KvHandoff> handoffs_;          // not yet taken
-  std::vector<RequestId> pending_cancels_;   // cancel()ed, applied at the next step
-  std::optional<KvPolicyRunner> kv_policy_;  // options_.kv_policy's
-  // Speculative decoding: the proposer, and the proposals accepted so far out of the positions
-  // tried (each verify tries its accepted ones and, unless all were, the first rejected one).
-  std::unique_ptr<Proposer> owned_proposer_;  // the built-in one, without options_.proposer
-  Proposer* proposer_ = nullptr;
-  double draft_price_s_ = 0;  // this step's proposals' price (draft_cost_model)
-  double spec_accepted_ = 0, spec_tried_ = 0;
-  std::unordered_map<RequestId, std::pair<double, double>> spec_by_request_;  // accepted, tried
-  StepTimes step_times_;  // AdaptiveLength::measured: the steps' times by their tokens
+  std::vector<KvHandoff> handoffs_;         // not yet taken
+  std::vector<RequestId> pending_cancels_;  // cancel()ed, applied at the next step
+  // The run's step extensions: the engine's own (engine_extensions.cpp), then the options'.
+  std::vector<std::unique_ptr<StepExtension>> own_extensions_;
+  std::vector<StepExtension*> extensions_;
+  std::vector<EntryShape> priced_rows_;  // this step's rows the extensions priced (kept: reused)
   // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
   // thousand in a trace replay.
   mutable std::vector<std::int32_t> unmatched_tokens_;

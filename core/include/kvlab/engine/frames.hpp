@@ -11,6 +11,7 @@
 
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/request_table.hpp"
+#include "kvlab/engine/step_extension.hpp"
 #include "kvlab/kv_allocator.hpp"
 
 namespace kvlab {
@@ -45,13 +46,18 @@ class FrameObserver {
   virtual void on_frame(StepFrame frame) = 0;
 };
 
-class FrameRecorder {
+// A step extension (kvlab/engine/step_extension.hpp): after each step's update it records the
+// step's frame (when the stride takes it) and offers one to the observer.
+class FrameRecorder final : public StepExtension {
  public:
   static constexpr std::int64_t kMapSlotsPerStep = 65'536;
   // At most about `budget` batch entries and slot runs in all (0: no frames), of a pool of
-  // `pool_slots`.
-  explicit FrameRecorder(std::int64_t budget = 0, std::int64_t pool_slots = 0);
+  // `pool_slots`; `observer` (or null) is asked after each step.
+  explicit FrameRecorder(std::int64_t budget = 0, std::int64_t pool_slots = 0,
+                         FrameObserver* observer = nullptr);
   bool enabled() const { return budget_ > 0; }
+  void after_update(StepState& step, std::span<const RequestId> held) override;
+  void finish(EngineResult& result) override;
   // Records step `step` if the stride takes it.
   void record(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
               const RequestTable& table);
@@ -62,6 +68,7 @@ class FrameRecorder {
   void thin_out();
   std::int64_t budget_, stride_ = 1, entries_ = 0;
   std::vector<StepFrame> frames_;
+  FrameObserver* observer_;
 };
 
 // {"step":..,"t":..,"batch":[[request,tokens,decode,proposals,accepted],...],

@@ -3,7 +3,8 @@
 // backend for the attention scores the policy reads; after the step's update it shows the
 // policy each running sequence's positions and drops what the policy lets go (KvAllocator::
 // evict). A sequence that lost its KV (preempted) starts afresh in the policy; a finished one
-// is forgotten.
+// is forgotten. A step extension (kvlab/engine/step_extension.hpp).
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -13,32 +14,52 @@
 #include "kvlab/backend.hpp"
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/request_table.hpp"
+#include "kvlab/engine/step_extension.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/kv_policy.hpp"
 
 namespace kvlab {
 
-class KvPolicyRunner {
+class KvPolicyRunner final : public StepExtension {
  public:
-  // `names`: the policy and the allocator as errors name them.
-  KvPolicyRunner(KvPolicy& policy, std::string policy_name, std::string allocator_name)
+  // `names`: the policy, the allocator and the backend as errors name them.
+  KvPolicyRunner(KvPolicy& policy, std::string policy_name, std::string allocator_name,
+                 std::string backend_name)
       : policy_(policy),
         policy_name_(std::move(policy_name)),
-        allocator_name_(std::move(allocator_name)) {}
+        allocator_name_(std::move(allocator_name)),
+        backend_name_(std::move(backend_name)) {}
+
+  // A sequence holds its prompt, or the policy's budget and a new token, at most.
+  std::int64_t max_held(const RequestState& request, std::int64_t held) const override {
+    return std::min(held, std::max(request.prompt_tokens, budget() + 1));
+  }
+  // A sequence that ended outside a step's batch (a cancelled request): its state goes.
+  void on_leave(StepState& step, RequestId id) override {
+    (void)step;
+    forget(id);
+  }
+  void shape_batch(StepState& step, std::vector<BatchEntry>& batch) override {
+    ask_scores(std::span(batch).first(step.applied->batch.size()));
+  }
+  void after_forward(StepState& step, std::span<const BatchEntry> requests,
+                     const ForwardResult& result) override {
+    (void)step;
+    take_scores(requests, result);
+  }
+  void after_update(StepState& step, std::span<const RequestId> held) override;
 
   // Most positions a sequence keeps between steps (the policy's budget).
   std::int64_t budget() const { return policy_.budget(); }
-  // A sequence that ended outside a step's batch (a cancelled request): its state goes.
   void forget(RequestId id) {
     policy_.forget(id);
     preemptions_.erase(id);
   }
   // The first `requests` entries are the step's requests: they ask for the policy's scores.
   void ask_scores(std::span<BatchEntry> requests) const;
-  // Keeps the forward's scores of the first `requests` entries; throws kvlab::Error when the
+  // Keeps the forward's scores of the step's requests' entries; throws kvlab::Error when the
   // policy reads scores the backend did not report.
-  void take_scores(std::span<const BatchEntry> requests, const ForwardResult& result,
-                   const std::string& backend_name);
+  void take_scores(std::span<const BatchEntry> requests, const ForwardResult& result);
   // After apply_tokens: each batch request still running keeps what the policy selects.
   void select(const AppliedPlan& applied, const RequestTable& table, KvAllocator& kv);
 
@@ -47,7 +68,7 @@ class KvPolicyRunner {
                   KvAllocator& kv);
 
   KvPolicy& policy_;
-  std::string policy_name_, allocator_name_;
+  std::string policy_name_, allocator_name_, backend_name_;
   std::vector<float> scores_;         // this step's, entry after entry
   std::vector<std::size_t> offsets_;  // each entry's first score
   std::vector<std::int64_t> positions_, kept_;
