@@ -24,6 +24,7 @@
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/calibration.hpp"
 #include "kvlab/sim/swap_link.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab::cli {
 namespace {

@@ -4,6 +4,7 @@
 
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab::cpu {
 namespace {

@@ -17,8 +17,21 @@
 #include "kvlab/memory_limit.hpp"
 
 extern "C" void openblas_set_num_threads(int threads);  // OpenBLAS's own API (cblas.h)
+extern "C" int openblas_get_num_threads();
 
 namespace kvlab::cpu {
+namespace {
+
+// OpenBLAS (its OpenMP build) starts with OMP_NUM_THREADS, or every core, whatever
+// OMP_THREAD_LIMIT says, and then waits forever (yielding the processor) inside a parallel region
+// the limit keeps to fewer threads than it counts on. Told the limit as the library loads.
+[[maybe_unused]] const bool kOpenBlasWithinTheThreadLimit = [] {
+  const int limit = std::max(1, omp_get_thread_limit());
+  if (openblas_get_num_threads() > limit) openblas_set_num_threads(limit);
+  return true;
+}();
+
+}  // namespace
 
 void set_num_threads(int threads) {
   // More threads than processors only oversubscribes; OpenBLAS at 64+ threads under an

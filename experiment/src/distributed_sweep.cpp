@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "kvlab/error.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab {
 namespace {

@@ -23,6 +23,7 @@
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/suggest.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab {
 

@@ -4,6 +4,7 @@
 
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "run_memo.hpp"
 #include "stages.hpp"
 

@@ -11,6 +11,7 @@
 #include "kvlab/engine/cluster.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/sweep_report.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "stages.hpp"
 
 namespace kvlab {

@@ -25,6 +25,7 @@
 #include "kvlab/model/tokenizer.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/cost_model.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "timed_backend.hpp"
 
 namespace kvlab {

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include "kvlab/experiment/metric_registry.hpp"
+#include "kvlab/workload/workload.hpp"
 
 #include <algorithm>
 #include <boost/math/distributions/students_t.hpp>

@@ -1,21 +1,26 @@
 // Stage 2 (the requests): a trace, the Azure trace, a prompt set through the model's tokenizer
-// and chat template, or the synthetic workload.
+// and chat template, or the synthetic workload, each a row of the workload sources' table
+// (kvlab/workload/formats.hpp).
 #include <fmt/format.h>
 
 #include <filesystem>
+#include <functional>
+#include <optional>
+#include <string_view>
 
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/model/chat_template.hpp"
+#include "kvlab/workload/formats.hpp"
 #include "stages.hpp"
 
 namespace kvlab {
 namespace {
 
-// A prompt set's requests: each text through the model's tokenizer, and its chat template
-// when the experiment asks for one (workload.prompts.chat).
-RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model,
-                             std::unique_ptr<Tokenizer>& tokenizer_out) {
+// A prompt set's encoder: each text through the model's tokenizer, and its chat template when
+// the experiment asks for one (workload.prompts.chat). The tokenizer is kept in `tokenizer`.
+std::function<std::vector<std::int32_t>(const std::string&)> prompt_encoder(
+    const ExperimentConfig& c, const ModelConfig& model, std::unique_ptr<Tokenizer>& tokenizer) {
   const ModelSource source = resolve_model(c.model);
   if (source.is_preset())
     throw Error(
@@ -24,66 +29,67 @@ RealWorkload prompt_requests(const ExperimentConfig& c, const ModelConfig& model
                     c.model));
   TokenizerLookup lookup = find_tokenizer(source.directory, model.vocab_size);
   if (!lookup.tokenizer) throw Error(fmt::format("workload.prompts: {}", lookup.why_not));
-  const Tokenizer& tokenizer = *lookup.tokenizer;
+  tokenizer = std::move(lookup.tokenizer);
   std::optional<ChatTemplate> chat;
   if (c.prompt_chat) chat = ChatTemplate::detect(lookup.chat_template, source.directory.string());
-  PromptSetOptions options;
-  options.requests = c.prompt_requests;
-  options.max_tokens = c.prompt_max_tokens;
-  options.context = model.max_position_embeddings;
-  options.arrival = c.workload.arrival;
-  options.seed = c.seed;
-  options.sampling = workload_sampling(c.workload);
-  auto encode = [&](const std::string& text) {
+  return [&tokenizer = *tokenizer, chat](const std::string& text) {
     if (!chat) return tokenizer.encode_prompt(text);
     const std::vector<ChatMessage> messages = {{"user", text}};
     return chat->render(messages, tokenizer);
   };
-  RealWorkload workload = prompt_set_workload(load_prompt_texts(c.prompt_set), encode, options);
-  tokenizer_out = std::move(lookup.tokenizer);
-  return workload;
 }
 
-// A recorded trace's replay options (window, scales: from the file) with what the run decides:
-// the model's context and vocabulary, the seed, the workload's sampling.
-template <typename TraceReplayOptions>
-TraceReplayOptions for_run(TraceReplayOptions options, const ExperimentConfig& c,
-                           const ModelConfig& model) {
-  options.context = model.max_position_embeddings;
-  options.vocab_size = model.vocab_size;
-  options.seed = c.seed;
-  options.sampling = workload_sampling(c.workload);
-  return options;
+ReplayWindow window_of(const auto& options) {
+  ReplayWindow w;
+  w.start_s = options.start_s;
+  w.duration_s = options.duration_s;
+  w.rate_scale = options.rate_scale;
+  w.max_requests = options.max_requests;
+  return w;
 }
 
-// The trace, the Azure trace, the prompt set, or the synthetic workload; greedy everywhere for
-// `check`.
-RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, bool check,
-                           std::unique_ptr<Tokenizer>& tokenizer) {
-  RealWorkload w;
-  if (!c.trace.empty() && is_mooncake_trace(c.trace)) {
-    w = load_mooncake_trace(c.trace, for_run(c.replay, c, model));
-  } else if (!c.trace.empty()) {
-    if (c.replay_given)
+// Which source reads the requests (kvlab/workload/formats.hpp), and what it reads: the trace (its
+// format told by the file), the Azure trace, the prompt set, or the synthetic workload.
+const WorkloadFormat& source_of(const ExperimentConfig& c, WorkloadInput& input) {
+  if (!c.trace.empty()) {
+    input.file = c.trace;
+    const WorkloadFormat& format = trace_format(c.trace);
+    if (c.replay_given && std::string_view(format.name) != "mooncake")
       throw Error(
           fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
-                      "is kvlab's own trace format",
-                      c.trace));
-    TraceOptions options;
-    options.vocab_size = model.vocab_size;
-    options.seed = c.seed;
-    options.sampling = workload_sampling(c.workload);
-    options.sampling.ignore_eos = c.workload.ignore_eos;
-    w.requests = load_trace(c.trace, options);
-  } else if (!c.azure_trace.empty()) {
-    w = load_azure_trace(c.azure_trace, for_run(c.azure, c, model));
-  } else if (!c.prompt_set.empty()) {
-    w = prompt_requests(c, model, tokenizer);
-  } else {
-    SyntheticWorkload spec = c.workload;
-    spec.vocab_size = model.vocab_size;
-    w.requests = generate_workload(spec);
+                      "is {}",
+                      c.trace, format.what));
+    input.window = window_of(c.replay);
+    input.window.length_scale = c.replay.length_scale;
+    return format;
   }
+  if (!c.azure_trace.empty()) {
+    input.file = c.azure_trace;
+    input.window = window_of(c.azure);
+    return workload_format("azure");
+  }
+  if (!c.prompt_set.empty()) {
+    input.file = c.prompt_set;
+    return workload_format("prompts");
+  }
+  return workload_format("synthetic");
+}
+
+// The requests of the experiment's source; greedy everywhere for `check`.
+RealWorkload make_requests(const ExperimentConfig& c, const ModelConfig& model, bool check,
+                           std::unique_ptr<Tokenizer>& tokenizer) {
+  WorkloadInput input;
+  const WorkloadFormat& format = source_of(c, input);
+  input.synthetic = c.workload;
+  input.context = model.max_position_embeddings;
+  input.vocab_size = model.vocab_size;
+  input.seed = c.seed;
+  input.sampling = workload_sampling(c.workload);
+  input.prompt_requests = c.prompt_requests;
+  input.prompt_max_tokens = c.prompt_max_tokens;
+  if (std::string_view(format.name) == "prompts")
+    input.encode = prompt_encoder(c, model, tokenizer);
+  RealWorkload w = format.load(input);
   check_arrival_times(w.requests, !c.trace.empty()         ? c.trace
                                   : !c.azure_trace.empty() ? c.azure_trace
                                   : !c.prompt_set.empty()  ? std::string("workload.prompts")

@@ -1,4 +1,5 @@
 #include "generation.hpp"
+#include "kvlab/workload/workload.hpp"
 
 #include <fmt/format.h>
 

@@ -15,6 +15,7 @@
 
 #include "kvlab/serve/openai_api.hpp"
 #include "kvlab/serve/openai_server.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "request_journal.hpp"
 
 namespace kvlab::serve {

@@ -19,8 +19,8 @@
 
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/engine.hpp"
-#include "kvlab/engine/workload.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab::bench {
 namespace {

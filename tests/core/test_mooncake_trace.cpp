@@ -6,8 +6,8 @@
 #include <algorithm>
 #include <vector>
 
-#include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/workload/real_workloads.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

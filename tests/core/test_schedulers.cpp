@@ -9,6 +9,7 @@
 
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/scheduler.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "plugin_registry.hpp"
 
 namespace kvlab {

@@ -6,9 +6,10 @@
 #include <cmath>
 #include <numeric>
 
-#include "kvlab/engine/real_workloads.hpp"
-#include "kvlab/engine/workload.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/workload/formats.hpp"
+#include "kvlab/workload/real_workloads.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -336,6 +337,56 @@ const std::filesystem::path kAzureConv =
 
 // The Azure conversation trace (scripts/get_data.sh azure): its first ten minutes, compressed,
 // clipped.
+// The table of workload sources: a trace file is read by the row that recognizes it (Mooncake's
+// fields, the Azure header, else kvlab's), and each row gives what its own reader gives.
+TEST(WorkloadFormats, EachTraceIsReadByTheRowThatRecognizesIt) {
+  test::TempDir dir;
+  test::write_file(dir / "kvlab.csv", "arrival_s,prompt_len,output_len\n0,3,2\n1,4,2\n");
+  test::write_file(dir / "azure.csv",
+                   "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n"
+                   "2023-11-16 18:15:47.0000000,12,3\n");
+  test::write_file(
+      dir / "mooncake.jsonl",
+      R"({"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]})"
+      "\n");
+  EXPECT_STREQ(trace_format(dir / "kvlab.csv").name, "kvlab");
+  EXPECT_STREQ(trace_format(dir / "azure.csv").name, "azure");
+  EXPECT_STREQ(trace_format(dir / "mooncake.jsonl").name, "mooncake");
+  WorkloadInput input;
+  input.vocab_size = 1000;
+  input.seed = 3;
+  input.file = dir / "kvlab.csv";
+  TraceOptions kvlab_options;
+  kvlab_options.vocab_size = 1000;
+  kvlab_options.seed = 3;
+  kvlab_options.sampling.ignore_eos = input.synthetic.ignore_eos;
+  const auto kvlab_rows = load_trace(input.file, kvlab_options);
+  const RealWorkload kvlab = trace_format(input.file).load(input);
+  ASSERT_EQ(kvlab.requests.size(), kvlab_rows.size());
+  for (std::size_t i = 0; i < kvlab_rows.size(); ++i)
+    EXPECT_EQ(kvlab.requests[i].prompt, kvlab_rows[i].prompt);
+  input.file = dir / "azure.csv";
+  input.window.rate_scale = 2;
+  AzureTraceOptions azure_options;
+  azure_options.vocab_size = 1000;
+  azure_options.seed = 3;
+  azure_options.rate_scale = 2;
+  const RealWorkload azure = trace_format(input.file).load(input),
+                     direct = load_azure_trace(input.file, azure_options);
+  ASSERT_EQ(azure.requests.size(), 2u);
+  EXPECT_EQ(azure.requests[1].arrival_s, direct.requests[1].arrival_s);
+  EXPECT_EQ(azure.requests[1].prompt, direct.requests[1].prompt);
+  input.window.length_scale = 0.5;  // a Mooncake trace's alone
+  EXPECT_THROW((void)trace_format(input.file).load(input), Error);
+  input.file = dir / "mooncake.jsonl";
+  EXPECT_EQ(trace_format(input.file).load(input).requests.front().prompt.size(), 300u);
+  input.synthetic.requests = 5;
+  EXPECT_EQ(workload_format("synthetic").load(input).requests.size(), 5u);
+  const std::string unknown = test::error_of<Error>([] { (void)workload_format("sharegpt"); });
+  EXPECT_NE(unknown.find("mooncake"), std::string::npos) << unknown;
+  EXPECT_NE(unknown.find("prompts"), std::string::npos) << unknown;
+}
+
 TEST(AzureTrace, WindowRateScaleAndContextClipping) {
   AzureTraceOptions options;
   options.duration_s = 600;

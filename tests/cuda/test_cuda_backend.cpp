@@ -13,6 +13,7 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "plugin_registry.hpp"
 #include "test_util.hpp"
 

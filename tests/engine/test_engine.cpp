@@ -5,6 +5,7 @@
 
 #include <functional>
 
+#include <fmt/format.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "plugin_registry.hpp"
 #include "test_util.hpp"
 

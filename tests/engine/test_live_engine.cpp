@@ -18,6 +18,7 @@
 #include "kvlab/engine/live_engine.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "plugin_registry.hpp"
 #include "test_util.hpp"
 

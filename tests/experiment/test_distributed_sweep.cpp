@@ -11,6 +11,7 @@
 #include <numeric>
 
 #include "kvlab/error.hpp"
+#include "kvlab/workload/workload.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {

@@ -14,6 +14,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace {
 

@@ -18,9 +18,8 @@ namespace {
 
 // A replica starts with no request (the router hands them over) and room for its share of the
 // workload's steps.
-void start_replica(Engine& engine, const std::vector<WorkloadRequest>& requests,
-                   std::size_t replicas) {
-  static const std::vector<WorkloadRequest> kNone;
+void start_replica(Engine& engine, const std::vector<Submission>& requests, std::size_t replicas) {
+  static const std::vector<Submission> kNone;
   engine.start(kNone);
   engine.reserve_steps(expected_steps(requests) / static_cast<std::int64_t>(replicas));
 }
@@ -33,7 +32,7 @@ Engine* furthest_behind(std::span<Engine* const> replicas) {
   return behind;
 }
 
-RouteRecord route_one(std::span<Engine* const> replicas, Router& router, const WorkloadRequest& w,
+RouteRecord route_one(std::span<Engine* const> replicas, Router& router, const Submission& w,
                       std::int64_t index) {
   std::vector<ReplicaLoad> loads;
   loads.reserve(replicas.size());
@@ -50,7 +49,7 @@ RouteRecord route_one(std::span<Engine* const> replicas, Router& router, const W
   return {d.replica, replicas[d.replica]->submit(w), w.arrival_s, d.reason};
 }
 
-std::vector<std::size_t> arrival_order(const std::vector<WorkloadRequest>& requests) {
+std::vector<std::size_t> arrival_order(const std::vector<Submission>& requests) {
   std::vector<std::size_t> order(requests.size());
   std::iota(order.begin(), order.end(), std::size_t{0});
   std::stable_sort(order.begin(), order.end(), [&](std::size_t a, std::size_t b) {
@@ -72,7 +71,7 @@ struct PendingHandoff {
 // The disaggregated cluster's run: the engines of both sides, the handoffs in time order.
 class DisaggregatedRun {
  public:
-  DisaggregatedRun(const Disaggregation& c, const std::vector<WorkloadRequest>& requests)
+  DisaggregatedRun(const Disaggregation& c, const std::vector<Submission>& requests)
       : c_(c), requests_(requests), order_(arrival_order(requests)) {
     engines_.assign(c.prefill.begin(), c.prefill.end());
     engines_.insert(engines_.end(), c.decode.begin(), c.decode.end());
@@ -119,7 +118,7 @@ class DisaggregatedRun {
     }
   }
   void route_prefill(std::size_t index) {
-    const WorkloadRequest& w = requests_[index];
+    const Submission& w = requests_[index];
     const RouteRecord route =
         route_to(c_.prefill, *c_.prefill_router, w, index, w.arrival_s,
                  [&](Engine& e, std::size_t) { return e.submit_for_prefill(w); });
@@ -130,7 +129,7 @@ class DisaggregatedRun {
   void route_decode() {
     PendingHandoff p = std::move(const_cast<PendingHandoff&>(pending_.top()));
     pending_.pop();
-    WorkloadRequest& w = decode_requests_.emplace_back(requests_[p.index]);
+    Submission& w = decode_requests_.emplace_back(requests_[p.index]);
     const double price = c_.transfer_seconds(p.handoff.bytes, p.handoff.copy_out_s);
     const std::int64_t bytes = p.handoff.bytes;
     RouteRecord route = route_to(c_.decode, *c_.decode_router, w, p.index, p.time_s,
@@ -144,7 +143,7 @@ class DisaggregatedRun {
     result_.decode_routes[p.index] = route;
   }
   template <typename Submit>
-  RouteRecord route_to(std::span<Engine* const> side, Router& router, const WorkloadRequest& w,
+  RouteRecord route_to(std::span<Engine* const> side, Router& router, const Submission& w,
                        std::size_t index, double time_s, Submit&& submit) {
     std::vector<ReplicaLoad> loads;
     loads.reserve(side.size());
@@ -173,21 +172,21 @@ class DisaggregatedRun {
   }
 
   const Disaggregation& c_;
-  const std::vector<WorkloadRequest>& requests_;
+  const std::vector<Submission>& requests_;
   std::vector<std::size_t> order_;
   std::size_t next_ = 0;
   std::vector<Engine*> engines_;
   std::vector<std::vector<std::size_t>> local_to_index_;  // per prefill replica: local id -> index
   std::priority_queue<PendingHandoff, std::vector<PendingHandoff>, std::greater<>> pending_;
-  std::deque<WorkloadRequest> decode_requests_;  // outlive the run (engines keep pointers)
-  std::vector<double> link_free_;  // by engine (prefill, then decode): its link busy until
+  std::deque<Submission> decode_requests_;  // outlive the run (engines keep pointers)
+  std::vector<double> link_free_;           // by engine (prefill, then decode): its link busy until
   ClusterResult result_;
 };
 
 }  // namespace
 
 ClusterResult run_disaggregated(const Disaggregation& cluster,
-                                const std::vector<WorkloadRequest>& requests) {
+                                const std::vector<Submission>& requests) {
   if (cluster.prefill.empty() || cluster.decode.empty())
     throw Error("a disaggregated cluster needs at least one prefill and one decode replica");
   if (cluster.prefill_router == nullptr || cluster.decode_router == nullptr ||
@@ -197,7 +196,7 @@ ClusterResult run_disaggregated(const Disaggregation& cluster,
 }
 
 ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
-                          const std::vector<WorkloadRequest>& requests, int threads) {
+                          const std::vector<Submission>& requests, int threads) {
   if (replicas.empty()) throw Error("a cluster needs at least one replica");
   for (Engine* e : replicas) start_replica(*e, requests, replicas.size());
   ClusterResult result;

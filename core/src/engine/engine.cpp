@@ -9,6 +9,7 @@
 #include <optional>
 
 #include "engine_extensions.hpp"
+#include "kvlab/engine/admission.hpp"
 #include "kvlab/engine/plan_check.hpp"
 #include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
@@ -28,9 +29,9 @@ constexpr std::int64_t kMostReservedSteps = std::int64_t{1} << 20;
 
 }  // namespace
 
-std::int64_t expected_steps(std::span<const WorkloadRequest> requests) {
+std::int64_t expected_steps(std::span<const Submission> requests) {
   std::int64_t steps = 0;  // each step gives each running request a token, or prefills
-  for (const WorkloadRequest& r : requests) steps += r.output_tokens + 1;
+  for (const Submission& r : requests) steps += r.output_tokens + 1;
   return steps;
 }
 
@@ -41,18 +42,19 @@ Engine::Engine(Backend& backend, KvAllocator& allocator, Scheduler& scheduler,
       scheduler_(scheduler),
       options_(std::move(options)),
       apply_options_{options_.rules, options_.pool, options_.swap_slots},
-      pricer_(options_.cost_model, options_.kv_tiers, options_.clock) {}
+      pricer_(options_.cost_model, options_.kv_tiers, options_.clock),
+      admission_(options_.rules, options_.names.allocator) {}
 
 Engine::~Engine() = default;
 
-EngineResult Engine::run(const std::vector<WorkloadRequest>& requests) {
+EngineResult Engine::run(const std::vector<Submission>& requests) {
   start(requests);
   while (step()) {
   }
   return take_result();
 }
 
-void Engine::start(const std::vector<WorkloadRequest>& requests) {
+void Engine::start(const std::vector<Submission>& requests) {
   const bool priced = options_.clock == EngineClock::virtual_clock ||
                       options_.clock == EngineClock::offline ||
                       options_.clock == EngineClock::paced;
@@ -95,17 +97,17 @@ EngineResult Engine::take_result() {
   return std::move(result_);
 }
 
-RequestId Engine::submit(const WorkloadRequest& request) {
+RequestId Engine::submit(const Submission& request) {
   if (!table_) throw Error("engine: submit() before start()");
   return table_->submit(request);
 }
 
-RequestId Engine::submit_for_prefill(const WorkloadRequest& request) {
+RequestId Engine::submit_for_prefill(const Submission& request) {
   if (!table_) throw Error("engine: submit_for_prefill() before start()");
   return table_->submit_for_prefill(request);
 }
 
-RequestId Engine::submit_with_kv(const WorkloadRequest& request, KvHandoff handoff) {
+RequestId Engine::submit_with_kv(const Submission& request, KvHandoff handoff) {
   if (!table_) throw Error("engine: submit_with_kv() before start()");
   return table_->submit_with_kv(request, std::move(handoff));
 }
@@ -143,55 +145,7 @@ bool Engine::has_work() const {
 }
 
 ReplicaLoad Engine::load() const {
-  ReplicaLoad load;
-  const KvAllocatorStats kv = allocator_.stats();
-  load.kv_used = kv.used;
-  load.kv_capacity = kv.capacity;
-  if (!table_) return load;
-  auto pending = [](const RequestState& r) {
-    return std::max<std::int64_t>(0, r.length() - r.computed) + r.remaining_output();
-  };
-  for (const RequestState* r : table_->waiting()) {
-    load.queued_tokens += pending(*r);
-    load.queued_prefill_tokens += std::max<std::int64_t>(0, r->length() - r->computed);
-  }
-  for (const RequestState* r : table_->running()) load.queued_tokens += pending(*r);
-  for (const RequestId id : table_->not_arrived()) {  // routed here, not arrived yet
-    const RequestState& r = table_->at(id);
-    load.queued_tokens += r.prompt_tokens + r.max_new_tokens;
-    load.queued_prefill_tokens += r.prompt_tokens;
-  }
-  load.waiting = static_cast<std::int64_t>(table_->waiting().size() + table_->not_arrived().size());
-  load.running = static_cast<std::int64_t>(table_->running().size());
-  return load;
-}
-
-// Why a request can never run here, or "" when it can. With a sliding window a sequence holds
-// at most its prompt or the window (+1 for the new token), whichever is longer.
-std::string Engine::never_fits(const RequestState& r) const {
-  const std::int64_t total = r.prompt_tokens + r.max_new_tokens;
-  if (r.prompt_tokens == 0) return "empty prompt";
-  if (total > options_.rules.context)
-    return fmt::format("prompt {} + max tokens {} exceed the context of {}", r.prompt_tokens,
-                       r.max_new_tokens, options_.rules.context);
-  std::int64_t held =
-      total;  // with a window (or an extension's limit): what it keeps and a new token
-  if (options_.rules.window)
-    held = std::min(held, std::max(r.prompt_tokens, *options_.rules.window + 1));
-  for (const StepExtension* extension : extensions_) held = extension->max_held(r, held);
-  if (unmatched_tokens_.size() < static_cast<std::size_t>(held))
-    unmatched_tokens_.resize(static_cast<std::size_t>(held), -1);  // no prefix hits
-  const std::span<const std::int32_t> tokens(unmatched_tokens_.data(),
-                                             static_cast<std::size_t>(held));
-  const std::int64_t capacity = allocator_.stats().capacity;
-  if (allocator_.slots_to_allocate({r.id, tokens, held}) <= capacity) return {};
-  if (held <= capacity)  // the pool would hold them: the allocator's own limit refuses them
-    return fmt::format(
-        "prompt {} + max tokens {} fit the pool ({} slots), but {} refuses a sequence this long "
-        "(its own limit, e.g. the static allocator's max_seq_len)",
-        r.prompt_tokens, r.max_new_tokens, capacity, options_.names.allocator);
-  return fmt::format("prompt {} + max tokens {} need more KV than the pool holds ({} slots)",
-                     r.prompt_tokens, r.max_new_tokens, capacity);
+  return replica_load(table_.get(), allocator_);
 }
 
 // Requests whose arrival time has come join the waiting queue, or are rejected with the reason.
@@ -200,7 +154,8 @@ void Engine::receive_arrivals() {
   while (const auto next = table_->next_arrival()) {
     if (table_->at(*next).arrival_s > clock_->now()) break;
     const RequestId id = table_->arrive();
-    if (std::string reason = never_fits(table_->at(id)); !reason.empty()) {
+    if (std::string reason = admission_.never_fits(table_->at(id), extensions_, allocator_);
+        !reason.empty()) {
       log_.add(EventKind::event_reject, id, reason);
       table_->reject(id, std::move(reason));
     }
@@ -255,7 +210,7 @@ AppliedPlan Engine::plan_and_apply(bool& fragmentation_blocked) {
   AppliedPlan applied = plugin_call<PluginErrors::non_kvlab>(options_.names.allocator, step_, [&] {
     return apply_plan(plan, step_, *table_, allocator_, apply_options_, log_);
   });
-  fragmentation_blocked = admission_blocked_by_fragmentation(plan);
+  fragmentation_blocked = admission_blocked_by_fragmentation(plan, *table_, allocator_);
   return applied;
 }
 
@@ -267,22 +222,6 @@ bool Engine::retry_or_idle(StepState& state) {
   if (retry) return true;
   idle_step();
   return !table_->all_done();
-}
-
-// True when a request refused for memory (kv_full) would have fitted in the free slots in all:
-// external fragmentation blocked an admission this step.
-bool Engine::admission_blocked_by_fragmentation(const StepPlan& plan) const {
-  std::optional<KvAllocatorStats> stats;  // read only when a request was refused for memory
-  for (const Deferral& d : plan.deferred) {
-    const RequestState& r = table_->at(d.id);
-    if (d.reason != "kv_full" || !r.is_waiting()) continue;
-    if (!stats) stats = allocator_.stats();
-    if (stats->unusable_free == 0) return false;
-    const AllocateRequest request{r.id, r.tokens, r.length() + r.remaining_output(),
-                                  &r.prefix_hashes};
-    if (allocator_.slots_to_allocate(request) <= stats->free) return true;
-  }
-  return false;
 }
 
 // Nothing to run: everyone waits for memory or for a scheduler limit. With nothing running and

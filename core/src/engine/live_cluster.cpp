@@ -73,7 +73,7 @@ KvAllocatorStats operator+(const KvAllocatorStats& a, const KvAllocatorStats& b)
 struct LiveCluster::Tracked {
   enum class Phase { prefill, transit, decode, done };
   Phase phase = Phase::prefill;
-  WorkloadRequest request;                // what the decode replica is given (moved there)
+  Submission request;                     // what the decode replica is given (moved there)
   std::shared_ptr<LiveCallbacks> client;  // both sides' tokens; on_done once
   std::size_t replica = 0;                // where it is (prefill, then decode)
   RequestId local = -1;                   // its id there (-1 in transit)
@@ -134,7 +134,7 @@ std::optional<std::size_t> LiveCluster::route(std::size_t first, std::size_t end
   }
 }
 
-SubmitResult LiveCluster::submit(WorkloadRequest request, LiveCallbacks callbacks) {
+SubmitResult LiveCluster::submit(Submission request, LiveCallbacks callbacks) {
   if (split_) return submit_disaggregated(std::move(request), std::move(callbacks));
   std::lock_guard lock(mutex_);
   if (stopping_) return {SubmitStatus::shutting_down, -1, {}};
@@ -236,7 +236,7 @@ std::string LiveCluster::fault() const {
 
 // --- disaggregated prefill and decode ---
 
-SubmitResult LiveCluster::submit_disaggregated(WorkloadRequest request, LiveCallbacks callbacks) {
+SubmitResult LiveCluster::submit_disaggregated(Submission request, LiveCallbacks callbacks) {
   std::lock_guard lock(mutex_);
   if (stopping_) return {SubmitStatus::shutting_down, -1, {}};
   const auto id = static_cast<RequestId>(routes_.size());
@@ -366,7 +366,7 @@ bool LiveCluster::take_due(std::vector<Transit>& due) {
 // streaming to the client from there; cancelled there at once if its client already went.
 void LiveCluster::deliver(Transit& transit) {
   std::shared_ptr<LiveCallbacks> client;
-  WorkloadRequest request;
+  Submission request;
   bool gone = false;  // its client went while it crossed
   {
     std::lock_guard lock(mutex_);

@@ -28,7 +28,7 @@ EngineOptions live_options(EngineOptions options, bool paced, TokenObserver own,
 }
 
 // What a submission adds to a load before the engine has taken it.
-void add_submission(ReplicaLoad& load, const WorkloadRequest& r) {
+void add_submission(ReplicaLoad& load, const Submission& r) {
   const auto prompt = static_cast<std::int64_t>(r.prompt.size());
   ++load.waiting;
   load.queued_tokens += prompt + r.output_tokens;
@@ -60,17 +60,17 @@ LiveEngine::~LiveEngine() {
   (void)shutdown(false);
 }
 
-SubmitResult LiveEngine::submit(WorkloadRequest request, LiveCallbacks callbacks) {
+SubmitResult LiveEngine::submit(Submission request, LiveCallbacks callbacks) {
   return enqueue({std::move(request), std::move(callbacks), {}, std::nullopt, {}}, true);
 }
 
-SubmitResult LiveEngine::submit_for_prefill(WorkloadRequest request, LiveCallbacks callbacks,
+SubmitResult LiveEngine::submit_for_prefill(Submission request, LiveCallbacks callbacks,
                                             HandoffCallback on_handoff) {
   return enqueue(
       {std::move(request), std::move(callbacks), {}, std::nullopt, std::move(on_handoff)}, true);
 }
 
-SubmitResult LiveEngine::submit_with_kv(WorkloadRequest request, KvHandoff handoff,
+SubmitResult LiveEngine::submit_with_kv(Submission request, KvHandoff handoff,
                                         LiveCallbacks callbacks, bool cancelled) {
   return enqueue({std::move(request), std::move(callbacks), {}, std::move(handoff), {}}, false,
                  cancelled);
@@ -190,7 +190,7 @@ void LiveEngine::admit(std::vector<Pending>& arrivals) {
   for (Pending& p : arrivals) {
     const double submitted = std::chrono::duration<double>(p.submitted - clock_start_).count();
     p.request.arrival_s = std::max(submitted, 0.0);
-    const WorkloadRequest& stored = requests_.emplace_back(std::move(p.request));
+    const Submission& stored = requests_.emplace_back(std::move(p.request));
     view_arrivals_.push_back(&stored);  // a deque: the address stays
     const RequestId id = p.handoff      ? engine_.submit_with_kv(stored, std::move(*p.handoff))
                          : p.on_handoff ? engine_.submit_for_prefill(stored)
@@ -232,7 +232,7 @@ void LiveEngine::update_stats(std::size_t steps_before) {
 // (Under the lock.) The view's feed gets the loop turn's arrivals, steps, events (which move the
 // requests' lanes), tokens and frame.
 void LiveEngine::update_view(std::size_t steps_before) {
-  for (const WorkloadRequest* r : view_arrivals_) view_.arrived(*r);
+  for (const Submission* r : view_arrivals_) view_.arrived(*r);
   view_arrivals_.clear();
   view_.add_steps(std::span(engine_.steps()).subspan(steps_before));
   const std::vector<EngineEvent>& events = engine_.events();

@@ -31,7 +31,7 @@ void LiveViewFeed::add_frame(const StepFrame& frame) {
   keep_within(frames_, limits_.frames);
 }
 
-void LiveViewFeed::arrived(const WorkloadRequest& request) {
+void LiveViewFeed::arrived(const Submission& request) {
   Lane& lane = lanes_[request.id];
   lane.arrival = request.arrival_s;
   lane.prompt = static_cast<std::int64_t>(request.prompt.size());

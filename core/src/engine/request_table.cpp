@@ -5,15 +5,15 @@
 
 namespace kvlab {
 
-RequestTable::RequestTable(std::span<const WorkloadRequest> submitted, bool arrivals_at_zero)
+RequestTable::RequestTable(std::span<const Submission> submitted, bool arrivals_at_zero)
     : arrivals_at_zero_(arrivals_at_zero) {
-  for (const WorkloadRequest& w : submitted) add(w);
+  for (const Submission& w : submitted) add(w);
   std::stable_sort(arrival_order_.begin(), arrival_order_.end(), [&](RequestId a, RequestId b) {
     return states_[index(a)].arrival_s < states_[index(b)].arrival_s;
   });
 }
 
-RequestId RequestTable::add(const WorkloadRequest& w) {
+RequestId RequestTable::add(const Submission& w) {
   const auto id = static_cast<RequestId>(states_.size());
   RequestState& r = states_.emplace_back();
   r.id = id;
@@ -44,7 +44,7 @@ RequestId RequestTable::add(const WorkloadRequest& w) {
   return id;
 }
 
-RequestId RequestTable::submit(const WorkloadRequest& request) {
+RequestId RequestTable::submit(const Submission& request) {
   const RequestId id = add(request);
   // Among the requests not arrived yet, in (arrival, id) order: after every equal arrival.
   const double arrival = states_[index(id)].arrival_s;
@@ -58,13 +58,13 @@ RequestId RequestTable::submit(const WorkloadRequest& request) {
   return id;
 }
 
-RequestId RequestTable::submit_for_prefill(const WorkloadRequest& request) {
+RequestId RequestTable::submit_for_prefill(const Submission& request) {
   const RequestId id = submit(request);
   hands_off_[index(id)] = true;
   return id;
 }
 
-RequestId RequestTable::submit_with_kv(const WorkloadRequest& request, KvHandoff handoff) {
+RequestId RequestTable::submit_with_kv(const Submission& request, KvHandoff handoff) {
   const RequestId id = submit(request);
   handoff.kv.transferred = true;
   handed_in_[index(id)] = std::move(handoff);

@@ -49,7 +49,7 @@ struct Disaggregation {
   bool links_contend = true;
 };
 ClusterResult run_disaggregated(const Disaggregation& cluster,
-                                const std::vector<WorkloadRequest>& requests);
+                                const std::vector<Submission>& requests);
 
 // Runs `requests` (which must outlive the call) on `replicas` (not started; each is started
 // empty here) behind `router`. Throws kvlab::Error when the router names a replica that does
@@ -57,7 +57,7 @@ ClusterResult run_disaggregated(const Disaggregation& cluster,
 // arrivals the replicas step on up to `threads` threads: the same runs as on one, for replicas
 // that share nothing and whose clocks do not read the wall (the virtual clock).
 ClusterResult run_cluster(std::span<Engine* const> replicas, Router& router,
-                          const std::vector<WorkloadRequest>& requests, int threads = 1);
+                          const std::vector<Submission>& requests, int threads = 1);
 
 // Every request's timeline in workload order (id = its index in the workload), from the
 // replica that served it.

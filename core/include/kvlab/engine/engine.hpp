@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvlab/backend.hpp"
+#include "kvlab/engine/admission.hpp"
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/engine_result.hpp"
@@ -32,7 +33,7 @@
 #include "kvlab/engine/sequence_rules.hpp"
 #include "kvlab/engine/step_extension.hpp"
 #include "kvlab/engine/step_pricing.hpp"
-#include "kvlab/engine/workload.hpp"
+#include "kvlab/engine/submission.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/kv_policy.hpp"
 #include "kvlab/proposer.hpp"
@@ -94,7 +95,7 @@ struct EngineOptions {
 
 // At most about how many steps a run of these requests takes (a token for one request a step,
 // and a step to prefill each): the room Engine::reserve_steps makes, not a limit.
-std::int64_t expected_steps(std::span<const WorkloadRequest> requests);
+std::int64_t expected_steps(std::span<const Submission> requests);
 
 class Engine {
  public:
@@ -102,11 +103,11 @@ class Engine {
   ~Engine();
   // Runs every request to the end. Throws kvlab::Error only for engine-level faults (a
   // scheduler that stalls, a backend returning NaN); bad requests are rejected and reported.
-  EngineResult run(const std::vector<WorkloadRequest>& requests);
+  EngineResult run(const std::vector<Submission>& requests);
 
   // The same, step by step: start(), step() until it returns false, take_result().
   // `requests` must outlive the run.
-  void start(const std::vector<WorkloadRequest>& requests);
+  void start(const std::vector<Submission>& requests);
   // Room for `steps` step records, made before a long run: the records still grow past it, but
   // a run of a million steps no longer copies (and first-touches) its records each time they
   // double. Untouched room costs address space only. start() reserves for its own requests.
@@ -116,13 +117,13 @@ class Engine {
 
   // While a run goes on (after start()): one more request, arriving at its arrival_s (a
   // cluster's router hands it over); its id in this engine. `request` must outlive the run.
-  RequestId submit(const WorkloadRequest& request);
+  RequestId submit(const Submission& request);
   // Disaggregated prefill and decode (RequestTable::submit_for_prefill / submit_with_kv): a
   // request this engine only prefills, handing its KV off with its first token; and one that
   // arrives with handed-off KV to decode. take_handoffs() returns the handoffs since the last
   // call, each stamped with this engine's clock at the end of the step that made it.
-  RequestId submit_for_prefill(const WorkloadRequest& request);
-  RequestId submit_with_kv(const WorkloadRequest& request, KvHandoff handoff);
+  RequestId submit_for_prefill(const Submission& request);
+  RequestId submit_with_kv(const Submission& request, KvHandoff handoff);
   std::vector<KvHandoff> take_handoffs() { return std::move(handoffs_); }
   double now() const;
   // While a run goes on: the request's client went away. At the start of the next step it
@@ -142,7 +143,6 @@ class Engine {
   std::optional<bool> begin_step(StepState& state);
   void receive_arrivals();
   void apply_cancels(StepState& state);
-  std::string never_fits(const RequestState& r) const;
   AppliedPlan plan_and_apply(bool& fragmentation_blocked);
   bool retry_or_idle(StepState& state);
   void idle_step();
@@ -152,7 +152,6 @@ class Engine {
   void update(StepState& state, std::span<const std::int32_t> sampled);
   bool reads_kv_slots() const;
   void record_step(StepRecord record, bool fragmentation_blocked);
-  bool admission_blocked_by_fragmentation(const StepPlan& plan) const;
 
   Backend& backend_;
   KvAllocator& allocator_;
@@ -160,6 +159,7 @@ class Engine {
   EngineOptions options_;
   ApplyOptions apply_options_;
   StepPricer pricer_;
+  AdmissionCheck admission_;  // rejects at arrival the requests that could never run
   std::unique_ptr<RequestTable> table_;
   PlanChecker plan_checker_;  // every plan the scheduler returns, before apply_plan
   std::unique_ptr<Clock> clock_;
@@ -173,9 +173,6 @@ class Engine {
   std::vector<std::unique_ptr<StepExtension>> own_extensions_;
   std::vector<StepExtension*> extensions_;
   std::vector<EntryShape> priced_rows_;  // this step's rows the extensions priced (kept: reused)
-  // never_fits's prompt of tokens no prefix matches (-1), kept: long prompts arrive by the
-  // thousand in a trace replay.
-  mutable std::vector<std::int32_t> unmatched_tokens_;
 };
 
 }  // namespace kvlab

@@ -57,7 +57,7 @@ class LiveCluster {
 
   // Any thread. Routed now; the answer is the chosen replica's (queue_full: its queue is full),
   // or failed when the router throws or names no replica (the reason says which).
-  SubmitResult submit(WorkloadRequest request, LiveCallbacks callbacks);
+  SubmitResult submit(Submission request, LiveCallbacks callbacks);
   // Any thread; nothing for an id never given or already ended.
   void cancel(RequestId id);
   // Stops taking requests, then every replica drains or aborts what it holds (at once: each on
@@ -86,7 +86,7 @@ class LiveCluster {
   std::optional<std::size_t> route(std::size_t first, std::size_t end, Router& router,
                                    const RouteRequest& request, RouteRecord& record,
                                    std::string& why_not);
-  SubmitResult submit_disaggregated(WorkloadRequest request, LiveCallbacks callbacks);
+  SubmitResult submit_disaggregated(Submission request, LiveCallbacks callbacks);
   void handed_off(RequestId id, KvHandoff&& handoff);
   void ended(RequestId id, const LiveOutcome& outcome);
   void link_loop();

@@ -99,18 +99,18 @@ class LiveEngine : private FrameObserver {
   // Any thread. The request arrives now (its arrival_s is this call's time on the engine's
   // clock, so a step under way counts in its TTFT) and its id is given now; its callbacks are
   // called on the engine thread.
-  SubmitResult submit(WorkloadRequest request, LiveCallbacks callbacks);
+  SubmitResult submit(Submission request, LiveCallbacks callbacks);
   // Any thread: a request only prefilled here (disaggregated prefill and decode). When its first
   // token is out and did not end it, its KV goes to `on_handoff` instead of an on_done: the
   // request goes on elsewhere (submit_with_kv). Its first token streams to callbacks.on_token.
-  SubmitResult submit_for_prefill(WorkloadRequest request, LiveCallbacks callbacks,
+  SubmitResult submit_for_prefill(Submission request, LiveCallbacks callbacks,
                                   HandoffCallback on_handoff);
   // Any thread: a request whose prompt and first tokens another engine computed, arriving now
   // with their KV (`handoff`, from that engine's on_handoff). Its queue limit does not apply: it
   // was accepted where it started.
   // `cancelled`: its client already went; it arrives and ends cancelled before any step, so the
   // record has it and its KV is freed.
-  SubmitResult submit_with_kv(WorkloadRequest request, KvHandoff handoff, LiveCallbacks callbacks,
+  SubmitResult submit_with_kv(Submission request, KvHandoff handoff, LiveCallbacks callbacks,
                               bool cancelled = false);
   // Any thread: the request's client went away. Nothing for an id that ended or was never given.
   void cancel(RequestId id);
@@ -132,7 +132,7 @@ class LiveEngine : private FrameObserver {
 
  private:
   struct Pending {
-    WorkloadRequest request;
+    Submission request;
     LiveCallbacks callbacks;
     std::chrono::steady_clock::time_point submitted;  // its arrival, whenever the engine takes it
     std::optional<KvHandoff> handoff;                 // submit_with_kv's
@@ -152,13 +152,13 @@ class LiveEngine : private FrameObserver {
 
   Engine engine_;
   LiveOptions live_;
-  std::vector<WorkloadRequest> none_;             // Engine::start's (empty) list
-  std::deque<WorkloadRequest> requests_;          // every submitted request: they outlive the run
+  std::vector<Submission> none_;                  // Engine::start's (empty) list
+  std::deque<Submission> requests_;               // every submitted request: they outlive the run
   std::map<RequestId, LiveCallbacks> in_flight_;  // engine thread only
   std::map<RequestId, HandoffCallback> handoff_to_;  // engine thread only: prefill-only requests
   std::size_t events_seen_ = 0;                      // engine thread only
   // Engine thread only, for the view: what arrived, the tokens' times, the latest frame.
-  std::vector<const WorkloadRequest*> view_arrivals_;
+  std::vector<const Submission*> view_arrivals_;
   std::vector<std::pair<RequestId, double>> view_tokens_;
   std::optional<StepFrame> view_frame_;
   std::size_t view_events_seen_ = 0;

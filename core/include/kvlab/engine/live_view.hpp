@@ -33,7 +33,7 @@ class LiveViewFeed {
   void add_steps(std::span<const StepRecord> steps);
   void add_events(std::span<const EngineEvent> events);
   void add_frame(const StepFrame& frame);
-  void arrived(const WorkloadRequest& request);  // its arrival_s on the engine's clock
+  void arrived(const Submission& request);  // its arrival_s on the engine's clock
   void token(RequestId id, double t);
   // {"name", "steps": {column: [...]}, "requests": {...}, "events": [...], "frames": [...]},
   // as text (the frames were written once, as they came). `aggregate`: the step columns of

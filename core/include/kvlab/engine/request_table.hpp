@@ -12,7 +12,7 @@
 
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/sampling.hpp"
-#include "kvlab/engine/workload.hpp"
+#include "kvlab/engine/submission.hpp"
 #include "kvlab/request.hpp"
 
 namespace kvlab {
@@ -35,17 +35,17 @@ class RequestTable {
   // Request i of `submitted` gets id i. With `arrivals_at_zero` (the offline clock) everyone
   // arrives at t = 0; otherwise at its arrival_s. Arrivals are taken in time order, ties by id.
   // `submitted` must outlive the table: prompts are copied in as requests arrive.
-  RequestTable(std::span<const WorkloadRequest> submitted, bool arrivals_at_zero);
+  RequestTable(std::span<const Submission> submitted, bool arrivals_at_zero);
   // One more request, while the run goes on (a cluster's router hands it to this replica): the
   // next id, arriving at its arrival_s (at 0 with arrivals_at_zero), which must not be earlier
   // than requests that already arrived. `request` must outlive the table.
-  RequestId submit(const WorkloadRequest& request);
+  RequestId submit(const Submission& request);
   // Disaggregated prefill and decode. A request submitted for prefill finishes once it has its
   // first token (finish reason "handoff", unless that token ends it anyway) and the engine hands
   // its KV off. One submitted with a handoff arrives (at request.arrival_s) with those tokens
   // generated, their KV waiting as a transferred swap buffer, and its sampler past their draws.
-  RequestId submit_for_prefill(const WorkloadRequest& request);
-  RequestId submit_with_kv(const WorkloadRequest& request, KvHandoff handoff);
+  RequestId submit_for_prefill(const Submission& request);
+  RequestId submit_with_kv(const Submission& request, KvHandoff handoff);
   bool hands_off(RequestId id) const { return hands_off_[index(id)]; }
 
   std::size_t size() const { return states_.size(); }
@@ -92,10 +92,10 @@ class RequestTable {
  private:
   std::size_t index(RequestId id) const { return static_cast<std::size_t>(id); }
   void insert_waiting(const RequestState* r);
-  RequestId add(const WorkloadRequest& request);  // appended to arrival_order_, unsorted
+  RequestId add(const Submission& request);  // appended to arrival_order_, unsorted
 
   bool arrivals_at_zero_ = false;
-  std::vector<const WorkloadRequest*> submitted_;
+  std::vector<const Submission*> submitted_;
   std::deque<RequestState> states_;  // a deque: waiting_ and running_ point into it as it grows
   std::vector<RequestTimeline> timelines_;
   std::vector<std::vector<GeneratedLogprobs>> logprobs_;

@@ -13,11 +13,11 @@
 #include "kvlab/engine/clock.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/engine/metrics.hpp"
-#include "kvlab/engine/real_workloads.hpp"
-#include "kvlab/engine/workload.hpp"
 #include "kvlab/experiment/logit_agreement.hpp"
 #include "kvlab/experiment/logprob_agreement.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/workload/real_workloads.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab {
 

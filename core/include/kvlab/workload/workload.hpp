@@ -1,7 +1,9 @@
 #pragma once
 // Workloads: the requests an experiment submits. Synthetic (arrival process, length
 // distributions, shared-prefix groups, priority mix, per-request sampling) or replayed from a
-// trace (CSV or JSONL). Deterministic: the same spec and seed give the same requests.
+// trace (kvlab's CSV or JSONL; the recorded traces and prompt sets: real_workloads.hpp), each a
+// source in one table (formats.hpp). Deterministic: the same spec and seed give the same
+// requests.
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -11,21 +13,12 @@
 
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/sampling.hpp"
+#include "kvlab/engine/submission.hpp"
 
 namespace kvlab {
 
-struct WorkloadRequest {
-  std::int64_t id = 0;
-  double arrival_s = 0;
-  std::vector<std::int32_t> prompt;  // token ids
-  std::int64_t output_tokens = 0;    // max_tokens (generation stops here unless EOS comes first)
-  int priority = 0;                  // higher = more important
-  std::int64_t prefix_group = -1;    // shared-prefix group, -1 for none
-  SamplingParams sampling;           // seed is per request
-  std::string tenant;                // who sent it ("" for none)
-  std::string cache_salt;            // prefix blocks are shared only within one salt ("": none)
-  ServiceLevelObjectives slo;        // its latency targets (its tenant's over the run's [slo])
-};
+// A workload's request is what the engine takes in: a Submission (kvlab/engine/submission.hpp).
+using WorkloadRequest = Submission;
 
 enum class ArrivalKind { all_at_once, poisson, gamma, bursts };
 struct ArrivalProcess {

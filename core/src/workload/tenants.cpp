@@ -8,8 +8,8 @@
 #include <random>
 #include <set>
 
-#include "kvlab/engine/workload.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab {
 namespace {

@@ -1,4 +1,6 @@
-#include "kvlab/engine/real_workloads.hpp"
+// The Azure LLM inference trace 2023 (Splitwise): TIMESTAMP,ContextTokens,GeneratedTokens a
+// request, replayed with random prompt ids and each output forced to its length.
+#include "kvlab/workload/real_workloads.hpp"
 
 #include <fmt/format.h>
 
@@ -7,14 +9,14 @@
 #include <chrono>
 #include <cmath>
 #include <fstream>
-#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 
 #include "../csv_fields.hpp"
 #include "kvlab/data_sets.hpp"
 #include "kvlab/error.hpp"
-#include "trace_replay.hpp"
+#include "replay.hpp"
+#include "sources.hpp"
 
 namespace kvlab {
 namespace {
@@ -88,41 +90,6 @@ std::vector<std::int32_t> random_ids(std::int64_t n, std::int64_t vocab, std::mt
 
 }  // namespace
 
-namespace detail {
-
-void check_replay_options(std::string_view trace, double start_s, double duration_s,
-                          double rate_scale, std::int64_t max_requests, std::int64_t context,
-                          std::int64_t vocab_size) {
-  if (!(start_s >= 0) || !(duration_s >= 0) || !std::isfinite(start_s + duration_s))
-    throw Error(fmt::format("{} window: start_s {} and duration_s {} must be >= 0", trace, start_s,
-                            duration_s));
-  if (!(rate_scale > 0) || !std::isfinite(rate_scale))
-    throw Error(fmt::format("{} rate_scale must be > 0, got {}", trace, rate_scale));
-  if (max_requests < 0 || context < 0 || context == 1 || vocab_size < 1)
-    throw Error(
-        fmt::format("{} max_requests and context must be >= 0 (context >= 2), vocab >= 1", trace));
-}
-
-nlohmann::json parse_json_object(const std::string& line) {
-  nlohmann::json object;
-  try {
-    object = nlohmann::json::parse(line);
-  } catch (const nlohmann::json::exception& e) {
-    throw Error(fmt::format("not valid JSON: {}", e.what()));
-  }
-  if (!object.is_object()) throw Error("each line must be a JSON object");
-  return object;
-}
-
-bool clip_to_context(std::int64_t& prompt, std::int64_t& output, std::int64_t context) {
-  if (context == 0 || prompt + output <= context) return false;
-  prompt = std::min(prompt, context - 1);
-  output = std::min(output, context - prompt);
-  return true;
-}
-
-}  // namespace detail
-
 RealWorkload load_azure_trace(const std::filesystem::path& path, const AzureTraceOptions& o) {
   detail::check_replay_options("Azure trace", o.start_s, o.duration_s, o.rate_scale, o.max_requests,
                                o.context, o.vocab_size);
@@ -164,76 +131,37 @@ RealWorkload load_azure_trace(const std::filesystem::path& path, const AzureTrac
   return out;
 }
 
-std::vector<std::string> load_prompt_texts(const std::filesystem::path& path) {
-  std::ifstream in(path);
-  if (!in)
-    throw Error(
-        fmt::format("cannot read prompt set {}{}", path.string(), data_set_hint(path.string())));
-  std::vector<std::string> texts;
-  std::int64_t line_number = 0;
+namespace detail {
+
+// Its header row names its three columns.
+bool is_azure_trace(const std::filesystem::path& file) {
+  std::ifstream in(file);
   for (std::string line; std::getline(in, line);) {
-    ++line_number;
     if (line.find_first_not_of(" \t\r") == std::string::npos) continue;
-    auto fail = [&](const std::string& why) {
-      return Error(fmt::format("{}:{}: {}", path.string(), line_number, why));
-    };
-    nlohmann::json object;
-    try {
-      object = detail::parse_json_object(line);
-    } catch (const Error& e) {
-      throw fail(e.what());
-    }
-    const nlohmann::json* text = nullptr;
-    if (object.contains("turns") && object["turns"].is_array() && !object["turns"].empty())
-      text = &object["turns"][0];
-    for (const char* key : {"question", "prompt", "text"})
-      if (text == nullptr && object.contains(key)) text = &object[key];
-    if (text == nullptr || !text->is_string() || text->get<std::string>().empty())
-      throw fail("no prompt text (\"turns\"[0], \"question\", \"prompt\" or \"text\")");
-    texts.push_back(text->get<std::string>());
+    if (!line.empty() && line.back() == '\r') line.pop_back();
+    return line == "TIMESTAMP,ContextTokens,GeneratedTokens";
   }
-  if (texts.empty()) throw Error(fmt::format("prompt set {} holds no prompts", path.string()));
-  return texts;
+  return false;
 }
 
-RealWorkload prompt_set_workload(
-    const std::vector<std::string>& texts,
-    const std::function<std::vector<std::int32_t>(const std::string&)>& encode,
-    const PromptSetOptions& o) {
-  if (texts.empty()) throw Error("the prompt set is empty");
-  if (o.requests < 0 || o.max_tokens < 1)
-    throw Error(fmt::format("prompt set: requests must be >= 0 and max_tokens >= 1, got {} and {}",
-                            o.requests, o.max_tokens));
-  const std::int64_t count = o.requests > 0 ? o.requests : static_cast<std::int64_t>(texts.size());
-  const std::vector<double> arrivals = arrival_times(o.arrival, count, o.seed);
-  RealWorkload out;
-  for (std::int64_t i = 0; i < count; ++i) {
-    const std::size_t which = static_cast<std::size_t>(i) % texts.size();
-    WorkloadRequest r;
-    r.id = i;
-    r.arrival_s = arrivals[static_cast<std::size_t>(i)];
-    r.prompt = encode(texts[which]);
-    const auto prompt = static_cast<std::int64_t>(r.prompt.size());
-    if (prompt < 1 || (o.context > 0 && prompt >= o.context))
-      throw Error(
-          fmt::format("prompt {} (\"{:.40}...\") is {} tokens: no room to answer in the "
-                      "{}-token context",
-                      which, texts[which], prompt, o.context));
-    std::int64_t kept_prompt = prompt, cap = o.max_tokens;  // the prompt fits: only cap is cut
-    out.clipped += detail::clip_to_context(kept_prompt, cap, o.context);
-    r.output_tokens = cap;
-    r.sampling = o.sampling;
-    r.sampling.max_tokens = static_cast<std::int32_t>(cap);
-    r.sampling.ignore_eos = false;
-    r.sampling.seed = o.seed * 1000003ULL + static_cast<std::uint64_t>(i);
-    out.requests.push_back(std::move(r));
-    out.prompt_texts.push_back(texts[which]);
-  }
-  out.description = fmt::format(
-      "{} prompts of a {}-prompt set, answers end at EOS or {} tokens "
-      "({} caps cut to the context)",
-      count, texts.size(), o.max_tokens, out.clipped);
-  return out;
+RealWorkload load_azure_source(const WorkloadInput& input) {
+  if (input.window.length_scale != 1.0)
+    throw Error(
+        fmt::format("Azure trace {}: length_scale is a Mooncake trace's; the Azure "
+                    "trace replays its lengths as they are",
+                    input.file.string()));
+  AzureTraceOptions o;
+  o.start_s = input.window.start_s;
+  o.duration_s = input.window.duration_s;
+  o.rate_scale = input.window.rate_scale;
+  o.max_requests = input.window.max_requests;
+  o.context = input.context;
+  o.vocab_size = input.vocab_size;
+  o.seed = input.seed;
+  o.sampling = input.sampling;
+  return load_azure_trace(input.file, o);
 }
+
+}  // namespace detail
 
 }  // namespace kvlab

@@ -15,7 +15,7 @@
 #include <string>
 #include <vector>
 
-#include "kvlab/engine/workload.hpp"
+#include "kvlab/workload/workload.hpp"
 
 namespace kvlab {
 

@@ -10,10 +10,11 @@
 #include <unordered_set>
 
 #include "kvlab/data_sets.hpp"
-#include "kvlab/engine/real_workloads.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/splitmix64.hpp"
-#include "trace_replay.hpp"
+#include "kvlab/workload/real_workloads.hpp"
+#include "replay.hpp"
+#include "sources.hpp"
 
 namespace kvlab {
 namespace {
@@ -209,5 +210,23 @@ RealWorkload load_mooncake_trace(const std::filesystem::path& path, const Moonca
       o.length_scale, block, out.clipped, o.context, 100 * ideal.rate());
   return out;
 }
+
+namespace detail {
+
+RealWorkload load_mooncake_source(const WorkloadInput& input) {
+  MooncakeTraceOptions o;
+  o.start_s = input.window.start_s;
+  o.duration_s = input.window.duration_s;
+  o.rate_scale = input.window.rate_scale;
+  o.max_requests = input.window.max_requests;
+  o.length_scale = input.window.length_scale;
+  o.context = input.context;
+  o.vocab_size = input.vocab_size;
+  o.seed = input.seed;
+  o.sampling = input.sampling;
+  return load_mooncake_trace(input.file, o);
+}
+
+}  // namespace detail
 
 }  // namespace kvlab
