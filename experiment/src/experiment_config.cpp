@@ -106,6 +106,7 @@ class Section {
     }
   }
   const std::string& file() const { return file_; }
+  const std::string& name() const { return name_; }
   const toml::table* table_itself() const { return table_; }
 
  private:
@@ -331,6 +332,22 @@ void parse_scheduler(Section& s, ExperimentConfig& c) {
   c.scheduler_params = plugin_params(s, "params");
 }
 
+// A recorded trace's window and rate scale (and its length scale where `lengths`), from `table`.
+ReplayWindow parse_window(Section& s, const toml::table& table, bool lengths) {
+  ReplayWindow w;
+  w.start_s = s.get<double>("start_s").value_or(0);
+  w.duration_s = s.get<double>("duration_s").value_or(0);
+  w.rate_scale = s.get<double>("rate_scale").value_or(1.0);
+  if (lengths) w.length_scale = s.get<double>("length_scale").value_or(1.0);
+  w.max_requests = s.get_int<std::int64_t>("max_requests", 0, kMaxRequests).value_or(0);
+  if (!(w.start_s >= 0) || !(w.duration_s >= 0) || !(w.rate_scale > 0) ||
+      !std::isfinite(w.start_s) || !std::isfinite(w.duration_s) || !std::isfinite(w.rate_scale))
+    s.fail(table, fmt::format("{}: start_s, duration_s >= 0 and rate_scale > 0, finite", s.name()));
+  if (!(w.length_scale > 0 && w.length_scale <= 1))
+    s.fail(*s.node("length_scale"), fmt::format("{}.length_scale must be in (0, 1]", s.name()));
+  return w;
+}
+
 void parse_azure_trace(Section& workload, ExperimentConfig& c) {
   const toml::table* table = workload.table("azure_trace");
   if (table == nullptr) return;
@@ -338,14 +355,7 @@ void parse_azure_trace(Section& workload, ExperimentConfig& c) {
   const auto file = s.get<std::string>("file");
   if (!file) s.fail(*table, "[workload.azure_trace] needs file = \"...csv\"");
   c.azure_trace = *file;
-  AzureTraceOptions& a = c.azure;
-  a.start_s = s.get<double>("start_s").value_or(0);
-  a.duration_s = s.get<double>("duration_s").value_or(0);
-  a.rate_scale = s.get<double>("rate_scale").value_or(1.0);
-  a.max_requests = s.get_int<std::int64_t>("max_requests", 0, kMaxRequests).value_or(0);
-  if (!(a.start_s >= 0) || !(a.duration_s >= 0) || !(a.rate_scale > 0) ||
-      !std::isfinite(a.start_s) || !std::isfinite(a.duration_s) || !std::isfinite(a.rate_scale))
-    s.fail(*table, "workload.azure_trace: start_s, duration_s >= 0 and rate_scale > 0, finite");
+  c.azure = parse_window(s, *table, false);
   s.finish();
 }
 
@@ -358,17 +368,7 @@ void parse_trace_replay(Section& workload, ExperimentConfig& c) {
            "[workload.replay] replays a part of workload.trace (a Mooncake trace): give "
            "trace = \"...jsonl\"");
   c.replay_given = true;
-  MooncakeTraceOptions& r = c.replay;
-  r.start_s = s.get<double>("start_s").value_or(0);
-  r.duration_s = s.get<double>("duration_s").value_or(0);
-  r.rate_scale = s.get<double>("rate_scale").value_or(1.0);
-  r.length_scale = s.get<double>("length_scale").value_or(1.0);
-  r.max_requests = s.get_int<std::int64_t>("max_requests", 0, kMaxRequests).value_or(0);
-  if (!(r.start_s >= 0) || !(r.duration_s >= 0) || !(r.rate_scale > 0) ||
-      !std::isfinite(r.start_s) || !std::isfinite(r.duration_s) || !std::isfinite(r.rate_scale))
-    s.fail(*table, "workload.replay: start_s, duration_s >= 0 and rate_scale > 0, finite");
-  if (!(r.length_scale > 0 && r.length_scale <= 1))
-    s.fail(*s.node("length_scale"), "workload.replay.length_scale must be in (0, 1]");
+  c.replay = parse_window(s, *table, true);
   s.finish();
 }
 

@@ -39,15 +39,6 @@ std::function<std::vector<std::int32_t>(const std::string&)> prompt_encoder(
   };
 }
 
-ReplayWindow window_of(const auto& options) {
-  ReplayWindow w;
-  w.start_s = options.start_s;
-  w.duration_s = options.duration_s;
-  w.rate_scale = options.rate_scale;
-  w.max_requests = options.max_requests;
-  return w;
-}
-
 // Which source reads the requests (kvlab/workload/formats.hpp), and what it reads: the trace (its
 // format told by the file), the Azure trace, the prompt set, or the synthetic workload.
 const WorkloadFormat& source_of(const ExperimentConfig& c, WorkloadInput& input) {
@@ -59,13 +50,12 @@ const WorkloadFormat& source_of(const ExperimentConfig& c, WorkloadInput& input)
           fmt::format("[workload.replay] is for a Mooncake trace (rows with hash_ids); {} "
                       "is {}",
                       c.trace, format.what));
-    input.window = window_of(c.replay);
-    input.window.length_scale = c.replay.length_scale;
+    input.window = c.replay;
     return format;
   }
   if (!c.azure_trace.empty()) {
     input.file = c.azure_trace;
-    input.window = window_of(c.azure);
+    input.window = c.azure;
     return workload_format("azure");
   }
   if (!c.prompt_set.empty()) {

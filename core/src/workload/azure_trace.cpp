@@ -150,16 +150,7 @@ RealWorkload load_azure_source(const WorkloadInput& input) {
         fmt::format("Azure trace {}: length_scale is a Mooncake trace's; the Azure "
                     "trace replays its lengths as they are",
                     input.file.string()));
-  AzureTraceOptions o;
-  o.start_s = input.window.start_s;
-  o.duration_s = input.window.duration_s;
-  o.rate_scale = input.window.rate_scale;
-  o.max_requests = input.window.max_requests;
-  o.context = input.context;
-  o.vocab_size = input.vocab_size;
-  o.seed = input.seed;
-  o.sampling = input.sampling;
-  return load_azure_trace(input.file, o);
+  return load_azure_trace(input.file, replay_options<AzureTraceOptions>(input));
 }
 
 }  // namespace detail

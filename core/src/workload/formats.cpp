@@ -10,10 +10,6 @@
 namespace kvlab {
 namespace {
 
-bool mooncake_file(const std::filesystem::path& file) {
-  return is_mooncake_trace(file);
-}
-
 // Sniffed in this order: the formats with a header or fields of their own before kvlab's
 // (any .csv or .jsonl file).
 constexpr std::array kFormats = {
@@ -22,7 +18,7 @@ constexpr std::array kFormats = {
     WorkloadFormat{"mooncake",
                    "a Mooncake FAST'25 trace (JSONL: timestamp, input_length, output_length, "
                    "hash_ids)",
-                   mooncake_file, detail::load_mooncake_source},
+                   is_mooncake_trace, detail::load_mooncake_source},
     WorkloadFormat{"azure",
                    "the Azure LLM inference trace 2023 (CSV: TIMESTAMP, ContextTokens, "
                    "GeneratedTokens)",

@@ -214,16 +214,8 @@ RealWorkload load_mooncake_trace(const std::filesystem::path& path, const Moonca
 namespace detail {
 
 RealWorkload load_mooncake_source(const WorkloadInput& input) {
-  MooncakeTraceOptions o;
-  o.start_s = input.window.start_s;
-  o.duration_s = input.window.duration_s;
-  o.rate_scale = input.window.rate_scale;
-  o.max_requests = input.window.max_requests;
+  auto o = replay_options<MooncakeTraceOptions>(input);
   o.length_scale = input.window.length_scale;
-  o.context = input.context;
-  o.vocab_size = input.vocab_size;
-  o.seed = input.seed;
-  o.sampling = input.sampling;
   return load_mooncake_trace(input.file, o);
 }
 

@@ -6,7 +6,26 @@
 #include <string>
 #include <string_view>
 
+#include "kvlab/workload/formats.hpp"
+
 namespace kvlab::detail {
+
+// A recorded trace's reader options (AzureTraceOptions, MooncakeTraceOptions) from a source's
+// input: its window (but length_scale, the Mooncake trace's alone), the model's context and
+// vocabulary, the seed and the sampling.
+template <typename TraceOptions>
+TraceOptions replay_options(const WorkloadInput& input) {
+  TraceOptions o;
+  o.start_s = input.window.start_s;
+  o.duration_s = input.window.duration_s;
+  o.rate_scale = input.window.rate_scale;
+  o.max_requests = input.window.max_requests;
+  o.context = input.context;
+  o.vocab_size = input.vocab_size;
+  o.seed = input.seed;
+  o.sampling = input.sampling;
+  return o;
+}
 
 // Throws kvlab::Error naming `trace` ("Azure trace", "Mooncake trace") for a window before the
 // start, a rate scale that is not positive and finite, or negative counts.

@@ -16,6 +16,7 @@
 #include "kvlab/experiment/logit_agreement.hpp"
 #include "kvlab/experiment/logprob_agreement.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/workload/formats.hpp"
 #include "kvlab/workload/real_workloads.hpp"
 #include "kvlab/workload/workload.hpp"
 
@@ -102,10 +103,10 @@ struct ExperimentConfig {
   std::string trace;  // replaces the synthetic workload when set
   // [workload.azure_trace]: the Azure LLM inference trace 2023 replayed (replaces synthetic).
   std::string azure_trace;  // its CSV file
-  AzureTraceOptions azure;  // window, rate scale (context, vocab and seed come from the run)
+  ReplayWindow azure;       // window, rate scale (context, vocab and seed come from the run)
   // [workload.replay]: the window, rate and length scales of a Mooncake `trace` (context, vocab
   // and seed come from the run); replay_given: the table was there (any other trace refuses it).
-  MooncakeTraceOptions replay;
+  ReplayWindow replay;
   bool replay_given = false;
   // [workload.prompts]: a prompt-set JSONL file (replaces synthetic); answers end at EOS.
   std::string prompt_set;   // its file
