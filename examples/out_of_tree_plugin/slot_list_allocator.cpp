@@ -13,12 +13,16 @@ namespace {
 
 using namespace kvlab;
 
-class SlotListAllocator final : public KvAllocator {
+class SlotListAllocator final : public KvAllocator, KvPositionDropping, KvForking {
  public:
   SlotListAllocator(const PluginParams&, const PluginContext& context) : pool_(context.pool) {
     if (pool_ == nullptr) throw std::invalid_argument("slot_list allocator needs a KV pool");
     for (auto s = pool_->shape().slots - 1; s >= 0; --s) free_.push_back(s);  // 0 comes out first
   }
+
+  // What it offers beyond the core: a sliding window's early release (not a KV policy's
+  // holes: evict refuses) and fork; no rollback, no pool map of its own.
+  KvAllocatorFeatures features() override { return {this, nullptr, this, nullptr}; }
 
   // --- commits ---
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
@@ -35,7 +39,6 @@ class SlotListAllocator final : public KvAllocator {
     for (std::size_t i = 0; i < tokens.size(); ++i) it->second.slots.push_back(take());
     return true;
   }
-  void mark_computed(SequenceId, std::int64_t) override {}
   void release_before(SequenceId id, std::int64_t position) override {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return;

@@ -45,10 +45,6 @@ class MockAllocator final : public KvAllocator {
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
     return static_cast<std::int64_t>(r.prompt.size());
   }
-  void mark_computed(SequenceId, std::int64_t) override {}
-  void release_before(SequenceId, std::int64_t) override {}
-  bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
-  bool fork(SequenceId, SequenceId) override { return false; }
   void free(SequenceId id) override { held_.erase(id); }
   KvView view(SequenceId) const override { return {}; }
   KvAllocatorStats stats() const override {

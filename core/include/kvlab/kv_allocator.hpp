@@ -99,6 +99,70 @@ struct KvPoolMap {
   std::int64_t host_blocks = 0, host_capacity = 0, disk_blocks = 0, disk_capacity = 0;
 };
 
+// What an allocator may offer beyond its core, each an interface of its own and a field of
+// KvAllocatorFeatures (null: not offered). A new feature is a new interface and a new field: the
+// allocators that do not offer it are not touched. The host asks KvAllocator::features() where
+// it needs one, and says what is missing when a run needs it.
+
+// Dropping positions a sequence will never read again: a sliding window's, a KV policy's.
+class BOOST_SYMBOL_VISIBLE KvPositionDropping {
+ public:
+  // Tokens before `position` will never be read again (sliding window): free what can be.
+  virtual void release_before(SequenceId sequence, std::int64_t position) = 0;
+  // A KV policy (kvlab/kv_policy.hpp) keeps only `kept` (increasing, each a position the view
+  // holds) of the sequence's positions: the others are never read again. The view then lists
+  // the kept positions (KvView::positions) and the allocator frees what it can. false (nothing
+  // changed) when it cannot drop them now (paged with prefix caching, whose blocks must keep
+  // what their hashes say; no room to unshare a fork's blocks).
+  virtual bool evict(SequenceId sequence, std::span<const std::int64_t> kept) = 0;
+
+ protected:
+  ~KvPositionDropping() = default;
+};
+
+// Rolling a sequence back (speculative decoding: proposed tokens the target rejected).
+class BOOST_SYMBOL_VISIBLE KvRollback {
+ public:
+  // The sequence keeps its first `length` positions. Their slots return to the pool (a paged
+  // sequence's whole blocks past the new end), nothing of them enters the prefix cache, no
+  // block another sequence holds is written, and the next append writes from `length`. false
+  // (nothing changed) when `length` is past its end, cuts into what mark_computed made
+  // shareable, cuts inside a block another sequence shares, or the sequence has dropped
+  // positions (evict).
+  virtual bool truncate(SequenceId sequence, std::int64_t length) = 0;
+
+ protected:
+  ~KvRollback() = default;
+};
+
+// Copying a sequence (parallel sampling).
+class BOOST_SYMBOL_VISIBLE KvForking {
+ public:
+  // The child starts as a copy of the parent; false when the pool is full.
+  virtual bool fork(SequenceId parent, SequenceId child) = 0;
+
+ protected:
+  ~KvForking() = default;
+};
+
+// Drawing the pool slot by slot (kvlab view; otherwise the engine draws the sequences' views as
+// used). Called once every recorded step of a run's frames, so O(blocks) is fine.
+class BOOST_SYMBOL_VISIBLE KvPoolDrawing {
+ public:
+  virtual void pool_map(KvPoolMap& map) const = 0;  // into `map`, cleared first
+
+ protected:
+  ~KvPoolDrawing() = default;
+};
+
+struct KvAllocatorFeatures {
+  KvPositionDropping* dropping = nullptr;
+  KvRollback* rollback = nullptr;
+  KvForking* forking = nullptr;
+  const KvPoolDrawing* drawing = nullptr;
+};
+
+// The core every allocator has: commits, planning, queries.
 class BOOST_SYMBOL_VISIBLE KvAllocator {
  public:
   virtual ~KvAllocator() = default;
@@ -111,29 +175,11 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   // are the sequence's own (copy-on-write done). false (nothing changed) when there is no room.
   virtual bool append(SequenceId sequence, std::span<const std::int32_t> tokens) = 0;
   // The backend has written KV for the sequence's first `computed_tokens` tokens: full blocks
-  // up to there may now be shared through the prefix cache.
-  virtual void mark_computed(SequenceId sequence, std::int64_t computed_tokens) = 0;
-  // Tokens before `position` will never be read again (sliding window): an allocator may free them.
-  virtual void release_before(SequenceId sequence, std::int64_t position) = 0;
-  // A KV policy (kvlab/kv_policy.hpp) keeps only `kept` (increasing, each a position the view
-  // holds) of the sequence's positions: the others are never read again. The view then lists
-  // the kept positions (KvView::positions) and the allocator frees what it can. false (nothing
-  // changed) when it cannot drop positions (static, dynamic; paged with prefix caching, whose
-  // blocks must keep what their hashes say).
-  virtual bool evict(SequenceId sequence, std::span<const std::int64_t> kept) = 0;
-  // Rolls the sequence back to its first `length` positions (speculative decoding: proposed
-  // tokens the target rejected). Their slots return to the pool (a paged sequence's whole blocks
-  // past the new end), nothing of them enters the prefix cache, no block another sequence holds
-  // is written, and the next append writes from `length`. false (nothing changed) when `length`
-  // is past its end, cuts into what mark_computed made shareable, cuts inside a block another
-  // sequence shares, or the sequence has dropped positions (evict). The default: unsupported.
-  virtual bool truncate(SequenceId sequence, std::int64_t length) {
+  // up to there may now be shared through the prefix cache. Default: nothing to share.
+  virtual void mark_computed(SequenceId sequence, std::int64_t computed_tokens) {
     (void)sequence;
-    (void)length;
-    return false;
+    (void)computed_tokens;
   }
-  // The child starts as a copy of the parent (parallel sampling); false when unsupported or full.
-  virtual bool fork(SequenceId parent, SequenceId child) = 0;
   // Ends the sequence; its slots return to the pool (cached blocks stay reusable). Freeing a
   // sequence it does not hold does nothing.
   virtual void free(SequenceId sequence) = 0;
@@ -161,13 +207,9 @@ class BOOST_SYMBOL_VISIBLE KvAllocator {
   // copying them each step cost a whole-trace replay 8% of its time. Default: view(sequence).
   virtual KvView positions_view(SequenceId sequence) const { return view(sequence); }
   virtual KvAllocatorStats stats() const = 0;
-  // The pool slot by slot, into `map` (cleared first); false when the allocator does not draw
-  // one (the engine then draws its sequences' views as used). Called once every recorded step
-  // of a run's frames (kvlab view), so O(blocks) is fine.
-  virtual bool pool_map(KvPoolMap& map) const {
-    map = {};
-    return false;
-  }
+
+  // --- What else it offers (see KvAllocatorFeatures) ---
+  virtual KvAllocatorFeatures features() { return {}; }
 };
 
 }  // namespace kvlab

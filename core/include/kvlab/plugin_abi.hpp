@@ -9,6 +9,7 @@
 
 #include "kvlab/attention_variant.hpp"
 #include "kvlab/backend.hpp"
+#include "kvlab/kv/block_table.hpp"
 #include "kvlab/kv/kv_tiers.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/kv_policy.hpp"
@@ -23,7 +24,7 @@ namespace kvlab {
 
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable, and add
 // the version's line to docs/writing-a-plugin.md#abi-history (what each version changed).
-inline constexpr std::uint32_t kPluginAbiVersion = 21;
+inline constexpr std::uint32_t kPluginAbiVersion = 22;
 
 namespace detail {
 
@@ -68,6 +69,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, tier_copy_seconds);
   h.type<KvTierSpec>().type<KvTierBlockFacts>().type<KvTierHit>().type<KvTierCounters>();
   h.type<BlockHashIndex>().type<BlockPool>();  // the core's paged-cache parts plugins embed
+  h.type<BlockTable>().type<PagedBlocks>().type<KvAllocatorFeatures>();
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
   h.KVLAB_ABI_MEMBER(Preemption, id).KVLAB_ABI_MEMBER(Preemption, mode);
   h.KVLAB_ABI_MEMBER(AllocateRequest, prompt).KVLAB_ABI_MEMBER(AllocateRequest, max_total_tokens);

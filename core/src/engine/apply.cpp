@@ -11,6 +11,13 @@
 namespace kvlab {
 namespace {
 
+// A sliding window's positions no query reads again, released where the allocator can drop
+// positions (the static and dynamic ones hold theirs to the end).
+void release_outside_window(KvAllocator& kv, const RequestState& r, std::int64_t window) {
+  if (KvPositionDropping* dropping = kv.features().dropping)
+    dropping->release_before(r.id, r.length() - window);
+}
+
 // copy_kv_rows, timed: returns the seconds it took.
 double timed_copy(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
                   std::vector<std::byte>& buffer, bool to_host, std::int64_t* bytes = nullptr) {
@@ -148,7 +155,7 @@ void PlanApplier::swap_in(RequestState& r, std::int64_t cached_tokens) {
   if (!r.swap.transferred) table_.add_swap_tokens(-tokens);
   r.swap = {};
   kv_.mark_computed(r.id, r.computed);
-  if (options_.rules.window) kv_.release_before(r.id, r.length() - *options_.rules.window);
+  if (options_.rules.window) release_outside_window(kv_, r, *options_.rules.window);
   log_.add(EventKind::event_swap_in, r.id, fmt::format("tokens={}", tokens));
 }
 
@@ -270,7 +277,8 @@ namespace {
 void accept_proposals(RequestState& r, const ScheduledWork& work, KvAllocator& kv, double now,
                       RequestTimeline& timeline) {
   if (work.accepted < work.proposals) {
-    if (!kv.truncate(r.id, r.computed))
+    KvRollback* rollback = kv.features().rollback;
+    if (rollback == nullptr || !rollback->truncate(r.id, r.computed))
       throw Error(fmt::format(
           "request {}: the KV allocator refused to roll back {} rejected proposed tokens "
           "(KvAllocator::truncate to {}): speculative decoding needs an allocator that supports it",
@@ -326,7 +334,7 @@ std::int64_t apply_tokens(const AppliedPlan& applied, std::span<const std::int32
       ++finished;
       continue;
     }
-    if (rules.window) kv.release_before(r.id, r.length() - *rules.window);
+    if (rules.window) release_outside_window(kv, r, *rules.window);
   }
   return finished;
 }

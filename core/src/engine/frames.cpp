@@ -24,7 +24,7 @@ std::int64_t entries_of(const StepFrame& frame) {
 
 }  // namespace
 
-StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
+StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, KvAllocator& kv,
                      const RequestTable& table) {
   StepFrame frame;
   frame.step = step;
@@ -32,8 +32,12 @@ StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, co
   frame.batch.reserve(applied.batch.size());
   for (const ScheduledWork& w : applied.batch)
     frame.batch.push_back({w.id, w.tokens, w.decode, w.proposals, w.accepted});
-  frame.drawn_by_allocator = kv.pool_map(frame.pool);
-  if (!frame.drawn_by_allocator) draw_views(kv, table, frame.pool);
+  const KvPoolDrawing* drawing = kv.features().drawing;
+  frame.drawn_by_allocator = drawing != nullptr;
+  if (drawing != nullptr)
+    drawing->pool_map(frame.pool);
+  else
+    draw_views(kv, table, frame.pool);
   return frame;
 }
 
@@ -54,8 +58,8 @@ void FrameRecorder::finish(EngineResult& result) {
   result.frames = take();
 }
 
-void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& applied,
-                           const KvAllocator& kv, const RequestTable& table) {
+void FrameRecorder::record(std::int64_t step, double t, const AppliedPlan& applied, KvAllocator& kv,
+                           const RequestTable& table) {
   if (!enabled() || step % stride_ != 0) return;
   const StepFrame& frame = frames_.emplace_back(make_frame(step, t, applied, kv, table));
   entries_ += entries_of(frame);

@@ -87,7 +87,9 @@ void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
         "least one, at most its budget once over it, in increasing order, each one held",
         policy_name_, count, id, held, policy_.budget()));
   if (count == held) return;
-  if (!kv.evict(id, std::span<const std::int64_t>(kept_).first(static_cast<std::size_t>(count))))
+  KvPositionDropping* dropping = kv.features().dropping;
+  if (dropping == nullptr || !dropping->evict(id, std::span<const std::int64_t>(kept_).first(
+                                                      static_cast<std::size_t>(count))))
     throw Error(
         fmt::format("{} cannot drop positions for KV policy \"{}\" (request {}): a KV policy needs "
                     "kv_cache.allocator = \"paged\" with prefix_caching = false",

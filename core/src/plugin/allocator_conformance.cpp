@@ -33,6 +33,7 @@ class ConformanceRun {
       context.tiers = &tiers_;
     }
     allocator_ = registry.create<PluginKind::kv_allocator>(name, params, context);
+    features_ = allocator_->features();
   }
   std::string run(ConformanceReport& report);
 
@@ -41,6 +42,7 @@ class ConformanceRun {
   std::map<SequenceId, std::vector<std::int32_t>>::iterator any_sequence() {
     return std::next(tokens_.begin(), uniform(0, static_cast<int>(tokens_.size()) - 1));
   }
+  std::string missing_features() const;
   std::string admit();
   std::string append();
   std::string speculate();
@@ -63,6 +65,7 @@ class ConformanceRun {
   PluginObject<KvTierPolicy> policy_;  // with tiers
   KvTierSpec tiers_;
   PluginObject<KvAllocator> allocator_;
+  KvAllocatorFeatures features_;  // allocator_'s
   std::mt19937 rng_;
   std::map<SequenceId, std::vector<std::int32_t>> tokens_;
   // The positions an evicted sequence holds (sequences never evicted hold their whole view).
@@ -74,6 +77,7 @@ class ConformanceRun {
 };
 
 std::string ConformanceRun::run(ConformanceReport& report) {
+  if (std::string missing = missing_features(); !missing.empty()) return missing;
   for (int op = 0; op < options_.operations; ++op) {
     const int kind = uniform(0, 9);
     std::string failure;
@@ -105,6 +109,16 @@ std::string ConformanceRun::run(ConformanceReport& report) {
   tokens_.clear();
   kept_.clear();
   return check_all_returned();
+}
+
+// The features the options exercise must be offered (KvAllocatorFeatures).
+std::string ConformanceRun::missing_features() const {
+  if ((options_.release_window || options_.evict) && features_.dropping == nullptr)
+    return "asked to drop positions (release_before, evict), but the allocator offers no "
+           "KvPositionDropping";
+  if (options_.rollback && features_.rollback == nullptr)
+    return "asked to roll speculative tokens back, but the allocator offers no KvRollback";
+  return "";
 }
 
 // A new sequence, often with a shared prefix: plan_allocate predicts allocate, allocate takes
@@ -160,7 +174,7 @@ std::string ConformanceRun::append() {
   it->second.insert(it->second.end(), more.begin(), more.end());
   write_from(it->first, old_length);
   if (options_.release_window && uniform(0, 1)) {
-    allocator_->release_before(it->first, old_length - 8);
+    features_.dropping->release_before(it->first, old_length - 8);
     if (auto kept = kept_.find(it->first); kept != kept_.end()) {  // it may free them or not
       const KvView view = allocator_->view(it->first);
       for (std::int64_t p : kept->second)
@@ -197,9 +211,9 @@ std::string ConformanceRun::speculate() {
   const std::int64_t keep = old_length + uniform(0, static_cast<int>(count));
   allocator_->mark_computed(it->first, keep);
   const KvAllocatorStats before = allocator_->stats();
-  if (allocator_->truncate(it->first, old_length + count + 1))
+  if (features_.rollback->truncate(it->first, old_length + count + 1))
     return fmt::format("sequence {}: truncate past its end accepted", it->first);
-  if (!allocator_->truncate(it->first, keep))
+  if (!features_.rollback->truncate(it->first, keep))
     return fmt::format("sequence {}: truncate to {} of {} refused after a speculative append",
                        it->first, keep, old_length + count);
   it->second.resize(static_cast<std::size_t>(keep));
@@ -218,7 +232,7 @@ std::string ConformanceRun::evict_some(SequenceId id) {
   for (std::int64_t i = 0; i < view.length(); ++i)
     if (i + 1 == view.length() || uniform(0, 1)) kept.push_back(view.position_at(i));
   const KvAllocatorStats before = allocator_->stats();
-  if (!allocator_->evict(id, kept)) {  // allowed (e.g. no room to unshare a fork's blocks)
+  if (!features_.dropping->evict(id, kept)) {  // allowed (e.g. no room to unshare a fork's blocks)
     const bool unchanged =
         allocator_->view(id).length() == view.length() && allocator_->stats().free == before.free;
     return unchanged ? "" : fmt::format("sequence {}: a refused evict changed it or the pool", id);
@@ -294,7 +308,7 @@ std::string ConformanceRun::planned_step() {
 void ConformanceRun::fork() {
   const auto it = any_sequence();
   if (allocator_->view(it->first).first_position > 0) return;  // released prefix: nothing to share
-  if (allocator_->fork(it->first, next_id_)) {
+  if (features_.forking != nullptr && features_.forking->fork(it->first, next_id_)) {
     tokens_[next_id_] = tokens_[it->first];
     if (auto kept = kept_.find(it->first); kept != kept_.end()) kept_[next_id_] = kept->second;
   }
@@ -373,8 +387,9 @@ std::string ConformanceRun::check_invariants() const {
 // in several views drawn shared; reserved, slack and cached add up to their stats.
 std::string ConformanceRun::check_pool_map(
     const KvAllocatorStats& s, const std::unordered_map<std::int64_t, int>& holders) const {
+  if (features_.drawing == nullptr) return "";
   KvPoolMap map;
-  if (!allocator_->pool_map(map)) return "";
+  features_.drawing->pool_map(map);
   std::int64_t end = 0, live = 0;
   std::int64_t by_state[6] = {};
   std::unordered_map<std::int64_t, KvSlotState> state_of_slot;

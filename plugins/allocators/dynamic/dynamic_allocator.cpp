@@ -12,7 +12,7 @@ namespace {
 
 using namespace kvlab;
 
-class DynamicAllocator final : public KvAllocator {
+class DynamicAllocator final : public KvAllocator, KvRollback, KvForking, KvPoolDrawing {
  public:
   DynamicAllocator(const PluginParams& params, const PluginContext& context)
       : pool_(context.pool),
@@ -20,6 +20,9 @@ class DynamicAllocator final : public KvAllocator {
         free_(context.pool ? context.pool->shape().slots : 0) {
     if (pool_ == nullptr) throw std::invalid_argument("dynamic allocator needs a KV pool");
   }
+
+  // No positions dropped early: a sliding window's and a KV policy's are held to the end.
+  KvAllocatorFeatures features() override { return {nullptr, this, this, this}; }
 
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
     if (sequences_.count(r.sequence)) return std::nullopt;
@@ -91,10 +94,6 @@ class DynamicAllocator final : public KvAllocator {
     it->second.length = length;
     return true;
   }
-  void mark_computed(SequenceId, std::int64_t) override {}
-  void release_before(SequenceId, std::int64_t) override {
-  }  // one extent: nothing to give back early
-  bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
   bool fork(SequenceId parent, SequenceId child) override {
     auto it = sequences_.find(parent);
     if (it == sequences_.end() || sequences_.count(child)) return false;
@@ -112,7 +111,7 @@ class DynamicAllocator final : public KvAllocator {
     sequences_.erase(it);
   }
   // Each sequence's run: its live tokens, then the room it grew ahead of them.
-  bool pool_map(KvPoolMap& map) const override {
+  void pool_map(KvPoolMap& map) const override {
     map = {};
     for (const auto& [id, s] : sequences_) {
       if (s.length > 0) map.runs.push_back({s.start, s.length, id, KvSlotState::used});
@@ -120,7 +119,6 @@ class DynamicAllocator final : public KvAllocator {
         map.runs.push_back({s.start + s.length, s.capacity - s.length, id, KvSlotState::reserved});
     }
     sort_runs(map.runs);
-    return true;
   }
   KvView view(SequenceId id) const override {
     const auto& s = sequences_.at(id);

@@ -1,7 +1,9 @@
 // paged: fixed-size blocks, a block table per sequence, reference counts, copy-on-write fork,
 // and automatic prefix caching (vLLM's PagedAttention memory manager). The blocks, their free
-// queue, the prefix cache and its eviction policy are kvlab::BlockPool (kvlab/kv/block_pool.hpp);
-// this plugin keeps the per-sequence block tables and plans steps (PagedPlan).
+// queue, the prefix cache and its eviction order are kvlab::BlockPool (kvlab/kv/block_pool.hpp);
+// the per-sequence block tables, their views and every block they take, copy or drop are
+// kvlab::PagedBlocks (kvlab/kv/block_table.hpp); this plugin plans steps (PagedPlan) and commits
+// them, and follows a prompt's prefix chain through the pool and the tiers.
 //
 // Prefix caching: a full block is identified by a chained hash of its tokens and of every token
 // before it (kvlab/kv/prefix_hash.hpp); once the backend has written its KV (mark_computed) the
@@ -20,6 +22,7 @@
 #include <vector>
 
 #include "kvlab/kv/block_pool.hpp"
+#include "kvlab/kv/block_table.hpp"
 #include "kvlab/kv/kv_tiers.hpp"
 #include "kvlab/kv/prefix_hash.hpp"
 #include "kvlab/plugin.hpp"
@@ -28,23 +31,9 @@ namespace {
 
 using namespace kvlab;
 
-// Slot index i of a sequence is slot i % block_size of block table[i / block_size]. Until a KV
-// policy drops positions (evict), slot index i holds position i; after, slot_positions says
-// which position each holds (-1: dropped), and `slots` counts the indices in use.
-struct Sequence {
-  std::vector<BlockId> table;  // block per block index; -1 once released (window, KV policy)
-  // Chain hashes of its full blocks: the prompt's (from its lookup) and then each computed
-  // block's; blocks [0, computed_blocks) are registered in the prefix cache.
-  std::vector<std::uint64_t> hashes;
-  std::uint64_t salt = 0;  // the chain's start (the request's cache salt)
-  std::vector<std::int32_t> tokens;
-  std::int64_t length = 0;                   // positions written
-  std::int64_t slots = 0;                    // slot indices in use (== length before an eviction)
-  std::vector<std::int64_t> slot_positions;  // per slot index after an eviction; else empty
-  std::int64_t computed_blocks = 0;
-  std::int64_t first_block = 0;  // blocks before it were released
-  KvView view;                   // table[first_block..] as merged slot extents
-  std::size_t plan_slot = 0;     // its row in PagedPlan's marks
+// A sequence: its block table and its row in PagedPlan's marks.
+struct Sequence : BlockTable {
+  std::size_t plan_slot = 0;
 };
 
 // A step being planned (KvAllocator::plan_*): the free blocks and the reference counts that the
@@ -105,16 +94,22 @@ class PagedPlan {
   std::uint64_t epoch_ = 0;
 };
 
-class PagedAllocator final : public KvAllocator {
+class PagedAllocator final : public KvAllocator,
+                             KvPositionDropping,
+                             KvRollback,
+                             KvForking,
+                             KvPoolDrawing {
  public:
   PagedAllocator(const PluginParams& params, const PluginContext& context)
-      : pool_(checked_pool(context.pool, params.integer("block_size"))),
-        block_size_(params.integer("block_size")),
+      : block_size_(params.integer("block_size")),
         caching_(params.boolean("prefix_caching")),
-        blocks_(pool_->shape().slots / block_size_, block_size_, caching_),
+        paged_(checked_pool(context.pool, block_size_), block_size_, caching_),
+        blocks_(paged_.pool()),
         tiers_(make_tiers(context.tiers)) {
     if (tiers_) blocks_.set_eviction_sink(tiers_.get());
   }
+
+  KvAllocatorFeatures features() override { return {this, this, this, this}; }
 
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
     return blocks_from_free(r, hit_chain(r)) * block_size_;
@@ -132,7 +127,7 @@ class PagedAllocator final : public KvAllocator {
   void plan_free(SequenceId id) const override {
     auto it = sequences_.find(id);
     if (it == sequences_.end() || !plan_.touch(it->second, true)) return;
-    for (BlockId b : it->second.table)
+    for (BlockId b : it->second.blocks)
       if (b >= 0 && --plan_.ref(b, blocks_) == 0) plan_.give_back_one();
   }
   bool plan_allocate(const AllocateRequest& r) const override {
@@ -148,14 +143,15 @@ class PagedAllocator final : public KvAllocator {
       held += refs > 0 ? 1 : 0;
       return true;
     });
-    if (!plan_.take(blocks_for(static_cast<std::int64_t>(r.prompt.size())) - held)) return false;
+    if (!plan_.take(paged_.blocks_for(static_cast<std::int64_t>(r.prompt.size())) - held))
+      return false;
     for (BlockId b : plan_.hits) ++plan_.ref(b, blocks_);
     return true;
   }
   bool plan_append(SequenceId id, std::int64_t tokens) const override {
     auto it = sequences_.find(id);
     if (it == sequences_.end() || plan_.touched(it->second)) return false;
-    if (!plan_.take(new_blocks_for_append(it->second, tokens))) return false;
+    if (!plan_.take(paged_.blocks_to_append(it->second, tokens))) return false;
     plan_.touch(it->second, false);
     return true;
   }
@@ -172,15 +168,15 @@ class PagedAllocator final : public KvAllocator {
       const auto prompt_hashes = prompt_block_hashes(r);
       s.hashes.assign(prompt_hashes.begin(), prompt_hashes.end());
     }
-    const auto hits = static_cast<std::int64_t>(s.table.size());
+    const auto hits = static_cast<std::int64_t>(s.blocks.size());
     s.computed_blocks = hits;
-    while (static_cast<std::int64_t>(s.table.size()) < blocks_for(length))
-      s.table.push_back(take_block());
+    while (static_cast<std::int64_t>(s.blocks.size()) < paged_.blocks_for(length))
+      s.blocks.push_back(paged_.take());
     s.tokens.assign(r.prompt.begin(), r.prompt.end());
     s.length = s.slots = length;
     s.plan_slot = take_plan_slot();
-    fill_blocks_from(s, hits);
-    rebuild_view(s);
+    paged_.fill_from(s, hits);
+    paged_.rebuild_view(s);
     prefix_query_tokens_ += caching_ ? length : 0;
     prefix_hit_tokens_ += hits * block_size_;
     sequences_.emplace(r.sequence, std::move(s));
@@ -190,37 +186,9 @@ class PagedAllocator final : public KvAllocator {
   bool append(SequenceId id, std::span<const std::int32_t> tokens) override {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return false;
-    Sequence& s = it->second;
     const auto n = static_cast<std::int64_t>(tokens.size());
-    if (new_blocks_for_append(s, n) > blocks_.free_blocks()) return false;
-    if (n == 0) return true;
-    const std::int64_t last_fill = s.slots % block_size_;
-    if (last_fill != 0) {  // the last block gets written: make it ours
-      if (s.slot_positions.empty()) trim_view(s, last_fill);
-      const BlockId last = s.table.back();
-      if (blocks_.ref_count(last) > 1) {
-        const BlockId copy = take_block();
-        bytes_copied_ += pool_->copy_slots(std::int64_t{last} * block_size_,
-                                           std::int64_t{copy} * block_size_, last_fill);
-        release_block(last);
-        s.table.back() = copy;
-        mark_copied(copy);
-      }
-    }
-    const std::int64_t first_written = s.slots / block_size_;
-    if (!s.slot_positions.empty())
-      for (std::int64_t p = s.length; p < s.length + n; ++p) s.slot_positions.push_back(p);
-    s.length += n;
-    s.slots += n;
-    s.tokens.insert(s.tokens.end(), tokens.begin(), tokens.end());
-    while (static_cast<std::int64_t>(s.table.size()) < blocks_for(s.slots))
-      s.table.push_back(take_block());
-    if (s.slot_positions.empty()) {
-      fill_blocks_from(s, first_written);
-      extend_view(s, first_written);
-    } else {
-      rebuild_view(s);
-    }
+    if (paged_.blocks_to_append(it->second, n) > blocks_.free_blocks()) return false;
+    paged_.append(it->second, tokens);
     return true;
   }
 
@@ -229,7 +197,7 @@ class PagedAllocator final : public KvAllocator {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return;
     Sequence& s = it->second;
-    if (!s.slot_positions.empty()) return;  // never: evict refuses a prefix-caching pool
+    if (s.dropped_positions()) return;  // never: evict refuses a prefix-caching pool
     const std::int64_t full = std::min(computed_tokens, s.length) / block_size_;
     for (std::int64_t i = s.computed_blocks; i < full; ++i) {
       if (i + kPrefetchAhead < static_cast<std::int64_t>(s.hashes.size()))
@@ -238,85 +206,30 @@ class PagedAllocator final : public KvAllocator {
       if (i == static_cast<std::int64_t>(s.hashes.size()))  // never more: i counts up from
         s.hashes.push_back(                                 // computed_blocks <= hashes.size()
             chain_block_hash(i == 0 ? s.salt : s.hashes[index(i - 1)], block_tokens));
-      const BlockId b = s.table[index(i)];
+      const BlockId b = s.blocks[index(i)];
       if (b >= 0) blocks_.register_prefix(b, s.hashes[index(i)], block_tokens, i);  // -1: released
     }
     s.computed_blocks = std::max(s.computed_blocks, full);
   }
 
   void release_before(SequenceId id, std::int64_t position) override {
-    auto it = sequences_.find(id);
-    if (it == sequences_.end()) return;
-    Sequence& s = it->second;
-    if (!s.slot_positions.empty()) {  // positions before `position` dropped like an eviction's
-      if (!own_blocks(s)) return;     // no room to unshare: nothing freed (allowed)
-      for (std::int64_t& p : s.slot_positions)
-        if (p < position) p = -1;
-      release_dropped(s);
-      return;
-    }
-    const std::int64_t whole_blocks = std::min(position, s.length) / block_size_;
-    if (s.first_block >= whole_blocks) return;
-    for (; s.first_block < whole_blocks; ++s.first_block) {
-      release_block(s.table[index(s.first_block)]);
-      s.table[index(s.first_block)] = -1;
-    }
-    rebuild_view(s);
+    if (auto it = sequences_.find(id); it != sequences_.end())
+      paged_.release_before(it->second, position);
   }
-
-  // Drops the positions not kept; releases each block (the last excepted) left with none, and
-  // once the dropped slots in held blocks make a block's worth, moves the kept ones down into
-  // the first blocks (the policy's compaction) and releases the rest.
   bool evict(SequenceId id, std::span<const std::int64_t> kept) override {
     auto it = sequences_.find(id);
-    if (it == sequences_.end() || caching_) return false;
-    Sequence& s = it->second;
-    if (!own_blocks(s)) return false;
-    number_slots(s);
-    std::size_t k = 0;
-    for (std::int64_t& p : s.slot_positions) {
-      if (p < 0) continue;
-      while (k < kept.size() && kept[k] < p) ++k;
-      if (k == kept.size() || kept[k] != p) p = -1;
-    }
-    release_dropped(s);
-    return true;
+    return it != sequences_.end() && !caching_ && paged_.drop_positions(it->second, kept);
   }
-
-  // Whole blocks past the new end are released (last first); a cut inside a block leaves it the
-  // sequence's last, partly filled. Blocks mark_computed registered are never cut, so no hash of
-  // a rolled-back token is in the prefix cache, and a cut inside a shared block is refused: its
-  // other holders see its fill.
   bool truncate(SequenceId id, std::int64_t length) override {
     auto it = sequences_.find(id);
-    if (it == sequences_.end()) return false;
-    Sequence& s = it->second;
-    if (length < 0 || length > s.length || !s.slot_positions.empty()) return false;
-    if (length < s.computed_blocks * block_size_ || length < s.first_block * block_size_)
-      return false;
-    const std::int64_t keep = blocks_for(length);
-    if (length < s.length && length % block_size_ != 0 &&
-        blocks_.ref_count(s.table[index(keep - 1)]) > 1)
-      return false;
-    while (static_cast<std::int64_t>(s.table.size()) > keep) {
-      release_block(s.table.back());
-      s.table.pop_back();
-    }
-    s.length = s.slots = length;
-    s.tokens.resize(index(length));
-    s.hashes.resize(std::min(s.hashes.size(), index(length / block_size_)));
-    if (keep > 0 && s.table.back() >= 0)
-      blocks_.set_fill(s.table.back(), length - (keep - 1) * block_size_);
-    rebuild_view(s);
-    return true;
+    return it != sequences_.end() && paged_.truncate(it->second, length);
   }
 
   bool fork(SequenceId parent, SequenceId child) override {
     auto it = sequences_.find(parent);
     if (it == sequences_.end() || sequences_.count(child)) return false;
     Sequence copy = it->second;
-    for (BlockId b : copy.table)
-      if (b >= 0) blocks_.hold(b);
+    paged_.hold_all(copy);
     copy.plan_slot = take_plan_slot();
     sequences_.emplace(child, std::move(copy));
     return true;
@@ -325,9 +238,7 @@ class PagedAllocator final : public KvAllocator {
   void free(SequenceId id) override {
     auto it = sequences_.find(id);
     if (it == sequences_.end()) return;
-    // Last block first into the eviction queue, so a shared prefix's first blocks go last.
-    for (auto b = it->second.table.rbegin(); b != it->second.table.rend(); ++b)
-      if (*b >= 0) release_block(*b);
+    paged_.release_all(it->second);
     free_plan_slots_.push_back(it->second.plan_slot);
     sequences_.erase(it);
   }
@@ -339,43 +250,22 @@ class PagedAllocator final : public KvAllocator {
     return {{{-1, view.length()}}, view.first_position, view.positions};
   }
 
-  // Block by block: who holds it (several: shared; copied on write since the last map: copied),
-  // its filled slots and the rest of it as slack; free blocks that keep a prefix: cached. A
-  // sequence with dropped positions (a KV policy's) has holes: its blocks are drawn slot by slot.
-  bool pool_map(KvPoolMap& map) const override {
+  void pool_map(KvPoolMap& map) const override {
     map = {};
-    const auto blocks = static_cast<std::size_t>(blocks_.blocks());
-    struct Holder {
-      SequenceId id = -1;
-      const Sequence* sequence = nullptr;
-      std::int64_t index = 0;  // the block's index in the sequence's table
-    };
-    std::vector<Holder> holder(blocks);
-    for (const auto& [id, s] : sequences_)
-      for (std::size_t k = 0; k < s.table.size(); ++k)
-        if (s.table[k] >= 0)
-          holder[static_cast<std::size_t>(s.table[k])] = {id, &s, static_cast<std::int64_t>(k)};
-    std::vector<bool> copied(blocks, false);
-    copied.swap(copied_since_map_);
-    copied.resize(blocks, false);
-    for (BlockId b = 0; b < blocks_.blocks(); ++b) {
-      const Holder& h = holder[static_cast<std::size_t>(b)];
-      if (h.sequence != nullptr && !h.sequence->slot_positions.empty())
-        add_holey_block_runs(map.runs, b, h.id, *h.sequence, h.index);
-      else
-        add_block_runs(map.runs, b, h.id, copied[static_cast<std::size_t>(b)]);
-    }
+    std::vector<HeldTable> tables;
+    tables.reserve(sequences_.size());
+    for (const auto& [id, s] : sequences_) tables.emplace_back(id, &s);
+    draw_block_pool(blocks_, tables, paged_.take_copied(), map);
     if (tiers_) {
       map.host_blocks = tiers_->size(KvTier::host);
       map.host_capacity = tiers_->capacity(KvTier::host);
       map.disk_blocks = tiers_->size(KvTier::disk);
       map.disk_capacity = tiers_->capacity(KvTier::disk);
     }
-    return true;
   }
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;
-    st.capacity = pool_->shape().slots;
+    st.capacity = paged_.kv().shape().slots;
     // Kept as the blocks change (O(1); a shared block counts once): every holder of a block
     // sees the same filled slots, since only a block held once is written.
     const std::int64_t live_blocks = blocks_.blocks() - blocks_.free_blocks();
@@ -384,7 +274,7 @@ class PagedAllocator final : public KvAllocator {
     st.free = blocks_.free_blocks() * block_size_;
     st.cached_free = blocks_.free_cached_count() * block_size_;
     st.unusable_free = 0;  // any free block serves any sequence
-    st.bytes_copied = bytes_copied_;
+    st.bytes_copied = paged_.bytes_copied();
     st.prefix_query_tokens = prefix_query_tokens_;
     st.prefix_hit_tokens = prefix_hit_tokens_;
     st.evictions = blocks_.evictions();
@@ -394,20 +284,20 @@ class PagedAllocator final : public KvAllocator {
   }
 
  private:
-  static KvPool* checked_pool(KvPool* pool, std::int64_t block_size) {
+  static KvPool& checked_pool(KvPool* pool, std::int64_t block_size) {
     if (pool == nullptr) throw std::invalid_argument("paged allocator needs a KV pool");
     if (pool->shape().slots % block_size != 0)
       throw std::invalid_argument("pool slots (" + std::to_string(pool->shape().slots) +
                                   ") must be a multiple of block_size (" +
                                   std::to_string(block_size) + ")");
-    return pool;
+    return *pool;
   }
-  std::unique_ptr<KvTiers> make_tiers(const KvTierSpec* spec) const {
+  std::unique_ptr<KvTiers> make_tiers(const KvTierSpec* spec) {
     if (spec == nullptr || (spec->host_bytes <= 0 && spec->disk_bytes <= 0)) return nullptr;
     if (!caching_)
       throw std::invalid_argument(
           "KV tiers keep prefix-cache blocks: they need prefix_caching = true");
-    return std::make_unique<KvTiers>(*spec, *pool_, block_size_);
+    return std::make_unique<KvTiers>(*spec, paged_.kv(), block_size_);
   }
   void add_tier_stats(const KvTierCounters& c, KvAllocatorStats& st) const {
     const auto host = static_cast<std::size_t>(KvTier::host),
@@ -428,15 +318,6 @@ class PagedAllocator final : public KvAllocator {
                                          std::int64_t block) const {
     return tokens.subspan(index(block * block_size_), index(block_size_));
   }
-  std::int64_t blocks_for(std::int64_t tokens) const {
-    return (tokens + block_size_ - 1) / block_size_;
-  }
-  std::int64_t new_blocks_for_append(const Sequence& s, std::int64_t n) const {
-    std::int64_t blocks = blocks_for(s.slots + n) - static_cast<std::int64_t>(s.table.size());
-    if (n > 0 && s.slots % block_size_ != 0 && blocks_.ref_count(s.table.back()) > 1)
-      ++blocks;  // copy-on-write of the shared last block
-    return blocks;
-  }
   std::size_t take_plan_slot() {
     if (free_plan_slots_.empty()) return sequences_.size();  // every slot given is live
     const std::size_t slot = free_plan_slots_.back();
@@ -453,8 +334,7 @@ class PagedAllocator final : public KvAllocator {
   }
 
   // Calls visit(block) for each leading full block of the prompt already in the cache, in
-  // order, until one is missing or visit returns false: at most (len - 1) / block_size blocks
-  // (the last prompt token is always computed, so the forward yields its logits).
+  // order, until one is missing or visit returns false.
   template <typename Visit>
   void visit_hits(const AllocateRequest& r, Visit&& visit) const {
     if (!caching_) return;
@@ -494,7 +374,7 @@ class PagedAllocator final : public KvAllocator {
   // hit on a free cached block takes it from the free queue).
   std::int64_t blocks_from_free(const AllocateRequest& r,
                                 const std::vector<ChainBlock>& chain) const {
-    std::int64_t blocks = blocks_for(static_cast<std::int64_t>(r.prompt.size()));
+    std::int64_t blocks = paged_.blocks_for(static_cast<std::int64_t>(r.prompt.size()));
     for (const ChainBlock& c : chain) blocks -= c.device && blocks_.ref_count(*c.device) > 0;
     return blocks;
   }
@@ -514,207 +394,21 @@ class PagedAllocator final : public KvAllocator {
       if (c.device) {
         b = *c.device;
       } else {
-        b = take_block();
+        b = paged_.take();
         blocks_.set_uses(b, tiers_->load(c.tier, b));
         blocks_.set_fill(b, block_size_);
         blocks_.register_prefix(b, c.hash, block_of(prompt, static_cast<std::int64_t>(i)),
                                 static_cast<std::int64_t>(i));
       }
-      s.table.push_back(b);
+      s.blocks.push_back(b);
     }
     if (tiers_) tiers_->unpin_all();
   }
 
-  // Blocks [from, end) of s hold the tokens its length says.
-  void fill_blocks_from(const Sequence& s, std::int64_t from) {
-    for (auto i = from; i < static_cast<std::int64_t>(s.table.size()); ++i)
-      blocks_.set_fill(s.table[index(i)], std::min(block_size_, s.slots - i * block_size_));
-  }
-  // Blocks [from, end) of s's table added to its view's end (physically adjacent blocks merge).
-  void extend_view(Sequence& s, std::int64_t from) const {
-    auto& extents = s.view.extents;
-    for (auto i = from; i < static_cast<std::int64_t>(s.table.size()); ++i) {
-      const std::int64_t start = std::int64_t{s.table[index(i)]} * block_size_;
-      const std::int64_t length = std::min(block_size_, s.slots - i * block_size_);
-      if (!extents.empty() && extents.back().start_slot + extents.back().length == start)
-        extents.back().length += length;
-      else
-        extents.push_back({start, length});
-    }
-  }
-  // The view's last `slots` slots (its last block's) taken off its end.
-  static void trim_view(Sequence& s, std::int64_t slots) {
-    auto& extents = s.view.extents;
-    extents.back().length -= slots;
-    if (extents.back().length == 0) extents.pop_back();
-  }
-  void rebuild_view(Sequence& s) {
-    s.view.extents.clear();
-    s.view.positions.clear();
-    if (!s.slot_positions.empty()) return rebuild_dropped_view(s);
-    s.view.first_position = s.first_block * block_size_;
-    extend_view(s, s.first_block);
-  }
-  // A sequence that has dropped positions: its held slots in order with their positions, and
-  // each block's fill the slots it still holds.
-  void rebuild_dropped_view(Sequence& s) {
-    auto& extents = s.view.extents;
-    for (std::int64_t b = 0; b < static_cast<std::int64_t>(s.table.size()); ++b) {
-      if (s.table[index(b)] < 0) continue;
-      std::int64_t fill = 0;
-      for (std::int64_t i = b * block_size_; i < std::min(s.slots, (b + 1) * block_size_); ++i) {
-        const std::int64_t position = s.slot_positions[index(i)];
-        if (position < 0) continue;
-        const std::int64_t slot = std::int64_t{s.table[index(b)]} * block_size_ + i % block_size_;
-        if (!extents.empty() && extents.back().start_slot + extents.back().length == slot)
-          ++extents.back().length;
-        else
-          extents.push_back({slot, 1});
-        s.view.positions.push_back(position);
-        ++fill;
-      }
-      blocks_.set_fill(s.table[index(b)], fill);
-    }
-    s.view.first_position = s.view.positions.empty() ? s.length : s.view.positions.front();
-  }
-  // Before its first eviction, a sequence's slot index i holds position i (or nothing, in a
-  // block a sliding window released): slot_positions says so from now on.
-  void number_slots(Sequence& s) const {
-    if (!s.slot_positions.empty() || s.slots == 0) return;
-    s.slot_positions.resize(index(s.slots));
-    for (std::int64_t i = 0; i < s.slots; ++i)
-      s.slot_positions[index(i)] = s.table[index(i / block_size_)] < 0 ? -1 : i;
-    s.first_block = 0;  // released blocks are the table's -1 entries from now on
-  }
-  // After positions were dropped: blocks holding none are released (the last one excepted: the
-  // next token goes there); once the dropped slots in held blocks make a whole block, the held
-  // slots move down into the first held blocks, in order, and the blocks left empty go.
-  void release_dropped(Sequence& s) {
-    std::int64_t dropped = 0;
-    const auto blocks = static_cast<std::int64_t>(s.table.size());
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      if (s.table[index(b)] < 0) continue;
-      const std::int64_t end = std::min(s.slots, (b + 1) * block_size_);
-      std::int64_t held = 0;
-      for (std::int64_t i = b * block_size_; i < end; ++i) held += s.slot_positions[index(i)] >= 0;
-      if (held == 0 && b + 1 < blocks) {
-        release_block(s.table[index(b)]);
-        s.table[index(b)] = -1;
-      } else {
-        dropped += end - b * block_size_ - held;
-      }
-    }
-    if (dropped >= block_size_) compact(s);
-    rebuild_view(s);
-  }
-  void mark_copied(BlockId b) {
-    if (copied_since_map_.empty())
-      copied_since_map_.resize(static_cast<std::size_t>(blocks_.blocks()));
-    copied_since_map_[static_cast<std::size_t>(b)] = true;
-  }
-  // Block b's runs, merged into the last run when they continue it.
-  void add_block_runs(std::vector<KvSlotRun>& runs, BlockId b, SequenceId holder,
-                      bool copied) const {
-    const std::int64_t start = std::int64_t{b} * block_size_;
-    const std::int32_t holders = blocks_.ref_count(b);
-    if (holders == 0) {
-      if (blocks_.hash_of(b) != 0) add_run(runs, {start, block_size_, -1, KvSlotState::cached});
-      return;
-    }
-    const KvSlotState state = holders > 1 ? KvSlotState::shared
-                              : copied    ? KvSlotState::copied
-                                          : KvSlotState::used;
-    const std::int64_t fill = std::clamp<std::int64_t>(blocks_.fill(b), 0, block_size_);
-    if (fill > 0) add_run(runs, {start, fill, holder, state});
-    if (fill < block_size_)
-      add_run(runs, {start + fill, block_size_ - fill, holder, KvSlotState::slack});
-  }
-  // Block b, index k of sequence s's table, slot by slot: the slots whose positions it keeps are
-  // live (shared with a fork that holds the block too), the dropped and unwritten ones slack.
-  void add_holey_block_runs(std::vector<KvSlotRun>& runs, BlockId b, SequenceId id,
-                            const Sequence& s, std::int64_t k) const {
-    const KvSlotState live = blocks_.ref_count(b) > 1 ? KvSlotState::shared : KvSlotState::used;
-    for (std::int64_t j = 0; j < block_size_; ++j) {
-      const std::int64_t index = k * block_size_ + j;
-      const bool held = index < s.slots && s.slot_positions[static_cast<std::size_t>(index)] >= 0;
-      add_run(runs, {std::int64_t{b} * block_size_ + j, 1, id, held ? live : KvSlotState::slack});
-    }
-  }
-  static void add_run(std::vector<KvSlotRun>& runs, const KvSlotRun& run) {
-    if (!runs.empty()) {
-      KvSlotRun& last = runs.back();
-      if (last.start + last.length == run.start && last.owner == run.owner &&
-          last.state == run.state) {
-        last.length += run.length;
-        return;
-      }
-    }
-    runs.push_back(run);
-  }
-  // Copies each block s shares (a fork's) into one of its own, so that dropping positions leaves
-  // the other holders' KV and fills alone; false (nothing changed) when too few blocks are free.
-  bool own_blocks(Sequence& s) {
-    const auto shared = std::count_if(s.table.begin(), s.table.end(), [&](BlockId b) {
-      return b >= 0 && blocks_.ref_count(b) > 1;
-    });
-    if (shared > blocks_.free_blocks()) return false;
-    for (BlockId& b : s.table) {
-      if (b < 0 || blocks_.ref_count(b) == 1) continue;
-      const BlockId copy = take_block();
-      bytes_copied_ += pool_->copy_slots(std::int64_t{b} * block_size_,
-                                         std::int64_t{copy} * block_size_, block_size_);
-      blocks_.set_fill(copy, blocks_.fill(b));
-      release_block(b);
-      b = copy;
-      mark_copied(copy);
-    }
-    return true;
-  }
-  // Moves each held slot to the next free place in the sequence's (own) held blocks, in order
-  // (never up: no slot is overwritten before it is read).
-  void compact(Sequence& s) {
-    std::vector<BlockId> held_blocks;
-    for (BlockId b : s.table)
-      if (b >= 0) held_blocks.push_back(b);
-    std::vector<std::int64_t> positions;
-    for (std::int64_t i = 0; i < s.slots; ++i) {
-      const std::int64_t position = s.slot_positions[index(i)];
-      if (position < 0) continue;
-      const auto d = static_cast<std::int64_t>(positions.size());
-      const std::int64_t from =
-          std::int64_t{s.table[index(i / block_size_)]} * block_size_ + i % block_size_;
-      const std::int64_t to =
-          std::int64_t{held_blocks[index(d / block_size_)]} * block_size_ + d % block_size_;
-      if (from != to) bytes_copied_ += pool_->copy_slots(from, to, 1);
-      positions.push_back(position);
-    }
-    const auto kept_blocks = blocks_for(static_cast<std::int64_t>(positions.size()));
-    for (std::size_t b = index(kept_blocks); b < held_blocks.size(); ++b)
-      release_block(held_blocks[b]);
-    held_blocks.resize(index(kept_blocks));
-    s.table = std::move(held_blocks);
-    s.slots = static_cast<std::int64_t>(positions.size());
-    s.slot_positions = std::move(positions);
-  }
-
-  // Every block leaves and joins a sequence here: a KIVI pool forgets the open key groups a
-  // freed block held (KvPool::discard_open_groups), so its fp16 residual is bounded by the live
-  // sequences' last groups, and a taken block starts with none.
-  void release_block(BlockId b) {
-    blocks_.release(b);
-    if (blocks_.ref_count(b) == 0)
-      pool_->discard_open_groups(std::int64_t{b} * block_size_, block_size_);
-  }
-  BlockId take_block() {
-    const BlockId b = blocks_.take();
-    pool_->discard_open_groups(std::int64_t{b} * block_size_, block_size_);
-    return b;
-  }
-
-  KvPool* pool_;
   std::int64_t block_size_;
   bool caching_;
-  BlockPool blocks_;
+  mutable PagedBlocks paged_;       // mutable: pool_map takes the blocks copied since the last map
+  BlockPool& blocks_;               // paged_'s
   std::unique_ptr<KvTiers> tiers_;  // below the pool, or none
   std::unordered_map<SequenceId, Sequence> sequences_;
   std::vector<std::size_t> free_plan_slots_;  // plan slots of freed sequences, reused
@@ -723,8 +417,6 @@ class PagedAllocator final : public KvAllocator {
   static constexpr std::int64_t kPrefetchAhead = 8;
   mutable std::vector<std::uint64_t> hash_scratch_;  // a lookup's hashes without a request cache
   mutable std::vector<ChainBlock> chain_;            // allocate's hit chain (no allocation a call)
-  std::int64_t bytes_copied_ = 0;
-  mutable std::vector<bool> copied_since_map_;  // per block: copied on write (pool_map)
   std::int64_t prefix_query_tokens_ = 0;
   std::int64_t prefix_hit_tokens_ = 0;
 };

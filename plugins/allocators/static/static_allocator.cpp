@@ -13,7 +13,7 @@ namespace {
 
 using namespace kvlab;
 
-class StaticAllocator final : public KvAllocator {
+class StaticAllocator final : public KvAllocator, KvRollback, KvForking, KvPoolDrawing {
  public:
   StaticAllocator(const PluginParams& params, const PluginContext& context)
       : pool_(context.pool),
@@ -23,6 +23,9 @@ class StaticAllocator final : public KvAllocator {
     if (reserve_ == 0) reserve_ = context.max_seq_len;
     if (reserve_ <= 0) throw std::invalid_argument("static allocator needs max_seq_len > 0");
   }
+
+  // No positions dropped early: a sliding window's and a KV policy's are held to the end.
+  KvAllocatorFeatures features() override { return {nullptr, this, this, this}; }
 
   std::optional<AllocateResult> allocate(const AllocateRequest& r) override {
     if (!fits(r) || sequences_.count(r.sequence)) return std::nullopt;
@@ -68,9 +71,6 @@ class StaticAllocator final : public KvAllocator {
     it->second.length = length;
     return true;
   }
-  void mark_computed(SequenceId, std::int64_t) override {}
-  void release_before(SequenceId, std::int64_t) override {}  // the reservation is held to the end
-  bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
   bool fork(SequenceId parent, SequenceId child) override {
     auto it = sequences_.find(parent);
     if (it == sequences_.end() || sequences_.count(child)) return false;
@@ -91,7 +91,7 @@ class StaticAllocator final : public KvAllocator {
     return KvView{{KvExtent{s.start, s.length}}, 0, {}};
   }
   // Each reservation: its live tokens, then the rest held for tokens it may never write.
-  bool pool_map(KvPoolMap& map) const override {
+  void pool_map(KvPoolMap& map) const override {
     map = {};
     for (const auto& [id, s] : sequences_) {
       if (s.length > 0) map.runs.push_back({s.start, s.length, id, KvSlotState::used});
@@ -99,7 +99,6 @@ class StaticAllocator final : public KvAllocator {
         map.runs.push_back({s.start + s.length, reserve_ - s.length, id, KvSlotState::reserved});
     }
     sort_runs(map.runs);
-    return true;
   }
   KvAllocatorStats stats() const override {
     KvAllocatorStats st;

@@ -115,6 +115,32 @@ PluginObject<KvAllocator> paged_over(KvPool& pool,
   return registry.create<PluginKind::kv_allocator>("paged", std::move(params), context);
 }
 
+// What each shipped allocator offers beyond the core (docs/allocators.md's table), and the
+// conformance suite refusing a check whose feature an allocator lacks.
+TEST(AllocatorFeatures, EachShippedAllocatorOffersWhatItsDocsSay) {
+  const PluginRegistry registry({KVLAB_PLUGIN_DIR});
+  KvPool pool({1, 1, 1, 64});
+  PluginContext context;
+  context.pool = &pool;
+  context.max_seq_len = 16;
+  for (const char* name : {"static", "dynamic", "paged"}) {
+    SCOPED_TRACE(name);
+    auto allocator = registry.create<PluginKind::kv_allocator>(name, {}, context);
+    const KvAllocatorFeatures features = allocator->features();
+    EXPECT_EQ(features.dropping != nullptr, std::string(name) == "paged");
+    EXPECT_NE(features.rollback, nullptr);
+    EXPECT_NE(features.forking, nullptr);
+    EXPECT_NE(features.drawing, nullptr);
+  }
+  ConformanceOptions options;
+  options.seeds = {1};
+  options.evict = true;
+  const ConformanceReport report = check_allocator_conformance(registry, "static", {}, options);
+  ASSERT_EQ(report.failures.size(), 1u);
+  EXPECT_NE(report.failures[0].find("offers no KvPositionDropping"), std::string::npos)
+      << report.failures[0];
+}
+
 TEST(PagedAllocator, CopyOnWriteNeverChangesTheOtherSequence) {
   const PluginRegistry registry({KVLAB_PLUGIN_DIR});
   KvPool pool({1, 1, 1, 64});
@@ -126,7 +152,7 @@ TEST(PagedAllocator, CopyOnWriteNeverChangesTheOtherSequence) {
   ASSERT_TRUE(paged->allocate({0, prompt, 20}));
   for (std::int64_t p = 0; p < 6; ++p)
     *pool.key(0, paged->view(0).slot_of(p)) = static_cast<float>(100 + p);
-  ASSERT_TRUE(paged->fork(0, 1));
+  ASSERT_TRUE(paged->features().forking->fork(0, 1));
   EXPECT_EQ(paged->view(0).slot_of(5), paged->view(1).slot_of(5));  // shared until written
   const std::vector<std::int32_t> token{9};
   ASSERT_TRUE(
@@ -180,9 +206,10 @@ TEST(PagedAllocator, RollbackReturnsBlocksAndCachesNoRejectedToken) {
   ASSERT_TRUE(paged->append(0, proposed));
   EXPECT_EQ(paged->stats().free, 4);
   paged->mark_computed(0, 7);  // the target accepted one: 7
-  EXPECT_FALSE(paged->truncate(0, 13)) << "past the end";
-  EXPECT_FALSE(paged->truncate(0, 3)) << "into block 0, which the prefix cache holds";
-  ASSERT_TRUE(paged->truncate(0, 7));
+  EXPECT_FALSE(paged->features().rollback->truncate(0, 13)) << "past the end";
+  EXPECT_FALSE(paged->features().rollback->truncate(0, 3))
+      << "into block 0, which the prefix cache holds";
+  ASSERT_TRUE(paged->features().rollback->truncate(0, 7));
   EXPECT_EQ(paged->view(0).end_position(), 7);
   EXPECT_EQ(paged->stats().free, 8) << "block 2 is back";
   EXPECT_EQ(paged->stats().used, 7);
@@ -205,20 +232,23 @@ TEST(PagedAllocator, RollbackNeverWritesASharedBlock) {
   ASSERT_TRUE(paged->allocate({0, prompt, 16}));
   for (std::int64_t p = 0; p < 6; ++p)
     *pool.key(0, paged->view(0).slot_of(p)) = static_cast<float>(100 + p);
-  ASSERT_TRUE(paged->fork(0, 1));
+  ASSERT_TRUE(paged->features().forking->fork(0, 1));
   const std::vector<std::int32_t> proposed{7, 8, 9};
   ASSERT_TRUE(paged->append(1, proposed));
   for (std::int64_t p = 6; p < 9; ++p) *pool.key(0, paged->view(1).slot_of(p)) = -1.0f;
-  ASSERT_TRUE(paged->truncate(1, 6));  // all rejected
+  ASSERT_TRUE(paged->features().rollback->truncate(1, 6));  // all rejected
   for (std::int64_t p = 0; p < 6; ++p) {
     EXPECT_EQ(*pool.key(0, paged->view(0).slot_of(p)), static_cast<float>(100 + p));
     EXPECT_EQ(*pool.key(0, paged->view(1).slot_of(p)), static_cast<float>(100 + p));
   }
   EXPECT_NE(paged->view(0).slot_of(5), paged->view(1).slot_of(5)) << "the child's own copy";
   EXPECT_EQ(paged->stats().used, 4 + 2 + 2) << "the shared full block once, each last block";
-  ASSERT_TRUE(paged->fork(0, 2));  // shares the parent's blocks, the last partly filled one too
-  EXPECT_FALSE(paged->truncate(2, 5)) << "a cut inside a block the parent shares";
-  ASSERT_TRUE(paged->truncate(2, 4)) << "a cut at a block's end releases whole blocks only";
+  ASSERT_TRUE(paged->features().forking->fork(
+      0, 2));  // shares the parent's blocks, the last partly filled one too
+  EXPECT_FALSE(paged->features().rollback->truncate(2, 5))
+      << "a cut inside a block the parent shares";
+  ASSERT_TRUE(paged->features().rollback->truncate(2, 4))
+      << "a cut at a block's end releases whole blocks only";
   EXPECT_EQ(paged->view(0).end_position(), 6);
   EXPECT_EQ(*pool.key(0, paged->view(0).slot_of(5)), 105.0f);
 }

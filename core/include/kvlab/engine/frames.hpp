@@ -34,7 +34,7 @@ struct StepFrame {
 
 // Step `step`'s frame: `applied`'s batch and `kv`'s pool map (or, for an allocator that draws
 // none, the running sequences' views).
-StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
+StepFrame make_frame(std::int64_t step, double t, const AppliedPlan& applied, KvAllocator& kv,
                      const RequestTable& table);
 
 // Told of frames as steps end (kvlab serve's /ui): asked after each step whether it wants one,
@@ -59,7 +59,7 @@ class FrameRecorder final : public StepExtension {
   void after_update(StepState& step, std::span<const RequestId> held) override;
   void finish(EngineResult& result) override;
   // Records step `step` if the stride takes it.
-  void record(std::int64_t step, double t, const AppliedPlan& applied, const KvAllocator& kv,
+  void record(std::int64_t step, double t, const AppliedPlan& applied, KvAllocator& kv,
               const RequestTable& table);
   std::int64_t stride() const { return stride_; }
   std::vector<StepFrame> take() { return std::move(frames_); }
