@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <random>
+#include <set>
 #include <unordered_map>
 #include <vector>
 
@@ -73,36 +74,75 @@ TEST(BlockPool, ABlockOrAHashIsRegisteredOnceAndNotWithoutCaching) {
   EXPECT_EQ(uncached.free_cached_count(), 0);
 }
 
-// The eviction policy is a seam: another one decides which cached block is reused.
-class MostRecentFirst final : public EvictionPolicy {
- public:
-  void add(BlockId block) override { blocks_.push_back(block); }
-  void remove(BlockId block) override { std::erase(blocks_, block); }
-  BlockId victim() override {
-    const BlockId b = blocks_.back();
-    blocks_.pop_back();
-    ++victims;
-    return b;
+// The pool's reuse order is a seam: under lru the least recently freed cached block is reused
+// first, under least_shared the one fewest sequences held (a's two holders keep it).
+TEST(BlockPool, TheReuseOrderPicksTheVictim) {
+  for (const EvictionOrder order : {EvictionOrder::lru, EvictionOrder::least_shared}) {
+    SCOPED_TRACE(eviction_order_name(order));
+    BlockPool pool(2, 4, true, order);
+    EXPECT_EQ(pool.reuse_order(), order);
+    const BlockId a = pool.take(), b = pool.take();
+    pool.hold(a);  // a second sequence shares a
+    pool.register_prefix(a, 1, block_tokens(1));
+    pool.register_prefix(b, 2, block_tokens(5));
+    pool.release(a);
+    pool.release(a);  // freed first
+    pool.release(b);
+    EXPECT_EQ(pool.take(), order == EvictionOrder::lru ? a : b);
+    EXPECT_EQ(pool.evictions(), 1);
+    EXPECT_EQ(pool.free_cached_count(), 1);
   }
-  std::int64_t size() const override { return static_cast<std::int64_t>(blocks_.size()); }
-  int victims = 0;
+}
 
- private:
-  std::vector<BlockId> blocks_;
-};
+// The eviction queue against a sorted reference set of (priority, id) under random adds,
+// updates, removes and victims, in both orders: the victim is always the reference's first.
+TEST(EvictionQueue, AgreesWithASortedSetUnderRandomChanges) {
+  for (const EvictionOrder order : {EvictionOrder::lru, EvictionOrder::least_shared}) {
+    SCOPED_TRACE(eviction_order_name(order));
+    constexpr std::int32_t kIds = 40;
+    EvictionQueue queue(kIds, order);
+    std::set<std::pair<EvictionPriority, std::int32_t>> reference;
+    std::vector<EvictionFacts> facts(kIds);
+    std::mt19937 rng(11);
+    std::uint64_t clock = 0;
+    for (int step = 0; step < 20000; ++step) {
+      const auto id = static_cast<std::int32_t>(rng() % kIds);
+      const EvictionFacts next{++clock, static_cast<std::int64_t>(rng() % 4)};
+      const bool in = queue.contains(id);
+      const int action = static_cast<int>(rng() % 4);
+      if (!in && action < 3) {
+        queue.add(id, next);
+        reference.insert({eviction_priority(order, next), id});
+        facts[id] = next;
+      } else if (in && action == 0) {
+        queue.update(id, next);
+        reference.erase({eviction_priority(order, facts[id]), id});
+        reference.insert({eviction_priority(order, next), id});
+        facts[id] = next;
+      } else if (in && action == 1) {
+        queue.remove(id);
+        reference.erase({eviction_priority(order, facts[id]), id});
+      } else if (!reference.empty()) {
+        const std::int32_t victim = queue.victim();
+        ASSERT_EQ(victim, reference.begin()->second) << "step " << step;
+        reference.erase(reference.begin());
+      }
+      ASSERT_EQ(queue.size(), static_cast<std::int64_t>(reference.size()));
+    }
+  }
+}
 
-TEST(BlockPool, TheEvictionPolicyPicksTheVictim) {
-  auto policy = std::make_unique<MostRecentFirst>();
-  MostRecentFirst* seen = policy.get();
-  BlockPool pool(2, 4, true, std::move(policy));
-  const BlockId a = pool.take(), b = pool.take();
-  pool.register_prefix(a, 1, block_tokens(1));
-  pool.register_prefix(b, 2, block_tokens(5));
-  pool.release(a);
-  pool.release(b);
-  EXPECT_EQ(pool.take(), b) << "the policy's choice: the most recently freed";
-  EXPECT_EQ(seen->victims, 1);
-  EXPECT_EQ(pool.cached(1, block_tokens(1)), a);
+// The one priority function: lru by last use alone; least_shared by uses, then last use.
+TEST(EvictionOrder, PriorityOrdersByTheFactsItNames) {
+  const EvictionFacts old_shared{1, 5}, new_alone{2, 1}, old_alone{1, 1};
+  EXPECT_LT(eviction_priority(EvictionOrder::lru, old_shared),
+            eviction_priority(EvictionOrder::lru, new_alone));
+  EXPECT_LT(eviction_priority(EvictionOrder::least_shared, new_alone),
+            eviction_priority(EvictionOrder::least_shared, old_shared));
+  EXPECT_LT(eviction_priority(EvictionOrder::least_shared, old_alone),
+            eviction_priority(EvictionOrder::least_shared, new_alone));
+  EXPECT_EQ(eviction_order_named("least_shared"), EvictionOrder::least_shared);
+  EXPECT_EQ(eviction_order_named("lfu"), std::nullopt);
 }
 
 // The open-addressing hash index against std::unordered_map: 20,000 random inserts, repeats and

@@ -17,23 +17,10 @@ namespace kvlab {
 namespace {
 
 // The shipped lru plugin's order, in-process (the plugins are tested in tests/plugins/).
-class TestLru final : public KvTierPolicy {
+class TestLru final : public OrderedTierPolicy {
  public:
-  void configure(std::span<const std::int64_t> capacities) override {
-    for (std::int64_t c : capacities) order_.emplace_back(c);
-  }
+  TestLru() : OrderedTierPolicy(EvictionOrder::lru) {}
   bool admit(KvTier, const KvTierBlockFacts&) override { return true; }
-  void added(KvTier t, std::int32_t slot, const KvTierBlockFacts&) override { of(t).add(slot); }
-  void used(KvTier t, std::int32_t slot) override {
-    of(t).remove(slot);
-    of(t).add(slot);
-  }
-  void removed(KvTier t, std::int32_t slot) override { of(t).remove(slot); }
-  std::int32_t victim(KvTier t) override { return of(t).victim(); }
-
- private:
-  LruEviction& of(KvTier t) { return order_[static_cast<std::size_t>(t)]; }
-  std::vector<LruEviction> order_;
 };
 
 constexpr std::int64_t kBlockSize = 4;

@@ -27,8 +27,9 @@ TEST(PluginLoader, FindsTheShippedPlugins) {
   for (const char* name : {"recompute", "mha", "gqa", "mqa", "sliding_window"})
     EXPECT_EQ(registry.find(PluginKind::attention_variant, name).name, name);
   const PluginInfo& paged = registry.find(PluginKind::kv_allocator, "paged");
-  ASSERT_EQ(paged.params.size(), 2u);
+  ASSERT_EQ(paged.params.size(), 3u);
   EXPECT_STREQ(paged.params[0].name, "block_size");
+  EXPECT_STREQ(paged.params[2].name, "reuse_order");
   EXPECT_NE(paged.file.string().find("kvlab_plugin_allocator_paged.so"), std::string::npos);
 }
 

@@ -70,6 +70,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<KvTierSpec>().type<KvTierBlockFacts>().type<KvTierHit>().type<KvTierCounters>();
   h.type<BlockHashIndex>().type<BlockPool>();  // the core's paged-cache parts plugins embed
   h.type<BlockTable>().type<PagedBlocks>().type<KvAllocatorFeatures>();
+  h.type<EvictionQueue>().type<OrderedTierPolicy>();
   h.KVLAB_ABI_MEMBER(Work, id).KVLAB_ABI_MEMBER(Work, new_tokens);
   h.KVLAB_ABI_MEMBER(Preemption, id).KVLAB_ABI_MEMBER(Preemption, mode);
   h.KVLAB_ABI_MEMBER(AllocateRequest, prompt).KVLAB_ABI_MEMBER(AllocateRequest, max_total_tokens);

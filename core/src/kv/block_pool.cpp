@@ -7,42 +7,6 @@
 
 namespace kvlab {
 
-LruEviction::LruEviction(std::int64_t blocks)
-    : previous_(static_cast<std::size_t>(blocks), -1),
-      next_(static_cast<std::size_t>(blocks), -1) {}
-
-void LruEviction::add(BlockId block) {
-  const auto b = static_cast<std::size_t>(block);
-  previous_[b] = tail_;
-  next_[b] = -1;
-  if (tail_ >= 0)
-    next_[static_cast<std::size_t>(tail_)] = block;
-  else
-    head_ = block;
-  tail_ = block;
-  ++size_;
-}
-
-void LruEviction::remove(BlockId block) {
-  const auto b = static_cast<std::size_t>(block);
-  if (previous_[b] >= 0)
-    next_[static_cast<std::size_t>(previous_[b])] = next_[b];
-  else
-    head_ = next_[b];
-  if (next_[b] >= 0)
-    previous_[static_cast<std::size_t>(next_[b])] = previous_[b];
-  else
-    tail_ = previous_[b];
-  previous_[b] = next_[b] = -1;
-  --size_;
-}
-
-BlockId LruEviction::victim() {
-  const BlockId block = head_;
-  remove(block);
-  return block;
-}
-
 BlockHashIndex::BlockHashIndex(std::int64_t max_entries) {
   std::size_t slots = 16;
   while (slots < 2 * static_cast<std::size_t>(std::max<std::int64_t>(max_entries, 1))) slots *= 2;
@@ -101,10 +65,10 @@ void BlockHashIndex::erase(std::uint64_t hash) {
 }
 
 BlockPool::BlockPool(std::int64_t blocks, std::int64_t block_size, bool caching,
-                     std::unique_ptr<EvictionPolicy> policy)
+                     EvictionOrder reuse_order)
     : block_size_(block_size),
       caching_(caching),
-      policy_(policy ? std::move(policy) : std::make_unique<LruEviction>(blocks)),
+      reusable_(caching ? blocks : 0, reuse_order),
       blocks_(static_cast<std::size_t>(blocks)) {
   // Taken from the back: blocks 0, 1, 2, ... come out in order, so fresh sequences get
   // physically adjacent blocks (their views merge into few extents).
@@ -122,7 +86,7 @@ BlockId BlockPool::take() {
     b = free_plain_.back();
     free_plain_.pop_back();
   } else {  // reuse a cached block: its prefix is forgotten
-    b = policy_->victim();
+    b = reusable_.victim();
     const Block& evicted = blocks_[index(b)];
     if (sink_ != nullptr)
       sink_->evicted(b, evicted.hash, tokens_of(b), evicted.uses, evicted.position);
@@ -139,7 +103,7 @@ BlockId BlockPool::take() {
 void BlockPool::hold(BlockId b) {
   Block& block = blocks_[index(b)];
   if (block.ref_count == 0) {  // a free cached block comes back to life
-    policy_->remove(b);
+    reusable_.remove(b);
     live_fill_ += block.fill;
   }
   ++block.ref_count;
@@ -151,7 +115,7 @@ void BlockPool::release(BlockId b) {
   if (--block.ref_count > 0) return;
   live_fill_ -= block.fill;
   if (block.hash != 0)
-    policy_->add(b);
+    reusable_.add(b, {++clock_, block.uses});
   else
     free_plain_.push_back(b);
 }

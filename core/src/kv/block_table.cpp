@@ -4,10 +4,11 @@
 
 namespace kvlab {
 
-PagedBlocks::PagedBlocks(KvPool& pool, std::int64_t block_size, bool caching)
+PagedBlocks::PagedBlocks(KvPool& pool, std::int64_t block_size, bool caching,
+                         EvictionOrder reuse_order)
     : kv_(pool),
       block_size_(block_size),
-      blocks_(pool.shape().slots / block_size, block_size, caching) {}
+      blocks_(pool.shape().slots / block_size, block_size, caching, reuse_order) {}
 
 BlockId PagedBlocks::take() {
   const BlockId b = blocks_.take();
@@ -50,9 +51,11 @@ std::vector<bool> PagedBlocks::take_copied() {
 }
 
 std::int64_t PagedBlocks::blocks_to_append(const BlockTable& t, std::int64_t n) const {
-  std::int64_t blocks = blocks_for(t.slots + n) - static_cast<std::int64_t>(t.blocks.size());
-  if (n > 0 && t.slots % block_size_ != 0 && blocks_.ref_count(t.blocks.back()) > 1)
-    ++blocks;  // copy-on-write of the shared last block
+  std::int64_t blocks = std::max<std::int64_t>(
+      0, blocks_for(t.slots + n) - static_cast<std::int64_t>(t.blocks.size()));
+  if (n > 0 && t.slots % block_size_ != 0 &&
+      blocks_.ref_count(t.blocks[index(t.slots / block_size_)]) > 1)
+    ++blocks;  // copy-on-write of the shared last written block
   return blocks;
 }
 
@@ -66,8 +69,8 @@ void PagedBlocks::append(BlockTable& t, std::span<const std::int32_t> tokens) {
       extents.back().length -= last_fill;
       if (extents.back().length == 0) extents.pop_back();
     }
-    if (blocks_.ref_count(t.blocks.back()) > 1)
-      t.blocks.back() = copy_of(t.blocks.back(), last_fill);
+    BlockId& last = t.blocks[index(t.slots / block_size_)];
+    if (blocks_.ref_count(last) > 1) last = copy_of(last, last_fill);
   }
   const std::int64_t first_written = t.slots / block_size_;
   if (t.dropped_positions())
@@ -82,8 +85,16 @@ void PagedBlocks::append(BlockTable& t, std::span<const std::int32_t> tokens) {
   extend_view(t, first_written);
 }
 
+void PagedBlocks::reserve(BlockTable& t, std::int64_t slots) {
+  while (static_cast<std::int64_t>(t.blocks.size()) < blocks_for(slots)) t.blocks.push_back(take());
+}
+
+std::int64_t PagedBlocks::written_blocks(const BlockTable& t) const {
+  return std::min(static_cast<std::int64_t>(t.blocks.size()), blocks_for(t.slots));
+}
+
 void PagedBlocks::fill_from(const BlockTable& t, std::int64_t from) {
-  for (auto i = from; i < static_cast<std::int64_t>(t.blocks.size()); ++i)
+  for (auto i = from; i < written_blocks(t); ++i)
     blocks_.set_fill(t.blocks[index(i)], std::min(block_size_, t.slots - i * block_size_));
 }
 
@@ -144,7 +155,7 @@ bool PagedBlocks::truncate(BlockTable& t, std::int64_t length) {
 // Blocks [from, end) of the table added to its view's end (physically adjacent blocks merge).
 void PagedBlocks::extend_view(BlockTable& t, std::int64_t from) const {
   auto& extents = t.view.extents;
-  for (auto i = from; i < static_cast<std::int64_t>(t.blocks.size()); ++i) {
+  for (auto i = from; i < written_blocks(t); ++i) {
     const std::int64_t start = std::int64_t{t.blocks[index(i)]} * block_size_;
     const std::int64_t length = std::min(block_size_, t.slots - i * block_size_);
     if (!extents.empty() && extents.back().start_slot + extents.back().length == start)

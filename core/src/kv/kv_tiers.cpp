@@ -40,6 +40,27 @@ std::string disk_tier_template(const char* directory) {
 
 }  // namespace
 
+void OrderedTierPolicy::configure(std::span<const std::int64_t> capacities) {
+  queues_.clear();
+  for (std::int64_t capacity : capacities) queues_.emplace_back(capacity, order_);
+}
+
+void OrderedTierPolicy::added(KvTier tier, std::int32_t slot, const KvTierBlockFacts& facts) {
+  of(tier).add(slot, {++clock_, facts.uses});
+}
+
+void OrderedTierPolicy::used(KvTier tier, std::int32_t slot) {
+  of(tier).update(slot, {++clock_, of(tier).facts(slot).uses + 1});
+}
+
+void OrderedTierPolicy::removed(KvTier tier, std::int32_t slot) {
+  of(tier).remove(slot);
+}
+
+std::int32_t OrderedTierPolicy::victim(KvTier tier) {
+  return of(tier).victim();
+}
+
 const char* kv_tier_name(KvTier tier) {
   return tier == KvTier::host ? "host" : "disk";
 }

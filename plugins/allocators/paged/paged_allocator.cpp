@@ -103,7 +103,8 @@ class PagedAllocator final : public KvAllocator,
   PagedAllocator(const PluginParams& params, const PluginContext& context)
       : block_size_(params.integer("block_size")),
         caching_(params.boolean("prefix_caching")),
-        paged_(checked_pool(context.pool, block_size_), block_size_, caching_),
+        paged_(checked_pool(context.pool, block_size_), block_size_, caching_,
+               reuse_order_named(params.string("reuse_order"))),
         blocks_(paged_.pool()),
         tiers_(make_tiers(context.tiers)) {
     if (tiers_) blocks_.set_eviction_sink(tiers_.get());
@@ -284,6 +285,11 @@ class PagedAllocator final : public KvAllocator,
   }
 
  private:
+  static EvictionOrder reuse_order_named(const std::string& name) {
+    if (const auto order = eviction_order_named(name)) return *order;
+    throw std::invalid_argument("paged: reuse_order = \"" + name +
+                                "\": choose \"lru\" or \"least_shared\"");
+  }
   static KvPool& checked_pool(KvPool* pool, std::int64_t block_size) {
     if (pool == nullptr) throw std::invalid_argument("paged allocator needs a KV pool");
     if (pool->shape().slots % block_size != 0)
@@ -425,6 +431,10 @@ const ParamSpec kParams[] = {
     {"block_size", ParamType::param_integer, "slots per block", "16", 1, 4096},
     {"prefix_caching", ParamType::param_boolean,
      "share full blocks of identical prefixes between sequences", "true", 0, 1},
+    {"reuse_order", ParamType::param_string,
+     "which free cached prefix block is reused first once no plain block is free: \"lru\" (the "
+     "least recently freed) or \"least_shared\" (the fewest sequences held it, then lru)",
+     "\"lru\"", 0, 0},
 };
 
 }  // namespace

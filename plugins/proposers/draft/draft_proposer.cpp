@@ -8,6 +8,11 @@
 //
 //   verified: a b c d e | cached before: a b c d X Y (X, Y rejected) -> keep a b c d, feed e,
 //   then feed each pick: e -> p1 -> p2 -> ... (k steps; the last pick is never fed)
+//
+// The draft's KV goes through the core's paged code as the target's does: its blocks are a
+// BlockPool's (kvlab::PagedBlocks, no prefix cache), each request's a BlockTable with its view,
+// and when the pool is full the sequence to drop is chosen by the one eviction priority
+// (kvlab/kv/eviction_order.hpp: the least recently asked first).
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -15,6 +20,8 @@
 #include <vector>
 
 #include "kvlab/error.hpp"
+#include "kvlab/kv/block_table.hpp"
+#include "kvlab/kv/eviction_order.hpp"
 #include "kvlab/plugin.hpp"
 
 namespace {
@@ -23,11 +30,11 @@ using namespace kvlab;
 
 constexpr std::int64_t kBlock = 16;  // slots a block of the draft's pool
 
-// One sequence in the draft's cache: the tokens whose K/V it holds, in the blocks it owns.
+// One sequence in the draft's cache: the tokens whose K/V it holds (table.tokens), in blocks
+// taken from the draft's pool, with room held for this call's picks.
 struct DraftSequence {
-  std::vector<std::int32_t> tokens;
-  std::vector<std::int64_t> blocks;  // block b holds slots [b * kBlock, (b + 1) * kBlock)
-  std::int64_t last_used = 0;        // the propose() call that last asked for it
+  BlockTable table;
+  std::uint64_t last_used = 0;  // the propose() call that last asked for it
 };
 
 // A decode being proposed for this call: what to feed next, and where the picks go.
@@ -37,27 +44,25 @@ struct Drafting {
   std::vector<std::int32_t> feed;
 };
 
-Backend& draft_of(const PluginContext& context) {
+KvPool& draft_pool_of(const PluginContext& context) {
   if (context.draft == nullptr || context.pool == nullptr)
     throw Error(
         "draft proposer: no draft model to run: give [speculation] draft_model (a model with the "
         "target's vocabulary) or draft_layers (the target's first layers)");
-  return *context.draft;
+  return *context.pool;
 }
 
 class DraftProposer final : public Proposer {
  public:
   DraftProposer(const PluginParams&, const PluginContext& context)
-      : draft_(draft_of(context)), blocks_(context.pool->shape().slots / kBlock) {
-    for (std::int64_t b = blocks_ - 1; b >= 0; --b) free_.push_back(b);
-  }
+      : blocks_(draft_pool_of(context), kBlock, false), draft_(*context.draft) {}
 
   void propose(std::span<const ProposeAsk> asks) override {
     ++calls_;
     std::vector<Drafting> drafting;
     for (const ProposeAsk& ask : asks)
       if (DraftSequence* sequence = catch_up(ask, asks))
-        drafting.push_back({&ask, sequence, feed_of(*ask.request, *sequence)});
+        drafting.push_back({&ask, sequence, feed_of(*ask.request, sequence->table)});
     std::int64_t longest = 0;
     for (const Drafting& d : drafting) longest = std::max(longest, d.ask->max_tokens);
     for (std::int64_t j = 0; j < longest; ++j) draft_step(drafting, j);
@@ -65,85 +70,61 @@ class DraftProposer final : public Proposer {
 
   void forget(RequestId id) override {
     if (const auto it = sequences_.find(id); it != sequences_.end()) {
-      release(it->second, 0);
+      blocks_.release_all(it->second.table);
       sequences_.erase(it);
     }
   }
 
  private:
   // The request's draft sequence cut back to the tokens it shares with the verified ones (all
-  // but the newest, which is fed so that its row gives the first pick), with blocks for what
-  // this call feeds; null when the pool cannot hold them even after evicting the sequences no
-  // ask of this call names (the request then gets no proposals this step).
+  // but the newest, which is fed so that its row gives the first pick), with room for what this
+  // call feeds; null when the pool cannot hold them even after dropping the sequences no ask
+  // of this call names (the request then gets no proposals this step).
   DraftSequence* catch_up(const ProposeAsk& ask, std::span<const ProposeAsk> asks) {
     const RequestState& r = *ask.request;
     DraftSequence& s = sequences_[r.id];
     s.last_used = calls_;
-    const auto limit = static_cast<std::ptrdiff_t>(std::min(s.tokens.size(), r.tokens.size() - 1));
-    const auto shared = std::mismatch(s.tokens.begin(), s.tokens.begin() + limit, r.tokens.begin());
-    s.tokens.erase(shared.first, s.tokens.end());
-    release(s, static_cast<std::int64_t>(s.tokens.size()));
+    const auto& held = s.table.tokens;
+    const auto limit = static_cast<std::ptrdiff_t>(std::min(held.size(), r.tokens.size() - 1));
+    const auto shared = std::mismatch(held.begin(), held.begin() + limit, r.tokens.begin());
+    blocks_.truncate(s.table, shared.first - held.begin());  // the rest was rejected
     // fed: the verified tokens it lacks, then max_tokens - 1 picks
     const std::int64_t end = r.length() + ask.max_tokens - 1;
     const std::int64_t needed =
-        (end + kBlock - 1) / kBlock - static_cast<std::int64_t>(s.blocks.size());
+        blocks_.blocks_for(end) - static_cast<std::int64_t>(s.table.blocks.size());
     if (!make_room(needed, asks)) {
       forget(r.id);
       return nullptr;
     }
-    for (std::int64_t b = 0; b < needed; ++b) {
-      s.blocks.push_back(free_.back());
-      free_.pop_back();
-    }
+    blocks_.reserve(s.table, end);
     return &s;
   }
 
-  static std::vector<std::int32_t> feed_of(const RequestState& r, const DraftSequence& s) {
-    return {r.tokens.begin() + static_cast<std::ptrdiff_t>(s.tokens.size()), r.tokens.end()};
+  static std::vector<std::int32_t> feed_of(const RequestState& r, const BlockTable& t) {
+    return {r.tokens.begin() + static_cast<std::ptrdiff_t>(t.length), r.tokens.end()};
   }
 
-  // Frees blocks until `needed` are free, least recently asked sequences first, never one
-  // that an ask of this call names.
+  // Drops whole sequences until `needed` blocks are free, in eviction order (the least
+  // recently asked first, the smaller id among equals), never one an ask of this call names.
   bool make_room(std::int64_t needed, std::span<const ProposeAsk> asks) {
-    while (static_cast<std::int64_t>(free_.size()) < needed) {
+    while (blocks_.pool().free_blocks() < needed) {
       auto victim = sequences_.end();
+      EvictionPriority first;
       for (auto it = sequences_.begin(); it != sequences_.end(); ++it) {
         const bool asked = std::any_of(asks.begin(), asks.end(), [&](const ProposeAsk& a) {
           return a.request->id == it->first;
         });
-        if (!asked && !it->second.blocks.empty() &&
-            (victim == sequences_.end() || it->second.last_used < victim->second.last_used))
+        const EvictionPriority p = eviction_priority(EvictionOrder::lru, {it->second.last_used, 1});
+        if (!asked && !it->second.table.blocks.empty() &&
+            (victim == sequences_.end() || p < first)) {
           victim = it;
+          first = p;
+        }
       }
       if (victim == sequences_.end()) return false;
-      release(victim->second, 0);
-      victim->second.tokens.clear();
+      blocks_.truncate(victim->second.table, 0);
     }
     return true;
-  }
-
-  // Returns the blocks past the first `tokens` tokens' to the free list.
-  void release(DraftSequence& s, std::int64_t tokens) {
-    const auto keep = static_cast<std::size_t>((tokens + kBlock - 1) / kBlock);
-    while (s.blocks.size() > keep) {
-      free_.push_back(s.blocks.back());
-      s.blocks.pop_back();
-    }
-  }
-
-  // The slots of the sequence's first `length` positions.
-  static KvView view_of(const DraftSequence& s, std::int64_t length) {
-    KvView view;
-    for (std::int64_t b = 0; b * kBlock < length; ++b) {
-      const std::int64_t start = s.blocks[static_cast<std::size_t>(b)] * kBlock;
-      const std::int64_t count = std::min(kBlock, length - b * kBlock);
-      if (!view.extents.empty() &&
-          view.extents.back().start_slot + view.extents.back().length == start)
-        view.extents.back().length += count;
-      else
-        view.extents.push_back({start, count});
-    }
-    return view;
   }
 
   // The j-th draft step: each sequence still proposing feeds its tokens and picks one.
@@ -154,10 +135,10 @@ class DraftProposer final : public Proposer {
       if (d.ask->max_tokens <= j || static_cast<std::int64_t>(d.ask->proposed->size()) < j)
         continue;  // done, or stopped at a row without a pick
       BatchEntry entry;
+      entry.start_position = d.sequence->table.length;
+      blocks_.append(d.sequence->table, d.feed);  // into the room catch_up held
       entry.tokens = d.feed;
-      entry.start_position = static_cast<std::int64_t>(d.sequence->tokens.size());
-      entry.view =
-          view_of(*d.sequence, entry.start_position + static_cast<std::int64_t>(d.feed.size()));
+      entry.view = d.sequence->table.view;
       batch.push_back(std::move(entry));
       in_batch.push_back(&d);
     }
@@ -166,7 +147,6 @@ class DraftProposer final : public Proposer {
     const ForwardResult result = draft_.forward(batch, greedy);
     for (std::size_t e = 0; e < in_batch.size(); ++e) {
       Drafting& d = *in_batch[e];
-      d.sequence->tokens.insert(d.sequence->tokens.end(), d.feed.begin(), d.feed.end());
       const std::int32_t pick = pick_of(result, e);
       if (pick < 0) continue;  // a non-finite row: no more proposals for it
       d.ask->proposed->push_back(pick);
@@ -183,11 +163,10 @@ class DraftProposer final : public Proposer {
     return std::isfinite(*best) ? static_cast<std::int32_t>(best - row.begin()) : -1;
   }
 
+  PagedBlocks blocks_;  // the draft's pool, as blocks
   Backend& draft_;
-  std::int64_t blocks_;
-  std::vector<std::int64_t> free_;
   std::map<RequestId, DraftSequence> sequences_;
-  std::int64_t calls_ = 0;
+  std::uint64_t calls_ = 0;
 };
 
 }  // namespace

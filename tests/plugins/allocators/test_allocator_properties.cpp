@@ -78,6 +78,11 @@ INSTANTIATE_TEST_SUITE_P(
         AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true, 256, 0, "lru"},
         AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true, 256, 512, "lru"},
         AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, false, 256, 512, "shared_first"},
+        // The pool reuses its free cached blocks least shared first.
+        AllocatorCase{
+            "paged",
+            {{"block_size", std::int64_t{4}}, {"reuse_order", std::string("least_shared")}},
+            true},
         // A KV policy's evictions: holes, whole blocks released, compaction (with forks).
         AllocatorCase{"paged",
                       {{"block_size", std::int64_t{4}}, {"prefix_caching", false}},
@@ -113,6 +118,15 @@ PluginObject<KvAllocator> paged_over(KvPool& pool,
   PluginContext context;
   context.pool = &pool;
   return registry.create<PluginKind::kv_allocator>("paged", std::move(params), context);
+}
+
+// paged's reuse_order names one of the eviction orders; another name is a clear error.
+TEST(PagedAllocator, ReuseOrderMustNameAnEvictionOrder) {
+  KvPool pool({1, 1, 1, 64});
+  const std::string error = test::error_of<std::exception>([&] {
+    paged_over(pool, {{"reuse_order", std::string("lfu")}});
+  });
+  EXPECT_NE(error.find("choose \"lru\" or \"least_shared\""), std::string::npos) << error;
 }
 
 // What each shipped allocator offers beyond the core (docs/allocators.md's table), and the

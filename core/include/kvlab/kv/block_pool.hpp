@@ -2,28 +2,20 @@
 // The block pool of a paged KV cache (vLLM's BlockPool): fixed-size blocks with reference
 // counts, a free queue, and the prefix cache's map from chain hash to the block holding that
 // prefix. A freed block that holds a registered prefix stays in the cache, reusable, until the
-// free blocks without one run out; then the eviction policy picks which cached block is
-// reused for other data. The policy is the seam for what a cache does with a block it gives
-// up: LRU here; a KV tier would copy the block out before it is reused.
+// free blocks without one run out; then the pool's reuse order (kvlab/kv/eviction_order.hpp:
+// the least recently freed first, or the least shared) picks which cached block is reused for
+// other data, and the eviction sink (the KV tiers) may copy it out first.
 #include <cstdint>
 #include <memory>
 #include <optional>
 #include <span>
 #include <vector>
 
+#include "kvlab/kv/eviction_order.hpp"
+
 namespace kvlab {
 
 using BlockId = std::int32_t;
-
-// Which free cached block is reused first. Holds exactly the blocks that are free and cached.
-class EvictionPolicy {
- public:
-  virtual ~EvictionPolicy() = default;
-  virtual void add(BlockId block) = 0;     // freed, still cached
-  virtual void remove(BlockId block) = 0;  // taken again by a prefix-cache hit
-  virtual BlockId victim() = 0;            // removed: the block to reuse (never when empty)
-  virtual std::int64_t size() const = 0;
-};
 
 // Told of each cached block the pool evicts, before its slots are reused: its prefix hash and
 // tokens, how many sequences held it (its uses) and its block index in their prompts.
@@ -32,21 +24,6 @@ class BlockEvictionSink {
   virtual ~BlockEvictionSink() = default;
   virtual void evicted(BlockId block, std::uint64_t hash, std::span<const std::int32_t> tokens,
                        std::int64_t uses, std::int64_t position) = 0;
-};
-
-// Least recently freed first: an intrusive doubly-linked list over block ids (no allocation).
-class LruEviction final : public EvictionPolicy {
- public:
-  explicit LruEviction(std::int64_t blocks);
-  void add(BlockId block) override;
-  void remove(BlockId block) override;
-  BlockId victim() override;
-  std::int64_t size() const override { return size_; }
-
- private:
-  std::vector<BlockId> previous_, next_;  // -1: none
-  BlockId head_ = -1, tail_ = -1;         // head: the least recently freed
-  std::int64_t size_ = 0;
 };
 
 // The prefix cache's map from chain hash to block: open addressing with linear probing in a
@@ -105,22 +82,24 @@ BlockId BlockHashIndex::find_or_insert_growing(std::uint64_t hash, MakeBlock&& m
 class BlockPool {
  public:
   // `blocks` blocks of `block_size` slots; `caching`: blocks may be registered in the prefix
-  // cache (their tokens kept to check every hit). nullptr policy: LRU.
+  // cache (their tokens kept to check every hit); `reuse_order`: which free cached block is
+  // reused first.
   BlockPool(std::int64_t blocks, std::int64_t block_size, bool caching,
-            std::unique_ptr<EvictionPolicy> policy = nullptr);
+            EvictionOrder reuse_order = EvictionOrder::lru);
 
   std::int64_t block_size() const { return block_size_; }
   std::int64_t blocks() const { return static_cast<std::int64_t>(blocks_.size()); }
-  // Free blocks: plain ones and cached ones the policy may evict.
-  std::int64_t free_blocks() const { return free_plain_count() + policy_->size(); }
+  // Free blocks: plain ones and cached ones the reuse order may evict.
+  std::int64_t free_blocks() const { return free_plain_count() + free_cached_count(); }
   std::int64_t free_plain_count() const { return static_cast<std::int64_t>(free_plain_.size()); }
-  std::int64_t free_cached_count() const { return policy_->size(); }
+  std::int64_t free_cached_count() const { return reusable_.size(); }
+  EvictionOrder reuse_order() const { return reusable_.order(); }
   std::int32_t ref_count(BlockId b) const { return blocks_[index(b)].ref_count; }
 
   // Told of every eviction from now on (nullptr: nobody). Not owned.
   void set_eviction_sink(BlockEvictionSink* sink) { sink_ = sink; }
 
-  // A free block, held once: a plain one, else the policy's victim (its prefix forgotten, after
+  // A free block, held once: a plain one, else the reuse order's first (its prefix forgotten, after
   // the eviction sink has seen it).
   BlockId take();
   // One more holder of a block (one more use); a free cached block leaves the free queue.
@@ -159,7 +138,8 @@ class BlockPool {
 
   std::int64_t block_size_;
   bool caching_;
-  std::unique_ptr<EvictionPolicy> policy_;
+  EvictionQueue reusable_;   // the free cached blocks, in reuse order
+  std::uint64_t clock_ = 0;  // ticks as blocks are freed into the cache (their last use)
   BlockEvictionSink* sink_ = nullptr;
   std::vector<Block> blocks_;
   std::vector<BlockId> free_plain_;   // free blocks with no registered prefix

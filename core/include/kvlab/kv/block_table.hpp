@@ -45,8 +45,9 @@ struct BlockTable {
 class PagedBlocks {
  public:
   // `pool`'s slots as blocks of `block_size` (the caller checks that it divides them);
-  // `caching`: the pool keeps a prefix cache.
-  PagedBlocks(KvPool& pool, std::int64_t block_size, bool caching);
+  // `caching`: the pool keeps a prefix cache, reusing its free cached blocks in `reuse_order`.
+  PagedBlocks(KvPool& pool, std::int64_t block_size, bool caching,
+              EvictionOrder reuse_order = EvictionOrder::lru);
 
   BlockPool& pool() { return blocks_; }
   const BlockPool& pool() const { return blocks_; }
@@ -73,6 +74,10 @@ class PagedBlocks {
   void append(BlockTable& table, std::span<const std::int32_t> tokens);
   // Blocks [from, end) of the table hold the tokens its slots say.
   void fill_from(const BlockTable& table, std::int64_t from);
+  // Takes blocks until the table has room for `slots` slots (the caller checked the free
+  // blocks): room held ahead for tokens not known yet (a draft's picks). The view and the fills
+  // cover the written slots only; append writes into the room before it takes a block.
+  void reserve(BlockTable& table, std::int64_t slots);
 
   // Positions before `position` will never be read again: whole blocks of them are released
   // (after a drop, the positions are dropped like a KV policy's).
@@ -91,6 +96,7 @@ class PagedBlocks {
   std::vector<bool> take_copied();
 
  private:
+  std::int64_t written_blocks(const BlockTable& table) const;  // blocks holding written slots
   void extend_view(BlockTable& table, std::int64_t from) const;
   void rebuild_dropped_view(BlockTable& table);
   void number_slots(BlockTable& table) const;

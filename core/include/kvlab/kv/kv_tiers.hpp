@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "kvlab/kv/block_pool.hpp"
+#include "kvlab/kv/eviction_order.hpp"
 #include "kvlab/kv_pool.hpp"
 
 namespace kvlab {
@@ -48,6 +49,25 @@ class KvTierPolicy {
   virtual void used(KvTier tier, std::int32_t slot) = 0;  // a prompt hit it
   virtual void removed(KvTier tier, std::int32_t slot) = 0;
   virtual std::int32_t victim(KvTier tier) = 0;  // the slot to give up (removed from the policy)
+};
+
+// A tier policy that gives up each tier's blocks in one EvictionOrder
+// (kvlab/kv/eviction_order.hpp), a hit counting as a use: the lru and shared_first plugins are
+// this with their order and their admit.
+class OrderedTierPolicy : public KvTierPolicy {
+ public:
+  explicit OrderedTierPolicy(EvictionOrder order) : order_(order) {}
+  void configure(std::span<const std::int64_t> capacities) override;
+  void added(KvTier tier, std::int32_t slot, const KvTierBlockFacts& facts) override;
+  void used(KvTier tier, std::int32_t slot) override;
+  void removed(KvTier tier, std::int32_t slot) override;
+  std::int32_t victim(KvTier tier) override;
+
+ private:
+  EvictionQueue& of(KvTier tier) { return queues_[static_cast<std::size_t>(tier)]; }
+  EvictionOrder order_;
+  std::vector<EvictionQueue> queues_;  // per tier: its slots in order_
+  std::uint64_t clock_ = 0;            // ticks as blocks are added and hit
 };
 
 // The tiers a paged allocator is given (PluginContext::tiers). Capacities in bytes of the pool's
