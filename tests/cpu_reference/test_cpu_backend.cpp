@@ -105,7 +105,7 @@ std::vector<std::int32_t> greedy_continuation(const ReferenceModel& reference,
 // after a step whose proposals the target rejected (one accepted, then another token verified)
 // and a plain decode step, they are again the continuation of the verified tokens: the rejected
 // positions' KV was cut back and the missing ones fed, nothing stale reused. A pool too small for
-// an ask proposes nothing.
+// an ask proposes nothing; a full one drops the least recently asked sequences' draft KV.
 TEST(DraftProposer, ProposesTheDraftsGreedyContinuationAfterEveryRollback) {
   const LlamaWeights weights = random_llama_weights(model_preset("tiny"), 11);
   const ModelConfig& c = weights.config;
@@ -154,6 +154,20 @@ TEST(DraftProposer, ProposesTheDraftsGreedyContinuationAfterEveryRollback) {
   longer.tokens.resize(20, 4);
   EXPECT_TRUE(cramped->propose_one(longer, 3).empty()) << "20 tokens do not fit 16 slots";
   EXPECT_EQ(cramped->propose_one(requests[2], 3).size(), 3u) << "and the pool is whole again";
+
+  // Two blocks, three requests asked in turn: each ask drops the draft KV of the least recently
+  // asked ones until its own fits (request 0's 17 tokens take both blocks), and every proposal
+  // is still the draft's continuation, the dropped ones fed again from their first token.
+  KvPool two_blocks({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 32});
+  CpuBackend two_block_backend(weights, two_blocks, std::nullopt);
+  context.pool = &two_blocks;
+  context.draft = &two_block_backend;
+  auto turns = test::plugin_registry().create<PluginKind::proposer>("draft", {}, context);
+  for (int round = 0; round < 2; ++round)
+    for (std::size_t i = 0; i < requests.size(); ++i)
+      EXPECT_EQ(turns->propose_one(requests[i], 3),
+                greedy_continuation(reference, requests[i].tokens, 3))
+          << "round " << round << ", request " << i;
 }
 
 }  // namespace

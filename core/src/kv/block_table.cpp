@@ -3,6 +3,36 @@
 #include <algorithm>
 
 namespace kvlab {
+namespace {
+
+// The helpers of the per-token path (append) have internal linkage: in a shared library a
+// member function is interposable, so its calls are neither inlined nor direct.
+
+std::size_t at(std::int64_t i) {
+  return static_cast<std::size_t>(i);
+}
+
+// Blocks [from, end) of the table hold the tokens its slots say.
+void fill_blocks(BlockPool& pool, const BlockTable& t, std::int64_t from, std::int64_t end) {
+  const std::int64_t size = pool.block_size();
+  for (auto i = from; i < end; ++i)
+    pool.set_fill(t.blocks[at(i)], std::min(size, t.slots - i * size));
+}
+
+// Blocks [from, end) of the table added to its view's end (physically adjacent blocks merge).
+void extend_view(BlockTable& t, std::int64_t from, std::int64_t end, std::int64_t size) {
+  auto& extents = t.view.extents;
+  for (auto i = from; i < end; ++i) {
+    const std::int64_t start = std::int64_t{t.blocks[at(i)]} * size;
+    const std::int64_t length = std::min(size, t.slots - i * size);
+    if (!extents.empty() && extents.back().start_slot + extents.back().length == start)
+      extents.back().length += length;
+    else
+      extents.push_back({start, length});
+  }
+}
+
+}  // namespace
 
 PagedBlocks::PagedBlocks(KvPool& pool, std::int64_t block_size, bool caching,
                          EvictionOrder reuse_order)
@@ -50,15 +80,6 @@ std::vector<bool> PagedBlocks::take_copied() {
   return copied;
 }
 
-std::int64_t PagedBlocks::blocks_to_append(const BlockTable& t, std::int64_t n) const {
-  std::int64_t blocks = std::max<std::int64_t>(
-      0, blocks_for(t.slots + n) - static_cast<std::int64_t>(t.blocks.size()));
-  if (n > 0 && t.slots % block_size_ != 0 &&
-      blocks_.ref_count(t.blocks[index(t.slots / block_size_)]) > 1)
-    ++blocks;  // copy-on-write of the shared last written block
-  return blocks;
-}
-
 void PagedBlocks::append(BlockTable& t, std::span<const std::int32_t> tokens) {
   const auto n = static_cast<std::int64_t>(tokens.size());
   if (n == 0) return;
@@ -81,21 +102,17 @@ void PagedBlocks::append(BlockTable& t, std::span<const std::int32_t> tokens) {
   while (static_cast<std::int64_t>(t.blocks.size()) < blocks_for(t.slots))
     t.blocks.push_back(take());
   if (t.dropped_positions()) return rebuild_view(t);
-  fill_from(t, first_written);
-  extend_view(t, first_written);
+  const std::int64_t end = written_blocks(t);
+  fill_blocks(blocks_, t, first_written, end);
+  extend_view(t, first_written, end, block_size_);
 }
 
 void PagedBlocks::reserve(BlockTable& t, std::int64_t slots) {
   while (static_cast<std::int64_t>(t.blocks.size()) < blocks_for(slots)) t.blocks.push_back(take());
 }
 
-std::int64_t PagedBlocks::written_blocks(const BlockTable& t) const {
-  return std::min(static_cast<std::int64_t>(t.blocks.size()), blocks_for(t.slots));
-}
-
 void PagedBlocks::fill_from(const BlockTable& t, std::int64_t from) {
-  for (auto i = from; i < written_blocks(t); ++i)
-    blocks_.set_fill(t.blocks[index(i)], std::min(block_size_, t.slots - i * block_size_));
+  fill_blocks(blocks_, t, from, written_blocks(t));
 }
 
 void PagedBlocks::release_before(BlockTable& t, std::int64_t position) {
@@ -152,25 +169,12 @@ bool PagedBlocks::truncate(BlockTable& t, std::int64_t length) {
   return true;
 }
 
-// Blocks [from, end) of the table added to its view's end (physically adjacent blocks merge).
-void PagedBlocks::extend_view(BlockTable& t, std::int64_t from) const {
-  auto& extents = t.view.extents;
-  for (auto i = from; i < written_blocks(t); ++i) {
-    const std::int64_t start = std::int64_t{t.blocks[index(i)]} * block_size_;
-    const std::int64_t length = std::min(block_size_, t.slots - i * block_size_);
-    if (!extents.empty() && extents.back().start_slot + extents.back().length == start)
-      extents.back().length += length;
-    else
-      extents.push_back({start, length});
-  }
-}
-
 void PagedBlocks::rebuild_view(BlockTable& t) {
   t.view.extents.clear();
   t.view.positions.clear();
   if (t.dropped_positions()) return rebuild_dropped_view(t);
   t.view.first_position = t.first_block * block_size_;
-  extend_view(t, t.first_block);
+  extend_view(t, t.first_block, written_blocks(t), block_size_);
 }
 
 // A table that has dropped positions: its held slots in order with their positions, and each

@@ -14,6 +14,7 @@
 // (KvView: slot extents and, after drops, positions) is kept up to date by the change that
 // moved it. paged_allocator.cpp keeps what is an allocator's: planning, commits, the prefix
 // chain through the tiers.
+#include <algorithm>
 #include <cstdint>
 #include <span>
 #include <utility>
@@ -68,7 +69,16 @@ class PagedBlocks {
 
   // Free blocks append(table, n tokens) takes, a copy-on-write copy of a shared last block
   // included.
-  std::int64_t blocks_to_append(const BlockTable& table, std::int64_t tokens) const;
+  // Inline: the planner asks it for every decode of every step.
+  std::int64_t blocks_to_append(const BlockTable& table, std::int64_t tokens) const {
+    const std::int64_t last_fill = table.slots % block_size_;
+    std::int64_t blocks = std::max<std::int64_t>(
+        0, blocks_for(table.slots + tokens) - static_cast<std::int64_t>(table.blocks.size()));
+    if (tokens > 0 && last_fill != 0 &&
+        blocks_.ref_count(table.blocks[static_cast<std::size_t>(table.slots / block_size_)]) > 1)
+      ++blocks;  // copy-on-write of the shared last written block
+    return blocks;
+  }
   // Extends the table by `tokens` (the caller checked blocks_to_append against the free
   // blocks): its last block copied first when shared, new blocks taken, fills and view updated.
   void append(BlockTable& table, std::span<const std::int32_t> tokens);
@@ -96,8 +106,11 @@ class PagedBlocks {
   std::vector<bool> take_copied();
 
  private:
-  std::int64_t written_blocks(const BlockTable& table) const;  // blocks holding written slots
-  void extend_view(BlockTable& table, std::int64_t from) const;
+  // The blocks holding written slots (all of them unless reserve held room ahead).
+  std::int64_t written_blocks(const BlockTable& table) const {
+    const auto blocks = static_cast<std::int64_t>(table.blocks.size());
+    return (blocks - 1) * block_size_ < table.slots ? blocks : blocks_for(table.slots);
+  }
   void rebuild_dropped_view(BlockTable& table);
   void number_slots(BlockTable& table) const;
   void release_dropped(BlockTable& table);
