@@ -95,10 +95,15 @@ TEST(BlockPool, TheReuseOrderPicksTheVictim) {
 }
 
 // The eviction queue against a sorted reference set of (priority, id) under random adds,
-// updates, removes and victims, in both orders: the victim is always the reference's first.
+// updates, removes and victims, in both orders (lru's list and least_shared's heap), with last
+// uses that only grow (as every caller's clock) and with random ones (the list's walk from its
+// newest end): the victim is always the reference's first.
 TEST(EvictionQueue, AgreesWithASortedSetUnderRandomChanges) {
-  for (const EvictionOrder order : {EvictionOrder::lru, EvictionOrder::least_shared}) {
-    SCOPED_TRACE(eviction_order_name(order));
+  for (const auto& [order, growing] :
+       {std::pair{EvictionOrder::lru, true}, std::pair{EvictionOrder::lru, false},
+        std::pair{EvictionOrder::least_shared, true},
+        std::pair{EvictionOrder::least_shared, false}}) {
+    SCOPED_TRACE(std::string(eviction_order_name(order)) + (growing ? " growing" : " random"));
     constexpr std::int32_t kIds = 40;
     EvictionQueue queue(kIds, order);
     std::set<std::pair<EvictionPriority, std::int32_t>> reference;
@@ -107,7 +112,8 @@ TEST(EvictionQueue, AgreesWithASortedSetUnderRandomChanges) {
     std::uint64_t clock = 0;
     for (int step = 0; step < 20000; ++step) {
       const auto id = static_cast<std::int32_t>(rng() % kIds);
-      const EvictionFacts next{++clock, static_cast<std::int64_t>(rng() % 4)};
+      const std::uint64_t last_use = growing ? ++clock : rng() % 50;
+      const EvictionFacts next{last_use, static_cast<std::int64_t>(rng() % 4)};
       const bool in = queue.contains(id);
       const int action = static_cast<int>(rng() % 4);
       if (!in && action < 3) {

@@ -3,36 +3,6 @@
 #include <algorithm>
 
 namespace kvlab {
-namespace {
-
-// The helpers of the per-token path (append) have internal linkage: in a shared library a
-// member function is interposable, so its calls are neither inlined nor direct.
-
-std::size_t at(std::int64_t i) {
-  return static_cast<std::size_t>(i);
-}
-
-// Blocks [from, end) of the table hold the tokens its slots say.
-void fill_blocks(BlockPool& pool, const BlockTable& t, std::int64_t from, std::int64_t end) {
-  const std::int64_t size = pool.block_size();
-  for (auto i = from; i < end; ++i)
-    pool.set_fill(t.blocks[at(i)], std::min(size, t.slots - i * size));
-}
-
-// Blocks [from, end) of the table added to its view's end (physically adjacent blocks merge).
-void extend_view(BlockTable& t, std::int64_t from, std::int64_t end, std::int64_t size) {
-  auto& extents = t.view.extents;
-  for (auto i = from; i < end; ++i) {
-    const std::int64_t start = std::int64_t{t.blocks[at(i)]} * size;
-    const std::int64_t length = std::min(size, t.slots - i * size);
-    if (!extents.empty() && extents.back().start_slot + extents.back().length == start)
-      extents.back().length += length;
-    else
-      extents.push_back({start, length});
-  }
-}
-
-}  // namespace
 
 PagedBlocks::PagedBlocks(KvPool& pool, std::int64_t block_size, bool caching,
                          EvictionOrder reuse_order)
@@ -80,39 +50,12 @@ std::vector<bool> PagedBlocks::take_copied() {
   return copied;
 }
 
-void PagedBlocks::append(BlockTable& t, std::span<const std::int32_t> tokens) {
-  const auto n = static_cast<std::int64_t>(tokens.size());
-  if (n == 0) return;
-  const std::int64_t last_fill = t.slots % block_size_;
-  if (last_fill != 0) {            // the last block gets written: make it ours
-    if (!t.dropped_positions()) {  // its slots leave the view's end; extend_view adds them back
-      auto& extents = t.view.extents;
-      extents.back().length -= last_fill;
-      if (extents.back().length == 0) extents.pop_back();
-    }
-    BlockId& last = t.blocks[index(t.slots / block_size_)];
-    if (blocks_.ref_count(last) > 1) last = copy_of(last, last_fill);
-  }
-  const std::int64_t first_written = t.slots / block_size_;
-  if (t.dropped_positions())
-    for (std::int64_t p = t.length; p < t.length + n; ++p) t.slot_positions.push_back(p);
-  t.length += n;
-  t.slots += n;
-  t.tokens.insert(t.tokens.end(), tokens.begin(), tokens.end());
-  while (static_cast<std::int64_t>(t.blocks.size()) < blocks_for(t.slots))
-    t.blocks.push_back(take());
-  if (t.dropped_positions()) return rebuild_view(t);
-  const std::int64_t end = written_blocks(t);
-  fill_blocks(blocks_, t, first_written, end);
-  extend_view(t, first_written, end, block_size_);
-}
-
 void PagedBlocks::reserve(BlockTable& t, std::int64_t slots) {
   while (static_cast<std::int64_t>(t.blocks.size()) < blocks_for(slots)) t.blocks.push_back(take());
 }
 
 void PagedBlocks::fill_from(const BlockTable& t, std::int64_t from) {
-  fill_blocks(blocks_, t, from, written_blocks(t));
+  detail::fill_blocks(blocks_, t, from, written_blocks(t));
 }
 
 void PagedBlocks::release_before(BlockTable& t, std::int64_t position) {
@@ -174,7 +117,7 @@ void PagedBlocks::rebuild_view(BlockTable& t) {
   t.view.positions.clear();
   if (t.dropped_positions()) return rebuild_dropped_view(t);
   t.view.first_position = t.first_block * block_size_;
-  extend_view(t, t.first_block, written_blocks(t), block_size_);
+  detail::extend_view(t, t.first_block, written_blocks(t), block_size_);
 }
 
 // A table that has dropped positions: its held slots in order with their positions, and each

@@ -126,6 +126,64 @@ class PagedBlocks {
   std::vector<bool> copied_;  // per block: copied into since the last take_copied
 };
 
+namespace detail {
+
+inline std::size_t at(std::int64_t i) {
+  return static_cast<std::size_t>(i);
+}
+
+// Blocks [from, end) of the table hold the tokens its slots say.
+inline void fill_blocks(BlockPool& pool, const BlockTable& t, std::int64_t from, std::int64_t end) {
+  const std::int64_t size = pool.block_size();
+  for (auto i = from; i < end; ++i)
+    pool.set_fill(t.blocks[at(i)], std::min(size, t.slots - i * size));
+}
+
+// Blocks [from, end) of the table added to its view's end (physically adjacent blocks merge).
+inline void extend_view(BlockTable& t, std::int64_t from, std::int64_t end, std::int64_t size) {
+  auto& extents = t.view.extents;
+  for (auto i = from; i < end; ++i) {
+    const std::int64_t start = std::int64_t{t.blocks[at(i)]} * size;
+    const std::int64_t length = std::min(size, t.slots - i * size);
+    if (!extents.empty() && extents.back().start_slot + extents.back().length == start)
+      extents.back().length += length;
+    else
+      extents.push_back({start, length});
+  }
+}
+
+}  // namespace detail
+
+// Inline: it runs for every decode of every step, and inside the allocator its loads of the
+// table, the view and the tokens overlap the ones the room check made (a call into the shared
+// library between them cost the allocator's per-token path about 10%, measured).
+inline void PagedBlocks::append(BlockTable& t, std::span<const std::int32_t> tokens) {
+  const auto n = static_cast<std::int64_t>(tokens.size());
+  if (n == 0) return;
+  const std::int64_t first_written = t.slots / block_size_;  // one division a call
+  const std::int64_t last_fill = t.slots - first_written * block_size_;
+  if (last_fill != 0) {            // the last block gets written: make it ours
+    if (!t.dropped_positions()) {  // its slots leave the view's end; extend_view adds them back
+      auto& extents = t.view.extents;
+      extents.back().length -= last_fill;
+      if (extents.back().length == 0) extents.pop_back();
+    }
+    BlockId& last = t.blocks[detail::at(first_written)];
+    if (blocks_.ref_count(last) > 1) last = copy_of(last, last_fill);
+  }
+  if (t.dropped_positions())
+    for (std::int64_t p = t.length; p < t.length + n; ++p) t.slot_positions.push_back(p);
+  t.length += n;
+  t.slots += n;
+  t.tokens.insert(t.tokens.end(), tokens.begin(), tokens.end());
+  const std::int64_t needed = blocks_for(t.slots);
+  while (static_cast<std::int64_t>(t.blocks.size()) < needed) t.blocks.push_back(take());
+  if (t.dropped_positions()) return rebuild_view(t);
+  const std::int64_t end = written_blocks(t);
+  detail::fill_blocks(blocks_, t, first_written, end);
+  detail::extend_view(t, first_written, end, block_size_);
+}
+
 // The pool as kvlab view draws it, block by block over the pool and the tables that hold its
 // blocks: who holds a block (several: shared; copied into since the last map: copied), its
 // filled slots and the rest of it as slack; a free block that keeps a prefix is cached. A table

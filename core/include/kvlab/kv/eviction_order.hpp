@@ -49,14 +49,16 @@ inline EvictionPriority eviction_priority(EvictionOrder order, const EvictionFac
 }
 
 // Entries [0, capacity) that may leave, by eviction_priority (the smaller id first among equal
-// keys): an indexed binary heap, O(log n) a change and no allocation after construction. An
-// entry added with the newest last_use under lru (a block just freed) stops at once.
+// keys), no allocation after construction. Under lru the entries are a list sorted by priority,
+// each add placed from the newest end: what is added or used now is the newest, so every change
+// is O(1) (the block pool frees and re-hits a block on almost every prompt); under another order
+// an indexed binary heap, O(log n) a change.
 class EvictionQueue {
  public:
   explicit EvictionQueue(std::int64_t capacity = 0, EvictionOrder order = EvictionOrder::lru);
 
   EvictionOrder order() const { return order_; }
-  std::int64_t size() const { return static_cast<std::int64_t>(heap_.size()); }
+  std::int64_t size() const { return size_; }
   bool contains(std::int32_t id) const { return position_[index(id)] >= 0; }
   const EvictionFacts& facts(std::int32_t id) const { return facts_[index(id)]; }
 
@@ -68,14 +70,21 @@ class EvictionQueue {
  private:
   static std::size_t index(std::int32_t id) { return static_cast<std::size_t>(id); }
   bool before(std::int32_t a, std::int32_t b) const;
+  void set(std::int32_t id, const EvictionFacts& facts);
+  void link(std::int32_t id);  // into the sorted list, walking from its newest end
+  void unlink(std::int32_t id);
   void place(std::size_t at, std::int32_t id);
   void sift_up(std::size_t at);
   void sift_down(std::size_t at);
 
   EvictionOrder order_;
-  std::vector<std::int32_t> heap_;          // ids, the first to leave at the root
-  std::vector<std::int32_t> position_;      // per id: its place in heap_, -1 when absent
-  std::vector<EvictionFacts> facts_;        // per id
+  bool listed_;  // a sorted list (lru), else a heap
+  std::int64_t size_ = 0;
+  std::vector<std::int32_t> previous_, next_;  // the list: per id, -1 at its ends
+  std::int32_t head_ = -1, tail_ = -1;         // head: the first to leave
+  std::vector<std::int32_t> heap_;             // the heap: ids, the first to leave at the root
+  std::vector<std::int32_t> position_;  // per id: its place in heap_ (listed: 0), -1 when absent
+  std::vector<EvictionFacts> facts_;    // per id
   std::vector<EvictionPriority> priority_;  // per id: eviction_priority of its facts
 };
 
