@@ -9,7 +9,8 @@ folder that links build/, data/, experiments/, profiles/ and tests/ of this chec
 models/ land there, not in the checkout). It must exit 0. Where the command is pure arithmetic
 and the page shows what it printed (the next ```text block, or the markdown table rows after
 it), every shown line must appear in the output: those pages cannot drift from the code or from
-the shipped hardware profiles. Pure arithmetic: kvlab memory, a run on the simulated backend, and
+the shipped hardware profiles. Pure arithmetic: kvlab memory, kvlab cost, a run on the simulated
+backend, and
 a kvlab run of an experiment on the virtual or offline clock (each step priced by a profile)
 whose preset model runs a synthetic workload (lengths from the workload, not from the tokens a
 machine's kernels happen to produce), with no other arguments and no clock in a sweep.
@@ -141,7 +142,7 @@ def main():
             continue
         # (kvlab view prints only its page's path, whatever results folder it names)
         deterministic = " view " not in line and (
-            " memory " in line or "simulated" in line or priced_run(line))
+            " memory " in line or " cost " in line or "simulated" in line or priced_run(line))
         if deterministic:
             output = result.stdout.splitlines()
             for shown in shown_output(path, block_end):

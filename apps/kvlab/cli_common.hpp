@@ -40,6 +40,7 @@ void register_generate(CLI::App& app);
 void register_model(CLI::App& app);
 void register_memory(CLI::App& app);
 void register_calibrate(CLI::App& app);
+void register_cost(CLI::App& app);
 void register_plugins(CLI::App& app);
 void register_metrics(CLI::App& app);
 void register_view(CLI::App& app);

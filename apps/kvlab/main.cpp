@@ -23,6 +23,7 @@ int main(int argc, char** argv) {
   kvlab::cli::register_model(app);
   kvlab::cli::register_memory(app);
   kvlab::cli::register_calibrate(app);
+  kvlab::cli::register_cost(app);
   kvlab::cli::register_plugins(app);
   kvlab::cli::register_metrics(app);
   kvlab::cli::register_view(app);

@@ -1,10 +1,12 @@
 // The simulated backend's pieces: the cost model against hand-computed rooflines, hardware
 // profile files (shipped ones load, every file error is clear), the calibration fit, and the
 // synthetic tokens.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <fstream>
+#include <map>
 #include <set>
 
 #include "kvlab/error.hpp"
@@ -14,6 +16,7 @@
 #include "kvlab/sim/cost_model.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/sim/simulated_backend.hpp"
+#include "kvlab/sim/step_spec.hpp"
 #include "kvlab/sim/swap_link.hpp"
 #include "test_util.hpp"
 
@@ -695,6 +698,97 @@ TEST(SimulatedBackend, AnEntryGetsATokenForEachOfItsLogitRows) {
   EXPECT_EQ(got,
             (std::vector<std::int32_t>{backend.token_after(12, 21), backend.token_after(13, 22),
                                        backend.token_after(14, 23), backend.token_after(99, 7)}));
+}
+
+// kvlab cost's breakdown: over prefills, decodes, mixed steps, a verify's rows and tensor and
+// context parallelism, the operators' runs x seconds add up to each StepCost group and to the
+// step (relative 1e-9: the same terms summed in another order), and their FLOPs and bytes to
+// StepWork's; a layer's four GEMMs, in this order, carry the linear group's FLOPs.
+TEST(CostBreakdown, TheOperatorsAddUpToTheGroupsTheSimulatorCharges) {
+  const std::vector<std::vector<EntryShape>> steps = {
+      {{512, 0, 0, 1}},
+      {{2048, 1024, 0, 1}},
+      std::vector<EntryShape>(32, {1, 1024, 0, 1}),
+      {{512, 0, 0, 1}, {1, 2047, 0, 1}, {1, 300, 0, 1}, {5, 700, 0, 5}},
+  };
+  const struct {
+    const char* model;
+    const char* gpu;
+    std::int64_t tp, cp;
+  } setups[] = {{"llama2-7b", "a100-80gb", 1, 1},
+                {"llama2-70b", "h100-sxm", 4, 1},
+                {"llama2-7b", "h200", 2, 2},
+                {"tinyllama-1.1b", "l4", 1, 1}};
+  for (const auto& setup : setups) {
+    const CostModel model(model_preset(setup.model), load_hardware_profile(setup.gpu), setup.tp,
+                          setup.cp);
+    for (const auto& step : steps) {
+      SCOPED_TRACE(fmt::format("{} on {} tp {} cp {}, {} entries", setup.model, setup.gpu, setup.tp,
+                               setup.cp, step.size()));
+      const StepBreakdown b = model.breakdown(step);
+      std::map<std::string, double> seconds, flops, bytes;
+      double total = 0;
+      for (const OperatorCost& op : b.operators) {
+        const double runs = static_cast<double>(op.runs);
+        seconds[op.group] += op.seconds * runs;
+        flops[op.group] += op.work.flops * runs;
+        bytes[op.group] += op.work.bytes * runs;
+        total += op.seconds * runs;
+        EXPECT_GE(op.seconds, 0) << op.name;
+      }
+      const StepCost& c = b.cost;
+      const auto near = [](double a, double b) { return std::abs(a - b) <= 1e-9 * std::abs(b); };
+      EXPECT_PRED2(near, total, c.total());
+      const std::pair<const char*, double> groups[] = {{"linear", c.linear_s},
+                                                       {"lm_head", c.lm_head_s},
+                                                       {"attention_prefill", c.attention_prefill_s},
+                                                       {"attention_decode", c.attention_decode_s},
+                                                       {"elementwise", c.elementwise_s},
+                                                       {"overhead", c.overhead_s},
+                                                       {"collectives", c.collectives_s},
+                                                       {"ring", c.ring_s}};
+      for (const auto& [group, expected] : groups)
+        EXPECT_PRED2(near, seconds[group], expected) << group;
+      const StepWork& w = b.work;
+      EXPECT_PRED2(near, flops["linear"], w.linear.flops);
+      EXPECT_PRED2(near, bytes["linear"], w.linear.bytes);
+      EXPECT_PRED2(near, bytes["elementwise"], w.elementwise.bytes);
+      EXPECT_PRED2(near, flops["attention_prefill"] + flops["attention_decode"],
+                   w.attention_prefill.flops + w.attention_decode.flops);
+      EXPECT_PRED2(near, bytes["collectives"], w.collective_bytes);
+      ASSERT_GE(b.operators.size(), 4u);
+      EXPECT_EQ(b.operators[0].name, "qkv_proj");
+      EXPECT_EQ(b.operators[3].name, "down_proj");
+      EXPECT_TRUE(b.operators[0].per_layer);
+      EXPECT_EQ(b.operators[0].runs, model.model().num_hidden_layers);
+    }
+  }
+}
+
+// kvlab cost's --step: prefills (K sequences, cached tokens), decodes and mixed steps; every
+// other text is refused with the part named.
+TEST(StepSpec, ReadsPrefillsDecodesAndMixedStepsAndRefusesTheRest) {
+  const auto step = parse_step_spec("prefill=2x512@1024,decode=3x100");
+  ASSERT_EQ(step.size(), 5u);
+  EXPECT_EQ(step[0].new_tokens, 512);
+  EXPECT_EQ(step[1].start_position, 1024);
+  EXPECT_EQ(step[2].new_tokens, 1);
+  EXPECT_EQ(step[4].start_position, 100);
+  EXPECT_EQ(parse_step_spec("prefill=7").front().start_position, 0);
+  const auto error = [](const char* text) {
+    return test::error_of<Error>([&] { (void)parse_step_spec(text); });
+  };
+  EXPECT_NE(error("prefil=5").find("neither prefill"), std::string::npos);
+  EXPECT_NE(error("decode=axb").find("\"a\" is not a count"), std::string::npos);
+  EXPECT_NE(error("decode=16").find("a decode is BxL"), std::string::npos);
+  EXPECT_NE(error("decode=2x4@3").find("its L in BxL"), std::string::npos);
+  EXPECT_NE(error("prefill=0").find("no tokens"), std::string::npos);
+  EXPECT_NE(error("decode=70000x1").find("more than 65536"), std::string::npos);
+  EXPECT_NE(error("decode=40000x1,decode=40000x1").find("more than 65536 sequences"),
+            std::string::npos);
+  EXPECT_NE(error("prefill=99999999999999999999").find("not a count"), std::string::npos);
+  EXPECT_NE(error("").find("empty"), std::string::npos);
+  EXPECT_NE(error(",").find("neither prefill"), std::string::npos);
 }
 
 }  // namespace

@@ -7,6 +7,7 @@
 
 #include "kvlab/error.hpp"
 #include "kvlab/model/kv_memory.hpp"
+#include "step_shapes.hpp"
 
 namespace kvlab {
 
@@ -37,28 +38,8 @@ CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
         profile_.name));
 }
 
-namespace {
-
-// One GPU's share of a layer's shapes under tensor parallelism.
-struct ShardShapes {
-  double hidden, inter, q, kv, vocab;  // inter, q, vocab split; kv: this GPU's K/V heads
-  double layer_weights;                // W_qkv + W_o + W_gate_up + W_down
-};
-
-ShardShapes shard_shapes(const ModelConfig& m, std::int64_t tp, std::int64_t kv_heads_per_gpu) {
-  const double t = static_cast<double>(tp);
-  ShardShapes s;
-  s.hidden = static_cast<double>(m.hidden_size);
-  s.inter = static_cast<double>(m.intermediate_size) / t;
-  s.q = static_cast<double>(m.q_dim()) / t;
-  s.kv = static_cast<double>(kv_heads_per_gpu * m.head_dim);
-  s.vocab = static_cast<double>(m.vocab_size) / t;
-  // W_qkv (hidden, q + 2kv), W_o (q, hidden), W_gate_up (hidden, 2 inter), W_down (inter, hidden).
-  s.layer_weights = s.hidden * (s.q + 2 * s.kv) + s.q * s.hidden + 3 * s.hidden * s.inter;
-  return s;
-}
-
-}  // namespace
+using sim_detail::shard_shapes;
+using sim_detail::ShardShapes;
 
 StepWork CostModel::work(std::span<const EntryShape> batch) const {
   const ModelConfig& m = model_;
@@ -73,20 +54,11 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
 
   StepWork w;
   w.sequences = static_cast<std::int64_t>(batch.size());
-  double prefill_pairs = 0, prefill_context = 0, prefill_tokens = 0, decode_context = 0;
-  for (const EntryShape& e : batch) {
-    w.tokens += e.new_tokens;
-    w.logit_rows += e.logit_rows;  // one a sequence, 1 + k for a verify of k proposals
-    const double n = static_cast<double>(e.new_tokens);
-    const double before = static_cast<double>(e.start_position - e.first_position);
-    if (e.new_tokens == 1 && e.start_position > 0) {
-      decode_context += before + 1;
-    } else {  // causal: token i attends to `before` + i + 1 keys
-      prefill_pairs += n * before + n * (n + 1) / 2;
-      prefill_context += before + n;
-      prefill_tokens += n;
-    }
-  }
+  const sim_detail::BatchTally tally = sim_detail::tally_batch(batch);
+  w.tokens = tally.tokens;
+  w.logit_rows = tally.logit_rows;
+  double prefill_pairs = tally.prefill_pairs, decode_context = tally.decode_context;
+  const double prefill_context = tally.prefill_context, prefill_tokens = tally.prefill_tokens;
   if (w.tokens == 0) return w;
   const double logit_rows = static_cast<double>(w.logit_rows);
   // Context parallelism: a GPU computes 1/c of the prefill tokens and pairs, every decode token,
@@ -150,19 +122,13 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
   const double peak = p.peak_tflops * 1e12, bandwidth = p.memory_gb_per_s * 1e9;
   StepCost c;
   if (w.tokens == 0) return c;
-  const std::pair<double, double> gemm{e.gemm_compute, e.gemm_memory};
-  const auto [linear_compute, linear_memory] =
-      regime_efficiency(p.gemm_regimes, w.tokens, gemm);  // rows: tokens
-  c.linear_s = roofline_seconds(w.linear, peak, bandwidth, linear_compute, linear_memory);
-  const auto [head_compute, head_memory] =
-      regime_efficiency(p.gemm_regimes, w.logit_rows, gemm);  // rows: logit rows
-  c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, head_compute, head_memory);
+  const sim_detail::GroupEfficiencies g = sim_detail::group_efficiencies(w, p);
+  c.linear_s = roofline_seconds(w.linear, peak, bandwidth, g.linear.first, g.linear.second);
+  c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, g.lm_head.first, g.lm_head.second);
   c.attention_prefill_s = roofline_seconds(w.attention_prefill, peak, bandwidth,
-                                           e.attention_compute, e.attention_memory);
-  const auto [decode_compute, decode_memory] = regime_efficiency(
-      p.decode_attention_regimes, w.sequences, {e.attention_compute, e.attention_memory});
-  c.attention_decode_s =
-      roofline_seconds(w.attention_decode, peak, bandwidth, decode_compute, decode_memory);
+                                           g.attention_prefill.first, g.attention_prefill.second);
+  c.attention_decode_s = roofline_seconds(w.attention_decode, peak, bandwidth,
+                                          g.attention_decode.first, g.attention_decode.second);
   c.elementwise_s = w.elementwise.bytes / (bandwidth * e.elementwise_memory);
   c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s;
   if (w.collectives > 0)

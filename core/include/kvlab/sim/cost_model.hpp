@@ -24,6 +24,8 @@
 //                all-gathered, one collective per layer.
 #include <cstdint>
 #include <span>
+#include <string>
+#include <vector>
 
 #include "kvlab/backend.hpp"
 #include "kvlab/model_config.hpp"
@@ -72,6 +74,28 @@ struct StepCost {
   }
 };
 
+// One operator of a step as the cost model prices it (kvlab cost): the StepCost group it is
+// part of, how many times a step runs it (a layer's operators: once a layer), one GPU's work and
+// seconds a run. Inside a roofline group (linear, lm_head, attention) the group's time is shared
+// by each operator's own roofline on the group's efficiencies, so the operators add up to what
+// the simulator charges; elementwise, overheads and collectives are priced operator by operator.
+struct OperatorCost {
+  std::string name;
+  std::string group;  // linear, lm_head, attention_prefill, attention_decode, elementwise,
+                      // overhead, collectives, ring
+  std::int64_t runs = 1;
+  FlopsAndBytes work;      // per run
+  double seconds = 0;      // per run
+  std::string bound;       // compute, memory (its own roofline's side), latency (fixed costs)
+  bool per_layer = false;  // run in every layer (runs: layers x its runs a layer)
+};
+
+struct StepBreakdown {
+  StepWork work;
+  StepCost cost;
+  std::vector<OperatorCost> operators;  // sum of runs x seconds == cost.total()
+};
+
 // A step's latency on a device: needs only the profile (CostModel::cost; calibration fits it).
 StepCost step_cost(const StepWork& work, const HardwareProfile& profile);
 
@@ -93,6 +117,8 @@ class CostModel {
   StepWork work(std::span<const EntryShape> batch) const;
   StepCost cost(const StepWork& work) const { return step_cost(work, profile_); }
   StepCost step(std::span<const EntryShape> batch) const { return cost(work(batch)); }
+  // The step operator by operator (kvlab cost; core/src/sim/cost_breakdown.cpp).
+  StepBreakdown breakdown(std::span<const EntryShape> batch) const;
   // A step of `batch`, plus `padding`: finished rows a static batch still carries (each a
   // decode of one discarded token after its context).
   StepWork work(std::span<const BatchEntry> batch, std::span<const EntryShape> padding = {}) const;
