@@ -281,7 +281,7 @@ void accept_proposals(RequestState& r, const ScheduledWork& work, KvAllocator& k
     if (rollback == nullptr || !rollback->truncate(r.id, r.computed))
       throw Error(fmt::format(
           "request {}: the KV allocator refused to roll back {} rejected proposed tokens "
-          "(KvAllocator::truncate to {}): speculative decoding needs an allocator that supports it",
+          "(KvRollback::truncate to {}): speculative decoding needs an allocator that supports it",
           r.id, work.proposals - work.accepted, r.computed));
     r.allocated = r.computed;
   }

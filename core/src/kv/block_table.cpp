@@ -51,7 +51,8 @@ std::vector<bool> PagedBlocks::take_copied() {
 }
 
 void PagedBlocks::reserve(BlockTable& t, std::int64_t slots) {
-  while (static_cast<std::int64_t>(t.blocks.size()) < blocks_for(slots)) t.blocks.push_back(take());
+  const std::int64_t needed = blocks_for(slots);
+  while (static_cast<std::int64_t>(t.blocks.size()) < needed) t.blocks.push_back(take());
 }
 
 void PagedBlocks::fill_from(const BlockTable& t, std::int64_t from) {

@@ -14,12 +14,9 @@ using sim_detail::ShardShapes;
 
 // What one GPU does in a step, the quantities CostModel::work derives from the batch.
 struct StepSizes {
-  double tokens = 0;          // this GPU's (context parallelism: 1/c of the prefill tokens)
-  double prefill_tokens = 0;  // the whole step's
+  double tokens = 0;  // this GPU's (context parallelism: 1/c of the prefill tokens)
   double decode_tokens = 0;
-  double prefill_pairs = 0, prefill_context = 0, decode_context = 0;  // pairs, context: this GPU's
   double logit_rows = 0;
-  double sequences = 0;
 };
 
 const char* bound_of(const FlopsAndBytes& w, double peak, double bandwidth,
@@ -141,14 +138,9 @@ StepBreakdown CostModel::breakdown(std::span<const EntryShape> batch) const {
   const sim_detail::BatchTally tally = sim_detail::tally_batch(batch);
   const double c = static_cast<double>(cp_);
   StepSizes s;
-  s.prefill_tokens = tally.prefill_tokens;
   s.decode_tokens = static_cast<double>(tally.tokens) - tally.prefill_tokens;
   s.tokens = tally.prefill_tokens / c + s.decode_tokens;
-  s.prefill_pairs = tally.prefill_pairs / c;
-  s.prefill_context = tally.prefill_context;
-  s.decode_context = tally.decode_context / c;
   s.logit_rows = static_cast<double>(tally.logit_rows);
-  s.sequences = static_cast<double>(b.work.sequences);
   const std::int64_t layers = m.num_hidden_layers;
   const sim_detail::GroupEfficiencies e = sim_detail::group_efficiencies(b.work, p);
   std::vector<OperatorCost>& ops = b.operators;

@@ -87,7 +87,9 @@ class DraftProposer final : public Proposer {
     const auto& held = s.table.tokens;
     const auto limit = static_cast<std::ptrdiff_t>(std::min(held.size(), r.tokens.size() - 1));
     const auto shared = std::mismatch(held.begin(), held.begin() + limit, r.tokens.begin());
-    blocks_.truncate(s.table, shared.first - held.begin());  // the rest was rejected
+    // The rest was rejected. A draft table holds no prefix cache, drops and shares nothing, so
+    // a cut within its length always succeeds.
+    blocks_.truncate(s.table, shared.first - held.begin());
     // fed: the verified tokens it lacks, then max_tokens - 1 picks
     const std::int64_t end = r.length() + ask.max_tokens - 1;
     const std::int64_t needed =

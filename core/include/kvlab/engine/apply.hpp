@@ -51,7 +51,7 @@ AppliedPlan apply_plan(const StepPlan& plan, std::int64_t step, RequestTable& ta
 
 // `sampled[e]` is the token batch entry e produced (read only when it samples); a verify entry
 // appends its first `accepted` proposals before it, its rejected proposals' slots are rolled
-// back (KvAllocator::truncate) and its proposals cleared. Returns how
+// back (KvRollback::truncate) and its proposals cleared. Returns how
 // many requests finished. A finished request's KV is freed, unless the plan pads finished
 // requests (applied.pad_finished) and `held` is given: then it stays allocated and its id is
 // appended to `held` (the caller frees it when the static batch ends). A request submitted for

@@ -6,7 +6,6 @@
 // the least recently freed first, or the least shared) picks which cached block is reused for
 // other data, and the eviction sink (the KV tiers) may copy it out first.
 #include <cstdint>
-#include <memory>
 #include <optional>
 #include <span>
 #include <vector>

@@ -68,8 +68,7 @@ class PagedBlocks {
   void release_all(const BlockTable& table);
 
   // Free blocks append(table, n tokens) takes, a copy-on-write copy of a shared last block
-  // included.
-  // Inline: the planner asks it for every decode of every step.
+  // included. Inline: the planner asks it for every decode of every step.
   std::int64_t blocks_to_append(const BlockTable& table, std::int64_t tokens) const {
     const std::int64_t last_fill = table.slots % block_size_;
     std::int64_t blocks = std::max<std::int64_t>(
@@ -97,7 +96,7 @@ class PagedBlocks {
   // make a block's worth the kept ones move down and the rest is released. false (nothing
   // changed) when the table shares blocks (a fork's) and too few are free to copy them.
   bool drop_positions(BlockTable& table, std::span<const std::int64_t> kept);
-  // Rolls the table back to its first `length` positions (KvAllocator::truncate's rules).
+  // Rolls the table back to its first `length` positions (KvRollback::truncate's rules).
   bool truncate(BlockTable& table, std::int64_t length);
 
   // The table's view made again from its blocks (and, after a drop, each block's fill).

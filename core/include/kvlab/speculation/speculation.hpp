@@ -5,7 +5,7 @@
 // budget leaves; the target computes the newest token and the proposals in one entry with a row
 // of logits at each (BatchEntry::logit_rows); the proposals are accepted while each equals the
 // target's token at its position, then the target's own token follows; the rejected positions'
-// KV is rolled back (KvAllocator::truncate). A greedy request's tokens are exactly those of
+// KV is rolled back (KvRollback::truncate). A greedy request's tokens are exactly those of
 // decoding without speculation; a sampled request accepts by rejection sampling
 // (verify_sampled, kvlab/engine/pick_tokens.hpp), so its tokens keep the target's distribution.
 #include <cstdint>
