@@ -550,7 +550,30 @@ void register_calibrate(CLI::App& app) {
   sub->add_option("--engine-requests", o->engine_requests,
                   "cpu: requests of an engine replay whose measured steps join the fit (0: the "
                   "shape grid only; default 192 on cpu, 0 on cuda)");
-  sub->callback([o]() { run_calibrate(*o); });
+  auto v = std::make_shared<VidurCalibration>();
+  sub->add_option("--vidur", v->folder,
+                  "Fit a GPU profile's kernel terms to Vidur's measured operators in this folder "
+                  "(../shared/data/vidur-profiling) instead of measuring a backend");
+  sub->add_option("--gpu", v->gpu, "--vidur: a100 or h100");
+  sub->add_option("--fit-models", v->fit_models,
+                  "--vidur: the models the layer terms are fitted on (the rest are held out)")
+      ->delimiter(',')
+      ->capture_default_str();
+  sub->add_option("--attention-model", v->attention_model,
+                  "--vidur: the model whose attention excerpt attention is fitted on (default: "
+                  "the one with an excerpt)");
+  sub->add_option("--attention-from", v->attention_from,
+                  "--vidur: carry the attention terms of this profile (a GPU without attention "
+                  "measurements)");
+  sub->add_option("--report", v->report, "--vidur: every measurement against its price (CSV)");
+  sub->callback([o, v]() {
+    if (v->folder.empty()) return run_calibrate(*o);
+    if (v->gpu.empty()) throw Error("--vidur needs --gpu a100 or h100");
+    v->profile = o->profile;
+    v->out = o->out;
+    v->name = o->name;
+    run_calibrate_vidur(*v);
+  });
 }
 
 }  // namespace kvlab::cli

@@ -24,20 +24,23 @@ const char* bound_of(const FlopsAndBytes& w, double peak, double bandwidth,
   return w.flops / (peak * e.first) >= w.bytes / (bandwidth * e.second) ? "compute" : "memory";
 }
 
-// The operators from `first` on share `group_s` (the group's time, per step) by their own
-// rooflines on the group's efficiencies `e`; each gets its share per run.
+// The operators from `first` on (one kernel a run) share `group_s` (the group's time, per step):
+// each run pays the kernel floor, and what is left is shared by their own rooflines (joined at the
+// knee) on the group's efficiencies `e`.
 void share_group(std::vector<OperatorCost>& ops, std::size_t first, double group_s,
-                 const HardwareProfile& p, std::pair<double, double> e) {
+                 const HardwareProfile& p, std::pair<double, double> e, const KernelTerms& kernel) {
   const double peak = p.peak_tflops * 1e12, bandwidth = p.memory_gb_per_s * 1e9;
-  double own_total = 0;
+  double own_total = 0, runs = 0;
   for (std::size_t i = first; i < ops.size(); ++i) {
     OperatorCost& op = ops[i];
-    op.seconds = roofline_seconds(op.work, peak, bandwidth, e.first, e.second);
+    op.seconds = kernel_seconds(op.work, peak, bandwidth, e, kernel.knee);
     op.bound = bound_of(op.work, peak, bandwidth, e);
     own_total += op.seconds * static_cast<double>(op.runs);
+    runs += static_cast<double>(op.runs);
   }
+  const double shared = group_s - runs * kernel.floor_s;
   for (std::size_t i = first; i < ops.size(); ++i)
-    ops[i].seconds = own_total > 0 ? group_s * ops[i].seconds / own_total : 0.0;
+    ops[i].seconds = kernel.floor_s + (own_total > 0 ? shared * ops[i].seconds / own_total : 0.0);
 }
 
 // A layer's four GEMMs, their inputs and outputs one GPU's share: (2 x tokens x in x out) FLOPs,
@@ -62,33 +65,37 @@ void add_gemms(std::vector<OperatorCost>& ops, const ShardShapes& g, const StepS
          true});
 }
 
-// Bytes-only operators (elementwise): priced at the profile's elementwise efficiency.
+// Bytes-only operators (elementwise), one kernel a run: priced at their kind's efficiency and
+// floor ([elementwise]), else at [efficiency]'s elementwise_memory.
 void add_elementwise(std::vector<OperatorCost>& ops, const ShardShapes& g, const StepSizes& s,
                      std::int64_t layers, double weight, double act, double kv_token_bytes,
                      const HardwareProfile& p) {
+  using Kind = ElementwiseKind;
   const double per_token = s.tokens;
   const struct {
     const char* name;
-    bool per_layer;
-    double bytes;
+    Kind kind;
+    std::int64_t runs_a_layer;  // 0: once a step
+    double bytes;               // a run's
   } parts[] = {
-      {"rms_norms", true, per_token * 4 * g.hidden * act},      // 2 a layer, read + write
-      {"residual_adds", true, per_token * 6 * g.hidden * act},  // 2 a layer, two in, one out
-      {"rope", true, per_token * (2 * g.q + 2 * g.kv) * act},   // q and k in and out
-      {"activation", true, per_token * 3 * g.inter * act},      // SwiGLU: 2 inter in, 1 out
-      {"kv_write", true, per_token * kv_token_bytes},
-      {"embedding", false, per_token * g.hidden * (weight + act)},
-      {"final_norm", false, s.logit_rows * 2 * g.hidden * act},
+      {"rms_norm", Kind::rms_norm, 2, per_token * 2 * g.hidden * act},  // read + write
+      {"residual_add", Kind::residual_add, 2, per_token * 3 * g.hidden * act},  // 2 in, 1 out
+      {"rope", Kind::rope, 1, per_token * (2 * g.q + 2 * g.kv) * act},  // q and k in and out
+      {"activation", Kind::activation, 1, per_token * 3 * g.inter * act},  // SwiGLU: 2 in, 1 out
+      {"kv_write", Kind::kv_write, 1, per_token * kv_token_bytes},
+      {"embedding", Kind::embedding, 0, per_token * g.hidden * (weight + act)},
+      {"final_norm", Kind::rms_norm, 0, s.logit_rows * 2 * g.hidden * act},
   };
-  const double bandwidth = p.memory_gb_per_s * 1e9 * p.efficiency.elementwise_memory;
-  for (const auto& part : parts)
-    ops.push_back({part.name,
-                   "elementwise",
-                   part.per_layer ? layers : 1,
-                   {0, part.bytes},
-                   part.bytes / bandwidth,
-                   "memory",
-                   part.per_layer});
+  const bool terms = has_elementwise_terms(p);
+  for (const auto& part : parts) {
+    const ElementwiseTerm& t = p.elementwise[static_cast<std::size_t>(part.kind)];
+    const double memory = terms && t.memory > 0 ? t.memory : p.efficiency.elementwise_memory;
+    const double floor_s = terms ? t.floor_s : 0.0;
+    const bool per_layer = part.runs_a_layer > 0;
+    ops.push_back({part.name, "elementwise", per_layer ? part.runs_a_layer * layers : 1,
+                   {0, part.bytes}, floor_s + part.bytes / (p.memory_gb_per_s * 1e9 * memory),
+                   "memory", per_layer});
+  }
 }
 
 // Tensor parallelism's all-reduces (after O and after down, every layer) and the logits'
@@ -96,15 +103,10 @@ void add_elementwise(std::vector<OperatorCost>& ops, const ShardShapes& g, const
 void add_collectives(std::vector<OperatorCost>& ops, const ModelConfig& m, const ShardShapes& g,
                      const StepSizes& s, std::int64_t tp, std::int64_t cp, double act,
                      const HardwareProfile& p) {
-  const double bandwidth = p.allreduce_gb_per_s * 1e9;
+  const auto [latency, gb_per_s] = allreduce_latency_and_bandwidth(p, tp > 1 ? tp : cp);
   const auto add = [&](const char* name, std::int64_t runs, bool per_layer, double bytes) {
-    ops.push_back({name,
-                   "collectives",
-                   runs,
-                   {0, bytes},
-                   p.allreduce_latency_s + bytes / bandwidth,
-                   "latency",
-                   per_layer});
+    ops.push_back({name, "collectives", runs, {0, bytes}, latency + bytes / (gb_per_s * 1e9),
+                   "latency", per_layer});
   };
   const std::int64_t layers = m.num_hidden_layers;
   if (tp > 1) {
@@ -146,27 +148,30 @@ StepBreakdown CostModel::breakdown(std::span<const EntryShape> batch) const {
   std::vector<OperatorCost>& ops = b.operators;
 
   add_gemms(ops, g, s, layers, weight, act);
-  share_group(ops, 0, b.cost.linear_s, p, e.linear);
+  share_group(ops, 0, b.cost.linear_s, p, e.linear, p.gemm_kernel);
   const auto add_group = [&](const char* name, const char* group, std::int64_t runs, bool per_layer,
-                             const FlopsAndBytes& w, double group_s,
-                             std::pair<double, double> eff) {
+                             const FlopsAndBytes& w, double group_s, std::pair<double, double> eff,
+                             const KernelTerms& kernel) {
     if (w.flops <= 0 && w.bytes <= 0) return;
     ops.push_back({name, group, runs, w, 0, "", per_layer});
-    share_group(ops, ops.size() - 1, group_s, p, eff);
+    share_group(ops, ops.size() - 1, group_s, p, eff, kernel);
   };
   const double l = static_cast<double>(layers);
   add_group("attention_prefill", "attention_prefill", layers, true,
             {b.work.attention_prefill.flops / l, b.work.attention_prefill.bytes / l},
-            b.cost.attention_prefill_s, e.attention_prefill);
+            b.cost.attention_prefill_s, e.attention_prefill, p.prefill_attention_kernel);
   add_group("attention_decode", "attention_decode", layers, true,
             {b.work.attention_decode.flops / l, b.work.attention_decode.bytes / l},
-            b.cost.attention_decode_s, e.attention_decode);
+            b.cost.attention_decode_s, e.attention_decode, p.decode_attention_kernel);
   add_elementwise(ops, g, s, layers, weight, act, kv_token_bytes, p);
-  add_group("lm_head", "lm_head", 1, false, b.work.lm_head, b.cost.lm_head_s, e.lm_head);
+  add_group("lm_head", "lm_head", 1, false, b.work.lm_head, b.cost.lm_head_s, e.lm_head,
+            p.gemm_kernel);
   add_collectives(ops, m, g, s, tp_, cp_, act, p);
   if (b.cost.ring_s > 0)
     ops.push_back({"ring_transfers", "ring", 1, {0, b.work.ring_bytes}, b.cost.ring_s, "latency"});
   ops.push_back({"step_overhead", "overhead", 1, {}, p.step_overhead_s, "latency"});
+  if (b.work.prefill_tokens > 0 && p.ungraphed_step_s > 0)
+    ops.push_back({"ungraphed_step", "overhead", 1, {}, p.ungraphed_step_s, "latency"});
   ops.push_back(
       {"sequence_overhead", "overhead", b.work.sequences, {}, p.sequence_overhead_s, "latency"});
   return b;

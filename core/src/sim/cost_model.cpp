@@ -18,6 +18,19 @@ double roofline_seconds(const FlopsAndBytes& work, double peak_flops, double byt
   return std::max(compute, memory);
 }
 
+double kernel_seconds(const FlopsAndBytes& work, double peak_flops, double bytes_per_s,
+                      std::pair<double, double> efficiency, double knee) {
+  if (knee <= 0)
+    return roofline_seconds(work, peak_flops, bytes_per_s, efficiency.first, efficiency.second);
+  const double compute = work.flops > 0 ? work.flops / (peak_flops * efficiency.first) : 0.0;
+  const double memory = work.bytes > 0 ? work.bytes / (bytes_per_s * efficiency.second) : 0.0;
+  const double larger = std::max(compute, memory);
+  if (larger <= 0) return 0.0;
+  // Scaled by the larger time, so that neither power overflows or vanishes.
+  return larger * std::pow(std::pow(compute / larger, knee) + std::pow(memory / larger, knee),
+                           1.0 / knee);
+}
+
 CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
                      std::int64_t tensor_parallel, std::int64_t context_parallel)
     : model_(model),
@@ -57,6 +70,7 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   const sim_detail::BatchTally tally = sim_detail::tally_batch(batch);
   w.tokens = tally.tokens;
   w.logit_rows = tally.logit_rows;
+  w.prefill_tokens = static_cast<std::int64_t>(tally.prefill_tokens);
   double prefill_pairs = tally.prefill_pairs, decode_context = tally.decode_context;
   const double prefill_context = tally.prefill_context, prefill_tokens = tally.prefill_tokens;
   if (w.tokens == 0) return w;
@@ -88,6 +102,8 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
       layers * tokens *
           ((10 * g.hidden + 2 * g.q + 2 * g.kv + 3 * g.inter) * act + kv_token_bytes) +
       tokens * g.hidden * (weight + act) + logit_rows * 2 * g.hidden * act;
+  count_kernels(w, g, tokens, logit_rows, kv_token_bytes, prefill_pairs, decode_context);
+  w.collective_gpus = tp_ > 1 ? tp_ : cp_;
   if (tp_ > 1) {  // all-reduce after O and after down in every layer; the logits gathered
     const double t = static_cast<double>(tp_);
     w.collectives += 2 * m.num_hidden_layers + 1;
@@ -95,6 +111,29 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
                           (t - 1) / t * logit_rows * static_cast<double>(m.vocab_size) * 4;
   }
   return w;
+}
+
+// The element-wise bytes by kind (the terms of elementwise.bytes) and every group's kernels.
+void CostModel::count_kernels(StepWork& w, const sim_detail::ShardShapes& g, double tokens,
+                              double logit_rows, double kv_token_bytes, double prefill_pairs,
+                              double decode_context) const {
+  const double act = static_cast<double>(dtype_size(profile_.compute_dtype)), weight = act;
+  const double layers = static_cast<double>(model_.num_hidden_layers);
+  const std::int64_t l = model_.num_hidden_layers;
+  const auto set = [&](ElementwiseKind kind, double bytes, std::int64_t kernels) {
+    w.elementwise_bytes[static_cast<std::size_t>(kind)] = bytes;
+    w.elementwise_kernels[static_cast<std::size_t>(kind)] = kernels;
+  };
+  set(ElementwiseKind::rms_norm,
+      layers * tokens * 4 * g.hidden * act + logit_rows * 2 * g.hidden * act, 2 * l + 1);
+  set(ElementwiseKind::residual_add, layers * tokens * 6 * g.hidden * act, 2 * l);
+  set(ElementwiseKind::rope, layers * tokens * (2 * g.q + 2 * g.kv) * act, l);
+  set(ElementwiseKind::activation, layers * tokens * 3 * g.inter * act, l);
+  set(ElementwiseKind::kv_write, layers * tokens * kv_token_bytes, l);
+  set(ElementwiseKind::embedding, tokens * g.hidden * (weight + act), 1);
+  w.gemm_kernels = 4 * l;
+  w.prefill_attention_kernels = prefill_pairs > 0 ? l : 0;
+  w.decode_attention_kernels = decode_context > 0 ? l : 0;
 }
 
 // The ring's K/V hops of a prefill, and the all-gather of a decode's partial attention outputs
@@ -117,23 +156,51 @@ void CostModel::add_context_parallel_work(StepWork& w, double prefill_context, d
   }
 }
 
+namespace {
+
+// The element-wise group: one efficiency for all bytes, or each kind its own and its floors.
+double elementwise_seconds(const StepWork& w, const HardwareProfile& p) {
+  const double bandwidth = p.memory_gb_per_s * 1e9;
+  if (!has_elementwise_terms(p))
+    return w.elementwise.bytes / (bandwidth * p.efficiency.elementwise_memory);
+  double seconds = 0;
+  for (std::size_t k = 0; k < w.elementwise_bytes.size(); ++k) {
+    const ElementwiseTerm& t = p.elementwise[k];
+    const double memory = t.memory > 0 ? t.memory : p.efficiency.elementwise_memory;
+    seconds += w.elementwise_bytes[k] / (bandwidth * memory) +
+               static_cast<double>(w.elementwise_kernels[k]) * t.floor_s;
+  }
+  return seconds;
+}
+
+double floors(std::int64_t kernels, const KernelTerms& terms) {
+  return static_cast<double>(kernels) * terms.floor_s;
+}
+
+}  // namespace
+
 StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
-  const Efficiency& e = p.efficiency;
   const double peak = p.peak_tflops * 1e12, bandwidth = p.memory_gb_per_s * 1e9;
   StepCost c;
   if (w.tokens == 0) return c;
   const sim_detail::GroupEfficiencies g = sim_detail::group_efficiencies(w, p);
-  c.linear_s = roofline_seconds(w.linear, peak, bandwidth, g.linear.first, g.linear.second);
-  c.lm_head_s = roofline_seconds(w.lm_head, peak, bandwidth, g.lm_head.first, g.lm_head.second);
-  c.attention_prefill_s = roofline_seconds(w.attention_prefill, peak, bandwidth,
-                                           g.attention_prefill.first, g.attention_prefill.second);
-  c.attention_decode_s = roofline_seconds(w.attention_decode, peak, bandwidth,
-                                          g.attention_decode.first, g.attention_decode.second);
-  c.elementwise_s = w.elementwise.bytes / (bandwidth * e.elementwise_memory);
-  c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s;
+  c.linear_s = kernel_seconds(w.linear, peak, bandwidth, g.linear, p.gemm_kernel.knee) +
+               floors(w.gemm_kernels, p.gemm_kernel);
+  c.lm_head_s = kernel_seconds(w.lm_head, peak, bandwidth, g.lm_head, p.gemm_kernel.knee) +
+                floors(w.logit_rows > 0 ? 1 : 0, p.gemm_kernel);
+  c.attention_prefill_s = kernel_seconds(w.attention_prefill, peak, bandwidth,
+                                         g.attention_prefill, p.prefill_attention_kernel.knee) +
+                          floors(w.prefill_attention_kernels, p.prefill_attention_kernel);
+  c.attention_decode_s = kernel_seconds(w.attention_decode, peak, bandwidth, g.attention_decode,
+                                        p.decode_attention_kernel.knee) +
+                         floors(w.decode_attention_kernels, p.decode_attention_kernel);
+  c.elementwise_s = elementwise_seconds(w, p);
+  c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s +
+                 (w.prefill_tokens > 0 ? p.ungraphed_step_s : 0.0);
+  const auto [latency, gb_per_s] = allreduce_latency_and_bandwidth(p, w.collective_gpus);
   if (w.collectives > 0)
-    c.collectives_s = static_cast<double>(w.collectives) * p.allreduce_latency_s +
-                      w.collective_bytes / (p.allreduce_gb_per_s * 1e9);
+    c.collectives_s =
+        static_cast<double>(w.collectives) * latency + w.collective_bytes / (gb_per_s * 1e9);
   if (w.ring_hops > 0) {  // ring attention: each hop's transfer hides behind the attention
     const double ring = static_cast<double>(w.ring_hops) * p.allreduce_latency_s +
                         w.ring_bytes / (p.allreduce_gb_per_s * 1e9);

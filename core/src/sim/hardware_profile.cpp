@@ -69,6 +69,7 @@ class ProfileSection {
       fail(n, fmt::format("{}.{} must be {} 0 (got {})", name_, key, allow_zero ? ">=" : ">", *v));
     return *v;
   }
+  void mark_known(std::string_view key) { known_.emplace_back(key); }
   bool boolean(std::string_view key, bool fallback) {
     known_.emplace_back(key);
     const toml::node* n = node(key);
@@ -143,9 +144,11 @@ std::vector<KernelRegime> read_regimes(const toml::array* regimes, const std::st
 
 // Every top-level key is a known table ([[...]] for the kernel regimes), or an error naming it.
 void check_top_level(const toml::table& top, const std::string& where) {
-  const std::vector<std::string> tables{"profile", "device", "efficiency",   "overhead",
-                                        "memory",  "link",   "interconnect", "network"};
-  const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime"};
+  const std::vector<std::string> tables{
+      "profile", "device",  "efficiency",   "overhead", "memory",    "link",
+      "interconnect", "network", "kernels", "elementwise", "provenance"};
+  const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime",
+                                               "allreduce"};
   for (const auto& [key, value] : top) {
     const bool regimes =
         std::find(regime_arrays.begin(), regime_arrays.end(), key.str()) != regime_arrays.end();
@@ -189,7 +192,97 @@ void read_links(toml::table& top, const std::string& where, HardwareProfile& p) 
   }
 }
 
+
+// [kernels]: <kernel>_floor_s >= 0 and <kernel>_knee (0: max; else in [1, 64]).
+void read_kernel_terms(toml::table& top, const std::string& where, HardwareProfile& p) {
+  ProfileSection s(top["kernels"].as_table(), "kernels", where);
+  const std::pair<const char*, KernelTerms*> kernels[] = {
+      {"gemm", &p.gemm_kernel},
+      {"prefill_attention", &p.prefill_attention_kernel},
+      {"decode_attention", &p.decode_attention_kernel}};
+  for (const auto& [name, terms] : kernels) {
+    const std::string floor = fmt::format("{}_floor_s", name), knee = fmt::format("{}_knee", name);
+    terms->floor_s = s.number(floor, 0, false, true);
+    terms->knee = s.number(knee, 0, false, true);
+    if (terms->knee != 0 && !(terms->knee >= 1 && terms->knee <= 64))
+      s.fail(s.node(knee),
+             fmt::format("kernels.{} must be 0 (the plain roofline) or in [1, 64], got {}", knee,
+                         terms->knee));
+  }
+  s.finish();
+}
+
+// [elementwise]: one inline table a kind, { memory = fraction, floor_s = seconds }.
+void read_elementwise_terms(toml::table& top, const std::string& where, HardwareProfile& p) {
+  ProfileSection s(top["elementwise"].as_table(), "elementwise", where);
+  for (int k = 0; k < kElementwiseKinds; ++k) {
+    const char* name = kElementwiseNames[static_cast<std::size_t>(k)];
+    s.mark_known(name);
+    const toml::node* node = s.node(name);
+    if (node == nullptr) continue;
+    if (!node->is_table()) s.fail(node, fmt::format("elementwise.{} must be a table", name));
+    ProfileSection term(node->as_table(), fmt::format("elementwise.{}", name), where);
+    ElementwiseTerm& t = p.elementwise[static_cast<std::size_t>(k)];
+    if (term.node("memory") == nullptr)
+      s.fail(node, fmt::format("elementwise.{} needs memory (a fraction of the bandwidth)", name));
+    t.memory = term.fraction("memory", 0);
+    t.floor_s = term.number("floor_s", 0, false, true);
+    term.finish();
+  }
+  s.finish();
+}
+
+// [[allreduce]]: gpus (2..1024, ascending), latency_s >= 0, gb_per_s > 0.
+std::vector<AllReduceTerm> read_allreduce_terms(const toml::array* terms, const std::string& where) {
+  std::vector<AllReduceTerm> out;
+  if (terms == nullptr) return out;
+  for (const toml::node& node : *terms) {
+    ProfileSection s(node.as_table(), "allreduce", where);
+    AllReduceTerm t;
+    const double gpus = s.number("gpus", 0, true);
+    if (gpus != std::floor(gpus) || gpus < 2 || gpus > 1024)
+      s.fail(s.node("gpus"), fmt::format("allreduce.gpus must be an integer in [2, 1024], got {}",
+                                         gpus));
+    t.gpus = static_cast<std::int64_t>(gpus);
+    if (!out.empty() && t.gpus <= out.back().gpus)
+      s.fail(s.node("gpus"),
+             fmt::format("allreduce.gpus must ascend: {} after {}", t.gpus, out.back().gpus));
+    t.latency_s = s.number("latency_s", 0, true, true);
+    t.gb_per_s = s.number("gb_per_s", 0, true);
+    s.finish();
+    out.push_back(t);
+  }
+  return out;
+}
+
+// [provenance]: strings only, any key (a term's name).
+std::map<std::string, std::string> read_provenance(const toml::table* table,
+                                                   const std::string& where) {
+  std::map<std::string, std::string> out;
+  if (table == nullptr) return out;
+  for (const auto& [key, value] : *table) {
+    if (!value.is_string())
+      throw Error(fmt::format("{}: provenance.{} must be a string",
+                              located(where, value.source().begin.line), key.str()));
+    out.emplace(std::string(key.str()), *value.value<std::string>());
+  }
+  return out;
+}
+
 }  // namespace
+
+bool has_elementwise_terms(const HardwareProfile& p) {
+  for (const ElementwiseTerm& t : p.elementwise)
+    if (t.memory > 0 || t.floor_s > 0) return true;
+  return false;
+}
+
+std::pair<double, double> allreduce_latency_and_bandwidth(const HardwareProfile& p,
+                                                          std::int64_t gpus) {
+  for (const AllReduceTerm& t : p.allreduce)
+    if (t.gpus == gpus) return {t.latency_s, t.gb_per_s};
+  return {p.allreduce_latency_s, p.allreduce_gb_per_s};
+}
 
 std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regimes,
                                             std::int64_t rows, std::pair<double, double> base) {
@@ -273,8 +366,13 @@ HardwareProfile load_hardware_profile_file(const std::filesystem::path& file,
     ProfileSection s(top["overhead"].as_table(), "overhead", where);
     p.step_overhead_s = s.number("step_s", p.step_overhead_s, false, true);
     p.sequence_overhead_s = s.number("sequence_s", p.sequence_overhead_s, false, true);
+    p.ungraphed_step_s = s.number("ungraphed_step_s", p.ungraphed_step_s, false, true);
     s.finish();
   }
+  read_kernel_terms(top, where, p);
+  read_elementwise_terms(top, where, p);
+  p.allreduce = read_allreduce_terms(top["allreduce"].as_array(), where);
+  p.provenance = read_provenance(top["provenance"].as_table(), where);
   {
     ProfileSection s(top["memory"].as_table(), "memory", where);
     p.memory_utilization = s.fraction("utilization", p.memory_utilization);
@@ -332,6 +430,47 @@ HardwareProfile load_hardware_profile(std::string_view name_or_path, std::string
   throw Error(message);
 }
 
+namespace {
+
+// The terms kvlab calibrate --vidur fits, each written only where set (a profile without them
+// reads back the same, and its file stays as it was).
+void add_fitted_terms(toml::table& top, const HardwareProfile& p) {
+  if (p.ungraphed_step_s > 0)
+    top["overhead"].as_table()->insert("ungraphed_step_s", p.ungraphed_step_s);
+  toml::table kernels;
+  const std::pair<const char*, const KernelTerms*> terms[] = {
+      {"gemm", &p.gemm_kernel},
+      {"prefill_attention", &p.prefill_attention_kernel},
+      {"decode_attention", &p.decode_attention_kernel}};
+  for (const auto& [name, t] : terms) {
+    if (t->floor_s > 0) kernels.insert(fmt::format("{}_floor_s", name), t->floor_s);
+    if (t->knee > 0) kernels.insert(fmt::format("{}_knee", name), t->knee);
+  }
+  if (!kernels.empty()) top.insert("kernels", std::move(kernels));
+  toml::table elementwise;
+  for (int k = 0; k < kElementwiseKinds; ++k) {
+    const ElementwiseTerm& t = p.elementwise[static_cast<std::size_t>(k)];
+    if (t.memory > 0)
+      elementwise.insert(kElementwiseNames[static_cast<std::size_t>(k)],
+                         toml::table{{"memory", t.memory}, {"floor_s", t.floor_s}});
+  }
+  if (!elementwise.empty()) top.insert("elementwise", std::move(elementwise));
+  if (!p.allreduce.empty()) {
+    toml::array array;
+    for (const AllReduceTerm& t : p.allreduce)
+      array.push_back(toml::table{
+          {"gpus", t.gpus}, {"latency_s", t.latency_s}, {"gb_per_s", t.gb_per_s}});
+    top.insert("allreduce", std::move(array));
+  }
+  if (!p.provenance.empty()) {
+    toml::table provenance;
+    for (const auto& [key, text] : p.provenance) provenance.insert(key, text);
+    top.insert("provenance", std::move(provenance));
+  }
+}
+
+}  // namespace
+
 std::string hardware_profile_to_toml(const HardwareProfile& p) {
   const Efficiency& e = p.efficiency;
   toml::table top{
@@ -370,6 +509,7 @@ std::string hardware_profile_to_toml(const HardwareProfile& p) {
   };
   add_regimes("gemm_regime", p.gemm_regimes);
   add_regimes("decode_attention_regime", p.decode_attention_regimes);
+  add_fitted_terms(top, p);
   std::ostringstream out;
   out << toml::toml_formatter(top) << "\n";
   return out.str();

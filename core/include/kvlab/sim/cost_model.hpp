@@ -22,6 +22,7 @@
 //                larger). Decode: the new token is computed by every group, each attends over
 //                its 1/c of the context, and the partial outputs (and their log-sum-exps) are
 //                all-gathered, one collective per layer.
+#include <array>
 #include <cstdint>
 #include <span>
 #include <string>
@@ -32,6 +33,10 @@
 #include "kvlab/sim/hardware_profile.hpp"
 
 namespace kvlab {
+
+namespace sim_detail {
+struct ShardShapes;
+}
 
 // One sequence of a step as the cost model sees it: `new_tokens` at positions
 // [start_position, + new_tokens), attending back to first_position (a sliding window releases
@@ -61,6 +66,14 @@ struct StepWork {
   // Context parallelism: the ring's hops this step and the K/V bytes each GPU receives in them.
   std::int64_t ring_hops = 0;
   double ring_bytes = 0;
+  std::int64_t collective_gpus = 0;  // the GPUs a collective spans (tensor parallel, else context)
+  // The element-wise bytes by kind (ElementwiseKind; they add up to elementwise.bytes), and the
+  // kernels each group launches (each pays its kind's floor: [kernels], [elementwise]).
+  std::array<double, kElementwiseKinds> elementwise_bytes{};
+  std::array<std::int64_t, kElementwiseKinds> elementwise_kernels{};
+  std::int64_t gemm_kernels = 0;  // the layers' projections and MLP (the LM head: one more)
+  std::int64_t prefill_attention_kernels = 0, decode_attention_kernels = 0;
+  std::int64_t prefill_tokens = 0;  // > 0: the step replays no CUDA graph (ungraphed_step_s)
 };
 
 // Seconds per group; total() is the step's latency.
@@ -151,6 +164,9 @@ class CostModel {
   std::int64_t context_parallel() const { return cp_; }
 
  private:
+  void count_kernels(StepWork& w, const sim_detail::ShardShapes& g, double tokens,
+                     double logit_rows, double kv_token_bytes, double prefill_pairs,
+                     double decode_context) const;
   void add_context_parallel_work(StepWork& w, double prefill_context, double decode_sequences,
                                  double kv_token_bytes) const;
   ModelConfig model_;
@@ -163,5 +179,8 @@ class CostModel {
 // The roofline time of one group: max(flops / (peak x e_c), bytes / (bandwidth x e_m)).
 double roofline_seconds(const FlopsAndBytes& work, double peak_flops, double bytes_per_s,
                         double compute_efficiency, double memory_efficiency);
+// The same two times joined at `knee` (KernelTerms::knee): (c^k + m^k)^(1/k); 0: their max.
+double kernel_seconds(const FlopsAndBytes& work, double peak_flops, double bytes_per_s,
+                      std::pair<double, double> efficiency, double knee);
 
 }  // namespace kvlab

@@ -2,8 +2,10 @@
 // Hardware profiles: what the simulated backend's cost model knows about a device. Stored as
 // TOML files (profiles/*.toml, installed to <prefix>/share/kvlab/profiles) and selectable by
 // name ("h200") or by path ("my-gpu.toml"); `kvlab calibrate` writes them.
+#include <array>
 #include <cstdint>
 #include <filesystem>
+#include <map>
 #include <span>
 #include <string>
 #include <string_view>
@@ -35,6 +37,38 @@ struct KernelRegime {
   double memory = 0.85;
 };
 
+// What one kernel launch costs beyond its roofline, fitted to measured operators (kvlab calibrate
+// --vidur): a fixed time each launch pays (launch, the first and the last wave), and the knee
+// joining its compute and memory times. A kernel of compute time c and memory time m takes
+// floor_s + (c^k + m^k)^(1/k): k = 0 (unset) is max(c, m), the plain roofline; a small k (1.5 on
+// A100 and H100 GEMMs) is the gradual knee between 128 and 512 rows where neither side is reached.
+struct KernelTerms {
+  double floor_s = 0;
+  double knee = 0;
+};
+
+// The element-wise kernels a layer runs (and the embedding gather before the first): each its own
+// bandwidth fraction and floor where the profile says ([elementwise]), else [efficiency]'s
+// elementwise_memory and no floor.
+enum class ElementwiseKind { rms_norm, residual_add, rope, activation, kv_write, embedding };
+inline constexpr int kElementwiseKinds = 6;
+inline constexpr std::array<const char*, kElementwiseKinds> kElementwiseNames = {
+    "rms_norm", "residual_add", "rope", "activation", "kv_write", "embedding"};
+
+struct ElementwiseTerm {
+  double memory = 0;  // fraction of the bandwidth; 0: [efficiency].elementwise_memory
+  double floor_s = 0;
+};
+
+// An all-reduce over `gpus` GPUs of one node, measured: latency_s + 2 (gpus - 1) / gpus x B /
+// (gb_per_s x 10^9), as [interconnect] but per group size (NCCL picks other algorithms and
+// channel counts for 2, 4 and 8 GPUs).
+struct AllReduceTerm {
+  std::int64_t gpus = 2;
+  double latency_s = 0;
+  double gb_per_s = 0;
+};
+
 struct HardwareProfile {
   std::string name;
   std::string description;
@@ -49,6 +83,16 @@ struct HardwareProfile {
   std::vector<KernelRegime> gemm_regimes, decode_attention_regimes;
   double step_overhead_s = 0;      // fixed cost of one engine step (launches, scheduling, sync)
   double sequence_overhead_s = 0;  // per sequence in the batch (metadata, sampling)
+  // Beyond step_overhead_s, for a step that replays no CUDA graph: one with prefill tokens (vLLM
+  // and kvlab's cuda backend capture decode batches only), whose kernels are launched one by one.
+  double ungraphed_step_s = 0;
+  // [kernels]: per-launch floors and knees (none: the plain rooflines of [efficiency]).
+  KernelTerms gemm_kernel, prefill_attention_kernel, decode_attention_kernel;
+  std::array<ElementwiseTerm, kElementwiseKinds> elementwise{};  // [elementwise], by kind
+  // [[allreduce]], by gpus ascending; a group size not listed uses [interconnect].
+  std::vector<AllReduceTerm> allreduce;
+  // [provenance]: where each fitted term came from (data, models, grid, error), by term name.
+  std::map<std::string, std::string> provenance;
   // KV capacity = memory_gib x memory_utilization - weights - activation_reserve_gib.
   double memory_utilization = 0.9;
   double activation_reserve_gib = 1.0;
@@ -80,6 +124,13 @@ struct HardwareProfile {
   double kv_transfer_latency_s = 2e-5;
   std::string source;  // the file it was read from ("" when built in code)
 };
+
+// Whether any [elementwise] term is set (else one efficiency prices all of them, no floors).
+bool has_elementwise_terms(const HardwareProfile& profile);
+
+// An all-reduce of `gpus` GPUs: the [[allreduce]] entry for that size, else [interconnect]'s.
+std::pair<double, double> allreduce_latency_and_bandwidth(const HardwareProfile& profile,
+                                                          std::int64_t gpus);
 
 // The (compute, memory) efficiencies of `rows` rows under `regimes`, `base` below the first.
 std::pair<double, double> regime_efficiency(std::span<const KernelRegime> regimes,
