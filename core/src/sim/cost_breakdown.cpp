@@ -93,7 +93,9 @@ void add_elementwise(std::vector<OperatorCost>& ops, const ShardShapes& g, const
     const double floor_s = terms ? t.floor_s : 0.0;
     const bool per_layer = part.runs_a_layer > 0;
     ops.push_back({part.name, "elementwise", per_layer ? part.runs_a_layer * layers : 1,
-                   {0, part.bytes}, floor_s + part.bytes / (p.memory_gb_per_s * 1e9 * memory),
+                   {0, part.bytes},
+                   floor_s + (terms ? wave_bytes(part.bytes, s.tokens, p) : part.bytes) /
+                                 (p.memory_gb_per_s * 1e9 * memory),
                    "memory", per_layer});
   }
 }

@@ -31,6 +31,11 @@ double kernel_seconds(const FlopsAndBytes& work, double peak_flops, double bytes
                            1.0 / knee);
 }
 
+double wave_bytes(double bytes, double rows, const HardwareProfile& p) {
+  return rows > 0 && rows < p.elementwise_wave_rows ? bytes * p.elementwise_wave_rows / rows
+                                                    : bytes;
+}
+
 CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
                      std::int64_t tensor_parallel, std::int64_t context_parallel)
     : model_(model),
@@ -131,6 +136,7 @@ void CostModel::count_kernels(StepWork& w, const sim_detail::ShardShapes& g, dou
   set(ElementwiseKind::activation, layers * tokens * 3 * g.inter * act, l);
   set(ElementwiseKind::kv_write, layers * tokens * kv_token_bytes, l);
   set(ElementwiseKind::embedding, tokens * g.hidden * (weight + act), 1);
+  w.elementwise_rows = tokens;
   w.gemm_kernels = 4 * l;
   w.prefill_attention_kernels = prefill_pairs > 0 ? l : 0;
   w.decode_attention_kernels = decode_context > 0 ? l : 0;
@@ -167,7 +173,7 @@ double elementwise_seconds(const StepWork& w, const HardwareProfile& p) {
   for (std::size_t k = 0; k < w.elementwise_bytes.size(); ++k) {
     const ElementwiseTerm& t = p.elementwise[k];
     const double memory = t.memory > 0 ? t.memory : p.efficiency.elementwise_memory;
-    seconds += w.elementwise_bytes[k] / (bandwidth * memory) +
+    seconds += wave_bytes(w.elementwise_bytes[k], w.elementwise_rows, p) / (bandwidth * memory) +
                static_cast<double>(w.elementwise_kernels[k]) * t.floor_s;
   }
   return seconds;

@@ -209,6 +209,11 @@ void read_kernel_terms(toml::table& top, const std::string& where, HardwareProfi
              fmt::format("kernels.{} must be 0 (the plain roofline) or in [1, 64], got {}", knee,
                          terms->knee));
   }
+  p.elementwise_wave_rows = s.number("elementwise_wave_rows", 0, false, true);
+  if (p.elementwise_wave_rows > 1e6)
+    s.fail(s.node("elementwise_wave_rows"),
+           fmt::format("kernels.elementwise_wave_rows must be at most 1e6, got {}",
+                       p.elementwise_wave_rows));
   s.finish();
 }
 
@@ -446,6 +451,7 @@ void add_fitted_terms(toml::table& top, const HardwareProfile& p) {
     if (t->floor_s > 0) kernels.insert(fmt::format("{}_floor_s", name), t->floor_s);
     if (t->knee > 0) kernels.insert(fmt::format("{}_knee", name), t->knee);
   }
+  if (p.elementwise_wave_rows > 0) kernels.insert("elementwise_wave_rows", p.elementwise_wave_rows);
   if (!kernels.empty()) top.insert("kernels", std::move(kernels));
   toml::table elementwise;
   for (int k = 0; k < kElementwiseKinds; ++k) {

@@ -45,6 +45,7 @@ std::vector<EntryShape> attention_shape(const VidurAttentionRow& row) {
 
 struct KernelSample {
   FlopsAndBytes work;  // one kernel's
+  double rows = 0;     // an element-wise kernel's (its wave)
   double measured_s = 0;
   int kernel = 0;  // which kernel class's floor and knee price it
 };
@@ -62,6 +63,7 @@ struct KernelModel {
   int classes = 1;
   bool compute = true, knee = true;
   double peak = 0, bandwidth = 0;
+  double wave_rows = 0;  // element-wise: fewer rows take as long as this many
 
   Eigen::Index size() const { return (compute ? 2 : 1) + classes * (knee ? 2 : 1); }
   static double logistic(double v) { return 1 / (1 + std::exp(-v)); }
@@ -91,7 +93,9 @@ struct KernelModel {
   }
   double predict(const KernelFit& f, const KernelSample& s) const {
     const KernelTerms& k = f.kernels[static_cast<std::size_t>(s.kernel)];
-    return k.floor_s + kernel_seconds(s.work, peak, bandwidth, {f.compute, f.memory}, k.knee);
+    FlopsAndBytes work = s.work;
+    if (s.rows > 0 && s.rows < wave_rows) work.bytes *= wave_rows / s.rows;
+    return k.floor_s + kernel_seconds(work, peak, bandwidth, {f.compute, f.memory}, k.knee);
   }
 };
 
@@ -172,7 +176,8 @@ std::vector<KernelSample> operator_samples(const VidurData& data, const VidurFit
                      [&](const VidurModel&, const VidurLayerRow& row, const auto& ops) {
                        for (const std::size_t op : columns)
                          samples.push_back({ops.at(kVidurOperatorNames[op].kvlab).work,
-                                            row.seconds[op], 0});
+                                            static_cast<double>(row.tokens), row.seconds[op],
+                                            0});
                      });
   return samples;
 }
@@ -208,32 +213,67 @@ void fit_gemms(const VidurData& data, const VidurFitOptions& options, HardwarePr
   p.provenance["lm_head"] = "not measured by Vidur: priced by the gemm terms";
 }
 
-void fit_elementwise(const VidurData& data, const VidurFitOptions& options, HardwareProfile& p) {
-  using Op = VidurOperator;
-  const struct {
-    ElementwiseKind kind;
-    std::vector<Op> columns;
-  } kinds[] = {{ElementwiseKind::rms_norm, {Op::input_norm, Op::post_attention_norm}},
-               {ElementwiseKind::residual_add, {Op::residual_add}},
-               {ElementwiseKind::rope, {Op::rope}},
-               {ElementwiseKind::activation, {Op::activation}},
-               {ElementwiseKind::embedding, {Op::embedding}}};
-  const KernelModel model{1, false, false, p.peak_tflops * 1e12, p.memory_gb_per_s * 1e9};
-  for (const auto& k : kinds) {
+// The element-wise kinds and the mlp.csv columns each is fitted to.
+struct ElementwiseColumns {
+  ElementwiseKind kind;
+  std::vector<VidurOperator> columns;
+};
+const ElementwiseColumns kElementwiseColumns[] = {
+    {ElementwiseKind::rms_norm, {VidurOperator::input_norm, VidurOperator::post_attention_norm}},
+    {ElementwiseKind::residual_add, {VidurOperator::residual_add}},
+    {ElementwiseKind::rope, {VidurOperator::rope}},
+    {ElementwiseKind::activation, {VidurOperator::activation}},
+    {ElementwiseKind::embedding, {VidurOperator::embedding}}};
+
+struct ElementwiseFit {
+  double wave_rows = 0;
+  std::vector<KernelFit> fits;  // by kElementwiseColumns
+  std::vector<std::size_t> samples;
+  double mean_error = 0;  // over every kind's samples
+};
+
+ElementwiseFit fit_elementwise_kinds(const VidurData& data, const VidurFitOptions& options,
+                                     const HardwareProfile& p, double wave_rows) {
+  ElementwiseFit out{wave_rows, {}, {}, 0};
+  KernelModel model{1, false, false, p.peak_tflops * 1e12, p.memory_gb_per_s * 1e9, wave_rows};
+  std::size_t total = 0;
+  for (const ElementwiseColumns& k : kElementwiseColumns) {
     std::vector<std::size_t> columns;
-    std::vector<std::string> names;
-    for (const Op op : k.columns) {
-      columns.push_back(static_cast<std::size_t>(op));
-      names.emplace_back(kVidurOperatorNames[static_cast<std::size_t>(op)].column);
-    }
+    for (const VidurOperator op : k.columns) columns.push_back(static_cast<std::size_t>(op));
     const auto samples = operator_samples(data, options, p, columns);
-    const KernelFit f = fit_kernels(model, samples);
+    out.fits.push_back(fit_kernels(model, samples));
+    out.samples.push_back(samples.size());
+    out.mean_error += out.fits.back().mean_error * static_cast<double>(samples.size());
+    total += samples.size();
+  }
+  out.mean_error /= static_cast<double>(total);
+  return out;
+}
+
+// Each kind's e_memory and floor, with the wave (one for all kinds: it is the GPU's) that fits
+// best among a few sizes around the SM counts (A100: 108, H100: 132).
+void fit_elementwise(const VidurData& data, const VidurFitOptions& options, HardwareProfile& p) {
+  ElementwiseFit best;
+  for (const double wave : {0.0, 32.0, 64.0, 96.0, 128.0, 160.0, 192.0, 256.0}) {
+    ElementwiseFit f = fit_elementwise_kinds(data, options, p, wave);
+    if (best.fits.empty() || f.mean_error < best.mean_error) best = std::move(f);
+  }
+  p.elementwise_wave_rows = best.wave_rows;
+  for (std::size_t i = 0; i < best.fits.size(); ++i) {
+    const ElementwiseColumns& k = kElementwiseColumns[i];
+    std::vector<std::string> names;
+    for (const VidurOperator op : k.columns)
+      names.emplace_back(kVidurOperatorNames[static_cast<std::size_t>(op)].column);
     const std::size_t kind = static_cast<std::size_t>(k.kind);
-    p.elementwise[kind] = {f.memory, f.kernels[0].floor_s};
+    p.elementwise[kind] = {best.fits[i].memory, best.fits[i].kernels[0].floor_s};
     p.provenance[fmt::format("elementwise.{}", kElementwiseNames[kind])] =
         fmt::format("fitted by kvlab calibrate --vidur to {} of {}: {}", join(names),
-                    layer_source(data, options), fit_summary(f, samples.size()));
+                    layer_source(data, options), fit_summary(best.fits[i], best.samples[i]));
   }
+  p.provenance["elementwise_wave_rows"] = fmt::format(
+      "the wave (of 0, 32, ..., 256 rows) the element-wise fits above share best: {:.1f}% mean "
+      "|error| over their kernels",
+      100 * best.mean_error);
   const std::size_t add = static_cast<std::size_t>(ElementwiseKind::residual_add);
   p.elementwise[static_cast<std::size_t>(ElementwiseKind::kv_write)] = p.elementwise[add];
   p.efficiency.elementwise_memory = p.elementwise[add].memory;
@@ -250,7 +290,7 @@ void fit_attention(const VidurData& data, const VidurFitOptions& options, Hardwa
   std::size_t prefills = 0;
   for (const VidurAttentionRow& row : model.attention) {
     const auto ops = step_operators(model.config, p, 1, attention_shape(row));
-    samples.push_back({ops.at(row.prefill ? "attention_prefill" : "attention_decode").work,
+    samples.push_back({ops.at(row.prefill ? "attention_prefill" : "attention_decode").work, 0,
                        row.seconds, row.prefill ? 0 : 1});
     prefills += row.prefill ? 1 : 0;
   }

@@ -71,6 +71,7 @@ struct StepWork {
   // kernels each group launches (each pays its kind's floor: [kernels], [elementwise]).
   std::array<double, kElementwiseKinds> elementwise_bytes{};
   std::array<std::int64_t, kElementwiseKinds> elementwise_kernels{};
+  double elementwise_rows = 0;  // a kernel's rows: this GPU's tokens
   std::int64_t gemm_kernels = 0;  // the layers' projections and MLP (the LM head: one more)
   std::int64_t prefill_attention_kernels = 0, decode_attention_kernels = 0;
   std::int64_t prefill_tokens = 0;  // > 0: the step replays no CUDA graph (ungraphed_step_s)
@@ -182,5 +183,8 @@ double roofline_seconds(const FlopsAndBytes& work, double peak_flops, double byt
 // The same two times joined at `knee` (KernelTerms::knee): (c^k + m^k)^(1/k); 0: their max.
 double kernel_seconds(const FlopsAndBytes& work, double peak_flops, double bytes_per_s,
                       std::pair<double, double> efficiency, double knee);
+// An element-wise kernel's bytes as its time counts them: a kernel of fewer than
+// elementwise_wave_rows rows takes as long as that many.
+double wave_bytes(double bytes, double rows, const HardwareProfile& profile);
 
 }  // namespace kvlab

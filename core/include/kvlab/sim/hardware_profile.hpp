@@ -88,6 +88,9 @@ struct HardwareProfile {
   double ungraphed_step_s = 0;
   // [kernels]: per-launch floors and knees (none: the plain rooflines of [efficiency]).
   KernelTerms gemm_kernel, prefill_attention_kernel, decode_attention_kernel;
+  // An element-wise kernel of fewer rows (tokens) than this takes as long as this many: one row a
+  // thread block, and a wave of blocks occupies the GPU however few of them there are. 0: none.
+  double elementwise_wave_rows = 0;
   std::array<ElementwiseTerm, kElementwiseKinds> elementwise{};  // [elementwise], by kind
   // [[allreduce]], by gpus ascending; a group size not listed uses [interconnect].
   std::vector<AllReduceTerm> allreduce;
