@@ -435,6 +435,9 @@ void print_fit(const std::vector<Shape>& grid, const EngineSteps& engine,
       start.memory_gb_per_s, e.gemm_compute, e.gemm_memory, e.attention_compute, e.attention_memory,
       e.elementwise_memory, profile.step_overhead_s * 1e3, profile.sequence_overhead_s * 1e3,
       profile.swap_gb_per_s, profile.swap_latency_s * 1e6);
+  if (profile.ungraphed_step_s > 0)
+    fmt::print("steps that replay no CUDA graph (prefill tokens): {:.3f} ms more\n",
+               profile.ungraphed_step_s * 1e3);
   for (const KernelRegime& r : profile.gemm_regimes)
     fmt::print("gemm from {} rows: {:.2f}/{:.2f}\n", r.min_rows, r.compute, r.memory);
   for (const KernelRegime& r : profile.decode_attention_regimes)
@@ -521,7 +524,9 @@ void run_calibrate(const CalibrateOptions& o) {
   samples.insert(samples.end(), engine.samples.begin(), engine.samples.end());
   weigh_by_kind(grid.size(), engine, samples);
   if (!cuda) recheck_fma_peak(o.threads, start);
-  CalibrationFit fit = fit_hardware_profile(start, samples);
+  // The cuda backend replays a CUDA graph for decode batches only: steps with prefill tokens
+  // launch every kernel and pay more (the H200 run, docs/gpu.md); the fit gives them their term.
+  CalibrationFit fit = fit_hardware_profile(start, samples, cuda);
   fit.profile.description = fmt::format(
       "kvlab {} backend, {} threads, {} ({}), fitted over {} batch shapes and {} engine steps",
       o.backend, o.threads, model.name, cuda ? o.dtype : "fp32", grid.size(),

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <nlohmann/json.hpp>
 
+#include "kvlab/sim/hardware_profile.hpp"
 #include "test_util.hpp"
 
 namespace kvlab {
@@ -908,6 +909,43 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
         << cuda.err;
     EXPECT_FALSE(std::filesystem::exists(dir / "gpu.toml"));
   }
+}
+
+// kvlab calibrate --vidur: its argument errors, and (with ../shared's Vidur data) a profile and
+// a report of every measurement, the held-out models named.
+TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
+  test::TempDir dir;
+  const std::string out = " --out " + (dir / "a100.toml").string();
+  const Result no_gpu = kvlab("calibrate --vidur " + dir.path().string() + " --profile a100-80gb" + out);
+  EXPECT_NE(no_gpu.exit_code, 0);
+  EXPECT_NE(no_gpu.err.find("--vidur needs --gpu a100 or h100"), std::string::npos) << no_gpu.err;
+  const Result no_profile = kvlab("calibrate --vidur " + dir.path().string() + " --gpu a100" + out);
+  EXPECT_NE(no_profile.err.find("give --profile"), std::string::npos) << no_profile.err;
+  const Result not_vidur =
+      kvlab("calibrate --vidur " + dir.path().string() + " --gpu a100 --profile a100-80gb" + out);
+  EXPECT_NE(not_vidur.exit_code, 0);
+  EXPECT_NE(not_vidur.err.find("not Vidur's profiling folder"), std::string::npos) << not_vidur.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "a100.toml"));
+
+  const char* env = std::getenv("KVLAB_SHARED_DATA");
+  const std::filesystem::path vidur =
+      (env != nullptr ? std::filesystem::path(env)
+                      : std::filesystem::path(KVLAB_FIXTURES_DIR) / ".." / ".." / ".." / "shared" /
+                            "data") /
+      "vidur-profiling";
+  if (!std::filesystem::exists(vidur)) GTEST_SKIP() << "no Vidur data at " << vidur.string();
+  const Result fit = kvlab("calibrate --vidur " + vidur.string() +
+                           " --gpu a100 --profile a100-80gb --report " +
+                           (dir / "report.csv").string() + out);
+  ASSERT_EQ(fit.exit_code, 0) << fit.err;
+  EXPECT_NE(fit.out.find("Llama-2-70b-hf               held out"), std::string::npos) << fit.out;
+  EXPECT_NE(fit.out.find("layer + attention_decode"), std::string::npos) << fit.out;
+  const HardwareProfile written = load_hardware_profile_file(dir / "a100.toml");
+  EXPECT_GT(written.gemm_kernel.floor_s, 0);
+  EXPECT_EQ(written.allreduce.size(), 3u);
+  const std::string report = test::read_file(dir / "report.csv");
+  EXPECT_EQ(report.rfind("gpu,model,role,kind,name,tp,tokens,kv_cache,bytes,measured_s,predicted_s\n", 0), 0u);
+  EXPECT_NE(report.find("a100,Llama-2-70b-hf,held_out,layer,layer,8,"), std::string::npos);
 }
 
 TEST(KvlabCalibrate, MeasuredClockRecordsPredictionErrors) {

@@ -564,6 +564,32 @@ TEST(Calibration, FitsEachKernelRegimeOfTheStartProfile) {
   EXPECT_GT(fit_hardware_profile(without, samples).mean_abs_rel_error, 0.1);
 }
 
+// kvlab calibrate --backend cuda: steps with prefill tokens replay no CUDA graph and pay
+// ungraphed_step_s more; a fit that gives them the term recovers it (10%), one that does not
+// leaves the mixed steps off.
+TEST(Calibration, FitsTheOverheadOfStepsThatReplayNoGraph) {
+  HardwareProfile truth = toy_profile();
+  truth.ungraphed_step_s = 2e-3;
+  const CostModel model(toy_model(), truth);
+  std::vector<CalibrationSample> samples;
+  for (std::int64_t batch : {1, 3, 8, 20, 48})
+    for (std::int64_t context : {16, 200}) {
+      samples.push_back({model.work(std::vector<EntryShape>(batch, {1, context, 0})), 0});
+      auto mixed = std::vector<EntryShape>(batch, {1, context, 0});
+      mixed.push_back({batch * 4, 0, 0});
+      samples.push_back({model.work(mixed), 0});
+      samples.push_back({model.work(std::vector<EntryShape>{{batch * 8, context, 0}}), 0});
+    }
+  for (auto& s : samples) s.measured_s = step_cost(s.work, truth).total();
+  HardwareProfile start = toy_profile();
+  const CalibrationFit fit = fit_hardware_profile(start, samples, true);
+  EXPECT_NEAR(fit.profile.ungraphed_step_s, 2e-3, 0.1 * 2e-3);
+  EXPECT_LT(fit.mean_abs_rel_error, 0.01);
+  const CalibrationFit without = fit_hardware_profile(start, samples);
+  EXPECT_EQ(without.profile.ungraphed_step_s, 0);
+  EXPECT_GT(without.mean_abs_rel_error, 2 * fit.mean_abs_rel_error);
+}
+
 TEST(Calibration, WeightsDecideBetweenSamplesThatDisagree) {
   // Two measurements of the same shape, 20% apart: the fit lands nearer the heavier one.
   const CostModel model(toy_model(), toy_profile());

@@ -34,9 +34,14 @@ double logit(double v) {
   return std::log(v / (1 - v));
 }
 
-int parameter_count(const HardwareProfile& p) {
+int regime_parameter_end(const HardwareProfile& p) {
   return kBaseParameters +
          2 * static_cast<int>(p.gemm_regimes.size() + p.decode_attention_regimes.size());
+}
+
+// The regimes' efficiencies, then (when fitted) the ungraphed step overhead in ms, last.
+int parameter_count(const HardwareProfile& p, bool ungraphed) {
+  return regime_parameter_end(p) + (ungraphed ? 1 : 0);
 }
 
 // Every regime of `p` with its first parameter's index: gemm regimes, then decode attention.
@@ -64,11 +69,12 @@ HardwareProfile with_parameters(const HardwareProfile& base, const Eigen::Vector
     r.compute = bounded(x[i]);
     r.memory = std::exp(x[i + 1]);
   });
+  if (x.size() > regime_parameter_end(base)) p.ungraphed_step_s = std::abs(x[x.size() - 1]) * 1e-3;
   return p;
 }
 
-Eigen::VectorXd starting_parameters(const HardwareProfile& start) {
-  Eigen::VectorXd x(parameter_count(start));
+Eigen::VectorXd starting_parameters(const HardwareProfile& start, bool ungraphed) {
+  Eigen::VectorXd x(parameter_count(start, ungraphed));
   const Efficiency& e = start.efficiency;
   x.head(kBaseParameters) << logit(e.gemm_compute), std::log(e.gemm_memory),
       logit(e.attention_compute), std::log(e.attention_memory), std::log(e.elementwise_memory),
@@ -77,11 +83,13 @@ Eigen::VectorXd starting_parameters(const HardwareProfile& start) {
     x[i] = logit(r.compute);
     x[i + 1] = std::log(r.memory);
   });
+  if (ungraphed) x[x.size() - 1] = std::max(start.ungraphed_step_s, 1e-5) * 1e3;
   return x;
 }
 
-bool is_efficiency(Eigen::Index k) {
-  return k < kBaseEfficiencies || k >= kBaseParameters;
+// Efficiencies: the five base ones and the regimes' (not the overheads, nor the ungraphed one).
+bool is_efficiency(Eigen::Index k, Eigen::Index regime_end) {
+  return k < kBaseEfficiencies || (k >= kBaseParameters && k < regime_end);
 }
 
 // Parameter k's efficiency as a log: compute ones (parameters 0 and 2, and each regime's first)
@@ -106,6 +114,7 @@ struct Residuals {
   const HardwareProfile* base;
   std::span<const CalibrationSample> samples;
   Eigen::VectorXd prior;  // the starting parameters
+  Eigen::Index regime_end = 0;
   int inputs() const { return static_cast<int>(prior.size()); }
   int values() const { return static_cast<int>(samples.size() + prior.size()); }
   int operator()(const Eigen::VectorXd& x, Eigen::VectorXd& residual) const {
@@ -119,7 +128,7 @@ struct Residuals {
     // drifting to absurd values; the samples outweigh it wherever they do tell.
     for (Eigen::Index k = 0; k < prior.size(); ++k)
       residual[static_cast<Eigen::Index>(samples.size()) + k] =
-          is_efficiency(k) ? kPriorWeight * (log_efficiency(k, x[k]) - log_efficiency(k, prior[k]))
+          is_efficiency(k, regime_end) ? kPriorWeight * (log_efficiency(k, x[k]) - log_efficiency(k, prior[k]))
                            : 0.0;
     return 0;
   }
@@ -145,8 +154,8 @@ double relative_error(const HardwareProfile& profile, const CalibrationSample& s
 }
 
 CalibrationFit fit_hardware_profile(const HardwareProfile& start,
-                                    std::span<const CalibrationSample> samples) {
-  const int parameters = parameter_count(start);
+                                    std::span<const CalibrationSample> samples, bool ungraphed) {
+  const int parameters = parameter_count(start, ungraphed);
   if (samples.size() < static_cast<std::size_t>(parameters))
     throw Error(
         fmt::format("calibration needs at least {} samples, got {}", parameters, samples.size()));
@@ -155,8 +164,8 @@ CalibrationFit fit_hardware_profile(const HardwareProfile& start,
       throw Error(fmt::format("calibration: a measured latency of {} s", s.measured_s));
     else if (!(s.weight > 0) || !std::isfinite(s.weight))
       throw Error(fmt::format("calibration: a sample weight of {}", s.weight));
-  Eigen::VectorXd x = starting_parameters(start);
-  Residuals residuals{&start, samples, x};
+  Eigen::VectorXd x = starting_parameters(start, ungraphed);
+  Residuals residuals{&start, samples, x, regime_parameter_end(start)};
   Eigen::NumericalDiff<Residuals> numerical(residuals);
   Eigen::LevenbergMarquardt<Eigen::NumericalDiff<Residuals>> solver(numerical);
   solver.parameters.maxfev = 4000;

@@ -29,9 +29,11 @@ struct CalibrationFit {
 };
 
 // Throws kvlab::Error with fewer samples than fitted parameters, a non-positive latency or a
-// non-positive weight.
+// non-positive weight. `ungraphed`: also fit ungraphed_step_s, what a step with prefill tokens
+// pays beyond step_s (a backend that replays CUDA graphs for decode batches only: the cuda one).
 CalibrationFit fit_hardware_profile(const HardwareProfile& start,
-                                    std::span<const CalibrationSample> samples);
+                                    std::span<const CalibrationSample> samples,
+                                    bool ungraphed = false);
 
 // |predicted - measured| / measured of one sample under `profile`.
 double relative_error(const HardwareProfile& profile, const CalibrationSample& sample);
