@@ -590,6 +590,34 @@ TEST(Calibration, FitsTheOverheadOfStepsThatReplayNoGraph) {
   EXPECT_GT(without.mean_abs_rel_error, 2 * fit.mean_abs_rel_error);
 }
 
+// A start profile with kernel terms (kvlab calibrate --vidur's): the fit keeps its floors and
+// knees and moves its element-wise kinds together, keeping their ratios.
+TEST(Calibration, KeepsTheStartsKernelTermsAndScalesItsElementwiseKinds) {
+  HardwareProfile truth = toy_profile();
+  truth.gemm_kernel = {2e-6, 1.5};
+  truth.decode_attention_kernel = {3e-6, 1.2};
+  truth.elementwise[0] = {0.2, 1e-6};
+  truth.elementwise[2] = {0.4, 2e-6};
+  const CostModel model(toy_model(), truth);
+  std::vector<CalibrationSample> samples;
+  for (std::int64_t batch : {1, 4, 16, 64})
+    for (std::int64_t context : {8, 100, 400}) {
+      samples.push_back({model.work(std::vector<EntryShape>(batch, {1, context, 0})), 0});
+      samples.push_back({model.work(std::vector<EntryShape>{{batch * 4, context, 0}}), 0});
+    }
+  for (auto& s : samples) s.measured_s = step_cost(s.work, truth).total();
+  HardwareProfile start = truth;
+  start.efficiency.elementwise_memory = 0.25;  // half the truth's 0.5: kinds start at half too
+  start.elementwise[0].memory = 0.1;
+  start.elementwise[2].memory = 0.2;
+  const CalibrationFit fit = fit_hardware_profile(start, samples);
+  EXPECT_LT(fit.mean_abs_rel_error, 0.01);
+  EXPECT_EQ(fit.profile.gemm_kernel.floor_s, 2e-6);
+  EXPECT_EQ(fit.profile.decode_attention_kernel.knee, 1.2);
+  EXPECT_NE(fit.profile.elementwise[2].memory, 0.2);  // moved, with the other kind
+  EXPECT_NEAR(fit.profile.elementwise[2].memory / fit.profile.elementwise[0].memory, 2.0, 1e-9);
+}
+
 TEST(Calibration, WeightsDecideBetweenSamplesThatDisagree) {
   // Two measurements of the same shape, 20% apart: the fit lands nearer the heavier one.
   const CostModel model(toy_model(), toy_profile());

@@ -63,6 +63,11 @@ HardwareProfile with_parameters(const HardwareProfile& base, const Eigen::Vector
   e.attention_compute = bounded(x[2]);
   e.attention_memory = std::exp(x[3]);
   e.elementwise_memory = std::exp(x[4]);
+  // A start profile's element-wise kinds (kvlab calibrate --vidur's) keep their ratios to one
+  // another: the fit scales them all as it moves elementwise_memory. Floors, knees and waves are
+  // the start's, kept as they are.
+  for (ElementwiseTerm& t : p.elementwise)
+    t.memory *= e.elementwise_memory / base.efficiency.elementwise_memory;
   p.step_overhead_s = std::abs(x[5]) * 1e-3;  // |.|: overheads cannot be negative
   p.sequence_overhead_s = std::abs(x[6]) * 1e-3;
   for_each_regime(p, [&](KernelRegime& r, Eigen::Index i) {
@@ -140,6 +145,8 @@ void fold_into_bandwidth(HardwareProfile& p) {
   double memory = std::max({1.0, e.gemm_memory, e.attention_memory, e.elementwise_memory});
   for_each_regime(
       p, [&](const KernelRegime& r, Eigen::Index) { memory = std::max(memory, r.memory); });
+  for (const ElementwiseTerm& t : p.elementwise) memory = std::max(memory, t.memory);
+  for (ElementwiseTerm& t : p.elementwise) t.memory /= memory;
   p.memory_gb_per_s *= memory;
   e.gemm_memory /= memory;
   e.attention_memory /= memory;
