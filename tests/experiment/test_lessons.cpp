@@ -494,8 +494,8 @@ std::map<std::string, TenantSummary> by_tenant(const RunOutput& out) {
 // with the overload: it more than doubles when the run doubles (x2.3 on seeds 1-3; 141k-162k
 // tokens at 600 requests). vtc keeps it under a bound that does not grow with the run: one full
 // batch's work, 2 x (max prompt + max_batch x max output) = 2 x (768 + 64 x 384) = 50,688
-// tokens (3.8k-8.3k measured). The light tenant's median TTFT falls to under half of fcfs's
-// (0.34-0.41x): the heavy one can no longer queue it out.
+// tokens (3.9k-9.2k measured). The light tenant's median TTFT falls to under half of fcfs's
+// (0.34-0.45x): the heavy one can no longer queue it out.
 TEST(Lesson, VtcBoundsTheServiceGapThatFcfsLetsGrow) {
   constexpr double kBound = 2.0 * (768 + 64 * 384);
   for (const std::uint64_t seed : kSeeds) {
@@ -521,8 +521,8 @@ TEST(Lesson, VtcBoundsTheServiceGapThatFcfsLetsGrow) {
 // EDF under deadlines (experiments/deadlines.toml): interactive requests (TTFT SLO 1 s) and
 // batch ones (30 s), half each, in bursts at about 80% of what a simulated A100 serves. fcfs
 // lets an interactive request that lands behind a burst miss; edf admits by deadline. At the
-// same load more requests meet their SLO (+4.5 to +5.8 points on seeds 1-3: 91-93% -> 97-98%),
-// the interactive tenant's attainment rises by 9-11 points (82-87% -> 94-95%), and the batch
+// same load more requests meet their SLO (+4.5 to +6.2 points on seeds 1-3: 91-93% -> 97-98%),
+// the interactive tenant's attainment rises by 9-12 points (82-87% -> 95-96%), and the batch
 // tenant still meets every deadline.
 TEST(Lesson, EdfRaisesSloAttainmentOverFcfsAtTheSameLoad) {
   for (const std::uint64_t seed : kSeeds) {
