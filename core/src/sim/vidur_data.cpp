@@ -59,6 +59,15 @@ class CsvTable {
       throw Error(fmt::format("{}:{}: {} {} is not a count", file_, rows_[row].line, name, v));
     return static_cast<std::int64_t>(v);
   }
+  // A count in [low, high] (shapes a cost model can price: no step of 2^40 sequences).
+  std::int64_t count(std::size_t row, const std::string& name, std::int64_t low,
+                     std::int64_t high) const {
+    const std::int64_t v = integer(row, name);
+    if (v < low || v > high)
+      throw Error(fmt::format("{}:{}: {} {} is outside [{}, {}]", file_, rows_[row].line, name, v,
+                              low, high));
+    return v;
+  }
   // A time column (milliseconds) in seconds, > 0.
   double seconds(std::size_t row, const std::string& name) const {
     const double ms = number(row, name);
@@ -82,13 +91,13 @@ class CsvTable {
 ModelConfig model_from_row(const CsvTable& t, const std::string& name) {
   ModelConfig m;
   m.name = name;
-  m.hidden_size = t.integer(0, "n_embd");
-  m.num_attention_heads = t.integer(0, "n_head");
-  m.num_key_value_heads = t.integer(0, "n_kv_head");
-  m.intermediate_size = t.integer(0, "n_expanded_embd");
-  m.vocab_size = t.integer(0, "vocab_size");
-  if (m.num_attention_heads == 0 || m.num_key_value_heads == 0 ||
-      m.hidden_size % m.num_attention_heads != 0)
+  m.hidden_size = t.count(0, "n_embd", 1, 1 << 20);
+  m.num_attention_heads = t.count(0, "n_head", 1, 1 << 14);
+  m.num_key_value_heads = t.count(0, "n_kv_head", 1, 1 << 14);
+  m.intermediate_size = t.count(0, "n_expanded_embd", 1, 1 << 22);
+  m.vocab_size = t.count(0, "vocab_size", 1, 1 << 24);
+  if (m.hidden_size % m.num_attention_heads != 0 ||
+      m.num_attention_heads % m.num_key_value_heads != 0)
     throw Error(fmt::format("{}: heads {} / {} do not divide hidden {}", t.file(),
                             m.num_attention_heads, m.num_key_value_heads, m.hidden_size));
   m.head_dim = m.hidden_size / m.num_attention_heads;
@@ -102,15 +111,12 @@ std::vector<VidurLayerRow> layer_rows(const CsvTable& t) {
   std::vector<VidurLayerRow> rows;
   for (std::size_t r = 0; r < t.rows(); ++r) {
     VidurLayerRow row;
-    row.tokens = t.integer(r, "num_tokens");
-    row.tensor_parallel = t.integer(r, "num_tensor_parallel_workers");
+    row.tokens = t.count(r, "num_tokens", 1, 1 << 24);
+    row.tensor_parallel = t.count(r, "num_tensor_parallel_workers", 1, 1024);
     for (int op = 0; op < kVidurOperators; ++op)
       row.seconds[static_cast<std::size_t>(op)] = t.seconds(
           r, fmt::format("time_stats.{}.median", kVidurOperatorNames[static_cast<std::size_t>(op)]
                                                      .column));
-    if (row.tokens < 1 || row.tensor_parallel < 1)
-      throw Error(fmt::format("{}: a row of {} tokens on {} GPUs", t.file(), row.tokens,
-                              row.tensor_parallel));
     rows.push_back(row);
   }
   return rows;
@@ -122,12 +128,12 @@ void read_attention(const fs::path& file, VidurModel& model) {
     if (t.integer(r, "num_tensor_parallel_workers") != 1) continue;
     VidurAttentionRow row;
     row.prefill = t.text(r, "is_prefill") == "True";
-    row.batch = t.integer(r, "batch_size");
-    row.chunk = t.integer(r, "prefill_chunk_size");
-    row.kv_cache = t.integer(r, "kv_cache_size");
+    row.batch = t.count(r, "batch_size", 1, 1 << 16);
+    row.chunk = t.count(r, "prefill_chunk_size", 0, 1 << 24);
+    row.kv_cache = t.count(r, "kv_cache_size", 0, 1 << 24);
     row.seconds = t.seconds(r, row.prefill ? "time_stats.attn_prefill.median"
                                            : "time_stats.attn_decode.median");
-    if (row.batch < 1 || (row.prefill && row.chunk < 1) || (!row.prefill && row.kv_cache < 1))
+    if ((row.prefill && row.chunk < 1) || (!row.prefill && row.kv_cache < 1))
       throw Error(fmt::format("{}: an attention row of batch {}, chunk {}, {} cached", file.string(),
                               row.batch, row.chunk, row.kv_cache));
     model.attention.push_back(row);
@@ -143,11 +149,11 @@ std::vector<VidurAllReduceRow> allreduce_rows(const fs::path& file) {
   const CsvTable t(file);
   std::vector<VidurAllReduceRow> rows;
   for (std::size_t r = 0; r < t.rows(); ++r) {
-    const std::int64_t gpus = t.integer(r, "num_workers");
+    const std::int64_t gpus = t.count(r, "num_workers", 1, 1024);
     if (t.text(r, "collective") != "all_reduce" || gpus < 2 ||
         t.integer(r, "devices_per_node") != gpus)
       continue;
-    rows.push_back({gpus, 2.0 * static_cast<double>(t.integer(r, "size")),
+    rows.push_back({gpus, 2.0 * static_cast<double>(t.count(r, "size", 1, std::int64_t{1} << 40)),
                     t.seconds(r, "time_stats.all_reduce.median")});
   }
   return rows;
