@@ -67,9 +67,9 @@ void print_other_tables(std::span<const VidurPoint> points) {
     const std::string key =
         p.kind == "all_reduce"
             ? fmt::format("all_reduce, {} GPUs", p.tensor_parallel)
-            : fmt::format("{}: {} ({})", p.kind == "layer_with_attention" ? "layer + " + p.name
-                                                                           : p.kind,
-                          p.model, role(p.held_out));
+            : fmt::format("{}: {} ({})",
+                          p.kind == "layer_with_attention" ? "layer + " + p.name : p.kind, p.model,
+                          role(p.held_out));
     by[key].add(p.error());
   }
   fmt::print("\n{:<62} {:>6} {:>8} {:>8}\n", "measurements", "points", "mean", "max");
@@ -84,8 +84,8 @@ void write_report(const std::string& file, const std::string& gpu,
   out << "gpu,model,role,kind,name,tp,tokens,kv_cache,bytes,measured_s,predicted_s\n";
   for (const VidurPoint& p : points)
     out << fmt::format("{},{},{},{},{},{},{},{},{},{:.9g},{:.9g}\n", gpu, p.model,
-                       p.held_out ? "held_out" : "fit", p.kind, p.name, p.tensor_parallel,
-                       p.tokens, p.kv_cache, p.bytes, p.measured_s, p.predicted_s);
+                       p.held_out ? "held_out" : "fit", p.kind, p.name, p.tensor_parallel, p.tokens,
+                       p.kv_cache, p.bytes, p.measured_s, p.predicted_s);
   if (!out) throw Error(fmt::format("cannot write {}", file));
   fmt::print("wrote {} ({} measurements)\n", file, points.size());
 }
@@ -118,9 +118,9 @@ void run_calibrate_vidur(const VidurCalibration& o) {
   if (!o.attention_from.empty()) carry_attention(start, o.attention_from);
   HardwareProfile fitted = fit_vidur_profile(data, start, options);
   if (!o.name.empty()) fitted.name = o.name;
-  fitted.description = fmt::format("{} (kernel terms fitted to Vidur's measured {} operators)",
-                                   start.description.substr(0, start.description.find(" (")),
-                                   data.gpu);
+  fitted.description =
+      fmt::format("{} (kernel terms fitted to Vidur's measured {} operators)",
+                  start.description.substr(0, start.description.find(" (")), data.gpu);
   const auto points = vidur_validation(data, fitted, options);
   fmt::print("Vidur {}: layer terms fitted on {}; attention on {}\n\n", data.gpu,
              fmt::join(options.fit_models, ", "),

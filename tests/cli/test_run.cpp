@@ -916,7 +916,8 @@ TEST(KvlabCalibrate, WritesAProfileThatTheSimulatedBackendLoads) {
 TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
   test::TempDir dir;
   const std::string out = " --out " + (dir / "a100.toml").string();
-  const Result no_gpu = kvlab("calibrate --vidur " + dir.path().string() + " --profile a100-80gb" + out);
+  const Result no_gpu =
+      kvlab("calibrate --vidur " + dir.path().string() + " --profile a100-80gb" + out);
   EXPECT_NE(no_gpu.exit_code, 0);
   EXPECT_NE(no_gpu.err.find("--vidur needs --gpu a100 or h100"), std::string::npos) << no_gpu.err;
   const Result no_profile = kvlab("calibrate --vidur " + dir.path().string() + " --gpu a100" + out);
@@ -929,14 +930,14 @@ TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
 
   const char* env = std::getenv("KVLAB_SHARED_DATA");
   const std::filesystem::path vidur =
-      (env != nullptr ? std::filesystem::path(env)
-                      : std::filesystem::path(KVLAB_FIXTURES_DIR) / ".." / ".." / ".." / "shared" /
-                            "data") /
+      (env != nullptr
+           ? std::filesystem::path(env)
+           : std::filesystem::path(KVLAB_FIXTURES_DIR) / ".." / ".." / ".." / "shared" / "data") /
       "vidur-profiling";
   if (!std::filesystem::exists(vidur)) GTEST_SKIP() << "no Vidur data at " << vidur.string();
-  const Result fit = kvlab("calibrate --vidur " + vidur.string() +
-                           " --gpu a100 --profile a100-80gb --report " +
-                           (dir / "report.csv").string() + out);
+  const Result fit =
+      kvlab("calibrate --vidur " + vidur.string() + " --gpu a100 --profile a100-80gb --report " +
+            (dir / "report.csv").string() + out);
   ASSERT_EQ(fit.exit_code, 0) << fit.err;
   EXPECT_NE(fit.out.find("Llama-2-70b-hf               held out"), std::string::npos) << fit.out;
   EXPECT_NE(fit.out.find("layer + attention_decode"), std::string::npos) << fit.out;
@@ -944,7 +945,9 @@ TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
   EXPECT_GT(written.gemm_kernel.floor_s, 0);
   EXPECT_EQ(written.allreduce.size(), 3u);
   const std::string report = test::read_file(dir / "report.csv");
-  EXPECT_EQ(report.rfind("gpu,model,role,kind,name,tp,tokens,kv_cache,bytes,measured_s,predicted_s\n", 0), 0u);
+  EXPECT_EQ(
+      report.rfind("gpu,model,role,kind,name,tp,tokens,kv_cache,bytes,measured_s,predicted_s\n", 0),
+      0u);
   EXPECT_NE(report.find("a100,Llama-2-70b-hf,held_out,layer,layer,8,"), std::string::npos);
 }
 

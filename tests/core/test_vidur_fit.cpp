@@ -87,8 +87,8 @@ TEST(KernelTerms, FloorsAddOncePerKernelAndUnsetTermsChangeNothing) {
 TEST(KernelTerms, TheKneeJoinsComputeAndMemoryTime) {
   const FlopsAndBytes work{3e9, 2e6};  // 3e9 / 1e14 = 30 us compute, 2e6 / 1e12 = 2 us memory
   const double c = 30e-6, m = 2e-6;
-  EXPECT_NEAR(kernel_seconds(work, 1e14, 1e12, {1, 1}, 0), c, 1e-18);       // the roofline
-  EXPECT_NEAR(kernel_seconds(work, 1e14, 1e12, {1, 1}, 1), c + m, 1e-18);   // they add
+  EXPECT_NEAR(kernel_seconds(work, 1e14, 1e12, {1, 1}, 0), c, 1e-18);      // the roofline
+  EXPECT_NEAR(kernel_seconds(work, 1e14, 1e12, {1, 1}, 1), c + m, 1e-18);  // they add
   EXPECT_NEAR(kernel_seconds(work, 1e14, 1e12, {1, 1}, 2), std::hypot(c, m), 1e-18);
   EXPECT_NEAR(kernel_seconds(work, 1e14, 1e12, {1, 1}, 64), c, 1e-3 * c);  // about the max
   EXPECT_NEAR(kernel_seconds(work, 1e14, 1e12, {0.5, 0.25}, 1), 2 * c + 4 * m, 1e-18);
@@ -140,7 +140,8 @@ TEST(KernelTerms, UngraphedStepsPayTheirOverheadAndAllReducesTheirGroupSize) {
               static_cast<double>(two.collectives) * 3e-5 + two.collective_bytes / 50e9, kRounding);
   const StepWork four = CostModel(m, p, 4).work(decodes);  // not listed: [interconnect]
   EXPECT_NEAR(CostModel(m, p, 4).cost(four).collectives_s,
-              static_cast<double>(four.collectives) * 1e-5 + four.collective_bytes / 100e9, kRounding);
+              static_cast<double>(four.collectives) * 1e-5 + four.collective_bytes / 100e9,
+              kRounding);
 }
 
 TEST(KernelTerms, RoundTripThroughTomlAndEveryErrorIsClear) {
@@ -176,7 +177,8 @@ TEST(KernelTerms, RoundTripThroughTomlAndEveryErrorIsClear) {
   expect("[kernels]\ngemm_floor_s = -1\n", {"kernels.gemm_floor_s must be >= 0"});
   expect("[kernels]\ngemm_flor_s = 1\n", {"unknown key kernels.gemm_flor_s", "gemm_floor_s"});
   expect("[kernels]\nelementwise_wave_rows = 1e7\n", {"at most 1e6"});
-  expect("[elementwise]\nrope = { floor_s = 1e-6 }\n", {"p.toml:8", "elementwise.rope needs memory"});
+  expect("[elementwise]\nrope = { floor_s = 1e-6 }\n",
+         {"p.toml:8", "elementwise.rope needs memory"});
   expect("[elementwise]\nrope = { memory = 1.5 }\n", {"(0, 1]", "1.5"});
   expect("[elementwise]\nrope = 0.5\n", {"elementwise.rope must be a table"});
   expect("[elementwise]\nropes = { memory = 0.5 }\n",
@@ -207,13 +209,16 @@ void write_vidur_files(const fs::path& root, const HardwareProfile& truth,
     ModelConfig one = m;
     one.num_hidden_layers = 1;
     for (const std::int64_t tp : {1, 2, 4})
-      for (std::int64_t tokens = 1; tokens <= 4096; tokens = tokens < 64 ? tokens * 2 : tokens + 96) {
-        const auto b = CostModel(one, truth, tp).breakdown(std::vector<EntryShape>{{tokens, 0, 0, 1}});
+      for (std::int64_t tokens = 1; tokens <= 4096;
+           tokens = tokens < 64 ? tokens * 2 : tokens + 96) {
+        const auto b =
+            CostModel(one, truth, tp).breakdown(std::vector<EntryShape>{{tokens, 0, 0, 1}});
         std::map<std::string, double> s;
         for (const OperatorCost& op : b.operators) s[op.name] = op.seconds;
         mlp << fmt::format("{},{},{},{},{},{},{}", m.num_attention_heads, m.num_key_value_heads,
                            m.hidden_size, m.intermediate_size, m.vocab_size, tokens, tp);
-        for (const auto& op : kVidurOperatorNames) mlp << fmt::format(",{:.12g}", s.at(op.kvlab) * 1e3);
+        for (const auto& op : kVidurOperatorNames)
+          mlp << fmt::format(",{:.12g}", s.at(op.kvlab) * 1e3);
         mlp << "\n";
       }
     if (i != 0) continue;
@@ -253,7 +258,8 @@ TEST(VidurFit, RecoversTheTermsOfTheProfileThatMadeItsData) {
   test::TempDir dir;
   HardwareProfile truth = termed_gpu();
   write_vidur_files(dir.path(), truth,
-                    {{"fit-a", small_model(512, 8, 8)}, {"fit-b", small_model(1024, 16, 4)},
+                    {{"fit-a", small_model(512, 8, 8)},
+                     {"fit-b", small_model(1024, 16, 4)},
                      {"held", small_model(768, 12, 4)}});
   const VidurData data = load_vidur_data(dir.path(), "a100");
   ASSERT_EQ(data.models.size(), 3u);
@@ -290,8 +296,8 @@ TEST(VidurFit, RecoversTheTermsOfTheProfileThatMadeItsData) {
   const auto points = vidur_validation(data, fitted, options);
   std::size_t held_out = 0;
   for (const VidurPoint& p : points) {
-    EXPECT_LT(std::abs(p.error()), 0.03) << p.model << " " << p.kind << " " << p.name << " "
-                                         << p.tokens;
+    EXPECT_LT(std::abs(p.error()), 0.03)
+        << p.model << " " << p.kind << " " << p.name << " " << p.tokens;
     held_out += p.held_out && p.kind == "layer" ? 1 : 0;
   }
   EXPECT_GT(held_out, 50u);
@@ -335,9 +341,9 @@ TEST(VidurFit, FileProblemsAreNamed) {
 // claim (mean |error| under 9%).
 TEST(VidurFit, ShippedProfilesAreTheFitOfTheSharedData) {
   const char* env = std::getenv("KVLAB_SHARED_DATA");
-  const fs::path shared = env != nullptr ? fs::path(env)
-                                         : fs::path(KVLAB_FIXTURES_DIR) / ".." / ".." / ".." /
-                                               "shared" / "data";
+  const fs::path shared =
+      env != nullptr ? fs::path(env)
+                     : fs::path(KVLAB_FIXTURES_DIR) / ".." / ".." / ".." / "shared" / "data";
   const fs::path vidur = shared / "vidur-profiling";
   if (!fs::exists(vidur / "data" / "profiling"))
     GTEST_SKIP() << "no Vidur profiling data at " << vidur.string()
@@ -370,7 +376,8 @@ TEST(VidurFit, ShippedProfilesAreTheFitOfTheSharedData) {
     }
     // Attention: fitted on the A100's Llama-3-8B excerpt, the H100 carries the A100's.
     const HardwareProfile& attention = h100 ? a100 : fitted;
-    EXPECT_PRED2(same, shipped.efficiency.attention_compute, attention.efficiency.attention_compute);
+    EXPECT_PRED2(same, shipped.efficiency.attention_compute,
+                 attention.efficiency.attention_compute);
     EXPECT_PRED2(same, shipped.efficiency.attention_memory, attention.efficiency.attention_memory);
     EXPECT_PRED2(same, shipped.decode_attention_kernel.floor_s,
                  attention.decode_attention_kernel.floor_s);
@@ -384,8 +391,7 @@ TEST(VidurFit, ShippedProfilesAreTheFitOfTheSharedData) {
         ++layers[p.model].second;
       }
     ASSERT_FALSE(layers.empty());
-    for (const auto& [model, sum] : layers)
-      EXPECT_LT(sum.first / sum.second, 0.09) << model;
+    for (const auto& [model, sum] : layers) EXPECT_LT(sum.first / sum.second, 0.09) << model;
   }
 }
 

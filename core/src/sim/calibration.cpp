@@ -133,8 +133,9 @@ struct Residuals {
     // drifting to absurd values; the samples outweigh it wherever they do tell.
     for (Eigen::Index k = 0; k < prior.size(); ++k)
       residual[static_cast<Eigen::Index>(samples.size()) + k] =
-          is_efficiency(k, regime_end) ? kPriorWeight * (log_efficiency(k, x[k]) - log_efficiency(k, prior[k]))
-                           : 0.0;
+          is_efficiency(k, regime_end)
+              ? kPriorWeight * (log_efficiency(k, x[k]) - log_efficiency(k, prior[k]))
+              : 0.0;
     return 0;
   }
 };

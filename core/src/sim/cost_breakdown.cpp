@@ -78,9 +78,9 @@ void add_elementwise(std::vector<OperatorCost>& ops, const ShardShapes& g, const
     std::int64_t runs_a_layer;  // 0: once a step
     double bytes;               // a run's
   } parts[] = {
-      {"rms_norm", Kind::rms_norm, 2, per_token * 2 * g.hidden * act},  // read + write
+      {"rms_norm", Kind::rms_norm, 2, per_token * 2 * g.hidden * act},          // read + write
       {"residual_add", Kind::residual_add, 2, per_token * 3 * g.hidden * act},  // 2 in, 1 out
-      {"rope", Kind::rope, 1, per_token * (2 * g.q + 2 * g.kv) * act},  // q and k in and out
+      {"rope", Kind::rope, 1, per_token * (2 * g.q + 2 * g.kv) * act},     // q and k in and out
       {"activation", Kind::activation, 1, per_token * 3 * g.inter * act},  // SwiGLU: 2 in, 1 out
       {"kv_write", Kind::kv_write, 1, per_token * kv_token_bytes},
       {"embedding", Kind::embedding, 0, per_token * g.hidden * (weight + act)},
@@ -92,11 +92,14 @@ void add_elementwise(std::vector<OperatorCost>& ops, const ShardShapes& g, const
     const double memory = terms && t.memory > 0 ? t.memory : p.efficiency.elementwise_memory;
     const double floor_s = terms ? t.floor_s : 0.0;
     const bool per_layer = part.runs_a_layer > 0;
-    ops.push_back({part.name, "elementwise", per_layer ? part.runs_a_layer * layers : 1,
+    ops.push_back({part.name,
+                   "elementwise",
+                   per_layer ? part.runs_a_layer * layers : 1,
                    {0, part.bytes},
                    floor_s + (terms ? wave_bytes(part.bytes, s.tokens, p) : part.bytes) /
                                  (p.memory_gb_per_s * 1e9 * memory),
-                   "memory", per_layer});
+                   "memory",
+                   per_layer});
   }
 }
 
@@ -105,10 +108,15 @@ void add_elementwise(std::vector<OperatorCost>& ops, const ShardShapes& g, const
 void add_collectives(std::vector<OperatorCost>& ops, const ModelConfig& m, const ShardShapes& g,
                      const StepSizes& s, std::int64_t tp, std::int64_t cp, double act,
                      const HardwareProfile& p) {
-  const auto [latency, gb_per_s] = allreduce_latency_and_bandwidth(p, tp > 1 ? tp : cp);
+  const std::pair<double, double> link = allreduce_latency_and_bandwidth(p, tp > 1 ? tp : cp);
   const auto add = [&](const char* name, std::int64_t runs, bool per_layer, double bytes) {
-    ops.push_back({name, "collectives", runs, {0, bytes}, latency + bytes / (gb_per_s * 1e9),
-                   "latency", per_layer});
+    ops.push_back({name,
+                   "collectives",
+                   runs,
+                   {0, bytes},
+                   link.first + bytes / (link.second * 1e9),
+                   "latency",
+                   per_layer});
   };
   const std::int64_t layers = m.num_hidden_layers;
   if (tp > 1) {

@@ -27,8 +27,8 @@ double kernel_seconds(const FlopsAndBytes& work, double peak_flops, double bytes
   const double larger = std::max(compute, memory);
   if (larger <= 0) return 0.0;
   // Scaled by the larger time, so that neither power overflows or vanishes.
-  return larger * std::pow(std::pow(compute / larger, knee) + std::pow(memory / larger, knee),
-                           1.0 / knee);
+  return larger *
+         std::pow(std::pow(compute / larger, knee) + std::pow(memory / larger, knee), 1.0 / knee);
 }
 
 double wave_bytes(double bytes, double rows, const HardwareProfile& p) {
@@ -194,8 +194,8 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
                floors(w.gemm_kernels, p.gemm_kernel);
   c.lm_head_s = kernel_seconds(w.lm_head, peak, bandwidth, g.lm_head, p.gemm_kernel.knee) +
                 floors(w.logit_rows > 0 ? 1 : 0, p.gemm_kernel);
-  c.attention_prefill_s = kernel_seconds(w.attention_prefill, peak, bandwidth,
-                                         g.attention_prefill, p.prefill_attention_kernel.knee) +
+  c.attention_prefill_s = kernel_seconds(w.attention_prefill, peak, bandwidth, g.attention_prefill,
+                                         p.prefill_attention_kernel.knee) +
                           floors(w.prefill_attention_kernels, p.prefill_attention_kernel);
   c.attention_decode_s = kernel_seconds(w.attention_decode, peak, bandwidth, g.attention_decode,
                                         p.decode_attention_kernel.knee) +

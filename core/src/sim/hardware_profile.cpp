@@ -144,9 +144,9 @@ std::vector<KernelRegime> read_regimes(const toml::array* regimes, const std::st
 
 // Every top-level key is a known table ([[...]] for the kernel regimes), or an error naming it.
 void check_top_level(const toml::table& top, const std::string& where) {
-  const std::vector<std::string> tables{
-      "profile", "device",  "efficiency",   "overhead", "memory",    "link",
-      "interconnect", "network", "kernels", "elementwise", "provenance"};
+  const std::vector<std::string> tables{"profile", "device",      "efficiency",   "overhead",
+                                        "memory",  "link",        "interconnect", "network",
+                                        "kernels", "elementwise", "provenance"};
   const std::vector<std::string> regime_arrays{"gemm_regime", "decode_attention_regime",
                                                "allreduce"};
   for (const auto& [key, value] : top) {
@@ -191,7 +191,6 @@ void read_links(toml::table& top, const std::string& where, HardwareProfile& p) 
     s.finish();
   }
 }
-
 
 // [kernels]: <kernel>_floor_s >= 0 and <kernel>_knee (0: max; else in [1, 64]).
 void read_kernel_terms(toml::table& top, const std::string& where, HardwareProfile& p) {
@@ -238,7 +237,8 @@ void read_elementwise_terms(toml::table& top, const std::string& where, Hardware
 }
 
 // [[allreduce]]: gpus (2..1024, ascending), latency_s >= 0, gb_per_s > 0.
-std::vector<AllReduceTerm> read_allreduce_terms(const toml::array* terms, const std::string& where) {
+std::vector<AllReduceTerm> read_allreduce_terms(const toml::array* terms,
+                                                const std::string& where) {
   std::vector<AllReduceTerm> out;
   if (terms == nullptr) return out;
   for (const toml::node& node : *terms) {
@@ -246,8 +246,8 @@ std::vector<AllReduceTerm> read_allreduce_terms(const toml::array* terms, const 
     AllReduceTerm t;
     const double gpus = s.number("gpus", 0, true);
     if (gpus != std::floor(gpus) || gpus < 2 || gpus > 1024)
-      s.fail(s.node("gpus"), fmt::format("allreduce.gpus must be an integer in [2, 1024], got {}",
-                                         gpus));
+      s.fail(s.node("gpus"),
+             fmt::format("allreduce.gpus must be an integer in [2, 1024], got {}", gpus));
     t.gpus = static_cast<std::int64_t>(gpus);
     if (!out.empty() && t.gpus <= out.back().gpus)
       s.fail(s.node("gpus"),
@@ -464,8 +464,8 @@ void add_fitted_terms(toml::table& top, const HardwareProfile& p) {
   if (!p.allreduce.empty()) {
     toml::array array;
     for (const AllReduceTerm& t : p.allreduce)
-      array.push_back(toml::table{
-          {"gpus", t.gpus}, {"latency_s", t.latency_s}, {"gb_per_s", t.gb_per_s}});
+      array.push_back(
+          toml::table{{"gpus", t.gpus}, {"latency_s", t.latency_s}, {"gb_per_s", t.gb_per_s}});
     top.insert("allreduce", std::move(array));
   }
   if (!p.provenance.empty()) {

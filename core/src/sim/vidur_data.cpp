@@ -114,9 +114,9 @@ std::vector<VidurLayerRow> layer_rows(const CsvTable& t) {
     row.tokens = t.count(r, "num_tokens", 1, 1 << 24);
     row.tensor_parallel = t.count(r, "num_tensor_parallel_workers", 1, 1024);
     for (int op = 0; op < kVidurOperators; ++op)
-      row.seconds[static_cast<std::size_t>(op)] = t.seconds(
-          r, fmt::format("time_stats.{}.median", kVidurOperatorNames[static_cast<std::size_t>(op)]
-                                                     .column));
+      row.seconds[static_cast<std::size_t>(op)] =
+          t.seconds(r, fmt::format("time_stats.{}.median",
+                                   kVidurOperatorNames[static_cast<std::size_t>(op)].column));
     rows.push_back(row);
   }
   return rows;
@@ -131,17 +131,16 @@ void read_attention(const fs::path& file, VidurModel& model) {
     row.batch = t.count(r, "batch_size", 1, 1 << 16);
     row.chunk = t.count(r, "prefill_chunk_size", 0, 1 << 24);
     row.kv_cache = t.count(r, "kv_cache_size", 0, 1 << 24);
-    row.seconds = t.seconds(r, row.prefill ? "time_stats.attn_prefill.median"
-                                           : "time_stats.attn_decode.median");
+    row.seconds = t.seconds(
+        r, row.prefill ? "time_stats.attn_prefill.median" : "time_stats.attn_decode.median");
     if ((row.prefill && row.chunk < 1) || (!row.prefill && row.kv_cache < 1))
-      throw Error(fmt::format("{}: an attention row of batch {}, chunk {}, {} cached", file.string(),
-                              row.batch, row.chunk, row.kv_cache));
+      throw Error(fmt::format("{}: an attention row of batch {}, chunk {}, {} cached",
+                              file.string(), row.batch, row.chunk, row.kv_cache));
     model.attention.push_back(row);
     model.attention_backend = t.text(r, "attention_backend");
   }
   const std::string prefix = "AttentionBackend.";
-  if (model.attention_backend.starts_with(prefix))
-    model.attention_backend.erase(0, prefix.size());
+  if (model.attention_backend.starts_with(prefix)) model.attention_backend.erase(0, prefix.size());
 }
 
 // All-reduces inside one node (devices_per_node == num_workers): a DGX's NVSwitch.
@@ -180,9 +179,10 @@ VidurData load_vidur_data(const fs::path& root, std::string_view gpu) {
   const fs::path compute = data.root / "compute" / data.gpu;
   std::error_code ec;
   if (!fs::is_directory(compute, ec))
-    throw Error(fmt::format("{}: not Vidur's profiling folder (no compute/{}/; give the "
-                            "vidur-profiling folder of ../shared/data)",
-                            root.string(), data.gpu));
+    throw Error(
+        fmt::format("{}: not Vidur's profiling folder (no compute/{}/; give the "
+                    "vidur-profiling folder of ../shared/data)",
+                    root.string(), data.gpu));
   for (const auto& org : fs::directory_iterator(compute))
     for (const auto& folder : fs::directory_iterator(org.path())) {
       const fs::path mlp = folder.path() / "mlp.csv";

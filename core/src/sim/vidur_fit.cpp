@@ -163,8 +163,7 @@ void for_each_layer_row(const VidurData& data, std::span<const std::string> name
     const VidurModel& model = data.model(name);
     for (const VidurLayerRow& row : model.layers)
       visit(model, row,
-            step_operators(model.config, profile, row.tensor_parallel,
-                           prefill_shape(row.tokens)));
+            step_operators(model.config, profile, row.tensor_parallel, prefill_shape(row.tokens)));
   }
 }
 
@@ -176,15 +175,14 @@ std::vector<KernelSample> operator_samples(const VidurData& data, const VidurFit
                      [&](const VidurModel&, const VidurLayerRow& row, const auto& ops) {
                        for (const std::size_t op : columns)
                          samples.push_back({ops.at(kVidurOperatorNames[op].kvlab).work,
-                                            static_cast<double>(row.tokens), row.seconds[op],
-                                            0});
+                                            static_cast<double>(row.tokens), row.seconds[op], 0});
                      });
   return samples;
 }
 
 std::string fit_summary(const KernelFit& f, std::size_t samples) {
-  return fmt::format("{} kernels, mean |error| {:.1f}%, worst {:.0f}%", samples,
-                     100 * f.mean_error, 100 * f.max_error);
+  return fmt::format("{} kernels, mean |error| {:.1f}%, worst {:.0f}%", samples, 100 * f.mean_error,
+                     100 * f.max_error);
 }
 
 std::string layer_source(const VidurData& data, const VidurFitOptions& options) {
@@ -193,9 +191,10 @@ std::string layer_source(const VidurData& data, const VidurFitOptions& options) 
     if (std::find(options.fit_models.begin(), options.fit_models.end(), m.name) ==
         options.fit_models.end())
       held_out.push_back(m.name);
-  return fmt::format("Vidur's {} mlp.csv (MLSys'24) of {}, every token count and TP 1/2/4/8; "
-                     "held out: {}",
-                     data.gpu, join(options.fit_models), join(held_out));
+  return fmt::format(
+      "Vidur's {} mlp.csv (MLSys'24) of {}, every token count and TP 1/2/4/8; "
+      "held out: {}",
+      data.gpu, join(options.fit_models), join(held_out));
 }
 
 void fit_gemms(const VidurData& data, const VidurFitOptions& options, HardwareProfile& p) {
@@ -322,15 +321,14 @@ void fit_allreduce(const VidurData& data, HardwareProfile& p) {
     for (std::size_t i = 0; i < rows.size(); ++i)
       a.row(static_cast<Eigen::Index>(i)) << 1 / rows[i].seconds,
           2 * (g - 1) / g * rows[i].bytes / rows[i].seconds;
-    const Eigen::VectorXd x =
-        a.colPivHouseholderQr().solve(Eigen::VectorXd::Ones(a.rows()));
+    const Eigen::VectorXd x = a.colPivHouseholderQr().solve(Eigen::VectorXd::Ones(a.rows()));
     if (!(x[0] >= 0) || !(x[1] > 0))
       throw Error(fmt::format("the {}-GPU all-reduce fit is not physical: latency {} s, {} s/B",
                               gpus, x[0], x[1]));
     const double error = (a * x - Eigen::VectorXd::Ones(a.rows())).cwiseAbs().mean();
     p.allreduce.push_back({gpus, x[0], 1e-9 / x[1]});
-    fits.push_back(fmt::format("{} GPUs: {} sizes, mean |error| {:.1f}%", gpus, rows.size(),
-                               100 * error));
+    fits.push_back(
+        fmt::format("{} GPUs: {} sizes, mean |error| {:.1f}%", gpus, rows.size(), 100 * error));
   }
   if (p.allreduce.empty()) return;
   p.allreduce_latency_s = p.allreduce.back().latency_s;  // the largest group: other sizes, CP
@@ -341,15 +339,14 @@ void fit_allreduce(const VidurData& data, HardwareProfile& p) {
       data.gpu, join(fits));
 }
 
-
 // ---- Validation ------------------------------------------------------------------------------
 
 struct PointSink {
   std::vector<VidurPoint>& points;
   std::string model;
   bool held_out;
-  void add(const std::string& kind, const std::string& name, std::int64_t tp,
-           std::int64_t tokens, std::int64_t kv_cache, double measured, double predicted) {
+  void add(const std::string& kind, const std::string& name, std::int64_t tp, std::int64_t tokens,
+           std::int64_t kv_cache, double measured, double predicted) {
     points.push_back({model, held_out, kind, name, tp, tokens, kv_cache, 0, measured, predicted});
   }
 };
@@ -412,8 +409,16 @@ std::vector<VidurPoint> vidur_validation(const VidurData& data, const HardwarePr
   for (const VidurAllReduceRow& row : data.allreduce) {
     const auto [latency, gb_per_s] = allreduce_latency_and_bandwidth(profile, row.gpus);
     const double g = static_cast<double>(row.gpus);
-    VidurPoint point{"", false, "all_reduce", "all_reduce", row.gpus, 0, 0, row.bytes,
-                     row.seconds, latency + 2 * (g - 1) / g * row.bytes / (gb_per_s * 1e9)};
+    VidurPoint point{"",
+                     false,
+                     "all_reduce",
+                     "all_reduce",
+                     row.gpus,
+                     0,
+                     0,
+                     row.bytes,
+                     row.seconds,
+                     latency + 2 * (g - 1) / g * row.bytes / (gb_per_s * 1e9)};
     points.push_back(point);
   }
   return points;

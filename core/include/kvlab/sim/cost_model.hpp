@@ -71,7 +71,7 @@ struct StepWork {
   // kernels each group launches (each pays its kind's floor: [kernels], [elementwise]).
   std::array<double, kElementwiseKinds> elementwise_bytes{};
   std::array<std::int64_t, kElementwiseKinds> elementwise_kernels{};
-  double elementwise_rows = 0;  // a kernel's rows: this GPU's tokens
+  double elementwise_rows = 0;    // a kernel's rows: this GPU's tokens
   std::int64_t gemm_kernels = 0;  // the layers' projections and MLP (the LM head: one more)
   std::int64_t prefill_attention_kernels = 0, decode_attention_kernels = 0;
   std::int64_t prefill_tokens = 0;  // > 0: the step replays no CUDA graph (ungraphed_step_s)

@@ -18,8 +18,16 @@ namespace kvlab {
 // mlp.csv's operators, one kernel each; `kvlab` names the cost model's operator it is priced as
 // (CostModel::breakdown), `column` Vidur's time_stats column.
 enum class VidurOperator {
-  qkv_proj, o_proj, gate_up_proj, down_proj, input_norm, post_attention_norm, rope, activation,
-  residual_add, embedding
+  qkv_proj,
+  o_proj,
+  gate_up_proj,
+  down_proj,
+  input_norm,
+  post_attention_norm,
+  rope,
+  activation,
+  residual_add,
+  embedding
 };
 inline constexpr int kVidurOperators = 10;
 struct VidurOperatorName {
