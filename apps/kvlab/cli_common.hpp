@@ -44,9 +44,11 @@ void register_calibrate(CLI::App& app);
 // kvlab calibrate --vidur (cmd_calibrate_vidur.cpp).
 struct VidurCalibration {
   std::string folder, gpu, profile, out, name, report, attention_model, attention_from;
+  std::string carry_from;  // --carry-from: no fit, another GPU's kernel terms (same silicon)
   std::vector<std::string> fit_models{"Llama-2-7b-hf", "CodeLlama-34b-Instruct-hf"};
 };
 void run_calibrate_vidur(const VidurCalibration& options);
+void run_calibrate_carry(const VidurCalibration& options);
 void register_cost(CLI::App& app);
 void register_plugins(CLI::App& app);
 void register_metrics(CLI::App& app);

@@ -571,12 +571,16 @@ void register_calibrate(CLI::App& app) {
                   "--vidur: carry the attention terms of this profile (a GPU without attention "
                   "measurements)");
   sub->add_option("--report", v->report, "--vidur: every measurement against its price (CSV)");
+  sub->add_option("--carry-from", v->carry_from,
+                  "Measure nothing: give --profile the kernel terms of this profile (a GPU of the "
+                  "same silicon, such as h100-sxm for h200)");
   sub->callback([o, v]() {
-    if (v->folder.empty()) return run_calibrate(*o);
-    if (v->gpu.empty()) throw Error("--vidur needs --gpu a100 or h100");
     v->profile = o->profile;
     v->out = o->out;
     v->name = o->name;
+    if (!v->carry_from.empty()) return run_calibrate_carry(*v);
+    if (v->folder.empty()) return run_calibrate(*o);
+    if (v->gpu.empty()) throw Error("--vidur needs --gpu a100 or h100");
     run_calibrate_vidur(*v);
   });
 }

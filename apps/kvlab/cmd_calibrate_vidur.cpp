@@ -104,7 +104,47 @@ void carry_attention(HardwareProfile& p, const std::string& from) {
       other.name, other.provenance.count("attention") ? other.provenance.at("attention") : "");
 }
 
+void write_fitted_profile(const std::string& out, const HardwareProfile& profile,
+                          const std::string& how) {
+  std::ofstream file(out, std::ios::trunc);
+  if (!file) throw Error(fmt::format("cannot write {}", out));
+  file << fmt::format("# {}: {}. Where each term comes from: [provenance].\n", profile.name, how);
+  file << hardware_profile_to_toml(profile);
+  if (!file) throw Error(fmt::format("cannot write {}", out));
+  fmt::print("wrote {}\n", out);
+}
+
 }  // namespace
+
+void run_calibrate_carry(const VidurCalibration& o) {
+  if (o.profile.empty())
+    throw Error("--carry-from: give --profile with the GPU's datasheet peaks (h200, ...)");
+  const HardwareProfile from = load_hardware_profile(o.carry_from);
+  HardwareProfile p = load_hardware_profile(o.profile);
+  const std::string source = fmt::format(
+      "carried from {} by kvlab calibrate --carry-from (the same kernels on this GPU: its "
+      "fractions of this GPU's own peaks, floors, knees and waves; all-reduces as measured there)",
+      from.name);
+  p.efficiency = from.efficiency;
+  p.gemm_regimes = from.gemm_regimes;
+  p.decode_attention_regimes = from.decode_attention_regimes;
+  p.gemm_kernel = from.gemm_kernel;
+  p.prefill_attention_kernel = from.prefill_attention_kernel;
+  p.decode_attention_kernel = from.decode_attention_kernel;
+  p.elementwise = from.elementwise;
+  p.elementwise_wave_rows = from.elementwise_wave_rows;
+  p.allreduce = from.allreduce;
+  p.allreduce_gb_per_s = from.allreduce_gb_per_s;
+  p.allreduce_latency_s = from.allreduce_latency_s;
+  for (const auto& [term, text] : from.provenance)
+    if (term != "device" && term != "memory" && term != "link" && term != "network")
+      p.provenance[term] = fmt::format("{} ({}: {})", source, from.name, text);
+  if (!o.name.empty()) p.name = o.name;
+  p.description = fmt::format("{} (kernel terms carried from {})",
+                              p.description.substr(0, p.description.find(" (")), from.name);
+  write_fitted_profile(o.out, p,
+                       fmt::format("written by kvlab calibrate --carry-from {}", from.name));
+}
 
 void run_calibrate_vidur(const VidurCalibration& o) {
   if (o.profile.empty())
@@ -128,15 +168,9 @@ void run_calibrate_vidur(const VidurCalibration& o) {
   print_layer_table(points);
   print_other_tables(points);
   if (!o.report.empty()) write_report(o.report, data.gpu, points);
-  std::ofstream file(o.out, std::ios::trunc);
-  if (!file) throw Error(fmt::format("cannot write {}", o.out));
-  file << fmt::format(
-      "# {}: written by kvlab calibrate --vidur from Vidur's profiling data (MLSys'24, MIT\n"
-      "# licence; ../shared/data/vidur-profiling). Where each term comes from: [provenance].\n",
-      fitted.name);
-  file << hardware_profile_to_toml(fitted);
-  if (!file) throw Error(fmt::format("cannot write {}", o.out));
-  fmt::print("wrote {}\n", o.out);
+  write_fitted_profile(o.out, fitted,
+                       "written by kvlab calibrate --vidur from Vidur's profiling data (MLSys'24, "
+                       "MIT licence; ../shared/data/vidur-profiling)");
 }
 
 }  // namespace kvlab::cli

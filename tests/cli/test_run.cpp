@@ -928,6 +928,18 @@ TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
   EXPECT_NE(not_vidur.err.find("not Vidur's profiling folder"), std::string::npos) << not_vidur.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "a100.toml"));
 
+  // --carry-from: another GPU's kernel terms on this one's peaks, each term's source said.
+  const Result carry = kvlab("calibrate --carry-from h100-sxm --profile h200" + out);
+  ASSERT_EQ(carry.exit_code, 0) << carry.err;
+  const HardwareProfile carried = load_hardware_profile_file(dir / "a100.toml");
+  const HardwareProfile h100 = load_hardware_profile("h100-sxm");
+  EXPECT_DOUBLE_EQ(carried.memory_gb_per_s, 4800);  // the H200's own peaks
+  EXPECT_DOUBLE_EQ(carried.gemm_kernel.knee, h100.gemm_kernel.knee);
+  EXPECT_DOUBLE_EQ(carried.efficiency.gemm_compute, h100.efficiency.gemm_compute);
+  EXPECT_EQ(carried.allreduce.size(), h100.allreduce.size());
+  EXPECT_NE(carried.provenance.at("gemm").find("carried from h100-sxm"), std::string::npos);
+  std::filesystem::remove(dir / "a100.toml");
+
   const char* env = std::getenv("KVLAB_SHARED_DATA");
   const std::filesystem::path vidur =
       (env != nullptr

@@ -10,6 +10,7 @@
 #include <unsupported/Eigen/NumericalDiff>
 
 #include "kvlab/error.hpp"
+#include "least_squares.hpp"
 
 namespace kvlab {
 namespace {
@@ -109,13 +110,7 @@ double predict(const HardwareProfile& profile, const StepWork& work) {
   return step_cost(work, profile).total();
 }
 
-struct Residuals {
-  using Scalar = double;
-  using InputType = Eigen::VectorXd;
-  using ValueType = Eigen::VectorXd;
-  using JacobianType = Eigen::MatrixXd;
-  enum { InputsAtCompileTime = Eigen::Dynamic, ValuesAtCompileTime = Eigen::Dynamic };
-
+struct Residuals : sim_detail::DynamicResiduals {
   const HardwareProfile* base;
   std::span<const CalibrationSample> samples;
   Eigen::VectorXd prior;  // the starting parameters
@@ -173,7 +168,7 @@ CalibrationFit fit_hardware_profile(const HardwareProfile& start,
     else if (!(s.weight > 0) || !std::isfinite(s.weight))
       throw Error(fmt::format("calibration: a sample weight of {}", s.weight));
   Eigen::VectorXd x = starting_parameters(start, ungraphed);
-  Residuals residuals{&start, samples, x, regime_parameter_end(start)};
+  Residuals residuals{{}, &start, samples, x, regime_parameter_end(start)};
   Eigen::NumericalDiff<Residuals> numerical(residuals);
   Eigen::LevenbergMarquardt<Eigen::NumericalDiff<Residuals>> solver(numerical);
   solver.parameters.maxfev = 4000;

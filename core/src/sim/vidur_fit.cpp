@@ -15,6 +15,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/sim/cost_model.hpp"
 #include "kvlab/suggest.hpp"
+#include "least_squares.hpp"
 
 namespace kvlab {
 namespace {
@@ -99,12 +100,7 @@ struct KernelModel {
   }
 };
 
-struct KernelResiduals {
-  using Scalar = double;
-  using InputType = Eigen::VectorXd;
-  using ValueType = Eigen::VectorXd;
-  using JacobianType = Eigen::MatrixXd;
-  enum { InputsAtCompileTime = Eigen::Dynamic, ValuesAtCompileTime = Eigen::Dynamic };
+struct KernelResiduals : sim_detail::DynamicResiduals {
   const KernelModel* model;
   std::span<const KernelSample> samples;
   int inputs() const { return static_cast<int>(model->size()); }
@@ -129,7 +125,7 @@ KernelFit fit_kernels(const KernelModel& model, std::span<const KernelSample> sa
   double best_squares = -1;
   for (const double knee : {1.5, 3.0}) {
     Eigen::VectorXd x = model.start(0.5 * smallest * 1e6, knee);
-    KernelResiduals residuals{&model, samples};
+    KernelResiduals residuals{{}, &model, samples};
     Eigen::NumericalDiff<KernelResiduals> numerical(residuals);
     Eigen::LevenbergMarquardt<Eigen::NumericalDiff<KernelResiduals>> solver(numerical);
     solver.parameters.maxfev = 4000;
