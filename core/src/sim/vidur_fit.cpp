@@ -140,6 +140,10 @@ KernelFit fit_kernels(const KernelModel& model, std::span<const KernelSample> sa
     }
     if (!model.knee) break;
   }
+  // A floor under a nanosecond is no floor (the data's resolution is a microsecond): written as
+  // 0, so that the last digits of a vanishing parameter do not differ between compilers.
+  for (KernelTerms& k : best.kernels)
+    if (k.floor_s < 1e-9) k.floor_s = 0;
   return best;
 }
 
