@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """Runs every command shown in the documentation, so none of them can rot.
 
-Usage: scripts/check_doc_commands.py BUILD_DIR [DOC ...]   (default: README.md and docs/**/*.md)
+Usage: scripts/check_doc_commands.py [--update] BUILD_DIR [DOC ...]
+       (default: README.md and docs/**/*.md)
 
 A command is a line of a ```sh block that starts with ./build/bin/kvlab, kvlab or
 python3 experiments/. Each distinct command runs once, in document order, from a scratch
@@ -14,6 +15,10 @@ backend, and
 a kvlab run of an experiment on the virtual or offline clock (each step priced by a profile)
 whose preset model runs a synthetic workload (lengths from the workload, not from the tokens a
 machine's kernels happen to produce), with no other arguments and no clock in a sweep.
+
+--update rewrites what such a page shows instead of failing: each shown table row whose first
+cell names a row the command printed becomes that row, and a ```text block becomes the output
+(after a profile or the cost model changes; the prose around them is for a person to reread).
 
 Shown but not run, with the reason printed: the README's ./scripts/*.sh (they are the CI job
 itself), the install-and-build lines of docs/writing-a-plugin.md (ctest's
@@ -74,6 +79,42 @@ def shown_output(path, after_line):
     return []
 
 
+def update_shown(path, after_line, output):
+    """Rewrites the table rows or ```text block after line `after_line` (shown_output's) with the
+    command's `output` lines; returns how many lines changed."""
+    lines = path.read_text().splitlines()
+    i = after_line
+    while i < len(lines) and not lines[i].startswith("```") and not lines[i].startswith("|"):
+        if lines[i].startswith("#") or "./build/bin/" in lines[i]:
+            return 0
+        i += 1
+    changed = 0
+    if i < len(lines) and lines[i].startswith("|"):
+        printed = {row.split("|")[1].strip(): row for row in output
+                   if row.startswith("|") and not row.startswith("|---")}
+        while i < len(lines) and lines[i].startswith("|"):
+            key = lines[i].split("|")[1].strip()
+            row = printed.get(key)
+            if row is not None and row != lines[i] and row.count("|") == lines[i].count("|"):
+                lines[i] = row
+                changed += 1
+            i += 1
+    elif i < len(lines) and lines[i].strip() == "```text":
+        end = i + 1
+        while end < len(lines) and not lines[end].startswith("```"):
+            end += 1
+        new = [row.rstrip() for row in output
+               if not row.startswith("results:") and not row.startswith("step by step")]
+        while new and not new[-1].strip():
+            new.pop()
+        if new != lines[i + 1:end]:
+            changed = len(new)
+            lines[i + 1:end] = new
+    if changed:
+        path.write_text("\n".join(lines) + "\n")
+    return changed
+
+
 def priced_run(line):
     """True for a kvlab run whose table is arithmetic (see the module's docstring)."""
     match = re.fullmatch(r"\./build/bin/kvlab run (experiments/[\w.-]+\.toml)", line)
@@ -101,17 +142,20 @@ def commands(docs):
 
 
 def main():
-    if len(sys.argv) < 2:
+    args = sys.argv[1:]
+    update = bool(args) and args[0] == "--update"
+    args = args[1:] if update else args
+    if not args:
         sys.exit(__doc__)
-    build = pathlib.Path(sys.argv[1]).resolve()
-    docs = [pathlib.Path(p).resolve() for p in sys.argv[2:]] or (
+    build = pathlib.Path(args[0]).resolve()
+    docs = [pathlib.Path(p).resolve() for p in args[1:]] or (
         [ROOT / "README.md"] + sorted((ROOT / "docs").rglob("*.md")))
     scratch = pathlib.Path(tempfile.mkdtemp(prefix="kvlab_doc_commands_"))
     os.symlink(build, scratch / "build")
     for name in ("data", "experiments", "profiles", "tests"):
         os.symlink(ROOT / name, scratch / name)
     env = dict(os.environ, OMP_WAIT_POLICY="passive")
-    seen, failures, ran, skipped = set(), [], 0, 0
+    seen, failures, ran, skipped, updates = set(), [], 0, 0, []
     for path, line_no, line, block_end in commands(docs):
         where = f"{path.relative_to(ROOT)}:{line_no}"
         if line.startswith("./scripts/") or line.startswith("cmake ") or line.startswith("/opt/"):
@@ -147,9 +191,14 @@ def main():
             output = result.stdout.splitlines()
             for shown in shown_output(path, block_end):
                 if shown.strip() and shown not in output:
-                    failures.append(f"{where}: the page shows a line the command no longer "
-                                    f"prints:\n  {shown}\n--- it printed:\n{result.stdout}")
+                    if update:  # applied below, last block first: line numbers stay right
+                        updates.append((path, block_end, output, where))
+                    else:
+                        failures.append(f"{where}: the page shows a line the command no longer "
+                                        f"prints:\n  {shown}\n--- it printed:\n{result.stdout}")
                     break
+    for path, block_end, output, where in sorted(updates, key=lambda u: (str(u[0]), -u[1])):
+        print(f"updated {where}: {update_shown(path, block_end, output)} lines")
     print(f"\n{ran} commands ran, {skipped} skipped, {len(failures)} failed")
     for f in failures:
         print(f"\nFAILED {f}")
