@@ -107,8 +107,13 @@ def update_shown(path, after_line, output):
                if not row.startswith("results:") and not row.startswith("step by step")]
         while new and not new[-1].strip():
             new.pop()
-        if new != lines[i + 1:end]:
-            changed = len(new)
+        shown = lines[i + 1:end]
+        if len(new) != len(shown):  # the page shows an excerpt: which lines, a person decides
+            print(f"excerpt  {path.relative_to(ROOT)}:{i + 1}: shows {len(shown)} of "
+                  f"{len(new)} lines; update it by hand")
+            return 0
+        if new != shown:
+            changed = sum(1 for a, b in zip(new, shown) if a != b)
             lines[i + 1:end] = new
     if changed:
         path.write_text("\n".join(lines) + "\n")
