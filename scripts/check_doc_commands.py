@@ -14,7 +14,9 @@ the shipped hardware profiles. Pure arithmetic: kvlab memory, kvlab cost, a run 
 backend, and
 a kvlab run of an experiment on the virtual or offline clock (each step priced by a profile)
 whose preset model runs a synthetic workload (lengths from the workload, not from the tokens a
-machine's kernels happen to produce), with no other arguments and no clock in a sweep.
+machine's kernels happen to produce), no clock in a sweep, and no arguments but --out and
+--set changes that leave the clock and the model alone. A page's table may follow its run after
+prose and a ```sh block of `kvlab view` commands ("watch it step by step").
 
 --update rewrites what such a page shows instead of failing: each shown table row whose first
 cell names a row the command printed becomes that row, and a ```text block becomes the output
@@ -28,6 +30,7 @@ with --benchmark_list_tests=true (flags and filters are checked; measuring is fo
 import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -52,15 +55,41 @@ def blocks(path):
         i += 1
 
 
+def view_block_end(lines, i):
+    """The line after a ```sh block at `i` that only runs `kvlab view` (a page's "watch it step
+    by step" between a run and its table), or None."""
+    if lines[i].strip() not in ("```sh", "```bash"):
+        return None
+    end = i + 1
+    while end < len(lines) and not lines[end].startswith("```"):
+        if lines[end].strip() and not lines[end].strip().startswith("./build/bin/kvlab view "):
+            return None
+        end += 1
+    return end + 1
+
+
+def shown_start(lines, after_line):
+    """Where the ```text block or table shown for the command ending at `after_line` starts
+    (past prose and `kvlab view` blocks), or None."""
+    i = after_line
+    while i < len(lines) and not lines[i].startswith("|"):
+        if lines[i].startswith("```"):
+            skip = view_block_end(lines, i)
+            if skip is None:
+                return i if lines[i].strip() == "```text" else None
+            i = skip
+            continue
+        if lines[i].startswith("#") or "./build/bin/" in lines[i]:
+            return None
+        i += 1
+    return i if i < len(lines) else None
+
+
 def shown_output(path, after_line):
     """The ```text block or markdown table rows that follow line `after_line`."""
     lines = path.read_text().splitlines()
-    i = after_line
-    while i < len(lines) and not lines[i].startswith("```") and not lines[i].startswith("|"):
-        if lines[i].startswith("#") or "./build/bin/" in lines[i]:
-            return []
-        i += 1
-    if i >= len(lines):
+    i = shown_start(lines, after_line)
+    if i is None:
         return []
     if lines[i].startswith("|"):
         rows = []
@@ -83,11 +112,9 @@ def update_shown(path, after_line, output):
     """Rewrites the table rows or ```text block after line `after_line` (shown_output's) with the
     command's `output` lines; returns how many lines changed."""
     lines = path.read_text().splitlines()
-    i = after_line
-    while i < len(lines) and not lines[i].startswith("```") and not lines[i].startswith("|"):
-        if lines[i].startswith("#") or "./build/bin/" in lines[i]:
-            return 0
-        i += 1
+    i = shown_start(lines, after_line)
+    if i is None:
+        return 0
     changed = 0
     if i < len(lines) and lines[i].startswith("|"):
         printed = {row.split("|")[1].strip(): row for row in output
@@ -121,11 +148,21 @@ def update_shown(path, after_line, output):
 
 
 def priced_run(line):
-    """True for a kvlab run whose table is arithmetic (see the module's docstring)."""
-    match = re.fullmatch(r"\./build/bin/kvlab run (experiments/[\w.-]+\.toml)", line)
-    if not match:
+    """True for a kvlab run whose table is arithmetic (see the module's docstring): its own
+    experiment file, or with --set changes that leave the clock and the model alone, and --out."""
+    words = shlex.split(line)
+    if words[:2] != ["./build/bin/kvlab", "run"] or len(words) < 3:
         return False
-    with open(ROOT / match.group(1), "rb") as f:
+    if not re.fullmatch(r"experiments/[\w.-]+\.toml", words[2]):
+        return False
+    rest = words[3:]
+    while rest:
+        if len(rest) < 2 or rest[0] not in ("--set", "--out"):
+            return False
+        if rest[0] == "--set" and rest[1].split("=")[0] in ("experiment.clock", "model.name"):
+            return False
+        rest = rest[2:]
+    with open(ROOT / words[2], "rb") as f:
         config = tomllib.load(f)
     clock = config.get("experiment", {}).get("clock", "virtual")
     swept = {sweep.get("key") for sweep in config.get("sweep", [])}
