@@ -5,10 +5,12 @@
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <set>
 #include <unsupported/Eigen/NonLinearOptimization>
 #include <unsupported/Eigen/NumericalDiff>
 
@@ -187,14 +189,22 @@ std::string fit_summary(const KernelFit& f, std::size_t samples) {
 
 std::string layer_source(const VidurData& data, const VidurFitOptions& options) {
   std::vector<std::string> held_out;
-  for (const VidurModel& m : data.models)
+  std::set<std::int64_t> tps;
+  std::int64_t most_tokens = 0;
+  for (const VidurModel& m : data.models) {
     if (std::find(options.fit_models.begin(), options.fit_models.end(), m.name) ==
-        options.fit_models.end())
+        options.fit_models.end()) {
       held_out.push_back(m.name);
-  return fmt::format(
-      "Vidur's {} mlp.csv (MLSys'24) of {}, every token count and TP 1/2/4/8; "
-      "held out: {}",
-      data.gpu, join(options.fit_models), join(held_out));
+      continue;
+    }
+    for (const VidurLayerRow& row : m.layers) {
+      tps.insert(row.tensor_parallel);
+      most_tokens = std::max(most_tokens, row.tokens);
+    }
+  }
+  return fmt::format("Vidur's {} mlp.csv (MLSys'24) of {}, 1 to {} tokens, TP {}; held out: {}",
+                     data.gpu, join(options.fit_models), most_tokens, fmt::join(tps, "/"),
+                     join(held_out));
 }
 
 void fit_gemms(const VidurData& data, const VidurFitOptions& options, HardwareProfile& p) {
