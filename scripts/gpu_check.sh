@@ -130,14 +130,26 @@ PY
 )
 
 # --- 4. calibrate: every shape against its roofline, and the measured profile
+# It starts from the kernel terms fitted to Vidur's measured operators (floors, knees, waves:
+# kept by the fit), so it measures the efficiencies and overheads beside them, the overhead of
+# steps that replay no CUDA graph included: h100-sxm on an H100, those terms carried onto the
+# H200's peaks on anything else.
 profile=h200  # the datasheet profile, if the calibration fails
+start=h100-sxm
+case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
+  *H100*) measured=h100-measured ;;
+  *) measured=h200-measured
+     "$kvlab" calibrate --carry-from h100-sxm --profile h200 --out "$build/h200-start.toml" \
+       > /dev/null && start="$build/h200-start.toml" ;;
+esac
 if stage "kvlab calibrate --backend cuda" 90 calibrate.log "$kvlab" calibrate --backend cuda \
-     --profile h200 --model tinyllama-1.1b --repeats 3 --name h200-measured \
-     --out "$build/h200-calibrated.toml"; then
-  profile="$(realpath "$build/h200-calibrated.toml")"  # a relative one is the experiment file's
-  keep h200-calibrated.toml
+     --profile "$start" --model tinyllama-1.1b --repeats 3 --name "$measured" \
+     --out "$build/$measured.toml"; then
+  profile="$(realpath "$build/$measured.toml")"  # a relative one is the experiment file's
+  keep "$measured.toml"
   note "kvlab calibrate --backend cuda: $(grep -E '^fit ' "$build/calibrate.log")"
   note "  $(grep -E '^peaks:' "$build/calibrate.log")"
+  note "  $(grep -E '^steps that replay no CUDA graph' "$build/calibrate.log")"
   while IFS= read -r line; do note "  $line"; done < <(grep -E '^roofline: ' "$build/calibrate.log")
 else
   status=1
