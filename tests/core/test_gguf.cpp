@@ -82,8 +82,8 @@ TEST_P(GgufTypes, DequantizesAsLlamaCpp) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Fixture, GgufTypes,
-                         ::testing::Values("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K",
-                                           "Q6_K"));
+                         ::testing::Values("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0",
+                                           "Q5_1", "Q4_K", "Q6_K"));
 
 // A GGUF file written by hand, field by field (little-endian).
 class GgufBytes {
@@ -182,8 +182,8 @@ TEST(Gguf, MalformedFilesAreClearErrors) {
        "general.alignment 48 is not a power of two"},
       {GgufBytes().header(3, 1, 0).tensor("w", {1, 1, 1, 1, 1}, 0, 0).pad_to(32).zeros(4).text(),
        "has 5 dimensions"},
-      {GgufBytes().header(3, 1, 0).tensor("w", {32}, 6, 0).pad_to(32).zeros(22).text(),
-       "is Q5_0, which kvlab does not read"},
+      {GgufBytes().header(3, 1, 0).tensor("w", {256}, 13, 0).pad_to(32).zeros(176).text(),
+       "is Q5_K, which kvlab does not read"},
       {GgufBytes().header(3, 1, 0).tensor("w", {16}, 2, 0).pad_to(32).zeros(18).text(),
        "rows of 16 elements are not whole Q4_0 blocks of 32"},
       {GgufBytes().header(3, 1, 0).tensor("w", {4}, 0, 8).pad_to(32).zeros(64).text(),

@@ -186,7 +186,7 @@ GgufTensorInfo read_tensor_info(Cursor& in) {
   if (!layout)
     throw in.fail(
         fmt::format("tensor \"{}\" is {}, which kvlab does not read (it reads F32, F16, "
-                    "BF16, Q8_0, Q4_0, Q4_1, Q4_K, Q6_K)",
+                    "BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q6_K)",
                     t.name, gguf_type_name(t.type)));
   if (t.dims[0] % layout->elements != 0)
     throw in.fail(fmt::format("tensor \"{}\": rows of {} elements are not whole {} blocks of {}",
@@ -229,6 +229,10 @@ std::optional<GgufBlockLayout> gguf_block_layout(std::uint32_t type) {
       return GgufBlockLayout{32, 2 + 16};
     case GgufTensorType::q4_1:
       return GgufBlockLayout{32, 2 + 2 + 16};
+    case GgufTensorType::q5_0:
+      return GgufBlockLayout{32, 2 + 4 + 16};
+    case GgufTensorType::q5_1:
+      return GgufBlockLayout{32, 2 + 2 + 4 + 16};
     case GgufTensorType::q8_0:
       return GgufBlockLayout{32, 2 + 32};
     case GgufTensorType::q4_k:

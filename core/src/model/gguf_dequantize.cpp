@@ -3,6 +3,10 @@
 //   Q4_0  32 values: f16 d, u8 qs[16]            x = (nibble - 8) d   (low nibbles: 0-15,
 //                                                                      high nibbles: 16-31)
 //   Q4_1  32 values: f16 d, f16 m, u8 qs[16]     x = nibble d + m
+//   Q5_0  32 values: f16 d, u32 qh, u8 qs[16]    x = (nibble | bit of qh << 4 - 16) d
+//   Q5_1  32 values: f16 d, f16 m, u32 qh, u8 qs[16]  x = (nibble | bit of qh << 4) d + m
+//                    (value j: low nibble of qs[j], qh bit j; value j + 16: high nibble, bit
+//                    j + 16)
 //   Q8_0  32 values: f16 d, i8 qs[32]            x = q d
 //   Q4_K 256 values: f16 d, f16 dmin, u8 scales[12] (8 x 6-bit scale + 6-bit min), u8 qs[128]
 //                    x = d sc nibble - dmin m, per 32-value sub-block
@@ -70,6 +74,27 @@ void q6_k_block(const std::byte* b, float* y) {
   }
 }
 
+// Q5_0 (no min: codes centred on 16) or Q5_1 (f16 min after the scale), as
+// dequantize_row_q5_0 / _q5_1.
+template <bool WithMin>
+void q5_block(const std::byte* b, float* y) {
+  const float d = f16(b);
+  const float m = WithMin ? f16(b + 2) : 0.0f;
+  const std::byte* rest = b + (WithMin ? 4 : 2);
+  std::uint32_t qh = 0;
+  std::memcpy(&qh, rest, 4);  // little-endian, as the file and x86-64 are
+  const std::byte* qs = rest + 4;
+  const int centre = WithMin ? 0 : 16;
+  for (int j = 0; j < 16; ++j) {
+    const int high_0 = static_cast<int>((qh >> j) << 4 & 0x10);
+    const int high_1 = static_cast<int>((qh >> (j + 12)) & 0x10);
+    const int x0 = ((u8(qs + j) & 0x0F) | high_0) - centre;
+    const int x1 = ((u8(qs + j) >> 4) | high_1) - centre;
+    y[j] = static_cast<float>(x0) * d + m;
+    y[j + 16] = static_cast<float>(x1) * d + m;
+  }
+}
+
 }  // namespace
 
 void gguf_dequantize(std::uint32_t type, std::span<const std::byte> source,
@@ -103,6 +128,12 @@ void gguf_dequantize(std::uint32_t type, std::span<const std::byte> source,
       return dequantize_blocks(BlockFormat::q4_1, source, destination);
     case GgufTensorType::q8_0:
       return dequantize_blocks(BlockFormat::q8_0, source, destination);
+    case GgufTensorType::q5_0:
+      block = q5_block<false>;
+      break;
+    case GgufTensorType::q5_1:
+      block = q5_block<true>;
+      break;
     case GgufTensorType::q4_k:
       block = q4_k_block;
       break;

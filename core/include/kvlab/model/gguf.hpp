@@ -25,6 +25,8 @@ enum class GgufTensorType : std::uint32_t {
   f16 = 1,
   q4_0 = 2,
   q4_1 = 3,
+  q5_0 = 6,
+  q5_1 = 7,
   q8_0 = 8,
   q4_k = 12,
   q6_k = 14,
