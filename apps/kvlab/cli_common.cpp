@@ -89,4 +89,23 @@ void finish_results(ResultsFolder& folder, const SweepReport& report, const std:
              folder.path().string());
 }
 
+std::ofstream open_output_file(const std::string& path) {
+  if (const auto folder = std::filesystem::path(path).parent_path(); !folder.empty()) {
+    std::error_code ec;
+    std::filesystem::create_directories(folder, ec);
+    if (ec) throw Error(fmt::format("cannot create {}: {}", folder.string(), ec.message()));
+  }
+  std::ofstream file(path, std::ios::trunc);
+  if (!file) throw Error(fmt::format("cannot write {}", path));
+  return file;
+}
+
+void write_profile_file(const std::string& path, const std::string& header,
+                        const HardwareProfile& profile) {
+  std::ofstream file = open_output_file(path);
+  file << header << hardware_profile_to_toml(profile);
+  if (!file) throw Error(fmt::format("cannot write {}", path));
+  fmt::print("wrote {}\n", path);
+}
+
 }  // namespace kvlab::cli

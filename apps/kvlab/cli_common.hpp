@@ -3,6 +3,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <string>
 #include <vector>
 
@@ -12,6 +13,7 @@
 #include "kvlab/experiment/sweep_report.hpp"
 #include "kvlab/model_config.hpp"
 #include "kvlab/plugin_params.hpp"
+#include "kvlab/sim/hardware_profile.hpp"
 
 namespace kvlab::cli {
 
@@ -40,6 +42,12 @@ void register_generate(CLI::App& app);
 void register_model(CLI::App& app);
 void register_memory(CLI::App& app);
 void register_calibrate(CLI::App& app);
+
+// Opens `path` for writing, its folder made first; kvlab::Error naming what failed.
+std::ofstream open_output_file(const std::string& path);
+// A profile file: `header` (comment lines, each "# ..."), then the profile's TOML.
+void write_profile_file(const std::string& path, const std::string& header,
+                        const HardwareProfile& profile);
 
 // kvlab calibrate --vidur (cmd_calibrate_vidur.cpp).
 struct VidurCalibration {

@@ -448,24 +448,32 @@ void print_fit(const std::vector<Shape>& grid, const EngineSteps& engine,
 
 void write_profile(const std::string& out, const HardwareProfile& profile,
                    const CalibrationFit& fit, std::size_t samples) {
-  if (const auto folder = std::filesystem::path(out).parent_path(); !folder.empty()) {
-    std::error_code ec;
-    std::filesystem::create_directories(folder, ec);
-    if (ec) throw Error(fmt::format("cannot create {}: {}", folder.string(), ec.message()));
-  }
-  std::ofstream file(out, std::ios::trunc);
-  if (!file) throw Error(fmt::format("cannot write {}", out));
   const std::time_t now = std::time(nullptr);
   char date[32];
   std::strftime(date, sizeof date, "%Y-%m-%d", std::gmtime(&now));
-  file << fmt::format(
-      "# Written by kvlab calibrate on {}: {}.\n# Fit over {} "
-      "samples: mean |error| {:.1f}%, max {:.1f}%.\n",
-      date, profile.description, samples, 100 * fit.mean_abs_rel_error,
-      100 * fit.max_abs_rel_error);
-  file << hardware_profile_to_toml(profile);
-  if (!file) throw Error(fmt::format("cannot write {}", out));
-  fmt::print("wrote {}\n", out);
+  write_profile_file(out,
+                     fmt::format("# Written by kvlab calibrate on {}: {}.\n# Fit over {} "
+                                 "samples: mean |error| {:.1f}%, max {:.1f}%.\n",
+                                 date, profile.description, samples, 100 * fit.mean_abs_rel_error,
+                                 100 * fit.max_abs_rel_error),
+                     profile);
+}
+
+// --vidur's options need --vidur, and --carry-from fits nothing: each refused where it would be
+// ignored.
+void check_vidur_options(const CLI::App& sub, const VidurCalibration& v) {
+  const bool vidur = !v.folder.empty(), carry = !v.carry_from.empty();
+  if (vidur && carry) throw Error("--vidur and --carry-from: give one (fit, or carry terms)");
+  for (const char* option :
+       {"--gpu", "--fit-models", "--attention-model", "--attention-from", "--report"})
+    if (!vidur && sub.count(option) > 0)
+      throw Error(fmt::format("{} is an option of --vidur", option));
+  if (vidur || carry)
+    for (const char* option :
+         {"--backend", "--model", "--threads", "--dtype", "--repeats", "--engine-requests"})
+      if (sub.count(option) > 0)
+        throw Error(fmt::format("{} measures a backend; --{} measures nothing", option,
+                                vidur ? "vidur" : "carry-from"));
 }
 
 void run_calibrate(const CalibrateOptions& o) {
@@ -574,10 +582,11 @@ void register_calibrate(CLI::App& app) {
   sub->add_option("--carry-from", v->carry_from,
                   "Measure nothing: give --profile the kernel terms of this profile (a GPU of the "
                   "same silicon, such as h100-sxm for h200)");
-  sub->callback([o, v]() {
+  sub->callback([o, v, sub]() {
     v->profile = o->profile;
     v->out = o->out;
     v->name = o->name;
+    check_vidur_options(*sub, *v);
     if (!v->carry_from.empty()) return run_calibrate_carry(*v);
     if (v->folder.empty()) return run_calibrate(*o);
     if (v->gpu.empty()) throw Error("--vidur needs --gpu a100 or h100");

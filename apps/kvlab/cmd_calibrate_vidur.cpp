@@ -79,8 +79,7 @@ void print_other_tables(std::span<const VidurPoint> points) {
 
 void write_report(const std::string& file, const std::string& gpu,
                   std::span<const VidurPoint> points) {
-  std::ofstream out(file, std::ios::trunc);
-  if (!out) throw Error(fmt::format("cannot write {}", file));
+  std::ofstream out = open_output_file(file);
   out << "gpu,model,role,kind,name,tp,tokens,kv_cache,bytes,measured_s,predicted_s\n";
   for (const VidurPoint& p : points)
     out << fmt::format("{},{},{},{},{},{},{},{},{},{:.9g},{:.9g}\n", gpu, p.model,
@@ -106,12 +105,9 @@ void carry_attention(HardwareProfile& p, const std::string& from) {
 
 void write_fitted_profile(const std::string& out, const HardwareProfile& profile,
                           const std::string& how) {
-  std::ofstream file(out, std::ios::trunc);
-  if (!file) throw Error(fmt::format("cannot write {}", out));
-  file << fmt::format("# {}: {}. Where each term comes from: [provenance].\n", profile.name, how);
-  file << hardware_profile_to_toml(profile);
-  if (!file) throw Error(fmt::format("cannot write {}", out));
-  fmt::print("wrote {}\n", out);
+  write_profile_file(
+      out, fmt::format("# {}: {}. Where each term comes from: [provenance].\n", profile.name, how),
+      profile);
 }
 
 }  // namespace

@@ -927,6 +927,14 @@ TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
   EXPECT_NE(not_vidur.exit_code, 0);
   EXPECT_NE(not_vidur.err.find("not Vidur's profiling folder"), std::string::npos) << not_vidur.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "a100.toml"));
+  const Result stray = kvlab("calibrate --report r.csv --profile a100-80gb" + out);
+  EXPECT_NE(stray.err.find("--report is an option of --vidur"), std::string::npos) << stray.err;
+  const Result both = kvlab("calibrate --vidur " + dir.path().string() +
+                            " --carry-from h100-sxm --gpu a100 --profile a100-80gb" + out);
+  EXPECT_NE(both.err.find("--vidur and --carry-from: give one"), std::string::npos) << both.err;
+  const Result measures = kvlab("calibrate --carry-from h100-sxm --threads 4 --profile h200" + out);
+  EXPECT_NE(measures.err.find("--threads measures a backend"), std::string::npos) << measures.err;
+  EXPECT_FALSE(std::filesystem::exists(dir / "a100.toml"));
 
   // --carry-from: another GPU's kernel terms on this one's peaks, each term's source said.
   const Result carry = kvlab("calibrate --carry-from h100-sxm --profile h200" + out);
@@ -949,14 +957,14 @@ TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
   if (!std::filesystem::exists(vidur)) GTEST_SKIP() << "no Vidur data at " << vidur.string();
   const Result fit =
       kvlab("calibrate --vidur " + vidur.string() + " --gpu a100 --profile a100-80gb --report " +
-            (dir / "report.csv").string() + out);
+            (dir / "new" / "report.csv").string() + out);  // its folder made
   ASSERT_EQ(fit.exit_code, 0) << fit.err;
   EXPECT_NE(fit.out.find("Llama-2-70b-hf               held out"), std::string::npos) << fit.out;
   EXPECT_NE(fit.out.find("layer + attention_decode"), std::string::npos) << fit.out;
   const HardwareProfile written = load_hardware_profile_file(dir / "a100.toml");
   EXPECT_GT(written.gemm_kernel.floor_s, 0);
   EXPECT_EQ(written.allreduce.size(), 3u);
-  const std::string report = test::read_file(dir / "report.csv");
+  const std::string report = test::read_file(dir / "new" / "report.csv");
   EXPECT_EQ(
       report.rfind("gpu,model,role,kind,name,tp,tokens,kv_cache,bytes,measured_s,predicted_s\n", 0),
       0u);

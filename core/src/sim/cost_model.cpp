@@ -203,10 +203,11 @@ StepCost step_cost(const StepWork& w, const HardwareProfile& p) {
   c.elementwise_s = elementwise_seconds(w, p);
   c.overhead_s = p.step_overhead_s + static_cast<double>(w.sequences) * p.sequence_overhead_s +
                  (w.prefill_tokens > 0 ? p.ungraphed_step_s : 0.0);
-  const auto [latency, gb_per_s] = allreduce_latency_and_bandwidth(p, w.collective_gpus);
-  if (w.collectives > 0)
+  if (w.collectives > 0) {
+    const auto [latency, gb_per_s] = allreduce_latency_and_bandwidth(p, w.collective_gpus);
     c.collectives_s =
         static_cast<double>(w.collectives) * latency + w.collective_bytes / (gb_per_s * 1e9);
+  }
   if (w.ring_hops > 0) {  // ring attention: each hop's transfer hides behind the attention
     const double ring = static_cast<double>(w.ring_hops) * p.allreduce_latency_s +
                         w.ring_bytes / (p.allreduce_gb_per_s * 1e9);

@@ -45,7 +45,6 @@ class CsvTable {
   const std::string& text(std::size_t row, const std::string& name) const {
     return rows_[row].cells[column(name)];
   }
-  bool empty(std::size_t row, const std::string& name) const { return text(row, name).empty(); }
   double number(std::size_t row, const std::string& name) const {
     try {
       return parse_number<double>(text(row, name), name.c_str());

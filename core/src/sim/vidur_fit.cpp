@@ -241,19 +241,17 @@ struct ElementwiseFit {
   double mean_error = 0;  // over every kind's samples
 };
 
-ElementwiseFit fit_elementwise_kinds(const VidurData& data, const VidurFitOptions& options,
+// Each kind's samples (their work does not depend on the wave), fitted under one wave.
+ElementwiseFit fit_elementwise_kinds(std::span<const std::vector<KernelSample>> samples,
                                      const HardwareProfile& p, double wave_rows) {
   ElementwiseFit out{wave_rows, {}, {}, 0};
   KernelModel model{1, false, false, p.peak_tflops * 1e12, p.memory_gb_per_s * 1e9, wave_rows};
   std::size_t total = 0;
-  for (const ElementwiseColumns& k : kElementwiseColumns) {
-    std::vector<std::size_t> columns;
-    for (const VidurOperator op : k.columns) columns.push_back(static_cast<std::size_t>(op));
-    const auto samples = operator_samples(data, options, p, columns);
-    out.fits.push_back(fit_kernels(model, samples));
-    out.samples.push_back(samples.size());
-    out.mean_error += out.fits.back().mean_error * static_cast<double>(samples.size());
-    total += samples.size();
+  for (const std::vector<KernelSample>& kind : samples) {
+    out.fits.push_back(fit_kernels(model, kind));
+    out.samples.push_back(kind.size());
+    out.mean_error += out.fits.back().mean_error * static_cast<double>(kind.size());
+    total += kind.size();
   }
   out.mean_error /= static_cast<double>(total);
   return out;
@@ -262,9 +260,15 @@ ElementwiseFit fit_elementwise_kinds(const VidurData& data, const VidurFitOption
 // Each kind's e_memory and floor, with the wave (one for all kinds: it is the GPU's) that fits
 // best among a few sizes around the SM counts (A100: 108, H100: 132).
 void fit_elementwise(const VidurData& data, const VidurFitOptions& options, HardwareProfile& p) {
+  std::vector<std::vector<KernelSample>> samples;
+  for (const ElementwiseColumns& k : kElementwiseColumns) {
+    std::vector<std::size_t> columns;
+    for (const VidurOperator op : k.columns) columns.push_back(static_cast<std::size_t>(op));
+    samples.push_back(operator_samples(data, options, p, columns));
+  }
   ElementwiseFit best;
   for (const double wave : {0.0, 32.0, 64.0, 96.0, 128.0, 160.0, 192.0, 256.0}) {
-    ElementwiseFit f = fit_elementwise_kinds(data, options, p, wave);
+    ElementwiseFit f = fit_elementwise_kinds(samples, p, wave);
     if (best.fits.empty() || f.mean_error < best.mean_error) best = std::move(f);
   }
   p.elementwise_wave_rows = best.wave_rows;
