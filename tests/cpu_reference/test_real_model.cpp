@@ -306,43 +306,54 @@ TEST(SpeculationLesson, PromptLookupOnGroundedEditsNeedsUnderHalfTheTargetsForwa
   EXPECT_LT(forwards, 0.45);
 }
 
-// Self-speculation on SmolLM2 (the draft proposer, draft_layers): the target's first layers, then
-// its final norm and LM head, propose on grounded edits. SmolLM2 was not trained to exit early
-// (LayerSkip trains for it), so its first layers rarely name the next token: acceptance rises
-// with the layers kept (10, 20, 26 of 30) and stays below a half; a draft of the whole file
-// (draft_model = the target's own) proposes the target's tokens nearly always (above 95%: the
-// draft's one-token steps and the target's verifies round differently in rare near-ties). Every
-// token is the reference's.
-TEST(SpeculationLesson, TheTargetsFirstLayersProposeWhatItAcceptsOnlyAsTheyApproachItsDepth) {
-  SKIP_WITHOUT_MODEL();
+// Self-speculation on SmolLM2 (the draft proposer): the acceptance rate of `draft`'s proposals
+// over the speculative_real_model experiment's grounded edits (3 requests, 48 tokens, 4
+// proposals a verify), every token checked against the reference.
+double self_speculation_acceptance(const std::string& draft) {
   const auto file =
       std::filesystem::path(KVLAB_SOURCE_DIR) / "experiments" / "speculative_real_model.toml";
-  const auto acceptance = [&](const std::string& draft) {
-    const auto runs = load_experiment(
-        file, {"workload.prompts.requests=3", "workload.prompts.max_tokens=48",
-               "experiment.clock=\"virtual\"", "scheduler.params.max_batch=3",
-               "speculation={proposer=\"draft\", tokens=4, " + draft + "}",
-               std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]"});
-    validate_experiment(runs, true);
-    std::vector<std::string> mismatches;
-    const RunOutput out = run_experiment(runs[0].config, true, &mismatches);
-    EXPECT_TRUE(mismatches.empty()) << draft << ": " << mismatches.front();
-    std::int64_t proposed = 0, accepted = 0;
-    for (const VerifyRecord& v : out.engine.verifies) {
-      proposed += v.proposed;
-      accepted += v.accepted;
-    }
-    const double rate = static_cast<double>(accepted) / static_cast<double>(proposed);
-    std::cout << fmt::format("self-speculation, {}: {} proposed, {:.1f}% accepted\n", draft,
-                             proposed, 100 * rate);
-    return rate;
-  };
-  const double ten = acceptance("draft_layers=10"), twenty = acceptance("draft_layers=20"),
-               deep = acceptance("draft_layers=26");
+  const auto runs = load_experiment(
+      file, {"workload.prompts.requests=3", "workload.prompts.max_tokens=48",
+             "experiment.clock=\"virtual\"", "scheduler.params.max_batch=3",
+             "speculation={proposer=\"draft\", tokens=4, " + draft + "}",
+             std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]"});
+  validate_experiment(runs, true);
+  std::vector<std::string> mismatches;
+  const RunOutput out = run_experiment(runs[0].config, true, &mismatches);
+  EXPECT_TRUE(mismatches.empty()) << draft << ": " << mismatches.front();
+  std::int64_t proposed = 0, accepted = 0;
+  for (const VerifyRecord& v : out.engine.verifies) {
+    proposed += v.proposed;
+    accepted += v.accepted;
+  }
+  const double rate = static_cast<double>(accepted) / static_cast<double>(proposed);
+  std::cout << fmt::format("self-speculation, {}: {} proposed, {:.1f}% accepted\n", draft, proposed,
+                           100 * rate);
+  return rate;
+}
+
+// The target's first layers, then its final norm and LM head, propose (draft_layers). SmolLM2
+// was not trained to exit early (LayerSkip trains for it), so its first layers rarely name the
+// next token: acceptance rises with the layers kept (10, 20, 26 of 30) and stays below a half.
+TEST(SpeculationLesson, TheTargetsFirstLayersProposeWhatItAcceptsOnlyAsTheyApproachItsDepth) {
+  SKIP_WITHOUT_MODEL();
+  const double ten = self_speculation_acceptance("draft_layers=10"),
+               twenty = self_speculation_acceptance("draft_layers=20"),
+               deep = self_speculation_acceptance("draft_layers=26");
   EXPECT_LT(ten, twenty);
   EXPECT_LT(twenty, deep);
   EXPECT_LT(deep, 0.5);
-  EXPECT_GT(acceptance("draft_model=\"../models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\""), 0.95);
+}
+
+// A draft of the whole file (draft_model = the target's own) proposes the target's tokens nearly
+// always: above 95% (the draft's one-token steps and the target's verifies round differently in
+// rare near-ties). Its own ctest case: on a slow 2-core CI host the four runs in one case ran
+// past the hang guard.
+TEST(SpeculationLesson, TheTargetsOwnFileAsItsDraftProposesItsTokens) {
+  SKIP_WITHOUT_MODEL();
+  EXPECT_GT(self_speculation_acceptance(
+                "draft_model=\"../models/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf\""),
+            0.95);
 }
 
 }  // namespace
