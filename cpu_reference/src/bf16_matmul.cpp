@@ -18,6 +18,7 @@
 
 #include "interleaved.hpp"
 #include "kvlab/dtype.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -111,13 +112,12 @@ namespace bf16 {
 std::vector<std::byte> interleave(const WeightMatrix& w) {
   const std::int64_t depth = w.cols(), group_bytes = kGroupRows * depth * 2;
   std::vector<std::byte> out(static_cast<std::size_t>(group_count(w.rows()) * group_bytes));
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < w.rows(); ++r) {
+  parallel_for(w.rows(), [&](std::int64_t r) {
     std::byte* group = out.data() + (r / kGroupRows) * group_bytes;
     const std::int64_t j = r % kGroupRows;
     for (std::int64_t p = 0; p < depth / 2; ++p)
       std::memcpy(group + 64 * p + 4 * j, w.row(r) + 4 * p, 4);
-  }
+  });
   return out;
 }
 

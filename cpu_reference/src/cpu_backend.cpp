@@ -10,6 +10,7 @@
 #include "attention_rows.hpp"
 #include "kivi_attention.hpp"
 #include "kvlab/error.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 
@@ -120,21 +121,26 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     rotate_and_store(l, positions, slots, qkv);
     attend(l, batch, first_rows, qkv, attention);
     if (pool_.shape().hadamard_rotated) {  // sum_j p_j H v_j = H o: back to o
-#pragma omp parallel for if (rows > 16)
-      for (std::int64_t t = 0; t < rows; ++t)
-        hadamard_rotate(attention.row(t).data(), c.num_attention_heads, c.head_dim);
+      parallel_for(
+          rows,
+          [&](std::int64_t t) {
+            hadamard_rotate(attention.row(t).data(), c.num_attention_heads, c.head_dim);
+          },
+          17);
     }
     multiply_by_transposed(attention, matrices.wo, x, true);
 
     rms_norm(x, as_vector(layer.mlp_norm), eps, normed);
     multiply_by_transposed(normed, matrices.w_gate_up, gate_up, false);  // (N, 2 ffn)
     hidden.resize(rows, c.intermediate_size);
-#pragma omp parallel for if (rows > 16)
-    for (std::int64_t t = 0; t < rows; ++t) {  // silu(gate) * up
-      const auto gate = gate_up.row(t).head(c.intermediate_size).array();
-      hidden.row(t).array() =
-          gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
-    }
+    parallel_for(
+        rows,
+        [&](std::int64_t t) {  // silu(gate) * up
+          const auto gate = gate_up.row(t).head(c.intermediate_size).array();
+          hidden.row(t).array() =
+              gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
+        },
+        17);
     multiply_by_transposed(hidden, matrices.w_down, x, true);
   }
   const RowMatrix& last = logit_rows(x, batch, first_rows, logit_tokens);
@@ -152,18 +158,18 @@ void CpuBackend::rotate_and_store(std::int64_t layer, std::span<const std::int32
   const ModelConfig& c = weights_.config;
   const std::int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), rows = qkv.rows();
   const bool kivi = dtype_is_kivi(pool_.shape().dtype);
-#pragma omp parallel for if (rows > 16)
-  for (std::int64_t t = 0; t < rows; ++t) {
+  const auto rotate_and_write = [&](std::int64_t t) {
     float* values = qkv.row(t).data();
     const auto row = static_cast<std::size_t>(t);
     rope_.apply_row(values, positions[row], c.num_attention_heads);
     rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
     if (pool_.shape().hadamard_rotated)  // Q, K and V of every head: scores unchanged
       hadamard_rotate(values, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim);
-    if (slots[row] < 0 || kivi) continue;
+    if (slots[row] < 0 || kivi) return;
     pool_.write_row(layer, slots[row], false, values + q_dim);
     pool_.write_row(layer, slots[row], true, values + q_dim + kv_dim);
-  }
+  };
+  parallel_for(rows, rotate_and_write, 17);
   for (std::int64_t t = 0; kivi && t < rows; ++t) {
     const std::int64_t slot = slots[static_cast<std::size_t>(t)];
     if (slot < 0) continue;
@@ -311,15 +317,15 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   }
   std::vector<std::size_t> task_entries;  // scored tasks' entries, when some entry asks
   if (!key_scores_.empty()) task_entries = give_score_buffers(batch, tasks);
-    // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
-    // the threads' speeds on a shared machine).
-#pragma omp parallel for schedule(guided)
-  for (std::size_t t = 0; t < tasks.size(); ++t) {
-    if (tasks[t].queries() == 1)
-      attend_decode(layer, tasks[t], q, out);
+  // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
+  // the threads' speeds on a shared machine).
+  parallel_for<LoopSchedule::guided>(static_cast<std::int64_t>(tasks.size()), [&](std::int64_t t) {
+    const AttentionGroup& task = tasks[static_cast<std::size_t>(t)];
+    if (task.queries() == 1)
+      attend_decode(layer, task, q, out);
     else
-      attend_chunk(layer, tasks[t], q, out);
-  }
+      attend_chunk(layer, task, q, out);
+  });
   for (std::size_t t = 0; t < task_entries.size(); ++t) {  // tasks' sums into their entries'
     const AttentionGroup& task = tasks[t];
     if (task.key_scores == nullptr) continue;

@@ -24,6 +24,7 @@
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "kvlab/dtype.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 
@@ -41,12 +42,13 @@ inline float stored_value(DType dtype, const std::byte* p) {
 template <typename GroupProduct>
 void for_each_group_pass(std::int64_t rows, std::int64_t groups, GroupProduct&& group_product) {
   constexpr std::int64_t kRowsPerPass = 128;
-#pragma omp parallel
-  for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
-    const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
+  parallel_region([&] {
+    for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
+      const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
 #pragma omp for schedule(guided)
-    for (std::int64_t g = 0; g < groups; ++g) group_product(g, m_begin, m_end);
-  }
+      for (std::int64_t g = 0; g < groups; ++g) group_product(g, m_begin, m_end);
+    }
+  });
 }
 
 }  // namespace kvlab::cpu

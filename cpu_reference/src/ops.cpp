@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "kvlab/memory_limit.hpp"
+#include "parallel.hpp"
 
 extern "C" void openblas_set_num_threads(int threads);  // OpenBLAS's own API (cblas.h)
 extern "C" int openblas_get_num_threads();
@@ -97,8 +98,7 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
   // from memory once and multiplies them with every row of x (which stays in cache).
   const Eigen::Index rows = x.rows(), outputs = w.rows();
   const Eigen::Index n_blocks = (outputs + 3) / 4;
-#pragma omp parallel for schedule(static)
-  for (Eigen::Index block = 0; block < n_blocks; ++block) {
+  parallel_for(n_blocks, [&](Eigen::Index block) {
     const Eigen::Index n0 = block * 4, n_count = std::min<Eigen::Index>(4, outputs - n0);
     Eigen::Index m0 = 0;
 #if defined(__AVX2__) && defined(__FMA__)
@@ -121,19 +121,21 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
         const float dot = x.row(m0).dot(w.row(n0 + j));
         y(m0, n0 + j) = accumulate ? y(m0, n0 + j) + dot : dot;
       }
-  }
+  });
 }
 
 void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, float eps,
               RowMatrix& out) {
   out.resize(x.rows(), x.cols());
   const auto gain = weight.transpose().array();  // (1, dim)
-#pragma omp parallel for if (x.rows() > 16)
-  for (Eigen::Index t = 0; t < x.rows(); ++t) {
-    const float mean_square = x.row(t).squaredNorm() / static_cast<float>(x.cols());
-    const float inverse_rms = 1.0f / std::sqrt(mean_square + eps);
-    out.row(t).array() = x.row(t).array() * inverse_rms * gain;
-  }
+  parallel_for(
+      x.rows(),
+      [&](Eigen::Index t) {
+        const float mean_square = x.row(t).squaredNorm() / static_cast<float>(x.cols());
+        const float inverse_rms = 1.0f / std::sqrt(mean_square + eps);
+        out.row(t).array() = x.row(t).array() * inverse_rms * gain;
+      },
+      17);
 }
 
 namespace {
@@ -178,9 +180,12 @@ RopeTable::RopeTable(std::span<const double> inverse_frequencies, std::int64_t m
 
 void RopeTable::apply(RowMatrix& rows, std::span<const std::int32_t> positions,
                       std::int64_t n_heads) const {
-#pragma omp parallel for if (rows.rows() > 16)
-  for (std::int64_t t = 0; t < rows.rows(); ++t)
-    apply_row(rows.row(t).data(), positions[static_cast<std::size_t>(t)], n_heads);
+  parallel_for(
+      rows.rows(),
+      [&](std::int64_t t) {
+        apply_row(rows.row(t).data(), positions[static_cast<std::size_t>(t)], n_heads);
+      },
+      17);
 }
 
 void RopeTable::apply_row(float* row, std::int32_t position, std::int64_t n_heads) const {
@@ -208,32 +213,30 @@ void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v
   // Queries go in blocks so each block only multiplies the keys it can see (causal, windowed).
   constexpr std::int64_t kBlock = 64;
   const std::int64_t blocks = (tokens + kBlock - 1) / kBlock;
-#pragma omp parallel for collapse(2) schedule(dynamic)
-  for (std::int64_t h = 0; h < n_heads; ++h) {
-    for (std::int64_t b = 0; b < blocks; ++b) {
-      const std::int64_t kv_head = h / group;
-      const std::int64_t q0 = b * kBlock;
-      const std::int64_t q1 = std::min(tokens, q0 + kBlock);
-      const std::int64_t k0 = window ? std::max<std::int64_t>(0, q0 - *window + 1) : 0;
-      const auto q_block = q.block(q0, h * head_dim, q1 - q0, head_dim);        // (B, hd)
-      const auto k_block = k.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
-      const auto v_block = v.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
-      RowMatrix scores = (q_block * k_block.transpose()) * scale;               // (B, L)
-      for (std::int64_t i = 0; i < q1 - q0; ++i) {
-        // Query q0 + i sees keys [first, q0 + i]: causal, and within the window if any.
-        const std::int64_t position = q0 + i;
-        const std::int64_t first = window ? std::max<std::int64_t>(k0, position - *window + 1) : k0;
-        auto row = scores.row(i);
-        auto visible = row.segment(first - k0, position - first + 1);
-        const float max_score = visible.maxCoeff();
-        visible = (visible.array() - max_score).exp();
-        visible /= visible.sum();
-        row.head(first - k0).setZero();
-        row.tail(q1 - 1 - position).setZero();
-      }
-      out.block(q0, h * head_dim, q1 - q0, head_dim).noalias() = scores * v_block;  // (B, hd)
+  parallel_for<LoopSchedule::dynamic>(n_heads * blocks, [&](std::int64_t task) {
+    const std::int64_t h = task / blocks, b = task % blocks;  // (head, query block)
+    const std::int64_t kv_head = h / group;
+    const std::int64_t q0 = b * kBlock;
+    const std::int64_t q1 = std::min(tokens, q0 + kBlock);
+    const std::int64_t k0 = window ? std::max<std::int64_t>(0, q0 - *window + 1) : 0;
+    const auto q_block = q.block(q0, h * head_dim, q1 - q0, head_dim);        // (B, hd)
+    const auto k_block = k.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
+    const auto v_block = v.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
+    RowMatrix scores = (q_block * k_block.transpose()) * scale;               // (B, L)
+    for (std::int64_t i = 0; i < q1 - q0; ++i) {
+      // Query q0 + i sees keys [first, q0 + i]: causal, and within the window if any.
+      const std::int64_t position = q0 + i;
+      const std::int64_t first = window ? std::max<std::int64_t>(k0, position - *window + 1) : k0;
+      auto row = scores.row(i);
+      auto visible = row.segment(first - k0, position - first + 1);
+      const float max_score = visible.maxCoeff();
+      visible = (visible.array() - max_score).exp();
+      visible /= visible.sum();
+      row.head(first - k0).setZero();
+      row.tail(q1 - 1 - position).setZero();
     }
-  }
+    out.block(q0, h * head_dim, q1 - q0, head_dim).noalias() = scores * v_block;  // (B, hd)
+  });
 }
 
 void hadamard_rotate(float* x, std::int64_t heads, std::int64_t head_dim) {

@@ -30,6 +30,7 @@
 
 #include "kvlab/dtype.hpp"
 #include "panels.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -218,8 +219,7 @@ void multiply_tiled(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
   const int stride = static_cast<int>(tile_stride(rows));
   const std::int64_t tiles = panels::row_tile_count(rows, stride);
   x_tiles.resize(static_cast<std::size_t>(tiles * stride * depth));
-#pragma omp parallel
-  {
+  parallel_region([&] {
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < tiles; ++t) panels::pack_row_tile(x, stride, t, x_tiles.data());
     thread_local std::vector<float> widened;
@@ -246,7 +246,7 @@ void multiply_tiled(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
           break;
       }
     }
-  }
+  });
 }
 
 #else
@@ -255,8 +255,7 @@ void multiply_tiled(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
 void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
   const std::int64_t outputs = w.rows(), depth = w.cols(), bytes = panel_bytes(w);
   using PanelMatrix = Eigen::Matrix<float, Eigen::Dynamic, kPanelRows, Eigen::RowMajor>;
-#pragma omp parallel
-  {
+  parallel_region([&] {
     thread_local std::vector<float> widened;
     widened.resize(static_cast<std::size_t>(depth * kPanelRows));
 #pragma omp for schedule(static)
@@ -271,7 +270,7 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
       else
         block = x.lazyProduct(panel.leftCols(count));
     }
-  }
+  });
 }
 #endif
 
@@ -304,13 +303,12 @@ std::vector<std::byte> pack(const WeightMatrix& w) {
   const std::int64_t depth = w.cols(), size = weight_format_block_bytes(w.format()),
                      bytes = panel_bytes(w);
   std::vector<std::byte> out(static_cast<std::size_t>(panel_count(w.rows()) * bytes));
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < w.rows(); ++r) {
+  parallel_for(w.rows(), [&](std::int64_t r) {
     std::byte* column = out.data() + (r / kPanelRows) * bytes + (r % kPanelRows) * size;
     const std::byte* row = w.row(r);
     for (std::int64_t k = 0; k < depth; ++k)
       std::memcpy(column + k * kPanelRows * size, row + k * size, static_cast<std::size_t>(size));
-  }
+  });
   return out;
 }
 

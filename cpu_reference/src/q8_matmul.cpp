@@ -32,6 +32,7 @@
 
 #include "interleaved.hpp"
 #include "kvlab/dtype.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -104,34 +105,38 @@ void quantize_rows(const RowMatrix& x, bool unsigned_bytes, QuantizedRows& out) 
   out.q.resize(static_cast<std::size_t>(x.rows() * x.cols()));
   out.scale.resize(static_cast<std::size_t>(x.rows() * out.blocks));
   out.scaled_sum.resize(out.scale.size());
-#pragma omp parallel for schedule(static) if (x.rows() > 16)
-  for (std::int64_t m = 0; m < x.rows(); ++m)
-    for (std::int64_t b = 0; b < out.blocks; ++b) {
-      const float* v = x.row(m).data() + b * kBlockValues;
-      float amax = 0;
-      bool finite = true;
-      for (int k = 0; k < kBlockValues; ++k) {
-        amax = std::max(amax, std::fabs(v[k]));
-        finite = finite && std::isfinite(v[k]);
-      }
-      // A NaN or infinite activation makes the block's scale NaN (and its integers 0), so every
-      // output it reaches is NaN, as in fp32, and the engine reports it.
-      const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-      const float inverse = finite && d != 0 ? 1.0f / d : 0.0f;
-      int sum = 0;
-      std::int8_t* q = out.q.data() + m * out.cols + b * kBlockValues;
-      for (int k = 0; k < kBlockValues; ++k) {
-        // (not NaN * 0 cast to int for a non-finite block: undefined behaviour, which clang's
-        // UBSan reports)
-        const int value = finite ? static_cast<int>(std::nearbyint(v[k] * inverse)) : 0;
-        sum += value;
-        // Q8_0 weights: the unsigned byte value + 128, kept in the same int8 storage.
-        q[k] = unsigned_bytes ? static_cast<std::int8_t>(static_cast<std::uint8_t>(value + 128))
-                              : static_cast<std::int8_t>(value);
-      }
-      out.scale[static_cast<std::size_t>(m * out.blocks + b)] = d;
-      out.scaled_sum[static_cast<std::size_t>(m * out.blocks + b)] = d * static_cast<float>(sum);
-    }
+  parallel_for(
+      x.rows(),
+      [&](std::int64_t m) {
+        for (std::int64_t b = 0; b < out.blocks; ++b) {
+          const float* v = x.row(m).data() + b * kBlockValues;
+          float amax = 0;
+          bool finite = true;
+          for (int k = 0; k < kBlockValues; ++k) {
+            amax = std::max(amax, std::fabs(v[k]));
+            finite = finite && std::isfinite(v[k]);
+          }
+          // A NaN or infinite activation makes the block's scale NaN (and its integers 0), so every
+          // output it reaches is NaN, as in fp32, and the engine reports it.
+          const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+          const float inverse = finite && d != 0 ? 1.0f / d : 0.0f;
+          int sum = 0;
+          std::int8_t* q = out.q.data() + m * out.cols + b * kBlockValues;
+          for (int k = 0; k < kBlockValues; ++k) {
+            // (not NaN * 0 cast to int for a non-finite block: undefined behaviour, which clang's
+            // UBSan reports)
+            const int value = finite ? static_cast<int>(std::nearbyint(v[k] * inverse)) : 0;
+            sum += value;
+            // Q8_0 weights: the unsigned byte value + 128, kept in the same int8 storage.
+            q[k] = unsigned_bytes ? static_cast<std::int8_t>(static_cast<std::uint8_t>(value + 128))
+                                  : static_cast<std::int8_t>(value);
+          }
+          out.scale[static_cast<std::size_t>(m * out.blocks + b)] = d;
+          out.scaled_sum[static_cast<std::size_t>(m * out.blocks + b)] =
+              d * static_cast<float>(sum);
+        }
+      },
+      17);
 }
 
 #if !KVLAB_Q8_VNNI && !KVLAB_Q8_AVX2
@@ -425,13 +430,12 @@ std::vector<std::byte> interleave(const WeightMatrix& w) {
   const std::int64_t block_bytes = weight_format_block_bytes(w.format());
   std::vector<std::byte> out(
       static_cast<std::size_t>(group_count(w.rows()) * blocks * layout.bytes));
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < w.rows(); ++r) {
+  parallel_for(w.rows(), [&](std::int64_t r) {
     std::byte* group = out.data() + (r / kGroupRows) * blocks * layout.bytes;
     for (std::int64_t b = 0; b < blocks; ++b)
       pack_row_block(w.format(), w.row(r) + b * block_bytes, static_cast<int>(r % kGroupRows),
                      group + b * layout.bytes);
-  }
+  });
   return out;
 }
 

@@ -5,6 +5,7 @@
 #include <numeric>
 
 #include "kvlab/error.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 
@@ -53,12 +54,14 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
     rms_norm(x, layer.mlp_norm, eps, normed);
     gate_up.noalias() = normed * layer.w_gate_up.transpose();
     hidden.resize(T, c.intermediate_size);
-#pragma omp parallel for if (T > 16)
-    for (std::int64_t t = 0; t < T; ++t) {  // silu(gate) * up
-      const auto gate = gate_up.row(t).head(c.intermediate_size).array();
-      hidden.row(t).array() =
-          gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
-    }
+    parallel_for(
+        T,
+        [&](std::int64_t t) {  // silu(gate) * up
+          const auto gate = gate_up.row(t).head(c.intermediate_size).array();
+          hidden.row(t).array() =
+              gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
+        },
+        17);
     x.noalias() += hidden * layer.w_down.transpose();
   }
   const std::int64_t first = options.last_position_only ? T - 1 : 0;

@@ -28,6 +28,7 @@
 #include "interleaved.hpp"
 #include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "panels.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -279,8 +280,9 @@ bool multiply_fused(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
         block_sums[static_cast<std::size_t>(i * (depth / 32) + b)] =
             x.row(i).segment(b * 32, 32).sum();
   }
-#pragma omp parallel
-  fused_rows_up_to<kFusedRows>(static_cast<int>(rows), x, w, y, accumulate, block_sums);
+  parallel_region([&] {
+    fused_rows_up_to<kFusedRows>(static_cast<int>(rows), x, w, y, accumulate, block_sums);
+  });
   return true;
 }
 #endif
@@ -387,8 +389,7 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
   std::vector<float>& x_tiles = kept;    // the caller's, shared by the threads below
   const std::int64_t tiles = panels::row_tile_count(rows, kPackedRows);
   x_tiles.resize(static_cast<std::size_t>(tiles * kPackedRows * depth));
-#pragma omp parallel
-  {
+  parallel_region([&] {
 #pragma omp for schedule(static)
     for (std::int64_t t = 0; t < tiles; ++t)
       panels::pack_row_tile(x, kPackedRows, t, x_tiles.data());
@@ -421,7 +422,7 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
           }
       }
     }
-  }
+  });
 }
 #endif
 
@@ -430,8 +431,7 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
 void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool accumulate) {
   const std::int64_t outputs = w.rows(), depth = w.cols();
   const std::int64_t panels = (outputs + kPanelRows - 1) / kPanelRows;
-#pragma omp parallel
-  {
+  parallel_region([&] {
     thread_local std::vector<float> widened;  // kept between products: no allocation per call
     if (w.format() != WeightFormat::f32 &&
         widened.size() < static_cast<std::size_t>(kPanelRows * depth))
@@ -451,7 +451,7 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
           y(m, n0 + j) = accumulate ? y(m, n0 + j) + dot : dot;
         }
     }
-  }
+  });
 }
 
 }  // namespace

@@ -18,6 +18,7 @@
 #include "kvlab/model/gguf.hpp"
 #include "kvlab/model/gguf_model.hpp"
 #include "panels.hpp"
+#include "parallel.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -105,9 +106,9 @@ WeightMatrix WeightMatrix::quantize(const WeightMatrixView& source, WeightFormat
   m.cols_ = source.cols;
   auto storage = std::make_shared<std::vector<std::byte>>(static_cast<std::size_t>(m.bytes()));
   const std::int64_t row_bytes = m.row_bytes();
-#pragma omp parallel for schedule(static)
-  for (std::int64_t r = 0; r < m.rows_; ++r)
+  parallel_for(m.rows_, [&](std::int64_t r) {
     quantize_row(format, source.row(r), storage->data() + r * row_bytes);
+  });
   m.data_ = storage->data();
   m.owned_ = std::move(storage);
   return m;
