@@ -132,6 +132,11 @@ void run_calibrate_carry(const VidurCalibration& o) {
   p.allreduce = from.allreduce;
   p.allreduce_gb_per_s = from.allreduce_gb_per_s;
   p.allreduce_latency_s = from.allreduce_latency_s;
+  // The host's share (launches, scheduling, sync) comes with the kernels' fit: the same serving
+  // stack, and a floor fitted beside an overhead is only right with that overhead.
+  p.step_overhead_s = from.step_overhead_s;
+  p.sequence_overhead_s = from.sequence_overhead_s;
+  p.ungraphed_step_s = from.ungraphed_step_s;
   for (const auto& [term, text] : from.provenance)
     if (term != "device" && term != "memory" && term != "link" && term != "network")
       p.provenance[term] = fmt::format("{} ({}: {})", source, from.name, text);

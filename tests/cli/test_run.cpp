@@ -936,14 +936,19 @@ TEST(KvlabCalibrate, VidurFitsAGpuProfileAndReportsEveryMeasurement) {
   EXPECT_NE(measures.err.find("--threads measures a backend"), std::string::npos) << measures.err;
   EXPECT_FALSE(std::filesystem::exists(dir / "a100.toml"));
 
-  // --carry-from: another GPU's kernel terms on this one's peaks, each term's source said.
-  const Result carry = kvlab("calibrate --carry-from h100-sxm --profile h200" + out);
+  // --carry-from: another GPU's kernel terms and host overhead on this one's peaks, each term's
+  // source said (onto l4: a profile of datasheet terms, so every carried term differs).
+  const Result carry = kvlab("calibrate --carry-from h100-sxm --profile l4" + out);
   ASSERT_EQ(carry.exit_code, 0) << carry.err;
   const HardwareProfile carried = load_hardware_profile_file(dir / "a100.toml");
-  const HardwareProfile h100 = load_hardware_profile("h100-sxm");
-  EXPECT_DOUBLE_EQ(carried.memory_gb_per_s, 4800);  // the H200's own peaks
+  const HardwareProfile h100 = load_hardware_profile("h100-sxm"), l4 = load_hardware_profile("l4");
+  EXPECT_DOUBLE_EQ(carried.memory_gb_per_s, l4.memory_gb_per_s);  // the L4's own peaks
+  EXPECT_DOUBLE_EQ(carried.peak_tflops, l4.peak_tflops);
+  ASSERT_NE(l4.gemm_kernel.knee, h100.gemm_kernel.knee);
   EXPECT_DOUBLE_EQ(carried.gemm_kernel.knee, h100.gemm_kernel.knee);
   EXPECT_DOUBLE_EQ(carried.efficiency.gemm_compute, h100.efficiency.gemm_compute);
+  ASSERT_NE(l4.step_overhead_s, h100.step_overhead_s);
+  EXPECT_DOUBLE_EQ(carried.step_overhead_s, h100.step_overhead_s);
   EXPECT_EQ(carried.allreduce.size(), h100.allreduce.size());
   EXPECT_NE(carried.provenance.at("gemm").find("carried from h100-sxm"), std::string::npos);
   std::filesystem::remove(dir / "a100.toml");
