@@ -132,15 +132,13 @@ PY
 # --- 4. calibrate: every shape against its roofline, and the measured profile
 # It starts from the kernel terms fitted to Vidur's measured operators (floors, knees, waves:
 # kept by the fit), so it measures the efficiencies and overheads beside them, the overhead of
-# steps that replay no CUDA graph included: h100-sxm on an H100, those terms carried onto the
-# H200's peaks on anything else.
-profile=h200  # the datasheet profile, if the calibration fails
-start=h100-sxm
+# steps that replay no CUDA graph included: h100-sxm on an H100, h200 (those terms carried onto
+# the H200's peaks) on anything else.
+profile=h200  # the shipped profile, if the calibration fails
+start=h200
 case "$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)" in
-  *H100*) measured=h100-measured ;;
-  *) measured=h200-measured
-     "$kvlab" calibrate --carry-from h100-sxm --profile h200 --out "$build/h200-start.toml" \
-       > /dev/null && start="$build/h200-start.toml" ;;
+  *H100*) measured=h100-measured start=h100-sxm ;;
+  *) measured=h200-measured ;;
 esac
 if stage "kvlab calibrate --backend cuda" 90 calibrate.log "$kvlab" calibrate --backend cuda \
      --profile "$start" --model tinyllama-1.1b --repeats 3 --name "$measured" \

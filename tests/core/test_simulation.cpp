@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <map>
@@ -328,19 +329,36 @@ TEST(CostModel, EmptyStepCostsNothing) {
   EXPECT_EQ(model.step(std::span<const EntryShape>{}).total(), 0.0);
 }
 
+// One kernel's time: compute c and memory m joined at the knee k ((c^k + m^k)^(1/k); k = 0: the
+// plain roofline's max), floor apart.
+double joined(double c, double m, double k) {
+  return k == 0 ? std::max(c, m) : std::pow(std::pow(c, k) + std::pow(m, k), 1 / k);
+}
+
 TEST(CostModel, Llama2_7bOnH200DecodeIsTheWeightRead) {
   const HardwareProfile h200 = load_hardware_profile("h200");
   const ModelConfig llama = model_preset("llama2-7b");
   const CostModel model(llama, h200);
   const EntryShape decode{1, 511, 0};
   const StepCost c = model.step(std::span(&decode, 1));
-  // Weights of the layers: 32 x (4096 x 3 x 4096 + 4096^2 + 3 x 4096 x 11008) x 2 B.
+  const Efficiency& e = h200.efficiency;
+  // Weights of the layers: 32 x (4096 x 3 x 4096 + 4096^2 + 3 x 4096 x 11008) x 2 B, read at the
+  // GEMMs' memory fraction; one token's FLOPs (2 a weight: as many as the bytes) at their compute
+  // fraction, joined at the fitted knee; and 4 GEMM kernels a layer, each its floor.
   const double layer_bytes = 32.0 * (4096.0 * 3 * 4096 + 4096.0 * 4096 + 3.0 * 4096 * 11008) * 2;
-  EXPECT_NEAR(c.linear_s, layer_bytes / (4800e9 * h200.efficiency.gemm_memory),
+  ASSERT_GT(h200.gemm_kernel.floor_s, 0);
+  EXPECT_NEAR(c.linear_s,
+              joined(layer_bytes / (989e12 * e.gemm_compute),
+                     layer_bytes / (4800e9 * e.gemm_memory), h200.gemm_kernel.knee) +
+                  4 * 32 * h200.gemm_kernel.floor_s,
               1e-3 * c.linear_s);  // activations add < 0.1%
-  // KV: 512 tokens x 32 layers x 2 x 4096 x 2 B read at the attention bandwidth.
+  // KV: 512 tokens x 32 layers x 2 x 4096 x 2 B read at the attention bandwidth, beside 512 x 32
+  // x 4 x 4096 FLOPs (QK and PV), one kernel a layer.
   EXPECT_NEAR(c.attention_decode_s,
-              512.0 * 32 * 2 * 4096 * 2 / (4800e9 * h200.efficiency.attention_memory),
+              joined(512.0 * 32 * 4 * 4096 / (989e12 * e.attention_compute),
+                     512.0 * 32 * 2 * 4096 * 2 / (4800e9 * e.attention_memory),
+                     h200.decode_attention_kernel.knee) +
+                  32 * h200.decode_attention_kernel.floor_s,
               1e-2 * c.attention_decode_s);
   // About 3 ms for one token of a 7B model on an H200: the well-known memory-bound decode.
   EXPECT_GT(c.total(), 3e-3);

@@ -7,6 +7,8 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <array>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -329,12 +331,18 @@ TEST(Lesson, DisaggregationServesMorePerGpuOnlyUnderATightTpotSlo) {
 // Speculative decoding against the batch (experiments/speculation_vs_batch.toml): a drafter
 // right 75% of the time verifying 4 tokens per decode multiplies a simulated H200's throughput
 // at batch 1, the gain shrinks as the batch grows (verification turns memory-bound decode into
-// compute) and turns into a loss by batch 2048; an adaptive proposal length keeps within 3% of
-// the better of the two at every batch, whether each length's step is priced by the profile or
-// by the times of the steps already run (no profile: what a real model on a machine of its own
-// gets). At 2048 both beat plain and fixed (1.05-1.06x: one proposal still pays there). A draft
-// model priced by its size (Llama 3.2 1B: 4 draft decode steps before each verify) gains less and
-// turns into a loss at a smaller batch; an adaptive length recovers it too.
+// compute), breaks even by batch 256 and turns into a loss at 2048; an adaptive proposal length
+// keeps within 3% of the better of the two at every batch, whether each length's step is priced
+// by the profile or by the times of the steps already run (no profile: what a real model on a
+// machine of its own gets). At 2048 both beat fixed (one proposal still breaks even there). A
+// draft model priced by its size (Llama 3.2 1B: 4 draft decode steps before each verify, each
+// paying its kernels' floors) gains less and turns into a loss at a smaller batch; an adaptive
+// length recovers it too.
+//
+// The adaptive lengths are held to the mean over the seeds: at batch 1 one request's ~40
+// verifies decide the run, and with the draft 2, 3 and 4 proposals are within a percent of each
+// other in expectation (the draft's steps cost what the extra tokens gain), so one seed's fixed
+// length lands up to 3% either side of its mean (fixed 4 on seeds 1-6: 268-287 tokens/s).
 TEST(Lesson, SpeculationsGainShrinksWithTheBatchAndAnAdaptiveLengthKeepsTheBetter) {
   const char* plain = "speculation={ tokens = 0 }";
   const char* fixed = "speculation={ acceptance_rate = 0.75, proposer = 'simulated', tokens = 4 }";
@@ -350,6 +358,9 @@ TEST(Lesson, SpeculationsGainShrinksWithTheBatchAndAnAdaptiveLengthKeepsTheBette
       "speculation={ acceptance_rate = 0.75, adaptive = true, draft_model = 'llama3.2-1b', "
       "proposer = 'simulated', tokens = 4 }";
   const int batches[] = {1, 16, 64, 256, 2048};
+  constexpr std::size_t kBatches = std::size(batches);
+  // Per batch, summed over the seeds: fixed, adaptive, by times, draft, draft adaptive (/ plain).
+  std::array<std::array<double, 5>, kBatches> sums{};
   for (const std::uint64_t seed : kSeeds) {
     auto runs = run_points("speculation_vs_batch.toml", seed);
     const auto throughput = [&](int batch, const char* speculation) {
@@ -358,22 +369,21 @@ TEST(Lesson, SpeculationsGainShrinksWithTheBatchAndAnAdaptiveLengthKeepsTheBette
     };
     double previous_gain = 1e9;
     std::string table;
-    for (const int batch : batches) {
-      const double base = throughput(batch, plain), gain = throughput(batch, fixed) / base,
-                   adapted = throughput(batch, adaptive) / base,
-                   by_times = throughput(batch, measured) / base,
-                   draft = throughput(batch, drafted) / base,
-                   draft_adapted = throughput(batch, drafted_adaptive) / base;
+    for (std::size_t i = 0; i < kBatches; ++i) {
+      const int batch = batches[i];
+      const double base = throughput(batch, plain);
+      const std::array<double, 5> ratios = {
+          throughput(batch, fixed) / base, throughput(batch, adaptive) / base,
+          throughput(batch, measured) / base, throughput(batch, drafted) / base,
+          throughput(batch, drafted_adaptive) / base};
+      for (std::size_t r = 0; r < ratios.size(); ++r) sums[i][r] += ratios[r];
+      const double gain = ratios[0], draft = ratios[3];
       table += fmt::format(
           " batch {}: 4 proposals {:.2f}x, adaptive {:.2f}x, by times {:.2f}x, 1B draft {:.2f}x, "
           "adaptive {:.2f}x;",
-          batch, gain, adapted, by_times, draft, draft_adapted);
+          batch, gain, ratios[1], ratios[2], draft, ratios[4]);
       EXPECT_LT(draft, gain) << "the draft's steps cost: seed " << seed << ", batch " << batch;
-      EXPECT_GE(draft_adapted, 0.97 * std::max(1.0, draft))
-          << "seed " << seed << ", batch " << batch;
       EXPECT_LT(gain, previous_gain) << "seed " << seed << ", batch " << batch;
-      EXPECT_GE(adapted, 0.97 * std::max(1.0, gain)) << "seed " << seed << ", batch " << batch;
-      EXPECT_GE(by_times, 0.97 * std::max(1.0, gain)) << "seed " << seed << ", batch " << batch;
       previous_gain = gain;
     }
     // The measured trace replayed: its verifies accept 2.17 on average (2,320 in 1,067 verifies
@@ -397,11 +407,20 @@ TEST(Lesson, SpeculationsGainShrinksWithTheBatchAndAnAdaptiveLengthKeepsTheBette
     std::cout << "speculation lesson, seed " << seed << ":" << table << "\n";
     EXPECT_GE(throughput(1, fixed), 2.0 * throughput(1, plain)) << "seed " << seed << table;
     EXPECT_LT(throughput(2048, fixed), throughput(2048, plain)) << "seed " << seed << table;
-    // A 1B draft's own steps (Llama 3.2 1B for Llama 3.1 8B, the same 75%): still 2x at batch 1,
-    // a loss by batch 256, where the free drafter still breaks even.
-    EXPECT_GE(throughput(1, drafted), 1.8 * throughput(1, plain)) << "seed " << seed << table;
-    EXPECT_LT(throughput(256, drafted), throughput(256, plain)) << "seed " << seed << table;
-    EXPECT_GT(throughput(256, fixed), throughput(256, plain)) << "seed " << seed << table;
+    // The free drafter breaks even at 256 (within 3%), where the 1B draft's own steps (Llama 3.2
+    // 1B for Llama 3.1 8B, the same 75%) already cost a tenth of the throughput; the draft still
+    // gains 1.4x at batch 1.
+    EXPECT_GT(throughput(256, fixed), 0.97 * throughput(256, plain)) << "seed " << seed << table;
+    EXPECT_LT(throughput(256, drafted), 0.9 * throughput(256, fixed)) << "seed " << seed << table;
+    EXPECT_GE(throughput(1, drafted), 1.4 * throughput(1, plain)) << "seed " << seed << table;
+  }
+  const double seeds = static_cast<double>(std::size(kSeeds));
+  for (std::size_t i = 0; i < kBatches; ++i) {
+    const auto mean = [&](std::size_t r) { return sums[i][r] / seeds; };
+    const std::string at = fmt::format("batch {}, mean over the seeds", batches[i]);
+    EXPECT_GE(mean(1), 0.97 * std::max(1.0, mean(0))) << at;  // priced adaptive vs fixed
+    EXPECT_GE(mean(2), 0.97 * std::max(1.0, mean(0))) << at;  // by times
+    EXPECT_GE(mean(4), 0.97 * std::max(1.0, mean(3))) << at;  // the draft's adaptive
   }
 }
 
