@@ -23,6 +23,15 @@ bool ModelConfig::is_eos(std::int32_t token) const {
   return std::find(eos_token_ids.begin(), eos_token_ids.end(), token) != eos_token_ids.end();
 }
 
+std::optional<std::int64_t> ModelConfig::layer_window(std::int64_t layer) const {
+  if (is_local_layer(layer)) return local_window;
+  return sliding_window;
+}
+
+double ModelConfig::layer_rope_theta(std::int64_t layer) const {
+  return is_local_layer(layer) && rope_local_theta > 0 ? rope_local_theta : rope_theta;
+}
+
 std::int64_t ModelConfig::matmul_parameter_count() const {
   const std::int64_t attention = hidden_size * q_dim() * 2 + hidden_size * kv_dim() * 2;
   const std::int64_t mlp = 3 * hidden_size * intermediate_size;
@@ -30,7 +39,9 @@ std::int64_t ModelConfig::matmul_parameter_count() const {
 }
 
 std::int64_t ModelConfig::parameter_count() const {
-  const std::int64_t norms = num_hidden_layers * 2 * hidden_size + hidden_size;
+  const std::int64_t layer_norms =
+      (post_norms ? 4 : 2) * hidden_size + (qk_norm ? 2 * head_dim : 0);
+  const std::int64_t norms = num_hidden_layers * layer_norms + hidden_size;
   const std::int64_t embedding = vocab_size * hidden_size;
   // matmul_parameter_count already holds one vocab x hidden matrix (the output projection).
   return matmul_parameter_count() + norms + (tie_word_embeddings ? 0 : embedding);
@@ -41,16 +52,18 @@ double forward_flops(const ModelConfig& c, std::int64_t tokens, std::int64_t log
       2.0 * static_cast<double>(c.hidden_size * c.q_dim() * 2 + c.hidden_size * c.kv_dim() * 2 +
                                 3 * c.hidden_size * c.intermediate_size);
   double attended_keys = 0;  // sum over positions of the keys each query sees
-  for (std::int64_t t = 0; t < tokens; ++t)
-    attended_keys +=
-        static_cast<double>(c.sliding_window ? std::min(t + 1, *c.sliding_window) : t + 1);
-  // QK^T and PV: 2 FLOPs x head_dim per (query head, key) for each.
+  for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const std::optional<std::int64_t> window = c.layer_window(l);
+    for (std::int64_t t = 0; t < tokens; ++t)
+      attended_keys += static_cast<double>(window ? std::min(t + 1, *window) : t + 1);
+  }
+  // QK^T and PV: 2 FLOPs x head_dim per (query head, key) for each, summed over the layers.
   const double attention =
       4.0 * static_cast<double>(c.num_attention_heads * c.head_dim) * attended_keys;
   const double lm_head = 2.0 * static_cast<double>(c.vocab_size * c.hidden_size) *
                          static_cast<double>(logit_positions);
   return static_cast<double>(c.num_hidden_layers) * (layer_matmul * static_cast<double>(tokens)) +
-         static_cast<double>(c.num_hidden_layers) * attention + lm_head;
+         attention + lm_head;
 }
 
 const char* rope_type_name(RopeScaling::Type type) {
@@ -94,7 +107,8 @@ std::vector<double> rope_inverse_frequencies(const ModelConfig& c) {
 namespace {
 
 const std::vector<std::string>& supported_architectures() {
-  static const std::vector<std::string> names{"LlamaForCausalLM", "MistralForCausalLM"};
+  static const std::vector<std::string> names{"LlamaForCausalLM", "MistralForCausalLM",
+                                              "Gemma3ForCausalLM"};
   return names;
 }
 
@@ -337,6 +351,16 @@ std::vector<std::string> config_problems(const ModelConfig& c,
         problems.push_back(
             fmt::format("eos_token_id {} is outside the vocabulary [0, {})", eos, c.vocab_size));
   }
+  if (c.global_layer_every < 0 || (c.global_layer_every > 0 && c.local_window <= 0))
+    problems.push_back(fmt::format(
+        "local:global layers need a positive local window and layer period, got window {} "
+        "every {}",
+        c.local_window, c.global_layer_every));
+  if (c.embedding_scale <= 0 || !std::isfinite(c.embedding_scale) || c.query_scale < 0 ||
+      !std::isfinite(c.query_scale) || c.rope_local_theta < 0)
+    problems.push_back(
+        "the embedding scale must be positive and the query scale and local RoPE "
+        "base non-negative, all finite");
   if (c.sliding_window && *c.sliding_window <= 0)
     problems.push_back(
         fmt::format("\"sliding_window\" must be positive, got {}", *c.sliding_window));
@@ -443,6 +467,11 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   read_head_dim(read, c, problems);
   read_eos(root, read, c, problems);
   c.sliding_window = read.get<std::int64_t>("sliding_window", false);
+  if (c.is_gemma3())
+    problems.push_back(
+        "a Gemma3ForCausalLM folder is not read: run Gemma 3 from its GGUF file (`kvlab model "
+        "info` reads it; scripts/get_model.sh gemma3 fetches one), whose norms hold Gemma's 1 + w "
+        "already");
   refuse_other_math(read, problems);
   for (auto& problem : config_problems(c, problems)) problems.push_back(std::move(problem));
   throw_problems(source, problems);

@@ -64,6 +64,12 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
       window_(window),
       rope_(weights_.config) {
   const ModelConfig& c = weights_.config;
+  if (c.is_gemma3())
+    throw Error(fmt::format(
+        "the cpu backend does not run {} yet: a Gemma 3 model (local:global layers, Q/K and "
+        "post norms, GeGLU) runs in the cpu reference only (`kvlab generate --model FILE "
+        "--prompt-ids ...`)",
+        c.name));
   if (compute_.layers.size() != weights_.layers.size() ||
       compute_.output_projection.rows() != c.vocab_size)
     throw Error(fmt::format("internal: compute weights ({} layers) are not {}'s",
@@ -131,16 +137,8 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     multiply_by_transposed(attention, matrices.wo, x, true);
 
     rms_norm(x, as_vector(layer.mlp_norm), eps, normed);
-    multiply_by_transposed(normed, matrices.w_gate_up, gate_up, false);  // (N, 2 ffn)
-    hidden.resize(rows, c.intermediate_size);
-    parallel_for(
-        rows,
-        [&](std::int64_t t) {  // silu(gate) * up
-          const auto gate = gate_up.row(t).head(c.intermediate_size).array();
-          hidden.row(t).array() =
-              gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
-        },
-        17);
+    multiply_by_transposed(normed, matrices.w_gate_up, gate_up, false);    // (N, 2 ffn)
+    gated_activation(gate_up, c.intermediate_size, c.activation, hidden);  // (N, ffn)
     multiply_by_transposed(hidden, matrices.w_down, x, true);
   }
   const RowMatrix& last = logit_rows(x, batch, first_rows, logit_tokens);

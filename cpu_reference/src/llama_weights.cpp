@@ -37,6 +37,14 @@ LlamaWeights build_weights(const ModelConfig& config,
     layer.mlp_norm.resize(dim);
     layer.w_gate_up.resize(2 * config.intermediate_size, dim);
     layer.w_down.resize(dim, config.intermediate_size);
+    if (config.qk_norm) {
+      layer.q_norm.resize(config.head_dim);
+      layer.k_norm.resize(config.head_dim);
+    }
+    if (config.post_norms) {
+      layer.attention_post_norm.resize(dim);
+      layer.mlp_post_norm.resize(dim);
+    }
   }
   // Row blocks of row-major matrices are contiguous, so each checkpoint tensor is one span.
   auto span_of = [](auto&& m) {
@@ -72,8 +80,16 @@ LlamaWeights build_weights(const ModelConfig& config,
       fill(spec, span_of(layer.wv()));
     else if (f == "self_attn.o_proj.weight")
       fill(spec, span_of(layer.wo));
-    else if (f == "post_attention_layernorm.weight")
+    else if (f == "post_attention_layernorm.weight")  // Gemma's after the attention
+      fill(spec, span_of(config.post_norms ? layer.attention_post_norm : layer.mlp_norm));
+    else if (f == "pre_feedforward_layernorm.weight")
       fill(spec, span_of(layer.mlp_norm));
+    else if (f == "post_feedforward_layernorm.weight")
+      fill(spec, span_of(layer.mlp_post_norm));
+    else if (f == "self_attn.q_norm.weight")
+      fill(spec, span_of(layer.q_norm));
+    else if (f == "self_attn.k_norm.weight")
+      fill(spec, span_of(layer.k_norm));
     else if (f == "mlp.gate_proj.weight")
       fill(spec, span_of(layer.w_gate()));
     else if (f == "mlp.up_proj.weight")
@@ -93,7 +109,7 @@ LlamaWeights load_llama_weights(const std::filesystem::path& directory) {
     const GgufFile file = GgufFile::open(directory);
     const ModelConfig config = gguf_model_config(file);
     for (const auto& spec : llama_weight_specs(config)) {  // every tensor, before allocating
-      const auto name = gguf_tensor_name(spec.name);
+      const auto name = gguf_tensor_name(spec.name, config.post_norms);
       const GgufTensorInfo* tensor = name ? file.find_tensor(*name) : nullptr;
       if (tensor == nullptr || tensor->row_major_shape() != spec.shape)
         throw Error(

@@ -138,6 +138,42 @@ void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, floa
       17);
 }
 
+void rms_norm_heads(RowMatrix& rows, Eigen::Ref<const Eigen::VectorXf> weight, float eps) {
+  const std::int64_t head_dim = weight.size(), heads = rows.cols() / head_dim;
+  const auto gain = weight.array();  // (head_dim)
+  parallel_for(
+      rows.rows(),
+      [&](std::int64_t t) {
+        for (std::int64_t h = 0; h < heads; ++h) {
+          auto head = rows.row(t).segment(h * head_dim, head_dim).transpose();  // (head_dim)
+          const float inverse_rms =
+              1.0f / std::sqrt(head.squaredNorm() / static_cast<float>(head_dim) + eps);
+          head.array() = head.array() * inverse_rms * gain;
+        }
+      },
+      17);
+}
+
+void gated_activation(const RowMatrix& gate_up, std::int64_t ffn,
+                      ModelConfig::Activation activation, RowMatrix& hidden) {
+  hidden.resize(gate_up.rows(), ffn);
+  const bool gelu = activation == ModelConfig::Activation::gelu_tanh;
+  parallel_for(
+      gate_up.rows(),
+      [&](std::int64_t t) {
+        const auto gate = gate_up.row(t).head(ffn).array();
+        const auto up = gate_up.row(t).tail(ffn).array();
+        if (gelu) {
+          constexpr float kSqrt2OverPi = 0.7978845608028654f;
+          hidden.row(t).array() =
+              0.5f * gate * (1.0f + (kSqrt2OverPi * (gate + 0.044715f * gate.cube())).tanh()) * up;
+        } else {
+          hidden.row(t).array() = gate / (1.0f + (-gate).exp()) * up;
+        }
+      },
+      17);
+}
+
 namespace {
 ModelConfig plain_rope_config(std::int64_t head_dim, double theta) {
   ModelConfig c;

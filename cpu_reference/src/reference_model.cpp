@@ -2,15 +2,37 @@
 
 #include <fmt/format.h>
 
+#include <cmath>
 #include <numeric>
 
 #include "kvlab/error.hpp"
 #include "parallel.hpp"
 
 namespace kvlab::cpu {
+namespace {
+
+// x += product, or x += RMSNorm(product) when the model has a norm after the block (Gemma's
+// post-attention and post-feedforward norms: a non-empty post_norm).
+template <typename Product>
+void add_output(const Product& product, const Eigen::VectorXf& post_norm, float eps, RowMatrix& out,
+                RowMatrix& x) {
+  if (post_norm.size() == 0) {
+    x.noalias() += product;
+    return;
+  }
+  out.noalias() = product;
+  rms_norm(out, post_norm, eps, out);
+  x += out;
+}
+
+}  // namespace
 
 ReferenceModel::ReferenceModel(LlamaWeights weights)
-    : weights_(std::move(weights)), rope_(weights_.config) {}
+    : weights_(std::move(weights)), rope_(weights_.config) {
+  const ModelConfig& c = weights_.config;
+  if (c.global_layer_every > 0 && c.rope_local_theta > 0)
+    local_rope_.emplace(c.head_dim, c.rope_local_theta, c.max_position_embeddings);
+}
 
 RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
                                   const ForwardOptions& options) const {
@@ -25,7 +47,6 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
       throw Error(
           fmt::format("forward: token id {} at position {} is outside the vocabulary [0, {})",
                       tokens[i], i, c.vocab_size));
-  const auto window = options.sliding_window ? options.sliding_window : c.sliding_window;
   const auto eps = static_cast<float>(c.rms_norm_eps);
   std::vector<std::int32_t> positions(tokens.size());
   std::iota(positions.begin(), positions.end(), 0);
@@ -33,39 +54,56 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
   RowMatrix x(T, c.hidden_size);  // (T, dim) residual stream
   for (std::int64_t t = 0; t < T; ++t)
     x.row(t) = weights_.embedding.row(tokens[static_cast<std::size_t>(t)]);
+  if (c.embedding_scale != 1) x *= static_cast<float>(c.embedding_scale);  // Gemma: sqrt(dim)
 
   RowMatrix normed;     // (T, dim)
   RowMatrix qkv;        // (T, n_heads*hd + 2 n_kv*hd)
   RowMatrix q, k, v;    // (T, n_heads*hd), (T, n_kv*hd), (T, n_kv*hd)
   RowMatrix attention;  // (T, n_heads*hd)
+  RowMatrix out;        // (T, dim): the attention's or the MLP's output
   RowMatrix gate_up;    // (T, 2 ffn)
   RowMatrix hidden;     // (T, ffn)
-  for (const LayerWeights& layer : weights_.layers) {
+  // causal_attention scales scores by 1/sqrt(head_dim); another query scale goes into q.
+  const float query_rescale =
+      c.query_scale > 0
+          ? static_cast<float>(c.query_scale * std::sqrt(static_cast<double>(c.head_dim)))
+          : 1.0f;
+  for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
     qkv.noalias() = normed * layer.w_qkv.transpose();
     q = qkv.leftCols(c.q_dim());
     k = qkv.middleCols(c.q_dim(), c.kv_dim());
     v = qkv.rightCols(c.kv_dim());
-    rope_.apply(q, positions, c.num_attention_heads);
-    rope_.apply(k, positions, c.num_key_value_heads);
+    if (c.qk_norm) {
+      rms_norm_heads(q, layer.q_norm, eps);
+      rms_norm_heads(k, layer.k_norm, eps);
+    }
+    rope_for_layer(l).apply(q, positions, c.num_attention_heads);
+    rope_for_layer(l).apply(k, positions, c.num_key_value_heads);
+    if (query_rescale != 1.0f) q *= query_rescale;
+    const auto window = options.sliding_window ? options.sliding_window : c.layer_window(l);
     causal_attention(q, k, v, c.num_attention_heads, c.num_key_value_heads, window, attention);
-    x.noalias() += attention * layer.wo.transpose();
+    add_output(attention * layer.wo.transpose(), layer.attention_post_norm, eps, out, x);
 
     rms_norm(x, layer.mlp_norm, eps, normed);
     gate_up.noalias() = normed * layer.w_gate_up.transpose();
-    hidden.resize(T, c.intermediate_size);
-    parallel_for(
-        T,
-        [&](std::int64_t t) {  // silu(gate) * up
-          const auto gate = gate_up.row(t).head(c.intermediate_size).array();
-          hidden.row(t).array() =
-              gate / (1.0f + (-gate).exp()) * gate_up.row(t).tail(c.intermediate_size).array();
-        },
-        17);
-    x.noalias() += hidden * layer.w_down.transpose();
+    gated_activation(gate_up, c.intermediate_size, c.activation, hidden);
+    add_output(hidden * layer.w_down.transpose(), layer.mlp_post_norm, eps, out, x);
   }
-  const std::int64_t first = options.last_position_only ? T - 1 : 0;
-  const RowMatrix last_rows = x.bottomRows(T - first);  // (T or 1, dim)
+  RowMatrix last_rows;  // (T, 1 or P, dim)
+  if (!options.logit_positions.empty()) {
+    last_rows.resize(static_cast<std::int64_t>(options.logit_positions.size()), c.hidden_size);
+    for (std::size_t i = 0; i < options.logit_positions.size(); ++i) {
+      const std::int64_t p = options.logit_positions[i];
+      if (p < 0 || p >= T)
+        throw Error(fmt::format("forward: logit position {} is outside [0, {})", p, T));
+      last_rows.row(static_cast<std::int64_t>(i)) = x.row(p);
+    }
+  } else {
+    const std::int64_t first = options.last_position_only ? T - 1 : 0;
+    last_rows = x.bottomRows(T - first);
+  }
   rms_norm(last_rows, weights_.final_norm, eps, normed);
   RowMatrix logits = normed * weights_.output_projection().transpose();  // (T or 1, vocab)
   return logits;

@@ -243,7 +243,7 @@ namespace {
 // no WeightFormat.
 std::optional<WeightMatrix> stored_matrix(const GgufFile& file, const ModelConfig& config,
                                           const std::string& hf_name) {
-  const auto name = gguf_tensor_name(hf_name);
+  const auto name = gguf_tensor_name(hf_name, config.post_norms);
   const GgufTensorInfo* tensor = name ? file.find_tensor(*name) : nullptr;
   if (tensor == nullptr)
     throw Error(fmt::format("GGUF model {} has no tensor {} (for {})", file.path().string(),
@@ -252,7 +252,9 @@ std::optional<WeightMatrix> stored_matrix(const GgufFile& file, const ModelConfi
   const auto shape = tensor->row_major_shape();
   if (!format || shape.size() != 2) return std::nullopt;
   const std::span<const std::byte> bytes = file.bytes(*tensor);
-  const bool is_q = hf_name.ends_with("q_proj.weight"), is_k = hf_name.ends_with("k_proj.weight");
+  const bool permuted = !config.is_gemma3();  // Gemma's Q and K rows are stored as they are
+  const bool is_q = permuted && hf_name.ends_with("q_proj.weight"),
+             is_k = permuted && hf_name.ends_with("k_proj.weight");
   if (!is_q && !is_k) return WeightMatrix::from_bytes(*format, shape[0], shape[1], bytes);
   // Undo llama.cpp's permute(): GGUF row h*hd + 2i + j holds Hugging Face row h*hd + j*hd/2 + i.
   const std::int64_t hd = config.head_dim, half = hd / 2;

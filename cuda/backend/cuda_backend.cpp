@@ -97,6 +97,11 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     const kvlab::ModelWeightsView& w = *context.weights;
     config_ = w.config;
     const kvlab::ModelConfig& c = config_;
+    if (c.is_gemma3())
+      throw Error(
+          fmt::format("cuda backend: {} is a Gemma 3 model (local:global layers, Q/K and "
+                      "post norms, GeGLU), which only the cpu reference runs so far",
+                      c.name));
     if (!kvlab::cuda::attention_supports(c.head_dim))
       throw Error(
           fmt::format("cuda backend: head_dim {} is not instantiated (16, 32, 48, 64, 80, "

@@ -289,6 +289,78 @@ TEST(Gguf, ModelMetadataIsCheckedLikeConfigJson) {
             std::string::npos);
 }
 
+// A gemma3 GGUF's metadata as llama.cpp reads it (src/models/gemma3.cpp): one global layer in
+// every 6, the others the sliding window with RoPE base 10,000, the embedding scaled by
+// sqrt(width), Q/K and post norms, GeGLU; what kvlab does not compute is refused by name.
+TEST(Gguf, Gemma3MetadataGivesLocalAndGlobalLayers) {
+  test::TempDir dir;
+  const auto gemma3 = [&](int extra, const std::function<void(GgufBytes&)>& write) {
+    GgufBytes b;
+    b.header(3, 0, 11 + static_cast<std::uint64_t>(extra));
+    b.str("general.architecture").u32(8).str("gemma3");
+    for (const auto& [key, value] :
+         std::vector<std::pair<std::string, std::uint32_t>>{{"gemma3.embedding_length", 32},
+                                                            {"gemma3.feed_forward_length", 64},
+                                                            {"gemma3.block_count", 12},
+                                                            {"gemma3.attention.head_count", 4},
+                                                            {"gemma3.attention.head_count_kv", 1},
+                                                            {"gemma3.attention.key_length", 16},
+                                                            {"gemma3.context_length", 64},
+                                                            {"gemma3.vocab_size", 100}})
+      b.str(key).u32(4).u32(value);
+    f32_value(b, "gemma3.attention.layer_norm_rms_epsilon", 1e-6f);
+    f32_value(b, "gemma3.rope.freq_base", 1e6f);
+    write(b);
+    test::write_file(dir / "g.gguf", b.text());
+    return GgufFile::open(dir / "g.gguf");
+  };
+  const ModelConfig c = gguf_model_config(
+      gemma3(1, [](GgufBytes& b) { b.str("gemma3.attention.sliding_window").u32(4).u32(8); }));
+  EXPECT_EQ(c.architecture, "Gemma3ForCausalLM");
+  EXPECT_EQ(c.head_dim, 16);  // key_length, not width / heads (8)
+  EXPECT_FALSE(c.sliding_window.has_value());
+  for (std::int64_t l = 0; l < 12; ++l) {
+    const bool global = l == 5 || l == 11;
+    EXPECT_EQ(c.layer_window(l), global ? std::nullopt : std::optional<std::int64_t>(8)) << l;
+    EXPECT_EQ(c.layer_rope_theta(l), global ? 1e6 : 1e4) << l;
+  }
+  EXPECT_TRUE(c.qk_norm);
+  EXPECT_TRUE(c.post_norms);
+  EXPECT_EQ(c.activation, ModelConfig::Activation::gelu_tanh);
+  EXPECT_DOUBLE_EQ(c.embedding_scale, std::sqrt(32.0));
+  EXPECT_EQ(c.query_scale, 0);  // 1/sqrt(head_dim), llama.cpp's for every size but 27B
+  // Without a window every layer is global; the pattern and local base can be given.
+  const ModelConfig dense = gguf_model_config(gemma3(0, [](GgufBytes&) {}));
+  EXPECT_FALSE(dense.layer_window(0).has_value());
+  const ModelConfig every_third = gguf_model_config(gemma3(3, [](GgufBytes& b) {
+    b.str("gemma3.attention.sliding_window").u32(4).u32(8);
+    b.str("gemma3.attention.sliding_window_pattern").u32(4).u32(3);
+    f32_value(b, "gemma3.rope.freq_base_swa", 5e4f);
+  }));
+  EXPECT_FALSE(every_third.layer_window(2).has_value());
+  EXPECT_EQ(every_third.layer_window(3), 8);
+  EXPECT_EQ(every_third.layer_rope_theta(0), 5e4);
+  EXPECT_NE(error_of<Error>([&] {
+              gguf_model_config(gemma3(
+                  1, [](GgufBytes& b) { f32_value(b, "gemma3.final_logit_softcapping", 30); }));
+            }).find("logit soft-capping is not implemented"),
+            std::string::npos);
+  EXPECT_NE(error_of<Error>([&] {
+              gguf_model_config(gemma3(
+                  1, [](GgufBytes& b) { b.str("gemma3.attention.value_length").u32(4).u32(32); }));
+            }).find("value_length 32 differs from key_length 16"),
+            std::string::npos);
+  // A Gemma3ForCausalLM config.json is refused with the way to run it (its norms would need 1 + w).
+  EXPECT_NE(error_of<Error>([] {
+              parse_model_config(
+                  R"({"architectures": ["Gemma3ForCausalLM"], "vocab_size": 100, "hidden_size": 32,
+                      "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 4,
+                      "max_position_embeddings": 64})",
+                  "config.json");
+            }).find("run Gemma 3 from its GGUF file"),
+            std::string::npos);
+}
+
 // tokenizer.ggml.pre of another type than string was read as "default" (GPT-2 splitting).
 TEST(Gguf, APreTokenizerNameOfAnotherTypeIsRefused) {
   test::TempDir dir;

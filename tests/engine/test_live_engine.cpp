@@ -229,20 +229,25 @@ TEST(LiveEngine, ShutdownAbortsOrDrainsWhatIsInFlightAndCountsIt) {
   }
 }
 
-// A backend that fails on its `fail_at`th forward (an engine-level fault: a device lost, NaN).
+// A backend that fails on its first forward once armed, and at least its `fail_at`th (an
+// engine-level fault: a device lost, NaN). Armed by the test after its submissions: a count
+// alone raced them (on a loaded machine the engine thread reached the 5th forward before the
+// third submission, which was then refused).
 class FailingBackend final : public Backend {
  public:
   FailingBackend(Backend& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
   ForwardResult forward(std::span<const BatchEntry> batch,
                         std::span<const TokenChoice> choices) override {
-    if (++calls_ == fail_at_) throw Error("the device fell off the bus");
+    if (++calls_ >= fail_at_ && armed_) throw Error("the device fell off the bus");
     return inner_.forward(batch, choices);
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
+  void arm() { armed_ = true; }
 
  private:
   Backend& inner_;
   int calls_ = 0, fail_at_;
+  std::atomic<bool> armed_{false};
 };
 
 // An engine fault ends the loop, and still every request accepted ends once: rejected with the
@@ -254,6 +259,7 @@ TEST(LiveEngine, AnEngineFaultEndsEveryRequestInFlightWithTheFault) {
   std::vector<Seen> seen(3);
   for (auto& s : seen)
     ASSERT_EQ(live.submit(request(4, 6, 40), s.callbacks()).status, SubmitStatus::accepted);
+  failing.arm();
   for (auto& s : seen) {
     ASSERT_TRUE(s.wait(60));
     std::lock_guard lock(s.mutex);

@@ -1,6 +1,7 @@
 #pragma once
 // The LLaMA-family model description, read from a Hugging Face config.json
-// (LlamaForCausalLM / MistralForCausalLM) or taken from a built-in preset.
+// (LlamaForCausalLM / MistralForCausalLM), a GGUF file (llama, gemma3) or taken from a built-in
+// preset.
 #include <cstdint>
 #include <filesystem>
 #include <optional>
@@ -44,6 +45,24 @@ struct ModelConfig {
   std::int32_t bos_token_id = 1;
   std::vector<std::int32_t> eos_token_ids{2};
   std::optional<std::int64_t> sliding_window;  // Mistral: attend to the last W positions only
+
+  // Gemma 3 (Gemma3ForCausalLM, read from its GGUF): local:global layers, their own RoPE bases,
+  // extra norms, GeGLU. The defaults are LLaMA's, so a LLaMA config leaves all of them alone.
+  // Layer l attends to every position when (l + 1) % global_layer_every == 0 and to the last
+  // local_window positions otherwise (llama.cpp's swa pattern 6: layers 5, 11, 17 global).
+  // sliding_window stays empty for such a model: it is every layer's window, and here no
+  // single window holds for every layer.
+  std::int64_t global_layer_every = 0;  // 0: no local layers
+  std::int64_t local_window = 0;
+  double rope_local_theta = 0;  // the local layers' RoPE base (no scaling); 0: rope_theta
+  double embedding_scale = 1;   // the embedding's rows times this (Gemma: sqrt(hidden_size))
+  double query_scale = 0;       // scores' scale; 0: 1 / sqrt(head_dim)
+  bool qk_norm = false;         // RMSNorm of every Q and K head before RoPE (head_dim weights)
+  // RMSNorm of the attention's and of the MLP's output before each residual add (Gemma 2/3's
+  // post_attention_layernorm and post_feedforward_layernorm).
+  bool post_norms = false;
+  enum class Activation { silu, gelu_tanh };  // SwiGLU (LLaMA) or GeGLU, tanh GELU (Gemma)
+  Activation activation = Activation::silu;
   // Size-only presets describe real models for memory arithmetic; kvlab does not run them.
   bool size_only = false;
 
@@ -51,6 +70,15 @@ struct ModelConfig {
   std::int64_t q_dim() const { return num_attention_heads * head_dim; }
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
   bool is_eos(std::int32_t token) const;
+  // Layer `layer`'s window: local_window for a local layer of a local:global model,
+  // sliding_window (or none) otherwise.
+  std::optional<std::int64_t> layer_window(std::int64_t layer) const;
+  // Layer `layer`'s RoPE base: rope_local_theta for a local layer, rope_theta otherwise.
+  double layer_rope_theta(std::int64_t layer) const;
+  bool is_local_layer(std::int64_t layer) const {
+    return global_layer_every > 0 && (layer + 1) % global_layer_every != 0;
+  }
+  bool is_gemma3() const { return architecture == "Gemma3ForCausalLM"; }
 
   // Parameters of the model (embedding, every layer, final norm, lm_head unless tied).
   std::int64_t parameter_count() const;

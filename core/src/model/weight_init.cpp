@@ -37,7 +37,17 @@ std::vector<WeightSpec> llama_weight_specs(const ModelConfig& c) {
     specs.push_back({p + "self_attn.k_proj.weight", {c.kv_dim(), dim}, false});
     specs.push_back({p + "self_attn.v_proj.weight", {c.kv_dim(), dim}, false});
     specs.push_back({p + "self_attn.o_proj.weight", {dim, c.q_dim()}, false});
-    specs.push_back({p + "post_attention_layernorm.weight", {dim}, true});
+    if (c.qk_norm) {
+      specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, true});
+      specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, true});
+    }
+    if (c.post_norms) {  // Gemma: after the attention; then before and after the MLP
+      specs.push_back({p + "post_attention_layernorm.weight", {dim}, true});
+      specs.push_back({p + "pre_feedforward_layernorm.weight", {dim}, true});
+      specs.push_back({p + "post_feedforward_layernorm.weight", {dim}, true});
+    } else {  // LLaMA: before the MLP
+      specs.push_back({p + "post_attention_layernorm.weight", {dim}, true});
+    }
     specs.push_back({p + "mlp.gate_proj.weight", {c.intermediate_size, dim}, false});
     specs.push_back({p + "mlp.up_proj.weight", {c.intermediate_size, dim}, false});
     specs.push_back({p + "mlp.down_proj.weight", {dim, c.intermediate_size}, false});

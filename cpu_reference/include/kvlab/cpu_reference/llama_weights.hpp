@@ -28,6 +28,12 @@ struct LayerWeights {
   Eigen::VectorXf mlp_norm;        // (dim)                          post_attention_layernorm
   RowMatrix w_gate_up;             // (2 ffn, dim)                   gate_proj; up_proj rows
   RowMatrix w_down;                // (dim, ffn)                     down_proj
+  // Gemma 3 only (empty otherwise): per-head Q and K norms, and the norms after the attention
+  // and after the MLP (mlp_norm is then pre_feedforward_layernorm). From GGUF they hold
+  // Gemma's 1 + w already, so every norm here is a plain RMSNorm gain.
+  Eigen::VectorXf q_norm, k_norm;       // (head_dim)                self_attn.q_norm, k_norm
+  Eigen::VectorXf attention_post_norm;  // (dim)                     post_attention_layernorm
+  Eigen::VectorXf mlp_post_norm;        // (dim)                     post_feedforward_layernorm
 
   auto wq() { return w_qkv.topRows(q_dim); }             // (q_dim, dim), HF row order
   auto wk() { return w_qkv.middleRows(q_dim, kv_dim); }  // (kv_dim, dim), HF row order

@@ -26,6 +26,16 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
 void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, float eps,
               RowMatrix& out);
 
+// Every `head_dim` values of every row normalised on their own (Gemma 3's Q and K norms):
+// rows: (T, heads * head_dim) in place, weight: (head_dim).
+void rms_norm_heads(RowMatrix& rows, Eigen::Ref<const Eigen::VectorXf> weight, float eps);
+
+// The MLP's gated activation: hidden[t] = act(gate[t]) * up[t], gate_up: (T, 2 ffn) with the gate
+// first, hidden: (T, ffn). act: SiLU (SwiGLU: LLaMA) or tanh-approximated GELU (GeGLU: Gemma,
+// 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))).
+void gated_activation(const RowMatrix& gate_up, std::int64_t ffn,
+                      ModelConfig::Activation activation, RowMatrix& hidden);
+
 // x <- H x for `heads` consecutive heads of `head_dim` values (a power of two), H the
 // orthonormal Walsh-Hadamard matrix (symmetric, H H = I: the same call rotates back). A fast
 // transform: head_dim log2(head_dim) additions per head.

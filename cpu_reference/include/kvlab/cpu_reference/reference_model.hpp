@@ -15,7 +15,11 @@ namespace kvlab::cpu {
 
 struct ForwardOptions {
   bool last_position_only = false;  // logits for the last position only (generation)
-  // Attend to the last W positions only; defaults to the config's sliding_window (Mistral).
+  // Logits for these positions only, in this order (a long sequence of a large vocabulary:
+  // Gemma's 262,144 logits a row); empty: every position (or the last, above).
+  std::vector<std::int64_t> logit_positions;
+  // Attend to the last W positions only in every layer; defaults to each layer's window
+  // (ModelConfig::layer_window: Mistral's sliding_window, Gemma 3's local layers).
   std::optional<std::int64_t> sliding_window;
 };
 
@@ -26,15 +30,21 @@ class ReferenceModel {
   const ModelConfig& config() const { return weights_.config; }
   const LlamaWeights& weights() const { return weights_; }
   const RopeTable& rope() const { return rope_; }
+  // Layer `layer`'s table: the local layers' own base on a local:global model (Gemma 3).
+  const RopeTable& rope_for_layer(std::int64_t layer) const {
+    return local_rope_ && weights_.config.is_local_layer(layer) ? *local_rope_ : rope_;
+  }
 
   // tokens: (T) ids, T <= max_position_embeddings. Returns logits (T, vocab), or (1, vocab)
-  // with last_position_only. Throws kvlab::Error for an empty sequence, an id outside the
-  // vocabulary or a sequence longer than the context.
+  // with last_position_only, or (P, vocab) for P logit_positions. Throws kvlab::Error for an
+  // empty sequence, an id outside the vocabulary, a sequence longer than the context or a
+  // logit position outside it.
   RowMatrix forward(std::span<const std::int32_t> tokens, const ForwardOptions& options = {}) const;
 
  private:
   LlamaWeights weights_;
   RopeTable rope_;
+  std::optional<RopeTable> local_rope_;  // rope_local_theta's, when the model has one
 };
 
 enum class FinishReason { eos, max_tokens, context_full };
