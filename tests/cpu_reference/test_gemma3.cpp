@@ -14,6 +14,7 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/model/tokenizer.hpp"
 #include "test_util.hpp"
 
 namespace kvlab::cpu {
@@ -113,8 +114,8 @@ Agreement agreement_with_llama_cpp(ForwardOptions options) {
 // by that rounding: at position 0 (BOS alone: no attention, no RoPE, no window) by up to 0.22
 // already. Held: |delta logprob| <= 0.5 for each of llama.cpp's 16 likeliest tokens at 21
 // positions and <= 0.2 on average, over all and past position 512, and the same likeliest
-// token wherever llama.cpp's leads by more than 0.5 (measured: worst 0.39, mean 0.10, past 512
-// 0.13; a window of 511 or 513 instead of 512 moves that mean by 0.001 only).
+// token wherever llama.cpp's leads by more than 0.5 (measured: worst 0.37, mean 0.09, past 512
+// 0.09; a window of 511 or 513 instead of 512 moved that mean by 0.001 only).
 TEST(Gemma3, ReferenceLogprobsAgreeWithLlamaCppOverTheSameFile) {
   SKIP_WITHOUT_GEMMA();
   ASSERT_GT(gemma_fixture()["tokens"].size(), 600u);  // past the 512-token window
@@ -142,7 +143,7 @@ TEST(Gemma3, WithoutTheLocalWindowThePositionsPast512Disagree) {
   std::cout << fmt::format(
       "every layer global: past position 512 |delta logprob| worst {:.3f}, mean {:.3f}\n",
       a.worst_past_window, a.mean_past_window);
-  EXPECT_GT(a.mean_past_window, 2 * 0.2);  // measured 0.70
+  EXPECT_GT(a.mean_past_window, 2 * 0.2);  // measured 1.27
 }
 
 // Greedy decoding from llama.cpp's tokens of "The capital of France is": the same tokens up to
@@ -168,6 +169,28 @@ TEST(Gemma3, GreedyTokensAreLlamaCppsUpToANearTie) {
   EXPECT_EQ(tokens, std::vector<std::int32_t>(expected.begin(), expected.begin() + decided));
   std::cout << fmt::format("greedy: the first {} of llama.cpp's {} tokens compared, equal\n",
                            decided, expected.size());
+}
+
+// The file's own tokenizer (tokenizer.ggml.model "llama": SentencePiece BPE with byte fallback,
+// built from its pieces, scores and types and run by libsentencepiece) gives llama.cpp's ids for
+// the WikiText-2 text of the fixture, BOS first.
+TEST(Gemma3, TheFilesTokenizerGivesLlamaCppsIds) {
+  SKIP_WITHOUT_GEMMA();
+  const TokenizerLookup lookup = find_tokenizer(kGemma, 262144);
+  ASSERT_NE(lookup.tokenizer, nullptr) << lookup.why_not;
+  const auto expected = gemma_fixture()["tokens"].get<std::vector<std::int32_t>>();
+  const std::string wiki = test::read_file(std::filesystem::path(KVLAB_SOURCE_DIR) / "data" /
+                                           "wikitext-2-raw" / "wiki.test.raw");
+  if (wiki.empty()) GTEST_SKIP() << "no WikiText-2 here: scripts/get_data.sh wikitext2";
+  // The fixture's text: the file's first 8,000 bytes, cut after the last whole line.
+  const std::string head = wiki.substr(0, 8000);
+  std::vector<std::int32_t> ids =
+      lookup.tokenizer->encode_prompt(head.substr(0, head.rfind('\n') + 1));
+  ASSERT_GE(ids.size(), expected.size());
+  ids.resize(expected.size());
+  EXPECT_EQ(ids, expected);
+  EXPECT_EQ(lookup.tokenizer->decode(lookup.tokenizer->encode("The capital of France is")),
+            "The capital of France is");
 }
 
 // The cpu backend refuses the model with the way to run it, rather than computing LLaMA's layers.

@@ -5,6 +5,8 @@
 #include <fmt/ranges.h>
 
 #include <array>
+#include <cmath>
+#include <cstring>
 #include <string_view>
 
 #include "byte_level_bpe.hpp"
@@ -88,7 +90,104 @@ std::string pre_tokenizer_name(const GgufFile& file, const std::string& origin) 
   return *value->as_string();
 }
 
+bool flag_of(const GgufFile& file, std::string_view key) {
+  const GgufValue* value = file.find_metadata(key);
+  return value != nullptr && std::get_if<bool>(&value->value) && std::get<bool>(value->value);
+}
+
+// The few protobuf wire-format fields of sentencepiece_model.proto's ModelProto that a GGUF
+// vocabulary fills (field numbers from that file). libsentencepiece reads the bytes; kvlab only
+// writes them: no protobuf library or .proto copy for three messages.
+class ProtoWriter {
+ public:
+  ProtoWriter& varint_field(int field, std::uint64_t value) {
+    varint(static_cast<std::uint64_t>(field) << 3);
+    return varint(value);
+  }
+  ProtoWriter& float_field(int field, float value) {
+    varint((static_cast<std::uint64_t>(field) << 3) | 5);
+    char bytes[4];
+    std::memcpy(bytes, &value, 4);  // little-endian, as the wire format (x86-64)
+    bytes_.append(bytes, 4);
+    return *this;
+  }
+  ProtoWriter& bytes_field(int field, std::string_view bytes) {
+    varint((static_cast<std::uint64_t>(field) << 3) | 2);
+    varint(bytes.size());
+    bytes_.append(bytes);
+    return *this;
+  }
+  const std::string& bytes() const { return bytes_; }
+
+ private:
+  ProtoWriter& varint(std::uint64_t value) {
+    for (; value >= 0x80; value >>= 7) bytes_.push_back(static_cast<char>((value & 0x7f) | 0x80));
+    bytes_.push_back(static_cast<char>(value));
+    return *this;
+  }
+  std::string bytes_;
+};
+
 }  // namespace
+
+std::unique_ptr<Tokenizer> gguf_sentencepiece_tokenizer(const GgufFile& file) {
+  const std::string origin = file.path().string();
+  const std::vector<std::string> tokens = strings_of(file, "tokenizer.ggml.tokens");
+  if (tokens.empty() || static_cast<std::int64_t>(tokens.size()) > kMaxTokenizerVocab)
+    throw Error(fmt::format("{}: tokenizer.ggml.tokens has {} tokens", origin, tokens.size()));
+  const GgufArray& scores = array_of(file, "tokenizer.ggml.scores");
+  const GgufArray& types = array_of(file, "tokenizer.ggml.token_type");
+  if (scores.size() != tokens.size() || types.size() != tokens.size())
+    throw Error(fmt::format("{}: {} tokens but {} scores and {} token types", origin, tokens.size(),
+                            scores.size(), types.size()));
+  // SentencePiece needs its unk id's piece typed UNKNOWN; Gemma 3's GGUF types <unk> CONTROL.
+  const auto unk = token_id_of(file, "tokenizer.ggml.unknown_token_id", tokens.size());
+  if (!unk)
+    throw Error(fmt::format("{}: a SentencePiece vocabulary needs tokenizer.ggml.unknown_token_id",
+                            origin));
+  ProtoWriter model;
+  for (std::size_t id = 0; id < tokens.size(); ++id) {
+    const auto score = scores[id].as_double();
+    const auto type = types[id].as_int();
+    if (!score || !std::isfinite(*score) || !type || *type < 1 || *type > 6)
+      throw Error(fmt::format("{}: token {} has score {} and type {} (a finite number, 1-6)",
+                              origin, id, scores[id].to_string(), types[id].to_string()));
+    ProtoWriter piece;  // SentencePiece: piece = 1, score = 2, type = 3 (llama.cpp's 1-6 too)
+    piece.bytes_field(1, tokens[id])
+        .float_field(2, static_cast<float>(*score))
+        .varint_field(3,
+                      id == static_cast<std::size_t>(*unk) ? 2 : static_cast<std::uint64_t>(*type));
+    model.bytes_field(1, piece.bytes());  // ModelProto.pieces = 1
+  }
+  // TrainerSpec (ModelProto field 2): model_type = 3 (BPE: 2), byte_fallback = 35, and the
+  // special tokens by id (unk 40, bos 41, eos 42, pad 43; -1: none) and by piece (45-48:
+  // SentencePiece finds them by their text, "<s>" unless told).
+  const auto bos = token_id_of(file, "tokenizer.ggml.bos_token_id", tokens.size());
+  const auto eos = token_id_of(file, "tokenizer.ggml.eos_token_id", tokens.size());
+  const auto pad = token_id_of(file, "tokenizer.ggml.padding_token_id", tokens.size());
+  ProtoWriter trainer;
+  trainer.varint_field(3, 2).varint_field(35, 1);
+  const std::pair<std::optional<std::int32_t>, int> specials[] = {
+      {unk, 40}, {bos, 41}, {eos, 42}, {pad, 43}};
+  for (const auto& [id, field] : specials) {
+    trainer.varint_field(field, id ? static_cast<std::uint64_t>(*id) : ~std::uint64_t{0});
+    if (id) trainer.bytes_field(field + 5, tokens[static_cast<std::size_t>(*id)]);
+  }
+  model.bytes_field(2, trainer.bytes());
+  // NormalizerSpec (field 3): name = 1 "identity" (no character map), add_dummy_prefix = 3 as
+  // llama.cpp's add_space_prefix (true when absent, SentencePiece's and llama.cpp's default),
+  // remove_extra_whitespaces = 4 false, escape_whitespaces = 5 true (spaces as U+2581).
+  const bool space_prefix = file.find_metadata("tokenizer.ggml.add_space_prefix") == nullptr ||
+                            flag_of(file, "tokenizer.ggml.add_space_prefix");
+  ProtoWriter normalizer;
+  normalizer.bytes_field(1, "identity")
+      .varint_field(3, space_prefix ? 1 : 0)
+      .varint_field(4, 0)
+      .varint_field(5, 1);
+  model.bytes_field(3, normalizer.bytes());
+  return sentencepiece_tokenizer_from_proto(model.bytes(), origin + " tokenizer.ggml.*",
+                                            flag_of(file, "tokenizer.ggml.add_bos_token"));
+}
 
 std::unique_ptr<Tokenizer> gguf_tokenizer(const GgufFile& file) {
   const std::string origin = file.path().string();

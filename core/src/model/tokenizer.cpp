@@ -16,7 +16,8 @@ namespace {
 
 class SentencePieceTokenizer final : public Tokenizer {
  public:
-  explicit SentencePieceTokenizer(const std::filesystem::path& file) {
+  explicit SentencePieceTokenizer(const std::filesystem::path& file)
+      : description_("SentencePiece (tokenizer.model)") {
     const auto status = processor_.Load(file.string());
     if (!status.ok())
       throw Error(fmt::format("cannot load SentencePiece tokenizer {}: {}", file.string(),
@@ -25,6 +26,17 @@ class SentencePieceTokenizer final : public Tokenizer {
     if (processor_.bos_id() >= 0) bos_ = processor_.bos_id();
     if (processor_.eos_id() >= 0) eos_ = processor_.eos_id();
     add_bos_ = true;
+  }
+  // A serialized ModelProto (a GGUF file's vocabulary, gguf_sentencepiece.cpp).
+  SentencePieceTokenizer(std::string_view model_proto, std::string source, bool add_bos)
+      : description_("SentencePiece BPE (" + source + ")") {
+    const auto status = processor_.LoadFromSerializedProto(model_proto);
+    if (!status.ok())
+      throw Error(fmt::format("cannot load the SentencePiece tokenizer of {}: {}", source,
+                              status.ToString()));
+    if (processor_.bos_id() >= 0) bos_ = processor_.bos_id();
+    if (processor_.eos_id() >= 0) eos_ = processor_.eos_id();
+    add_bos_ = add_bos;
   }
 
   std::vector<std::int32_t> encode(std::string_view text) const override {
@@ -63,7 +75,7 @@ class SentencePieceTokenizer final : public Tokenizer {
   }
 
   std::int32_t vocab_size() const override { return processor_.GetPieceSize(); }
-  std::string description() const override { return "SentencePiece (tokenizer.model)"; }
+  std::string description() const override { return description_; }
   std::optional<std::int32_t> token_id(std::string_view token_text) const override {
     const int id = processor_.PieceToId(token_text);
     if (id == processor_.unk_id() && processor_.IdToPiece(id) != token_text) return std::nullopt;
@@ -72,9 +84,15 @@ class SentencePieceTokenizer final : public Tokenizer {
 
  private:
   sentencepiece::SentencePieceProcessor processor_;
+  std::string description_;
 };
 
 }  // namespace
+
+std::unique_ptr<Tokenizer> sentencepiece_tokenizer_from_proto(std::string_view model_proto,
+                                                              std::string source, bool add_bos) {
+  return std::make_unique<SentencePieceTokenizer>(model_proto, std::move(source), add_bos);
+}
 
 std::vector<std::int32_t> Tokenizer::encode_prompt(std::string_view text) const {
   std::vector<std::int32_t> ids;
@@ -100,9 +118,12 @@ TokenizerLookup find_gguf_tokenizer(const std::filesystem::path& path) {
   const GgufValue* model = file.find_metadata("tokenizer.ggml.model");
   if (model == nullptr || model->as_string() == nullptr)
     lookup.why_not = fmt::format("{} has no tokenizer (no tokenizer.ggml.model)", path.string());
+  else if (*model->as_string() == "llama")
+    lookup.tokenizer = gguf_sentencepiece_tokenizer(file);
   else if (*model->as_string() != "gpt2")
     lookup.why_not = fmt::format(
-        "{}: kvlab reads GGUF tokenizers of model \"gpt2\" (byte-level BPE), not \"{}\"",
+        "{}: kvlab reads GGUF tokenizers of model \"gpt2\" (byte-level BPE) and \"llama\" "
+        "(SentencePiece), not \"{}\"",
         path.string(), *model->as_string());
   else
     lookup.tokenizer = gguf_tokenizer(file);

@@ -75,6 +75,14 @@ std::unique_ptr<Tokenizer> open_tokenizer_json(const std::filesystem::path& file
 // tokenizer.ggml.model "gpt2" with a tokenizer.ggml.pre llama.cpp names (gpt2, llama-bpe,
 // qwen2, smollm, starcoder, ...). Throws kvlab::Error for another model or pre-tokenizer.
 std::unique_ptr<Tokenizer> gguf_tokenizer(const GgufFile& file);
+// tokenizer.ggml.model "llama": the pieces, scores and types of tokenizer.ggml.* as a
+// SentencePiece BPE model (byte fallback, spaces as U+2581, a space prefix only when
+// tokenizer.ggml.add_space_prefix says so), run by libsentencepiece. Throws kvlab::Error for
+// missing or mismatched arrays.
+std::unique_ptr<Tokenizer> gguf_sentencepiece_tokenizer(const GgufFile& file);
+// A SentencePiece model from its serialized ModelProto; `source` names it in messages.
+std::unique_ptr<Tokenizer> sentencepiece_tokenizer_from_proto(std::string_view model_proto,
+                                                              std::string source, bool add_bos);
 
 // Turns generated ids into text as they come: push() returns the text that is complete so far
 // and was not returned before. A UTF-8 character split over two tokens waits for its rest.
