@@ -421,5 +421,24 @@ TEST(ChatTemplate, AnUnknownTemplateIsAClearError) {
                                 {"M has no chat template", "--prompt"});
 }
 
+// A GGUF of tokenizer.ggml.model "llama" (tests/fixtures/gguf/make_spm_fixture.py): SentencePiece
+// BPE by score (pieces 259.. are ▁ a b ▁a ab ▁ab c), no space prefix, bytes for what no piece
+// covers, BOS first from encode_prompt.
+TEST(GgufTokenizer, SentencePieceMergesByScoreAndFallsBackToBytes) {
+  const TokenizerLookup lookup = find_tokenizer(std::filesystem::path(KVLAB_FIXTURES_DIR) / "gguf" /
+                                                "tokenizer_sentencepiece.gguf");
+  ASSERT_NE(lookup.tokenizer, nullptr) << lookup.why_not;
+  const Tokenizer& t = *lookup.tokenizer;
+  // "ab a" = a b ▁ a: ▁a (-0.5) merges before ab (-0.7); ab▁a is no piece.
+  EXPECT_EQ(t.encode("ab a"), (std::vector<std::int32_t>{263, 262}));
+  EXPECT_EQ(t.encode(" ab"), (std::vector<std::int32_t>{264}));  // no prefix added: ▁ab
+  // é (C3 A9) and d are no piece: their bytes, <0xC3> <0xA9> <0x64>, ids 3 + byte.
+  EXPECT_EQ(t.encode("éd"), (std::vector<std::int32_t>{3 + 0xC3, 3 + 0xA9, 3 + 0x64}));
+  EXPECT_EQ(t.decode(t.encode("ab a éd c")), "ab a éd c");
+  EXPECT_EQ(t.encode_prompt("c"), (std::vector<std::int32_t>{1, 265}));
+  EXPECT_EQ(t.vocab_size(), 266);
+  EXPECT_EQ(t.token_id("\u2581ab"), 264);
+}
+
 }  // namespace
 }  // namespace kvlab
