@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <functional>
+#include <optional>
+#include <string_view>
 
 #include "kvlab/error.hpp"
 #include "kvlab/memory_limit.hpp"
@@ -13,6 +15,67 @@
 namespace kvlab::cpu {
 namespace {
 
+// Row blocks of row-major matrices are contiguous, so each checkpoint tensor is one span.
+template <typename Matrix>
+std::span<float> span_of(Matrix&& m) {
+  return {m.data(), static_cast<std::size_t>(m.size())};
+}
+
+// A layer's tensors at the config's sizes (Gemma's extra norms only when it has them).
+void size_layer(const ModelConfig& config, LayerWeights& layer) {
+  const std::int64_t dim = config.hidden_size;
+  layer.q_dim = config.q_dim();
+  layer.kv_dim = config.kv_dim();
+  layer.ffn_dim = config.intermediate_size;
+  layer.attention_norm.resize(dim);
+  layer.w_qkv.resize(config.q_dim() + 2 * config.kv_dim(), dim);
+  layer.wo.resize(dim, config.q_dim());
+  layer.mlp_norm.resize(dim);
+  layer.w_gate_up.resize(2 * config.intermediate_size, dim);
+  layer.w_down.resize(dim, config.intermediate_size);
+  if (config.qk_norm) {
+    layer.q_norm.resize(config.head_dim);
+    layer.k_norm.resize(config.head_dim);
+  }
+  if (config.post_norms) {
+    layer.attention_post_norm.resize(dim);
+    layer.mlp_post_norm.resize(dim);
+  }
+}
+
+// Where the layer tensor `field` (its name after model.layers.N.) goes; nullopt for none.
+std::optional<std::span<float>> layer_tensor(LayerWeights& layer, std::string_view field,
+                                             bool post_norms) {
+  if (field == "input_layernorm.weight") return span_of(layer.attention_norm);
+  if (field == "self_attn.q_proj.weight") return span_of(layer.wq());
+  if (field == "self_attn.k_proj.weight") return span_of(layer.wk());
+  if (field == "self_attn.v_proj.weight") return span_of(layer.wv());
+  if (field == "self_attn.o_proj.weight") return span_of(layer.wo);
+  if (field == "post_attention_layernorm.weight")  // Gemma's after the attention
+    return span_of(post_norms ? layer.attention_post_norm : layer.mlp_norm);
+  if (field == "pre_feedforward_layernorm.weight") return span_of(layer.mlp_norm);
+  if (field == "post_feedforward_layernorm.weight") return span_of(layer.mlp_post_norm);
+  if (field == "self_attn.q_norm.weight") return span_of(layer.q_norm);
+  if (field == "self_attn.k_norm.weight") return span_of(layer.k_norm);
+  if (field == "mlp.gate_proj.weight") return span_of(layer.w_gate());
+  if (field == "mlp.up_proj.weight") return span_of(layer.w_up());
+  if (field == "mlp.down_proj.weight") return span_of(layer.w_down);
+  return std::nullopt;
+}
+
+// Where tensor `name` goes in `w`; a name llama_weight_specs does not give is an internal error.
+std::span<float> tensor_of(LlamaWeights& w, const std::string& name) {
+  if (name == "model.embed_tokens.weight") return span_of(w.embedding);
+  if (name == "model.norm.weight") return span_of(w.final_norm);
+  if (name == "lm_head.weight") return span_of(w.lm_head);
+  std::size_t layer_index = 0;
+  char field[64] = {};
+  if (std::sscanf(name.c_str(), "model.layers.%zu.%63s", &layer_index, field) == 2)
+    if (auto span = layer_tensor(w.layers.at(layer_index), field, w.config.post_norms))
+      return *span;
+  throw Error(fmt::format("internal: unexpected weight name {}", name));
+}
+
 // Calls fill(spec, destination floats) for every tensor of the model, in llama_weight_specs order.
 LlamaWeights build_weights(const ModelConfig& config,
                            const std::function<void(const WeightSpec&, std::span<float>)>& fill) {
@@ -22,83 +85,12 @@ LlamaWeights build_weights(const ModelConfig& config,
       fmt::format("the fp32 weights of {} ({} parameters)", config.name, config.parameter_count()));
   LlamaWeights w;
   w.config = config;
-  const std::int64_t dim = config.hidden_size;
-  w.embedding.resize(config.vocab_size, dim);
-  w.final_norm.resize(dim);
-  if (!config.tie_word_embeddings) w.lm_head.resize(config.vocab_size, dim);
+  w.embedding.resize(config.vocab_size, config.hidden_size);
+  w.final_norm.resize(config.hidden_size);
+  if (!config.tie_word_embeddings) w.lm_head.resize(config.vocab_size, config.hidden_size);
   w.layers.resize(static_cast<std::size_t>(config.num_hidden_layers));
-  for (auto& layer : w.layers) {
-    layer.q_dim = config.q_dim();
-    layer.kv_dim = config.kv_dim();
-    layer.ffn_dim = config.intermediate_size;
-    layer.attention_norm.resize(dim);
-    layer.w_qkv.resize(config.q_dim() + 2 * config.kv_dim(), dim);
-    layer.wo.resize(dim, config.q_dim());
-    layer.mlp_norm.resize(dim);
-    layer.w_gate_up.resize(2 * config.intermediate_size, dim);
-    layer.w_down.resize(dim, config.intermediate_size);
-    if (config.qk_norm) {
-      layer.q_norm.resize(config.head_dim);
-      layer.k_norm.resize(config.head_dim);
-    }
-    if (config.post_norms) {
-      layer.attention_post_norm.resize(dim);
-      layer.mlp_post_norm.resize(dim);
-    }
-  }
-  // Row blocks of row-major matrices are contiguous, so each checkpoint tensor is one span.
-  auto span_of = [](auto&& m) {
-    return std::span<float>(m.data(), static_cast<std::size_t>(m.size()));
-  };
-  for (const auto& spec : llama_weight_specs(config)) {
-    const std::string& n = spec.name;
-    if (n == "model.embed_tokens.weight") {
-      fill(spec, span_of(w.embedding));
-      continue;
-    }
-    if (n == "model.norm.weight") {
-      fill(spec, span_of(w.final_norm));
-      continue;
-    }
-    if (n == "lm_head.weight") {
-      fill(spec, span_of(w.lm_head));
-      continue;
-    }
-    std::size_t layer_index = 0;
-    char field[64] = {};
-    if (std::sscanf(n.c_str(), "model.layers.%zu.%63s", &layer_index, field) != 2)
-      throw Error(fmt::format("internal: unexpected weight name {}", n));
-    LayerWeights& layer = w.layers.at(layer_index);
-    const std::string f = field;
-    if (f == "input_layernorm.weight")
-      fill(spec, span_of(layer.attention_norm));
-    else if (f == "self_attn.q_proj.weight")
-      fill(spec, span_of(layer.wq()));
-    else if (f == "self_attn.k_proj.weight")
-      fill(spec, span_of(layer.wk()));
-    else if (f == "self_attn.v_proj.weight")
-      fill(spec, span_of(layer.wv()));
-    else if (f == "self_attn.o_proj.weight")
-      fill(spec, span_of(layer.wo));
-    else if (f == "post_attention_layernorm.weight")  // Gemma's after the attention
-      fill(spec, span_of(config.post_norms ? layer.attention_post_norm : layer.mlp_norm));
-    else if (f == "pre_feedforward_layernorm.weight")
-      fill(spec, span_of(layer.mlp_norm));
-    else if (f == "post_feedforward_layernorm.weight")
-      fill(spec, span_of(layer.mlp_post_norm));
-    else if (f == "self_attn.q_norm.weight")
-      fill(spec, span_of(layer.q_norm));
-    else if (f == "self_attn.k_norm.weight")
-      fill(spec, span_of(layer.k_norm));
-    else if (f == "mlp.gate_proj.weight")
-      fill(spec, span_of(layer.w_gate()));
-    else if (f == "mlp.up_proj.weight")
-      fill(spec, span_of(layer.w_up()));
-    else if (f == "mlp.down_proj.weight")
-      fill(spec, span_of(layer.w_down));
-    else
-      throw Error(fmt::format("internal: unexpected weight name {}", n));
-  }
+  for (auto& layer : w.layers) size_layer(config, layer);
+  for (const auto& spec : llama_weight_specs(config)) fill(spec, tensor_of(w, spec.name));
   return w;
 }
 
