@@ -569,15 +569,66 @@ const PresetSpec kPresets[] = {
     {"opt-13b", 50272, 5120, 13653, 40, 40, 40, 2048, 1e-5, 10000.0, true, true, std::nullopt},
 };
 
+// Gemma 3 (local:global attention): the published config.json shapes. One global layer in
+// every 6, the local layers' RoPE base 10,000, the global layers' 1,000,000 (from 4B on with
+// linear RoPE scaling 8, to 128K context). gemma3-tiny: the same architecture at the size of
+// `tiny`, with an 8-token window, so that short tests cross windows (runnable, random weights).
+struct GemmaPresetSpec {
+  const char* name;
+  std::int64_t vocab, dim, ffn, layers, heads, kv_heads, head_dim, window, context;
+  double query_pre_attention_scalar, rope_factor;
+  bool size_only;
+};
+const GemmaPresetSpec kGemmaPresets[] = {
+    {"gemma3-tiny", 512, 64, 176, 6, 4, 1, 16, 8, 512, 16, 1.0, false},
+    {"gemma3-1b", 262144, 1152, 6912, 26, 4, 1, 256, 512, 32768, 256, 1.0, true},
+    {"gemma3-4b", 262208, 2560, 10240, 34, 8, 4, 256, 1024, 131072, 256, 8.0, true},
+    {"gemma3-12b", 262208, 3840, 15360, 48, 16, 8, 256, 1024, 131072, 256, 8.0, true},
+    {"gemma3-27b", 262208, 5376, 21504, 62, 32, 16, 128, 1024, 131072, 168, 8.0, true},
+};
+
+ModelConfig gemma3_preset(const GemmaPresetSpec& p) {
+  ModelConfig c;
+  c.name = p.name;
+  c.architecture = "Gemma3ForCausalLM";
+  c.vocab_size = p.vocab;
+  c.hidden_size = p.dim;
+  c.intermediate_size = p.ffn;
+  c.num_hidden_layers = p.layers;
+  c.num_attention_heads = p.heads;
+  c.num_key_value_heads = p.kv_heads;
+  c.head_dim = p.head_dim;
+  c.max_position_embeddings = p.context;
+  c.rms_norm_eps = 1e-6;
+  c.rope_theta = 1000000.0;
+  if (p.rope_factor != 1.0) c.rope_scaling = {RopeScaling::Type::linear, p.rope_factor};
+  c.tie_word_embeddings = true;
+  c.size_only = p.size_only;
+  c.global_layer_every = 6;
+  c.local_window = p.window;
+  c.rope_local_theta = 10000.0;
+  c.embedding_scale = std::sqrt(static_cast<double>(p.dim));
+  c.query_scale = 1.0 / std::sqrt(p.query_pre_attention_scalar);
+  c.qk_norm = true;
+  c.post_norms = true;
+  c.activation = ModelConfig::Activation::gelu_tanh;
+  c.bos_token_id = 2;
+  c.eos_token_ids = {1};
+  return c;
+}
+
 }  // namespace
 
 std::vector<std::string> model_preset_names() {
   std::vector<std::string> names;
   for (const auto& p : kPresets) names.emplace_back(p.name);
+  for (const auto& p : kGemmaPresets) names.emplace_back(p.name);
   return names;
 }
 
 ModelConfig model_preset(std::string_view name) {
+  for (const auto& p : kGemmaPresets)
+    if (name == p.name) return gemma3_preset(p);
   for (const auto& p : kPresets) {
     if (name != p.name) continue;
     ModelConfig c;

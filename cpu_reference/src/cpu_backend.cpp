@@ -64,12 +64,17 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
       window_(window),
       rope_(weights_.config) {
   const ModelConfig& c = weights_.config;
-  if (c.is_gemma3())
-    throw Error(fmt::format(
-        "the cpu backend does not run {} yet: a Gemma 3 model (local:global layers, Q/K and "
-        "post norms, GeGLU) runs in the cpu reference only (`kvlab generate --model FILE "
-        "--prompt-ids ...`)",
-        c.name));
+  if (c.global_layer_every > 0 && c.rope_local_theta > 0)
+    local_rope_.emplace(c.head_dim, c.rope_local_theta, c.max_position_embeddings);
+  if (c.query_scale > 0)  // the attention kernels scale by 1/sqrt(head_dim); the rest goes into Q
+    query_rescale_ = static_cast<float>(c.query_scale * std::sqrt(static_cast<double>(c.head_dim)));
+  for (const LayerWeightsView& layer : weights_.layers)
+    if (c.qk_norm && (static_cast<std::int64_t>(layer.q_norm.size()) != c.head_dim ||
+                      static_cast<std::int64_t>(layer.k_norm.size()) != c.head_dim))
+      throw Error(
+          fmt::format("internal: {} normalises Q and K per head but a layer's Q/K norms "
+                      "are not of head_dim {}",
+                      c.name, c.head_dim));
   if (compute_.layers.size() != weights_.layers.size() ||
       compute_.output_projection.rows() != c.vocab_size)
     throw Error(fmt::format("internal: compute weights ({} layers) are not {}'s",
@@ -116,6 +121,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     for (std::size_t j = 0; j < batch[e].tokens.size(); ++j)
       x.row(first_rows[e] + static_cast<std::int64_t>(j)) =
           as_vector(weights_.embedding.row(batch[e].tokens[j])).transpose();
+  if (c.embedding_scale != 1) x *= static_cast<float>(c.embedding_scale);  // Gemma: sqrt(dim)
 
   RowMatrix &normed = normed_, &qkv = qkv_, &attention = attention_, &gate_up = gate_up_,
             &hidden = hidden_;
@@ -134,12 +140,12 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
           },
           17);
     }
-    multiply_by_transposed(attention, matrices.wo, x, true);
+    add_output(attention, matrices.wo, layer.attention_post_norm, x);
 
     rms_norm(x, as_vector(layer.mlp_norm), eps, normed);
     multiply_by_transposed(normed, matrices.w_gate_up, gate_up, false);    // (N, 2 ffn)
     gated_activation(gate_up, c.intermediate_size, c.activation, hidden);  // (N, ffn)
-    multiply_by_transposed(hidden, matrices.w_down, x, true);
+    add_output(hidden, matrices.w_down, layer.mlp_post_norm, x);
   }
   const RowMatrix& last = logit_rows(x, batch, first_rows, logit_tokens);
   rms_norm(last, as_vector(weights_.final_norm), eps, normed);
@@ -147,7 +153,22 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
   return logits_;
 }
 
-// qkv (N, q_dim + 2 kv_dim): row t is token t's Q | K | V. RoPE rotates Q and K in place and the
+// x += input w^T, or x += RMSNorm(input w^T) when the layer has a norm after the block (Gemma's
+// post-attention and post-feedforward norms: a non-empty post_norm). input: (N, w.cols()).
+void CpuBackend::add_output(const RowMatrix& input, const WeightMatrix& w,
+                            std::span<const float> post_norm, RowMatrix& x) {
+  if (post_norm.empty()) {
+    multiply_by_transposed(input, w, x, true);
+    return;
+  }
+  multiply_by_transposed(input, w, block_out_, false);  // (N, dim)
+  rms_norm(block_out_, as_vector(post_norm), static_cast<float>(weights_.config.rms_norm_eps),
+           block_out_);
+  x += block_out_;
+}
+
+// qkv (N, q_dim + 2 kv_dim): row t is token t's Q | K | V. Gemma's per-head norms of Q and K
+// come first; RoPE rotates Q and K in place and the
 // new tokens' K and V go to their slots (rounded to the pool's dtype), in one pass over the rows:
 // no copies of Q and K, one join of the threads. A KIVI pool's writes come after, on one thread
 // in slot order: a group's last row seals the rows before it (kvlab/kv_pool.hpp).
@@ -156,11 +177,19 @@ void CpuBackend::rotate_and_store(std::int64_t layer, std::span<const std::int32
   const ModelConfig& c = weights_.config;
   const std::int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), rows = qkv.rows();
   const bool kivi = dtype_is_kivi(pool_.shape().dtype);
+  const LayerWeightsView& weights = weights_.layers[static_cast<std::size_t>(layer)];
+  const RopeTable& rope = rope_for_layer(layer);
+  const auto eps = static_cast<float>(c.rms_norm_eps);
   const auto rotate_and_write = [&](std::int64_t t) {
     float* values = qkv.row(t).data();
     const auto row = static_cast<std::size_t>(t);
-    rope_.apply_row(values, positions[row], c.num_attention_heads);
-    rope_.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
+    if (c.qk_norm) {
+      rms_norm_row_heads(values, c.num_attention_heads, as_vector(weights.q_norm), eps);
+      rms_norm_row_heads(values + q_dim, c.num_key_value_heads, as_vector(weights.k_norm), eps);
+    }
+    rope.apply_row(values, positions[row], c.num_attention_heads);
+    rope.apply_row(values + q_dim, positions[row], c.num_key_value_heads);
+    if (query_rescale_ != 1.0f) Eigen::Map<Eigen::VectorXf>(values, q_dim) *= query_rescale_;
     if (pool_.shape().hadamard_rotated)  // Q, K and V of every head: scores unchanged
       hadamard_rotate(values, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim);
     if (slots[row] < 0 || kivi) return;
@@ -287,6 +316,7 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
                         RowMatrix& out) {
   const ModelConfig& c = weights_.config;
   const std::int64_t kv_heads = c.num_key_value_heads, group = c.group_size();
+  const std::optional<std::int64_t> window = window_ ? window_ : c.layer_window(layer);
   out.resize(q.rows(), c.q_dim());
   // A decode task takes a whole entry when there are entries enough for every thread: it then
   // reads the entry's slot rows whole, in order. Otherwise (and for prompt chunks) one task per
@@ -299,10 +329,9 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     const std::int64_t last_position =
         entry.start_position + static_cast<std::int64_t>(entry.tokens.size()) - 1;
     const std::int64_t key_begin =  // the oldest key any query sees
-        window_ ? entry.view.index_at_or_after(entry.start_position - *window_ + 1) : 0;
+        window ? entry.view.index_at_or_after(entry.start_position - *window + 1) : 0;
     const std::int64_t key_end = entry.view.index_at_or_after(last_position + 1);
-    const AttentionGroup task{entry,         0,         kv_heads, group,
-                              first_rows[e], key_begin, key_end,  window_};
+    const AttentionGroup task{entry, 0, kv_heads, group, first_rows[e], key_begin, key_end, window};
     if (entry.tokens.size() == 1 && whole_entries) {
       tasks.push_back(task);
     } else {

@@ -149,8 +149,9 @@ ModelWeightsView weights_view(const LlamaWeights& weights, std::string source) {
   view.embedding = matrix_view(weights.embedding);
   for (const LayerWeights& l : weights.layers)
     view.layers.push_back({vector_view(l.attention_norm), matrix_view(l.w_qkv), matrix_view(l.wo),
-                           vector_view(l.mlp_norm), matrix_view(l.w_gate_up),
-                           matrix_view(l.w_down)});
+                           vector_view(l.mlp_norm), matrix_view(l.w_gate_up), matrix_view(l.w_down),
+                           vector_view(l.q_norm), vector_view(l.k_norm),
+                           vector_view(l.attention_post_norm), vector_view(l.mlp_post_norm)});
   view.final_norm = vector_view(weights.final_norm);
   view.output_projection = matrix_view(weights.output_projection());
   view.source = std::move(source);

@@ -138,20 +138,22 @@ void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, floa
       17);
 }
 
+void rms_norm_row_heads(float* row, std::int64_t heads, Eigen::Ref<const Eigen::VectorXf> weight,
+                        float eps) {
+  const std::int64_t head_dim = weight.size();
+  for (std::int64_t h = 0; h < heads; ++h) {
+    Eigen::Map<Eigen::VectorXf> head(row + h * head_dim, head_dim);  // (head_dim)
+    const float inverse_rms =
+        1.0f / std::sqrt(head.squaredNorm() / static_cast<float>(head_dim) + eps);
+    head.array() = head.array() * inverse_rms * weight.array();
+  }
+}
+
 void rms_norm_heads(RowMatrix& rows, Eigen::Ref<const Eigen::VectorXf> weight, float eps) {
-  const std::int64_t head_dim = weight.size(), heads = rows.cols() / head_dim;
-  const auto gain = weight.array();  // (head_dim)
+  const std::int64_t heads = rows.cols() / weight.size();
   parallel_for(
       rows.rows(),
-      [&](std::int64_t t) {
-        for (std::int64_t h = 0; h < heads; ++h) {
-          auto head = rows.row(t).segment(h * head_dim, head_dim).transpose();  // (head_dim)
-          const float inverse_rms =
-              1.0f / std::sqrt(head.squaredNorm() / static_cast<float>(head_dim) + eps);
-          head.array() = head.array() * inverse_rms * gain;
-        }
-      },
-      17);
+      [&](std::int64_t t) { rms_norm_row_heads(rows.row(t).data(), heads, weight, eps); }, 17);
 }
 
 void gated_activation(const RowMatrix& gate_up, std::int64_t ffn,

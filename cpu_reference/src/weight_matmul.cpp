@@ -48,19 +48,38 @@ float half_to_float(const std::byte* p) {
   return _cvtsh_ss(bits);
 }
 
-// The 32 values of one Q block, widened: q (as 8-bit integers in two 16-byte halves) * d (+ m).
-void widen_q4(const std::byte* qs, __m256 d, __m256 m, bool centered, float* out) {
+std::uint32_t fifth_bits(const std::byte* qh) {
+  std::uint32_t bits = 0;
+  std::memcpy(&bits, qh, 4);  // little-endian, as the file and x86-64 are
+  return bits;
+}
+
+// 8 lanes of 16 where bit 8 group + i of a Q5 block's qh is set (value 8 group + i's fifth bit),
+// 0 elsewhere.
+__m256i q5_high(std::uint32_t qh, int group) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i set =
+      _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(qh >> (8 * group))), bits);
+  return _mm256_and_si256(_mm256_cmpeq_epi32(set, bits), _mm256_set1_epi32(16));
+}
+
+// The 32 values of one Q4/Q5 block, widened: (nibble (+ 16 fifth bit) - offset) * d + m. The
+// nibbles as 8-bit integers in two 16-byte halves: values 8 group .. 8 group + 7 are bytes
+// 8 (group % 2) .. of the low (group < 2) or high halves.
+void widen_nibbles(const std::byte* qs, std::uint32_t qh, __m256 d, __m256 m, int offset,
+                   float* out) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0F);
   const __m128i halves[2] = {_mm_and_si128(packed, mask),
                              _mm_and_si128(_mm_srli_epi16(packed, 4), mask)};
-  const __m256i offset = _mm256_set1_epi32(centered ? 8 : 0);
-  for (int h = 0; h < 2; ++h)
-    for (int g = 0; g < 2; ++g) {
-      const __m128i bytes = g == 0 ? halves[h] : _mm_srli_si128(halves[h], 8);
-      const __m256i q = _mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), offset);
-      _mm256_storeu_ps(out + h * 16 + g * 8, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
-    }
+  for (int group = 0; group < 4; ++group) {
+    const __m128i half = halves[group / 2];
+    const __m128i bytes = group % 2 == 0 ? half : _mm_srli_si128(half, 8);
+    const __m256i q =
+        _mm256_sub_epi32(_mm256_add_epi32(_mm256_cvtepu8_epi32(bytes), q5_high(qh, group)),
+                         _mm256_set1_epi32(offset));
+    _mm256_storeu_ps(out + 8 * group, _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), d, m));
+  }
 }
 
 void widen_row(WeightFormat format, const std::byte* row, std::int64_t cols, float* out) {
@@ -90,13 +109,23 @@ void widen_row(WeightFormat format, const std::byte* row, std::int64_t cols, flo
       return;
     case WeightFormat::q4_0:
       for (std::int64_t b = 0; b < cols / 32; ++b, row += 18)
-        widen_q4(row + 2, _mm256_set1_ps(half_to_float(row)), _mm256_setzero_ps(), true,
-                 out + 32 * b);
+        widen_nibbles(row + 2, 0, _mm256_set1_ps(half_to_float(row)), _mm256_setzero_ps(), 8,
+                      out + 32 * b);
       return;
     case WeightFormat::q4_1:
       for (std::int64_t b = 0; b < cols / 32; ++b, row += 20)
-        widen_q4(row + 4, _mm256_set1_ps(half_to_float(row)),
-                 _mm256_set1_ps(half_to_float(row + 2)), false, out + 32 * b);
+        widen_nibbles(row + 4, 0, _mm256_set1_ps(half_to_float(row)),
+                      _mm256_set1_ps(half_to_float(row + 2)), 0, out + 32 * b);
+      return;
+    case WeightFormat::q5_0:
+      for (std::int64_t b = 0; b < cols / 32; ++b, row += 22)
+        widen_nibbles(row + 6, fifth_bits(row + 2), _mm256_set1_ps(half_to_float(row)),
+                      _mm256_setzero_ps(), 16, out + 32 * b);
+      return;
+    case WeightFormat::q5_1:
+      for (std::int64_t b = 0; b < cols / 32; ++b, row += 24)
+        widen_nibbles(row + 8, fifth_bits(row + 4), _mm256_set1_ps(half_to_float(row)),
+                      _mm256_set1_ps(half_to_float(row + 2)), 0, out + 32 * b);
       return;
     case WeightFormat::f32:
       break;
@@ -114,8 +143,42 @@ constexpr std::int64_t kFusedRows = 8;
 constexpr std::int64_t kFusedFloatRows = 4;
 
 bool q_format(WeightFormat format) {
-  return format == WeightFormat::q8_0 || format == WeightFormat::q4_0 ||
-         format == WeightFormat::q4_1;
+  return weight_format_block_values(format) == 32;
+}
+
+// Where a Q block's codes start (after the scale, the minimum and Q5's fifth bits), and its
+// minimum m: x = q d + m for codes q read as unsigned (Q4_0: m = -8 d, Q5_0: -16 d; Q8_0's
+// codes are signed, m = 0).
+std::int64_t codes_at(WeightFormat format) {
+  switch (format) {
+    case WeightFormat::q4_1:
+      return 4;
+    case WeightFormat::q5_0:
+      return 6;
+    case WeightFormat::q5_1:
+      return 8;
+    default:
+      return 2;
+  }
+}
+float block_minimum(WeightFormat format, const std::byte* block, float d) {
+  switch (format) {
+    case WeightFormat::q4_0:
+      return -8.0f * d;
+    case WeightFormat::q5_0:
+      return -16.0f * d;
+    case WeightFormat::q4_1:
+    case WeightFormat::q5_1:
+      return half_to_float(block + 2);
+    default:
+      return 0.0f;
+  }
+}
+// A Q5 block's fifth bits (0 for the other formats).
+std::uint32_t block_fifth_bits(WeightFormat format, const std::byte* block) {
+  if (format == WeightFormat::q5_0) return fifth_bits(block + 2);
+  if (format == WeightFormat::q5_1) return fifth_bits(block + 4);
+  return 0;
 }
 
 std::int64_t fused_row_limit(WeightFormat format) {
@@ -123,7 +186,8 @@ std::int64_t fused_row_limit(WeightFormat format) {
 }
 
 #if !defined(__AVX512F__)
-// The 32 nibbles of a Q4 block as four vectors of 8 floats (values 0-15, not yet scaled).
+// The 32 nibbles of a Q4 block as four vectors of 8 floats (values 0-15, not yet scaled); a Q5
+// block's with their fifth bits (qh: values 0-31).
 void q4_nibbles(const std::byte* qs, __m256 (&q)[4]) {
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0F);
@@ -134,6 +198,10 @@ void q4_nibbles(const std::byte* qs, __m256 (&q)[4]) {
   q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
   q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
 }
+void q5_codes(const std::byte* qs, std::uint32_t qh, __m256 (&q)[4]) {
+  q4_nibbles(qs, q);
+  for (int g = 0; g < 4; ++g) q[g] = _mm256_add_ps(q[g], _mm256_cvtepi32_ps(q5_high(qh, g)));
+}
 
 void q8_values(const std::byte* qs, __m256 (&q)[4]) {
   for (int g = 0; g < 4; ++g)
@@ -143,8 +211,9 @@ void q8_values(const std::byte* qs, __m256 (&q)[4]) {
 #endif
 
 #if defined(__AVX512F__)
-// The 32 values of a Q block as two vectors of 16 floats (Q4: the nibbles 0-15, not yet scaled).
-void q_values16(WeightFormat format, const std::byte* qs, __m512 (&q)[2]) {
+// The 32 values of a Q block as two vectors of 16 floats (Q4: the nibbles 0-15, Q5 with their
+// fifth bits from qh: 0-31; not yet scaled).
+void q_values16(WeightFormat format, const std::byte* qs, std::uint32_t qh, __m512 (&q)[2]) {
   if (format == WeightFormat::q8_0) {
     for (int h = 0; h < 2; ++h)
       q[h] = _mm512_cvtepi32_ps(
@@ -153,13 +222,19 @@ void q_values16(WeightFormat format, const std::byte* qs, __m512 (&q)[2]) {
   }
   const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i mask = _mm_set1_epi8(0x0F);
-  q[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(packed, mask)));
-  q[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(packed, 4), mask)));
+  const __m512i sixteen = _mm512_set1_epi32(16);
+  const __m128i halves[2] = {_mm_and_si128(packed, mask),
+                             _mm_and_si128(_mm_srli_epi16(packed, 4), mask)};
+  for (int h = 0; h < 2; ++h)
+    q[h] = _mm512_cvtepi32_ps(_mm512_mask_add_epi32(_mm512_cvtepu8_epi32(halves[h]),
+                                                    static_cast<__mmask16>(qh >> (16 * h)),
+                                                    _mm512_cvtepu8_epi32(halves[h]), sixteen));
 }
 #endif
 
 // One Q row against Rows rows of x: per block, sum_k q_k x_k in fp32 scaled by d, plus
-// m * sum_k x_k (Q4_1's minimum; Q4_0 is the same with m = -8 d). block_sums: (Rows, blocks).
+// m * sum_k x_k (block_minimum: Q4_1's and Q5_1's stored, -8 d or -16 d for Q4_0 and Q5_0).
+// block_sums: (Rows, blocks).
 // Each row of x gets the same operations in the same order whatever Rows is, so a verify entry's
 // k + 1 rows get the bits that each would get alone (a speculative verify equals decoding).
 // With AVX-512, 16-wide: half the multiplies per row of x, which is what the extra rows cost.
@@ -175,15 +250,13 @@ void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::i
 #endif
   float offset[Rows] = {};
   const std::int64_t block_bytes = weight_format_block_bytes(format);
-  const std::int64_t values_at = format == WeightFormat::q4_1 ? 4 : 2;
+  const std::int64_t values_at = codes_at(format);
   for (std::int64_t b = 0; b < blocks; ++b, row += block_bytes) {
     const float d = half_to_float(row);
-    const float m = format == WeightFormat::q8_0   ? 0.0f
-                    : format == WeightFormat::q4_0 ? -8.0f * d
-                                                   : half_to_float(row + 2);
+    const float m = block_minimum(format, row, d);
 #if defined(__AVX512F__)
     __m512 q[2];
-    q_values16(format, row + values_at, q);
+    q_values16(format, row + values_at, block_fifth_bits(format, row), q);
     const __m512 scale = _mm512_set1_ps(d);
     for (int i = 0; i < Rows; ++i) {
       const float* xb = x + i * ldx + 32 * b;
@@ -196,6 +269,8 @@ void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::i
     __m256 q[4];
     if (format == WeightFormat::q8_0)
       q8_values(row + values_at, q);
+    else if (format == WeightFormat::q5_0 || format == WeightFormat::q5_1)
+      q5_codes(row + values_at, block_fifth_bits(format, row), q);
     else
       q4_nibbles(row + values_at, q);
     const __m256 scale = _mm256_set1_ps(d);

@@ -36,6 +36,8 @@ constexpr FormatInfo kFormats[] = {
     {WeightFormat::q8_0, "q8_0", GgufTensorType::q8_0, 32, 34},
     {WeightFormat::q4_0, "q4_0", GgufTensorType::q4_0, 32, 18},
     {WeightFormat::q4_1, "q4_1", GgufTensorType::q4_1, 32, 20},
+    {WeightFormat::q5_0, "q5_0", GgufTensorType::q5_0, 32, 22},
+    {WeightFormat::q5_1, "q5_1", GgufTensorType::q5_1, 32, 24},
 };
 
 constexpr bool choices_follow_formats() {
@@ -45,6 +47,9 @@ constexpr bool choices_follow_formats() {
   return std::size(kFormats) + 1 == kWeightChoices.size();
 }
 static_assert(choices_follow_formats(), "kWeightChoices lists the formats in enum order");
+static_assert(static_cast<int>(WeightFormat::q5_1) - static_cast<int>(WeightFormat::q8_0) ==
+                  static_cast<int>(BlockFormat::q5_1),
+              "the Q weight formats follow BlockFormat's order");
 
 const FormatInfo& info(WeightFormat format) {
   return kFormats[static_cast<std::size_t>(format)];
@@ -64,9 +69,9 @@ void quantize_row(WeightFormat format, std::span<const float> x, std::byte* out)
   }
   const auto bytes = static_cast<std::size_t>(static_cast<std::int64_t>(x.size()) /
                                               info(format).block_values * info(format).block_bytes);
-  const BlockFormat block = format == WeightFormat::q8_0   ? BlockFormat::q8_0
-                            : format == WeightFormat::q4_0 ? BlockFormat::q4_0
-                                                           : BlockFormat::q4_1;
+  // The Q formats in both enums' order: q8_0, q4_0, q4_1, q5_0, q5_1.
+  const auto block =
+      static_cast<BlockFormat>(static_cast<int>(format) - static_cast<int>(WeightFormat::q8_0));
   quantize_blocks(block, x, {out, bytes});
 }
 
@@ -166,12 +171,13 @@ std::int64_t WeightMatrix::bytes() const {
 }
 
 WeightMatrix WeightMatrix::packed_for(ActivationFormat activations) const {
-  const bool q = format_ == WeightFormat::q8_0 || format_ == WeightFormat::q4_0 ||
-                 format_ == WeightFormat::q4_1;
+  const bool q = weight_format_block_values(format_) == 32;
+  const bool q8_kernel = format_ == WeightFormat::q8_0 || format_ == WeightFormat::q4_0 ||
+                         format_ == WeightFormat::q4_1;  // Q5 rows keep fp32 activations
   if (layout_ != WeightLayout::rows) return *this;
   WeightMatrix m = *this;
   std::vector<std::byte> bytes;
-  if (activations == ActivationFormat::q8 && q) {
+  if (activations == ActivationFormat::q8 && q8_kernel) {
     bytes = q8::interleave(*this);
     m.layout_ = WeightLayout::interleaved;
   } else if (activations == ActivationFormat::bf16 && format_ == WeightFormat::bf16 &&

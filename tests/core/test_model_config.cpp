@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <nlohmann/json.hpp>
 
 #include "kvlab/error.hpp"
@@ -269,6 +270,10 @@ TEST(ModelConfig, MissingFileNamesThePath) {
 TEST(ModelConfig, JsonRoundTrip) {
   for (const auto& name : model_preset_names()) {
     const ModelConfig preset = model_preset(name);
+    if (preset.is_gemma3()) {  // read from GGUF only: a Gemma3ForCausalLM config is refused
+      EXPECT_THROW(parse_model_config(model_config_to_json(preset), name), Error) << name;
+      continue;
+    }
     const ModelConfig parsed = parse_model_config(model_config_to_json(preset), name);
     EXPECT_EQ(parsed.vocab_size, preset.vocab_size) << name;
     EXPECT_EQ(parsed.hidden_size, preset.hidden_size) << name;
@@ -284,6 +289,26 @@ TEST(ModelConfig, JsonRoundTrip) {
     EXPECT_DOUBLE_EQ(parsed.rms_norm_eps, preset.rms_norm_eps) << name;
     EXPECT_DOUBLE_EQ(parsed.rope_theta, preset.rope_theta) << name;
   }
+}
+
+// Gemma 3's published config.json shapes: every sixth layer global, the local ones a window
+// with RoPE base 10,000; 27B's query scale from its width over heads (168), not head_dim (128).
+TEST(ModelPresets, Gemma3ShapesAsPublished) {
+  const ModelConfig g27 = model_preset("gemma3-27b");
+  EXPECT_TRUE(g27.is_gemma3());
+  EXPECT_EQ(g27.num_hidden_layers, 62);
+  EXPECT_EQ(g27.head_dim, 128);
+  EXPECT_EQ(g27.layer_window(0), 1024);
+  EXPECT_EQ(g27.layer_window(5), std::nullopt);
+  EXPECT_DOUBLE_EQ(g27.layer_rope_theta(0), 10000.0);
+  EXPECT_DOUBLE_EQ(g27.layer_rope_theta(5), 1e6);
+  EXPECT_DOUBLE_EQ(g27.query_scale, 1.0 / std::sqrt(168.0));
+  EXPECT_NEAR(static_cast<double>(g27.parameter_count()) / 1e9, 27.0, 0.1);
+  EXPECT_EQ(model_preset("gemma3-1b").layer_window(0), 512);
+  const ModelConfig tiny = model_preset("gemma3-tiny");
+  EXPECT_FALSE(tiny.size_only);
+  EXPECT_EQ(tiny.layer_window(4), 8);
+  EXPECT_EQ(tiny.layer_window(5), std::nullopt);
 }
 
 TEST(ModelPresets, ShapesAsPublished) {

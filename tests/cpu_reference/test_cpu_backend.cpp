@@ -12,6 +12,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/plugin.hpp"
 #include "plugin_registry.hpp"
+#include "test_models.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -84,6 +85,67 @@ TEST(CpuBackend, AnEntryGetsLogitsAtEachOfItsLastLogitRowsTokens) {
   const std::vector<std::int32_t> outside{3, static_cast<std::int32_t>(c.vocab_size)};
   const BatchEntry bad{outside, 0, KvView{{{40, 2}}, 0, {}}};
   EXPECT_THROW((void)backend.run({&bad, 1}), Error);  // no embedding row to read
+}
+
+// Gemma 3's architecture (gemma3-tiny: 6 layers, the last global, the others an 8-token window
+// with their own RoPE base; per-head Q/K norms, post norms, GeGLU, scaled embedding) through
+// the backend: a 29-token prompt in chunks of 5 with its slots scattered over three extents,
+// then 6 decode steps beside another prompt's prefill. Every logit row equals the reference's
+// over the whole sequence within 1e-4 (fp32 both; logits O(1)), so every layer read exactly the
+// keys of its own window, rotated by its own table. Without the window (every layer global) the
+// backend's last rows differ from the reference's by far more: the check can fail.
+TEST(CpuBackend, Gemma3LocalAndGlobalLayersEqualTheReferenceAcrossChunksAndDecodes) {
+  LlamaWeights weights = test::scaled_random_weights(model_preset("gemma3-tiny"), 5);
+  for (LayerWeights& layer : weights.layers) {  // norms that differ, so their order shows
+    layer.q_norm.setLinSpaced(0.6f, 1.4f);
+    layer.k_norm.setLinSpaced(1.3f, 0.7f);
+    layer.attention_post_norm.setLinSpaced(0.9f, 1.1f);
+    layer.mlp_post_norm.setLinSpaced(1.1f, 0.7f);
+  }
+  const ModelConfig& c = weights.config;
+  ASSERT_EQ(c.layer_window(0), 8);
+  ASSERT_EQ(c.layer_window(5), std::nullopt);
+  std::vector<std::int32_t> whole(35);
+  for (std::size_t i = 0; i < whole.size(); ++i)
+    whole[i] = static_cast<std::int32_t>((i * 37 + 11) % 500);
+  const RowMatrix expected = ReferenceModel(weights).forward(whole);  // (35, vocab)
+  const KvView view{{{40, 10}, {3, 12}, {100, 13}}, 0, {}};           // 35 slots, scattered
+  const std::vector<std::int32_t> other{9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11};
+  const RowMatrix expected_other = ReferenceModel(weights).forward(other);
+  for (const bool windowed : {true, false}) {
+    KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
+    CpuBackend backend(weights, pool, windowed ? std::nullopt : std::optional<std::int64_t>(4096));
+    double worst = 0;
+    for (std::int64_t start = 0; start < 29; start += 5) {  // the prompt, 5 tokens a chunk
+      const std::int64_t n = std::min<std::int64_t>(5, 29 - start);
+      BatchEntry chunk{{whole.data() + start, static_cast<std::size_t>(n)}, start, view};
+      chunk.logit_rows = n;
+      const RowMatrix& logits = backend.run({&chunk, 1});
+      for (std::int64_t r = 0; r < n; ++r)
+        worst = std::max<double>(worst,
+                                 (logits.row(r) - expected.row(start + r)).cwiseAbs().maxCoeff());
+    }
+    for (std::int64_t position = 29; position < 35; ++position) {  // decodes beside a prefill
+      const BatchEntry decode{{whole.data() + position, 1}, position, view};
+      const std::int64_t first = (position - 29) * 2, n = std::min<std::int64_t>(2, 11 - first);
+      BatchEntry prefill{
+          {other.data() + first, static_cast<std::size_t>(std::max<std::int64_t>(n, 1))},
+          first,
+          KvView{{{0, 3}, {200, 8}}, 0, {}}};
+      const std::vector<BatchEntry> batch =
+          n > 0 ? std::vector<BatchEntry>{decode, prefill} : std::vector<BatchEntry>{decode};
+      const RowMatrix& logits = backend.run(batch);
+      worst =
+          std::max<double>(worst, (logits.row(0) - expected.row(position)).cwiseAbs().maxCoeff());
+      if (n > 0 && first + n == 11)
+        worst =
+            std::max<double>(worst, (logits.row(1) - expected_other.row(10)).cwiseAbs().maxCoeff());
+    }
+    if (windowed)
+      EXPECT_LT(worst, 1e-4);
+    else
+      EXPECT_GT(worst, 0.05) << "every layer global must differ from the local:global model";
+  }
 }
 
 // The reference's greedy continuation of `tokens`, `count` tokens long.

@@ -1,4 +1,5 @@
-// Weights multiplied in their stored format (f16, bf16, Q8_0, Q4_0, Q4_1): the rounding matches
+// Weights multiplied in their stored format (f16, bf16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1): the
+// rounding matches
 // llama.cpp's reference quantizers within their stated error, the product equals the fp32
 // product over the dequantized values (only the summation order differs), and the CPU backend
 // fed such weights computes the reference's logits over the same dequantized values.
@@ -22,7 +23,10 @@ namespace kvlab::cpu {
 namespace {
 
 constexpr WeightFormat kAllFormats[] = {WeightFormat::f32,  WeightFormat::f16,  WeightFormat::bf16,
-                                        WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1};
+                                        WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1,
+                                        WeightFormat::q5_0, WeightFormat::q5_1};
+constexpr WeightFormat kQFormats[] = {WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1,
+                                      WeightFormat::q5_0, WeightFormat::q5_1};
 
 RowMatrix random_matrix(std::int64_t rows, std::int64_t cols, std::uint32_t seed,
                         float scale = 1.0f) {
@@ -38,15 +42,19 @@ TEST(WeightFormat, NamesRoundTripAndGgufTypesMap) {
   EXPECT_FALSE(weight_format_from_name("q4_k"));
   EXPECT_EQ(weight_format_of_gguf_type(3), WeightFormat::q4_1);  // GGML_TYPE_Q4_1
   EXPECT_EQ(weight_format_of_gguf_type(30), WeightFormat::bf16);
+  EXPECT_EQ(weight_format_of_gguf_type(6), WeightFormat::q5_0);  // GGML_TYPE_Q5_0
+  EXPECT_EQ(weight_format_of_gguf_type(7), WeightFormat::q5_1);
+  EXPECT_EQ(weight_row_bytes(WeightFormat::q5_0, 640), 20 * 22);
+  EXPECT_EQ(weight_row_bytes(WeightFormat::q5_1, 64), 2 * 24);
   EXPECT_FALSE(weight_format_of_gguf_type(12));  // Q4_K: dequantized only
   EXPECT_EQ(weight_row_bytes(WeightFormat::q4_1, 576), 18 * 20);
   EXPECT_EQ(weight_row_bytes(WeightFormat::q8_0, 64), 2 * 34);
 }
 
 // Each Q block's error is bounded by half a quantization step (plus the f16 rounding of the
-// scale and minimum): the bound llama.cpp's reference quantizers give. Q4_0 maps the block's
-// largest magnitude to -8 steps, so a value of the opposite sign and equal size would be +8,
-// clipped to +7: up to one whole step there.
+// scale and minimum): the bound llama.cpp's reference quantizers give. Q4_0 (Q5_0) maps the
+// block's largest magnitude to -8 (-16) steps, so a value of the opposite sign and equal size
+// would be +8 (+16), clipped to +7 (+15): up to one whole step there.
 TEST(WeightMatrix, RoundingStaysWithinHalfAStep) {
   const RowMatrix source = random_matrix(8, 256, 1);
   for (WeightFormat f : kAllFormats) {
@@ -58,17 +66,22 @@ TEST(WeightMatrix, RoundingStaysWithinHalfAStep) {
         const float step = f == WeightFormat::q8_0   ? amax / 127
                            : f == WeightFormat::q4_0 ? amax / 8
                            : f == WeightFormat::q4_1 ? range / 15
+                           : f == WeightFormat::q5_0 ? amax / 16
+                           : f == WeightFormat::q5_1 ? range / 31
                                                      : 0.0f;
         const float relative = f == WeightFormat::f16    ? 0x1p-11f
                                : f == WeightFormat::bf16 ? 0x1p-8f
                                                          : 0.0f;
         for (Eigen::Index k = 0; k < 32; ++k) {
           const float x = block(k), error = std::abs(back(r, b * 32 + k) - x);
-          const float max_q =
-              f == WeightFormat::q8_0 ? 127.0f : 16.0f;  // |q| times the f16 scale error
-          const float steps = f == WeightFormat::q4_0 ? 1.0f : 0.5f;
-          const float bound = steps * step + max_q * step * 0x1p-11f +
-                              amax * 0x1p-11f * (f == WeightFormat::q4_1) + relative * std::abs(x) +
+          const bool q5 = f == WeightFormat::q5_0 || f == WeightFormat::q5_1;
+          const float max_q = f == WeightFormat::q8_0 ? 127.0f
+                              : q5                    ? 32.0f
+                                                      : 16.0f;  // |q| times the f16 scale error
+          const float steps = f == WeightFormat::q4_0 || f == WeightFormat::q5_0 ? 1.0f : 0.5f;
+          const bool with_min = f == WeightFormat::q4_1 || f == WeightFormat::q5_1;
+          const float bound = steps * step + max_q * step * 0x1p-11f + amax * 0x1p-11f * with_min +
+                              relative * std::abs(x) +
                               0x1p-25f * (f == WeightFormat::f16);  // f16 subnormals
           ASSERT_LE(error, bound) << weight_format_name(f) << " row " << r << " col " << b * 32 + k;
         }
@@ -83,6 +96,10 @@ TEST(WeightMatrix, ExactValuesSurviveEveryFormat) {
   for (int k = 0; k < 32; ++k) source(0, k) = 0.25f * static_cast<float>(k % 16);
   for (WeightFormat f : {WeightFormat::f16, WeightFormat::bf16, WeightFormat::q4_1})
     EXPECT_EQ(WeightMatrix::quantize(source, f).dequantize(), source) << weight_format_name(f);
+  // 0..31 times 0.25 (a range of 31 steps) is exact in Q5_1, which needs the fifth bits.
+  RowMatrix five_bits(1, 32);
+  for (int k = 0; k < 32; ++k) five_bits(0, k) = 0.25f * static_cast<float>((k * 7) % 32);
+  EXPECT_EQ(WeightMatrix::quantize(five_bits, WeightFormat::q5_1).dequantize(), five_bits);
   const RowMatrix q8 = WeightMatrix::quantize(source, WeightFormat::q8_0).dequantize();
   EXPECT_NEAR(q8(0, 15), 3.75f, 3.75f * 0x1p-11f);
   EXPECT_EQ(q8(0, 0), 0.0f);
@@ -165,7 +182,7 @@ TEST(WeightMatrix, ProductEqualsTheFp32ProductOfTheDequantizedValues) {
 // up to 7 proposals) then scores each position exactly as decoding it would, so greedy
 // speculation cannot flip a near-tie. Exact equality, no tolerance; depth 576 is SmolLM2's.
 TEST(WeightMatrix, AQProductOfUpTo8RowsGivesEachRowItsOwnBits) {
-  for (WeightFormat f : {WeightFormat::q8_0, WeightFormat::q4_0, WeightFormat::q4_1}) {
+  for (WeightFormat f : kQFormats) {
     const WeightMatrix w = WeightMatrix::quantize(random_matrix(37, 576, 4, 0.1f), f);
     for (std::int64_t rows = 1; rows <= 8; ++rows) {
       const RowMatrix x = random_matrix(rows, 576, 5);
@@ -210,6 +227,9 @@ TEST(WeightMatrix, InterleavedKeepsEveryValueAndItsBytes) {
     EXPECT_EQ(f16.packed_for(a).layout(), WeightLayout::panels);  // no reduced-precision kernel
   EXPECT_EQ(q4.packed_for(ActivationFormat::bf16).layout(), WeightLayout::rows);
   EXPECT_EQ(q4.packed_for(ActivationFormat::f32).layout(), WeightLayout::rows);
+  for (WeightFormat f : {WeightFormat::q5_0, WeightFormat::q5_1})  // no 8-bit kernel: fp32 x
+    EXPECT_EQ(WeightMatrix::quantize(source, f).packed_for(ActivationFormat::q8).layout(),
+              WeightLayout::rows);
 }
 
 // Panels (f32/f16/bf16 with fp32 activations) keep every value; 37 rows take two panels of 32

@@ -33,6 +33,10 @@ struct LayerWeightsView {
   std::span<const float> mlp_norm;        // (dim)                    post_attention_layernorm
   WeightMatrixView w_gate_up;             // (2 ffn, dim)
   WeightMatrixView w_down;                // (dim, ffn)               down_proj
+  // Gemma 3 only (empty otherwise): per-head Q and K norms; norms after the attention and the
+  // MLP (mlp_norm is then pre_feedforward_layernorm). Plain RMSNorm gains (GGUF holds 1 + w).
+  std::span<const float> q_norm, k_norm;                      // (head_dim)
+  std::span<const float> attention_post_norm, mlp_post_norm;  // (dim)
 };
 
 struct ModelWeightsView {

@@ -82,7 +82,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.KVLAB_ABI_MEMBER(TokenChoice, logprobs).KVLAB_ABI_MEMBER(TokenLogprob, logprob);
   h.KVLAB_ABI_MEMBER(BackendCounters, graph_replays);
   h.KVLAB_ABI_MEMBER(ForwardResult, tokens).KVLAB_ABI_MEMBER(ForwardResult, logprob_width);
-  h.KVLAB_ABI_MEMBER(LayerWeightsView, w_down).KVLAB_ABI_MEMBER(ModelWeightsView, source);
+  h.KVLAB_ABI_MEMBER(LayerWeightsView, mlp_post_norm).KVLAB_ABI_MEMBER(ModelWeightsView, source);
   return h.hash;
 }
 

@@ -74,27 +74,6 @@ void q6_k_block(const std::byte* b, float* y) {
   }
 }
 
-// Q5_0 (no min: codes centred on 16) or Q5_1 (f16 min after the scale), as
-// dequantize_row_q5_0 / _q5_1.
-template <bool WithMin>
-void q5_block(const std::byte* b, float* y) {
-  const float d = f16(b);
-  const float m = WithMin ? f16(b + 2) : 0.0f;
-  const std::byte* rest = b + (WithMin ? 4 : 2);
-  std::uint32_t qh = 0;
-  std::memcpy(&qh, rest, 4);  // little-endian, as the file and x86-64 are
-  const std::byte* qs = rest + 4;
-  const int centre = WithMin ? 0 : 16;
-  for (int j = 0; j < 16; ++j) {
-    const int high_0 = static_cast<int>((qh >> j) << 4 & 0x10);
-    const int high_1 = static_cast<int>((qh >> (j + 12)) & 0x10);
-    const int x0 = ((u8(qs + j) & 0x0F) | high_0) - centre;
-    const int x1 = ((u8(qs + j) >> 4) | high_1) - centre;
-    y[j] = static_cast<float>(x0) * d + m;
-    y[j + 16] = static_cast<float>(x1) * d + m;
-  }
-}
-
 }  // namespace
 
 void gguf_dequantize(std::uint32_t type, std::span<const std::byte> source,
@@ -129,11 +108,9 @@ void gguf_dequantize(std::uint32_t type, std::span<const std::byte> source,
     case GgufTensorType::q8_0:
       return dequantize_blocks(BlockFormat::q8_0, source, destination);
     case GgufTensorType::q5_0:
-      block = q5_block<false>;
-      break;
+      return dequantize_blocks(BlockFormat::q5_0, source, destination);
     case GgufTensorType::q5_1:
-      block = q5_block<true>;
-      break;
+      return dequantize_blocks(BlockFormat::q5_1, source, destination);
     case GgufTensorType::q4_k:
       block = q4_k_block;
       break;

@@ -91,6 +91,11 @@ void write_random_model(const ModelConfig& config, std::uint64_t seed, DType dty
         "preset \"{}\" is size-only ({:.1f}B parameters): it exists for `kvlab memory`; "
         "use tiny, stories15m or stories110m for runnable weights",
         config.name, static_cast<double>(config.parameter_count()) / 1e9));
+  if (config.is_gemma3())  // kvlab reads Gemma 3 from GGUF only (the norms' 1 + w convention)
+    throw Error(fmt::format(
+        "preset \"{}\" is a Gemma 3 model, which kvlab reads from GGUF files only, not from a "
+        "safetensors folder: run it by name (`--model {}`: random weights in memory)",
+        config.name, config.name));
   if (dtype != DType::dtype_f32 && dtype != DType::dtype_f16 && dtype != DType::dtype_bf16)
     throw Error(fmt::format("cannot write weights as {}: choose f32, f16 or bf16",
                             dtype_short_name(dtype)));

@@ -26,7 +26,8 @@ struct AttentionGroup;  // one entry's queries of one KV head's group (cpu_backe
 class CpuBackend final : public Backend {
  public:
   // `weights` (the host's view: it must outlive the backend) must have the pool's KV head count
-  // and head_dim. `window`: attend to the last W positions only.
+  // and head_dim. `window`: every layer attends to the last W positions only; without it, each
+  // layer to the model's own window (ModelConfig::layer_window: Gemma 3's local layers).
   // Multiplies with `compute` (select_compute_weights, or compute_weights /
   // gguf_compute_weights of the same model, packed by with_activations or not); without it, with
   // the fp32 matrices of `weights` packed in panels.
@@ -77,6 +78,11 @@ class CpuBackend final : public Backend {
   void prepare_key_scores(std::span<const BatchEntry> batch);
   const RowMatrix& logit_rows(const RowMatrix& x, std::span<const BatchEntry> batch,
                               std::span<const std::int64_t> first_rows, std::int64_t logit_tokens);
+  const RopeTable& rope_for_layer(std::int64_t layer) const {
+    return local_rope_ && weights_.config.is_local_layer(layer) ? *local_rope_ : rope_;
+  }
+  void add_output(const RowMatrix& input, const WeightMatrix& w, std::span<const float> post_norm,
+                  RowMatrix& x);
   void rotate_and_store(std::int64_t layer, std::span<const std::int32_t> positions,
                         std::span<const std::int64_t> slots, RowMatrix& qkv);
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,
@@ -94,10 +100,12 @@ class CpuBackend final : public Backend {
   ModelWeightsView weights_;
   ComputeWeights compute_;
   KvPool& pool_;
-  std::optional<std::int64_t> window_;
+  std::optional<std::int64_t> window_;  // every layer's, when set; else the model's per layer
   RopeTable rope_;
+  std::optional<RopeTable> local_rope_;  // the local layers' (rope_local_theta), when it differs
+  float query_rescale_ = 1.0f;           // ModelConfig::query_scale * sqrt(head_dim)
   // Activations, kept between steps so a decode step allocates (and page-faults) nothing.
-  RowMatrix x_, normed_, qkv_, attention_, gate_up_, hidden_, last_, logits_;
+  RowMatrix x_, normed_, qkv_, attention_, gate_up_, hidden_, block_out_, last_, logits_;
   // Attention scores (BatchEntry::scored_queries): each entry's keys from score_offsets_[e],
   // summed over layers; and each task's own sums within one layer.
   std::vector<float> key_scores_, task_scores_;

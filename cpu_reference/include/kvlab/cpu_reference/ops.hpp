@@ -29,6 +29,9 @@ void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, floa
 // Every `head_dim` values of every row normalised on their own (Gemma 3's Q and K norms):
 // rows: (T, heads * head_dim) in place, weight: (head_dim).
 void rms_norm_heads(RowMatrix& rows, Eigen::Ref<const Eigen::VectorXf> weight, float eps);
+// The same for one row: `heads` consecutive heads of weight.size() values at `row`, in place.
+void rms_norm_row_heads(float* row, std::int64_t heads, Eigen::Ref<const Eigen::VectorXf> weight,
+                        float eps);
 
 // The MLP's gated activation: hidden[t] = act(gate[t]) * up[t], gate_up: (T, 2 ffn) with the gate
 // first, hidden: (T, ffn). act: SiLU (SwiGLU: LLaMA) or tanh-approximated GELU (GeGLU: Gemma,
