@@ -20,6 +20,7 @@ struct PluginsOptions {
   std::string allocator;
   std::vector<std::string> params;  // key=value, the value in TOML syntax (bare words: strings)
   bool release_window = false;
+  std::int64_t kv_groups = 0;
   bool evict = false;
   bool rollback = false;
 };
@@ -41,6 +42,7 @@ void run_conformance(const PluginsOptions& o) {
   options.release_window = o.release_window;
   options.evict = o.evict;
   options.rollback = o.rollback;
+  options.kv_groups = o.kv_groups;
   const ConformanceReport report =
       check_allocator_conformance(registry, o.allocator, params, options);
   fmt::print("allocator {}: {} random operations over {} seeds, {} refused for lack of room{}\n",
@@ -105,6 +107,10 @@ void register_plugins(CLI::App& app) {
                   "Also roll speculative appends back with truncate (speculative decoding)");
   check->add_flag("--release-window", o->release_window,
                   "Also exercise release_before (allocators that free old KV early)");
+  check->add_option("--kv-groups", o->kv_groups,
+                    "Run it under KV groups (a local:global model's layers): N groups, the first "
+                    "global, the others an 8-token window (kvlab/kv/kv_groups.hpp)")
+      ->check(CLI::Range(std::int64_t{0}, std::int64_t{64}));
   check->callback([o]() { run_conformance(*o); });
 }
 

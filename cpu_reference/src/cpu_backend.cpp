@@ -79,19 +79,33 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
       compute_.output_projection.rows() != c.vocab_size)
     throw Error(fmt::format("internal: compute weights ({} layers) are not {}'s",
                             compute_.layers.size(), c.name));
+  // A pool of every layer (one slot: a token in every layer), or of KV groups (one slot: a token
+  // in one group's layers, kvlab/kv/kv_groups.hpp).
+  groups_ = kv_layer_groups(c, pool.shape().layers != c.num_hidden_layers);
   if (pool.shape().kv_heads != c.num_key_value_heads || pool.shape().head_dim != c.head_dim ||
-      pool.shape().layers != c.num_hidden_layers)
+      pool.shape().layers != groups_.group_layers)
     throw Error(fmt::format(
-        "KV pool shape ({} layers, {} KV heads, head_dim {}) does not match the model ({}, {}, {})",
+        "KV pool shape ({} layers, {} KV heads, head_dim {}) does not match the model ({}, {}, {}; "
+        "or {} layers a slot in KV groups)",
         pool.shape().layers, pool.shape().kv_heads, pool.shape().head_dim, c.num_hidden_layers,
-        c.num_key_value_heads, c.head_dim));
+        c.num_key_value_heads, c.head_dim, kv_layer_groups(c, true).group_layers));
+}
+
+// The entry's view in `group`: its group view with KV groups, its view otherwise.
+const KvView& CpuBackend::group_view(const BatchEntry& entry, std::int64_t group) const {
+  if (groups_.uniform()) return entry.view;
+  if (static_cast<std::int64_t>(entry.group_views.size()) != groups_.count())
+    throw Error(fmt::format("a batch entry has {} KV group views, the pool {} groups",
+                            entry.group_views.size(), groups_.count()));
+  return entry.group_views[static_cast<std::size_t>(group)];
 }
 
 const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t logit_tokens) {
   const ModelConfig& c = weights_.config;
   std::vector<std::int64_t> first_rows;  // batch row of each entry's first token
   std::vector<std::int32_t> positions;   // of each batch row
-  std::vector<std::int64_t> slots;       // each batch row's K/V slot; -1: not written
+  // (groups, batch rows): each row's K/V slot in each KV group; -1: not written
+  std::vector<std::vector<std::int64_t>> slots(static_cast<std::size_t>(groups_.count()));
   std::int64_t rows = 0;
   for (const auto& e : batch) {
     if (e.logit_rows < 1 ||
@@ -107,7 +121,9 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
         throw Error(fmt::format("token id {} at position {} is outside {}'s vocabulary [0, {})",
                                 e.tokens[j], position, c.name, c.vocab_size));
       positions.push_back(static_cast<std::int32_t>(position));
-      slots.push_back(e.writes_kv ? e.view.slot_of(position) : -1);
+      for (std::int64_t g = 0; g < groups_.count(); ++g)
+        slots[static_cast<std::size_t>(g)].push_back(
+            e.writes_kv ? group_view(e, g).slot_of(position) : -1);
     }
     rows += static_cast<std::int64_t>(e.tokens.size());
   }
@@ -130,7 +146,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, as_vector(layer.attention_norm), eps, normed);
     multiply_by_transposed(normed, matrices.w_qkv, qkv, false);
-    rotate_and_store(l, positions, slots, qkv);
+    rotate_and_store(l, positions, slots[static_cast<std::size_t>(group_of(l))], qkv);
     attend(l, batch, first_rows, qkv, attention);
     if (pool_.shape().hadamard_rotated) {  // sum_j p_j H v_j = H o: back to o
       parallel_for(
@@ -179,6 +195,7 @@ void CpuBackend::rotate_and_store(std::int64_t layer, std::span<const std::int32
   const bool kivi = dtype_is_kivi(pool_.shape().dtype);
   const LayerWeightsView& weights = weights_.layers[static_cast<std::size_t>(layer)];
   const RopeTable& rope = rope_for_layer(layer);
+  const std::int64_t pool_layer = groups_.pool_layer[static_cast<std::size_t>(layer)];
   const auto eps = static_cast<float>(c.rms_norm_eps);
   const auto rotate_and_write = [&](std::int64_t t) {
     float* values = qkv.row(t).data();
@@ -193,15 +210,15 @@ void CpuBackend::rotate_and_store(std::int64_t layer, std::span<const std::int32
     if (pool_.shape().hadamard_rotated)  // Q, K and V of every head: scores unchanged
       hadamard_rotate(values, c.num_attention_heads + 2 * c.num_key_value_heads, c.head_dim);
     if (slots[row] < 0 || kivi) return;
-    pool_.write_row(layer, slots[row], false, values + q_dim);
-    pool_.write_row(layer, slots[row], true, values + q_dim + kv_dim);
+    pool_.write_row(pool_layer, slots[row], false, values + q_dim);
+    pool_.write_row(pool_layer, slots[row], true, values + q_dim + kv_dim);
   };
   parallel_for(rows, rotate_and_write, 17);
   for (std::int64_t t = 0; kivi && t < rows; ++t) {
     const std::int64_t slot = slots[static_cast<std::size_t>(t)];
     if (slot < 0) continue;
-    pool_.write_row(layer, slot, false, qkv.row(t).data() + q_dim);
-    pool_.write_row(layer, slot, true, qkv.row(t).data() + q_dim + kv_dim);
+    pool_.write_row(pool_layer, slot, false, qkv.row(t).data() + q_dim);
+    pool_.write_row(pool_layer, slot, true, qkv.row(t).data() + q_dim + kv_dim);
   }
 }
 
@@ -215,6 +232,8 @@ void CpuBackend::prepare_key_scores(std::span<const BatchEntry> batch) {
     total += static_cast<std::size_t>(e.view.length());
     asked = asked || e.scored_queries > 0;
   }
+  if (asked && !groups_.uniform())  // the groups' views index their keys differently
+    throw Error("attention scores for a KV policy are not computed with KV groups");
   if (asked)
     key_scores_.assign(total, 0.0f);
   else
@@ -248,6 +267,7 @@ const RowMatrix& CpuBackend::logit_rows(const RowMatrix& x, std::span<const Batc
 // them); columns count from the first key any query sees.
 struct AttentionGroup {
   const BatchEntry& entry;
+  const KvView& view;                     // the entry's view in the layer's KV group
   std::int64_t kv_head, kv_count, group;  // K/V heads [kv_head, kv_head + kv_count)
   std::int64_t row0;                      // batch row of the entry's first query
   std::int64_t key_begin, key_end;        // view indices [key_begin, key_end)
@@ -266,17 +286,17 @@ struct AttentionGroup {
   std::int64_t first_visible(std::int64_t i) const {
     if (!window) return 0;
     const std::int64_t oldest = entry.start_position + i - *window + 1;
-    return std::max(key_begin, entry.view.index_at_or_after(oldest)) - key_begin;
+    return std::max(key_begin, view.index_at_or_after(oldest)) - key_begin;
   }
   std::int64_t last_visible(std::int64_t i) const {
-    return entry.view.index_at_or_after(entry.start_position + i + 1) - 1 - key_begin;
+    return view.index_at_or_after(entry.start_position + i + 1) - 1 - key_begin;
   }
   // Calls visit(column, first slot, length) for each run of consecutive slots holding keys
   // [key_begin, key_end).
   template <typename Visit>
   void for_each_run(Visit&& visit) const {
     std::int64_t index = 0;
-    for (const KvExtent& extent : entry.view.extents) {
+    for (const KvExtent& extent : view.extents) {
       const std::int64_t begin = std::max(index, key_begin),
                          end = std::min(index + extent.length, key_end);
       if (begin < end) visit(begin - key_begin, extent.start_slot + (begin - index), end - begin);
@@ -326,12 +346,14 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   std::vector<AttentionGroup> tasks;
   for (std::size_t e = 0; e < batch.size(); ++e) {
     const BatchEntry& entry = batch[e];
+    const KvView& view = group_view(entry, group_of(layer));
     const std::int64_t last_position =
         entry.start_position + static_cast<std::int64_t>(entry.tokens.size()) - 1;
     const std::int64_t key_begin =  // the oldest key any query sees
-        window ? entry.view.index_at_or_after(entry.start_position - *window + 1) : 0;
-    const std::int64_t key_end = entry.view.index_at_or_after(last_position + 1);
-    const AttentionGroup task{entry, 0, kv_heads, group, first_rows[e], key_begin, key_end, window};
+        window ? view.index_at_or_after(entry.start_position - *window + 1) : 0;
+    const std::int64_t key_end = view.index_at_or_after(last_position + 1);
+    const AttentionGroup task{entry,         view,      0,       kv_heads, group,
+                              first_rows[e], key_begin, key_end, window};
     if (entry.tokens.size() == 1 && whole_entries) {
       tasks.push_back(task);
     } else {
@@ -346,12 +368,13 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   if (!key_scores_.empty()) task_entries = give_score_buffers(batch, tasks);
   // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
   // the threads' speeds on a shared machine).
+  const std::int64_t pool_layer = groups_.pool_layer[static_cast<std::size_t>(layer)];
   parallel_for<LoopSchedule::guided>(static_cast<std::int64_t>(tasks.size()), [&](std::int64_t t) {
     const AttentionGroup& task = tasks[static_cast<std::size_t>(t)];
     if (task.queries() == 1)
-      attend_decode(layer, task, q, out);
+      attend_decode(pool_layer, task, q, out);
     else
-      attend_chunk(layer, task, q, out);
+      attend_chunk(pool_layer, task, q, out);
   });
   for (std::size_t t = 0; t < task_entries.size(); ++t) {  // tasks' sums into their entries'
     const AttentionGroup& task = tasks[t];

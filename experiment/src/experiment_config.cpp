@@ -311,6 +311,13 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
              fmt::format("kv_cache.rotation must be \"none\" or \"hadamard\", not \"{}\"", name));
     c.kv_hadamard = name == "hadamard";
   }
+  if (const toml::node* groups = s.node("groups")) {
+    const std::string name = s.get<std::string>("groups").value_or("");
+    if (name != "uniform" && name != "per_kind")
+      s.fail(*groups,
+             fmt::format("kv_cache.groups must be \"uniform\" or \"per_kind\", not \"{}\"", name));
+    c.kv_groups = name == "per_kind";
+  }
   c.swap_slots = s.get<std::int64_t>("swap_slots").value_or(0);
   if (c.swap_slots < 0) s.fail(*s.node("swap_slots"), "kv_cache.swap_slots must be >= 0");
   if (const toml::node* old = s.node("swap_gb_per_s"))

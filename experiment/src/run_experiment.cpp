@@ -128,7 +128,7 @@ RunOutput::KvTierTotals kv_tier_totals(const std::vector<std::unique_ptr<Replica
   RunOutput::KvTierTotals t;
   double host_hits = 0, disk_hits = 0, queried = 0;
   for (const auto& stack : stacks) {
-    const KvAllocatorStats kv = stack->allocator->stats();
+    const KvAllocatorStats kv = stack->kv().stats();
     host_hits += static_cast<double>(kv.host_hit_tokens);
     disk_hits += static_cast<double>(kv.disk_hit_tokens);
     queried += static_cast<double>(kv.prefix_query_tokens);

@@ -84,8 +84,8 @@ ServedExperiment::ServedExperiment(const ExperimentConfig& c, LiveOptions live,
   std::vector<std::unique_ptr<LiveEngine>> engines;
   for (const auto& stack : p.stacks) {
     stack->engine.reset();  // the LiveEngine runs its parts
-    engines.push_back(std::make_unique<LiveEngine>(*stack->backend, *stack->allocator,
-                                                   *stack->scheduler, stack->options, live));
+    engines.push_back(std::make_unique<LiveEngine>(*stack->backend, stack->kv(), *stack->scheduler,
+                                                   stack->options, live));
   }
   p.live = std::make_unique<LiveCluster>(std::move(engines), p.router.get(), std::move(split));
 }

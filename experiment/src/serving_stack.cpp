@@ -88,13 +88,15 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
                                            std::size_t replica) {
   const ModelConfig& model = served.config;
   const std::optional<CostModel>& cost_model = sizing.cost_model;
-  const std::int64_t slots = sizing.slots;
+  // KV groups: a slot holds one group's layers, as many slots as hold the same bytes.
+  const KvLayerGroups groups = kv_layer_groups(model, c.kv_groups);
+  const std::int64_t slots = groups.slots_for_bytes_of(sizing.slots, model.num_hidden_layers);
   auto r = std::make_unique<ReplicaStack>();
   // Bookkeeping only: the backend brings where K/V live (cpu: this pool's host storage; cuda:
   // its device pool, attached). The simulated device's dtype (the profile's) sizes swaps.
   const bool simulated = c.backend_kind == BackendKind::simulated;
   r->pool = std::make_unique<KvPool>(
-      KvPoolShape{model.num_hidden_layers, model.num_key_value_heads, model.head_dim, slots,
+      KvPoolShape{groups.group_layers, model.num_key_value_heads, model.head_dim, slots,
                   simulated ? cost_model->profile().kv_dtype : c.kv_dtype, c.kv_hadamard},
       KvStorage::none);
   PluginContext context;
@@ -110,6 +112,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   }
   r->allocator =
       registry.create<PluginKind::kv_allocator>(c.allocator, c.allocator_params, context);
+  if (!groups.uniform()) r->grouped = std::make_unique<GroupedKvAllocator>(*r->allocator, groups);
   r->scheduler = registry.create<PluginKind::scheduler>(c.scheduler, c.scheduler_params, context);
   std::optional<ModelWeightsView> weights;  // the simulated backend reads none
   if (served.weights) weights = cpu::weights_view(*served.weights, served.source.string());
@@ -132,7 +135,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
       log->record(replica, id, row);
     };
   r->options = options;
-  r->engine = std::make_unique<Engine>(*r->backend, *r->allocator, *r->scheduler, options);
+  r->engine = std::make_unique<Engine>(*r->backend, r->kv(), *r->scheduler, options);
   return r;
 }
 

@@ -22,6 +22,7 @@
 #include "kvlab/engine/cluster.hpp"
 #include "kvlab/engine/engine.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/kv/kv_groups.hpp"
 #include "kvlab/model/tokenizer.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
 #include "kvlab/sim/cost_model.hpp"
@@ -80,6 +81,7 @@ struct ReplicaStack {
   PluginObject<KvTierPolicy> tier_policy;  // [kv_tiers], else empty
   KvTierSpec tiers;                        // what the allocator was given
   PluginObject<KvAllocator> allocator;
+  std::unique_ptr<GroupedKvAllocator> grouped;  // kv_cache.groups = "per_kind": over `allocator`
   PluginObject<Scheduler> scheduler;
   PluginObject<Backend> plugin_backend;   // the backend plugin's object: cpu, simulated, cuda, ...
   std::unique_ptr<TimedBackend> backend;  // it, timed
@@ -90,6 +92,7 @@ struct ReplicaStack {
   PluginObject<Proposer> proposer;
   EngineOptions options;  // what the engine was made with (kvlab serve's too)
   std::unique_ptr<Engine> engine;
+  KvAllocator& kv() { return grouped ? *grouped : *allocator; }  // what the engine allocates with
 };
 
 // The backend plugin's parameters: backend.params, and for the cpu backend its formats

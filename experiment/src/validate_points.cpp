@@ -13,6 +13,7 @@
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
+#include "kvlab/kv/kv_groups.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "kvlab/speculation/speculation.hpp"
 #include "kvlab/suggest.hpp"
@@ -181,6 +182,39 @@ void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
                             : fmt::format("KV policy \"{}\"", c.kv_policy)));
 }
 
+// kv_cache.groups = "per_kind" (kvlab/kv/kv_groups.hpp) on a model of two attention kinds and a
+// point that uses only what the grouped allocator does: each group's blocks are a sequence of
+// their own to the allocator plugin, so no prefix cache (the groups would share one hash chain),
+// no swapping or KV handed to another replica (they copy one view), no KV policy or KIVI pool.
+void check_kv_groups(const ExperimentConfig& c, const PluginParams& allocator,
+                     const ModelConfig& model) {
+  if (!c.kv_groups) return;
+  if (kv_layer_groups(model, true).uniform())
+    throw Error(fmt::format(
+        "kv_cache.groups = \"per_kind\" groups layers by attention kind, and every layer of {} "
+        "is of one kind: use \"uniform\"",
+        model.name));
+  const auto caching = allocator.values().find("prefix_caching");
+  const auto swap = c.scheduler_params.find("preemption");
+  std::string refused;
+  if (c.backend_kind == BackendKind::plugin)
+    refused =
+        fmt::format("backend \"{}\" (the cpu and simulated backends read KV groups)", c.backend);
+  else if (caching != allocator.values().end() && caching->second == ParamValue{true})
+    refused = "prefix caching (set kv_cache.params.prefix_caching = false)";
+  else if (swap != c.scheduler_params.end() && swap->second == ParamValue{std::string("swap")})
+    refused = "swap preemption (use scheduler.params.preemption = \"recompute\")";
+  else if (!c.kv_policy.empty() || dtype_is_kivi(c.kv_dtype))
+    refused = "a [kv_policy] or a KIVI pool";
+  else if (c.has_kv_tiers() || c.disaggregated())
+    refused = "[kv_tiers] or prefill/decode disaggregation";
+  if (!refused.empty())
+    throw Error(fmt::format(
+        "kv_cache.groups = \"per_kind\" does not run with {} yet: each group's blocks are a "
+        "sequence of their own to the allocator (docs/concepts/hybrid-attention.md)",
+        refused));
+}
+
 // One point's plugins exist and accept their parameters; the model, profile and trace resolve.
 // A simulated drafter's measured acceptance (speculation.accept_trace): read now, so that its
 // errors come before anything runs.
@@ -258,6 +292,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
         dtype_short_name(c.kv_dtype), source.config.name, source.config.head_dim));
   check_speculation(c, registry, source.config);
+  check_kv_groups(c, allocator, source.config);
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
   if (!c.kv_policy.empty()) check_kv_policy(c, registry);

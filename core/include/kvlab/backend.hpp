@@ -34,6 +34,10 @@ struct BatchEntry {
   // holds sum(logit_rows) rows, entry by entry, each entry's in position order. A backend that
   // cannot answer more than one row per entry refuses such a batch (kvlab::Error).
   std::int32_t logit_rows = 1;
+  // With KV groups (kvlab/kv/kv_groups.hpp: a pool slot holds one token of one group's layers),
+  // the entry's view in every group, group_views[0] == view; layer l reads and writes
+  // group_views[group_of_layer[l]] at pool layer pool_layer[l]. Empty: every layer uses `view`.
+  std::vector<KvView> group_views;
 };
 
 // How one batch entry's next token is picked: the request's SamplingParams filters and this

@@ -155,11 +155,25 @@ class BOOST_SYMBOL_VISIBLE KvPoolDrawing {
   ~KvPoolDrawing() = default;
 };
 
+struct KvLayerGroups;  // kvlab/kv/kv_groups.hpp
+
+// A sequence's view in each KV group (kvlab/kv/kv_groups.hpp: a pool slot holds one token's K/V
+// in one group's layers; GroupedKvAllocator offers it).
+class BOOST_SYMBOL_VISIBLE KvGroupViewing {
+ public:
+  virtual const KvLayerGroups& layer_groups() const = 0;
+  virtual KvView group_view(SequenceId sequence, std::int64_t group) const = 0;
+
+ protected:
+  ~KvGroupViewing() = default;
+};
+
 struct KvAllocatorFeatures {
   KvPositionDropping* dropping = nullptr;
   KvRollback* rollback = nullptr;
   KvForking* forking = nullptr;
   const KvPoolDrawing* drawing = nullptr;
+  const KvGroupViewing* groups = nullptr;
 };
 
 // The core every allocator has: commits, planning, queries.

@@ -13,6 +13,7 @@
 #include "kvlab/engine/plan_check.hpp"
 #include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv/kv_groups.hpp"
 
 namespace kvlab {
 namespace {
@@ -252,6 +253,7 @@ std::vector<BatchEntry> Engine::batch_entries(const AppliedPlan& applied) const 
   std::vector<BatchEntry> batch;
   batch.reserve(applied.batch.size());
   const bool slots = reads_kv_slots();
+  const KvGroupViewing* groups = slots ? allocator_.features().groups : nullptr;
   for (const ScheduledWork& work : applied.batch) {
     const RequestState& r = table_->at(work.id);
     const auto computed = static_cast<std::size_t>(r.computed);
@@ -260,6 +262,10 @@ std::vector<BatchEntry> Engine::batch_entries(const AppliedPlan& applied) const 
         computed, std::min(static_cast<std::size_t>(work.tokens), r.tokens.size() - computed));
     entry.start_position = r.computed;
     entry.view = slots ? allocator_.view(work.id) : allocator_.positions_view(work.id);
+    if (groups != nullptr)
+      for (std::int64_t g = 0; g < static_cast<std::int64_t>(groups->layer_groups().groups.size());
+           ++g)
+        entry.group_views.push_back(groups->group_view(work.id, g));
     batch.push_back(std::move(entry));
   }
   return batch;

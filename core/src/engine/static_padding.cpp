@@ -1,5 +1,7 @@
 #include "kvlab/engine/static_padding.hpp"
 
+#include "kvlab/kv/kv_groups.hpp"
+
 #include "kvlab/engine/engine.hpp"  // StepRecord
 
 #include <algorithm>
@@ -83,6 +85,11 @@ void StaticPadding::append_rows(const RequestTable& table, const KvAllocator& kv
     entry.start_position = shapes_[i].start_position;
     entry.tokens = std::span<const std::int32_t>(r.tokens).last(1);
     entry.view = padding_view(kv.view(r.id), entry.start_position + 1, pool_slots);
+    if (const auto* groups = dynamic_cast<const KvGroupViewing*>(&kv))  // kvlab/kv/kv_groups.hpp
+      for (std::int64_t g = 0; g < static_cast<std::int64_t>(groups->layer_groups().groups.size());
+           ++g)
+        entry.group_views.push_back(
+            padding_view(groups->group_view(r.id, g), entry.start_position + 1, pool_slots));
     entry.writes_kv = false;
     batch.push_back(std::move(entry));
   }

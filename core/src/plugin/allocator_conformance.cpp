@@ -6,6 +6,8 @@
 #include <random>
 #include <unordered_map>
 
+#include "kvlab/kv/kv_groups.hpp"
+
 namespace kvlab {
 namespace {
 
@@ -15,6 +17,25 @@ float prefix_value(const std::vector<std::int32_t>& tokens, std::size_t position
   for (std::size_t i = 0; i <= position; ++i)
     h = (h ^ static_cast<std::uint64_t>(tokens[i] + 1)) * 1099511628211ULL;
   return static_cast<float>(h % (1u << 23));
+}
+
+// A group's value for the token at `position` (group 0's is prefix_value): exact in fp32.
+float group_value(const std::vector<std::int32_t>& tokens, std::size_t position,
+                  std::int64_t group) {
+  const auto value = static_cast<std::uint64_t>(prefix_value(tokens, position));
+  return static_cast<float>((value + static_cast<std::uint64_t>(group) * 1000003u) % (1u << 23));
+}
+
+// `groups` KV groups of one layer each: group 0 global, the others a window of 8.
+KvLayerGroups conformance_groups(std::int64_t groups) {
+  KvLayerGroups out;
+  out.group_layers = 1;
+  for (std::int64_t g = 0; g < groups; ++g) {
+    out.groups.push_back({{g}, g == 0 ? std::nullopt : std::optional<std::int64_t>(8)});
+    out.group_of_layer.push_back(g);
+    out.pool_layer.push_back(0);
+  }
+  return out;
 }
 
 // One seed's run. Each operation returns "" or what broke the contract.
@@ -32,7 +53,13 @@ class ConformanceRun {
       tiers_ = {options.host_tier_bytes, options.disk_tier_bytes, nullptr, policy_.get()};
       context.tiers = &tiers_;
     }
-    allocator_ = registry.create<PluginKind::kv_allocator>(name, params, context);
+    plugin_ = registry.create<PluginKind::kv_allocator>(name, params, context);
+    allocator_ = plugin_.get();
+    if (options.kv_groups > 1) {
+      grouped_ =
+          std::make_unique<GroupedKvAllocator>(*plugin_, conformance_groups(options.kv_groups));
+      allocator_ = grouped_.get();
+    }
     features_ = allocator_->features();
   }
   std::string run(ConformanceReport& report);
@@ -64,8 +91,17 @@ class ConformanceRun {
   KvPool pool_;
   PluginObject<KvTierPolicy> policy_;  // with tiers
   KvTierSpec tiers_;
-  PluginObject<KvAllocator> allocator_;
-  KvAllocatorFeatures features_;  // allocator_'s
+  PluginObject<KvAllocator> plugin_;
+  std::unique_ptr<GroupedKvAllocator> grouped_;  // with kv_groups: over plugin_
+  KvAllocator* allocator_ = nullptr;             // what runs: plugin_ or grouped_
+  KvAllocatorFeatures features_;                 // allocator_'s
+  std::int64_t groups() const { return grouped_ ? grouped_->layer_groups().count() : 1; }
+  KvView view_in(SequenceId id, std::int64_t group) const {
+    return grouped_ ? grouped_->group_view(id, group) : allocator_->view(id);
+  }
+  std::string check_views(SequenceId id, const std::vector<std::int32_t>& tokens,
+                          std::unordered_map<std::int64_t, float>& value_of_slot,
+                          std::unordered_map<std::int64_t, int>& holders) const;
   std::mt19937 rng_;
   std::map<SequenceId, std::vector<std::int32_t>> tokens_;
   // The positions an evicted sequence holds (sequences never evicted hold their whole view).
@@ -219,7 +255,7 @@ std::string ConformanceRun::speculate() {
   it->second.resize(static_cast<std::size_t>(keep));
   rolled_back_ += old_length + count - keep;
   const std::int64_t freed = before.used - allocator_->stats().used;
-  if (freed != old_length + count - keep)
+  if (freed != (old_length + count - keep) * groups())
     return fmt::format("sequence {}: rolling back {} tokens freed {} used slots", it->first,
                        old_length + count - keep, freed);
   return "";
@@ -322,11 +358,13 @@ void ConformanceRun::write_from(SequenceId id, std::int64_t from) {
 
 // The shadow backend's writes for positions from `from` on (kept positions noted).
 void ConformanceRun::write_values(SequenceId id, std::int64_t from) {
-  const KvView view = allocator_->view(id);
   const auto& tokens = tokens_[id];
-  for (std::int64_t i = view.index_at_or_after(from); i < view.length(); ++i)
-    *pool_.key(0, view.slot_at(i)) =
-        prefix_value(tokens, static_cast<std::size_t>(view.position_at(i)));
+  for (std::int64_t g = 0; g < groups(); ++g) {
+    const KvView view = view_in(id, g);
+    for (std::int64_t i = view.index_at_or_after(from); i < view.length(); ++i)
+      *pool_.key(0, view.slot_at(i)) =
+          group_value(tokens, static_cast<std::size_t>(view.position_at(i)), g);
+  }
   if (auto kept = kept_.find(id); kept != kept_.end())
     for (auto p = static_cast<std::int64_t>(from); p < static_cast<std::int64_t>(tokens.size());
          ++p)
@@ -364,22 +402,39 @@ std::string ConformanceRun::check_invariants() const {
           "sequence {}: positions_view (first {}, {} tokens) is not view's "
           "(first {}, {} tokens)",
           id, shape.first_position, shape.length(), view.first_position, view.length());
-    for (std::int64_t i = 0; i < view.length(); ++i) {
-      const std::int64_t p = view.position_at(i), slot = view.slot_at(i);
-      if (slot < 0 || slot >= options_.slots)
-        return fmt::format("sequence {} position {}: slot {} outside the pool", id, p, slot);
-      const float expected = prefix_value(tokens, static_cast<std::size_t>(p));
-      if (*pool_.key(0, slot) != expected)
-        return fmt::format("sequence {} position {} slot {}: KV overwritten", id, p, slot);
-      ++holders[slot];
-      const auto [it, inserted] = value_of_slot.try_emplace(slot, expected);
-      if (!inserted && it->second != expected)
-        return fmt::format("slot {} shared by different prefixes", slot);
-    }
+    if (std::string failure = check_views(id, tokens, value_of_slot, holders); !failure.empty())
+      return failure;
   }
   if (s.used != static_cast<std::int64_t>(value_of_slot.size()))
     return fmt::format("used {} but {} distinct live slots", s.used, value_of_slot.size());
   return check_pool_map(s, holders);
+}
+
+// Every group's view of the sequence reads that group's values back (a sliding group's from its
+// first position on); a slot in several views holds one value (a shared prefix, one group's).
+std::string ConformanceRun::check_views(SequenceId id, const std::vector<std::int32_t>& tokens,
+                                        std::unordered_map<std::int64_t, float>& value_of_slot,
+                                        std::unordered_map<std::int64_t, int>& holders) const {
+  for (std::int64_t g = 0; g < groups(); ++g) {
+    const KvView view = view_in(id, g);
+    if (g > 0 && view.end_position() != static_cast<std::int64_t>(tokens.size()))
+      return fmt::format("sequence {} group {}: view ends at {}, it has {} tokens", id, g,
+                         view.end_position(), tokens.size());
+    for (std::int64_t i = 0; i < view.length(); ++i) {
+      const std::int64_t p = view.position_at(i), slot = view.slot_at(i);
+      if (slot < 0 || slot >= options_.slots)
+        return fmt::format("sequence {} position {}: slot {} outside the pool", id, p, slot);
+      const float expected = group_value(tokens, static_cast<std::size_t>(p), g);
+      if (*pool_.key(0, slot) != expected)
+        return fmt::format("sequence {} group {} position {} slot {}: KV overwritten", id, g, p,
+                           slot);
+      ++holders[slot];
+      const auto [it, inserted] = value_of_slot.try_emplace(slot, expected);
+      if (!inserted && it->second != expected)
+        return fmt::format("slot {} shared by different prefixes (or groups)", slot);
+    }
+  }
+  return "";
 }
 
 // The pool map (kvlab view's) agrees with the stats and the views: runs in order inside the
@@ -401,7 +456,8 @@ std::string ConformanceRun::check_pool_map(
     by_state[static_cast<int>(run.state)] += run.length;
     const bool holds_live = run.state == KvSlotState::used || run.state == KvSlotState::shared ||
                             run.state == KvSlotState::copied;
-    if (holds_live && !tokens_.count(run.owner))
+    const SequenceId owner = grouped_ ? grouped_->outer_id(run.owner).first : run.owner;
+    if (holds_live && !tokens_.count(owner))
       return fmt::format("pool_map: {} run at slot {} owned by {}, not a live sequence",
                          slot_state_name(run.state), run.start, run.owner);
     if (holds_live) {

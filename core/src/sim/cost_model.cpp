@@ -76,8 +76,16 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   w.tokens = tally.tokens;
   w.logit_rows = tally.logit_rows;
   w.prefill_tokens = static_cast<std::int64_t>(tally.prefill_tokens);
+  // Per layer, on average: a local:global model's local layers see only their window.
   double prefill_pairs = tally.prefill_pairs, decode_context = tally.decode_context;
-  const double prefill_context = tally.prefill_context, prefill_tokens = tally.prefill_tokens;
+  double prefill_context = tally.prefill_context;
+  if (m.global_layer_every > 0) {
+    const sim_detail::LayerTally per_layers = sim_detail::layer_tally(batch, m);
+    prefill_pairs = per_layers.prefill_pairs / layers;
+    decode_context = per_layers.decode_context / layers;
+    prefill_context = per_layers.prefill_context / layers;
+  }
+  const double prefill_tokens = tally.prefill_tokens;
   if (w.tokens == 0) return w;
   const double logit_rows = static_cast<double>(w.logit_rows);
   // Context parallelism: a GPU computes 1/c of the prefill tokens and pairs, every decode token,

@@ -1,7 +1,9 @@
 #pragma once
 // The cost model's view of a step, shared by CostModel::work (the groups it prices) and
 // CostModel::breakdown (the operators inside them), so the two cannot drift apart.
+#include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <span>
 
 #include "kvlab/model_config.hpp"
@@ -36,20 +38,48 @@ struct BatchTally {
   double prefill_pairs = 0, prefill_context = 0, prefill_tokens = 0, decode_context = 0;
 };
 
-inline BatchTally tally_batch(std::span<const EntryShape> batch) {
+// With `window` W (a local layer's): each query sees at most its last W keys.
+inline BatchTally tally_batch(std::span<const EntryShape> batch,
+                              std::optional<std::int64_t> window = std::nullopt) {
   BatchTally t;
+  const double w = window ? static_cast<double>(*window) : 0x1p62;
   for (const EntryShape& e : batch) {
     t.tokens += e.new_tokens;
     t.logit_rows += e.logit_rows;  // one a sequence, 1 + k for a verify of k proposals
     const double n = static_cast<double>(e.new_tokens);
     const double before = static_cast<double>(e.start_position - e.first_position);
     if (e.new_tokens == 1 && e.start_position > 0) {
-      t.decode_context += before + 1;
-    } else {  // causal: token i attends to `before` + i + 1 keys
-      t.prefill_pairs += n * before + n * (n + 1) / 2;
-      t.prefill_context += before + n;
+      t.decode_context += std::min(before + 1, w);
+    } else {  // causal: token i attends to min(`before` + i + 1, W) keys
+      const double first = before + 1, uncapped = std::clamp(w - first + 1, 0.0, n);
+      t.prefill_pairs += uncapped * first + uncapped * (uncapped - 1) / 2 + (n - uncapped) * w;
+      t.prefill_context += std::min(before, w - 1) + n;
       t.prefill_tokens += n;
     }
+  }
+  return t;
+}
+
+// The attention tallies summed over the model's layers: `layers` times tally_batch's, except
+// that a local layer of a local:global model (ModelConfig::layer_window: Gemma 3) sees at most
+// its window. A model's own sliding_window is left to the views (the engine releases what falls
+// out of it: their first_position).
+struct LayerTally {
+  double prefill_pairs = 0, prefill_context = 0, decode_context = 0;
+};
+inline LayerTally layer_tally(std::span<const EntryShape> batch, const ModelConfig& m) {
+  std::int64_t local = 0;
+  for (std::int64_t l = 0; l < m.num_hidden_layers; ++l) local += m.is_local_layer(l) ? 1 : 0;
+  const BatchTally all = tally_batch(batch);
+  const double global_layers = static_cast<double>(m.num_hidden_layers - local);
+  LayerTally t{global_layers * all.prefill_pairs, global_layers * all.prefill_context,
+               global_layers * all.decode_context};
+  if (local > 0) {
+    const BatchTally windowed = tally_batch(batch, m.local_window);
+    const double l = static_cast<double>(local);
+    t.prefill_pairs += l * windowed.prefill_pairs;
+    t.prefill_context += l * windowed.prefill_context;
+    t.decode_context += l * windowed.decode_context;
   }
   return t;
 }

@@ -22,6 +22,7 @@ struct AllocatorCase {
   std::int64_t host_tier_bytes = 0, disk_tier_bytes = 0;
   std::string tier_policy = "lru";
   bool evicts = false;  // exercise evict (a KV policy dropping positions)
+  std::int64_t kv_groups = 0;  // > 1: under GroupedKvAllocator (kvlab/kv/kv_groups.hpp)
 };
 
 void PrintTo(const AllocatorCase& c, std::ostream* os) {
@@ -40,6 +41,7 @@ TEST_P(AllocatorProperties, RandomOperationSequences) {
   options.disk_tier_bytes = GetParam().disk_tier_bytes;
   options.tier_policy = GetParam().tier_policy;
   options.evict = GetParam().evicts;
+  options.kv_groups = GetParam().kv_groups;
   options.rollback = true;  // every shipped allocator rolls speculative tokens back
   const ConformanceReport report =
       check_allocator_conformance(registry, GetParam().name, GetParam().params, options);
@@ -97,10 +99,23 @@ INSTANTIATE_TEST_SUITE_P(
                       0,
                       0,
                       "lru",
-                      true}),
+                      true},
+        // A hybrid model's KV groups (a global group and two of an 8-token window, 3 slots a
+        // token): every allocator under GroupedKvAllocator, paged freeing the windows' blocks.
+        AllocatorCase{"static", {}, false, 0, 0, "lru", false, 3},
+        AllocatorCase{"dynamic", {}, false, 0, 0, "lru", false, 3},
+        AllocatorCase{"paged",
+                      {{"block_size", std::int64_t{4}}, {"prefix_caching", false}},
+                      true,
+                      0,
+                      0,
+                      "lru",
+                      false,
+                      3}),
     [](const auto& info) {
       std::string name = info.param.name;
       if (info.param.evicts) name += "_evicts";
+      if (info.param.kv_groups > 1) name += "_kv_groups_" + std::to_string(info.param.kv_groups);
       if (info.param.host_tier_bytes > 0)
         name += "_tiers_" + std::to_string(info.param.host_tier_bytes) + "_" +
                 std::to_string(info.param.disk_tier_bytes) + "_" + info.param.tier_policy;

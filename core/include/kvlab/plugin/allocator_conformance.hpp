@@ -31,6 +31,10 @@ struct ConformanceOptions {
   // Also speculative appends rolled back (truncate): proposed tokens appended and written, the
   // accepted ones marked computed, the rest rolled back; truncate must accept and free them.
   bool rollback = false;
+  // > 1: the allocator runs under GroupedKvAllocator (kvlab/kv/kv_groups.hpp) with this many KV
+  // groups, group 0 global and the others a window of 8 (released as sequences grow): every
+  // group's view must read its own values (they differ by group), no slot held by two groups.
+  std::int64_t kv_groups = 0;
 };
 
 struct ConformanceReport {

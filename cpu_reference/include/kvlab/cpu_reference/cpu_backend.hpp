@@ -11,6 +11,7 @@
 #include "kvlab/cpu_reference/llama_weights.hpp"
 #include "kvlab/cpu_reference/ops.hpp"
 #include "kvlab/cpu_reference/weight_matrix.hpp"
+#include "kvlab/kv/kv_groups.hpp"
 #include "kvlab/kv_pool.hpp"
 
 namespace kvlab::cpu {
@@ -26,9 +27,10 @@ struct AttentionGroup;  // one entry's queries of one KV head's group (cpu_backe
 class CpuBackend final : public Backend {
  public:
   // `weights` (the host's view: it must outlive the backend) must have the pool's KV head count
-  // and head_dim. `window`: every layer attends to the last W positions only; without it, each
-  // layer to the model's own window (ModelConfig::layer_window: Gemma 3's local layers).
-  // Multiplies with `compute` (select_compute_weights, or compute_weights /
+  // and head_dim, and every layer or one KV group's layers a slot (kvlab/kv/kv_groups.hpp: each
+  // entry then brings its group_views). `window`: every layer attends to the last W positions only;
+  // without it, each layer to the model's own window (ModelConfig::layer_window: Gemma 3's local
+  // layers). Multiplies with `compute` (select_compute_weights, or compute_weights /
   // gguf_compute_weights of the same model, packed by with_activations or not); without it, with
   // the fp32 matrices of `weights` packed in panels.
   CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std::int64_t> window,
@@ -78,6 +80,10 @@ class CpuBackend final : public Backend {
   void prepare_key_scores(std::span<const BatchEntry> batch);
   const RowMatrix& logit_rows(const RowMatrix& x, std::span<const BatchEntry> batch,
                               std::span<const std::int64_t> first_rows, std::int64_t logit_tokens);
+  const KvView& group_view(const BatchEntry& entry, std::int64_t group) const;
+  std::int64_t group_of(std::int64_t layer) const {
+    return groups_.group_of_layer[static_cast<std::size_t>(layer)];
+  }
   const RopeTable& rope_for_layer(std::int64_t layer) const {
     return local_rope_ && weights_.config.is_local_layer(layer) ? *local_rope_ : rope_;
   }
@@ -100,6 +106,7 @@ class CpuBackend final : public Backend {
   ModelWeightsView weights_;
   ComputeWeights compute_;
   KvPool& pool_;
+  KvLayerGroups groups_;                // one of every layer, or the pool's KV groups
   std::optional<std::int64_t> window_;  // every layer's, when set; else the model's per layer
   RopeTable rope_;
   std::optional<RopeTable> local_rope_;  // the local layers' (rope_local_theta), when it differs

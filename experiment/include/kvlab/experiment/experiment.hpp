@@ -74,7 +74,11 @@ struct ExperimentConfig {
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
   DType kv_dtype = DType::dtype_f32;  // the cpu backend's KV pool (kv_pool_holds: also quantized)
   bool kv_hadamard = false;           // kv_cache.rotation = "hadamard" (KvPoolShape)
-  std::int64_t swap_slots = 0;        // host swap pool for swap preemption, in tokens
+  // kv_cache.groups = "per_kind": one block table per group of layers of one attention kind
+  // (kvlab/kv/kv_groups.hpp; the pool's slots then hold kv_slots x layers / group layers slots
+  // of a group's layers: the same bytes); "uniform" (default): one table for every layer.
+  bool kv_groups = false;
+  std::int64_t swap_slots = 0;  // host swap pool for swap preemption, in tokens
   // [kv_tiers]: KV tiers below each replica's pool (the paged allocator's evicted prefix blocks,
   // docs/concepts/kv-tiers.md): host memory and disk in GiB (0: none), the tier_policy plugin
   // and its params, and the folder of the disk tier's file ("": the system's temporary folder).
