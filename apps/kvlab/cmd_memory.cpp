@@ -2,6 +2,7 @@
 // batch that fits next to the weights.
 #include <fmt/format.h>
 
+#include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -9,6 +10,7 @@
 #include "cli_common.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
+#include "kvlab/kv/kv_groups.hpp"
 #include "kvlab/kv_pool.hpp"
 #include "kvlab/model/kv_memory.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
@@ -58,6 +60,36 @@ std::vector<std::pair<std::string, std::int64_t>> attention_variants(const Model
   return variants;
 }
 
+// A local:global model's KV groups (kv_cache.groups = "per_kind", kvlab/kv/kv_groups.hpp): what
+// a request of `tokens` positions holds per group against one table of every layer, in bytes of
+// `layer_token_bytes` per layer and token. Prints nothing for a model of one attention kind;
+// returns the grouped bytes per request (0 then).
+double print_kv_groups(const ModelConfig& c, std::int64_t tokens, std::int64_t block,
+                       double layer_token_bytes) {
+  const KvLayerGroups g = kv_layer_groups(c, true);
+  if (g.uniform()) return 0;
+  const double per_slot = static_cast<double>(g.group_layers) * layer_token_bytes;
+  std::map<std::optional<std::int64_t>, std::int64_t> groups_of_kind;
+  for (const KvLayerGroup& group : g.groups) ++groups_of_kind[group.window];
+  fmt::print("KV groups (kv_cache.groups = \"per_kind\"): {} groups of {} layers{}\n", g.count(),
+             g.group_layers,
+             g.padding_layers() > 0
+                 ? fmt::format(" ({} pool layers of padding)", g.padding_layers())
+                 : std::string());
+  for (const auto& [window, count] : groups_of_kind) {
+    const std::int64_t held = window ? std::min(tokens, *window + block) : tokens;
+    fmt::print("  {:<12} {} group{} x {} tokens x {} layers = {}\n",
+               window ? fmt::format("window {}", *window) : std::string("global"), count,
+               count > 1 ? "s" : "", held, g.group_layers,
+               human_bytes(static_cast<double>(count * held) * per_slot));
+  }
+  const double grouped = static_cast<double>(g.slots_held(tokens, block)) * per_slot;
+  const double uniform = static_cast<double>(tokens * c.num_hidden_layers) * layer_token_bytes;
+  fmt::print("  per request  {:>12}  against {} in one table: {:.2f}x the requests\n",
+             human_bytes(grouped), human_bytes(uniform), uniform / grouped);
+  return grouped;
+}
+
 // The planner's figures as JSON: one device (one GPU's share under --tp) and every variant.
 template <typename PlanFor>
 void print_plan_json(const ModelConfig& c, const HardwareProfile& device, const MemoryPlanQuery& q,
@@ -95,32 +127,9 @@ void print_plan_json(const ModelConfig& c, const HardwareProfile& device, const 
   fmt::print("{}\n", out.dump(2));
 }
 
-// Static vs paged on one device, for each attention variant the model's heads allow.
-void run_plan(const MemoryOptions& o, const ModelConfig& c) {
-  const HardwareProfile device = load_hardware_profile(o.gpu);
-  MemoryPlanQuery q;
-  q.prompt_tokens = o.prompt_len;
-  q.output_tokens = o.output_len;
-  q.max_seq_len = o.max_seq_len;
-  q.block_size = o.block_size;
-  q.kv_dtype = o.dtype.empty() ? device.kv_dtype : kv_pool_dtype(o.dtype, "--dtype");
-  q.weight_dtype = !o.weight_dtype.empty() ? parse_dtype(o.weight_dtype, "--weight-dtype")
-                   : o.dtype.empty()       ? device.compute_dtype
-                                           : weights_like(q.kv_dtype, device.compute_dtype);
-  q.kv_heads = o.kv_heads;
-  q.tensor_parallel = o.tp;
-  q.context_parallel = o.cp;
-  const MemoryPlan p = plan_memory(c, device, q);
-  const auto variants = attention_variants(c);
-  auto plan_for = [&](std::int64_t heads) {
-    MemoryPlanQuery v = q;
-    v.kv_heads = heads;
-    return plan_memory(c, device, v);
-  };
-  if (o.json) {
-    print_plan_json(c, device, q, p, variants, plan_for);
-    return;
-  }
+// The planner's device, its memory and the KV budget left beside the weights.
+void print_plan_budget(const ModelConfig& c, const HardwareProfile& device,
+                       const MemoryPlanQuery& q, const MemoryPlan& p) {
   const bool sharded = p.tensor_parallel > 1;
   const std::int64_t gpus = p.tensor_parallel * p.context_parallel;
   fmt::print("{} on {}{} ({}): {} weights, {} KV\n", c.name,
@@ -153,6 +162,35 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
     fmt::print(
         "  the weights and the reserve alone exceed the usable memory: shard the model "
         "(tensor parallel) or use a larger device or a smaller weight dtype\n");
+}
+
+// Static vs paged on one device, for each attention variant the model's heads allow.
+void run_plan(const MemoryOptions& o, const ModelConfig& c) {
+  const HardwareProfile device = load_hardware_profile(o.gpu);
+  MemoryPlanQuery q;
+  q.prompt_tokens = o.prompt_len;
+  q.output_tokens = o.output_len;
+  q.max_seq_len = o.max_seq_len;
+  q.block_size = o.block_size;
+  q.kv_dtype = o.dtype.empty() ? device.kv_dtype : kv_pool_dtype(o.dtype, "--dtype");
+  q.weight_dtype = !o.weight_dtype.empty() ? parse_dtype(o.weight_dtype, "--weight-dtype")
+                   : o.dtype.empty()       ? device.compute_dtype
+                                           : weights_like(q.kv_dtype, device.compute_dtype);
+  q.kv_heads = o.kv_heads;
+  q.tensor_parallel = o.tp;
+  q.context_parallel = o.cp;
+  const MemoryPlan p = plan_memory(c, device, q);
+  const auto variants = attention_variants(c);
+  auto plan_for = [&](std::int64_t heads) {
+    MemoryPlanQuery v = q;
+    v.kv_heads = heads;
+    return plan_memory(c, device, v);
+  };
+  if (o.json) {
+    print_plan_json(c, device, q, p, variants, plan_for);
+    return;
+  }
+  print_plan_budget(c, device, q, p);
   fmt::print("static: every request reserves {} tokens (max_seq_len)         -> {} concurrent\n",
              p.static_tokens_per_request, p.max_static_requests);
   fmt::print("paged:  every request holds {} tokens ({} + {}, blocks of {}) -> {} concurrent{}\n",
@@ -165,6 +203,13 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   if (p.kv_residual_bytes_per_request > 0)
     fmt::print("        and {} of KIVI's open group each (up to {} tokens in fp16)\n",
                human_bytes(static_cast<double>(p.kv_residual_bytes_per_request)), kKiviGroup);
+  const double layer_token_bytes =
+      static_cast<double>(p.kv_bytes_per_token) / static_cast<double>(c.num_hidden_layers);
+  if (const double grouped =
+          print_kv_groups(c, q.prompt_tokens + q.output_tokens, q.block_size, layer_token_bytes);
+      grouped > 0 && p.context_parallel == 1)
+    fmt::print("paged, KV groups: {} concurrent\n",
+               static_cast<std::int64_t>(p.kv_budget_bytes / grouped));
   fmt::print("\n{:<8} {:>8} {:>12} {:>12} {:>8} {:>8}\n", "variant", "kv_heads", "per token",
              "KV tokens", "static", "paged");
   for (const auto& [name, heads] : variants) {
@@ -264,6 +309,9 @@ void run_memory(const MemoryOptions& o) {
   if (r.max_batch)
     fmt::print("max batch      {:>12}  requests of {} tokens in {} GiB next to the weights\n",
                *r.max_batch, o.seq_len, *o.gpu_mem);
+  print_kv_groups(
+      c, o.seq_len, o.block_size,
+      static_cast<double>(r.bytes_per_token) / static_cast<double>(c.num_hidden_layers));
   fmt::print("\n{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", "variant", "kv_heads", "per token",
              "per request", "vs MHA", r.max_batch ? "  max batch" : "");
   for (const auto& [name, heads] : variants) {

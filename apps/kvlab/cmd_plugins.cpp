@@ -107,9 +107,10 @@ void register_plugins(CLI::App& app) {
                   "Also roll speculative appends back with truncate (speculative decoding)");
   check->add_flag("--release-window", o->release_window,
                   "Also exercise release_before (allocators that free old KV early)");
-  check->add_option("--kv-groups", o->kv_groups,
-                    "Run it under KV groups (a local:global model's layers): N groups, the first "
-                    "global, the others an 8-token window (kvlab/kv/kv_groups.hpp)")
+  check
+      ->add_option("--kv-groups", o->kv_groups,
+                   "Run it under KV groups (a local:global model's layers): N groups, the first "
+                   "global, the others an 8-token window (kvlab/kv/kv_groups.hpp)")
       ->check(CLI::Range(std::int64_t{0}, std::int64_t{64}));
   check->callback([o]() { run_conformance(*o); });
 }

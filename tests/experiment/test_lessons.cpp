@@ -579,14 +579,14 @@ TEST(Lesson, PerGroupKvRunsAboutFiveTimesTheGemma3SequencesAtLongContext) {
   EXPECT_EQ(grouped.summary.finished, 48);
   EXPECT_EQ(uniform.summary.finished, 48);
 
-  auto cpu_runs = load_experiment(
-      experiment_file("hybrid_kv_groups.toml"),
-      {std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
-       "model.name=\"gemma3-tiny\"", "backend.name=\"cpu\"", "backend.profile=\"cpu\"",
-       "backend.threads=1", "kv_cache.slots=2048",
-       "workload.prompt_tokens={dist=\"fixed\",value=384}",
-       "workload.output_tokens={dist=\"fixed\",value=120}", "workload.requests=32",
-       "scheduler.params.max_tokens_per_step=128"});
+  auto cpu_runs =
+      load_experiment(experiment_file("hybrid_kv_groups.toml"),
+                      {std::string("experiment.plugin_paths=[\"") + KVLAB_PLUGIN_DIR + "\"]",
+                       "model.name=\"gemma3-tiny\"", "backend.name=\"cpu\"",
+                       "backend.profile=\"cpu\"", "backend.threads=1", "kv_cache.slots=2048",
+                       "workload.prompt_tokens={dist=\"fixed\",value=384}",
+                       "workload.output_tokens={dist=\"fixed\",value=120}", "workload.requests=32",
+                       "scheduler.params.max_tokens_per_step=128"});
   std::map<std::string, RunOutput> cpu;
   for (auto& run : cpu_runs) {
     std::vector<std::string> mismatches;

@@ -15,6 +15,13 @@ std::int64_t KvLayerGroups::padding_layers() const {
   return count() * group_layers - used;
 }
 
+std::int64_t KvLayerGroups::slots_held(std::int64_t tokens, std::int64_t block) const {
+  std::int64_t slots = 0;
+  for (const KvLayerGroup& g : groups)
+    slots += g.window ? std::min(tokens, *g.window + block) : tokens;
+  return slots;
+}
+
 std::int64_t KvLayerGroups::slots_for_bytes_of(std::int64_t uniform_slots,
                                                std::int64_t model_layers) const {
   if (uniform() || uniform_slots <= 0) return uniform_slots;
@@ -198,7 +205,7 @@ KvAllocatorFeatures GroupedKvAllocator::features() {
   KvAllocatorFeatures f;
   if (inner_features_.dropping != nullptr) f.dropping = this;
   if (inner_features_.rollback != nullptr) f.rollback = this;
-  f.drawing = inner_features_.drawing;
+  if (inner_features_.drawing != nullptr) f.drawing = this;
   f.groups = this;
   return f;
 }
@@ -206,6 +213,12 @@ KvAllocatorFeatures GroupedKvAllocator::features() {
 void GroupedKvAllocator::release_before(SequenceId sequence, std::int64_t position) {
   for (std::int64_t g = 0; g < groups_.count(); ++g)
     inner_features_.dropping->release_before(inner_id(sequence, g), position);
+}
+
+void GroupedKvAllocator::pool_map(KvPoolMap& map) const {
+  inner_features_.drawing->pool_map(map);
+  for (KvSlotRun& run : map.runs)
+    if (run.owner >= 0) run.owner = outer_id(run.owner).first;
 }
 
 bool GroupedKvAllocator::truncate(SequenceId sequence, std::int64_t length) {

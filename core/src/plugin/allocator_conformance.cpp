@@ -456,8 +456,7 @@ std::string ConformanceRun::check_pool_map(
     by_state[static_cast<int>(run.state)] += run.length;
     const bool holds_live = run.state == KvSlotState::used || run.state == KvSlotState::shared ||
                             run.state == KvSlotState::copied;
-    const SequenceId owner = grouped_ ? grouped_->outer_id(run.owner).first : run.owner;
-    if (holds_live && !tokens_.count(owner))
+    if (holds_live && !tokens_.count(run.owner))
       return fmt::format("pool_map: {} run at slot {} owned by {}, not a live sequence",
                          slot_state_name(run.state), run.start, run.owner);
     if (holds_live) {

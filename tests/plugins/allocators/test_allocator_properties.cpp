@@ -21,7 +21,7 @@ struct AllocatorCase {
   bool releases_window;  // exercise release_before (only the paged allocator frees early)
   std::int64_t host_tier_bytes = 0, disk_tier_bytes = 0;
   std::string tier_policy = "lru";
-  bool evicts = false;  // exercise evict (a KV policy dropping positions)
+  bool evicts = false;         // exercise evict (a KV policy dropping positions)
   std::int64_t kv_groups = 0;  // > 1: under GroupedKvAllocator (kvlab/kv/kv_groups.hpp)
 };
 

@@ -41,6 +41,10 @@ struct KvLayerGroups {
   // Pool layers no model layer uses: a kind whose layer count is not a multiple of
   // group_layers leaves its last group short (bytes held, never written).
   std::int64_t padding_layers() const;
+  // Pool slots a sequence of `tokens` positions holds at most while it decodes, blocks of
+  // `block` slots: every position in a global group, min(tokens, window + block) in a sliding
+  // group (its window and the block being filled; a prefill chunk more while it prefills).
+  std::int64_t slots_held(std::int64_t tokens, std::int64_t block) const;
   // Slots of group_layers layers in the bytes of `uniform_slots` slots of every model layer,
   // rounded down to whole blocks of the largest power of two (up to 256) dividing uniform_slots.
   std::int64_t slots_for_bytes_of(std::int64_t uniform_slots, std::int64_t model_layers) const;
@@ -55,7 +59,8 @@ KvLayerGroups kv_layer_groups(const ModelConfig& model, bool per_kind);
 class GroupedKvAllocator final : public KvAllocator,
                                  public KvGroupViewing,
                                  public KvPositionDropping,
-                                 public KvRollback {
+                                 public KvRollback,
+                                 public KvPoolDrawing {
  public:
   // `inner` (not owned) allocates over a pool of groups.group_layers layers.
   GroupedKvAllocator(KvAllocator& inner, KvLayerGroups groups);
@@ -88,6 +93,9 @@ class GroupedKvAllocator final : public KvAllocator,
   void release_before(SequenceId sequence, std::int64_t position) override;
   bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
   bool truncate(SequenceId sequence, std::int64_t length) override;
+  // The plugin's map, each run's owner the sequence (not the group's plugin id): kvlab view
+  // colours a request's groups alike, each group's runs where its slots are.
+  void pool_map(KvPoolMap& map) const override;
 
   // The plugin's id for `sequence`'s slots in `group`, and back.
   SequenceId inner_id(SequenceId sequence, std::int64_t group) const {
