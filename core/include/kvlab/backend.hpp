@@ -37,7 +37,7 @@ struct BatchEntry {
   // With KV groups (kvlab/kv/kv_groups.hpp: a pool slot holds one token of one group's layers),
   // the entry's view in every group, group_views[0] == view; layer l reads and writes
   // group_views[group_of_layer[l]] at pool layer pool_layer[l]. Empty: every layer uses `view`.
-  std::vector<KvView> group_views;
+  std::vector<KvView> group_views = {};
 };
 
 // How one batch entry's next token is picked: the request's SamplingParams filters and this
