@@ -80,14 +80,20 @@ void quantize_q8_0(const float* x, std::byte* out) {
         static_cast<std::int8_t>(to_int(std::round(x[j] * id), -128, 127, 0)));
 }
 
-void quantize_q4_0(const float* x, std::byte* out) {
-  float amax = 0, max = 0;  // max: the value of largest magnitude, with its sign
+// The block's value of largest magnitude, with its sign (the first such), as the _0 formats'
+// quantizers pick it.
+float signed_max(const float* x) {
+  float amax = 0, max = 0;
   for (int j = 0; j < 32; ++j)
     if (std::fabs(x[j]) > amax) {
       amax = std::fabs(x[j]);
       max = x[j];
     }
-  const float d = max / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
+  return max;
+}
+
+void quantize_q4_0(const float* x, std::byte* out) {
+  const float d = signed_max(x) / -8.0f, id = d != 0 ? 1.0f / d : 0.0f;
   put_f16(d, out);
   auto nibble = [&](float v) { return static_cast<std::uint8_t>(to_int(v * id + 8.5f, 0, 15, 8)); };
   for (int j = 0; j < 16; ++j)
@@ -119,13 +125,7 @@ void put_q5_codes(const std::uint8_t (&codes)[32], std::byte* qh_out, std::byte*
 
 // As quantize_row_q5_0_ref: the value of largest magnitude maps to code 0 (-16 steps).
 void quantize_q5_0(const float* x, std::byte* out) {
-  float amax = 0, max = 0;  // max: the value of largest magnitude, with its sign
-  for (int j = 0; j < 32; ++j)
-    if (std::fabs(x[j]) > amax) {
-      amax = std::fabs(x[j]);
-      max = x[j];
-    }
-  const float d = max / -16.0f, id = d != 0 ? 1.0f / d : 0.0f;
+  const float d = signed_max(x) / -16.0f, id = d != 0 ? 1.0f / d : 0.0f;
   put_f16(d, out);
   std::uint8_t codes[32];
   for (int j = 0; j < 32; ++j)

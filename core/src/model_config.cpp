@@ -587,18 +587,27 @@ const GemmaPresetSpec kGemmaPresets[] = {
     {"gemma3-27b", 262208, 5376, 21504, 62, 32, 16, 128, 1024, 131072, 168, 8.0, true},
 };
 
-ModelConfig gemma3_preset(const GemmaPresetSpec& p) {
+// A preset's shape: name, sizes and context (the rest ModelConfig's defaults).
+ModelConfig preset_shape(const char* name, std::int64_t vocab, std::int64_t dim, std::int64_t ffn,
+                         std::int64_t layers, std::int64_t heads, std::int64_t kv_heads,
+                         std::int64_t head_dim, std::int64_t context) {
   ModelConfig c;
-  c.name = p.name;
+  c.name = name;
+  c.vocab_size = vocab;
+  c.hidden_size = dim;
+  c.intermediate_size = ffn;
+  c.num_hidden_layers = layers;
+  c.num_attention_heads = heads;
+  c.num_key_value_heads = kv_heads;
+  c.head_dim = head_dim;
+  c.max_position_embeddings = context;
+  return c;
+}
+
+ModelConfig gemma3_preset(const GemmaPresetSpec& p) {
+  ModelConfig c = preset_shape(p.name, p.vocab, p.dim, p.ffn, p.layers, p.heads, p.kv_heads,
+                               p.head_dim, p.context);
   c.architecture = "Gemma3ForCausalLM";
-  c.vocab_size = p.vocab;
-  c.hidden_size = p.dim;
-  c.intermediate_size = p.ffn;
-  c.num_hidden_layers = p.layers;
-  c.num_attention_heads = p.heads;
-  c.num_key_value_heads = p.kv_heads;
-  c.head_dim = p.head_dim;
-  c.max_position_embeddings = p.context;
   c.rms_norm_eps = 1e-6;
   c.rope_theta = 1000000.0;
   if (p.rope_factor != 1.0) c.rope_scaling = {RopeScaling::Type::linear, p.rope_factor};
@@ -631,17 +640,9 @@ ModelConfig model_preset(std::string_view name) {
     if (name == p.name) return gemma3_preset(p);
   for (const auto& p : kPresets) {
     if (name != p.name) continue;
-    ModelConfig c;
-    c.name = p.name;
+    ModelConfig c = preset_shape(p.name, p.vocab, p.dim, p.ffn, p.layers, p.heads, p.kv_heads,
+                                 p.dim / p.heads, p.context);
     c.architecture = p.sliding_window ? "MistralForCausalLM" : "LlamaForCausalLM";
-    c.vocab_size = p.vocab;
-    c.hidden_size = p.dim;
-    c.intermediate_size = p.ffn;
-    c.num_hidden_layers = p.layers;
-    c.num_attention_heads = p.heads;
-    c.num_key_value_heads = p.kv_heads;
-    c.head_dim = p.dim / p.heads;
-    c.max_position_embeddings = p.context;
     c.rms_norm_eps = p.eps;
     c.rope_theta = p.theta;
     c.tie_word_embeddings = p.tied;

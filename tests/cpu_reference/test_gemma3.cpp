@@ -297,7 +297,8 @@ TEST(Gemma3, PerplexityEqualsLlamaCppsOnWikiText) {
   EXPECT_NEAR(short_context / copy_short, 1.0, 0.0005);
   EXPECT_NEAR(long_context / copy_long, 1.0, 0.0005);
   const double every_layer_global = measure(1024, 1, std::int64_t{1} << 20);
-  std::cout << fmt::format("every layer global, -c 1024, 1 chunk: PPL {:.1f}\n", every_layer_global);
+  std::cout << fmt::format("every layer global, -c 1024, 1 chunk: PPL {:.1f}\n",
+                           every_layer_global);
   EXPECT_GT(every_layer_global, 10 * copy_long);
 }
 
