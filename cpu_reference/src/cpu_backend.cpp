@@ -62,12 +62,9 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
       compute_(std::move(compute)),
       pool_(pool),
       window_(window),
-      rope_(weights_.config) {
+      ropes_(weights_.config),
+      query_rescale_(query_rescale(weights_.config)) {
   const ModelConfig& c = weights_.config;
-  if (c.global_layer_every > 0 && c.rope_local_theta > 0)
-    local_rope_.emplace(c.head_dim, c.rope_local_theta, c.max_position_embeddings);
-  if (c.query_scale > 0)  // the attention kernels scale by 1/sqrt(head_dim); the rest goes into Q
-    query_rescale_ = static_cast<float>(c.query_scale * std::sqrt(static_cast<double>(c.head_dim)));
   for (const LayerWeightsView& layer : weights_.layers)
     if (c.qk_norm && (static_cast<std::int64_t>(layer.q_norm.size()) != c.head_dim ||
                       static_cast<std::int64_t>(layer.k_norm.size()) != c.head_dim))
@@ -194,7 +191,7 @@ void CpuBackend::rotate_and_store(std::int64_t layer, std::span<const std::int32
   const std::int64_t q_dim = c.q_dim(), kv_dim = c.kv_dim(), rows = qkv.rows();
   const bool kivi = dtype_is_kivi(pool_.shape().dtype);
   const LayerWeightsView& weights = weights_.layers[static_cast<std::size_t>(layer)];
-  const RopeTable& rope = rope_for_layer(layer);
+  const RopeTable& rope = ropes_.for_layer(layer);
   const std::int64_t pool_layer = groups_.pool_layer[static_cast<std::size_t>(layer)];
   const auto eps = static_cast<float>(c.rms_norm_eps);
   const auto rotate_and_write = [&](std::int64_t t) {

@@ -124,6 +124,19 @@ void multiply_by_transposed(const RowMatrix& x, const RowMatrix& w, RowMatrix& y
   });
 }
 
+LayerRopes::LayerRopes(const ModelConfig& config)
+    : global_(config), global_layer_every_(config.global_layer_every) {
+  if (config.global_layer_every > 0 && config.rope_local_theta > 0)
+    local_.emplace(config.head_dim, config.rope_local_theta, config.max_position_embeddings);
+}
+
+float query_rescale(const ModelConfig& config) {
+  return config.query_scale > 0
+             ? static_cast<float>(config.query_scale *
+                                  std::sqrt(static_cast<double>(config.head_dim)))
+             : 1.0f;
+}
+
 void rms_norm(const RowMatrix& x, Eigen::Ref<const Eigen::VectorXf> weight, float eps,
               RowMatrix& out) {
   out.resize(x.rows(), x.cols());

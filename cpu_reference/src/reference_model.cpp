@@ -28,11 +28,7 @@ void add_output(const Product& product, const Eigen::VectorXf& post_norm, float 
 }  // namespace
 
 ReferenceModel::ReferenceModel(LlamaWeights weights)
-    : weights_(std::move(weights)), rope_(weights_.config) {
-  const ModelConfig& c = weights_.config;
-  if (c.global_layer_every > 0 && c.rope_local_theta > 0)
-    local_rope_.emplace(c.head_dim, c.rope_local_theta, c.max_position_embeddings);
-}
+    : weights_(std::move(weights)), ropes_(weights_.config) {}
 
 RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
                                   const ForwardOptions& options) const {
@@ -64,10 +60,7 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
   RowMatrix gate_up;    // (T, 2 ffn)
   RowMatrix hidden;     // (T, ffn)
   // causal_attention scales scores by 1/sqrt(head_dim); another query scale goes into q.
-  const float query_rescale =
-      c.query_scale > 0
-          ? static_cast<float>(c.query_scale * std::sqrt(static_cast<double>(c.head_dim)))
-          : 1.0f;
+  const float rescale = query_rescale(c);
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
@@ -81,7 +74,7 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
     }
     rope_for_layer(l).apply(q, positions, c.num_attention_heads);
     rope_for_layer(l).apply(k, positions, c.num_key_value_heads);
-    if (query_rescale != 1.0f) q *= query_rescale;
+    if (rescale != 1.0f) q *= rescale;
     const auto window = options.sliding_window ? options.sliding_window : c.layer_window(l);
     causal_attention(q, k, v, c.num_attention_heads, c.num_key_value_heads, window, attention);
     add_output(attention * layer.wo.transpose(), layer.attention_post_norm, eps, out, x);

@@ -80,7 +80,7 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   double prefill_pairs = tally.prefill_pairs, decode_context = tally.decode_context;
   double prefill_context = tally.prefill_context;
   if (m.global_layer_every > 0) {
-    const sim_detail::LayerTally per_layers = sim_detail::layer_tally(batch, m);
+    const sim_detail::LayerTally per_layers = sim_detail::layer_tally(batch, m, tally);
     prefill_pairs = per_layers.prefill_pairs / layers;
     decode_context = per_layers.decode_context / layers;
     prefill_context = per_layers.prefill_context / layers;

@@ -60,17 +60,18 @@ inline BatchTally tally_batch(std::span<const EntryShape> batch,
   return t;
 }
 
-// The attention tallies summed over the model's layers: `layers` times tally_batch's, except
+// The attention tallies summed over the model's layers: `layers` times `all` (tally_batch's of
+// the batch), except
 // that a local layer of a local:global model (ModelConfig::layer_window: Gemma 3) sees at most
 // its window. A model's own sliding_window is left to the views (the engine releases what falls
 // out of it: their first_position).
 struct LayerTally {
   double prefill_pairs = 0, prefill_context = 0, decode_context = 0;
 };
-inline LayerTally layer_tally(std::span<const EntryShape> batch, const ModelConfig& m) {
+inline LayerTally layer_tally(std::span<const EntryShape> batch, const ModelConfig& m,
+                              const BatchTally& all) {
   std::int64_t local = 0;
   for (std::int64_t l = 0; l < m.num_hidden_layers; ++l) local += m.is_local_layer(l) ? 1 : 0;
-  const BatchTally all = tally_batch(batch);
   const double global_layers = static_cast<double>(m.num_hidden_layers - local);
   LayerTally t{global_layers * all.prefill_pairs, global_layers * all.prefill_context,
                global_layers * all.decode_context};

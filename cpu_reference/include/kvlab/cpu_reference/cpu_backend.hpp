@@ -84,9 +84,6 @@ class CpuBackend final : public Backend {
   std::int64_t group_of(std::int64_t layer) const {
     return groups_.group_of_layer[static_cast<std::size_t>(layer)];
   }
-  const RopeTable& rope_for_layer(std::int64_t layer) const {
-    return local_rope_ && weights_.config.is_local_layer(layer) ? *local_rope_ : rope_;
-  }
   void add_output(const RowMatrix& input, const WeightMatrix& w, std::span<const float> post_norm,
                   RowMatrix& x);
   void rotate_and_store(std::int64_t layer, std::span<const std::int32_t> positions,
@@ -108,9 +105,8 @@ class CpuBackend final : public Backend {
   KvPool& pool_;
   KvLayerGroups groups_;                // one of every layer, or the pool's KV groups
   std::optional<std::int64_t> window_;  // every layer's, when set; else the model's per layer
-  RopeTable rope_;
-  std::optional<RopeTable> local_rope_;  // the local layers' (rope_local_theta), when it differs
-  float query_rescale_ = 1.0f;           // ModelConfig::query_scale * sqrt(head_dim)
+  LayerRopes ropes_;
+  float query_rescale_ = 1.0f;  // query_rescale(): the model's query scale over 1/sqrt(head_dim)
   // Activations, kept between steps so a decode step allocates (and page-faults) nothing.
   RowMatrix x_, normed_, qkv_, attention_, gate_up_, hidden_, block_out_, last_, logits_;
   // Attention scores (BatchEntry::scored_queries): each entry's keys from score_offsets_[e],

@@ -74,6 +74,26 @@ class RopeTable {
   RowMatrix sin_;  // (max_positions, head_dim / 2)
 };
 
+// The RoPE table of each layer: the model's, and on a local:global model (Gemma 3) the local
+// layers' own (rope_local_theta, no scaling).
+class LayerRopes {
+ public:
+  explicit LayerRopes(const ModelConfig& config);
+  const RopeTable& for_layer(std::int64_t layer) const {
+    return local_ && (layer + 1) % global_layer_every_ != 0 ? *local_ : global_;
+  }
+  const RopeTable& global() const { return global_; }
+
+ private:
+  RopeTable global_;
+  std::optional<RopeTable> local_;
+  std::int64_t global_layer_every_ = 0;
+};
+
+// What queries are multiplied by on top of the attention's 1/sqrt(head_dim) so that scores are
+// scaled by ModelConfig::query_scale: query_scale x sqrt(head_dim); 1 without one.
+float query_rescale(const ModelConfig& config);
+
 // Causal self-attention over one whole sequence, with grouped KV heads: query head h reads KV
 // head h / (n_heads / n_kv_heads). Position i attends to keys j with j <= i and, with a
 // window W, i - j < W. Softmax in fp32 with the row max subtracted.

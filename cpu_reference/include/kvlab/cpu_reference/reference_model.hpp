@@ -29,11 +29,9 @@ class ReferenceModel {
 
   const ModelConfig& config() const { return weights_.config; }
   const LlamaWeights& weights() const { return weights_; }
-  const RopeTable& rope() const { return rope_; }
+  const RopeTable& rope() const { return ropes_.global(); }
   // Layer `layer`'s table: the local layers' own base on a local:global model (Gemma 3).
-  const RopeTable& rope_for_layer(std::int64_t layer) const {
-    return local_rope_ && weights_.config.is_local_layer(layer) ? *local_rope_ : rope_;
-  }
+  const RopeTable& rope_for_layer(std::int64_t layer) const { return ropes_.for_layer(layer); }
 
   // tokens: (T) ids, T <= max_position_embeddings. Returns logits (T, vocab), or (1, vocab)
   // with last_position_only, or (P, vocab) for P logit_positions. Throws kvlab::Error for an
@@ -43,8 +41,7 @@ class ReferenceModel {
 
  private:
   LlamaWeights weights_;
-  RopeTable rope_;
-  std::optional<RopeTable> local_rope_;  // rope_local_theta's, when the model has one
+  LayerRopes ropes_;
 };
 
 enum class FinishReason { eos, max_tokens, context_full };
