@@ -52,12 +52,24 @@ DType parse_dtype(const std::string& name, const char* flag) {
 // checkpoint's own GQA, GQA-8, MQA.
 std::vector<std::pair<std::string, std::int64_t>> attention_variants(const ModelConfig& c) {
   std::vector<std::pair<std::string, std::int64_t>> variants{{"MHA", c.num_attention_heads}};
+  if (c.is_mla()) {  // its own latent, then the plain K/V its heads would cache
+    variants.insert(variants.begin(), {"MLA", 0});
+    if (c.num_attention_heads % 8 == 0 && c.num_attention_heads > 8)
+      variants.emplace_back("GQA-8", 8);
+    variants.emplace_back("MQA", 1);
+    return variants;
+  }
   if (c.num_key_value_heads != c.num_attention_heads && c.num_key_value_heads != 1)
     variants.emplace_back(fmt::format("GQA-{}", c.num_key_value_heads), c.num_key_value_heads);
   if (c.num_key_value_heads != 8 && c.num_attention_heads % 8 == 0 && c.num_attention_heads > 8)
     variants.emplace_back("GQA-8", 8);
   variants.emplace_back("MQA", 1);
   return variants;
+}
+
+// A variant's K/V heads for the arithmetic: none (the model's own cache) for a latent row (0).
+std::optional<std::int64_t> variant_heads(std::int64_t heads) {
+  return heads > 0 ? std::optional(heads) : std::nullopt;
 }
 
 // A local:global model's KV groups (kv_cache.groups = "per_kind", kvlab/kv/kv_groups.hpp): what
@@ -183,7 +195,7 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   const auto variants = attention_variants(c);
   auto plan_for = [&](std::int64_t heads) {
     MemoryPlanQuery v = q;
-    v.kv_heads = heads;
+    v.kv_heads = variant_heads(heads);
     return plan_memory(c, device, v);
   };
   if (o.json) {
@@ -214,7 +226,8 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
              "KV tokens", "static", "paged");
   for (const auto& [name, heads] : variants) {
     const MemoryPlan v = plan_for(heads);
-    fmt::print("{:<8} {:>8} {:>12} {:>12} {:>8} {:>8}\n", name, heads,
+    fmt::print("{:<8} {:>8} {:>12} {:>12} {:>8} {:>8}\n", name,
+               heads > 0 ? fmt::format("{}", heads) : "latent",
                human_bytes(static_cast<double>(v.kv_bytes_per_token)), v.kv_capacity_tokens,
                v.max_static_requests, v.max_paged_requests);
   }
@@ -238,7 +251,7 @@ void print_kv_json(const MemoryOptions& o, const ModelConfig& c, const KvMemoryQ
   if (r.max_batch) out["max_batch"] = *r.max_batch;
   for (const auto& [name, heads] : variants) {
     const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
-                                 heads, query.gpu_memory_gib});
+                                 variant_heads(heads), query.gpu_memory_gib});
     nlohmann::json row = {{"variant", name},
                           {"kv_heads", heads},
                           {"bytes_per_request", v.bytes_per_request},
@@ -288,13 +301,24 @@ void run_memory(const MemoryOptions& o) {
       dtype_size(query.kv_dtype) > 0
           ? fmt::format("{}", dtype_size(query.kv_dtype))
           : fmt::format("{}/{}", dtype_row_bytes(query.kv_dtype, c.head_dim), c.head_dim);
-  fmt::print("model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters\n",
-             c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-             static_cast<double>(c.parameter_count()) / 1e9);
-  fmt::print("KV cache, {} x {} KV heads:\n", dtype_short_name(query.kv_dtype), r.kv_heads);
-  fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
-             human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
-             c.head_dim, element, r.bytes_per_token);
+  fmt::print(
+      "model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters{}\n",
+      c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+      static_cast<double>(c.parameter_count()) / 1e9,
+      c.has_experts()
+          ? fmt::format(" ({:.2f}B a token)", static_cast<double>(c.matmul_parameter_count()) / 1e9)
+          : std::string());
+  if (c.is_mla() && !query.kv_heads) {
+    fmt::print("KV cache, {} latent (latent attention):\n", dtype_short_name(query.kv_dtype));
+    fmt::print("  per token    {:>12}  = {} layers x ({} kv_lora_rank + {} rope) x {} B = {} B\n",
+               human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers,
+               c.kv_lora_rank, c.qk_rope_head_dim, element, r.bytes_per_token);
+  } else {
+    fmt::print("KV cache, {} x {} KV heads:\n", dtype_short_name(query.kv_dtype), r.kv_heads);
+    fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
+               human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
+               c.is_mla() ? c.v_head_dim : c.head_dim, element, r.bytes_per_token);
+  }
   fmt::print("  per request  {:>12}  ({} tokens, {} B{})\n",
              human_bytes(static_cast<double>(r.bytes_per_request)), o.seq_len, r.bytes_per_request,
              r.residual_bytes_per_request > 0
@@ -316,10 +340,14 @@ void run_memory(const MemoryOptions& o) {
              "per request", "vs MHA", r.max_batch ? "  max batch" : "");
   for (const auto& [name, heads] : variants) {
     const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
-                                 heads, query.gpu_memory_gib});
+                                 variant_heads(heads), query.gpu_memory_gib});
     const std::string ratio =
-        heads == c.num_attention_heads ? "1x" : fmt::format("1/{}x", c.num_attention_heads / heads);
-    fmt::print("{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", name, heads,
+        heads == c.num_attention_heads ? "1x"
+        : heads > 0                    ? fmt::format("1/{}x", c.num_attention_heads / heads)
+                    : fmt::format("1/{:.1f}x", static_cast<double>(mha.bytes_per_token) /
+                                                   static_cast<double>(v.bytes_per_token));
+    fmt::print("{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", name,
+               heads > 0 ? fmt::format("{}", heads) : "latent",
                human_bytes(static_cast<double>(v.bytes_per_token)),
                human_bytes(static_cast<double>(v.bytes_per_request)), ratio,
                v.max_batch ? fmt::format("  {:>9}", *v.max_batch) : "");

@@ -32,38 +32,57 @@ double ModelConfig::layer_rope_theta(std::int64_t layer) const {
   return is_local_layer(layer) && rope_local_theta > 0 ? rope_local_theta : rope_theta;
 }
 
+std::int64_t ModelConfig::attention_parameter_count() const {
+  if (!is_mla()) return hidden_size * q_dim() * 2 + hidden_size * kv_dim() * 2;
+  const std::int64_t q =
+      q_lora_rank > 0 ? hidden_size * q_lora_rank + q_lora_rank * q_dim() : hidden_size * q_dim();
+  const std::int64_t kv_b = kv_lora_rank * num_attention_heads * (qk_nope_head_dim + v_head_dim);
+  return q + hidden_size * latent_dim() + kv_b + attention_output_dim() * hidden_size;
+}
+
+std::int64_t ModelConfig::mlp_parameter_count(std::int64_t layer, bool active_only) const {
+  if (!is_expert_layer(layer)) return 3 * hidden_size * intermediate_size;
+  const std::int64_t experts_used =
+      (active_only ? experts.per_token : experts.routed) + experts.shared;
+  return experts_used * 3 * hidden_size * experts.intermediate_size + hidden_size * experts.routed;
+}
+
 std::int64_t ModelConfig::matmul_parameter_count() const {
-  const std::int64_t attention = hidden_size * q_dim() * 2 + hidden_size * kv_dim() * 2;
-  const std::int64_t mlp = 3 * hidden_size * intermediate_size;
-  return num_hidden_layers * (attention + mlp) + vocab_size * hidden_size;
+  std::int64_t layers = 0;
+  for (std::int64_t l = 0; l < num_hidden_layers; ++l)
+    layers += attention_parameter_count() + mlp_parameter_count(l, true);
+  return layers + vocab_size * hidden_size;
 }
 
 std::int64_t ModelConfig::parameter_count() const {
+  const std::int64_t mla_norms = is_mla() ? kv_lora_rank + q_lora_rank : 0;
   const std::int64_t layer_norms =
-      (post_norms ? 4 : 2) * hidden_size + (qk_norm ? 2 * head_dim : 0);
+      (post_norms ? 4 : 2) * hidden_size + (qk_norm ? 2 * head_dim : 0) + mla_norms;
   const std::int64_t norms = num_hidden_layers * layer_norms + hidden_size;
   const std::int64_t embedding = vocab_size * hidden_size;
-  // matmul_parameter_count already holds one vocab x hidden matrix (the output projection).
-  return matmul_parameter_count() + norms + (tie_word_embeddings ? 0 : embedding);
+  std::int64_t layers = 0;
+  for (std::int64_t l = 0; l < num_hidden_layers; ++l)
+    layers += attention_parameter_count() + mlp_parameter_count(l, false);
+  // The output projection, and the embedding unless the two are one matrix.
+  return layers + embedding + norms + (tie_word_embeddings ? 0 : embedding);
 }
 
 double forward_flops(const ModelConfig& c, std::int64_t tokens, std::int64_t logit_positions) {
-  const double layer_matmul =
-      2.0 * static_cast<double>(c.hidden_size * c.q_dim() * 2 + c.hidden_size * c.kv_dim() * 2 +
-                                3 * c.hidden_size * c.intermediate_size);
+  const double lm_head_parameters = static_cast<double>(c.vocab_size * c.hidden_size);
+  const double layer_matmuls =  // every layer's, a token
+      2.0 * (static_cast<double>(c.matmul_parameter_count()) - lm_head_parameters);
   double attended_keys = 0;  // sum over positions of the keys each query sees
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const std::optional<std::int64_t> window = c.layer_window(l);
     for (std::int64_t t = 0; t < tokens; ++t)
       attended_keys += static_cast<double>(window ? std::min(t + 1, *window) : t + 1);
   }
-  // QK^T and PV: 2 FLOPs x head_dim per (query head, key) for each, summed over the layers.
+  // QK^T over head_dim and PV over the value heads: 2 FLOPs a value per (query head, key),
+  // summed over the layers (MLA: the plain form, K and V rebuilt per head).
   const double attention =
-      4.0 * static_cast<double>(c.num_attention_heads * c.head_dim) * attended_keys;
-  const double lm_head = 2.0 * static_cast<double>(c.vocab_size * c.hidden_size) *
-                         static_cast<double>(logit_positions);
-  return static_cast<double>(c.num_hidden_layers) * (layer_matmul * static_cast<double>(tokens)) +
-         attention + lm_head;
+      2.0 * static_cast<double>(c.q_dim() + c.attention_output_dim()) * attended_keys;
+  return layer_matmuls * static_cast<double>(tokens) + attention +
+         2.0 * lm_head_parameters * static_cast<double>(logit_positions);
 }
 
 const char* rope_type_name(RopeScaling::Type type) {
@@ -80,10 +99,11 @@ const char* rope_type_name(RopeScaling::Type type) {
 
 std::vector<double> rope_inverse_frequencies(const ModelConfig& c) {
   const RopeScaling& r = c.rope_scaling;
-  std::vector<double> inverse(static_cast<std::size_t>(c.head_dim / 2));
+  const std::int64_t rotated = c.rope_dim();
+  std::vector<double> inverse(static_cast<std::size_t>(rotated / 2));
   for (std::size_t i = 0; i < inverse.size(); ++i)
     inverse[i] =
-        std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(c.head_dim));
+        std::pow(c.rope_theta, -2.0 * static_cast<double>(i) / static_cast<double>(rotated));
   if (r.type == RopeScaling::Type::linear)
     for (double& f : inverse) f /= r.factor;
   if (r.type == RopeScaling::Type::llama3) {
@@ -108,7 +128,8 @@ namespace {
 
 const std::vector<std::string>& supported_architectures() {
   static const std::vector<std::string> names{"LlamaForCausalLM", "MistralForCausalLM",
-                                              "Gemma3ForCausalLM"};
+                                              "Gemma3ForCausalLM", "DeepseekV2ForCausalLM",
+                                              "DeepseekV3ForCausalLM"};
   return names;
 }
 
@@ -261,7 +282,13 @@ double approximate_parameter_count(const ModelConfig& c) {
   const auto d = [](std::int64_t v) { return static_cast<double>(std::max<std::int64_t>(v, 0)); };
   const double q_dim = d(c.num_attention_heads) * d(c.head_dim);
   const double kv_dim = d(c.num_key_value_heads) * d(c.head_dim);
-  const double layer = d(c.hidden_size) * (2 * q_dim + 2 * kv_dim + 3 * d(c.intermediate_size));
+  const double mla = d(c.hidden_size) * (d(c.q_lora_rank) + d(c.kv_lora_rank)) +
+                     (d(c.q_lora_rank) + d(c.kv_lora_rank)) * d(c.num_attention_heads) *
+                         (d(c.head_dim) + d(c.v_head_dim));
+  const double experts = (d(c.experts.routed) + d(c.experts.shared)) * 3 * d(c.hidden_size) *
+                         d(c.experts.intermediate_size);
+  const double layer =
+      d(c.hidden_size) * (2 * q_dim + 2 * kv_dim + 3 * d(c.intermediate_size)) + mla + experts;
   return d(c.num_hidden_layers) * layer + 2 * d(c.vocab_size) * d(c.hidden_size);
 }
 
@@ -331,6 +358,51 @@ void norm_and_rope_problems(const ModelConfig& c, const Reported& reported,
   }
 }
 
+// Latent attention's dims (MLA) and a mixture of experts': consistent with each other and with
+// what kvlab computes (runnable: q_proj direct and dense MLPs, DeepSeek-V2-Lite's attention).
+void latent_and_expert_problems(const ModelConfig& c, std::vector<std::string>& problems) {
+  const std::int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim;
+  if (c.kv_lora_rank < 0 || c.q_lora_rank < 0 || nope < 0 || rope < 0 || c.v_head_dim < 0)
+    problems.push_back("latent attention's ranks and head dims must be non-negative");
+  if (!c.is_mla() && (c.q_lora_rank > 0 || nope > 0 || rope > 0 || c.v_head_dim > 0))
+    problems.push_back(
+        "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim describe latent "
+        "attention: they need kv_lora_rank > 0");
+  if (c.is_mla()) {
+    if (nope <= 0 || rope <= 0 || rope % 2 != 0 || c.v_head_dim <= 0 || c.head_dim != nope + rope)
+      problems.push_back(fmt::format(
+          "latent attention needs positive qk_nope_head_dim, an even qk_rope_head_dim, a "
+          "positive v_head_dim and head_dim = qk_nope_head_dim + qk_rope_head_dim; got {}, {}, "
+          "{}, head_dim {}",
+          nope, rope, c.v_head_dim, c.head_dim));
+    if (c.latent_dim() % 2 != 0)
+      problems.push_back(fmt::format(
+          "latent attention's cached row, kv_lora_rank + qk_rope_head_dim = {}, must be even "
+          "(its halves are a slot's K and V rows)",
+          c.latent_dim()));
+    if (c.num_key_value_heads != c.num_attention_heads)
+      problems.push_back(
+          "latent attention rebuilds K and V for every query head: "
+          "num_key_value_heads must equal num_attention_heads");
+    if (c.qk_norm || c.post_norms || c.global_layer_every > 0 || c.sliding_window)
+      problems.push_back("latent attention with Q/K norms, post norms or windows is not computed");
+  }
+  const ModelConfig::Experts& e = c.experts;
+  if (e.routed < 0 ||
+      (e.routed > 0 &&
+       (e.per_token < 1 || e.per_token > e.routed || e.intermediate_size <= 0 || e.shared < 0 ||
+        e.first_dense_layers < 0 || e.first_dense_layers > c.num_hidden_layers)))
+    problems.push_back(fmt::format(
+        "a mixture of experts needs 1 <= experts a token <= {} routed experts, a positive "
+        "expert width and first dense layers within the {} layers",
+        e.routed, c.num_hidden_layers));
+  if (!c.size_only && (c.q_lora_rank > 0 || c.has_experts()))
+    problems.push_back(
+        "kvlab computes latent attention with q_proj direct (q_lora_rank 0) and dense MLPs: a "
+        "compressed query or a mixture of experts is described for memory and the simulator "
+        "only (a size-only preset: deepseek-v3)");
+}
+
 // Every problem with `c`, skipping fields whose reading already failed (`already_reported`).
 std::vector<std::string> config_problems(const ModelConfig& c,
                                          const std::vector<std::string>& already_reported) {
@@ -342,6 +414,7 @@ std::vector<std::string> config_problems(const ModelConfig& c,
   };
   dimension_problems(c, reported, problems);
   norm_and_rope_problems(c, reported, problems);
+  latent_and_expert_problems(c, problems);
   if (c.vocab_size > 0) {
     if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
       problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})",
@@ -467,6 +540,12 @@ ModelConfig parse_model_config(std::string_view json_text, std::string_view sour
   read_head_dim(read, c, problems);
   read_eos(root, read, c, problems);
   c.sliding_window = read.get<std::int64_t>("sliding_window", false);
+  if (c.architecture.starts_with("Deepseek"))
+    problems.push_back(fmt::format(
+        "a {} folder is not read (its experts and compressed queries are not computed): "
+        "DeepSeek's shapes are presets (mla-tiny runs; deepseek-v2-lite and deepseek-v3 are "
+        "size-only)",
+        c.architecture));
   if (c.is_gemma3())
     problems.push_back(
         "a Gemma3ForCausalLM folder is not read: run Gemma 3 from its GGUF file (`kvlab model "
@@ -626,18 +705,100 @@ ModelConfig gemma3_preset(const GemmaPresetSpec& p) {
   return c;
 }
 
+// DeepSeek's latent attention (MLA), config.json shapes: DeepSeek-V2-Lite (15.7B, q_proj direct,
+// 64 routed experts of which 6 a token, 2 shared, layer 0 dense) and DeepSeek-V3 (671B, a
+// compressed query of rank 1536, 256 routed experts of which 8, 1 shared, layers 0-2 dense); both
+// size-only (their YaRN RoPE scaling is left out: it changes no size). mla-tiny: V2-Lite's
+// attention at the size of `tiny` (kv_lora_rank = hidden / 4, nope = v = 2 rope, heads x nope =
+// hidden), dense MLPs, runnable with random weights. llama2-7b-mla: Llama 2 7B with V2's
+// attention in every layer (kv_lora_rank 512), for MHA / GQA / MLA at one model size (size-only).
+struct LatentPresetSpec {
+  const char* name;
+  const char* architecture;
+  std::int64_t vocab, dim, ffn, layers, heads, context;
+  std::int64_t q_lora, kv_lora, nope, rope, v;
+  ModelConfig::Experts experts;
+  bool size_only;
+};
+const LatentPresetSpec kLatentPresets[] = {
+    {"mla-tiny", "DeepseekV2ForCausalLM", 512, 128, 352, 4, 4, 512, 0, 32, 32, 16, 32, {}, false},
+    {"deepseek-v2-lite",
+     "DeepseekV2ForCausalLM",
+     102400,
+     2048,
+     10944,
+     27,
+     16,
+     163840,
+     0,
+     512,
+     128,
+     64,
+     128,
+     {64, 6, 2, 1408, 1},
+     true},
+    {"deepseek-v3",
+     "DeepseekV3ForCausalLM",
+     129280,
+     7168,
+     18432,
+     61,
+     128,
+     163840,
+     1536,
+     512,
+     128,
+     64,
+     128,
+     {256, 8, 1, 2048, 3},
+     true},
+    {"llama2-7b-mla",
+     "DeepseekV2ForCausalLM",
+     32000,
+     4096,
+     11008,
+     32,
+     32,
+     4096,
+     0,
+     512,
+     128,
+     64,
+     128,
+     {},
+     true},
+};
+
+ModelConfig latent_preset(const LatentPresetSpec& p) {
+  ModelConfig c = preset_shape(p.name, p.vocab, p.dim, p.ffn, p.layers, p.heads, p.heads,
+                               p.nope + p.rope, p.context);
+  c.architecture = p.architecture;
+  c.rms_norm_eps = 1e-6;
+  c.q_lora_rank = p.q_lora;
+  c.kv_lora_rank = p.kv_lora;
+  c.qk_nope_head_dim = p.nope;
+  c.qk_rope_head_dim = p.rope;
+  c.v_head_dim = p.v;
+  c.experts = p.experts;
+  c.size_only = p.size_only;
+  return c;
+}
+
 }  // namespace
 
 std::vector<std::string> model_preset_names() {
   std::vector<std::string> names;
   for (const auto& p : kPresets) names.emplace_back(p.name);
   for (const auto& p : kGemmaPresets) names.emplace_back(p.name);
+  for (const auto& p : kLatentPresets) names.emplace_back(p.name);
   return names;
 }
 
 ModelConfig model_preset(std::string_view name) {
   for (const auto& p : kGemmaPresets)
     if (name == p.name) return gemma3_preset(p);
+  for (const auto& p : kLatentPresets)
+    if (name == p.name) return latent_preset(p);
   for (const auto& p : kPresets) {
     if (name != p.name) continue;
     ModelConfig c = preset_shape(p.name, p.vocab, p.dim, p.ffn, p.layers, p.heads, p.kv_heads,

@@ -22,7 +22,7 @@ PluginObject<AttentionVariant> make_attention(const PluginRegistry& registry,
 }
 
 KvPoolShape pool_shape(const ModelConfig& c, std::int64_t slots) {
-  return {c.num_hidden_layers, c.num_key_value_heads, c.head_dim, slots};
+  return {c.num_hidden_layers, c.cache_kv_heads(), c.cache_head_dim(), slots};
 }
 
 SequenceRules rules_for(const ModelConfig& model, const AttentionVariant& attention,

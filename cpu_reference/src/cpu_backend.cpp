@@ -79,13 +79,18 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
   // A pool of every layer (one slot: a token in every layer), or of KV groups (one slot: a token
   // in one group's layers, kvlab/kv/kv_groups.hpp).
   groups_ = kv_layer_groups(c, pool.shape().layers != c.num_hidden_layers);
-  if (pool.shape().kv_heads != c.num_key_value_heads || pool.shape().head_dim != c.head_dim ||
+  if (pool.shape().kv_heads != c.cache_kv_heads() || pool.shape().head_dim != c.cache_head_dim() ||
       pool.shape().layers != groups_.group_layers)
     throw Error(fmt::format(
         "KV pool shape ({} layers, {} KV heads, head_dim {}) does not match the model ({}, {}, {}; "
         "or {} layers a slot in KV groups)",
         pool.shape().layers, pool.shape().kv_heads, pool.shape().head_dim, c.num_hidden_layers,
-        c.num_key_value_heads, c.head_dim, kv_layer_groups(c, true).group_layers));
+        c.cache_kv_heads(), c.cache_head_dim(), kv_layer_groups(c, true).group_layers));
+  if (c.is_mla() && (pool.shape().hadamard_rotated || dtype_is_kivi(pool.shape().dtype)))
+    throw Error(fmt::format(
+        "{} caches a latent (latent attention): its KV pool is neither Hadamard-rotated nor a "
+        "KIVI pool",
+        c.name));
 }
 
 // The entry's view in `group`: its group view with KV groups, its view otherwise.
@@ -143,8 +148,12 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, as_vector(layer.attention_norm), eps, normed);
     multiply_by_transposed(normed, matrices.w_qkv, qkv, false);
-    rotate_and_store(l, positions, slots[static_cast<std::size_t>(group_of(l))], qkv);
-    attend(l, batch, first_rows, qkv, attention);
+    if (c.is_mla()) {
+      latent_attend(l, batch, first_rows, positions, slots[0], qkv, attention);
+    } else {
+      rotate_and_store(l, positions, slots[static_cast<std::size_t>(group_of(l))], qkv);
+      attend(l, batch, first_rows, qkv, attention);
+    }
     if (pool_.shape().hadamard_rotated) {  // sum_j p_j H v_j = H o: back to o
       parallel_for(
           rows,
@@ -517,6 +526,92 @@ void CpuBackend::attend_chunk(std::int64_t layer, const AttentionGroup& task, co
   });
   for (std::int64_t h = 0; h < heads; ++h)
     out.block(task.row0, (task.first_head() + h) * hd, n, hd) = result.middleRows(h * n, n);
+}
+
+// Latent attention (MLA), the absorbed form: W_uk goes into the query and W_uv after the
+// output, so every head reads the cached latent itself. With c the latent and k_r the RoPE key,
+// q_h . k_h = (W_uk,h^T q_nope,h) . c + q_rope,h . k_r and sum_j p_j v_j = W_uv,h sum_j p_j c_j:
+// the cache is read as one K/V head of latent_dim values (keys: the whole latent; values: its
+// first kv_lora_rank). qkv (N, q_dim + latent_dim): each token's Q | latent | RoPE key, in place.
+// out: (N, heads x v_head_dim).
+void CpuBackend::latent_attend(std::int64_t layer, std::span<const BatchEntry> batch,
+                               std::span<const std::int64_t> first_rows,
+                               std::span<const std::int32_t> positions,
+                               std::span<const std::int64_t> slots, RowMatrix& qkv,
+                               RowMatrix& out) {
+  const ModelConfig& c = weights_.config;
+  if (!key_scores_.empty())
+    throw Error("attention scores for a KV policy are not computed for latent attention");
+  const std::int64_t heads = c.num_attention_heads, hd = c.head_dim, nope = c.qk_nope_head_dim,
+                     rank = c.kv_lora_rank, latent = c.latent_dim(), vd = c.v_head_dim;
+  const LayerWeightsView& weights = weights_.layers[static_cast<std::size_t>(layer)];
+  const RopeTable& rope = ropes_.for_layer(layer);
+  const std::int64_t pool_layer = groups_.pool_layer[static_cast<std::size_t>(layer)];
+  const auto eps = static_cast<float>(c.rms_norm_eps);
+  parallel_for(
+      qkv.rows(),
+      [&](std::int64_t t) {  // the latent normed, Q's and the key's RoPE parts rotated, stored
+        float* row = qkv.row(t).data();
+        const std::int32_t position = positions[static_cast<std::size_t>(t)];
+        for (std::int64_t h = 0; h < heads; ++h) rope.apply_row(row + h * hd + nope, position, 1);
+        float* cached = row + c.q_dim();  // (latent): c | k_r
+        rms_norm_row_heads(cached, 1, as_vector(weights.kv_a_norm), eps);
+        rope.apply_row(cached + rank, position, 1);
+        const std::int64_t slot = slots[static_cast<std::size_t>(t)];
+        if (slot < 0) return;
+        pool_.write_row(pool_layer, slot, false, cached);              // first half
+        pool_.write_row(pool_layer, slot, true, cached + latent / 2);  // second half
+      },
+      17);
+  const Eigen::Map<const RowMatrix> kv_b = as_matrix(weights.w_kv_b);  // (heads (nope | v), rank)
+  RowMatrix& absorbed = q_absorbed_;  // (N, heads x latent): W_uk,h^T q_nope,h | q_rope,h
+  absorbed.resize(qkv.rows(), heads * latent);
+  for (std::int64_t h = 0; h < heads; ++h) {
+    absorbed.middleCols(h * latent, rank).noalias() =
+        qkv.middleCols(h * hd, nope) * kv_b.middleRows(h * (nope + vd), nope);
+    absorbed.middleCols(h * latent + rank, latent - rank) =
+        qkv.middleCols(h * hd + nope, latent - rank);
+  }
+  latent_out_.resize(qkv.rows(), heads * rank);  // (N, heads x rank): sum_j p_j c_j
+  parallel_for<LoopSchedule::guided>(static_cast<std::int64_t>(batch.size()), [&](std::int64_t e) {
+    latent_attend_entry(pool_layer, batch[static_cast<std::size_t>(e)],
+                        first_rows[static_cast<std::size_t>(e)]);
+  });
+  out.resize(qkv.rows(), heads * vd);
+  for (std::int64_t h = 0; h < heads; ++h)
+    out.middleCols(h * vd, vd).noalias() = latent_out_.middleCols(h * rank, rank) *
+                                           kv_b.middleRows(h * (nope + vd) + nope, vd).transpose();
+}
+
+// One entry's queries (every head) over its cached latents, read whole rows at a time: scores
+// (heads x queries, keys), softmax, then the weighted latents into latent_out_.
+void CpuBackend::latent_attend_entry(std::int64_t pool_layer, const BatchEntry& entry,
+                                     std::int64_t row0) {
+  const ModelConfig& c = weights_.config;
+  const std::int64_t heads = c.num_attention_heads, rank = c.kv_lora_rank, latent = c.latent_dim(),
+                     half = latent / 2;
+  const std::int64_t n = static_cast<std::int64_t>(entry.tokens.size());
+  const KvView& view = entry.view;
+  const std::int64_t key_begin =
+      window_ ? view.index_at_or_after(entry.start_position - *window_ + 1) : 0;
+  const std::int64_t key_end = view.index_at_or_after(entry.start_position + n);
+  const AttentionGroup task{entry, view, 0, 1, heads, row0, key_begin, key_end, window_};
+  RowMatrix cached(task.keys(), latent);  // (keys, latent): the pool's two halves side by side
+  task.for_each_run([&](std::int64_t column, std::int64_t slot, std::int64_t length) {
+    for (std::int64_t j = 0; j < length; ++j) {
+      pool_.read_row(pool_layer, slot + j, false, cached.row(column + j).data());
+      pool_.read_row(pool_layer, slot + j, true, cached.row(column + j).data() + half);
+    }
+  });
+  RowMatrix stacked(heads * n, latent);  // row h n + i: head h, query i
+  for (std::int64_t h = 0; h < heads; ++h)
+    stacked.middleRows(h * n, n) = q_absorbed_.block(row0, h * latent, n, latent);
+  RowMatrix scores = (stacked * cached.transpose()) *  // (heads x n, keys)
+                     (1.0f / std::sqrt(static_cast<float>(c.head_dim)));
+  masked_softmax(task, scores);
+  const RowMatrix weighted = scores * cached.leftCols(rank);  // (heads x n, rank)
+  for (std::int64_t h = 0; h < heads; ++h)
+    latent_out_.block(row0, h * rank, n, rank) = weighted.middleRows(h * n, n);
 }
 
 }  // namespace kvlab::cpu

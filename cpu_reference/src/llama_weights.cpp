@@ -25,11 +25,17 @@ std::span<float> span_of(Matrix&& m) {
 void size_layer(const ModelConfig& config, LayerWeights& layer) {
   const std::int64_t dim = config.hidden_size;
   layer.q_dim = config.q_dim();
-  layer.kv_dim = config.kv_dim();
+  layer.kv_dim = config.is_mla() ? 0 : config.kv_dim();
   layer.ffn_dim = config.intermediate_size;
   layer.attention_norm.resize(dim);
-  layer.w_qkv.resize(config.q_dim() + 2 * config.kv_dim(), dim);
-  layer.wo.resize(dim, config.q_dim());
+  layer.w_qkv.resize(config.q_dim() + (config.is_mla() ? config.latent_dim() : 2 * layer.kv_dim),
+                     dim);
+  layer.wo.resize(dim, config.attention_output_dim());
+  if (config.is_mla()) {
+    layer.kv_a_norm.resize(config.kv_lora_rank);
+    layer.w_kv_b.resize(config.num_attention_heads * (config.qk_nope_head_dim + config.v_head_dim),
+                        config.kv_lora_rank);
+  }
   layer.mlp_norm.resize(dim);
   layer.w_gate_up.resize(2 * config.intermediate_size, dim);
   layer.w_down.resize(dim, config.intermediate_size);
@@ -48,6 +54,9 @@ std::optional<std::span<float>> layer_tensor(LayerWeights& layer, std::string_vi
                                              bool post_norms) {
   if (field == "input_layernorm.weight") return span_of(layer.attention_norm);
   if (field == "self_attn.q_proj.weight") return span_of(layer.wq());
+  if (field == "self_attn.kv_a_proj_with_mqa.weight") return span_of(layer.w_kv_a());
+  if (field == "self_attn.kv_a_layernorm.weight") return span_of(layer.kv_a_norm);
+  if (field == "self_attn.kv_b_proj.weight") return span_of(layer.w_kv_b);
   if (field == "self_attn.k_proj.weight") return span_of(layer.wk());
   if (field == "self_attn.v_proj.weight") return span_of(layer.wv());
   if (field == "self_attn.o_proj.weight") return span_of(layer.wo);
@@ -134,7 +143,7 @@ LlamaWeights random_llama_weights(const ModelConfig& config, std::uint64_t seed)
   if (config.size_only)
     throw Error(
         fmt::format("preset \"{}\" is size-only ({:.1f}B parameters): use it with `kvlab memory`; "
-                    "runnable presets are tiny, stories15m and stories110m",
+                    "runnable presets are tiny, stories15m, stories110m, gemma3-tiny and mla-tiny",
                     config.name, static_cast<double>(config.parameter_count()) / 1e9));
   validate_model_config(config, config.name);
   return build_weights(config, [&](const WeightSpec& spec, std::span<float> destination) {
@@ -151,7 +160,8 @@ ModelWeightsView weights_view(const LlamaWeights& weights, std::string source) {
     view.layers.push_back({vector_view(l.attention_norm), matrix_view(l.w_qkv), matrix_view(l.wo),
                            vector_view(l.mlp_norm), matrix_view(l.w_gate_up), matrix_view(l.w_down),
                            vector_view(l.q_norm), vector_view(l.k_norm),
-                           vector_view(l.attention_post_norm), vector_view(l.mlp_post_norm)});
+                           vector_view(l.attention_post_norm), vector_view(l.mlp_post_norm),
+                           vector_view(l.kv_a_norm), matrix_view(l.w_kv_b)});
   view.final_norm = vector_view(weights.final_norm);
   view.output_projection = matrix_view(weights.output_projection());
   view.source = std::move(source);

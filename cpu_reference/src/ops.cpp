@@ -257,10 +257,10 @@ void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v
                       std::int64_t n_heads, std::int64_t n_kv_heads,
                       std::optional<std::int64_t> window, RowMatrix& out) {
   const std::int64_t tokens = q.rows();
-  const std::int64_t head_dim = q.cols() / n_heads;
+  const std::int64_t head_dim = q.cols() / n_heads, value_dim = v.cols() / n_kv_heads;
   const std::int64_t group = n_heads / n_kv_heads;
   const float scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
-  out.resize(tokens, n_heads * head_dim);
+  out.resize(tokens, n_heads * value_dim);
   // Queries go in blocks so each block only multiplies the keys it can see (causal, windowed).
   constexpr std::int64_t kBlock = 64;
   const std::int64_t blocks = (tokens + kBlock - 1) / kBlock;
@@ -270,10 +270,10 @@ void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v
     const std::int64_t q0 = b * kBlock;
     const std::int64_t q1 = std::min(tokens, q0 + kBlock);
     const std::int64_t k0 = window ? std::max<std::int64_t>(0, q0 - *window + 1) : 0;
-    const auto q_block = q.block(q0, h * head_dim, q1 - q0, head_dim);        // (B, hd)
-    const auto k_block = k.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
-    const auto v_block = v.block(k0, kv_head * head_dim, q1 - k0, head_dim);  // (L, hd)
-    RowMatrix scores = (q_block * k_block.transpose()) * scale;               // (B, L)
+    const auto q_block = q.block(q0, h * head_dim, q1 - q0, head_dim);          // (B, hd)
+    const auto k_block = k.block(k0, kv_head * head_dim, q1 - k0, head_dim);    // (L, hd)
+    const auto v_block = v.block(k0, kv_head * value_dim, q1 - k0, value_dim);  // (L, vd)
+    RowMatrix scores = (q_block * k_block.transpose()) * scale;                 // (B, L)
     for (std::int64_t i = 0; i < q1 - q0; ++i) {
       // Query q0 + i sees keys [first, q0 + i]: causal, and within the window if any.
       const std::int64_t position = q0 + i;
@@ -286,7 +286,7 @@ void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v
       row.head(first - k0).setZero();
       row.tail(q1 - 1 - position).setZero();
     }
-    out.block(q0, h * head_dim, q1 - q0, head_dim).noalias() = scores * v_block;  // (B, hd)
+    out.block(q0, h * value_dim, q1 - q0, value_dim).noalias() = scores * v_block;  // (B, vd)
   });
 }
 

@@ -60,8 +60,8 @@ ScoringRun make_run(const ModelWeightsView& weights, ComputeWeights compute, DTy
                     bool hadamard, std::optional<std::int64_t> window, std::int64_t slots) {
   const ModelConfig& c = weights.config;
   ScoringRun run;
-  run.pool = std::make_unique<KvPool>(KvPoolShape{c.num_hidden_layers, c.num_key_value_heads,
-                                                  c.head_dim, slots, kv_dtype, hadamard});
+  run.pool = std::make_unique<KvPool>(KvPoolShape{c.num_hidden_layers, c.cache_kv_heads(),
+                                                  c.cache_head_dim(), slots, kv_dtype, hadamard});
   run.backend = std::make_unique<CpuBackend>(weights, *run.pool, window, std::move(compute));
   return run;
 }

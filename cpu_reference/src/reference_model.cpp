@@ -27,6 +27,48 @@ void add_output(const Product& product, const Eigen::VectorXf& post_norm, float 
 
 }  // namespace
 
+// Latent attention the plain way (DeepSeek-V2's equations 9-19): every head's K and V rebuilt
+// from the RMS-normed latent, the RoPE key shared by the heads. normed: (T, dim);
+// attention: (T, heads x v_head_dim).
+void ReferenceModel::latent_attention(std::int64_t l, const RowMatrix& normed,
+                                      std::span<const std::int32_t> positions,
+                                      std::optional<std::int64_t> window,
+                                      RowMatrix& attention) const {
+  const ModelConfig& c = weights_.config;
+  const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
+  const std::int64_t heads = c.num_attention_heads, hd = c.head_dim, nope = c.qk_nope_head_dim,
+                     rope = c.qk_rope_head_dim, vd = c.v_head_dim, T = normed.rows();
+  const RowMatrix projected = normed * layer.w_qkv.transpose();        // (T, q_dim + latent_dim)
+  RowMatrix q = projected.leftCols(c.q_dim());                         // (T, heads x (nope | rope))
+  RowMatrix latent = projected.middleCols(c.q_dim(), c.kv_lora_rank);  // (T, kv_lora_rank)
+  RowMatrix k_rope = projected.rightCols(rope);                        // (T, rope)
+  rms_norm(latent, layer.kv_a_norm, static_cast<float>(c.rms_norm_eps), latent);
+  const RowMatrix kv = latent * layer.w_kv_b.transpose();  // (T, heads x (nope | v))
+  const RopeTable& table = rope_for_layer(l);
+  table.apply(k_rope, positions, 1);
+  RowMatrix k(T, heads * hd), v(T, heads * vd);
+  for (std::int64_t h = 0; h < heads; ++h) {
+    for (std::int64_t t = 0; t < T; ++t)
+      table.apply_row(q.row(t).data() + h * hd + nope, positions[static_cast<std::size_t>(t)], 1);
+    k.middleCols(h * hd, nope) = kv.middleCols(h * (nope + vd), nope);
+    k.middleCols(h * hd + nope, rope) = k_rope;
+    v.middleCols(h * vd, vd) = kv.middleCols(h * (nope + vd) + nope, vd);
+  }
+  causal_attention(q, k, v, heads, heads, window, attention);
+}
+
+// x += MLP(RMSNorm(x)) (and its post norm). normed, out: (T, dim) scratch.
+void ReferenceModel::add_mlp(const LayerWeights& layer, RowMatrix& x, RowMatrix& normed,
+                             RowMatrix& out) const {
+  const ModelConfig& c = weights_.config;
+  const auto eps = static_cast<float>(c.rms_norm_eps);
+  rms_norm(x, layer.mlp_norm, eps, normed);
+  const RowMatrix gate_up = normed * layer.w_gate_up.transpose();  // (T, 2 ffn)
+  RowMatrix hidden;                                                // (T, ffn)
+  gated_activation(gate_up, c.intermediate_size, c.activation, hidden);
+  add_output(hidden * layer.w_down.transpose(), layer.mlp_post_norm, eps, out, x);
+}
+
 ReferenceModel::ReferenceModel(LlamaWeights weights)
     : weights_(std::move(weights)), ropes_(weights_.config) {}
 
@@ -57,13 +99,18 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
   RowMatrix q, k, v;    // (T, n_heads*hd), (T, n_kv*hd), (T, n_kv*hd)
   RowMatrix attention;  // (T, n_heads*hd)
   RowMatrix out;        // (T, dim): the attention's or the MLP's output
-  RowMatrix gate_up;    // (T, 2 ffn)
-  RowMatrix hidden;     // (T, ffn)
   // causal_attention scales scores by 1/sqrt(head_dim); another query scale goes into q.
   const float rescale = query_rescale(c);
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeights& layer = weights_.layers[static_cast<std::size_t>(l)];
     rms_norm(x, layer.attention_norm, eps, normed);
+    const auto window = options.sliding_window ? options.sliding_window : c.layer_window(l);
+    if (c.is_mla()) {
+      latent_attention(l, normed, positions, window, attention);
+      add_output(attention * layer.wo.transpose(), layer.attention_post_norm, eps, out, x);
+      add_mlp(layer, x, normed, out);
+      continue;
+    }
     qkv.noalias() = normed * layer.w_qkv.transpose();
     q = qkv.leftCols(c.q_dim());
     k = qkv.middleCols(c.q_dim(), c.kv_dim());
@@ -75,14 +122,9 @@ RowMatrix ReferenceModel::forward(std::span<const std::int32_t> tokens,
     rope_for_layer(l).apply(q, positions, c.num_attention_heads);
     rope_for_layer(l).apply(k, positions, c.num_key_value_heads);
     if (rescale != 1.0f) q *= rescale;
-    const auto window = options.sliding_window ? options.sliding_window : c.layer_window(l);
     causal_attention(q, k, v, c.num_attention_heads, c.num_key_value_heads, window, attention);
     add_output(attention * layer.wo.transpose(), layer.attention_post_norm, eps, out, x);
-
-    rms_norm(x, layer.mlp_norm, eps, normed);
-    gate_up.noalias() = normed * layer.w_gate_up.transpose();
-    gated_activation(gate_up, c.intermediate_size, c.activation, hidden);
-    add_output(hidden * layer.w_down.transpose(), layer.mlp_post_norm, eps, out, x);
+    add_mlp(layer, x, normed, out);
   }
   RowMatrix last_rows;  // (T, 1 or P, dim)
   if (!options.logit_positions.empty()) {

@@ -97,6 +97,11 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
     const kvlab::ModelWeightsView& w = *context.weights;
     config_ = w.config;
     const kvlab::ModelConfig& c = config_;
+    if (c.is_mla())
+      throw Error(
+          fmt::format("cuda backend: {} has latent attention (MLA), which only the cpu "
+                      "reference runs so far",
+                      c.name));
     if (c.is_gemma3())
       throw Error(
           fmt::format("cuda backend: {} is a Gemma 3 model (local:global layers, Q/K and "

@@ -57,10 +57,10 @@ void add_proposer(const ExperimentConfig& c, const PluginRegistry& registry,
                   PluginContext context, EngineOptions& options) {
   const ModelConfig& draft = served.draft_config;
   if (draft.num_hidden_layers > 0 && served.weights) {
-    r.draft_pool =
-        std::make_unique<KvPool>(KvPoolShape{draft.num_hidden_layers, draft.num_key_value_heads,
-                                             draft.head_dim, sizing.slots, DType::dtype_f32, false},
-                                 KvStorage::none);
+    r.draft_pool = std::make_unique<KvPool>(
+        KvPoolShape{draft.num_hidden_layers, draft.cache_kv_heads(), draft.cache_head_dim(),
+                    sizing.slots, DType::dtype_f32, false},
+        KvStorage::none);
     const ModelWeightsView weights =
         draft_weights_view(served, cpu::weights_view(*served.weights, served.source.string()));
     PluginContext draft_context;
@@ -96,7 +96,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   // its device pool, attached). The simulated device's dtype (the profile's) sizes swaps.
   const bool simulated = c.backend_kind == BackendKind::simulated;
   r->pool = std::make_unique<KvPool>(
-      KvPoolShape{groups.group_layers, model.num_key_value_heads, model.head_dim, slots,
+      KvPoolShape{groups.group_layers, model.cache_kv_heads(), model.cache_head_dim(), slots,
                   simulated ? cost_model->profile().kv_dtype : c.kv_dtype, c.kv_hadamard},
       KvStorage::none);
   PluginContext context;
@@ -207,6 +207,11 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
     throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention, served.config.name,
                             problem));
   const std::int64_t kv_heads = served.attention->kv_heads(served.config);
+  if (served.config.is_mla() && kv_heads != served.config.num_key_value_heads)
+    throw Error(fmt::format(
+        "attention \"{}\" would give {} {} K/V heads, but it caches one latent a token a layer "
+        "(latent attention): there are no K/V heads to group",
+        c.attention, served.config.name, kv_heads));
   if (checkpoint.weights) {
     served.weights = cpu::convert_kv_heads(*checkpoint.weights, kv_heads);
     served.weights_key = fmt::format("{}, {} K/V heads", checkpoint.key, kv_heads);
@@ -237,8 +242,8 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
   if (c.kv_memory_mib) {
     const double bytes_per_slot =
         simulated ? cost_model->kv_bytes_per_sequence_token_per_gpu()
-                  : 2.0 * static_cast<double>(model.num_hidden_layers * model.num_key_value_heads *
-                                              dtype_row_bytes(c.kv_dtype, model.head_dim));
+                  : 2.0 * static_cast<double>(model.num_hidden_layers * model.cache_kv_heads() *
+                                              dtype_row_bytes(c.kv_dtype, model.cache_head_dim()));
     const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;
     if (!(budget_slots < 0x1p62))
       throw Error(fmt::format("kv_cache.memory_mib {} is more memory than kvlab can address",
@@ -293,7 +298,7 @@ std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
   const std::int64_t slots = sizings.front().slots;  // the host pools' (one sizing off simulated)
   const double pool_bytes =
       2.0 * static_cast<double>(slots) * static_cast<double>(m.num_hidden_layers) *
-      static_cast<double>(m.num_key_value_heads * dtype_row_bytes(c.kv_dtype, m.head_dim));
+      static_cast<double>(m.cache_kv_heads() * dtype_row_bytes(c.kv_dtype, m.cache_head_dim()));
   const std::string what = fmt::format(
       "{} replica{} ([cluster] replicas), each with its own KV pool of {} slots ({:.2f} GiB) and "
       "backend",

@@ -63,12 +63,56 @@ struct ModelConfig {
   bool post_norms = false;
   enum class Activation { silu, gelu_tanh };  // SwiGLU (LLaMA) or GeGLU, tanh GELU (Gemma)
   Activation activation = Activation::silu;
+  // Multi-head latent attention (MLA: DeepSeek-V2/V3, DeepseekV2ForCausalLM): kv_lora_rank > 0.
+  // A token's keys and values are rebuilt from a latent c = RMSNorm(W_kv_a x) of kv_lora_rank
+  // values and one RoPE key of qk_rope_head_dim shared by every head (W_kv_a's other rows); the
+  // cache holds those two only (latent_dim() values a token a layer). Per head h,
+  // k_h = [W_uk,h c ; k_rope] and v_h = W_uv,h c (kv_b_proj's rows); q_h = [q_nope ; q_rope]
+  // from q_proj (or q_a_proj, its norm and q_b_proj when q_lora_rank > 0: V2/V3, size-only here).
+  // head_dim is then qk_nope_head_dim + qk_rope_head_dim (queries' and keys'), and
+  // num_key_value_heads equals the query heads (each head its own rebuilt K and V).
+  std::int64_t kv_lora_rank = 0;
+  std::int64_t q_lora_rank = 0;
+  std::int64_t qk_nope_head_dim = 0;
+  std::int64_t qk_rope_head_dim = 0;
+  std::int64_t v_head_dim = 0;
+  // DeepSeekMoE (size-only presets: parameters, FLOPs and the bytes a step reads; kvlab runs
+  // dense MLPs only). Layers from first_dense_layers on replace the dense MLP (intermediate_size)
+  // by routed_experts experts of expert_intermediate_size, experts_per_token of them a token,
+  // plus shared_experts every token passes through, and a router (hidden x routed_experts).
+  struct Experts {
+    std::int64_t routed = 0;  // 0: every layer's MLP dense
+    std::int64_t per_token = 0;
+    std::int64_t shared = 0;
+    std::int64_t intermediate_size = 0;
+    std::int64_t first_dense_layers = 0;
+  };
+  Experts experts;
   // Size-only presets describe real models for memory arithmetic; kvlab does not run them.
   bool size_only = false;
 
   std::int64_t group_size() const { return num_attention_heads / num_key_value_heads; }
   std::int64_t q_dim() const { return num_attention_heads * head_dim; }
   std::int64_t kv_dim() const { return num_key_value_heads * head_dim; }
+  bool is_mla() const { return kv_lora_rank > 0; }
+  // Values RoPE rotates in a query (and key) head: head_dim, or MLA's qk_rope_head_dim (the
+  // last ones of each head).
+  std::int64_t rope_dim() const { return is_mla() ? qk_rope_head_dim : head_dim; }
+  // A value head's width (MLA: v_head_dim) and all of them: o_proj's input.
+  std::int64_t value_head_dim() const { return is_mla() ? v_head_dim : head_dim; }
+  std::int64_t attention_output_dim() const { return num_attention_heads * value_head_dim(); }
+  // MLA's cached values a token a layer: the latent and the shared RoPE key.
+  std::int64_t latent_dim() const { return kv_lora_rank + qk_rope_head_dim; }
+  // The KV cache's rows: a token holds a K row and a V row of cache_kv_heads() x
+  // cache_head_dim() values in every layer (KvPoolShape). MLA's latent is split over them: the
+  // K row holds its first half, the V row its second (one head of latent_dim() / 2 each), so a
+  // slot's bytes are exactly the latent's.
+  std::int64_t cache_kv_heads() const { return is_mla() ? 1 : num_key_value_heads; }
+  std::int64_t cache_head_dim() const { return is_mla() ? latent_dim() / 2 : head_dim; }
+  bool has_experts() const { return experts.routed > 0; }
+  bool is_expert_layer(std::int64_t layer) const {
+    return has_experts() && layer >= experts.first_dense_layers;
+  }
   bool is_eos(std::int32_t token) const;
   // Layer `layer`'s window: local_window for a local layer of a local:global model,
   // sliding_window (or none) otherwise.
@@ -80,10 +124,16 @@ struct ModelConfig {
   }
   bool is_gemma3() const { return architecture == "Gemma3ForCausalLM"; }
 
+  // One layer's attention matrices (q, K/V or MLA's kv_a and kv_b, o) and its MLP's: all of
+  // them, or the ones a token multiplies (its experts' and the shared ones).
+  std::int64_t attention_parameter_count() const;
+  std::int64_t mlp_parameter_count(std::int64_t layer, bool active_only) const;
+
   // Parameters of the model (embedding, every layer, final norm, lm_head unless tied).
   std::int64_t parameter_count() const;
   // Parameters touched by matmuls for one token (excludes the embedding lookup and norms;
-  // includes the output projection) — FLOPs per token of the dense part = 2 x this.
+  // includes the output projection; a mixture of experts' active experts only) — FLOPs per token
+  // of the dense part = 2 x this.
   std::int64_t matmul_parameter_count() const;
 };
 
@@ -92,7 +142,7 @@ struct ModelConfig {
 // `logit_positions` positions. Multiply-add = 2 FLOPs.
 double forward_flops(const ModelConfig& config, std::int64_t tokens, std::int64_t logit_positions);
 
-// RoPE's inverse frequencies, one per rotated pair (head_dim / 2): theta^(-2i/d), then the
+// RoPE's inverse frequencies, one per rotated pair (rope_dim() / 2): theta^(-2i/d), then the
 // config's scaling (transformers' `_compute_*_parameters`). The one home of the formula: the CPU
 // reference, the CPU backend and the CUDA backend all build their tables from it.
 std::vector<double> rope_inverse_frequencies(const ModelConfig& config);

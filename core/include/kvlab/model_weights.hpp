@@ -37,6 +37,12 @@ struct LayerWeightsView {
   // MLP (mlp_norm is then pre_feedforward_layernorm). Plain RMSNorm gains (GGUF holds 1 + w).
   std::span<const float> q_norm, k_norm;                      // (head_dim)
   std::span<const float> attention_post_norm, mlp_post_norm;  // (dim)
+  // Latent attention (MLA) only (empty otherwise): w_qkv is then q_proj; kv_a_proj_with_mqa by
+  // rows, (q_dim + latent_dim, dim), and wo (dim, heads x v_head_dim). The latent's norm and
+  // kv_b_proj, (heads x (qk_nope_head_dim + v_head_dim), kv_lora_rank): per head W_uk's rows
+  // then W_uv's.
+  std::span<const float> kv_a_norm;  // (kv_lora_rank)            self_attn.kv_a_layernorm
+  WeightMatrixView w_kv_b;
 };
 
 struct ModelWeightsView {

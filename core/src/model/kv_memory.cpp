@@ -16,15 +16,18 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   if (q.seq_len <= 0) throw Error(fmt::format("seq-len must be positive, got {}", q.seq_len));
   if (q.batch <= 0) throw Error(fmt::format("batch must be positive, got {}", q.batch));
   KvMemoryReport r;
-  r.kv_heads = q.kv_heads.value_or(c.num_key_value_heads);
+  r.kv_heads = q.kv_heads.value_or(c.cache_kv_heads());
   if (r.kv_heads <= 0 || c.num_attention_heads % r.kv_heads != 0)
     throw Error(fmt::format("kv-heads {} must be a positive divisor of the {} query heads of {}",
                             r.kv_heads, c.num_attention_heads, c.name));
-  if (!dtype_row_fits(q.kv_dtype, c.head_dim))
-    throw Error(fmt::format("{} KV needs head_dim to be a multiple of 32 (its blocks); {} has {}",
-                            dtype_short_name(q.kv_dtype), c.name, c.head_dim));
+  // MLA: half the latent (a K or a V row); with kv_heads given, what those heads would cache as
+  // plain K and V of v_head_dim each (the DeepSeek-V2 paper's comparison, d_h = 128).
+  const std::int64_t head_dim = c.is_mla() && q.kv_heads ? c.value_head_dim() : c.cache_head_dim();
+  if (!dtype_row_fits(q.kv_dtype, head_dim))
+    throw Error(fmt::format("{} KV needs rows of a multiple of 32 values (its blocks); {} has {}",
+                            dtype_short_name(q.kv_dtype), c.name, head_dim));
   // Bytes of one head's row of one token, scales included.
-  const std::int64_t head_row = dtype_row_bytes(q.kv_dtype, c.head_dim);
+  const std::int64_t head_row = dtype_row_bytes(q.kv_dtype, head_dim);
   const auto per_token =
       checked_product<std::int64_t>({2, c.num_hidden_layers, r.kv_heads, head_row});
   if (!per_token) throw Error(fmt::format("{}: KV bytes per token overflow 64 bits", c.name));
@@ -32,7 +35,7 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   if (dtype_is_kivi(q.kv_dtype))
     r.residual_bytes_per_request = std::min<std::int64_t>(q.seq_len, kKiviGroup) * 2 *
                                    c.num_hidden_layers * r.kv_heads *
-                                   dtype_row_bytes(DType::dtype_f16, c.head_dim);
+                                   dtype_row_bytes(DType::dtype_f16, head_dim);
   const auto sealed = checked_mul(r.bytes_per_token, q.seq_len);
   const auto per_request =
       sealed ? checked_add(*sealed, r.residual_bytes_per_request) : std::nullopt;
@@ -74,12 +77,21 @@ std::int64_t kv_heads_per_gpu(std::int64_t query_heads, std::int64_t kv_heads, s
 }
 
 double parameters_per_gpu(const ModelConfig& c, std::int64_t tp) {
+  const auto layers = static_cast<double>(c.num_hidden_layers);
+  const double norms = static_cast<double>(c.num_hidden_layers) *
+                           static_cast<double>(2 * c.hidden_size + c.kv_lora_rank + c.q_lora_rank) +
+                       static_cast<double>(c.hidden_size);
+  if (c.is_mla()) {  // W_kv_a (and W_q_a) replicated, as vLLM's ReplicatedLinear; the rest split
+    kv_heads_per_gpu(c.num_attention_heads, 1, tp);  // checks tp against the heads
+    const double replicated = layers * static_cast<double>(c.hidden_size) *
+                              static_cast<double>(c.latent_dim() + c.q_lora_rank);
+    const double split = static_cast<double>(c.parameter_count()) - norms - replicated;
+    return split / static_cast<double>(tp) + norms + replicated;
+  }
   const std::int64_t per_gpu_kv =
       kv_heads_per_gpu(c.num_attention_heads, c.num_key_value_heads, tp);
-  const double kv_projections = static_cast<double>(c.num_hidden_layers) *
-                                static_cast<double>(c.hidden_size) * 2.0 *
-                                static_cast<double>(c.head_dim);  // per K/V head
-  const double norms = static_cast<double>((2 * c.num_hidden_layers + 1) * c.hidden_size);
+  const double kv_projections =
+      layers * static_cast<double>(c.hidden_size) * 2.0 * static_cast<double>(c.head_dim);
   const double split = static_cast<double>(c.parameter_count()) - norms -
                        kv_projections * static_cast<double>(c.num_key_value_heads);
   return split / static_cast<double>(tp) + norms + kv_projections * static_cast<double>(per_gpu_kv);

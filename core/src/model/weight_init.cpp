@@ -34,9 +34,18 @@ std::vector<WeightSpec> llama_weight_specs(const ModelConfig& c) {
     const std::string p = fmt::format("model.layers.{}.", l);
     specs.push_back({p + "input_layernorm.weight", {dim}, true});
     specs.push_back({p + "self_attn.q_proj.weight", {c.q_dim(), dim}, false});
-    specs.push_back({p + "self_attn.k_proj.weight", {c.kv_dim(), dim}, false});
-    specs.push_back({p + "self_attn.v_proj.weight", {c.kv_dim(), dim}, false});
-    specs.push_back({p + "self_attn.o_proj.weight", {dim, c.q_dim()}, false});
+    if (c.is_mla()) {  // DeepSeek-V2-Lite's names
+      specs.push_back({p + "self_attn.kv_a_proj_with_mqa.weight", {c.latent_dim(), dim}, false});
+      specs.push_back({p + "self_attn.kv_a_layernorm.weight", {c.kv_lora_rank}, true});
+      specs.push_back(
+          {p + "self_attn.kv_b_proj.weight",
+           {c.num_attention_heads * (c.qk_nope_head_dim + c.v_head_dim), c.kv_lora_rank},
+           false});
+    } else {
+      specs.push_back({p + "self_attn.k_proj.weight", {c.kv_dim(), dim}, false});
+      specs.push_back({p + "self_attn.v_proj.weight", {c.kv_dim(), dim}, false});
+    }
+    specs.push_back({p + "self_attn.o_proj.weight", {dim, c.attention_output_dim()}, false});
     if (c.qk_norm) {
       specs.push_back({p + "self_attn.q_norm.weight", {c.head_dim}, true});
       specs.push_back({p + "self_attn.k_norm.weight", {c.head_dim}, true});
@@ -94,6 +103,11 @@ void write_random_model(const ModelConfig& config, std::uint64_t seed, DType dty
   if (config.is_gemma3())  // kvlab reads Gemma 3 from GGUF only (the norms' 1 + w convention)
     throw Error(fmt::format(
         "preset \"{}\" is a Gemma 3 model, which kvlab reads from GGUF files only, not from a "
+        "safetensors folder: run it by name (`--model {}`: random weights in memory)",
+        config.name, config.name));
+  if (config.is_mla())  // a DeepseekV2ForCausalLM folder is not read (model_config.cpp)
+    throw Error(fmt::format(
+        "preset \"{}\" has latent attention, which kvlab runs from its preset, not from a "
         "safetensors folder: run it by name (`--model {}`: random weights in memory)",
         config.name, config.name));
   if (dtype != DType::dtype_f32 && dtype != DType::dtype_f16 && dtype != DType::dtype_bf16)

@@ -43,26 +43,19 @@ void share_group(std::vector<OperatorCost>& ops, std::size_t first, double group
     ops[i].seconds = kernel.floor_s + (own_total > 0 ? shared * ops[i].seconds / own_total : 0.0);
 }
 
-// A layer's four GEMMs, their inputs and outputs one GPU's share: (2 x tokens x in x out) FLOPs,
-// the weight read once, the activations in and out.
-void add_gemms(std::vector<OperatorCost>& ops, const ShardShapes& g, const StepSizes& s,
+// A layer's GEMMs (step_shapes.hpp's layer_gemms), their inputs and outputs one GPU's share:
+// (2 x rows x in x out) FLOPs, the weights read, the activations in and out.
+void add_gemms(std::vector<OperatorCost>& ops, std::span<const sim_detail::LayerGemm> gemms,
                std::int64_t layers, double weight, double act) {
-  const struct {
-    const char* name;
-    double in, out;
-  } gemms[] = {{"qkv_proj", g.hidden, g.q + 2 * g.kv},
-               {"o_proj", g.q, g.hidden},
-               {"gate_up_proj", g.hidden, 2 * g.inter},
-               {"down_proj", g.inter, g.hidden}};
   for (const auto& m : gemms)
-    ops.push_back(
-        {m.name,
-         "linear",
-         layers,
-         {2 * s.tokens * m.in * m.out, m.in * m.out * weight + s.tokens * (m.in + m.out) * act},
-         0,
-         "",
-         true});
+    ops.push_back({m.name,
+                   "linear",
+                   layers,
+                   {2 * m.rows * m.in * m.out,
+                    m.in * m.out * m.weight_reads * weight + m.rows * (m.in + m.out) * act},
+                   0,
+                   "",
+                   true});
 }
 
 // Bytes-only operators (elementwise), one kernel a run: priced at their kind's efficiency and
@@ -129,7 +122,7 @@ void add_collectives(std::vector<OperatorCost>& ops, const ModelConfig& m, const
     const double q_heads = static_cast<double>(m.num_attention_heads) / static_cast<double>(tp);
     add("attention_all_gather", layers, true,
         static_cast<double>(cp - 1) * s.decode_tokens *
-            (q_heads * static_cast<double>(m.head_dim) * act + q_heads * 4));
+            (q_heads * static_cast<double>(m.value_head_dim()) * act + q_heads * 4));
   }
 }
 
@@ -143,8 +136,8 @@ StepBreakdown CostModel::breakdown(std::span<const EntryShape> batch) const {
   const ModelConfig& m = model_;
   const HardwareProfile& p = profile_;
   const double weight = static_cast<double>(dtype_size(p.compute_dtype)), act = weight;
-  const double kv_element = static_cast<double>(dtype_row_bytes(p.kv_dtype, m.head_dim)) /
-                            static_cast<double>(m.head_dim);
+  const double kv_element = static_cast<double>(dtype_row_bytes(p.kv_dtype, m.cache_head_dim())) /
+                            static_cast<double>(m.cache_head_dim());
   const ShardShapes g = sim_detail::shard_shapes(m, tp_, kv_heads_per_gpu_);
   const double kv_token_bytes = 2 * g.kv * kv_element;
   const sim_detail::BatchTally tally = sim_detail::tally_batch(batch);
@@ -157,7 +150,9 @@ StepBreakdown CostModel::breakdown(std::span<const EntryShape> batch) const {
   const sim_detail::GroupEfficiencies e = sim_detail::group_efficiencies(b.work, p);
   std::vector<OperatorCost>& ops = b.operators;
 
-  add_gemms(ops, g, s, layers, weight, act);
+  const double rebuilt =  // as work(): a prefill rebuilds its cached keys' K and V (MLA)
+      m.is_mla() ? std::max(0.0, tally.prefill_context - tally.prefill_tokens) / c : 0.0;
+  add_gemms(ops, sim_detail::layer_gemms(m, g, tp_, s.tokens, rebuilt), layers, weight, act);
   share_group(ops, 0, b.cost.linear_s, p, e.linear, p.gemm_kernel);
   const auto add_group = [&](const char* name, const char* group, std::int64_t runs, bool per_layer,
                              const FlopsAndBytes& w, double group_s, std::pair<double, double> eff,

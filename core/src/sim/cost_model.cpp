@@ -43,11 +43,12 @@ CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
       tp_(tensor_parallel),
       cp_(context_parallel),
       kv_heads_per_gpu_(
-          kv_heads_per_gpu(model.num_attention_heads, model.num_key_value_heads, tensor_parallel)) {
+          kv_heads_per_gpu(model.num_attention_heads, model.cache_kv_heads(), tensor_parallel)) {
   if (cp_ < 1) throw Error(fmt::format("context parallelism {} must be >= 1", cp_));
-  if (!dtype_row_fits(profile_.kv_dtype, model.head_dim))
-    throw Error(fmt::format("{} KV needs head_dim to be a multiple of 32 (its blocks); {} has {}",
-                            dtype_short_name(profile_.kv_dtype), model.name, model.head_dim));
+  if (!dtype_row_fits(profile_.kv_dtype, model.cache_head_dim()))
+    throw Error(fmt::format("{} KV needs rows of a multiple of 32 values (its blocks); {} has {}",
+                            dtype_short_name(profile_.kv_dtype), model.name,
+                            model.cache_head_dim()));
   if ((tp_ > 1 || cp_ > 1) && !(profile_.allreduce_gb_per_s > 0))
     throw Error(fmt::format(
         "{} {} on {}: the profile has no [interconnect] (allreduce_gb_per_s) to price the "
@@ -64,8 +65,9 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   const double weight = static_cast<double>(dtype_size(profile_.compute_dtype));
   const double act = weight;  // activations in the compute dtype
   // Bytes per KV value, scales included (a quantized format's head row / head_dim).
-  const double kv_element = static_cast<double>(dtype_row_bytes(profile_.kv_dtype, m.head_dim)) /
-                            static_cast<double>(m.head_dim);
+  const double kv_element =
+      static_cast<double>(dtype_row_bytes(profile_.kv_dtype, m.cache_head_dim())) /
+      static_cast<double>(m.cache_head_dim());
   const double layers = static_cast<double>(m.num_hidden_layers);
   const ShardShapes g = shard_shapes(m, tp_, kv_heads_per_gpu_);  // one GPU's share
   const double kv_token_bytes = 2 * g.kv * kv_element;            // one layer, K and V
@@ -97,16 +99,19 @@ StepWork CostModel::work(std::span<const EntryShape> batch) const {
   decode_context /= c;
   add_context_parallel_work(w, prefill_context, decode_tokens, kv_token_bytes);
 
-  w.linear.flops = 2 * tokens * g.layer_weights * layers;
-  w.linear.bytes = layers * (g.layer_weights * weight +
-                             tokens * (4 * g.hidden + 2 * g.q + 2 * g.kv + 3 * g.inter) * act);
+  // MLA: a prefill rebuilds its cached keys' K and V (kv_b_proj over their latents).
+  const double rebuilt = m.is_mla() ? std::max(0.0, prefill_context - prefill_tokens) / c : 0.0;
+  for (const sim_detail::LayerGemm& gemm : sim_detail::layer_gemms(m, g, tp_, tokens, rebuilt)) {
+    w.linear.flops += layers * 2 * gemm.rows * gemm.in * gemm.out;
+    w.linear.bytes += layers * (gemm.in * gemm.out * gemm.weight_reads * weight +
+                                gemm.rows * (gemm.in + gemm.out) * act);
+  }
   w.lm_head.flops = 2 * logit_rows * g.hidden * g.vocab;
   w.lm_head.bytes = g.vocab * g.hidden * weight + logit_rows * (g.hidden * act + g.vocab * 4);
-  const double pair_flops = 4 * g.q;  // QK^T and PV over this GPU's query heads
-  w.attention_prefill.flops = layers * pair_flops * prefill_pairs;
+  w.attention_prefill.flops = layers * g.prefill_pair_flops * prefill_pairs;
   w.attention_prefill.bytes =  // every K/V chunk passes every GPU of a ring
       layers * (prefill_context * kv_token_bytes + prefill_tokens / c * 2 * g.q * act);
-  w.attention_decode.flops = layers * pair_flops * decode_context;
+  w.attention_decode.flops = layers * g.decode_pair_flops * decode_context;
   w.attention_decode.bytes =
       layers * (decode_context * kv_token_bytes + decode_tokens * 2 * g.q * act);
   // RMSNorm x2 (read + write hidden), RoPE (q + kv in and out), SwiGLU (2 inter in, inter out),
@@ -276,13 +281,13 @@ double CostModel::weight_bytes() const {
 }
 
 std::int64_t CostModel::kv_bytes_per_token() const {
-  return 2 * model_.num_hidden_layers * model_.num_key_value_heads *
-         dtype_row_bytes(profile_.kv_dtype, model_.head_dim);
+  return 2 * model_.num_hidden_layers * model_.cache_kv_heads() *
+         dtype_row_bytes(profile_.kv_dtype, model_.cache_head_dim());
 }
 
 std::int64_t CostModel::kv_bytes_per_token_per_gpu() const {
   return 2 * model_.num_hidden_layers * kv_heads_per_gpu_ *
-         dtype_row_bytes(profile_.kv_dtype, model_.head_dim);
+         dtype_row_bytes(profile_.kv_dtype, model_.cache_head_dim());
 }
 
 double CostModel::kv_bytes_per_sequence_token_per_gpu() const {

@@ -2,9 +2,11 @@
 // The cost model's view of a step, shared by CostModel::work (the groups it prices) and
 // CostModel::breakdown (the operators inside them), so the two cannot drift apart.
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <vector>
 
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/cost_model.hpp"
@@ -14,8 +16,12 @@ namespace kvlab::sim_detail {
 
 // One GPU's share of a layer's shapes under tensor parallelism.
 struct ShardShapes {
-  double hidden, inter, q, kv, vocab;  // inter, q, vocab split; kv: this GPU's K/V heads
-  double layer_weights;                // W_qkv + W_o + W_gate_up + W_down
+  double hidden, inter, q, kv, vocab;  // inter, q, vocab split; kv: this GPU's K/V heads' values
+  double attention_out;                // o_proj's input: the value heads' (split)
+  // QK^T and PV FLOPs a (query, key) pair over this GPU's heads: a prefill's, and a decode's
+  // (MLA: a decode reads the latent with W_uk and W_uv absorbed into the query and the output,
+  // so every head works over the whole latent, as vLLM's and FlashMLA's decode do).
+  double prefill_pair_flops, decode_pair_flops;
 };
 
 inline ShardShapes shard_shapes(const ModelConfig& m, std::int64_t tp,
@@ -25,11 +31,87 @@ inline ShardShapes shard_shapes(const ModelConfig& m, std::int64_t tp,
   s.hidden = static_cast<double>(m.hidden_size);
   s.inter = static_cast<double>(m.intermediate_size) / t;
   s.q = static_cast<double>(m.q_dim()) / t;
-  s.kv = static_cast<double>(kv_heads_per_gpu * m.head_dim);
+  s.kv = static_cast<double>(kv_heads_per_gpu * m.cache_head_dim());  // MLA: half the latent
   s.vocab = static_cast<double>(m.vocab_size) / t;
-  // W_qkv (hidden, q + 2kv), W_o (q, hidden), W_gate_up (hidden, 2 inter), W_down (inter, hidden).
-  s.layer_weights = s.hidden * (s.q + 2 * s.kv) + s.q * s.hidden + 3 * s.hidden * s.inter;
+  s.attention_out = static_cast<double>(m.attention_output_dim()) / t;
+  s.prefill_pair_flops = 2 * (s.q + s.attention_out);
+  const double heads = static_cast<double>(m.num_attention_heads) / t;
+  s.decode_pair_flops = m.is_mla()
+                            ? 2 * heads * static_cast<double>(m.latent_dim() + m.kv_lora_rank)
+                            : s.prefill_pair_flops;
+  if (m.has_experts()) {  // the MLP width a token uses, averaged over the layers
+    const ModelConfig::Experts& e = m.experts;
+    const auto layers = static_cast<double>(m.num_hidden_layers);
+    const double dense = static_cast<double>(e.first_dense_layers * m.intermediate_size);
+    const double experts = static_cast<double>((m.num_hidden_layers - e.first_dense_layers) *
+                                               (e.per_token + e.shared) * e.intermediate_size);
+    s.inter = (dense + experts) / layers / t;
+  }
   return s;
+}
+
+// One GEMM of every layer, one GPU's share: `rows` activations of `in` values times an (in, out)
+// weight (averaged over the layers where they differ: a mixture of experts' dense first layers),
+// of which weight_reads x in x out are read from memory in the step.
+struct LayerGemm {
+  const char* name;
+  double in, out, rows, weight_reads;
+};
+
+// The expected share of a layer's routed experts that `tokens` tokens route to, each to k of E
+// uniformly: 1 - (1 - k/E)^tokens (a decode of few tokens reads few experts' weights).
+inline double routed_share_read(const ModelConfig::Experts& e, double tokens) {
+  const double k = static_cast<double>(e.per_token), n = static_cast<double>(e.routed);
+  return 1 - std::pow(1 - k / n, tokens);
+}
+
+// A step's GEMMs in every layer for `tokens` tokens. MLA's: q_proj (or q_a, q_b), kv_a_proj,
+// kv_b_proj (over the new tokens, and over the `rebuilt` prefill keys already cached: a prefill
+// rebuilds its context's K and V from their latents) and o_proj. A mixture of experts' MLP does
+// the FLOPs of the experts a token uses and reads the weights of the experts the step routes to.
+inline std::vector<LayerGemm> layer_gemms(const ModelConfig& m, const ShardShapes& g,
+                                          std::int64_t tp, double tokens, double rebuilt) {
+  const double t = static_cast<double>(tp);
+  std::vector<LayerGemm> gemms;
+  if (m.is_mla()) {
+    const auto q_lora = static_cast<double>(m.q_lora_rank);
+    if (q_lora > 0) {  // replicated down-projection, split up-projection
+      gemms.push_back({"q_a_proj", g.hidden, q_lora, tokens, 1});
+      gemms.push_back({"q_b_proj", q_lora, g.q, tokens, 1});
+    } else {
+      gemms.push_back({"q_proj", g.hidden, g.q, tokens, 1});
+    }
+    gemms.push_back({"kv_a_proj", g.hidden, static_cast<double>(m.latent_dim()), tokens, 1});
+    const double kv_b_out =
+        static_cast<double>(m.num_attention_heads * (m.qk_nope_head_dim + m.v_head_dim)) / t;
+    gemms.push_back(
+        {"kv_b_proj", static_cast<double>(m.kv_lora_rank), kv_b_out, tokens + rebuilt, 1});
+    gemms.push_back({"o_proj", g.attention_out, g.hidden, tokens, 1});
+  } else {
+    gemms.push_back({"qkv_proj", g.hidden, g.q + 2 * g.kv, tokens, 1});
+    gemms.push_back({"o_proj", g.q, g.hidden, tokens, 1});
+  }
+  if (!m.has_experts()) {
+    gemms.push_back({"gate_up_proj", g.hidden, 2 * g.inter, tokens, 1});
+    gemms.push_back({"down_proj", g.inter, g.hidden, tokens, 1});
+    return gemms;
+  }
+  // The width read over the width used (g.inter), averaged over the layers.
+  const ModelConfig::Experts& e = m.experts;
+  const double layers = static_cast<double>(m.num_hidden_layers);
+  const double moe_layers = layers - static_cast<double>(e.first_dense_layers);
+  const double read = (static_cast<double>(e.first_dense_layers * m.intermediate_size) +
+                       moe_layers *
+                           (static_cast<double>(e.routed) * routed_share_read(e, tokens) +
+                            static_cast<double>(e.shared)) *
+                           static_cast<double>(e.intermediate_size)) /
+                      layers / t;
+  const double reads = read / g.inter;
+  gemms.push_back(
+      {"router", g.hidden, static_cast<double>(e.routed) * moe_layers / layers, tokens, 1});
+  gemms.push_back({"gate_up_proj", g.hidden, 2 * g.inter, tokens, reads});
+  gemms.push_back({"down_proj", g.inter, g.hidden, tokens, reads});
+  return gemms;
 }
 
 // A batch's tokens and attention work, before any parallelism.

@@ -1,6 +1,7 @@
 #pragma once
 // KV-cache memory arithmetic:
 //   KV bytes = 2 (K and V) x batch x layers x kv_heads x seq_len x head_dim x bytes_per_element
+// (latent attention: batch x layers x seq_len x (kv_lora_rank + qk_rope_head_dim) x bytes).
 #include <cstdint>
 #include <optional>
 
@@ -14,8 +15,10 @@ struct KvMemoryQuery {
   std::int64_t batch = 1;                 // concurrent requests
   DType kv_dtype = DType::dtype_f16;      // element type of the cache
   DType weight_dtype = DType::dtype_f16;  // element type of the weights
-  std::optional<std::int64_t> kv_heads;   // override (MHA = heads, GQA = groups, MQA = 1)
-  std::optional<double> gpu_memory_gib;   // device memory, for the max batch
+  // Override (MHA = heads, GQA = groups, MQA = 1). On a latent-attention (MLA) model: the same
+  // heads caching plain K and V of v_head_dim each instead of the latent.
+  std::optional<std::int64_t> kv_heads;
+  std::optional<double> gpu_memory_gib;  // device memory, for the max batch
 };
 
 struct KvMemoryReport {

@@ -96,6 +96,11 @@ class CpuBackend final : public Backend {
                      RowMatrix& out) const;
   void attend_chunk(std::int64_t layer, const AttentionGroup& task, const RowMatrix& q,
                     RowMatrix& out) const;
+  void latent_attend(std::int64_t layer, std::span<const BatchEntry> batch,
+                     std::span<const std::int64_t> first_rows,
+                     std::span<const std::int32_t> positions, std::span<const std::int64_t> slots,
+                     RowMatrix& qkv, RowMatrix& out);
+  void latent_attend_entry(std::int64_t pool_layer, const BatchEntry& entry, std::int64_t row0);
   using StridedMap = Eigen::Map<const RowMatrix, 0, Eigen::OuterStride<>>;
   StridedMap head_rows(std::int64_t layer, std::int64_t slot, std::int64_t length,
                        std::int64_t kv_head, bool value) const;
@@ -109,6 +114,9 @@ class CpuBackend final : public Backend {
   float query_rescale_ = 1.0f;  // query_rescale(): the model's query scale over 1/sqrt(head_dim)
   // Activations, kept between steps so a decode step allocates (and page-faults) nothing.
   RowMatrix x_, normed_, qkv_, attention_, gate_up_, hidden_, block_out_, last_, logits_;
+  // Latent attention: the absorbed queries (N, heads x latent_dim) and the weighted latents
+  // (N, heads x kv_lora_rank).
+  RowMatrix q_absorbed_, latent_out_;
   // Attention scores (BatchEntry::scored_queries): each entry's keys from score_offsets_[e],
   // summed over layers; and each task's own sums within one layer.
   std::vector<float> key_scores_, task_scores_;

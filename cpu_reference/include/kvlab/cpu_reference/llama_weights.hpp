@@ -34,15 +34,21 @@ struct LayerWeights {
   Eigen::VectorXf q_norm, k_norm;       // (head_dim)                self_attn.q_norm, k_norm
   Eigen::VectorXf attention_post_norm;  // (dim)                     post_attention_layernorm
   Eigen::VectorXf mlp_post_norm;        // (dim)                     post_feedforward_layernorm
+  // Latent attention (MLA) only (empty otherwise; kv_dim 0): w_qkv holds q_proj then
+  // kv_a_proj_with_mqa (q_dim + latent_dim rows), wo is (dim, heads x v_head_dim).
+  Eigen::VectorXf kv_a_norm;  // (kv_lora_rank)                    self_attn.kv_a_layernorm
+  RowMatrix w_kv_b;           // (heads (nope + v), kv_lora_rank)  self_attn.kv_b_proj
 
-  auto wq() { return w_qkv.topRows(q_dim); }             // (q_dim, dim), HF row order
-  auto wk() { return w_qkv.middleRows(q_dim, kv_dim); }  // (kv_dim, dim), HF row order
-  auto wv() { return w_qkv.bottomRows(kv_dim); }         // (kv_dim, dim)
-  auto w_gate() { return w_gate_up.topRows(ffn_dim); }   // (ffn, dim)
-  auto w_up() { return w_gate_up.bottomRows(ffn_dim); }  // (ffn, dim)
+  auto wq() { return w_qkv.topRows(q_dim); }                        // (q_dim, dim), HF row order
+  auto wk() { return w_qkv.middleRows(q_dim, kv_dim); }             // (kv_dim, dim), HF row order
+  auto wv() { return w_qkv.bottomRows(kv_dim); }                    // (kv_dim, dim)
+  auto w_kv_a() { return w_qkv.bottomRows(w_qkv.rows() - q_dim); }  // (latent_dim, dim)
+  auto w_gate() { return w_gate_up.topRows(ffn_dim); }              // (ffn, dim)
+  auto w_up() { return w_gate_up.bottomRows(ffn_dim); }             // (ffn, dim)
   auto wq() const { return w_qkv.topRows(q_dim); }
   auto wk() const { return w_qkv.middleRows(q_dim, kv_dim); }
   auto wv() const { return w_qkv.bottomRows(kv_dim); }
+  auto w_kv_a() const { return w_qkv.bottomRows(w_qkv.rows() - q_dim); }
   auto w_gate() const { return w_gate_up.topRows(ffn_dim); }
   auto w_up() const { return w_gate_up.bottomRows(ffn_dim); }
 };

@@ -97,7 +97,9 @@ float query_rescale(const ModelConfig& config);
 // Causal self-attention over one whole sequence, with grouped KV heads: query head h reads KV
 // head h / (n_heads / n_kv_heads). Position i attends to keys j with j <= i and, with a
 // window W, i - j < W. Softmax in fp32 with the row max subtracted.
-// q: (T, n_heads * head_dim)  k, v: (T, n_kv_heads * head_dim)  out: (T, n_heads * head_dim)
+// Scores scaled by 1/sqrt(head_dim); values may be of another width (MLA's v_head_dim).
+// q: (T, n_heads * head_dim)  k: (T, n_kv_heads * head_dim)  v: (T, n_kv_heads * value_dim)
+// out: (T, n_heads * value_dim)
 void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v,
                       std::int64_t n_heads, std::int64_t n_kv_heads,
                       std::optional<std::int64_t> window, RowMatrix& out);

@@ -40,6 +40,11 @@ class ReferenceModel {
   RowMatrix forward(std::span<const std::int32_t> tokens, const ForwardOptions& options = {}) const;
 
  private:
+  void latent_attention(std::int64_t layer, const RowMatrix& normed,
+                        std::span<const std::int32_t> positions, std::optional<std::int64_t> window,
+                        RowMatrix& attention) const;
+  void add_mlp(const LayerWeights& layer, RowMatrix& x, RowMatrix& normed, RowMatrix& out) const;
+
   LlamaWeights weights_;
   LayerRopes ropes_;
 };
