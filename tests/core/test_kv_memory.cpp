@@ -191,6 +191,34 @@ TEST(MemoryPlanner, TensorParallelShardsWeightsAndKvHeadsPerGpu) {
                                 {"tensor parallelism must be >= 1 GPU, got 0"});
 }
 
+// Latent attention caches (kv_lora_rank + qk_rope_head_dim) values a token a layer: DeepSeek-V3's
+// 70,272 B in bf16 (61 x 576 x 2), against 4 MB for its 128 heads as plain K/V of 128 values
+// (the DeepSeek-V2 paper's comparison). Under tensor parallelism every GPU keeps the whole latent:
+// GQA-8 on 8 GPUs holds less a GPU than MLA (why SGLang runs DeepSeek with data-parallel
+// attention).
+TEST(KvMemory, LatentAttentionCachesTheLatentAndTheRopeKeyOnly) {
+  const ModelConfig v3 = model_preset("deepseek-v3");
+  KvMemoryQuery q;
+  q.seq_len = 32768;
+  q.kv_dtype = DType::dtype_bf16;
+  const KvMemoryReport latent = kv_memory(v3, q);
+  EXPECT_EQ(latent.bytes_per_token, 61 * 576 * 2);
+  EXPECT_EQ(latent.bytes_per_request, 61LL * 576 * 2 * 32768);
+  q.kv_heads = 128;
+  EXPECT_EQ(kv_memory(v3, q).bytes_per_token, 2LL * 61 * 128 * 128 * 2);
+  MemoryPlanQuery plan;
+  plan.prompt_tokens = 3000;
+  plan.output_tokens = 1000;
+  plan.tensor_parallel = 8;
+  plan.weight_dtype = plan.kv_dtype = DType::dtype_f8_e4m3;
+  const MemoryPlan p = plan_memory(v3, load_hardware_profile("h200"), plan);
+  EXPECT_EQ(p.kv_heads_per_gpu, 1);
+  EXPECT_EQ(p.kv_bytes_per_token, 61 * 576);
+  plan.kv_heads = 8;
+  EXPECT_EQ(plan_memory(v3, load_hardware_profile("h200"), plan).kv_bytes_per_token,
+            2 * 61 * 1 * 128);
+}
+
 TEST(MemoryPlanner, BadQueriesAreErrors) {
   MemoryPlanQuery q;
   q.prompt_tokens = 4000;

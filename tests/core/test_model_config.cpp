@@ -270,7 +270,7 @@ TEST(ModelConfig, MissingFileNamesThePath) {
 TEST(ModelConfig, JsonRoundTrip) {
   for (const auto& name : model_preset_names()) {
     const ModelConfig preset = model_preset(name);
-    if (preset.is_gemma3()) {  // read from GGUF only: a Gemma3ForCausalLM config is refused
+    if (preset.is_gemma3() || preset.is_mla()) {  // presets or GGUF only: their config is refused
       EXPECT_THROW(parse_model_config(model_config_to_json(preset), name), Error) << name;
       continue;
     }
@@ -289,6 +289,42 @@ TEST(ModelConfig, JsonRoundTrip) {
     EXPECT_DOUBLE_EQ(parsed.rms_norm_eps, preset.rms_norm_eps) << name;
     EXPECT_DOUBLE_EQ(parsed.rope_theta, preset.rope_theta) << name;
   }
+}
+
+// DeepSeek's published shapes: V3 671B of which ~37B a token (its MTP module's 14B left out, as
+// the paper's 671B does), V2-Lite 15.7B of which 2.4B; mla-tiny runnable, the rest size-only; a
+// latent-attention config whose dims disagree, or a runnable one with experts, is refused.
+TEST(ModelPresets, DeepSeekLatentAttentionShapesAsPublished) {
+  const ModelConfig v3 = model_preset("deepseek-v3");
+  EXPECT_TRUE(v3.is_mla());
+  EXPECT_EQ(v3.latent_dim(), 576);
+  EXPECT_EQ(v3.head_dim, 192);
+  EXPECT_NEAR(static_cast<double>(v3.parameter_count()) / 1e9, 671.0, 0.5);
+  EXPECT_NEAR(static_cast<double>(v3.matmul_parameter_count()) / 1e9, 36.6, 0.5);
+  const ModelConfig lite = model_preset("deepseek-v2-lite");
+  EXPECT_NEAR(static_cast<double>(lite.parameter_count()) / 1e9, 15.7, 0.1);
+  EXPECT_NEAR(static_cast<double>(lite.matmul_parameter_count()) / 1e9, 2.4, 0.2);
+  EXPECT_FALSE(model_preset("mla-tiny").size_only);
+  ModelConfig bad = model_preset("mla-tiny");
+  bad.head_dim = 40;
+  test::expect_error_containing([&] { validate_model_config(bad, "bad"); },
+                                {"head_dim = qk_nope_head_dim + qk_rope_head_dim"});
+  bad = model_preset("mla-tiny");
+  bad.experts = {8, 2, 0, 64, 1};
+  test::expect_error_containing([&] { validate_model_config(bad, "bad"); }, {"size-only preset"});
+  bad = model_preset("tiny");
+  bad.qk_rope_head_dim = 8;
+  test::expect_error_containing([&] { validate_model_config(bad, "bad"); },
+                                {"need kv_lora_rank > 0"});
+  test::expect_error_containing(
+      [] {
+        parse_model_config(
+            R"({"architectures": ["DeepseekV3ForCausalLM"], "vocab_size": 10, "hidden_size": 8,
+                "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 2,
+                "max_position_embeddings": 16})",
+            "v3.json");
+      },
+      {"DeepseekV3ForCausalLM folder is not read"});
 }
 
 // Gemma 3's published config.json shapes: every sixth layer global, the local ones a window

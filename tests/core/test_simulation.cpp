@@ -787,10 +787,10 @@ TEST(CostBreakdown, TheOperatorsAddUpToTheGroupsTheSimulatorCharges) {
     const char* model;
     const char* gpu;
     std::int64_t tp, cp;
-  } setups[] = {{"llama2-7b", "a100-80gb", 1, 1},
-                {"llama2-70b", "h100-sxm", 4, 1},
-                {"llama2-7b", "h200", 2, 2},
-                {"tinyllama-1.1b", "l4", 1, 1}};
+  } setups[] = {{"llama2-7b", "a100-80gb", 1, 1},   {"llama2-70b", "h100-sxm", 4, 1},
+                {"llama2-7b", "h200", 2, 2},        {"tinyllama-1.1b", "l4", 1, 1},
+                {"deepseek-v3", "h200", 8, 1},  // MLA with a compressed query, experts
+                {"llama2-7b-mla", "h100-sxm", 1, 1}};
   for (const auto& setup : setups) {
     const CostModel model(model_preset(setup.model), load_hardware_profile(setup.gpu), setup.tp,
                           setup.cp);
@@ -829,12 +829,59 @@ TEST(CostBreakdown, TheOperatorsAddUpToTheGroupsTheSimulatorCharges) {
                    w.attention_prefill.flops + w.attention_decode.flops);
       EXPECT_PRED2(near, bytes["collectives"], w.collective_bytes);
       ASSERT_GE(b.operators.size(), 4u);
-      EXPECT_EQ(b.operators[0].name, "qkv_proj");
-      EXPECT_EQ(b.operators[3].name, "down_proj");
+      const bool mla = model.model().is_mla();
+      EXPECT_EQ(b.operators[0].name, !mla                        ? "qkv_proj"
+                                     : model.model().q_lora_rank ? "q_a_proj"
+                                                                 : "q_proj");
+      const std::size_t linear_ops =
+          std::count_if(b.operators.begin(), b.operators.end(),
+                        [](const OperatorCost& op) { return op.group == "linear"; });
+      EXPECT_EQ(b.operators[linear_ops - 1].name, "down_proj");
       EXPECT_TRUE(b.operators[0].per_layer);
       EXPECT_EQ(b.operators[0].runs, model.model().num_hidden_layers);
     }
   }
+}
+
+// Latent attention on a simulated GPU: a decode reads the latent (kv_lora_rank + rope values a
+// token a layer, replicated on every GPU of a tensor-parallel group) and, absorbed, every head
+// works over it: 2 x heads x (latent + kv_lora_rank) FLOPs a key, 4.25x a 128-dim MHA head's.
+// A prefill over cached keys rebuilds their K and V (kv_b_proj over their latents). Routed experts:
+// a one-token step reads the weights of the experts it routes to, not all of them.
+TEST(CostModel, LatentAttentionReadsTheLatentAndPaysTheAbsorbedFlops) {
+  const ModelConfig v3 = model_preset("deepseek-v3");
+  const CostModel model(v3, load_hardware_profile("h200"), 8);
+  const double kv_element = static_cast<double>(dtype_size(model.profile().kv_dtype));
+  EXPECT_EQ(model.kv_bytes_per_token_per_gpu(),
+            static_cast<std::int64_t>(61 * (512 + 64) * kv_element))
+      << "every GPU holds the whole latent";
+  const EntryShape decode{1, 4095, 0, 1};  // 4,096 keys
+  const StepWork w = model.work(std::span(&decode, 1));
+  EXPECT_DOUBLE_EQ(w.attention_decode.flops, 61.0 * 2 * (128.0 / 8) * (576 + 512) * 4096);
+  const double act = static_cast<double>(dtype_size(model.profile().compute_dtype));
+  EXPECT_NEAR(w.attention_decode.bytes,
+              61.0 * (4096 * 576 * kv_element + 2 * (128.0 / 8) * 192 * act), 1.0);
+  const CostModel plain(model_preset("llama2-7b"), load_hardware_profile("h200"));
+  const CostModel latent(model_preset("llama2-7b-mla"), load_hardware_profile("h200"));
+  const StepWork mha_step = plain.work(std::span(&decode, 1));
+  const StepWork mla_step = latent.work(std::span(&decode, 1));
+  EXPECT_DOUBLE_EQ(mla_step.attention_decode.flops / mha_step.attention_decode.flops,
+                   (576.0 + 512) / (2 * 128));
+  EXPECT_NEAR(mha_step.attention_decode.bytes / mla_step.attention_decode.bytes,
+              2 * 32 * 128 / 576.0, 0.1);
+  // A 1,024-token prefill after 3,072 cached tokens: kv_b_proj over 4,096 latents, not 1,024.
+  const EntryShape fresh{1024, 0, 0, 1}, after{1024, 3072, 0, 1};
+  const double kv_b = 512.0 * 32 * (128 + 128);
+  EXPECT_NEAR(latent.work(std::span(&after, 1)).linear.flops -
+                  latent.work(std::span(&fresh, 1)).linear.flops,
+              32 * 2 * 3072 * kv_b, 1e3);
+  // Experts: a decode of one token reads 8 + 1 of 257 experts in 58 of 61 layers; 256 tokens
+  // read nearly all of them.
+  const double one = w.linear.bytes;
+  std::vector<EntryShape> many(256, decode);
+  const double batch = model.work(many).linear.bytes;
+  EXPECT_GT(batch / one, 10.0);
+  EXPECT_LT(one, model.weight_bytes() / 5);
 }
 
 // kvlab cost's --step: prefills (K sequences, cached tokens), decodes and mixed steps; every

@@ -12,6 +12,10 @@ inline cpu::LlamaWeights scaled_random_weights(const ModelConfig& config, std::u
     for (cpu::RowMatrix* m : {&layer.w_qkv, &layer.wo, &layer.w_gate_up, &layer.w_down}) scale(*m);
     layer.attention_norm.setLinSpaced(0.5f, 1.5f);
     layer.mlp_norm.setLinSpaced(1.2f, 0.8f);
+    if (config.is_mla()) {  // latent attention: kv_b_proj too, and a latent norm that varies
+      scale(layer.w_kv_b);
+      layer.kv_a_norm.setLinSpaced(0.7f, 1.3f);
+    }
   }
   if (!config.tie_word_embeddings) scale(w.lm_head);
   return w;
