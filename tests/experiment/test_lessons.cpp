@@ -15,6 +15,7 @@
 
 #include <fstream>
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/model/kv_memory.hpp"
 #include "kvlab/sim/cost_model.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "test_util.hpp"
@@ -596,6 +597,62 @@ TEST(Lesson, PerGroupKvRunsAboutFiveTimesTheGemma3SequencesAtLongContext) {
   }
   EXPECT_GE(static_cast<double>(cpu.at("kv_cache.groups=per_kind").max_batch),
             3.0 * static_cast<double>(cpu.at("kv_cache.groups=uniform").max_batch));
+}
+
+// MHA, GQA-8 and MLA at one model size (experiments/latent_attention.toml): Llama 2 7B's body on
+// an H200, bf16. A token's KV: 2 x 32 layers x 32 heads x 128 x 2 B = 512 KiB (MHA), a quarter
+// with GQA-8, and 32 x (512 + 64) x 2 B = 36 KiB with DeepSeek-V2's latent (1/14 of MHA, 1/3.6 of
+// GQA-8). The planner fits 57, 230 and 819 requests of 4,000 tokens; the run of 1,024 such
+// requests ran 75, 301 and 1,021 at once (>= 3.5x a step each) and made 1,488, 4,408 and 6,712
+// tokens/s. Where MLA's extra compute shows: its absorbed decode does 2 x heads x (576 + 512)
+// FLOPs a key against 4 x heads x 128 for MHA (4.25x) on 1/14 the bytes. With Llama 2's 32 heads
+// that is 60 FLOPs a byte: decode attention stays memory-bound and takes less than half of
+// GQA-8's time; with DeepSeek-V3's 128 heads on one GPU (data-parallel attention) it is 242 FLOPs a
+// byte, past the H200's ridge: compute-bound, the step time then set by the FLOPs.
+TEST(Lesson, LatentAttentionHoldsAboutThreeTimesGqa8sBatchAndPaysInFlops) {
+  const HardwareProfile h200 = load_hardware_profile("h200");
+  MemoryPlanQuery q;
+  q.prompt_tokens = 3000;
+  q.output_tokens = 1000;
+  const ModelConfig mha = model_preset("llama2-7b"), mla = model_preset("llama2-7b-mla");
+  ModelConfig gqa = mha;
+  gqa.num_key_value_heads = 8;
+  const MemoryPlan p_mha = plan_memory(mha, h200, q), p_gqa = plan_memory(gqa, h200, q),
+                   p_mla = plan_memory(mla, h200, q);
+  EXPECT_EQ(p_mha.kv_bytes_per_token, 512 * 1024);
+  EXPECT_EQ(p_gqa.kv_bytes_per_token, 128 * 1024);
+  EXPECT_EQ(p_mla.kv_bytes_per_token, 32 * 576 * 2);
+  EXPECT_GE(p_mla.max_paged_requests, 3 * p_gqa.max_paged_requests);
+  EXPECT_GE(p_gqa.max_paged_requests, 4 * p_mha.max_paged_requests - 4);
+
+  auto runs = run_points("latent_attention.toml", 11);
+  const RunOutput& r_mha =
+      runs.at("model.name=llama2-7b, attention.variant=mha, attention.params={}");
+  const RunOutput& r_gqa =
+      runs.at("model.name=llama2-7b, attention.variant=gqa, attention.params={ group_size = 4 }");
+  const RunOutput& r_mla =
+      runs.at("model.name=llama2-7b-mla, attention.variant=mha, attention.params={}");
+  for (const RunOutput* r : {&r_mha, &r_gqa, &r_mla}) EXPECT_EQ(r->summary.finished, 1024);
+  EXPECT_GE(static_cast<double>(r_gqa.max_batch), 3.5 * static_cast<double>(r_mha.max_batch));
+  EXPECT_GE(static_cast<double>(r_mla.max_batch), 3.0 * static_cast<double>(r_gqa.max_batch));
+  EXPECT_GT(r_mla.summary.output_tokens_per_s, 1.3 * r_gqa.summary.output_tokens_per_s);
+  EXPECT_GT(r_gqa.summary.output_tokens_per_s, 2.0 * r_mha.summary.output_tokens_per_s);
+
+  // 256 decodes at 4,000 keys: the decode attention operator of each.
+  const std::vector<EntryShape> decodes(256, EntryShape{1, 3999, 0, 1});
+  const auto attention = [&](const ModelConfig& m) {
+    const StepBreakdown b = CostModel(m, h200).breakdown(decodes);
+    for (const OperatorCost& op : b.operators)
+      if (op.name == "attention_decode") return op;
+    return OperatorCost{};
+  };
+  const OperatorCost a_gqa = attention(gqa), a_mla = attention(mla);
+  EXPECT_EQ(a_mla.bound, "memory");
+  EXPECT_DOUBLE_EQ(a_mla.work.flops / a_gqa.work.flops, 4.25);  // GQA-8 does MHA's FLOPs
+  EXPECT_LT(a_mla.seconds, 0.5 * a_gqa.seconds);
+  const OperatorCost a_v3 = attention(model_preset("deepseek-v3"));
+  EXPECT_EQ(a_v3.bound, "compute") << "128 heads over one latent: past the ridge";
+  EXPECT_GT(a_v3.work.flops / a_v3.work.bytes, 200);  // 242 on the latent; its queries' bytes too
 }
 
 }  // namespace
