@@ -182,26 +182,44 @@ void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
                             : fmt::format("KV policy \"{}\"", c.kv_policy)));
 }
 
+// Latent attention (MLA) caches one latent a token a layer: what needs K and V per head does not
+// apply, and no attention variant may regroup K/V heads it does not cache.
+void check_latent_attention(const ExperimentConfig& c, const PluginRegistry& registry,
+                            const ModelConfig& model) {
+  if (!model.is_mla()) return;
+  if (c.kv_hadamard || !c.kv_policy.empty() || dtype_is_kivi(c.kv_dtype))
+    throw Error(fmt::format(
+        "{} has latent attention: a token's cache is one latent, not K and V per head, so "
+        "kv_cache.rotation = \"hadamard\", a [kv_policy] and KIVI pools do not apply",
+        model.name));
+  PluginContext context;
+  context.model = &model;
+  context.max_seq_len = model.max_position_embeddings;
+  const auto attention =
+      registry.create<PluginKind::attention_variant>(c.attention, c.attention_params, context);
+  if (attention->kv_heads(model) != model.num_key_value_heads)
+    throw Error(fmt::format(
+        "attention \"{}\" regroups K/V heads, but {} caches one latent a token a layer (latent "
+        "attention): there are no K/V heads to group",
+        c.attention, model.name));
+}
+
 // kv_cache.groups = "per_kind" (kvlab/kv/kv_groups.hpp) on a model of two attention kinds and a
 // point that uses only what the grouped allocator does: each group's blocks are a sequence of
-// their own to the allocator plugin, so no prefix cache (the groups would share one hash chain),
-// no swapping or KV handed to another replica (they copy one view), no KV policy or KIVI pool.
-void check_kv_groups(const ExperimentConfig& c, const PluginParams& allocator,
-                     const ModelConfig& model) {
+// their own to the allocator plugin, so no swapping or KV handed to another replica (they copy
+// one view), no KV policy or KIVI pool.
+void check_kv_groups(const ExperimentConfig& c, const ModelConfig& model) {
   if (!c.kv_groups) return;
   if (kv_layer_groups(model, true).uniform())
     throw Error(fmt::format(
         "kv_cache.groups = \"per_kind\" groups layers by attention kind, and every layer of {} "
         "is of one kind: use \"uniform\"",
         model.name));
-  const auto caching = allocator.values().find("prefix_caching");
   const auto swap = c.scheduler_params.find("preemption");
   std::string refused;
   if (c.backend_kind == BackendKind::plugin)
     refused =
         fmt::format("backend \"{}\" (the cpu and simulated backends read KV groups)", c.backend);
-  else if (caching != allocator.values().end() && caching->second == ParamValue{true})
-    refused = "prefix caching (set kv_cache.params.prefix_caching = false)";
   else if (swap != c.scheduler_params.end() && swap->second == ParamValue{std::string("swap")})
     refused = "swap preemption (use scheduler.params.preemption = \"recompute\")";
   else if (!c.kv_policy.empty() || dtype_is_kivi(c.kv_dtype))
@@ -281,18 +299,21 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
                     "\"simulated\" (no weights exist for it)",
                     c.model));
   const std::int64_t hd = source.config.head_dim;
+  check_latent_attention(c, registry, source.config);
   if (c.kv_hadamard && (c.backend_kind != BackendKind::cpu || hd <= 0 || (hd & (hd - 1)) != 0))
     throw Error(fmt::format(
         "kv_cache.rotation = \"hadamard\" rotates the cpu backend's K/V heads by a Walsh-Hadamard "
         "matrix: it needs backend \"cpu\" (not \"{}\") and head_dim a power of two ({} has {})",
         c.backend, source.config.name, hd));
-  if (!dtype_row_fits(c.kv_dtype, source.config.head_dim))
+  if (!dtype_row_fits(c.kv_dtype, source.config.cache_head_dim()))
     throw Error(fmt::format(
-        "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs head_dim to be a multiple "
+        "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs {} to be a multiple "
         "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
-        dtype_short_name(c.kv_dtype), source.config.name, source.config.head_dim));
+        dtype_short_name(c.kv_dtype),
+        source.config.is_mla() ? "half the latent (a slot's K or V row)" : "head_dim",
+        source.config.name, source.config.cache_head_dim()));
   check_speculation(c, registry, source.config);
-  check_kv_groups(c, allocator, source.config);
+  check_kv_groups(c, source.config);
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);
   if (c.disaggregated()) check_plugin(PluginKind::router, c.decode_router, c.decode_router_params);
   if (!c.kv_policy.empty()) check_kv_policy(c, registry);

@@ -117,6 +117,34 @@ TEST(ExperimentLibrary, SetInsideASweptTableReachesEveryPoint) {
   EXPECT_NE(message.find("no parameter \"max_batchh\""), std::string::npos) << message;
 }
 
+// What KV groups and latent attention cannot run is refused before anything runs, each with the
+// setting named; what they can (prefix caching under groups, a quantized latent) validates.
+TEST(ExperimentLibrary, KvGroupsAndLatentAttentionRefuseOnlyWhatTheyCannotRun) {
+  const auto refused = [](std::vector<std::string> more) {
+    const auto runs = load_experiment(kQuickstart, small(std::move(more)));
+    return test::error_of<Error>([&] { validate_experiment(runs, false); });
+  };
+  const auto accepted = [](std::vector<std::string> more) {
+    const auto runs = load_experiment(kQuickstart, small(std::move(more)));
+    EXPECT_NO_THROW(validate_experiment(runs, false));
+  };
+  const std::string gemma = "model.name=\"gemma3-tiny\"", groups = "kv_cache.groups=\"per_kind\"";
+  accepted({gemma, groups, "kv_cache.allocator=\"paged\"", "kv_cache.params={block_size=16}"});
+  EXPECT_NE(
+      refused({gemma, groups, "scheduler.name=\"fcfs\"", "scheduler.params.preemption=\"swap\""})
+          .find("swap preemption"),
+      std::string::npos);
+  const std::string mla = "model.name=\"mla-tiny\"";
+  accepted({mla, "kv_cache.dtype=\"bf16\""});
+  EXPECT_NE(refused({mla, "kv_cache.dtype=\"q8_0\""}).find("half the latent"), std::string::npos);
+  EXPECT_NE(refused({mla, "kv_cache.dtype=\"kivi4\"", "kv_cache.params={block_size=32}"})
+                .find("latent attention"),
+            std::string::npos);
+  EXPECT_NE(refused({mla, "attention.variant=\"gqa\"", "attention.params={group_size=2}"})
+                .find("no K/V heads to group"),
+            std::string::npos);
+}
+
 TEST(ExperimentLibrary, SweepOnTheCommandLineAddsOrReplacesAnAxis) {
   const test::TempDir dir;
   test::write_file(dir / "e.toml", kZippedSweep);

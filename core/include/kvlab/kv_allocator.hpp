@@ -155,6 +155,24 @@ class BOOST_SYMBOL_VISIBLE KvPoolDrawing {
   ~KvPoolDrawing() = default;
 };
 
+// Looking a prompt up in the prefix cache without allocating (KV groups: the hit every group
+// holds, kvlab/kv/kv_groups.hpp; vLLM's find_longest_cache_hit).
+class BOOST_SYMBOL_VISIBLE KvPrefixLookup {
+ public:
+  // The leading prompt tokens allocate(request) would find cached in the pool now (whole
+  // blocks; 0 without prefix caching).
+  virtual std::int64_t cached_prefix_tokens(const AllocateRequest& request) const = 0;
+  // Holds the pool blocks of the prompt's first `tokens` cached tokens (whole blocks, at most
+  // cached_prefix_tokens) until release_prefix with the same arguments, so that no allocation
+  // in between reuses them for other data: KV groups hold every group's hit before any group
+  // takes a fresh block. Nothing else changes (a held free block leaves the free queue).
+  virtual void hold_prefix(const AllocateRequest& request, std::int64_t tokens) = 0;
+  virtual void release_prefix(const AllocateRequest& request, std::int64_t tokens) = 0;
+
+ protected:
+  ~KvPrefixLookup() = default;
+};
+
 struct KvLayerGroups;  // kvlab/kv/kv_groups.hpp
 
 // A sequence's view in each KV group (kvlab/kv/kv_groups.hpp: a pool slot holds one token's K/V
@@ -174,6 +192,7 @@ struct KvAllocatorFeatures {
   KvForking* forking = nullptr;
   const KvPoolDrawing* drawing = nullptr;
   const KvGroupViewing* groups = nullptr;
+  KvPrefixLookup* prefix_lookup = nullptr;
 };
 
 // The core every allocator has: commits, planning, queries.

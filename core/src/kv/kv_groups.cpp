@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 
 #include "kvlab/error.hpp"
@@ -75,22 +76,108 @@ GroupedKvAllocator::GroupedKvAllocator(KvAllocator& inner, KvLayerGroups groups)
     throw Error("internal: KV groups must start with a global group (the sequence's view)");
 }
 
+namespace {
+
+// Group `group`'s chain start: the request's salt for group 0, a salt of its own for every other
+// (no token id is negative, so the marker block is no prompt's).
+std::uint64_t group_salt(std::uint64_t request_salt, std::int64_t group) {
+  if (group == 0) return request_salt;
+  const std::int32_t marker[] = {-1 - static_cast<std::int32_t>(group)};
+  return chain_block_hash(request_salt, marker);
+}
+
+// The chain start of a plan's lookups: no block is cached under it.
+std::uint64_t no_hit_salt() {
+  const std::int32_t marker[] = {std::numeric_limits<std::int32_t>::min()};
+  return chain_block_hash(0, marker);
+}
+
+}  // namespace
+
+std::vector<PrefixHashCache> GroupedKvAllocator::group_hashes(
+    const AllocateRequest& request) const {
+  const std::uint64_t salt = request.prefix_hashes != nullptr ? request.prefix_hashes->salt : 0;
+  std::vector<PrefixHashCache> hashes(static_cast<std::size_t>(groups_.count()));
+  for (std::int64_t g = 0; g < groups_.count(); ++g)
+    hashes[static_cast<std::size_t>(g)].salt = group_salt(salt, g);
+  return hashes;
+}
+
 AllocateRequest GroupedKvAllocator::group_request(const AllocateRequest& request,
-                                                  std::int64_t group) const {
+                                                  std::int64_t group,
+                                                  std::vector<PrefixHashCache>& hashes) const {
   AllocateRequest r = request;
   r.sequence = inner_id(request.sequence, group);
-  r.prefix_hashes = nullptr;  // no prefix caching with groups (kv_groups.hpp)
+  if (group > 0 || r.prefix_hashes == nullptr)
+    r.prefix_hashes = &hashes[static_cast<std::size_t>(group)];
   return r;
 }
 
+// Each group's cached prefix now (0 each when the plugin looks nothing up).
+std::vector<std::int64_t> GroupedKvAllocator::group_hits(
+    const AllocateRequest& request, std::vector<PrefixHashCache>& hashes) const {
+  std::vector<std::int64_t> hits(static_cast<std::size_t>(groups_.count()), 0);
+  if (inner_features_.prefix_lookup != nullptr)
+    for (std::int64_t g = 0; g < groups_.count(); ++g)
+      hits[static_cast<std::size_t>(g)] =
+          inner_features_.prefix_lookup->cached_prefix_tokens(group_request(request, g, hashes));
+  return hits;
+}
+
+// The prompt's hit is what every group holds: the least of the groups' hits, each group's blocks
+// of it held first (a group's fresh block would otherwise reuse a free cached block another
+// group's hit counted on). Admitted only when every group could hold the prompt without a hit,
+// as plan_allocate promises (a plan cannot know which hits the groups will share once the step's
+// earlier operations ran).
 std::optional<AllocateResult> GroupedKvAllocator::allocate(const AllocateRequest& request) {
-  for (std::int64_t g = 0; g < groups_.count(); ++g)
-    if (!inner_.allocate(group_request(request, g))) {
+  std::vector<PrefixHashCache> hashes = group_hashes(request);
+  const std::vector<std::int64_t> hits = group_hits(request, hashes);
+  const std::int64_t hit = *std::min_element(hits.begin(), hits.end());
+  if (*std::max_element(hits.begin(), hits.end()) > 0 &&
+      slots_without_hits(request) > inner_.stats().free)
+    return std::nullopt;
+  KvPrefixLookup* lookup = inner_features_.prefix_lookup;
+  for (std::int64_t g = 0; hit > 0 && g < groups_.count(); ++g)
+    lookup->hold_prefix(group_request(request, g, hashes), hit);
+  const std::optional<std::int64_t> held = allocate_groups(request, hashes, hits, hit);
+  for (std::int64_t g = 0; hit > 0 && g < groups_.count(); ++g)
+    lookup->release_prefix(group_request(request, g, hashes), hit);
+  if (!held) return std::nullopt;
+  if (*held != hit)
+    throw Error(
+        fmt::format("internal: a KV group of sequence {} found {} of the {} cached tokens "
+                    "every group held",
+                    request.sequence, *held, hit));
+  lengths_[request.sequence] = static_cast<std::int64_t>(request.prompt.size());
+  prefix_query_tokens_ += static_cast<std::int64_t>(request.prompt.size());
+  prefix_hit_tokens_ += hit;
+  return AllocateResult{hit};
+}
+
+// Every group's allocation, its hit cut to `hit`: a group that holds more (hits[g] > hit) starts
+// from the prompt's first hit + 1 tokens, whose lookup can find no more, and appends the rest.
+// Returns the least hit a group got; nullopt, nothing held, when a group did not fit.
+std::optional<std::int64_t> GroupedKvAllocator::allocate_groups(
+    const AllocateRequest& request, std::vector<PrefixHashCache>& hashes,
+    std::span<const std::int64_t> hits, std::int64_t hit) {
+  std::int64_t least = hit;
+  for (std::int64_t g = 0; g < groups_.count(); ++g) {
+    AllocateRequest r = group_request(request, g, hashes);
+    const bool cut = hits[static_cast<std::size_t>(g)] > hit;  // then hit + 1 < prompt size
+    if (cut) r.prompt = request.prompt.first(static_cast<std::size_t>(hit + 1));
+    std::optional<AllocateResult> got = inner_.allocate(r);
+    if (got && cut &&
+        !inner_.append(r.sequence, request.prompt.subspan(static_cast<std::size_t>(hit + 1)))) {
+      inner_.free(r.sequence);
+      got.reset();
+    }
+    if (!got) {
       for (std::int64_t done = 0; done < g; ++done) inner_.free(inner_id(request.sequence, done));
       return std::nullopt;
     }
-  lengths_[request.sequence] = static_cast<std::int64_t>(request.prompt.size());
-  return AllocateResult{};
+    least = std::min(least, got->cached_tokens);
+  }
+  return least;
 }
 
 // A sliding group's positions before length - window are read by no query from here on (this
@@ -148,9 +235,13 @@ bool GroupedKvAllocator::plan_groups(const PlannedOp& op) const {
       case PlannedOp::free:
         inner_.plan_free(inner_id(op.request.sequence, g));
         break;
-      case PlannedOp::allocate:
-        planned = inner_.plan_allocate(group_request(op.request, g));
+      case PlannedOp::allocate: {
+        AllocateRequest r = op.request;
+        r.sequence = inner_id(op.request.sequence, g);
+        r.prefix_hashes = op.no_hits.get();
+        planned = inner_.plan_allocate(r);
         break;
+      }
       case PlannedOp::append:
         planned = inner_.plan_append(inner_id(op.request.sequence, g), op.tokens);
         break;
@@ -179,7 +270,9 @@ void GroupedKvAllocator::plan_free(SequenceId sequence) const {
 }
 
 bool GroupedKvAllocator::plan_allocate(const AllocateRequest& request) const {
-  return plan_groups({PlannedOp::allocate, request, 0});
+  auto no_hits = std::make_shared<PrefixHashCache>();
+  no_hits->salt = no_hit_salt();
+  return plan_groups({PlannedOp::allocate, request, 0, std::move(no_hits)});
 }
 
 bool GroupedKvAllocator::plan_append(SequenceId sequence, std::int64_t tokens) const {
@@ -188,16 +281,54 @@ bool GroupedKvAllocator::plan_append(SequenceId sequence, std::int64_t tokens) c
   return plan_groups(op);
 }
 
-std::int64_t GroupedKvAllocator::slots_to_allocate(const AllocateRequest& request) const {
+// The slots every group's allocation would take if nothing were cached.
+std::int64_t GroupedKvAllocator::slots_without_hits(const AllocateRequest& request) const {
+  PrefixHashCache none;
+  none.salt = no_hit_salt();
   std::int64_t slots = 0;
-  for (std::int64_t g = 0; g < groups_.count(); ++g)
-    slots += inner_.slots_to_allocate(group_request(request, g));
+  for (std::int64_t g = 0; g < groups_.count(); ++g) {
+    AllocateRequest r = request;
+    r.sequence = inner_id(request.sequence, g);
+    r.prefix_hashes = &none;
+    slots += inner_.slots_to_allocate(r);
+  }
+  return slots;
+}
+
+// What allocate takes: each group's slots with its hit cut to the common one (a cut group: its
+// first hit + 1 tokens with their hits, and the rest as fresh slots, what the plugin takes for
+// the prompt without hits less what it takes for those tokens without hits).
+std::int64_t GroupedKvAllocator::slots_to_allocate(const AllocateRequest& request) const {
+  std::vector<PrefixHashCache> hashes = group_hashes(request);
+  const std::vector<std::int64_t> hits = group_hits(request, hashes);
+  const std::int64_t hit = *std::min_element(hits.begin(), hits.end());
+  PrefixHashCache none;
+  none.salt = no_hit_salt();
+  std::int64_t slots = 0;
+  for (std::int64_t g = 0; g < groups_.count(); ++g) {
+    AllocateRequest r = group_request(request, g, hashes);
+    if (hits[static_cast<std::size_t>(g)] <= hit) {
+      slots += inner_.slots_to_allocate(r);
+      continue;
+    }
+    AllocateRequest capped = r;
+    capped.prompt = request.prompt.first(static_cast<std::size_t>(hit + 1));
+    slots += inner_.slots_to_allocate(capped);
+    r.prefix_hashes = capped.prefix_hashes = &none;
+    slots += inner_.slots_to_allocate(r) - inner_.slots_to_allocate(capped);
+  }
   return slots;
 }
 
 KvAllocatorStats GroupedKvAllocator::stats() const {
   KvAllocatorStats s = inner_.stats();
   s.live_sequences = static_cast<std::int64_t>(lengths_.size());
+  // A request's prompt once, its hit the one every group holds (the plugin counts each group's
+  // lookups, cut ones and retries included); none when the plugin caches no prefix.
+  if (s.prefix_query_tokens > 0) {
+    s.prefix_query_tokens = prefix_query_tokens_;
+    s.prefix_hit_tokens = prefix_hit_tokens_;
+  }
   return s;
 }
 

@@ -24,8 +24,10 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   // plain K and V of v_head_dim each (the DeepSeek-V2 paper's comparison, d_h = 128).
   const std::int64_t head_dim = c.is_mla() && q.kv_heads ? c.value_head_dim() : c.cache_head_dim();
   if (!dtype_row_fits(q.kv_dtype, head_dim))
-    throw Error(fmt::format("{} KV needs rows of a multiple of 32 values (its blocks); {} has {}",
-                            dtype_short_name(q.kv_dtype), c.name, head_dim));
+    throw Error(fmt::format("{} KV needs {} to be a multiple of 32 (its blocks); {} has {}",
+                            dtype_short_name(q.kv_dtype),
+                            c.is_mla() && !q.kv_heads ? "half the latent" : "head_dim", c.name,
+                            head_dim));
   // Bytes of one head's row of one token, scales included.
   const std::int64_t head_row = dtype_row_bytes(q.kv_dtype, head_dim);
   const auto per_token =

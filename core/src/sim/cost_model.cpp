@@ -46,8 +46,9 @@ CostModel::CostModel(const ModelConfig& model, const HardwareProfile& profile,
           kv_heads_per_gpu(model.num_attention_heads, model.cache_kv_heads(), tensor_parallel)) {
   if (cp_ < 1) throw Error(fmt::format("context parallelism {} must be >= 1", cp_));
   if (!dtype_row_fits(profile_.kv_dtype, model.cache_head_dim()))
-    throw Error(fmt::format("{} KV needs rows of a multiple of 32 values (its blocks); {} has {}",
-                            dtype_short_name(profile_.kv_dtype), model.name,
+    throw Error(fmt::format("{} KV needs {} to be a multiple of 32 (its blocks); {} has {}",
+                            dtype_short_name(profile_.kv_dtype),
+                            model.is_mla() ? "half the latent" : "head_dim", model.name,
                             model.cache_head_dim()));
   if ((tp_ > 1 || cp_ > 1) && !(profile_.allreduce_gb_per_s > 0))
     throw Error(fmt::format(

@@ -98,7 +98,8 @@ class PagedAllocator final : public KvAllocator,
                              KvPositionDropping,
                              KvRollback,
                              KvForking,
-                             KvPoolDrawing {
+                             KvPoolDrawing,
+                             KvPrefixLookup {
  public:
   PagedAllocator(const PluginParams& params, const PluginContext& context)
       : block_size_(params.integer("block_size")),
@@ -110,7 +111,32 @@ class PagedAllocator final : public KvAllocator,
     if (tiers_) blocks_.set_eviction_sink(tiers_.get());
   }
 
-  KvAllocatorFeatures features() override { return {this, this, this, this}; }
+  KvAllocatorFeatures features() override { return {this, this, this, this, nullptr, this}; }
+
+  // The pool's hits only: a tier's blocks are not looked up (KV groups, who ask, run no tiers).
+  std::int64_t cached_prefix_tokens(const AllocateRequest& r) const override {
+    std::int64_t blocks = 0;
+    visit_hits(r, [&](BlockId) { return ++blocks > 0; });
+    return blocks * block_size_;
+  }
+  void hold_prefix(const AllocateRequest& r, std::int64_t tokens) override {
+    std::int64_t blocks = tokens / block_size_;
+    visit_hits(r, [&](BlockId b) {
+      if (blocks-- <= 0) return false;
+      blocks_.hold(b);
+      return true;
+    });
+  }
+  // The holds undone, the blocks' use counts too (a pin is not a sequence using the block).
+  void release_prefix(const AllocateRequest& r, std::int64_t tokens) override {
+    std::int64_t blocks = tokens / block_size_;
+    visit_hits(r, [&](BlockId b) {
+      if (blocks-- <= 0) return false;
+      paged_.release(b);
+      blocks_.set_uses(b, blocks_.uses(b) - 1);
+      return true;
+    });
+  }
 
   std::int64_t slots_to_allocate(const AllocateRequest& r) const override {
     return blocks_from_free(r, hit_chain(r)) * block_size_;

@@ -11,15 +11,21 @@
 // GroupedKvAllocator runs any allocator plugin over such a pool: each (sequence, group) is a
 // sequence of its own to the plugin, so every allocator handles groups unchanged; the sliding
 // groups give back their old positions through the plugin's release_before (paged frees whole
-// blocks; static and dynamic keep what they reserved). What it does not do yet: prefix caching
-// (the groups' blocks would share one hash chain), forks, KV policies' evictions, swapping and
-// handing KV to another replica; kvlab::validate refuses those with groups.
+// blocks; static and dynamic keep what they reserved). Prefix caching: each group's blocks hash
+// under a salt of the group's own (a block of one group holds other layers than another's block
+// of the same tokens), and a prompt's hit is the longest prefix every group still holds from its
+// first block (KvPrefixLookup): a sliding group's old blocks stay cached after its window
+// passed, until the pool reuses them; a group that holds more starts from that common hit. What
+// it does not do yet: forks, KV policies' evictions, swapping and handing KV to another replica;
+// kvlab::validate refuses those with groups.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <unordered_map>
 #include <vector>
 
+#include "kvlab/kv/prefix_hash.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/model_config.hpp"
 
@@ -110,8 +116,23 @@ class GroupedKvAllocator final : public KvAllocator,
     enum Kind { free, allocate, append } kind;
     AllocateRequest request;  // allocate: the outer request
     std::int64_t tokens = 0;  // append
+    // allocate: prompt hashes under a salt no block is cached with, shared by the groups' plans:
+    // a plan counts no prefix hit (the commit's hits, cut to what every group holds, take fewer
+    // blocks, never more).
+    std::shared_ptr<PrefixHashCache> no_hits = nullptr;
   };
-  AllocateRequest group_request(const AllocateRequest& request, std::int64_t group) const;
+  // Each group's prompt hashes (its salt: group 0 the request's, the others their own), and the
+  // request as group `group`'s plugin sequence with them (group 0: the request's own cache when
+  // it has one).
+  std::vector<PrefixHashCache> group_hashes(const AllocateRequest& request) const;
+  AllocateRequest group_request(const AllocateRequest& request, std::int64_t group,
+                                std::vector<PrefixHashCache>& hashes) const;
+  std::vector<std::int64_t> group_hits(const AllocateRequest& request,
+                                       std::vector<PrefixHashCache>& hashes) const;
+  std::int64_t slots_without_hits(const AllocateRequest& request) const;
+  std::optional<std::int64_t> allocate_groups(const AllocateRequest& request,
+                                              std::vector<PrefixHashCache>& hashes,
+                                              std::span<const std::int64_t> hits, std::int64_t hit);
   bool plan_groups(const PlannedOp& op) const;
   void replay_plan() const;
   void release_window(SequenceId sequence, std::int64_t length);
@@ -119,8 +140,9 @@ class GroupedKvAllocator final : public KvAllocator,
   KvAllocator& inner_;
   KvLayerGroups groups_;
   KvAllocatorFeatures inner_features_;
-  std::unordered_map<SequenceId, std::int64_t> lengths_;  // each live sequence's positions
-  mutable std::vector<PlannedOp> plan_;                   // since plan_reset, what succeeded
+  std::unordered_map<SequenceId, std::int64_t> lengths_;          // each live sequence's positions
+  std::int64_t prefix_query_tokens_ = 0, prefix_hit_tokens_ = 0;  // KvAllocatorStats' own
+  mutable std::vector<PlannedOp> plan_;  // since plan_reset, what succeeded
 };
 
 }  // namespace kvlab
