@@ -1,7 +1,8 @@
 // kvlab view: replays a results folder's runs step by step (kvlab view, kvlab serve's /ui).
 // The data (a JSON script element, or /ui/data when live) holds per run: steps (steps.csv's
 // columns), requests (requests.csv's), events ([step, kind, request, reason]), frames (each
-// recorded step's batch and pool runs [start, length, owner, state]) and the block size.
+// recorded step's batch and pool runs [start, length, owner, state, KV group when > 0]) and the
+// block size.
 // A results folder is shared between people, so everything read is untrusted: it is checked
 // (checkData) before anything is drawn, every string reaches the page as text (no markup is
 // ever built from data), and each frame's work is bounded by the pool's size. A
@@ -203,7 +204,8 @@
     let start = 0, covered = 0;
     for (const r of f.runs) {
       if (!Array.isArray(r) || !isCount(r[0]) || !isCount(r[1]) || !Number.isSafeInteger(r[2]) ||
-          !STATES.includes(r[3]) || r[0] < start || r[0] + r[1] > capacity) return null;
+          !STATES.includes(r[3]) || (r[4] !== undefined && !isCount(r[4])) || r[0] < start ||
+          r[0] + r[1] > capacity) return null;
       start = r[0];
       covered += r[1];
     }
@@ -356,21 +358,26 @@
     }
     // Each cell takes the state holding most of its slots.
     const cellState = new Map();
-    for (const [start, length, owner, state] of frame.runs) {
+    for (const [start, length, owner, state, group] of frame.runs) {
       counts[state] += length;
       for (let slot = start; slot < start + length;) {
         const cell = Math.floor(slot / p.slotsPerCell);
         const cellEnd = (cell + 1) * p.slotsPerCell;
         const take = Math.min(cellEnd, start + length) - slot;
         const prev = cellState.get(cell);
-        if (!prev || take > prev[2]) cellState.set(cell, [state, owner, take]);
+        if (!prev || take > prev[2]) cellState.set(cell, [state, owner, take, group || 0]);
         slot += take;
       }
     }
-    for (const [cell, [state, owner]] of cellState) {
+    for (const [cell, [state, owner, , group]] of cellState) {
       const x = (cell % p.columns) * cs, y = Math.floor(cell / p.columns) * cs;
       ctx.fillStyle = cellColor(state, owner);
       ctx.fillRect(x, y, cs, cs);
+      if (group > 0 && cs >= 4) {  // a KV group's slots: one dot a group, in the top left corner
+        ctx.fillStyle = "rgba(0,0,0,0.45)";
+        for (let g = 0; g < Math.min(group, Math.floor(cs / 2)); ++g)
+          ctx.fillRect(x + 1 + 2 * g, y + 1, 1, 1);
+      }
       if (state === "copied") {
         ctx.strokeStyle = "#f80";
         ctx.strokeRect(x + 0.5, y + 0.5, cs - 1, cs - 1);
@@ -378,7 +385,7 @@
         ctx.fillStyle = "#fff";
         ctx.fillRect(x + cs / 2 - 0.5, y + cs / 2 - 0.5, 1, 1);
       }
-      p.cells[cell] = [state, owner];
+      p.cells[cell] = [state, owner, group];
     }
     // Block boundaries: a faint line every block along each row.
     if (p.slotsPerCell === 1 && p.run.block_size > 1 && cs >= 4) {
@@ -498,7 +505,7 @@
     const slot = cell * p.slotsPerCell;
     p.pool.title = "slot " + slot + (p.run.block_size ? " (block " +
       Math.floor(slot / p.run.block_size) + ")" : "") + ": " + (c ? STATE_TEXT[c[0]] +
-      (c[1] >= 0 ? ", request " + c[1] : "") : "free");
+      (c[1] >= 0 ? ", request " + c[1] : "") + (c[2] > 0 ? ", KV group " + c[2] : "") : "free");
   }
 
   // ---- the KV chart (Chart.js) ------------------------------------------------------------

@@ -6,7 +6,9 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
+#include "kvlab/engine/frames.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/experiment.hpp"
 #include "kvlab/experiment/results_view.hpp"
@@ -59,6 +61,30 @@ void expect_frames_match_steps(const RunOutput& out) {
     EXPECT_EQ(prefill, s.prefill_tokens) << "step " << frame.step;
     EXPECT_EQ(decode, s.decode_tokens) << "step " << frame.step;
   }
+}
+
+// With KV groups (gemma3-tiny: its global layer a group, its local layers five) the map draws
+// every group's slots with the request as owner and the group beside it: each live request holds
+// runs in the global group and in local ones, and the frame's JSON carries the group.
+TEST(ResultsView, KvGroupsAreDrawnWithTheirGroup) {
+  const RunOutput out = run_experiment(
+      quickstart(1, "paged", {"model.name=\"gemma3-tiny\"", "kv_cache.groups=\"per_kind\""}), false,
+      nullptr);
+  expect_frames_match_steps(out);
+  std::map<SequenceId, std::set<std::int32_t>> groups_of;
+  bool json_has_groups = false;
+  for (const StepFrame& frame : out.engine.frames) {
+    for (const KvSlotRun& run : frame.pool.runs) {
+      if (run.owner >= 0) groups_of[run.owner].insert(run.group);
+      EXPECT_TRUE(run.group >= 0 && run.group < 6) << run.group;
+    }
+    const nlohmann::json j = nlohmann::json::parse(frame_json(frame));
+    for (const auto& run : j["runs"]) json_has_groups = json_has_groups || run.size() == 5;
+  }
+  ASSERT_FALSE(groups_of.empty());
+  for (const auto& [request, groups] : groups_of)
+    EXPECT_EQ(groups.size(), 6u) << "request " << request << " holds slots in every group";
+  EXPECT_TRUE(json_has_groups);
 }
 
 TEST(ResultsView, EachFrameDrawsItsStepsPoolAndBatch) {

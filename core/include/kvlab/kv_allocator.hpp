@@ -85,6 +85,7 @@ struct KvSlotRun {
   std::int64_t start = 0, length = 0;
   SequenceId owner = -1;  // the holder (shared: one of them); -1 for cached blocks
   KvSlotState state = KvSlotState::used;
+  std::int32_t group = 0;  // the holder's KV group (kvlab/kv/kv_groups.hpp); 0 without groups
 };
 
 // Sorts runs by start (allocators that keep sequences in a hash map draw them in any order).

@@ -63,6 +63,7 @@ constexpr std::uint64_t plugin_abi_fingerprint() {
   h.type<KvPolicyStep>().type<BackendCounters>().type<TokenLogprob>().type<ForwardResult>();
   h.type<ProposeAsk>();
   h.type<WeightMatrixView>().type<LayerWeightsView>().type<ModelWeightsView>();
+  h.type<KvSlotRun>().type<KvPoolMap>().KVLAB_ABI_MEMBER(KvSlotRun, group);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, capacity).KVLAB_ABI_MEMBER(KvAllocatorStats, used);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, free).KVLAB_ABI_MEMBER(KvAllocatorStats, live_sequences);
   h.KVLAB_ABI_MEMBER(KvAllocatorStats, host_hit_tokens);

@@ -81,8 +81,10 @@ std::string frame_json(const StepFrame& frame) {
   for (const FrameEntry& e : frame.batch)
     batch.push_back({e.request, e.tokens, e.decode ? 1 : 0, e.proposals, e.accepted});
   nlohmann::json runs = nlohmann::json::array();
-  for (const KvSlotRun& r : frame.pool.runs)
+  for (const KvSlotRun& r : frame.pool.runs) {  // [start, length, owner, state(, KV group)]
     runs.push_back({r.start, r.length, r.owner, slot_state_name(r.state)});
+    if (r.group > 0) runs.back().push_back(r.group);
+  }
   const KvPoolMap& p = frame.pool;
   nlohmann::json j = {{"step", frame.step},
                       {"t", frame.t},

@@ -348,8 +348,12 @@ void GroupedKvAllocator::release_before(SequenceId sequence, std::int64_t positi
 
 void GroupedKvAllocator::pool_map(KvPoolMap& map) const {
   inner_features_.drawing->pool_map(map);
-  for (KvSlotRun& run : map.runs)
-    if (run.owner >= 0) run.owner = outer_id(run.owner).first;
+  for (KvSlotRun& run : map.runs) {
+    if (run.owner < 0) continue;
+    const auto [sequence, group] = outer_id(run.owner);
+    run.owner = sequence;
+    run.group = static_cast<std::int32_t>(group);
+  }
 }
 
 bool GroupedKvAllocator::truncate(SequenceId sequence, std::int64_t length) {
