@@ -263,6 +263,35 @@ void print_kv_json(const MemoryOptions& o, const ModelConfig& c, const KvMemoryQ
   fmt::print("{}\n", out.dump(2));
 }
 
+// The model's line and a token's KV bytes, with the formula: K and V of its heads, or MLA's
+// latent and RoPE key.
+void print_model_and_token_bytes(const ModelConfig& c, const KvMemoryQuery& query,
+                                 const KvMemoryReport& r) {
+  // Bytes per value: the element's, or a quantized head row's over head_dim (scales included).
+  const std::string element =
+      dtype_size(query.kv_dtype) > 0
+          ? fmt::format("{}", dtype_size(query.kv_dtype))
+          : fmt::format("{}/{}", dtype_row_bytes(query.kv_dtype, c.head_dim), c.head_dim);
+  fmt::print(
+      "model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters{}\n",
+      c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
+      static_cast<double>(c.parameter_count()) / 1e9,
+      c.has_experts()
+          ? fmt::format(" ({:.2f}B a token)", static_cast<double>(c.matmul_parameter_count()) / 1e9)
+          : std::string());
+  if (c.is_mla() && !query.kv_heads) {
+    fmt::print("KV cache, {} latent (latent attention):\n", dtype_short_name(query.kv_dtype));
+    fmt::print("  per token    {:>12}  = {} layers x ({} kv_lora_rank + {} rope) x {} B = {} B\n",
+               human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers,
+               c.kv_lora_rank, c.qk_rope_head_dim, element, r.bytes_per_token);
+  } else {
+    fmt::print("KV cache, {} x {} KV heads:\n", dtype_short_name(query.kv_dtype), r.kv_heads);
+    fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
+               human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
+               c.is_mla() ? c.v_head_dim : c.head_dim, element, r.bytes_per_token);
+  }
+}
+
 void run_memory(const MemoryOptions& o) {
   const ModelSource source = resolve_model(o.model);
   const ModelConfig& c = source.config;
@@ -296,29 +325,7 @@ void run_memory(const MemoryOptions& o) {
     print_kv_json(o, c, query, r, variants, mha);
     return;
   }
-  // Bytes per value: the element's, or a quantized head row's over head_dim (scales included).
-  const std::string element =
-      dtype_size(query.kv_dtype) > 0
-          ? fmt::format("{}", dtype_size(query.kv_dtype))
-          : fmt::format("{}/{}", dtype_row_bytes(query.kv_dtype, c.head_dim), c.head_dim);
-  fmt::print(
-      "model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters{}\n",
-      c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
-      static_cast<double>(c.parameter_count()) / 1e9,
-      c.has_experts()
-          ? fmt::format(" ({:.2f}B a token)", static_cast<double>(c.matmul_parameter_count()) / 1e9)
-          : std::string());
-  if (c.is_mla() && !query.kv_heads) {
-    fmt::print("KV cache, {} latent (latent attention):\n", dtype_short_name(query.kv_dtype));
-    fmt::print("  per token    {:>12}  = {} layers x ({} kv_lora_rank + {} rope) x {} B = {} B\n",
-               human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers,
-               c.kv_lora_rank, c.qk_rope_head_dim, element, r.bytes_per_token);
-  } else {
-    fmt::print("KV cache, {} x {} KV heads:\n", dtype_short_name(query.kv_dtype), r.kv_heads);
-    fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
-               human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
-               c.is_mla() ? c.v_head_dim : c.head_dim, element, r.bytes_per_token);
-  }
+  print_model_and_token_bytes(c, query, r);
   fmt::print("  per request  {:>12}  ({} tokens, {} B{})\n",
              human_bytes(static_cast<double>(r.bytes_per_request)), o.seq_len, r.bytes_per_request,
              r.residual_bytes_per_request > 0

@@ -358,40 +358,52 @@ void norm_and_rope_problems(const ModelConfig& c, const Reported& reported,
   }
 }
 
-// Latent attention's dims (MLA) and a mixture of experts': consistent with each other and with
-// what kvlab computes (runnable: q_proj direct and dense MLPs, DeepSeek-V2-Lite's attention).
-void latent_and_expert_problems(const ModelConfig& c, std::vector<std::string>& problems) {
+// A latent-attention model's heads and cached row.
+void latent_shape_problems(const ModelConfig& c, std::vector<std::string>& problems) {
+  const std::int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim;
+  const bool heads_fit = nope > 0 && rope > 0 && rope % 2 == 0 && c.v_head_dim > 0;
+  if (!heads_fit || c.head_dim != nope + rope)
+    problems.push_back(fmt::format(
+        "latent attention needs positive qk_nope_head_dim, an even qk_rope_head_dim, a "
+        "positive v_head_dim and head_dim = qk_nope_head_dim + qk_rope_head_dim; got {}, {}, "
+        "{}, head_dim {}",
+        nope, rope, c.v_head_dim, c.head_dim));
+  if (c.latent_dim() % 2 != 0)
+    problems.push_back(fmt::format(
+        "latent attention's cached row, kv_lora_rank + qk_rope_head_dim = {}, must be even "
+        "(its halves are a slot's K and V rows)",
+        c.latent_dim()));
+  if (c.num_key_value_heads != c.num_attention_heads)
+    problems.push_back(
+        "latent attention rebuilds K and V for every query head: "
+        "num_key_value_heads must equal num_attention_heads");
+  if (c.qk_norm || c.post_norms || c.global_layer_every > 0 || c.sliding_window)
+    problems.push_back("latent attention with Q/K norms, post norms or windows is not computed");
+}
+
+// Latent attention's dims (MLA): consistent with each other and with what kvlab computes.
+void latent_problems(const ModelConfig& c, std::vector<std::string>& problems) {
   const std::int64_t nope = c.qk_nope_head_dim, rope = c.qk_rope_head_dim;
   if (c.kv_lora_rank < 0 || c.q_lora_rank < 0 || nope < 0 || rope < 0 || c.v_head_dim < 0)
     problems.push_back("latent attention's ranks and head dims must be non-negative");
-  if (!c.is_mla() && (c.q_lora_rank > 0 || nope > 0 || rope > 0 || c.v_head_dim > 0))
-    problems.push_back(
-        "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim describe latent "
-        "attention: they need kv_lora_rank > 0");
-  if (c.is_mla()) {
-    if (nope <= 0 || rope <= 0 || rope % 2 != 0 || c.v_head_dim <= 0 || c.head_dim != nope + rope)
-      problems.push_back(fmt::format(
-          "latent attention needs positive qk_nope_head_dim, an even qk_rope_head_dim, a "
-          "positive v_head_dim and head_dim = qk_nope_head_dim + qk_rope_head_dim; got {}, {}, "
-          "{}, head_dim {}",
-          nope, rope, c.v_head_dim, c.head_dim));
-    if (c.latent_dim() % 2 != 0)
-      problems.push_back(fmt::format(
-          "latent attention's cached row, kv_lora_rank + qk_rope_head_dim = {}, must be even "
-          "(its halves are a slot's K and V rows)",
-          c.latent_dim()));
-    if (c.num_key_value_heads != c.num_attention_heads)
+  if (!c.is_mla()) {
+    if (c.q_lora_rank > 0 || nope > 0 || rope > 0 || c.v_head_dim > 0)
       problems.push_back(
-          "latent attention rebuilds K and V for every query head: "
-          "num_key_value_heads must equal num_attention_heads");
-    if (c.qk_norm || c.post_norms || c.global_layer_every > 0 || c.sliding_window)
-      problems.push_back("latent attention with Q/K norms, post norms or windows is not computed");
+          "q_lora_rank, qk_nope_head_dim, qk_rope_head_dim and v_head_dim describe latent "
+          "attention: they need kv_lora_rank > 0");
+    return;
   }
+  latent_shape_problems(c, problems);
+}
+
+// A mixture of experts' sizes, and what kvlab runs: q_proj direct (DeepSeek-V2-Lite's
+// attention) and dense MLPs.
+void expert_problems(const ModelConfig& c, std::vector<std::string>& problems) {
   const ModelConfig::Experts& e = c.experts;
-  if (e.routed < 0 ||
-      (e.routed > 0 &&
-       (e.per_token < 1 || e.per_token > e.routed || e.intermediate_size <= 0 || e.shared < 0 ||
-        e.first_dense_layers < 0 || e.first_dense_layers > c.num_hidden_layers)))
+  const bool sized = e.per_token >= 1 && e.per_token <= e.routed && e.intermediate_size > 0 &&
+                     e.shared >= 0 && e.first_dense_layers >= 0 &&
+                     e.first_dense_layers <= c.num_hidden_layers;
+  if (e.routed < 0 || (e.routed > 0 && !sized))
     problems.push_back(fmt::format(
         "a mixture of experts needs 1 <= experts a token <= {} routed experts, a positive "
         "expert width and first dense layers within the {} layers",
@@ -414,7 +426,8 @@ std::vector<std::string> config_problems(const ModelConfig& c,
   };
   dimension_problems(c, reported, problems);
   norm_and_rope_problems(c, reported, problems);
-  latent_and_expert_problems(c, problems);
+  latent_problems(c, problems);
+  expert_problems(c, problems);
   if (c.vocab_size > 0) {
     if (c.bos_token_id < 0 || c.bos_token_id >= c.vocab_size)
       problems.push_back(fmt::format("bos_token_id {} is outside the vocabulary [0, {})",

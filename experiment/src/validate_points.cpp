@@ -182,6 +182,17 @@ void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
                             : fmt::format("KV policy \"{}\"", c.kv_policy)));
 }
 
+// A block format's rows: a head's values (MLA: half the latent) in whole blocks of 32.
+void check_kv_dtype_rows(const ExperimentConfig& c, const ModelConfig& model) {
+  if (dtype_row_fits(c.kv_dtype, model.cache_head_dim())) return;
+  throw Error(fmt::format(
+      "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs {} to be a multiple "
+      "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
+      dtype_short_name(c.kv_dtype),
+      model.is_mla() ? "half the latent (a slot's K or V row)" : "head_dim", model.name,
+      model.cache_head_dim()));
+}
+
 // Latent attention (MLA) caches one latent a token a layer: what needs K and V per head does not
 // apply, and no attention variant may regroup K/V heads it does not cache.
 void check_latent_attention(const ExperimentConfig& c, const PluginRegistry& registry,
@@ -305,13 +316,7 @@ void validate_point(const ExperimentConfig& c, bool check, const PluginRegistry&
         "kv_cache.rotation = \"hadamard\" rotates the cpu backend's K/V heads by a Walsh-Hadamard "
         "matrix: it needs backend \"cpu\" (not \"{}\") and head_dim a power of two ({} has {})",
         c.backend, source.config.name, hd));
-  if (!dtype_row_fits(c.kv_dtype, source.config.cache_head_dim()))
-    throw Error(fmt::format(
-        "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs {} to be a multiple "
-        "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
-        dtype_short_name(c.kv_dtype),
-        source.config.is_mla() ? "half the latent (a slot's K or V row)" : "head_dim",
-        source.config.name, source.config.cache_head_dim()));
+  check_kv_dtype_rows(c, source.config);
   check_speculation(c, registry, source.config);
   check_kv_groups(c, source.config);
   if (c.replicas > 1) check_plugin(PluginKind::router, c.router, c.router_params);

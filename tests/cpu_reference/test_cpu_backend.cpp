@@ -7,6 +7,7 @@
 
 #include <cstring>
 
+#include "cache_walk.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/reference_model.hpp"
 #include "kvlab/error.hpp"
@@ -105,42 +106,11 @@ TEST(CpuBackend, Gemma3LocalAndGlobalLayersEqualTheReferenceAcrossChunksAndDecod
   const ModelConfig& c = weights.config;
   ASSERT_EQ(c.layer_window(0), 8);
   ASSERT_EQ(c.layer_window(5), std::nullopt);
-  std::vector<std::int32_t> whole(35);
-  for (std::size_t i = 0; i < whole.size(); ++i)
-    whole[i] = static_cast<std::int32_t>((i * 37 + 11) % 500);
-  const RowMatrix expected = ReferenceModel(weights).forward(whole);  // (35, vocab)
-  const KvView view{{{40, 10}, {3, 12}, {100, 13}}, 0, {}};           // 35 slots, scattered
-  const std::vector<std::int32_t> other{9, 8, 7, 6, 5, 4, 3, 2, 1, 0, 11};
-  const RowMatrix expected_other = ReferenceModel(weights).forward(other);
+  const test::CacheWalk walk{ReferenceModel(weights)};
   for (const bool windowed : {true, false}) {
     KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 256});
     CpuBackend backend(weights, pool, windowed ? std::nullopt : std::optional<std::int64_t>(4096));
-    double worst = 0;
-    for (std::int64_t start = 0; start < 29; start += 5) {  // the prompt, 5 tokens a chunk
-      const std::int64_t n = std::min<std::int64_t>(5, 29 - start);
-      BatchEntry chunk{{whole.data() + start, static_cast<std::size_t>(n)}, start, view};
-      chunk.logit_rows = n;
-      const RowMatrix& logits = backend.run({&chunk, 1});
-      for (std::int64_t r = 0; r < n; ++r)
-        worst = std::max<double>(worst,
-                                 (logits.row(r) - expected.row(start + r)).cwiseAbs().maxCoeff());
-    }
-    for (std::int64_t position = 29; position < 35; ++position) {  // decodes beside a prefill
-      const BatchEntry decode{{whole.data() + position, 1}, position, view};
-      const std::int64_t first = (position - 29) * 2, n = std::min<std::int64_t>(2, 11 - first);
-      BatchEntry prefill{
-          {other.data() + first, static_cast<std::size_t>(std::max<std::int64_t>(n, 1))},
-          first,
-          KvView{{{0, 3}, {200, 8}}, 0, {}}};
-      const std::vector<BatchEntry> batch =
-          n > 0 ? std::vector<BatchEntry>{decode, prefill} : std::vector<BatchEntry>{decode};
-      const RowMatrix& logits = backend.run(batch);
-      worst =
-          std::max<double>(worst, (logits.row(0) - expected.row(position)).cwiseAbs().maxCoeff());
-      if (n > 0 && first + n == 11)
-        worst =
-            std::max<double>(worst, (logits.row(1) - expected_other.row(10)).cwiseAbs().maxCoeff());
-    }
+    const double worst = walk.worst_delta(backend);
     if (windowed)
       EXPECT_LT(worst, 1e-4);
     else
