@@ -1,5 +1,7 @@
 #include "cli_common.hpp"
 
+#include <unistd.h>
+
 #include <fmt/format.h>
 
 #include <toml++/toml.h>
@@ -57,6 +59,21 @@ std::pair<std::string, ParamValue> parse_param(const std::string& text) {
   if (auto b = node.value_exact<bool>()) return {key, *b};
   if (auto s = node.value_exact<std::string>()) return {key, *s};
   return {key, value};
+}
+
+void print_progress_line(const std::string& line, bool last) {
+  static const bool tty = isatty(STDERR_FILENO) != 0;
+  if (tty)
+    fmt::print(stderr, "\r\033[K{}{}", line, last ? "\n" : "");
+  else
+    fmt::print(stderr, "{}\n", line);
+}
+
+std::string eta_text(double done, double total, std::chrono::steady_clock::time_point start) {
+  if (done <= 0) return "?";
+  const double elapsed =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return fmt::format("{:.0f}s", elapsed / done * std::max(0.0, total - done));
 }
 
 std::string human_bytes(double bytes) {

@@ -1,6 +1,7 @@
 #pragma once
 // Pieces shared by the kvlab subcommands.
 #include <CLI/CLI.hpp>
+#include <chrono>
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
@@ -27,6 +28,12 @@ std::pair<std::string, ParamValue> parse_param(const std::string& text);
 
 // 1073741824 -> "1.00 GiB"
 std::string human_bytes(double bytes);
+
+// A long command's progress on stderr: `line` rewritten in place on a terminal (`last`: then
+// left standing), a line each otherwise; and its ETA from `done` of `total` units since `start`
+// ("?" before the first).
+void print_progress_line(const std::string& line, bool last = false);
+std::string eta_text(double done, double total, std::chrono::steady_clock::time_point start);
 
 // An experiment file's text as it was run (the results folder keeps a copy). Throws
 // kvlab::Error when it cannot be read.

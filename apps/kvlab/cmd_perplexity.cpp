@@ -9,6 +9,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 
 #include "cli_common.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
@@ -228,17 +229,33 @@ struct PointResult {
   std::size_t group = 0;  // how many were measured together
 };
 
+// Where --experiment is: which group of points (one K/V head count each) of how many, each
+// group scoring every chunk; since when.
+struct ExperimentProgress {
+  std::size_t group = 0, groups = 1;
+  std::int64_t chunks = 0;  // a group's
+  std::chrono::steady_clock::time_point start = std::chrono::steady_clock::now();
+};
+
 // The points of one K/V head count, measured together: one exact run for all of them.
 void measure_together(const std::vector<std::size_t>& members,
                       const std::vector<ExperimentPoint>& points, const TextAndModel& m,
-                      const cpu::LlamaWeights& weights, std::vector<PointResult>& out) {
+                      const cpu::LlamaWeights& weights, const ExperimentProgress& at,
+                      std::vector<PointResult>& out) {
   const PerplexityCommand& c = points[members.front()].command;
   const ModelWeightsView view = cpu::weights_view(weights, m.directory);
   std::vector<cpu::PerplexityOptions> options;
   for (const std::size_t i : members) options.push_back(points[i].command.options);
   const auto start = std::chrono::steady_clock::now();
   const auto progress = [&](std::size_t p, const cpu::PerplexityResult& r) {
-    if (!c.json && p + 1 == members.size()) fmt::print(stderr, "[{} chunks] ", r.chunks);
+    if (p + 1 != members.size()) return;
+    const auto total = static_cast<double>(at.groups) * static_cast<double>(at.chunks);
+    const double done = static_cast<double>(at.group) * static_cast<double>(at.chunks) +
+                        static_cast<double>(r.chunks);
+    print_progress_line(fmt::format("[{}/{}] {} K/V heads, {} settings: {}/{} chunks (ETA {})",
+                                    at.group + 1, at.groups, weights.config.num_key_value_heads,
+                                    members.size(), r.chunks, at.chunks,
+                                    eta_text(done, total, at.start)));
   };
   std::vector<cpu::PerplexityResult> results = cpu::measure_perplexity(
       view, [&] { return cpu::select_compute_weights(view, c.weights, c.activations); }, m.tokens,
@@ -247,9 +264,11 @@ void measure_together(const std::vector<std::size_t>& members,
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   for (std::size_t p = 0; p < members.size(); ++p)
     out[members[p]] = {std::move(results[p]), weights.config, seconds, members.size()};
-  fmt::print(stderr, "{} ({} K/V heads): {} settings measured together in {:.1f} s ({} threads)\n",
-             weights.config.name, weights.config.num_key_value_heads, members.size(), seconds,
-             cpu::num_threads());
+  print_progress_line(
+      fmt::format("{} ({} K/V heads): {} settings measured together in {:.1f} s ({} threads)",
+                  weights.config.name, weights.config.num_key_value_heads, members.size(), seconds,
+                  cpu::num_threads()),
+      true);
 }
 
 // --experiment FILE: each sweep point's KV settings ([kv_cache] dtype and rotation, a
@@ -279,6 +298,13 @@ void measure_experiment(PerplexityCommand c) {
   }
   std::vector<PointResult> results(points.size());
   std::vector<bool> measured(points.size(), false);
+  ExperimentProgress at;
+  std::set<std::int64_t> head_counts;
+  for (const ExperimentPoint& point : points) head_counts.insert(point.kv_heads);
+  at.groups = head_counts.size();
+  const cpu::PerplexityOptions& options = points.front().command.options;
+  const std::int64_t whole = static_cast<std::int64_t>(m.tokens.size()) / options.context;
+  at.chunks = options.chunks > 0 ? std::min(options.chunks, whole) : whole;
   for (std::size_t first = 0; first < points.size(); ++first) {
     if (measured[first]) continue;
     std::vector<std::size_t> members;  // every point of first's K/V head count
@@ -288,10 +314,11 @@ void measure_experiment(PerplexityCommand c) {
         measured[i] = true;
       }
     if (points[first].kv_heads == m.weights.config.num_key_value_heads)
-      measure_together(members, points, m, m.weights, results);
+      measure_together(members, points, m, m.weights, at, results);
     else
       measure_together(members, points, m, cpu::convert_kv_heads(m.weights, points[first].kv_heads),
-                       results);
+                       at, results);
+    ++at.group;
   }
   for (std::size_t i = 0; i < points.size(); ++i) {
     const PerplexityCommand& command = points[i].command;

@@ -43,12 +43,7 @@ std::filesystem::path results_folder(const RunOptions& o, const ExperimentConfig
 void print_progress(std::size_t i, std::size_t n, const ExperimentConfig& c,
                     std::chrono::steady_clock::time_point start, bool tty,
                     const std::string& rank) {
-  const double elapsed =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const std::string eta =
-      i == 0
-          ? "?"
-          : fmt::format("{:.0f}s", elapsed / static_cast<double>(i) * static_cast<double>(n - i));
+  const std::string eta = eta_text(static_cast<double>(i), static_cast<double>(n), start);
   const std::string line = fmt::format("{}[{}/{}] {} {} (ETA {})", rank, i + 1, n, c.name,
                                        c.label.empty() ? "" : c.label, eta);
   if (tty)

@@ -57,7 +57,7 @@ LlamaWeights convert_kv_heads(const LlamaWeights& weights, std::int64_t kv_heads
 }
 
 CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std::int64_t> window,
-                       ComputeWeights compute)
+                       std::shared_ptr<const ComputeWeights> compute)
     : weights_(std::move(weights)),
       compute_(std::move(compute)),
       pool_(pool),
@@ -72,10 +72,10 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
           fmt::format("internal: {} normalises Q and K per head but a layer's Q/K norms "
                       "are not of head_dim {}",
                       c.name, c.head_dim));
-  if (compute_.layers.size() != weights_.layers.size() ||
-      compute_.output_projection.rows() != c.vocab_size)
+  if (compute_->layers.size() != weights_.layers.size() ||
+      compute_->output_projection.rows() != c.vocab_size)
     throw Error(fmt::format("internal: compute weights ({} layers) are not {}'s",
-                            compute_.layers.size(), c.name));
+                            compute_->layers.size(), c.name));
   // A pool of every layer (one slot: a token in every layer), or of KV groups (one slot: a token
   // in one group's layers, kvlab/kv/kv_groups.hpp).
   groups_ = kv_layer_groups(c, pool.shape().layers != c.num_hidden_layers);
@@ -91,6 +91,14 @@ CpuBackend::CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std
         "{} caches a latent (latent attention): its KV pool is neither Hadamard-rotated nor a "
         "KIVI pool",
         c.name));
+}
+
+void CpuBackend::release_buffers() {
+  for (RowMatrix* m : {&x_, &normed_, &qkv_, &attention_, &gate_up_, &hidden_, &block_out_, &last_,
+                       &logits_, &q_absorbed_, &latent_out_})
+    m->resize(0, 0);
+  key_scores_ = {};
+  task_scores_ = {};
 }
 
 // The entry's view in `group`: its group view with KV groups, its view otherwise.
@@ -145,7 +153,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
             &hidden = hidden_;
   for (std::int64_t l = 0; l < c.num_hidden_layers; ++l) {
     const LayerWeightsView& layer = weights_.layers[static_cast<std::size_t>(l)];
-    const LayerComputeWeights& matrices = compute_.layers[static_cast<std::size_t>(l)];
+    const LayerComputeWeights& matrices = compute_->layers[static_cast<std::size_t>(l)];
     rms_norm(x, as_vector(layer.attention_norm), eps, normed);
     multiply_by_transposed(normed, matrices.w_qkv, qkv, false);
     if (c.is_mla()) {
@@ -171,7 +179,7 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
   }
   const RowMatrix& last = logit_rows(x, batch, first_rows, logit_tokens);
   rms_norm(last, as_vector(weights_.final_norm), eps, normed);
-  multiply_by_transposed(normed, compute_.output_projection, logits_, false);  // (.., vocab)
+  multiply_by_transposed(normed, compute_->output_projection, logits_, false);  // (.., vocab)
   return logits_;
 }
 

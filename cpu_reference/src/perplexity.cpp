@@ -56,13 +56,14 @@ struct ScoringRun {
   std::unique_ptr<CpuBackend> backend;
 };
 
-ScoringRun make_run(const ModelWeightsView& weights, ComputeWeights compute, DType kv_dtype,
+ScoringRun make_run(const ModelWeightsView& weights,
+                    const std::shared_ptr<const ComputeWeights>& compute, DType kv_dtype,
                     bool hadamard, std::optional<std::int64_t> window, std::int64_t slots) {
   const ModelConfig& c = weights.config;
   ScoringRun run;
   run.pool = std::make_unique<KvPool>(KvPoolShape{c.num_hidden_layers, c.cache_kv_heads(),
                                                   c.cache_head_dim(), slots, kv_dtype, hadamard});
-  run.backend = std::make_unique<CpuBackend>(weights, *run.pool, window, std::move(compute));
+  run.backend = std::make_unique<CpuBackend>(weights, *run.pool, window, compute);
   return run;
 }
 
@@ -306,6 +307,8 @@ std::vector<PerplexityResult> measure_perplexity(
   // Whole chunks (the batch below) take chunk_room slots each: a KIVI pool's key groups are 32
   // slots, and each chunk's slots start a group. A KV policy's stream takes its own room.
   const std::int64_t chunk_room = (n_ctx + kKiviGroup - 1) / kKiviGroup * kKiviGroup;
+  // One copy of the matrices for every point's backend and the exact run's.
+  const auto compute = std::make_shared<const ComputeWeights>(make_compute());
   std::vector<ScoredPoint> scored(points.size());
   bool any_compared = false;
   for (std::size_t p = 0; p < points.size(); ++p) {
@@ -316,15 +319,14 @@ std::vector<PerplexityResult> measure_perplexity(
     any_compared = any_compared || point.result.compared;
     const std::int64_t room =
         o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step) : chunk_room;
-    point.run =
-        make_run(weights, make_compute(), o.kv_dtype, o.hadamard, o.window, parallel * room);
+    point.run = make_run(weights, compute, o.kv_dtype, o.hadamard, o.window, parallel * room);
     if (o.policy != nullptr)
       point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_step);
   }
   ScoringRun reference;  // the exact KV, run once per batch for every point compared with it
   if (any_compared)
     reference =
-        make_run(weights, make_compute(), DType::dtype_f32, false, std::nullopt,
+        make_run(weights, compute, DType::dtype_f32, false, std::nullopt,
                  parallel * chunk_room);  // the whole chunks' slots, as the batch's views say
 
   std::vector<std::int32_t> batch_tokens(static_cast<std::size_t>(parallel * n_ctx));
@@ -356,6 +358,10 @@ std::vector<PerplexityResult> measure_perplexity(
             score_rows(logits, point.result.compared ? exact_logits : nullptr, row0, targets));
         point.result.chunks += 1;
         point.result.running_ppl.push_back(point.result.ppl());
+      }
+      if (scored.size() > 1) {  // the next point's buffers take this one's place
+        point.run.backend->release_buffers();
+        point.streamed.resize(0, 0);
       }
       if (on_chunk) on_chunk(p, point.result);
     }

@@ -3,6 +3,7 @@
 // and single decode tokens of others. Projections and MLP are GEMMs over all batch tokens;
 // attention runs per sequence, reading K/V from the KV pool through the sequence's KvView.
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <vector>
@@ -34,7 +35,13 @@ class CpuBackend final : public Backend {
   // gguf_compute_weights of the same model, packed by with_activations or not); without it, with
   // the fp32 matrices of `weights` packed in panels.
   CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std::int64_t> window,
-             ComputeWeights compute);
+             ComputeWeights compute)
+      : CpuBackend(std::move(weights), pool, window,
+                   std::make_shared<const ComputeWeights>(std::move(compute))) {}
+  // The same matrices shared with other backends (read only: perplexity's settings side by
+  // side multiply one copy).
+  CpuBackend(ModelWeightsView weights, KvPool& pool, std::optional<std::int64_t> window,
+             std::shared_ptr<const ComputeWeights> compute);
   CpuBackend(const LlamaWeights& weights, KvPool& pool, std::optional<std::int64_t> window,
              ComputeWeights compute)
       : CpuBackend(weights_view(weights), pool, window, std::move(compute)) {}
@@ -64,7 +71,7 @@ class CpuBackend final : public Backend {
   }
   std::int64_t vocab_size() const override { return weights_.config.vocab_size; }
   // The formats its products read (ComputeWeights::description).
-  std::string description() const override { return compute_.description; }
+  std::string description() const override { return compute_->description; }
 
   // From this many sequences in a batch on, decode attention runs one task per sequence (its
   // slot rows read whole, in order); below, one task per (sequence, K/V head) so that a few
@@ -74,7 +81,11 @@ class CpuBackend final : public Backend {
     return 4 * static_cast<std::int64_t>(threads);
   }
 
-  const ComputeWeights& matrices() const { return compute_; }
+  const ComputeWeights& matrices() const { return *compute_; }
+  // Frees the activations and logits kept between runs (the next run allocates them again):
+  // backends that take turns over one batch (perplexity's settings side by side) hold one
+  // batch's buffers at a time instead of one each.
+  void release_buffers();
 
  private:
   void prepare_key_scores(std::span<const BatchEntry> batch);
@@ -106,7 +117,7 @@ class CpuBackend final : public Backend {
                        std::int64_t kv_head, bool value) const;
 
   ModelWeightsView weights_;
-  ComputeWeights compute_;
+  std::shared_ptr<const ComputeWeights> compute_;
   KvPool& pool_;
   KvLayerGroups groups_;                // one of every layer, or the pool's KV groups
   std::optional<std::int64_t> window_;  // every layer's, when set; else the model's per layer

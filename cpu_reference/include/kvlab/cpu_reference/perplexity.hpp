@@ -61,7 +61,7 @@ struct PerplexityResult {
 
 // `tokens`: the whole text's ids, with the BOS the tokenizer adds; `bos`: the id that replaces
 // each chunk's first token (nullopt when the tokenizer adds none). `make_compute` builds the
-// matrices a backend multiplies with (called once per backend: two when compared). Throws
+// matrices the backends multiply with (called once: every backend shares them). Throws
 // kvlab::Error when the text has fewer than 2 x context tokens (llama.cpp's rule), when context
 // is below 4 or beyond the model's, or for a bad option. `on_chunk` sees the result after each
 // chunk (progress).
