@@ -22,7 +22,8 @@ execute_process(COMMAND ${WORK_DIR}/prefix/bin/kvlab plugins --path ${WORK_DIR}/
                 RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
 message(STATUS "${out}${err}")
 if(NOT result EQUAL 0 OR NOT out MATCHES "attention fixed_kv_heads" OR NOT out MATCHES "scheduler longest_prompt_first"
-   OR NOT out MATCHES "allocator slot_list" OR NOT out MATCHES "allocator paged")
+   OR NOT out MATCHES "allocator slot_list" OR NOT out MATCHES "kv_policy strided"
+   OR NOT out MATCHES "allocator paged")
   message(FATAL_ERROR "installed kvlab did not list the out-of-tree plugins and the shipped ones")
 endif()
 # The out-of-tree allocator passes the installed conformance suite.
