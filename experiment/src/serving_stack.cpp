@@ -207,11 +207,7 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
     throw Error(fmt::format("attention \"{}\" cannot run {}: {}", c.attention, served.config.name,
                             problem));
   const std::int64_t kv_heads = served.attention->kv_heads(served.config);
-  if (served.config.is_mla() && kv_heads != served.config.num_key_value_heads)
-    throw Error(fmt::format(
-        "attention \"{}\" would give {} {} K/V heads, but it caches one latent a token a layer "
-        "(latent attention): there are no K/V heads to group",
-        c.attention, served.config.name, kv_heads));
+  refuse_kv_regrouping_of_latent(served.config, c.attention, kv_heads);
   if (checkpoint.weights) {
     served.weights = cpu::convert_kv_heads(*checkpoint.weights, kv_heads);
     served.weights_key = fmt::format("{}, {} K/V heads", checkpoint.key, kv_heads);
@@ -221,6 +217,15 @@ ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& r
   }
   load_draft(c, served);
   return served;
+}
+
+void refuse_kv_regrouping_of_latent(const ModelConfig& model, const std::string& attention,
+                                    std::int64_t kv_heads) {
+  if (model.is_mla() && kv_heads != model.num_key_value_heads)
+    throw Error(fmt::format(
+        "attention \"{}\" would give {} {} K/V heads, but it caches one latent a token a layer "
+        "(latent attention): there are no K/V heads to group",
+        attention, model.name, kv_heads));
 }
 
 // The cost model that prices the run's steps: the profile's device; a run whose pool has its own

@@ -53,6 +53,11 @@ struct ServedModel {
   ModelConfig draft_config;
 };
 
+// A latent-attention model caches one latent a token a layer: an attention variant that would
+// give it `kv_heads` other than its own has no K/V heads to regroup (kvlab::Error).
+void refuse_kv_regrouping_of_latent(const ModelConfig& model, const std::string& attention,
+                                    std::int64_t kv_heads);
+
 ServedModel load_served_model(const ExperimentConfig& c, const PluginRegistry& registry,
                               bool simulated);
 std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelConfig& model,

@@ -208,11 +208,7 @@ void check_latent_attention(const ExperimentConfig& c, const PluginRegistry& reg
   context.max_seq_len = model.max_position_embeddings;
   const auto attention =
       registry.create<PluginKind::attention_variant>(c.attention, c.attention_params, context);
-  if (attention->kv_heads(model) != model.num_key_value_heads)
-    throw Error(fmt::format(
-        "attention \"{}\" regroups K/V heads, but {} caches one latent a token a layer (latent "
-        "attention): there are no K/V heads to group",
-        c.attention, model.name));
+  refuse_kv_regrouping_of_latent(model, c.attention, attention->kv_heads(model));
 }
 
 // kv_cache.groups = "per_kind" (kvlab/kv/kv_groups.hpp) on a model of two attention kinds and a

@@ -2,13 +2,7 @@
 # build folder (-Dkvlab_DIR, nothing installed), listed by the build's kvlab, and its KV policy
 # run in the engine on a small quickstart.
 file(REMOVE_RECURSE ${WORK_DIR})
-function(run)
-  execute_process(COMMAND ${ARGN} RESULT_VARIABLE result OUTPUT_VARIABLE out ERROR_VARIABLE err)
-  if(NOT result EQUAL 0)
-    message(FATAL_ERROR "command failed (${result}): ${ARGN}\n${out}\n${err}")
-  endif()
-  set(last_output "${out}${err}" PARENT_SCOPE)
-endfunction()
+include(${CMAKE_CURRENT_LIST_DIR}/run_command.cmake)
 run(${CMAKE_COMMAND} -S ${PLUGIN_EXAMPLE_DIR} -B ${WORK_DIR}/plugin_build -Dkvlab_DIR=${KVLAB_BINARY_DIR}
     -DCMAKE_BUILD_TYPE=Release)
 run(${CMAKE_COMMAND} --build ${WORK_DIR}/plugin_build)

@@ -45,7 +45,7 @@ void share_group(std::vector<OperatorCost>& ops, std::size_t first, double group
 
 // A layer's GEMMs (step_shapes.hpp's layer_gemms), their inputs and outputs one GPU's share:
 // (2 x rows x in x out) FLOPs, the weights read, the activations in and out.
-void add_gemms(std::vector<OperatorCost>& ops, std::span<const sim_detail::LayerGemm> gemms,
+void add_gemms(std::vector<OperatorCost>& ops, const sim_detail::LayerGemms& gemms,
                std::int64_t layers, double weight, double act) {
   for (const auto& m : gemms)
     ops.push_back({m.name,

@@ -6,7 +6,8 @@
 #include <cstdint>
 #include <optional>
 #include <span>
-#include <vector>
+
+#include <boost/container/static_vector.hpp>
 
 #include "kvlab/model_config.hpp"
 #include "kvlab/sim/cost_model.hpp"
@@ -69,10 +70,13 @@ inline double routed_share_read(const ModelConfig::Experts& e, double tokens) {
 // kv_b_proj (over the new tokens, and over the `rebuilt` prefill keys already cached: a prefill
 // rebuilds its context's K and V from their latents) and o_proj. A mixture of experts' MLP does
 // the FLOPs of the experts a token uses and reads the weights of the experts the step routes to.
-inline std::vector<LayerGemm> layer_gemms(const ModelConfig& m, const ShardShapes& g,
-                                          std::int64_t tp, double tokens, double rebuilt) {
+// At most 7 of them: MLA's q_a, q_b, kv_a, kv_b and o, a router, the MLP's two.
+using LayerGemms = boost::container::static_vector<LayerGemm, 8>;
+
+inline LayerGemms layer_gemms(const ModelConfig& m, const ShardShapes& g, std::int64_t tp,
+                              double tokens, double rebuilt) {
   const double t = static_cast<double>(tp);
-  std::vector<LayerGemm> gemms;
+  LayerGemms gemms;
   if (m.is_mla()) {
     const auto q_lora = static_cast<double>(m.q_lora_rank);
     if (q_lora > 0) {  // replicated down-projection, split up-projection
