@@ -81,6 +81,10 @@ void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int6
     out["kl_error"] = r.kl_error();
     out["top1_agreement"] = r.top1_agreement();
   }
+  if (r.kv_kept.selections > 0) {  // what the policy's selections held and what a head saw
+    out["kv_held_positions"] = r.kv_kept.mean_held();
+    out["kv_seen_positions"] = r.kv_kept.mean_seen();
+  }
   fmt::print("{}\n", out.dump());
 }
 
@@ -94,6 +98,11 @@ void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
              r.ppl(), r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), c.kv_dtype,
              c.options.hadamard ? " rotated" : "",
              c.window > 0 ? fmt::format(", window {}", c.window) : "", policy);
+  if (r.kv_kept.selections > 0)
+    fmt::print(
+        "KV after a selection: {:.1f} positions held (slots), {:.1f} seen by a layer's K/V head "
+        "(the rest of those held masked), mean of {} selections\n",
+        r.kv_kept.mean_held(), r.kv_kept.mean_seen(), r.kv_kept.selections);
   if (!r.compared) return;
   fmt::print("exact KV (f32, every position): PPL = {:.4f}; this KV: {:+.3f}%\n", r.exact_ppl(),
              100.0 * (r.ppl() / r.exact_ppl() - 1.0));
@@ -218,6 +227,7 @@ ExperimentPoint experiment_point(const PerplexityCommand& c, const ExperimentCon
       command.kv_params.push_back(key + "=" + param_value_to_string(value));
   }
   command.options.policy = point.policy.get();
+  command.options.policy_name = e.kv_policy;
   return point;
 }
 
@@ -349,6 +359,7 @@ void run_perplexity(PerplexityCommand c) {
   c.options.hadamard = c.kv_rotation == "hadamard";
   PluginObject<KvPolicy> policy = make_kv_policy(c);
   c.options.policy = policy.get();
+  c.options.policy_name = c.kv_policy;
   const TextAndModel m = load_text_and_model(c.model, c.file);
   measure(c, m, m.weights);
 }
@@ -386,13 +397,16 @@ void register_perplexity(CLI::App& app) {
                   "Attend to the last W positions only (window attention; 0 = off)")
       ->capture_default_str();
   sub->add_option("--kv-policy", c->kv_policy,
-                  "A KV policy: window, streaming_llm, h2o, snapkv, or your own kv_policy plugin. "
-                  "Each chunk is then streamed --kv-step tokens a forward and the policy keeps "
-                  "at most its budget of positions between forwards");
+                  "A KV policy: window, streaming_llm, h2o, snapkv, pyramidkv, adakv, or your own "
+                  "kv_policy plugin. Each chunk is then streamed --kv-step tokens a forward and "
+                  "each layer's K/V head keeps at most the policy's budget between forwards");
   sub->add_option("--kv-param", c->kv_params,
                   "The policy's parameters, key=value, repeatable (budget=256, sinks=4; kvlab "
                   "plugins shows each policy's)");
-  sub->add_option("--kv-step", c->options.policy_step, "Tokens a forward under a KV policy")
+  sub->add_option("--kv-step", c->options.policy_step,
+                  "Tokens a forward under a KV policy (default 1: token by token, as a generation "
+                  "meets it; a larger step is faster, and each query then sees up to budget + "
+                  "step - 1 positions)")
       ->capture_default_str();
   sub->add_option("--weights", c->weights,
                   "The format the backend multiplies in: stored, f32, f16, bf16, q8_0, q4_0, q4_1")

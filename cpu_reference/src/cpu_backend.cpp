@@ -6,6 +6,7 @@
 
 #include <Eigen/Dense>
 #include <cstring>
+#include <limits>
 
 #include "attention_rows.hpp"
 #include "kivi_attention.hpp"
@@ -236,18 +237,30 @@ void CpuBackend::rotate_and_store(std::int64_t layer, std::span<const std::int32
   }
 }
 
-// Zeroed sums for the entries that ask for attention scores; none when no entry does.
+// Zeroed sums for the entries that ask for attention scores, (layers, kv_heads, keys) an entry;
+// none when no entry does. Checks the entries' key masks.
 void CpuBackend::prepare_key_scores(std::span<const BatchEntry> batch) {
+  const ModelConfig& c = weights_.config;
+  const auto heads = static_cast<std::size_t>(c.num_hidden_layers * c.num_key_value_heads);
   score_offsets_.clear();
   std::size_t total = 0;
-  bool asked = false;
+  bool asked = false, masked = false;
   for (const BatchEntry& e : batch) {
     score_offsets_.push_back(total);
-    total += static_cast<std::size_t>(e.view.length());
+    const auto keys = static_cast<std::size_t>(e.view.length());
+    total += heads * keys;
     asked = asked || e.scored_queries > 0;
+    masked = masked || !e.key_mask.empty();
+    if (!e.key_mask.empty() && e.key_mask.size() != heads * keys)
+      throw Error(fmt::format("a key mask of {} bytes for a view of {} keys: {} layers x {} K/V "
+                              "heads x {} keys expected",
+                              e.key_mask.size(), keys, c.num_hidden_layers,
+                              c.num_key_value_heads, keys));
   }
-  if (asked && !groups_.uniform())  // the groups' views index their keys differently
-    throw Error("attention scores for a KV policy are not computed with KV groups");
+  if ((asked || masked) && (!groups_.uniform() || c.latent_dim() > 0))
+    throw Error(fmt::format(
+        "attention {} for a KV policy are not computed with KV groups or latent attention",
+        asked ? "scores" : "masks"));
   if (asked)
     key_scores_.assign(total, 0.0f);
   else
@@ -286,8 +299,11 @@ struct AttentionGroup {
   std::int64_t row0;                      // batch row of the entry's first query
   std::int64_t key_begin, key_end;        // view indices [key_begin, key_end)
   std::optional<std::int64_t> window;
-  // When not null: (keys()) where each query from `scored_from` on adds its attention weights,
-  // summed over the group's heads (BatchEntry::scored_queries).
+  // When not null: the layer's rows of the entry's key mask (BatchEntry::key_mask), K/V head
+  // h's at mask + h * view.length().
+  const std::uint8_t* mask = nullptr;
+  // When not null: (kv_count, keys()) where each query from `scored_from` on adds its attention
+  // weights, summed over the query heads of each K/V head (BatchEntry::scored_queries).
   float* key_scores = nullptr;
   std::int64_t scored_from = 0;
 
@@ -304,6 +320,10 @@ struct AttentionGroup {
   }
   std::int64_t last_visible(std::int64_t i) const {
     return view.index_at_or_after(entry.start_position + i + 1) - 1 - key_begin;
+  }
+  // The mask of the task's K/V head k over its columns, or null when nothing is masked.
+  const std::uint8_t* column_mask(std::int64_t k) const {
+    return mask == nullptr ? nullptr : mask + (kv_head + k) * view.length() + key_begin;
   }
   // Calls visit(column, first slot, length) for each run of consecutive slots holding keys
   // [key_begin, key_end).
@@ -324,18 +344,22 @@ namespace {
 // Softmax of each row of `scores` over the keys its query sees, zero elsewhere. Row r is query
 // r % queries (rows are heads x queries, head-major).
 void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
+  const std::int64_t queries = task.queries();
   for (std::int64_t r = 0; r < scores.rows(); ++r) {
-    const std::int64_t i = r % task.queries();
+    const std::int64_t i = r % queries, k = r / queries / task.group;  // query, K/V head
     const std::int64_t first = task.first_visible(i), last = task.last_visible(i);
     auto row = scores.row(r);
     auto visible = row.segment(first, last - first + 1);
-    const float max_score = visible.maxCoeff();
+    if (const std::uint8_t* mask = task.column_mask(k))  // keys a per-head KV policy hid
+      for (std::int64_t j = first; j <= last; ++j)
+        if (mask[j] == 0) row[j] = -std::numeric_limits<float>::infinity();
+    const float max_score = visible.maxCoeff();  // finite: a query always sees its own key
     visible = (visible.array() - max_score).exp();
     visible /= visible.sum();
     row.head(first).setZero();
     row.tail(scores.cols() - 1 - last).setZero();
     if (task.key_scores != nullptr && i >= task.scored_from)
-      Eigen::Map<Eigen::RowVectorXf>(task.key_scores, scores.cols()) += row;
+      Eigen::Map<Eigen::RowVectorXf>(task.key_scores + k * scores.cols(), scores.cols()) += row;
   }
 }
 
@@ -366,8 +390,10 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     const std::int64_t key_begin =  // the oldest key any query sees
         window ? view.index_at_or_after(entry.start_position - *window + 1) : 0;
     const std::int64_t key_end = view.index_at_or_after(last_position + 1);
-    const AttentionGroup task{entry,         view,      0,       kv_heads, group,
-                              first_rows[e], key_begin, key_end, window};
+    const std::uint8_t* mask =
+        entry.key_mask.empty() ? nullptr : entry.key_mask.data() + layer * kv_heads * view.length();
+    const AttentionGroup task{entry,   view,      0,      kv_heads, group, first_rows[e],
+                              key_begin, key_end, window, mask};
     if (entry.tokens.size() == 1 && whole_entries) {
       tasks.push_back(task);
     } else {
@@ -393,8 +419,13 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   for (std::size_t t = 0; t < task_entries.size(); ++t) {  // tasks' sums into their entries'
     const AttentionGroup& task = tasks[t];
     if (task.key_scores == nullptr) continue;
-    float* entry_scores = key_scores_.data() + score_offsets_[task_entries[t]] + task.key_begin;
-    for (std::int64_t j = 0; j < task.keys(); ++j) entry_scores[j] += task.key_scores[j];
+    const std::int64_t length = task.view.length();  // (layers, kv_heads, length) an entry
+    for (std::int64_t k = 0; k < task.kv_count; ++k) {
+      float* entry_scores = key_scores_.data() + score_offsets_[task_entries[t]] +
+                            ((layer * kv_heads) + task.kv_head + k) * length + task.key_begin;
+      const float* sums = task.key_scores + k * task.keys();
+      for (std::int64_t j = 0; j < task.keys(); ++j) entry_scores[j] += sums[j];
+    }
   }
 }
 
@@ -407,7 +438,8 @@ std::vector<std::size_t> CpuBackend::give_score_buffers(std::span<const BatchEnt
   for (std::size_t t = 0; t < tasks.size(); ++t) {
     while (&batch[e] != &tasks[t].entry) ++e;
     entries[t] = e;
-    if (batch[e].scored_queries > 0) total += static_cast<std::size_t>(tasks[t].keys());
+    if (batch[e].scored_queries > 0)
+      total += static_cast<std::size_t>(tasks[t].kv_count * tasks[t].keys());
   }
   task_scores_.assign(total, 0.0f);
   total = 0;
@@ -417,7 +449,7 @@ std::vector<std::size_t> CpuBackend::give_score_buffers(std::span<const BatchEnt
     tasks[t].key_scores = task_scores_.data() + total;
     tasks[t].scored_from = std::max<std::int64_t>(
         0, static_cast<std::int64_t>(entry.tokens.size()) - entry.scored_queries);
-    total += static_cast<std::size_t>(tasks[t].keys());
+    total += static_cast<std::size_t>(tasks[t].kv_count * tasks[t].keys());
   }
   return entries;
 }
@@ -548,8 +580,6 @@ void CpuBackend::latent_attend(std::int64_t layer, std::span<const BatchEntry> b
                                std::span<const std::int64_t> slots, RowMatrix& qkv,
                                RowMatrix& out) {
   const ModelConfig& c = weights_.config;
-  if (!key_scores_.empty())
-    throw Error("attention scores for a KV policy are not computed for latent attention");
   const std::int64_t heads = c.num_attention_heads, hd = c.head_dim, nope = c.qk_nope_head_dim,
                      rank = c.kv_lora_rank, latent = c.latent_dim(), vd = c.v_head_dim;
   const LayerWeightsView& weights = weights_.layers[static_cast<std::size_t>(layer)];

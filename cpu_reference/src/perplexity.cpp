@@ -10,6 +10,7 @@
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
+#include "kvlab/kv/kv_keep.hpp"
 
 namespace kvlab::cpu {
 namespace {
@@ -67,15 +68,21 @@ ScoringRun make_run(const ModelWeightsView& weights,
   return run;
 }
 
-// Chunks streamed through a KV policy: each sequence s owns slots [s * room, + room), its kept
-// positions' K/V first, in order, and then one step's new tokens.
+// Chunks streamed through a KV policy: each sequence s owns slots [s * room, + room), the K/V
+// of the positions some layer's head keeps first, in order, and then one step's new tokens.
 class PolicyStream {
  public:
-  PolicyStream(CpuBackend& backend, KvPool& pool, KvPolicy& policy, std::int64_t step)
-      : backend_(backend), pool_(pool), policy_(policy), step_(step) {}
+  PolicyStream(CpuBackend& backend, KvPool& pool, KvPolicy& policy, std::string policy_name,
+               std::int64_t step)
+      : backend_(backend),
+        pool_(pool),
+        policy_(policy),
+        policy_name_(std::move(policy_name)),
+        step_(step) {}
 
-  static std::int64_t slots(const KvPolicy& policy, std::int64_t step) {
-    return policy.budget() + step;
+  // Slots a sequence of n_ctx tokens takes: what the policy may hold, and a step's tokens.
+  static std::int64_t slots(const KvPolicy& policy, std::int64_t step, std::int64_t n_ctx) {
+    return std::min(std::max(policy.held_limit(), policy.budget()), n_ctx) + step;
   }
 
   // Runs the chunks `sequences` (n_ctx tokens each, ids `first_id` on) step by step; writes the
@@ -83,85 +90,100 @@ class PolicyStream {
   // `logits`, as CpuBackend::run(whole chunks, n_ctx - first) would.
   void run(std::span<const std::span<const std::int32_t>> sequences, std::int64_t first_id,
            std::int64_t first, RowMatrix& logits);
+  // What the policy's selections held and saw, over every run so far.
+  const KvKeepStats& stats() const { return stats_; }
 
  private:
+  struct Sequence {
+    HeadSelection kept;              // positions in slot order, and what each head sees
+    std::vector<std::int64_t> held;  // kept.positions and then this step's new ones
+    std::vector<std::uint8_t> mask;  // the view's key mask (BatchEntry::key_mask)
+  };
   void keep_selected(std::size_t s, std::int64_t id, std::span<const float> scores,
                      std::int64_t new_tokens, bool prompt_done);
 
   CpuBackend& backend_;
   KvPool& pool_;
   KvPolicy& policy_;
-  std::int64_t step_;
-  std::vector<std::vector<std::int64_t>> held_;  // per sequence: positions, slot order
-  std::vector<std::int64_t> kept_;
+  std::string policy_name_;
+  std::int64_t step_, room_ = 0;
+  std::vector<Sequence> sequences_;
+  std::vector<std::uint8_t> keep_;
+  KvKeepStats stats_;
 };
 
 void PolicyStream::run(std::span<const std::span<const std::int32_t>> sequences,
                        std::int64_t first_id, std::int64_t first, RowMatrix& logits) {
   const std::int64_t n_ctx = static_cast<std::int64_t>(sequences[0].size()), scored = n_ctx - first;
-  const std::int64_t room = slots(policy_, step_),
-                     seqs = static_cast<std::int64_t>(sequences.size());
+  room_ = slots(policy_, step_, n_ctx);
+  const auto seqs = static_cast<std::int64_t>(sequences.size());
   logits.resize(seqs * scored, backend_.vocab_size());
-  held_.assign(sequences.size(), {});
+  sequences_.assign(sequences.size(), {});
   for (std::int64_t start = 0; start < n_ctx; start += step_) {
     const std::int64_t len = std::min(step_, n_ctx - start);
     std::vector<BatchEntry> batch(sequences.size());
     for (std::size_t s = 0; s < sequences.size(); ++s) {
-      std::vector<std::int64_t>& held = held_[s];
-      for (std::int64_t p = start; p < start + len; ++p) held.push_back(p);
+      Sequence& seq = sequences_[s];
+      seq.held = seq.kept.positions;
+      for (std::int64_t p = start; p < start + len; ++p) seq.held.push_back(p);
+      key_mask_for(seq.kept, seq.held, start, seq.mask);
       BatchEntry& e = batch[s];
       e.tokens =
           sequences[s].subspan(static_cast<std::size_t>(start), static_cast<std::size_t>(len));
       e.start_position = start;
       e.view.extents = {
-          {static_cast<std::int64_t>(s) * room, static_cast<std::int64_t>(held.size())}};
-      e.view.first_position = held.front();
-      e.view.positions = held;
+          {static_cast<std::int64_t>(s) * room_, static_cast<std::int64_t>(seq.held.size())}};
+      e.view.first_position = seq.held.front();
+      e.view.positions = seq.held;
       e.scored_queries = policy_.scored_queries();
+      e.key_mask = seq.mask;
     }
     const RowMatrix& out = backend_.run(batch, len);  // (seqs x len, vocab)
+    const std::span<const float> all = backend_.key_scores();
     std::size_t score_offset = 0;
     for (std::size_t s = 0; s < sequences.size(); ++s) {
       for (std::int64_t i = std::max<std::int64_t>(0, first - start); i < len; ++i)
         logits.row(static_cast<std::int64_t>(s) * scored + start + i - first) =
             out.row(static_cast<std::int64_t>(s) * len + i);
-      const std::span<const float> all = backend_.key_scores();
-      const std::size_t held = held_[s].size();
+      const std::size_t cells = sequences_[s].held.size() *
+                                static_cast<std::size_t>(pool_.shape().layers * pool_.shape().kv_heads);
       keep_selected(s, first_id + static_cast<std::int64_t>(s),
-                    all.empty() ? all : all.subspan(score_offset, held), len, start + len == n_ctx);
-      score_offset += held;
+                    all.empty() ? all : all.subspan(score_offset, cells), len, start + len == n_ctx);
+      score_offset += cells;
     }
   }
   for (std::size_t s = 0; s < sequences.size(); ++s)
     policy_.forget(first_id + static_cast<std::int64_t>(s));
 }
 
-// Asks the policy which of sequence s's positions stay, and moves their K/V to the front of its
-// slots, in order (a kept row only moves down, so no row is overwritten before it is read).
+// Asks the policy which of sequence s's positions each head keeps, and moves the K/V of those
+// some head keeps to the front of its slots, in order (a kept row only moves down, so no row is
+// overwritten before it is read).
 void PolicyStream::keep_selected(std::size_t s, std::int64_t id, std::span<const float> scores,
                                  std::int64_t new_tokens, bool prompt_done) {
-  std::vector<std::int64_t>& held = held_[s];
-  kept_.resize(held.size());
-  const std::int64_t count = policy_.select({id, held, scores, new_tokens, prompt_done}, kept_);
-  if (count < 1 || count > std::max(policy_.budget(), std::int64_t{1}) ||
-      count > static_cast<std::int64_t>(held.size()))
-    throw Error(fmt::format("the KV policy kept {} of {} positions (budget {})", count, held.size(),
-                            policy_.budget()));
-  const std::int64_t base = static_cast<std::int64_t>(s) * slots(policy_, step_);
+  Sequence& seq = sequences_[s];
+  const KvPoolShape& shape = pool_.shape();
+  const auto n = static_cast<std::int64_t>(seq.held.size());
+  keep_.assign(static_cast<std::size_t>(shape.layers * shape.kv_heads * n), 0);
+  const KvKeep keep{keep_, shape.layers, shape.kv_heads, n};
+  const KvPolicyStep step{id, seq.held, scores, shape.layers, shape.kv_heads, new_tokens,
+                          prompt_done};
+  HeadSelection kept =
+      kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
+  if (kept.held() + step_ > room_)
+    throw Error(fmt::format("the KV policy held {} positions, more than its held limit {}",
+                            kept.held(), room_ - step_));
+  if (kept.cells < n * shape.layers * shape.kv_heads) stats_.add(kept);  // it dropped some
+  const std::int64_t base = static_cast<std::int64_t>(s) * room_;
   std::size_t from = 0;
-  for (std::int64_t k = 0; k < count; ++k) {
-    const std::int64_t position = kept_[static_cast<std::size_t>(k)];
-    while (from < held.size() && held[from] < position) ++from;
-    if (from == held.size() || held[from] != position)
-      throw Error(
-          fmt::format("the KV policy kept position {}, which the sequence does not hold "
-                      "(or not in increasing order)",
-                      position));
+  for (std::int64_t k = 0; k < kept.held(); ++k) {
+    const std::int64_t position = kept.positions[static_cast<std::size_t>(k)];
+    while (seq.held[from] < position) ++from;  // kept.positions is a subset of held, in order
     if (static_cast<std::int64_t>(from) != k)
       pool_.copy_slots(base + static_cast<std::int64_t>(from), base + k, 1);
     ++from;
   }
-  held.assign(kept_.begin(), kept_.begin() + count);
+  seq.kept = std::move(kept);
 }
 
 void check_options(const ModelConfig& c, std::int64_t text_tokens, const PerplexityOptions& o) {
@@ -318,10 +340,11 @@ std::vector<PerplexityResult> measure_perplexity(
     point.result.compared = o.compare_with_exact && !is_exact(o);
     any_compared = any_compared || point.result.compared;
     const std::int64_t room =
-        o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step) : chunk_room;
+        o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step, n_ctx) : chunk_room;
     point.run = make_run(weights, compute, o.kv_dtype, o.hadamard, o.window, parallel * room);
     if (o.policy != nullptr)
-      point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_step);
+      point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_name,
+                           o.policy_step);
   }
   ScoringRun reference;  // the exact KV, run once per batch for every point compared with it
   if (any_compared)
@@ -347,7 +370,10 @@ std::vector<PerplexityResult> measure_perplexity(
         any_compared ? &reference.backend->run(batch, n_ctx - first) : nullptr;
     for (std::size_t p = 0; p < scored.size(); ++p) {
       ScoredPoint& point = scored[p];
-      if (point.stream) point.stream->run(sequences, chunk, first, point.streamed);
+      if (point.stream) {
+        point.stream->run(sequences, chunk, first, point.streamed);
+        point.result.kv_kept = point.stream->stats();
+      }
       const RowMatrix& logits =
           point.stream ? point.streamed : point.run.backend->run(batch, n_ctx - first);
       for (std::int64_t s = 0; s < seqs; ++s) {

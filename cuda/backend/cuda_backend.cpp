@@ -155,10 +155,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
   kvlab::ForwardResult forward(std::span<const kvlab::BatchEntry> batch,
                                std::span<const kvlab::TokenChoice> choices) override {
     for (const kvlab::BatchEntry& e : batch) {  // block tables of consecutive positions only
-      if (e.view.has_holes() || e.scored_queries > 0)
+      if (e.view.has_holes() || e.scored_queries > 0 || !e.key_mask.empty())
         throw kvlab::Error(
-            "the cuda backend reads consecutive positions and reports no attention scores: a "
-            "KV policy's views need the cpu backend");
+            "the cuda backend reads consecutive positions, reports no attention scores and "
+            "masks no keys: a KV policy's views need the cpu backend");
       if (e.logit_rows < 1 || e.logit_rows > static_cast<std::int64_t>(e.tokens.size()))
         throw kvlab::Error(fmt::format(
             "cuda backend: an entry of {} tokens asks for {} rows of logits (1 to its tokens)",

@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstring>
+#include <numeric>
 
 #include "cache_walk.hpp"
 #include "kvlab/cpu_reference/cpu_backend.hpp"
@@ -86,6 +87,60 @@ TEST(CpuBackend, AnEntryGetsLogitsAtEachOfItsLastLogitRowsTokens) {
   const std::vector<std::int32_t> outside{3, static_cast<std::int32_t>(c.vocab_size)};
   const BatchEntry bad{outside, 0, KvView{{{40, 2}}, 0, {}}};
   EXPECT_THROW((void)backend.run({&bad, 1}), Error);  // no embedding row to read
+}
+
+// A key mask (BatchEntry::key_mask: a per-head KV policy's) hides keys per layer and K/V head.
+// Hidden in every head, a key is as absent as from a view without it (the same logits within
+// 1e-5: the same terms, summed around a hole). Hidden only in layer 0's K/V head 0, that head
+// gives it weight 0 while its query heads' weights still sum to 1 a query (1e-5) and the other
+// K/V head's weight on it is not 0; the logits then differ from both the unmasked and the
+// everywhere-hidden runs. A mask of the wrong size is refused.
+TEST(CpuBackend, AKeyMaskHidesKeysPerLayerAndKvHead) {
+  const LlamaWeights weights = random_llama_weights(model_preset("tiny"), 11);
+  const ModelConfig& c = weights.config;  // 2 layers, 4 query heads, 2 K/V heads
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 32});
+  CpuBackend backend(weights, pool, std::nullopt);
+  const std::vector<std::int32_t> prompt{1, 5, 9, 200, 3, 77, 12, 8, 40, 41, 42, 43, 44};
+  const BatchEntry prefill{prompt, 0, KvView{{{0, 13}}, 0, {}}};
+  (void)backend.run({&prefill, 1});
+  const std::vector<std::int32_t> next{7};
+  const std::int64_t keys = 14, hidden = 4, heads = c.num_hidden_layers * c.num_key_value_heads;
+  auto decode = [&](std::vector<std::uint8_t> mask) {  // logits and key scores of position 13
+    BatchEntry entry{next, 13, KvView{{{0, keys}}, 0, {}}};
+    entry.scored_queries = 1;
+    entry.key_mask = mask;
+    const RowMatrix logits = backend.run({&entry, 1});
+    const std::span<const float> scores = backend.key_scores();
+    return std::make_pair(logits, std::vector<float>(scores.begin(), scores.end()));
+  };
+  std::vector<std::uint8_t> everywhere(static_cast<std::size_t>(heads * keys), 1);
+  for (std::int64_t row = 0; row < heads; ++row)
+    everywhere[static_cast<std::size_t>(row * keys + hidden)] = 0;
+  const auto [masked_logits, masked_scores] = decode(everywhere);
+  EXPECT_EQ(masked_scores.size(), static_cast<std::size_t>(heads * keys));
+  std::vector<std::int64_t> without(static_cast<std::size_t>(keys));
+  std::iota(without.begin(), without.end(), 0);
+  without.erase(without.begin() + hidden);
+  const BatchEntry holed{next, 13, KvView{{{0, hidden}, {hidden + 1, keys - hidden - 1}}, 0,
+                                          without}};
+  const RowMatrix absent = backend.run({&holed, 1});
+  EXPECT_LT((masked_logits - absent).cwiseAbs().maxCoeff(), 1e-5);
+
+  std::vector<std::uint8_t> one_head(static_cast<std::size_t>(heads * keys), 1);
+  one_head[static_cast<std::size_t>(hidden)] = 0;  // layer 0, K/V head 0
+  const auto [one_logits, one_scores] = decode(one_head);
+  EXPECT_EQ(one_scores[static_cast<std::size_t>(hidden)], 0.0f);
+  EXPECT_GT(one_scores[static_cast<std::size_t>(keys + hidden)], 0.0f);  // K/V head 1 sees it
+  for (std::int64_t row = 0; row < heads; ++row) {
+    float sum = 0;
+    for (std::int64_t j = 0; j < keys; ++j) sum += one_scores[static_cast<std::size_t>(row * keys + j)];
+    EXPECT_NEAR(sum, static_cast<float>(c.group_size()), 1e-5) << row;
+  }
+  const auto [plain_logits, plain_scores] = decode({});
+  EXPECT_GT((one_logits - plain_logits).cwiseAbs().maxCoeff(), 1e-4);
+  EXPECT_GT((one_logits - masked_logits).cwiseAbs().maxCoeff(), 1e-4);
+  one_head.pop_back();
+  EXPECT_THROW((void)decode(one_head), Error);
 }
 
 // Gemma 3's architecture (gemma3-tiny: 6 layers, the last global, the others an 8-token window

@@ -158,9 +158,9 @@ TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
   struct KeepAll final : KvPolicy {
     std::int64_t budget() const override { return 64; }
     std::int32_t scored_queries() const override { return 0; }
-    std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
-      std::copy(step.positions.begin(), step.positions.end(), kept.begin());
-      return static_cast<std::int64_t>(step.positions.size());
+    std::int64_t select(const KvPolicyStep&, const KvKeep& keep) override {
+      std::fill(keep.cells.begin(), keep.cells.end(), std::uint8_t{1});
+      return static_cast<std::int64_t>(keep.cells.size());
     }
     void forget(std::int64_t) override {}
   } keep_all;
@@ -170,18 +170,20 @@ TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
 }
 
 // A KV policy for the tests: keeps its first `sinks` positions and the newest, `budget` in all
-// (streaming_llm's rule; sinks 0 is the plain window), and checks what it is given: the
-// attention scores of `scored` queries sum, over keys, to layers x query heads per query.
+// (streaming_llm's rule; sinks 0 is the plain window), in every layer and head, and checks what
+// it is given: the attention scores of `scored` queries sum, over layers, K/V heads and keys, to
+// layers x query heads per query.
 class KeepEnds final : public KvPolicy {
  public:
   KeepEnds(std::int64_t budget, std::int64_t sinks, std::int32_t scored, std::int64_t score_sum)
       : budget_(budget), sinks_(sinks), scored_(scored), score_sum_(score_sum) {}
   std::int64_t budget() const override { return budget_; }
   std::int32_t scored_queries() const override { return scored_; }
-  std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
+  std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
     EXPECT_TRUE(std::is_sorted(step.positions.begin(), step.positions.end()));
     if (scored_ > 0) {
-      EXPECT_EQ(step.scores.size(), step.positions.size());
+      EXPECT_EQ(step.scores.size(),
+                step.positions.size() * static_cast<std::size_t>(step.layers * step.kv_heads));
       double sum = 0;
       for (float v : step.scores) sum += v;
       const auto queries = std::min<std::int64_t>(scored_, step.new_tokens);
@@ -191,9 +193,13 @@ class KeepEnds final : public KvPolicy {
     const auto n = static_cast<std::int64_t>(step.positions.size());
     const std::int64_t first = std::min(sinks_, n), recent = std::min(n - first, budget_ - first);
     std::int64_t count = 0;
-    for (std::int64_t i = 0; i < n; ++i)
-      if (i < first || i >= n - recent)
-        kept[static_cast<std::size_t>(count++)] = step.positions[static_cast<std::size_t>(i)];
+    for (std::int64_t l = 0; l < keep.layers; ++l)
+      for (std::int64_t h = 0; h < keep.kv_heads; ++h)
+        for (std::int64_t i = 0; i < n; ++i)
+          if (i < first || i >= n - recent) {
+            keep.head(l, h)[static_cast<std::size_t>(i)] = 1;
+            ++count;
+          }
     ++selections;
     return count;
   }
@@ -305,15 +311,29 @@ TEST(Perplexity, SettingsMeasuredTogetherEqualEachMeasuredAlone) {
       {"share context, chunks and parallel", "16/0/3"});
 }
 
-// A policy that keeps a position the sequence does not hold, or more than its budget, is a
-// clear error.
+// A policy that leaves a head with nothing, keeps more than its budget once over it, holds a
+// union beyond its held limit or miscounts what it kept is a clear error naming it.
 TEST(Perplexity, RefusesAPolicyThatBreaksItsContract) {
+  enum class Lie { empty_head, over_budget, over_held_limit, miscount };
   struct Liar final : KvPolicy {
+    Lie lie = Lie::empty_head;
     std::int64_t budget() const override { return 4; }
     std::int32_t scored_queries() const override { return 0; }
-    std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
-      kept[0] = step.positions.back() + 1;
-      return 1;
+    std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
+      const std::int64_t n = step.count();
+      std::int64_t cells = 0;
+      for (std::int64_t row = 0; row < keep.layers * keep.kv_heads; ++row) {
+        std::span<std::uint8_t> head = keep.head(row / keep.kv_heads, row % keep.kv_heads);
+        const std::int64_t keeps = lie == Lie::over_budget ? n
+                                   : lie == Lie::empty_head && row == 1 ? 0
+                                                                       : std::min<std::int64_t>(n, 4);
+        // over_held_limit: over budget, heads keep [0, 4) or [1, 5): a union of 5
+        const std::int64_t first =
+            lie == Lie::over_held_limit && n > 4 ? row % 2 : n - keeps;
+        for (std::int64_t i = first; i < first + keeps; ++i, ++cells)
+          head[static_cast<std::size_t>(i)] = 1;
+      }
+      return lie == Lie::miscount ? cells + 1 : cells;
     }
     void forget(std::int64_t) override {}
   } liar;
@@ -321,7 +341,12 @@ TEST(Perplexity, RefusesAPolicyThatBreaksItsContract) {
   PerplexityOptions options;
   options.context = 16;
   options.policy = &liar;
-  EXPECT_THROW(text.measure(options, 1), Error);
+  options.policy_name = "liar";
+  for (const Lie lie : {Lie::empty_head, Lie::over_budget, Lie::over_held_limit, Lie::miscount}) {
+    liar.lie = lie;
+    test::expect_error_containing([&] { (void)text.measure(options, 1); },
+                                  {"KV policy \"liar\"", "budget 4"});
+  }
 }
 
 }  // namespace

@@ -539,9 +539,11 @@ TEST(Engine, WindowKvPolicyGivesSlidingWindowAttentionsTokens) {
   }
 }
 
-// Every shipped policy (h2o and snapkv reading the backend's attention scores) under fcfs and
-// chunked prefill, with a pool small enough to preempt: every request finishes, and after each
-// step no sequence holds more than its budget of positions.
+// Every shipped policy (h2o, snapkv, pyramidkv and adakv reading the backend's attention
+// scores; the last four per layer and K/V head, masking what one head drops and another keeps)
+// under fcfs and chunked prefill, with a pool small enough to preempt: every request finishes,
+// and after each step a sequence whose heads all keep the same positions holds at most its
+// budget of them.
 TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
   SyntheticWorkload spec;
   spec.requests = 10;
@@ -551,7 +553,14 @@ TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
   spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 20};
   spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 10, 30};
   const std::vector<WorkloadRequest> requests = generate_workload(spec);  // up to 50 tokens each
-  for (const char* name : {"window", "streaming_llm", "h2o", "snapkv"}) {
+  struct Policy {
+    const char* name;
+    bool per_head;
+  };
+  for (const Policy policy : {Policy{"window", false}, Policy{"streaming_llm", false},
+                              Policy{"h2o", false}, Policy{"snapkv", false}, Policy{"h2o", true},
+                              Policy{"snapkv", true}, Policy{"pyramidkv", true},
+                              Policy{"adakv", true}}) {
     for (const char* scheduler : {"fcfs", "chunked"}) {
       EngineSetup setup;
       setup.scheduler = scheduler;
@@ -560,18 +569,23 @@ TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
                                   {"victim", std::string("most_kv")}};
       setup.slots = 64;
       setup.allocator_params["prefix_caching"] = false;
+      const std::string name = policy.name;
       setup.kv_policy = name;
       setup.kv_policy_params = {{"budget", std::int64_t{8}}};
-      if (std::string(name) == "snapkv") setup.kv_policy_params["window"] = std::int64_t{3};
+      if (name != "window" && name != "streaming_llm" && name != "h2o")
+        setup.kv_policy_params["window"] = std::int64_t{3};
+      if (name == "h2o" || name == "snapkv") setup.kv_policy_params["per_head"] = policy.per_head;
       const EngineResult r = run_engine(setup, requests);
-      SCOPED_TRACE(std::string(name) + " " + scheduler);
+      SCOPED_TRACE(name + (policy.per_head ? " per head " : " ") + scheduler);
       ASSERT_EQ(r.requests.size(), requests.size());
       for (const RequestTimeline& q : r.requests) {
         EXPECT_TRUE(q.finish_reason == "max_tokens" || q.finish_reason == "eos") << q.finish_reason;
       }
       std::int64_t preempted = 0;
       for (const StepRecord& step : r.steps) {
-        EXPECT_LE(step.kv.used, 8 * step.running) << "step " << step.step;
+        if (!policy.per_head) {
+          EXPECT_LE(step.kv.used, 8 * step.running) << "step " << step.step;
+        }
         preempted += step.preempted;
       }
       EXPECT_GT(preempted, 0);  // a sequence rebuilt its KV: the policy started it afresh

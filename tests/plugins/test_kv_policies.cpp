@@ -1,8 +1,10 @@
 // The shipped KV policies (plugins/kv_policies/): which positions each keeps under its budget.
 // window keeps the newest; streaming_llm the first `sinks` and the newest; h2o the newest and
 // those with the most attention accumulated over forwards; snapkv the observation window and
-// the positions its (max-pooled) votes favour. Every policy keeps everything while it fits,
-// returns increasing positions it was given, and refuses parameters that leave no room.
+// the positions its (max-pooled) votes favour; in each layer's K/V head where the paper selects
+// per head (h2o, snapkv), with budgets that shrink with depth (pyramidkv) or that a layer's heads
+// share (adakv). Every policy keeps everything while it fits and refuses parameters that leave
+// no room.
 #include <gtest/gtest.h>
 
 #include <numeric>
@@ -26,14 +28,37 @@ std::vector<std::int64_t> range(std::int64_t begin, std::int64_t end) {
   return v;
 }
 
+// What each (layer, K/V head) keeps of `positions`, row layer * kv_heads + head; `scores`:
+// (layers, kv_heads, positions). Checks the count the policy returns.
+std::vector<std::vector<std::int64_t>> select_heads(KvPolicy& policy, std::int64_t sequence,
+                                                    const std::vector<std::int64_t>& positions,
+                                                    const std::vector<float>& scores,
+                                                    std::int64_t layers, std::int64_t kv_heads,
+                                                    std::int64_t new_tokens = 1,
+                                                    bool prompt_done = false) {
+  const auto n = static_cast<std::int64_t>(positions.size());
+  std::vector<std::uint8_t> cells(static_cast<std::size_t>(layers * kv_heads * n), 0);
+  const KvKeep keep{cells, layers, kv_heads, n};
+  const std::int64_t marked = policy.select(
+      {sequence, positions, scores, layers, kv_heads, new_tokens, prompt_done}, keep);
+  std::vector<std::vector<std::int64_t>> kept(static_cast<std::size_t>(layers * kv_heads));
+  std::int64_t counted = 0;
+  for (std::int64_t row = 0; row < layers * kv_heads; ++row)
+    for (std::int64_t i = 0; i < n; ++i)
+      if (cells[static_cast<std::size_t>(row * n + i)] != 0) {
+        kept[static_cast<std::size_t>(row)].push_back(positions[static_cast<std::size_t>(i)]);
+        ++counted;
+      }
+  EXPECT_EQ(marked, counted);
+  return kept;
+}
+
+// One layer, one K/V head: the positions it keeps.
 std::vector<std::int64_t> select(KvPolicy& policy, std::int64_t sequence,
                                  const std::vector<std::int64_t>& positions,
                                  const std::vector<float>& scores = {},
                                  std::int64_t new_tokens = 1) {
-  std::vector<std::int64_t> kept(positions.size());
-  const std::int64_t n = policy.select({sequence, positions, scores, new_tokens, false}, kept);
-  kept.resize(static_cast<std::size_t>(n));
-  return kept;
+  return select_heads(policy, sequence, positions, scores, 1, 1, new_tokens).front();
 }
 
 TEST(KvPolicies, WindowKeepsTheNewestAndEverythingWhileItFits) {
@@ -93,6 +118,89 @@ TEST(KvPolicies, SnapKvKeepsTheWindowAndWhatItVotesFor) {
             (std::vector<std::int64_t>{2, 3, 4, 8, 9}));
   EXPECT_THROW(kv_policy("snapkv", {{"budget", std::int64_t{4}}, {"window", std::int64_t{4}}}),
                std::exception);
+}
+
+using Kept = std::vector<std::vector<std::int64_t>>;
+
+// H2O per head (its paper): each K/V head keeps its own heavy hitters beside the shared recent
+// ones; per_head = false sums the heads' scores and keeps one set everywhere.
+TEST(KvPolicies, H2oSelectsPerHeadUnlessAskedToPoolTheHeads) {
+  auto h2o = kv_policy("h2o", {{"budget", std::int64_t{3}}, {"recent_share", 1.0 / 3}});
+  EXPECT_GT(h2o->held_limit(), h2o->budget());  // the heads' union is not bounded by it
+  //                             head 0: 0 and 2 heavy      head 1: 1 and 3 heavy
+  const std::vector<float> scores = {5, 0, 4, 0, 0, 0, 0, 6, 0, 3, 0, 0};
+  EXPECT_EQ(select_heads(*h2o, 1, range(0, 6), scores, 1, 2, 6),
+            (Kept{{0, 2, 5}, {1, 3, 5}}));
+  auto pooled = kv_policy(
+      "h2o", {{"budget", std::int64_t{3}}, {"recent_share", 1.0 / 3}, {"per_head", false}});
+  EXPECT_EQ(pooled->held_limit(), 3);
+  EXPECT_EQ(select_heads(*pooled, 1, range(0, 6), scores, 1, 2, 6),  // sums 5 6 4 3 0 0
+            (Kept{{0, 1, 5}, {0, 1, 5}}));
+}
+
+// SnapKV per layer (and head): each votes with its own window's attention. One shot (the paper's
+// protocol): nothing is dropped before the forward that ends the prompt, nothing after it.
+TEST(KvPolicies, SnapKvVotesPerLayerAndCompressesThePromptOnceWhenOneShot) {
+  const std::map<std::string, ParamValue, std::less<>> params = {
+      {"budget", std::int64_t{4}}, {"window", std::int64_t{2}}, {"kernel", std::int64_t{1}}};
+  std::vector<float> scores(16, 0.0f);  // (2 layers, 1 head, 8 positions)
+  scores[1] = scores[2] = 1;            // layer 0 looks at 1 and 2
+  scores[8 + 4] = scores[8 + 5] = 1;    // layer 1 at 4 and 5
+  auto snap = kv_policy("snapkv", params);
+  EXPECT_EQ(select_heads(*snap, 0, range(0, 8), scores, 2, 1, 8),
+            (Kept{{1, 2, 6, 7}, {4, 5, 6, 7}}));
+  auto params_once = params;
+  params_once["one_shot"] = true;
+  auto once = kv_policy("snapkv", params_once);
+  EXPECT_EQ(select_heads(*once, 0, range(0, 8), scores, 2, 1, 4, false),
+            (Kept{range(0, 8), range(0, 8)}));  // a prompt chunk: kept whole
+  EXPECT_EQ(select_heads(*once, 0, range(0, 8), scores, 2, 1, 4, true),
+            (Kept{{1, 2, 6, 7}, {4, 5, 6, 7}}));  // the prompt's end: compressed
+  const std::vector<std::int64_t> decoded = {1, 2, 4, 5, 6, 7, 8};
+  EXPECT_EQ(select_heads(*once, 0, decoded, std::vector<float>(14, 0.0f), 2, 1, 1, false),
+            (Kept{decoded, decoded}));  // generated tokens: every one kept
+}
+
+// PyramidKV: SnapKV under budgets on a line from 2s - s/beta (first layer) to s/beta (last),
+// s = budget - window, the window besides: here 17, 12, 7 for budget 12, averaging the budget.
+TEST(KvPolicies, PyramidKvKeepsMoreInLowerLayersAndTheBudgetOnAverage) {
+  auto pyramid = kv_policy("pyramidkv", {{"budget", std::int64_t{12}},
+                                         {"window", std::int64_t{2}},
+                                         {"kernel", std::int64_t{1}},
+                                         {"beta", 2.0}});
+  std::vector<float> scores(3 * 20);
+  for (std::size_t i = 0; i < scores.size(); ++i) scores[i] = static_cast<float>(i % 7);
+  const Kept kept = select_heads(*pyramid, 0, range(0, 20), scores, 3, 1, 20);
+  EXPECT_EQ(kept[0].size(), 17u);
+  EXPECT_EQ(kept[1].size(), 12u);
+  EXPECT_EQ(kept[2].size(), 7u);
+  for (const auto& layer : kept) EXPECT_EQ(layer.back(), 19);  // the window in every layer
+  // 10 positions: the two lower layers hold them all, the top one is already over its 7.
+  const Kept short_one =
+      select_heads(*pyramid, 1, range(0, 10), std::vector<float>(30, 1.0f), 3, 1, 10);
+  EXPECT_EQ(short_one[0].size(), 10u);
+  EXPECT_EQ(short_one[1].size(), 10u);
+  EXPECT_EQ(short_one[2].size(), 7u);
+}
+
+// Ada-KV: a layer's budget x heads is shared. A head whose attention is on one position keeps it
+// and the window; the head whose attention is spread takes the cells the other does not need,
+// beyond an even split. Each head keeps its window and its floor share first.
+TEST(KvPolicies, AdaKvSharesALayersBudgetBetweenItsHeads) {
+  auto ada = kv_policy("adakv", {{"budget", std::int64_t{5}},
+                                 {"window", std::int64_t{1}},
+                                 {"kernel", std::int64_t{1}},
+                                 {"floor", 0.25}});
+  std::vector<float> scores(20, 0.0f);  // (1 layer, 2 heads, 10 positions)
+  scores[0] = 9;                        // head 0: all on position 0
+  for (int i = 0; i < 10; ++i) scores[10 + static_cast<std::size_t>(i)] = static_cast<float>(i);
+  const Kept kept = select_heads(*ada, 0, range(0, 10), scores, 1, 2, 10);
+  EXPECT_EQ(kept, (Kept{{0, 9}, {2, 3, 4, 5, 6, 7, 8, 9}}));  // 10 cells: 5 a head on average
+  auto snap = kv_policy(
+      "snapkv",
+      {{"budget", std::int64_t{5}}, {"window", std::int64_t{1}}, {"kernel", std::int64_t{1}}});
+  EXPECT_EQ(select_heads(*snap, 0, range(0, 10), scores, 1, 2, 10),  // an even split
+            (Kept{{0, 1, 2, 3, 9}, {5, 6, 7, 8, 9}}));
 }
 
 TEST(KvSelection, KeepsEndsAndTopAndMaxPools) {

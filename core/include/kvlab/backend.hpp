@@ -38,6 +38,11 @@ struct BatchEntry {
   // the entry's view in every group, group_views[0] == view; layer l reads and writes
   // group_views[group_of_layer[l]] at pool layer pool_layer[l]. Empty: every layer uses `view`.
   std::vector<KvView> group_views = {};
+  // (layers, kv_heads, view.length()) row-major, or empty: 0 where that layer's K/V head no
+  // longer sees that key of the view (a per-head KV policy hid it: kvlab/kv/kv_keep.hpp), 1
+  // where it does. The query heads of a K/V head see what it sees. A backend that cannot mask
+  // refuses an entry with one (kvlab::Error).
+  std::span<const std::uint8_t> key_mask = {};
 };
 
 // How one batch entry's next token is picked: the request's SamplingParams filters and this
@@ -76,11 +81,11 @@ struct ForwardResult {
   // row of a non-finite row). Empty when none was asked or the backend has no logits.
   std::span<const TokenLogprob> logprobs;
   std::size_t logprob_width = 0;
-  // When some entry asked (BatchEntry::scored_queries): for each entry in batch order, one
-  // value per key of its view, in view order: the softmax weights its scored queries gave that
-  // key, summed over the queries, the query heads and the layers (zeros for an entry that did
-  // not ask). Empty otherwise, or from a backend that cannot score (it then refuses such a
-  // batch).
+  // When some entry asked (BatchEntry::scored_queries): for each entry in batch order,
+  // (layers, kv_heads, keys of its view) row-major: the softmax weights its scored queries gave
+  // each key in each layer, summed over the queries and over the query heads of each K/V head
+  // (zeros for an entry that did not ask). Empty otherwise, or from a backend that cannot score
+  // (it then refuses such a batch).
   std::span<const float> key_scores;
 
   static ForwardResult of_logits(std::span<const float> logits) {

@@ -3,14 +3,33 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
 
 namespace kvlab {
 
-void KvPolicyRunner::ask_scores(std::span<BatchEntry> requests) const {
-  for (BatchEntry& entry : requests) entry.scored_queries = policy_.scored_queries();
+void KvPolicyRunner::ask_scores(std::span<BatchEntry> requests,
+                                std::span<const ScheduledWork> work, const RequestTable& table) {
+  masks_.resize(requests.size());
+  for (std::size_t e = 0; e < requests.size(); ++e) {
+    BatchEntry& entry = requests[e];
+    entry.scored_queries = policy_.scored_queries();
+    const RequestId id = work[e].id;
+    const auto kept = kept_.find(id);
+    if (kept == kept_.end()) continue;
+    if (const auto was = preemptions_.find(id);
+        was == preemptions_.end() || was->second != table.timeline(id).preemptions) {
+      kept_.erase(kept);  // its KV was rebuilt since the selection: nothing of it is masked
+      continue;
+    }
+    positions_.resize(static_cast<std::size_t>(entry.view.length()));
+    for (std::int64_t i = 0; i < entry.view.length(); ++i)
+      positions_[static_cast<std::size_t>(i)] = entry.view.position_at(i);
+    key_mask_for(kept->second, positions_, entry.start_position, masks_[e]);
+    entry.key_mask = masks_[e];
+  }
 }
 
 void KvPolicyRunner::after_update(StepState& step, std::span<const RequestId> held) {
@@ -25,7 +44,7 @@ void KvPolicyRunner::take_scores(std::span<const BatchEntry> requests,
   std::size_t total = 0;
   for (const BatchEntry& entry : requests) {
     offsets_.push_back(total);
-    total += static_cast<std::size_t>(entry.view.length());
+    total += static_cast<std::size_t>(layers_ * kv_heads_ * entry.view.length());
   }
   if (policy_.scored_queries() <= 0 || requests.empty()) return scores_.clear();
   if (result.key_scores.size() < total)
@@ -41,14 +60,14 @@ void KvPolicyRunner::select(const AppliedPlan& applied, const RequestTable& tabl
     const ScheduledWork& work = applied.batch[e];
     const RequestState& r = table.at(work.id);
     if (r.status != RequestStatus::running) {  // finished (or handed off): its KV is gone
-      policy_.forget(work.id);
-      preemptions_.erase(work.id);
+      forget(work.id);
       continue;
     }
     const std::int64_t preempted = table.timeline(work.id).preemptions;
     if (auto [it, added] = preemptions_.try_emplace(work.id, preempted);
         !added && it->second != preempted) {  // its KV was rebuilt since: a new sequence
       policy_.forget(work.id);
+      kept_.erase(work.id);
       it->second = preempted;
     }
     const std::size_t end = e + 1 < offsets_.size() ? offsets_[e + 1] : scores_.size();
@@ -59,41 +78,48 @@ void KvPolicyRunner::select(const AppliedPlan& applied, const RequestTable& tabl
   }
 }
 
-// The policy sees the sequence's positions now (this step's new ones last); what it does not
-// keep is dropped. The scores were given for the view as the forward read it; since then only a
-// sliding window may have released its oldest positions, so they are the last ones' scores.
+// The policy sees the sequence's positions now (this step's new ones last); what no head keeps
+// is dropped, what some heads keep is masked for the others. The scores were given for the view
+// as the forward read it; since then only a sliding window may have released its oldest
+// positions, so each head's are its last ones.
 void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
                                 std::span<const float> scores, KvAllocator& kv) {
   const KvView view = kv.view(id);
-  positions_.resize(static_cast<std::size_t>(view.length()));
-  for (std::int64_t i = 0; i < view.length(); ++i)
-    positions_[static_cast<std::size_t>(i)] = view.position_at(i);
-  if (scores.size() > positions_.size()) scores = scores.last(positions_.size());
-  if (!scores.empty() && scores.size() != positions_.size())
-    throw Error(fmt::format("internal: request {} holds {} positions, its forward scored {}", id,
-                            positions_.size(), scores.size()));
-  kept_.resize(positions_.size());
-  const std::int64_t count =
-      policy_.select({id, positions_, scores, work.tokens, work.samples && !work.decode}, kept_);
-  const auto held = static_cast<std::int64_t>(positions_.size());
-  const bool increasing =
-      std::is_sorted(kept_.begin(), kept_.begin() + count) &&
-      std::adjacent_find(kept_.begin(), kept_.begin() + count) == kept_.begin() + count;
-  if (count < 1 || count > held || (held > policy_.budget() && count > policy_.budget()) ||
-      !increasing ||
-      !std::includes(positions_.begin(), positions_.end(), kept_.begin(), kept_.begin() + count))
-    throw Error(fmt::format(
-        "KV policy \"{}\" kept {} of request {}'s {} positions (budget {}): a policy keeps at "
-        "least one, at most its budget once over it, in increasing order, each one held",
-        policy_name_, count, id, held, policy_.budget()));
-  if (count == held) return;
-  KvPositionDropping* dropping = kv.features().dropping;
-  if (dropping == nullptr || !dropping->evict(id, std::span<const std::int64_t>(kept_).first(
-                                                      static_cast<std::size_t>(count))))
-    throw Error(
-        fmt::format("{} cannot drop positions for KV policy \"{}\" (request {}): a KV policy needs "
-                    "kv_cache.allocator = \"paged\" with prefix_caching = false",
-                    allocator_name_, policy_name_, id));
+  const auto n = static_cast<std::size_t>(view.length());
+  positions_.resize(n);
+  for (std::size_t i = 0; i < n; ++i)
+    positions_[i] = view.position_at(static_cast<std::int64_t>(i));
+  const auto heads = static_cast<std::size_t>(layers_ * kv_heads_);
+  std::vector<float> head_scores;
+  if (!scores.empty()) {
+    const std::size_t scored = scores.size() / heads;
+    if (scored * heads != scores.size() || scored < n)
+      throw Error(fmt::format("internal: request {} holds {} positions, its forward scored {}",
+                              id, n, scored));
+    head_scores.resize(heads * n);
+    for (std::size_t h = 0; h < heads; ++h)
+      std::copy_n(scores.begin() + static_cast<long>(h * scored + scored - n), n,
+                  head_scores.begin() + static_cast<long>(h * n));
+  }
+  keep_.assign(heads * n, 0);
+  const KvKeep keep{keep_, layers_, kv_heads_, static_cast<std::int64_t>(n)};
+  const KvPolicyStep step{id,      positions_, head_scores, layers_, kv_heads_, work.tokens,
+                          work.samples && !work.decode};
+  HeadSelection kept =
+      kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
+  if (kept.cells < static_cast<std::int64_t>(heads * n)) stats_.add(kept);
+  if (kept.held() < static_cast<std::int64_t>(n)) {
+    KvPositionDropping* dropping = kv.features().dropping;
+    if (dropping == nullptr || !dropping->evict(id, kept.positions))
+      throw Error(fmt::format(
+          "{} cannot drop positions for KV policy \"{}\" (request {}): a KV policy needs "
+          "kv_cache.allocator = \"paged\" with prefix_caching = false",
+          allocator_name_, policy_name_, id));
+  }
+  if (kept.visible.empty())
+    kept_.erase(id);
+  else
+    kept_.insert_or_assign(id, std::move(kept));
 }
 
 }  // namespace kvlab

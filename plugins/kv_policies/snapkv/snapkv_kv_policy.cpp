@@ -1,10 +1,13 @@
-// snapkv (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): when
-// a sequence outgrows its budget, the attention of the forward's last `window` queries (the
-// observation window) votes for the older positions; pooled over `kernel` neighbours, the
-// best-voted are kept with the window itself, `budget` in all. At the end of a prompt this is
-// SnapKV's selection; a later forward that outgrows the budget (a decode step, a streamed
-// chunk) selects again the same way with the queries it has.
-#include <algorithm>
+// snapkv (Li et al., 2024, "SnapKV: LLM Knows What You are Looking for Before Generation"): the
+// attention of the forward's last `window` queries (the observation window) votes for the older
+// positions in each layer's K/V head; pooled over `kernel` neighbours, each head keeps its
+// best-voted with the window itself, `budget` in all. `one_shot = true` is the paper's protocol:
+// the prompt is compressed once, by the forward that writes its last token (its last `window`
+// tokens, the question, vote), and every generated token is kept after it. `one_shot = false`
+// selects again the same way whenever the sequence outgrows the budget (a decode step, a
+// streamed chunk), as a bounded cache needs. `per_head = false` sums the votes over layers and
+// heads: one set for the sequence, all it drops freed.
+#include <limits>
 #include <stdexcept>
 #include <vector>
 
@@ -20,43 +23,61 @@ class SnapKvPolicy final : public KvPolicy {
   SnapKvPolicy(const PluginParams& params, const PluginContext&)
       : budget_(params.integer("budget")),
         window_(params.integer("window")),
-        kernel_(params.integer("kernel")) {
+        kernel_(params.integer("kernel")),
+        per_head_(params.boolean("per_head")),
+        one_shot_(params.boolean("one_shot")) {
     if (window_ >= budget_)
       throw std::invalid_argument("snapkv: the observation window must be below the budget");
   }
   std::int64_t budget() const override { return budget_; }
+  // One shot: generated tokens are all kept (no bound); per head: the window and each head's
+  // choice (their union is bounded by the positions only).
+  std::int64_t held_limit() const override {
+    return one_shot_ || per_head_ ? std::numeric_limits<std::int32_t>::max() : budget_;
+  }
   std::int32_t scored_queries() const override { return static_cast<std::int32_t>(window_); }
 
-  std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
-    const auto n = static_cast<std::int64_t>(step.positions.size());
-    if (n <= budget_) {
-      std::copy(step.positions.begin(), step.positions.end(), kept.begin());
-      return n;
+  std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
+    if (one_shot_ ? !step.prompt_done : step.count() <= budget_) return mark_all(keep);
+    if (!per_head_) {
+      std::vector<double> votes = summed_scores(step);
+      const std::int64_t recent = std::min(window_, step.count());
+      max_pool(std::span<double>(votes).first(votes.size() - static_cast<std::size_t>(recent)),
+               kernel_);
+      std::vector<std::uint8_t> mark(step.positions.size(), 0);
+      mark_ends_and_top(votes, 0, recent, budget_ - recent, mark);
+      return mark_every_head(keep, mark);
     }
-    const std::int64_t recent = std::min(window_, n);
-    votes_.assign(step.scores.begin(), step.scores.end());
-    votes_.resize(static_cast<std::size_t>(n), 0.0);
-    max_pool(std::span<double>(votes_).first(static_cast<std::size_t>(n - recent)), kernel_);
-    return keep_ends_and_top(step.positions, votes_, 0, recent, budget_ - recent, kept);
+    std::int64_t cells = 0;
+    for (std::int64_t l = 0; l < step.layers; ++l)
+      for (std::int64_t h = 0; h < step.kv_heads; ++h)
+        cells += snapkv_mark(step, l, h, window_, kernel_, budget_, keep.head(l, h));
+    return cells;
   }
   void forget(std::int64_t) override {}
 
  private:
   std::int64_t budget_, window_, kernel_;
-  std::vector<double> votes_;
+  bool per_head_, one_shot_;
 };
 
 const ParamSpec kParams[] = {
-    {"budget", ParamType::param_integer, "positions a sequence keeps, the window included", "256",
-     2, 1 << 30},
+    {"budget", ParamType::param_integer,
+     "positions each layer's K/V head keeps, the window included", "256", 2, 1 << 30},
     {"window", ParamType::param_integer, "the observation window: last queries that vote", "32", 1,
      1 << 20},
     {"kernel", ParamType::param_integer, "max-pooling width over the votes (1: none)", "7", 1,
      1023},
+    {"per_head", ParamType::param_boolean,
+     "each layer's K/V head keeps its own choice (false: one set, votes summed)", "true", 0, 1},
+    {"one_shot", ParamType::param_boolean,
+     "compress the prompt once at its end and keep every generated token (the paper's protocol); "
+     "false: select again whenever over budget",
+     "false", 0, 1},
 };
 
 }  // namespace
 
 KVLAB_PLUGIN(kvlab::PluginKind::kv_policy, SnapKvPolicy, "snapkv",
-             "when over budget, keep the observation window and the positions it attends to most",
+             "keep the observation window and the positions it attends to most, per head",
              kParams)

@@ -1,6 +1,7 @@
 // streaming_llm (Xiao et al., 2023, "Efficient Streaming Language Models with Attention Sinks"):
 // a sequence keeps its first `sinks` positions, where softmax parks the attention no other token
-// needs, and its most recent ones, `budget` in all.
+// needs, and its most recent ones, `budget` in all: the same in every layer and head, so all it
+// drops is freed.
 #include <algorithm>
 #include <stdexcept>
 #include <vector>
@@ -23,8 +24,10 @@ class StreamingLlmKvPolicy final : public KvPolicy {
   }
   std::int64_t budget() const override { return budget_; }
   std::int32_t scored_queries() const override { return 0; }
-  std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
-    return keep_ends_and_top(step.positions, {}, sinks_, budget_ - sinks_, 0, kept);
+  std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
+    std::vector<std::uint8_t> mark(step.positions.size(), 0);
+    mark_ends_and_top({}, sinks_, budget_ - sinks_, 0, mark);
+    return mark_every_head(keep, mark);
   }
   void forget(std::int64_t) override {}
 

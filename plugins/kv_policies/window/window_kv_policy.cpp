@@ -1,7 +1,9 @@
 // window: a sequence keeps its `budget` most recent positions (the baseline every KV policy is
-// measured against: once the first tokens leave, the attention sinks go with them).
-#include <algorithm>
+// measured against: once the first tokens leave, the attention sinks go with them). The same
+// positions in every layer and head: all it drops is freed.
+#include <vector>
 
+#include "kvlab/kv/kv_selection.hpp"
 #include "kvlab/plugin.hpp"
 
 namespace {
@@ -14,11 +16,10 @@ class WindowKvPolicy final : public KvPolicy {
       : budget_(params.integer("budget")) {}
   std::int64_t budget() const override { return budget_; }
   std::int32_t scored_queries() const override { return 0; }
-  std::int64_t select(const KvPolicyStep& step, std::span<std::int64_t> kept) override {
-    const auto n = static_cast<std::int64_t>(step.positions.size());
-    const std::int64_t keep = std::min(n, budget_);
-    std::copy(step.positions.end() - keep, step.positions.end(), kept.begin());
-    return keep;
+  std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
+    std::vector<std::uint8_t> mark(step.positions.size(), 0);
+    mark_ends_and_top({}, 0, budget_, 0, mark);
+    return mark_every_head(keep, mark);
   }
   void forget(std::int64_t) override {}
 

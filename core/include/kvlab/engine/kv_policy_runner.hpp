@@ -1,9 +1,11 @@
 #pragma once
 // The engine's side of a KV policy (kvlab/kv_policy.hpp): before each forward it asks the
-// backend for the attention scores the policy reads; after the step's update it shows the
-// policy each running sequence's positions and drops what the policy lets go (KvAllocator::
-// evict). A sequence that lost its KV (preempted) starts afresh in the policy; a finished one
-// is forgotten. A step extension (kvlab/engine/step_extension.hpp).
+// backend for the attention scores the policy reads and hands it each sequence's key mask (what
+// each layer's K/V head no longer sees); after the step's update it shows the policy each
+// running sequence's positions, drops what no head keeps (KvAllocator::evict) and masks what
+// some heads keep and others do not (kvlab/kv/kv_keep.hpp). A sequence that lost its KV
+// (preempted) starts afresh in the policy; a finished one is forgotten. A step extension
+// (kvlab/engine/step_extension.hpp).
 #include <algorithm>
 #include <cstdint>
 #include <span>
@@ -15,6 +17,7 @@
 #include "kvlab/engine/apply.hpp"
 #include "kvlab/engine/request_table.hpp"
 #include "kvlab/engine/step_extension.hpp"
+#include "kvlab/kv/kv_keep.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/kv_policy.hpp"
 
@@ -22,17 +25,21 @@ namespace kvlab {
 
 class KvPolicyRunner final : public StepExtension {
  public:
-  // `names`: the policy, the allocator and the backend as errors name them.
+  // `names`: the policy, the allocator and the backend as errors name them; `layers` and
+  // `kv_heads`: the model's, that the policy selects in.
   KvPolicyRunner(KvPolicy& policy, std::string policy_name, std::string allocator_name,
-                 std::string backend_name)
+                 std::string backend_name, std::int64_t layers, std::int64_t kv_heads)
       : policy_(policy),
         policy_name_(std::move(policy_name)),
         allocator_name_(std::move(allocator_name)),
-        backend_name_(std::move(backend_name)) {}
+        backend_name_(std::move(backend_name)),
+        layers_(layers),
+        kv_heads_(kv_heads) {}
 
-  // A sequence holds its prompt, or the policy's budget and a new token, at most.
+  // A sequence holds its prompt, or what the policy may hold and a new token, at most.
   std::int64_t max_held(const RequestState& request, std::int64_t held) const override {
-    return std::min(held, std::max(request.prompt_tokens, budget() + 1));
+    const std::int64_t limit = std::max(policy_.held_limit(), policy_.budget());
+    return std::min(held, std::max(request.prompt_tokens, limit > held ? held : limit + 1));
   }
   // A sequence that ended outside a step's batch (a cancelled request): its state goes.
   void on_leave(StepState& step, RequestId id) override {
@@ -40,7 +47,8 @@ class KvPolicyRunner final : public StepExtension {
     forget(id);
   }
   void shape_batch(StepState& step, std::vector<BatchEntry>& batch) override {
-    ask_scores(std::span(batch).first(step.applied->batch.size()));
+    ask_scores(std::span(batch).first(step.applied->batch.size()), step.applied->batch,
+               step.table);
   }
   void after_forward(StepState& step, std::span<const BatchEntry> requests,
                      const ForwardResult& result) override {
@@ -54,9 +62,14 @@ class KvPolicyRunner final : public StepExtension {
   void forget(RequestId id) {
     policy_.forget(id);
     preemptions_.erase(id);
+    kept_.erase(id);
   }
-  // The first `requests` entries are the step's requests: they ask for the policy's scores.
-  void ask_scores(std::span<BatchEntry> requests) const;
+  // The step's requests' entries (`work`'s, in its order) ask for the policy's scores and get
+  // their key masks (none for a request preempted since its last selection).
+  void ask_scores(std::span<BatchEntry> requests, std::span<const ScheduledWork> work,
+                  const RequestTable& table);
+  // What the selections held and saw, over the run (those that dropped something).
+  const KvKeepStats& stats() const { return stats_; }
   // Keeps the forward's scores of the step's requests' entries; throws kvlab::Error when the
   // policy reads scores the backend did not report.
   void take_scores(std::span<const BatchEntry> requests, const ForwardResult& result);
@@ -69,10 +82,16 @@ class KvPolicyRunner final : public StepExtension {
 
   KvPolicy& policy_;
   std::string policy_name_, allocator_name_, backend_name_;
+  std::int64_t layers_, kv_heads_;
   std::vector<float> scores_;         // this step's, entry after entry
   std::vector<std::size_t> offsets_;  // each entry's first score
-  std::vector<std::int64_t> positions_, kept_;
+  std::vector<std::int64_t> positions_;
+  std::vector<std::uint8_t> keep_;
+  std::vector<std::vector<std::uint8_t>> masks_;  // this step's entries' key masks
+  // the requests whose heads see different positions: what each head sees
+  std::unordered_map<RequestId, HeadSelection> kept_;
   std::unordered_map<RequestId, std::int64_t> preemptions_;  // as each was last selected
+  KvKeepStats stats_;
 };
 
 }  // namespace kvlab

@@ -1,21 +1,51 @@
 #pragma once
 // What KV policies (kvlab/kv_policy.hpp) share: keeping the ends of a sequence's positions and
-// the best-scored of the rest.
+// the best-scored of the rest, in one head or in every head alike; SnapKV's pooled votes.
 #include <cstdint>
 #include <span>
+#include <vector>
+
+#include "kvlab/kv_policy.hpp"
 
 namespace kvlab {
 
-// Keeps the `first` oldest and the `recent` newest of `positions` (increasing), and of the
-// others the `top` with the highest `scores` (one per position; ties: the older position),
-// writing the kept positions, increasing, into `kept` (room for positions.size()). Returns
-// their count. Keeps everything when first + recent + top >= positions.size().
+// Marks in `mark` (one byte per position, zeroed) the `first` oldest and the `recent` newest of
+// n = mark.size() positions, and of the others the `top` with the highest `scores` (one per
+// position; ties: the older position). Returns the count marked: every position when first +
+// recent + top >= n.
+std::int64_t mark_ends_and_top(std::span<const double> scores, std::int64_t first,
+                               std::int64_t recent, std::int64_t top, std::span<std::uint8_t> mark);
+
+// The same as positions: writes the kept ones of `positions` (increasing) into `kept` (room for
+// positions.size()), increasing, and returns their count.
 std::int64_t keep_ends_and_top(std::span<const std::int64_t> positions,
                                std::span<const double> scores, std::int64_t first,
                                std::int64_t recent, std::int64_t top, std::span<std::int64_t> kept);
 
+// Every layer's and head's row of `keep` copies `mark` (one byte per position); returns the
+// cells marked. A policy that keeps the same positions everywhere.
+std::int64_t mark_every_head(const KvKeep& keep, std::span<const std::uint8_t> mark);
+
+// The step's scores summed over its layers and heads, one per position (zeros when it has none):
+// one vote per position for a policy that selects for the whole sequence.
+std::vector<double> summed_scores(const KvPolicyStep& step);
+
 // Each value replaced by the maximum over the `kernel` values centred on it (SnapKV's pooling,
 // which keeps a chosen position's neighbours with it); kernel 1 leaves them as they are.
 void max_pool(std::span<double> values, std::int64_t kernel);
+
+// SnapKV's votes of one layer's K/V head: its scores of the positions before the last `window`
+// (the observation window's own are 0), max-pooled over `kernel`.
+std::vector<double> snapkv_votes(const KvPolicyStep& step, std::int64_t layer,
+                                 std::int64_t kv_head, std::int64_t window, std::int64_t kernel);
+
+// SnapKV in one layer's K/V head: marks the last `window` positions and the `keep - window`
+// others with the best snapkv_votes (all of them when n <= keep); returns the count marked.
+std::int64_t snapkv_mark(const KvPolicyStep& step, std::int64_t layer, std::int64_t kv_head,
+                         std::int64_t window, std::int64_t kernel, std::int64_t keep,
+                         std::span<std::uint8_t> mark);
+
+// Marks every position in every head (a policy that keeps all it holds); returns the cells.
+std::int64_t mark_all(const KvKeep& keep);
 
 }  // namespace kvlab

@@ -12,10 +12,12 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <string>
 #include <vector>
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "kvlab/dtype.hpp"
+#include "kvlab/kv/kv_keep.hpp"
 #include "kvlab/kv_policy.hpp"
 
 namespace kvlab::cpu {
@@ -32,7 +34,8 @@ struct PerplexityOptions {
   // policy choosing after each which positions stay (at most its budget), as a long generation
   // would meet it; one chunk per sequence id, forgotten at its end.
   KvPolicy* policy = nullptr;
-  std::int64_t policy_step = 32;
+  std::string policy_name = "kv_policy";  // as errors name it
+  std::int64_t policy_step = 1;           // token by token: as a generation meets the policy
 };
 
 // Sums over scored tokens; what each figure is made of.
@@ -49,6 +52,10 @@ struct PerplexityResult {
   std::vector<double> running_ppl;  // after each chunk (llama.cpp's "[i]ppl" list)
   PerplexitySums sums;
   bool compared = false;  // the exact run was computed beside it
+  // With a KV policy: the positions its selections held (the union over layers and heads, the
+  // slots that stay in memory) and those a head saw, on average over the selections that
+  // dropped something.
+  KvKeepStats kv_kept;
 
   std::int64_t scored_tokens() const { return sums.tokens; }
   double ppl() const;        // exp(mean NLL)

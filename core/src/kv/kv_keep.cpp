@@ -1,0 +1,86 @@
+#include "kvlab/kv/kv_keep.hpp"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+
+#include "kvlab/error.hpp"
+
+namespace kvlab {
+namespace {
+
+// The union of the heads' rows, and the fewest any head keeps.
+void union_of_heads(const KvKeep& keep, std::vector<std::uint8_t>& any, std::int64_t& cells,
+                    std::int64_t& fewest) {
+  any.assign(static_cast<std::size_t>(keep.positions), 0);
+  cells = 0;
+  fewest = keep.positions;
+  for (std::int64_t l = 0; l < keep.layers; ++l)
+    for (std::int64_t h = 0; h < keep.kv_heads; ++h) {
+      const std::span<std::uint8_t> row = keep.head(l, h);
+      std::int64_t kept = 0;
+      for (std::size_t i = 0; i < row.size(); ++i) {
+        row[i] = row[i] != 0;
+        any[i] |= row[i];
+        kept += row[i];
+      }
+      cells += kept;
+      fewest = std::min(fewest, kept);
+    }
+}
+
+}  // namespace
+
+HeadSelection kept_by_policy(const KvPolicy& policy, std::string_view policy_name,
+                             const KvPolicyStep& step, const KvKeep& keep, std::int64_t returned) {
+  std::vector<std::uint8_t> any;
+  std::int64_t cells = 0, fewest = 0;
+  union_of_heads(keep, any, cells, fewest);
+  const std::int64_t n = step.count(), heads = keep.layers * keep.kv_heads;
+  HeadSelection kept;
+  kept.layers = keep.layers;
+  kept.kv_heads = keep.kv_heads;
+  kept.cells = cells;
+  for (std::int64_t i = 0; i < n; ++i)
+    if (any[static_cast<std::size_t>(i)] != 0)
+      kept.positions.push_back(step.positions[static_cast<std::size_t>(i)]);
+  const std::int64_t limit = std::max(policy.held_limit(), policy.budget());
+  if (returned != cells || fewest < 1 || cells > std::min(n, policy.budget()) * heads ||
+      (n > policy.budget() && kept.held() > limit))
+    throw Error(fmt::format(
+        "KV policy \"{}\" kept {} (layer, head, position) cells of sequence {}'s {} positions "
+        "and said {}; the fewest a head kept is {}, their union {} positions (budget {} a head, "
+        "{} layers x {} K/V heads, held limit {}): a policy keeps at least one position in "
+        "every head, at most budget x layers x heads cells once over its budget, a union "
+        "within its held limit, and says how many it kept",
+        policy_name, cells, step.sequence, n, returned, fewest, kept.held(), policy.budget(),
+        keep.layers, keep.kv_heads, limit));
+  if (cells == kept.held() * heads) return kept;  // every head sees the whole union
+  kept.visible.reserve(static_cast<std::size_t>(heads * kept.held()));
+  for (std::int64_t l = 0; l < keep.layers; ++l)
+    for (std::int64_t h = 0; h < keep.kv_heads; ++h) {
+      const std::span<std::uint8_t> row = keep.head(l, h);
+      for (std::int64_t i = 0; i < n; ++i)
+        if (any[static_cast<std::size_t>(i)] != 0)
+          kept.visible.push_back(row[static_cast<std::size_t>(i)]);
+    }
+  return kept;
+}
+
+void key_mask_for(const HeadSelection& kept, std::span<const std::int64_t> view_positions,
+                  std::int64_t new_from, std::vector<std::uint8_t>& mask) {
+  mask.clear();
+  if (kept.visible.empty()) return;
+  const std::size_t n = view_positions.size(), held = kept.positions.size();
+  mask.assign(static_cast<std::size_t>(kept.layers * kept.kv_heads) * n, 1);
+  std::size_t j = 0;
+  for (std::size_t i = 0; i < n; ++i) {  // view position i is kept position j, or new
+    while (j < held && kept.positions[j] < view_positions[i]) ++j;
+    if (j == held || kept.positions[j] != view_positions[i] || view_positions[i] >= new_from)
+      continue;
+    for (std::size_t row = 0; row < static_cast<std::size_t>(kept.layers * kept.kv_heads); ++row)
+      mask[row * n + i] = kept.visible[row * held + j];
+  }
+}
+
+}  // namespace kvlab
