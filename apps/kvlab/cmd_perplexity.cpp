@@ -92,8 +92,9 @@ void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
   const std::string policy =
       c.options.policy == nullptr
           ? ""
-          : fmt::format(", policy {} (budget {}, {} tokens a step)", c.kv_policy,
-                        c.options.policy->budget(), c.options.policy_step);
+          : fmt::format(", policy {} (budget {}, {} token{} a step)", c.kv_policy,
+                        c.options.policy->budget(), c.options.policy_step,
+                        c.options.policy_step == 1 ? "" : "s");
   fmt::print("\nPPL = {:.4f} +/- {:.5f}  ({} chunks of {}, {} tokens scored, KV {}{}{}{})\n",
              r.ppl(), r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), c.kv_dtype,
              c.options.hadamard ? " rotated" : "",
@@ -257,15 +258,18 @@ void measure_together(const std::vector<std::size_t>& members,
   std::vector<cpu::PerplexityOptions> options;
   for (const std::size_t i : members) options.push_back(points[i].command.options);
   const auto start = std::chrono::steady_clock::now();
+  // After each point's turn in each batch of chunks: where the group is, and the ETA.
+  const std::int64_t parallel = std::max<std::int64_t>(1, std::min(c.options.parallel, at.chunks));
+  const auto turns = static_cast<double>(members.size()) *
+                     static_cast<double>((at.chunks + parallel - 1) / parallel);
+  double turns_done = 0;
   const auto progress = [&](std::size_t p, const cpu::PerplexityResult& r) {
-    if (p + 1 != members.size()) return;
-    const auto total = static_cast<double>(at.groups) * static_cast<double>(at.chunks);
-    const double done = static_cast<double>(at.group) * static_cast<double>(at.chunks) +
-                        static_cast<double>(r.chunks);
-    print_progress_line(fmt::format("[{}/{}] {} K/V heads, {} settings: {}/{} chunks (ETA {})",
+    turns_done += 1;
+    const double done = static_cast<double>(at.group) + turns_done / turns;
+    print_progress_line(fmt::format("[{}/{}] {} K/V heads: setting {}/{}, {}/{} chunks (ETA {})",
                                     at.group + 1, at.groups, weights.config.num_key_value_heads,
-                                    members.size(), r.chunks, at.chunks,
-                                    eta_text(done, total, at.start)));
+                                    p + 1, members.size(), r.chunks, at.chunks,
+                                    eta_text(done, static_cast<double>(at.groups), at.start)));
   };
   std::vector<cpu::PerplexityResult> results = cpu::measure_perplexity(
       view, [&] { return cpu::select_compute_weights(view, c.weights, c.activations); }, m.tokens,

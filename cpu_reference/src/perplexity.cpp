@@ -166,8 +166,8 @@ void PolicyStream::keep_selected(std::size_t s, std::int64_t id, std::span<const
   const auto n = static_cast<std::int64_t>(seq.held.size());
   keep_.assign(static_cast<std::size_t>(shape.layers * shape.kv_heads * n), 0);
   const KvKeep keep{keep_, shape.layers, shape.kv_heads, n};
-  const KvPolicyStep step{id, seq.held, scores, shape.layers, shape.kv_heads, new_tokens,
-                          prompt_done};
+  const KvPolicyStep step{id,           seq.held,       scores,     seq.mask,
+                          shape.layers, shape.kv_heads, new_tokens, prompt_done};
   HeadSelection kept =
       kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
   if (kept.held() + step_ > room_)

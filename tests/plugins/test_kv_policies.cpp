@@ -10,8 +10,10 @@
 #include <numeric>
 #include <vector>
 
+#include "kvlab/kv/kv_keep.hpp"
 #include "kvlab/kv/kv_selection.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "test_util.hpp"
 
 namespace kvlab {
 namespace {
@@ -40,7 +42,7 @@ std::vector<std::vector<std::int64_t>> select_heads(KvPolicy& policy, std::int64
   std::vector<std::uint8_t> cells(static_cast<std::size_t>(layers * kv_heads * n), 0);
   const KvKeep keep{cells, layers, kv_heads, n};
   const std::int64_t marked = policy.select(
-      {sequence, positions, scores, layers, kv_heads, new_tokens, prompt_done}, keep);
+      {sequence, positions, scores, {}, layers, kv_heads, new_tokens, prompt_done}, keep);
   std::vector<std::vector<std::int64_t>> kept(static_cast<std::size_t>(layers * kv_heads));
   std::int64_t counted = 0;
   for (std::int64_t row = 0; row < layers * kv_heads; ++row)
@@ -201,6 +203,37 @@ TEST(KvPolicies, AdaKvSharesALayersBudgetBetweenItsHeads) {
       {{"budget", std::int64_t{5}}, {"window", std::int64_t{1}}, {"kernel", std::int64_t{1}}});
   EXPECT_EQ(select_heads(*snap, 0, range(0, 10), scores, 1, 2, 10),  // an even split
             (Kept{{0, 1, 2, 3, 9}, {5, 6, 7, 8, 9}}));
+}
+
+// The owner's side (kvlab/kv/kv_keep.hpp): the union of the heads' choices is what stays in the
+// slots, each head masked to its own; a head cannot bring back what it dropped; a choice that
+// breaks the policy's promises is refused; a view's key mask marks new positions visible.
+TEST(KvKeep, TheUnionStaysEachHeadIsMaskedAndWhatAHeadDroppedStaysDropped) {
+  auto snap = kv_policy(
+      "snapkv",
+      {{"budget", std::int64_t{3}}, {"window", std::int64_t{1}}, {"kernel", std::int64_t{1}}});
+  const std::vector<std::int64_t> positions = {0, 2, 3, 5, 8};
+  //                               head 0 sees all; head 1 dropped 3 before
+  const std::vector<std::uint8_t> visible = {1, 1, 1, 1, 1, 1, 1, 0, 1, 1};
+  const std::vector<float> scores = {0, 4, 3, 0, 0, 0, 1, 9, 2, 0};  // head 1 would pick 3
+  std::vector<std::uint8_t> cells(10, 0);
+  const KvKeep keep{cells, 1, 2, 5};
+  const KvPolicyStep step{4, positions, scores, visible, 1, 2, 1, false};
+  const HeadSelection kept = kept_by_policy(*snap, "snapkv", step, keep, snap->select(step, keep));
+  EXPECT_EQ(kept.positions, (std::vector<std::int64_t>{2, 3, 5, 8}));  // the union
+  EXPECT_EQ(kept.visible, (std::vector<std::uint8_t>{1, 1, 0, 1, 1, 0, 1, 1}));
+  EXPECT_EQ(kept.cells, 6);  // head 1: 5 (its best it still sees) and 2, window 8
+  std::vector<std::uint8_t> mask;  // a view of the union and a new position 9
+  key_mask_for(kept, std::vector<std::int64_t>{2, 3, 5, 8, 9}, 9, mask);
+  EXPECT_EQ(mask, (std::vector<std::uint8_t>{1, 1, 0, 1, 1, 1, 0, 1, 1, 1}));
+  // A head's mark on what it dropped is undone (head 1 marks 3: it keeps 2 positions, not 3).
+  std::fill(cells.begin(), cells.end(), std::uint8_t{0});
+  for (const std::size_t i : {1, 2, 4, 6, 7, 9}) cells[i] = 1;
+  const HeadSelection undone = kept_by_policy(*snap, "snapkv", step, keep, 6);
+  EXPECT_EQ(undone.cells, 5);
+  std::fill(cells.begin(), cells.end(), std::uint8_t{1});  // 10 cells: over 3 a head
+  test::expect_error_containing([&] { (void)kept_by_policy(*snap, "snapkv", step, keep, 10); },
+                                {"KV policy \"snapkv\" kept 10", "budget 3"});
 }
 
 TEST(KvSelection, KeepsEndsAndTopAndMaxPools) {

@@ -41,6 +41,10 @@ struct KvPolicyStep {
   // gave each position, in each layer and K/V head, summed over the queries and over the query
   // heads that read that K/V head.
   std::span<const float> scores;
+  // (layers, kv_heads, n) row-major, or empty (every head sees every position): 0 where that
+  // head dropped the position at an earlier selection (another head kept it). What a head
+  // dropped stays dropped for it: the owner ignores a mark that would bring it back.
+  std::span<const std::uint8_t> visible;
   std::int64_t layers = 1, kv_heads = 1;
   std::int64_t new_tokens = 0;  // the last new_tokens of positions were written by this forward
   bool prompt_done = false;     // the forward wrote the prompt's last token
@@ -49,6 +53,11 @@ struct KvPolicyStep {
   std::span<const float> head_scores(std::int64_t layer, std::int64_t kv_head) const {
     return scores.subspan(static_cast<std::size_t>((layer * kv_heads + kv_head) * count()),
                           positions.size());
+  }
+  // Whether that layer's K/V head still sees positions[i].
+  bool sees(std::int64_t layer, std::int64_t kv_head, std::int64_t i) const {
+    return visible.empty() ||
+           visible[static_cast<std::size_t>((layer * kv_heads + kv_head) * count() + i)] != 0;
   }
 };
 

@@ -24,7 +24,7 @@ namespace kvlab {
 
 // Bump on any change to the descriptor, PluginContext, or a plugin interface's vtable, and add
 // the version's line to docs/writing-a-plugin.md#abi-history (what each version changed).
-inline constexpr std::uint32_t kPluginAbiVersion = 22;
+inline constexpr std::uint32_t kPluginAbiVersion = 23;
 
 namespace detail {
 

@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <limits>
 #include <vector>
 
 #include "kvlab/engine/plugin_call.hpp"
@@ -103,8 +104,12 @@ void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
   }
   keep_.assign(heads * n, 0);
   const KvKeep keep{keep_, layers_, kv_heads_, static_cast<std::int64_t>(n)};
-  const KvPolicyStep step{id,      positions_, head_scores, layers_, kv_heads_, work.tokens,
-                          work.samples && !work.decode};
+  visible_.clear();  // what each head still sees: the last selection's, new positions seen
+  if (const auto was = kept_.find(id); was != kept_.end())
+    key_mask_for(was->second, positions_, std::numeric_limits<std::int64_t>::max(), visible_);
+  const KvPolicyStep step{id,       positions_,  head_scores,
+                          visible_, layers_,     kv_heads_,
+                          work.tokens, work.samples && !work.decode};
   HeadSelection kept =
       kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
   if (kept.cells < static_cast<std::int64_t>(heads * n)) stats_.add(kept);

@@ -9,9 +9,10 @@
 namespace kvlab {
 namespace {
 
-// The union of the heads' rows, and the fewest any head keeps.
-void union_of_heads(const KvKeep& keep, std::vector<std::uint8_t>& any, std::int64_t& cells,
-                    std::int64_t& fewest) {
+// The union of the heads' rows, and the fewest any head keeps; a mark on a position the head
+// no longer sees (step.visible) is undone first.
+void union_of_heads(const KvPolicyStep& step, const KvKeep& keep, std::vector<std::uint8_t>& any,
+                    std::int64_t& cells, std::int64_t& fewest) {
   any.assign(static_cast<std::size_t>(keep.positions), 0);
   cells = 0;
   fewest = keep.positions;
@@ -20,7 +21,7 @@ void union_of_heads(const KvKeep& keep, std::vector<std::uint8_t>& any, std::int
       const std::span<std::uint8_t> row = keep.head(l, h);
       std::int64_t kept = 0;
       for (std::size_t i = 0; i < row.size(); ++i) {
-        row[i] = row[i] != 0;
+        row[i] = row[i] != 0 && step.sees(l, h, static_cast<std::int64_t>(i));
         any[i] |= row[i];
         kept += row[i];
       }
@@ -33,9 +34,11 @@ void union_of_heads(const KvKeep& keep, std::vector<std::uint8_t>& any, std::int
 
 HeadSelection kept_by_policy(const KvPolicy& policy, std::string_view policy_name,
                              const KvPolicyStep& step, const KvKeep& keep, std::int64_t returned) {
+  std::int64_t marked = 0;
+  for (const std::uint8_t cell : keep.cells) marked += cell != 0;
   std::vector<std::uint8_t> any;
   std::int64_t cells = 0, fewest = 0;
-  union_of_heads(keep, any, cells, fewest);
+  union_of_heads(step, keep, any, cells, fewest);
   const std::int64_t n = step.count(), heads = keep.layers * keep.kv_heads;
   HeadSelection kept;
   kept.layers = keep.layers;
@@ -45,7 +48,7 @@ HeadSelection kept_by_policy(const KvPolicy& policy, std::string_view policy_nam
     if (any[static_cast<std::size_t>(i)] != 0)
       kept.positions.push_back(step.positions[static_cast<std::size_t>(i)]);
   const std::int64_t limit = std::max(policy.held_limit(), policy.budget());
-  if (returned != cells || fewest < 1 || cells > std::min(n, policy.budget()) * heads ||
+  if (returned != marked || fewest < 1 || cells > std::min(n, policy.budget()) * heads ||
       (n > policy.budget() && kept.held() > limit))
     throw Error(fmt::format(
         "KV policy \"{}\" kept {} (layer, head, position) cells of sequence {}'s {} positions "
@@ -53,7 +56,7 @@ HeadSelection kept_by_policy(const KvPolicy& policy, std::string_view policy_nam
         "{} layers x {} K/V heads, held limit {}): a policy keeps at least one position in "
         "every head, at most budget x layers x heads cells once over its budget, a union "
         "within its held limit, and says how many it kept",
-        policy_name, cells, step.sequence, n, returned, fewest, kept.held(), policy.budget(),
+        policy_name, marked, step.sequence, n, returned, fewest, kept.held(), policy.budget(),
         keep.layers, keep.kv_heads, limit));
   if (cells == kept.held() * heads) return kept;  // every head sees the whole union
   kept.visible.reserve(static_cast<std::size_t>(heads * kept.held()));

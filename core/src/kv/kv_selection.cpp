@@ -1,6 +1,7 @@
 #include "kvlab/kv/kv_selection.hpp"
 
 #include <algorithm>
+#include <limits>
 #include <numeric>
 
 namespace kvlab {
@@ -80,6 +81,9 @@ std::vector<double> snapkv_votes(const KvPolicyStep& step, std::int64_t layer,
   const std::span<const float> scores = step.head_scores(layer, kv_head);
   std::copy(scores.begin(), scores.begin() + older, votes.begin());
   max_pool(std::span<double>(votes).first(static_cast<std::size_t>(older)), kernel);
+  for (std::int64_t i = 0; i < older; ++i)  // what the head dropped ranks last
+    if (!step.sees(layer, kv_head, i))
+      votes[static_cast<std::size_t>(i)] = -std::numeric_limits<double>::infinity();
   return votes;
 }
 

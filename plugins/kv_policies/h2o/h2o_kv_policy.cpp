@@ -38,9 +38,15 @@ class H2oKvPolicy final : public KvPolicy {
     const std::int64_t n = step.count();
     std::int64_t cells = 0;
     std::vector<std::uint8_t> mark(static_cast<std::size_t>(n));
+    std::vector<double> scores(static_cast<std::size_t>(n));
     for (std::int64_t h = 0; h < heads; ++h) {
       std::fill(mark.begin(), mark.end(), std::uint8_t{0});
-      const std::span<const double> scores = held.head(h, n);
+      const std::span<const double> sums = held.head(h, n);
+      for (std::int64_t i = 0; i < n; ++i)  // what the head dropped ranks last
+        scores[static_cast<std::size_t>(i)] =
+            !per_head_ || step.sees(h / step.kv_heads, h % step.kv_heads, i)
+                ? sums[static_cast<std::size_t>(i)]
+                : -std::numeric_limits<double>::infinity();
       mark_ends_and_top(scores, 0, recent_, budget_ - recent_, mark);
       if (!per_head_) return mark_every_head(keep, mark);
       const std::span<std::uint8_t> row = keep.head(h / step.kv_heads, h % step.kv_heads);

@@ -86,7 +86,7 @@ class KvPolicyRunner final : public StepExtension {
   std::vector<float> scores_;         // this step's, entry after entry
   std::vector<std::size_t> offsets_;  // each entry's first score
   std::vector<std::int64_t> positions_;
-  std::vector<std::uint8_t> keep_;
+  std::vector<std::uint8_t> keep_, visible_;
   std::vector<std::vector<std::uint8_t>> masks_;  // this step's entries' key masks
   // the requests whose heads see different positions: what each head sees
   std::unordered_map<RequestId, HeadSelection> kept_;

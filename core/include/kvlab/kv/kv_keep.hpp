@@ -29,7 +29,8 @@ struct HeadSelection {
 };
 
 // Checks `keep` (what `policy` marked for `step`, `returned` its answer) against the policy's
-// promises and returns what the sequence keeps; throws kvlab::Error naming `policy_name` when the
+// promises and returns what the sequence keeps, a mark on a position the head no longer sees
+// (step.visible) undone; throws kvlab::Error naming `policy_name` when the
 // policy failed or broke one (a head with nothing kept, more cells than its budget, a union
 // beyond held_limit()).
 HeadSelection kept_by_policy(const KvPolicy& policy, std::string_view policy_name,
