@@ -9,8 +9,10 @@
 #include <fstream>
 #include <sstream>
 
+#include "kvlab/data_sets.hpp"
 #include "kvlab/error.hpp"
 #include "kvlab/model/gguf_model.hpp"
+#include "kvlab/model/mapped_file.hpp"
 #include "kvlab/suggest.hpp"
 #include "kvlab_commit.hpp"
 
@@ -123,6 +125,14 @@ void write_profile_file(const std::string& path, const std::string& header,
   file << header << hardware_profile_to_toml(profile);
   if (!file) throw Error(fmt::format("cannot write {}", path));
   fmt::print("wrote {}\n", path);
+}
+
+std::string read_text(const std::string& path) {
+  if (!std::filesystem::is_regular_file(path) && !data_set_hint(path).empty())
+    throw Error(fmt::format("cannot open text file {}{}", path, data_set_hint(path)));
+  const MappedFile file(path, "text");
+  const auto bytes = file.bytes();
+  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
 }
 
 }  // namespace kvlab::cli

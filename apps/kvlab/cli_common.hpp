@@ -35,6 +35,10 @@ std::string human_bytes(double bytes);
 void print_progress_line(const std::string& line, bool last = false);
 std::string eta_text(double done, double total, std::chrono::steady_clock::time_point start);
 
+// A text file's contents (WikiText-2 for perplexity and eval); kvlab::Error naming the data set
+// to install when it is one kvlab knows and it is missing.
+std::string read_text(const std::string& path);
+
 // An experiment file's text as it was run (the results folder keeps a copy). Throws
 // kvlab::Error when it cannot be read.
 std::string read_experiment_text(const std::string& file);
@@ -69,6 +73,7 @@ void register_plugins(CLI::App& app);
 void register_metrics(CLI::App& app);
 void register_view(CLI::App& app);
 void register_perplexity(CLI::App& app);
+void register_eval(CLI::App& app);
 // run and check; a failed check sets exit_code.
 void register_run(CLI::App& app, int& exit_code);
 void register_serve(CLI::App& app, int& exit_code);

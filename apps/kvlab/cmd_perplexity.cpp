@@ -46,14 +46,6 @@ struct PerplexityCommand {
   int threads = 0;
 };
 
-std::string read_text(const std::string& path) {
-  if (!std::filesystem::is_regular_file(path) && !data_set_hint(path).empty())
-    throw Error(fmt::format("cannot open text file {}{}", path, data_set_hint(path)));
-  const MappedFile file(path, "text");
-  const auto bytes = file.bytes();
-  return {reinterpret_cast<const char*>(bytes.data()), bytes.size()};
-}
-
 void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int64_t text_tokens,
                 const cpu::PerplexityResult& r, double seconds, std::size_t measured_together = 1) {
   nlohmann::json out = {{"model", config.name},

@@ -28,6 +28,7 @@ int main(int argc, char** argv) {
   kvlab::cli::register_metrics(app);
   kvlab::cli::register_view(app);
   kvlab::cli::register_perplexity(app);
+  kvlab::cli::register_eval(app);
   int exit_code = 0;
   kvlab::cli::register_run(app, exit_code);
   kvlab::cli::register_serve(app, exit_code);

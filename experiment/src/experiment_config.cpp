@@ -180,6 +180,7 @@ void resolve_relative_paths(ExperimentConfig& c, const std::string& file) {
   resolve(c.trace);
   resolve(c.azure_trace);
   resolve(c.prompt_set);
+  resolve(c.eval.filler);
   resolve(c.output_dir);
   resolve(c.disk_tier_directory);
   resolve(c.speculation.accept_trace);
@@ -687,6 +688,44 @@ void parse_cluster(Section& s, ExperimentConfig& c) {
   }
 }
 
+// An array of numbers under `key`, each in [min, max]; empty when the key is absent.
+template <typename T>
+std::vector<T> number_array(Section& s, const char* key, double min, double max) {
+  std::vector<T> values;
+  const toml::node* node = s.node(key);
+  if (node == nullptr) return values;
+  const toml::array* array = node->as_array();
+  if (array == nullptr || array->empty())
+    s.fail(*node, fmt::format("{}.{} must be a non-empty array of numbers", s.name(), key));
+  for (const toml::node& item : *array) {
+    const std::optional<double> value = item.value<double>();
+    const bool whole = !std::is_integral_v<T> || item.is_integer();
+    if (!value || !whole || *value < min || *value > max)
+      s.fail(item, fmt::format("{}.{}: each must be {} in [{}, {}]", s.name(), key,
+                               std::is_integral_v<T> ? "an integer" : "a number", min, max));
+    values.push_back(static_cast<T>(*value));
+  }
+  return values;
+}
+
+// [eval]: kvlab eval's retrieval task.
+void parse_eval(Section& s, ExperimentConfig& c) {
+  if (s.table_itself() == nullptr) return;
+  EvalSpec& e = c.eval;
+  e.task = s.get<std::string>("task").value_or("passkey");
+  if (e.task != "passkey" && e.task != "needle")
+    s.fail(*s.node("task"), fmt::format("eval.task \"{}\" is not passkey or needle", e.task));
+  const auto filler = s.get<std::string>("filler");
+  if (!filler) s.fail(*s.table_itself(), "[eval] needs filler = \"a text file\" (WikiText-2)");
+  e.filler = *filler;
+  e.lengths = number_array<std::int64_t>(s, "lengths", 64, 1 << 20);
+  e.depths = number_array<double>(s, "depths", 0, 1);
+  if (e.lengths.empty() || e.depths.empty())
+    s.fail(*s.table_itself(), "[eval] needs lengths = [tokens, ...] and depths = [0 to 1, ...]");
+  e.samples = s.get_int<std::int64_t>("samples", 1, 10000).value_or(1);
+  e.answer_tokens = s.get_int<std::int32_t>("answer_tokens", 1, 1024).value_or(e.answer_tokens);
+}
+
 }  // namespace
 
 ExperimentConfig parse_config(const toml::table& root, const std::string& file) {
@@ -712,6 +751,7 @@ ExperimentConfig parse_config(const toml::table& root, const std::string& file) 
   section("kv_tiers", [&](Section& s) { parse_kv_tiers(s, c); });
   section("kv_policy", [&](Section& s) { parse_kv_policy(s, c); });
   section("speculation", [&](Section& s) { parse_speculation(s, c); });
+  section("eval", [&](Section& s) { parse_eval(s, c); });
   if (const toml::node* gone = root.get("time_model"))
     top.fail(*gone,
              "[time_model] is gone: the virtual clock prices each step with the roofline cost "

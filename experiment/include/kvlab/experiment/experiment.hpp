@@ -32,6 +32,17 @@ inline constexpr const char* kDefaultCpuProfile = "cpu";
 enum class BackendKind { cpu, simulated, plugin };  // plugin: any other backend plugin (cuda)
 BackendKind backend_kind_of(std::string_view name);
 
+// [eval]: a synthetic retrieval task (RULER's design) that kvlab eval builds from filler text
+// and runs through the engine: each prompt hides a key at a depth of its filler and asks for it.
+struct EvalSpec {
+  std::string task;                  // "passkey" or "needle"; empty: no [eval]
+  std::string filler;                // a text file (WikiText-2), relative to the experiment file
+  std::vector<std::int64_t> lengths;  // prompt lengths in tokens
+  std::vector<double> depths;         // where the key sits in the filler: 0 first, 1 last
+  std::int64_t samples = 1;           // prompts per (length, depth): other keys and filler
+  std::int32_t answer_tokens = 12;    // each answer's cap
+};
+
 struct ExperimentConfig {
   std::string name = "experiment";
   std::uint64_t seed = 0;
@@ -117,6 +128,8 @@ struct ExperimentConfig {
   bool prompt_chat = true;  // through the model's chat template (else the raw text, with BOS)
   std::int32_t prompt_max_tokens = 256;
   std::int64_t prompt_requests = 0;  // 0 = one per prompt
+  // [eval]: kvlab eval's retrieval task (kvlab/experiment/eval_task.hpp); kvlab run ignores it.
+  EvalSpec eval;
   ServiceLevelObjectives slo;
   // [[workload.tenants]]: who sends the requests (drawn by share, or the trace's tenant column)
   // and each tenant's own SLOs over [slo] (docs/concepts/fairness-and-deadlines.md).
