@@ -15,8 +15,6 @@
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/eval_task.hpp"
 #include "kvlab/experiment/experiment.hpp"
-#include "kvlab/experiment/model_source.hpp"
-#include "kvlab/model/tokenizer.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -41,36 +39,6 @@ struct EvalSetting {
   }
 };
 
-// The prompts of the first point's [eval] (every point must ask the same task), written as a
-// prompt set the engine reads (workload.prompts).
-std::vector<EvalPrompt> eval_prompts(const ExperimentConfig& c, const std::filesystem::path& file) {
-  const ModelSource source = resolve_model(c.model);
-  if (source.is_preset())
-    throw Error(fmt::format("kvlab eval needs a model with a tokenizer, not the preset \"{}\"",
-                            c.model));
-  const TokenizerLookup lookup = find_tokenizer(source.directory, source.config.vocab_size);
-  if (!lookup.tokenizer) throw Error(fmt::format("kvlab eval needs a tokenizer: {}", lookup.why_not));
-  const std::vector<EvalPrompt> prompts =
-      make_eval_prompts(c.eval, read_text(c.eval.filler), *lookup.tokenizer, c.seed);
-  std::ofstream out(file);
-  for (const EvalPrompt& p : prompts) out << nlohmann::json{{"prompt", p.text}}.dump() << '\n';
-  if (!out) throw Error(fmt::format("cannot write {}", file.string()));
-  return prompts;
-}
-
-// A point's config serving the eval prompts: all at once, raw text, answers cut short.
-ExperimentConfig served_config(ExperimentConfig c, const std::filesystem::path& prompts) {
-  c.prompt_set = prompts.string();
-  c.prompt_chat = false;  // the task's own text, as RULER's base-model template
-  c.prompt_max_tokens = c.eval.answer_tokens;
-  c.prompt_requests = 0;
-  c.trace.clear();
-  c.azure_trace.clear();
-  c.workload.arrival = {};
-  c.workload_keys_given.clear();  // the eval replaces the file's workload
-  return c;
-}
-
 // accuracy in [0, 1] -> a red (0) to green (1) fill.
 std::string heat_colour(double accuracy) {
   const auto red = static_cast<int>(std::lround(220 * (1 - accuracy) + 30 * accuracy));
@@ -80,7 +48,8 @@ std::string heat_colour(double accuracy) {
 
 std::string heat_map_svg(const EvalSpec& spec, const EvalSetting& s) {
   constexpr int kCell = 46, kLeft = 70, kTop = 40;
-  const auto cols = static_cast<int>(spec.depths.size()), rows = static_cast<int>(spec.lengths.size());
+  const auto cols = static_cast<int>(spec.depths.size()),
+             rows = static_cast<int>(spec.lengths.size());
   std::string svg = fmt::format(
       "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' "
       "font-size='12'><text x='0' y='14' font-weight='bold'>{}</text>"
@@ -97,7 +66,8 @@ std::string heat_map_svg(const EvalSpec& spec, const EvalSetting& s) {
       const EvalCell& cell = s.cells[static_cast<std::size_t>(r * cols + c)];
       svg += fmt::format(
           "<rect x='{}' y='{}' width='{}' height='{}' fill='{}'><title>length {} depth {:g}: "
-          "{}/{}</title></rect><text x='{}' y='{}' text-anchor='middle' fill='white'>{:.0f}%</text>",
+          "{}/{}</title></rect><text x='{}' y='{}' text-anchor='middle' "
+          "fill='white'>{:.0f}%</text>",
           kLeft + c * kCell, kTop + r * kCell, kCell - 2, kCell - 2, heat_colour(cell.accuracy()),
           cell.length, cell.depth, cell.correct, cell.prompts, kLeft + c * kCell + kCell / 2 - 1,
           kTop + r * kCell + kCell / 2 + 4, 100 * cell.accuracy());
@@ -122,21 +92,26 @@ void print_table(const EvalSpec& spec, const EvalSetting& s) {
 }
 
 void write_outputs(const std::filesystem::path& dir, const EvalSpec& spec,
-                   const std::vector<EvalPrompt>& prompts, const std::vector<EvalSetting>& settings) {
+                   const std::vector<EvalPrompt>& prompts,
+                   const std::vector<EvalSetting>& settings) {
   std::ofstream csv(dir / "eval.csv"), answers(dir / "answers.jsonl"), html(dir / "eval.html");
   csv << "setting,length,depth,prompts,correct,accuracy\n";
   html << "<!doctype html><meta charset='utf-8'><title>kvlab eval</title><body>"
-       << fmt::format("<p>{} task: the key hidden at each depth of filler of each length; "
-                      "exact match of the key in the answer.</p>",
-                      spec.task);
+       << fmt::format(
+              "<p>{} task: the key hidden at each depth of filler of each length; "
+              "exact match of the key in the answer.</p>",
+              spec.task);
   for (const EvalSetting& s : settings) {
     for (const EvalCell& c : s.cells)
       csv << fmt::format("\"{}\",{},{:g},{},{},{:.4f}\n", s.title, c.length, c.depth, c.prompts,
                          c.correct, c.accuracy());
     for (std::size_t i = 0; i < prompts.size(); ++i)
-      answers << nlohmann::json{{"setting", s.title},       {"length", prompts[i].length},
-                                {"depth", prompts[i].depth}, {"tokens", prompts[i].tokens},
-                                {"key", prompts[i].key},     {"answer", s.answers[i]},
+      answers << nlohmann::json{{"setting", s.title},
+                                {"length", prompts[i].length},
+                                {"depth", prompts[i].depth},
+                                {"tokens", prompts[i].tokens},
+                                {"key", prompts[i].key},
+                                {"answer", s.answers[i]},
                                 {"correct", eval_answer_correct(s.answers[i], prompts[i].key)}}
                      .dump()
               << '\n';
@@ -150,48 +125,52 @@ void run_eval(const EvalOptions& o) {
   const std::vector<ExperimentRun> runs = load_experiment(o.file, o.changes, nullptr);
   const ExperimentConfig& first = runs.front().config;
   if (first.eval.task.empty())
-    throw Error(fmt::format("{} has no [eval] table: kvlab eval needs task, filler, lengths and "
-                            "depths (docs/concepts/kv-eviction.md#answers-kvlab-eval)",
-                            o.file));
-  const std::filesystem::path dir =
-      !o.out.empty() ? std::filesystem::path(o.out) : std::filesystem::path("results") / (first.name + "-eval");
+    throw Error(
+        fmt::format("{} has no [eval] table: kvlab eval needs task, filler, lengths and "
+                    "depths (docs/concepts/kv-eviction.md#answers-kvlab-eval)",
+                    o.file));
+  const std::filesystem::path dir = !o.out.empty()
+                                        ? std::filesystem::path(o.out)
+                                        : std::filesystem::path("results") / (first.name + "-eval");
   std::filesystem::create_directories(dir);
-  const std::vector<EvalPrompt> prompts = eval_prompts(first, dir / "prompts.jsonl");
+  const std::vector<EvalPrompt> prompts = write_eval_prompts(first, dir / "prompts.jsonl");
   std::vector<ExperimentRun> served;
   for (const ExperimentRun& run : runs) {
     if (run.config.eval.task != first.eval.task || run.config.eval.lengths != first.eval.lengths ||
-        run.config.eval.depths != first.eval.depths || run.config.eval.samples != first.eval.samples)
+        run.config.eval.depths != first.eval.depths ||
+        run.config.eval.samples != first.eval.samples)
       throw Error("kvlab eval: every sweep point asks the same [eval] task and grid");
-    served.push_back({served_config(run.config, dir / "prompts.jsonl"), run.repeat});
+    served.push_back({eval_serving_config(run.config, dir / "prompts.jsonl"), run.repeat});
   }
   validate_experiment(served, false);
   std::vector<EvalSetting> settings;
   const auto start = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < served.size(); ++i) {
     const ExperimentConfig& c = served[i].config;
-    print_progress_line(fmt::format("[{}/{}] {} ({} prompts; ETA {})", i + 1, served.size(),
-                                    c.label.empty() ? c.name : c.label, prompts.size(),
-                                    eta_text(static_cast<double>(i),
-                                             static_cast<double>(served.size()), start)));
+    print_progress_line(
+        fmt::format("[{}/{}] {} ({} prompts; ETA {})", i + 1, served.size(),
+                    c.label.empty() ? c.name : c.label, prompts.size(),
+                    eta_text(static_cast<double>(i), static_cast<double>(served.size()), start)));
     const RunOutput out = run_experiment(c, false, nullptr);
     EvalSetting s{c.label.empty() ? c.name : c.label, score_eval(c.eval, prompts, out.answer_texts),
                   out.answer_texts, out.wall_s};
     if (o.json) {
       for (const EvalCell& cell : s.cells)
-        fmt::print("{}\n", nlohmann::json{{"setting", s.title},        {"task", c.eval.task},
-                                          {"length", cell.length},     {"depth", cell.depth},
-                                          {"prompts", cell.prompts},   {"correct", cell.correct},
+        fmt::print("{}\n", nlohmann::json{{"setting", s.title},
+                                          {"task", c.eval.task},
+                                          {"length", cell.length},
+                                          {"depth", cell.depth},
+                                          {"prompts", cell.prompts},
+                                          {"correct", cell.correct},
                                           {"accuracy", cell.accuracy()}}
                                .dump());
     }
     settings.push_back(std::move(s));
   }
-  print_progress_line(fmt::format("{} settings x {} prompts in {:.1f} s", served.size(),
-                                  prompts.size(),
-                                  std::chrono::duration<double>(std::chrono::steady_clock::now() -
-                                                                start)
-                                      .count()),
-                      true);
+  print_progress_line(
+      fmt::format("{} settings x {} prompts in {:.1f} s", served.size(), prompts.size(),
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()),
+      true);
   if (!o.json)
     for (const EvalSetting& s : settings) print_table(first.eval, s);
   write_outputs(dir, first.eval, prompts, settings);

@@ -252,10 +252,10 @@ void CpuBackend::prepare_key_scores(std::span<const BatchEntry> batch) {
     asked = asked || e.scored_queries > 0;
     masked = masked || !e.key_mask.empty();
     if (!e.key_mask.empty() && e.key_mask.size() != heads * keys)
-      throw Error(fmt::format("a key mask of {} bytes for a view of {} keys: {} layers x {} K/V "
-                              "heads x {} keys expected",
-                              e.key_mask.size(), keys, c.num_hidden_layers,
-                              c.num_key_value_heads, keys));
+      throw Error(
+          fmt::format("a key mask of {} bytes for a view of {} keys: {} layers x {} K/V "
+                      "heads x {} keys expected",
+                      e.key_mask.size(), keys, c.num_hidden_layers, c.num_key_value_heads, keys));
   }
   if ((asked || masked) && (!groups_.uniform() || c.latent_dim() > 0))
     throw Error(fmt::format(
@@ -392,8 +392,8 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     const std::int64_t key_end = view.index_at_or_after(last_position + 1);
     const std::uint8_t* mask =
         entry.key_mask.empty() ? nullptr : entry.key_mask.data() + layer * kv_heads * view.length();
-    const AttentionGroup task{entry,   view,      0,      kv_heads, group, first_rows[e],
-                              key_begin, key_end, window, mask};
+    const AttentionGroup task{entry,         view,      0,       kv_heads, group,
+                              first_rows[e], key_begin, key_end, window,   mask};
     if (entry.tokens.size() == 1 && whole_entries) {
       tasks.push_back(task);
     } else {

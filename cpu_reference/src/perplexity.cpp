@@ -145,10 +145,12 @@ void PolicyStream::run(std::span<const std::span<const std::int32_t>> sequences,
       for (std::int64_t i = std::max<std::int64_t>(0, first - start); i < len; ++i)
         logits.row(static_cast<std::int64_t>(s) * scored + start + i - first) =
             out.row(static_cast<std::int64_t>(s) * len + i);
-      const std::size_t cells = sequences_[s].held.size() *
-                                static_cast<std::size_t>(pool_.shape().layers * pool_.shape().kv_heads);
+      const std::size_t cells =
+          sequences_[s].held.size() *
+          static_cast<std::size_t>(pool_.shape().layers * pool_.shape().kv_heads);
       keep_selected(s, first_id + static_cast<std::int64_t>(s),
-                    all.empty() ? all : all.subspan(score_offset, cells), len, start + len == n_ctx);
+                    all.empty() ? all : all.subspan(score_offset, cells), len,
+                    start + len == n_ctx);
       score_offset += cells;
     }
   }
@@ -312,6 +314,21 @@ void check_points(const ModelConfig& c, std::int64_t text_tokens,
   }
 }
 
+// A point's pool and backend for `parallel` chunks of n_ctx tokens (chunk_room slots each, or
+// its KV policy stream's room), and whether it is compared with the exact run.
+void set_up_point(const PerplexityOptions& o, const ModelWeightsView& weights,
+                  const std::shared_ptr<const ComputeWeights>& compute, std::int64_t n_ctx,
+                  std::int64_t parallel, std::int64_t chunk_room, ScoredPoint& point) {
+  point.options = &o;
+  point.result.compared = o.compare_with_exact && !is_exact(o);
+  const std::int64_t room =
+      o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step, n_ctx) : chunk_room;
+  point.run = make_run(weights, compute, o.kv_dtype, o.hadamard, o.window, parallel * room);
+  if (o.policy != nullptr)
+    point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_name,
+                         o.policy_step);
+}
+
 }  // namespace
 
 std::vector<PerplexityResult> measure_perplexity(
@@ -332,20 +349,11 @@ std::vector<PerplexityResult> measure_perplexity(
   // One copy of the matrices for every point's backend and the exact run's.
   const auto compute = std::make_shared<const ComputeWeights>(make_compute());
   std::vector<ScoredPoint> scored(points.size());
-  bool any_compared = false;
-  for (std::size_t p = 0; p < points.size(); ++p) {
-    const PerplexityOptions& o = points[p];
-    ScoredPoint& point = scored[p];
-    point.options = &o;
-    point.result.compared = o.compare_with_exact && !is_exact(o);
-    any_compared = any_compared || point.result.compared;
-    const std::int64_t room =
-        o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step, n_ctx) : chunk_room;
-    point.run = make_run(weights, compute, o.kv_dtype, o.hadamard, o.window, parallel * room);
-    if (o.policy != nullptr)
-      point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_name,
-                           o.policy_step);
-  }
+  for (std::size_t p = 0; p < points.size(); ++p)
+    set_up_point(points[p], weights, compute, n_ctx, parallel, chunk_room, scored[p]);
+  const bool any_compared = std::any_of(scored.begin(), scored.end(), [](const ScoredPoint& p) {
+    return p.result.compared;
+  });
   ScoringRun reference;  // the exact KV, run once per batch for every point compared with it
   if (any_compared)
     reference =

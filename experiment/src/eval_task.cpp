@@ -5,9 +5,14 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <fstream>
+#include <iterator>
+#include <nlohmann/json.hpp>
 #include <random>
 
+#include "kvlab/data_sets.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/experiment/model_source.hpp"
 
 namespace kvlab {
 namespace {
@@ -19,7 +24,7 @@ struct TaskText {
 
 TaskText task_text(const std::string& task, std::mt19937_64& rng) {
   static constexpr std::array<const char*, 16> kWords = {
-      "guitar", "river",  "lantern", "orchid", "falcon",  "harbor", "violet", "compass",
+      "guitar", "river",  "lantern", "orchid",  "falcon",  "harbor", "violet", "compass",
       "meadow", "copper", "glacier", "saffron", "thimble", "walnut", "beacon", "quartz"};
   TaskText t;
   if (task == "passkey") {
@@ -31,7 +36,8 @@ TaskText task_text(const std::string& task, std::mt19937_64& rng) {
     t.question = "\n\nWhat is the pass key? The pass key is";
   } else {
     t.key = std::to_string(std::uniform_int_distribution<int>(1000000, 9999999)(rng));
-    const char* word = kWords[std::uniform_int_distribution<std::size_t>(0, kWords.size() - 1)(rng)];
+    const char* word =
+        kWords[std::uniform_int_distribution<std::size_t>(0, kWords.size() - 1)(rng)];
     t.header =
         "Some special magic numbers are hidden within the following text. Make sure to memorize "
         "it. I will quiz you about the numbers afterwards.\n";
@@ -53,14 +59,13 @@ std::vector<std::int32_t> filler_tokens(std::string_view filler, std::int64_t to
         "the eval filler has {} characters: {} filler tokens need about {} (use WikiText-2's "
         "test or train text)",
         filler.size(), tokens, 2 * chars));
-  std::size_t start =
-      std::uniform_int_distribution<std::size_t>(0, filler.size() - chars - 1)(rng);
+  std::size_t start = std::uniform_int_distribution<std::size_t>(0, filler.size() - chars - 1)(rng);
   start = filler.find('\n', start);  // from a line's start
   start = start == std::string_view::npos ? 0 : start + 1;
   std::vector<std::int32_t> ids = tokenizer.encode(filler.substr(start, chars));
   if (static_cast<std::int64_t>(ids.size()) < tokens)
-    throw Error(fmt::format("the eval filler gave {} tokens where {} were needed", ids.size(),
-                            tokens));
+    throw Error(
+        fmt::format("the eval filler gave {} tokens where {} were needed", ids.size(), tokens));
   ids.resize(static_cast<std::size_t>(tokens));
   return ids;
 }
@@ -82,7 +87,8 @@ std::vector<EvalPrompt> make_eval_prompts(const EvalSpec& spec, std::string_view
               "eval length {} leaves no room for filler: the {} task's own text takes {} tokens",
               length, spec.task, own));
         const std::vector<std::int32_t> ids = filler_tokens(filler, length - own, tokenizer, rng);
-        const auto cut = static_cast<std::size_t>(std::llround(depth * static_cast<double>(ids.size())));
+        const auto cut =
+            static_cast<std::size_t>(std::llround(depth * static_cast<double>(ids.size())));
         const std::span<const std::int32_t> all(ids);
         EvalPrompt p;
         p.text = t.header + tokenizer.decode(all.first(cut)) + t.needle +
@@ -94,6 +100,39 @@ std::vector<EvalPrompt> make_eval_prompts(const EvalSpec& spec, std::string_view
         prompts.push_back(std::move(p));
       }
   return prompts;
+}
+
+std::vector<EvalPrompt> write_eval_prompts(const ExperimentConfig& c,
+                                           const std::filesystem::path& file) {
+  const ModelSource source = resolve_model(c.model);
+  if (source.is_preset())
+    throw Error(fmt::format("kvlab eval needs a model with a tokenizer, not the preset \"{}\"",
+                            c.model));
+  const TokenizerLookup lookup = find_tokenizer(source.directory, source.config.vocab_size);
+  if (!lookup.tokenizer)
+    throw Error(fmt::format("kvlab eval needs a tokenizer: {}", lookup.why_not));
+  std::ifstream in(c.eval.filler, std::ios::binary);
+  if (!in)
+    throw Error(fmt::format("cannot read the eval filler {}{}", c.eval.filler,
+                            data_set_hint(c.eval.filler)));
+  const std::string filler((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<EvalPrompt> prompts = make_eval_prompts(c.eval, filler, *lookup.tokenizer, c.seed);
+  std::ofstream out(file);
+  for (const EvalPrompt& p : prompts) out << nlohmann::json{{"prompt", p.text}}.dump() << '\n';
+  if (!out) throw Error(fmt::format("cannot write {}", file.string()));
+  return prompts;
+}
+
+ExperimentConfig eval_serving_config(ExperimentConfig c, const std::filesystem::path& file) {
+  c.prompt_set = file.string();
+  c.prompt_chat = false;
+  c.prompt_max_tokens = c.eval.answer_tokens;
+  c.prompt_requests = 0;
+  c.trace.clear();
+  c.azure_trace.clear();
+  c.workload.arrival = {};  // all at once
+  c.workload_keys_given.clear();
+  return c;
 }
 
 bool eval_answer_correct(std::string_view answer, std::string_view key) {

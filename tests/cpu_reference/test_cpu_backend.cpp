@@ -121,8 +121,8 @@ TEST(CpuBackend, AKeyMaskHidesKeysPerLayerAndKvHead) {
   std::vector<std::int64_t> without(static_cast<std::size_t>(keys));
   std::iota(without.begin(), without.end(), 0);
   without.erase(without.begin() + hidden);
-  const BatchEntry holed{next, 13, KvView{{{0, hidden}, {hidden + 1, keys - hidden - 1}}, 0,
-                                          without}};
+  const BatchEntry holed{next, 13,
+                         KvView{{{0, hidden}, {hidden + 1, keys - hidden - 1}}, 0, without}};
   const RowMatrix absent = backend.run({&holed, 1});
   EXPECT_LT((masked_logits - absent).cwiseAbs().maxCoeff(), 1e-5);
 
@@ -133,7 +133,8 @@ TEST(CpuBackend, AKeyMaskHidesKeysPerLayerAndKvHead) {
   EXPECT_GT(one_scores[static_cast<std::size_t>(keys + hidden)], 0.0f);  // K/V head 1 sees it
   for (std::int64_t row = 0; row < heads; ++row) {
     float sum = 0;
-    for (std::int64_t j = 0; j < keys; ++j) sum += one_scores[static_cast<std::size_t>(row * keys + j)];
+    for (std::int64_t j = 0; j < keys; ++j)
+      sum += one_scores[static_cast<std::size_t>(row * keys + j)];
     EXPECT_NEAR(sum, static_cast<float>(c.group_size()), 1e-5) << row;
   }
   const auto [plain_logits, plain_scores] = decode({});

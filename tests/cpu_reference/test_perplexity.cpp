@@ -311,7 +311,7 @@ TEST(Perplexity, SettingsMeasuredTogetherEqualEachMeasuredAlone) {
       {"share context, chunks and parallel", "16/0/3"});
 }
 
-// A policy that leaves a head with nothing, keeps more than its budget once over it, holds a
+// A policy that leaves a head with nothing, drops some but keeps more than its budget, holds a
 // union beyond its held limit or miscounts what it kept is a clear error naming it.
 TEST(Perplexity, RefusesAPolicyThatBreaksItsContract) {
   enum class Lie { empty_head, over_budget, over_held_limit, miscount };
@@ -324,12 +324,12 @@ TEST(Perplexity, RefusesAPolicyThatBreaksItsContract) {
       std::int64_t cells = 0;
       for (std::int64_t row = 0; row < keep.layers * keep.kv_heads; ++row) {
         std::span<std::uint8_t> head = keep.head(row / keep.kv_heads, row % keep.kv_heads);
-        const std::int64_t keeps = lie == Lie::over_budget ? n
-                                   : lie == Lie::empty_head && row == 1 ? 0
-                                                                       : std::min<std::int64_t>(n, 4);
+        const std::int64_t keeps = lie == Lie::over_budget ? n - 1
+                                   : lie == Lie::empty_head && row == 1
+                                       ? 0
+                                       : std::min<std::int64_t>(n, 4);
         // over_held_limit: over budget, heads keep [0, 4) or [1, 5): a union of 5
-        const std::int64_t first =
-            lie == Lie::over_held_limit && n > 4 ? row % 2 : n - keeps;
+        const std::int64_t first = lie == Lie::over_held_limit && n > 4 ? row % 2 : n - keeps;
         for (std::int64_t i = first; i < first + keeps; ++i, ++cells)
           head[static_cast<std::size_t>(i)] = 1;
       }
@@ -342,6 +342,7 @@ TEST(Perplexity, RefusesAPolicyThatBreaksItsContract) {
   options.context = 16;
   options.policy = &liar;
   options.policy_name = "liar";
+  options.policy_step = 8;
   for (const Lie lie : {Lie::empty_head, Lie::over_budget, Lie::over_held_limit, Lie::miscount}) {
     liar.lie = lie;
     test::expect_error_containing([&] { (void)text.measure(options, 1); },

@@ -557,10 +557,10 @@ TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
     const char* name;
     bool per_head;
   };
-  for (const Policy policy : {Policy{"window", false}, Policy{"streaming_llm", false},
-                              Policy{"h2o", false}, Policy{"snapkv", false}, Policy{"h2o", true},
-                              Policy{"snapkv", true}, Policy{"pyramidkv", true},
-                              Policy{"adakv", true}}) {
+  for (const Policy policy :
+       {Policy{"window", false}, Policy{"streaming_llm", false}, Policy{"h2o", false},
+        Policy{"snapkv", false}, Policy{"h2o", true}, Policy{"snapkv", true},
+        Policy{"pyramidkv", true}, Policy{"adakv", true}}) {
     for (const char* scheduler : {"fcfs", "chunked"}) {
       EngineSetup setup;
       setup.scheduler = scheduler;

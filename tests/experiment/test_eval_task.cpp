@@ -118,8 +118,7 @@ TEST(EvalTask, TheEvalTableIsReadAndCheckedFromTheExperimentFile) {
   };
   for (const auto& [text, message] : bad) {
     test::write_file(dir / "bad.toml", base + text);
-    test::expect_error_containing([&] { (void)load_experiment(dir / "bad.toml", {}); },
-                                  {message});
+    test::expect_error_containing([&] { (void)load_experiment(dir / "bad.toml", {}); }, {message});
   }
 }
 

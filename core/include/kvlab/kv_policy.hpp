@@ -85,10 +85,10 @@ class BOOST_SYMBOL_VISIBLE KvPolicy {
   // How many of a forward's last queries per sequence the backend must score
   // (BatchEntry::scored_queries); 0: the policy reads no scores.
   virtual std::int32_t scored_queries() const = 0;
-  // Marks the positions each layer's K/V head keeps in `keep` (every position while the
-  // sequence holds at most budget(); after that, at most budget() x layers x kv_heads cells in
-  // all, at least one per head, their union at most held_limit()). Returns the cells marked, or
-  // -1 when it failed.
+  // Marks the positions each layer's K/V head keeps in `keep`: everything a head sees (always
+  // allowed: a sequence within its budget, a one-shot policy's decode steps), or at most
+  // budget() x layers x kv_heads cells in all, their union at most held_limit(); at least one
+  // per head. Returns the cells marked, or -1 when it failed.
   virtual std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) = 0;
   // The sequence ended or lost its KV (preempted by recompute): drop its state.
   virtual void forget(std::int64_t sequence) = 0;

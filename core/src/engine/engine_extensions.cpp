@@ -14,11 +14,10 @@ std::vector<std::unique_ptr<StepExtension>> engine_extensions(const EngineOption
   if (options.speculation.enabled())
     extensions.push_back(std::make_unique<Speculator>(options, vocab));
   if (options.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
-    extensions.push_back(
-        std::make_unique<KvPolicyRunner>(
-            *options.kv_policy, options.names.kv_policy, options.names.allocator,
-            options.names.backend, options.pool != nullptr ? options.pool->shape().layers : 1,
-            options.pool != nullptr ? options.pool->shape().kv_heads : 1));
+    extensions.push_back(std::make_unique<KvPolicyRunner>(
+        *options.kv_policy, options.names.kv_policy, options.names.allocator, options.names.backend,
+        options.pool != nullptr ? options.pool->shape().layers : 1,
+        options.pool != nullptr ? options.pool->shape().kv_heads : 1));
   // On a clock that times the backend (measured, wall) the backend computes the padding rows
   // too, or static batching would be timed without the padding the simulator charges it.
   const bool timed = options.clock == EngineClock::measured || options.clock == EngineClock::wall;

@@ -11,8 +11,8 @@
 
 namespace kvlab {
 
-void KvPolicyRunner::ask_scores(std::span<BatchEntry> requests,
-                                std::span<const ScheduledWork> work, const RequestTable& table) {
+void KvPolicyRunner::ask_scores(std::span<BatchEntry> requests, std::span<const ScheduledWork> work,
+                                const RequestTable& table) {
   masks_.resize(requests.size());
   for (std::size_t e = 0; e < requests.size(); ++e) {
     BatchEntry& entry = requests[e];
@@ -95,8 +95,8 @@ void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
   if (!scores.empty()) {
     const std::size_t scored = scores.size() / heads;
     if (scored * heads != scores.size() || scored < n)
-      throw Error(fmt::format("internal: request {} holds {} positions, its forward scored {}",
-                              id, n, scored));
+      throw Error(fmt::format("internal: request {} holds {} positions, its forward scored {}", id,
+                              n, scored));
     head_scores.resize(heads * n);
     for (std::size_t h = 0; h < heads; ++h)
       std::copy_n(scores.begin() + static_cast<long>(h * scored + scored - n), n,
@@ -107,9 +107,8 @@ void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
   visible_.clear();  // what each head still sees: the last selection's, new positions seen
   if (const auto was = kept_.find(id); was != kept_.end())
     key_mask_for(was->second, positions_, std::numeric_limits<std::int64_t>::max(), visible_);
-  const KvPolicyStep step{id,       positions_,  head_scores,
-                          visible_, layers_,     kv_heads_,
-                          work.tokens, work.samples && !work.decode};
+  const KvPolicyStep step{id,      positions_, head_scores, visible_,
+                          layers_, kv_heads_,  work.tokens, work.samples && !work.decode};
   HeadSelection kept =
       kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
   if (kept.cells < static_cast<std::int64_t>(heads * n)) stats_.add(kept);

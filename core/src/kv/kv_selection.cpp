@@ -7,7 +7,8 @@
 namespace kvlab {
 
 std::int64_t mark_ends_and_top(std::span<const double> scores, std::int64_t first,
-                               std::int64_t recent, std::int64_t top, std::span<std::uint8_t> mark) {
+                               std::int64_t recent, std::int64_t top,
+                               std::span<std::uint8_t> mark) {
   const auto n = static_cast<std::int64_t>(mark.size());
   first = std::clamp<std::int64_t>(first, 0, n);
   recent = std::clamp<std::int64_t>(recent, 0, n - first);
@@ -73,8 +74,8 @@ void max_pool(std::span<double> values, std::int64_t kernel) {
   }
 }
 
-std::vector<double> snapkv_votes(const KvPolicyStep& step, std::int64_t layer,
-                                 std::int64_t kv_head, std::int64_t window, std::int64_t kernel) {
+std::vector<double> snapkv_votes(const KvPolicyStep& step, std::int64_t layer, std::int64_t kv_head,
+                                 std::int64_t window, std::int64_t kernel) {
   const std::int64_t n = step.count(), older = std::max<std::int64_t>(0, n - window);
   std::vector<double> votes(static_cast<std::size_t>(n), 0.0);
   if (step.scores.empty()) return votes;

@@ -47,8 +47,8 @@ class AdaKvPolicy final : public KvPolicy {
   std::int64_t select_layer(const KvPolicyStep& step, const KvKeep& keep, std::int64_t layer) {
     const std::int64_t n = step.count(), heads = step.kv_heads;
     const std::int64_t recent = std::min(window_, n), older = n - recent;
-    const auto guaranteed = static_cast<std::int64_t>(
-        std::floor(floor_ * static_cast<double>(budget_ - window_)));
+    const auto guaranteed =
+        static_cast<std::int64_t>(std::floor(floor_ * static_cast<double>(budget_ - window_)));
     std::int64_t spare = heads * (budget_ - recent), cells = 0;
     std::vector<std::vector<double>> votes(static_cast<std::size_t>(heads));
     for (std::int64_t h = 0; h < heads; ++h) {
@@ -86,8 +86,8 @@ class AdaKvPolicy final : public KvPolicy {
 
 const ParamSpec kParams[] = {
     {"budget", ParamType::param_integer,
-     "positions a K/V head keeps on average over its layer's heads, the window included", "256",
-     2, 1 << 30},
+     "positions a K/V head keeps on average over its layer's heads, the window included", "256", 2,
+     1 << 30},
     {"window", ParamType::param_integer, "the observation window: last queries that vote", "32", 1,
      1 << 20},
     {"kernel", ParamType::param_integer, "max-pooling width over the votes (1: none)", "7", 1,
@@ -105,5 +105,4 @@ const ParamSpec kParams[] = {
 }  // namespace
 
 KVLAB_PLUGIN(kvlab::PluginKind::kv_policy, AdaKvPolicy, "adakv",
-             "SnapKV's votes with a layer's budget shared by its heads, not split evenly",
-             kParams)
+             "SnapKV's votes with a layer's budget shared by its heads, not split evenly", kParams)

@@ -79,5 +79,4 @@ const ParamSpec kParams[] = {
 }  // namespace
 
 KVLAB_PLUGIN(kvlab::PluginKind::kv_policy, SnapKvPolicy, "snapkv",
-             "keep the observation window and the positions it attends to most, per head",
-             kParams)
+             "keep the observation window and the positions it attends to most, per head", kParams)

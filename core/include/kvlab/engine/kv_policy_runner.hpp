@@ -47,8 +47,7 @@ class KvPolicyRunner final : public StepExtension {
     forget(id);
   }
   void shape_batch(StepState& step, std::vector<BatchEntry>& batch) override {
-    ask_scores(std::span(batch).first(step.applied->batch.size()), step.applied->batch,
-               step.table);
+    ask_scores(std::span(batch).first(step.applied->batch.size()), step.applied->batch, step.table);
   }
   void after_forward(StepState& step, std::span<const BatchEntry> requests,
                      const ForwardResult& result) override {

@@ -37,8 +37,8 @@ void max_pool(std::span<double> values, std::int64_t kernel);
 // SnapKV's votes of one layer's K/V head: its scores of the positions before the last `window`
 // (the observation window's own are 0), max-pooled over `kernel`; -infinity for a position the
 // head no longer sees (KvPolicyStep::visible).
-std::vector<double> snapkv_votes(const KvPolicyStep& step, std::int64_t layer,
-                                 std::int64_t kv_head, std::int64_t window, std::int64_t kernel);
+std::vector<double> snapkv_votes(const KvPolicyStep& step, std::int64_t layer, std::int64_t kv_head,
+                                 std::int64_t window, std::int64_t kernel);
 
 // SnapKV in one layer's K/V head: marks the last `window` positions and the `keep - window`
 // others with the best snapkv_votes (all of them when n <= keep); returns the count marked.

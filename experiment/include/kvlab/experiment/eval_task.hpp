@@ -10,6 +10,7 @@
 // The prompts end with the question, so a policy that compresses the prompt once with its last
 // tokens as the observation window (snapkv one_shot) sees the question when it chooses.
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -32,6 +33,17 @@ struct EvalPrompt {
 // filler beside the task's own text, or when the filler text is too short.
 std::vector<EvalPrompt> make_eval_prompts(const EvalSpec& spec, std::string_view filler,
                                           const Tokenizer& tokenizer, std::uint64_t seed);
+
+// The prompts of c's [eval] through its model's tokenizer (keys and filler offsets from c.seed),
+// also written to `file` as a prompt set (JSONL) the engine reads. Throws kvlab::Error for a
+// preset (no tokenizer), a missing filler file, or as make_eval_prompts.
+std::vector<EvalPrompt> write_eval_prompts(const ExperimentConfig& c,
+                                           const std::filesystem::path& file);
+
+// c serving the prompt set `file` as kvlab eval does: the prompts all at once, as raw text (the
+// task's own wording; no chat template), each answer cut at [eval] answer_tokens; the file's
+// own workload is replaced.
+ExperimentConfig eval_serving_config(ExperimentConfig c, const std::filesystem::path& file);
 
 // RULER's string match: the answer contains the key.
 bool eval_answer_correct(std::string_view answer, std::string_view key);

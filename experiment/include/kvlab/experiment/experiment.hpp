@@ -35,8 +35,8 @@ BackendKind backend_kind_of(std::string_view name);
 // [eval]: a synthetic retrieval task (RULER's design) that kvlab eval builds from filler text
 // and runs through the engine: each prompt hides a key at a depth of its filler and asks for it.
 struct EvalSpec {
-  std::string task;                  // "passkey" or "needle"; empty: no [eval]
-  std::string filler;                // a text file (WikiText-2), relative to the experiment file
+  std::string task;                   // "passkey" or "needle"; empty: no [eval]
+  std::string filler;                 // a text file (WikiText-2), relative to the experiment file
   std::vector<std::int64_t> lengths;  // prompt lengths in tokens
   std::vector<double> depths;         // where the key sits in the filler: 0 first, 1 last
   std::int64_t samples = 1;           // prompts per (length, depth): other keys and filler
