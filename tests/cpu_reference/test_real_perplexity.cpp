@@ -319,13 +319,14 @@ TEST_F(KvEvictionLesson, AttentionChosenKvBeatsThePlainWindowAtEqualBudget) {
 }
 
 // Lesson (H2O, SnapKV): heads look at different positions. H2O choosing per layer and K/V head,
-// as its paper does, has under 0.85x the KL of the same budget chosen once for the whole
-// sequence from the summed scores (0.384 against 0.514 at budget 128 token by token); each head
-// sees the budget, and the slots hold the union of the heads' choices (more than the budget).
+// as its paper does, has under 0.9x the KL of the same budget chosen once for the whole sequence
+// from the summed scores (measured: 0.258 against 0.311 here, budget 256 and 32 tokens a step;
+// 0.384 against 0.514 at budget 128 token by token); each head sees the budget, and the slots
+// hold the union of the heads' choices (here 639 positions for a budget of 256).
 TEST_F(KvEvictionLesson, SelectingPerHeadBeatsOneSelectionForEveryHead) {
   SKIP_WITHOUT_SMOLLM2();
   const PerplexityResult &per_head = at("h2o"), &pooled = at("h2o pooled");
-  EXPECT_LT(per_head.mean_kl(), 0.85 * pooled.mean_kl());
+  EXPECT_LT(per_head.mean_kl(), 0.9 * pooled.mean_kl());
   EXPECT_GT(per_head.top1_agreement(), pooled.top1_agreement());
   EXPECT_NEAR(per_head.kv_kept.mean_seen(), 256, 1e-9);
   EXPECT_GT(per_head.kv_kept.mean_held(), 256 * 1.5);
