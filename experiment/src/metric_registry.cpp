@@ -534,6 +534,28 @@ const RunMetric kRunMetrics[] = {
      true,
      SUMMARY(out.max_batch),
      {{"max_batch", "max batch", "", 0}}},
+    {"kv_policy_held",
+     "positions",
+     "a KV policy's sequences after each selection that dropped some: the positions their slots "
+     "hold, the union of what the layers' K/V heads keep (absent without a policy)",
+     "mean over selections",
+     true,
+     [](const ExperimentConfig&, const RunOutput& out) {
+       const KvKeepStats& k = out.engine.kv_policy;
+       return k.selections > 0 ? json(k.mean_held()) : json();
+     },
+     {{"kv_policy_held", "KV held", "", 1}}},
+    {"kv_policy_seen",
+     "positions",
+     "a KV policy's sequences after each selection that dropped some: the positions a layer's "
+     "K/V head attends to (those held beyond them are masked for it; absent without a policy)",
+     "mean over selections",
+     true,
+     [](const ExperimentConfig&, const RunOutput& out) {
+       const KvKeepStats& k = out.engine.kv_policy;
+       return k.selections > 0 ? json(k.mean_seen()) : json();
+     },
+     {{"kv_policy_seen", "KV seen", "", 1}}},
     {"kv_residual_peak",
      "MiB",
      "a KIVI KV pool's fp16 open key/value groups (up to 32 tokens per running sequence), the "

@@ -82,8 +82,8 @@ TEST(MetricRegistry, NormalizedLatencyIsTheMeanOfEachRequestsLatencyPerToken) {
 }
 
 // summary.json has a key for each metric of the registry a run has (the measured-clock step
-// figures, the trace's ideal prefix hit rate, the KV tiers' and speculation's totals only when
-// set),
+// figures, the trace's ideal prefix hit rate, the KV tiers', speculation's and a KV policy's
+// totals only when set),
 // requests.csv a column for each request metric.
 TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
   RunOutput out;
@@ -98,15 +98,19 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
     const bool absent = m.name == "step_prediction_error" || m.name == "step_time_ratio" ||
                         m.name == "ideal_prefix_hit_rate" || m.name.starts_with("tier_") ||
                         m.name.ends_with("_by_tenant") || m.name == "max_service_gap_tokens" ||
-                        m.name.starts_with("spec_");  // a run without [speculation]
+                        m.name.starts_with("spec_") ||  // a run without [speculation]
+                        m.name.starts_with("kv_policy_");  // ... and without [kv_policy]
     EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
   }
+  out.engine.kv_policy.add(HeadSelection{{1, 2, 3, 4}, {}, 1, 2, 8});  // a policy's selection
   out.ideal_prefix_hit_rate = 0.25;                                           // a Mooncake trace's
   out.kv_tiers = RunOutput::KvTierTotals{0.125, 0.0625, 4096, 2048, 3, 0.5};  // a run with tiers
   write_run_outputs(dir.path(), config, out);
   std::ifstream again(dir / "summary.json");
   const nlohmann::json with = nlohmann::json::parse(again);
   EXPECT_DOUBLE_EQ(with.at("ideal_prefix_hit_rate").get<double>(), 0.25);
+  EXPECT_DOUBLE_EQ(with.at("kv_policy_held").get<double>(), 4.0);  // positions in the slots
+  EXPECT_DOUBLE_EQ(with.at("kv_policy_seen").get<double>(), 4.0);  // 8 cells over 2 heads
   EXPECT_DOUBLE_EQ(with.at("tier_host_hit_rate").get<double>(), 0.125);
   EXPECT_DOUBLE_EQ(with.at("tier_disk_hit_rate").get<double>(), 0.0625);
   EXPECT_EQ(with.at("tier_bytes_stored").get<std::int64_t>(), 4096);

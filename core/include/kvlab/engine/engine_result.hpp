@@ -8,6 +8,7 @@
 #include "kvlab/engine/frames.hpp"
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/engine/sampling.hpp"
+#include "kvlab/kv/kv_keep.hpp"
 #include "kvlab/kv_allocator.hpp"
 #include "kvlab/sim/cost_model.hpp"
 
@@ -66,6 +67,9 @@ struct EngineResult {
   std::vector<StepFrame> frames;       // EngineOptions::frame_budget's, in step order
   std::int64_t frame_stride = 1;       // a frame every this many steps
   double duration_s = 0;
+  // A KV policy's selections that dropped something: the positions each sequence's slots held
+  // after them (the union over layers and K/V heads) and those a head saw (the rest masked).
+  KvKeepStats kv_policy;
 };
 
 }  // namespace kvlab

@@ -15,6 +15,7 @@
 
 #include "kvlab/backend.hpp"
 #include "kvlab/engine/apply.hpp"
+#include "kvlab/engine/engine_result.hpp"
 #include "kvlab/engine/request_table.hpp"
 #include "kvlab/engine/step_extension.hpp"
 #include "kvlab/kv/kv_keep.hpp"
@@ -55,6 +56,7 @@ class KvPolicyRunner final : public StepExtension {
     take_scores(requests, result);
   }
   void after_update(StepState& step, std::span<const RequestId> held) override;
+  void finish(EngineResult& result) override { result.kv_policy = stats_; }
 
   // Most positions a sequence keeps between steps (the policy's budget).
   std::int64_t budget() const { return policy_.budget(); }
@@ -67,8 +69,6 @@ class KvPolicyRunner final : public StepExtension {
   // their key masks (none for a request preempted since its last selection).
   void ask_scores(std::span<BatchEntry> requests, std::span<const ScheduledWork> work,
                   const RequestTable& table);
-  // What the selections held and saw, over the run (those that dropped something).
-  const KvKeepStats& stats() const { return stats_; }
   // Keeps the forward's scores of the step's requests' entries; throws kvlab::Error when the
   // policy reads scores the backend did not report.
   void take_scores(std::span<const BatchEntry> requests, const ForwardResult& result);
