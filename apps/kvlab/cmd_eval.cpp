@@ -15,6 +15,8 @@
 #include "kvlab/error.hpp"
 #include "kvlab/experiment/eval_task.hpp"
 #include "kvlab/experiment/experiment.hpp"
+#include "kvlab/experiment/model_source.hpp"
+#include "svg_plots.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -32,6 +34,7 @@ struct EvalSetting {
   std::vector<EvalCell> cells;
   std::vector<std::string> answers;
   double seconds = 0;
+  double kv_bytes_per_token = 0;  // the pool's row bytes x the share its policy held
   std::int64_t correct() const {
     std::int64_t n = 0;
     for (const EvalCell& c : cells) n += c.correct;
@@ -76,6 +79,13 @@ std::string heat_map_svg(const EvalSpec& spec, const EvalSetting& s) {
   return svg + "</svg>";
 }
 
+// One token's K and V in every layer, in the pool's dtype.
+double kv_row_bytes(const ExperimentConfig& c) {
+  const ModelConfig m = resolve_model(c.model).config;
+  return 2.0 * static_cast<double>(m.num_hidden_layers * m.cache_kv_heads()) *
+         static_cast<double>(dtype_row_bytes(c.kv_dtype, m.cache_head_dim()));
+}
+
 void print_table(const EvalSpec& spec, const EvalSetting& s) {
   fmt::print("\n{}: {}/{} right ({:.1f}%), {:.1f} s\n", s.title, s.correct(), s.answers.size(),
              100.0 * static_cast<double>(s.correct()) / static_cast<double>(s.answers.size()),
@@ -117,7 +127,16 @@ void write_outputs(const std::filesystem::path& dir, const EvalSpec& spec,
               << '\n';
     html << heat_map_svg(spec, s) << '\n';
   }
-  html << "</body>\n";
+  std::vector<ScatterPoint> accuracy;
+  for (const EvalSetting& s : settings)
+    accuracy.push_back(
+        {s.title, s.kv_bytes_per_token,
+         100.0 * static_cast<double>(s.correct()) / static_cast<double>(s.answers.size())});
+  html << "<p>Accuracy against the KV bytes a token of context costs (the pool's row bytes in its "
+          "dtype x the share of a sequence's positions its KV policy held at its selections); "
+          "the green line is the Pareto front.</p>"
+       << scatter_svg("keys found", "KV bytes per token", "accuracy (%)", accuracy, false)
+       << "</body>\n";
   if (!csv || !answers || !html) throw Error(fmt::format("cannot write into {}", dir.string()));
 }
 
@@ -153,7 +172,8 @@ void run_eval(const EvalOptions& o) {
                     eta_text(static_cast<double>(i), static_cast<double>(served.size()), start)));
     const RunOutput out = run_experiment(c, false, nullptr);
     EvalSetting s{c.label.empty() ? c.name : c.label, score_eval(c.eval, prompts, out.answer_texts),
-                  out.answer_texts, out.wall_s};
+                  out.answer_texts, out.wall_s,
+                  kv_row_bytes(c) * out.engine.kv_policy.held_fraction()};
     if (o.json) {
       for (const EvalCell& cell : s.cells)
         fmt::print("{}\n", nlohmann::json{{"setting", s.title},

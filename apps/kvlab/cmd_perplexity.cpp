@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -24,6 +25,7 @@
 #include "kvlab/model/mapped_file.hpp"
 #include "kvlab/model/tokenizer.hpp"
 #include "kvlab/plugin/plugin_loader.hpp"
+#include "svg_plots.hpp"
 
 namespace kvlab::cli {
 namespace {
@@ -44,6 +46,7 @@ struct PerplexityCommand {
   bool no_compare = false;
   bool json = false;
   int threads = 0;
+  std::string plot;  // --experiment: an HTML page of quality against KV bytes per token
 };
 
 void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int64_t text_tokens,
@@ -277,6 +280,60 @@ void measure_together(const std::vector<std::size_t>& members,
       true);
 }
 
+// The share of a full cache's positions a point's KV holds: a KV policy's selections (their
+// union), a window's span averaged over the scored positions [n/2, n - 1), else 1.
+double held_share(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
+  if (c.options.policy != nullptr) return r.kv_kept.held_fraction();
+  if (!c.options.window) return 1;
+  const std::int64_t n = c.options.context;
+  double sum = 0;
+  for (std::int64_t p = n / 2; p < n - 1; ++p)
+    sum += static_cast<double>(std::min(*c.options.window, p + 1)) / static_cast<double>(p + 1);
+  return sum / static_cast<double>(n - 1 - n / 2);
+}
+
+// --plot: KL and top-1 agreement against the KV bytes a token of context costs (the pool's row
+// bytes in the point's dtype and K/V heads, times held_share), every compared point a dot, the
+// Pareto front marked; the table beside it with the tokens a GiB of KV holds.
+void write_plot(const std::string& file, const std::vector<ExperimentPoint>& points,
+                const std::vector<PointResult>& results) {
+  std::vector<ScatterPoint> kl, top1;
+  std::string rows;
+  for (std::size_t i = 0; i < points.size(); ++i) {
+    const PerplexityCommand& c = points[i].command;
+    const cpu::PerplexityResult& r = results[i].result;
+    const ModelConfig& m = results[i].config;
+    const double row = 2.0 * static_cast<double>(m.num_hidden_layers * m.num_key_value_heads) *
+                       static_cast<double>(dtype_row_bytes(c.options.kv_dtype, m.head_dim));
+    const double share = held_share(c, r), bytes = row * share;
+    // A point not compared is the exact KV itself (--plot refuses --no-compare): KL 0, top-1 100%.
+    const double mean_kl = r.compared ? r.mean_kl() : 0,
+                 agree = r.compared ? r.top1_agreement() : 1;
+    kl.push_back({points[i].title, bytes, mean_kl});
+    top1.push_back({points[i].title, bytes, 100 * agree});
+    rows += fmt::format(
+        "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.0f}</td><td>{:.1f}%</td><td>{:.0f}</td>"
+        "<td>{:.4f}</td><td>{:.4f}</td><td>{:.1f}%</td></tr>\n",
+        i + 1, points[i].title, c.kv_dtype, bytes, 100 * share, 1073741824.0 / bytes, r.ppl(),
+        mean_kl, 100 * agree);
+  }
+  std::ofstream out(file);
+  out << "<!doctype html><meta charset='utf-8'><title>kvlab perplexity: quality against KV "
+         "memory</title><body><p>Each setting's quality against the KV bytes a token of context "
+         "costs (its dtype's row bytes x the share of the full cache's positions it holds); the "
+         "green line is the Pareto front.</p>"
+      << scatter_svg("KL divergence from the exact KV", "KV bytes per token", "mean KL (nats)", kl,
+                     true)
+      << scatter_svg("top-1 agreement with the exact KV", "KV bytes per token", "top-1 (%)", top1,
+                     false)
+      << "<table border='1' cellpadding='4'><tr><th>#</th><th>setting</th><th>KV dtype</th>"
+         "<th>KV bytes/token</th><th>held</th><th>tokens per GiB</th><th>PPL</th><th>KL</th>"
+         "<th>top-1</th></tr>\n"
+      << rows << "</table></body>\n";
+  if (!out) throw Error(fmt::format("cannot write --plot {}", file));
+  fmt::print(stderr, "wrote {}\n", file);
+}
+
 // --experiment FILE: each sweep point's KV settings ([kv_cache] dtype and rotation, a
 // sliding_window's window, [kv_policy]) measured over the same text, on the file's model. The
 // points of one K/V head count share one exact run, so N of them cost N + 1 forwards, not 2N.
@@ -338,6 +395,7 @@ void measure_experiment(PerplexityCommand c) {
     }
   }
   std::fflush(stdout);
+  if (!c.plot.empty()) write_plot(c.plot, points, results);
 }
 
 void run_perplexity(PerplexityCommand c) {
@@ -347,6 +405,10 @@ void run_perplexity(PerplexityCommand c) {
   if (c.options.policy_step < 1)
     throw Error(fmt::format("--kv-step must be >= 1 token, got {}", c.options.policy_step));
   c.options.compare_with_exact = !c.no_compare;
+  if (!c.plot.empty() && (c.experiment.empty() || c.no_compare))
+    throw Error(
+        "--plot draws the points of --experiment FILE against the exact KV: give one, "
+        "without --no-compare");
   if (!c.experiment.empty()) return measure_experiment(std::move(c));
   if (c.model.empty()) throw Error("perplexity needs --model (or --experiment FILE)");
   c.options.kv_dtype = kv_pool_dtype(c.kv_dtype, "--kv-dtype");
@@ -416,6 +478,9 @@ void register_perplexity(CLI::App& app) {
   sub->add_flag("--no-compare", c->no_compare,
                 "Skip the exact run (no KL divergence or top-1 agreement; half the time)");
   sub->add_flag("--json", c->json, "One JSON object with every figure");
+  sub->add_option("--plot", c->plot,
+                  "With --experiment: an HTML page of KL and top-1 against KV bytes per token, "
+                  "every setting a point, the Pareto front marked, the table beside it");
   sub->add_option("--threads", c->threads, "CPU threads (0 = all cores)")->capture_default_str();
   sub->callback([c]() { run_perplexity(*c); });
 }

@@ -175,7 +175,8 @@ void PolicyStream::keep_selected(std::size_t s, std::int64_t id, std::span<const
   if (kept.held() + step_ > room_)
     throw Error(fmt::format("the KV policy held {} positions, more than its held limit {}",
                             kept.held(), room_ - step_));
-  if (kept.cells < n * shape.layers * shape.kv_heads) stats_.add(kept);  // it dropped some
+  if (kept.cells < n * shape.layers * shape.kv_heads)  // it dropped some: the full cache
+    stats_.add(kept, seq.held.back() + 1);             // would hold every position so far
   const std::int64_t base = static_cast<std::int64_t>(s) * room_;
   std::size_t from = 0;
   for (std::int64_t k = 0; k < kept.held(); ++k) {
@@ -351,9 +352,8 @@ std::vector<PerplexityResult> measure_perplexity(
   std::vector<ScoredPoint> scored(points.size());
   for (std::size_t p = 0; p < points.size(); ++p)
     set_up_point(points[p], weights, compute, n_ctx, parallel, chunk_room, scored[p]);
-  const bool any_compared = std::any_of(scored.begin(), scored.end(), [](const ScoredPoint& p) {
-    return p.result.compared;
-  });
+  const bool any_compared = std::any_of(scored.begin(), scored.end(),
+                                        [](const ScoredPoint& p) { return p.result.compared; });
   ScoringRun reference;  // the exact KV, run once per batch for every point compared with it
   if (any_compared)
     reference =

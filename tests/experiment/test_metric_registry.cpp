@@ -102,7 +102,7 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
                         m.name.starts_with("kv_policy_");  // ... and without [kv_policy]
     EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
   }
-  out.engine.kv_policy.add(HeadSelection{{1, 2, 3, 4}, {}, 1, 2, 8});  // a policy's selection
+  out.engine.kv_policy.add(HeadSelection{{1, 2, 3, 4}, {}, 1, 2, 8}, 6);  // a policy's selection
   out.ideal_prefix_hit_rate = 0.25;                                           // a Mooncake trace's
   out.kv_tiers = RunOutput::KvTierTotals{0.125, 0.0625, 4096, 2048, 3, 0.5};  // a run with tiers
   write_run_outputs(dir.path(), config, out);

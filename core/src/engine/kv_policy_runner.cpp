@@ -111,7 +111,8 @@ void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
                           layers_, kv_heads_,  work.tokens, work.samples && !work.decode};
   HeadSelection kept =
       kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
-  if (kept.cells < static_cast<std::int64_t>(heads * n)) stats_.add(kept);
+  if (kept.cells < static_cast<std::int64_t>(heads * n))
+    stats_.add(kept, positions_.back() + 1);  // the full cache: every position so far
   if (kept.held() < static_cast<std::int64_t>(n)) {
     KvPositionDropping* dropping = kv.features().dropping;
     if (dropping == nullptr || !dropping->evict(id, kept.positions))

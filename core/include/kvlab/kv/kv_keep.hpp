@@ -46,20 +46,20 @@ void key_mask_for(const HeadSelection& kept, std::span<const std::int64_t> view_
 // What the selections of a run held and saw, averaged over those that dropped something.
 struct KvKeepStats {
   std::int64_t selections = 0;
-  double held = 0, seen = 0;  // sums: positions held (the union), positions a head saw
+  // sums: positions held (the union), positions a head saw, positions the full cache would
+  // hold (every one written so far: the newest + 1)
+  double held = 0, seen = 0, full = 0;
 
-  void add(const HeadSelection& kept) {
+  void add(const HeadSelection& kept, std::int64_t written) {
     ++selections;
     held += static_cast<double>(kept.held());
     seen += kept.seen_per_head();
-  }
-  void add(const KvKeepStats& more) {
-    selections += more.selections;
-    held += more.held;
-    seen += more.seen;
+    full += static_cast<double>(written);
   }
   double mean_held() const { return selections == 0 ? 0 : held / static_cast<double>(selections); }
   double mean_seen() const { return selections == 0 ? 0 : seen / static_cast<double>(selections); }
+  // The share of the full cache's positions the slots held: 1 when nothing was dropped.
+  double held_fraction() const { return full == 0 ? 1 : held / full; }
 };
 
 }  // namespace kvlab
