@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
+#include <stdexcept>
+#include <string>
 
 namespace kvlab {
 
@@ -98,6 +100,15 @@ std::int64_t snapkv_mark(const KvPolicyStep& step, std::int64_t layer, std::int6
   }
   const std::vector<double> votes = snapkv_votes(step, layer, kv_head, window, kernel);
   return mark_ends_and_top(votes, 0, recent, std::max<std::int64_t>(0, keep - recent), mark);
+}
+
+ObservationWindow ObservationWindow::from(const PluginParams& params, const char* policy) {
+  ObservationWindow w{params.integer("budget"), params.integer("window"), params.integer("kernel"),
+                      params.boolean("one_shot")};
+  if (w.window >= w.budget)
+    throw std::invalid_argument(std::string(policy) +
+                                ": the observation window must be below the budget");
+  return w;
 }
 
 std::int64_t mark_all(const KvKeep& keep) {

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <limits>
 #include <numeric>
-#include <stdexcept>
 #include <vector>
 
 #include "kvlab/kv/kv_selection.hpp"
@@ -22,20 +21,13 @@ using namespace kvlab;
 class AdaKvPolicy final : public KvPolicy {
  public:
   AdaKvPolicy(const PluginParams& params, const PluginContext&)
-      : budget_(params.integer("budget")),
-        window_(params.integer("window")),
-        kernel_(params.integer("kernel")),
-        floor_(params.real("floor")),
-        one_shot_(params.boolean("one_shot")) {
-    if (window_ >= budget_)
-      throw std::invalid_argument("adakv: the observation window must be below the budget");
-  }
-  std::int64_t budget() const override { return budget_; }
+      : w_(ObservationWindow::from(params, "adakv")), floor_(params.real("floor")) {}
+  std::int64_t budget() const override { return w_.budget; }
   std::int64_t held_limit() const override { return std::numeric_limits<std::int32_t>::max(); }
-  std::int32_t scored_queries() const override { return static_cast<std::int32_t>(window_); }
+  std::int32_t scored_queries() const override { return static_cast<std::int32_t>(w_.window); }
 
   std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
-    if (one_shot_ ? !step.prompt_done : step.count() <= budget_) return mark_all(keep);
+    if (!w_.selects(step, w_.budget)) return mark_all(keep);
     std::int64_t cells = 0;
     for (std::int64_t l = 0; l < step.layers; ++l) cells += select_layer(step, keep, l);
     return cells;
@@ -46,13 +38,13 @@ class AdaKvPolicy final : public KvPolicy {
   // One layer: every head's window and safeguard share, then the layer's best remaining votes.
   std::int64_t select_layer(const KvPolicyStep& step, const KvKeep& keep, std::int64_t layer) {
     const std::int64_t n = step.count(), heads = step.kv_heads;
-    const std::int64_t recent = std::min(window_, n), older = n - recent;
+    const std::int64_t recent = std::min(w_.window, n), older = n - recent;
     const auto guaranteed =
-        static_cast<std::int64_t>(std::floor(floor_ * static_cast<double>(budget_ - window_)));
-    std::int64_t spare = heads * (budget_ - recent), cells = 0;
+        static_cast<std::int64_t>(std::floor(floor_ * static_cast<double>(w_.budget - w_.window)));
+    std::int64_t spare = heads * (w_.budget - recent), cells = 0;
     std::vector<std::vector<double>> votes(static_cast<std::size_t>(heads));
     for (std::int64_t h = 0; h < heads; ++h) {
-      votes[static_cast<std::size_t>(h)] = snapkv_votes(step, layer, h, window_, kernel_);
+      votes[static_cast<std::size_t>(h)] = snapkv_votes(step, layer, h, w_.window, w_.kernel);
       const std::int64_t marked = mark_ends_and_top(votes[static_cast<std::size_t>(h)], 0, recent,
                                                     guaranteed, keep.head(layer, h));
       spare -= marked - recent;
@@ -79,9 +71,8 @@ class AdaKvPolicy final : public KvPolicy {
     return cells + take;
   }
 
-  std::int64_t budget_, window_, kernel_;
+  ObservationWindow w_;
   double floor_;
-  bool one_shot_;
 };
 
 const ParamSpec kParams[] = {

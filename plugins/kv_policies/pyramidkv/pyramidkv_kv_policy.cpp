@@ -8,7 +8,6 @@
 // its own budget (`one_shot`: once, at the prompt's end, as snapkv).
 #include <cmath>
 #include <limits>
-#include <stdexcept>
 #include <vector>
 
 #include "kvlab/kv/kv_selection.hpp"
@@ -21,44 +20,36 @@ using namespace kvlab;
 class PyramidKvPolicy final : public KvPolicy {
  public:
   PyramidKvPolicy(const PluginParams& params, const PluginContext&)
-      : budget_(params.integer("budget")),
-        window_(params.integer("window")),
-        kernel_(params.integer("kernel")),
-        beta_(params.real("beta")),
-        one_shot_(params.boolean("one_shot")) {
-    if (window_ >= budget_)
-      throw std::invalid_argument("pyramidkv: the observation window must be below the budget");
-  }
-  std::int64_t budget() const override { return budget_; }
+      : w_(ObservationWindow::from(params, "pyramidkv")), beta_(params.real("beta")) {}
+  std::int64_t budget() const override { return w_.budget; }
   std::int64_t held_limit() const override { return std::numeric_limits<std::int32_t>::max(); }
-  std::int32_t scored_queries() const override { return static_cast<std::int32_t>(window_); }
+  std::int32_t scored_queries() const override { return static_cast<std::int32_t>(w_.window); }
 
   // Positions layer `layer` of `layers` keeps in each head, its window included.
   std::int64_t layer_budget(std::int64_t layer, std::int64_t layers) const {
-    const auto spare = static_cast<double>(budget_ - window_);
+    const auto spare = static_cast<double>(w_.budget - w_.window);
     const double last = spare / beta_, first = 2 * spare - last;
-    if (layers == 1) return budget_;
+    if (layers == 1) return w_.budget;
     const double share =
         first - (first - last) * static_cast<double>(layer) / static_cast<double>(layers - 1);
-    return window_ + static_cast<std::int64_t>(std::floor(share));
+    return w_.window + static_cast<std::int64_t>(std::floor(share));
   }
 
   std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
-    if (one_shot_ && !step.prompt_done) return mark_all(keep);
+    if (w_.one_shot && !step.prompt_done) return mark_all(keep);
     std::int64_t cells = 0;
     for (std::int64_t l = 0; l < step.layers; ++l) {
       const std::int64_t layer_keep = layer_budget(l, step.layers);
       for (std::int64_t h = 0; h < step.kv_heads; ++h)
-        cells += snapkv_mark(step, l, h, window_, kernel_, layer_keep, keep.head(l, h));
+        cells += snapkv_mark(step, l, h, w_.window, w_.kernel, layer_keep, keep.head(l, h));
     }
     return cells;
   }
   void forget(std::int64_t) override {}
 
  private:
-  std::int64_t budget_, window_, kernel_;
+  ObservationWindow w_;
   double beta_;
-  bool one_shot_;
 };
 
 const ParamSpec kParams[] = {

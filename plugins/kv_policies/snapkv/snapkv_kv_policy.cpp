@@ -8,7 +8,6 @@
 // streamed chunk), as a bounded cache needs. `per_head = false` sums the votes over layers and
 // heads: one set for the sequence, all it drops freed.
 #include <limits>
-#include <stdexcept>
 #include <vector>
 
 #include "kvlab/kv/kv_selection.hpp"
@@ -21,44 +20,37 @@ using namespace kvlab;
 class SnapKvPolicy final : public KvPolicy {
  public:
   SnapKvPolicy(const PluginParams& params, const PluginContext&)
-      : budget_(params.integer("budget")),
-        window_(params.integer("window")),
-        kernel_(params.integer("kernel")),
-        per_head_(params.boolean("per_head")),
-        one_shot_(params.boolean("one_shot")) {
-    if (window_ >= budget_)
-      throw std::invalid_argument("snapkv: the observation window must be below the budget");
-  }
-  std::int64_t budget() const override { return budget_; }
+      : w_(ObservationWindow::from(params, "snapkv")), per_head_(params.boolean("per_head")) {}
+  std::int64_t budget() const override { return w_.budget; }
   // One shot: generated tokens are all kept (no bound); per head: the window and each head's
   // choice (their union is bounded by the positions only).
   std::int64_t held_limit() const override {
-    return one_shot_ || per_head_ ? std::numeric_limits<std::int32_t>::max() : budget_;
+    return w_.one_shot || per_head_ ? std::numeric_limits<std::int32_t>::max() : w_.budget;
   }
-  std::int32_t scored_queries() const override { return static_cast<std::int32_t>(window_); }
+  std::int32_t scored_queries() const override { return static_cast<std::int32_t>(w_.window); }
 
   std::int64_t select(const KvPolicyStep& step, const KvKeep& keep) override {
-    if (one_shot_ ? !step.prompt_done : step.count() <= budget_) return mark_all(keep);
+    if (!w_.selects(step, w_.budget)) return mark_all(keep);
     if (!per_head_) {
       std::vector<double> votes = summed_scores(step);
-      const std::int64_t recent = std::min(window_, step.count());
+      const std::int64_t recent = std::min(w_.window, step.count());
       max_pool(std::span<double>(votes).first(votes.size() - static_cast<std::size_t>(recent)),
-               kernel_);
+               w_.kernel);
       std::vector<std::uint8_t> mark(step.positions.size(), 0);
-      mark_ends_and_top(votes, 0, recent, budget_ - recent, mark);
+      mark_ends_and_top(votes, 0, recent, w_.budget - recent, mark);
       return mark_every_head(keep, mark);
     }
     std::int64_t cells = 0;
     for (std::int64_t l = 0; l < step.layers; ++l)
       for (std::int64_t h = 0; h < step.kv_heads; ++h)
-        cells += snapkv_mark(step, l, h, window_, kernel_, budget_, keep.head(l, h));
+        cells += snapkv_mark(step, l, h, w_.window, w_.kernel, w_.budget, keep.head(l, h));
     return cells;
   }
   void forget(std::int64_t) override {}
 
  private:
-  std::int64_t budget_, window_, kernel_;
-  bool per_head_, one_shot_;
+  ObservationWindow w_;
+  bool per_head_;
 };
 
 const ParamSpec kParams[] = {

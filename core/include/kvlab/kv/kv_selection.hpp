@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kvlab/kv_policy.hpp"
+#include "kvlab/plugin_params.hpp"
 
 namespace kvlab {
 
@@ -48,5 +49,20 @@ std::int64_t snapkv_mark(const KvPolicyStep& step, std::int64_t layer, std::int6
 
 // Marks every position in every head (a policy that keeps all it holds); returns the cells.
 std::int64_t mark_all(const KvKeep& keep);
+
+// What the observation-window policies (snapkv, pyramidkv, adakv) share: their parameters
+// `budget`, `window`, `kernel` and `one_shot`, and when they select.
+struct ObservationWindow {
+  std::int64_t budget = 0, window = 0, kernel = 1;
+  bool one_shot = false;
+
+  // Throws std::invalid_argument naming `policy` when the window is not below the budget.
+  static ObservationWindow from(const PluginParams& params, const char* policy);
+  // One shot: in the forward that ends the prompt only; else whenever the sequence holds more
+  // than `keep` positions.
+  bool selects(const KvPolicyStep& step, std::int64_t keep) const {
+    return one_shot ? step.prompt_done : step.count() > keep;
+  }
+};
 
 }  // namespace kvlab
