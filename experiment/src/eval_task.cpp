@@ -106,8 +106,8 @@ std::vector<EvalPrompt> write_eval_prompts(const ExperimentConfig& c,
                                            const std::filesystem::path& file) {
   const ModelSource source = resolve_model(c.model);
   if (source.is_preset())
-    throw Error(fmt::format("kvlab eval needs a model with a tokenizer, not the preset \"{}\"",
-                            c.model));
+    throw Error(
+        fmt::format("kvlab eval needs a model with a tokenizer, not the preset \"{}\"", c.model));
   const TokenizerLookup lookup = find_tokenizer(source.directory, source.config.vocab_size);
   if (!lookup.tokenizer)
     throw Error(fmt::format("kvlab eval needs a tokenizer: {}", lookup.why_not));

@@ -19,12 +19,9 @@ std::size_t count(const std::string& text, const std::string& part) {
 
 TEST(SvgPlots, TheParetoFrontIsWhatNothingBeatsOnBothAxes) {
   //                                    bytes, KL (lower is better)
-  const std::vector<ScatterPoint> points = {{"f16 full", 23040, 0.0},
-                                            {"q8_0", 12240, 0.002},
-                                            {"window", 5760, 1.36},
-                                            {"h2o pooled", 5760, 0.51},
-                                            {"q4_1 + h2o", 1620, 0.60},
-                                            {"int8 worse", 12240, 0.01}};
+  const std::vector<ScatterPoint> points = {
+      {"f16 full", 23040, 0.0},   {"q8_0", 12240, 0.002},     {"window", 5760, 1.36},
+      {"h2o pooled", 5760, 0.51}, {"q4_1 + h2o", 1620, 0.60}, {"int8 worse", 12240, 0.01}};
   EXPECT_EQ(pareto_front(points, true), (std::vector<std::size_t>{4, 3, 1, 0}));
   std::vector<ScatterPoint> accuracy = points;  // the same as accuracy: higher is better
   for (ScatterPoint& p : accuracy) p.y = 1 - p.y;

@@ -55,7 +55,9 @@ class RetrievalLesson : public ::testing::Test {
 };
 
 // The task is within the model: with every position kept it finds at least 6 keys of 8.
-TEST_F(RetrievalLesson, TheFullCacheFindsThePasskey) { EXPECT_GE(correct().at("full"), 6); }
+TEST_F(RetrievalLesson, TheFullCacheFindsThePasskey) {
+  EXPECT_GE(correct().at("full"), 6);
+}
 
 // A window of the newest 128 positions, and StreamingLLM's 4 sinks beside it, hold the question
 // but not the key 256-384 tokens before it: at most one of 8 found (a lucky guess of 5 digits

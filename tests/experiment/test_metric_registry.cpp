@@ -98,12 +98,12 @@ TEST(MetricRegistry, SummaryJsonAndRequestsCsvComeFromTheRegistry) {
     const bool absent = m.name == "step_prediction_error" || m.name == "step_time_ratio" ||
                         m.name == "ideal_prefix_hit_rate" || m.name.starts_with("tier_") ||
                         m.name.ends_with("_by_tenant") || m.name == "max_service_gap_tokens" ||
-                        m.name.starts_with("spec_") ||  // a run without [speculation]
+                        m.name.starts_with("spec_") ||     // a run without [speculation]
                         m.name.starts_with("kv_policy_");  // ... and without [kv_policy]
     EXPECT_EQ(summary.contains(std::string(m.name)), m.in_summary_json && !absent) << m.name;
   }
   out.engine.kv_policy.add(HeadSelection{{1, 2, 3, 4}, {}, 1, 2, 8}, 6);  // a policy's selection
-  out.ideal_prefix_hit_rate = 0.25;                                           // a Mooncake trace's
+  out.ideal_prefix_hit_rate = 0.25;                                       // a Mooncake trace's
   out.kv_tiers = RunOutput::KvTierTotals{0.125, 0.0625, 4096, 2048, 3, 0.5};  // a run with tiers
   write_run_outputs(dir.path(), config, out);
   std::ifstream again(dir / "summary.json");

@@ -48,9 +48,8 @@ HeadSelection kept_by_policy(const KvPolicy& policy, std::string_view policy_nam
     if (any[static_cast<std::size_t>(i)] != 0)
       kept.positions.push_back(step.positions[static_cast<std::size_t>(i)]);
   const std::int64_t limit = std::max(policy.held_limit(), policy.budget());
-  const std::int64_t seen = step.visible.empty()
-                                ? n * heads
-                                : std::count(step.visible.begin(), step.visible.end(), 1);
+  const std::int64_t seen =
+      step.visible.empty() ? n * heads : std::count(step.visible.begin(), step.visible.end(), 1);
   const bool drops = cells < seen;  // keeping all it sees is always allowed (one_shot's decode)
   if (returned != marked || fewest < 1 ||
       (drops && (cells > std::min(n, policy.budget()) * heads ||
