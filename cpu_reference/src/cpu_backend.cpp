@@ -350,11 +350,13 @@ void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
     const std::int64_t first = task.first_visible(i), last = task.last_visible(i);
     auto row = scores.row(r);
     auto visible = row.segment(first, last - first + 1);
-    if (const std::uint8_t* mask = task.column_mask(k))  // keys a per-head KV policy hid
-      for (std::int64_t j = first; j <= last; ++j)
-        if (mask[j] == 0) row[j] = -std::numeric_limits<float>::infinity();
+    const std::uint8_t* mask = task.column_mask(k);  // keys a per-head KV policy hid
+    for (std::int64_t j = first; mask != nullptr && j <= last; ++j)
+      if (mask[j] == 0) row[j] = -std::numeric_limits<float>::infinity();
     const float max_score = visible.maxCoeff();  // finite: a query always sees its own key
     visible = (visible.array() - max_score).exp();
+    for (std::int64_t j = first; mask != nullptr && j <= last; ++j)
+      if (mask[j] == 0) row[j] = 0;  // exactly: a vectorized exp may leave exp(-inf) a denormal
     visible /= visible.sum();
     row.head(first).setZero();
     row.tail(scores.cols() - 1 - last).setZero();
