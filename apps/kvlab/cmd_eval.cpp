@@ -57,7 +57,7 @@ std::string heat_map_svg(const EvalSpec& spec, const EvalSetting& s) {
       "<svg xmlns='http://www.w3.org/2000/svg' width='{}' height='{}' font-family='sans-serif' "
       "font-size='12'><text x='0' y='14' font-weight='bold'>{}</text>"
       "<text x='{}' y='32'>depth</text>",
-      kLeft + cols * kCell + 10, kTop + rows * kCell + 20, s.title, kLeft);
+      kLeft + cols * kCell + 10, kTop + rows * kCell + 20, escape_markup(s.title), kLeft);
   for (int c = 0; c < cols; ++c)
     svg += fmt::format("<text x='{}' y='{}' text-anchor='middle'>{:g}</text>",
                        kLeft + c * kCell + kCell / 2, kTop + rows * kCell + 14,

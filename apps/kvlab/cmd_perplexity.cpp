@@ -314,8 +314,8 @@ void write_plot(const std::string& file, const std::vector<ExperimentPoint>& poi
     rows += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.0f}</td><td>{:.1f}%</td><td>{:.0f}</td>"
         "<td>{:.4f}</td><td>{:.4f}</td><td>{:.1f}%</td></tr>\n",
-        i + 1, points[i].title, c.kv_dtype, bytes, 100 * share, 1073741824.0 / bytes, r.ppl(),
-        mean_kl, 100 * agree);
+        i + 1, escape_markup(points[i].title), c.kv_dtype, bytes, 100 * share, 1073741824.0 / bytes,
+        r.ppl(), mean_kl, 100 * agree);
   }
   std::ofstream out(file);
   out << "<!doctype html><meta charset='utf-8'><title>kvlab perplexity: quality against KV "

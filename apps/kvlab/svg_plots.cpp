@@ -7,6 +7,21 @@
 
 namespace kvlab::cli {
 
+std::string escape_markup(std::string_view text) {
+  std::string out;
+  for (const char c : text) {
+    if (c == '&')
+      out += "&amp;";
+    else if (c == '<')
+      out += "&lt;";
+    else if (c == '>')
+      out += "&gt;";
+    else
+      out += c;
+  }
+  return out;
+}
+
 std::vector<std::size_t> pareto_front(std::span<const ScatterPoint> points,
                                       bool lower_y_is_better) {
   std::vector<std::size_t> order(points.size());
@@ -43,7 +58,7 @@ std::string scatter_svg(std::string_view title, std::string_view x_label, std::s
       "<line x1='{2}' y1='{4}' x2='{2}' y2='{6}' stroke='black'/>"
       "<text x='{7}' y='{8}' text-anchor='middle'>{9}</text>"
       "<text x='14' y='{10}' text-anchor='middle' transform='rotate(-90 14 {10})'>{11}</text>",
-      kWidth, kHeight, kLeft, title, kHeight - kBottom, kWidth - kRight, kTop,
+      kWidth, kHeight, kLeft, escape_markup(title), kHeight - kBottom, kWidth - kRight, kTop,
       (kLeft + kWidth - kRight) / 2, kHeight - 8, x_label, (kTop + kHeight - kBottom) / 2, y_label);
   for (int t = 0; t <= 4; ++t) {  // ticks at fifths of each axis
     const double x = x_max * t / 5, y = y_max * t / 5;
@@ -64,7 +79,8 @@ std::string scatter_svg(std::string_view title, std::string_view x_label, std::s
         "<circle cx='{:.1f}' cy='{:.1f}' r='5' fill='{}'><title>{}: {} ({:.4g}, {:.4g})</title>"
         "</circle><text x='{:.1f}' y='{:.1f}'>{}</text>",
         px(points[i].x), py(points[i].y), on_front ? "rgb(40,140,70)" : "rgb(120,120,120)", i + 1,
-        points[i].label, points[i].x, points[i].y, px(points[i].x) + 7, py(points[i].y) - 5, i + 1);
+        escape_markup(points[i].label), points[i].x, points[i].y, px(points[i].x) + 7,
+        py(points[i].y) - 5, i + 1);
   }
   return svg + "</svg>";
 }

@@ -14,6 +14,9 @@ struct ScatterPoint {
   double x = 0, y = 0;
 };
 
+// `text` with &, < and > as entities: safe inside an SVG or HTML element.
+std::string escape_markup(std::string_view text);
+
 // The points no other point beats on both axes (x lower is better; y lower when
 // `lower_y_is_better`, else higher), by increasing x.
 std::vector<std::size_t> pareto_front(std::span<const ScatterPoint> points, bool lower_y_is_better);

@@ -34,6 +34,10 @@ TEST(SvgPlots, TheParetoFrontIsWhatNothingBeatsOnBothAxes) {
   EXPECT_EQ(count(svg, "<circle cx='"), points.size());
   EXPECT_EQ(count(svg, "fill='rgb(40,140,70)'"), 4u);  // the front's dots
   EXPECT_NE(svg.find("<title>5: q4_1 + h2o"), std::string::npos);
+  EXPECT_EQ(escape_markup("a<b & c>d"), "a&lt;b &amp; c&gt;d");
+  const std::string named = scatter_svg("x<y", "b", "n", {{{"<script>", 1, 1}}}, true);
+  EXPECT_EQ(named.find("<script>"), std::string::npos);  // labels cannot open an element
+  EXPECT_NE(named.find("&lt;script&gt;"), std::string::npos);
 }
 
 }  // namespace
