@@ -239,14 +239,14 @@ TEST(KvKeep, TheUnionStaysEachHeadIsMaskedAndWhatAHeadDroppedStaysDropped) {
 }
 
 TEST(KvSelection, KeepsEndsAndTopAndMaxPools) {
-  const std::vector<std::int64_t> positions = {0, 2, 3, 5, 8, 9};
+  // positions {0, 2, 3, 5, 8, 9}
   const std::vector<double> scores = {9, 1, 7, 7, 0, 0};
-  std::vector<std::int64_t> kept(positions.size());
+  std::vector<std::uint8_t> mark(scores.size(), 0);
   // first 1, recent 2, top 1 of {2, 3, 5}: 3 and 5 tie at 7, the older (3) wins.
-  ASSERT_EQ(keep_ends_and_top(positions, scores, 1, 2, 1, kept), 4);
-  EXPECT_EQ(std::vector<std::int64_t>(kept.begin(), kept.begin() + 4),
-            (std::vector<std::int64_t>{0, 3, 8, 9}));
-  EXPECT_EQ(keep_ends_and_top(positions, scores, 4, 4, 4, kept), 6);  // all fit
+  ASSERT_EQ(mark_ends_and_top(scores, 1, 2, 1, mark), 4);
+  EXPECT_EQ(mark, (std::vector<std::uint8_t>{1, 0, 1, 0, 1, 1}));  // positions 0, 3, 8, 9
+  std::fill(mark.begin(), mark.end(), std::uint8_t{0});
+  EXPECT_EQ(mark_ends_and_top(scores, 4, 4, 4, mark), 6);  // all fit
   std::vector<double> values = {0, 5, 0, 0, 1};
   max_pool(values, 3);
   EXPECT_EQ(values, (std::vector<double>{5, 5, 5, 1, 1}));

@@ -91,24 +91,24 @@ void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
   for (std::size_t i = 0; i < n; ++i)
     positions_[i] = view.position_at(static_cast<std::int64_t>(i));
   const auto heads = static_cast<std::size_t>(layers_ * kv_heads_);
-  std::vector<float> head_scores;
+  head_scores_.clear();  // each head's scores of the positions held now
   if (!scores.empty()) {
     const std::size_t scored = scores.size() / heads;
     if (scored * heads != scores.size() || scored < n)
       throw Error(fmt::format("internal: request {} holds {} positions, its forward scored {}", id,
                               n, scored));
-    head_scores.resize(heads * n);
+    head_scores_.resize(heads * n);
     for (std::size_t h = 0; h < heads; ++h)
       std::copy_n(scores.begin() + static_cast<long>(h * scored + scored - n), n,
-                  head_scores.begin() + static_cast<long>(h * n));
+                  head_scores_.begin() + static_cast<long>(h * n));
   }
   keep_.assign(heads * n, 0);
   const KvKeep keep{keep_, layers_, kv_heads_, static_cast<std::int64_t>(n)};
   visible_.clear();  // what each head still sees: the last selection's, new positions seen
   if (const auto was = kept_.find(id); was != kept_.end())
     key_mask_for(was->second, positions_, std::numeric_limits<std::int64_t>::max(), visible_);
-  const KvPolicyStep step{id,      positions_, head_scores, visible_,
-                          layers_, kv_heads_,  work.tokens, work.samples && !work.decode};
+  const KvPolicyStep step{id,      positions_, head_scores_, visible_,
+                          layers_, kv_heads_,  work.tokens,  work.samples && !work.decode};
   HeadSelection kept =
       kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
   if (kept.cells < static_cast<std::int64_t>(heads * n))

@@ -34,18 +34,6 @@ std::int64_t mark_ends_and_top(std::span<const double> scores, std::int64_t firs
   return first + recent + top;
 }
 
-std::int64_t keep_ends_and_top(std::span<const std::int64_t> positions,
-                               std::span<const double> scores, std::int64_t first,
-                               std::int64_t recent, std::int64_t top,
-                               std::span<std::int64_t> kept) {
-  std::vector<std::uint8_t> mark(positions.size(), 0);
-  mark_ends_and_top(scores, first, recent, top, mark);
-  std::int64_t count = 0;
-  for (std::size_t i = 0; i < positions.size(); ++i)
-    if (mark[i] != 0) kept[static_cast<std::size_t>(count++)] = positions[i];
-  return count;
-}
-
 std::int64_t mark_every_head(const KvKeep& keep, std::span<const std::uint8_t> mark) {
   const auto marked = std::count(mark.begin(), mark.end(), std::uint8_t{1});
   for (std::int64_t l = 0; l < keep.layers; ++l)

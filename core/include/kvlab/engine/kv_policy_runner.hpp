@@ -83,6 +83,7 @@ class KvPolicyRunner final : public StepExtension {
   std::string policy_name_, allocator_name_, backend_name_;
   std::int64_t layers_, kv_heads_;
   std::vector<float> scores_;         // this step's, entry after entry
+  std::vector<float> head_scores_;    // one request's, (layers, kv_heads, positions held)
   std::vector<std::size_t> offsets_;  // each entry's first score
   std::vector<std::int64_t> positions_;
   std::vector<std::uint8_t> keep_, visible_;

@@ -17,12 +17,6 @@ namespace kvlab {
 std::int64_t mark_ends_and_top(std::span<const double> scores, std::int64_t first,
                                std::int64_t recent, std::int64_t top, std::span<std::uint8_t> mark);
 
-// The same as positions: writes the kept ones of `positions` (increasing) into `kept` (room for
-// positions.size()), increasing, and returns their count.
-std::int64_t keep_ends_and_top(std::span<const std::int64_t> positions,
-                               std::span<const double> scores, std::int64_t first,
-                               std::int64_t recent, std::int64_t top, std::span<std::int64_t> kept);
-
 // Every layer's and head's row of `keep` copies `mark` (one byte per position); returns the
 // cells marked. A policy that keeps the same positions everywhere.
 std::int64_t mark_every_head(const KvKeep& keep, std::span<const std::uint8_t> mark);
