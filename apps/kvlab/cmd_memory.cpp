@@ -30,6 +30,7 @@ struct MemoryOptions {
   std::int64_t prompt_len = 0, output_len = 0, max_seq_len = 0, block_size = 16;
   std::int64_t tp = 1;  // planner: GPUs of --gpu sharing each layer
   std::int64_t cp = 1;  // planner: groups of those sharing each sequence's KV by positions
+  std::int64_t kv_residual = kKiviResidualDefault;  // KIVI's fp16 tokens
   bool json = false;
 };
 
@@ -191,6 +192,7 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   q.kv_heads = o.kv_heads;
   q.tensor_parallel = o.tp;
   q.context_parallel = o.cp;
+  q.kivi_residual = o.kv_residual;
   const MemoryPlan p = plan_memory(c, device, q);
   const auto variants = attention_variants(c);
   auto plan_for = [&](std::int64_t heads) {
@@ -213,8 +215,9 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
                                                  static_cast<double>(p.max_static_requests))
                  : std::string());
   if (p.kv_residual_bytes_per_request > 0)
-    fmt::print("        and {} of KIVI's open group each (up to {} tokens in fp16)\n",
-               human_bytes(static_cast<double>(p.kv_residual_bytes_per_request)), kKiviGroup);
+    fmt::print("        and {} of KIVI's fp16 residual each (its newest {} to {} tokens)\n",
+               human_bytes(static_cast<double>(p.kv_residual_bytes_per_request)), q.kivi_residual,
+               q.kivi_residual + kKiviGroup - 1);
   const double layer_token_bytes =
       static_cast<double>(p.kv_bytes_per_token) / static_cast<double>(c.num_hidden_layers);
   if (const double grouped =
@@ -314,6 +317,7 @@ void run_memory(const MemoryOptions& o) {
                                               : parse_dtype(o.weight_dtype, "--weight-dtype");
   query.kv_heads = o.kv_heads;
   query.gpu_memory_gib = o.gpu_mem;
+  query.kivi_residual = o.kv_residual;
   const KvMemoryReport r = kv_memory(c, query);
 
   const auto variants = attention_variants(c);
@@ -329,8 +333,10 @@ void run_memory(const MemoryOptions& o) {
   fmt::print("  per request  {:>12}  ({} tokens, {} B{})\n",
              human_bytes(static_cast<double>(r.bytes_per_request)), o.seq_len, r.bytes_per_request,
              r.residual_bytes_per_request > 0
-                 ? fmt::format(", of them {} B for KIVI's open group: up to {} tokens in fp16",
-                               r.residual_bytes_per_request, kKiviGroup)
+                 ? fmt::format(", of them {} B for KIVI's fp16 residual: its newest {} to {} "
+                               "tokens, in groups of {}",
+                               r.residual_bytes_per_request, query.kivi_residual,
+                               query.kivi_residual + kKiviGroup - 1, kKiviGroup)
                  : std::string());
   fmt::print("  total        {:>12}  (batch {}, {} B)\n",
              human_bytes(static_cast<double>(r.bytes_total)), o.batch, r.bytes_total);
@@ -385,6 +391,10 @@ void register_memory(CLI::App& app) {
   sub->add_option("--max-seq-len", o->max_seq_len,
                   "Planner: tokens a static reservation holds (default: the model's context)");
   sub->add_option("--block-size", o->block_size, "Planner: paged block size")
+      ->capture_default_str();
+  sub->add_option("--kv-residual", o->kv_residual,
+                  "A KIVI cache (--dtype kivi2, kivi4): the newest tokens each request keeps in "
+                  "fp16 (KIVI's residual length R, a multiple of 32)")
       ->capture_default_str();
   sub->add_option("--tp", o->tp,
                   "Planner: tensor parallelism, GPUs of --gpu sharing each layer (weights and K/V "

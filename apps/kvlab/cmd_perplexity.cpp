@@ -59,6 +59,7 @@ void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int6
                         {"scored_tokens", r.scored_tokens()},
                         {"kv_dtype", c.kv_dtype},
                         {"kv_rotation", c.kv_rotation},
+                        {"kv_residual", c.options.kivi_residual},
                         {"window", c.window},
                         {"attention", c.attention},
                         {"kv_heads", config.num_key_value_heads},
@@ -214,6 +215,7 @@ ExperimentPoint experiment_point(const PerplexityCommand& c, const ExperimentCon
   command.kv_dtype = dtype_short_name(e.kv_dtype);
   command.options.kv_dtype = e.kv_dtype;
   command.options.hadamard = e.kv_hadamard;
+  command.options.kivi_residual = e.kivi_residual;
   command.kv_rotation = e.kv_hadamard ? "hadamard" : "none";
   point.kv_heads = with_attention_variant(command, e, registry, m);
   if (!e.kv_policy.empty()) {
@@ -339,10 +341,10 @@ void write_plot(const std::string& file, const std::vector<ExperimentPoint>& poi
 // points of one K/V head count share one exact run, so N of them cost N + 1 forwards, not 2N.
 void measure_experiment(PerplexityCommand c) {
   if (c.kv_dtype != "f32" || c.kv_rotation != "none" || c.window != 0 || !c.kv_policy.empty() ||
-      !c.kv_params.empty())
+      !c.kv_params.empty() || c.options.kivi_residual != kKiviResidualDefault)
     throw Error(
         "--experiment takes the KV settings of each of its points: drop --kv-dtype, "
-        "--kv-rotation, --window, --kv-policy and --kv-param");
+        "--kv-rotation, --kv-residual, --window, --kv-policy and --kv-param");
   const std::vector<ExperimentRun> runs = load_experiment(c.experiment, {});
   const std::string model = c.model.empty() ? runs.front().config.model : c.model;
   const TextAndModel m = load_text_and_model(model, c.file);
@@ -446,6 +448,11 @@ void register_perplexity(CLI::App& app) {
   sub->add_option("--parallel", c->options.parallel, "Chunks per forward")->capture_default_str();
   sub->add_option("--kv-dtype", c->kv_dtype, "The KV pool's dtype: " + kv_pool_dtype_names())
       ->capture_default_str();
+  sub->add_option("--kv-residual", c->options.kivi_residual,
+                  "KIVI (--kv-dtype kivi2, kivi4): the newest tokens each chunk keeps in fp16 "
+                  "(the paper's residual length R, a multiple of 32); KIVI's chunks are streamed "
+                  "--kv-step tokens a forward, as its prefill reads fp16")
+      ->capture_default_str();
   sub->add_option("--kv-rotation", c->kv_rotation,
                   "none, or hadamard: K and V rotated per head by a Walsh-Hadamard matrix before "
                   "they are stored (llama.cpp's attn_rot; head_dim a power of two)")
@@ -462,9 +469,9 @@ void register_perplexity(CLI::App& app) {
                   "The policy's parameters, key=value, repeatable (budget=256, sinks=4; kvlab "
                   "plugins shows each policy's)");
   sub->add_option("--kv-step", c->options.policy_step,
-                  "Tokens a forward under a KV policy (default 1: token by token, as a generation "
-                  "meets it; a larger step is faster, and each query then sees up to budget + "
-                  "step - 1 positions)")
+                  "Tokens a forward under a KV policy or a KIVI dtype (default 1: token by "
+                  "token, as a generation meets it; a larger step is faster, and each query then "
+                  "sees up to budget + step - 1 positions, or its step's tokens in fp16)")
       ->capture_default_str();
   sub->add_option("--weights", c->weights,
                   "The format the backend multiplies in: stored, f32, f16, bf16, q8_0, q4_0, q4_1")

@@ -86,6 +86,10 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
     throw Error(
         fmt::format("a {} KV pool needs head_dim to be a multiple of 32 (its blocks), not {}",
                     dtype_short_name(shape.dtype), shape.head_dim));
+  if (shape.kivi_residual < 0 || shape.kivi_residual % kKiviGroup != 0 ||
+      shape.kivi_residual > kKiviResidualMost)
+    throw Error(fmt::format("a KIVI residual of {} tokens: a multiple of {} in [0, {}] expected",
+                            shape.kivi_residual, kKiviGroup, kKiviResidualMost));
   const auto rows = checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads});
   const auto bytes =
       rows ? checked_product<std::int64_t>({*rows, 2, shape.head_row_bytes()}) : std::nullopt;

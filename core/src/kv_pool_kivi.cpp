@@ -129,7 +129,16 @@ void KvPool::kivi_write_row(std::int64_t layer, std::int64_t slot, bool value, c
   const std::int64_t group = slot / kKiviGroup, r = slot % kKiviGroup;
   OpenGroup& open = reopen(group, layer, value, r);
   round_to_halves(row, shape_.slot_width(), group_row(open, layer, value, r));
-  if (r == kKiviGroup - 1) seal(group, layer, value);
+}
+
+void KvPool::seal_open_groups(std::int64_t first_slot, std::int64_t count) {
+  if (!kivi() || count <= 0) return;
+  for (std::int64_t group = first_slot / kKiviGroup; group <= (first_slot + count - 1) / kKiviGroup;
+       ++group) {
+    const auto& open = open_groups_[static_cast<std::size_t>(group)];  // null once all sealed
+    for (std::int64_t half = 0; open && half < 2 * shape_.layers; ++half)
+      if (open->open[static_cast<std::size_t>(half)] != 0) seal(group, half / 2, half % 2 == 1);
+  }
 }
 
 void KvPool::kivi_read_row(std::int64_t layer, std::int64_t slot, bool value, float* out) const {

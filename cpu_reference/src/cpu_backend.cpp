@@ -178,10 +178,35 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
     gated_activation(gate_up, c.intermediate_size, c.activation, hidden);  // (N, ffn)
     add_output(hidden, matrices.w_down, layer.mlp_post_norm, x);
   }
+  seal_kivi_residuals(batch);
   const RowMatrix& last = logit_rows(x, batch, first_rows, logit_tokens);
   rms_norm(last, as_vector(weights_.final_norm), eps, normed);
   multiply_by_transposed(normed, compute_->output_projection, logits_, false);  // (.., vocab)
   return logits_;
+}
+
+// A KIVI pool's groups that left the newest kivi_residual tokens of an entry's sequence with
+// this forward, sealed after it: the forward read its own tokens, and the residual, in fp16 (as
+// KIVI's prefill attends in full precision). A group's rows hold consecutive positions (written
+// in slot order), so the group of slot s at view position p ends at p - s % 32 + 31.
+void CpuBackend::seal_kivi_residuals(std::span<const BatchEntry> batch) {
+  if (!dtype_is_kivi(pool_.shape().dtype)) return;
+  for (const BatchEntry& e : batch) {
+    if (!e.writes_kv) continue;
+    const std::int64_t end = e.start_position + static_cast<std::int64_t>(e.tokens.size());
+    const std::int64_t sealed_before = end - pool_.shape().kivi_residual;
+    std::int64_t index = 0;
+    for (const KvExtent& extent : e.view.extents) {
+      for (std::int64_t i = 0; i < extent.length;) {
+        const std::int64_t slot = extent.start_slot + i, row = slot % kKiviGroup;
+        const std::int64_t in_group = std::min(kKiviGroup - row, extent.length - i);
+        if (e.view.position_at(index + i) - row + kKiviGroup - 1 < sealed_before)
+          pool_.seal_open_groups(slot, 1);
+        i += in_group;
+      }
+      index += extent.length;
+    }
+  }
 }
 
 // x += input w^T, or x += RMSNorm(input w^T) when the layer has a norm after the block (Gemma's

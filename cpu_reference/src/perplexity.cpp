@@ -57,15 +57,47 @@ struct ScoringRun {
   std::unique_ptr<CpuBackend> backend;
 };
 
+// A pool of `slots` slots with the KV settings of `o` (nullptr: the exact f32 KV) and its backend.
 ScoringRun make_run(const ModelWeightsView& weights,
-                    const std::shared_ptr<const ComputeWeights>& compute, DType kv_dtype,
-                    bool hadamard, std::optional<std::int64_t> window, std::int64_t slots) {
+                    const std::shared_ptr<const ComputeWeights>& compute,
+                    const PerplexityOptions* o, std::int64_t slots) {
   const ModelConfig& c = weights.config;
+  KvPoolShape shape{c.num_hidden_layers, c.cache_kv_heads(), c.cache_head_dim(), slots};
+  if (o != nullptr) {
+    shape.dtype = o->kv_dtype;
+    shape.hadamard_rotated = o->hadamard;
+    shape.kivi_residual = o->kivi_residual;
+  }
   ScoringRun run;
-  run.pool = std::make_unique<KvPool>(KvPoolShape{c.num_hidden_layers, c.cache_kv_heads(),
-                                                  c.cache_head_dim(), slots, kv_dtype, hadamard});
-  run.backend = std::make_unique<CpuBackend>(weights, *run.pool, window, compute);
+  run.pool = std::make_unique<KvPool>(shape);
+  run.backend = std::make_unique<CpuBackend>(weights, *run.pool,
+                                             o != nullptr ? o->window : std::nullopt, compute);
   return run;
+}
+
+// The chunks of `batch` (whole-chunk entries, chunk_room slots each) streamed `step` tokens a
+// forward, every position kept; the logits of positions [first, n_ctx) laid out as
+// CpuBackend::run(batch, n_ctx - first) lays them out. A KIVI pool's prompt is fp16 until it
+// leaves the residual, so only a stream reads its quantized groups as a generation would.
+void stream_chunks(CpuBackend& backend, std::span<const BatchEntry> batch, std::int64_t step,
+                   std::int64_t first, RowMatrix& logits) {
+  const auto n_ctx = static_cast<std::int64_t>(batch[0].tokens.size()), scored = n_ctx - first;
+  logits.resize(static_cast<std::int64_t>(batch.size()) * scored, backend.vocab_size());
+  std::vector<BatchEntry> part(batch.begin(), batch.end());
+  for (std::int64_t start = 0; start < n_ctx; start += step) {
+    const std::int64_t len = std::min(step, n_ctx - start);
+    for (std::size_t s = 0; s < batch.size(); ++s) {
+      part[s].tokens =
+          batch[s].tokens.subspan(static_cast<std::size_t>(start), static_cast<std::size_t>(len));
+      part[s].start_position = start;
+      part[s].view.extents = {{batch[s].view.extents[0].start_slot, start + len}};
+    }
+    const RowMatrix& out = backend.run(part, len);  // (seqs x len, vocab)
+    for (std::size_t s = 0; s < batch.size(); ++s)
+      for (std::int64_t i = std::max<std::int64_t>(0, first - start); i < len; ++i)
+        logits.row(static_cast<std::int64_t>(s) * scored + start + i - first) =
+            out.row(static_cast<std::int64_t>(s) * len + i);
+  }
 }
 
 // Chunks streamed through a KV policy: each sequence s owns slots [s * room, + room), the K/V
@@ -196,6 +228,14 @@ void check_options(const ModelConfig& c, std::int64_t text_tokens, const Perplex
   if (o.chunks < 0 || o.parallel < 1)
     throw Error(fmt::format("perplexity needs chunks >= 0 and parallel >= 1, not {} and {}",
                             o.chunks, o.parallel));
+  if (o.kivi_residual < 0 || o.kivi_residual % kKiviGroup != 0 ||
+      o.kivi_residual > kKiviResidualMost)
+    throw Error(
+        fmt::format("KIVI's residual length must be a multiple of {} tokens in [0, {}], not {}",
+                    kKiviGroup, kKiviResidualMost, o.kivi_residual));
+  if (o.policy_step < 1)
+    throw Error(fmt::format("a stream's step (a KV policy's, KIVI's) must be >= 1 token, not {}",
+                            o.policy_step));
   if (o.policy != nullptr && (o.policy_step < 1 || o.policy->budget() < 1))
     throw Error(fmt::format("a KV policy needs a step >= 1 token and a budget >= 1, not {} and {}",
                             o.policy_step, o.policy->budget()));
@@ -324,7 +364,7 @@ void set_up_point(const PerplexityOptions& o, const ModelWeightsView& weights,
   point.result.compared = o.compare_with_exact && !is_exact(o);
   const std::int64_t room =
       o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step, n_ctx) : chunk_room;
-  point.run = make_run(weights, compute, o.kv_dtype, o.hadamard, o.window, parallel * room);
+  point.run = make_run(weights, compute, &o, parallel * room);
   if (o.policy != nullptr)
     point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_name,
                          o.policy_step);
@@ -357,7 +397,7 @@ std::vector<PerplexityResult> measure_perplexity(
   ScoringRun reference;  // the exact KV, run once per batch for every point compared with it
   if (any_compared)
     reference =
-        make_run(weights, compute, DType::dtype_f32, false, std::nullopt,
+        make_run(weights, compute, nullptr,
                  parallel * chunk_room);  // the whole chunks' slots, as the batch's views say
 
   std::vector<std::int32_t> batch_tokens(static_cast<std::size_t>(parallel * n_ctx));
@@ -382,8 +422,12 @@ std::vector<PerplexityResult> measure_perplexity(
         point.stream->run(sequences, chunk, first, point.streamed);
         point.result.kv_kept = point.stream->stats();
       }
-      const RowMatrix& logits =
-          point.stream ? point.streamed : point.run.backend->run(batch, n_ctx - first);
+      const bool kivi_stream = !point.stream && dtype_is_kivi(point.options->kv_dtype);
+      if (kivi_stream)
+        stream_chunks(*point.run.backend, batch, point.options->policy_step, first, point.streamed);
+      const RowMatrix& logits = point.stream || kivi_stream
+                                    ? point.streamed
+                                    : point.run.backend->run(batch, n_ctx - first);
       for (std::int64_t s = 0; s < seqs; ++s) {
         const std::int64_t row0 = s * (n_ctx - first);
         const std::span<const std::int32_t> targets(batch_tokens.data() + s * n_ctx + first + 1,

@@ -312,6 +312,13 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
              fmt::format("kv_cache.rotation must be \"none\" or \"hadamard\", not \"{}\"", name));
     c.kv_hadamard = name == "hadamard";
   }
+  c.kivi_residual = s.get_int<std::int64_t>("residual_length", 0, kKiviResidualMost)
+                        .value_or(kKiviResidualDefault);
+  if (c.kivi_residual % kKiviGroup != 0)
+    s.fail(*s.node("residual_length"),
+           fmt::format("kv_cache.residual_length is KIVI's fp16 tokens in whole groups of {}: a "
+                       "multiple of {}, not {}",
+                       kKiviGroup, kKiviGroup, c.kivi_residual));
   if (const toml::node* groups = s.node("groups")) {
     const std::string name = s.get<std::string>("groups").value_or("");
     if (name != "uniform" && name != "per_kind")

@@ -9,6 +9,7 @@
 #include "kvlab/experiment/model_source.hpp"
 #include "kvlab/memory_limit.hpp"
 #include "kvlab/model/kv_memory.hpp"
+#include "kvlab/scheduler.hpp"
 #include "kvlab/sim/hardware_profile.hpp"
 #include "run_memo.hpp"
 #include "stages.hpp"
@@ -97,7 +98,8 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   const bool simulated = c.backend_kind == BackendKind::simulated;
   r->pool = std::make_unique<KvPool>(
       KvPoolShape{groups.group_layers, model.cache_kv_heads(), model.cache_head_dim(), slots,
-                  simulated ? cost_model->profile().kv_dtype : c.kv_dtype, c.kv_hadamard},
+                  simulated ? cost_model->profile().kv_dtype : c.kv_dtype, c.kv_hadamard,
+                  c.kivi_residual},
       KvStorage::none);
   PluginContext context;
   context.model = &model;
@@ -239,17 +241,63 @@ std::optional<CostModel> run_cost_model(const ExperimentConfig& c, const ModelCo
   return CostModel(model, profile, tensor_parallel, c.context_parallel);
 }
 
+namespace {
+
+// A KIVI pool's fp16 residual, in the pool's bytes per slot: each request the scheduler may run
+// at once (scheduler.params.max_batch) holds up to kivi_most_open_groups x 32 tokens of K and V
+// in fp16 beside the pool's slots, reserved out of its budget as a server that preallocates
+// per-request buffers for its batch cap must (the allocator plugins know nothing of it).
+struct KiviResidualCharge {
+  std::int64_t requests = 0;
+  double bytes = 0;  // for all of them
+};
+
+KiviResidualCharge kivi_residual_charge(const ExperimentConfig& c, DType dtype,
+                                        std::int64_t head_dim, double bytes_per_slot) {
+  if (!dtype_is_kivi(dtype)) return {};
+  const auto max_batch = c.scheduler_params.find("max_batch");
+  const std::int64_t* given = max_batch == c.scheduler_params.end()
+                                  ? nullptr
+                                  : std::get_if<std::int64_t>(&max_batch->second);
+  const std::int64_t requests = given != nullptr ? *given : ContinuousPolicy{}.max_batch;
+  const double fp16_per_slot = bytes_per_slot *
+                               static_cast<double>(dtype_row_bytes(DType::dtype_f16, head_dim)) /
+                               static_cast<double>(dtype_row_bytes(dtype, head_dim));
+  return {requests,
+          static_cast<double>(requests * kivi_most_open_groups(c.kivi_residual) * kKiviGroup) *
+              fp16_per_slot};
+}
+
+std::string kivi_residual_refusal(const ExperimentConfig& c, const KiviResidualCharge& charge,
+                                  std::string_view budget) {
+  return fmt::format(
+      "{} does not hold KIVI's fp16 residual: {} tokens of K and V for each of {} requests "
+      "(scheduler.params.max_batch) take {:.1f} MiB beside the pool's slots: lower max_batch "
+      "or kv_cache.residual_length ({})",
+      budget, kivi_most_open_groups(c.kivi_residual) * kKiviGroup, charge.requests,
+      charge.bytes / (1024.0 * 1024.0), c.kivi_residual);
+}
+
+}  // namespace
+
 // The pool's capacity in tokens: [kv_cache] slots, a byte budget (whole blocks of 64; simulated
 // KV in the profile's dtype, real KV in kv_cache.dtype), or what the simulated device holds next to
-// the weights.
+// the weights; a KIVI pool's fp16 residual charged out of the bytes (kivi_residual_charge).
 std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, bool simulated,
                         const std::optional<CostModel>& cost_model) {
+  const DType dtype = simulated ? cost_model->profile().kv_dtype : c.kv_dtype;
+  const std::int64_t head_dim = model.cache_head_dim();
   if (c.kv_memory_mib) {
     const double bytes_per_slot =
         simulated ? cost_model->kv_bytes_per_sequence_token_per_gpu()
                   : 2.0 * static_cast<double>(model.num_hidden_layers * model.cache_kv_heads() *
-                                              dtype_row_bytes(c.kv_dtype, model.cache_head_dim()));
-    const double budget_slots = *c.kv_memory_mib * 1024 * 1024 / bytes_per_slot;
+                                              dtype_row_bytes(c.kv_dtype, head_dim));
+    const KiviResidualCharge residual = kivi_residual_charge(c, dtype, head_dim, bytes_per_slot);
+    const double budget_bytes = *c.kv_memory_mib * 1024 * 1024 - residual.bytes;
+    if (residual.bytes > 0 && budget_bytes < 64 * bytes_per_slot)
+      throw Error(kivi_residual_refusal(c, residual,
+                                        fmt::format("kv_cache.memory_mib {}", *c.kv_memory_mib)));
+    const double budget_slots = budget_bytes / bytes_per_slot;
     if (!(budget_slots < 0x1p62))
       throw Error(fmt::format("kv_cache.memory_mib {} is more memory than kvlab can address",
                               *c.kv_memory_mib));
@@ -260,7 +308,14 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
     return slots;
   }
   if (!simulated || c.kv_slots) return c.kv_slots.value_or(4096);
-  const std::int64_t slots = cost_model->kv_capacity_tokens() / 256 * 256;  // whole blocks
+  const double bytes_per_slot = cost_model->kv_bytes_per_sequence_token_per_gpu();
+  const KiviResidualCharge residual = kivi_residual_charge(c, dtype, head_dim, bytes_per_slot);
+  const double capacity =
+      static_cast<double>(cost_model->kv_capacity_tokens()) - residual.bytes / bytes_per_slot;
+  if (residual.bytes > 0 && capacity < 256)
+    throw Error(kivi_residual_refusal(c, residual,
+                                      fmt::format("{}'s KV memory", cost_model->profile().name)));
+  const std::int64_t slots = static_cast<std::int64_t>(capacity) / 256 * 256;  // whole blocks
   if (slots < 1)
     throw Error(
         fmt::format("{} does not fit on {}: {:.1f} GiB of weights, {:.1f} GiB usable (memory_gib x "

@@ -1,5 +1,5 @@
-// KIVI pools (kivi2, kivi4): per-channel key groups of 32 slots sealed on their last row, the
-// open group in fp16 beside the pool, and the copies and swaps that must carry it. Bounds are
+// KIVI pools (kivi2, kivi4): per-channel key groups of 32 slots, open in fp16 beside the pool
+// until their owner seals them, and the copies and swaps that must carry the open ones. Bounds are
 // stated per test: half a quantization step of the channel's (keys) or the block's (values)
 // range, plus fp16's rounding of the stored scale and min.
 #include <gtest/gtest.h>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvlab/dtype.hpp"
+#include "kvlab/kv/block_table.hpp"
 #include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/kv/kv_rows.hpp"
 #include "kvlab/kv_pool.hpp"
@@ -33,11 +34,15 @@ std::vector<float> row_of(std::int64_t layer, std::int64_t slot, bool value) {
   return row;
 }
 
-void write_slots(KvPool& pool, std::int64_t first, std::int64_t end, std::int64_t tag = 0) {
+// Writes slots [first, end) and, unless `seal` is false, seals every group they complete (the
+// groups before `end`'s: a residual of 0).
+void write_slots(KvPool& pool, std::int64_t first, std::int64_t end, std::int64_t tag = 0,
+                 bool seal = true) {
   for (std::int64_t slot = first; slot < end; ++slot)
     for (std::int64_t layer = 0; layer < kLayers; ++layer)
       for (const bool value : {false, true})
         pool.write_row(layer, slot, value, row_of(layer, slot + tag, value).data());
+  if (seal) pool.seal_open_groups(first, end / kKiviGroup * kKiviGroup - first);
 }
 
 std::vector<float> read(const KvPool& pool, std::int64_t layer, std::int64_t slot, bool value) {
@@ -90,12 +95,38 @@ TEST(KiviPool, RowsAreAsLongAsTheirValueFormatsRows) {
   EXPECT_EQ(kivi_code_bytes(4, 128) + 128 / 8, 80);
 }
 
-// Rows of an open group come back as their fp16 rounding; the 32nd row seals the group into
-// codes: keys within half a step of their channel's range, values of their block's.
-TEST(KiviPool, OpenGroupsHoldFp16UntilTheirLastRowSealsThem) {
+// A sequence's open groups under residual R: ceil(n / 32) - floor((n - R) / 32) once n > R.
+TEST(KiviPool, OpenGroupsFollowTheResidual) {
+  EXPECT_EQ(kivi_open_groups(0, 128), 0);
+  EXPECT_EQ(kivi_open_groups(100, 128), 4);   // all of it: groups 0-3
+  EXPECT_EQ(kivi_open_groups(160, 128), 4);   // group 0 left the newest 128
+  EXPECT_EQ(kivi_open_groups(161, 128), 5);   // and group 5 opened
+  EXPECT_EQ(kivi_open_groups(1000, 128), 5);  // the most: R / 32 + 1
+  EXPECT_EQ(kivi_most_open_groups(128), 5);
+  EXPECT_EQ(kivi_open_groups(64, 0), 0);  // residual 0: only a partly written group
+  EXPECT_EQ(kivi_open_groups(65, 0), 1);
+  test::expect_error_containing(
+      [] {
+        KvPoolShape shape{kLayers, kHeads, kHeadDim, 64, DType::dtype_kivi2};
+        shape.kivi_residual = 100;
+        KvPool pool(shape);
+      },
+      {"KIVI residual of 100", "multiple of 32"});
+}
+
+// Rows of an open group come back as their fp16 rounding until its owner seals it, whole (a
+// backend, once the group left the residual); then keys are codes within half a step of their
+// channel's range, values of their block's.
+TEST(KiviPool, OpenGroupsHoldFp16UntilTheirOwnerSealsThem) {
   for (DType dtype : {DType::dtype_kivi2, DType::dtype_kivi4}) {
     KvPool pool({kLayers, kHeads, kHeadDim, 96, dtype});
-    write_slots(pool, 0, 41);
+    write_slots(pool, 0, 41, 0, false);
+    EXPECT_EQ(pool.open_group_bytes(), 2 * pool.bytes_per_open_group());  // nothing sealed itself
+    for (const bool value : {false, true}) {
+      const std::vector<float> x = row_of(0, 5, value), back = read(pool, 0, 5, value);
+      for (std::size_t i = 0; i < x.size(); ++i) EXPECT_EQ(back[i], half_of(x[i])) << i;
+    }
+    pool.seal_open_groups(0, 1);  // group 0 only: the group holding slot 0
     EXPECT_EQ(pool.open_group_bytes(), pool.bytes_per_open_group());  // group 1 (slots 32-40)
     EXPECT_EQ(pool.bytes_per_open_group(), 2 * kLayers * 32 * kWidth * 2);
     ASSERT_NE(pool.open_row(1, 40, true), nullptr);
@@ -184,6 +215,28 @@ TEST(KiviPool, SwapsCarryTheOpenGroup) {
   copy_kv_rows(pool, third, 32, 41, part, false);
   for (std::int64_t slot = 32; slot < 41; ++slot)
     EXPECT_EQ(read(pool, 1, slot, true), read(pool, 1, 64 + slot, true)) << slot;
+}
+
+// A freed block that stays in the prefix cache has its open groups sealed (a later hit reads its
+// codes, within the bound of a sealed group); a freed block that nobody can find again forgets
+// them.
+TEST(KiviPool, FreedBlocksSealWhatThePrefixCacheKeepsAndForgetTheRest) {
+  KvPool pool({kLayers, kHeads, kHeadDim, 128, DType::dtype_kivi2});
+  PagedBlocks blocks(pool, 64, true);
+  const BlockId cached = blocks.take(), plain = blocks.take();
+  write_slots(pool, cached * 64, cached * 64 + 64, 0, false);
+  write_slots(pool, plain * 64, plain * 64 + 40, 0, false);
+  const std::vector<std::int32_t> tokens(64, 7);
+  blocks.pool().register_prefix(cached, 12345, tokens);
+  EXPECT_EQ(pool.open_group_bytes(), 4 * pool.bytes_per_open_group());
+  blocks.release(cached);
+  EXPECT_EQ(pool.open_group_bytes(), 2 * pool.bytes_per_open_group());  // the plain block's
+  EXPECT_EQ(pool.open_row(0, cached * 64 + 63, false), nullptr);
+  const std::vector<float> worst = channel_errors(pool, cached * 64);
+  for (std::int64_t d = 0; d < kHeadDim; ++d)
+    EXPECT_LE(worst[static_cast<std::size_t>(d)], channel_bound(cached * 64, 0, d, 3.0f)) << d;
+  blocks.release(plain);
+  EXPECT_EQ(pool.open_group_bytes(), 0);
 }
 
 // A write into a sealed group (a recomputed token) reopens it with its rows dequantized.

@@ -136,6 +136,9 @@ TEST(KiviAttention, ScoresAndWeightedSumsEqualPlainLoopsOverTheRowsTheyRead) {
           for (float& x : row) x = value(rng) + (v ? 0.0f : 3.0f * (&x - row.data() == 5));
           pool.write_row(0, slot, v, row.data());
         }
+      pool.seal_open_groups(0, 64);
+      ASSERT_EQ(pool.open_row(0, 63, false), nullptr);
+      ASSERT_NE(pool.open_row(0, 64, false), nullptr);
       std::vector<float> q(static_cast<std::size_t>(hd)), p(75);
       for (float& x : q) x = value(rng);
       for (float& x : p) x = 0.5f + 0.5f * value(rng);

@@ -131,9 +131,11 @@ TEST(Perplexity, RefusesTextsAndOptionsItCannotScore) {
   test::expect_error_containing([&] { (void)text.measure(options, 1); }, {"window", ">= 1"});
 }
 
-// KIVI pools: each chunk's slots start a group of 32 (a context of 40 takes 64 slots), keys of
-// 2 bits per channel cost more than 4, and a KV policy, which would drop positions from inside the
-// groups, is refused.
+// KIVI pools: each chunk's slots start a group of 32 (a context of 40 takes 64 slots) and its
+// chunks are streamed token by token; within the residual (128, more than a chunk) KIVI is the
+// f16 cache (its prefill and residual read fp16: the same PPL within 1e-5 and KL within 1e-6,
+// fp32 sums in other batches); with a residual of 0, keys of 2 bits per channel cost more than
+// 4, and a KV policy, which would drop positions from inside the groups, is refused.
 TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
   ModelConfig config = model_preset("tiny");
   config.num_attention_heads = config.num_key_value_heads = 2;
@@ -142,6 +144,13 @@ TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
   PerplexityOptions options;
   options.context = 40;
   options.parallel = 2;
+  options.kv_dtype = DType::dtype_f16;
+  const PerplexityResult f16 = text.measure(options, 1);
+  options.kv_dtype = DType::dtype_kivi2;
+  const PerplexityResult residual = text.measure(options, 1);
+  EXPECT_NEAR(residual.ppl(), f16.ppl(), 1e-5 * f16.ppl());
+  EXPECT_NEAR(residual.mean_kl(), f16.mean_kl(), 1e-6);
+  options.kivi_residual = 0;
   options.kv_dtype = DType::dtype_kivi4;
   const PerplexityResult kivi4 = text.measure(options, 1);
   options.kv_dtype = DType::dtype_kivi2;

@@ -912,6 +912,51 @@ TEST(ExperimentLibrary, VirtualClockRunsArePricedByAProfile) {
 #endif
 }
 
+// KIVI's fp16 residual (kv_cache.residual_length, a multiple of 32) is charged out of the KV
+// budget for every request the scheduler may run, on the simulated backend too: LLaMA-7B's 160
+// residual tokens x 512 KiB a token (fp16 K and V of 32 layers x 4096) x max_batch 8 leave
+// (2048 MiB - 640 MiB) / 96 KiB (kivi2's token) slots, in whole blocks of 64; the run reports the
+// residual its running requests hold (one open group of 32 tokens each: they stay short).
+TEST(ExperimentLibrary, KiviResidualIsChargedOutOfTheKvBudget) {
+  const std::vector<std::string> kivi{
+      "backend.name=\"simulated\"",    "backend.profile=\"h200\"",
+      "scheduler.name=\"fcfs\"",       "hardware.device.kv_dtype=\"kivi2\"",
+      "kv_cache.params.block_size=32", "kv_cache.memory_mib=2048.0",
+      "scheduler.params.max_batch=8",  "model.name=\"llama-7b\""};
+  auto load = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), kivi.begin(), kivi.end());
+    auto runs = load_experiment(kQuickstart, small(std::move(more)));
+    validate_experiment(runs, false);
+    return runs;
+  };
+  const RunOutput out = run_experiment(load({})[0].config, false, nullptr);
+  const std::int64_t token_fp16 = 2 * 32 * 4096 * 2, token_kivi2 = 2 * 32 * 32 * 48;
+  const std::int64_t expected =
+      (2048LL * 1024 * 1024 - 8 * 160 * token_fp16) / token_kivi2 / 64 * 64;
+  ASSERT_FALSE(out.engine.steps.empty());
+  EXPECT_EQ(out.engine.steps.front().kv.capacity, expected);
+  std::int64_t peak = 0;
+  for (const auto& step : out.engine.steps) {
+    EXPECT_LE(step.kv_residual_bytes, step.running * 32 * token_fp16);
+    peak = std::max(peak, step.kv_residual_bytes);
+  }
+  EXPECT_EQ(peak % (32 * token_fp16), 0);
+  EXPECT_GT(peak, 0);
+  EXPECT_EQ(out.peak_kv_residual_bytes, peak);
+  const RunOutput none =
+      run_experiment(load({"kv_cache.residual_length=0"})[0].config, false, nullptr);
+  EXPECT_EQ(none.engine.steps.front().kv.capacity,
+            (2048LL * 1024 * 1024 - 8 * 32 * token_fp16) / token_kivi2 / 64 * 64);
+  test::expect_error_containing(
+      [&] {
+        (void)run_experiment(load({"scheduler.params.max_batch=64"})[0].config, false, nullptr);
+      },
+      {"kv_cache.memory_mib 2048 does not hold KIVI's fp16 residual", "160 tokens", "64 requests",
+       "lower max_batch or kv_cache.residual_length (128)"});
+  test::expect_error_containing([&] { (void)load({"kv_cache.residual_length=100"}); },
+                                {"kv_cache.residual_length", "multiple of 32, not 100"});
+}
+
 // Repeats become one row: mean ± the 95% interval's half-width, t with n-1 degrees of freedom.
 TEST(SummaryTable, RepeatsAreAMeanWithA95PercentInterval) {
   // 1, 2, 6: mean 3, sd sqrt(7), t(0.975, 2) = 4.30265272974946 (tables give 4.303).

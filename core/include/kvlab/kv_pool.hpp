@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "kvlab/dtype.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 
 namespace kvlab {
 
@@ -28,6 +29,9 @@ struct KvPoolShape {
   // (QuaRot; llama.cpp's attn_rot for quantized caches). The backend rotates its queries the
   // same way (scores are unchanged, H orthonormal) and its attention output back (H = H^-1).
   bool hadamard_rotated = false;
+  // A KIVI pool (kivi2, kivi4): the residual length R, a multiple of 32 (>= 0): the backend seals
+  // a group once it is older than a sequence's newest R tokens (seal_open_groups).
+  std::int64_t kivi_residual = kKiviResidualDefault;
   // Values per slot per layer, K or V.
   std::int64_t slot_width() const { return kv_heads * head_dim; }
   // Bytes of one head's row (head_dim values, scales included) and of one slot's row (every
@@ -131,20 +135,26 @@ class KvPool {
   std::int64_t bytes_per_slot() const;
 
   // A KIVI pool (kivi2, kivi4; kvlab/kv/kivi_groups.hpp) quantizes keys per channel over groups
-  // of 32 slots, [32g, 32g + 32). A group is open from the write of one of its rows until the
-  // write of its last row (slot 32g + 31) seals it: until then its K and V rows of each layer live
-  // in fp16 beside the pool (KIVI's full-precision residual) and its slot rows are unused. Writes
-  // must then come in slot order within a group, one thread at a time, as a paged allocator with
-  // blocks of a multiple of 32 slots makes them; a write into a sealed group reopens it (its rows
-  // dequantized). Copies and swaps carry open groups.
+  // of 32 slots, [32g, 32g + 32). A group is open from the write of one of its rows until its
+  // owner seals it (seal_open_groups: the backend, once the group's 32 tokens are older than the
+  // sequence's newest kivi_residual, after the forward that read them): until then its K and V
+  // rows of each layer live in fp16 beside the pool (KIVI's full-precision residual) and its slot
+  // rows are unused. Writes come one thread at a time, in slot order within a group, as a paged
+  // allocator with blocks of a multiple of 32 slots makes them; a write into a sealed group
+  // reopens it (its rows dequantized). Copies and swaps carry open groups.
   //
   // The fp16 slot row (kv_heads x head_dim values) of an open group's row; nullptr when its
   // group is sealed (or this is not a KIVI pool).
   const std::uint16_t* open_row(std::int64_t layer, std::int64_t slot, bool value) const;
+  // Quantizes the open (layer, K/V) halves of the groups holding any of `count` slots from
+  // `first_slot` into their slot rows (every row of them written): keys per channel, values per
+  // token. Nothing for groups that are not open (or other pools).
+  void seal_open_groups(std::int64_t first_slot, std::int64_t count);
   // Forgets the open groups wholly inside [first_slot, first_slot + count): their slots were
   // freed (an allocator's released block). Nothing for other pools.
   void discard_open_groups(std::int64_t first_slot, std::int64_t count);
-  // The fp16 residual held now, and one open group's: 2 x layers x 32 x slot_width x 2 bytes.
+  // The fp16 residual held now, and one open group's: 2 x layers x 32 x slot_width x 2 bytes
+  // (bytes_per_open_group works on a pool without storage too).
   std::int64_t open_group_bytes() const;
   std::int64_t bytes_per_open_group() const;
   // Copies `count` slots starting at `source` to `destination` in every layer, K and V

@@ -330,12 +330,24 @@ bool Engine::reads_kv_slots() const {
   return pool == nullptr || pool->has_storage() || pool->device() != nullptr;
 }
 
+// A KIVI pool's fp16 open groups: those the pool holds, or on a pool without storage (the
+// simulated backend's) those its running sequences would hold (kivi_open_groups).
+std::int64_t Engine::kivi_residual_bytes() const {
+  const KvPool* pool = options_.pool;
+  if (pool == nullptr || !dtype_is_kivi(pool->shape().dtype)) return 0;
+  if (pool->has_storage()) return pool->open_group_bytes();
+  std::int64_t groups = 0;
+  for (const RequestState* r : table_->running())
+    groups += kivi_open_groups(r->computed, pool->shape().kivi_residual);
+  return groups * pool->bytes_per_open_group();
+}
+
 // The step's record: queue lengths and the allocator's numbers after the update.
 void Engine::record_step(StepRecord record, bool fragmentation_blocked) {
   record.waiting = static_cast<std::int64_t>(table_->waiting().size());
   record.running = static_cast<std::int64_t>(table_->running().size());
   record.kv = allocator_.stats();
-  if (options_.pool != nullptr) record.kv_residual_bytes = options_.pool->open_group_bytes();
+  record.kv_residual_bytes = kivi_residual_bytes();
   record.blocking_unusable_free = fragmentation_blocked ? record.kv.unusable_free : 0;
   if (record.kv.evictions > evictions_seen_) {  // cached prefix blocks reused for other data
     log_.add_evictions(record.kv.evictions - evictions_seen_);

@@ -18,7 +18,10 @@ BlockId PagedBlocks::take() {
 
 void PagedBlocks::release(BlockId b) {
   blocks_.release(b);
-  if (blocks_.ref_count(b) == 0)
+  if (blocks_.ref_count(b) > 0) return;
+  if (blocks_.hash_of(b) != 0)  // kept in the prefix cache: its KIVI groups quantized for reuse
+    kv_.seal_open_groups(std::int64_t{b} * block_size_, block_size_);
+  else
     kv_.discard_open_groups(std::int64_t{b} * block_size_, block_size_);
 }
 

@@ -35,6 +35,12 @@ float stored_half(float value) {  // value rounded to fp16 and back
 
 }  // namespace
 
+std::int64_t kivi_open_groups(std::int64_t tokens, std::int64_t residual) {
+  if (tokens <= 0) return 0;
+  const std::int64_t groups = (tokens + kKiviGroup - 1) / kKiviGroup;
+  return groups - (tokens > residual ? (tokens - residual) / kKiviGroup : 0);
+}
+
 int kivi_bits(DType dtype) {
   assert(dtype_is_kivi(dtype));
   return dtype == DType::dtype_kivi2 ? 2 : 4;

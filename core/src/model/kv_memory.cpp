@@ -15,6 +15,10 @@ namespace kvlab {
 KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   if (q.seq_len <= 0) throw Error(fmt::format("seq-len must be positive, got {}", q.seq_len));
   if (q.batch <= 0) throw Error(fmt::format("batch must be positive, got {}", q.batch));
+  if (q.kivi_residual < 0 || q.kivi_residual % kKiviGroup != 0 ||
+      q.kivi_residual > kKiviResidualMost)
+    throw Error(fmt::format("a KIVI residual of {} tokens: a multiple of {} in [0, {}] expected",
+                            q.kivi_residual, kKiviGroup, kKiviResidualMost));
   KvMemoryReport r;
   r.kv_heads = q.kv_heads.value_or(c.cache_kv_heads());
   if (r.kv_heads <= 0 || c.num_attention_heads % r.kv_heads != 0)
@@ -35,7 +39,7 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
   if (!per_token) throw Error(fmt::format("{}: KV bytes per token overflow 64 bits", c.name));
   r.bytes_per_token = *per_token;
   if (dtype_is_kivi(q.kv_dtype))
-    r.residual_bytes_per_request = std::min<std::int64_t>(q.seq_len, kKiviGroup) * 2 *
+    r.residual_bytes_per_request = kivi_open_groups(q.seq_len, q.kivi_residual) * kKiviGroup * 2 *
                                    c.num_hidden_layers * r.kv_heads *
                                    dtype_row_bytes(DType::dtype_f16, head_dim);
   const auto sealed = checked_mul(r.bytes_per_token, q.seq_len);
@@ -115,8 +119,8 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
   if (expected > p.static_tokens_per_request)
     throw Error(fmt::format("prompt {} + output {} exceed the {}-token context", q.prompt_tokens,
                             q.output_tokens, p.static_tokens_per_request));
-  const KvMemoryReport kv =
-      kv_memory(c, {expected, 1, q.kv_dtype, q.weight_dtype, q.kv_heads, std::nullopt});
+  const KvMemoryReport kv = kv_memory(
+      c, {expected, 1, q.kv_dtype, q.weight_dtype, q.kv_heads, std::nullopt, q.kivi_residual});
   p.kv_heads = kv.kv_heads;
   p.tensor_parallel = q.tensor_parallel;
   p.kv_heads_per_gpu = kv_heads_per_gpu(c.num_attention_heads, kv.kv_heads, q.tensor_parallel);

@@ -151,6 +151,7 @@ class Engine {
   StepTiming price(StepState& state, std::span<const BatchEntry> requests);
   void update(StepState& state, std::span<const std::int32_t> sampled);
   bool reads_kv_slots() const;
+  std::int64_t kivi_residual_bytes() const;
   void record_step(StepRecord record, bool fragmentation_blocked);
 
   Backend& backend_;

@@ -40,8 +40,9 @@ struct StepRecord {
   // refused for memory although the free slots in all would have held it (0 on every other
   // step: holes that block nobody are not waste).
   std::int64_t blocking_unusable_free = 0;
-  // A KIVI pool's open groups after the step: fp16 K/V beside the pool's slots, up to 32 tokens
-  // per running sequence (KvPool::open_group_bytes); 0 for the other dtypes.
+  // A KIVI pool's open groups after the step: fp16 K/V beside the pool's slots, residual + 32
+  // tokens per running sequence at most (KvPool::open_group_bytes; a pool without storage: what
+  // the running sequences would hold, kivi_open_groups); 0 for the other dtypes.
   std::int64_t kv_residual_bytes = 0;
   KvAllocatorStats kv;
 };

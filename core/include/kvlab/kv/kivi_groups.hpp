@@ -21,6 +21,19 @@
 namespace kvlab {
 
 constexpr std::int64_t kKiviGroup = 32;  // tokens per key group
+// KIVI's residual length R, the paper's default: a sequence's newest R tokens stay in fp16. A
+// group is sealed (quantized) once its last position is older than the sequence's newest R, so
+// R to R + 31 of the newest tokens are fp16 (in whole groups of 32 rows), a multiple of 32.
+constexpr std::int64_t kKiviResidualDefault = 128;
+constexpr std::int64_t kKiviResidualMost = 1 << 20;  // bounds the open groups' bytes
+
+// Groups of a sequence of `tokens` positions (from position 0) still open under residual R:
+// ceil(tokens / 32) - max(0, floor((tokens - R) / 32)), at most R / 32 + 1.
+std::int64_t kivi_open_groups(std::int64_t tokens, std::int64_t residual);
+// The most groups a sequence keeps open under residual R: R / 32 + 1.
+inline std::int64_t kivi_most_open_groups(std::int64_t residual) {
+  return residual / kKiviGroup + 1;
+}
 
 // 2 (kivi2) or 4 (kivi4).
 int kivi_bits(DType dtype);

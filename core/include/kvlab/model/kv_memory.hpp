@@ -6,6 +6,7 @@
 #include <optional>
 
 #include "kvlab/dtype.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/model_config.hpp"
 
 namespace kvlab {
@@ -18,16 +19,17 @@ struct KvMemoryQuery {
   // Override (MHA = heads, GQA = groups, MQA = 1). On a latent-attention (MLA) model: the same
   // heads caching plain K and V of v_head_dim each instead of the latent.
   std::optional<std::int64_t> kv_heads;
-  std::optional<double> gpu_memory_gib;  // device memory, for the max batch
+  std::optional<double> gpu_memory_gib;               // device memory, for the max batch
+  std::int64_t kivi_residual = kKiviResidualDefault;  // a KIVI cache's fp16 tokens (R)
 };
 
 struct KvMemoryReport {
   std::int64_t kv_heads = 0;
   std::int64_t bytes_per_token = 0;    // one token, all layers, K and V
   std::int64_t bytes_per_request = 0;  // seq_len tokens (+ residual_bytes_per_request)
-  // A KIVI cache's open group (kvlab/kv/kivi_groups.hpp): up to 32 of a request's newest tokens
-  // also held in fp16 until their group seals, min(seq_len, 32) x 2 x layers x kv_heads x
-  // head_dim x 2 B; 0 for the other dtypes.
+  // A KIVI cache's open groups (kvlab/kv/kivi_groups.hpp): a request's newest R to R + 31
+  // tokens also held in fp16 until their group seals, kivi_open_groups(seq_len, R) x 32 x 2 x
+  // layers x kv_heads x head_dim x 2 B; 0 for the other dtypes.
   std::int64_t residual_bytes_per_request = 0;
   std::int64_t bytes_total = 0;   // batch requests
   std::int64_t weight_bytes = 0;  // parameters x weight dtype size
@@ -57,6 +59,7 @@ struct MemoryPlanQuery {
   // Groups of those GPUs sharing each sequence's KV by positions (context parallelism): a GPU
   // holds 1/cp of every request's tokens, so the tokens that fit are cp times more.
   std::int64_t context_parallel = 1;
+  std::int64_t kivi_residual = kKiviResidualDefault;  // a KIVI cache's fp16 tokens (R)
 };
 
 struct MemoryPlan {
@@ -72,7 +75,7 @@ struct MemoryPlan {
   std::int64_t kv_capacity_tokens = 0;  // floor(budget / bytes per token) x context_parallel
   std::int64_t static_tokens_per_request = 0;
   std::int64_t paged_tokens_per_request = 0;  // ceil((prompt + output) / block) x block
-  // A KIVI cache's fp16 open group per request (KvMemoryReport), one GPU's share: paid beside
+  // A KIVI cache's fp16 open groups per request (KvMemoryReport), one GPU's share: paid beside
   // its paged tokens (max_paged_requests counts it).
   std::int64_t kv_residual_bytes_per_request = 0;
   std::int64_t max_static_requests = 0;

@@ -97,6 +97,7 @@ class CpuBackend final : public Backend {
   }
   void add_output(const RowMatrix& input, const WeightMatrix& w, std::span<const float> post_norm,
                   RowMatrix& x);
+  void seal_kivi_residuals(std::span<const BatchEntry> batch);
   void rotate_and_store(std::int64_t layer, std::span<const std::int32_t> positions,
                         std::span<const std::int64_t> slots, RowMatrix& qkv);
   void attend(std::int64_t layer, std::span<const BatchEntry> batch,

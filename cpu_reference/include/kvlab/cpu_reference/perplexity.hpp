@@ -17,6 +17,7 @@
 
 #include "kvlab/cpu_reference/weight_matrix.hpp"
 #include "kvlab/dtype.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/kv/kv_keep.hpp"
 #include "kvlab/kv_policy.hpp"
 
@@ -28,6 +29,10 @@ struct PerplexityOptions {
   std::int64_t parallel = 4;          // chunks per forward (llama.cpp's n_batch / n_ctx sequences)
   DType kv_dtype = DType::dtype_f32;  // the KV pool under test
   bool hadamard = false;              // its rows rotated (KvPoolShape::hadamard_rotated)
+  // A KIVI pool's residual length (KvPoolShape::kivi_residual): its newest tokens kept in fp16.
+  // KIVI attends to the prompt in full precision, so its chunks are streamed policy_step tokens a
+  // forward: a whole chunk in one forward would read nothing but fp16.
+  std::int64_t kivi_residual = kKiviResidualDefault;
   std::optional<std::int64_t> window;  // attend to the last W positions only
   bool compare_with_exact = true;      // also run the exact KV: KL and top-1 agreement
   // A KV policy (not owned): each chunk is then streamed `policy_step` tokens a forward, the
@@ -35,7 +40,7 @@ struct PerplexityOptions {
   // would meet it; one chunk per sequence id, forgotten at its end.
   KvPolicy* policy = nullptr;
   std::string policy_name = "kv_policy";  // as errors name it
-  std::int64_t policy_step = 1;           // token by token: as a generation meets the policy
+  std::int64_t policy_step = 1;  // token by token: as a generation meets the policy (and KIVI)
 };
 
 // Sums over scored tokens; what each figure is made of.

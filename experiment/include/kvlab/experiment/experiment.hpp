@@ -15,6 +15,7 @@
 #include "kvlab/engine/metrics.hpp"
 #include "kvlab/experiment/logit_agreement.hpp"
 #include "kvlab/experiment/logprob_agreement.hpp"
+#include "kvlab/kv/kivi_groups.hpp"
 #include "kvlab/plugin_params.hpp"
 #include "kvlab/workload/formats.hpp"
 #include "kvlab/workload/real_workloads.hpp"
@@ -85,6 +86,9 @@ struct ExperimentConfig {
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
   DType kv_dtype = DType::dtype_f32;  // the cpu backend's KV pool (kv_pool_holds: also quantized)
   bool kv_hadamard = false;           // kv_cache.rotation = "hadamard" (KvPoolShape)
+  // kv_cache.residual_length: a KIVI pool's newest tokens a sequence keeps in fp16 (a multiple
+  // of 32; KvPoolShape::kivi_residual), charged beside the pool's slots (pool_slots).
+  std::int64_t kivi_residual = kKiviResidualDefault;
   // kv_cache.groups = "per_kind": one block table per group of layers of one attention kind
   // (kvlab/kv/kv_groups.hpp; the pool's slots then hold kv_slots x layers / group layers slots
   // of a group's layers: the same bytes); "uniform" (default): one table for every layer.
