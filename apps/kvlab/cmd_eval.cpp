@@ -82,8 +82,8 @@ std::string heat_map_svg(const EvalSpec& spec, const EvalSetting& s) {
 // One token's K and V in every layer, in the pool's dtype.
 double kv_row_bytes(const ExperimentConfig& c) {
   const ModelConfig m = resolve_model(c.model).config;
-  return 2.0 * static_cast<double>(m.num_hidden_layers * m.cache_kv_heads()) *
-         static_cast<double>(dtype_row_bytes(c.kv_dtype, m.cache_head_dim()));
+  return static_cast<double>(m.num_hidden_layers * m.cache_kv_heads()) *
+         static_cast<double>(c.kv_head_bytes(m.cache_head_dim()));
 }
 
 void print_table(const EvalSpec& spec, const EvalSetting& s) {

@@ -22,7 +22,8 @@ struct MemoryOptions {
   std::string model;
   std::int64_t seq_len = 0;
   std::int64_t batch = 1;
-  std::string dtype;  // default: f16, or the GPU profile's KV dtype
+  std::string dtype;        // default: f16, or the GPU profile's KV dtype
+  std::string value_dtype;  // V's, when not --dtype's
   std::string weight_dtype;
   std::optional<std::int64_t> kv_heads;
   std::optional<double> gpu_mem;
@@ -179,6 +180,10 @@ void print_plan_budget(const ModelConfig& c, const HardwareProfile& device,
 
 // Static vs paged on one device, for each attention variant the model's heads allow.
 void run_plan(const MemoryOptions& o, const ModelConfig& c) {
+  if (!o.value_dtype.empty())
+    throw Error(
+        "--value-dtype is the KV arithmetic's (--seq-len); the planner (--gpu) takes one KV dtype "
+        "(--dtype)");
   const HardwareProfile device = load_hardware_profile(o.gpu);
   MemoryPlanQuery q;
   q.prompt_tokens = o.prompt_len;
@@ -236,25 +241,33 @@ void run_plan(const MemoryOptions& o, const ModelConfig& c) {
   }
 }
 
+// The query for another attention variant's K/V heads (nullopt: the model's own).
+KvMemoryQuery with_kv_heads(KvMemoryQuery query, std::optional<std::int64_t> heads) {
+  query.kv_heads = heads;
+  return query;
+}
+
 // The KV arithmetic as JSON: the query's figures and every attention variant's.
 void print_kv_json(const MemoryOptions& o, const ModelConfig& c, const KvMemoryQuery& query,
                    const KvMemoryReport& r,
                    const std::vector<std::pair<std::string, std::int64_t>>& variants,
                    const KvMemoryReport& mha) {
-  nlohmann::json out = {{"model", c.name},
-                        {"seq_len", o.seq_len},
-                        {"batch", o.batch},
-                        {"kv_dtype", dtype_short_name(query.kv_dtype)},
-                        {"kv_heads", r.kv_heads},
-                        {"bytes_per_token", r.bytes_per_token},
-                        {"bytes_per_request", r.bytes_per_request},
-                        {"residual_bytes_per_request", r.residual_bytes_per_request},
-                        {"bytes_total", r.bytes_total},
-                        {"weight_bytes", r.weight_bytes}};
+  nlohmann::json out = {
+      {"model", c.name},
+      {"seq_len", o.seq_len},
+      {"batch", o.batch},
+      {"kv_dtype", dtype_short_name(query.kv_dtype)},
+      {"kv_value_dtype", dtype_short_name(query.kv_value_dtype.value_or(query.kv_dtype))},
+      {"kivi_residual", query.kivi_residual},
+      {"kv_heads", r.kv_heads},
+      {"bytes_per_token", r.bytes_per_token},
+      {"bytes_per_request", r.bytes_per_request},
+      {"residual_bytes_per_request", r.residual_bytes_per_request},
+      {"bytes_total", r.bytes_total},
+      {"weight_bytes", r.weight_bytes}};
   if (r.max_batch) out["max_batch"] = *r.max_batch;
   for (const auto& [name, heads] : variants) {
-    const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
-                                 variant_heads(heads), query.gpu_memory_gib});
+    const auto v = kv_memory(c, with_kv_heads(query, variant_heads(heads)));
     nlohmann::json row = {{"variant", name},
                           {"kv_heads", heads},
                           {"bytes_per_request", v.bytes_per_request},
@@ -271,10 +284,13 @@ void print_kv_json(const MemoryOptions& o, const ModelConfig& c, const KvMemoryQ
 void print_model_and_token_bytes(const ModelConfig& c, const KvMemoryQuery& query,
                                  const KvMemoryReport& r) {
   // Bytes per value: the element's, or a quantized head row's over head_dim (scales included).
-  const std::string element =
-      dtype_size(query.kv_dtype) > 0
-          ? fmt::format("{}", dtype_size(query.kv_dtype))
-          : fmt::format("{}/{}", dtype_row_bytes(query.kv_dtype, c.head_dim), c.head_dim);
+  auto element_of = [&](DType dtype) {
+    return dtype_size(dtype) > 0
+               ? fmt::format("{}", dtype_size(dtype))
+               : fmt::format("{}/{}", dtype_row_bytes(dtype, c.head_dim), c.head_dim);
+  };
+  const std::string element = element_of(query.kv_dtype);
+  const DType value_dtype = query.kv_value_dtype.value_or(query.kv_dtype);
   fmt::print(
       "model {}: {} layers, {} query heads, {} KV heads, head_dim {}, {:.2f}B parameters{}\n",
       c.name, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.head_dim,
@@ -288,10 +304,16 @@ void print_model_and_token_bytes(const ModelConfig& c, const KvMemoryQuery& quer
                human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers,
                c.kv_lora_rank, c.qk_rope_head_dim, element, r.bytes_per_token);
   } else {
-    fmt::print("KV cache, {} x {} KV heads:\n", dtype_short_name(query.kv_dtype), r.kv_heads);
-    fmt::print("  per token    {:>12}  = 2 x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
-               human_bytes(static_cast<double>(r.bytes_per_token)), c.num_hidden_layers, r.kv_heads,
-               c.is_mla() ? c.v_head_dim : c.head_dim, element, r.bytes_per_token);
+    const bool split = value_dtype != query.kv_dtype;
+    fmt::print("KV cache, {}{} x {} KV heads:\n", dtype_short_name(query.kv_dtype),
+               split ? fmt::format(" K, {} V", dtype_short_name(value_dtype)) : std::string(),
+               r.kv_heads);
+    fmt::print(
+        "  per token    {:>12}  = {} x {} layers x {} KV heads x {} head_dim x {} B = {} B\n",
+        human_bytes(static_cast<double>(r.bytes_per_token)), split ? "1" : "2", c.num_hidden_layers,
+        r.kv_heads, c.is_mla() ? c.v_head_dim : c.head_dim,
+        split ? fmt::format("({} + {})", element, element_of(value_dtype)) : element,
+        r.bytes_per_token);
   }
 }
 
@@ -318,12 +340,11 @@ void run_memory(const MemoryOptions& o) {
   query.kv_heads = o.kv_heads;
   query.gpu_memory_gib = o.gpu_mem;
   query.kivi_residual = o.kv_residual;
+  if (!o.value_dtype.empty()) query.kv_value_dtype = kv_pool_dtype(o.value_dtype, "--value-dtype");
   const KvMemoryReport r = kv_memory(c, query);
 
   const auto variants = attention_variants(c);
-  const KvMemoryReport mha =
-      kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
-                    c.num_attention_heads, query.gpu_memory_gib});
+  const KvMemoryReport mha = kv_memory(c, with_kv_heads(query, c.num_attention_heads));
 
   if (o.json) {
     print_kv_json(o, c, query, r, variants, mha);
@@ -352,8 +373,7 @@ void run_memory(const MemoryOptions& o) {
   fmt::print("\n{:<8} {:>8} {:>12} {:>12} {:>8}{}\n", "variant", "kv_heads", "per token",
              "per request", "vs MHA", r.max_batch ? "  max batch" : "");
   for (const auto& [name, heads] : variants) {
-    const auto v = kv_memory(c, {query.seq_len, query.batch, query.kv_dtype, query.weight_dtype,
-                                 variant_heads(heads), query.gpu_memory_gib});
+    const auto v = kv_memory(c, with_kv_heads(query, variant_heads(heads)));
     const std::string ratio =
         heads == c.num_attention_heads ? "1x"
         : heads > 0                    ? fmt::format("1/{}x", c.num_attention_heads / heads)
@@ -392,6 +412,8 @@ void register_memory(CLI::App& app) {
                   "Planner: tokens a static reservation holds (default: the model's context)");
   sub->add_option("--block-size", o->block_size, "Planner: paged block size")
       ->capture_default_str();
+  sub->add_option("--value-dtype", o->value_dtype,
+                  "V's element type when it is not --dtype's (llama.cpp's -ctv; KV arithmetic)");
   sub->add_option("--kv-residual", o->kv_residual,
                   "A KIVI cache (--dtype kivi2, kivi4): the newest tokens each request keeps in "
                   "fp16 (KIVI's residual length R, a multiple of 32)")

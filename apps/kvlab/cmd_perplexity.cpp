@@ -35,6 +35,7 @@ struct PerplexityCommand {
   std::string file;
   cpu::PerplexityOptions options;
   std::string kv_dtype = "f32";
+  std::string kv_value_dtype;  // "": the same as kv_dtype
   std::string kv_rotation = "none";
   std::int64_t window = 0;
   std::string attention = "gqa";       // the attention variant (--experiment's points)
@@ -51,26 +52,28 @@ struct PerplexityCommand {
 
 void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int64_t text_tokens,
                 const cpu::PerplexityResult& r, double seconds, std::size_t measured_together = 1) {
-  nlohmann::json out = {{"model", config.name},
-                        {"file", c.file},
-                        {"text_tokens", text_tokens},
-                        {"context", c.options.context},
-                        {"chunks", r.chunks},
-                        {"scored_tokens", r.scored_tokens()},
-                        {"kv_dtype", c.kv_dtype},
-                        {"kv_rotation", c.kv_rotation},
-                        {"kv_residual", c.options.kivi_residual},
-                        {"window", c.window},
-                        {"attention", c.attention},
-                        {"kv_heads", config.num_key_value_heads},
-                        {"kv_policy", c.kv_policy},
-                        {"kv_policy_params", c.kv_params},
-                        {"kv_step", c.options.policy_step},
-                        {"ppl", r.ppl()},
-                        {"ppl_error", r.ppl_error()},
-                        {"running_ppl", r.running_ppl},
-                        {"seconds", seconds},  // with --experiment: its group's
-                        {"measured_together", measured_together}};
+  nlohmann::json out = {
+      {"model", config.name},
+      {"file", c.file},
+      {"text_tokens", text_tokens},
+      {"context", c.options.context},
+      {"chunks", r.chunks},
+      {"scored_tokens", r.scored_tokens()},
+      {"kv_dtype", c.kv_dtype},
+      {"kv_value_dtype", c.kv_value_dtype.empty() ? c.kv_dtype : c.kv_value_dtype},
+      {"kv_rotation", c.kv_rotation},
+      {"kv_residual", c.options.kivi_residual},
+      {"window", c.window},
+      {"attention", c.attention},
+      {"kv_heads", config.num_key_value_heads},
+      {"kv_policy", c.kv_policy},
+      {"kv_policy_params", c.kv_params},
+      {"kv_step", c.options.policy_step},
+      {"ppl", r.ppl()},
+      {"ppl_error", r.ppl_error()},
+      {"running_ppl", r.running_ppl},
+      {"seconds", seconds},  // with --experiment: its group's
+      {"measured_together", measured_together}};
   if (r.compared) {
     out["exact_ppl"] = r.exact_ppl();
     out["mean_kl"] = r.mean_kl();
@@ -84,6 +87,13 @@ void print_json(const PerplexityCommand& c, const ModelConfig& config, std::int6
   fmt::print("{}\n", out.dump());
 }
 
+// "q8_0", or "q8_0/q4_0" for K and V in dtypes apart.
+std::string kv_dtypes(const PerplexityCommand& c) {
+  return c.kv_value_dtype.empty() || c.kv_value_dtype == c.kv_dtype
+             ? c.kv_dtype
+             : fmt::format("{}/{}", c.kv_dtype, c.kv_value_dtype);
+}
+
 void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
   const std::string policy =
       c.options.policy == nullptr
@@ -92,7 +102,7 @@ void print_text(const PerplexityCommand& c, const cpu::PerplexityResult& r) {
                         c.options.policy->budget(), c.options.policy_step,
                         c.options.policy_step == 1 ? "" : "s");
   fmt::print("\nPPL = {:.4f} +/- {:.5f}  ({} chunks of {}, {} tokens scored, KV {}{}{}{})\n",
-             r.ppl(), r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), c.kv_dtype,
+             r.ppl(), r.ppl_error(), r.chunks, c.options.context, r.scored_tokens(), kv_dtypes(c),
              c.options.hadamard ? " rotated" : "",
              c.window > 0 ? fmt::format(", window {}", c.window) : "", policy);
   if (r.kv_kept.selections > 0)
@@ -214,6 +224,8 @@ ExperimentPoint experiment_point(const PerplexityCommand& c, const ExperimentCon
   PerplexityCommand& command = point.command;
   command.kv_dtype = dtype_short_name(e.kv_dtype);
   command.options.kv_dtype = e.kv_dtype;
+  command.options.kv_value_dtype = e.kv_value_dtype;
+  if (e.kv_value_dtype) command.kv_value_dtype = dtype_short_name(*e.kv_value_dtype);
   command.options.hadamard = e.kv_hadamard;
   command.options.kivi_residual = e.kivi_residual;
   command.kv_rotation = e.kv_hadamard ? "hadamard" : "none";
@@ -305,8 +317,10 @@ void write_plot(const std::string& file, const std::vector<ExperimentPoint>& poi
     const PerplexityCommand& c = points[i].command;
     const cpu::PerplexityResult& r = results[i].result;
     const ModelConfig& m = results[i].config;
-    const double row = 2.0 * static_cast<double>(m.num_hidden_layers * m.num_key_value_heads) *
-                       static_cast<double>(dtype_row_bytes(c.options.kv_dtype, m.head_dim));
+    const DType value_dtype = c.options.kv_value_dtype.value_or(c.options.kv_dtype);
+    const double row = static_cast<double>(m.num_hidden_layers * m.num_key_value_heads) *
+                       static_cast<double>(dtype_row_bytes(c.options.kv_dtype, m.head_dim) +
+                                           dtype_row_bytes(value_dtype, m.head_dim));
     const double share = held_share(c, r), bytes = row * share;
     // A point not compared is the exact KV itself (--plot refuses --no-compare): KL 0, top-1 100%.
     const double mean_kl = r.compared ? r.mean_kl() : 0,
@@ -316,8 +330,8 @@ void write_plot(const std::string& file, const std::vector<ExperimentPoint>& poi
     rows += fmt::format(
         "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.0f}</td><td>{:.1f}%</td><td>{:.0f}</td>"
         "<td>{:.4f}</td><td>{:.4f}</td><td>{:.1f}%</td></tr>\n",
-        i + 1, escape_markup(points[i].title), c.kv_dtype, bytes, 100 * share, 1073741824.0 / bytes,
-        r.ppl(), mean_kl, 100 * agree);
+        i + 1, escape_markup(points[i].title), kv_dtypes(c), bytes, 100 * share,
+        1073741824.0 / bytes, r.ppl(), mean_kl, 100 * agree);
   }
   std::ofstream out(file);
   out << "<!doctype html><meta charset='utf-8'><title>kvlab perplexity: quality against KV "
@@ -341,10 +355,11 @@ void write_plot(const std::string& file, const std::vector<ExperimentPoint>& poi
 // points of one K/V head count share one exact run, so N of them cost N + 1 forwards, not 2N.
 void measure_experiment(PerplexityCommand c) {
   if (c.kv_dtype != "f32" || c.kv_rotation != "none" || c.window != 0 || !c.kv_policy.empty() ||
-      !c.kv_params.empty() || c.options.kivi_residual != kKiviResidualDefault)
+      !c.kv_params.empty() || c.options.kivi_residual != kKiviResidualDefault ||
+      !c.kv_value_dtype.empty())
     throw Error(
         "--experiment takes the KV settings of each of its points: drop --kv-dtype, "
-        "--kv-rotation, --kv-residual, --window, --kv-policy and --kv-param");
+        "--kv-value-dtype, --kv-rotation, --kv-residual, --window, --kv-policy and --kv-param");
   const std::vector<ExperimentRun> runs = load_experiment(c.experiment, {});
   const std::string model = c.model.empty() ? runs.front().config.model : c.model;
   const TextAndModel m = load_text_and_model(model, c.file);
@@ -414,6 +429,8 @@ void run_perplexity(PerplexityCommand c) {
   if (!c.experiment.empty()) return measure_experiment(std::move(c));
   if (c.model.empty()) throw Error("perplexity needs --model (or --experiment FILE)");
   c.options.kv_dtype = kv_pool_dtype(c.kv_dtype, "--kv-dtype");
+  if (!c.kv_value_dtype.empty())
+    c.options.kv_value_dtype = kv_pool_dtype(c.kv_value_dtype, "--kv-value-dtype");
   if (c.window < 0) throw Error(fmt::format("--window must be >= 0 (0 = off), got {}", c.window));
   if (c.window > 0) c.options.window = c.window;
   c.options.hadamard = c.kv_rotation == "hadamard";
@@ -448,6 +465,10 @@ void register_perplexity(CLI::App& app) {
   sub->add_option("--parallel", c->options.parallel, "Chunks per forward")->capture_default_str();
   sub->add_option("--kv-dtype", c->kv_dtype, "The KV pool's dtype: " + kv_pool_dtype_names())
       ->capture_default_str();
+  sub->add_option("--kv-value-dtype", c->kv_value_dtype,
+                  "V's rows in a dtype of their own (llama.cpp's -ctv beside -ctk; default: "
+                  "--kv-dtype): " +
+                      kv_pool_dtype_names());
   sub->add_option("--kv-residual", c->options.kivi_residual,
                   "KIVI (--kv-dtype kivi2, kivi4): the newest tokens each chunk keeps in fp16 "
                   "(the paper's residual length R, a multiple of 32); KIVI's chunks are streamed "

@@ -82,17 +82,24 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
       (shape.head_dim <= 0 || (shape.head_dim & (shape.head_dim - 1)) != 0))
     throw Error(fmt::format(
         "a Hadamard-rotated KV pool needs head_dim to be a power of two, not {}", shape.head_dim));
-  if (!dtype_row_fits(shape.dtype, shape.head_dim))
-    throw Error(
-        fmt::format("a {} KV pool needs head_dim to be a multiple of 32 (its blocks), not {}",
-                    dtype_short_name(shape.dtype), shape.head_dim));
+  for (const bool value : {false, true})
+    if (!dtype_row_fits(shape.dtype_of(value), shape.head_dim))
+      throw Error(
+          fmt::format("a {} KV pool needs head_dim to be a multiple of 32 (its blocks), not {}",
+                      dtype_short_name(shape.dtype_of(value)), shape.head_dim));
+  if (shape.splits_dtypes() && (dtype_is_kivi(shape.dtype) || dtype_is_kivi(shape.dtype_of(true))))
+    throw Error(fmt::format(
+        "KIVI quantizes K per channel and V per token at one width: K {} and V {} cannot be "
+        "split (give kivi2 or kivi4 to both)",
+        dtype_short_name(shape.dtype), dtype_short_name(shape.dtype_of(true))));
   if (shape.kivi_residual < 0 || shape.kivi_residual % kKiviGroup != 0 ||
       shape.kivi_residual > kKiviResidualMost)
     throw Error(fmt::format("a KIVI residual of {} tokens: a multiple of {} in [0, {}] expected",
                             shape.kivi_residual, kKiviGroup, kKiviResidualMost));
   const auto rows = checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads});
-  const auto bytes =
-      rows ? checked_product<std::int64_t>({*rows, 2, shape.head_row_bytes()}) : std::nullopt;
+  const auto bytes = rows ? checked_product<std::int64_t>(
+                                {*rows, shape.head_row_bytes(false) + shape.head_row_bytes(true)})
+                          : std::nullopt;
   if (!bytes)
     throw Error(fmt::format("KV pool of {} slots x {} layers x {} floats overflows 64 bits",
                             shape.slots, shape.layers, shape.kv_heads * shape.head_dim));
@@ -102,26 +109,28 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
 
 void KvPool::provide_host_storage() {
   if (has_storage()) return;
-  if (!kv_pool_holds(shape_.dtype))
-    throw Error(fmt::format("a KV pool holds {}, not {}", kv_pool_dtype_names(),
-                            dtype_short_name(shape_.dtype)));
+  for (const bool value : {false, true})
+    if (!kv_pool_holds(shape_.dtype_of(value)))
+      throw Error(fmt::format("a KV pool holds {}, not {}", kv_pool_dtype_names(),
+                              dtype_short_name(shape_.dtype_of(value))));
   const std::int64_t bytes = bytes_per_slot() * shape_.slots;  // checked in the constructor
-  check_allocation(static_cast<std::uint64_t>(bytes),
-                   fmt::format("the KV pool ({} slots x {} layers x {} KV heads x head_dim {}, "
-                               "K and V in {}; kv_cache.slots or kv_cache.memory_mib)",
-                               shape_.slots, shape_.layers, shape_.kv_heads, shape_.head_dim,
-                               dtype_short_name(shape_.dtype)));
+  check_allocation(
+      static_cast<std::uint64_t>(bytes),
+      fmt::format("the KV pool ({} slots x {} layers x {} KV heads x head_dim {}, "
+                  "K in {}, V in {}; kv_cache.slots or kv_cache.memory_mib)",
+                  shape_.slots, shape_.layers, shape_.kv_heads, shape_.head_dim,
+                  dtype_short_name(shape_.dtype), dtype_short_name(shape_.dtype_of(true))));
   if (bytes == 0) return;  // no slots: nothing to hold (has_storage() stays false)
-  keys_ = allocate(bytes / 2);
-  values_ = allocate(bytes / 2);
+  keys_ = allocate(shape_.layers * shape_.slots * shape_.slot_row_bytes(false));
+  values_ = allocate(shape_.layers * shape_.slots * shape_.slot_row_bytes(true));
   if (dtype_is_kivi(shape_.dtype))
     open_groups_.resize(static_cast<std::size_t>((shape_.slots + kKiviGroup - 1) / kKiviGroup));
 }
 
-float* KvPool::as_floats(std::byte* p) const {
-  if (shape_.dtype != DType::dtype_f32)
-    throw Error(
-        fmt::format("internal: float access to a {} KV pool", dtype_short_name(shape_.dtype)));
+float* KvPool::as_floats(std::byte* p, bool value) const {
+  if (shape_.dtype_of(value) != DType::dtype_f32)
+    throw Error(fmt::format("internal: float access to a {} KV pool",
+                            dtype_short_name(shape_.dtype_of(value))));
   return reinterpret_cast<float*>(p);
 }
 
@@ -129,10 +138,10 @@ void KvPool::read_row(std::int64_t layer, std::int64_t slot, bool value, float* 
   if (kivi()) return kivi_read_row(layer, slot, value, out);
   const std::byte* row = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
   const auto hd = static_cast<std::size_t>(shape_.head_dim),
-             head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
+             head_bytes = static_cast<std::size_t>(shape_.head_row_bytes(value));
   for (std::int64_t h = 0; h < shape_.kv_heads; ++h, row += head_bytes, out += hd) {
     if (value)
-      convert_to_f32(shape_.dtype, {row, head_bytes}, {out, hd});
+      convert_to_f32(shape_.dtype_of(true), {row, head_bytes}, {out, hd});
     else
       key_row_to_f32(shape_.dtype, row, shape_.head_dim, out);
   }
@@ -142,10 +151,10 @@ void KvPool::write_row(std::int64_t layer, std::int64_t slot, bool value, const 
   if (kivi()) return kivi_write_row(layer, slot, value, row);
   std::byte* target = value ? value_bytes(layer, slot) : key_bytes(layer, slot);
   const auto hd = static_cast<std::size_t>(shape_.head_dim),
-             head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
+             head_bytes = static_cast<std::size_t>(shape_.head_row_bytes(value));
   for (std::int64_t h = 0; h < shape_.kv_heads; ++h, target += head_bytes, row += hd) {
     if (value)
-      convert_from_f32(shape_.dtype, {row, hd}, {target, head_bytes});
+      convert_from_f32(shape_.dtype_of(true), {row, hd}, {target, head_bytes});
     else
       key_row_from_f32(shape_.dtype, row, shape_.head_dim, target);
   }
@@ -154,13 +163,13 @@ void KvPool::write_row(std::int64_t layer, std::int64_t slot, bool value, const 
 void KvPool::read_head_rows(std::int64_t layer, std::int64_t slot, std::int64_t count, bool value,
                             std::int64_t head, float* out) const {
   if (kivi()) return kivi_read_head_rows(layer, slot, count, value, head, out);
-  const std::int64_t hd = shape_.head_dim, offset = head * shape_.head_row_bytes();
-  const auto head_bytes = static_cast<std::size_t>(shape_.head_row_bytes());
+  const std::int64_t hd = shape_.head_dim, offset = head * shape_.head_row_bytes(value);
+  const auto head_bytes = static_cast<std::size_t>(shape_.head_row_bytes(value));
   for (std::int64_t j = 0; j < count; ++j, out += hd) {
     const std::byte* row =
         (value ? value_bytes(layer, slot + j) : key_bytes(layer, slot + j)) + offset;
     if (value)
-      convert_to_f32(shape_.dtype, {row, head_bytes}, {out, static_cast<std::size_t>(hd)});
+      convert_to_f32(shape_.dtype_of(true), {row, head_bytes}, {out, static_cast<std::size_t>(hd)});
     else
       key_row_to_f32(shape_.dtype, row, hd, out);
   }
@@ -214,7 +223,7 @@ KvPool::Buffer KvPool::allocate(std::int64_t size) {
 }
 
 std::int64_t KvPool::bytes_per_slot() const {
-  return 2 * shape_.layers * shape_.slot_row_bytes();
+  return shape_.layers * (shape_.slot_row_bytes(false) + shape_.slot_row_bytes(true));
 }
 
 std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count) {
@@ -222,10 +231,11 @@ std::int64_t KvPool::copy_slots(std::int64_t source, std::int64_t destination, s
          destination + count <= shape_.slots);
   if (device_ != nullptr) device_->copy_slots(source, destination, count);
   if (!has_storage()) return count * bytes_per_slot();
-  const auto bytes = static_cast<std::size_t>(count * shape_.slot_row_bytes());
+  const auto key_bytes_count = static_cast<std::size_t>(count * shape_.slot_row_bytes(false)),
+             value_bytes_count = static_cast<std::size_t>(count * shape_.slot_row_bytes(true));
   for (std::int64_t layer = 0; layer < shape_.layers; ++layer) {
-    std::memmove(key_bytes(layer, destination), key_bytes(layer, source), bytes);
-    std::memmove(value_bytes(layer, destination), value_bytes(layer, source), bytes);
+    std::memmove(key_bytes(layer, destination), key_bytes(layer, source), key_bytes_count);
+    std::memmove(value_bytes(layer, destination), value_bytes(layer, source), value_bytes_count);
   }
   if (kivi()) kivi_copy_groups(source, destination, count);
   return count * bytes_per_slot();

@@ -106,7 +106,9 @@ void KvPool::seal(std::int64_t group, std::int64_t layer, bool value) {
   std::vector<float> rows(static_cast<std::size_t>(kKiviGroup * width));  // (32, slot_width)
   for (std::int64_t r = 0; r < kKiviGroup; ++r)
     widen_halves(group_row(open, layer, value, r), width, rows.data() + r * width);
-  const std::int64_t head_bytes = shape_.head_row_bytes(), stride = shape_.slot_row_bytes();
+  // K and V rows are as long (KIVI sets both): one head row's bytes and stride serve both.
+  const std::int64_t head_bytes = shape_.head_row_bytes(false),
+                     stride = shape_.slot_row_bytes(false);
   if (value) {
     for (std::int64_t r = 0; r < kKiviGroup; ++r)
       convert_from_f32(shape_.dtype, {rows.data() + r * width, static_cast<std::size_t>(width)},
@@ -150,8 +152,8 @@ void KvPool::kivi_read_row(std::int64_t layer, std::int64_t slot, bool value, fl
 
 void KvPool::kivi_read_head_rows(std::int64_t layer, std::int64_t slot, std::int64_t count,
                                  bool value, std::int64_t head, float* out) const {
-  const std::int64_t hd = shape_.head_dim, head_bytes = shape_.head_row_bytes();
-  const std::int64_t stride = shape_.slot_row_bytes(), offset = head * head_bytes;
+  const std::int64_t hd = shape_.head_dim, head_bytes = shape_.head_row_bytes(value);
+  const std::int64_t stride = shape_.slot_row_bytes(value), offset = head * head_bytes;
   std::vector<float> scales(static_cast<std::size_t>(hd)), mins(scales.size());
   for (std::int64_t done = 0; done < count;) {  // one group's rows at a time
     const std::int64_t at = slot + done, r0 = at % kKiviGroup;
@@ -203,7 +205,7 @@ void KvPool::kivi_copy_groups(std::int64_t source, std::int64_t destination, std
           continue;
         }
         if (r1 - r0 < kKiviGroup) {  // part of a sealed group: all of its rows
-          const auto bytes = static_cast<std::size_t>(kKiviGroup * shape_.slot_row_bytes());
+          const auto bytes = static_cast<std::size_t>(kKiviGroup * shape_.slot_row_bytes(value));
           std::memmove(
               value ? value_bytes(layer, to * kKiviGroup) : key_bytes(layer, to * kKiviGroup),
               value ? value_bytes(layer, from * kKiviGroup) : key_bytes(layer, from * kKiviGroup),

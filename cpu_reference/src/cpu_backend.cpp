@@ -487,15 +487,16 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
                                RowMatrix& out) const {
   constexpr std::int64_t kChunk = 32;
   const KvPoolShape& shape = pool_.shape();
-  const DType dtype = shape.dtype;
+  const DType key_dtype = shape.dtype_of(false), value_dtype = shape.dtype_of(true);
   const std::int64_t hd = weights_.config.head_dim, heads = task.heads();
-  const std::int64_t stride = shape.slot_row_bytes();  // bytes between rows
-  auto offset = [&](std::int64_t h) {  // bytes into a slot row of query head h's K/V head
-    return (task.kv_head + h / task.group) * shape.head_row_bytes();
+  const std::int64_t strides[2] = {shape.slot_row_bytes(false),
+                                   shape.slot_row_bytes(true)};  // bytes between K, V rows
+  auto offset = [&](std::int64_t h, bool value) {  // bytes into a slot row of head h's K/V head
+    return (task.kv_head + h / task.group) * shape.head_row_bytes(value);
   };
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  const bool kivi = dtype_is_kivi(dtype);  // its groups' keys and values: kivi_attention.hpp
-  RowMatrix scores(heads, task.keys());    // (heads, keys)
+  const bool kivi = dtype_is_kivi(key_dtype);  // its groups' keys and values: kivi_attention.hpp
+  RowMatrix scores(heads, task.keys());        // (heads, keys)
   const float* queries = q.row(task.row0).data() + task.first_head() * hd;  // (heads, hd)
   // A whole-entry task reads whole slot rows: while each head works on one chunk, it asks for
   // its share of the next chunk's consecutive bytes (K's, then V's), so memory streams them in
@@ -516,7 +517,8 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
   });
   auto fetch_share = [&](bool value, std::size_t i, std::int64_t h) {
     if (!whole_rows || i >= chunks.size()) return;
-    const std::int64_t bytes = chunks[i].count * stride, share = (bytes + heads - 1) / heads;
+    const std::int64_t bytes = chunks[i].count * strides[value ? 1 : 0];
+    const std::int64_t share = (bytes + heads - 1) / heads;
     const std::int64_t begin = std::min(bytes, h * share), end = std::min(bytes, begin + share);
     const std::int64_t slot = chunks[i].slot;
     prefetch_bytes((value ? pool_.value_bytes(layer, slot) : pool_.key_bytes(layer, slot)) + begin,
@@ -531,8 +533,8 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
         score_kivi_keys(pool_, layer, task.kv_head + h / task.group, queries + h * hd, slot, count,
                         scale, &scores(h, column));
       else
-        score_rows(dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h), stride, count,
-                   readable, hd, scale, &scores(h, column));
+        score_rows(key_dtype, queries + h * hd, pool_.key_bytes(layer, slot) + offset(h, false),
+                   strides[0], count, readable, hd, scale, &scores(h, column));
     }
   }
   masked_softmax(task, scores);
@@ -546,8 +548,9 @@ void CpuBackend::attend_decode(std::int64_t layer, const AttentionGroup& task, c
         add_kivi_values(pool_, layer, task.kv_head + h / task.group, &scores(h, column), slot,
                         count, o + h * hd);
       else
-        add_weighted_rows(dtype, &scores(h, column), pool_.value_bytes(layer, slot) + offset(h),
-                          stride, count, readable, hd, o + h * hd);
+        add_weighted_rows(value_dtype, &scores(h, column),
+                          pool_.value_bytes(layer, slot) + offset(h, true), strides[1], count,
+                          readable, hd, o + h * hd);
     }
   }
 }
@@ -559,7 +562,7 @@ CpuBackend::StridedMap CpuBackend::head_rows(std::int64_t layer, std::int64_t sl
                                              bool value) const {
   const KvPoolShape& shape = pool_.shape();
   const std::int64_t hd = shape.head_dim;
-  if (shape.dtype == DType::dtype_f32) {
+  if (shape.dtype_of(value) == DType::dtype_f32) {
     const float* first = (value ? pool_.value(layer, slot) : pool_.key(layer, slot)) + kv_head * hd;
     return {first, length, hd, Eigen::OuterStride<>(shape.slot_width())};
   }

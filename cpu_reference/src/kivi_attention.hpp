@@ -102,22 +102,23 @@ inline void score_kivi_keys(const KvPool& pool, std::int64_t layer, std::int64_t
                             const float* q, std::int64_t slot, std::int64_t count, float scale,
                             float* scores) {
   const KvPoolShape& shape = pool.shape();
-  const std::int64_t hd = shape.head_dim, stride = shape.slot_row_bytes();
+  const std::int64_t hd = shape.head_dim, stride = shape.slot_row_bytes(false);
   const int bits = kivi_bits(shape.dtype);
   std::array<float, 3 * 256> stack;  // score_kivi_group's scratch
   std::vector<float> heap(hd > 256 ? static_cast<std::size_t>(3 * hd) : 0);
   float* scratch = hd > 256 ? heap.data() : stack.data();
-  for_each_kivi_piece(
-      pool, layer, false, slot, count,
-      [&](std::int64_t done, std::int64_t at, std::int64_t r0, std::int64_t n,
-          const std::uint16_t* open) {
-        if (open != nullptr)
-          return score_rows(DType::dtype_f16, q,
-                            reinterpret_cast<const std::byte*>(open + kv_head * hd),
-                            2 * shape.slot_width(), n, n, hd, scale, scores + done);
-        score_kivi_group(bits, q, pool.key_bytes(layer, at - r0) + kv_head * shape.head_row_bytes(),
-                         stride, r0, n, hd, scale, scores + done, scratch);
-      });
+  for_each_kivi_piece(pool, layer, false, slot, count,
+                      [&](std::int64_t done, std::int64_t at, std::int64_t r0, std::int64_t n,
+                          const std::uint16_t* open) {
+                        if (open != nullptr)
+                          return score_rows(DType::dtype_f16, q,
+                                            reinterpret_cast<const std::byte*>(open + kv_head * hd),
+                                            2 * shape.slot_width(), n, n, hd, scale, scores + done);
+                        score_kivi_group(
+                            bits, q,
+                            pool.key_bytes(layer, at - r0) + kv_head * shape.head_row_bytes(false),
+                            stride, r0, n, hd, scale, scores + done, scratch);
+                      });
 }
 
 // add_weighted_rows over slots [slot, slot + count) of a KIVI pool, KV head kv_head.
@@ -134,8 +135,8 @@ inline void add_kivi_values(const KvPool& pool, std::int64_t layer, std::int64_t
                                    reinterpret_cast<const std::byte*>(open + kv_head * hd),
                                    2 * shape.slot_width(), n, n, hd, o);
         add_weighted_rows(kivi_value_dtype(shape.dtype), p + done,
-                          pool.value_bytes(layer, at) + kv_head * shape.head_row_bytes(),
-                          shape.slot_row_bytes(), n, n, hd, o);
+                          pool.value_bytes(layer, at) + kv_head * shape.head_row_bytes(true),
+                          shape.slot_row_bytes(true), n, n, hd, o);
       });
 }
 

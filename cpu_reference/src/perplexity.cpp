@@ -65,6 +65,7 @@ ScoringRun make_run(const ModelWeightsView& weights,
   KvPoolShape shape{c.num_hidden_layers, c.cache_kv_heads(), c.cache_head_dim(), slots};
   if (o != nullptr) {
     shape.dtype = o->kv_dtype;
+    shape.value_dtype = o->kv_value_dtype;
     shape.hadamard_rotated = o->hadamard;
     shape.kivi_residual = o->kivi_residual;
   }
@@ -328,7 +329,8 @@ double PerplexityResult::top1_agreement() const {
 namespace {
 
 bool is_exact(const PerplexityOptions& o) {
-  return o.kv_dtype == DType::dtype_f32 && !o.window && !o.hadamard && o.policy == nullptr;
+  return o.kv_dtype == DType::dtype_f32 && o.kv_value_dtype.value_or(o.kv_dtype) == o.kv_dtype &&
+         !o.window && !o.hadamard && o.policy == nullptr;
 }
 
 // One point's KV pool, backend and (with a KV policy) its stream, over `parallel` chunks.

@@ -237,6 +237,10 @@ class CudaBackend final : public kvlab::Backend, public kvlab::KvDeviceStorage {
       throw Error(
           "cuda backend: a Hadamard-rotated KV pool (kv_cache.hadamard) needs the cpu "
           "backend, which rotates its queries to match");
+    if (shape.splits_dtypes())
+      throw Error(fmt::format(
+          "cuda backend: K in {} and V in {}: the device pool keeps K and V in one dtype",
+          kvlab::dtype_short_name(shape.dtype), kvlab::dtype_short_name(shape.dtype_of(true))));
     switch (shape.dtype) {
       case kvlab::DType::dtype_f32:
         return kvlab::cuda::KvFormat::compute;

@@ -305,6 +305,14 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
                                  kv_pool_dtype_names(), name));
     c.kv_dtype = *parsed;
   }
+  if (const toml::node* value = s.node("value_dtype")) {
+    const std::string name = s.get<std::string>("value_dtype").value_or("");
+    const auto parsed = dtype_from_short_name(name);
+    if (!parsed || !kv_pool_holds(*parsed))
+      s.fail(*value, fmt::format("kv_cache.value_dtype must be one of {}, not \"{}\"",
+                                 kv_pool_dtype_names(), name));
+    c.kv_value_dtype = *parsed;
+  }
   if (const toml::node* rotation = s.node("rotation")) {
     const std::string name = s.get<std::string>("rotation").value_or("");
     if (name != "none" && name != "hadamard")

@@ -189,7 +189,10 @@ std::string stored_kv_dtype(const ExperimentConfig& c, const std::optional<CostM
     return std::string(dtype_short_name(cost_model->profile().kv_dtype));
   // The cpu backend's pool, or a plugin's quantized one (cuda: fp8, int8).
   if (c.backend_kind == BackendKind::cpu || c.kv_dtype != DType::dtype_f32)
-    return std::string(dtype_short_name(c.kv_dtype));
+    return c.kv_dtype_of(true) == c.kv_dtype  // K/V when they differ: "q8_0/q4_0"
+               ? std::string(dtype_short_name(c.kv_dtype))
+               : fmt::format("{}/{}", dtype_short_name(c.kv_dtype),
+                             dtype_short_name(c.kv_dtype_of(true)));
   const auto dtype = c.backend_params.find("dtype");
   if (dtype != c.backend_params.end() && std::holds_alternative<std::string>(dtype->second))
     return std::get<std::string>(dtype->second);

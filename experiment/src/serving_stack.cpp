@@ -99,7 +99,7 @@ std::unique_ptr<ReplicaStack> make_replica(const ExperimentConfig& c,
   r->pool = std::make_unique<KvPool>(
       KvPoolShape{groups.group_layers, model.cache_kv_heads(), model.cache_head_dim(), slots,
                   simulated ? cost_model->profile().kv_dtype : c.kv_dtype, c.kv_hadamard,
-                  c.kivi_residual},
+                  c.kivi_residual, simulated ? std::nullopt : c.kv_value_dtype},
       KvStorage::none);
   PluginContext context;
   context.model = &model;
@@ -290,8 +290,8 @@ std::int64_t pool_slots(const ExperimentConfig& c, const ModelConfig& model, boo
   if (c.kv_memory_mib) {
     const double bytes_per_slot =
         simulated ? cost_model->kv_bytes_per_sequence_token_per_gpu()
-                  : 2.0 * static_cast<double>(model.num_hidden_layers * model.cache_kv_heads() *
-                                              dtype_row_bytes(c.kv_dtype, head_dim));
+                  : static_cast<double>(model.num_hidden_layers * model.cache_kv_heads() *
+                                        c.kv_head_bytes(head_dim));
     const KiviResidualCharge residual = kivi_residual_charge(c, dtype, head_dim, bytes_per_slot);
     const double budget_bytes = *c.kv_memory_mib * 1024 * 1024 - residual.bytes;
     if (residual.bytes > 0 && budget_bytes < 64 * bytes_per_slot)
@@ -357,8 +357,8 @@ std::vector<std::unique_ptr<ReplicaStack>> make_replicas(
   const ModelConfig& m = served.config;
   const std::int64_t slots = sizings.front().slots;  // the host pools' (one sizing off simulated)
   const double pool_bytes =
-      2.0 * static_cast<double>(slots) * static_cast<double>(m.num_hidden_layers) *
-      static_cast<double>(m.cache_kv_heads() * dtype_row_bytes(c.kv_dtype, m.cache_head_dim()));
+      static_cast<double>(slots) * static_cast<double>(m.num_hidden_layers) *
+      static_cast<double>(m.cache_kv_heads() * c.kv_head_bytes(m.cache_head_dim()));
   const std::string what = fmt::format(
       "{} replica{} ([cluster] replicas), each with its own KV pool of {} slots ({:.2f} GiB) and "
       "backend",

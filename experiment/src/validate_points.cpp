@@ -182,15 +182,30 @@ void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
                             : fmt::format("KV policy \"{}\"", c.kv_policy)));
 }
 
-// A block format's rows: a head's values (MLA: half the latent) in whole blocks of 32.
+// A block format's rows: a head's values (MLA: half the latent) in whole blocks of 32. K and V
+// in dtypes apart: the cpu backend's pool, KIVI's both or neither, not a latent's halves.
 void check_kv_dtype_rows(const ExperimentConfig& c, const ModelConfig& model) {
-  if (dtype_row_fits(c.kv_dtype, model.cache_head_dim())) return;
-  throw Error(fmt::format(
-      "kv_cache.dtype = \"{}\" stores blocks of 32 values: it needs {} to be a multiple "
-      "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
-      dtype_short_name(c.kv_dtype),
-      model.is_mla() ? "half the latent (a slot's K or V row)" : "head_dim", model.name,
-      model.cache_head_dim()));
+  for (const bool value : {false, true}) {
+    if (dtype_row_fits(c.kv_dtype_of(value), model.cache_head_dim())) continue;
+    throw Error(
+        fmt::format("kv_cache.{} = \"{}\" stores blocks of 32 values: it needs {} to be a multiple "
+                    "of 32, and {} has {} (int8 and fp8 fit any head_dim)",
+                    value ? "value_dtype" : "dtype", dtype_short_name(c.kv_dtype_of(value)),
+                    model.is_mla() ? "half the latent (a slot's K or V row)" : "head_dim",
+                    model.name, model.cache_head_dim()));
+  }
+  if (c.kv_dtype_of(true) == c.kv_dtype) return;
+  std::string refused;
+  if (c.backend_kind != BackendKind::cpu)
+    refused = fmt::format("backend \"{}\" keeps K and V in one dtype", c.backend);
+  else if (dtype_is_kivi(c.kv_dtype) || dtype_is_kivi(c.kv_dtype_of(true)))
+    refused = "KIVI quantizes K per channel and V per token at one width: give it to both";
+  else if (model.is_mla())
+    refused = fmt::format("{} caches one latent a token, not K and V", model.name);
+  if (!refused.empty())
+    throw Error(fmt::format("kv_cache.dtype = \"{}\" with value_dtype = \"{}\": {}",
+                            dtype_short_name(c.kv_dtype), dtype_short_name(c.kv_dtype_of(true)),
+                            refused));
 }
 
 // Latent attention (MLA) caches one latent a token a layer: what needs K and V per head does not
@@ -392,12 +407,14 @@ void check_exact_settings(const ExperimentConfig& c) {
         "\"{}\" rounds the activations of the products it applies to: check with \"f32\" (the "
         "default), or with --tolerance TAU",
         cpu::activation_format_name(c.cpu_activations)));
-  if (c.kv_dtype != DType::dtype_f32 || c.kv_hadamard)
+  if (c.kv_dtype_of(false) != DType::dtype_f32 || c.kv_dtype_of(true) != DType::dtype_f32 ||
+      c.kv_hadamard)
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the fp32 reference; a {}{} KV pool rounds every K and "
         "V, so near-tied logits can pick other tokens: check with kv_cache.dtype = \"f32\" (no "
         "rotation), or with --tolerance TAU",
-        c.kv_hadamard ? "Hadamard-rotated " : "", dtype_short_name(c.kv_dtype)));
+        c.kv_hadamard ? "Hadamard-rotated " : "",
+        dtype_short_name(c.kv_dtype_of(c.kv_dtype == DType::dtype_f32))));
   if (!c.kv_policy.empty())
     throw Error(fmt::format(
         "kvlab check holds tokens equal to the reference, which attends to every position; KV "

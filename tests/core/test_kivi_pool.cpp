@@ -200,7 +200,7 @@ TEST(KiviPool, SwapsCarryTheOpenGroup) {
   write_slots(pool, 0, 41);
   const KvView view{{{0, 41}}, 0, {}};
   std::vector<std::byte> swapped;
-  const std::int64_t row = pool.shape().slot_row_bytes();
+  const std::int64_t row = pool.shape().slot_row_bytes(false);
   EXPECT_EQ(copy_kv_rows(pool, view, 0, 41, swapped, true),
             2 * kLayers * (32 * row + 9 * kWidth * 2));
   const KvView elsewhere{{{64, 41}}, 0, {}};

@@ -187,10 +187,10 @@ TEST(KvFormats, QuantizedPoolsHoldRowsAndSwapTheirBytes) {
     copy_kv_rows(pool, elsewhere, 0, 1, swapped, false);
     for (std::int64_t layer = 0; layer < 2; ++layer) {
       EXPECT_EQ(std::memcmp(pool.key_bytes(layer, 4), pool.key_bytes(layer, 9),
-                            static_cast<std::size_t>(pool.shape().slot_row_bytes())),
+                            static_cast<std::size_t>(pool.shape().slot_row_bytes(false))),
                 0);
       EXPECT_EQ(std::memcmp(pool.value_bytes(layer, 4), pool.value_bytes(layer, 9),
-                            static_cast<std::size_t>(pool.shape().slot_row_bytes())),
+                            static_cast<std::size_t>(pool.shape().slot_row_bytes(true))),
                 0);
     }
   }
@@ -199,6 +199,59 @@ TEST(KvFormats, QuantizedPoolsHoldRowsAndSwapTheirBytes) {
         KvPool pool({1, 1, 48, 4, DType::dtype_q8_0});
       },
       {"q8_0", "multiple of 32", "48"});
+}
+
+// K and V in dtypes apart (llama.cpp's -ctk / -ctv): each half holds its own rows (K q8_0's 34
+// bytes a block of 32, V q4_0's 18), reads back within its own format's step (q8_0: 1/127 of
+// the block's largest, under 0.05 for these N(0, 1) rows; q4_0: 1/7, under 0.6), copies and
+// swaps move each half's bytes unchanged; KIVI cannot be split.
+TEST(KvFormats, KeysAndValuesTakeDtypesOfTheirOwn) {
+  std::mt19937 rng(12);
+  KvPoolShape shape{2, 3, 64, 16, DType::dtype_q8_0};
+  shape.value_dtype = DType::dtype_q4_0;
+  KvPool pool(shape);
+  EXPECT_TRUE(shape.splits_dtypes());
+  EXPECT_EQ(pool.shape().slot_row_bytes(false), 3 * 68);
+  EXPECT_EQ(pool.shape().slot_row_bytes(true), 3 * 36);
+  EXPECT_EQ(pool.bytes_per_slot(), 2 * 3 * (68 + 36));
+  const std::vector<float> k = random_row(rng, 3 * 64), v = random_row(rng, 3 * 64);
+  for (std::int64_t slot : {4, 15}) {  // the last slot: each half ends where its buffer does
+    pool.write_row(1, slot, false, k.data());
+    pool.write_row(1, slot, true, v.data());
+  }
+  std::vector<float> back_k(k.size()), back_v(v.size());
+  pool.read_row(1, 15, false, back_k.data());
+  pool.read_row(1, 15, true, back_v.data());
+  double k_error = 0, v_error = 0;
+  for (std::size_t i = 0; i < k.size(); ++i) {
+    k_error = std::max(k_error, static_cast<double>(std::fabs(back_k[i] - k[i])));
+    v_error = std::max(v_error, static_cast<double>(std::fabs(back_v[i] - v[i])));
+  }
+  EXPECT_LT(k_error, 0.05);
+  EXPECT_LT(v_error, 0.6);
+  EXPECT_GT(v_error, 2 * k_error);  // V's 4 bits are coarser than K's 8
+  pool.copy_slots(4, 7, 1);
+  const KvView view{{{7, 1}}, 0, {}};
+  std::vector<std::byte> swapped;
+  EXPECT_EQ(copy_kv_rows(pool, view, 0, 1, swapped, true), pool.bytes_per_slot());
+  copy_kv_rows(pool, KvView{{{9, 1}}, 0, {}}, 0, 1, swapped, false);
+  for (std::int64_t layer = 0; layer < 2; ++layer)
+    for (const bool value : {false, true}) {
+      const auto row = [&](std::int64_t slot) {
+        return value ? pool.value_bytes(layer, slot) : pool.key_bytes(layer, slot);
+      };
+      EXPECT_EQ(
+          std::memcmp(row(4), row(9), static_cast<std::size_t>(pool.shape().slot_row_bytes(value))),
+          0)
+          << layer << " " << value;
+    }
+  test::expect_error_containing(
+      [] {
+        KvPoolShape kivi{1, 1, 64, 32, DType::dtype_kivi2};
+        kivi.value_dtype = DType::dtype_q4_0;
+        KvPool split(kivi);
+      },
+      {"KIVI", "K kivi2 and V q4_0 cannot be split"});
 }
 
 }  // namespace

@@ -21,11 +21,12 @@ namespace {
 
 // Every layer's K and V bytes of one slot.
 std::vector<std::byte> slot_bytes(const KvPool& pool, std::int64_t slot) {
-  const auto row = static_cast<std::size_t>(pool.shape().slot_row_bytes());
   std::vector<std::byte> bytes;
   for (std::int64_t l = 0; l < pool.shape().layers; ++l)
-    for (const std::byte* p : {pool.key_bytes(l, slot), pool.value_bytes(l, slot)})
-      bytes.insert(bytes.end(), p, p + row);
+    for (const bool value : {false, true}) {
+      const std::byte* p = value ? pool.value_bytes(l, slot) : pool.key_bytes(l, slot);
+      bytes.insert(bytes.end(), p, p + pool.shape().slot_row_bytes(value));
+    }
   return bytes;
 }
 

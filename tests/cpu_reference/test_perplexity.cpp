@@ -131,6 +131,29 @@ TEST(Perplexity, RefusesTextsAndOptionsItCannotScore) {
   test::expect_error_containing([&] { (void)text.measure(options, 1); }, {"window", ">= 1"});
 }
 
+// K and V in dtypes apart: each half rounds its own rows. K q4_0 with V f32 is not the pool
+// with both in q4_0, and V q4_0 with K f32 is not the exact KV (KL > 0): neither half is dropped.
+TEST(Perplexity, KeysAndValuesTakeTheirOwnDtypes) {
+  ModelConfig config = model_preset("tiny");
+  config.num_attention_heads = config.num_key_value_heads = 2;
+  config.head_dim = 32;
+  TinyText text(4 * 40, config);
+  PerplexityOptions options;
+  options.context = 40;
+  options.kv_dtype = DType::dtype_q4_0;
+  const PerplexityResult both = text.measure(options, 1);
+  options.kv_value_dtype = DType::dtype_f32;
+  const PerplexityResult keys = text.measure(options, 1);
+  options.kv_dtype = DType::dtype_f32;
+  options.kv_value_dtype = DType::dtype_q4_0;
+  const PerplexityResult values = text.measure(options, 1);
+  ASSERT_TRUE(keys.compared && values.compared && both.compared);
+  EXPECT_GT(values.mean_kl(), 0);
+  EXPECT_GT(keys.mean_kl(), 0);
+  EXPECT_NE(keys.mean_kl(), both.mean_kl());
+  EXPECT_NE(values.mean_kl(), both.mean_kl());
+}
+
 // KIVI pools: each chunk's slots start a group of 32 (a context of 40 takes 64 slots) and its
 // chunks are streamed token by token; within the residual (128, more than a chunk) KIVI is the
 // f16 cache (its prefill and residual read fp16: the same PPL within 1e-5 and KL within 1e-6,

@@ -467,7 +467,7 @@ TEST(CudaBackend, SwapsAndSlotCopiesMoveKvExactly) {
     ASSERT_NE(pool.device(), nullptr) << "the backend attaches its device pool";
     const std::int64_t row_bytes = pool.device()->host_row_bytes();
     EXPECT_EQ(row_bytes,
-              kv_dtype == DType::dtype_f32 ? c.kv_dim() * 4 : pool.shape().slot_row_bytes())
+              kv_dtype == DType::dtype_f32 ? c.kv_dim() * 4 : pool.shape().slot_row_bytes(false))
         << what;
     const std::vector<std::int32_t> prompt = prompt_13(), next{5};
     std::vector<BatchEntry> batch = prefill(*gpu, prompt);

@@ -1115,6 +1115,26 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   EXPECT_GT(out.summary.finished, 0);
   EXPECT_NE(out.weights_description.find("8-bit activations"), std::string::npos)
       << out.weights_description;
+  // kv_cache.value_dtype: V's rows in a dtype of their own, the cpu backend's pool only.
+  EXPECT_NE(
+      load_error({"kv_cache.value_dtype=\"q5_k\""}).find("kv_cache.value_dtype must be one of f32"),
+      std::string::npos);
+  test::expect_error_containing(
+      [&] {
+        validate_experiment(load_experiment(kQuickstart, small({"kv_cache.value_dtype=\"f16\"",
+                                                                "backend.name=\"simulated\"",
+                                                                "backend.profile=\"h200\""})),
+                            false);
+      },
+      {"value_dtype = \"f16\"", "backend \"simulated\" keeps K and V in one dtype"});
+  const auto split = load_experiment(
+      kQuickstart, small({"kv_cache.dtype=\"bf16\"", "kv_cache.value_dtype=\"int8\""}));
+  validate_experiment(split, false);
+  EXPECT_EQ(split[1].config.kv_dtype_of(true), DType::dtype_kv_int8);
+  const RunOutput split_out = run_experiment(split[1].config, false, nullptr);
+  EXPECT_EQ(split_out.kv_dtype, "bf16/int8");
+  EXPECT_EQ(split_out.summary.finished + split_out.summary.rejected, split_out.summary.submitted);
+  EXPECT_GT(split_out.summary.finished, 0);
 }
 
 }  // namespace

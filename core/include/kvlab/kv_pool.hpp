@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -22,7 +23,7 @@ struct KvPoolShape {
   std::int64_t slots = 0;
   // f32, f16, bf16 (rounded to nearest even on write), fp8 (e4m3) or a quantized row format
   // (int8, q8_0, q4_0, q4_1, int2: each head row of each token quantized on write, its scales
-  // beside it).
+  // beside it): K's rows, and V's unless value_dtype says otherwise.
   DType dtype = DType::dtype_f32;
   // Every head row holds H x (its K or V), H the orthonormal Walsh-Hadamard matrix of head_dim
   // (a power of two): a rotation spreads a few large channels over all of them before rounding
@@ -32,12 +33,20 @@ struct KvPoolShape {
   // A KIVI pool (kivi2, kivi4): the residual length R, a multiple of 32 (>= 0): the backend seals
   // a group once it is older than a sequence's newest R tokens (seal_open_groups).
   std::int64_t kivi_residual = kKiviResidualDefault;
+  // V's rows in a dtype of their own (llama.cpp's -ctv beside -ctk: K usually needs more bits
+  // than V); nullopt: dtype. KIVI sets K and V together.
+  std::optional<DType> value_dtype = std::nullopt;
+  // The dtype of K's rows, or of V's when `value`.
+  DType dtype_of(bool value) const { return value && value_dtype ? *value_dtype : dtype; }
+  bool splits_dtypes() const { return dtype_of(true) != dtype; }
   // Values per slot per layer, K or V.
   std::int64_t slot_width() const { return kv_heads * head_dim; }
   // Bytes of one head's row (head_dim values, scales included) and of one slot's row (every
-  // head) in one layer, K or V.
-  std::int64_t head_row_bytes() const { return dtype_row_bytes(dtype, head_dim); }
-  std::int64_t slot_row_bytes() const { return kv_heads * head_row_bytes(); }
+  // head) in one layer, of K or (`value`) V.
+  std::int64_t head_row_bytes(bool value) const {
+    return dtype_row_bytes(dtype_of(value), head_dim);
+  }
+  std::int64_t slot_row_bytes(bool value) const { return kv_heads * head_row_bytes(value); }
 };
 
 // Whether a host KV pool holds `dtype` (the cpu backend reads every one of them in place), and
@@ -65,7 +74,7 @@ void key_row_to_f32(DType dtype, const std::byte* row, std::int64_t head_dim, fl
 void key_row_from_f32(DType dtype, const float* values, std::int64_t head_dim, std::byte* row);
 
 // Layout: keys and values each (layers, slots, kv_heads, head row) row-major, a head row being
-// head_dim values in the shape's dtype (with its scales, for a quantized format).
+// head_dim values in K's or V's dtype (with its scales, for a quantized format).
 // A pool without storage (KvStorage::none) is bookkeeping only: allocators hand out its slots
 // as usual, key()/value() must not be called (the simulated backend computes nothing).
 enum class KvStorage { host, none };
@@ -99,29 +108,31 @@ class KvPool {
   KvDeviceStorage* device() const { return device_; }
 
   const KvPoolShape& shape() const { return shape_; }
-  // One slot's row in one layer (kv_heads head rows, slot_row_bytes()), in the pool's dtype.
+  // One slot's row in one layer (kv_heads head rows, slot_row_bytes(value)), in K's or V's dtype.
   std::byte* key_bytes(std::int64_t layer, std::int64_t slot) {
-    return keys_.get() + offset(layer, slot);
+    return keys_.get() + offset(layer, slot, false);
   }
   std::byte* value_bytes(std::int64_t layer, std::int64_t slot) {
-    return values_.get() + offset(layer, slot);
+    return values_.get() + offset(layer, slot, true);
   }
   const std::byte* key_bytes(std::int64_t layer, std::int64_t slot) const {
-    return keys_.get() + offset(layer, slot);
+    return keys_.get() + offset(layer, slot, false);
   }
   const std::byte* value_bytes(std::int64_t layer, std::int64_t slot) const {
-    return values_.get() + offset(layer, slot);
+    return values_.get() + offset(layer, slot, true);
   }
   // The same as floats: an f32 pool only.
-  float* key(std::int64_t layer, std::int64_t slot) { return as_floats(key_bytes(layer, slot)); }
+  float* key(std::int64_t layer, std::int64_t slot) {
+    return as_floats(key_bytes(layer, slot), false);
+  }
   float* value(std::int64_t layer, std::int64_t slot) {
-    return as_floats(value_bytes(layer, slot));
+    return as_floats(value_bytes(layer, slot), true);
   }
   const float* key(std::int64_t layer, std::int64_t slot) const {
-    return as_floats(const_cast<std::byte*>(key_bytes(layer, slot)));
+    return as_floats(const_cast<std::byte*>(key_bytes(layer, slot)), false);
   }
   const float* value(std::int64_t layer, std::int64_t slot) const {
-    return as_floats(const_cast<std::byte*>(value_bytes(layer, slot)));
+    return as_floats(const_cast<std::byte*>(value_bytes(layer, slot)), true);
   }
   // One slot row of one layer (K, or V when `value`) widened to / rounded from fp32, whatever
   // the dtype: slot_width() floats (a quantized format quantizes each head's row on its own).
@@ -162,17 +173,17 @@ class KvPool {
   std::int64_t copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count);
 
  private:
-  std::int64_t offset(std::int64_t layer, std::int64_t slot) const {  // in bytes
-    return (layer * shape_.slots + slot) * shape_.slot_row_bytes();
+  std::int64_t offset(std::int64_t layer, std::int64_t slot, bool value) const {  // in bytes
+    return (layer * shape_.slots + slot) * shape_.slot_row_bytes(value);
   }
-  float* as_floats(std::byte* p) const;  // checks the dtype is f32
+  float* as_floats(std::byte* p, bool value) const;  // checks the dtype is f32
   // An open KIVI group: rows (layers, 2 [K, V], 32, slot_width) fp16, and which (layer, K/V)
   // halves are still open (the others sealed in the slot rows).
   struct OpenGroup {
     std::vector<std::uint16_t> rows;
     std::vector<std::uint8_t> open;  // (layers, 2)
   };
-  bool kivi() const { return dtype_is_kivi(shape_.dtype) && has_storage(); }
+  bool kivi() const { return dtype_is_kivi(shape_.dtype) && has_storage(); }  // K and V both
   std::uint16_t* group_row(OpenGroup& group, std::int64_t layer, bool value, std::int64_t r) const;
   OpenGroup& reopen(std::int64_t group, std::int64_t layer, bool value, std::int64_t r);
   void fill_from_slots(OpenGroup& open, std::int64_t group, std::int64_t layer, bool value) const;

@@ -7,7 +7,9 @@ namespace kvlab {
 
 std::int64_t swap_row_bytes(const KvPool& pool) {
   const KvPoolShape& shape = pool.shape();
-  return pool.device() != nullptr ? pool.device()->host_row_bytes() : shape.slot_row_bytes();
+  return pool.device() != nullptr
+             ? pool.device()->host_row_bytes()
+             : std::max(shape.slot_row_bytes(false), shape.slot_row_bytes(true));
 }
 
 namespace {
@@ -28,7 +30,9 @@ std::int64_t open_tail(const KvPool& pool, const KvView& view, std::int64_t firs
 std::int64_t copy_kivi_rows(KvPool& pool, const KvView& view, std::int64_t first, std::int64_t end,
                             std::vector<std::byte>& buffer, bool to_host) {
   const KvPoolShape& shape = pool.shape();
-  const std::int64_t row = shape.slot_row_bytes(), tokens = end - first, width = shape.slot_width();
+  // (K and V rows are as long: KIVI sets both.)
+  const std::int64_t row = shape.slot_row_bytes(false), tokens = end - first;
+  const std::int64_t width = shape.slot_width();
   const std::int64_t main = 2 * shape.layers * tokens * row;
   std::int64_t open = 0;
   if (to_host) {
@@ -96,23 +100,24 @@ std::int64_t copy_kv_rows(KvPool& pool, const KvView& view, std::int64_t first, 
       device->upload(slots, buffer.data());
   } else if (dtype_is_kivi(shape.dtype) && pool.has_storage()) {
     return copy_kivi_rows(pool, view, first, end, buffer, to_host);
-  } else if (pool.has_storage()) {  // the pool's own bytes, whatever its dtype
-    const auto size = static_cast<std::size_t>(row);
+  } else if (pool.has_storage()) {  // the pool's own bytes, whatever its dtypes
+    const auto key_size = static_cast<std::size_t>(shape.slot_row_bytes(false)),
+               value_size = static_cast<std::size_t>(shape.slot_row_bytes(true));
     for (std::int64_t layer = 0; layer < shape.layers; ++layer)
       for (std::int64_t p = first; p < end; ++p) {
         const std::int64_t slot = view.slot_of(p);
         std::byte* k = buffer.data() + ((2 * layer) * tokens + (p - first)) * row;
         std::byte* v = buffer.data() + ((2 * layer + 1) * tokens + (p - first)) * row;
         if (to_host) {
-          std::memcpy(k, pool.key_bytes(layer, slot), size);
-          std::memcpy(v, pool.value_bytes(layer, slot), size);
+          std::memcpy(k, pool.key_bytes(layer, slot), key_size);
+          std::memcpy(v, pool.value_bytes(layer, slot), value_size);
         } else {
-          std::memcpy(pool.key_bytes(layer, slot), k, size);
-          std::memcpy(pool.value_bytes(layer, slot), v, size);
+          std::memcpy(pool.key_bytes(layer, slot), k, key_size);
+          std::memcpy(pool.value_bytes(layer, slot), v, value_size);
         }
       }
   }  // else: bookkeeping only (the simulated backend's pool has no storage)
-  return 2 * shape.layers * tokens * shape.slot_row_bytes();  // what a real swap moves
+  return tokens * pool.bytes_per_slot();  // what a real swap moves
 }
 
 }  // namespace kvlab

@@ -32,10 +32,17 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
                             dtype_short_name(q.kv_dtype),
                             c.is_mla() && !q.kv_heads ? "half the latent" : "head_dim", c.name,
                             head_dim));
-  // Bytes of one head's row of one token, scales included.
-  const std::int64_t head_row = dtype_row_bytes(q.kv_dtype, head_dim);
+  const DType value_dtype = q.kv_value_dtype.value_or(q.kv_dtype);
+  if (!dtype_row_fits(value_dtype, head_dim))
+    throw Error(fmt::format("{} V needs head_dim to be a multiple of 32 (its blocks); {} has {}",
+                            dtype_short_name(value_dtype), c.name, head_dim));
+  if (value_dtype != q.kv_dtype && (dtype_is_kivi(q.kv_dtype) || dtype_is_kivi(value_dtype)))
+    throw Error("KIVI quantizes K per channel and V per token at one width: give it to both");
+  // Bytes of one head's K row and V row of one token, scales included.
+  const std::int64_t head_rows =
+      dtype_row_bytes(q.kv_dtype, head_dim) + dtype_row_bytes(value_dtype, head_dim);
   const auto per_token =
-      checked_product<std::int64_t>({2, c.num_hidden_layers, r.kv_heads, head_row});
+      checked_product<std::int64_t>({c.num_hidden_layers, r.kv_heads, head_rows});
   if (!per_token) throw Error(fmt::format("{}: KV bytes per token overflow 64 bits", c.name));
   r.bytes_per_token = *per_token;
   if (dtype_is_kivi(q.kv_dtype))
@@ -119,8 +126,8 @@ MemoryPlan plan_memory(const ModelConfig& c, const HardwareProfile& device,
   if (expected > p.static_tokens_per_request)
     throw Error(fmt::format("prompt {} + output {} exceed the {}-token context", q.prompt_tokens,
                             q.output_tokens, p.static_tokens_per_request));
-  const KvMemoryReport kv = kv_memory(
-      c, {expected, 1, q.kv_dtype, q.weight_dtype, q.kv_heads, std::nullopt, q.kivi_residual});
+  const KvMemoryReport kv = kv_memory(c, {expected, 1, q.kv_dtype, q.weight_dtype, q.kv_heads,
+                                          std::nullopt, q.kivi_residual, std::nullopt});
   p.kv_heads = kv.kv_heads;
   p.tensor_parallel = q.tensor_parallel;
   p.kv_heads_per_gpu = kv_heads_per_gpu(c.num_attention_heads, kv.kv_heads, q.tensor_parallel);

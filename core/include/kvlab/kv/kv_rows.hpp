@@ -10,8 +10,9 @@
 namespace kvlab {
 
 // Bytes of one position's K (or V) row of one layer in a host buffer of copy_kv_rows: the pool's
-// own slot row (its dtype, scales included: a quantized cache moves as it is stored), or fp32
-// rows when the pool's K/V live on a device.
+// own slot row (its dtype, scales included: a quantized cache moves as it is stored; the longer
+// of K's and V's when their dtypes differ, the shorter padded), or fp32 rows when the pool's K/V
+// live on a device.
 std::int64_t swap_row_bytes(const KvPool& pool);
 
 // The KV of positions [first, end) of `view` between the pool and `buffer`, laid out (layers,

@@ -21,11 +21,13 @@ struct KvMemoryQuery {
   std::optional<std::int64_t> kv_heads;
   std::optional<double> gpu_memory_gib;               // device memory, for the max batch
   std::int64_t kivi_residual = kKiviResidualDefault;  // a KIVI cache's fp16 tokens (R)
+  std::optional<DType> kv_value_dtype =
+      std::nullopt;  // V's element type when it is not kv_dtype (K's)
 };
 
 struct KvMemoryReport {
   std::int64_t kv_heads = 0;
-  std::int64_t bytes_per_token = 0;    // one token, all layers, K and V
+  std::int64_t bytes_per_token = 0;    // one token, all layers, K and V (each in its dtype)
   std::int64_t bytes_per_request = 0;  // seq_len tokens (+ residual_bytes_per_request)
   // A KIVI cache's open groups (kvlab/kv/kivi_groups.hpp): a request's newest R to R + 31
   // tokens also held in fp16 until their group seals, kivi_open_groups(seq_len, R) x 32 x 2 x

@@ -27,8 +27,9 @@ struct PerplexityOptions {
   std::int64_t context = 512;         // n_ctx: tokens per chunk (llama.cpp's -c)
   std::int64_t chunks = 0;            // chunks scored; 0 = every whole chunk of the text (--chunks)
   std::int64_t parallel = 4;          // chunks per forward (llama.cpp's n_batch / n_ctx sequences)
-  DType kv_dtype = DType::dtype_f32;  // the KV pool under test
-  bool hadamard = false;              // its rows rotated (KvPoolShape::hadamard_rotated)
+  DType kv_dtype = DType::dtype_f32;  // the KV pool under test (K, and V unless below)
+  std::optional<DType> kv_value_dtype;  // V's rows in a dtype of their own (llama.cpp's -ctv)
+  bool hadamard = false;                // its rows rotated (KvPoolShape::hadamard_rotated)
   // A KIVI pool's residual length (KvPoolShape::kivi_residual): its newest tokens kept in fp16.
   // KIVI attends to the prompt in full precision, so its chunks are streamed policy_step tokens a
   // forward: a whole chunk in one forward would read nothing but fp16.

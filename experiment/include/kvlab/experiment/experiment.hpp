@@ -85,7 +85,17 @@ struct ExperimentConfig {
   std::optional<std::int64_t> kv_slots;  // default: 4096 (cpu), the profile's capacity (simulated)
   std::optional<double> kv_memory_mib;   // instead of slots: a byte budget
   DType kv_dtype = DType::dtype_f32;  // the cpu backend's KV pool (kv_pool_holds: also quantized)
-  bool kv_hadamard = false;           // kv_cache.rotation = "hadamard" (KvPoolShape)
+  // kv_cache.value_dtype: V's rows in a dtype of their own (llama.cpp's -ctv); nullopt: kv_dtype.
+  std::optional<DType> kv_value_dtype;
+  DType kv_dtype_of(bool value) const {
+    return value && kv_value_dtype ? *kv_value_dtype : kv_dtype;
+  }
+  // Bytes of one head's K row and V row of one token in the cpu backend's pool.
+  std::int64_t kv_head_bytes(std::int64_t head_dim) const {
+    return dtype_row_bytes(kv_dtype_of(false), head_dim) +
+           dtype_row_bytes(kv_dtype_of(true), head_dim);
+  }
+  bool kv_hadamard = false;  // kv_cache.rotation = "hadamard" (KvPoolShape)
   // kv_cache.residual_length: a KIVI pool's newest tokens a sequence keeps in fp16 (a multiple
   // of 32; KvPoolShape::kivi_residual), charged beside the pool's slots (pool_slots).
   std::int64_t kivi_residual = kKiviResidualDefault;
