@@ -133,6 +133,18 @@ void KvPool::kivi_write_row(std::int64_t layer, std::int64_t slot, bool value, c
   round_to_halves(row, shape_.slot_width(), group_row(open, layer, value, r));
 }
 
+std::int64_t KvPool::move_slot(std::int64_t source, std::int64_t destination) {
+  if (!kivi() || source == destination || (source - destination) % kKiviGroup == 0)
+    return copy_slots(source, destination, 1);
+  std::vector<float> row(static_cast<std::size_t>(shape_.slot_width()));
+  for (std::int64_t layer = 0; layer < shape_.layers; ++layer)
+    for (const bool value : {false, true}) {
+      kivi_read_row(layer, source, value, row.data());
+      kivi_write_row(layer, destination, value, row.data());
+    }
+  return bytes_per_slot();
+}
+
 void KvPool::seal_open_groups(std::int64_t first_slot, std::int64_t count) {
   if (!kivi() || count <= 0) return;
   for (std::int64_t group = first_slot / kKiviGroup; group <= (first_slot + count - 1) / kKiviGroup;

@@ -187,25 +187,35 @@ const RowMatrix& CpuBackend::run(std::span<const BatchEntry> batch, std::int64_t
 
 // A KIVI pool's groups that left the newest kivi_residual tokens of an entry's sequence with
 // this forward, sealed after it: the forward read its own tokens, and the residual, in fp16 (as
-// KIVI's prefill attends in full precision). A group's rows hold consecutive positions (written
-// in slot order), so the group of slot s at view position p ends at p - s % 32 + 31.
+// KIVI's prefill attends in full precision). An entry's view lists a group's rows together, in
+// position order: a group goes once the newest position of it the view holds is older than the
+// newest R (after a KV policy's drops, a group's rows hold the positions it kept). The newest
+// group goes only once its last row is written (a residual of 0).
 void CpuBackend::seal_kivi_residuals(std::span<const BatchEntry> batch) {
   if (!dtype_is_kivi(pool_.shape().dtype)) return;
   for (const BatchEntry& e : batch) {
     if (!e.writes_kv) continue;
     const std::int64_t end = e.start_position + static_cast<std::int64_t>(e.tokens.size());
     const std::int64_t sealed_before = end - pool_.shape().kivi_residual;
+    std::int64_t group = -1, newest = 0, last_row = 0;  // the group being read
+    auto decide = [&](bool final) {
+      if (group >= 0 && newest < sealed_before && (!final || last_row == kKiviGroup - 1))
+        pool_.seal_open_groups(group * kKiviGroup, 1);
+    };
     std::int64_t index = 0;
     for (const KvExtent& extent : e.view.extents) {
       for (std::int64_t i = 0; i < extent.length;) {
         const std::int64_t slot = extent.start_slot + i, row = slot % kKiviGroup;
         const std::int64_t in_group = std::min(kKiviGroup - row, extent.length - i);
-        if (e.view.position_at(index + i) - row + kKiviGroup - 1 < sealed_before)
-          pool_.seal_open_groups(slot, 1);
+        if (slot / kKiviGroup != group) decide(false);
+        group = slot / kKiviGroup;
+        newest = e.view.position_at(index + i + in_group - 1);
+        last_row = row + in_group - 1;
         i += in_group;
       }
       index += extent.length;
     }
+    decide(true);
   }
 }
 

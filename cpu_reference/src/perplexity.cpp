@@ -101,6 +101,12 @@ void stream_chunks(CpuBackend& backend, std::span<const BatchEntry> batch, std::
   }
 }
 
+// Slots for `tokens` positions in whole KIVI groups of 32: each chunk's (each sequence's) slots
+// start a group.
+std::int64_t chunk_slots(std::int64_t tokens) {
+  return (tokens + kKiviGroup - 1) / kKiviGroup * kKiviGroup;
+}
+
 // Chunks streamed through a KV policy: each sequence s owns slots [s * room, + room), the K/V
 // of the positions some layer's head keeps first, in order, and then one step's new tokens.
 class PolicyStream {
@@ -113,9 +119,12 @@ class PolicyStream {
         policy_name_(std::move(policy_name)),
         step_(step) {}
 
-  // Slots a sequence of n_ctx tokens takes: what the policy may hold, and a step's tokens.
-  static std::int64_t slots(const KvPolicy& policy, std::int64_t step, std::int64_t n_ctx) {
-    return std::min(std::max(policy.held_limit(), policy.budget()), n_ctx) + step;
+  // Slots a sequence of n_ctx tokens takes: what the policy may hold and a step's tokens, or in
+  // a KIVI pool the whole chunk's (its positions stay in place), in whole KIVI groups.
+  static std::int64_t slots(const KvPolicy& policy, std::int64_t step, std::int64_t n_ctx,
+                            DType dtype) {
+    if (dtype_is_kivi(dtype)) return chunk_slots(n_ctx);
+    return chunk_slots(std::min(std::max(policy.held_limit(), policy.budget()), n_ctx) + step);
   }
 
   // Runs the chunks `sequences` (n_ctx tokens each, ids `first_id` on) step by step; writes the
@@ -134,12 +143,16 @@ class PolicyStream {
   };
   void keep_selected(std::size_t s, std::int64_t id, std::span<const float> scores,
                      std::int64_t new_tokens, bool prompt_done);
+  // The slots of `held` from `base`: moved down to [base, base + held) in order, or (in place)
+  // each position's own slot, in runs of consecutive positions.
+  std::vector<KvExtent> held_extents(std::int64_t base, std::span<const std::int64_t> held) const;
 
   CpuBackend& backend_;
   KvPool& pool_;
   KvPolicy& policy_;
   std::string policy_name_;
   std::int64_t step_, room_ = 0;
+  bool in_place_ = false;  // positions stay in their slots (KIVI), else kept rows move down
   std::vector<Sequence> sequences_;
   std::vector<std::uint8_t> keep_;
   KvKeepStats stats_;
@@ -148,7 +161,10 @@ class PolicyStream {
 void PolicyStream::run(std::span<const std::span<const std::int32_t>> sequences,
                        std::int64_t first_id, std::int64_t first, RowMatrix& logits) {
   const std::int64_t n_ctx = static_cast<std::int64_t>(sequences[0].size()), scored = n_ctx - first;
-  room_ = slots(policy_, step_, n_ctx);
+  // A KIVI pool keeps each position in its own slot (a kept row moved into another group would
+  // be quantized again with its new neighbours at every step): the chunk's whole room.
+  in_place_ = dtype_is_kivi(pool_.shape().dtype);
+  room_ = slots(policy_, step_, n_ctx, pool_.shape().dtype);
   const auto seqs = static_cast<std::int64_t>(sequences.size());
   logits.resize(seqs * scored, backend_.vocab_size());
   sequences_.assign(sequences.size(), {});
@@ -164,8 +180,7 @@ void PolicyStream::run(std::span<const std::span<const std::int32_t>> sequences,
       e.tokens =
           sequences[s].subspan(static_cast<std::size_t>(start), static_cast<std::size_t>(len));
       e.start_position = start;
-      e.view.extents = {
-          {static_cast<std::int64_t>(s) * room_, static_cast<std::int64_t>(seq.held.size())}};
+      e.view.extents = held_extents(static_cast<std::int64_t>(s) * room_, seq.held);
       e.view.first_position = seq.held.front();
       e.view.positions = seq.held;
       e.scored_queries = policy_.scored_queries();
@@ -191,6 +206,19 @@ void PolicyStream::run(std::span<const std::span<const std::int32_t>> sequences,
     policy_.forget(first_id + static_cast<std::int64_t>(s));
 }
 
+std::vector<KvExtent> PolicyStream::held_extents(std::int64_t base,
+                                                 std::span<const std::int64_t> held) const {
+  if (!in_place_) return {{base, static_cast<std::int64_t>(held.size())}};
+  std::vector<KvExtent> extents;
+  for (std::size_t i = 0; i < held.size(); ++i) {
+    if (!extents.empty() && held[i] == held[i - 1] + 1)
+      ++extents.back().length;
+    else
+      extents.push_back({base + held[i], 1});
+  }
+  return extents;
+}
+
 // Asks the policy which of sequence s's positions each head keeps, and moves the K/V of those
 // some head keeps to the front of its slots, in order (a kept row only moves down, so no row is
 // overwritten before it is read).
@@ -205,18 +233,23 @@ void PolicyStream::keep_selected(std::size_t s, std::int64_t id, std::span<const
                           shape.layers, shape.kv_heads, new_tokens, prompt_done};
   HeadSelection kept =
       kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
-  if (kept.held() + step_ > room_)
+  const std::int64_t limit = std::max(policy_.held_limit(), policy_.budget());
+  if (kept.held() > limit)
     throw Error(fmt::format("the KV policy held {} positions, more than its held limit {}",
-                            kept.held(), room_ - step_));
+                            kept.held(), limit));
   if (kept.cells < n * shape.layers * shape.kv_heads)  // it dropped some: the full cache
     stats_.add(kept, seq.held.back() + 1);             // would hold every position so far
+  if (in_place_) {  // nothing moves: the view lists the kept positions' own slots
+    seq.kept = std::move(kept);
+    return;
+  }
   const std::int64_t base = static_cast<std::int64_t>(s) * room_;
   std::size_t from = 0;
   for (std::int64_t k = 0; k < kept.held(); ++k) {
     const std::int64_t position = kept.positions[static_cast<std::size_t>(k)];
     while (seq.held[from] < position) ++from;  // kept.positions is a subset of held, in order
     if (static_cast<std::int64_t>(from) != k)
-      pool_.copy_slots(base + static_cast<std::int64_t>(from), base + k, 1);
+      pool_.move_slot(base + static_cast<std::int64_t>(from), base + k);
     ++from;
   }
   seq.kept = std::move(kept);
@@ -240,11 +273,6 @@ void check_options(const ModelConfig& c, std::int64_t text_tokens, const Perplex
   if (o.policy != nullptr && (o.policy_step < 1 || o.policy->budget() < 1))
     throw Error(fmt::format("a KV policy needs a step >= 1 token and a budget >= 1, not {} and {}",
                             o.policy_step, o.policy->budget()));
-  if (o.policy != nullptr && dtype_is_kivi(o.kv_dtype))
-    throw Error(fmt::format(
-        "KV dtype {} keeps each group of {} keys whole; a KV policy drops positions from inside "
-        "them: use another KV dtype (int2, q4_1) with it",
-        dtype_short_name(o.kv_dtype), kKiviGroup));
   if (o.window && *o.window < 1)
     throw Error(fmt::format("the attention window must be >= 1 position, not {}", *o.window));
   if (text_tokens < 2 * o.context)
@@ -364,8 +392,9 @@ void set_up_point(const PerplexityOptions& o, const ModelWeightsView& weights,
                   std::int64_t parallel, std::int64_t chunk_room, ScoredPoint& point) {
   point.options = &o;
   point.result.compared = o.compare_with_exact && !is_exact(o);
-  const std::int64_t room =
-      o.policy != nullptr ? PolicyStream::slots(*o.policy, o.policy_step, n_ctx) : chunk_room;
+  const std::int64_t room = o.policy != nullptr
+                                ? PolicyStream::slots(*o.policy, o.policy_step, n_ctx, o.kv_dtype)
+                                : chunk_room;
   point.run = make_run(weights, compute, &o, parallel * room);
   if (o.policy != nullptr)
     point.stream.emplace(*point.run.backend, *point.run.pool, *o.policy, o.policy_name,
@@ -388,7 +417,7 @@ std::vector<PerplexityResult> measure_perplexity(
   const std::int64_t parallel = std::min(points[0].parallel, chunks);
   // Whole chunks (the batch below) take chunk_room slots each: a KIVI pool's key groups are 32
   // slots, and each chunk's slots start a group. A KV policy's stream takes its own room.
-  const std::int64_t chunk_room = (n_ctx + kKiviGroup - 1) / kKiviGroup * kKiviGroup;
+  const std::int64_t chunk_room = chunk_slots(n_ctx);
   // One copy of the matrices for every point's backend and the exact run's.
   const auto compute = std::make_shared<const ComputeWeights>(make_compute());
   std::vector<ScoredPoint> scored(points.size());

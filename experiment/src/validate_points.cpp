@@ -162,7 +162,8 @@ void check_kv_policy(const ExperimentConfig& c, const PluginRegistry& registry) 
 }
 
 // KIVI's key groups are 32 consecutive slots, written in order and copied whole (KvPool): a
-// paged allocator's blocks of a multiple of 32 slots, and every position of a sequence kept.
+// paged allocator's blocks of a multiple of 32 slots, and no window releasing part of them (a KV
+// policy's drops move rows between groups through KvPool::move_slot).
 void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
   const auto block = allocator.values().find("block_size");
   const std::int64_t* size =
@@ -173,13 +174,12 @@ void check_kivi(const ExperimentConfig& c, const PluginParams& allocator) {
         "it needs allocator \"paged\" with block_size a multiple of {}, not allocator \"{}\"{}",
         dtype_short_name(c.kv_dtype), kKiviGroup, kKiviGroup, c.allocator,
         size != nullptr ? fmt::format(" with block_size {}", *size) : std::string()));
-  if (!c.kv_policy.empty() || c.attention == "sliding_window")
+  if (c.attention == "sliding_window")
     throw Error(fmt::format(
-        "kv_cache.dtype = \"{}\" keeps each group of {} keys whole; {} drops positions from "
-        "inside them: use another kv_cache.dtype (int2, q4_1) with it",
-        dtype_short_name(c.kv_dtype), kKiviGroup,
-        c.kv_policy.empty() ? std::string("attention \"sliding_window\"")
-                            : fmt::format("KV policy \"{}\"", c.kv_policy)));
+        "kv_cache.dtype = \"{}\" keeps each group of {} keys whole; attention "
+        "\"sliding_window\" drops positions from inside them: use another kv_cache.dtype (int2, "
+        "q4_1) with it",
+        dtype_short_name(c.kv_dtype), kKiviGroup));
 }
 
 // A block format's rows: a head's values (MLA: half the latent) in whole blocks of 32. K and V

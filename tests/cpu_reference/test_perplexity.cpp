@@ -158,7 +158,7 @@ TEST(Perplexity, KeysAndValuesTakeTheirOwnDtypes) {
 // chunks are streamed token by token; within the residual (128, more than a chunk) KIVI is the
 // f16 cache (its prefill and residual read fp16: the same PPL within 1e-5 and KL within 1e-6,
 // fp32 sums in other batches); with a residual of 0, keys of 2 bits per channel cost more than
-// 4, and a KV policy, which would drop positions from inside the groups, is refused.
+// 4.
 TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
   ModelConfig config = model_preset("tiny");
   config.num_attention_heads = config.num_key_value_heads = 2;
@@ -187,18 +187,6 @@ TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
   const PerplexityResult alone = text.measure(options, 1);
   EXPECT_NEAR(alone.ppl(), kivi2.ppl(), 1e-6 * kivi2.ppl());
   EXPECT_NEAR(alone.mean_kl(), kivi2.mean_kl(), 1e-6 * kivi2.mean_kl());
-  struct KeepAll final : KvPolicy {
-    std::int64_t budget() const override { return 64; }
-    std::int32_t scored_queries() const override { return 0; }
-    std::int64_t select(const KvPolicyStep&, const KvKeep& keep) override {
-      std::fill(keep.cells.begin(), keep.cells.end(), std::uint8_t{1});
-      return static_cast<std::int64_t>(keep.cells.size());
-    }
-    void forget(std::int64_t) override {}
-  } keep_all;
-  options.policy = &keep_all;
-  test::expect_error_containing([&] { (void)text.measure(options, 1); },
-                                {"kivi2", "group of 32 keys whole", "KV policy"});
 }
 
 // A KV policy for the tests: keeps its first `sinks` positions and the newest, `budget` in all
@@ -245,6 +233,36 @@ class KeepEnds final : public KvPolicy {
   std::int32_t scored_;
   std::int64_t score_sum_;
 };
+
+// KIVI under a KV policy (quantize and evict): a policy that drops nothing streams exactly what
+// KIVI streams alone (the same PPL within 1e-5, the same KL within 1e-6); one that keeps 4 sinks
+// and the newest 36 of 80 costs more than KIVI alone, within its budget (each kept row stays in
+// its slot and group: nothing is quantized twice).
+TEST(Perplexity, KiviUnderAPolicyKeepsItsGroupsInPlace) {
+  ModelConfig config = model_preset("tiny");
+  config.num_attention_heads = config.num_key_value_heads = 2;
+  config.head_dim = 32;
+  TinyText text(3 * 80, config);
+  const std::int64_t score_sum = config.num_hidden_layers * config.num_attention_heads;
+  PerplexityOptions options;
+  options.context = 80;
+  options.kv_dtype = DType::dtype_kivi2;
+  options.kivi_residual = 32;  // groups seal inside a chunk
+  const PerplexityResult alone = text.measure(options, 1);
+  KeepEnds everything(96, 0, 0, score_sum);
+  options.policy = &everything;
+  const PerplexityResult kept = text.measure(options, 1);
+  EXPECT_NEAR(kept.ppl(), alone.ppl(), 1e-5 * alone.ppl());
+  EXPECT_NEAR(kept.mean_kl(), alone.mean_kl(), 1e-6);
+  KeepEnds ends(40, 4, 0, score_sum);
+  options.policy = &ends;
+  const PerplexityResult evicted = text.measure(options, 1);
+  ASSERT_TRUE(evicted.compared);
+  EXPECT_TRUE(std::isfinite(evicted.ppl()));
+  EXPECT_GT(evicted.mean_kl(), alone.mean_kl());
+  EXPECT_GT(evicted.kv_kept.selections, 0);
+  EXPECT_LE(evicted.kv_kept.mean_held(), 40.0);
+}
 
 // A policy that keeps every position streams the chunks step by step and still computes the
 // exact run: the same perplexity (1e-4 relative: other chunkings of the same sums), KL ~ 0.

@@ -746,6 +746,45 @@ TEST(Engine, KiviPoolsSwapTheirSealedAndOpenGroupsLosslessly) {
   }
 }
 
+// Quantize and evict: a KIVI pool under a KV policy (budget 40 a sequence of up to 110 tokens)
+// finishes every request; the paged allocator's compaction moves kept rows between groups
+// (KvPool::move_slot: requantized in their new group), the backend seals them again, and no
+// sequence holds more open groups than the residual allows.
+TEST(Engine, KiviPoolsRunUnderAKvPolicy) {
+  SyntheticWorkload spec;
+  spec.requests = 6;
+  spec.seed = 23;
+  spec.vocab_size = weights_head_dim_32().config.vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 40, 70};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 40, 40};
+  const std::vector<WorkloadRequest> requests = generate_workload(spec);
+  for (const char* name : {"streaming_llm", "h2o"}) {
+    EngineSetup setup;
+    setup.model = &weights_head_dim_32();
+    setup.kv_dtype = DType::dtype_kivi2;
+    setup.kivi_residual = 32;
+    setup.allocator_params = {{"block_size", std::int64_t{32}}, {"prefix_caching", false}};
+    setup.max_seq_len = 128;
+    setup.slots = 1024;
+    setup.kv_policy = name;
+    setup.kv_policy_params = {{"budget", std::int64_t{40}}};
+    const EngineResult r = run_engine(setup, requests);
+    SCOPED_TRACE(name);
+    ASSERT_EQ(r.requests.size(), requests.size());
+    for (const RequestTimeline& q : r.requests) EXPECT_EQ(q.finish_reason, "max_tokens");
+    std::int64_t copied = 0;
+    const ModelConfig& c = weights_head_dim_32().config;
+    const std::int64_t group_bytes = 2 * c.num_hidden_layers * 32 * c.kv_dim() * 2;
+    for (const StepRecord& step : r.steps) {
+      EXPECT_LE(step.kv_residual_bytes, step.running * kivi_most_open_groups(32) * group_bytes);
+      copied = std::max(copied, step.kv.bytes_copied);
+    }
+    EXPECT_GT(copied, 0);  // compaction moved kept rows
+    EXPECT_EQ(r.steps.back().kv_residual_bytes, 0);
+  }
+}
+
 TEST(Engine, SwapPreemptionKeepsTheKvAndTheTokens) {
   for (const char* victim : {"last_admitted", "most_kv"}) {
     EngineSetup setup;

@@ -171,6 +171,11 @@ class KvPool {
   // Copies `count` slots starting at `source` to `destination` in every layer, K and V
   // (ranges may overlap). Returns the bytes copied.
   std::int64_t copy_slots(std::int64_t source, std::int64_t destination, std::int64_t count);
+  // Moves one slot's K and V of every layer to `destination` (a KV policy's compaction within a
+  // sequence): copy_slots, or in a KIVI pool, whose groups cannot be split, the rows as they read
+  // (dequantized) written into the destination's group, which reopens and is sealed again by its
+  // owner: what moves there is rounded twice. Returns the bytes moved.
+  std::int64_t move_slot(std::int64_t source, std::int64_t destination);
 
  private:
   std::int64_t offset(std::int64_t layer, std::int64_t slot, bool value) const {  // in bytes

@@ -209,7 +209,7 @@ void PagedBlocks::compact(BlockTable& t) {
         std::int64_t{t.blocks[index(i / block_size_)]} * block_size_ + i % block_size_;
     const std::int64_t to =
         std::int64_t{held_blocks[index(d / block_size_)]} * block_size_ + d % block_size_;
-    if (from != to) bytes_copied_ += kv_.copy_slots(from, to, 1);
+    if (from != to) bytes_copied_ += kv_.move_slot(from, to);
     positions.push_back(position);
   }
   const auto kept_blocks = blocks_for(static_cast<std::int64_t>(positions.size()));
