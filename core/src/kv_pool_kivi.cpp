@@ -134,8 +134,9 @@ void KvPool::kivi_write_row(std::int64_t layer, std::int64_t slot, bool value, c
 }
 
 std::int64_t KvPool::move_slot(std::int64_t source, std::int64_t destination) {
-  if (!kivi() || source == destination || (source - destination) % kKiviGroup == 0)
-    return copy_slots(source, destination, 1);
+  // (Even at the same row of another group a copy would not do: copying part of a sealed group
+  // moves all 32 of its rows, over the destination's other rows.)
+  if (!kivi() || source == destination) return copy_slots(source, destination, 1);
   std::vector<float> row(static_cast<std::size_t>(shape_.slot_width()));
   for (std::int64_t layer = 0; layer < shape_.layers; ++layer)
     for (const bool value : {false, true}) {

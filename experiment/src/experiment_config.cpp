@@ -292,27 +292,25 @@ void parse_backend(Section& s, const toml::node& where, ExperimentConfig& c) {
                        join_names(hardware_profile_names())));
 }
 
+// kv_cache.KEY, a dtype the KV pool holds, when the table gives it.
+std::optional<DType> kv_pool_dtype_at(Section& s, const char* key) {
+  const toml::node* node = s.node(key);
+  if (node == nullptr) return std::nullopt;
+  const std::string name = s.get<std::string>(key).value_or("");
+  const auto parsed = dtype_from_short_name(name);
+  if (!parsed || !kv_pool_holds(*parsed))
+    s.fail(*node, fmt::format("kv_cache.{} must be one of {}, not \"{}\"", key,
+                              kv_pool_dtype_names(), name));
+  return parsed;
+}
+
 void parse_kv_cache(Section& s, ExperimentConfig& c) {
   c.allocator = s.get<std::string>("allocator").value_or(c.allocator);
   c.kv_slots = s.get<std::int64_t>("slots");
   if (c.kv_slots && *c.kv_slots < 1) s.fail(*s.node("slots"), "kv_cache.slots must be >= 1");
   c.kv_memory_mib = s.get<double>("memory_mib");
-  if (const toml::node* dtype = s.node("dtype")) {
-    const std::string name = s.get<std::string>("dtype").value_or("");
-    const auto parsed = dtype_from_short_name(name);
-    if (!parsed || !kv_pool_holds(*parsed))
-      s.fail(*dtype, fmt::format("kv_cache.dtype must be one of {}, not \"{}\"",
-                                 kv_pool_dtype_names(), name));
-    c.kv_dtype = *parsed;
-  }
-  if (const toml::node* value = s.node("value_dtype")) {
-    const std::string name = s.get<std::string>("value_dtype").value_or("");
-    const auto parsed = dtype_from_short_name(name);
-    if (!parsed || !kv_pool_holds(*parsed))
-      s.fail(*value, fmt::format("kv_cache.value_dtype must be one of {}, not \"{}\"",
-                                 kv_pool_dtype_names(), name));
-    c.kv_value_dtype = *parsed;
-  }
+  c.kv_dtype = kv_pool_dtype_at(s, "dtype").value_or(c.kv_dtype);
+  c.kv_value_dtype = kv_pool_dtype_at(s, "value_dtype");
   if (const toml::node* rotation = s.node("rotation")) {
     const std::string name = s.get<std::string>("rotation").value_or("");
     if (name != "none" && name != "hadamard")

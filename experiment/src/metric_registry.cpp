@@ -558,8 +558,10 @@ const RunMetric kRunMetrics[] = {
      {{"kv_policy_seen", "KV seen", "", 1}}},
     {"kv_residual_peak",
      "MiB",
-     "a KIVI KV pool's fp16 open key/value groups (up to 32 tokens per running sequence), the "
-     "most one step held: KV memory beyond the pool's slots (0 for the other dtypes)",
+     "a KIVI KV pool's fp16 open key/value groups (its residual: up to `residual_length` + 32 "
+     "tokens per running sequence; on the simulated backend what its running sequences would "
+     "hold), the most one step held: KV memory beside the pool's slots, reserved out of "
+     "`memory_mib` for `max_batch` requests (0 for the other dtypes)",
      "max over steps",
      true,
      SUMMARY(static_cast<double>(out.peak_kv_residual_bytes) / (1024.0 * 1024.0)),

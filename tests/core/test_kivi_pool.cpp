@@ -239,6 +239,28 @@ TEST(KiviPool, FreedBlocksSealWhatThePrefixCacheKeepsAndForgetTheRest) {
   EXPECT_EQ(pool.open_group_bytes(), 0);
 }
 
+// A kept row moved into another group (a KV policy's compaction): its values as they read,
+// written into the destination's group, which reopens; the destination's other rows keep what
+// they read (to fp16's rounding of it: 2^-11 relative), even a move to the same row of another
+// group; the source group is untouched.
+TEST(KiviPool, AMovedRowJoinsItsNewGroupAndLeavesTheOthers) {
+  KvPool pool({kLayers, kHeads, kHeadDim, 64, DType::dtype_kivi2});
+  write_slots(pool, 0, 64);  // two sealed groups
+  std::vector<std::vector<float>> before;
+  for (std::int64_t slot = 0; slot < 64; ++slot) before.push_back(read(pool, 1, slot, true));
+  EXPECT_EQ(pool.move_slot(40, 8), pool.bytes_per_slot());  // row 8 of group 1 to row 8 of 0
+  ASSERT_NE(pool.open_row(1, 8, true), nullptr);
+  auto near = [](const std::vector<float>& a, const std::vector<float>& b, std::int64_t slot) {
+    for (std::size_t i = 0; i < a.size(); ++i)
+      EXPECT_NEAR(a[i], b[i], std::fabs(b[i]) / 2048 + 1e-6f) << slot << " " << i;
+  };
+  near(read(pool, 1, 8, true), before[40], 8);
+  for (std::int64_t slot = 0; slot < 32; ++slot)
+    if (slot != 8) near(read(pool, 1, slot, true), before[static_cast<std::size_t>(slot)], slot);
+  for (std::int64_t slot = 32; slot < 64; ++slot)
+    EXPECT_EQ(read(pool, 1, slot, true), before[static_cast<std::size_t>(slot)]) << slot;
+}
+
 // A write into a sealed group (a recomputed token) reopens it with its rows dequantized.
 TEST(KiviPool, AWriteIntoASealedGroupReopensIt) {
   KvPool pool({kLayers, kHeads, kHeadDim, 32, DType::dtype_kivi2});

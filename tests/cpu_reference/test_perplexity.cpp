@@ -131,12 +131,19 @@ TEST(Perplexity, RefusesTextsAndOptionsItCannotScore) {
   test::expect_error_containing([&] { (void)text.measure(options, 1); }, {"window", ">= 1"});
 }
 
-// K and V in dtypes apart: each half rounds its own rows. K q4_0 with V f32 is not the pool
-// with both in q4_0, and V q4_0 with K f32 is not the exact KV (KL > 0): neither half is dropped.
-TEST(Perplexity, KeysAndValuesTakeTheirOwnDtypes) {
+// The tiny model with two heads of 32 values: block formats and KIVI's groups need multiples of
+// 32.
+ModelConfig tiny_head_dim_32() {
   ModelConfig config = model_preset("tiny");
   config.num_attention_heads = config.num_key_value_heads = 2;
   config.head_dim = 32;
+  return config;
+}
+
+// K and V in dtypes apart: each half rounds its own rows. K q4_0 with V f32 is not the pool
+// with both in q4_0, and V q4_0 with K f32 is not the exact KV (KL > 0): neither half is dropped.
+TEST(Perplexity, KeysAndValuesTakeTheirOwnDtypes) {
+  const ModelConfig config = tiny_head_dim_32();
   TinyText text(4 * 40, config);
   PerplexityOptions options;
   options.context = 40;
@@ -160,9 +167,7 @@ TEST(Perplexity, KeysAndValuesTakeTheirOwnDtypes) {
 // fp32 sums in other batches); with a residual of 0, keys of 2 bits per channel cost more than
 // 4.
 TEST(Perplexity, KiviChunksStartTheirOwnGroups) {
-  ModelConfig config = model_preset("tiny");
-  config.num_attention_heads = config.num_key_value_heads = 2;
-  config.head_dim = 32;
+  const ModelConfig config = tiny_head_dim_32();
   TinyText text(4 * 40, config);
   PerplexityOptions options;
   options.context = 40;
@@ -239,9 +244,7 @@ class KeepEnds final : public KvPolicy {
 // and the newest 36 of 80 costs more than KIVI alone, within its budget (each kept row stays in
 // its slot and group: nothing is quantized twice).
 TEST(Perplexity, KiviUnderAPolicyKeepsItsGroupsInPlace) {
-  ModelConfig config = model_preset("tiny");
-  config.num_attention_heads = config.num_key_value_heads = 2;
-  config.head_dim = 32;
+  const ModelConfig config = tiny_head_dim_32();
   TinyText text(3 * 80, config);
   const std::int64_t score_sum = config.num_hidden_layers * config.num_attention_heads;
   PerplexityOptions options;
