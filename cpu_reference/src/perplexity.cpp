@@ -270,9 +270,8 @@ void check_options(const ModelConfig& c, std::int64_t text_tokens, const Perplex
   if (o.policy_step < 1)
     throw Error(fmt::format("a stream's step (a KV policy's, KIVI's) must be >= 1 token, not {}",
                             o.policy_step));
-  if (o.policy != nullptr && (o.policy_step < 1 || o.policy->budget() < 1))
-    throw Error(fmt::format("a KV policy needs a step >= 1 token and a budget >= 1, not {} and {}",
-                            o.policy_step, o.policy->budget()));
+  if (o.policy != nullptr && o.policy->budget() < 1)
+    throw Error(fmt::format("a KV policy needs a budget >= 1, not {}", o.policy->budget()));
   if (o.window && *o.window < 1)
     throw Error(fmt::format("the attention window must be >= 1 position, not {}", *o.window));
   if (text_tokens < 2 * o.context)
