@@ -350,16 +350,21 @@ void write_plot(const std::string& file, const std::vector<ExperimentPoint>& poi
   fmt::print(stderr, "wrote {}\n", file);
 }
 
-// --experiment FILE: each sweep point's KV settings ([kv_cache] dtype and rotation, a
-// sliding_window's window, [kv_policy]) measured over the same text, on the file's model. The
-// points of one K/V head count share one exact run, so N of them cost N + 1 forwards, not 2N.
-void measure_experiment(PerplexityCommand c) {
+// --experiment takes every KV setting from its points: a KV flag beside it is an error.
+void refuse_kv_flags_beside_an_experiment(const PerplexityCommand& c) {
   if (c.kv_dtype != "f32" || c.kv_rotation != "none" || c.window != 0 || !c.kv_policy.empty() ||
       !c.kv_params.empty() || c.options.kivi_residual != kKiviResidualDefault ||
       !c.kv_value_dtype.empty())
     throw Error(
         "--experiment takes the KV settings of each of its points: drop --kv-dtype, "
         "--kv-value-dtype, --kv-rotation, --kv-residual, --window, --kv-policy and --kv-param");
+}
+
+// --experiment FILE: each sweep point's KV settings ([kv_cache] dtype and rotation, a
+// sliding_window's window, [kv_policy]) measured over the same text, on the file's model. The
+// points of one K/V head count share one exact run, so N of them cost N + 1 forwards, not 2N.
+void measure_experiment(PerplexityCommand c) {
+  refuse_kv_flags_beside_an_experiment(c);
   const std::vector<ExperimentRun> runs = load_experiment(c.experiment, {});
   const std::string model = c.model.empty() ? runs.front().config.model : c.model;
   const TextAndModel m = load_text_and_model(model, c.file);

@@ -92,8 +92,7 @@ KvPool::KvPool(const KvPoolShape& shape, KvStorage storage) : shape_(shape) {
         "KIVI quantizes K per channel and V per token at one width: K {} and V {} cannot be "
         "split (give kivi2 or kivi4 to both)",
         dtype_short_name(shape.dtype), dtype_short_name(shape.dtype_of(true))));
-  if (shape.kivi_residual < 0 || shape.kivi_residual % kKiviGroup != 0 ||
-      shape.kivi_residual > kKiviResidualMost)
+  if (!kivi_residual_valid(shape.kivi_residual))
     throw Error(fmt::format("a KIVI residual of {} tokens: a multiple of {} in [0, {}] expected",
                             shape.kivi_residual, kKiviGroup, kKiviResidualMost));
   const auto rows = checked_product<std::int64_t>({shape.layers, shape.slots, shape.kv_heads});

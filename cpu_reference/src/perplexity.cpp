@@ -262,8 +262,7 @@ void check_options(const ModelConfig& c, std::int64_t text_tokens, const Perplex
   if (o.chunks < 0 || o.parallel < 1)
     throw Error(fmt::format("perplexity needs chunks >= 0 and parallel >= 1, not {} and {}",
                             o.chunks, o.parallel));
-  if (o.kivi_residual < 0 || o.kivi_residual % kKiviGroup != 0 ||
-      o.kivi_residual > kKiviResidualMost)
+  if (!kivi_residual_valid(o.kivi_residual))
     throw Error(
         fmt::format("KIVI's residual length must be a multiple of {} tokens in [0, {}], not {}",
                     kKiviGroup, kKiviResidualMost, o.kivi_residual));

@@ -320,7 +320,7 @@ void parse_kv_cache(Section& s, ExperimentConfig& c) {
   }
   c.kivi_residual = s.get_int<std::int64_t>("residual_length", 0, kKiviResidualMost)
                         .value_or(kKiviResidualDefault);
-  if (c.kivi_residual % kKiviGroup != 0)
+  if (!kivi_residual_valid(c.kivi_residual))
     s.fail(*s.node("residual_length"),
            fmt::format("kv_cache.residual_length is KIVI's fp16 tokens in whole groups of {}: a "
                        "multiple of {}, not {}",

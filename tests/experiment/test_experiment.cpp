@@ -1115,7 +1115,14 @@ TEST(ExperimentLibrary, WeightFormatAndKvDtypeAreCheckedAndRun) {
   EXPECT_GT(out.summary.finished, 0);
   EXPECT_NE(out.weights_description.find("8-bit activations"), std::string::npos)
       << out.weights_description;
-  // kv_cache.value_dtype: V's rows in a dtype of their own, the cpu backend's pool only.
+}
+
+// kv_cache.value_dtype: V's rows in a dtype of their own, the cpu backend's pool only.
+TEST(ExperimentLibrary, ValueDtypeIsCheckedAndRun) {
+  auto load_error = [](std::vector<std::string> more) {
+    return test::error_of<Error>(
+        [&] { validate_experiment(load_experiment(kQuickstart, small(std::move(more))), false); });
+  };
   EXPECT_NE(
       load_error({"kv_cache.value_dtype=\"q5_k\""}).find("kv_cache.value_dtype must be one of f32"),
       std::string::npos);

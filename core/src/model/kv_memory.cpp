@@ -12,21 +12,11 @@
 
 namespace kvlab {
 
-KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
-  if (q.seq_len <= 0) throw Error(fmt::format("seq-len must be positive, got {}", q.seq_len));
-  if (q.batch <= 0) throw Error(fmt::format("batch must be positive, got {}", q.batch));
-  if (q.kivi_residual < 0 || q.kivi_residual % kKiviGroup != 0 ||
-      q.kivi_residual > kKiviResidualMost)
-    throw Error(fmt::format("a KIVI residual of {} tokens: a multiple of {} in [0, {}] expected",
-                            q.kivi_residual, kKiviGroup, kKiviResidualMost));
-  KvMemoryReport r;
-  r.kv_heads = q.kv_heads.value_or(c.cache_kv_heads());
-  if (r.kv_heads <= 0 || c.num_attention_heads % r.kv_heads != 0)
-    throw Error(fmt::format("kv-heads {} must be a positive divisor of the {} query heads of {}",
-                            r.kv_heads, c.num_attention_heads, c.name));
-  // MLA: half the latent (a K or a V row); with kv_heads given, what those heads would cache as
-  // plain K and V of v_head_dim each (the DeepSeek-V2 paper's comparison, d_h = 128).
-  const std::int64_t head_dim = c.is_mla() && q.kv_heads ? c.value_head_dim() : c.cache_head_dim();
+namespace {
+
+// K's and V's dtypes hold head rows of head_dim values, and KIVI's residual length is one it
+// takes; else kvlab::Error.
+void check_kv_dtypes(const ModelConfig& c, const KvMemoryQuery& q, std::int64_t head_dim) {
   if (!dtype_row_fits(q.kv_dtype, head_dim))
     throw Error(fmt::format("{} KV needs {} to be a multiple of 32 (its blocks); {} has {}",
                             dtype_short_name(q.kv_dtype),
@@ -38,9 +28,28 @@ KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
                             dtype_short_name(value_dtype), c.name, head_dim));
   if (value_dtype != q.kv_dtype && (dtype_is_kivi(q.kv_dtype) || dtype_is_kivi(value_dtype)))
     throw Error("KIVI quantizes K per channel and V per token at one width: give it to both");
+  if (!kivi_residual_valid(q.kivi_residual))
+    throw Error(fmt::format("a KIVI residual of {} tokens: a multiple of {} in [0, {}] expected",
+                            q.kivi_residual, kKiviGroup, kKiviResidualMost));
+}
+
+}  // namespace
+
+KvMemoryReport kv_memory(const ModelConfig& c, const KvMemoryQuery& q) {
+  if (q.seq_len <= 0) throw Error(fmt::format("seq-len must be positive, got {}", q.seq_len));
+  if (q.batch <= 0) throw Error(fmt::format("batch must be positive, got {}", q.batch));
+  KvMemoryReport r;
+  r.kv_heads = q.kv_heads.value_or(c.cache_kv_heads());
+  if (r.kv_heads <= 0 || c.num_attention_heads % r.kv_heads != 0)
+    throw Error(fmt::format("kv-heads {} must be a positive divisor of the {} query heads of {}",
+                            r.kv_heads, c.num_attention_heads, c.name));
+  // MLA: half the latent (a K or a V row); with kv_heads given, what those heads would cache as
+  // plain K and V of v_head_dim each (the DeepSeek-V2 paper's comparison, d_h = 128).
+  const std::int64_t head_dim = c.is_mla() && q.kv_heads ? c.value_head_dim() : c.cache_head_dim();
+  check_kv_dtypes(c, q, head_dim);
   // Bytes of one head's K row and V row of one token, scales included.
-  const std::int64_t head_rows =
-      dtype_row_bytes(q.kv_dtype, head_dim) + dtype_row_bytes(value_dtype, head_dim);
+  const std::int64_t head_rows = dtype_row_bytes(q.kv_dtype, head_dim) +
+                                 dtype_row_bytes(q.kv_value_dtype.value_or(q.kv_dtype), head_dim);
   const auto per_token =
       checked_product<std::int64_t>({c.num_hidden_layers, r.kv_heads, head_rows});
   if (!per_token) throw Error(fmt::format("{}: KV bytes per token overflow 64 bits", c.name));

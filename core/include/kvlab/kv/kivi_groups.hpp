@@ -26,6 +26,10 @@ constexpr std::int64_t kKiviGroup = 32;  // tokens per key group
 // R to R + 31 of the newest tokens are fp16 (in whole groups of 32 rows), a multiple of 32.
 constexpr std::int64_t kKiviResidualDefault = 128;
 constexpr std::int64_t kKiviResidualMost = 1 << 20;  // bounds the open groups' bytes
+// Whether R is a residual length a KIVI pool takes: a multiple of 32 in [0, kKiviResidualMost].
+inline bool kivi_residual_valid(std::int64_t residual) {
+  return residual >= 0 && residual % kKiviGroup == 0 && residual <= kKiviResidualMost;
+}
 
 // Groups of a sequence of `tokens` positions (from position 0) still open under residual R:
 // ceil(tokens / 32) - max(0, floor((tokens - R) / 32)), at most R / 32 + 1.
