@@ -229,20 +229,25 @@ TEST(LiveEngine, ShutdownAbortsOrDrainsWhatIsInFlightAndCountsIt) {
   }
 }
 
-// A backend that fails on its first forward once armed, and at least its `fail_at`th (an
-// engine-level fault: a device lost, NaN). Armed by the test after its submissions: a count
-// alone raced them (on a loaded machine the engine thread reached the 5th forward before the
-// third submission, which was then refused).
+// A backend that holds every forward until armed, then fails its `fail_at`th (an engine-level
+// fault: a device lost, NaN). Armed by the test after its submissions: a count alone raced them
+// (on a loaded machine the engine thread reached the 5th forward before the third submission,
+// which was then refused), and a fault armed late raced the other way (CI: the first request
+// decoded all its tokens and finished before the test armed it).
 class FailingBackend final : public Backend {
  public:
   FailingBackend(Backend& inner, int fail_at) : inner_(inner), fail_at_(fail_at) {}
   ForwardResult forward(std::span<const BatchEntry> batch,
                         std::span<const TokenChoice> choices) override {
-    if (++calls_ >= fail_at_ && armed_) throw Error("the device fell off the bus");
+    armed_.wait(false);
+    if (++calls_ >= fail_at_) throw Error("the device fell off the bus");
     return inner_.forward(batch, choices);
   }
   std::int64_t vocab_size() const override { return inner_.vocab_size(); }
-  void arm() { armed_ = true; }
+  void arm() {
+    armed_ = true;
+    armed_.notify_all();
+  }
 
  private:
   Backend& inner_;
@@ -257,9 +262,10 @@ TEST(LiveEngine, AnEngineFaultEndsEveryRequestInFlightWithTheFault) {
   FailingBackend failing(*stack.backend, 5);
   LiveEngine live(failing, *stack.allocator, *stack.scheduler, stack.options);
   std::vector<Seen> seen(3);
-  for (auto& s : seen)
-    ASSERT_EQ(live.submit(request(4, 6, 40), s.callbacks()).status, SubmitStatus::accepted);
-  failing.arm();
+  std::vector<SubmitStatus> statuses;
+  for (auto& s : seen) statuses.push_back(live.submit(request(4, 6, 40), s.callbacks()).status);
+  failing.arm();  // before any assertion: an unarmed backend would hold the engine's shutdown
+  for (const SubmitStatus status : statuses) ASSERT_EQ(status, SubmitStatus::accepted);
   for (auto& s : seen) {
     ASSERT_TRUE(s.wait(60));
     std::lock_guard lock(s.mutex);
