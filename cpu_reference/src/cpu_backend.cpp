@@ -446,7 +446,7 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
   // the threads' speeds on a shared machine).
   const std::int64_t pool_layer = groups_.pool_layer[static_cast<std::size_t>(layer)];
-  parallel_for<LoopSchedule::guided>(static_cast<std::int64_t>(tasks.size()), [&](std::int64_t t) {
+  parallel_for(static_cast<std::int64_t>(tasks.size()), [&](std::int64_t t) {
     const AttentionGroup& task = tasks[static_cast<std::size_t>(t)];
     if (task.queries() == 1)
       attend_decode(pool_layer, task, q, out);
@@ -651,7 +651,7 @@ void CpuBackend::latent_attend(std::int64_t layer, std::span<const BatchEntry> b
         qkv.middleCols(h * hd + nope, latent - rank);
   }
   latent_out_.resize(qkv.rows(), heads * rank);  // (N, heads x rank): sum_j p_j c_j
-  parallel_for<LoopSchedule::guided>(static_cast<std::int64_t>(batch.size()), [&](std::int64_t e) {
+  parallel_for(static_cast<std::int64_t>(batch.size()), [&](std::int64_t e) {
     latent_attend_entry(pool_layer, batch[static_cast<std::size_t>(e)],
                         first_rows[static_cast<std::size_t>(e)]);
   });

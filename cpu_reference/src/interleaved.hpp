@@ -15,8 +15,6 @@
 //             VNNI dot product of a slice with 4 broadcast activation bytes sums 4 values for
 //             16 outputs at once. Q8_0: int8 values, 512 bytes. Q4_0/Q4_1: 4 slices of 64 bytes
 //             (256 bytes), the low nibbles holding slices 0-3 and the high nibbles slices 4-7.
-#include <omp.h>
-
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
@@ -35,19 +33,18 @@ inline float stored_value(DType dtype, const std::byte* p) {
   return value;
 }
 
-// The product of both layouts: the threads split the groups of 16 outputs in guided chunks (as the
-// panels: the thread ahead takes the last groups instead of waiting at the join), and the rows of
-// x go in passes of 128 (their rounded copy stays in L2 while each group's bytes are read once
-// per pass). `group_product(g, m_begin, m_end)` does rows [m_begin, m_end) against group g.
+// The product of both layouts: the rows of x go in passes of 128 (their rounded copy stays in L2
+// while each group's bytes are read once per pass), and the threads share the (pass, group of 16
+// outputs) items of all passes in one loop, claimed in order: the thread ahead takes the next
+// groups instead of waiting at a join. `group_product(g, m_begin, m_end)` does rows
+// [m_begin, m_end) against group g.
 template <typename GroupProduct>
 void for_each_group_pass(std::int64_t rows, std::int64_t groups, GroupProduct&& group_product) {
   constexpr std::int64_t kRowsPerPass = 128;
-  parallel_region([&] {
-    for (std::int64_t m_begin = 0; m_begin < rows; m_begin += kRowsPerPass) {
-      const std::int64_t m_end = std::min(rows, m_begin + kRowsPerPass);
-#pragma omp for schedule(guided)
-      for (std::int64_t g = 0; g < groups; ++g) group_product(g, m_begin, m_end);
-    }
+  const std::int64_t passes = (rows + kRowsPerPass - 1) / kRowsPerPass;
+  parallel_for(passes * groups, [&](std::int64_t item) {
+    const std::int64_t m_begin = item / groups * kRowsPerPass;
+    group_product(item % groups, m_begin, std::min(rows, m_begin + kRowsPerPass));
   });
 }
 

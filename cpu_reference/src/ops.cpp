@@ -44,7 +44,8 @@ void set_num_threads(int threads) {
   // the processor in a loop (sys time 6x the work).
   const int cap = std::min(omp_get_num_procs(), omp_get_thread_limit());
   threads = std::clamp(threads, 1, std::max(1, cap));
-  omp_set_num_threads(threads);
+  omp_set_num_threads(threads);  // OpenMP's own regions (perplexity's chunks, the probes)
+  configure_threads(threads);    // the backend's regions (thread_pool.hpp)
   Eigen::setNbThreads(threads);
   openblas_set_num_threads(threads);  // Eigen's products run in OpenBLAS (EIGEN_USE_BLAS)
 }
@@ -264,7 +265,7 @@ void causal_attention(const RowMatrix& q, const RowMatrix& k, const RowMatrix& v
   // Queries go in blocks so each block only multiplies the keys it can see (causal, windowed).
   constexpr std::int64_t kBlock = 64;
   const std::int64_t blocks = (tokens + kBlock - 1) / kBlock;
-  parallel_for<LoopSchedule::dynamic>(n_heads * blocks, [&](std::int64_t task) {
+  parallel_for<LoopSchedule::one_at_a_time>(n_heads * blocks, [&](std::int64_t task) {
     const std::int64_t h = task / blocks, b = task % blocks;  // (head, query block)
     const std::int64_t kv_head = h / group;
     const std::int64_t q0 = b * kBlock;

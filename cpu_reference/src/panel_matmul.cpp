@@ -2,8 +2,8 @@
 // reference's function over the stored values, each output summed over k in order. The panels
 // were packed once at load, so a product only reads them. x is packed in tiles of kTileRows rows
 // ((depth, kTileRows): a tile's broadcasts read consecutive floats), and the threads take
-// contiguous ranges of panels, i.e. of the matrix's bytes, in guided chunks (half the panels, a
-// quarter, ... then one at a time): when one thread runs behind, the other takes the last panels
+// contiguous ranges of panels, i.e. of the matrix's bytes, in chunks of about an eighth of the
+// panels each (parallel.hpp): when one thread runs behind, the other takes the last panels
 // instead of waiting at the join (f16 and f32 at batch 64: +1-3% over equal static halves):
 //   up to kTileRows rows of x   one tile per panel, whose values are widened in registers as they
 //                               stream from memory (decode at small batches: every weight byte
@@ -15,8 +15,6 @@
 // AVX-512: tiles of 8 rows x 32 outputs (16 accumulators); AVX2 + FMA + F16C: 6 rows x 16 outputs,
 // each half of a panel in turn; without AVX2, Eigen products over widened panels.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
-
-#include <omp.h>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVLAB_PANEL_SIMD 1
@@ -220,13 +218,12 @@ void multiply_tiled(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
   const std::int64_t tiles = panels::row_tile_count(rows, stride);
   x_tiles.resize(static_cast<std::size_t>(tiles * stride * depth));
   parallel_region([&] {
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tiles; ++t) panels::pack_row_tile(x, stride, t, x_tiles.data());
+    shared_loop(tiles,
+                [&](std::int64_t t) { panels::pack_row_tile(x, stride, t, x_tiles.data()); });
     thread_local std::vector<float> widened;
     if (rows > kTileRows && w.format() != WeightFormat::f32)
       widened.resize(static_cast<std::size_t>(depth * kPanelRows));
-#pragma omp for schedule(guided)
-    for (std::int64_t p = 0; p < count; ++p) {
+    shared_loop(count, [&](std::int64_t p) {
       const std::byte* panel = w.data() + p * bytes;
       const std::byte* next = p + 1 < count ? panel + bytes : nullptr;
       const PanelOutput o{y, p * kPanelRows, std::min(kPanelRows, outputs - p * kPanelRows),
@@ -245,7 +242,7 @@ void multiply_tiled(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
                                            o);
           break;
       }
-    }
+    });
   });
 }
 
@@ -258,8 +255,7 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
   parallel_region([&] {
     thread_local std::vector<float> widened;
     widened.resize(static_cast<std::size_t>(depth * kPanelRows));
-#pragma omp for schedule(static)
-    for (std::int64_t p = 0; p < panel_count(outputs); ++p) {
+    shared_loop(panel_count(outputs), [&](std::int64_t p) {
       convert_to_f32(panels::float_dtype(w.format()),
                      {w.data() + p * bytes, static_cast<std::size_t>(bytes)}, widened);
       const Eigen::Map<const PanelMatrix> panel(widened.data(), depth, kPanelRows);
@@ -269,7 +265,7 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
         block += x.lazyProduct(panel.leftCols(count));
       else
         block = x.lazyProduct(panel.leftCols(count));
-    }
+    });
   });
 }
 #endif

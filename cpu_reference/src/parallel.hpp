@@ -1,57 +1,79 @@
-// OpenMP regions that cost nothing when they would run on one thread.
+// Parallel regions and loops of the CPU backend, on its own thread pool (thread_pool.hpp).
 //
-// libgomp ends every parallel region with a futex wake, even a region of one thread or one whose
-// `if` clause is false: one system call a region (strace: 10,000 regions, 10,000 futex calls).
-// A forward pass opens about ten regions a layer, so a one-thread run (every test, under
-// OMP_THREAD_LIMIT=1) made ~57,000 system calls in a 0.5 s test; on a CI host where each waited
-// for a scheduler slice beside another test, that test ran 47x slower. Here a region that would
-// get one thread is a plain loop or call on the calling thread, with no OpenMP entry at all.
+// A region that would get one thread is a plain loop or call on the calling thread, with no
+// synchronisation at all: one thread set (every test, under OMP_THREAD_LIMIT=1), or inside a
+// region already. (libgomp ended every region with a futex wake, even a region of one thread: a
+// forward pass made ~57,000 system calls in a 0.5 s one-thread test, and on a CI host where
+// each waited for a slice beside another test, that test ran 47x slower.)
+//
+// Loops share their items out in chunks claimed from a counter (no static halves): a thread that
+// is descheduled holds back at most one chunk, and the others take the rest.
 #pragma once
 
-#include <omp.h>
-
+#include <algorithm>
 #include <cstdint>
+
+#include "thread_pool.hpp"
 
 namespace kvlab::cpu {
 
-// Whether a region opened here would get more than one thread: not when OpenMP is set to one
-// thread, nor inside a region already (nested regions are inactive: one thread each).
+// Whether a region opened here would get more than one thread.
 inline bool region_gets_threads() {
-  return omp_get_max_threads() > 1 && !omp_in_parallel();
+  return pool_for_region() != nullptr;
 }
 
-// `#pragma omp parallel` around `region`, which may hold orphaned `#pragma omp for` loops (they
-// bind to this region's team, or run whole on the calling thread when it calls `region` alone).
+// Runs `region` on the pool's threads (each that joins in time runs all of it, as an OpenMP
+// parallel region does), or once on the calling thread. `region` shares its work through
+// shared_loop; it must not throw.
 template <class Region>
 void parallel_region(Region&& region) {
-  if (omp_get_max_threads() == 1 && !omp_in_parallel()) {
-    region();  // outside any region: an orphaned `omp for` binds to this thread alone
+  ThreadPool* pool = pool_for_region();
+  if (pool == nullptr) {
+    region();  // a shared_loop inside runs whole on this thread
     return;
   }
-#pragma omp parallel
-  region();
+  pool->run(region);
 }
 
-enum class LoopSchedule { static_chunks, guided, dynamic };
+// How a loop's items are claimed: `chunked` in about 4 chunks a thread (few claims, a straggler
+// holds back a quarter of its share at most), `one_at_a_time` for few items of uneven cost.
+enum class LoopSchedule { chunked, one_at_a_time };
 
-// `#pragma omp parallel for schedule(S)` over [0, n), or a plain loop when fewer than
-// `parallel_from` items (too little work to share) or one thread would run it.
-template <LoopSchedule S = LoopSchedule::static_chunks, class Body>
-void parallel_for(std::int64_t n, Body&& body, std::int64_t parallel_from = 2) {
-  if (n < parallel_from || !region_gets_threads()) {
+// Inside parallel_region: the region's threads share items [0, n) (an orphaned `omp for`), and
+// each returns once every item is done. Outside a region: a plain loop.
+template <LoopSchedule S = LoopSchedule::chunked, class Body>
+void shared_loop(std::int64_t n, Body&& body) {
+  RegionSeat& seat = region_seat();
+  if (seat.pool == nullptr) {
     for (std::int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  if constexpr (S == LoopSchedule::static_chunks) {
-#pragma omp parallel for schedule(static)
-    for (std::int64_t i = 0; i < n; ++i) body(i);
-  } else if constexpr (S == LoopSchedule::guided) {
-#pragma omp parallel for schedule(guided)
-    for (std::int64_t i = 0; i < n; ++i) body(i);
-  } else {
-#pragma omp parallel for schedule(dynamic)
-    for (std::int64_t i = 0; i < n; ++i) body(i);
+  ThreadPool::LoopCounter& counter = seat.pool->loop(seat.next_loop++);
+  const std::int64_t chunk = S == LoopSchedule::one_at_a_time
+                                 ? 1
+                                 : std::max<std::int64_t>(1, (n + 4 * seat.pool->threads() - 1) /
+                                                                 (4 * seat.pool->threads()));
+  for (;;) {
+    const std::int64_t begin = counter.next.fetch_add(chunk, std::memory_order_relaxed);
+    if (begin >= n) break;
+    const std::int64_t end = std::min(n, begin + chunk);
+    for (std::int64_t i = begin; i < end; ++i) body(i);
+    counter.done.fetch_add(end - begin, std::memory_order_release);
   }
+  spin_then_yield([&] { return counter.done.load(std::memory_order_acquire) >= n; });
+}
+
+// A region of one shared loop over [0, n), or a plain loop when fewer than `parallel_from` items
+// (too little work to share) or one thread would run it.
+template <LoopSchedule S = LoopSchedule::chunked, class Body>
+void parallel_for(std::int64_t n, Body&& body, std::int64_t parallel_from = 2) {
+  ThreadPool* pool = n < parallel_from ? nullptr : pool_for_region();
+  if (pool == nullptr) {
+    for (std::int64_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  auto region = [&] { shared_loop<S>(n, body); };
+  pool->run(region);
 }
 
 }  // namespace kvlab::cpu

@@ -14,7 +14,6 @@
 // in the same order: their outputs are identical.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
-#include <omp.h>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVLAB_Q8_VNNI 1

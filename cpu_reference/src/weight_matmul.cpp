@@ -12,8 +12,6 @@
 // math is fp32 on the dequantized values throughout.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
-#include <omp.h>
-
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #define KVLAB_WEIGHT_SIMD 1
 #include <immintrin.h>
@@ -321,8 +319,7 @@ void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool ac
                 std::int64_t m0, const std::vector<float>& block_sums) {
   const std::int64_t depth = w.cols(), blocks = depth / 32;
   const bool q = q_format(w.format());
-#pragma omp for schedule(static)
-  for (std::int64_t n = 0; n < w.rows(); ++n) {
+  shared_loop(w.rows(), [&](std::int64_t n) {
     float out[Rows];
     if (q)
       q_row_dot<Rows>(w.format(), w.row(n), x.row(m0).data(), depth,
@@ -330,7 +327,7 @@ void fused_rows(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bool ac
     else
       float_row_dot<Rows>(w.format(), w.row(n), x.row(m0).data(), depth, depth, out);
     for (int i = 0; i < Rows; ++i) y(m0 + i, n) = accumulate ? y(m0 + i, n) + out[i] : out[i];
-  }
+  });
 }
 
 // fused_rows<rows> (rows <= Rows): Rows counts down to the one needed.
@@ -465,19 +462,17 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
   const std::int64_t tiles = panels::row_tile_count(rows, kPackedRows);
   x_tiles.resize(static_cast<std::size_t>(tiles * kPackedRows * depth));
   parallel_region([&] {
-#pragma omp for schedule(static)
-    for (std::int64_t t = 0; t < tiles; ++t)
-      panels::pack_row_tile(x, kPackedRows, t, x_tiles.data());
+    shared_loop(tiles,
+                [&](std::int64_t t) { panels::pack_row_tile(x, kPackedRows, t, x_tiles.data()); });
     thread_local std::vector<float> rows_buffer, panel;  // kept between products
     const auto size = static_cast<std::size_t>(kPackWidth * (depth + 16));
     if (rows_buffer.size() < size) rows_buffer.resize(size);
     if (panel.size() < size) panel.resize(size);
-#pragma omp for schedule(static)
-    for (std::int64_t p = 0; p < panels; ++p) {
+    shared_loop(panels, [&](std::int64_t p) {
       const std::int64_t n0 = p * kPackWidth, count = std::min(kPackWidth, outputs - n0);
       pack_panel(w, n0, count, rows_buffer.data(), panel.data());
-      // The next panel's weight rows (this thread's, under a static schedule) are asked for in
-      // slices while the tiles compute, so that packing it does not wait on memory.
+      // The next panel's weight rows (most often this thread's: panels are claimed in runs) are
+      // asked for in slices while the tiles compute, so that packing it does not wait on memory.
       const std::int64_t next = std::min(outputs, n0 + kPackWidth);
       const std::int64_t next_bytes = std::min(kPackWidth, outputs - next) * w.row_bytes();
       const std::int64_t slice = (next_bytes + tiles - 1) / tiles;
@@ -496,7 +491,7 @@ void multiply_packed(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, bo
             target = accumulate ? target + out[i * kPackWidth + j] : out[i * kPackWidth + j];
           }
       }
-    }
+    });
   });
 }
 #endif
@@ -511,8 +506,7 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
     if (w.format() != WeightFormat::f32 &&
         widened.size() < static_cast<std::size_t>(kPanelRows * depth))
       widened.resize(static_cast<std::size_t>(kPanelRows * depth));
-#pragma omp for schedule(static)
-    for (std::int64_t p = 0; p < panels; ++p) {
+    shared_loop(panels, [&](std::int64_t p) {
       const std::int64_t n0 = p * kPanelRows, count = std::min(kPanelRows, outputs - n0);
       const float* panel = reinterpret_cast<const float*>(w.row(n0));
       if (w.format() != WeightFormat::f32) {
@@ -525,7 +519,7 @@ void multiply_plain(const RowMatrix& x, const WeightMatrix& w, RowMatrix& y, boo
           const float dot = x.row(m).dot(rows.row(j));
           y(m, n0 + j) = accumulate ? y(m, n0 + j) + dot : dot;
         }
-    }
+    });
   });
 }
 
