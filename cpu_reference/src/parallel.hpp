@@ -6,8 +6,8 @@
 // forward pass made ~57,000 system calls in a 0.5 s one-thread test, and on a CI host where
 // each waited for a slice beside another test, that test ran 47x slower.)
 //
-// Loops share their items out in chunks claimed from a counter (no static halves): a thread that
-// is descheduled holds back at most one chunk, and the others take the rest.
+// Loops share their items out in guided chunks claimed from a counter (no static halves): a
+// thread that is descheduled holds back at most the chunk it holds, and the others take the rest.
 #pragma once
 
 #include <algorithm>
@@ -35,9 +35,29 @@ void parallel_region(Region&& region) {
   pool->run(region);
 }
 
-// How a loop's items are claimed: `chunked` in about 4 chunks a thread (few claims, a straggler
-// holds back a quarter of its share at most), `one_at_a_time` for few items of uneven cost.
+// How a loop's items are claimed: `chunked` in guided chunks (a quarter of what is left for two
+// threads, then less, down to a sixteenth of the loop: few claims, and a thread descheduled in the
+// tail holds back little), `one_at_a_time` for few items of uneven cost.
 enum class LoopSchedule { chunked, one_at_a_time };
+
+// Runs the items of [0, n) this thread claims from `counter` until none is left, counting them
+// done. Returns without waiting for the items other threads hold.
+template <LoopSchedule S, class Body>
+void claim_and_run(ThreadPool::LoopCounter& counter, std::int64_t threads, std::int64_t n,
+                   Body& body) {
+  const std::int64_t smallest =
+      S == LoopSchedule::one_at_a_time ? 1 : std::max<std::int64_t>(1, n / (8 * threads));
+  std::int64_t begin = counter.next.load(std::memory_order_relaxed);
+  while (begin < n) {
+    const std::int64_t size = std::max(smallest, (n - begin) / (2 * threads));
+    if (!counter.next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed))
+      continue;  // `begin` now holds the counter's value: try again from there
+    const std::int64_t end = std::min(n, begin + size);
+    for (std::int64_t i = begin; i < end; ++i) body(i);
+    counter.done.fetch_add(end - begin, std::memory_order_release);
+    begin = counter.next.load(std::memory_order_relaxed);
+  }
+}
 
 // Inside parallel_region: the region's threads share items [0, n) (an orphaned `omp for`), and
 // each returns once every item is done. Outside a region: a plain loop.
@@ -49,17 +69,7 @@ void shared_loop(std::int64_t n, Body&& body) {
     return;
   }
   ThreadPool::LoopCounter& counter = seat.pool->loop(seat.next_loop++);
-  const std::int64_t chunk = S == LoopSchedule::one_at_a_time
-                                 ? 1
-                                 : std::max<std::int64_t>(1, (n + 4 * seat.pool->threads() - 1) /
-                                                                 (4 * seat.pool->threads()));
-  for (;;) {
-    const std::int64_t begin = counter.next.fetch_add(chunk, std::memory_order_relaxed);
-    if (begin >= n) break;
-    const std::int64_t end = std::min(n, begin + chunk);
-    for (std::int64_t i = begin; i < end; ++i) body(i);
-    counter.done.fetch_add(end - begin, std::memory_order_release);
-  }
+  claim_and_run<S>(counter, seat.pool->threads(), n, body);
   spin_then_yield([&] { return counter.done.load(std::memory_order_acquire) >= n; });
 }
 
@@ -72,7 +82,9 @@ void parallel_for(std::int64_t n, Body&& body, std::int64_t parallel_from = 2) {
     for (std::int64_t i = 0; i < n; ++i) body(i);
     return;
   }
-  auto region = [&] { shared_loop<S>(n, body); };
+  // No wait at the loop's end: the region's end waits for every thread that joined, and a thread
+  // leaves only once the items it claimed are done (one hand-off fewer a region).
+  auto region = [&] { claim_and_run<S>(pool->loop(0), pool->threads(), n, body); };
   pool->run(region);
 }
 

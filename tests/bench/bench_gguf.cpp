@@ -4,6 +4,10 @@
 //   decode/1      one sequence at 64 cached tokens           (llama-bench tg128: contexts 0-127)
 //   decode/64     64 sequences at 128-255 cached tokens     (llama-batched-bench -npp 128
 //                                                            -ntg 128 -npl 64)
+//   *Loaded       prefill/512 and decode/1 beside busy loops (a shared machine), against the
+//                 same steps quiet: slowdown/fair, 1 when the run slows as its fair share does
+// decode/1 also reports the memory's limit: MB/token (weights and K/V read once a token), the
+// read bandwidth measured in the same run (GB/s) and of_limit = MB/token x tok/s / GB/s.
 // Weights are multiplied in the file's stored types ("stored"), or in KVLAB_BENCH_WEIGHTS; the KV
 // pool holds KVLAB_BENCH_KV (f32, f16 or bf16; default f16, llama.cpp's default cache type);
 // KVLAB_BENCH_ACTIVATIONS=q8 multiplies the Q matrices with 8-bit activations (default f32).
@@ -11,8 +15,13 @@
 #include <benchmark/benchmark.h>
 #include <fmt/format.h>
 
+#include <algorithm>
+#include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <memory>
+#include <thread>
+#include <vector>
 
 #include "kvlab/cpu_reference/cpu_backend.hpp"
 #include "kvlab/cpu_reference/machine_peak.hpp"
@@ -45,9 +54,68 @@ const Model& model() {
   return *loaded;
 }
 
-// `batch` sequences, sequence s with context(s) cached tokens, each running `new_tokens` tokens.
+// `count` threads that spin until stopped: another tenant's busy loops on a shared machine.
+class BusyLoops {
+ public:
+  explicit BusyLoops(int count) {
+    for (int i = 0; i < count; ++i)
+      threads_.emplace_back([this] {
+        while (!stop_.load(std::memory_order_relaxed)) {
+        }
+      });
+  }
+  ~BusyLoops() { stop(); }
+  void stop() {
+    stop_.store(true);
+    for (auto& t : threads_)
+      if (t.joinable()) t.join();
+  }
+
+ private:
+  std::atomic<bool> stop_{false};
+  std::vector<std::thread> threads_;
+};
+
+// Seconds a step takes on a quiet machine: the median of `steps` (after one to warm up).
+double seconds_per_step(cpu::CpuBackend& backend, std::span<const BatchEntry> entries, int steps) {
+  (void)backend.run(entries);
+  std::vector<double> times;
+  for (int i = 0; i < steps; ++i) {
+    const auto start = std::chrono::steady_clock::now();
+    benchmark::DoNotOptimize(backend.run(entries));
+    times.push_back(
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+  }
+  std::nth_element(times.begin(), times.begin() + steps / 2, times.end());
+  return times[static_cast<std::size_t>(steps / 2)];
+}
+
+// The seconds a step takes over the benchmark's iterations, beside `busy_threads` busy loops; with
+// busy loops, also the same step's median time without them (measured first) and the slowdown
+// over the fair one: our threads among all runnable ones, on the machine's processors.
+double time_steps(benchmark::State& state, cpu::CpuBackend& backend,
+                  std::span<const BatchEntry> entries, int busy_threads) {
+  const double quiet = busy_threads > 0 ? seconds_per_step(backend, entries, 20) : 0;
+  BusyLoops busy(busy_threads);
+  const auto start = std::chrono::steady_clock::now();
+  for (auto _ : state) benchmark::DoNotOptimize(backend.run(entries));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() /
+      static_cast<double>(state.iterations());
+  busy.stop();
+  if (busy_threads > 0) {
+    const double processors = std::thread::hardware_concurrency();
+    const double fair = std::max(1.0, (kThreads + busy_threads) / processors);
+    state.counters["quiet_ms"] = quiet * 1e3;
+    state.counters["slowdown/fair"] = seconds / quiet / fair;
+  }
+  return seconds;
+}
+
+// `batch` sequences, sequence s with context(s) cached tokens, each running `new_tokens` tokens,
+// beside `busy_threads` busy loops (the quiet figure measured first, without them).
 void run_step(benchmark::State& state, std::int64_t batch, std::int64_t new_tokens,
-              std::int64_t (*context)(std::int64_t)) {
+              std::int64_t (*context)(std::int64_t), int busy_threads = 0) {
   cpu::set_num_threads(kThreads);
   const Model& m = model();
   const ModelConfig& c = m.weights.config;
@@ -74,9 +142,17 @@ void run_step(benchmark::State& state, std::int64_t batch, std::int64_t new_toke
                        cached, allocator->view(s)});
   }
   cpu::CpuBackend backend(m.weights, pool, std::nullopt, m.matrices);
-  for (auto _ : state) benchmark::DoNotOptimize(backend.run(entries));
-  state.counters["tok/s"] = benchmark::Counter(static_cast<double>(batch * new_tokens),
-                                               benchmark::Counter::kIsIterationInvariantRate);
+  const double seconds = time_steps(state, backend, entries, busy_threads);
+  state.counters["tok/s"] = static_cast<double>(batch * new_tokens) / seconds;
+  if (batch == 1 && new_tokens == 1) {
+    // Batch 1 reads every weight byte and the sequence's K/V once a token: the memory's limit.
+    const double bytes = static_cast<double>(backend.matrices().bytes()) +
+                         static_cast<double>(pool.bytes_per_slot() * (context(0) + 1));
+    const double bandwidth = cpu::measured_read_bandwidth_gbs(kThreads) * 1e9;
+    state.counters["GB/s"] = bandwidth / 1e9;
+    state.counters["MB/token"] = bytes / 1e6;
+    state.counters["of_limit"] = bytes / seconds / bandwidth;
+  }
   const double flops_per_token = 2.0 * static_cast<double>(c.matmul_parameter_count());
   state.counters["ceiling_tok/s"] =
       cpu::measured_fp32_peak_gflops(kThreads) * 1e9 / flops_per_token;
@@ -94,9 +170,22 @@ void BM_Decode1(benchmark::State& state) {
 void BM_Decode64(benchmark::State& state) {
   run_step(state, 64, 1, [](std::int64_t s) { return 128 + (s * 37) % 128; });
 }
+// A shared machine: the same steps beside as many busy loops as this run has threads (twice as
+// many runnable threads as processors on 2 cores: a fair share is half the machine).
+// slowdown/fair = (loaded step time / quiet step time) / the fair slowdown; 1 is fair.
+void BM_Prefill512Loaded(benchmark::State& state) {
+  run_step(
+      state, 1, 512, [](std::int64_t) -> std::int64_t { return 0; }, kThreads);
+}
+void BM_Decode1Loaded(benchmark::State& state) {
+  run_step(
+      state, 1, 1, [](std::int64_t) -> std::int64_t { return 64; }, kThreads);
+}
 BENCHMARK(BM_Prefill512)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Decode1)->Unit(benchmark::kMillisecond);
 BENCHMARK(BM_Decode64)->Unit(benchmark::kMillisecond);
+BENCHMARK(BM_Prefill512Loaded)->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_Decode1Loaded)->Unit(benchmark::kMillisecond)->UseRealTime();
 
 }  // namespace
 }  // namespace kvlab::bench
