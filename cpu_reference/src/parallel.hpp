@@ -36,8 +36,8 @@ void parallel_region(Region&& region) {
 }
 
 // How a loop's items are claimed: `chunked` in guided chunks (a quarter of what is left for two
-// threads, then less, down to a sixteenth of the loop: few claims, and a thread descheduled in the
-// tail holds back little), `one_at_a_time` for few items of uneven cost.
+// threads, then less, down to one item: few claims, and the threads finish together, whichever
+// ran behind or was descheduled), `one_at_a_time` for few items of uneven cost.
 enum class LoopSchedule { chunked, one_at_a_time };
 
 // Runs the items of [0, n) this thread claims from `counter` until none is left, counting them
@@ -45,11 +45,11 @@ enum class LoopSchedule { chunked, one_at_a_time };
 template <LoopSchedule S, class Body>
 void claim_and_run(ThreadPool::LoopCounter& counter, std::int64_t threads, std::int64_t n,
                    Body& body) {
-  const std::int64_t smallest =
-      S == LoopSchedule::one_at_a_time ? 1 : std::max<std::int64_t>(1, n / (8 * threads));
   std::int64_t begin = counter.next.load(std::memory_order_relaxed);
   while (begin < n) {
-    const std::int64_t size = std::max(smallest, (n - begin) / (2 * threads));
+    const std::int64_t size = S == LoopSchedule::one_at_a_time
+                                  ? 1
+                                  : std::max<std::int64_t>(1, (n - begin) / (2 * threads));
     if (!counter.next.compare_exchange_weak(begin, begin + size, std::memory_order_relaxed))
       continue;  // `begin` now holds the counter's value: try again from there
     const std::int64_t end = std::min(n, begin + size);

@@ -297,13 +297,25 @@ void half_group_tile_avx2(const std::byte* group, int h, const QuantizedRows& x,
     for (int r = 0; r < Rows; ++r) {
       const std::int8_t* qx = x.q.data() + (m0 + r) * x.cols + b * kBlockValues;
       __m256i dot = _mm256_setzero_si256();
+      if constexpr (Format == WeightFormat::q8_0) {
 #pragma GCC unroll 8
-      for (int t = 0; t < 8; ++t) {
-        std::int32_t four = 0;
-        std::memcpy(&four, qx + 4 * t, 4);
-        __m256i a = _mm256_set1_epi32(four);
-        if constexpr (Format == WeightFormat::q8_0) a = _mm256_sign_epi8(a, sign[t]);
-        dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w[t], a), ones));
+        for (int t = 0; t < 8; ++t) {
+          std::int32_t four = 0;
+          std::memcpy(&four, qx + 4 * t, 4);
+          const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(four), sign[t]);
+          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w[t], a), ones));
+        }
+      } else {
+        // Nibbles: a pair of products is at most 2 x 15 x 127 = 3,810, so the 8 slices' pairs
+        // sum in 16 bits exactly (30,480) and widen once (llama.cpp's AVX2 Q4 dot does the same).
+        __m256i pairs = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          std::int32_t four = 0;
+          std::memcpy(&four, qx + 4 * t, 4);
+          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(four)));
+        }
+        dot = _mm256_madd_epi16(pairs, ones);
       }
       const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
       acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),

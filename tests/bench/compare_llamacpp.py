@@ -54,12 +54,15 @@ def llama_cpp(bin_dir, model):
 def kvlab(bin_dir, model, activations):
     env = dict(os.environ, KVLAB_BENCH_GGUF=model, KVLAB_BENCH_ACTIVATIONS=activations)
     out = run([f"{bin_dir}/kvlab_bench_gguf", "--benchmark_min_time=1",
+               "--benchmark_filter=^BM_(Prefill512|Decode1|Decode64)$",
                "--benchmark_format=json"], env)
     names = {"BM_Prefill512": "prefill512", "BM_Decode1": "decode1", "BM_Decode64": "decode64"}
     result = {}
     for b in json.loads(out)["benchmarks"]:
         result[names[b["name"].split("/")[0]]] = b["tok/s"]
         result["ceiling"] = b["ceiling_tok/s"]
+        if "of_limit" in b:  # decode B=1 against the read bandwidth measured in the same run
+            result["decode1_of_limit"] = b["of_limit"]
     return result
 
 
@@ -110,13 +113,16 @@ def main():
 
     print(f"median of {args.rounds} interleaved rounds, {THREADS} threads, tok/s "
           "(kvlab / llama.cpp)\n")
-    print("| model | prefill 512 | decode B=1 | decode B=64 | B=64 / compute ceiling |")
-    print("|---|---|---|---|---|")
+    print("| model | prefill 512 | decode B=1 | B=1 / memory limit | decode B=64 "
+          "| B=64 / compute ceiling |")
+    print("|---|---|---|---|---|---|")
     for model in dict.fromkeys(x["model"] for x in rows):
         cells = []
         for shape in ("prefill512", "decode1", "decode64"):
             k, l = median(model, "kvlab", shape), median(model, "llama.cpp", shape)
             cells.append(f"{k:.0f} vs {l:.0f} ({k / l:.2f}x)")
+            if shape == "decode1":
+                cells.append(f"{median(model, 'kvlab', 'decode1_of_limit'):.2f}")
         ceiling = median(model, "kvlab", "ceiling")
         share = median(model, "kvlab", "decode64") / ceiling
         cells.append(f"{share:.2f} of {ceiling:.0f}")
