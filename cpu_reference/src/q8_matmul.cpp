@@ -14,7 +14,6 @@
 // in the same order: their outputs are identical.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
-
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define KVLAB_Q8_VNNI 1
 #include <immintrin.h>
@@ -98,6 +97,70 @@ struct QuantizedRows {
   std::int64_t cols = 0, blocks = 0;
 };
 
+// One block of 32 values rounded to integers: the scale d = max|v| / 127 and the integers'
+// sum, or a NaN scale (and integers 0) when a value is not finite, so that every output the block
+// reaches is NaN, as in fp32, and the engine reports it. Q8_0 weights take the unsigned byte
+// value + 128, kept in the same int8 storage.
+void quantize_block(const float* v, bool unsigned_bytes, std::int8_t* q, float& d, int& sum) {
+  float amax = 0;
+  bool finite = true;
+  for (int k = 0; k < kBlockValues; ++k) {
+    amax = std::max(amax, std::fabs(v[k]));
+    finite = finite && std::isfinite(v[k]);
+  }
+  d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
+  const float inverse = finite && d != 0 ? 1.0f / d : 0.0f;
+  sum = 0;
+  for (int k = 0; k < kBlockValues; ++k) {
+    // (not NaN * 0 cast to int for a non-finite block: undefined behaviour, which clang's UBSan
+    // reports)
+    const int value = finite ? static_cast<int>(std::nearbyint(v[k] * inverse)) : 0;
+    sum += value;
+    q[k] = unsigned_bytes ? static_cast<std::int8_t>(static_cast<std::uint8_t>(value + 128))
+                          : static_cast<std::int8_t>(value);
+  }
+}
+
+#if KVLAB_Q8_VNNI || KVLAB_Q8_AVX2
+// quantize_block's result for a block of finite values, 8 lanes at a time (the same maximum, the
+// same product rounded to nearest even: the same integers); false, with nothing written, when a
+// value is not finite.
+bool quantize_finite_block_avx2(const float* v, bool unsigned_bytes, std::int8_t* q, float& d,
+                                int& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f), infinity = _mm256_set1_ps(HUGE_VALF);
+  __m256 x[4], amax = _mm256_setzero_ps();
+  int finite_lanes = 0xFF;
+  for (int i = 0; i < 4; ++i) {
+    x[i] = _mm256_loadu_ps(v + 8 * i);
+    const __m256 magnitude = _mm256_andnot_ps(sign, x[i]);
+    finite_lanes &= _mm256_movemask_ps(_mm256_cmp_ps(magnitude, infinity, _CMP_LT_OQ));
+    amax = _mm256_max_ps(amax, magnitude);
+  }
+  if (finite_lanes != 0xFF) return false;
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
+  d = _mm_cvtss_f32(m) / 127.0f;
+  const __m256 inverse = _mm256_set1_ps(d != 0 ? 1.0f / d : 0.0f);
+  __m256i n[4], total = _mm256_setzero_si256();
+  for (int i = 0; i < 4; ++i) {
+    n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inverse));  // MXCSR: nearest, ties to even
+    total = _mm256_add_epi32(total, n[i]);
+  }
+  // Packed in 128-bit lanes: dwords n0[0:4] n1[0:4] n2[0:4] n3[0:4] | n0[4:8] n1[4:8] ...
+  __m256i bytes =
+      _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+  bytes = _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  if (unsigned_bytes) bytes = _mm256_xor_si256(bytes, _mm256_set1_epi8(static_cast<char>(0x80)));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), bytes);
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(total), _mm256_extracti128_si256(total, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+  sum = _mm_cvtsi128_si32(s4);
+  return true;
+}
+#endif
+
 void quantize_rows(const RowMatrix& x, bool unsigned_bytes, QuantizedRows& out) {
   out.cols = x.cols();
   out.blocks = x.cols() / kBlockValues;
@@ -109,27 +172,13 @@ void quantize_rows(const RowMatrix& x, bool unsigned_bytes, QuantizedRows& out) 
       [&](std::int64_t m) {
         for (std::int64_t b = 0; b < out.blocks; ++b) {
           const float* v = x.row(m).data() + b * kBlockValues;
-          float amax = 0;
-          bool finite = true;
-          for (int k = 0; k < kBlockValues; ++k) {
-            amax = std::max(amax, std::fabs(v[k]));
-            finite = finite && std::isfinite(v[k]);
-          }
-          // A NaN or infinite activation makes the block's scale NaN (and its integers 0), so every
-          // output it reaches is NaN, as in fp32, and the engine reports it.
-          const float d = finite ? amax / 127.0f : std::numeric_limits<float>::quiet_NaN();
-          const float inverse = finite && d != 0 ? 1.0f / d : 0.0f;
-          int sum = 0;
           std::int8_t* q = out.q.data() + m * out.cols + b * kBlockValues;
-          for (int k = 0; k < kBlockValues; ++k) {
-            // (not NaN * 0 cast to int for a non-finite block: undefined behaviour, which clang's
-            // UBSan reports)
-            const int value = finite ? static_cast<int>(std::nearbyint(v[k] * inverse)) : 0;
-            sum += value;
-            // Q8_0 weights: the unsigned byte value + 128, kept in the same int8 storage.
-            q[k] = unsigned_bytes ? static_cast<std::int8_t>(static_cast<std::uint8_t>(value + 128))
-                                  : static_cast<std::int8_t>(value);
-          }
+          float d = 0;
+          int sum = 0;
+#if KVLAB_Q8_VNNI || KVLAB_Q8_AVX2
+          if (!quantize_finite_block_avx2(v, unsigned_bytes, q, d, sum))
+#endif
+            quantize_block(v, unsigned_bytes, q, d, sum);
           out.scale[static_cast<std::size_t>(m * out.blocks + b)] = d;
           out.scaled_sum[static_cast<std::size_t>(m * out.blocks + b)] =
               d * static_cast<float>(sum);
