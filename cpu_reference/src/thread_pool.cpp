@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <system_error>
 
 namespace kvlab::cpu {
 namespace {
@@ -81,7 +82,7 @@ ThreadPool* pool_for_region() {
   const int threads = configured_threads();
   if (threads <= 1) return nullptr;
   thread_local std::unique_ptr<ThreadPool> pool;
-  if (!pool || pool->threads() != threads) {
+  if (!pool || pool->requested_threads() != threads) {
     pool.reset();
     pool = std::make_unique<ThreadPool>(threads);
   }
@@ -96,8 +97,11 @@ ThreadPool::LoopCounter& ThreadPool::loop(int ordinal) {
   return loops_[ordinal];
 }
 
-ThreadPool::ThreadPool(int threads) {
-  for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_main(); });
+ThreadPool::ThreadPool(int threads) : requested_(threads) {
+  try {
+    for (int i = 1; i < threads; ++i) workers_.emplace_back([this] { worker_main(); });
+  } catch (const std::system_error&) {  // out of threads (RLIMIT_NPROC): run with those started
+  }
 }
 
 ThreadPool::~ThreadPool() {

@@ -2,7 +2,7 @@
 // a shared machine (issue 67).
 //
 // libgomp's threads either spin at every join (fast on a quiet machine; on an oversubscribed one a
-// region waits a whole scheduler slice for a descheduled thread, and every one of the ~150
+// region waits a whole scheduler slice for a descheduled thread, and every one of the ~200
 // regions of a decode step does) or sleep (fair, but every region then pays a futex wake: 2.4x
 // slower at batch 1). This pool differs in three ways, as ggml's does:
 //   - a region's items are claimed in chunks from a shared counter: a thread that is not
@@ -31,13 +31,15 @@ inline void cpu_relax() {
 
 class ThreadPool {
  public:
-  // `threads` counts the caller: threads - 1 workers are started.
+  // `threads` counts the caller: threads - 1 workers are started (fewer if the system refuses
+  // more threads: the pool runs with those it got).
   explicit ThreadPool(int threads);
   ~ThreadPool();
   ThreadPool(const ThreadPool&) = delete;
   ThreadPool& operator=(const ThreadPool&) = delete;
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
+  int requested_threads() const { return requested_; }
 
   // Runs `job()` on the calling thread and on every worker that joins before the caller has
   // finished its own share; returns once each thread that joined has left `job`. `job` shares its
@@ -61,6 +63,7 @@ class ThreadPool {
   void worker_main();
   bool try_join(std::uint64_t& seen_generation);
 
+  int requested_ = 1;
   std::vector<std::thread> workers_;
   // generation << 32 | joined << 1 | closed: a region is open for joining until the caller
   // closes it; the next region starts once every thread that joined has left.
