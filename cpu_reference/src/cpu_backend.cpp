@@ -341,10 +341,13 @@ struct AttentionGroup {
   // weights, summed over the query heads of each K/V head (BatchEntry::scored_queries).
   float* key_scores = nullptr;
   std::int64_t scored_from = 0;
+  // A part of one K/V head's query heads (split_chunk_tasks): [head_begin, head_begin +
+  // head_count) of its group; head_count 0: all of them.
+  std::int64_t head_begin = 0, head_count = 0;
 
   // Their query heads: [first_head, first_head + heads); query head h reads K/V head h / group.
-  std::int64_t first_head() const { return kv_head * group; }
-  std::int64_t heads() const { return kv_count * group; }
+  std::int64_t first_head() const { return kv_head * group + head_begin; }
+  std::int64_t heads() const { return head_count > 0 ? head_count : kv_count * group; }
   std::int64_t queries() const { return static_cast<std::int64_t>(entry.tokens.size()); }
   std::int64_t keys() const { return key_end - key_begin; }
   // Columns query i (position start + i) sees: [first_visible(i), last_visible(i)].
@@ -381,7 +384,8 @@ namespace {
 void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
   const std::int64_t queries = task.queries();
   for (std::int64_t r = 0; r < scores.rows(); ++r) {
-    const std::int64_t i = r % queries, k = r / queries / task.group;  // query, K/V head
+    // query, K/V head (counted from the task's first)
+    const std::int64_t i = r % queries, k = (task.head_begin + r / queries) / task.group;
     const std::int64_t first = task.first_visible(i), last = task.last_visible(i);
     auto row = scores.row(r);
     auto visible = row.segment(first, last - first + 1);
@@ -398,6 +402,33 @@ void masked_softmax(const AttentionGroup& task, RowMatrix& scores) {
     if (task.key_scores != nullptr && i >= task.scored_from)
       Eigen::Map<Eigen::RowVectorXf>(task.key_scores + k * scores.cols(), scores.cols()) += row;
   }
+}
+
+}  // namespace
+
+namespace {
+
+// Fewer prompt-chunk tasks than threads (one sequence's prefill with few K/V heads: Gemma 3's
+// one): each is split into parts of its query heads, so that every thread gets one and the
+// products run inside the parallel region (BLAS single-threaded there: not OpenBLAS's own team
+// beside the backend's threads). Each part reads its K/V head again. Not for scored tasks,
+// whose parts would add into one row of key scores at once.
+void split_chunk_tasks(std::vector<AttentionGroup>& tasks, int threads) {
+  const auto count = static_cast<std::int64_t>(tasks.size());
+  if (count == 0 || count >= threads) return;
+  std::vector<AttentionGroup> parts;
+  for (const AttentionGroup& task : tasks) {
+    const std::int64_t split = task.queries() > 1 && task.kv_count == 1
+                                   ? std::min(task.group, (threads + count - 1) / count)
+                                   : 1;
+    for (std::int64_t p = 0; p < split; ++p) {
+      parts.push_back(task);
+      if (split == 1) continue;
+      parts.back().head_begin = p * task.group / split;
+      parts.back().head_count = (p + 1) * task.group / split - p * task.group / split;
+    }
+  }
+  tasks = std::move(parts);
 }
 
 }  // namespace
@@ -442,7 +473,10 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     }
   }
   std::vector<std::size_t> task_entries;  // scored tasks' entries, when some entry asks
-  if (!key_scores_.empty()) task_entries = give_score_buffers(batch, tasks);
+  if (!key_scores_.empty())
+    task_entries = give_score_buffers(batch, tasks);
+  else
+    split_chunk_tasks(tasks, num_threads());
   // Guided: the last tasks go to whichever thread is free (entries' lengths differ, and so do
   // the threads' speeds on a shared machine).
   const std::int64_t pool_layer = groups_.pool_layer[static_cast<std::size_t>(layer)];

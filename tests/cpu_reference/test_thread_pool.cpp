@@ -150,5 +150,32 @@ TEST(ThreadPool, BackendLogitsDoNotDependOnTheThreadCount) {
   set_num_threads(threads);
 }
 
+// One sequence's prompt over a single K/V head (MQA, Gemma 3's shape) is one attention task; at
+// 2 threads it is split into parts of its query heads (each part its own products): the logits
+// are those of one thread, to fp32 rounding.
+TEST(ThreadPool, APromptOfOneKvHeadIsSplitByQueryHeadsAndKeepsItsLogits) {
+  if (std::thread::hardware_concurrency() < 2) GTEST_SKIP() << "one processor";
+  ModelConfig config = model_preset("tiny");
+  config.num_key_value_heads = 1;  // 4 query heads over one K/V head
+  const LlamaWeights weights = random_llama_weights(config, 8);
+  std::vector<std::int32_t> tokens(150);
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = static_cast<std::int32_t>((i * 53 + 7) % 512);
+  const int threads = num_threads();
+  RowMatrix logits[2];
+  for (const int t : {1, 2}) {
+    set_num_threads(t);
+    KvPool pool({config.num_hidden_layers, 1, config.head_dim, 256});
+    CpuBackend backend(weights, pool, std::nullopt);
+    BatchEntry prefill{tokens, 0, KvView{{{0, 150}}, 0, {}}};
+    prefill.logit_rows = 150;
+    logits[t - 1] = backend.run({&prefill, 1});
+  }
+  set_num_threads(threads);
+  ASSERT_EQ(logits[0].rows(), 150);
+  const float worst = (logits[0] - logits[1]).cwiseAbs().maxCoeff();
+  EXPECT_LT(worst, 1e-4f) << "logits O(1)";
+}
+
 }  // namespace
 }  // namespace kvlab::cpu
