@@ -5,7 +5,6 @@
 // share each slice of weights. Elsewhere the same products in plain loops.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
 
-
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #define KVLAB_BF16_DOT 1
 #include <immintrin.h>

@@ -2,9 +2,10 @@
 // reference's function over the stored values, each output summed over k in order. The panels
 // were packed once at load, so a product only reads them. x is packed in tiles of kTileRows rows
 // ((depth, kTileRows): a tile's broadcasts read consecutive floats), and the threads take
-// contiguous ranges of panels, i.e. of the matrix's bytes, in chunks of about an eighth of the
-// panels each (parallel.hpp): when one thread runs behind, the other takes the last panels
-// instead of waiting at the join (f16 and f32 at batch 64: +1-3% over equal static halves):
+// contiguous ranges of panels, i.e. of the matrix's bytes, in guided chunks (parallel.hpp: a
+// quarter of what is left for two threads, ... then one at a time): when one thread runs behind,
+// the other takes the last panels instead of waiting at the join (f16 and f32 at batch 64: +1-3%
+// over equal static halves):
 //   up to kTileRows rows of x   one tile per panel, whose values are widened in registers as they
 //                               stream from memory (decode at small batches: every weight byte
 //                               read once, nothing written);
