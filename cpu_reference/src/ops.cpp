@@ -51,7 +51,7 @@ void set_num_threads(int threads) {
 }
 
 int num_threads() {
-  return Eigen::nbThreads();
+  return configured_threads();  // what set_num_threads gave the pool, Eigen and OpenBLAS
 }
 
 namespace {

@@ -17,11 +17,6 @@
 
 namespace kvlab::cpu {
 
-// Whether a region opened here would get more than one thread.
-inline bool region_gets_threads() {
-  return pool_for_region() != nullptr;
-}
-
 // Runs `region` on the pool's threads (each that joins in time runs all of it, as an OpenMP
 // parallel region does), or once on the calling thread. `region` shares its work through
 // shared_loop; it must not throw.

@@ -454,14 +454,27 @@ TEST(Engine, NonFiniteLogitsAreAnErrorNamingRequestAndStep) {
   EXPECT_NE(device.find("non-finite"), std::string::npos) << device;
 }
 
-std::vector<WorkloadRequest> small_workload(std::uint64_t seed, std::int64_t count) {
+struct TokenRange {
+  std::int64_t min, max;
+};
+
+// `count` requests of `vocab_size` tokens a few steps apart on the virtual clock (Poisson at
+// 400/s), prompt and output lengths uniform over their ranges.
+SyntheticWorkload spaced_workload(std::uint64_t seed, std::int64_t count, std::int64_t vocab_size,
+                                  TokenRange prompt, TokenRange output) {
   SyntheticWorkload spec;
   spec.requests = count;
   spec.seed = seed;
-  spec.vocab_size = weights().config.vocab_size;
-  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};  // a few steps apart on the virtual clock
-  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 20};
-  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 1, 8};
+  spec.vocab_size = vocab_size;
+  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
+  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, prompt.min, prompt.max};
+  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, output.min, output.max};
+  return spec;
+}
+
+std::vector<WorkloadRequest> small_workload(std::uint64_t seed, std::int64_t count) {
+  SyntheticWorkload spec =
+      spaced_workload(seed, count, weights().config.vocab_size, {3, 20}, {1, 8});
   spec.prefix_groups = 2;
   spec.prefix_tokens = 8;
   spec.priority_weights = {1, 1};
@@ -548,14 +561,8 @@ TEST(Engine, WindowKvPolicyGivesSlidingWindowAttentionsTokens) {
 // and after each step a sequence whose heads all keep the same positions holds at most its
 // budget of them.
 TEST(Engine, KvPoliciesBoundEachSequencesKvAndLoseNoRequest) {
-  SyntheticWorkload spec;
-  spec.requests = 10;
-  spec.seed = 8;
-  spec.vocab_size = weights().config.vocab_size;
-  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
-  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 3, 20};
-  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 10, 30};
-  const std::vector<WorkloadRequest> requests = generate_workload(spec);  // up to 50 tokens each
+  const std::vector<WorkloadRequest> requests = generate_workload(  // up to 50 tokens each
+      spaced_workload(8, 10, weights().config.vocab_size, {3, 20}, {10, 30}));
   struct Policy {
     const char* name;
     bool per_head;
@@ -701,13 +708,8 @@ const cpu::LlamaWeights& weights_head_dim_32() {
 // block as it is then (sealed once its writer moved on), where the request's own prefill would
 // have read its prompt in fp16, so hits change tokens (the next test).
 TEST(Engine, KiviPoolsSwapTheirSealedAndOpenGroupsLosslessly) {
-  SyntheticWorkload spec;
-  spec.requests = 6;
-  spec.seed = 17;
-  spec.vocab_size = weights_head_dim_32().config.vocab_size;
-  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
-  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 40, 70};
-  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 12, 12};
+  SyntheticWorkload spec =
+      spaced_workload(17, 6, weights_head_dim_32().config.vocab_size, {40, 70}, {12, 12});
   spec.prefix_groups = 2;
   spec.prefix_tokens = 32;
   std::vector<WorkloadRequest> requests = generate_workload(spec);
@@ -751,14 +753,8 @@ TEST(Engine, KiviPoolsSwapTheirSealedAndOpenGroupsLosslessly) {
 // (KvPool::move_slot: requantized in their new group), the backend seals them again, and no
 // sequence holds more open groups than the residual allows.
 TEST(Engine, KiviPoolsRunUnderAKvPolicy) {
-  SyntheticWorkload spec;
-  spec.requests = 6;
-  spec.seed = 23;
-  spec.vocab_size = weights_head_dim_32().config.vocab_size;
-  spec.arrival = {ArrivalKind::poisson, 400.0, 1.0, 1};
-  spec.prompt_tokens = {LengthKind::uniform, 0, 0, 0, 0, 40, 70};
-  spec.output_tokens = {LengthKind::uniform, 0, 0, 0, 0, 40, 40};
-  const std::vector<WorkloadRequest> requests = generate_workload(spec);
+  const std::vector<WorkloadRequest> requests = generate_workload(
+      spaced_workload(23, 6, weights_head_dim_32().config.vocab_size, {40, 70}, {40, 40}));
   for (const char* name : {"streaming_llm", "h2o"}) {
     EngineSetup setup;
     setup.model = &weights_head_dim_32();
