@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include <Eigen/Dense>
+#include <algorithm>
 #include <cstring>
 #include <limits>
 
@@ -292,10 +293,9 @@ void CpuBackend::prepare_key_scores(std::span<const BatchEntry> batch) {
                       "heads x {} keys expected",
                       e.key_mask.size(), keys, c.num_hidden_layers, c.num_key_value_heads, keys));
   }
-  if ((asked || masked) && (!groups_.uniform() || c.latent_dim() > 0))
-    throw Error(fmt::format(
-        "attention {} for a KV policy are not computed with KV groups or latent attention",
-        asked ? "scores" : "masks"));
+  if ((asked || masked) && c.latent_dim() > 0)
+    throw Error(fmt::format("attention {} for a KV policy are not computed with latent attention",
+                            asked ? "scores" : "masks"));
   if (asked)
     key_scores_.assign(total, 0.0f);
   else
@@ -442,13 +442,18 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
                         RowMatrix& out) {
   const ModelConfig& c = weights_.config;
   const std::int64_t kv_heads = c.num_key_value_heads, group = c.group_size();
-  const std::optional<std::int64_t> window = window_ ? window_ : c.layer_window(layer);
+  const std::optional<std::int64_t> window = layer_window(layer);
   out.resize(q.rows(), c.q_dim());
   // A decode task takes a whole entry when there are entries enough for every thread: it then
   // reads the entry's slot rows whole, in order. Otherwise (and for prompt chunks) one task per
   // (entry, K/V head), so that few sequences still spread over the threads.
   const bool whole_entries =
       static_cast<std::int64_t>(batch.size()) >= whole_entry_attention_sequences(num_threads());
+  const bool matched =
+      !groups_.uniform() && group_of(layer) != 0 &&
+      (!key_scores_.empty() ||
+       std::any_of(batch.begin(), batch.end(), [](auto& e) { return !e.key_mask.empty(); }));
+  if (matched) match_group_keys(layer, batch);
   std::vector<AttentionGroup> tasks;
   for (std::size_t e = 0; e < batch.size(); ++e) {
     const BatchEntry& entry = batch[e];
@@ -458,8 +463,9 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     const std::int64_t key_begin =  // the oldest key any query sees
         window ? view.index_at_or_after(entry.start_position - *window + 1) : 0;
     const std::int64_t key_end = view.index_at_or_after(last_position + 1);
-    const std::uint8_t* mask =
-        entry.key_mask.empty() ? nullptr : entry.key_mask.data() + layer * kv_heads * view.length();
+    const std::uint8_t* mask = entry.key_mask.empty() ? nullptr
+                               : matched              ? group_keys_[e].mask.data()
+                                         : entry.key_mask.data() + layer * kv_heads * view.length();
     const AttentionGroup task{entry,         view,      0,       kv_heads, group,
                               first_rows[e], key_begin, key_end, window,   mask};
     if (entry.tokens.size() == 1 && whole_entries) {
@@ -490,13 +496,47 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
   for (std::size_t t = 0; t < task_entries.size(); ++t) {  // tasks' sums into their entries'
     const AttentionGroup& task = tasks[t];
     if (task.key_scores == nullptr) continue;
-    const std::int64_t length = task.view.length();  // (layers, kv_heads, length) an entry
+    const std::size_t e = task_entries[t];
+    const std::int64_t length = batch[e].view.length();  // (layers, kv_heads, length) an entry
+    const std::int64_t* index = matched ? group_keys_[e].index.data() + task.key_begin : nullptr;
     for (std::int64_t k = 0; k < task.kv_count; ++k) {
-      float* entry_scores = key_scores_.data() + score_offsets_[task_entries[t]] +
-                            ((layer * kv_heads) + task.kv_head + k) * length + task.key_begin;
+      float* entry_scores =
+          key_scores_.data() + score_offsets_[e] + ((layer * kv_heads) + task.kv_head + k) * length;
       const float* sums = task.key_scores + k * task.keys();
-      for (std::int64_t j = 0; j < task.keys(); ++j) entry_scores[j] += sums[j];
+      for (std::int64_t j = 0; j < task.keys(); ++j)
+        entry_scores[index != nullptr ? index[j] : task.key_begin + j] += sums[j];
     }
+  }
+}
+
+// Each entry's keys in the layer's group view, numbered as in its view (group 0's: the global
+// layers hold every position a sliding group does), and the layer's key mask in the group
+// view's numbering.
+void CpuBackend::match_group_keys(std::int64_t layer, std::span<const BatchEntry> batch) {
+  const std::int64_t kv_heads = weights_.config.num_key_value_heads;
+  group_keys_.resize(batch.size());
+  for (std::size_t e = 0; e < batch.size(); ++e) {
+    const BatchEntry& entry = batch[e];
+    const KvView& view = group_view(entry, group_of(layer));
+    GroupKeys& keys = group_keys_[e];
+    keys.index.resize(static_cast<std::size_t>(view.length()));
+    std::int64_t i = 0;
+    for (std::int64_t j = 0; j < view.length(); ++j) {
+      const std::int64_t position = view.position_at(j);
+      while (i < entry.view.length() && entry.view.position_at(i) < position) ++i;
+      if (i == entry.view.length() || entry.view.position_at(i) != position)
+        throw Error(fmt::format(
+            "KV group {} holds position {}, which the entry's view (group 0) does not: group 0 "
+            "must hold every position a sliding group holds",
+            group_of(layer), position));
+      keys.index[static_cast<std::size_t>(j)] = i;
+    }
+    keys.mask.clear();
+    if (entry.key_mask.empty()) continue;
+    const std::uint8_t* rows = entry.key_mask.data() + layer * kv_heads * entry.view.length();
+    for (std::int64_t h = 0; h < kv_heads; ++h)
+      for (const std::int64_t index : keys.index)
+        keys.mask.push_back(rows[h * entry.view.length() + index]);
   }
 }
 

@@ -117,7 +117,10 @@ class PolicyStream {
         pool_(pool),
         policy_(policy),
         policy_name_(std::move(policy_name)),
-        step_(step) {}
+        step_(step) {
+    for (std::int64_t l = 0; l < pool.shape().layers; ++l)
+      layer_windows_.push_back(backend.layer_window(l));
+  }
 
   // Slots a sequence of n_ctx tokens takes: what the policy may hold and a step's tokens, or in
   // a KIVI pool the whole chunk's (its positions stay in place), in whole KIVI groups.
@@ -152,6 +155,7 @@ class PolicyStream {
   KvPolicy& policy_;
   std::string policy_name_;
   std::int64_t step_, room_ = 0;
+  std::vector<std::optional<std::int64_t>> layer_windows_;  // (layers) the backend's
   bool in_place_ = false;  // positions stay in their slots (KIVI), else kept rows move down
   std::vector<Sequence> sequences_;
   std::vector<std::uint8_t> keep_;
@@ -229,6 +233,7 @@ void PolicyStream::keep_selected(std::size_t s, std::int64_t id, std::span<const
   const auto n = static_cast<std::int64_t>(seq.held.size());
   keep_.assign(static_cast<std::size_t>(shape.layers * shape.kv_heads * n), 0);
   const KvKeep keep{keep_, shape.layers, shape.kv_heads, n};
+  hide_outside_windows(layer_windows_, shape.kv_heads, seq.held, seq.mask);
   const KvPolicyStep step{id,           seq.held,       scores,     seq.mask,
                           shape.layers, shape.kv_heads, new_tokens, prompt_done};
   HeadSelection kept =

@@ -229,7 +229,7 @@ void check_latent_attention(const ExperimentConfig& c, const PluginRegistry& reg
 // kv_cache.groups = "per_kind" (kvlab/kv/kv_groups.hpp) on a model of two attention kinds and a
 // point that uses only what the grouped allocator does: each group's blocks are a sequence of
 // their own to the allocator plugin, so no swapping or KV handed to another replica (they copy
-// one view), no KV policy or KIVI pool.
+// one view), no KIVI pool (its groups of 32 rows would differ between KV groups).
 void check_kv_groups(const ExperimentConfig& c, const ModelConfig& model) {
   if (!c.kv_groups) return;
   if (kv_layer_groups(model, true).uniform())
@@ -244,8 +244,8 @@ void check_kv_groups(const ExperimentConfig& c, const ModelConfig& model) {
         fmt::format("backend \"{}\" (the cpu and simulated backends read KV groups)", c.backend);
   else if (swap != c.scheduler_params.end() && swap->second == ParamValue{std::string("swap")})
     refused = "swap preemption (use scheduler.params.preemption = \"recompute\")";
-  else if (!c.kv_policy.empty() || dtype_is_kivi(c.kv_dtype))
-    refused = "a [kv_policy] or a KIVI pool";
+  else if (dtype_is_kivi(c.kv_dtype))
+    refused = "a KIVI pool";
   else if (c.has_kv_tiers() || c.disaggregated())
     refused = "[kv_tiers] or prefill/decode disaggregation";
   if (!refused.empty())

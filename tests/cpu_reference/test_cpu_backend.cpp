@@ -145,6 +145,69 @@ TEST(CpuBackend, AKeyMaskHidesKeysPerLayerAndKvHead) {
   EXPECT_THROW((void)decode(one_head), Error);
 }
 
+// A per-head KV policy over KV groups (gemma3-tiny's six groups of one layer: five local with an
+// 8-token window, the global last): the key mask and the key scores are numbered by the entry's
+// view (group 0's), and a local group's view holds only some of its positions. A decode whose
+// group 0 dropped position 7 and whose local groups hold positions 12-20 gives the logits and
+// key scores of the one-table pool with the same positions (1e-6: the same sums), a key hidden
+// in one local and one global layer included; a local layer gives 0 to every key its window has
+// passed. Masking another key than the one-table run does changes the logits: the check can fail.
+TEST(CpuBackend, KvGroupsReadKeyMasksAndGiveKeyScoresInTheEntrysViewsNumbering) {
+  const LlamaWeights weights = test::scaled_random_weights(model_preset("gemma3-tiny"), 5);
+  const ModelConfig& c = weights.config;  // 6 layers, 1 K/V head, layer 5 global
+  constexpr std::int64_t kRoom = 64, kPrompt = 20, kDropped = 7, kLocalFrom = 12;
+  KvPool uniform_pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kRoom});
+  KvPool grouped_pool({1, c.num_key_value_heads, c.head_dim, c.num_hidden_layers * kRoom});
+  CpuBackend uniform(weights, uniform_pool, std::nullopt),
+      grouped(weights, grouped_pool, std::nullopt);
+  std::vector<std::int32_t> prompt(kPrompt);
+  for (std::int64_t i = 0; i < kPrompt; ++i) prompt[static_cast<std::size_t>(i)] = 3 + 7 * i % 500;
+  BatchEntry prefill{prompt, 0, KvView{{{0, kPrompt}}, 0, {}}};
+  (void)uniform.run({&prefill, 1});
+  for (std::int64_t g = 0; g < c.num_hidden_layers; ++g)
+    prefill.group_views.push_back(KvView{{{g * kRoom, kPrompt}}, 0, {}});
+  (void)grouped.run({&prefill, 1});
+
+  std::vector<std::int64_t> held(kPrompt + 1);  // positions 0-20 but the dropped one
+  std::iota(held.begin(), held.end(), 0);
+  held.erase(held.begin() + kDropped);
+  const auto keys = static_cast<std::int64_t>(held.size());
+  std::vector<std::uint8_t> mask(static_cast<std::size_t>(c.num_hidden_layers * keys), 1);
+  const std::int64_t local_hidden = 15 - 1, global_hidden = 3;  // view indices (7 dropped)
+  mask[static_cast<std::size_t>(2 * keys + local_hidden)] = 0;
+  mask[static_cast<std::size_t>(5 * keys + global_hidden)] = 0;
+  const std::vector<std::int32_t> next{9};
+  const auto decode = [&](CpuBackend& backend, std::int64_t base, bool groups,
+                          std::span<const std::uint8_t> key_mask) {
+    BatchEntry entry{
+        next, kPrompt,
+        KvView{{{base, kDropped}, {base + kDropped + 1, kPrompt - kDropped}}, 0, held}};
+    entry.scored_queries = 1;
+    entry.key_mask = key_mask;
+    for (std::int64_t g = 0; groups && g < c.num_hidden_layers; ++g)
+      entry.group_views.push_back(
+          g == 0 ? entry.view
+                 : KvView{{{g * kRoom + kLocalFrom, kPrompt + 1 - kLocalFrom}}, kLocalFrom, {}});
+    const RowMatrix logits = backend.run({&entry, 1});
+    const std::span<const float> scores = backend.key_scores();
+    return std::make_pair(logits, std::vector<float>(scores.begin(), scores.end()));
+  };
+  const auto [one_table_logits, one_table_scores] = decode(uniform, 0, false, mask);
+  const auto [grouped_logits, grouped_scores] = decode(grouped, 0, true, mask);
+  EXPECT_LT((grouped_logits - one_table_logits).cwiseAbs().maxCoeff(), 1e-6);
+  ASSERT_EQ(grouped_scores.size(), one_table_scores.size());
+  for (std::size_t i = 0; i < grouped_scores.size(); ++i)
+    EXPECT_NEAR(grouped_scores[i], one_table_scores[i], 1e-6) << i;
+  EXPECT_EQ(grouped_scores[static_cast<std::size_t>(2 * keys + local_hidden)], 0.0f);
+  EXPECT_GT(grouped_scores[static_cast<std::size_t>(3 * keys + local_hidden)], 0.0f);
+  for (std::int64_t j = 0; j < 13 - 1; ++j)  // positions 0-12 (7 dropped): outside the window
+    EXPECT_EQ(grouped_scores[static_cast<std::size_t>(j)], 0.0f) << j;
+  std::vector<std::uint8_t> other = mask;
+  other[static_cast<std::size_t>(2 * keys + local_hidden)] = 1;
+  other[static_cast<std::size_t>(2 * keys + local_hidden + 1)] = 0;
+  EXPECT_GT((decode(grouped, 0, true, other).first - one_table_logits).cwiseAbs().maxCoeff(), 1e-5);
+}
+
 // Gemma 3's architecture (gemma3-tiny: 6 layers, the last global, the others an 8-token window
 // with their own RoPE base; per-head Q/K norms, post norms, GeGLU, scaled embedding) through
 // the backend: a 29-token prompt in chunks of 5 with its slots scattered over three extents,

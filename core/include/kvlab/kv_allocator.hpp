@@ -128,8 +128,9 @@ class BOOST_SYMBOL_VISIBLE KvRollback {
   // sequence's whole blocks past the new end), nothing of them enters the prefix cache, no
   // block another sequence holds is written, and the next append writes from `length`. false
   // (nothing changed) when `length` is past its end, cuts into what mark_computed made
-  // shareable, cuts inside a block another sequence shares, or the sequence has dropped
-  // positions (evict).
+  // shareable, or cuts inside a block another sequence shares. A sequence that dropped
+  // positions (evict) keeps those it holds below `length` (paged gives back its newest slots;
+  // an allocator that cannot may refuse).
   virtual bool truncate(SequenceId sequence, std::int64_t length) = 0;
 
  protected:
@@ -187,6 +188,21 @@ class BOOST_SYMBOL_VISIBLE KvGroupViewing {
   ~KvGroupViewing() = default;
 };
 
+// Dropping positions group by group (GroupedKvAllocator, kvlab/kv/kv_groups.hpp): a KV policy
+// whose layers keep different positions frees, in each KV group, what none of the group's
+// layers keeps.
+class BOOST_SYMBOL_VISIBLE KvGroupDropping {
+ public:
+  // kept[g] (one list a group, increasing): the positions group g keeps of those its view
+  // holds; group 0's (the global layers') hold every other group's. false (nothing changed)
+  // when group 0 cannot drop them now (KvPositionDropping::evict).
+  virtual bool evict_groups(SequenceId sequence,
+                            std::span<const std::vector<std::int64_t>> kept) = 0;
+
+ protected:
+  ~KvGroupDropping() = default;
+};
+
 struct KvAllocatorFeatures {
   KvPositionDropping* dropping = nullptr;
   KvRollback* rollback = nullptr;
@@ -194,6 +210,7 @@ struct KvAllocatorFeatures {
   const KvPoolDrawing* drawing = nullptr;
   const KvGroupViewing* groups = nullptr;
   KvPrefixLookup* prefix_lookup = nullptr;
+  KvGroupDropping* group_dropping = nullptr;
 };
 
 // The core every allocator has: commits, planning, queries.

@@ -16,8 +16,10 @@ std::vector<std::unique_ptr<StepExtension>> engine_extensions(const EngineOption
   if (options.kv_policy != nullptr)  // (sequence ids start again: its state from nothing)
     extensions.push_back(std::make_unique<KvPolicyRunner>(
         *options.kv_policy, options.names.kv_policy, options.names.allocator, options.names.backend,
-        options.pool != nullptr ? options.pool->shape().layers : 1,
-        options.pool != nullptr ? options.pool->shape().kv_heads : 1));
+        !options.rules.layer_windows.empty()
+            ? static_cast<std::int64_t>(options.rules.layer_windows.size())
+            : (options.pool != nullptr ? options.pool->shape().layers : 1),
+        options.pool != nullptr ? options.pool->shape().kv_heads : 1, options.rules.layer_windows));
   // On a clock that times the backend (measured, wall) the backend computes the padding rows
   // too, or static batching would be timed without the padding the simulator charges it.
   const bool timed = options.clock == EngineClock::measured || options.clock == EngineClock::wall;

@@ -8,6 +8,7 @@
 
 #include "kvlab/engine/plugin_call.hpp"
 #include "kvlab/error.hpp"
+#include "kvlab/kv/kv_groups.hpp"
 
 namespace kvlab {
 
@@ -107,24 +108,40 @@ void KvPolicyRunner::select_one(RequestId id, const ScheduledWork& work,
   visible_.clear();  // what each head still sees: the last selection's, new positions seen
   if (const auto was = kept_.find(id); was != kept_.end())
     key_mask_for(was->second, positions_, std::numeric_limits<std::int64_t>::max(), visible_);
+  hide_outside_windows(layer_windows_, kv_heads_, positions_, visible_);
   const KvPolicyStep step{id,      positions_, head_scores_, visible_,
                           layers_, kv_heads_,  work.tokens,  work.samples && !work.decode};
   HeadSelection kept =
       kept_by_policy(policy_, policy_name_, step, keep, policy_.select(step, keep));
+  const double held = drop_unkept(id, kept, kv);
   if (kept.cells < static_cast<std::int64_t>(heads * n))
-    stats_.add(kept, positions_.back() + 1);  // the full cache: every position so far
-  if (kept.held() < static_cast<std::int64_t>(n)) {
-    KvPositionDropping* dropping = kv.features().dropping;
-    if (dropping == nullptr || !dropping->evict(id, kept.positions))
-      throw Error(fmt::format(
-          "{} cannot drop positions for KV policy \"{}\" (request {}): a KV policy needs "
-          "kv_cache.allocator = \"paged\" with prefix_caching = false",
-          allocator_name_, policy_name_, id));
-  }
+    stats_.add(kept, positions_.back() + 1, held);  // the full cache: every position so far
   if (kept.visible.empty())
     kept_.erase(id);
   else
     kept_.insert_or_assign(id, std::move(kept));
+}
+
+double KvPolicyRunner::drop_unkept(RequestId id, const HeadSelection& kept, KvAllocator& kv) const {
+  const KvAllocatorFeatures features = kv.features();
+  const KvLayerGroups* groups =
+      features.groups != nullptr ? &features.groups->layer_groups() : nullptr;
+  bool dropped = true;
+  if (groups != nullptr && !groups->uniform() && features.group_dropping != nullptr)
+    dropped = features.group_dropping->evict_groups(
+        id, kept_per_group(kept, groups->group_of_layer, groups->count()));
+  else if (kept.held() < kv.view(id).length())
+    dropped = features.dropping != nullptr && features.dropping->evict(id, kept.positions);
+  if (!dropped)
+    throw Error(
+        fmt::format("{} cannot drop positions for KV policy \"{}\" (request {}): a KV policy needs "
+                    "kv_cache.allocator = \"paged\" with prefix_caching = false",
+                    allocator_name_, policy_name_, id));
+  if (groups == nullptr || groups->uniform()) return static_cast<double>(kept.held());
+  double held = 0;
+  for (std::int64_t g = 0; g < groups->count(); ++g)
+    held += static_cast<double>(features.groups->group_view(id, g).length());
+  return held / static_cast<double>(groups->count());
 }
 
 }  // namespace kvlab

@@ -14,6 +14,8 @@ SequenceRules sequence_rules(const ModelConfig& model, const AttentionVariant& a
   rules.eos_token_ids = model.eos_token_ids;
   rules.window = attention.window() ? attention.window() : model.sliding_window;
   rules.caches_kv = attention.caches_kv();
+  for (std::int64_t l = 0; l < model.num_hidden_layers; ++l)
+    rules.layer_windows.push_back(attention.window() ? attention.window() : model.layer_window(l));
   return rules;
 }
 

@@ -96,9 +96,9 @@ bool PagedBlocks::drop_positions(BlockTable& t, std::span<const std::int64_t> ke
 // rolled-back token is in the prefix cache, and a cut inside a shared block is refused: its
 // other holders see its fill.
 bool PagedBlocks::truncate(BlockTable& t, std::int64_t length) {
-  if (length < 0 || length > t.length || t.dropped_positions()) return false;
-  if (length < t.computed_blocks * block_size_ || length < t.first_block * block_size_)
-    return false;
+  if (length < 0 || length > t.length || length < t.computed_blocks * block_size_) return false;
+  if (t.dropped_positions()) return truncate_dropped(t, length);
+  if (length < t.first_block * block_size_) return false;
   const std::int64_t keep = blocks_for(length);
   if (length < t.length && length % block_size_ != 0 &&
       blocks_.ref_count(t.blocks[index(keep - 1)]) > 1)
@@ -112,6 +112,31 @@ bool PagedBlocks::truncate(BlockTable& t, std::int64_t length) {
   t.hashes.resize(std::min(t.hashes.size(), index(length / block_size_)));
   if (keep > 0 && t.blocks.back() >= 0)
     blocks_.set_fill(t.blocks.back(), length - (keep - 1) * block_size_);
+  rebuild_view(t);
+  return true;
+}
+
+// A table with dropped positions holds its positions in increasing slot order, the appended
+// ones last: the slots of positions from `length` on are given back from the end, and the
+// dropped slots before them (the table then ends at a held slot, in a held block, or is empty).
+bool PagedBlocks::truncate_dropped(BlockTable& t, std::int64_t length) {
+  std::int64_t slots = t.slots;
+  while (slots > 0 &&
+         (t.slot_positions[index(slots - 1)] >= length || t.slot_positions[index(slots - 1)] < 0))
+    --slots;
+  const std::int64_t keep = blocks_for(slots);
+  if (slots < t.slots && slots % block_size_ != 0 &&
+      blocks_.ref_count(t.blocks[index(keep - 1)]) > 1)
+    return false;
+  while (static_cast<std::int64_t>(t.blocks.size()) > keep) {
+    if (t.blocks.back() >= 0) release(t.blocks.back());
+    t.blocks.pop_back();
+  }
+  t.slots = slots;
+  t.slot_positions.resize(index(slots));
+  t.length = length;
+  t.tokens.resize(index(length));
+  t.hashes.resize(std::min(t.hashes.size(), index(length / block_size_)));
   rebuild_view(t);
   return true;
 }

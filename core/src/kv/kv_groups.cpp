@@ -334,7 +334,10 @@ KvAllocatorStats GroupedKvAllocator::stats() const {
 
 KvAllocatorFeatures GroupedKvAllocator::features() {
   KvAllocatorFeatures f;
-  if (inner_features_.dropping != nullptr) f.dropping = this;
+  if (inner_features_.dropping != nullptr) {
+    f.dropping = this;
+    f.group_dropping = this;
+  }
   if (inner_features_.rollback != nullptr) f.rollback = this;
   if (inner_features_.drawing != nullptr) f.drawing = this;
   f.groups = this;
@@ -344,6 +347,36 @@ KvAllocatorFeatures GroupedKvAllocator::features() {
 void GroupedKvAllocator::release_before(SequenceId sequence, std::int64_t position) {
   for (std::int64_t g = 0; g < groups_.count(); ++g)
     inner_features_.dropping->release_before(inner_id(sequence, g), position);
+}
+
+bool GroupedKvAllocator::evict(SequenceId sequence, std::span<const std::int64_t> kept) {
+  const std::vector<std::vector<std::int64_t>> groups(
+      static_cast<std::size_t>(groups_.count()),
+      std::vector<std::int64_t>(kept.begin(), kept.end()));
+  return evict_groups(sequence, groups);
+}
+
+bool GroupedKvAllocator::evict_groups(SequenceId sequence,
+                                      std::span<const std::vector<std::int64_t>> kept) {
+  if (inner_features_.dropping == nullptr || !lengths_.contains(sequence)) return false;
+  if (static_cast<std::int64_t>(kept.size()) != groups_.count())
+    throw Error(fmt::format("internal: {} kept lists for sequence {} of {} KV groups", kept.size(),
+                            sequence, groups_.count()));
+  std::vector<std::int64_t> held;  // group g's kept positions that its view holds
+  for (std::int64_t g = 0; g < groups_.count(); ++g) {
+    const KvView view = group_view(sequence, g);
+    held.clear();
+    for (const std::int64_t position : kept[static_cast<std::size_t>(g)])
+      if (view.holds(position)) held.push_back(position);
+    if (static_cast<std::int64_t>(held.size()) == view.length()) continue;  // nothing dropped
+    if (inner_features_.dropping->evict(inner_id(sequence, g), held)) continue;
+    if (g > 0)
+      throw Error(
+          fmt::format("internal: KV group {} of sequence {} refused an eviction its group 0 took",
+                      g, sequence));
+    return false;
+  }
+  return true;
 }
 
 void GroupedKvAllocator::pool_map(KvPoolMap& map) const {

@@ -216,7 +216,8 @@ std::string ConformanceRun::append() {
       for (std::int64_t p : kept->second)
         if (p >= old_length - 8 && view.index_at_or_after(p) == view.length())
           return fmt::format("sequence {}: release_before dropped position {}", it->first, p);
-      kept->second.assign(view.positions.begin(), view.positions.end());
+      kept->second.clear();  // (a view without holes lists no positions)
+      for (std::int64_t i = 0; i < view.length(); ++i) kept->second.push_back(view.position_at(i));
     }
   }
   if (options_.evict && uniform(0, 2) == 0) return evict_some(it->first);
@@ -225,11 +226,11 @@ std::string ConformanceRun::append() {
 
 // Speculative decoding on a random sequence: 1-4 proposed tokens appended and written (the
 // target's verify step), the first `accepted` marked computed and the rest rolled back. truncate
-// must accept, free exactly the rolled-back slots (they were the sequence's own), and refuse a
-// length past the end without changing anything.
+// must accept (after dropped positions too: the rolled-back ones are the newest), free exactly
+// the rolled-back slots (they were the sequence's own), and refuse a length past the end
+// without changing anything.
 std::string ConformanceRun::speculate() {
   const auto it = any_sequence();
-  if (kept_.count(it->first)) return "";  // dropped positions: truncate may refuse
   std::vector<std::int32_t> proposed(static_cast<std::size_t>(uniform(1, 4)));
   for (auto& t : proposed) t = uniform(0, 3);
   const auto count = static_cast<std::int64_t>(proposed.size());
@@ -253,6 +254,8 @@ std::string ConformanceRun::speculate() {
     return fmt::format("sequence {}: truncate to {} of {} refused after a speculative append",
                        it->first, keep, old_length + count);
   it->second.resize(static_cast<std::size_t>(keep));
+  if (auto kept = kept_.find(it->first); kept != kept_.end())
+    std::erase_if(kept->second, [keep](std::int64_t p) { return p >= keep; });
   rolled_back_ += old_length + count - keep;
   const std::int64_t freed = before.used - allocator_->stats().used;
   if (freed != (old_length + count - keep) * groups())
@@ -268,7 +271,16 @@ std::string ConformanceRun::evict_some(SequenceId id) {
   for (std::int64_t i = 0; i < view.length(); ++i)
     if (i + 1 == view.length() || uniform(0, 1)) kept.push_back(view.position_at(i));
   const KvAllocatorStats before = allocator_->stats();
-  if (!features_.dropping->evict(id, kept)) {  // allowed (e.g. no room to unshare a fork's blocks)
+  bool accepted = false;
+  if (grouped_ && uniform(0, 1)) {  // each group a subset of group 0's (a per-layer policy's)
+    std::vector<std::vector<std::int64_t>> groups(static_cast<std::size_t>(this->groups()), kept);
+    for (std::size_t g = 1; g < groups.size(); ++g)
+      std::erase_if(groups[g], [&](std::int64_t p) { return p != kept.back() && uniform(0, 1); });
+    accepted = grouped_->evict_groups(id, groups);
+  } else {
+    accepted = features_.dropping->evict(id, kept);
+  }
+  if (!accepted) {  // allowed (e.g. no room to unshare a fork's blocks)
     const bool unchanged =
         allocator_->view(id).length() == view.length() && allocator_->stats().free == before.free;
     return unchanged ? "" : fmt::format("sequence {}: a refused evict changed it or the pool", id);
@@ -371,6 +383,15 @@ void ConformanceRun::write_values(SequenceId id, std::int64_t from) {
       kept->second.push_back(p);
 }
 
+// Whether the view's positions are `positions` (an evict that dropped nothing may leave a view
+// without a positions list).
+bool holds_exactly(const KvView& view, std::span<const std::int64_t> positions) {
+  if (view.length() != static_cast<std::int64_t>(positions.size())) return false;
+  for (std::int64_t i = 0; i < view.length(); ++i)
+    if (view.position_at(i) != positions[static_cast<std::size_t>(i)]) return false;
+  return true;
+}
+
 // The stats add up; every live sequence reads its own prefix back; a shared slot holds one
 // prefix; `used` counts each live slot once.
 std::string ConformanceRun::check_invariants() const {
@@ -390,9 +411,8 @@ std::string ConformanceRun::check_invariants() const {
       return fmt::format("sequence {}: view ends at {}, it has {} tokens", id, view.end_position(),
                          tokens.size());
     if (auto kept = kept_.find(id);
-        kept != kept_.end() &&
-        (view.length() != static_cast<std::int64_t>(kept->second.size()) ||
-         !std::equal(kept->second.begin(), kept->second.end(), view.positions.begin())))
+        kept != kept_.end() && (view.length() != static_cast<std::int64_t>(kept->second.size()) ||
+                                !holds_exactly(view, kept->second)))
       return fmt::format("sequence {}: the view holds {} positions, not the {} it kept", id,
                          view.length(), kept->second.size());
     if (const KvView shape = allocator_->positions_view(id);

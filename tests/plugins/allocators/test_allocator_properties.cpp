@@ -115,7 +115,17 @@ INSTANTIATE_TEST_SUITE_P(
         // ... and with prefix caching: each group's blocks under its own salt, the hit the one
         // every group holds (a window group's early blocks reused or evicted meanwhile).
         AllocatorCase{"paged", {{"block_size", std::int64_t{4}}}, true, 0, 0, "lru", false, 3},
-        AllocatorCase{"paged", {{"block_size", std::int64_t{2}}}, false, 0, 0, "lru", false, 3}),
+        AllocatorCase{"paged", {{"block_size", std::int64_t{2}}}, false, 0, 0, "lru", false, 3},
+        // ... and a KV policy's evictions under groups (each group keeps what its view holds of
+        // the kept positions), rolled back after them too.
+        AllocatorCase{"paged",
+                      {{"block_size", std::int64_t{4}}, {"prefix_caching", false}},
+                      true,
+                      0,
+                      0,
+                      "lru",
+                      true,
+                      3}),
     [](const auto& info) {
       std::string name = info.param.name;
       if (info.param.evicts) name += "_evicts";

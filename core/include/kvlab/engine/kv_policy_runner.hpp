@@ -3,11 +3,13 @@
 // backend for the attention scores the policy reads and hands it each sequence's key mask (what
 // each layer's K/V head no longer sees); after the step's update it shows the policy each
 // running sequence's positions, drops what no head keeps (KvAllocator::evict) and masks what
-// some heads keep and others do not (kvlab/kv/kv_keep.hpp). A sequence that lost its KV
+// some heads keep and others do not (kvlab/kv/kv_keep.hpp); with KV groups each group frees
+// what none of its layers keeps (KvGroupDropping). A sequence that lost its KV
 // (preempted) starts afresh in the policy; a finished one is forgotten. A step extension
 // (kvlab/engine/step_extension.hpp).
 #include <algorithm>
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <unordered_map>
@@ -27,15 +29,19 @@ namespace kvlab {
 class KvPolicyRunner final : public StepExtension {
  public:
   // `names`: the policy, the allocator and the backend as errors name them; `layers` and
-  // `kv_heads`: the model's, that the policy selects in.
+  // `kv_heads`: the model's, that the policy selects in; `layer_windows`: (layers) each layer's
+  // window (SequenceRules::layer_windows), or empty: what a window no longer shows a layer is
+  // hidden from its heads' choice.
   KvPolicyRunner(KvPolicy& policy, std::string policy_name, std::string allocator_name,
-                 std::string backend_name, std::int64_t layers, std::int64_t kv_heads)
+                 std::string backend_name, std::int64_t layers, std::int64_t kv_heads,
+                 std::vector<std::optional<std::int64_t>> layer_windows = {})
       : policy_(policy),
         policy_name_(std::move(policy_name)),
         allocator_name_(std::move(allocator_name)),
         backend_name_(std::move(backend_name)),
         layers_(layers),
-        kv_heads_(kv_heads) {}
+        kv_heads_(kv_heads),
+        layer_windows_(std::move(layer_windows)) {}
 
   // A sequence holds its prompt, or what the policy may hold and a new token, at most.
   std::int64_t max_held(const RequestState& request, std::int64_t held) const override {
@@ -78,10 +84,14 @@ class KvPolicyRunner final : public StepExtension {
  private:
   void select_one(RequestId id, const ScheduledWork& work, std::span<const float> scores,
                   KvAllocator& kv);
+  // Drops what no head keeps (with KV groups: in each group, what none of its layers keeps);
+  // returns the positions the sequence's slots hold now, on average over its groups.
+  double drop_unkept(RequestId id, const HeadSelection& kept, KvAllocator& kv) const;
 
   KvPolicy& policy_;
   std::string policy_name_, allocator_name_, backend_name_;
   std::int64_t layers_, kv_heads_;
+  std::vector<std::optional<std::int64_t>> layer_windows_;
   std::vector<float> scores_;         // this step's, entry after entry
   std::vector<float> head_scores_;    // one request's, (layers, kv_heads, positions held)
   std::vector<std::size_t> offsets_;  // each entry's first score

@@ -16,6 +16,9 @@ struct SequenceRules {
   std::vector<std::int32_t> eos_token_ids;
   // Attention reads only the last `window` positions; older KV may be released.
   std::optional<std::int64_t> window;
+  // (model layers) each layer's window: `window` when set, else the model's own per layer
+  // (Gemma 3's local layers). Empty: every layer reads `window`.
+  std::vector<std::optional<std::int64_t>> layer_windows;
   bool caches_kv = true;  // false: the no-cache variant recomputes every sequence every step
 
   bool is_eos(std::int32_t token) const;

@@ -111,6 +111,7 @@ class PagedBlocks {
     return (blocks - 1) * block_size_ < table.slots ? blocks : blocks_for(table.slots);
   }
   void rebuild_dropped_view(BlockTable& table);
+  bool truncate_dropped(BlockTable& table, std::int64_t length);
   void number_slots(BlockTable& table) const;
   void release_dropped(BlockTable& table);
   bool own_blocks(BlockTable& table);

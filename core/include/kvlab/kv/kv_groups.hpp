@@ -16,8 +16,9 @@
 // of the same tokens), and a prompt's hit is the longest prefix every group still holds from its
 // first block (KvPrefixLookup): a sliding group's old blocks stay cached after its window
 // passed, until the pool reuses them; a group that holds more starts from that common hit. What
-// it does not do yet: forks, KV policies' evictions, swapping and handing KV to another replica;
-// kvlab::validate refuses those with groups.
+// it does not do yet: forks, swapping and handing KV to another replica; kvlab::validate refuses
+// those with groups. A KV policy drops positions group by group (KvGroupDropping): a group frees
+// what none of its layers keeps, group 0 (the global layers) what no layer keeps.
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -65,6 +66,7 @@ KvLayerGroups kv_layer_groups(const ModelConfig& model, bool per_kind);
 class GroupedKvAllocator final : public KvAllocator,
                                  public KvGroupViewing,
                                  public KvPositionDropping,
+                                 public KvGroupDropping,
                                  public KvRollback,
                                  public KvPoolDrawing {
  public:
@@ -95,9 +97,14 @@ class GroupedKvAllocator final : public KvAllocator,
   }
 
   // Every group drops positions before `position` (an attention variant's window over every
-  // layer); evict (a KV policy) is not offered with groups: false.
+  // layer).
   void release_before(SequenceId sequence, std::int64_t position) override;
-  bool evict(SequenceId, std::span<const std::int64_t>) override { return false; }
+  // A KV policy that keeps the same positions in every layer: every group keeps `kept`.
+  bool evict(SequenceId sequence, std::span<const std::int64_t> kept) override;
+  // A KV policy whose layers keep different positions: each group keeps those of its list its
+  // view holds (a sliding group has let older ones go), group 0 first (the one that may refuse;
+  // the others hold no prefix-cached or shared block it does not).
+  bool evict_groups(SequenceId sequence, std::span<const std::vector<std::int64_t>> kept) override;
   bool truncate(SequenceId sequence, std::int64_t length) override;
   // The plugin's map, each run's owner the sequence (not the group's plugin id): kvlab view
   // colours a request's groups alike, each group's runs where its slots are.

@@ -4,6 +4,7 @@
 // union of what the heads keep (the slots that stay held), each head's view of that union (the
 // backend's key mask), and what a run held and saw on average.
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <vector>
@@ -43,16 +44,36 @@ HeadSelection kept_by_policy(const KvPolicy& policy, std::string_view policy_nam
 void key_mask_for(const HeadSelection& kept, std::span<const std::int64_t> view_positions,
                   std::int64_t new_from, std::vector<std::uint8_t>& mask);
 
+// Hides from each layer's K/V heads the positions its window will never show again (Gemma 3's
+// local layers, a sliding window): after a forward whose newest position is positions.back(),
+// the next query sees keys from positions.back() + 2 - window on (the newest always). `visible`
+// is (layers, kv_heads, positions.size()), or empty when every head sees every position; it is
+// filled in when a window hides one. `layer_windows`: (layers) each layer's window, or empty.
+void hide_outside_windows(std::span<const std::optional<std::int64_t>> layer_windows,
+                          std::int64_t kv_heads, std::span<const std::int64_t> positions,
+                          std::vector<std::uint8_t>& visible);
+
+// What each KV group keeps (KvGroupDropping): group g the union of what its layers' heads keep
+// (group_of_layer: (layers) each layer's group), group 0 the union over every layer
+// (kept.positions), so that it holds every other group's.
+std::vector<std::vector<std::int64_t>> kept_per_group(const HeadSelection& kept,
+                                                      std::span<const std::int64_t> group_of_layer,
+                                                      std::int64_t groups);
+
 // What the selections of a run held and saw, averaged over those that dropped something.
 struct KvKeepStats {
   std::int64_t selections = 0;
-  // sums: positions held (the union), positions a head saw, positions the full cache would
-  // hold (every one written so far: the newest + 1)
+  // sums: positions held (the union; with KV groups, the mean over the groups of what each
+  // group's slots hold), positions a head saw, positions the full cache would hold (every one
+  // written so far: the newest + 1)
   double held = 0, seen = 0, full = 0;
 
   void add(const HeadSelection& kept, std::int64_t written) {
+    add(kept, written, static_cast<double>(kept.held()));
+  }
+  void add(const HeadSelection& kept, std::int64_t written, double held_positions) {
     ++selections;
-    held += static_cast<double>(kept.held());
+    held += held_positions;
     seen += kept.seen_per_head();
     full += static_cast<double>(written);
   }

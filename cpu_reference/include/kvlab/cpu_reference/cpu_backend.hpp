@@ -50,6 +50,11 @@ class CpuBackend final : public Backend {
             weights, pool, window,
             with_activations(compute_weights(weights, WeightFormat::f32), ActivationFormat::f32)) {}
 
+  // The positions layer `layer` attends to: the last W, or all (nullopt).
+  std::optional<std::int64_t> layer_window(std::int64_t layer) const {
+    return window_ ? window_ : weights_.config.layer_window(layer);
+  }
+
   // Runs the batch, writing each new token's K/V into its slot. Returns logits (rows, vocab)
   // for the last logit_rows tokens of each entry (BatchEntry; 1: its last), entry by entry,
   // valid until the next forward. With `logit_tokens` n > 1: for the last n tokens of each entry
@@ -133,6 +138,15 @@ class CpuBackend final : public Backend {
   // summed over layers; and each task's own sums within one layer.
   std::vector<float> key_scores_, task_scores_;
   std::vector<std::size_t> score_offsets_;
+  // A layer of a KV group other than 0 under a KV policy: each entry's view in that group
+  // matched to its view (group 0's, which the key mask and the scores number), and the layer's
+  // key mask in the group view's numbering.
+  struct GroupKeys {
+    std::vector<std::int64_t> index;  // (group view length) each key's index in entry.view
+    std::vector<std::uint8_t> mask;   // (kv_heads, group view length), or empty
+  };
+  std::vector<GroupKeys> group_keys_;  // (entries)
+  void match_group_keys(std::int64_t layer, std::span<const BatchEntry> batch);
 };
 
 }  // namespace kvlab::cpu
