@@ -19,7 +19,13 @@
 // A policy that keeps the same positions in every head (window, streaming_llm) frees all it
 // drops; per-head policies (h2o, snapkv, adakv) and per-layer ones (pyramidkv) hold their
 // union, up to held_limit(): kvpress masks the same way, and the papers' own kernels that store
-// each head's positions apart are not what a slot-per-token pool can do.
+// each head's positions apart are not what a slot-per-token pool can do. With KV groups
+// (kvlab/kv/kv_groups.hpp: Gemma 3's local and global layers in slots of their own) each group
+// frees what none of its layers keeps, group 0 what no layer keeps.
+//
+// A layer with a window (Gemma 3's local layers) never shows its heads a position the window
+// has passed again: the owner marks those positions as no longer seen (KvPolicyStep::visible),
+// so a head's budget goes to what it can still read.
 //
 // Positions keep their numbers: the cached keys were rotated (RoPE) at the positions they were
 // written at, and a query at position p still sees a kept key at its own position, as H2O and
