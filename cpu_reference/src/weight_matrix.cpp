@@ -160,6 +160,32 @@ WeightMatrix WeightMatrix::stack(std::span<const WeightMatrix> parts) {
   return m;
 }
 
+WeightMatrix WeightMatrix::widened_to_q8_0() const {
+  if ((format_ != WeightFormat::q4_0 && format_ != WeightFormat::q5_0) ||
+      layout_ != WeightLayout::rows)
+    throw Error(fmt::format("internal: a {} matrix is not widened to Q8_0 exactly",
+                            weight_format_name(format_)));
+  const auto block =
+      static_cast<BlockFormat>(static_cast<int>(format_) - static_cast<int>(WeightFormat::q8_0));
+  const std::size_t in_bytes = block_bytes(block), out_bytes = block_bytes(BlockFormat::q8_0);
+  const auto blocks = static_cast<std::size_t>(rows_ * cols_) / kBlockValues;
+  std::vector<std::byte> out(blocks * out_bytes);
+  float values[kBlockValues];
+  for (std::size_t b = 0; b < blocks; ++b) {
+    const std::byte* in = data_ + b * in_bytes;
+    std::byte* q8 = out.data() + b * out_bytes;
+    dequantize_blocks(block, {in, in_bytes}, values);  // d (q - offset), exact in fp32
+    const float d = block_field::f16(in);
+    std::memcpy(q8, in, 2);  // the same fp16 scale
+    for (std::size_t i = 0; i < kBlockValues; ++i) {
+      const float q = values[i] / d;  // an integer in [-16, 15] (0 / 0 for d = 0: 0)
+      q8[2 + i] =
+          static_cast<std::byte>(static_cast<std::int8_t>(std::isfinite(q) ? std::lrint(q) : 0));
+    }
+  }
+  return from_bytes(WeightFormat::q8_0, rows_, cols_, out);
+}
+
 std::int64_t WeightMatrix::bytes() const {
   if (layout_ == WeightLayout::rows) return rows_ * row_bytes();
   if (layout_ == WeightLayout::panels)
@@ -274,6 +300,29 @@ std::optional<WeightMatrix> stored_matrix(const GgufFile& file, const ModelConfi
   return WeightMatrix::from_bytes(*format, shape[0], shape[1], reordered);
 }
 
+// Parts of one stack stored as Q8_0 and as Q4_0 or Q5_0 (Gemma 3's Q4_K_M file: q and k Q5_0, v
+// Q8_0 in half its layers): the narrower ones widened to Q8_0, exactly. Returns how many.
+std::int64_t widen_beside_q8_0(std::vector<WeightMatrix>& parts) {
+  const auto is = [](WeightFormat f) {
+    return [f](const WeightMatrix& m) { return m.format() == f; };
+  };
+  if (std::none_of(parts.begin(), parts.end(), is(WeightFormat::q8_0))) return 0;
+  const auto narrow = [](const WeightMatrix& m) {
+    return m.format() == WeightFormat::q4_0 || m.format() == WeightFormat::q5_0;
+  };
+  if (!std::all_of(parts.begin(), parts.end(), [&](const WeightMatrix& m) {
+        return narrow(m) || m.format() == WeightFormat::q8_0;
+      }))
+    return 0;
+  std::int64_t widened = 0;
+  for (WeightMatrix& m : parts)
+    if (narrow(m)) {
+      m = m.widened_to_q8_0();
+      ++widened;
+    }
+  return widened;
+}
+
 }  // namespace
 
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
@@ -286,6 +335,7 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
       config.vocab_size != weights.config.vocab_size)
     throw Error(fmt::format("internal: the weights given are not those of {}", gguf_path.string()));
   std::vector<std::string> formats, converted;
+  std::int64_t widened = 0;
   auto note = [&](const WeightMatrix& m) {
     const std::string name(weight_format_name(m.format()));
     if (std::find(formats.begin(), formats.end(), name) == formats.end()) formats.push_back(name);
@@ -297,10 +347,14 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
     std::int64_t rows = 0;
     for (const auto& n : hf_names) {
       auto part = stored_matrix(file, config, n);
-      if (!part || (!parts.empty() && part->format() != parts[0].format())) break;
+      if (!part) break;
       rows += part->rows();
       parts.push_back(std::move(*part));
     }
+    widened += widen_beside_q8_0(parts);
+    if (std::any_of(parts.begin(), parts.end(),
+                    [&](const WeightMatrix& m) { return m.format() != parts[0].format(); }))
+      parts.clear();
     // Every part stored in one fast format, and together the shape of the served matrix (K/V
     // heads converted by an attention variant are not what the file holds).
     if (parts.size() == hf_names.size() && rows == fallback.rows &&
@@ -326,6 +380,9 @@ ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
       matrix({config.tie_word_embeddings ? "model.embed_tokens.weight" : "lm_head.weight"},
              weights.output_projection);
   out.description = fmt::format("gguf native ({})", fmt::join(formats, ", "));
+  if (widened > 0)
+    out.description +=
+        fmt::format("; {} Q4_0/Q5_0 parts widened to Q8_0 beside Q8_0 ones (exact)", widened);
   if (!converted.empty())
     out.description += fmt::format(
         "; {} matrices multiplied in fp32 (stored in a type without a kernel, stacked with "

@@ -411,6 +411,23 @@ TEST(ComputeWeights, ViewsStayViewsWhenMemoryCannotHoldPackedCopies) {
 
 // A GGUF file's matrices keep their stored types (here Q8_0, and F32 where a row is not whole
 // blocks) and dequantize to exactly what the fp32 loader reads, Q/K row order included.
+// Q4_0 and Q5_0 widen to Q8_0 exactly (x = d (q - offset) in all three: the scale kept, the
+// integers q - offset): the same values, bit for bit, in a matrix of every sign and a zero block.
+// Q4_1 (x = q d + m) has no exact widening and is refused.
+TEST(WeightMatrix, Q4_0AndQ5_0WidenToQ8_0Exactly) {
+  RowMatrix w = random_matrix(6, 96, 17);
+  w.row(2).head(32).setZero();  // d = 0
+  for (const WeightFormat format : {WeightFormat::q4_0, WeightFormat::q5_0}) {
+    const WeightMatrix narrow = WeightMatrix::quantize(w, format);
+    const WeightMatrix wide = narrow.widened_to_q8_0();
+    EXPECT_EQ(wide.format(), WeightFormat::q8_0);
+    EXPECT_EQ(wide.bytes(), 6 * 3 * 34);
+    EXPECT_EQ(wide.dequantize(), narrow.dequantize()) << weight_format_name(format);
+    EXPECT_NE(narrow.dequantize(), w);  // the check compares rounded values, not the originals
+  }
+  EXPECT_THROW((void)WeightMatrix::quantize(w, WeightFormat::q4_1).widened_to_q8_0(), Error);
+}
+
 TEST(ComputeWeights, GgufMatricesStayInTheirStoredTypes) {
   const auto path = std::filesystem::path(KVLAB_FIXTURES_DIR) / "gguf" / "tiny_llama_q8_0.gguf";
   const LlamaWeights weights = load_llama_weights(path);

@@ -56,6 +56,9 @@ class WeightMatrix {
                                  std::span<const std::byte> bytes);
   // The rows of every part, in order (one format and column count; e.g. q; k; v).
   static WeightMatrix stack(std::span<const WeightMatrix> parts);
+  // A Q4_0 or Q5_0 matrix (rows) as Q8_0, exactly: each block keeps its fp16 scale d and its
+  // integers q - 8 or q - 16 (x = d (q - offset) in both). Throws kvlab::Error for another format.
+  WeightMatrix widened_to_q8_0() const;
 
   WeightFormat format() const { return format_; }
   std::int64_t rows() const { return rows_; }
@@ -133,9 +136,10 @@ inline ComputeWeights compute_weights(const LlamaWeights& weights, WeightFormat 
 
 // The matrices of a GGUF file in their stored formats, no fp32 copy (Q and K rows put back in
 // Hugging Face's order, as read_gguf_tensor does); a matrix stored in a type kvlab only
-// dequantizes (Q4_K, Q6_K), a stack whose parts differ in type, or one whose K/V heads an
-// attention variant converted, is multiplied in fp32 from `weights` (which must be this file's,
-// converted or not), so the product is always the reference's. Throws kvlab::Error.
+// dequantizes (Q4_K, Q6_K), a stack whose parts differ in type (but Q4_0 or Q5_0 parts beside
+// Q8_0 ones, widened to Q8_0 exactly: widened_to_q8_0), or one whose K/V heads an attention
+// variant converted, is multiplied in fp32 from `weights` (which must be this file's, converted
+// or not), so the product is always the reference's. Throws kvlab::Error.
 ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
                                     const ModelWeightsView& weights);
 inline ComputeWeights gguf_compute_weights(const std::filesystem::path& gguf_path,
