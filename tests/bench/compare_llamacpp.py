@@ -7,7 +7,9 @@ then kvlab_bench_gguf (prefill 512, decode 1 at 64 cached tokens, decode 64 at 1
 with an f16 KV cache (llama.cpp's default; KVLAB_BENCH_KV is passed through). Both
 use 2 threads. kvlab runs once per --activations choice that applies to the file (f32: the
 reference's products, always; q8: 8-bit activations, for Q4/Q8 files; bf16: bf16 activations,
-for bf16 files), q8 and bf16 being llama.cpp's own kinds of product for those formats. Medians over the rounds, and their ratios, are printed as a Markdown table and
+for bf16 files), q8 and bf16 being llama.cpp's own kinds of product for those formats;
+KVLAB_BENCH_WEIGHTS=q8_0 (say) makes kvlab multiply every matrix in that format, and q8 applies.
+Medians over the rounds, and their ratios, are printed as a Markdown table and
 every measurement is written to a CSV.
 
 llama.cpp is built outside the repository (docs/benchmarks.md says how); pass its bin folder:
@@ -78,12 +80,16 @@ def main():
     args = parser.parse_args()
     activations = args.activations.split(",")
 
+    # KVLAB_BENCH_WEIGHTS (passed through to kvlab_bench_gguf): kvlab multiplies every matrix in
+    # that format instead of the file's own (e.g. q8_0 for a file of K-quants it has no kernel for)
+    weights = os.environ.get("KVLAB_BENCH_WEIGHTS", "")
+
     def label(model, act):  # a file's row in the table; kvlab's reduced-precision runs get theirs
-        name = os.path.basename(model)
+        name = os.path.basename(model) + (f", kvlab {weights} weights" if weights else "")
         return name if act == "f32" else f"{name}, kvlab {act} activations"
 
     def applies(model, act):  # q8 changes only Q4/Q8 matrices, bf16 only bf16 ones
-        name = os.path.basename(model).lower()
+        name = (weights or os.path.basename(model)).lower()
         kinds = {"f32": ("",), "q8": ("q4_0", "q4_1", "q8_0"), "bf16": ("bf16",)}[act]
         return any(k in name for k in kinds)
 
