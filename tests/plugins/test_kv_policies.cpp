@@ -238,6 +238,36 @@ TEST(KvKeep, TheUnionStaysEachHeadIsMaskedAndWhatAHeadDroppedStaysDropped) {
                                 {"KV policy \"snapkv\" kept 9", "budget 3"});
 }
 
+// A layer's window hides what it has passed from its heads (the next query, at newest + 1, sees
+// from newest + 2 - W on), the other layers untouched; and each KV group keeps the union of its
+// own layers' heads, group 0 the union over every layer.
+TEST(KvKeep, AWindowHidesWhatItPassedAndEachGroupKeepsItsOwnLayersChoice) {
+  const std::vector<std::optional<std::int64_t>> windows = {std::nullopt, 4, 4};
+  const std::vector<std::int64_t> positions = {0, 2, 5, 6, 7, 8};  // newest 8: layer 1 sees 6-8
+  std::vector<std::uint8_t> visible;
+  hide_outside_windows(windows, 2, positions, visible);
+  const std::vector<std::uint8_t> row_all(6, 1), row_window = {0, 0, 0, 1, 1, 1};
+  ASSERT_EQ(visible.size(), 3u * 2 * 6);
+  for (std::size_t row = 0; row < 6; ++row)
+    EXPECT_EQ(std::vector<std::uint8_t>(visible.begin() + static_cast<long>(row * 6),
+                                        visible.begin() + static_cast<long>(row * 6 + 6)),
+              row < 2 ? row_all : row_window)
+        << row;
+  std::vector<std::uint8_t> none;  // nothing passed: nothing filled in
+  hide_outside_windows(windows, 2, std::vector<std::int64_t>{6, 7, 8}, none);
+  EXPECT_TRUE(none.empty());
+
+  HeadSelection kept;  // layers 0 (group 0), 1 and 2 (group 1), one K/V head, 4 kept positions
+  kept.positions = {0, 5, 7, 8};
+  kept.layers = 3;
+  kept.kv_heads = 1;
+  kept.visible = {1, 1, 0, 1, /* layer 1 */ 0, 0, 1, 1, /* layer 2 */ 0, 1, 0, 1};
+  const auto groups = kept_per_group(kept, std::vector<std::int64_t>{0, 1, 1}, 2);
+  ASSERT_EQ(groups.size(), 2u);
+  EXPECT_EQ(groups[0], (std::vector<std::int64_t>{0, 5, 7, 8}));
+  EXPECT_EQ(groups[1], (std::vector<std::int64_t>{5, 7, 8}));  // 0: only layer 0 keeps it
+}
+
 TEST(KvSelection, KeepsEndsAndTopAndMaxPools) {
   // positions {0, 2, 3, 5, 8, 9}
   const std::vector<double> scores = {9, 1, 7, 7, 0, 0};

@@ -94,7 +94,7 @@ void hide_outside_windows(std::span<const std::optional<std::int64_t>> layer_win
                           std::int64_t kv_heads, std::span<const std::int64_t> positions,
                           std::vector<std::uint8_t>& visible) {
   if (positions.empty()) return;
-  const std::size_t n = positions.size();
+  const std::size_t n = positions.size(), heads = static_cast<std::size_t>(kv_heads);
   const std::int64_t newest = positions.back();
   for (std::size_t l = 0; l < layer_windows.size(); ++l) {
     if (!layer_windows[l]) continue;
@@ -102,33 +102,29 @@ void hide_outside_windows(std::span<const std::optional<std::int64_t>> layer_win
     const auto hidden = static_cast<std::size_t>(
         std::lower_bound(positions.begin(), positions.end(), first_seen) - positions.begin());
     if (hidden == 0) continue;
-    if (visible.empty())
-      visible.assign(layer_windows.size() * static_cast<std::size_t>(kv_heads) * n, 1);
-    for (std::int64_t h = 0; h < kv_heads; ++h)
-      std::fill_n(visible.begin() + static_cast<long>((l * static_cast<std::size_t>(kv_heads) +
-                                                       static_cast<std::size_t>(h)) *
-                                                      n),
-                  hidden, std::uint8_t{0});
+    if (visible.empty()) visible.assign(layer_windows.size() * heads * n, 1);
+    for (std::size_t row = l * heads; row < (l + 1) * heads; ++row)  // (layer, K/V head) rows
+      std::fill_n(visible.begin() + static_cast<std::ptrdiff_t>(row * n), hidden, std::uint8_t{0});
   }
 }
 
 std::vector<std::vector<std::int64_t>> kept_per_group(const HeadSelection& kept,
                                                       std::span<const std::int64_t> group_of_layer,
                                                       std::int64_t groups) {
+  const std::size_t held = kept.positions.size(), heads = static_cast<std::size_t>(kept.kv_heads);
+  std::vector<std::vector<std::uint8_t>> any(static_cast<std::size_t>(groups),
+                                             std::vector<std::uint8_t>(held, 0));
+  for (std::size_t l = 0; l < group_of_layer.size(); ++l) {
+    std::vector<std::uint8_t>& group = any[static_cast<std::size_t>(group_of_layer[l])];
+    for (std::size_t row = l * heads; row < (l + 1) * heads; ++row)
+      for (std::size_t i = 0; i < held; ++i)
+        group[i] |= kept.visible.empty() || kept.visible[row * held + i] != 0;
+  }
   std::vector<std::vector<std::int64_t>> per_group(static_cast<std::size_t>(groups));
-  per_group[0] = kept.positions;
-  const std::size_t held = kept.positions.size();
-  for (std::int64_t g = 1; g < groups; ++g)
-    for (std::size_t i = 0; i < held; ++i) {
-      bool any = false;
-      for (std::size_t l = 0; l < group_of_layer.size() && !any; ++l)
-        for (std::int64_t h = 0; h < kept.kv_heads && group_of_layer[l] == g && !any; ++h)
-          any = kept.visible.empty() || kept.visible[(l * static_cast<std::size_t>(kept.kv_heads) +
-                                                      static_cast<std::size_t>(h)) *
-                                                         held +
-                                                     i] != 0;
-      if (any) per_group[static_cast<std::size_t>(g)].push_back(kept.positions[i]);
-    }
+  per_group[0] = kept.positions;  // every position some layer keeps
+  for (std::size_t g = 1; g < per_group.size(); ++g)
+    for (std::size_t i = 0; i < held; ++i)
+      if (any[g][i] != 0) per_group[g].push_back(kept.positions[i]);
   return per_group;
 }
 
