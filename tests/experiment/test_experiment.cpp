@@ -176,12 +176,14 @@ TEST(ExperimentLibrary, SweepOnTheCommandLineAddsOrReplacesAnAxis) {
            {{{}, {"workload.rate=1", "workload.rate=2"}}, "swept twice"},
            {{{"sweep.key=x"}, {}}, "the sweep is replaced whole"},
            {{{}, {"sweep=[]"}}, "or given an axis (--sweep"},
-           {{{}, {"norate"}}, "expected key=value"}})
+           {{{}, {"norate"}}, "expected key=value"}}) {
+    const CommandLineChanges& change = changes;  // (clang captures no structured binding)
     EXPECT_NE(test::error_of<Error>([&] {
-                (void)load_experiment(dir / "e.toml", changes, nullptr);
+                (void)load_experiment(dir / "e.toml", change, nullptr);
               }).find(why),
               std::string::npos)
         << why;
+  }
 }
 
 // --set hardware.SECTION.KEY changes one key of the run's profile: a simulated run whose step
