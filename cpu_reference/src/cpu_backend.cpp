@@ -519,12 +519,14 @@ void CpuBackend::match_group_keys(std::int64_t layer, std::span<const BatchEntry
     const BatchEntry& entry = batch[e];
     const KvView& view = group_view(entry, group_of(layer));
     GroupKeys& keys = group_keys_[e];
-    keys.index.resize(static_cast<std::size_t>(view.length()));
+    // (a view's length walks its extents: once each, not once a key)
+    const std::int64_t length = view.length(), entry_length = entry.view.length();
+    keys.index.resize(static_cast<std::size_t>(length));
     std::int64_t i = 0;
-    for (std::int64_t j = 0; j < view.length(); ++j) {
+    for (std::int64_t j = 0; j < length; ++j) {
       const std::int64_t position = view.position_at(j);
-      while (i < entry.view.length() && entry.view.position_at(i) < position) ++i;
-      if (i == entry.view.length() || entry.view.position_at(i) != position)
+      while (i < entry_length && entry.view.position_at(i) < position) ++i;
+      if (i == entry_length || entry.view.position_at(i) != position)
         throw Error(fmt::format(
             "KV group {} holds position {}, which the entry's view (group 0) does not: group 0 "
             "must hold every position a sliding group holds",
@@ -533,10 +535,10 @@ void CpuBackend::match_group_keys(std::int64_t layer, std::span<const BatchEntry
     }
     keys.mask.clear();
     if (entry.key_mask.empty()) continue;
-    const std::uint8_t* rows = entry.key_mask.data() + layer * kv_heads * entry.view.length();
+    const std::uint8_t* rows = entry.key_mask.data() + layer * kv_heads * entry_length;
     for (std::int64_t h = 0; h < kv_heads; ++h)
       for (const std::int64_t index : keys.index)
-        keys.mask.push_back(rows[h * entry.view.length() + index]);
+        keys.mask.push_back(rows[h * entry_length + index]);
   }
 }
 

@@ -303,16 +303,13 @@ std::optional<WeightMatrix> stored_matrix(const GgufFile& file, const ModelConfi
 // Parts of one stack stored as Q8_0 and as Q4_0 or Q5_0 (Gemma 3's Q4_K_M file: q and k Q5_0, v
 // Q8_0 in half its layers): the narrower ones widened to Q8_0, exactly. Returns how many.
 std::int64_t widen_beside_q8_0(std::vector<WeightMatrix>& parts) {
-  const auto is = [](WeightFormat f) {
-    return [f](const WeightMatrix& m) { return m.format() == f; };
-  };
-  if (std::none_of(parts.begin(), parts.end(), is(WeightFormat::q8_0))) return 0;
+  const auto q8 = [](const WeightMatrix& m) { return m.format() == WeightFormat::q8_0; };
   const auto narrow = [](const WeightMatrix& m) {
     return m.format() == WeightFormat::q4_0 || m.format() == WeightFormat::q5_0;
   };
-  if (!std::all_of(parts.begin(), parts.end(), [&](const WeightMatrix& m) {
-        return narrow(m) || m.format() == WeightFormat::q8_0;
-      }))
+  if (std::none_of(parts.begin(), parts.end(), q8) ||
+      !std::all_of(parts.begin(), parts.end(),
+                   [&](const WeightMatrix& m) { return q8(m) || narrow(m); }))
     return 0;
   std::int64_t widened = 0;
   for (WeightMatrix& m : parts)

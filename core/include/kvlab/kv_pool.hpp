@@ -248,11 +248,6 @@ struct KvView {
   }
   // The index of the first token at or after `position` (length() when none is).
   std::int64_t index_at_or_after(std::int64_t position) const;
-  // Whether the view holds token `position`.
-  bool holds(std::int64_t position) const {
-    const std::int64_t index = index_at_or_after(position);
-    return index < length() && position_at(index) == position;
-  }
   // The slot of the view's index-th token.
   std::int64_t slot_at(std::int64_t index) const;
   // The slot of token `position`, which the view holds.

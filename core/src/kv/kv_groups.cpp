@@ -365,10 +365,14 @@ bool GroupedKvAllocator::evict_groups(SequenceId sequence,
   std::vector<std::int64_t> held;  // group g's kept positions that its view holds
   for (std::int64_t g = 0; g < groups_.count(); ++g) {
     const KvView view = group_view(sequence, g);
+    const std::int64_t length = view.length();
     held.clear();
-    for (const std::int64_t position : kept[static_cast<std::size_t>(g)])
-      if (view.holds(position)) held.push_back(position);
-    if (static_cast<std::int64_t>(held.size()) == view.length()) continue;  // nothing dropped
+    std::int64_t i = 0;  // both increasing: one walk
+    for (const std::int64_t position : kept[static_cast<std::size_t>(g)]) {
+      while (i < length && view.position_at(i) < position) ++i;
+      if (i < length && view.position_at(i) == position) held.push_back(position);
+    }
+    if (static_cast<std::int64_t>(held.size()) == length) continue;  // nothing dropped
     if (inner_features_.dropping->evict(inner_id(sequence, g), held)) continue;
     if (g > 0)
       throw Error(
