@@ -307,10 +307,12 @@ void group_tile_rows(int rows, const std::byte* group, const QuantizedRows& x, s
 
 #if KVLAB_Q8_AVX2
 // Rows [m0, m0 + Rows) of x against outputs 8 h ... 8 h + 7 of one group (half h): out row r =
-// y + (m0 + r) * ldy (`mask`: the outputs that exist). Per block: the half's 8 value slices
-// (32 bytes each; Q4: 4 loads and their nibbles split), then per row of x and slice one
-// vpmaddubsw (pairs of byte products) and one vpmaddwd (pairs of those: 4 values per output),
-// one conversion and one or two FMAs with the block's scales.
+// y + (m0 + r) * ldy (`mask`: the outputs that exist). Per block, slice by slice (32 bytes: 4
+// values of each of the 8 outputs; Q4: one load holds two slices' nibbles), every row of x takes
+// one vpmaddubsw (pairs of byte products) with its 4 activation bytes broadcast; then per row one
+// vpmaddwd (pairs of those), one conversion and one or two FMAs with the block's scales. Slices
+// outside, rows inside: only a slice or two and the rows' sums are live, so AVX2's 16 registers
+// hold every accumulator (with the 8 slices held, 4 rows spilled them to the stack each block).
 template <WeightFormat Format, int Rows>
 void half_group_tile_avx2(const std::byte* group, int h, const QuantizedRows& x, std::int64_t m0,
                           __m256i mask, bool accumulate, float* y, std::int64_t ldy) {
@@ -318,59 +320,81 @@ void half_group_tile_avx2(const std::byte* group, int h, const QuantizedRows& x,
   __m256 acc[Rows];
   for (auto& a : acc) a = _mm256_setzero_ps();
   const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const std::int8_t* rows[Rows];
+  for (int r = 0; r < Rows; ++r) rows[r] = x.q.data() + (m0 + r) * x.cols;
+  const auto activations = [&](int r, std::int64_t b, int t) {  // 4 bytes of row r, broadcast
+    std::int32_t four = 0;
+    std::memcpy(&four, rows[r] + b * kBlockValues + 4 * t, 4);
+    return _mm256_set1_epi32(four);
+  };
   for (std::int64_t b = 0; b < x.blocks; ++b) {
     const std::byte* gb = group + b * layout.bytes;
-    const auto half = [&](std::int64_t offset) {
-      return reinterpret_cast<const __m128i*>(gb + offset + 16 * h);
+    const auto slices = [&](int t) {
+      return _mm256_loadu_si256(
+          reinterpret_cast<const __m256i*>(gb + layout.values + 64 * t + 32 * h));
     };
-    const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(half(0)));
-    __m256 m = _mm256_setzero_ps();
-    __m256i w[8];  // Q8_0: |v|; Q4: the nibbles u
-    __m256i sign[8];
+    __m256i dot[Rows];
     if constexpr (Format == WeightFormat::q8_0) {
-      for (int t = 0; t < 8; ++t) {
-        sign[t] = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(gb + layout.values + 64 * t + 32 * h));
-        w[t] = _mm256_abs_epi8(sign[t]);
+      // |v| . sign(qx, v): a pair of products is at most 2 x 128 x 127, so each slice widens.
+      for (auto& s : dot) s = _mm256_setzero_si256();
+      const auto slice = [&](int t) {
+        const __m256i v = slices(t), magnitude = _mm256_abs_epi8(v);
+#pragma GCC unroll 8
+        for (int r = 0; r < Rows; ++r) {
+          const __m256i a = _mm256_sign_epi8(activations(r, b, t), v);
+          dot[r] =
+              _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
+        }
+      };
+      if constexpr (Rows <= 2) {
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) slice(t);
+      } else {
+#pragma GCC unroll 1  // unrolled, GCC loaded every slice first and spilled them
+        for (int t = 0; t < 8; ++t) slice(t);
       }
     } else {
-      for (int p = 0; p < 4; ++p) {
-        const __m256i packed = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(gb + layout.values + 64 * p + 32 * h));
-        w[p] = _mm256_and_si256(packed, low_nibbles);
-        w[p + 4] = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-      }
-      m = Format == WeightFormat::q4_1 ? _mm256_cvtph_ps(_mm_loadu_si128(half(layout.minimums)))
-                                       : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-    }
-    for (int r = 0; r < Rows; ++r) {
-      const std::int8_t* qx = x.q.data() + (m0 + r) * x.cols + b * kBlockValues;
-      __m256i dot = _mm256_setzero_si256();
-      if constexpr (Format == WeightFormat::q8_0) {
+      // Nibbles: a pair of products is at most 2 x 15 x 127 = 3,810, so the 8 slices' pairs
+      // sum in 16 bits exactly (30,480) and widen once (llama.cpp's AVX2 Q4 dot does the same).
+      __m256i pairs[Rows];
+      for (auto& s : pairs) s = _mm256_setzero_si256();
+      const auto slice_pair = [&](int p) {  // one load: slices p (low nibbles) and p + 4
+        const __m256i packed = slices(p);
+        const __m256i low = _mm256_and_si256(packed, low_nibbles);
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
 #pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) {
-          std::int32_t four = 0;
-          std::memcpy(&four, qx + 4 * t, 4);
-          const __m256i a = _mm256_sign_epi8(_mm256_set1_epi32(four), sign[t]);
-          dot = _mm256_add_epi32(dot, _mm256_madd_epi16(_mm256_maddubs_epi16(w[t], a), ones));
-        }
+        for (int r = 0; r < Rows; ++r)
+          pairs[r] = _mm256_add_epi16(
+              pairs[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, activations(r, b, p)),
+                                         _mm256_maddubs_epi16(high, activations(r, b, p + 4))));
+      };
+      if constexpr (Rows <= 2) {
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; ++p) slice_pair(p);
       } else {
-        // Nibbles: a pair of products is at most 2 x 15 x 127 = 3,810, so the 8 slices' pairs
-        // sum in 16 bits exactly (30,480) and widen once (llama.cpp's AVX2 Q4 dot does the same).
-        __m256i pairs = _mm256_setzero_si256();
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) {
-          std::int32_t four = 0;
-          std::memcpy(&four, qx + 4 * t, 4);
-          pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(w[t], _mm256_set1_epi32(four)));
-        }
-        dot = _mm256_madd_epi16(pairs, ones);
+#pragma GCC unroll 1  // unrolled, GCC split every slice first and spilled them
+        for (int p = 0; p < 4; ++p) slice_pair(p);
       }
+      for (int r = 0; r < Rows; ++r) dot[r] = _mm256_madd_epi16(pairs[r], ones);
+    }
+    const __m256 d =
+        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16 * h)));
+#pragma GCC unroll 8
+    for (int r = 0; r < Rows; ++r) {
       const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot),
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
                                _mm256_mul_ps(d, _mm256_set1_ps(x.scale[xb])), acc[r]);
-      if constexpr (Format != WeightFormat::q8_0)
+    }
+    if constexpr (Format != WeightFormat::q8_0) {
+      const __m256 m = Format == WeightFormat::q4_1
+                           ? _mm256_cvtph_ps(_mm_loadu_si128(
+                                 reinterpret_cast<const __m128i*>(gb + layout.minimums + 16 * h)))
+                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
         acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[xb]), acc[r]);
+      }
     }
   }
   for (int r = 0; r < Rows; ++r) {
@@ -380,7 +404,7 @@ void half_group_tile_avx2(const std::byte* group, int h, const QuantizedRows& x,
   }
 }
 
-constexpr int kTileRows = 4;  // 4 accumulators beside 8 (Q8_0: 16) value registers
+constexpr int kTileRows = 4;  // 4 accumulators and 4 sums beside two slices and temporaries
 
 template <WeightFormat Format, int Rows = kTileRows>
 void half_group_tile_rows(int rows, const std::byte* group, int h, const QuantizedRows& x,
