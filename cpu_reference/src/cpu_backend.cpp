@@ -344,20 +344,26 @@ struct AttentionGroup {
   // A part of one K/V head's query heads (split_chunk_tasks): [head_begin, head_begin +
   // head_count) of its group; head_count 0: all of them.
   std::int64_t head_begin = 0, head_count = 0;
+  // A block of the entry's queries (query_blocks): [query_begin, query_begin + query_count);
+  // query_count 0: all of them. row0 and the keys are the block's.
+  std::int64_t query_begin = 0, query_count = 0;
 
   // Their query heads: [first_head, first_head + heads); query head h reads K/V head h / group.
   std::int64_t first_head() const { return kv_head * group + head_begin; }
   std::int64_t heads() const { return head_count > 0 ? head_count : kv_count * group; }
-  std::int64_t queries() const { return static_cast<std::int64_t>(entry.tokens.size()); }
+  std::int64_t queries() const {
+    return query_count > 0 ? query_count : static_cast<std::int64_t>(entry.tokens.size());
+  }
+  std::int64_t first_position() const { return entry.start_position + query_begin; }
   std::int64_t keys() const { return key_end - key_begin; }
   // Columns query i (position start + i) sees: [first_visible(i), last_visible(i)].
   std::int64_t first_visible(std::int64_t i) const {
     if (!window) return 0;
-    const std::int64_t oldest = entry.start_position + i - *window + 1;
+    const std::int64_t oldest = first_position() + i - *window + 1;
     return std::max(key_begin, view.index_at_or_after(oldest)) - key_begin;
   }
   std::int64_t last_visible(std::int64_t i) const {
-    return view.index_at_or_after(entry.start_position + i + 1) - 1 - key_begin;
+    return view.index_at_or_after(first_position() + i + 1) - 1 - key_begin;
   }
   // The mask of the task's K/V head k over its columns, or null when nothing is masked.
   const std::uint8_t* column_mask(std::int64_t k) const {
@@ -431,6 +437,26 @@ void split_chunk_tasks(std::vector<AttentionGroup>& tasks, int threads) {
   tasks = std::move(parts);
 }
 
+// A prompt chunk's queries in blocks of kQueryBlock to 2 kQueryBlock - 1 (one block below
+// 2 kQueryBlock): each block's products stop at the last key its last query sees and start at the
+// oldest its first query's window keeps, so a causal chunk no longer computes the half of its
+// (queries, keys) scores the mask then zeroes, and its scores are a block's rows, not the chunk's.
+constexpr std::int64_t kQueryBlock = 64;
+
+void push_query_blocks(const AttentionGroup& task, std::vector<AttentionGroup>& tasks) {
+  const std::int64_t n = task.queries(), blocks = std::max<std::int64_t>(1, n / kQueryBlock);
+  for (std::int64_t b = 0; b < blocks; ++b) {
+    AttentionGroup part = task;
+    part.query_begin = n * b / blocks;
+    part.query_count = n * (b + 1) / blocks - part.query_begin;
+    part.row0 = task.row0 + part.query_begin;
+    part.key_end = task.view.index_at_or_after(part.first_position() + part.query_count);
+    if (task.window)
+      part.key_begin = task.view.index_at_or_after(part.first_position() - *task.window + 1);
+    tasks.push_back(part);
+  }
+}
+
 }  // namespace
 
 // Attention of every entry's new tokens over its cached K/V, read in place from the pool. One
@@ -472,9 +498,13 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
       tasks.push_back(task);
     } else {
       for (std::int64_t h = 0; h < kv_heads; ++h) {
-        tasks.push_back(task);
-        tasks.back().kv_head = h;
-        tasks.back().kv_count = 1;
+        AttentionGroup head = task;
+        head.kv_head = h;
+        head.kv_count = 1;
+        if (entry.tokens.size() > 1)
+          push_query_blocks(head, tasks);
+        else
+          tasks.push_back(head);
       }
     }
   }
@@ -560,8 +590,9 @@ std::vector<std::size_t> CpuBackend::give_score_buffers(std::span<const BatchEnt
     const BatchEntry& entry = batch[entries[t]];
     if (entry.scored_queries <= 0) continue;
     tasks[t].key_scores = task_scores_.data() + total;
-    tasks[t].scored_from = std::max<std::int64_t>(
-        0, static_cast<std::int64_t>(entry.tokens.size()) - entry.scored_queries);
+    tasks[t].scored_from = std::max<std::int64_t>(  // counted from the task's first query
+        0, static_cast<std::int64_t>(entry.tokens.size()) - entry.scored_queries -
+               tasks[t].query_begin);
     total += static_cast<std::size_t>(tasks[t].kv_count * tasks[t].keys());
   }
   return entries;

@@ -238,6 +238,69 @@ TEST(CpuBackend, Gemma3LocalAndGlobalLayersEqualTheReferenceAcrossChunksAndDecod
   }
 }
 
+// A prompt chunk of 128 tokens or more is attended in blocks of 64-127 queries, each over the
+// keys its own queries can see (the causal end, Gemma 3's windows). gemma3-tiny (8-token windows
+// and a global layer): a 300-token chunk (4 blocks) over two extents of slots, then a 150-token
+// chunk (2 blocks) after it; every logit row equals the reference's over the whole sequence
+// within 1e-4 (fp32 both; logits O(1)).
+TEST(CpuBackend, APromptInQueryBlocksEqualsTheReference) {
+  const LlamaWeights weights = test::scaled_random_weights(model_preset("gemma3-tiny"), 7);
+  const ModelConfig& c = weights.config;
+  constexpr std::int64_t kFirst = 300, kSecond = 150, kSplit = 100;  // slots: 2 extents
+  std::vector<std::int32_t> tokens(kFirst + kSecond);
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = static_cast<std::int32_t>(3 + 37 * i % 500);
+  const RowMatrix expected = ReferenceModel(weights).forward(tokens);
+  KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, 1024});
+  CpuBackend backend(weights, pool, std::nullopt);
+  const auto chunk = [&](std::int64_t start, std::int64_t count) {
+    const std::int64_t end = start + count;
+    const BatchEntry entry{std::span<const std::int32_t>(tokens).subspan(
+                               static_cast<std::size_t>(start), static_cast<std::size_t>(count)),
+                           start, KvView{{{600, kSplit}, {0, end - kSplit}}, 0, {}}};
+    return RowMatrix(backend.run({&entry, 1}, count));
+  };
+  const RowMatrix first = chunk(0, kFirst), second = chunk(kFirst, kSecond);
+  EXPECT_LT((first - expected.topRows(kFirst)).cwiseAbs().maxCoeff(), 1e-4);
+  EXPECT_LT((second - expected.bottomRows(kSecond)).cwiseAbs().maxCoeff(), 1e-4);
+}
+
+// The attention a chunk's scored queries give each key (BatchEntry::scored_queries) when they
+// span query blocks: the last 100 of a 300-token chunk (blocks of 75) give the key scores of
+// the same 100 queries run as a chunk of their own (one block) after the first 200 (1e-5: the
+// same weights summed in another order), and each (layer, K/V head) row sums to 100 queries x 2
+// query heads.
+TEST(CpuBackend, KeyScoresOfQueriesAcrossBlocksAreThoseOfOneBlock) {
+  const LlamaWeights weights = random_llama_weights(model_preset("tiny"), 13);
+  const ModelConfig& c = weights.config;  // 2 layers, 4 query heads, 2 K/V heads
+  constexpr std::int64_t kPrompt = 300, kScored = 100;
+  std::vector<std::int32_t> tokens(kPrompt);
+  for (std::size_t i = 0; i < tokens.size(); ++i)
+    tokens[i] = static_cast<std::int32_t>(1 + 53 * i % 500);
+  const auto scores = [&](std::int64_t split) {
+    KvPool pool({c.num_hidden_layers, c.num_key_value_heads, c.head_dim, kPrompt});
+    CpuBackend backend(weights, pool, std::nullopt);
+    const std::span<const std::int32_t> all(tokens);
+    const BatchEntry head{all.first(static_cast<std::size_t>(split)), 0,
+                          KvView{{{0, split}}, 0, {}}};
+    if (split > 0) (void)backend.run({&head, 1});
+    BatchEntry tail{all.subspan(static_cast<std::size_t>(split)), split,
+                    KvView{{{0, kPrompt}}, 0, {}}};
+    tail.scored_queries = kScored;
+    (void)backend.run({&tail, 1});
+    return std::vector<float>(backend.key_scores().begin(), backend.key_scores().end());
+  };
+  const std::vector<float> blocks = scores(0), alone = scores(kPrompt - kScored);
+  ASSERT_EQ(blocks.size(), static_cast<std::size_t>(c.num_hidden_layers * 2 * kPrompt));
+  ASSERT_EQ(alone.size(), blocks.size());
+  for (std::size_t i = 0; i < blocks.size(); ++i) EXPECT_NEAR(blocks[i], alone[i], 1e-5) << i;
+  for (std::size_t row = 0; row < blocks.size() / kPrompt; ++row) {
+    float sum = 0;
+    for (std::int64_t j = 0; j < kPrompt; ++j) sum += blocks[row * kPrompt + j];
+    EXPECT_NEAR(sum, static_cast<float>(kScored * c.group_size()), 1e-3) << row;
+  }
+}
+
 // The reference's greedy continuation of `tokens`, `count` tokens long.
 std::vector<std::int32_t> greedy_continuation(const ReferenceModel& reference,
                                               std::vector<std::int32_t> tokens, int count) {
