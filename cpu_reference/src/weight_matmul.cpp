@@ -186,15 +186,29 @@ std::int64_t fused_row_limit(WeightFormat format) {
 #if !defined(__AVX512F__)
 // The 32 nibbles of a Q4 block as four vectors of 8 floats (values 0-15, not yet scaled); a Q5
 // block's with their fifth bits (qh: values 0-31).
+// The 16 bytes in both 128-bit lanes, then one byte shuffle spreads 8 of them over 8 dwords
+// (bytes 0-3 in the low lane, 4-7 in the high): the dword holds the byte alone, so its low
+// nibble is an AND away and its high nibble a shift. Two shuffles in all, where widening each
+// half of the split nibbles took six (the shuffle pipes, not the FMAs, bounded a row).
+void q4_nibbles(const std::byte* qs, __m256i (&spread)[2]) {
+  const __m256i packed =
+      _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs)));
+  constexpr char z = -1;  // a zero byte
+  spread[0] = _mm256_shuffle_epi8(
+      packed, _mm256_setr_epi8(0, z, z, z, 1, z, z, z, 2, z, z, z, 3, z, z, z,  //
+                               4, z, z, z, 5, z, z, z, 6, z, z, z, 7, z, z, z));
+  spread[1] = _mm256_shuffle_epi8(
+      packed, _mm256_setr_epi8(8, z, z, z, 9, z, z, z, 10, z, z, z, 11, z, z, z,  //
+                               12, z, z, z, 13, z, z, z, 14, z, z, z, 15, z, z, z));
+}
 void q4_nibbles(const std::byte* qs, __m256 (&q)[4]) {
-  const __m128i packed = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i mask = _mm_set1_epi8(0x0F);
-  const __m128i low = _mm_and_si128(packed, mask);
-  const __m128i high = _mm_and_si128(_mm_srli_epi16(packed, 4), mask);
-  q[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-  q[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-  q[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-  q[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
+  __m256i spread[2];
+  q4_nibbles(qs, spread);
+  const __m256i mask = _mm256_set1_epi32(0x0F);
+  q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(spread[0], mask));  // values 0-7
+  q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(spread[1], mask));  // 8-15
+  q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(spread[0], 4));    // 16-23
+  q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(spread[1], 4));    // 24-31
 }
 void q5_codes(const std::byte* qs, std::uint32_t qh, __m256 (&q)[4]) {
   q4_nibbles(qs, q);
@@ -236,9 +250,9 @@ void q_values16(WeightFormat format, const std::byte* qs, std::uint32_t qh, __m5
 // Each row of x gets the same operations in the same order whatever Rows is, so a verify entry's
 // k + 1 rows get the bits that each would get alone (a speculative verify equals decoding).
 // With AVX-512, 16-wide: half the multiplies per row of x, which is what the extra rows cost.
-template <int Rows>
-void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::int64_t ldx,
-               const float* block_sums, std::int64_t blocks, float (&out)[Rows]) {
+template <WeightFormat Format, int Rows>
+void q_row_dot(const std::byte* row, const float* x, std::int64_t ldx, const float* block_sums,
+               std::int64_t blocks, float (&out)[Rows]) {
 #if defined(__AVX512F__)
   __m512 acc[Rows];
   for (auto& a : acc) a = _mm512_setzero_ps();
@@ -247,14 +261,14 @@ void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::i
   for (auto& a : acc) a = _mm256_setzero_ps();
 #endif
   float offset[Rows] = {};
-  const std::int64_t block_bytes = weight_format_block_bytes(format);
-  const std::int64_t values_at = codes_at(format);
+  const std::int64_t block_bytes = weight_format_block_bytes(Format);
+  const std::int64_t values_at = codes_at(Format);
   for (std::int64_t b = 0; b < blocks; ++b, row += block_bytes) {
     const float d = half_to_float(row);
-    const float m = block_minimum(format, row, d);
+    const float m = block_minimum(Format, row, d);
 #if defined(__AVX512F__)
     __m512 q[2];
-    q_values16(format, row + values_at, block_fifth_bits(format, row), q);
+    q_values16(Format, row + values_at, block_fifth_bits(Format, row), q);
     const __m512 scale = _mm512_set1_ps(d);
     for (int i = 0; i < Rows; ++i) {
       const float* xb = x + i * ldx + 32 * b;
@@ -265,10 +279,10 @@ void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::i
     }
 #else
     __m256 q[4];
-    if (format == WeightFormat::q8_0)
+    if constexpr (Format == WeightFormat::q8_0)
       q8_values(row + values_at, q);
-    else if (format == WeightFormat::q5_0 || format == WeightFormat::q5_1)
-      q5_codes(row + values_at, block_fifth_bits(format, row), q);
+    else if constexpr (Format == WeightFormat::q5_0 || Format == WeightFormat::q5_1)
+      q5_codes(row + values_at, block_fifth_bits(Format, row), q);
     else
       q4_nibbles(row + values_at, q);
     const __m256 scale = _mm256_set1_ps(d);
@@ -286,6 +300,24 @@ void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::i
 #else
   for (int i = 0; i < Rows; ++i) out[i] = horizontal_sum(acc[i]) + offset[i];
 #endif
+}
+
+// q_row_dot for `format`'s blocks, the format a constant of the loop (no branch per block).
+template <int Rows>
+void q_row_dot(WeightFormat format, const std::byte* row, const float* x, std::int64_t ldx,
+               const float* block_sums, std::int64_t blocks, float (&out)[Rows]) {
+  switch (format) {
+    case WeightFormat::q8_0:
+      return q_row_dot<WeightFormat::q8_0, Rows>(row, x, ldx, block_sums, blocks, out);
+    case WeightFormat::q4_0:
+      return q_row_dot<WeightFormat::q4_0, Rows>(row, x, ldx, block_sums, blocks, out);
+    case WeightFormat::q4_1:
+      return q_row_dot<WeightFormat::q4_1, Rows>(row, x, ldx, block_sums, blocks, out);
+    case WeightFormat::q5_0:
+      return q_row_dot<WeightFormat::q5_0, Rows>(row, x, ldx, block_sums, blocks, out);
+    default:
+      return q_row_dot<WeightFormat::q5_1, Rows>(row, x, ldx, block_sums, blocks, out);
+  }
 }
 
 // 8 values of an f32/f16/bf16 row from value k, as fp32.
