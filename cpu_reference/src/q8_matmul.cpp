@@ -26,6 +26,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "interleaved.hpp"
@@ -230,6 +231,16 @@ void group_rows_plain(WeightFormat format, const std::byte* group, const Quantiz
 
 #endif
 
+// run(std::integral_constant<int, rows>) for `rows` in [1, Max]: a tile's row count as a
+// template argument (its accumulators an array of registers).
+template <int Max, typename Run>
+void with_tile_rows(int rows, Run&& run) {
+  if constexpr (Max > 1) {
+    if (rows < Max) return with_tile_rows<Max - 1>(rows, run);
+  }
+  run(std::integral_constant<int, Max>{});
+}
+
 #if KVLAB_Q8_VNNI
 // Rows [m0, m0 + Rows) of x against one group: out row r = y + (m0 + r) * ldy, 16 outputs
 // (`mask`: those that exist). Per block: the group's 8 value slices in registers (Q4: 4 loads
@@ -293,16 +304,19 @@ void group_tile_vnni(const std::byte* group, const QuantizedRows& x, std::int64_
 
 constexpr int kTileRows = 8;  // 8 accumulators + 8 value slices + temporaries: 32 registers
 
-// The tile for `rows` (1 to kTileRows) rows: Rows counts down to the one needed.
-template <WeightFormat Format, int Rows = kTileRows>
-void group_tile_rows(int rows, const std::byte* group, const QuantizedRows& x, std::int64_t m0,
-                     __mmask16 mask, bool accumulate, float* y, std::int64_t ldy) {
-  if constexpr (Rows > 1) {
-    if (rows < Rows)
-      return group_tile_rows<Format, Rows - 1>(rows, group, x, m0, mask, accumulate, y, ldy);
-  }
-  group_tile_vnni<Format, Rows>(group, x, m0, mask, accumulate, y, ldy);
+// Rows [m_begin, m_end) against one group's `count` outputs.
+template <WeightFormat Format>
+void group_product_simd(const std::byte* group, std::int64_t count, const QuantizedRows& x,
+                        std::int64_t m_begin, std::int64_t m_end, bool accumulate, float* y,
+                        std::int64_t ldy) {
+  const auto mask = static_cast<__mmask16>((1u << count) - 1);
+  for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
+    with_tile_rows<kTileRows>(
+        static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0)), [&](auto rows) {
+          group_tile_vnni<Format, rows.value>(group, x, m0, mask, accumulate, y, ldy);
+        });
 }
+
 #endif
 
 #if KVLAB_Q8_AVX2
@@ -471,53 +485,33 @@ void group_tile_q4_avx2(const std::byte* group, const QuantizedRows& x, std::int
 
 constexpr int kGroupTileRows = 3;
 
-template <WeightFormat Format, int Rows = kGroupTileRows>
-void group_tile_q4_rows(int rows, const std::byte* group, const QuantizedRows& x, std::int64_t m0,
-                        __m256i mask, bool accumulate, float* y, std::int64_t ldy) {
-  if constexpr (Rows > 1) {
-    if (rows < Rows)
-      return group_tile_q4_rows<Format, Rows - 1>(rows, group, x, m0, mask, accumulate, y, ldy);
-  }
-  group_tile_q4_avx2<Format, Rows>(group, x, m0, mask, accumulate, y, ldy);
-}
-
 constexpr int kTileRows = 4;  // 4 accumulators and 4 sums beside two slices and temporaries
-
-template <WeightFormat Format, int Rows = kTileRows>
-void half_group_tile_rows(int rows, const std::byte* group, int h, const QuantizedRows& x,
-                          std::int64_t m0, __m256i mask, bool accumulate, float* y,
-                          std::int64_t ldy) {
-  if constexpr (Rows > 1) {
-    if (rows < Rows)
-      return half_group_tile_rows<Format, Rows - 1>(rows, group, h, x, m0, mask, accumulate, y,
-                                                    ldy);
-  }
-  half_group_tile_avx2<Format, Rows>(group, h, x, m0, mask, accumulate, y, ldy);
-}
 
 // Rows [m_begin, m_end) against both halves of one group.
 template <WeightFormat Format>
-void group_product_avx2(const std::byte* group, std::int64_t count, const QuantizedRows& x,
+void group_product_simd(const std::byte* group, std::int64_t count, const QuantizedRows& x,
                         std::int64_t m_begin, std::int64_t m_end, bool accumulate, float* y,
                         std::int64_t ldy) {
   if constexpr (Format != WeightFormat::q8_0) {
     if (count > 8) {  // both halves
       const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8)),
                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kGroupTileRows) {
-        const int rows = static_cast<int>(std::min<std::int64_t>(kGroupTileRows, m_end - m0));
-        group_tile_q4_rows<Format>(rows, group, x, m0, mask, accumulate, y, ldy);
-      }
+      for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kGroupTileRows)
+        with_tile_rows<kGroupTileRows>(
+            static_cast<int>(std::min<std::int64_t>(kGroupTileRows, m_end - m0)), [&](auto rows) {
+              group_tile_q4_avx2<Format, rows.value>(group, x, m0, mask, accumulate, y, ldy);
+            });
       return;
     }
   }
   for (int h = 0; h < 2 && 8 * h < count; ++h) {
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8 * h)),
                                             _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
-      const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0));
-      half_group_tile_rows<Format>(rows, group, h, x, m0, mask, accumulate, y, ldy);
-    }
+    for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
+      with_tile_rows<kTileRows>(
+          static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0)), [&](auto rows) {
+            half_group_tile_avx2<Format, rows.value>(group, h, x, m0, mask, accumulate, y, ldy);
+          });
   }
 }
 #endif
@@ -527,34 +521,17 @@ void group_product(WeightFormat format, const std::byte* group, std::int64_t g,
                    std::int64_t outputs, const QuantizedRows& x, std::int64_t m_begin,
                    std::int64_t m_end, bool accumulate, RowMatrix& y) {
   const std::int64_t n0 = g * kGroupRows, count = std::min(kGroupRows, outputs - n0);
-#if KVLAB_Q8_VNNI
-  const auto mask = static_cast<__mmask16>((1u << count) - 1);
-  for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows) {
-    const int rows = static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0));
-    float* target = y.data() + n0;
-    switch (format) {
-      case WeightFormat::q8_0:
-        group_tile_rows<WeightFormat::q8_0>(rows, group, x, m0, mask, accumulate, target, y.cols());
-        break;
-      case WeightFormat::q4_0:
-        group_tile_rows<WeightFormat::q4_0>(rows, group, x, m0, mask, accumulate, target, y.cols());
-        break;
-      default:
-        group_tile_rows<WeightFormat::q4_1>(rows, group, x, m0, mask, accumulate, target, y.cols());
-        break;
-    }
-  }
-#elif KVLAB_Q8_AVX2
+#if KVLAB_Q8_VNNI || KVLAB_Q8_AVX2
   float* target = y.data() + n0;
   switch (format) {
     case WeightFormat::q8_0:
-      return group_product_avx2<WeightFormat::q8_0>(group, count, x, m_begin, m_end, accumulate,
+      return group_product_simd<WeightFormat::q8_0>(group, count, x, m_begin, m_end, accumulate,
                                                     target, y.cols());
     case WeightFormat::q4_0:
-      return group_product_avx2<WeightFormat::q4_0>(group, count, x, m_begin, m_end, accumulate,
+      return group_product_simd<WeightFormat::q4_0>(group, count, x, m_begin, m_end, accumulate,
                                                     target, y.cols());
     default:
-      return group_product_avx2<WeightFormat::q4_1>(group, count, x, m_begin, m_end, accumulate,
+      return group_product_simd<WeightFormat::q4_1>(group, count, x, m_begin, m_end, accumulate,
                                                     target, y.cols());
   }
 #else
