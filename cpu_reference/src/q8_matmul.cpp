@@ -418,6 +418,69 @@ void half_group_tile_avx2(const std::byte* group, int h, const QuantizedRows& x,
   }
 }
 
+// A whole-group tile's sums into rows [m0, m0 + Rows) of y, columns 0-15 (`mask`: those of the
+// second 8 that exist), added to what is there when accumulating.
+template <int Rows>
+void store_group_tile(__m256 (&acc)[2][Rows], std::int64_t m0, __m256i mask, bool accumulate,
+                      float* y, std::int64_t ldy) {
+  for (int r = 0; r < Rows; ++r)
+    for (int h = 0; h < 2; ++h) {
+      float* out = y + (m0 + r) * ldy + 8 * h;
+      const __m256i lanes = h == 0 ? _mm256_set1_epi32(-1) : mask;
+      if (accumulate) acc[h][r] = _mm256_add_ps(acc[h][r], _mm256_maskload_ps(out, lanes));
+      _mm256_maskstore_ps(out, lanes, acc[h][r]);
+    }
+}
+
+// Q8_0: rows [m0, m0 + Rows) of x against all 16 outputs of a group, as half_group_tile_avx2's
+// |v| . sign(qx, v) but each row's 4 broadcast activation bytes serving both halves (~10% fewer
+// vector operations: a slice's sign, pair products and widening are per half either way).
+template <int Rows>
+void group_tile_q8_avx2(const std::byte* group, const QuantizedRows& x, std::int64_t m0,
+                        __m256i mask, bool accumulate, float* y, std::int64_t ldy) {
+  constexpr GroupBlockLayout layout = group_block_layout(WeightFormat::q8_0);
+  __m256 acc[2][Rows];
+  for (auto& half : acc)
+    for (auto& a : half) a = _mm256_setzero_ps();
+  const __m256i ones = _mm256_set1_epi16(1);
+  for (std::int64_t b = 0; b < x.blocks; ++b) {
+    const std::byte* gb = group + b * layout.bytes;
+    __m256i dot[2][Rows];
+    for (auto& half : dot)
+      for (auto& s : half) s = _mm256_setzero_si256();
+#pragma GCC unroll 1  // unrolled, GCC loaded every slice first and spilled them
+    for (int t = 0; t < 8; ++t) {
+      __m256i v[2], magnitude[2];
+      for (int h = 0; h < 2; ++h) {
+        v[h] = _mm256_loadu_si256(
+            reinterpret_cast<const __m256i*>(gb + layout.values + 64 * t + 32 * h));
+        magnitude[h] = _mm256_abs_epi8(v[h]);
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        std::int32_t four = 0;
+        std::memcpy(&four, x.q.data() + (m0 + r) * x.cols + b * kBlockValues + 4 * t, 4);
+        const __m256i a = _mm256_set1_epi32(four);
+        for (int h = 0; h < 2; ++h)
+          dot[h][r] = _mm256_add_epi32(
+              dot[h][r], _mm256_madd_epi16(
+                             _mm256_maddubs_epi16(magnitude[h], _mm256_sign_epi8(a, v[h])), ones));
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m256 d =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16 * h)));
+#pragma GCC unroll 8
+      for (int r = 0; r < Rows; ++r) {
+        const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
+        acc[h][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h][r]),
+                                    _mm256_mul_ps(d, _mm256_set1_ps(x.scale[xb])), acc[h][r]);
+      }
+    }
+  }
+  store_group_tile(acc, m0, mask, accumulate, y, ldy);
+}
+
 // Q4: rows [m0, m0 + Rows) of x against all 16 outputs of a group (both halves; `mask`: those
 // of the second that exist). As half_group_tile_avx2, but each row's 4 broadcast activation bytes
 // serve both halves: per 1,024 products ~125 vector operations against ~140 (llvm-mca, Zen 3:
@@ -474,13 +537,7 @@ void group_tile_q4_avx2(const std::byte* group, const QuantizedRows& x, std::int
       }
     }
   }
-  for (int r = 0; r < Rows; ++r)
-    for (int h = 0; h < 2; ++h) {
-      float* out = y + (m0 + r) * ldy + 8 * h;
-      const __m256i lanes = h == 0 ? _mm256_set1_epi32(-1) : mask;
-      if (accumulate) acc[h][r] = _mm256_add_ps(acc[h][r], _mm256_maskload_ps(out, lanes));
-      _mm256_maskstore_ps(out, lanes, acc[h][r]);
-    }
+  store_group_tile(acc, m0, mask, accumulate, y, ldy);
 }
 
 constexpr int kGroupTileRows = 3;
@@ -492,17 +549,18 @@ template <WeightFormat Format>
 void group_product_simd(const std::byte* group, std::int64_t count, const QuantizedRows& x,
                         std::int64_t m_begin, std::int64_t m_end, bool accumulate, float* y,
                         std::int64_t ldy) {
-  if constexpr (Format != WeightFormat::q8_0) {
-    if (count > 8) {  // both halves
-      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8)),
-                                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-      for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kGroupTileRows)
-        with_tile_rows<kGroupTileRows>(
-            static_cast<int>(std::min<std::int64_t>(kGroupTileRows, m_end - m0)), [&](auto rows) {
+  if (count > 8) {  // both halves
+    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8)),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kGroupTileRows)
+      with_tile_rows<kGroupTileRows>(
+          static_cast<int>(std::min<std::int64_t>(kGroupTileRows, m_end - m0)), [&](auto rows) {
+            if constexpr (Format == WeightFormat::q8_0)
+              group_tile_q8_avx2<rows.value>(group, x, m0, mask, accumulate, y, ldy);
+            else
               group_tile_q4_avx2<Format, rows.value>(group, x, m0, mask, accumulate, y, ldy);
-            });
-      return;
-    }
+          });
+    return;
   }
   for (int h = 0; h < 2 && 8 * h < count; ++h) {
     const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8 * h)),
