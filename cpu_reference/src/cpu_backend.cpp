@@ -344,7 +344,7 @@ struct AttentionGroup {
   // A part of one K/V head's query heads (split_chunk_tasks): [head_begin, head_begin +
   // head_count) of its group; head_count 0: all of them.
   std::int64_t head_begin = 0, head_count = 0;
-  // A block of the entry's queries (query_blocks): [query_begin, query_begin + query_count);
+  // A block of the entry's queries (push_query_blocks): [query_begin, query_begin + query_count);
   // query_count 0: all of them. row0 and the keys are the block's.
   std::int64_t query_begin = 0, query_count = 0;
 

@@ -8,8 +8,9 @@
 //              the unsigned side:  v . qx = v . (qx + 128) - 128 sum(v)
 // With AVX-512 VNNI, one vpdpbusd sums 4 values for 16 outputs; register tiles of up to 8 rows
 // of x share each block's widened nibbles. With AVX2, vpmaddubsw + vpmaddwd do the same for 8
-// outputs (half a group); Q8_0 takes the signs of the weights onto the activations there
-// (|v| . sign(qx, v)), so the 16-bit pair sums stay below 2 * 128 * 127 and cannot saturate.
+// outputs (half a group; tiles of 3 rows take both halves); Q8_0 takes the signs of the weights
+// onto the activations there (|v| . sign(qx, v)), so the 16-bit pair sums stay below
+// 2 * 128 * 127 and cannot saturate.
 // Elsewhere the same integer sums in plain loops. Every path sums the same integers and rounds
 // in the same order: their outputs are identical.
 #include "kvlab/eigen_core.hpp"  // first: before anything that includes <immintrin.h>
@@ -320,124 +321,41 @@ void group_product_simd(const std::byte* group, std::int64_t count, const Quanti
 #endif
 
 #if KVLAB_Q8_AVX2
-// Rows [m0, m0 + Rows) of x against outputs 8 h ... 8 h + 7 of one group (half h): out row r =
-// y + (m0 + r) * ldy (`mask`: the outputs that exist). Per block, slice by slice (32 bytes: 4
-// values of each of the 8 outputs; Q4: one load holds two slices' nibbles), every row of x takes
-// one vpmaddubsw (pairs of byte products) with its 4 activation bytes broadcast; then per row one
-// vpmaddwd (pairs of those), one conversion and one or two FMAs with the block's scales. Slices
-// outside, rows inside: only a slice or two and the rows' sums are live, so AVX2's 16 registers
-// hold every accumulator (with the 8 slices held, 4 rows spilled them to the stack each block).
-template <WeightFormat Format, int Rows>
-void half_group_tile_avx2(const std::byte* group, int h, const QuantizedRows& x, std::int64_t m0,
-                          __m256i mask, bool accumulate, float* y, std::int64_t ldy) {
-  constexpr GroupBlockLayout layout = group_block_layout(Format);
-  __m256 acc[Rows];
-  for (auto& a : acc) a = _mm256_setzero_ps();
-  const __m256i low_nibbles = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
-  const std::int8_t* rows[Rows];
-  for (int r = 0; r < Rows; ++r) rows[r] = x.q.data() + (m0 + r) * x.cols;
-  const auto activations = [&](int r, std::int64_t b, int t) {  // 4 bytes of row r, broadcast
-    std::int32_t four = 0;
-    std::memcpy(&four, rows[r] + b * kBlockValues + 4 * t, 4);
-    return _mm256_set1_epi32(four);
-  };
-  for (std::int64_t b = 0; b < x.blocks; ++b) {
-    const std::byte* gb = group + b * layout.bytes;
-    const auto slices = [&](int t) {
-      return _mm256_loadu_si256(
-          reinterpret_cast<const __m256i*>(gb + layout.values + 64 * t + 32 * h));
-    };
-    __m256i dot[Rows];
-    if constexpr (Format == WeightFormat::q8_0) {
-      // |v| . sign(qx, v): a pair of products is at most 2 x 128 x 127, so each slice widens.
-      for (auto& s : dot) s = _mm256_setzero_si256();
-      const auto slice = [&](int t) {
-        const __m256i v = slices(t), magnitude = _mm256_abs_epi8(v);
-#pragma GCC unroll 8
-        for (int r = 0; r < Rows; ++r) {
-          const __m256i a = _mm256_sign_epi8(activations(r, b, t), v);
-          dot[r] =
-              _mm256_add_epi32(dot[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitude, a), ones));
-        }
-      };
-      if constexpr (Rows <= 2) {
-#pragma GCC unroll 8
-        for (int t = 0; t < 8; ++t) slice(t);
-      } else {
-#pragma GCC unroll 1  // unrolled, GCC loaded every slice first and spilled them
-        for (int t = 0; t < 8; ++t) slice(t);
-      }
-    } else {
-      // Nibbles: a pair of products is at most 2 x 15 x 127 = 3,810, so the 8 slices' pairs
-      // sum in 16 bits exactly (30,480) and widen once (llama.cpp's AVX2 Q4 dot does the same).
-      __m256i pairs[Rows];
-      for (auto& s : pairs) s = _mm256_setzero_si256();
-      const auto slice_pair = [&](int p) {  // one load: slices p (low nibbles) and p + 4
-        const __m256i packed = slices(p);
-        const __m256i low = _mm256_and_si256(packed, low_nibbles);
-        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), low_nibbles);
-#pragma GCC unroll 8
-        for (int r = 0; r < Rows; ++r)
-          pairs[r] = _mm256_add_epi16(
-              pairs[r], _mm256_add_epi16(_mm256_maddubs_epi16(low, activations(r, b, p)),
-                                         _mm256_maddubs_epi16(high, activations(r, b, p + 4))));
-      };
-      if constexpr (Rows <= 2) {
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; ++p) slice_pair(p);
-      } else {
-#pragma GCC unroll 1  // unrolled, GCC split every slice first and spilled them
-        for (int p = 0; p < 4; ++p) slice_pair(p);
-      }
-      for (int r = 0; r < Rows; ++r) dot[r] = _mm256_madd_epi16(pairs[r], ones);
-    }
-    const __m256 d =
-        _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(gb + 16 * h)));
-#pragma GCC unroll 8
-    for (int r = 0; r < Rows; ++r) {
-      const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
-      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[r]),
-                               _mm256_mul_ps(d, _mm256_set1_ps(x.scale[xb])), acc[r]);
-    }
-    if constexpr (Format != WeightFormat::q8_0) {
-      const __m256 m = Format == WeightFormat::q4_1
-                           ? _mm256_cvtph_ps(_mm_loadu_si128(
-                                 reinterpret_cast<const __m128i*>(gb + layout.minimums + 16 * h)))
-                           : _mm256_mul_ps(d, _mm256_set1_ps(-8.0f));
-#pragma GCC unroll 8
-      for (int r = 0; r < Rows; ++r) {
-        const auto xb = static_cast<std::size_t>((m0 + r) * x.blocks + b);
-        acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.scaled_sum[xb]), acc[r]);
-      }
-    }
+// The outputs of a group that exist, as lane masks of its two halves of 8 (a matrix's last
+// group is padded to 16 rows of zeros in the interleaved layout: its tiles compute them, and
+// only the rows that exist are stored).
+struct GroupMask {
+  __m256i halves[2];
+  explicit GroupMask(std::int64_t count) {
+    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+    for (int h = 0; h < 2; ++h)
+      halves[h] = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8 * h)), lane);
   }
-  for (int r = 0; r < Rows; ++r) {
-    float* out = y + (m0 + r) * ldy + 8 * h;
-    if (accumulate) acc[r] = _mm256_add_ps(acc[r], _mm256_maskload_ps(out, mask));
-    _mm256_maskstore_ps(out, mask, acc[r]);
-  }
-}
+};
 
-// A whole-group tile's sums into rows [m0, m0 + Rows) of y, columns 0-15 (`mask`: those of the
-// second 8 that exist), added to what is there when accumulating.
+// A group tile's sums into rows [m0, m0 + Rows) of y, columns 0-15 (those `mask` keeps), added
+// to what is there when accumulating.
 template <int Rows>
-void store_group_tile(__m256 (&acc)[2][Rows], std::int64_t m0, __m256i mask, bool accumulate,
-                      float* y, std::int64_t ldy) {
+void store_group_tile(__m256 (&acc)[2][Rows], std::int64_t m0, const GroupMask& mask,
+                      bool accumulate, float* y, std::int64_t ldy) {
   for (int r = 0; r < Rows; ++r)
     for (int h = 0; h < 2; ++h) {
       float* out = y + (m0 + r) * ldy + 8 * h;
-      const __m256i lanes = h == 0 ? _mm256_set1_epi32(-1) : mask;
-      if (accumulate) acc[h][r] = _mm256_add_ps(acc[h][r], _mm256_maskload_ps(out, lanes));
-      _mm256_maskstore_ps(out, lanes, acc[h][r]);
+      if (accumulate) acc[h][r] = _mm256_add_ps(acc[h][r], _mm256_maskload_ps(out, mask.halves[h]));
+      _mm256_maskstore_ps(out, mask.halves[h], acc[h][r]);
     }
 }
 
-// Q8_0: rows [m0, m0 + Rows) of x against all 16 outputs of a group, as half_group_tile_avx2's
-// |v| . sign(qx, v) but each row's 4 broadcast activation bytes serving both halves (~10% fewer
-// vector operations: a slice's sign, pair products and widening are per half either way).
+// Q8_0, AVX2: rows [m0, m0 + Rows) of x against the 16 outputs of a group, as two halves of 8.
+// Per block, slice by slice (32 bytes a half: 4 values of each of its 8 outputs), each row's 4
+// activation bytes are broadcast once for both halves, given the signs of the weights
+// (|v| . sign(qx, v): VNNI's unsigned side is the activations + 128 instead) and multiplied by
+// vpmaddubsw; a pair of products is at most 2 x 128 x 127, so each slice's pairs widen at once
+// (vpmaddwd). Slices outside, rows inside: with the 8 slices held in registers, AVX2's 16 had
+// spilled the rows' sums every block.
 template <int Rows>
 void group_tile_q8_avx2(const std::byte* group, const QuantizedRows& x, std::int64_t m0,
-                        __m256i mask, bool accumulate, float* y, std::int64_t ldy) {
+                        const GroupMask& mask, bool accumulate, float* y, std::int64_t ldy) {
   constexpr GroupBlockLayout layout = group_block_layout(WeightFormat::q8_0);
   __m256 acc[2][Rows];
   for (auto& half : acc)
@@ -481,13 +399,15 @@ void group_tile_q8_avx2(const std::byte* group, const QuantizedRows& x, std::int
   store_group_tile(acc, m0, mask, accumulate, y, ldy);
 }
 
-// Q4: rows [m0, m0 + Rows) of x against all 16 outputs of a group (both halves; `mask`: those
-// of the second that exist). As half_group_tile_avx2, but each row's 4 broadcast activation bytes
-// serve both halves: per 1,024 products ~125 vector operations against ~140 (llvm-mca, Zen 3:
-// the 4 vector pipes are the bound); 3 rows keep the 6 sums and 4 weight registers in AVX2's 16.
+// Q4, AVX2: as group_tile_q8_avx2, one load holding two slices' nibbles (p and p + 4) per half.
+// A pair of nibble products is at most 2 x 15 x 127 = 3,810, so a block's 8 slices sum in 16
+// bits exactly (30,480) and widen once (llama.cpp's AVX2 Q4 dot does the same). Each row's
+// broadcast serving both halves: ~125 vector operations per 1,024 products against ~140 for
+// one half at a time (llvm-mca, Zen 3: the 4 vector pipes are the bound); 3 rows keep the 6
+// sums and 4 weight registers in AVX2's 16.
 template <WeightFormat Format, int Rows>
 void group_tile_q4_avx2(const std::byte* group, const QuantizedRows& x, std::int64_t m0,
-                        __m256i mask, bool accumulate, float* y, std::int64_t ldy) {
+                        const GroupMask& mask, bool accumulate, float* y, std::int64_t ldy) {
   constexpr GroupBlockLayout layout = group_block_layout(Format);
   __m256 acc[2][Rows];
   for (auto& half : acc)
@@ -515,7 +435,7 @@ void group_tile_q4_avx2(const std::byte* group, const QuantizedRows& x, std::int
         std::memcpy(&four[0], rows[r] + b * kBlockValues + 4 * p, 4);
         std::memcpy(&four[1], rows[r] + b * kBlockValues + 4 * (p + 4), 4);
         const __m256i a = _mm256_set1_epi32(four[0]), a4 = _mm256_set1_epi32(four[1]);
-        for (int h = 0; h < 2; ++h)  // exact in 16 bits: see half_group_tile_avx2
+        for (int h = 0; h < 2; ++h)  // exact in 16 bits (above)
           pairs[h][r] = _mm256_add_epi16(
               pairs[h][r],
               _mm256_add_epi16(_mm256_maddubs_epi16(low[h], a), _mm256_maddubs_epi16(high[h], a4)));
@@ -542,35 +462,20 @@ void group_tile_q4_avx2(const std::byte* group, const QuantizedRows& x, std::int
 
 constexpr int kGroupTileRows = 3;
 
-constexpr int kTileRows = 4;  // 4 accumulators and 4 sums beside two slices and temporaries
-
-// Rows [m_begin, m_end) against both halves of one group.
+// Rows [m_begin, m_end) against one group's `count` outputs.
 template <WeightFormat Format>
 void group_product_simd(const std::byte* group, std::int64_t count, const QuantizedRows& x,
                         std::int64_t m_begin, std::int64_t m_end, bool accumulate, float* y,
                         std::int64_t ldy) {
-  if (count > 8) {  // both halves
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kGroupTileRows)
-      with_tile_rows<kGroupTileRows>(
-          static_cast<int>(std::min<std::int64_t>(kGroupTileRows, m_end - m0)), [&](auto rows) {
-            if constexpr (Format == WeightFormat::q8_0)
-              group_tile_q8_avx2<rows.value>(group, x, m0, mask, accumulate, y, ldy);
-            else
-              group_tile_q4_avx2<Format, rows.value>(group, x, m0, mask, accumulate, y, ldy);
-          });
-    return;
-  }
-  for (int h = 0; h < 2 && 8 * h < count; ++h) {
-    const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(count - 8 * h)),
-                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kTileRows)
-      with_tile_rows<kTileRows>(
-          static_cast<int>(std::min<std::int64_t>(kTileRows, m_end - m0)), [&](auto rows) {
-            half_group_tile_avx2<Format, rows.value>(group, h, x, m0, mask, accumulate, y, ldy);
-          });
-  }
+  const GroupMask mask(count);
+  for (std::int64_t m0 = m_begin; m0 < m_end; m0 += kGroupTileRows)
+    with_tile_rows<kGroupTileRows>(
+        static_cast<int>(std::min<std::int64_t>(kGroupTileRows, m_end - m0)), [&](auto rows) {
+          if constexpr (Format == WeightFormat::q8_0)
+            group_tile_q8_avx2<rows.value>(group, x, m0, mask, accumulate, y, ldy);
+          else
+            group_tile_q4_avx2<Format, rows.value>(group, x, m0, mask, accumulate, y, ldy);
+        });
 }
 #endif
 
