@@ -457,6 +457,23 @@ void push_query_blocks(const AttentionGroup& task, std::vector<AttentionGroup>& 
   }
 }
 
+// An entry's tasks (`task` over all its K/V heads): the whole entry for a decode when entries
+// are many enough (whole_entries), else one per K/V head, a prompt chunk's in query blocks.
+void push_entry_tasks(const AttentionGroup& task, bool whole_entries,
+                      std::vector<AttentionGroup>& tasks) {
+  const bool decode = task.queries() == 1;
+  if (decode && whole_entries) return tasks.push_back(task);
+  for (std::int64_t h = 0; h < task.kv_count; ++h) {
+    AttentionGroup head = task;
+    head.kv_head = h;
+    head.kv_count = 1;
+    if (decode)
+      tasks.push_back(head);
+    else
+      push_query_blocks(head, tasks);
+  }
+}
+
 }  // namespace
 
 // Attention of every entry's new tokens over its cached K/V, read in place from the pool. One
@@ -492,21 +509,9 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     const std::uint8_t* mask = entry.key_mask.empty() ? nullptr
                                : matched              ? group_keys_[e].mask.data()
                                          : entry.key_mask.data() + layer * kv_heads * view.length();
-    const AttentionGroup task{entry,         view,      0,       kv_heads, group,
-                              first_rows[e], key_begin, key_end, window,   mask};
-    if (entry.tokens.size() == 1 && whole_entries) {
-      tasks.push_back(task);
-    } else {
-      for (std::int64_t h = 0; h < kv_heads; ++h) {
-        AttentionGroup head = task;
-        head.kv_head = h;
-        head.kv_count = 1;
-        if (entry.tokens.size() > 1)
-          push_query_blocks(head, tasks);
-        else
-          tasks.push_back(head);
-      }
-    }
+    push_entry_tasks(
+        {entry, view, 0, kv_heads, group, first_rows[e], key_begin, key_end, window, mask},
+        whole_entries, tasks);
   }
   std::vector<std::size_t> task_entries;  // scored tasks' entries, when some entry asks
   if (!key_scores_.empty())
@@ -523,11 +528,20 @@ void CpuBackend::attend(std::int64_t layer, std::span<const BatchEntry> batch,
     else
       attend_chunk(pool_layer, task, q, out);
   });
-  for (std::size_t t = 0; t < task_entries.size(); ++t) {  // tasks' sums into their entries'
+  add_task_scores(layer, batch, tasks, task_entries, matched);
+}
+
+// Each scored task's key sums into its entry's (layers, kv_heads, length) key scores, at the
+// entry view's indices (`matched`: the group view's keys mapped by match_group_keys).
+void CpuBackend::add_task_scores(std::int64_t layer, std::span<const BatchEntry> batch,
+                                 std::span<const AttentionGroup> tasks,
+                                 std::span<const std::size_t> task_entries, bool matched) {
+  const std::int64_t kv_heads = weights_.config.num_key_value_heads;
+  for (std::size_t t = 0; t < task_entries.size(); ++t) {
     const AttentionGroup& task = tasks[t];
     if (task.key_scores == nullptr) continue;
     const std::size_t e = task_entries[t];
-    const std::int64_t length = batch[e].view.length();  // (layers, kv_heads, length) an entry
+    const std::int64_t length = batch[e].view.length();
     const std::int64_t* index = matched ? group_keys_[e].index.data() + task.key_begin : nullptr;
     for (std::int64_t k = 0; k < task.kv_count; ++k) {
       float* entry_scores =

@@ -147,6 +147,9 @@ class CpuBackend final : public Backend {
   };
   std::vector<GroupKeys> group_keys_;  // (entries)
   void match_group_keys(std::int64_t layer, std::span<const BatchEntry> batch);
+  void add_task_scores(std::int64_t layer, std::span<const BatchEntry> batch,
+                       std::span<const AttentionGroup> tasks,
+                       std::span<const std::size_t> task_entries, bool matched);
 };
 
 }  // namespace kvlab::cpu
